@@ -1,0 +1,8 @@
+//! kdtree-formats: the bytes on disk and nothing else.
+//!
+//! Reads Hugging Face safetensors checkpoints (validated like the reference parser), writes the kdtree
+//! shard format (safetensors files per rank + `manifest.toml` + `SHA256SUMS`), knows the INT4 group-32
+//! nibble layout and the tensor-parallel plan. It never interprets a tensor's math: the engine does that.
+//! See FORMAT.md for the on-disk format.
+
+pub mod config;
