@@ -1,1 +1,14 @@
-//! kdtree-engine
+//! kdtree-engine: the math of Kimi K2.6 + DFlash + DDTree.
+//!
+//! Model code (MLA, MoE, drafter, DDTree, generation loops) is written once against the traits in
+//! [`api`]; `cpu` is the reference backend (rayon, f32 accumulation, fixed reduction order). Weights
+//! are read only through kdtree-formats (`ModelDir`); this crate opens no files by path itself and
+//! knows nothing of JSON prompts, clap or exit codes.
+
+pub mod api;
+pub mod cpu;
+pub mod ddtree;
+pub mod drafter;
+pub mod generate;
+pub mod model;
+pub mod sampling;
