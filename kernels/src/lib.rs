@@ -1,1 +1,5 @@
-//! kdtree-kernels
+//! kdtree-kernels: CUDA kernel sources (built for sm_90a and sm_120a) and their loading.
+//!
+//! This crate knows no model layer: each kernel is one op with a CPU twin in
+//! `kdtree-engine::cpu::ops`. It builds without a CUDA toolkit; the `cuda` feature enables loading.
+//! The kernel index (op | CPU twin | CUDA wrapper | .cu | test | bench) is kernels/README.md.

@@ -1,3 +1,10 @@
 //! kdtree-convert as a library: repack, verify, inspect and synth, callable from tests of other crates.
+//! The binary (main.rs) only parses arguments and maps results to exit codes.
 
+pub mod emit;
+pub mod inspect;
+pub mod progress;
+pub mod repack;
+pub mod source;
 pub mod synth;
+pub mod verify;

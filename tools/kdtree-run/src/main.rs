@@ -1,1 +1,127 @@
-fn main() {}
+//! kdtree-run: prompt file → JSONL of completions, with DDTree speculative decoding or plain AR.
+//!
+//! This file is the table of contents: parse flags, validate the prompt file, open (or resume) the
+//! output, load the model, answer each line in order, summarise. Modules: `args` (flags), `load`
+//! (model + tokenizer + template), `runner` (one line), `records` (output JSON), `resume` (output file
+//! and --resume), `summary` (--summary). Exit: 0 ok, 1 an error record was written, 2 error (printed
+//! once); a closed stdout/pipe ends quietly with 0. Tests: unit tests per module, tests/run_cli.rs.
+
+mod args;
+mod load;
+mod records;
+mod resume;
+mod runner;
+mod summary;
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use clap::Parser;
+use kdtree_engine::generate::{Mode, Sampling};
+
+use crate::args::{Args, ModeArg};
+use crate::runner::{Defaults, Runner};
+use crate::summary::{RunInfo, Totals};
+
+fn main() -> ExitCode {
+    match run(Args::parse()) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(1),
+        Err(e) if is_broken_pipe(&e) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kdtree-run: error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// A write to a closed pipe anywhere in the chain (`kdtree-run ... --out - | head`).
+fn is_broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain()
+        .filter_map(|c| c.downcast_ref::<std::io::Error>())
+        .any(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+}
+
+/// Answer every prompt line; Ok(true) when every record is a success.
+fn run(args: Args) -> Result<bool> {
+    let t0 = Instant::now();
+    args.validate()?;
+    if let Some(golden) = &args.verify {
+        // The golden bundle comparison is not wired in yet; refuse before doing any work.
+        bail!("--verify {}: comparing against golden bundles is not available in this build", golden.display());
+    }
+    let lines = kdtree_text::prompts::read_prompt_file(&args.prompts)?;
+    let ids: Vec<&str> = lines.iter().map(|l| l.id.as_str()).collect();
+    let (mut sink, existing) = resume::open_output(&args.out, args.resume, &ids)?;
+    let mut totals = Totals::default();
+    existing.records.iter().for_each(|r| totals.add(r, true));
+    let done = existing.records.len();
+    let say = |msg: String| {
+        if !args.quiet {
+            eprintln!("kdtree-run: {msg}");
+        }
+    };
+    if args.resume {
+        let torn = if existing.torn { "; a torn last line was cut" } else { "" };
+        say(format!("resuming: {done} of {} lines already done{torn}", lines.len()));
+    }
+    let mode = match args.mode {
+        ModeArg::Ar => Mode::Ar,
+        ModeArg::Ddtree => Mode::DDTree { budget: args.budget },
+    };
+    let mut backend = String::from("none (nothing left to run)");
+    if done < lines.len() {
+        let mut model = load::load(&args.model, args.device)?;
+        backend = model.backend.clone();
+        say(format!("backend: {backend}"));
+        if matches!(mode, Mode::DDTree { .. }) && model.drafter.is_none() {
+            bail!("{} has no drafter; DDTree needs one (use --mode ar)", args.model.display());
+        }
+        let mut runner = Runner {
+            target: model.target.as_mut(),
+            drafter: model.drafter.as_deref_mut(),
+            tokenizer: model.tokenizer.as_ref(),
+            chat: model.chat.as_ref(),
+            stop_token_ids: model.stop_token_ids.clone(),
+            defaults: Defaults {
+                max_tokens: args.max_tokens as usize,
+                sampling: Sampling { temperature: args.temperature, top_p: args.top_p, top_k: args.top_k, seed: args.seed },
+                mode,
+                thinking: args.thinking,
+            },
+        };
+        for (i, line) in lines.iter().enumerate().skip(done) {
+            let outcome = runner.run_line(line);
+            let record = records::record(line, &outcome, &model.name);
+            sink.write_record(&record)?;
+            totals.add(&record, false);
+            say(progress(i + 1, lines.len(), &line.id, &outcome));
+        }
+    }
+    if let Some(path) = &args.summary {
+        let info = RunInfo {
+            model: &args.model,
+            backend: &backend,
+            mode: match mode { Mode::Ar => "ar", Mode::DDTree { .. } => "ddtree" },
+            budget: match mode { Mode::Ar => None, Mode::DDTree { budget } => Some(budget) },
+            wall_s: t0.elapsed().as_secs_f64(),
+        };
+        summary::write_summary(path, &totals, &info)?;
+    }
+    say(format!("{} lines: {} ok, {} errors, {:.1}s", totals.lines, totals.ok, totals.errors, t0.elapsed().as_secs_f64()));
+    Ok(totals.errors == 0)
+}
+
+/// One stderr progress line.
+fn progress(n: usize, total: usize, id: &str, outcome: &records::Outcome) -> String {
+    match outcome {
+        records::Outcome::Done(c) => format!(
+            "[{n}/{total}] {id}: {} tokens ({}), {:.1} tok/s",
+            c.token_ids.len(),
+            c.finish_reason,
+            c.timing.decode_tok_s
+        ),
+        records::Outcome::Failed { code, message } => format!("[{n}/{total}] {id}: error {code}: {message}"),
+    }
+}

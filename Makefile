@@ -1,0 +1,56 @@
+# kdtree: reproducible entry points. `make test` is what CI runs (.ci/run).
+# Everything builds with no CUDA toolkit; GPU work lives in bench/ and scripts/gpu-suite.sh.
+
+CARGO      ?= cargo
+OUT        ?= out
+RELEASE    := target/release
+CONVERT    := $(RELEASE)/kdtree-convert
+GOLDEN     := $(RELEASE)/kdtree-golden
+RUN        := $(RELEASE)/kdtree-run
+SEED       ?= 0
+
+.PHONY: build test demo golden golden-check crosscheck fixtures bench-convert clean
+
+## build: release binaries kdtree-convert, kdtree-golden, kdtree-run
+build:
+	$(CARGO) build --release --locked -p kdtree-convert -p kdtree-golden -p kdtree-run
+
+## test: every unit and integration test of the workspace (the README's test command; CI runs it)
+test:
+	$(CARGO) test --workspace --locked
+
+## demo: synth tiny + drafter -> repack -> verify -> golden -> run prompts -> verify against golden
+demo: build
+	rm -rf $(OUT)/demo && mkdir -p $(OUT)/demo
+	$(CONVERT) synth tiny $(OUT)/demo/hf --drafter --seed $(SEED)
+	$(CONVERT) repack $(OUT)/demo/hf $(OUT)/demo/model --drafter $(OUT)/demo/hf/drafter
+	$(CONVERT) verify $(OUT)/demo/model
+	$(CONVERT) inspect $(OUT)/demo/model
+	$(GOLDEN) $(OUT)/demo/model --prompts golden/prompts.jsonl --out $(OUT)/demo/golden --quiet
+	$(RUN) $(OUT)/demo/model --prompts examples/prompts.jsonl --out $(OUT)/demo/results.jsonl --summary $(OUT)/demo/summary.json
+	cat $(OUT)/demo/results.jsonl
+	cat $(OUT)/demo/summary.json; echo
+	$(RUN) $(OUT)/demo/model --prompts golden/prompts.jsonl --out $(OUT)/demo/verify.jsonl --verify $(OUT)/demo/golden
+
+## golden: regenerate the committed reference bundles in golden/ on purpose
+golden: build
+	bash golden/regen.sh
+
+## golden-check: rebuild golden bundles from nothing and fail on any byte difference
+golden-check: build
+	bash golden/regen.sh --check
+
+## crosscheck: compare the CPU reference with transformers' DeepseekV3ForCausalLM (installs torch CPU)
+crosscheck: build
+	bash crosscheck/run.sh
+
+## fixtures: re-create the compressed-tensors INT4 fixture with the real Python library
+fixtures:
+	bash tools/kdtree-convert/fixtures/make_fixtures.sh
+
+## bench-convert: repack throughput vs cp, peak RSS (writes bench/RESULTS.md figures to stdout)
+bench-convert: build
+	bash bench/convert.sh
+
+clean:
+	rm -rf $(OUT)

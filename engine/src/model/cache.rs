@@ -1,0 +1,118 @@
+//! The MLA latent KV cache and the tree visibility mask.
+//!
+//! Cache: per layer and per token, the normalised latent `c_kv` (kv_lora) followed by the RoPE'd shared key
+//! `k_pe` (rope) — 512 + 64 = 576 f32 on K2.6 (k26-format §4.3). Rows `[0, committed)` are the committed
+//! prefix; a forward appends its T nodes as scratch rows `[committed, committed + T)`; `commit(path)` moves
+//! the accepted nodes' rows to `[committed, committed + path.len())` and drops the rest (ddtree.md §3.4).
+//!
+//! Mask: node i sees the whole committed prefix plus its ancestors and itself, one bit per node in
+//! `ceil(T/64)` u64 words per row (any budget, ddtree.md §6.1); a row is its parent's row OR its own bit,
+//! which works because `parents[i] < i`. Tests: engine/src/model/tests.rs (tree == chain, commit).
+
+use anyhow::{ensure, Result};
+
+/// Ancestor-or-self visibility of T tree nodes, and their depths.
+#[derive(Debug, Clone)]
+pub struct TreeMask {
+    pub n: usize,
+    /// u64 words per row: ceil(n / 64).
+    pub words: usize,
+    /// `[n, words]`: bit j of row i set ⇔ node j is node i or an ancestor of it.
+    pub bits: Vec<u64>,
+    /// Depth of each node (roots 0).
+    pub depth: Vec<usize>,
+}
+
+impl TreeMask {
+    /// Build from `parents` (`-1` = root, else `parents[i] < i`).
+    pub fn from_parents(parents: &[i32]) -> Result<TreeMask> {
+        let n = parents.len();
+        let words = n.div_ceil(64).max(1);
+        let mut bits = vec![0u64; n * words];
+        let mut depth = vec![0usize; n];
+        for (i, &p) in parents.iter().enumerate() {
+            ensure!(p >= -1 && (p as i64) < i as i64, "parents[{i}] = {p}: must be -1 (root) or an earlier node (< {i})");
+            if p >= 0 {
+                let p = p as usize;
+                depth[i] = depth[p] + 1;
+                let (src, dst) = bits.split_at_mut(i * words);
+                dst[..words].copy_from_slice(&src[p * words..(p + 1) * words]);
+            }
+            bits[i * words + i / 64] |= 1u64 << (i % 64);
+        }
+        Ok(TreeMask { n, words, bits, depth })
+    }
+    pub fn row(&self, i: usize) -> &[u64] {
+        &self.bits[i * self.words..(i + 1) * self.words]
+    }
+    /// Whether node i sees node j.
+    pub fn visible(&self, i: usize, j: usize) -> bool {
+        self.row(i)[j / 64] >> (j % 64) & 1 == 1
+    }
+    /// Tree nodes node i sees, ascending (its ancestors then itself).
+    pub fn visible_nodes(&self, i: usize) -> Vec<usize> {
+        let mut out = Vec::new();
+        for (w, &word) in self.row(i).iter().enumerate() {
+            let mut b = word;
+            while b != 0 {
+                out.push(w * 64 + b.trailing_zeros() as usize);
+                b &= b - 1;
+            }
+        }
+        out
+    }
+}
+
+/// Latent KV cache of all layers.
+#[derive(Debug, Clone)]
+pub struct LatentCache {
+    /// kv_lora + rope.
+    pub width: usize,
+    /// Per layer `[committed + scratch, width]` f32.
+    pub rows: Vec<Vec<f32>>,
+    pub committed: usize,
+    /// Scratch nodes written by the last forward (0 after commit/reset).
+    pub scratch: usize,
+}
+
+impl LatentCache {
+    pub fn new(layers: usize, width: usize) -> LatentCache {
+        LatentCache { width, rows: vec![Vec::new(); layers], committed: 0, scratch: 0 }
+    }
+    /// Drop any scratch rows (start of a forward).
+    pub fn drop_scratch(&mut self) {
+        let keep = self.committed * self.width;
+        self.rows.iter_mut().for_each(|r| r.truncate(keep));
+        self.scratch = 0;
+    }
+    /// Append `[t, width]` rows to layer `l` as scratch.
+    pub fn append(&mut self, l: usize, rows: &[f32]) {
+        assert_eq!(rows.len() % self.width, 0, "append: {} values is not a multiple of width {}", rows.len(), self.width);
+        self.rows[l].extend_from_slice(rows);
+    }
+    /// Row `slot` of layer `l`: `[width]`.
+    pub fn row(&self, l: usize, slot: usize) -> &[f32] {
+        &self.rows[l][slot * self.width..(slot + 1) * self.width]
+    }
+    /// Keep scratch nodes `path` (indices into the last forward), in order, as the next committed rows.
+    pub fn commit(&mut self, path: &[usize]) -> Result<()> {
+        for (k, &p) in path.iter().enumerate() {
+            ensure!(p < self.scratch, "commit: path[{k}] = {p} but the last forward had {} nodes", self.scratch);
+        }
+        let (c, w) = (self.committed, self.width);
+        for layer in self.rows.iter_mut() {
+            // Gather first (clone), then write: no overlap hazard whatever the path.
+            let kept: Vec<f32> = path.iter().flat_map(|&p| layer[(c + p) * w..(c + p + 1) * w].to_vec()).collect();
+            layer.truncate(c * w);
+            layer.extend_from_slice(&kept);
+        }
+        self.committed += path.len();
+        self.scratch = 0;
+        Ok(())
+    }
+    pub fn reset(&mut self) {
+        self.rows.iter_mut().for_each(Vec::clear);
+        self.committed = 0;
+        self.scratch = 0;
+    }
+}

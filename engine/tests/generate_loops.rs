@@ -1,0 +1,183 @@
+//! Generation loops against a mock target and drafter (generate_common): DDTree must reproduce AR
+//! token for token (greedy and seeded sampling), and stops / max_tokens / callback / position limits must
+//! cut identically in both modes while leaving the target and drafter state consistent.
+
+mod generate_common;
+
+use generate_common::{MockDrafter, MockTarget};
+use kdtree_engine::api::{Drafter, Target};
+use kdtree_engine::generate::{generate, FinishReason, GenOutput, GenRequest, Mode, Sampling};
+
+const BLOCK: usize = 8;
+
+fn prompts() -> Vec<Vec<u32>> {
+    vec![vec![1], vec![3, 9, 27], vec![5, 5, 5, 5, 5, 5], (0..40).map(|i| (i * 13 % 48) as u32).collect()]
+}
+
+fn req(prompt: &[u32], max_tokens: usize, mode: Mode, sampling: Sampling) -> GenRequest {
+    GenRequest { prompt: prompt.to_vec(), max_tokens, stop_token_ids: vec![], sampling, mode }
+}
+
+/// Run and check the state invariants of generate.rs: committed = prompt + tokens[..len-1], drafter
+/// context in step with the target.
+fn run(t: &mut MockTarget, d: &mut MockDrafter, r: &GenRequest, cb: &mut dyn FnMut(&[u32]) -> bool) -> GenOutput {
+    let out = match r.mode {
+        Mode::Ar => generate(t, None, r, cb),
+        Mode::DDTree { .. } => generate(t, Some(d as &mut dyn Drafter), r, cb),
+    }
+    .unwrap();
+    if !out.tokens.is_empty() {
+        let mut want = r.prompt.clone();
+        want.extend(&out.tokens[..out.tokens.len() - 1]);
+        assert_eq!(t.committed_tokens(), &want[..], "committed state after {:?}", r.mode);
+        if matches!(r.mode, Mode::DDTree { .. }) {
+            assert_eq!(d.context_len(), t.committed(), "drafter context vs target");
+        }
+    }
+    out
+}
+
+fn run_simple(r: &GenRequest) -> GenOutput {
+    run(&mut MockTarget::new(4096), &mut MockDrafter::new(BLOCK), r, &mut |_| false)
+}
+
+#[test]
+fn greedy_ddtree_equals_greedy_ar() {
+    for p in prompts() {
+        let ar = run_simple(&req(&p, 64, Mode::Ar, Sampling::greedy()));
+        assert_eq!(ar.tokens.len(), 64);
+        assert_eq!(ar.finish_reason, FinishReason::Length);
+        assert_eq!(ar.spec.verify_steps, 0);
+        for budget in [0, 1, 2, 4, 8, 32, 100] {
+            let dd = run_simple(&req(&p, 64, Mode::DDTree { budget }, Sampling::greedy()));
+            assert_eq!(dd.tokens, ar.tokens, "prompt {p:?} budget {budget}");
+            assert_eq!(dd.finish_reason, FinishReason::Length);
+            let s = &dd.spec;
+            assert_eq!(s.acceptance_histogram.iter().sum::<u64>(), s.verify_steps);
+            assert_eq!(s.accepted_per_depth.len(), BLOCK - 1);
+            assert_eq!(s.accepted_per_depth[0], s.verify_steps - s.acceptance_histogram[0]);
+            assert!(s.drafted <= s.verify_steps * budget as u64);
+            if budget >= 4 {
+                // The mock drafter is usually right: rounds must commit several tokens on average.
+                assert!(s.acceptance_length() > 2.0, "budget {budget}: tau {}", s.acceptance_length());
+            }
+            if budget == 0 {
+                assert_eq!((s.drafted, s.accepted), (0, 0));
+            }
+        }
+    }
+}
+
+#[test]
+fn wider_trees_accept_at_least_as_much_on_average() {
+    // Not a theorem per round, but with this mock the budget-32 tree contains the budget-1 chain's first
+    // node in every round, so total accepted tokens per round cannot be lower on average over prompts.
+    let p = &prompts()[3];
+    let b1 = run_simple(&req(p, 96, Mode::DDTree { budget: 1 }, Sampling::greedy()));
+    let b32 = run_simple(&req(p, 96, Mode::DDTree { budget: 32 }, Sampling::greedy()));
+    assert!(b32.spec.verify_steps < b1.spec.verify_steps, "{} vs {}", b32.spec.verify_steps, b1.spec.verify_steps);
+}
+
+#[test]
+fn sampled_generation_is_reproducible_and_matches_ar() {
+    let s = |seed| Sampling { temperature: 0.9, top_p: 0.95, top_k: 12, seed };
+    for p in prompts() {
+        let ar = run_simple(&req(&p, 48, Mode::Ar, s(11)));
+        assert_eq!(ar.tokens, run_simple(&req(&p, 48, Mode::Ar, s(11))).tokens);
+        assert_ne!(ar.tokens, run_simple(&req(&p, 48, Mode::Ar, s(12))).tokens, "seed must matter");
+        for budget in [1, 8, 70] {
+            let dd = run_simple(&req(&p, 48, Mode::DDTree { budget }, s(11)));
+            assert_eq!(dd.tokens, run_simple(&req(&p, 48, Mode::DDTree { budget }, s(11))).tokens);
+            // One draw per emitted token in emission order: same stream as AR.
+            assert_eq!(dd.tokens, ar.tokens, "prompt {p:?} budget {budget}");
+        }
+    }
+}
+
+#[test]
+fn stop_tokens_cut_like_ar() {
+    for p in prompts() {
+        let full = run_simple(&req(&p, 40, Mode::Ar, Sampling::greedy())).tokens;
+        let mut stops: Vec<u32> = full[1..].to_vec();
+        stops.sort();
+        stops.dedup();
+        for stop in stops {
+            let mut r = req(&p, 40, Mode::Ar, Sampling::greedy());
+            r.stop_token_ids = vec![1000, stop];
+            let ar = run_simple(&r);
+            let first = full.iter().position(|&t| t == stop).unwrap();
+            assert_eq!(ar.tokens, full[..=first].to_vec());
+            assert_eq!(ar.finish_reason, FinishReason::Stop);
+            for budget in [2, 16, 90] {
+                r.mode = Mode::DDTree { budget };
+                let dd = run_simple(&r);
+                assert_eq!(dd.tokens, ar.tokens, "stop {stop} budget {budget}");
+                assert_eq!(dd.finish_reason, FinishReason::Stop);
+            }
+        }
+    }
+}
+
+#[test]
+fn max_tokens_cut_like_ar() {
+    let p = &prompts()[1];
+    let full = run_simple(&req(p, 30, Mode::Ar, Sampling::greedy())).tokens;
+    for m in 0..=30 {
+        for mode in [Mode::Ar, Mode::DDTree { budget: 8 }, Mode::DDTree { budget: 65 }] {
+            let out = run_simple(&req(p, m, mode, Sampling::greedy()));
+            assert_eq!(out.tokens, full[..m].to_vec(), "max_tokens {m} {mode:?}");
+            assert_eq!(out.finish_reason, FinishReason::Length);
+        }
+    }
+}
+
+#[test]
+fn callback_sees_every_prefix_and_can_stop() {
+    let p = &prompts()[2];
+    for mode in [Mode::Ar, Mode::DDTree { budget: 8 }] {
+        let mut seen = Vec::new();
+        let mut cb = |t: &[u32]| {
+            seen.push(t.len());
+            t.len() == 9
+        };
+        let out = run(&mut MockTarget::new(4096), &mut MockDrafter::new(BLOCK), &req(p, 50, mode, Sampling::greedy()), &mut cb);
+        assert_eq!(out.finish_reason, FinishReason::Callback);
+        assert_eq!(out.tokens.len(), 9);
+        assert_eq!(seen, (1..=9).collect::<Vec<_>>(), "{mode:?}");
+    }
+}
+
+#[test]
+fn position_limit_ends_both_modes_identically() {
+    let p = &prompts()[1];
+    let max_pos = p.len() + 12;
+    let ar = run(&mut MockTarget::new(max_pos), &mut MockDrafter::new(BLOCK), &req(p, 100, Mode::Ar, Sampling::greedy()), &mut |_| false);
+    // The last generated token's input sits at max_pos - 1: 13 tokens in all.
+    assert_eq!(ar.tokens.len(), 13);
+    assert_eq!(ar.finish_reason, FinishReason::Length);
+    for budget in [4, 40] {
+        let mut t = MockTarget::new(max_pos);
+        let dd = run(&mut t, &mut MockDrafter::new(BLOCK), &req(p, 100, Mode::DDTree { budget }, Sampling::greedy()), &mut |_| false);
+        assert_eq!(dd.tokens, ar.tokens);
+        assert_eq!(dd.finish_reason, FinishReason::Length);
+        assert_eq!(t.committed(), max_pos);
+    }
+}
+
+#[test]
+fn ddtree_without_drafter_or_prompt_is_an_error() {
+    let r = req(&[1, 2], 5, Mode::DDTree { budget: 4 }, Sampling::greedy());
+    assert!(generate(&mut MockTarget::new(64), None, &r, &mut |_| false).is_err());
+    let r = req(&[], 5, Mode::Ar, Sampling::greedy());
+    assert!(generate(&mut MockTarget::new(64), None, &r, &mut |_| false).is_err());
+}
+
+#[test]
+fn a_session_is_reset_between_generations() {
+    let (mut t, mut d) = (MockTarget::new(4096), MockDrafter::new(BLOCK));
+    let a = req(&prompts()[0], 20, Mode::DDTree { budget: 8 }, Sampling::greedy());
+    let b = req(&prompts()[3], 20, Mode::DDTree { budget: 8 }, Sampling::greedy());
+    let first_b = run(&mut t, &mut d, &b, &mut |_| false).tokens;
+    run(&mut t, &mut d, &a, &mut |_| false);
+    assert_eq!(run(&mut t, &mut d, &b, &mut |_| false).tokens, first_b);
+}

@@ -1,0 +1,278 @@
+//! `manifest.toml`: the index of a converted model (format version, source fingerprint, model config,
+//! plan, every file and every tensor with its sha256, skipped source tensors). FORMAT.md documents each
+//! field. TOML has no null, so the config is stored twice: verbatim JSON (authoritative, re-parsed by
+//! config.rs) and a TOML table of the same keys with nulls dropped (for humans and grep).
+//! Tests: bottom of this file and formats/tests/manifest_k26.rs (size and parse time of the full plan).
+
+use crate::error::{FormatError, Result};
+use crate::plan::{ExpertsMode, Layout};
+use serde::{Deserialize, Serialize};
+use std::collections::HashSet;
+use std::path::{Component, Path};
+
+/// Version written by this crate; readers refuse anything else.
+pub const FORMAT_VERSION: u32 = 1;
+/// File name of the manifest inside a model directory.
+pub const MANIFEST: &str = "manifest.toml";
+/// File name of the checksum list (`sha256sum -c --strict` format).
+pub const SHA256SUMS: &str = "SHA256SUMS";
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    pub format_version: u32,
+    /// Tool and version that wrote it (no timestamp: same input, same bytes).
+    pub generator: String,
+    /// Source tensors deliberately not converted (vision_tower.*, mm_projector.*).
+    pub skipped: Vec<String>,
+    pub source: Source,
+    pub model: Model,
+    pub plan: PlanInfo,
+    pub files: Vec<FileEntry>,
+    pub tensors: Vec<TensorEntry>,
+}
+
+/// Fingerprint of the input checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Source {
+    pub config_sha256: String,
+    /// sha256 of model.safetensors.index.json; absent for a single-file checkpoint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub index_sha256: Option<String>,
+    pub files: Vec<SourceFile>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drafter: Option<DrafterSource>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DrafterSource {
+    pub config_sha256: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub index_sha256: Option<String>,
+    pub files: Vec<SourceFile>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SourceFile {
+    pub name: String,
+    pub size: u64,
+}
+
+/// Model configuration. `*_json` are authoritative; the tables mirror them without nulls.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Model {
+    /// The source `text_config` object (with `quantization_config`), compact JSON, key order kept.
+    pub text_config_json: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drafter_config_json: Option<String>,
+    pub text_config: toml::Table,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drafter_config: Option<toml::Table>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlanInfo {
+    pub ranks: usize,
+    pub experts: ExpertsMode,
+    pub group_size: usize,
+    /// The `--max-file-size` used (data bytes per file, soft: a bigger tensor gets a file of its own).
+    pub max_file_size: u64,
+    /// Whether routed experts came as INT4 (carried bit-exactly) or BF16 (quantized by the converter).
+    pub experts_source: String,
+    pub splits: Vec<SplitRule>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SplitRule {
+    pub class: String,
+    pub split: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileEntry {
+    pub name: String,
+    pub rank: usize,
+    pub part: usize,
+    pub size: u64,
+    pub sha256: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TensorEntry {
+    pub name: String,
+    pub rank: usize,
+    pub dtype: crate::Dtype,
+    pub shape: Vec<usize>,
+    pub logical_shape: Vec<usize>,
+    pub layout: Layout,
+    /// Absent when replicated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub split_axis: Option<usize>,
+    pub split_offset: usize,
+    pub file: String,
+    /// Absolute byte offset of the data in `file`, and its length.
+    pub offset: u64,
+    pub nbytes: u64,
+    pub sha256: String,
+}
+
+/// JSON → TOML with nulls dropped (TOML has no null); integers stay integers.
+pub fn json_to_toml(v: &serde_json::Value) -> Option<toml::Value> {
+    use serde_json::Value as J;
+    Some(match v {
+        J::Null => return None,
+        J::Bool(b) => toml::Value::Boolean(*b),
+        J::Number(n) => match n.as_i64() {
+            Some(i) => toml::Value::Integer(i),
+            None => toml::Value::Float(n.as_f64()?),
+        },
+        J::String(s) => toml::Value::String(s.clone()),
+        J::Array(a) => toml::Value::Array(a.iter().filter_map(json_to_toml).collect()),
+        J::Object(o) => toml::Value::Table(o.iter().filter_map(|(k, v)| Some((k.clone(), json_to_toml(v)?))).collect()),
+    })
+}
+
+/// Whether `name` is a plain file name inside the model dir: one normal component, no separators.
+pub fn is_plain_file_name(name: &str) -> bool {
+    let mut c = Path::new(name).components();
+    matches!((c.next(), c.next()), (Some(Component::Normal(_)), None)) && !name.contains(['/', '\\', '\0'])
+}
+
+impl Manifest {
+    /// Parse and check: format version first, then the structure, file names and cross references.
+    pub fn parse(file: &str, text: &str) -> Result<Manifest> {
+        let version = text
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("format_version"))
+            .and_then(|r| r.trim().strip_prefix('='))
+            .and_then(|v| v.trim().parse::<u32>().ok());
+        match version {
+            Some(FORMAT_VERSION) => {}
+            Some(v) => return Err(FormatError::file(file, format!("format_version {v} is not supported (this build reads {FORMAT_VERSION})"))),
+            None => return Err(FormatError::file(file, "no format_version line: not a kdtree manifest")),
+        }
+        let m: Manifest = toml::from_str(text).map_err(|e| FormatError::file(file, format!("invalid manifest: {e}")))?;
+        m.check(file)?;
+        Ok(m)
+    }
+
+    /// Cross-checks a reader relies on: safe unique file names, tensors in listed files, ranks in range.
+    pub fn check(&self, file: &str) -> Result<()> {
+        let mut names = HashSet::new();
+        for f in &self.files {
+            if !is_plain_file_name(&f.name) || f.name == MANIFEST || f.name == SHA256SUMS {
+                return Err(FormatError::file(file, format!("file name {:?} is not a plain shard name", f.name)));
+            }
+            if !names.insert(f.name.as_str()) || f.rank >= self.plan.ranks {
+                return Err(FormatError::file(file, format!("file {:?} listed twice or rank {} out of range", f.name, f.rank)));
+            }
+        }
+        let mut seen = HashSet::new();
+        for t in &self.tensors {
+            if !names.contains(t.file.as_str()) {
+                return Err(FormatError::tensor(file, &t.name, format!("in unlisted file {:?}", t.file)));
+            }
+            if t.rank >= self.plan.ranks || !seen.insert((t.name.as_str(), t.rank)) {
+                return Err(FormatError::tensor(file, &t.name, format!("rank {} out of range or listed twice", t.rank)));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn to_toml(&self) -> Result<String> {
+        toml::to_string(self).map_err(|e| FormatError::file(MANIFEST, format!("cannot serialize: {e}")))
+    }
+}
+
+/// The `SHA256SUMS` body for `(name, sha256)` pairs, in the given order (`<hex>  <name>\n`).
+pub fn sha256sums(entries: &[(String, String)]) -> String {
+    entries.iter().map(|(n, h)| format!("{h}  {n}\n")).collect()
+}
+
+/// Parse a `SHA256SUMS` body into `(name, sha256)` pairs.
+pub fn parse_sha256sums(file: &str, text: &str) -> Result<Vec<(String, String)>> {
+    text.lines()
+        .enumerate()
+        .map(|(i, l)| {
+            let (h, n) = l.split_once("  ").ok_or_else(|| FormatError::file(file, format!("line {}: expected '<sha256>  <name>'", i + 1)))?;
+            if h.len() != 64 || !h.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Err(FormatError::file(file, format!("line {}: bad sha256 {h:?}", i + 1)));
+            }
+            Ok((n.to_string(), h.to_string()))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn tiny() -> Manifest {
+        Manifest {
+            format_version: FORMAT_VERSION,
+            generator: "test".into(),
+            skipped: vec!["vision_tower.x".into()],
+            source: Source { config_sha256: "00".into(), index_sha256: None, files: vec![SourceFile { name: "model.safetensors".into(), size: 9 }], drafter: None },
+            model: Model {
+                text_config_json: r#"{"a":null,"b":1}"#.into(),
+                drafter_config_json: None,
+                text_config: json_to_toml(&serde_json::json!({"a": null, "b": 1})).unwrap().as_table().unwrap().clone(),
+                drafter_config: None,
+            },
+            plan: PlanInfo { ranks: 1, experts: ExpertsMode::Tp, group_size: 32, max_file_size: 10, experts_source: "int4".into(), splits: vec![] },
+            files: vec![FileEntry { name: "rank-00-of-01.part-0000.safetensors".into(), rank: 0, part: 0, size: 1, sha256: "ab".into() }],
+            tensors: vec![TensorEntry {
+                name: "w".into(),
+                rank: 0,
+                dtype: crate::Dtype::BF16,
+                shape: vec![2],
+                logical_shape: vec![2],
+                layout: Layout::Plain,
+                split_axis: None,
+                split_offset: 0,
+                file: "rank-00-of-01.part-0000.safetensors".into(),
+                offset: 64,
+                nbytes: 4,
+                sha256: "cd".into(),
+            }],
+        }
+    }
+
+    #[test]
+    fn round_trips_and_drops_nulls() {
+        let m = tiny();
+        let s = m.to_toml().unwrap();
+        assert!(s.starts_with("format_version = 1\n"), "{s}");
+        assert!(!s.contains("a ="), "null kept: {s}");
+        assert_eq!(Manifest::parse("m", &s).unwrap(), m);
+    }
+
+    #[test]
+    fn refuses_bad_version_unsafe_names_and_unknown_fields() {
+        let s = tiny().to_toml().unwrap();
+        assert!(Manifest::parse("m", &s.replace("format_version = 1", "format_version = 9")).unwrap_err().to_string().contains("format_version 9"));
+        let e = Manifest::parse("m", &s.replace("\"rank-00-of-01.part-0000.safetensors\"", "\"../x\"")).unwrap_err();
+        assert!(e.to_string().contains("../x"), "{e}");
+        let mut m = tiny();
+        m.files[0].name = "/etc/passwd".into();
+        m.tensors[0].file = "/etc/passwd".into();
+        assert!(m.check("m").is_err());
+        let e = Manifest::parse("m", &s.replace("generator = ", "surprise = 1\ngenerator = ")).unwrap_err();
+        assert!(e.to_string().contains("surprise"), "{e}");
+    }
+
+    #[test]
+    fn sha256sums_round_trip() {
+        let e = vec![("a b".to_string(), "0".repeat(64))];
+        assert_eq!(parse_sha256sums("S", &sha256sums(&e)).unwrap(), e);
+        assert!(parse_sha256sums("S", "zz  a\n").is_err());
+    }
+}

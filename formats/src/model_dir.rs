@@ -1,0 +1,123 @@
+//! Reading a converted model: `ModelDir::open(path)` parses manifest.toml, checks every listed file's
+//! size before mapping it, validates each header strictly and checks that every manifest tensor sits in
+//! its file with the recorded dtype, shape and offset. It does not hash (that is `kdtree-convert verify`).
+//! The API is the one in docs/design/interfaces.md (formats → engine). Tests: formats/tests/model_dir.rs.
+
+use crate::config::{parse_drafter_config, parse_text_config, DrafterConfig, TextConfig};
+use crate::error::{FormatError, Result};
+use crate::manifest::{Manifest, TensorEntry, MANIFEST};
+use crate::plan::Layout;
+use crate::reader::SafeFile;
+use crate::Dtype;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// One tensor of one rank, borrowed from the mapped shard.
+#[derive(Debug, Clone, Copy)]
+pub struct TensorRef<'a> {
+    pub dtype: Dtype,
+    /// Shape stored in the shard (this rank's slice).
+    pub shape: &'a [usize],
+    /// Shape of the whole tensor (INT4 stacks: `[E, N, K]` in elements; scales `[E, N, K/32]`).
+    pub logical_shape: &'a [usize],
+    pub layout: Layout,
+    /// Axis of `logical_shape` sliced for this rank (None: replicated) and where the slice starts.
+    pub split_axis: Option<usize>,
+    pub split_offset: usize,
+    pub data: &'a [u8],
+}
+
+/// A converted model directory, opened and mapped read-only.
+pub struct ModelDir {
+    root: PathBuf,
+    manifest: Manifest,
+    text: TextConfig,
+    drafter: Option<DrafterConfig>,
+    files: Vec<SafeFile>,
+    /// (name, rank) → (index into manifest.tensors, index into files)
+    index: HashMap<(String, usize), (usize, usize)>,
+}
+
+impl ModelDir {
+    /// Open `path`: manifest, configs, every shard (size, header, tensor placement). Files are mapped
+    /// read-only; they must not be modified while the ModelDir lives (mmap contract).
+    pub fn open(path: impl AsRef<Path>) -> Result<ModelDir> {
+        let root = path.as_ref().to_path_buf();
+        let mpath = root.join(MANIFEST);
+        let mname = mpath.display().to_string();
+        let text = std::fs::read_to_string(&mpath).map_err(|e| FormatError::io(&mpath, e))?;
+        let manifest = Manifest::parse(&mname, &text)?;
+        let tc = parse_text_config(&format!("{mname} [model.text_config_json]"), &manifest.model.text_config_json)
+            .map_err(|e| FormatError::file(&mname, e))?;
+        let dc = match &manifest.model.drafter_config_json {
+            Some(j) => Some(parse_drafter_config(&format!("{mname} [model.drafter_config_json]"), j).map_err(|e| FormatError::file(&mname, e))?),
+            None => None,
+        };
+        let mut files = Vec::with_capacity(manifest.files.len());
+        let mut by_name = HashMap::new();
+        for f in &manifest.files {
+            let p = root.join(&f.name);
+            let len = std::fs::metadata(&p).map_err(|e| FormatError::io(&p, e))?.len();
+            if len != f.size {
+                return Err(FormatError::file(p.display(), format!("size {len} but the manifest says {} (truncated or replaced?)", f.size)));
+            }
+            by_name.insert(f.name.clone(), files.len());
+            files.push(SafeFile::open(&p)?);
+        }
+        let mut index = HashMap::with_capacity(manifest.tensors.len());
+        for (i, t) in manifest.tensors.iter().enumerate() {
+            let fi = by_name[&t.file];
+            check_entry(&files[fi], t)?;
+            index.insert((t.name.clone(), t.rank), (i, fi));
+        }
+        Ok(ModelDir { root, manifest, text: tc, drafter: dc, files, index })
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+    pub fn text_config(&self) -> &TextConfig {
+        &self.text
+    }
+    pub fn drafter_config(&self) -> Option<&DrafterConfig> {
+        self.drafter.as_ref()
+    }
+    pub fn ranks(&self) -> usize {
+        self.manifest.plan.ranks
+    }
+
+    /// Tensor `name` (converted name, see interfaces.md) of `rank`.
+    pub fn tensor(&self, name: &str, rank: usize) -> Result<TensorRef<'_>> {
+        let &(ti, fi) = self.index.get(&(name.to_string(), rank)).ok_or_else(|| {
+            FormatError::tensor(self.root.join(MANIFEST).display(), name, format!("no such tensor for rank {rank} (ranks = {})", self.ranks()))
+        })?;
+        let t = &self.manifest.tensors[ti];
+        let data = &self.files[fi].bytes()[t.offset as usize..(t.offset + t.nbytes) as usize];
+        Ok(TensorRef {
+            dtype: t.dtype,
+            shape: &t.shape,
+            logical_shape: &t.logical_shape,
+            layout: t.layout,
+            split_axis: t.split_axis,
+            split_offset: t.split_offset,
+            data,
+        })
+    }
+}
+
+/// The manifest entry must match the shard header exactly.
+fn check_entry(f: &SafeFile, t: &TensorEntry) -> Result<()> {
+    let h = f.header.get(&t.name).ok_or_else(|| FormatError::tensor(f.name(), &t.name, "listed in the manifest but not in the shard header"))?;
+    let off = (f.header.data_start() + h.begin) as u64;
+    if h.dtype != t.dtype || h.shape != t.shape || off != t.offset || h.nbytes() as u64 != t.nbytes {
+        return Err(FormatError::tensor(
+            f.name(),
+            &t.name,
+            format!("manifest says {} {:?} at {} ({} bytes), header says {} {:?} at {off} ({} bytes)", t.dtype, t.shape, t.offset, t.nbytes, h.dtype, h.shape, h.nbytes()),
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,314 @@
+//! Strict safetensors reader: parses and validates a header the way the reference crate does
+//! (safetensors/src/tensor.rs, see shared ecosystem.md §5.1) and more: duplicate names are rejected
+//! explicitly, the file length is checked against the header *before* mapping, and every error names
+//! the file and tensor. Data is mapped read-only.
+//! Tests: bottom of this file (each malformed-input class) and formats/tests/writer_compat.rs.
+
+use crate::dtype::{byte_len, Dtype};
+use crate::error::{FormatError, Result};
+use memmap2::Mmap;
+use serde::de::{Deserializer, MapAccess, Visitor};
+use serde::Deserialize;
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::fs::File;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+/// Largest JSON header accepted (the reference crate's `MAX_HEADER_SIZE`).
+pub const MAX_HEADER_SIZE: u64 = 100_000_000;
+
+/// One tensor of a header. `begin..end` is relative to the start of the data buffer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorInfo {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    pub begin: usize,
+    pub end: usize,
+}
+
+impl TensorInfo {
+    pub fn nbytes(&self) -> usize {
+        self.end - self.begin
+    }
+}
+
+/// A validated header: tensors sorted by offset, contiguous from 0, covering the whole buffer.
+#[derive(Debug, Clone)]
+pub struct ShardHeader {
+    /// Length of the JSON header (the 8-byte prefix value).
+    pub header_len: usize,
+    pub metadata: BTreeMap<String, String>,
+    pub tensors: Vec<TensorInfo>,
+    index: HashMap<String, usize>,
+}
+
+/// Header map that keeps every entry, so duplicates can be reported instead of silently dropped.
+struct RawEntries(Vec<(String, serde_json::Value)>);
+
+impl<'de> Deserialize<'de> for RawEntries {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = RawEntries;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> std::result::Result<RawEntries, A::Error> {
+                let mut v = Vec::new();
+                while let Some((k, val)) = m.next_entry::<String, serde_json::Value>()? {
+                    v.push((k, val));
+                }
+                Ok(RawEntries(v))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTensor {
+    dtype: String,
+    shape: Vec<usize>,
+    data_offsets: (usize, usize),
+}
+
+impl ShardHeader {
+    /// Parse and validate the JSON header bytes. `data_len` is the size of the data buffer that follows.
+    pub fn parse(file: &str, json: &[u8], data_len: usize) -> Result<ShardHeader> {
+        if json.first() != Some(&b'{') {
+            return Err(FormatError::file(file, "header does not start with '{'"));
+        }
+        let text = std::str::from_utf8(json).map_err(|e| FormatError::file(file, format!("header is not UTF-8: {e}")))?;
+        let raw: RawEntries =
+            serde_json::from_str(text).map_err(|e| FormatError::file(file, format!("header is not valid JSON: {e}")))?;
+        let mut metadata = BTreeMap::new();
+        let mut tensors = Vec::with_capacity(raw.0.len());
+        let mut index = HashMap::with_capacity(raw.0.len());
+        let mut seen_meta = false;
+        for (name, val) in raw.0 {
+            if name == "__metadata__" {
+                if seen_meta {
+                    return Err(FormatError::Duplicate { file: file.into(), tensor: name });
+                }
+                seen_meta = true;
+                metadata = serde_json::from_value(val)
+                    .map_err(|e| FormatError::file(file, format!("__metadata__ must map strings to strings: {e}")))?;
+                continue;
+            }
+            if index.contains_key(&name) {
+                return Err(FormatError::Duplicate { file: file.into(), tensor: name });
+            }
+            let t: RawTensor =
+                serde_json::from_value(val).map_err(|e| FormatError::tensor(file, &name, format!("bad header entry: {e}")))?;
+            let dtype = Dtype::parse(&t.dtype)
+                .ok_or_else(|| FormatError::tensor(file, &name, format!("unsupported dtype {:?}", t.dtype)))?;
+            let (begin, end) = t.data_offsets;
+            if end < begin {
+                return Err(FormatError::tensor(file, &name, format!("data_offsets [{begin}, {end}] end before begin")));
+            }
+            let want = byte_len(dtype, &t.shape)
+                .ok_or_else(|| FormatError::tensor(file, &name, format!("shape {:?} overflows", t.shape)))?;
+            if end - begin != want {
+                return Err(FormatError::tensor(
+                    file,
+                    &name,
+                    format!("{dtype} {:?} needs {want} bytes but data_offsets [{begin}, {end}] hold {}", t.shape, end - begin),
+                ));
+            }
+            index.insert(name.clone(), tensors.len());
+            tensors.push(TensorInfo { name, dtype, shape: t.shape, begin, end });
+        }
+        // Contiguous, non-overlapping, covering the whole buffer (the reference crate's rule).
+        tensors.sort_by(|a, b| (a.begin, a.end, &a.name).cmp(&(b.begin, b.end, &b.name)));
+        let mut pos = 0usize;
+        for t in &tensors {
+            if t.begin != pos {
+                let what = if t.begin < pos { "overlaps the previous tensor" } else { "leaves a gap after the previous tensor" };
+                return Err(FormatError::tensor(file, &t.name, format!("data_offsets start at {} but previous ends at {pos}: {what}", t.begin)));
+            }
+            pos = t.end;
+        }
+        if pos != data_len {
+            let msg = if pos > data_len {
+                format!("tensors need {pos} data bytes but the file holds {data_len} (truncated?)")
+            } else {
+                format!("tensors cover {pos} data bytes but the file holds {data_len} (trailing bytes)")
+            };
+            let last = tensors.iter().rev().find(|t| t.end > data_len).or(tensors.last());
+            return Err(match last {
+                Some(t) if pos > data_len => FormatError::tensor(file, &t.name, msg),
+                _ => FormatError::file(file, msg),
+            });
+        }
+        index.clear();
+        for (i, t) in tensors.iter().enumerate() {
+            index.insert(t.name.clone(), i);
+        }
+        Ok(ShardHeader { header_len: json.len(), metadata, tensors, index })
+    }
+
+    /// Byte offset of the data buffer in the file.
+    pub fn data_start(&self) -> usize {
+        8 + self.header_len
+    }
+
+    pub fn get(&self, name: &str) -> Option<&TensorInfo> {
+        self.index.get(name).map(|&i| &self.tensors[i])
+    }
+}
+
+/// Read the 8-byte prefix and header of `path` and validate them against the file length.
+/// Returns the header and the file length; nothing is mapped.
+pub fn read_header(path: &Path) -> Result<(ShardHeader, u64)> {
+    let name = path.display().to_string();
+    let mut f = File::open(path).map_err(|e| FormatError::io(path, e))?;
+    let file_len = f.metadata().map_err(|e| FormatError::io(path, e))?.len();
+    if file_len < 8 {
+        return Err(FormatError::file(&name, format!("file is {file_len} bytes, shorter than the 8-byte header length")));
+    }
+    let mut prefix = [0u8; 8];
+    f.read_exact(&mut prefix).map_err(|e| FormatError::io(path, e))?;
+    let n = u64::from_le_bytes(prefix);
+    if n > MAX_HEADER_SIZE {
+        return Err(FormatError::file(&name, format!("header length {n} exceeds the {MAX_HEADER_SIZE}-byte limit")));
+    }
+    let end = 8u64.checked_add(n).filter(|&e| e <= file_len).ok_or_else(|| {
+        FormatError::file(&name, format!("header length {n} runs past the end of the {file_len}-byte file"))
+    })?;
+    let mut json = vec![0u8; n as usize];
+    f.read_exact(&mut json).map_err(|e| FormatError::io(path, e))?;
+    let data_len = usize::try_from(file_len - end).map_err(|_| FormatError::file(&name, "file too large"))?;
+    let h = ShardHeader::parse(&name, &json, data_len)?;
+    Ok((h, file_len))
+}
+
+/// A validated safetensors file, mapped read-only.
+pub struct SafeFile {
+    pub path: PathBuf,
+    pub header: ShardHeader,
+    map: Option<Mmap>,
+}
+
+impl SafeFile {
+    /// Validate the header against the file length, then map the file.
+    pub fn open(path: &Path) -> Result<SafeFile> {
+        let (header, file_len) = read_header(path)?;
+        let map = if file_len == 0 {
+            None
+        } else {
+            let f = File::open(path).map_err(|e| FormatError::io(path, e))?;
+            // SAFETY: the map is read-only; the file must not be truncated or rewritten while mapped
+            // (documented contract of ModelDir/repack: sources and outputs are never written in place).
+            let m = unsafe { Mmap::map(&f) }.map_err(|e| FormatError::io(path, e))?;
+            if m.len() as u64 != file_len {
+                return Err(FormatError::file(path.display(), "file changed size while opening"));
+            }
+            Some(m)
+        };
+        Ok(SafeFile { path: path.to_path_buf(), header, map })
+    }
+
+    pub fn name(&self) -> String {
+        self.path.display().to_string()
+    }
+
+    /// The whole mapped file.
+    pub fn bytes(&self) -> &[u8] {
+        self.map.as_deref().unwrap_or(&[])
+    }
+
+    /// Header entry and data bytes of a tensor.
+    pub fn tensor(&self, name: &str) -> Result<(&TensorInfo, &[u8])> {
+        let t = self
+            .header
+            .get(name)
+            .ok_or_else(|| FormatError::tensor(self.name(), name, "not in this file's header"))?;
+        let s = self.header.data_start();
+        Ok((t, &self.bytes()[s + t.begin..s + t.end]))
+    }
+
+    /// Drop the mapped pages of `range` (absolute file offsets) from this process's memory; the next
+    /// access re-reads them from the file. Keeps RSS bounded while streaming a large file.
+    pub fn release(&self, range: std::ops::Range<usize>) {
+        let Some(m) = &self.map else { return };
+        let page = 4096;
+        let start = range.start.div_ceil(page) * page;
+        let end = range.end.min(m.len()) / page * page;
+        if end > start {
+            // SAFETY: DONTNEED on a read-only file-backed mapping only drops cached pages; their content is
+            // re-read from the unchanged file on the next access, so no live reference observes a change.
+            let _ = unsafe { m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file_bytes(json: &str, data: &[u8]) -> Vec<u8> {
+        let mut v = (json.len() as u64).to_le_bytes().to_vec();
+        v.extend_from_slice(json.as_bytes());
+        v.extend_from_slice(data);
+        v
+    }
+
+    fn check(json: &str, data_len: usize) -> Result<ShardHeader> {
+        ShardHeader::parse("f.safetensors", json.as_bytes(), data_len)
+    }
+
+    #[test]
+    fn accepts_valid_header_in_any_key_order() {
+        let h = check(r#"{"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]},"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#, 12).unwrap();
+        assert_eq!(h.tensors[0].name, "a");
+        assert_eq!(h.get("b").unwrap().begin, 4);
+    }
+
+    #[test]
+    fn rejects_duplicate_names_by_name() {
+        let e = check(r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#, 4).unwrap_err();
+        assert!(matches!(&e, FormatError::Duplicate { tensor, .. } if tensor == "a"), "{e}");
+    }
+
+    #[test]
+    fn rejects_overlap_gap_and_length_mismatch_naming_tensor() {
+        let e = check(r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[4],"data_offsets":[2,6]}}"#, 6).unwrap_err();
+        assert!(e.to_string().contains("\"b\"") && e.to_string().contains("overlaps"), "{e}");
+        let e = check(r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[1,5]}}"#, 5).unwrap_err();
+        assert!(e.to_string().contains("gap"), "{e}");
+        let e = check(r#"{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,4]}}"#, 4).unwrap_err();
+        assert!(e.to_string().contains("\"a\"") && e.to_string().contains("needs 16 bytes"), "{e}");
+        let e = check(r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#, 3).unwrap_err();
+        assert!(e.to_string().contains("truncated"), "{e}");
+        let e = check(r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#, 5).unwrap_err();
+        assert!(e.to_string().contains("trailing"), "{e}");
+        let e = check(r#"{"a":{"dtype":"U8","shape":[18446744073709551615, 2],"data_offsets":[0,4]}}"#, 4).unwrap_err();
+        assert!(e.to_string().contains("overflows"), "{e}");
+        let e = check(r#"{"a":{"dtype":"F4","shape":[4],"data_offsets":[0,2]}}"#, 2).unwrap_err();
+        assert!(e.to_string().contains("unsupported dtype"), "{e}");
+    }
+
+    #[test]
+    fn rejects_header_length_overflow_and_truncation() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("x.safetensors");
+        let mut b = u64::MAX.to_le_bytes().to_vec();
+        b.extend_from_slice(b"{}");
+        std::fs::write(&p, &b).unwrap();
+        assert!(read_header(&p).unwrap_err().to_string().contains("exceeds"));
+        let mut b = 1000u64.to_le_bytes().to_vec();
+        b.extend_from_slice(b"{}");
+        std::fs::write(&p, &b).unwrap();
+        assert!(read_header(&p).unwrap_err().to_string().contains("runs past the end"));
+        let json = r#"{"w":{"dtype":"U8","shape":[8],"data_offsets":[0,8]}}"#;
+        std::fs::write(&p, file_bytes(json, &[1, 2, 3])).unwrap();
+        let e = SafeFile::open(&p).err().unwrap().to_string();
+        assert!(e.contains("x.safetensors") && e.contains("\"w\"") && e.contains("truncated"), "{e}");
+        std::fs::write(&p, file_bytes(json, &[7; 8])).unwrap();
+        let f = SafeFile::open(&p).unwrap();
+        assert_eq!(f.tensor("w").unwrap().1, &[7; 8]);
+    }
+}

@@ -1,0 +1,148 @@
+//! Producing the bytes of one output tensor from the mapped source, streamed into a ShardWriter.
+//! INT4 sources are carried bit-exactly: the I32 `weight_packed` bytes ARE the `[N, K/2]` u8 nibble layout
+//! (low nibble = even k, offset 8; shared k26-format.md §3.4), so slicing rows or whole 16-byte groups of
+//! columns is a byte copy; nothing is dequantized. BF16 sources of routed experts are quantized per row
+//! slice with formats::int4::quantize_row (compressed-tensors' symmetric group-32 rule; a slice of whole
+//! groups quantizes exactly like the full row). Source pages are released as they are consumed, so RSS
+//! stays bounded whatever the tensor size. Tests: tools/kdtree-convert/tests/repack.rs.
+
+use crate::progress::Progress;
+use crate::source::Checkpoint;
+use anyhow::{bail, Result};
+use half::bf16;
+use kdtree_formats::int4::{quantize_row, GROUP};
+use kdtree_formats::plan::{ExpertPart, OutTensor, SourceSpec};
+use kdtree_formats::reader::SafeFile;
+use kdtree_formats::writer::ShardWriter;
+
+/// Source bytes consumed between two page releases.
+const RELEASE_EVERY: usize = 32 << 20;
+/// Largest piece handed to the writer at once.
+const CHUNK: usize = 4 << 20;
+
+/// Copies byte ranges of one mapped file into the writer, releasing consumed pages.
+struct Copier<'a> {
+    file: &'a SafeFile,
+    released_to: usize,
+    since_release: usize,
+}
+
+impl<'a> Copier<'a> {
+    fn new(file: &'a SafeFile, start: usize) -> Self {
+        Copier { file, released_to: start, since_release: 0 }
+    }
+    /// Write `file[abs .. abs+len]`.
+    fn copy(&mut self, w: &mut ShardWriter, abs: usize, len: usize, prog: &Progress) -> Result<()> {
+        let bytes = &self.file.bytes()[abs..abs + len];
+        for c in bytes.chunks(CHUNK) {
+            w.write(c)?;
+            prog.inc(c.len() as u64);
+        }
+        self.consumed(abs + len, len);
+        Ok(())
+    }
+    fn consumed(&mut self, upto: usize, n: usize) {
+        self.since_release += n;
+        if self.since_release >= RELEASE_EVERY {
+            self.file.release(self.released_to..upto);
+            self.released_to = upto;
+            self.since_release = 0;
+        }
+    }
+    fn finish(&mut self, end: usize) {
+        self.file.release(self.released_to..end);
+    }
+}
+
+/// Rows `r0..r1`, byte columns `c0..c1` of a row-major matrix with `row_bytes` per row at `abs`.
+fn copy_2d(w: &mut ShardWriter, f: &SafeFile, abs: usize, row_bytes: usize, rows: (usize, usize), cols: (usize, usize), prog: &Progress) -> Result<()> {
+    let mut cp = Copier::new(f, abs + rows.0 * row_bytes);
+    if cols == (0, row_bytes) {
+        cp.copy(w, abs + rows.0 * row_bytes, (rows.1 - rows.0) * row_bytes, prog)?;
+    } else {
+        for r in rows.0..rows.1 {
+            cp.copy(w, abs + r * row_bytes + cols.0, cols.1 - cols.0, prog)?;
+        }
+    }
+    cp.finish(abs + rows.1 * row_bytes);
+    Ok(())
+}
+
+/// Write tensor `t` (the writer's current tensor) from the checkpoint.
+pub fn emit(ck: &Checkpoint, t: &OutTensor, w: &mut ShardWriter, prog: &Progress) -> Result<()> {
+    if w.current() != Some(t.name.as_str()) {
+        bail!("internal: writer expects {:?}, plan gives \"{}\"", w.current(), t.name);
+    }
+    match &t.source {
+        SourceSpec::Dense { src, axis, start, len } => {
+            let (f, info) = ck.get(src)?;
+            let abs = f.header.data_start() + info.begin;
+            let es = info.dtype.size();
+            let (rows, row_bytes) = match info.shape.as_slice() {
+                [] => (1, es),
+                [r, rest @ ..] => (*r, es * rest.iter().product::<usize>()),
+            };
+            match axis {
+                None => copy_2d(w, f, abs, row_bytes, (0, rows), (0, row_bytes), prog),
+                Some(0) => copy_2d(w, f, abs, row_bytes, (*start, start + len), (0, row_bytes), prog),
+                Some(1) if info.shape.len() == 2 => copy_2d(w, f, abs, row_bytes, (0, rows), (start * es, (start + len) * es), prog),
+                Some(a) => bail!("internal: cannot split \"{src}\" {:?} on axis {a}", info.shape),
+            }
+        }
+        SourceSpec::Experts { stem, proj, part, first, count, n, k, axis, start, len } => {
+            let (rows, cols) = match axis {
+                None => ((0, *n), (0, *k)),
+                Some(0) => ((*start, start + len), (0, *k)),
+                Some(_) => ((0, *n), (*start, start + len)),
+            };
+            for e in *first..first + count {
+                let base = format!("{stem}.{e}.{proj}");
+                match ck.quant {
+                    kdtree_formats::plan::SourceQuant::Int4 => {
+                        let (suffix, per_byte, bytes_per) = match part {
+                            ExpertPart::Packed => ("weight_packed", 2, 1),
+                            ExpertPart::Scale => ("weight_scale", GROUP, 2),
+                        };
+                        let (f, info) = ck.get(&format!("{base}.{suffix}"))?;
+                        let abs = f.header.data_start() + info.begin;
+                        let rb = k / per_byte * bytes_per;
+                        copy_2d(w, f, abs, rb, rows, (cols.0 / per_byte * bytes_per, cols.1 / per_byte * bytes_per), prog)?;
+                    }
+                    kdtree_formats::plan::SourceQuant::Bf16 => quantize_slice(ck, &format!("{base}.weight"), *k, rows, cols, *part, w, prog)?,
+                }
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Quantize rows × cols of a BF16 `[n, k]` weight and write its packed or scale part.
+#[allow(clippy::too_many_arguments)]
+fn quantize_slice(ck: &Checkpoint, name: &str, k: usize, rows: (usize, usize), cols: (usize, usize), part: ExpertPart, w: &mut ShardWriter, prog: &Progress) -> Result<()> {
+    let (f, info) = ck.get(name)?;
+    let abs = f.header.data_start() + info.begin;
+    let kc = cols.1 - cols.0;
+    let mut vals = vec![bf16::ZERO; kc];
+    let mut scales = vec![bf16::ZERO; kc / GROUP];
+    let mut packed = vec![0u8; kc / 2];
+    let mut out = Vec::with_capacity(kc);
+    let mut cp = Copier::new(f, abs + rows.0 * k * 2);
+    for r in rows.0..rows.1 {
+        let off = abs + (r * k + cols.0) * 2;
+        let src = &f.bytes()[off..off + kc * 2];
+        for (v, b) in vals.iter_mut().zip(src.chunks_exact(2)) {
+            *v = bf16::from_bits(u16::from_le_bytes([b[0], b[1]]));
+        }
+        quantize_row(&vals, &mut scales, &mut packed);
+        out.clear();
+        match part {
+            ExpertPart::Packed => out.extend_from_slice(&packed),
+            ExpertPart::Scale => scales.iter().for_each(|s| out.extend_from_slice(&s.to_bits().to_le_bytes())),
+        }
+        w.write(&out)?;
+        prog.inc(out.len() as u64);
+        cp.consumed(off + kc * 2, kc * 2);
+    }
+    cp.finish(abs + rows.1 * k * 2);
+    Ok(())
+}

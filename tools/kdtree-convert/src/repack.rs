@@ -1,0 +1,202 @@
+//! `kdtree-convert repack`: checkpoint (+ drafter) → rank shards + manifest.toml + SHA256SUMS.
+//! Order of work: open and validate every source header and the whole plan before OUT is touched; then
+//! write each planned file as `*.partial` (hashing while writing), rename it, and record its hashes in
+//! `OUT/.kdtree-convert/<file>.json` (keyed by a job id, so a re-run skips it); manifest.toml and
+//! SHA256SUMS come last (temp + rename), then the records are removed. Killed at any moment, the same
+//! command resumes and ends with the same bytes as an uninterrupted run.
+//! Tests: tools/kdtree-convert/tests/repack.rs (determinism, kill -9 resume) and tests/bad_input.rs.
+
+use crate::emit::emit;
+use crate::progress::Progress;
+use crate::source::{self, Checkpoint};
+use anyhow::{bail, Context, Result};
+use kdtree_formats::assemble::{build_manifest, file_specs, planned_record, FileRecord, ManifestInputs, TensorRecord};
+use kdtree_formats::manifest::{json_to_toml, sha256sums, Manifest, Model, MANIFEST, SHA256SUMS};
+use kdtree_formats::plan::{assign_files, plan_model, ExpertsMode, Plan, PlannedFile, SourceQuant};
+use kdtree_formats::writer::{partial_path, write_atomic, ShardWriter};
+use rayon::prelude::*;
+use sha2::{Digest, Sha256};
+use std::path::{Path, PathBuf};
+
+/// Directory (inside OUT) of per-file completion records; removed when the conversion completes.
+pub const STATE_DIR: &str = ".kdtree-convert";
+/// Default `--max-file-size`: 5 GiB of tensor data per file.
+pub const DEFAULT_MAX_FILE_SIZE: u64 = 5 << 30;
+/// Writer threads at most: bounds memory (each holds one write buffer and ≤ 32 MiB of source pages).
+const MAX_THREADS: usize = 8;
+
+/// What to convert and how.
+#[derive(Debug, Clone)]
+pub struct RepackOptions {
+    pub src: PathBuf,
+    pub out: PathBuf,
+    pub drafter: Option<PathBuf>,
+    pub ranks: usize,
+    pub experts: ExpertsMode,
+    pub max_file_size: u64,
+    pub quiet: bool,
+}
+
+/// Per-file completion record on disk.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Done {
+    job: String,
+    record: FileRecord,
+}
+
+/// Everything decided before a byte is written.
+struct Job {
+    ck: Checkpoint,
+    plan: Plan,
+    files: Vec<PlannedFile>,
+    planned: Vec<FileRecord>,
+    inputs: ManifestInputs,
+}
+
+fn prepare(o: &RepackOptions) -> Result<Job> {
+    if o.max_file_size == 0 {
+        bail!("--max-file-size must be positive");
+    }
+    let ck = source::open(&o.src, o.drafter.as_deref())?;
+    let plan = plan_model(&ck.text, ck.drafter.as_ref(), &ck.prefix, ck.quant, o.ranks, o.experts)?;
+    ck.check_against(&plan)?;
+    let files = assign_files(&plan, o.max_file_size);
+    let planned = files.iter().map(|f| planned_record(&plan, f)).collect::<Result<Vec<_>, _>>()?;
+    let text_config = json_to_toml(&ck.text_json).and_then(|v| v.as_table().cloned()).unwrap_or_default();
+    let inputs = ManifestInputs {
+        generator: format!("kdtree-convert {}", env!("CARGO_PKG_VERSION")),
+        skipped: ck.skipped.clone(),
+        source: ck.fingerprint.clone(),
+        model: Model {
+            text_config_json: ck.text_json.to_string(),
+            drafter_config_json: ck.drafter_json.as_ref().map(|j| j.to_string()),
+            text_config,
+            drafter_config: ck.drafter_json.as_ref().and_then(json_to_toml).and_then(|v| v.as_table().cloned()),
+        },
+        max_file_size: o.max_file_size,
+        experts_source: match ck.quant {
+            SourceQuant::Int4 => "int4 (carried bit-exactly)".into(),
+            SourceQuant::Bf16 => "bf16 (quantized by kdtree-convert)".into(),
+        },
+    };
+    Ok(Job { ck, plan, files, planned, inputs })
+}
+
+/// Identity of one output file's content: source fingerprint, options and the file's tensor plan.
+fn job_id(job: &Job, f: &PlannedFile) -> String {
+    let mut h = Sha256::new();
+    h.update(format!("{:?}|{}|{:?}|{:?}|", job.inputs.source, job.inputs.experts_source, f.name, job.plan.experts).as_bytes());
+    for &i in &f.tensors {
+        h.update(format!("{:?}\n", job.plan.tensors[i]).as_bytes());
+    }
+    hex::encode(h.finalize())
+}
+
+/// OUT may only hold what this conversion writes.
+fn check_out_dir(out: &Path, files: &[PlannedFile]) -> Result<()> {
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let mut ours: std::collections::HashSet<String> = [MANIFEST, SHA256SUMS, STATE_DIR].iter().map(|s| s.to_string()).collect();
+    for n in files.iter().map(|f| f.name.as_str()).chain([MANIFEST, SHA256SUMS]) {
+        ours.insert(n.to_string());
+        ours.insert(format!("{n}.partial"));
+    }
+    for e in std::fs::read_dir(out).with_context(|| format!("listing {}", out.display()))? {
+        let name = e?.file_name().to_string_lossy().into_owned();
+        if !ours.contains(&name) {
+            bail!("{}: holds {name:?}, which this conversion would not write; use an empty or new OUT directory", out.display());
+        }
+    }
+    Ok(())
+}
+
+/// Write one planned file (or reuse it when its record matches) and return its record.
+fn write_file(job: &Job, o: &RepackOptions, i: usize, prog: &Progress) -> Result<FileRecord> {
+    let f = &job.files[i];
+    let id = job_id(job, f);
+    let path = o.out.join(&f.name);
+    let rec_path = o.out.join(STATE_DIR).join(format!("{}.json", f.name));
+    if let Ok(body) = std::fs::read(&rec_path) {
+        if let Ok(done) = serde_json::from_slice::<Done>(&body) {
+            let on_disk = std::fs::metadata(&path).map(|m| m.len()).ok();
+            if done.job == id && on_disk == Some(done.record.size) && done.record.size == job.planned[i].size {
+                prog.inc(f.data_bytes);
+                return Ok(done.record);
+            }
+        }
+    }
+    let mut w = ShardWriter::create(&path, file_specs(&job.plan, f))?;
+    for &ti in &f.tensors {
+        let t = &job.plan.tensors[ti];
+        emit(&job.ck, t, &mut w, prog).with_context(|| format!("writing \"{}\" (rank {}) into {}", t.name, t.rank, f.name))?;
+    }
+    let done = w.finish()?;
+    let record = FileRecord {
+        name: f.name.clone(),
+        size: done.size,
+        sha256: done.sha256,
+        tensors: done.tensors.into_iter().map(|t| TensorRecord { name: t.name, offset: t.offset, nbytes: t.nbytes, sha256: t.sha256 }).collect(),
+    };
+    if record.size != job.planned[i].size {
+        bail!("internal: {} is {} bytes, planned {}", f.name, record.size, job.planned[i].size);
+    }
+    let body = serde_json::to_vec(&Done { job: id, record: record.clone() })?;
+    write_atomic(&rec_path, &body)?;
+    Ok(record)
+}
+
+/// Whether OUT already holds exactly this conversion, complete (manifest + sums, no state left).
+fn already_complete(job: &Job, out: &Path) -> bool {
+    if out.join(STATE_DIR).exists() || !out.join(SHA256SUMS).is_file() {
+        return false;
+    }
+    let Ok(text) = std::fs::read_to_string(out.join(MANIFEST)) else { return false };
+    let Ok(m) = Manifest::parse(MANIFEST, &text) else { return false };
+    m.source == job.inputs.source
+        && m.model == job.inputs.model
+        && m.plan.ranks == job.plan.ranks
+        && m.plan.experts == job.plan.experts
+        && m.plan.max_file_size == job.inputs.max_file_size
+        && m.files.len() == job.files.len()
+        && m.files.iter().zip(&job.planned).all(|(a, b)| a.name == b.name && a.size == b.size && std::fs::metadata(out.join(&a.name)).map(|x| x.len()).ok() == Some(a.size))
+}
+
+/// Run a conversion. Returns the manifest written.
+pub fn repack(o: &RepackOptions) -> Result<Manifest> {
+    let job = prepare(o)?;
+    check_out_dir(&o.out, &job.files)?;
+    if already_complete(&job, &o.out) {
+        if !o.quiet {
+            eprintln!("{}: already complete (run `kdtree-convert verify` to re-hash)", o.out.display());
+        }
+        let text = std::fs::read_to_string(o.out.join(MANIFEST))?;
+        return Ok(Manifest::parse(MANIFEST, &text)?);
+    }
+    // From here on, nothing verify would accept exists until the end.
+    for n in [MANIFEST, SHA256SUMS] {
+        let p = o.out.join(n);
+        if p.exists() {
+            std::fs::remove_file(&p).with_context(|| format!("removing stale {}", p.display()))?;
+        }
+    }
+    std::fs::create_dir_all(o.out.join(STATE_DIR))?;
+    let total: u64 = job.files.iter().map(|f| f.data_bytes).sum();
+    let prog = Progress::new("repack", total, o.quiet);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_THREADS);
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
+    let records: Vec<FileRecord> = pool.install(|| (0..job.files.len()).into_par_iter().map(|i| write_file(&job, o, i, &prog)).collect::<Result<_>>())?;
+    prog.finish();
+    let manifest = build_manifest(&job.plan, &job.files, &records, job.inputs);
+    let text = manifest.to_toml()?;
+    write_atomic(&o.out.join(MANIFEST), text.as_bytes())?;
+    let mut sums: Vec<(String, String)> = records.iter().map(|r| (r.name.clone(), r.sha256.clone())).collect();
+    sums.push((MANIFEST.to_string(), hex::encode(Sha256::digest(text.as_bytes()))));
+    write_atomic(&o.out.join(SHA256SUMS), sha256sums(&sums).as_bytes())?;
+    std::fs::remove_dir_all(o.out.join(STATE_DIR))?;
+    for f in &job.files {
+        let _ = std::fs::remove_file(partial_path(&o.out.join(&f.name)));
+    }
+    if !o.quiet {
+        eprintln!("{}: {} files, {} tensors, {} bytes", o.out.display(), manifest.files.len(), manifest.tensors.len(), manifest.files.iter().map(|f| f.size).sum::<u64>());
+    }
+    Ok(manifest)
+}

@@ -1,0 +1,130 @@
+//! `kdtree-convert verify`: re-hash every file and every tensor (in parallel, one streaming pass per
+//! file) against manifest.toml, check SHA256SUMS against the manifest, and look for missing and extra
+//! files. The first bad file (in manifest order) is named, with the first bad tensor in it.
+//! Exit: 0 ok, 1 a check failed, 2 could not run (e.g. unreadable manifest). Tests: tests/verify.rs.
+
+use crate::progress::Progress;
+use anyhow::{Context, Result};
+use kdtree_formats::manifest::{parse_sha256sums, FileEntry, Manifest, TensorEntry, MANIFEST, SHA256SUMS};
+use rayon::prelude::*;
+use sha2::{Digest, Sha256};
+use std::collections::{BTreeSet, HashMap};
+use std::io::Read;
+use std::path::Path;
+
+/// Outcome of a verify run that could read the manifest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    Ok { files: usize, tensors: usize, bytes: u64 },
+    /// What failed, naming the file (and tensor when one is to blame).
+    Failed(String),
+}
+
+/// Hash one file in a single pass; return the first problem found.
+fn check_file(dir: &Path, f: &FileEntry, tensors: &[&TensorEntry], prog: &Progress) -> Result<Option<String>> {
+    let p = dir.join(&f.name);
+    let mut file = std::fs::File::open(&p).with_context(|| format!("opening {}", p.display()))?;
+    let len = file.metadata()?.len();
+    if len != f.size {
+        let cut = tensors.iter().find(|t| t.offset + t.nbytes > len);
+        let who = cut.map_or(String::new(), |t| format!(": tensor \"{}\" (bytes {}..{}) is cut off", t.name, t.offset, t.offset + t.nbytes));
+        return Ok(Some(format!("{}: size {len}, manifest says {} (truncated or extended){who}", f.name, f.size)));
+    }
+    let mut fh = Sha256::new();
+    let mut bad_tensor: Option<String> = None;
+    let mut ti = 0usize;
+    let mut th = Sha256::new();
+    let mut pos = 0u64;
+    let mut buf = vec![0u8; 8 << 20];
+    loop {
+        let n = file.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        let chunk = &buf[..n];
+        fh.update(chunk);
+        let (cs, ce) = (pos, pos + n as u64);
+        while ti < tensors.len() {
+            let t = tensors[ti];
+            let (ts, te) = (t.offset, t.offset + t.nbytes);
+            let (a, b) = (ts.max(cs), te.min(ce));
+            if a < b {
+                th.update(&chunk[(a - cs) as usize..(b - cs) as usize]);
+            }
+            if te <= ce {
+                let got = hex::encode(std::mem::take(&mut th).finalize());
+                if got != t.sha256 && bad_tensor.is_none() {
+                    bad_tensor = Some(format!("tensor \"{}\" (rank {}): sha256 {got}, manifest says {}", t.name, t.rank, t.sha256));
+                }
+                ti += 1;
+            } else {
+                break;
+            }
+        }
+        pos = ce;
+        prog.inc(n as u64);
+    }
+    let got = hex::encode(fh.finalize());
+    if got == f.sha256 {
+        return Ok(None);
+    }
+    Ok(Some(match bad_tensor {
+        Some(t) => format!("{}: {t}", f.name),
+        None => format!("{}: sha256 {got}, manifest says {} (header bytes differ; every tensor matches)", f.name, f.sha256),
+    }))
+}
+
+/// Verify the converted model in `dir`.
+pub fn verify(dir: &Path, quiet: bool) -> Result<Verdict> {
+    let mpath = dir.join(MANIFEST);
+    let text = std::fs::read(&mpath).with_context(|| format!("reading {}", mpath.display()))?;
+    let m = Manifest::parse(&mpath.display().to_string(), std::str::from_utf8(&text).context("manifest.toml is not UTF-8")?)?;
+    // SHA256SUMS: present, parseable, and in agreement with the manifest (it also covers manifest.toml).
+    let spath = dir.join(SHA256SUMS);
+    let Ok(sums_text) = std::fs::read_to_string(&spath) else {
+        return Ok(Verdict::Failed(format!("{SHA256SUMS}: missing or unreadable")));
+    };
+    let sums: HashMap<String, String> = parse_sha256sums(SHA256SUMS, &sums_text)?.into_iter().collect();
+    let mut want: HashMap<String, String> = m.files.iter().map(|f| (f.name.clone(), f.sha256.clone())).collect();
+    want.insert(MANIFEST.into(), hex::encode(Sha256::digest(&text)));
+    for (n, h) in &want {
+        match sums.get(n) {
+            Some(s) if s == h => {}
+            Some(s) => return Ok(Verdict::Failed(format!("{n}: {SHA256SUMS} says {s}, expected {h}"))),
+            None => return Ok(Verdict::Failed(format!("{n}: not listed in {SHA256SUMS}"))),
+        }
+    }
+    if let Some(n) = sums.keys().find(|n| !want.contains_key(*n)) {
+        return Ok(Verdict::Failed(format!("{n}: listed in {SHA256SUMS} but not in the manifest")));
+    }
+    // Missing and extra files.
+    let mut present = BTreeSet::new();
+    for e in std::fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
+        present.insert(e?.file_name().to_string_lossy().into_owned());
+    }
+    if let Some(f) = m.files.iter().find(|f| !present.contains(&f.name)) {
+        return Ok(Verdict::Failed(format!("{}: missing", f.name)));
+    }
+    if let Some(x) = present.iter().find(|n| !want.contains_key(*n) && n.as_str() != SHA256SUMS) {
+        return Ok(Verdict::Failed(format!("{x}: extra file not in the manifest")));
+    }
+    let mut by_file: HashMap<&str, Vec<&TensorEntry>> = HashMap::new();
+    for t in &m.tensors {
+        by_file.entry(t.file.as_str()).or_default().push(t);
+    }
+    for v in by_file.values_mut() {
+        v.sort_by_key(|t| t.offset);
+    }
+    let total: u64 = m.files.iter().map(|f| f.size).sum();
+    let prog = Progress::new("verify", total, quiet);
+    let results: Vec<Option<String>> = m
+        .files
+        .par_iter()
+        .map(|f| check_file(dir, f, by_file.get(f.name.as_str()).map_or(&[][..], |v| v.as_slice()), &prog))
+        .collect::<Result<_>>()?;
+    prog.finish();
+    if let Some(bad) = results.into_iter().flatten().next() {
+        return Ok(Verdict::Failed(bad));
+    }
+    Ok(Verdict::Ok { files: m.files.len(), tensors: m.tensors.len(), bytes: total })
+}

@@ -1,0 +1,106 @@
+//! Command-line arguments (clap derive; the doc comments are the `--help` text).
+
+use std::path::PathBuf;
+
+use clap::{ArgAction, Parser, ValueEnum};
+
+/// Prompts in, one JSON record per prompt out, with DDTree speculative decoding (Kimi K2.6 target +
+/// DFlash drafter) or plain autoregressive decoding.
+///
+/// Prompt lines (JSONL, kind detected per line): {"id","prompt"}, {"id","messages":[...]},
+/// {"id","prompt_token_ids":[...]}, or OpenAI batch lines {"custom_id","method":"POST",
+/// "url":"/v1/chat/completions","body":{...}}. Per-line max_tokens, temperature, top_p, top_k, seed
+/// and stop override the flags below. Output lines come in input order; every run-dependent value is
+/// in each record's `timing`, so `jq -c 'del(.timing)'` compares runs.
+///
+/// Exit status: 0 all lines ok; 1 some line got an error record or --verify found a mismatch; 2 error.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "kdtree-run", version)]
+pub struct Args {
+    /// Converted model directory (output of `kdtree-convert repack`).
+    #[arg(value_name = "MODEL")]
+    pub model: PathBuf,
+
+    /// Prompt file (JSONL); the whole file is validated before any work starts.
+    #[arg(long, value_name = "FILE")]
+    pub prompts: PathBuf,
+
+    /// Output JSONL, written and flushed line by line ("-" = stdout).
+    #[arg(long, value_name = "FILE.jsonl")]
+    pub out: PathBuf,
+
+    /// Decoding loop: DDTree speculative decoding (needs the drafter) or autoregressive.
+    #[arg(long, value_enum, default_value_t = ModeArg::Ddtree)]
+    pub mode: ModeArg,
+
+    /// DDTree tree budget: drafted nodes verified per step, root excluded.
+    #[arg(long, value_name = "N", default_value_t = 64)]
+    pub budget: usize,
+
+    /// Default maximum completion tokens per line.
+    #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_tokens: u64,
+
+    /// Default sampling temperature; 0 = greedy.
+    #[arg(long, value_name = "T", default_value_t = 0.0)]
+    pub temperature: f32,
+
+    /// Default nucleus mass in (0, 1]; 1 = off.
+    #[arg(long, value_name = "P", default_value_t = 1.0)]
+    pub top_p: f32,
+
+    /// Default top-k; 0 = off.
+    #[arg(long, value_name = "K", default_value_t = 0)]
+    pub top_k: usize,
+
+    /// Default seed of the per-line sampling RNG.
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    pub seed: u64,
+
+    /// Chat lines without their own `thinking`: open a `<think>` block (true) or emit `<think></think>`.
+    #[arg(long, value_name = "BOOL", default_value_t = true, action = ArgAction::Set)]
+    pub thinking: bool,
+
+    /// Backend: CUDA when built with it and a GPU is usable (auto), or forced.
+    #[arg(long, value_enum, default_value_t = DeviceArg::Auto)]
+    pub device: DeviceArg,
+
+    /// Compare the outputs with a golden bundle directory (made by kdtree-golden).
+    #[arg(long, value_name = "GOLDEN_DIR")]
+    pub verify: Option<PathBuf>,
+
+    /// Write run totals (tokens/s, acceptance, wall time, manifest hash, backend) as JSON.
+    #[arg(long, value_name = "FILE.json")]
+    pub summary: Option<PathBuf>,
+
+    /// Keep the records already in --out (cutting a torn last line) and answer only the rest.
+    #[arg(long)]
+    pub resume: bool,
+
+    /// No progress lines on stderr.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ModeArg {
+    Ddtree,
+    Ar,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DeviceArg {
+    Auto,
+    Cuda,
+    Cpu,
+}
+
+impl Args {
+    /// Checks clap cannot express.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(self.temperature >= 0.0, "--temperature must be >= 0, got {}", self.temperature);
+        anyhow::ensure!(self.top_p > 0.0 && self.top_p <= 1.0, "--top-p must be in (0, 1], got {}", self.top_p);
+        anyhow::ensure!(!(self.resume && self.out.as_os_str() == "-"), "--resume needs --out to be a file");
+        Ok(())
+    }
+}

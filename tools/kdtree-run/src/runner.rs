@@ -1,0 +1,284 @@
+//! The per-line work: prompt → token ids (raw text, chat template, or given ids), checks against the
+//! model (context length, vocabulary), one `engine::generate` call with stop strings matched on
+//! complete UTF-8 text, and the [`Outcome`] its record is made from.
+//!
+//! Stop handling: stop token ids (the model's eos) end generation inside the engine and stay in
+//! `token_ids` but are not rendered into `text`; a stop string ends it from the per-token callback and
+//! `text` is cut before it (`token_ids` keep every generated token, up to the one that completed it).
+//! Tests: bottom of this file (a scripted mock target), end to end in tests/run_cli.rs.
+
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use kdtree_engine::api::{Drafter, Target};
+use kdtree_engine::generate::{generate, FinishReason, GenRequest, Mode, Sampling};
+use kdtree_text::chat::{ChatOptions, ChatTemplate};
+use kdtree_text::detok::{Detokenizer, StopMatcher};
+use kdtree_text::prompts::{Input, PromptLine, Request};
+use kdtree_text::Tokenizer;
+
+use crate::records::{Completion, Outcome, SamplingUsed, Timing};
+
+/// Run-wide settings a line may override.
+#[derive(Debug, Clone)]
+pub struct Defaults {
+    pub max_tokens: usize,
+    pub sampling: Sampling,
+    pub mode: Mode,
+    pub thinking: bool,
+}
+
+/// Everything needed to answer lines.
+pub struct Runner<'a> {
+    pub target: &'a mut dyn Target,
+    pub drafter: Option<&'a mut dyn Drafter>,
+    /// None: the model dir has no tokenizer; only `prompt_token_ids` lines can run and `text` is null.
+    pub tokenizer: Option<&'a Tokenizer>,
+    pub chat: Option<&'a ChatTemplate>,
+    pub stop_token_ids: Vec<u32>,
+    pub defaults: Defaults,
+}
+
+fn failed(code: &str, message: impl Into<String>) -> Outcome {
+    Outcome::Failed { code: code.to_string(), message: message.into() }
+}
+
+impl Runner<'_> {
+    /// Answer one prompt line (a line that failed validation just reports its error).
+    pub fn run_line(&mut self, line: &PromptLine) -> Outcome {
+        match &line.request {
+            Err(e) => failed(e.code, e.to_string()),
+            Ok(req) => self.run_request(req),
+        }
+    }
+
+    fn prompt_ids(&self, req: &Request) -> Result<(Vec<u32>, Option<bool>), Outcome> {
+        let need_tok = || self.tokenizer.ok_or_else(|| failed("invalid_request", "the model has no tokenizer (tiktoken.model); use prompt_token_ids"));
+        match &req.input {
+            Input::TokenIds(ids) => Ok((ids.clone(), None)),
+            Input::Text(s) => Ok((need_tok()?.encode(s), None)),
+            Input::Chat { messages, tools, thinking, preserve_thinking } => {
+                let tok = need_tok()?;
+                let chat = self.chat.ok_or_else(|| failed("invalid_request", "the model has no chat template"))?;
+                let thinking = thinking.unwrap_or(self.defaults.thinking);
+                let opts = ChatOptions {
+                    add_generation_prompt: true,
+                    thinking,
+                    preserve_thinking: preserve_thinking.unwrap_or(false),
+                    tools: tools.clone(),
+                };
+                let text = chat.render(messages, &opts).map_err(|e| failed("invalid_request", format!("{e:#}")))?;
+                Ok((tok.encode(&text), Some(thinking)))
+            }
+        }
+    }
+
+    fn run_request(&mut self, req: &Request) -> Outcome {
+        let t0 = Instant::now();
+        let (prompt, thinking) = match self.prompt_ids(req) {
+            Ok(p) => p,
+            Err(o) => return o,
+        };
+        let info = self.target.info().clone();
+        if prompt.is_empty() {
+            return failed("empty_prompt", "the prompt encodes to no tokens");
+        }
+        if let Some(bad) = prompt.iter().find(|&&t| t as usize >= info.vocab_size) {
+            return failed("invalid_request", format!("token id {bad} is outside the model's vocabulary of {}", info.vocab_size));
+        }
+        if prompt.len() >= info.max_positions {
+            return failed(
+                "context_length_exceeded",
+                format!("the prompt has {} tokens; the model's context holds {} positions", prompt.len(), info.max_positions),
+            );
+        }
+        let d = &self.defaults;
+        let o = &req.overrides;
+        let used = SamplingUsed {
+            temperature: o.temperature.unwrap_or(d.sampling.temperature),
+            top_p: o.top_p.unwrap_or(d.sampling.top_p),
+            top_k: o.top_k.unwrap_or(d.sampling.top_k),
+            seed: o.seed.unwrap_or(d.sampling.seed),
+            max_tokens: o.max_tokens.unwrap_or(d.max_tokens),
+            stop: o.stop.clone().unwrap_or_default(),
+            thinking,
+        };
+        let gen_req = GenRequest {
+            prompt: prompt.clone(),
+            max_tokens: used.max_tokens,
+            stop_token_ids: self.stop_token_ids.clone(),
+            sampling: Sampling { temperature: used.temperature, top_p: used.top_p, top_k: used.top_k, seed: used.seed },
+            mode: d.mode,
+        };
+        let mut detok = Detokenizer::new();
+        let mut matcher = StopMatcher::new(&used.stop);
+        let mut seen = 0;
+        let (tokenizer, stop_ids) = (self.tokenizer, &self.stop_token_ids);
+        let mut on_tokens = |toks: &[u32]| -> bool {
+            let Some(tok) = tokenizer else { return false };
+            for &t in &toks[seen..] {
+                seen += 1;
+                if stop_ids.contains(&t) {
+                    continue;
+                }
+                // Ids the tokenizer does not know (padded model vocab) render as nothing.
+                let bytes = tok.decode_bytes(&[t]).unwrap_or_default();
+                if matcher.push(&detok.push(&bytes)) {
+                    return true;
+                }
+            }
+            false
+        };
+        let pre_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let out = match generate(&mut *self.target, self.drafter.as_deref_mut(), &gen_req, &mut on_tokens) {
+            Ok(out) => out,
+            Err(e) => return failed("engine_error", format!("{e:#}")),
+        };
+        let text = tokenizer.map(|_| {
+            if !matcher.stopped() {
+                matcher.push(&detok.finish());
+            }
+            matcher.text().to_string()
+        });
+        let n = out.tokens.len();
+        let timing = Timing {
+            ttft_ms: pre_ms + out.ttft_ms,
+            decode_ms: out.decode_ms,
+            e2e_ms: t0.elapsed().as_secs_f64() * 1e3,
+            decode_tok_s: if n > 1 && out.decode_ms > 0.0 { (n - 1) as f64 * 1e3 / out.decode_ms } else { 0.0 },
+            created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        };
+        Outcome::Done(Completion {
+            text,
+            token_ids: out.tokens,
+            finish_reason: match out.finish_reason {
+                FinishReason::Stop | FinishReason::Callback => "stop",
+                FinishReason::Length => "length",
+            },
+            prompt_tokens: prompt.len(),
+            sampling: used,
+            mode: d.mode,
+            spec: out.spec,
+            timing,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kdtree_engine::api::{StepOut, TargetInfo};
+    use kdtree_text::prompts::parse_line;
+
+    /// A chain-only target over 256 byte ids + 2 specials that emits a fixed script: the token predicted
+    /// after position p is `script[p + 1 - prompt_len]`, then 257 (`<|im_end|>`) once the script ends.
+    struct ScriptTarget {
+        info: TargetInfo,
+        script: Vec<u32>,
+        prompt_len: usize,
+        committed: usize,
+        last: Vec<u32>,
+    }
+
+    impl ScriptTarget {
+        fn new(script: &[u8], max_positions: usize) -> Self {
+            let info = TargetInfo { vocab_size: 258, hidden_size: 1, num_layers: 1, max_positions, tap_layers: vec![] };
+            Self { info, script: script.iter().map(|&b| b as u32).collect(), prompt_len: 0, committed: 0, last: vec![] }
+        }
+    }
+
+    impl Target for ScriptTarget {
+        fn info(&self) -> &TargetInfo {
+            &self.info
+        }
+        fn committed(&self) -> usize {
+            self.committed
+        }
+        fn forward(&mut self, tokens: &[u32], parents: &[i32]) -> anyhow::Result<StepOut> {
+            assert_eq!(tokens.len(), parents.len());
+            if self.committed == 0 {
+                self.prompt_len = tokens.len();
+            }
+            let v = self.info.vocab_size;
+            let mut logits = vec![0.0; tokens.len() * v];
+            for i in 0..tokens.len() {
+                // Chains only: node i sits at position committed + i.
+                let generated = (self.committed + i + 1).saturating_sub(self.prompt_len);
+                let next = self.script.get(generated).copied().unwrap_or(257);
+                logits[i * v + next as usize] = 1.0;
+            }
+            self.last = tokens.to_vec();
+            Ok(StepOut { logits, taps: vec![] })
+        }
+        fn commit(&mut self, path: &[usize]) -> anyhow::Result<()> {
+            self.committed += path.len();
+            Ok(())
+        }
+        fn reset(&mut self) {
+            self.committed = 0;
+        }
+    }
+
+    fn byte_tokenizer() -> Tokenizer {
+        let ranks = (0u32..256).map(|b| (vec![b as u8], b)).collect();
+        let names = [(257, "<|im_end|>".to_string())].into_iter().collect();
+        Tokenizer::from_ranks(ranks, &names).unwrap()
+    }
+
+    fn run(line: &str, script: &str, max_positions: usize) -> Outcome {
+        let tok = byte_tokenizer();
+        let chat = ChatTemplate::builtin();
+        let mut target = ScriptTarget::new(script.as_bytes(), max_positions);
+        let mut runner = Runner {
+            target: &mut target,
+            drafter: None,
+            tokenizer: Some(&tok),
+            chat: Some(&chat),
+            stop_token_ids: vec![257],
+            defaults: Defaults { max_tokens: 64, sampling: Sampling::greedy(), mode: Mode::Ar, thinking: true },
+        };
+        runner.run_line(&parse_line(1, line))
+    }
+
+    fn done(o: Outcome) -> Completion {
+        match o {
+            Outcome::Done(c) => c,
+            Outcome::Failed { code, message } => panic!("{code}: {message}"),
+        }
+    }
+
+    #[test]
+    fn stop_token_ends_and_is_not_rendered() {
+        let c = done(run(r#"{"id":"a","prompt":"hi"}"#, "héllo", 100));
+        assert_eq!(c.text.as_deref(), Some("héllo"));
+        assert_eq!(c.token_ids.len(), "héllo".len() + 1);
+        assert_eq!(*c.token_ids.last().unwrap(), 257);
+        assert_eq!((c.finish_reason, c.prompt_tokens), ("stop", 2));
+    }
+
+    #[test]
+    fn stop_string_cuts_text_and_max_tokens_gives_length() {
+        let c = done(run(r#"{"id":"a","prompt":"hi","stop":["l"]}"#, "héllo", 100));
+        assert_eq!((c.text.as_deref(), c.finish_reason), (Some("hé"), "stop"));
+        assert_eq!(c.token_ids.len(), 4); // h, two bytes of é, l
+        let c = done(run(r#"{"id":"a","prompt":"hi","max_tokens":2}"#, "héllo", 100));
+        // The second byte of é is not generated: the partial character becomes U+FFFD.
+        assert_eq!((c.text.as_deref(), c.finish_reason), (Some("h\u{fffd}"), "length"));
+        assert_eq!(c.sampling.max_tokens, 2);
+    }
+
+    #[test]
+    fn chat_lines_use_the_template_and_prompt_checks_fail_per_line() {
+        let c = done(run(r#"{"id":"a","messages":[{"role":"user","content":"x"}],"thinking":false}"#, "ok", 1000));
+        let rendered = "<|im_user|>user<|im_middle|>x<|im_end|><|im_assistant|>assistant<|im_middle|><think></think>";
+        // Specials of the template are not in this byte tokenizer's names except <|im_end|>, so
+        // every other character is a byte token: prompt length = bytes - len("<|im_end|>") + 1.
+        assert_eq!(c.prompt_tokens, rendered.len() - "<|im_end|>".len() + 1);
+        assert_eq!(c.sampling.thinking, Some(false));
+        let Outcome::Failed { code, .. } = run(r#"{"id":"a","prompt":"0123456789"}"#, "x", 10) else { panic!() };
+        assert_eq!(code, "context_length_exceeded");
+        let Outcome::Failed { code, .. } = run(r#"{"id":"a","prompt_token_ids":[999]}"#, "x", 10) else { panic!() };
+        assert_eq!(code, "invalid_request");
+        let Outcome::Failed { code, .. } = run(r#"{"id":"a","prompt":""}"#, "x", 10) else { panic!() };
+        assert_eq!(code, "empty_prompt");
+    }
+}

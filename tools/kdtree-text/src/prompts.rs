@@ -1,0 +1,390 @@
+//! Prompt files: JSONL, one request per line, its kind detected per line:
+//!
+//! * `{"id", "prompt": "..."}`: raw text, tokenised as is;
+//! * `{"id", "messages": [...]}`: rendered with the chat template (`thinking`, `preserve_thinking`,
+//!   `tools` per line, else the run's defaults);
+//! * `{"id", "prompt_token_ids": [...]}`: bypasses the tokenizer;
+//! * OpenAI batch lines `{"custom_id", "method": "POST", "url": "/v1/chat/completions", "body": {...}}`
+//!   with `body.messages` and optional model, max_tokens | max_completion_tokens, temperature, top_p,
+//!   top_k, seed, stop, tools, chat_template_kwargs {thinking, preserve_thinking}.
+//!
+//! Plain lines take the same optional max_tokens, temperature, top_p, top_k, seed, stop (string or
+//! list) and override the run's defaults. The whole file is validated before any work: every
+//! non-blank line becomes one [`PromptLine`] whose `request` is `Ok` or a [`LineError`] (malformed
+//! JSON, unknown field, wrong type, empty prompt, duplicate id), so bad lines get error records while
+//! the others still run. Tests: bottom of this file.
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use serde_json::{Map, Value as Json};
+
+/// One non-blank line of a prompt file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptLine {
+    /// 1-based line number in the file.
+    pub line_no: usize,
+    /// `id` / `custom_id`; `line-{N}` when the line has none we can read.
+    pub id: String,
+    /// The line is an OpenAI batch request (its output uses the batch output envelope).
+    pub openai: bool,
+    pub request: Result<Request, LineError>,
+}
+
+/// What to feed the model.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Input {
+    Text(String),
+    Chat { messages: Json, tools: Option<Json>, thinking: Option<bool>, preserve_thinking: Option<bool> },
+    TokenIds(Vec<u32>),
+}
+
+/// Per-line settings; `None` = the run's default.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Overrides {
+    pub max_tokens: Option<usize>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<usize>,
+    pub seed: Option<u64>,
+    pub stop: Option<Vec<String>>,
+}
+
+/// A valid request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Request {
+    pub input: Input,
+    pub overrides: Overrides,
+    /// OpenAI `body.model`, echoed in the output.
+    pub model: Option<String>,
+}
+
+/// Why a line cannot run; becomes that line's error record.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("line {line_no}: {message}")]
+pub struct LineError {
+    pub line_no: usize,
+    /// Machine-readable: `invalid_json`, `invalid_request`, `empty_prompt`, `duplicate_id`.
+    pub code: &'static str,
+    pub message: String,
+}
+
+/// Read and validate a prompt file (only I/O errors fail the whole file).
+pub fn read_prompt_file(path: &Path) -> Result<Vec<PromptLine>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading prompts {}", path.display()))?;
+    Ok(parse_prompts(&text))
+}
+
+/// Validate every non-blank line; ids must be unique (a repeat is an error on the later line).
+pub fn parse_prompts(text: &str) -> Vec<PromptLine> {
+    let mut seen = std::collections::HashMap::<String, usize>::new();
+    let mut out = Vec::new();
+    for (i, raw) in text.lines().enumerate() {
+        if raw.trim().is_empty() {
+            continue;
+        }
+        let mut line = parse_line(i + 1, raw);
+        if line.request.is_ok() || line.id != synthetic_id(line.line_no) {
+            if let Some(first) = seen.get(&line.id) {
+                let message = format!("id {:?} repeats line {first}", line.id);
+                line.request = Err(LineError { line_no: line.line_no, code: "duplicate_id", message });
+            } else {
+                seen.insert(line.id.clone(), line.line_no);
+            }
+        }
+        out.push(line);
+    }
+    out
+}
+
+fn synthetic_id(line_no: usize) -> String {
+    format!("line-{line_no}")
+}
+
+/// Parse one line; never fails as a whole.
+pub fn parse_line(line_no: usize, raw: &str) -> PromptLine {
+    let fail = |id: String, openai: bool, code: &'static str, message: String| PromptLine {
+        line_no,
+        id,
+        openai,
+        request: Err(LineError { line_no, code, message }),
+    };
+    let obj = match serde_json::from_str::<Json>(raw) {
+        Ok(Json::Object(o)) => o,
+        Ok(_) => return fail(synthetic_id(line_no), false, "invalid_json", "expected a JSON object".into()),
+        Err(e) => return fail(synthetic_id(line_no), false, "invalid_json", format!("not valid JSON: {e}")),
+    };
+    let openai = obj.contains_key("custom_id");
+    let id_key = if openai { "custom_id" } else { "id" };
+    let id = match obj.get(id_key) {
+        Some(Json::String(s)) if !s.is_empty() => s.clone(),
+        Some(Json::Number(n)) => n.to_string(),
+        _ => {
+            let msg = format!("missing or empty \"{id_key}\" (a string)");
+            return fail(synthetic_id(line_no), openai, "invalid_request", msg);
+        }
+    };
+    let parsed = if openai { parse_openai(&obj) } else { parse_plain(&obj) };
+    match parsed {
+        Ok(request) => PromptLine { line_no, id, openai, request: Ok(request) },
+        Err((code, message)) => fail(id, openai, code, message),
+    }
+}
+
+type Fail = (&'static str, String);
+
+fn invalid(msg: impl Into<String>) -> Fail {
+    ("invalid_request", msg.into())
+}
+
+fn parse_plain(obj: &Map<String, Json>) -> Result<Request, Fail> {
+    const KNOWN: &[&str] = &[
+        "id", "prompt", "messages", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k",
+        "seed", "stop", "thinking", "preserve_thinking", "tools",
+    ];
+    reject_unknown(obj, KNOWN, "")?;
+    let kinds: Vec<&str> =
+        ["prompt", "messages", "prompt_token_ids"].into_iter().filter(|k| obj.contains_key(*k)).collect();
+    let input = match kinds.as_slice() {
+        ["prompt"] => match &obj["prompt"] {
+            Json::String(s) if s.is_empty() => return Err(("empty_prompt", "\"prompt\" is empty".into())),
+            Json::String(s) => Input::Text(s.clone()),
+            _ => return Err(invalid("\"prompt\" must be a string")),
+        },
+        ["messages"] => chat_input(obj, obj.get("thinking"), obj.get("preserve_thinking"), "")?,
+        ["prompt_token_ids"] => {
+            let Json::Array(ids) = &obj["prompt_token_ids"] else {
+                return Err(invalid("\"prompt_token_ids\" must be an array of token ids"));
+            };
+            if ids.is_empty() {
+                return Err(("empty_prompt", "\"prompt_token_ids\" is empty".into()));
+            }
+            let ids: Option<Vec<u32>> =
+                ids.iter().map(|v| v.as_u64().and_then(|x| u32::try_from(x).ok())).collect();
+            Input::TokenIds(ids.ok_or_else(|| invalid("\"prompt_token_ids\" must hold integers in 0..2^32"))?)
+        }
+        [] => return Err(invalid("needs one of \"prompt\", \"messages\", \"prompt_token_ids\"")),
+        more => return Err(invalid(format!("has more than one prompt kind: {more:?}"))),
+    };
+    let overrides = overrides(obj, "max_tokens", "")?;
+    Ok(Request { input, overrides, model: None })
+}
+
+fn parse_openai(obj: &Map<String, Json>) -> Result<Request, Fail> {
+    reject_unknown(obj, &["custom_id", "method", "url", "body"], "")?;
+    match obj.get("method") {
+        Some(Json::String(m)) if m == "POST" => {}
+        other => return Err(invalid(format!("\"method\" must be \"POST\", found {}", show(other)))),
+    }
+    match obj.get("url") {
+        Some(Json::String(u)) if u == "/v1/chat/completions" => {}
+        other => return Err(invalid(format!("\"url\" must be \"/v1/chat/completions\", found {}", show(other)))),
+    }
+    let Some(Json::Object(body)) = obj.get("body") else {
+        return Err(invalid("\"body\" must be an object"));
+    };
+    const KNOWN: &[&str] = &[
+        "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
+        "stop", "tools", "chat_template_kwargs", "n", "stream",
+    ];
+    reject_unknown(body, KNOWN, "body.")?;
+    if body.get("n").is_some_and(|n| n.as_u64() != Some(1)) {
+        return Err(invalid("body.n must be 1"));
+    }
+    if body.get("stream").is_some_and(|s| s.as_bool() != Some(false)) {
+        return Err(invalid("body.stream must be false"));
+    }
+    let kwargs = match body.get("chat_template_kwargs") {
+        None => Map::new(),
+        Some(Json::Object(m)) => m.clone(),
+        Some(_) => return Err(invalid("body.chat_template_kwargs must be an object")),
+    };
+    if !body.contains_key("messages") {
+        return Err(invalid("body.messages is required"));
+    }
+    let input = chat_input(body, kwargs.get("thinking"), kwargs.get("preserve_thinking"), "body.")?;
+    let max_key = if body.contains_key("max_completion_tokens") { "max_completion_tokens" } else { "max_tokens" };
+    if body.contains_key("max_completion_tokens") && body.contains_key("max_tokens") {
+        return Err(invalid("give body.max_tokens or body.max_completion_tokens, not both"));
+    }
+    let overrides = overrides(body, max_key, "body.")?;
+    let model = match body.get("model") {
+        None | Some(Json::Null) => None,
+        Some(Json::String(s)) => Some(s.clone()),
+        Some(_) => return Err(invalid("body.model must be a string")),
+    };
+    Ok(Request { input, overrides, model })
+}
+
+fn show(v: Option<&Json>) -> String {
+    v.map_or("nothing".to_string(), Json::to_string)
+}
+
+fn reject_unknown(obj: &Map<String, Json>, known: &[&str], prefix: &str) -> Result<(), Fail> {
+    match obj.keys().find(|k| !known.contains(&k.as_str())) {
+        Some(k) => Err(invalid(format!("unknown field \"{prefix}{k}\""))),
+        None => Ok(()),
+    }
+}
+
+fn chat_input(obj: &Map<String, Json>, thinking: Option<&Json>, preserve: Option<&Json>, prefix: &str) -> Result<Input, Fail> {
+    let Some(Json::Array(msgs)) = obj.get("messages") else {
+        return Err(invalid(format!("\"{prefix}messages\" must be an array")));
+    };
+    if msgs.is_empty() {
+        return Err(("empty_prompt", format!("\"{prefix}messages\" is empty")));
+    }
+    for (i, m) in msgs.iter().enumerate() {
+        if !m.get("role").is_some_and(Json::is_string) {
+            return Err(invalid(format!("{prefix}messages[{i}] needs a string \"role\"")));
+        }
+    }
+    let flag = |v: Option<&Json>, name: &str| match v {
+        None | Some(Json::Null) => Ok(None),
+        Some(Json::Bool(b)) => Ok(Some(*b)),
+        Some(_) => Err(invalid(format!("\"{name}\" must be true or false"))),
+    };
+    let tools = match obj.get("tools") {
+        None | Some(Json::Null) => None,
+        Some(t @ Json::Array(_)) => Some(t.clone()),
+        Some(_) => return Err(invalid(format!("\"{prefix}tools\" must be an array"))),
+    };
+    Ok(Input::Chat {
+        messages: Json::Array(msgs.clone()),
+        tools,
+        thinking: flag(thinking, "thinking")?,
+        preserve_thinking: flag(preserve, "preserve_thinking")?,
+    })
+}
+
+fn overrides(obj: &Map<String, Json>, max_key: &str, prefix: &str) -> Result<Overrides, Fail> {
+    let get = |k: &str| obj.get(k).filter(|v| !v.is_null());
+    let uint = |k: &str| -> Result<Option<u64>, Fail> {
+        get(k).map(|v| v.as_u64().ok_or_else(|| invalid(format!("\"{prefix}{k}\" must be a non-negative integer")))).transpose()
+    };
+    let float = |k: &str| -> Result<Option<f32>, Fail> {
+        get(k).map(|v| v.as_f64().map(|x| x as f32).ok_or_else(|| invalid(format!("\"{prefix}{k}\" must be a number")))).transpose()
+    };
+    let max_tokens = uint(max_key)?.map(|x| x as usize);
+    if max_tokens == Some(0) {
+        return Err(invalid(format!("\"{prefix}{max_key}\" must be at least 1")));
+    }
+    let temperature = float("temperature")?;
+    if temperature.is_some_and(|t| !(0.0..=100.0).contains(&t)) {
+        return Err(invalid(format!("\"{prefix}temperature\" must be in [0, 100]")));
+    }
+    let top_p = float("top_p")?;
+    if top_p.is_some_and(|p| !(p > 0.0 && p <= 1.0)) {
+        return Err(invalid(format!("\"{prefix}top_p\" must be in (0, 1]")));
+    }
+    let stop = match get("stop") {
+        None => None,
+        Some(Json::String(s)) => Some(vec![s.clone()]),
+        Some(Json::Array(a)) => Some(
+            a.iter()
+                .map(|s| s.as_str().map(str::to_string))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| invalid(format!("\"{prefix}stop\" must be a string or a list of strings")))?,
+        ),
+        Some(_) => return Err(invalid(format!("\"{prefix}stop\" must be a string or a list of strings"))),
+    };
+    Ok(Overrides {
+        max_tokens,
+        temperature,
+        top_p,
+        top_k: uint("top_k")?.map(|x| x as usize),
+        seed: uint("seed")?,
+        stop,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn detects_each_kind_and_overrides() {
+        let text = concat!(
+            r#"{"id":"a","prompt":"Hi","max_tokens":5,"temperature":0,"seed":7,"stop":"x"}"#, "\n",
+            "\n",
+            r#"{"id":"b","messages":[{"role":"user","content":"Hi"}],"thinking":false}"#, "\n",
+            r#"{"id":"c","prompt_token_ids":[1,2,3],"top_k":4,"top_p":0.5}"#, "\n",
+            r#"{"custom_id":"d","method":"POST","url":"/v1/chat/completions","body":{"model":"m","messages":[{"role":"user","content":"Yo"}],"max_completion_tokens":9,"stop":["s","t"],"chat_template_kwargs":{"thinking":true}}}"#, "\n",
+        );
+        let lines = parse_prompts(text);
+        assert_eq!(lines.len(), 4);
+        assert_eq!(lines.iter().map(|l| l.line_no).collect::<Vec<_>>(), vec![1, 3, 4, 5]);
+        let a = lines[0].request.as_ref().unwrap();
+        assert_eq!(a.input, Input::Text("Hi".into()));
+        assert_eq!(a.overrides, Overrides {
+            max_tokens: Some(5), temperature: Some(0.0), seed: Some(7), stop: Some(vec!["x".into()]), ..Default::default()
+        });
+        let Input::Chat { thinking, .. } = &lines[1].request.as_ref().unwrap().input else { panic!() };
+        assert_eq!(*thinking, Some(false));
+        let c = lines[2].request.as_ref().unwrap();
+        assert_eq!(c.input, Input::TokenIds(vec![1, 2, 3]));
+        assert_eq!((c.overrides.top_k, c.overrides.top_p), (Some(4), Some(0.5)));
+        let d = &lines[3];
+        assert!(d.openai);
+        assert_eq!(d.id, "d");
+        let d = d.request.as_ref().unwrap();
+        assert_eq!(d.model.as_deref(), Some("m"));
+        assert_eq!(d.overrides.max_tokens, Some(9));
+        assert_eq!(d.overrides.stop, Some(vec!["s".into(), "t".into()]));
+        let Input::Chat { thinking, messages, .. } = &d.input else { panic!() };
+        assert_eq!((*thinking, messages), (Some(true), &json!([{"role":"user","content":"Yo"}])));
+    }
+
+    #[test]
+    fn bad_lines_become_per_line_errors() {
+        let text = concat!(
+            "{not json\n",
+            r#"{"id":"e","prompt":""}"#, "\n",
+            r#"{"id":"f","prompt":"x","max_tokens":"ten"}"#, "\n",
+            r#"{"id":"g","prompt":"x","max_token":3}"#, "\n",
+            r#"{"id":"ok","prompt":"fine"}"#, "\n",
+            r#"{"id":"ok","prompt":"again"}"#, "\n",
+            r#"{"prompt":"no id"}"#, "\n",
+            r#"{"id":"h","prompt":"x","messages":[]}"#, "\n",
+            r#"{"id":"i","messages":[]}"#, "\n",
+            r#"{"id":"j","prompt_token_ids":[1,-2]}"#, "\n",
+            r#"{"custom_id":"k","method":"POST","url":"/v1/embeddings","body":{"messages":[{"role":"user"}]}}"#, "\n",
+            r#"{"custom_id":"l","method":"POST","url":"/v1/chat/completions","body":{"messages":[{"role":"user","content":"x"}],"n":2}}"#, "\n",
+            "[1,2]\n",
+        );
+        let lines = parse_prompts(text);
+        let summary: Vec<(usize, &str, &str)> = lines
+            .iter()
+            .map(|l| (l.line_no, l.id.as_str(), l.request.as_ref().err().map_or("ok", |e| e.code)))
+            .collect();
+        assert_eq!(summary, vec![
+            (1, "line-1", "invalid_json"),
+            (2, "e", "empty_prompt"),
+            (3, "f", "invalid_request"),
+            (4, "g", "invalid_request"),
+            (5, "ok", "ok"),
+            (6, "ok", "duplicate_id"),
+            (7, "line-7", "invalid_request"),
+            (8, "h", "invalid_request"),
+            (9, "i", "empty_prompt"),
+            (10, "j", "invalid_request"),
+            (11, "k", "invalid_request"),
+            (12, "l", "invalid_request"),
+            (13, "line-13", "invalid_json"),
+        ]);
+        let e = lines[3].request.as_ref().unwrap_err();
+        assert_eq!(e.to_string(), "line 4: unknown field \"max_token\"");
+        assert!(lines[10].openai && lines[11].openai && !lines[0].openai);
+    }
+
+    #[test]
+    fn reads_files_and_reports_io_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("p.jsonl");
+        std::fs::write(&p, "{\"id\":\"a\",\"prompt\":\"x\"}\n").unwrap();
+        assert_eq!(read_prompt_file(&p).unwrap().len(), 1);
+        let err = format!("{:#}", read_prompt_file(&dir.path().join("missing.jsonl")).unwrap_err());
+        assert!(err.contains("missing.jsonl"), "{err}");
+    }
+}
