@@ -246,6 +246,69 @@ def hf_teacher_forced(model, prompt, tokens):
     return hf_logits(model, ids)[len(prompt) - 1:]
 
 
+def hf_trace(model, ids):
+    """Per-layer tensors at the last position of a full forward over `ids`: attention output, MLP/MoE
+    output, residual after the layer, and for MoE layers the router's (expert ids, weights)."""
+    import torch
+
+    rec, hooks = {}, []
+    for l, layer in enumerate(model.model.layers):
+        def grab(key):
+            def hook(_m, _inp, out):
+                rec[key] = out
+            return hook
+        hooks.append(layer.self_attn.register_forward_hook(grab((l, "attn"))))
+        hooks.append(layer.mlp.register_forward_hook(grab((l, "mlp"))))
+        hooks.append(layer.register_forward_hook(grab((l, "res"))))
+        if hasattr(layer.mlp, "gate"):
+            hooks.append(layer.mlp.gate.register_forward_hook(grab((l, "router"))))
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.tensor([list(ids)], dtype=torch.long), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    out = []
+    for l in range(len(model.model.layers)):
+        first = lambda x: x[0] if isinstance(x, tuple) else x  # noqa: E731
+        e = {
+            "attn_out": first(rec[(l, "attn")])[0, -1].float().numpy(),
+            "mlp_out": first(rec[(l, "mlp")])[0, -1].float().numpy(),
+            "residual": first(rec[(l, "res")])[0, -1].float().numpy(),
+        }
+        if (l, "router") in rec:
+            _, w, idx = rec[(l, "router")]
+            e["router"] = dict(zip(idx[-1].tolist(), w[-1].float().tolist()))
+        out.append(e)
+    return out
+
+
+def compare_trace(model, bundle: dict, prompt, ref_toks) -> dict:
+    """Bundle trace (one decode forward) vs transformers' hooks on the same prefix.
+    rel = max|a-b| / max|b| per tensor, worst over layers; router ids compared as sets."""
+    step, pos, tok = (int(x) for x in bundle["trace.meta"])
+    ids = list(prompt) + [int(t) for t in ref_toks[:step]]
+    if len(ids) != pos + 1 or ids[-1] != tok:
+        raise SystemExit(f"trace.meta {step, pos, tok} does not match the prompt + tokens")
+    hf = hf_trace(model, ids)
+    worst = {"attn_out": 0.0, "mlp_out": 0.0, "residual": 0.0, "router_weights": 0.0}
+    router_ids_equal = True
+    for l, e in enumerate(hf):
+        p = f"trace.layer.{l}"
+        for k in ("attn_out", "mlp_out", "residual"):
+            a, b = bundle[f"{p}.{k}"].astype(np.float64), e[k].astype(np.float64)
+            worst[k] = max(worst[k], float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)))
+        if "router" in e:
+            got = dict(zip(bundle[f"{p}.router_ids"].tolist(), bundle[f"{p}.router_weights"].tolist()))
+            if set(got) != set(e["router"]):
+                router_ids_equal = False
+                continue
+            mx = max(abs(v) for v in e["router"].values())
+            worst["router_weights"] = max(worst["router_weights"],
+                                          max(abs(got[i] - e["router"][i]) for i in got) / mx)
+    return {"trace_step": step, "trace_rel": worst, "trace_router_ids_equal": router_ids_equal}
+
+
 # ----------------------------------------------------------------------------------------------
 # independent numpy implementation of k26-format §4 (float64), used by `spec`
 
@@ -494,12 +557,20 @@ def cmd_compare(args):
             raise SystemExit(f"{pid}: bundle has {len(ref_toks)} tokens / {full.shape[0]} full-logit steps, need {args.steps}")
         forced = hf_teacher_forced(model, prompt, ref_toks[:steps])
         e = errors(full[:steps], forced)
-        hf_toks, _ = hf_greedy(model, prompt, steps)
+        # transformers' greedy choice at every step of the reference path: if it equals the reference
+        # token at every step, transformers' own greedy run follows the same 32 tokens (by induction)
+        hf_toks = forced.argmax(axis=1)
         same = hf_toks == ref_toks[:steps]
         e["greedy_equal"] = bool(same.all())
         e["first_divergence"] = None if same.all() else int(np.argmin(same))
         e["id"] = pid
         e["steps"] = steps
+        if "trace.meta" in b:
+            e.update(compare_trace(model, b, prompt, ref_toks))
+            tr = e["trace_rel"]
+            ok &= e["trace_router_ids_equal"] and max(tr.values()) <= args.threshold
+            print(f"{pid}: trace of decode step {e['trace_step']}: rel attn_out {tr['attn_out']:.3e} mlp_out {tr['mlp_out']:.3e} "
+                  f"residual {tr['residual']:.3e} router_weights {tr['router_weights']:.3e}; router ids equal: {e['trace_router_ids_equal']}")
         report["prompts"].append(e)
         ok &= e["greedy_equal"] and e["rel_step"] <= args.threshold and e["finite"]
         print(f"{pid}: max_abs {e['max_abs']:.3e} rel_step {e['rel_step']:.3e} rel_elem {e['rel_elem']:.3e} "

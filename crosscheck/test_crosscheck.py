@@ -58,7 +58,14 @@ TEXT_CONFIG = {
     "num_nextn_predict_layers": 0,
     "bos_token_id": 1,
     "eos_token_id": 2,
-    "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized"},
+    "quantization_config": {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                                      "weights": {"type": "int", "num_bits": 4, "group_size": 32, "strategy": "group",
+                                                  "symmetric": True, "dynamic": False}}},
+        "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+                   "re:.*lm_head.*", "re:vision_tower.*", "re:mm_projector.*"],
+    },
 }
 
 
@@ -127,8 +134,13 @@ def write_checkpoint(path: str, tc: dict, seed: int = 7):
     os.makedirs(path, exist_ok=True)
     names = sorted(t)
     half = len(names) // 2
-    save_file({k: t[k].contiguous() for k in names[:half]}, os.path.join(path, "model-00001-of-000002.safetensors"))
-    save_file({k: t[k].contiguous() for k in names[half:]}, os.path.join(path, "model-00002-of-000002.safetensors"))
+    shards = {"model-00001-of-000002.safetensors": names[:half], "model-00002-of-000002.safetensors": names[half:]}
+    for fname, part in shards.items():
+        save_file({k: t[k].contiguous() for k in part}, os.path.join(path, fname))
+    total = sum(t[k].numel() * t[k].element_size() for k in names)
+    index = {"metadata": {"total_size": total}, "weight_map": {k: f for f, part in shards.items() for k in part}}
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f, indent=1, sort_keys=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump({"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
                    "text_config": tc}, f, indent=1)

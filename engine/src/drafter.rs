@@ -72,6 +72,44 @@ impl TargetTables for DenseTables {
     }
 }
 
+/// The CPU target's own per-rank tables (vocab-parallel `[V/R, H]` shards), used without a copy: embed looks
+/// up the owning rank's row; lm_head runs each rank's shard and places its columns at the rank's vocab
+/// offset (global vocab order, ddtree.md §5.6 item 10).
+impl TargetTables for crate::model::Weights {
+    fn hidden_size(&self) -> usize {
+        self.cfg.hidden
+    }
+    fn vocab_size(&self) -> usize {
+        self.cfg.vocab
+    }
+    fn embed(&self, tokens: &[u32]) -> Vec<f32> {
+        let h = self.cfg.hidden;
+        let per = self.cfg.vocab / self.embed.len();
+        tokens
+            .iter()
+            .flat_map(|&t| {
+                let (r, row) = (t as usize / per, t as usize % per);
+                assert!(r < self.embed.len(), "embed: token {t} >= vocab {}", self.cfg.vocab);
+                ops::bf16_slice_to_f32(&self.embed[r].w[row * h..(row + 1) * h])
+            })
+            .collect()
+    }
+    fn lm_head(&self, x: &[f32], n: usize) -> Vec<f32> {
+        let v = self.cfg.vocab;
+        let mut out = vec![0f32; n * v]; // [n, V]
+        let mut off = 0;
+        for m in &self.lm_head {
+            let part = m.matmul(x, n); // [n, V/R]
+            for t in 0..n {
+                out[t * v + off..t * v + off + m.rows].copy_from_slice(&part[t * m.rows..(t + 1) * m.rows]);
+            }
+            off += m.rows;
+        }
+        assert_eq!(off, v, "lm_head shards cover {off} of {v} vocab rows");
+        out
+    }
+}
+
 /// Shapes of the drafter, from its config.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DrafterDims {
@@ -189,6 +227,19 @@ pub struct DFlashDrafter {
 }
 
 impl DFlashDrafter {
+    /// Load the drafter of a converted model (`drafter.*` tensors, gathered over ranks) with the target's
+    /// tables. Errors when the model has no drafter.
+    pub fn load(src: &dyn crate::model::TensorSource, tables: Arc<dyn TargetTables>) -> Result<Self> {
+        let cfg = src.drafter_config().ok_or_else(|| anyhow::anyhow!("model has no drafter (no drafter config)"))?.clone();
+        let dims = DrafterDims::from_config(&cfg)?;
+        let w = DrafterWeights::load_with(&dims, |name, shape| {
+            let (v, logical) = crate::model::source::gather_bf16(src, name)?;
+            ensure!(logical == shape, "{name}: logical shape {logical:?}, expected {shape:?}");
+            Ok(v)
+        })?;
+        Self::new(&cfg, w, tables)
+    }
+
     pub fn new(cfg: &DrafterConfig, w: DrafterWeights, tables: Arc<dyn TargetTables>) -> Result<Self> {
         let dims = DrafterDims::from_config(cfg)?;
         ensure!(tables.hidden_size() == dims.hidden, "drafter hidden {} != target hidden {}", dims.hidden, tables.hidden_size());

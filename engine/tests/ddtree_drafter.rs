@@ -17,8 +17,8 @@ use std::sync::Arc;
 const H: usize = 32;
 const V: usize = 40;
 const N_TAPS: usize = 2;
-/// f32 drafter vs f64 reference, max |Δlogit|: measured 3e-6 on these shapes; 30x margin.
-const REF_TOL: f64 = 1e-4;
+/// f32 drafter vs f64 reference, max |Δlogit|: measured 1.1e-6 over the 5 drafts below; ~20x margin.
+const REF_TOL: f64 = 2e-5;
 
 fn config(block: usize) -> DrafterConfig {
     let json = format!(
@@ -137,7 +137,7 @@ fn inv_freq(dim: usize, base: f64, factor: f64, orig: f64, beta_fast: f64, beta_
     let high = corr(beta_slow).ceil().min(dim as f64 - 1.0);
     (0..dim / 2)
         .map(|i| {
-            let extra = base.powf(-(2 * i) as f64 / dim as f64);
+            let extra = base.powf(-((2 * i) as f64) / dim as f64);
             let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
             extra / factor * ramp + extra * (1.0 - ramp)
         })
@@ -222,6 +222,7 @@ fn draft_matches_a_naive_from_scratch_reference() {
         let want = reference(&cfg, &w, &t, &all, ctx, bonus);
         assert_eq!(got.len(), want.len());
         let err = got.iter().zip(&want).map(|(a, b)| (*a as f64 - b).abs()).fold(0.0, f64::max);
+        eprintln!("step {step} ctx {ctx}: max |dlogit| {err:e}");
         assert!(err < REF_TOL, "step {step} (ctx {ctx}): max |Δlogit| {err:e} > {REF_TOL:e}");
         let spread = want.iter().cloned().fold(f64::MIN, f64::max) - want.iter().cloned().fold(f64::MAX, f64::min);
         assert!(spread > 0.1, "logits too flat to be a meaningful comparison: {spread}");

@@ -81,8 +81,9 @@ impl<T: bytemuck::Pod> std::ops::Deref for Slab<T> {
 /// Copy bytes into a fresh (aligned) vector of `T` (trailing bytes that do not fill a `T` are an error
 /// upstream: every caller passes whole tensors).
 pub fn pod_vec<T: bytemuck::Pod>(data: &[u8]) -> Vec<T> {
-    let mut v = vec![T::zeroed(); data.len() / std::mem::size_of::<T>()];
-    bytemuck::cast_slice_mut::<T, u8>(&mut v).copy_from_slice(&data[..v.len() * std::mem::size_of::<T>()]);
+    let n = data.len() / std::mem::size_of::<T>();
+    let mut v = vec![T::zeroed(); n];
+    bytemuck::cast_slice_mut::<T, u8>(&mut v).copy_from_slice(&data[..n * std::mem::size_of::<T>()]);
     v
 }
 

@@ -239,7 +239,9 @@ impl Ld<'_> {
         let t = expect(self.src(), name, rank, Dtype::BF16, shape)?;
         match split {
             Some((a, off)) if self.r > 1 => expect_split(&t, name, rank, Some(a), off)?,
-            _ => expect_split(&t, name, rank, None, 0)?,
+            // R = 1: the plan may record the split axis with offset 0 or no split at all.
+            Some(_) => ensure!(t.split_offset == 0, "{name}: single rank but split offset {}", t.split_offset),
+            None => expect_split(&t, name, rank, None, 0)?,
         }
         Ok(Slab::new(self.owner, t.data))
     }

@@ -34,11 +34,13 @@ impl<'a> Copier<'a> {
     /// Write `file[abs .. abs+len]`.
     fn copy(&mut self, w: &mut ShardWriter, abs: usize, len: usize, prog: &Progress) -> Result<()> {
         let bytes = &self.file.bytes()[abs..abs + len];
+        let mut at = abs;
         for c in bytes.chunks(CHUNK) {
             w.write(c)?;
             prog.inc(c.len() as u64);
+            at += c.len();
+            self.consumed(at, c.len());
         }
-        self.consumed(abs + len, len);
         Ok(())
     }
     fn consumed(&mut self, upto: usize, n: usize) {

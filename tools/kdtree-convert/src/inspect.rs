@@ -23,7 +23,7 @@ pub fn inspect(dir: &Path, tensor: Option<&str>) -> Result<String> {
     let t = d.text_config();
     writeln!(s, "target     {} layers, hidden {}, {} experts (top {}), vocab {}", t.num_hidden_layers, t.hidden_size, t.n_routed_experts, t.num_experts_per_tok, t.vocab_size)?;
     if let Some(dc) = d.drafter_config() {
-        writeln!(s, "drafter    {} layers, target layers {:?}, block {:?}", dc.num_hidden_layers, dc.dflash_config.target_layer_ids, dc.block_size())?;
+        writeln!(s, "drafter    {} layers, target layers {:?}, block {}", dc.num_hidden_layers, dc.dflash_config.target_layer_ids, dc.block_size().unwrap_or(0))?;
     }
     writeln!(s, "plan       ranks {}, experts {:?}, group {}, max file {} bytes, experts from {}", m.plan.ranks, m.plan.experts, m.plan.group_size, m.plan.max_file_size, m.plan.experts_source)?;
     for r in &m.plan.splits {

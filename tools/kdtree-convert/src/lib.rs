@@ -1,5 +1,6 @@
 //! kdtree-convert as a library: repack, verify, inspect and synth, callable from tests of other crates.
 //! The binary (main.rs) only parses arguments and maps results to exit codes.
+#![recursion_limit = "256"]
 
 pub mod emit;
 pub mod inspect;

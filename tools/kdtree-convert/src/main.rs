@@ -1,9 +1,9 @@
 //! kdtree-convert: repack a Kimi K2.6 checkpoint (+ DFlash drafter) into checksummed INT4 group-32 rank
-//! shards, verify them, inspect them. This file is the table of contents: arguments, one function per
+//! shards, verify them, inspect them, synthesize test checkpoints. This file is the table of contents: arguments, one function per
 //! subcommand, exit codes (0 ok, 1 check failed, 2 error). The work lives in the library modules.
 
 use clap::{Parser, Subcommand, ValueEnum};
-use kdtree_convert::{inspect, repack, verify};
+use kdtree_convert::{inspect, repack, synth, verify};
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -57,6 +57,14 @@ enum Cmd {
         #[arg(long)]
         tensor: Option<String>,
     },
+    /// Write a synthetic checkpoint in the exact Kimi K2.6 Hugging Face layout (for tests and demos).
+    Synth {
+        #[command(flatten)]
+        args: synth::SynthArgs,
+        /// No progress bar or summary.
+        #[arg(long)]
+        quiet: bool,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -106,6 +114,10 @@ fn run(args: Args) -> anyhow::Result<Outcome> {
         Cmd::Inspect { dir, tensor } => {
             let report = inspect::inspect(&dir, tensor.as_deref())?;
             std::io::stdout().lock().write_all(report.as_bytes())?;
+            Ok(Outcome::Pass)
+        }
+        Cmd::Synth { args, quiet } => {
+            synth::run_synth(&args, quiet)?;
             Ok(Outcome::Pass)
         }
     }

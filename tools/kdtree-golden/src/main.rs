@@ -113,11 +113,11 @@ fn read_prompts(path: &std::path::Path, model: &std::path::Path) -> Result<Vec<(
     let lines = read_prompt_file(path)?;
     ensure!(!lines.is_empty(), "{}: no prompts", path.display());
     let mut tok: Option<kdtree_text::Tokenizer> = None;
-    let mut tokenizer = || -> Result<kdtree_text::Tokenizer> {
+    let mut encode = |text: &str| -> Result<Vec<u32>> {
         if tok.is_none() {
             tok = Some(kdtree_text::Tokenizer::from_dir(model).with_context(|| format!("loading the tokenizer of {}", model.display()))?);
         }
-        Ok(tok.clone().unwrap())
+        Ok(tok.as_ref().unwrap().encode(text))
     };
     let mut out = Vec::new();
     for l in lines {
@@ -127,12 +127,17 @@ fn read_prompts(path: &std::path::Path, model: &std::path::Path) -> Result<Vec<(
         };
         let ids = match req.input {
             Input::TokenIds(ids) => ids,
-            Input::Text(text) => tokenizer()?.encode(&text),
+            Input::Text(text) => encode(&text)?,
             Input::Chat { messages, tools, thinking, preserve_thinking } => {
-                let tmpl = kdtree_text::ChatTemplate::from_dir(model).or_else(|_| Ok::<_, anyhow::Error>(kdtree_text::ChatTemplate::builtin()))?;
-                let opts = kdtree_text::chat::ChatOptions { tools, thinking, preserve_thinking, ..Default::default() };
-                let text = tmpl.render(&messages, &opts)?;
-                tokenizer()?.encode(&text)
+                let tmpl = kdtree_text::ChatTemplate::from_dir(model)?;
+                let d = kdtree_text::chat::ChatOptions::default();
+                let opts = kdtree_text::chat::ChatOptions {
+                    tools,
+                    thinking: thinking.unwrap_or(d.thinking),
+                    preserve_thinking: preserve_thinking.unwrap_or(d.preserve_thinking),
+                    ..d
+                };
+                encode(&tmpl.render(&messages, &opts)?)?
             }
         };
         ensure!(!ids.is_empty(), "{}:{}: prompt {:?} has no tokens", path.display(), l.line_no, l.id);

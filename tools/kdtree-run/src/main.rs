@@ -80,7 +80,7 @@ fn run(args: Args) -> Result<bool> {
         }
         let mut runner = Runner {
             target: model.target.as_mut(),
-            drafter: model.drafter.as_deref_mut(),
+            drafter: model.drafter.as_mut().map(|d| &mut **d as &mut dyn kdtree_engine::api::Drafter),
             tokenizer: model.tokenizer.as_ref(),
             chat: model.chat.as_ref(),
             stop_token_ids: model.stop_token_ids.clone(),

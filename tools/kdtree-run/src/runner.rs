@@ -129,7 +129,9 @@ impl Runner<'_> {
             false
         };
         let pre_ms = t0.elapsed().as_secs_f64() * 1e3;
-        let out = match generate(&mut *self.target, self.drafter.as_deref_mut(), &gen_req, &mut on_tokens) {
+        // Re-borrow the drafter for this call only (coercion does not reach inside the Option).
+        let drafter = self.drafter.as_mut().map(|d| &mut **d as &mut dyn Drafter);
+        let out = match generate(&mut *self.target, drafter, &gen_req, &mut on_tokens) {
             Ok(out) => out,
             Err(e) => return failed("engine_error", format!("{e:#}")),
         };

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Repack throughput vs plain `cp -r` on the same disk, and repack's peak RSS.
+# Synthesizes a K2.6-width checkpoint (default: k26-slice with 2 layers = 1 dense + 1 MoE, ~15.5 GB) into
+# $DATA (outside the repo), drops the page cache before each timed step when allowed, times
+# `cp -r src copy && sync` against `kdtree-convert repack src out --ranks 8 && sync`, then deletes everything.
+# Goal (bench/RESULTS.md): repack >= 0.8x cp throughput, peak RSS <= 1 GiB.
+# Usage: bench/convert.sh            env: DATA PRESET LAYERS RANKS EXPERTS BIN KEEP=1 (keep the data)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DATA=${DATA:-/work/bench-data}
+PRESET=${PRESET:-k26-slice}
+LAYERS=${LAYERS:-2}
+RANKS=${RANKS:-8}
+EXPERTS=${EXPERTS:-tp}
+TARGET=${CARGO_TARGET_DIR:-target}
+BIN=${BIN:-$TARGET/release/kdtree-convert}
+TIME=/usr/bin/time
+[ -x "$TIME" ] || { echo "need /usr/bin/time (apt-get install time)" >&2; exit 2; }
+[ -x "$BIN" ] || cargo build --release -p kdtree-convert
+case "$DATA" in "$PWD"*) echo "DATA must be outside the repo" >&2; exit 2;; esac
+
+drop_caches() {
+  sync
+  if (echo 3 > /proc/sys/vm/drop_caches) 2>/dev/null; then echo "page cache dropped"; DROPPED=yes; else echo "cannot drop the page cache"; DROPPED=no; fi
+}
+field() { grep "$1" "$2" | head -1 | awk -F': ' '{print $2}'; }
+secs() { # "Elapsed (wall clock) time (h:mm:ss or m:ss): 1:02.34" -> seconds
+  local t; t=$(field "Elapsed (wall clock)" "$1"); awk -v t="$t" 'BEGIN{n=split(t,a,":"); s=0; for(i=1;i<=n;i++) s=s*60+a[i]; print s}'
+}
+
+rm -rf "$DATA"; mkdir -p "$DATA"
+trap '[ "${KEEP:-0}" = 1 ] || rm -rf "$DATA"' EXIT
+echo "== synth $PRESET --layers $LAYERS -> $DATA/src"
+$TIME -v "$BIN" synth "$PRESET" "$DATA/src" --layers "$LAYERS" --seed 0 2> "$DATA/synth.time" >/dev/null || { cat "$DATA/synth.time"; exit 1; }
+sync
+BYTES=$(du -sb "$DATA/src" | cut -f1)
+echo "source bytes: $BYTES ($(awk -v b="$BYTES" 'BEGIN{printf "%.2f GiB", b/2^30}')), synth $(secs "$DATA/synth.time") s"
+
+echo "== cp -r"
+drop_caches
+$TIME -v bash -c "cp -r '$DATA/src' '$DATA/cp' && sync" 2> "$DATA/cp.time"
+CP_S=$(secs "$DATA/cp.time")
+rm -rf "$DATA/cp"
+
+echo "== repack --ranks $RANKS --experts $EXPERTS"
+drop_caches
+$TIME -v bash -c "'$BIN' repack '$DATA/src' '$DATA/out' --ranks $RANKS --experts $EXPERTS --quiet && sync" 2> "$DATA/repack.time" \
+  || { cat "$DATA/repack.time"; exit 1; }
+RP_S=$(secs "$DATA/repack.time")
+RP_RSS_KB=$(field "Maximum resident set size" "$DATA/repack.time")
+OUT_BYTES=$(du -sb "$DATA/out" | cut -f1)
+
+awk -v b="$BYTES" -v c="$CP_S" -v r="$RP_S" -v rss="$RP_RSS_KB" -v ob="$OUT_BYTES" -v d="$DROPPED" 'BEGIN{
+  printf "cp:     %.1f s  %.0f MB/s\n", c, b/c/1e6;
+  printf "repack: %.1f s  %.0f MB/s  (output %.2f GiB)\n", r, b/r/1e6, ob/2^30;
+  printf "ratio repack/cp throughput: %.2f   peak RSS: %.0f MiB   page cache dropped: %s\n", c/r, rss/1024, d }'
+echo "cpu: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
+echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (dirty tree)')  date: $(date -u +%FT%TZ)"

@@ -1,0 +1,74 @@
+//! `kdtree-convert verify`: passes on a fresh conversion; a flipped byte inside a tensor names that
+//! tensor; truncation, a missing file and an extra file each fail with exit 1 naming the file; an
+//! unreadable manifest exits 2.
+
+mod common;
+use common::*;
+use std::path::{Path, PathBuf};
+
+fn converted(d: &Path) -> PathBuf {
+    write_checkpoint(&d.join("src"), &Tiny::default());
+    let out = d.join("out");
+    let (code, _, err) = run(&["repack", s(&d.join("src")), s(&out), "--ranks", "2", "--max-file-size", "30000", "--quiet"]);
+    assert_eq!(code, 0, "{err}");
+    out
+}
+
+fn verify(out: &Path) -> (i32, String) {
+    let (code, stdout, stderr) = run(&["verify", s(out), "--quiet"]);
+    (code, format!("{stdout}{stderr}"))
+}
+
+#[test]
+fn verify_passes_then_names_tampered_tensor() {
+    let d = tempfile::tempdir().unwrap();
+    let out = converted(d.path());
+    let (code, msg) = verify(&out);
+    assert_eq!(code, 0, "{msg}");
+    assert!(msg.starts_with("OK:"), "{msg}");
+    let m = kdtree_formats::ModelDir::open(&out).unwrap().manifest().clone();
+    let t = m.tensors.iter().find(|t| t.name == "language_model.model.layers.2.mlp.experts.up_proj.weight_packed" && t.rank == 1).unwrap();
+    let p = out.join(&t.file);
+    let mut bytes = std::fs::read(&p).unwrap();
+    bytes[(t.offset + t.nbytes / 2) as usize] ^= 0x10;
+    std::fs::write(&p, &bytes).unwrap();
+    let (code, msg) = verify(&out);
+    assert_eq!(code, 1, "{msg}");
+    assert!(msg.contains(&t.file) && msg.contains("tensor \"language_model.model.layers.2.mlp.experts.up_proj.weight_packed\" (rank 1)"), "{msg}");
+}
+
+#[test]
+fn verify_names_truncated_missing_and_extra_files() {
+    let d = tempfile::tempdir().unwrap();
+    let out = converted(d.path());
+    let m = kdtree_formats::ModelDir::open(&out).unwrap().manifest().clone();
+    let f = &m.files[3];
+    let p = out.join(&f.name);
+    let orig = std::fs::read(&p).unwrap();
+    std::fs::write(&p, &orig[..orig.len() - 100]).unwrap();
+    let (code, msg) = verify(&out);
+    assert_eq!(code, 1, "{msg}");
+    assert!(msg.contains(&f.name) && msg.contains("truncated") && msg.contains("is cut off"), "{msg}");
+    std::fs::remove_file(&p).unwrap();
+    let (code, msg) = verify(&out);
+    assert_eq!(code, 1, "{msg}");
+    assert!(msg.contains(&format!("{}: missing", f.name)), "{msg}");
+    std::fs::write(&p, &orig).unwrap();
+    assert_eq!(verify(&out).0, 0);
+    std::fs::write(out.join("stray.bin"), b"x").unwrap();
+    let (code, msg) = verify(&out);
+    assert_eq!(code, 1, "{msg}");
+    assert!(msg.contains("stray.bin: extra file"), "{msg}");
+    std::fs::remove_file(out.join("stray.bin")).unwrap();
+    // A manifest edit is caught by SHA256SUMS; an unreadable manifest is an error (exit 2).
+    let mp = out.join("manifest.toml");
+    let text = std::fs::read_to_string(&mp).unwrap();
+    std::fs::write(&mp, text.replacen("generator = \"", "generator = \"x", 1)).unwrap();
+    let (code, msg) = verify(&out);
+    assert_eq!(code, 1, "{msg}");
+    assert!(msg.contains("manifest.toml: SHA256SUMS says"), "{msg}");
+    std::fs::write(&mp, "not toml [").unwrap();
+    let (code, msg) = verify(&out);
+    assert_eq!(code, 2, "{msg}");
+    assert!(msg.contains("manifest.toml"), "{msg}");
+}
