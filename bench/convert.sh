@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Repack throughput vs plain `cp -r` on the same disk, and repack's peak RSS.
-# Synthesizes a K2.6-width checkpoint (default: k26-slice with 2 layers = 1 dense + 1 MoE, ~15.5 GB) into
+# Synthesizes a K2.6-width checkpoint (default: bench/k26-bench.toml, 1 dense + 1 MoE layer of 192 experts, ~10.6 GB) into
 # $DATA (outside the repo), drops the page cache before each timed step when allowed, times
 # `cp -r src copy && sync` against `kdtree-convert repack src out --ranks 8 && sync`, then deletes everything.
 # Goal (bench/RESULTS.md): repack >= 0.8x cp throughput, peak RSS <= 1 GiB.
@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DATA=${DATA:-/work/bench-data}
-PRESET=${PRESET:-k26-slice}
+PRESET=${PRESET:-bench/k26-bench.toml}
 LAYERS=${LAYERS:-2}
 RANKS=${RANKS:-8}
 EXPERTS=${EXPERTS:-tp}

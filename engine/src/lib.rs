@@ -12,3 +12,6 @@ pub mod drafter;
 pub mod generate;
 pub mod model;
 pub mod sampling;
+
+pub use model::open::{open, open_with, Device, Loaded, OpenOptions};
+pub use model::AttnMode;

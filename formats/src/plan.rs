@@ -126,7 +126,7 @@ impl Builder<'_> {
             let (axis, start, len) = match split {
                 Split::Rep => (None, 0, 0),
                 Split::By(axis, units, what) => {
-                    if units % self.r != 0 {
+                    if !units.is_multiple_of(self.r) {
                         return Err(FormatError::plan(&name, format!("{units} {what} do not divide over {} ranks", self.r)));
                     }
                     let len = shape[axis] / self.r;
@@ -156,7 +156,7 @@ impl Builder<'_> {
     fn experts(&mut self, stem: &str, proj: &str, e: usize, n: usize, k: usize, k_split: bool) -> Result<()> {
         let r = self.r;
         let packed_name = format!("{stem}.{proj}.weight_packed");
-        if k % GROUP != 0 {
+        if !k.is_multiple_of(GROUP) {
             return Err(FormatError::plan(&packed_name, format!("K = {k} is not a multiple of the group size {GROUP}")));
         }
         for ex in 0..e {
@@ -176,18 +176,18 @@ impl Builder<'_> {
             // (first expert, count, per-expert axis, start, len, stacked split axis, offset in elements)
             let (first, count, axis, start, len) = match self.mode {
                 ExpertsMode::Ep => {
-                    if e % r != 0 {
+                    if !e.is_multiple_of(r) {
                         return Err(FormatError::plan(&packed_name, format!("{e} experts do not divide over {r} ranks (--experts ep)")));
                     }
                     (rank * e / r, e / r, None, 0, 0)
                 }
                 ExpertsMode::Tp => {
                     let dim = if k_split { k } else { n };
-                    if dim % r != 0 {
+                    if !dim.is_multiple_of(r) {
                         return Err(FormatError::plan(&packed_name, format!("intermediate size {dim} does not divide over {r} ranks (--experts tp)")));
                     }
                     let len = dim / r;
-                    if k_split && len % GROUP != 0 {
+                    if k_split && !len.is_multiple_of(GROUP) {
                         return Err(FormatError::plan(
                             &packed_name,
                             format!("group-32 alignment: K = {k} over {r} ranks gives {len} columns per rank, not a multiple of {GROUP}; use fewer ranks or --experts ep"),

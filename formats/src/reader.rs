@@ -230,18 +230,29 @@ impl SafeFile {
         Ok((t, &self.bytes()[s + t.begin..s + t.end]))
     }
 
-    /// Drop the mapped pages of `range` (absolute file offsets) from this process's memory; the next
-    /// access re-reads them from the file. Keeps RSS bounded while streaming a large file.
-    pub fn release(&self, range: std::ops::Range<usize>) {
-        let Some(m) = &self.map else { return };
-        let page = 4096;
-        let start = range.start.div_ceil(page) * page;
-        let end = range.end.min(m.len()) / page * page;
-        if end > start {
-            // SAFETY: DONTNEED on a read-only file-backed mapping only drops cached pages; their content is
-            // re-read from the unchanged file on the next access, so no live reference observes a change.
-            let _ = unsafe { m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start) };
+    /// Map `len` bytes at absolute file offset `start` as a mapping of their own (None when `len` is 0).
+    /// Page faults, including the kernel's fault-around, stay inside it, and dropping it releases every
+    /// page it touched: this is how the converter streams huge files with bounded RSS.
+    pub fn map_range(&self, start: usize, len: usize) -> Result<Option<Mmap>> {
+        if len == 0 {
+            return Ok(None);
         }
+        if start.checked_add(len).is_none_or(|e| e > self.bytes().len()) {
+            return Err(FormatError::file(self.name(), format!("range {start}+{len} is past the end of the file")));
+        }
+        let f = File::open(&self.path).map_err(|e| FormatError::io(&self.path, e))?;
+        // SAFETY: read-only map of a range inside the validated file; same contract as `open`.
+        let m = unsafe { memmap2::MmapOptions::new().offset(start as u64).len(len).map(&f) }.map_err(|e| FormatError::io(&self.path, e))?;
+        Ok(Some(m))
+    }
+
+    /// Read `len` bytes at absolute offset `start` without mapping (small reads: no pages stay resident).
+    pub fn read_at(&self, start: usize, len: usize) -> Result<Vec<u8>> {
+        use std::os::unix::fs::FileExt;
+        let f = File::open(&self.path).map_err(|e| FormatError::io(&self.path, e))?;
+        let mut v = vec![0u8; len];
+        f.read_exact_at(&mut v, start as u64).map_err(|e| FormatError::io(&self.path, e))?;
+        Ok(v)
     }
 }
 

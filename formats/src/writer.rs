@@ -43,9 +43,12 @@ pub struct WrittenFile {
     pub tensors: Vec<WrittenTensor>,
 }
 
+/// Relative `[begin, end)` data offsets of the tensors of one file, in order.
+pub type DataOffsets = Vec<(usize, usize)>;
+
 /// Header bytes (length prefix excluded) for `specs` sorted by name; the header length is a multiple of 8.
 /// Returns the header and the relative data offsets in the same (sorted) order.
-pub fn header_bytes(file: &str, specs: &[TensorSpec]) -> Result<(Vec<u8>, Vec<(usize, usize)>)> {
+pub fn header_bytes(file: &str, specs: &[TensorSpec]) -> Result<(Vec<u8>, DataOffsets)> {
     let mut json = String::from(r#"{"__metadata__":{"format":"pt"}"#);
     let mut offs = Vec::with_capacity(specs.len());
     let mut pos = 0usize;
@@ -70,7 +73,7 @@ pub fn header_bytes(file: &str, specs: &[TensorSpec]) -> Result<(Vec<u8>, Vec<(u
         pos += n;
     }
     json.push('}');
-    while json.len() % 8 != 0 {
+    while !json.len().is_multiple_of(8) {
         json.push(' ');
     }
     Ok((json.into_bytes(), offs))

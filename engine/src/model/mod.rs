@@ -4,6 +4,7 @@
 //! * `weights`: per-rank weights under the TP plan, `ModelConfig`; embedding and lm_head for the drafter.
 //! * `attention` (MLA, naive and absorbed), `ffn` (dense SwiGLU, MoE), `cache` (latent KV, tree mask).
 //! * `target`: `CpuTarget`, the `api::Target` implementation; `trace`: per-layer recorder for goldens.
+//! * `open`: `engine::open(dir, Device)`, the loader the tools call.
 //! * `testing`: tiny random models for tests.
 //!
 //! Precision and determinism choices are in target.rs and docs/design/cpu-reference.md.
@@ -11,6 +12,7 @@
 pub mod attention;
 pub mod cache;
 pub mod ffn;
+pub mod open;
 pub mod source;
 pub mod target;
 pub mod testing;

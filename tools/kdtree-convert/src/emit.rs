@@ -3,8 +3,9 @@
 //! (low nibble = even k, offset 8; shared k26-format.md §3.4), so slicing rows or whole 16-byte groups of
 //! columns is a byte copy; nothing is dequantized. BF16 sources of routed experts are quantized per row
 //! slice with formats::int4::quantize_row (compressed-tensors' symmetric group-32 rule; a slice of whole
-//! groups quantizes exactly like the full row). Source pages are released as they are consumed, so RSS
-//! stays bounded whatever the tensor size. Tests: tools/kdtree-convert/tests/repack.rs.
+//! groups quantizes exactly like the full row). Each source slice is mapped on its own and unmapped when
+//! done (pages inside released every 32 MiB), so RSS stays bounded whatever
+//! the tensor or file size. Tests: tools/kdtree-convert/tests/repack.rs, tests/memory.rs (peak RSS).
 
 use crate::progress::Progress;
 use crate::source::Checkpoint;
@@ -15,58 +16,69 @@ use kdtree_formats::plan::{ExpertPart, OutTensor, SourceSpec};
 use kdtree_formats::reader::SafeFile;
 use kdtree_formats::writer::ShardWriter;
 
-/// Source bytes consumed between two page releases.
+/// Source bytes consumed between two page releases inside one mapped tensor.
 const RELEASE_EVERY: usize = 32 << 20;
 /// Largest piece handed to the writer at once.
 const CHUNK: usize = 4 << 20;
 
-/// Copies byte ranges of one mapped file into the writer, releasing consumed pages.
-struct Copier<'a> {
-    file: &'a SafeFile,
+/// A source byte range mapped on its own, with the consumed part released as copying goes. Dropping it
+/// unmaps it, which releases every page it touched (fault-around included, as that stays inside the map).
+struct Region {
+    map: Option<memmap2::Mmap>,
     released_to: usize,
     since_release: usize,
 }
 
-impl<'a> Copier<'a> {
-    fn new(file: &'a SafeFile, start: usize) -> Self {
-        Copier { file, released_to: start, since_release: 0 }
+impl Region {
+    /// Map `file[abs .. abs+len]`.
+    fn new(file: &SafeFile, abs: usize, len: usize) -> Result<Region> {
+        Ok(Region { map: file.map_range(abs, len)?, released_to: 0, since_release: 0 })
     }
-    /// Write `file[abs .. abs+len]`.
-    fn copy(&mut self, w: &mut ShardWriter, abs: usize, len: usize, prog: &Progress) -> Result<()> {
-        let bytes = &self.file.bytes()[abs..abs + len];
-        let mut at = abs;
-        for c in bytes.chunks(CHUNK) {
-            w.write(c)?;
-            prog.inc(c.len() as u64);
-            at += c.len();
-            self.consumed(at, c.len());
+    fn bytes(&self) -> &[u8] {
+        self.map.as_deref().unwrap_or(&[])
+    }
+    /// Write `self[off .. off+len]` in bounded pieces.
+    fn copy(&mut self, w: &mut ShardWriter, off: usize, len: usize, prog: &Progress) -> Result<()> {
+        let mut at = off;
+        while at < off + len {
+            let n = CHUNK.min(off + len - at);
+            w.write(&self.bytes()[at..at + n])?;
+            prog.inc(n as u64);
+            at += n;
+            self.consumed(at, n);
         }
         Ok(())
     }
+    /// `n` more bytes were used, the last ending at `upto`; every RELEASE_EVERY bytes drop the pages before it.
     fn consumed(&mut self, upto: usize, n: usize) {
         self.since_release += n;
-        if self.since_release >= RELEASE_EVERY {
-            self.file.release(self.released_to..upto);
-            self.released_to = upto;
-            self.since_release = 0;
+        if self.since_release < RELEASE_EVERY {
+            return;
         }
-    }
-    fn finish(&mut self, end: usize) {
-        self.file.release(self.released_to..end);
+        if let Some(m) = &self.map {
+            let end = upto / 4096 * 4096;
+            if end > self.released_to {
+                // SAFETY: DONTNEED on a read-only file-backed mapping only drops this process's page table
+                // entries; the data is re-read from the unchanged file on the next access.
+                let _ = unsafe { m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, self.released_to, end - self.released_to) };
+                self.released_to = end;
+            }
+        }
+        self.since_release = 0;
     }
 }
 
 /// Rows `r0..r1`, byte columns `c0..c1` of a row-major matrix with `row_bytes` per row at `abs`.
+/// Only the rows needed are mapped.
 fn copy_2d(w: &mut ShardWriter, f: &SafeFile, abs: usize, row_bytes: usize, rows: (usize, usize), cols: (usize, usize), prog: &Progress) -> Result<()> {
-    let mut cp = Copier::new(f, abs + rows.0 * row_bytes);
+    let mut reg = Region::new(f, abs + rows.0 * row_bytes, (rows.1 - rows.0) * row_bytes)?;
     if cols == (0, row_bytes) {
-        cp.copy(w, abs + rows.0 * row_bytes, (rows.1 - rows.0) * row_bytes, prog)?;
+        reg.copy(w, 0, (rows.1 - rows.0) * row_bytes, prog)?;
     } else {
-        for r in rows.0..rows.1 {
-            cp.copy(w, abs + r * row_bytes + cols.0, cols.1 - cols.0, prog)?;
+        for r in 0..rows.1 - rows.0 {
+            reg.copy(w, r * row_bytes + cols.0, cols.1 - cols.0, prog)?;
         }
     }
-    cp.finish(abs + rows.1 * row_bytes);
     Ok(())
 }
 
@@ -128,10 +140,10 @@ fn quantize_slice(ck: &Checkpoint, name: &str, k: usize, rows: (usize, usize), c
     let mut scales = vec![bf16::ZERO; kc / GROUP];
     let mut packed = vec![0u8; kc / 2];
     let mut out = Vec::with_capacity(kc);
-    let mut cp = Copier::new(f, abs + rows.0 * k * 2);
-    for r in rows.0..rows.1 {
-        let off = abs + (r * k + cols.0) * 2;
-        let src = &f.bytes()[off..off + kc * 2];
+    let mut reg = Region::new(f, abs + rows.0 * k * 2, (rows.1 - rows.0) * k * 2)?;
+    for r in 0..rows.1 - rows.0 {
+        let off = (r * k + cols.0) * 2;
+        let src = &reg.bytes()[off..off + kc * 2];
         for (v, b) in vals.iter_mut().zip(src.chunks_exact(2)) {
             *v = bf16::from_bits(u16::from_le_bytes([b[0], b[1]]));
         }
@@ -143,8 +155,7 @@ fn quantize_slice(ck: &Checkpoint, name: &str, k: usize, rows: (usize, usize), c
         }
         w.write(&out)?;
         prog.inc(out.len() as u64);
-        cp.consumed(off + kc * 2, kc * 2);
+        reg.consumed(off + kc * 2, kc * 2);
     }
-    cp.finish(abs + rows.1 * k * 2);
     Ok(())
 }

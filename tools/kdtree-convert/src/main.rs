@@ -103,11 +103,11 @@ fn run(args: Args) -> anyhow::Result<Outcome> {
         }
         Cmd::Verify { dir, quiet } => match verify::verify(&dir, quiet)? {
             verify::Verdict::Ok { files, tensors, bytes } => {
-                println!("OK: {files} files, {tensors} tensors, {bytes} bytes match {}", dir.join("manifest.toml").display());
+                writeln!(std::io::stdout(), "OK: {files} files, {tensors} tensors, {bytes} bytes match {}", dir.join("manifest.toml").display())?;
                 Ok(Outcome::Pass)
             }
             verify::Verdict::Failed(why) => {
-                println!("FAILED: {why}");
+                writeln!(std::io::stdout(), "FAILED: {why}")?;
                 Ok(Outcome::CheckFailed)
             }
         },

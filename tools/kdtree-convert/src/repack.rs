@@ -14,15 +14,16 @@ use kdtree_formats::assemble::{build_manifest, file_specs, planned_record, FileR
 use kdtree_formats::manifest::{json_to_toml, sha256sums, Manifest, Model, MANIFEST, SHA256SUMS};
 use kdtree_formats::plan::{assign_files, plan_model, ExpertsMode, Plan, PlannedFile, SourceQuant};
 use kdtree_formats::writer::{partial_path, write_atomic, ShardWriter};
-use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 /// Directory (inside OUT) of per-file completion records; removed when the conversion completes.
 pub const STATE_DIR: &str = ".kdtree-convert";
 /// Default `--max-file-size`: 5 GiB of tensor data per file.
 pub const DEFAULT_MAX_FILE_SIZE: u64 = 5 << 30;
-/// Writer threads at most: bounds memory (each holds one write buffer and ≤ 32 MiB of source pages).
+/// Writer threads at most: bounds memory (each holds one 8 MiB write buffer and ≤ 36 MiB of source pages).
 const MAX_THREADS: usize = 8;
 
 /// What to convert and how.
@@ -144,6 +145,38 @@ fn write_file(job: &Job, o: &RepackOptions, i: usize, prog: &Progress) -> Result
     Ok(record)
 }
 
+/// Write every planned file on up to MAX_THREADS threads. Files are taken in (part, rank) order, so the
+/// threads work on the same layers of different ranks at once and share the source pages in the page
+/// cache (a K-split down_proj slice reads every page of its source tensor). Stops at the first error.
+fn write_all(job: &Job, o: &RepackOptions, prog: &Progress) -> Result<Vec<FileRecord>> {
+    let mut order: Vec<usize> = (0..job.files.len()).collect();
+    order.sort_by_key(|&i| (job.files[i].part, job.files[i].rank));
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_THREADS).min(order.len().max(1));
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let slots: Mutex<Vec<Option<Result<FileRecord>>>> = Mutex::new((0..order.len()).map(|_| None).collect());
+    std::thread::scope(|sc| {
+        for _ in 0..threads {
+            sc.spawn(|| loop {
+                let k = next.fetch_add(1, Ordering::Relaxed);
+                if k >= order.len() || failed.load(Ordering::Relaxed) {
+                    break;
+                }
+                let r = write_file(job, o, order[k], prog);
+                if r.is_err() {
+                    failed.store(true, Ordering::Relaxed);
+                }
+                slots.lock().expect("no panics while holding the lock")[order[k]] = Some(r);
+            });
+        }
+    });
+    let slots = slots.into_inner().expect("threads joined");
+    if let Some(e) = slots.iter().position(|r| matches!(r, Some(Err(_)))) {
+        return Err(slots.into_iter().nth(e).flatten().expect("present").expect_err("is an error"));
+    }
+    slots.into_iter().map(|r| r.ok_or_else(|| anyhow::anyhow!("internal: a file was not written"))?).collect()
+}
+
 /// Whether OUT already holds exactly this conversion, complete (manifest + sums, no state left).
 fn already_complete(job: &Job, out: &Path) -> bool {
     if out.join(STATE_DIR).exists() || !out.join(SHA256SUMS).is_file() {
@@ -181,9 +214,7 @@ pub fn repack(o: &RepackOptions) -> Result<Manifest> {
     std::fs::create_dir_all(o.out.join(STATE_DIR))?;
     let total: u64 = job.files.iter().map(|f| f.data_bytes).sum();
     let prog = Progress::new("repack", total, o.quiet);
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_THREADS);
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
-    let records: Vec<FileRecord> = pool.install(|| (0..job.files.len()).into_par_iter().map(|i| write_file(&job, o, i, &prog)).collect::<Result<_>>())?;
+    let records = write_all(&job, o, &prog)?;
     prog.finish();
     let manifest = build_manifest(&job.plan, &job.files, &records, job.inputs);
     let text = manifest.to_toml()?;

@@ -238,7 +238,7 @@ impl Checkpoint {
     /// `weight_shape` must hold the logical [out, in] of its packed tensor (I32 or I64, little-endian).
     fn check_weight_shape(&self, name: &str, _plan: &Plan) -> Result<()> {
         let (f, t) = self.get(name)?;
-        let (_, bytes) = f.tensor(&t.name)?;
+        let bytes = f.read_at(f.header.data_start() + t.begin, t.nbytes())?;
         let vals: Vec<i64> = match t.dtype {
             Dtype::I32 => bytes.chunks_exact(4).map(|b| i32::from_le_bytes(b.try_into().unwrap()) as i64).collect(),
             _ => bytes.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).collect(),

@@ -63,8 +63,9 @@ pub struct Completion {
     pub timing: Timing,
 }
 
-/// What happened to one line.
+/// What happened to one line (one per line, so the size difference of the variants does not matter).
 #[derive(Debug, Clone, PartialEq)]
+#[allow(clippy::large_enum_variant)]
 pub enum Outcome {
     Done(Completion),
     /// `code` is machine-readable (`invalid_request`, `context_length_exceeded`, `engine_error`, ...).

@@ -108,7 +108,7 @@ mod tests {
 
     #[test]
     fn refuses_foreign_or_corrupt_files() {
-        let err = format!("{:#}", scan_existing(format!("{B}").as_bytes(), &["a", "b"]).unwrap_err());
+        let err = format!("{:#}", scan_existing(B.as_bytes(), &["a", "b"]).unwrap_err());
         assert!(err.contains("line 1") && err.contains("\"b\""), "{err}");
         assert!(scan_existing(b"garbage\n", &["a"]).is_err());
         assert!(scan_existing(format!("{A}{A}").as_bytes(), &["a"]).is_err());

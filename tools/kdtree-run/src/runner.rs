@@ -38,6 +38,9 @@ pub struct Runner<'a> {
     pub defaults: Defaults,
 }
 
+/// A line's failure before generation: (code, message).
+type Refusal = (&'static str, String);
+
 fn failed(code: &str, message: impl Into<String>) -> Outcome {
     Outcome::Failed { code: code.to_string(), message: message.into() }
 }
@@ -51,14 +54,18 @@ impl Runner<'_> {
         }
     }
 
-    fn prompt_ids(&self, req: &Request) -> Result<(Vec<u32>, Option<bool>), Outcome> {
-        let need_tok = || self.tokenizer.ok_or_else(|| failed("invalid_request", "the model has no tokenizer (tiktoken.model); use prompt_token_ids"));
+    /// The prompt's token ids and, for chat lines, the thinking mode used; Err = (code, message).
+    fn prompt_ids(&self, req: &Request) -> Result<(Vec<u32>, Option<bool>), Refusal> {
+        let need_tok = || {
+            let msg = "the model has no tokenizer (tiktoken.model); use prompt_token_ids";
+            self.tokenizer.ok_or(("invalid_request", msg.to_string()))
+        };
         match &req.input {
             Input::TokenIds(ids) => Ok((ids.clone(), None)),
             Input::Text(s) => Ok((need_tok()?.encode(s), None)),
             Input::Chat { messages, tools, thinking, preserve_thinking } => {
                 let tok = need_tok()?;
-                let chat = self.chat.ok_or_else(|| failed("invalid_request", "the model has no chat template"))?;
+                let chat = self.chat.ok_or(("invalid_request", "the model has no chat template".to_string()))?;
                 let thinking = thinking.unwrap_or(self.defaults.thinking);
                 let opts = ChatOptions {
                     add_generation_prompt: true,
@@ -66,7 +73,7 @@ impl Runner<'_> {
                     preserve_thinking: preserve_thinking.unwrap_or(false),
                     tools: tools.clone(),
                 };
-                let text = chat.render(messages, &opts).map_err(|e| failed("invalid_request", format!("{e:#}")))?;
+                let text = chat.render(messages, &opts).map_err(|e| ("invalid_request", format!("{e:#}")))?;
                 Ok((tok.encode(&text), Some(thinking)))
             }
         }
@@ -76,7 +83,7 @@ impl Runner<'_> {
         let t0 = Instant::now();
         let (prompt, thinking) = match self.prompt_ids(req) {
             Ok(p) => p,
-            Err(o) => return o,
+            Err((code, message)) => return failed(code, message),
         };
         let info = self.target.info().clone();
         if prompt.is_empty() {

@@ -5,8 +5,8 @@
 //! tokenizer_config.json, chat_template.jinja; with --drafter also OUT/drafter/{config.json, model.safetensors}.
 //!
 //! Deterministic for a seed (byte-identical across runs and thread counts). Streams: tensors are generated in
-//! 4 MiB chunks in parallel (rayon) and written in order through formats' ShardWriter, at most
-//! [`WINDOW_BYTES`] in flight, so memory stays bounded whatever the preset.
+//! 4 MiB chunks in parallel (rayon) and written in order through formats' ShardWriter, two windows of
+//! [`WINDOW_BYTES`] in flight (one being written while the next is generated), so memory stays bounded whatever the preset.
 //! Tests: bottom of this file (plan/config round trips, determinism) and tools/kdtree-convert/tests/synth.rs.
 
 pub mod configs;
@@ -24,7 +24,7 @@ use std::path::Path;
 use tensors::Spec;
 
 /// Bytes generated ahead of the writer at most.
-pub const WINDOW_BYTES: usize = 128 << 20;
+pub const WINDOW_BYTES: usize = 64 << 20;
 
 /// Arguments of `kdtree-convert synth`.
 #[derive(Debug, Clone, clap::Args)]
@@ -146,6 +146,8 @@ fn write_shard(path: &Path, specs: &[Spec], seed: u64, progress: &Progress) -> R
             (0..s.chunks()).map(move |c| (s, c))
         })
         .collect();
+    // Windows of consecutive jobs of at most WINDOW_BYTES; window k+1 is generated while window k is written.
+    let mut windows = Vec::new();
     let mut i = 0;
     while i < jobs.len() {
         let (mut j, mut bytes) = (i, 0usize);
@@ -153,19 +155,34 @@ fn write_shard(path: &Path, specs: &[Spec], seed: u64, progress: &Progress) -> R
             bytes += tensors::CHUNK_BYTES.min(jobs[j].0.nbytes() - jobs[j].1 * tensors::CHUNK_BYTES);
             j += 1;
         }
-        let bufs: Vec<Vec<u8>> = jobs[i..j]
+        windows.push(i..j);
+        i = j;
+    }
+    let generate = |r: std::ops::Range<usize>| -> Vec<Vec<u8>> {
+        jobs[r]
             .par_iter()
             .map(|(s, c)| {
                 let mut b = Vec::new();
                 tensors::gen_chunk(s, seed, *c, &mut b);
                 b
             })
-            .collect();
-        for b in bufs {
-            w.write(&b)?;
-            progress.inc(b.len() as u64);
-        }
-        i = j;
+            .collect()
+    };
+    let mut ready = windows.first().map(|r| generate(r.clone())).unwrap_or_default();
+    for k in 0..windows.len() {
+        let next = windows.get(k + 1).cloned();
+        let (written, upcoming) = rayon::join(
+            || -> Result<()> {
+                for b in &ready {
+                    w.write(b)?;
+                    progress.inc(b.len() as u64);
+                }
+                Ok(())
+            },
+            || next.map(&generate),
+        );
+        written?;
+        ready = upcoming.unwrap_or_default();
     }
     w.finish().with_context(|| format!("finishing {}", path.display()))?;
     Ok(())

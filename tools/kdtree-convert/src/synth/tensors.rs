@@ -274,9 +274,11 @@ pub fn gen_chunk(spec: &Spec, seed: u64, c: usize, out: &mut Vec<u8>) {
     out.reserve(len);
     match spec.init {
         Init::Normal { mean, std } => {
-            for _ in 0..len / 2 {
+            let base = out.len();
+            out.resize(base + len, 0);
+            for o in out[base..].chunks_exact_mut(2) {
                 let v = mean + std * std_normal(rng.next_u64());
-                out.extend_from_slice(&bf16::from_f32(v).to_le_bytes());
+                o.copy_from_slice(&bf16::from_f32(v).to_le_bytes());
             }
         }
         Init::NormalF32 { std } => {
