@@ -4,14 +4,14 @@
 //! near-identical logits, and the drafter must come up wired to the target's taps and tables.
 
 use kdtree_convert::repack::{repack, RepackOptions, DEFAULT_MAX_FILE_SIZE};
-use kdtree_engine::api::{Drafter, Target};
+use kdtree_engine::api::Target;
 use kdtree_engine::cpu::ops;
 use kdtree_engine::{open, open_with, AttnMode, Device, OpenOptions};
 use kdtree_formats::plan::ExpertsMode;
 use std::path::{Path, PathBuf};
 
 /// Per-rank partial sums reorder f32 additions (o_proj, dense/shared down, experts); relative to the
-/// largest |logit|. Measured ≤ 1e-6 on this model; 100x.
+/// largest |logit|. Measured ≤ 4.7e-7 on this model (R = 2, 8; TP and EP); ~200x, shared with target_model.rs.
 const PLAN_REL: f32 = 1e-4;
 const PROMPT: [u32; 8] = [17, 300, 5, 5, 900, 42, 768, 3];
 const NEW: usize = 6;
@@ -73,7 +73,7 @@ fn synth_repack_open_greedy_agrees_across_plans() {
                 let distinct: std::collections::BTreeSet<u32> = toks.iter().copied().collect();
                 println!("R=1 greedy tokens {toks:?}");
                 assert!(logits.iter().any(|&x| x != logits[0]), "logits are constant");
-                assert!(distinct.len() > 1 || logits.len() > 0, "{toks:?}");
+                assert!(distinct.len() > 1, "greedy repeats one token: {toks:?}");
                 reference = Some((toks, logits));
             }
             Some((rt, rl)) => {

@@ -12,7 +12,7 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 /// Size of the write buffer: bounded, whatever the tensor size.
-const WRITE_BUF: usize = 8 << 20;
+const WRITE_BUF: usize = 4 << 20;
 
 /// A tensor to be written: name, dtype and shape (its byte length follows).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -105,3 +105,43 @@ pub fn moe(cfg: &ModelConfig, w: &Moe, l: usize, x: &[f32], t: usize, trace: Opt
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::testing::tiny_config;
+
+    fn cfg(top_k: usize) -> ModelConfig {
+        let mut t = tiny_config(Some(32)); // 8 experts, n_group 2, topk_group 1
+        t.num_experts_per_tok = top_k;
+        ModelConfig::from_text(&t, 1).unwrap()
+    }
+    fn logit(p: f32) -> f32 {
+        (p / (1.0 - p)).ln()
+    }
+
+    #[test]
+    fn router_groups_and_ties() {
+        // Group 1 holds the single best expert (4), but group 0 has the larger top-2 sum (1.6 vs 1.1):
+        // group 0 wins; experts 0 and 1 tie exactly, lowest index first.
+        let s = [0.8f32, 0.8, 0.1, 0.1, 0.9, 0.2, 0.2, 0.2];
+        let logits: Vec<f32> = s.iter().map(|&p| logit(p)).collect();
+        let (ids, w) = route(&cfg(2), &logits, None);
+        assert_eq!(ids, vec![0, 1]);
+        assert!((w[0] - 2.827 / 2.0).abs() < 1e-6 && w[0] == w[1], "{w:?}");
+    }
+
+    #[test]
+    fn router_bias_selects_but_does_not_weight_and_masked_groups_score_zero() {
+        // All s = 0.5; the bias alone makes selection scores [.5,.4,-.1,-.2 | .3,.3,.1,0]. Group 0 wins
+        // (0.9 vs 0.6); group 1 is masked to 0.0 (transformers masked_fill 0.0), which outranks the negative
+        // scores of experts 2 and 3, so the third pick is expert 4 (lowest index among the zeros).
+        let sel = [0.5f32, 0.4, -0.1, -0.2, 0.3, 0.3, 0.1, 0.0];
+        let bias: Vec<f32> = sel.iter().map(|v| v - 0.5).collect();
+        let (ids, w) = route(&cfg(3), &[0.0; 8], Some(&bias));
+        assert_eq!(ids, vec![0, 1, 4]);
+        for x in &w {
+            assert!((x - 2.827 / 3.0).abs() < 1e-6, "weights use the unbiased sigmoid: {w:?}");
+        }
+    }
+}

@@ -4,7 +4,7 @@
 //! columns is a byte copy; nothing is dequantized. BF16 sources of routed experts are quantized per row
 //! slice with formats::int4::quantize_row (compressed-tensors' symmetric group-32 rule; a slice of whole
 //! groups quantizes exactly like the full row). Each source slice is mapped on its own and unmapped when
-//! done (pages inside released every 32 MiB), so RSS stays bounded whatever
+//! done (pages inside released every 8 MiB), so RSS stays bounded whatever
 //! the tensor or file size. Tests: tools/kdtree-convert/tests/repack.rs, tests/memory.rs (peak RSS).
 
 use crate::progress::Progress;
@@ -17,7 +17,7 @@ use kdtree_formats::reader::SafeFile;
 use kdtree_formats::writer::ShardWriter;
 
 /// Source bytes consumed between two page releases inside one mapped tensor.
-const RELEASE_EVERY: usize = 32 << 20;
+const RELEASE_EVERY: usize = 8 << 20;
 /// Largest piece handed to the writer at once.
 const CHUNK: usize = 4 << 20;
 

@@ -23,8 +23,8 @@ use std::sync::Mutex;
 pub const STATE_DIR: &str = ".kdtree-convert";
 /// Default `--max-file-size`: 5 GiB of tensor data per file.
 pub const DEFAULT_MAX_FILE_SIZE: u64 = 5 << 30;
-/// Writer threads at most: bounds memory (each holds one 8 MiB write buffer and ≤ 36 MiB of source pages).
-const MAX_THREADS: usize = 8;
+/// Writer threads at most: bounds memory (each holds one 4 MiB write buffer and ≤ 12 MiB of mapped source pages).
+pub const MAX_THREADS: usize = 8;
 
 /// What to convert and how.
 #[derive(Debug, Clone)]
@@ -145,13 +145,18 @@ fn write_file(job: &Job, o: &RepackOptions, i: usize, prog: &Progress) -> Result
     Ok(record)
 }
 
+/// Threads writing `files` output files: one per core, at most MAX_THREADS, at most one per file.
+pub fn writer_threads(files: usize) -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_THREADS).min(files.max(1))
+}
+
 /// Write every planned file on up to MAX_THREADS threads. Files are taken in (part, rank) order, so the
 /// threads work on the same layers of different ranks at once and share the source pages in the page
 /// cache (a K-split down_proj slice reads every page of its source tensor). Stops at the first error.
 fn write_all(job: &Job, o: &RepackOptions, prog: &Progress) -> Result<Vec<FileRecord>> {
     let mut order: Vec<usize> = (0..job.files.len()).collect();
     order.sort_by_key(|&i| (job.files[i].part, job.files[i].rank));
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_THREADS).min(order.len().max(1));
+    let threads = writer_threads(order.len());
     let next = AtomicUsize::new(0);
     let failed = AtomicBool::new(false);
     let slots: Mutex<Vec<Option<Result<FileRecord>>>> = Mutex::new((0..order.len()).map(|_| None).collect());

@@ -189,3 +189,21 @@ fn idx_file(src: &std::path::Path, name: &str) -> String {
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(src.join("model.safetensors.index.json")).unwrap()).unwrap();
     v["weight_map"][name].as_str().unwrap().to_string()
 }
+
+#[test]
+fn inspect_into_a_closed_pipe_exits_0() {
+    let d = tempfile::tempdir().unwrap();
+    write_checkpoint(&d.path().join("src"), &Tiny::default());
+    let out = d.path().join("out");
+    assert_eq!(run(&["repack", s(&d.path().join("src")), s(&out), "--ranks", "2", "--quiet"]).0, 0);
+    let mut child = bin()
+        .args(["inspect", s(&out), "--tensor", "language_model.model.embed_tokens.weight"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take()); // close the read end before the report is written
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(o.stderr.is_empty(), "{}", String::from_utf8_lossy(&o.stderr));
+}
