@@ -114,6 +114,30 @@ fn tree_node_equals_chain_along_its_path() {
 }
 
 #[test]
+fn wide_tree_over_several_mask_words() {
+    // 150 nodes = 3 mask words per row; mostly chains with branches, so deep nodes cross word boundaries.
+    let w = weights(1, ExpertsMode::Tp);
+    let v = w.cfg.vocab;
+    let parents: Vec<i32> = (0..150i32).map(|i| if i == 0 { -1 } else if i % 7 == 0 { i / 2 } else { i - 1 }).collect();
+    let tokens: Vec<u32> = (0..150u32).map(|i| (i * 37 + 11) % 96).collect();
+    let mut t = target(&w, AttnMode::Absorbed);
+    t.forward(&PROMPT[..2], &chain(2)).unwrap();
+    t.commit(&[0, 1]).unwrap();
+    let tree = t.forward(&tokens, &parents).unwrap();
+    for node in [63usize, 64, 65, 127, 128, 149] {
+        let path = root_path(&parents, node);
+        let toks: Vec<u32> = PROMPT[..2].iter().copied().chain(path.iter().map(|&i| tokens[i])).collect();
+        let o = target(&w, AttnMode::Absorbed).forward(&toks, &chain(toks.len())).unwrap();
+        let last = toks.len() - 1;
+        assert_eq!(tree.logits[node * v..(node + 1) * v], o.logits[last * v..(last + 1) * v], "node {node} (depth {})", path.len() - 1);
+    }
+    // Commit a deep path that is not a prefix chain and continue.
+    let path = root_path(&parents, 149);
+    t.commit(&path).unwrap();
+    assert_eq!(t.committed(), 2 + path.len());
+}
+
+#[test]
 fn commit_compaction_then_continue_equals_chain() {
     let w = weights(1, ExpertsMode::Tp);
     let v = w.cfg.vocab;

@@ -7,8 +7,13 @@ use kdtree_convert::repack::{repack, RepackOptions, DEFAULT_MAX_FILE_SIZE};
 use kdtree_engine::api::Target;
 use kdtree_engine::cpu::ops;
 use kdtree_engine::{open, open_with, AttnMode, Device, OpenOptions};
+use kdtree_engine::model::open::open_cpu_target;
+use kdtree_engine::model::source::Slab;
+use kdtree_engine::model::weights::Ffn;
+use kdtree_engine::model::TensorSource;
 use kdtree_formats::plan::ExpertsMode;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// Per-rank partial sums reorder f32 additions (o_proj, dense/shared down, experts); relative to the
 /// largest |logit|. Measured ≤ 4.7e-7 on this model (R = 2, 8; TP and EP); ~200x, shared with target_model.rs.
@@ -115,4 +120,17 @@ fn open_loads_target_and_drafter() {
     assert_eq!(d.len(), (b - 1) * info.vocab_size);
     assert!(d.iter().all(|v| v.is_finite()));
     assert!(open(&dir, Device::Cuda).is_err(), "no CUDA backend in this build");
+
+    // Weights are zero-copy views of the mmapped shards (aligned data), not copies.
+    let src: Arc<dyn TensorSource> = Arc::new(md);
+    let (_, w) = open_cpu_target(src, vec![], AttnMode::Absorbed).unwrap();
+    let mapped = |s: &Slab<half::bf16>| matches!(s, Slab::Mapped { .. });
+    assert!(w.embed.iter().all(|m| mapped(&m.w)) && w.lm_head.iter().all(|m| mapped(&m.w)) && mapped(&w.norm));
+    for layer in &w.layers {
+        assert!(layer.attn.ranks.iter().all(|r| mapped(&r.q.w) && mapped(&r.kv_b.w) && mapped(&r.o_proj.w)));
+        if let Ffn::Moe(m) = &layer.ffn {
+            assert!(m.gate.iter().chain(&m.up).chain(&m.down).all(|e| matches!(e.packed, Slab::Mapped { .. }) && mapped(&e.scales)));
+            assert!(matches!(m.bias, Some(Slab::Mapped { .. })), "e_score_correction_bias mapped");
+        }
+    }
 }

@@ -35,6 +35,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 /// Attention output `[T, H]` (after o_proj, ranks summed) for normed input `x` `[T, H]`; appends the T
 /// nodes' latent rows to layer `l` of `cache` as scratch. `positions[i]` is node i's absolute position.
+#[allow(clippy::too_many_arguments)]
 pub fn mla(cfg: &ModelConfig, w: &Attn, l: usize, x: &[f32], mask: &TreeMask, positions: &[usize], cache: &mut LatentCache, mode: AttnMode) -> Vec<f32> {
     let (t, h, c, p) = (mask.n, cfg.hidden, cfg.kv_lora, cfg.rope);
     let (dn, dv, qk) = (cfg.nope, cfg.v_dim, cfg.qk_head_dim());

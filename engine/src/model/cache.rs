@@ -116,3 +116,51 @@ impl LatentCache {
         self.scratch = 0;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn mask_rows_are_ancestor_sets_for_wide_trees() {
+        // 200 nodes (4 u64 words per row), random parents; compare with a walk up the parent chain.
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
+        let parents: Vec<i32> = (0..200).map(|i| if i == 0 || rng.random_range(0..10) == 0 { -1 } else { rng.random_range(0..i) }).collect();
+        let m = TreeMask::from_parents(&parents).unwrap();
+        assert_eq!(m.words, 4);
+        for i in 0..200 {
+            let mut want = vec![i];
+            let mut p = parents[i];
+            while p >= 0 {
+                want.push(p as usize);
+                p = parents[p as usize];
+            }
+            assert_eq!(m.depth[i], want.len() - 1, "depth of {i}");
+            want.sort();
+            assert_eq!(m.visible_nodes(i), want, "row {i}");
+            for j in 0..200 {
+                assert_eq!(m.visible(i, j), want.contains(&j));
+            }
+        }
+        assert!(TreeMask::from_parents(&[-1, 1]).is_err());
+        assert!(TreeMask::from_parents(&[-2]).is_err());
+    }
+
+    #[test]
+    fn commit_gathers_path_rows() {
+        let mut c = LatentCache::new(2, 3);
+        for l in 0..2 {
+            c.append(l, &[0.0, 0.0, 0.0]); // committed row
+        }
+        c.committed = 1;
+        for l in 0..2 {
+            c.append(l, &(0..15).map(|v| (v + 100 * l) as f32).collect::<Vec<_>>()); // 5 scratch rows
+        }
+        c.scratch = 5;
+        c.commit(&[0, 2, 3]).unwrap();
+        assert_eq!(c.committed, 4);
+        assert_eq!(c.rows[1], vec![0.0, 0.0, 0.0, 100.0, 101.0, 102.0, 106.0, 107.0, 108.0, 109.0, 110.0, 111.0]);
+        assert!(c.commit(&[0]).is_err(), "no scratch after a commit");
+    }
+}

@@ -122,8 +122,19 @@ pub struct MemTensor {
 pub struct MemSource {
     text: TextConfig,
     ranks: usize,
-    /// (name, rank) → (shard shape, logical shape, layout, split, bytes)
-    shards: HashMap<(String, usize), (Dtype, Vec<usize>, Vec<usize>, Layout, Option<usize>, usize, Vec<u8>)>,
+    /// (name, rank) → the shard
+    shards: HashMap<(String, usize), MemShard>,
+}
+
+/// One rank's slice of a [`MemTensor`], with the manifest facts a `TensorRef` carries.
+struct MemShard {
+    dtype: Dtype,
+    shape: Vec<usize>,
+    logical_shape: Vec<usize>,
+    layout: Layout,
+    split_axis: Option<usize>,
+    split_offset: usize,
+    data: Vec<u8>,
 }
 
 impl MemSource {
@@ -135,7 +146,16 @@ impl MemSource {
             let whole = tensors.get(&o.name).with_context(|| format!("MemSource: plan needs {} but it was not given", o.name))?;
             ensure!(whole.shape == o.logical_shape, "MemSource: {} has shape {:?}, plan expects {:?}", o.name, whole.shape, o.logical_shape);
             let bytes = slice_bytes(whole, o.split_axis, o.split_offset, &o.shape)?;
-            shards.insert((o.name.clone(), o.rank), (o.dtype, o.shape.clone(), o.logical_shape.clone(), o.layout, o.split_axis, o.split_offset, bytes));
+            let shard = MemShard {
+                dtype: o.dtype,
+                shape: o.shape.clone(),
+                logical_shape: o.logical_shape.clone(),
+                layout: o.layout,
+                split_axis: o.split_axis,
+                split_offset: o.split_offset,
+                data: bytes,
+            };
+            shards.insert((o.name.clone(), o.rank), shard);
         }
         Ok(MemSource { text, ranks, shards })
     }
@@ -184,9 +204,16 @@ unsafe impl TensorSource for MemSource {
         self.ranks
     }
     fn tensor(&self, name: &str, rank: usize) -> Result<TensorRef<'_>> {
-        let (dtype, shape, logical, layout, axis, off, data) =
-            self.shards.get(&(name.to_string(), rank)).with_context(|| format!("MemSource: no tensor {name} for rank {rank}"))?;
-        Ok(TensorRef { dtype: *dtype, shape, logical_shape: logical, layout: *layout, split_axis: *axis, split_offset: *off, data })
+        let s = self.shards.get(&(name.to_string(), rank)).with_context(|| format!("MemSource: no tensor {name} for rank {rank}"))?;
+        Ok(TensorRef {
+            dtype: s.dtype,
+            shape: &s.shape,
+            logical_shape: &s.logical_shape,
+            layout: s.layout,
+            split_axis: s.split_axis,
+            split_offset: s.split_offset,
+            data: &s.data,
+        })
     }
 }
 

@@ -418,3 +418,38 @@ impl Weights {
         out
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// K2.6 `text_config` values of k26-format §1.2.
+    const K26: &str = r#"{"text_config": {"hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61, "num_attention_heads": 64, "num_key_value_heads": 64, "q_lora_rank": 1536,
+        "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "n_routed_experts": 384, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 1,
+        "moe_layer_freq": 1, "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+        "norm_topk_prob": true, "routed_scaling_factor": 2.827, "hidden_act": "silu", "rms_norm_eps": 1e-05,
+        "rope_theta": 50000.0, "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "max_position_embeddings": 262144, "vocab_size": 163840, "tie_word_embeddings": false, "head_dim": 64}}"#;
+
+    #[test]
+    fn k26_constants() {
+        let t = kdtree_formats::config::parse_text_config("k26", K26).unwrap();
+        let c = ModelConfig::from_text(&t, 8).unwrap();
+        // k26-format §4.3: scale = 192^-0.5 · (0.1 ln 64 + 1)² = 0.14467963.
+        assert!((c.softmax_scale - 0.144_679_63).abs() < 1e-7, "softmax scale {}", c.softmax_scale);
+        assert_eq!(c.rope_attention_factor, 1.0);
+        assert_eq!((c.qk_head_dim(), c.latent_width(), c.heads_per_rank()), (192, 576, 8));
+        assert_eq!(c.inv_freq.len(), 32, "rope dims from qk_rope_head_dim, never head_dim");
+        assert_eq!(c.moe_layers.iter().filter(|&&m| m).count(), 60);
+        assert!(!c.moe_layers[0]);
+        // Ramp low = 8, high = 20: dim 8 is pure extrapolation, dim 20 pure interpolation (÷64).
+        let extra = |i: usize| 50000f64.powf(-2.0 * i as f64 / 64.0);
+        assert_eq!(c.inv_freq[8], extra(8) as f32);
+        assert_eq!(c.inv_freq[20], (extra(20) / 64.0) as f32);
+        assert_eq!(c.latent_eps, 1e-6);
+        assert_eq!(c.eps, 1e-5);
+    }
+}

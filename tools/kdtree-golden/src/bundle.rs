@@ -356,7 +356,7 @@ impl PromptRecord {
                 draft_rows: dshape[0],
                 draft_logits,
                 tree_tokens,
-                tree_parents: parents.iter().map(|&x| x as i32).collect(),
+                tree_parents: parents,
                 tree_depths,
                 visibility_words: vshape[1],
                 visibility,

@@ -74,14 +74,14 @@ fn check_record(r: &PromptRecord, layers: usize) {
     for (l, lt) in tr.layers.iter().enumerate().skip(1) {
         // residual after layer l = residual after l-1 + attn_out + mlp_out
         let prev = &tr.layers[l - 1].residual;
-        for i in 0..prev.len() {
-            let want = prev[i] + lt.attn_out[i] + lt.mlp_out[i];
+        for (i, &p) in prev.iter().enumerate() {
+            let want = p + lt.attn_out[i] + lt.mlp_out[i];
             assert!((lt.residual[i] - want).abs() <= 1e-4 * (1.0 + want.abs()), "layer {l} dim {i}: residual chain");
         }
     }
     let d = r.ddtree.as_ref().expect("ddtree round recorded");
     let n = d.tree_tokens.len();
-    assert!(n >= 2 && n <= 7, "budget 6: {n} nodes with the root");
+    assert!((2..=7).contains(&n), "budget 6: {n} nodes with the root");
     assert_eq!(d.root, ar.tokens[0]);
     assert_eq!(d.tree_tokens[0], d.root);
     assert_eq!(d.start, r.prompt_ids.len());

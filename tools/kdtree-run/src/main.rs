@@ -53,7 +53,7 @@ fn run(args: Args) -> Result<bool> {
     }
     let lines = kdtree_text::prompts::read_prompt_file(&args.prompts)?;
     let ids: Vec<&str> = lines.iter().map(|l| l.id.as_str()).collect();
-    let (mut sink, existing) = resume::open_output(&args.out, args.resume, &ids)?;
+    let existing = resume::read_existing(&args.out, args.resume, &ids)?;
     let mut totals = Totals::default();
     existing.records.iter().for_each(|r| totals.add(r, true));
     let done = existing.records.len();
@@ -71,8 +71,10 @@ fn run(args: Args) -> Result<bool> {
         ModeArg::Ddtree => Mode::DDTree { budget: args.budget },
     };
     let mut backend = String::from("none (nothing left to run)");
-    if done < lines.len() {
-        let mut model = load::load(&args.model, args.device)?;
+    // Load before touching the output, so a model that fails to load leaves it as it was.
+    let model = if done < lines.len() { Some(load::load(&args.model, args.device)?) } else { None };
+    let mut sink = resume::open_output(&args.out, &existing)?;
+    if let Some(mut model) = model {
         backend = model.backend.clone();
         say(format!("backend: {backend}"));
         if matches!(mode, Mode::DDTree { .. }) && model.drafter.is_none() {

@@ -6,7 +6,7 @@
 //! is not JSON or answers another id means the file is not this prompt file's output: that is an
 //! error, never silently overwritten. Tests: bottom of this file; kill-and-resume in tests/run_cli.rs.
 
-use std::fs::{File, OpenOptions};
+use std::fs::OpenOptions;
 use std::io::{BufWriter, Write};
 use std::path::Path;
 
@@ -65,27 +65,33 @@ pub fn scan_existing(bytes: &[u8], expected_ids: &[&str]) -> Result<Existing> {
     Ok(Existing { records, valid_len: pos, torn: pos < bytes.len() })
 }
 
-/// Open the output: `-` is stdout; with `resume` an existing file is checked, cut to its valid prefix
-/// and appended to (its records are returned); otherwise the file is created or truncated.
-pub fn open_output(path: &Path, resume: bool, expected_ids: &[&str]) -> Result<(Sink, Existing)> {
-    let fresh = Existing { records: Vec::new(), valid_len: 0, torn: false };
+/// What `path` already holds: with `resume` and an existing file, its checked valid prefix (nothing is
+/// written yet, so a refusal leaves the file as it was); otherwise nothing.
+pub fn read_existing(path: &Path, resume: bool, expected_ids: &[&str]) -> Result<Existing> {
     if path.as_os_str() == "-" {
         if resume {
             bail!("--resume needs --out to be a file, not stdout");
         }
-        return Ok((Sink { w: Box::new(std::io::stdout().lock()) }, fresh));
-    }
-    if resume && path.exists() {
+    } else if resume && path.exists() {
         let bytes = std::fs::read(path).with_context(|| format!("reading {} to resume", path.display()))?;
-        let existing = scan_existing(&bytes, expected_ids).with_context(|| format!("resuming {}", path.display()))?;
-        let file = OpenOptions::new().write(true).open(path).with_context(|| format!("opening {}", path.display()))?;
-        file.set_len(existing.valid_len as u64).with_context(|| format!("truncating {}", path.display()))?;
-        drop(file);
-        let file = OpenOptions::new().append(true).open(path).with_context(|| format!("opening {}", path.display()))?;
-        return Ok((Sink { w: Box::new(BufWriter::new(file)) }, existing));
+        return scan_existing(&bytes, expected_ids).with_context(|| format!("resuming {}", path.display()));
     }
-    let file = File::create(path).with_context(|| format!("creating {}", path.display()))?;
-    Ok((Sink { w: Box::new(BufWriter::new(file)) }, fresh))
+    Ok(Existing { records: Vec::new(), valid_len: 0, torn: false })
+}
+
+/// Open the output for writing: `-` is stdout; a file is cut to `existing.valid_len` and appended to
+/// (so a fresh run, whose `existing` is empty, starts it over).
+pub fn open_output(path: &Path, existing: &Existing) -> Result<Sink> {
+    if path.as_os_str() == "-" {
+        return Ok(Sink { w: Box::new(std::io::stdout().lock()) });
+    }
+    let file = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    file.set_len(existing.valid_len as u64).with_context(|| format!("truncating {}", path.display()))?;
+    Ok(Sink { w: Box::new(BufWriter::new(file)) })
 }
 
 #[cfg(test)]
@@ -119,16 +125,21 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("out.jsonl");
         std::fs::write(&p, format!("{A}{{\"id\":\"b\"")).unwrap();
-        let (mut sink, existing) = open_output(&p, true, &["a", "b"]).unwrap();
+        let existing = read_existing(&p, true, &["a", "b"]).unwrap();
         assert!(existing.torn);
+        let mut sink = open_output(&p, &existing).unwrap();
         sink.write_record(&serde_json::json!({"id": "b", "status": "ok"})).unwrap();
         drop(sink);
         assert_eq!(std::fs::read_to_string(&p).unwrap(), format!("{A}{{\"id\":\"b\",\"status\":\"ok\"}}\n"));
+        // A foreign file is refused before anything is written.
+        let before = std::fs::read(&p).unwrap();
+        assert!(read_existing(&p, true, &["x"]).is_err());
+        assert_eq!(std::fs::read(&p).unwrap(), before);
         // Without --resume the file starts over.
-        let (sink, existing) = open_output(&p, false, &["a", "b"]).unwrap();
-        drop(sink);
+        let existing = read_existing(&p, false, &["a", "b"]).unwrap();
         assert!(existing.records.is_empty());
+        drop(open_output(&p, &existing).unwrap());
         assert_eq!(std::fs::read_to_string(&p).unwrap(), "");
-        assert!(open_output(Path::new("-"), true, &[]).is_err());
+        assert!(read_existing(Path::new("-"), true, &[]).is_err());
     }
 }

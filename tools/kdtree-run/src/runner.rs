@@ -41,6 +41,10 @@ pub struct Runner<'a> {
 /// A line's failure before generation: (code, message).
 type Refusal = (&'static str, String);
 
+fn encode(tok: &Tokenizer, text: &str) -> Result<Vec<u32>, Refusal> {
+    tok.try_encode(text).map_err(|e| ("tokenizer_error", format!("{e:#}")))
+}
+
 fn failed(code: &str, message: impl Into<String>) -> Outcome {
     Outcome::Failed { code: code.to_string(), message: message.into() }
 }
@@ -62,7 +66,7 @@ impl Runner<'_> {
         };
         match &req.input {
             Input::TokenIds(ids) => Ok((ids.clone(), None)),
-            Input::Text(s) => Ok((need_tok()?.encode(s), None)),
+            Input::Text(s) => Ok((encode(need_tok()?, s)?, None)),
             Input::Chat { messages, tools, thinking, preserve_thinking } => {
                 let tok = need_tok()?;
                 let chat = self.chat.ok_or(("invalid_request", "the model has no chat template".to_string()))?;
@@ -74,7 +78,7 @@ impl Runner<'_> {
                     tools: tools.clone(),
                 };
                 let text = chat.render(messages, &opts).map_err(|e| ("invalid_request", format!("{e:#}")))?;
-                Ok((tok.encode(&text), Some(thinking)))
+                Ok((encode(tok, &text)?, Some(thinking)))
             }
         }
     }
@@ -109,6 +113,9 @@ impl Runner<'_> {
             stop: o.stop.clone().unwrap_or_default(),
             thinking,
         };
+        if self.tokenizer.is_none() && !used.stop.is_empty() {
+            return failed("invalid_request", "stop strings need a tokenizer (tiktoken.model) in the model directory");
+        }
         let gen_req = GenRequest {
             prompt: prompt.clone(),
             max_tokens: used.max_tokens,
@@ -252,6 +259,26 @@ mod tests {
         match o {
             Outcome::Done(c) => c,
             Outcome::Failed { code, message } => panic!("{code}: {message}"),
+        }
+    }
+
+    #[test]
+    fn without_a_tokenizer_only_plain_token_id_lines_run() {
+        let mut target = ScriptTarget::new(b"ab", 100);
+        let mut runner = Runner {
+            target: &mut target,
+            drafter: None,
+            tokenizer: None,
+            chat: None,
+            stop_token_ids: vec![257],
+            defaults: Defaults { max_tokens: 8, sampling: Sampling::greedy(), mode: Mode::Ar, thinking: true },
+        };
+        let c = done(runner.run_line(&parse_line(1, r#"{"id":"a","prompt_token_ids":[1,2]}"#)));
+        assert_eq!((c.text, c.token_ids), (None, vec![b'a' as u32, b'b' as u32, 257]));
+        for line in [r#"{"id":"a","prompt":"x"}"#, r#"{"id":"a","prompt_token_ids":[1],"stop":"b"}"#] {
+            let Outcome::Failed { code, message } = runner.run_line(&parse_line(1, line)) else { panic!("{line}") };
+            assert_eq!(code, "invalid_request", "{line}");
+            assert!(message.contains("tokenizer"), "{message}");
         }
     }
 

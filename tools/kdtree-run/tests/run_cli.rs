@@ -1,5 +1,5 @@
 //! End-to-end tests of the kdtree-run binary on a tiny model: `kdtree_convert::synth` ("tiny" preset
-//! + drafter) converted by `kdtree_convert::repack` into a 1-rank directory, built once per test run
+//! with its drafter) converted by `kdtree_convert::repack` into a 1-rank directory, built once per run
 //! under CARGO_TARGET_TMPDIR. Covers every prompt kind, the OpenAI envelope, per-line errors and exit
 //! codes, greedy DDTree == AR, --summary, resume after SIGKILL, and a closed stdout.
 
@@ -229,4 +229,5 @@ fn missing_model_is_an_error_with_exit_2() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(err.matches("error:").count(), 1, "{err}");
     assert!(err.contains("no-model"), "{err}");
+    assert!(!out.exists(), "a failed load must not create or truncate the output");
 }

@@ -128,15 +128,23 @@ impl Tokenizer {
     }
 
     /// Encode text the way Kimi does: chunk, then BPE each chunk with all specials allowed.
+    ///
+    /// # Panics
+    /// When fancy-regex gives up (backtrack limit), which the chunking is there to prevent; use
+    /// [`Tokenizer::try_encode`] to get that as an error.
     pub fn encode(&self, text: &str) -> Vec<u32> {
+        self.try_encode(text).expect("tokenizing a bounded chunk")
+    }
+
+    /// [`Tokenizer::encode`] returning the regex failure as an error.
+    pub fn try_encode(&self, text: &str) -> Result<Vec<u32>> {
         let all = self.bpe.special_tokens();
         let mut out = Vec::new();
         for piece in split_for_encoding(text, MAX_ENCODE_CHARS, MAX_NO_WHITESPACE_CHARS) {
-            // The only error tiktoken reports is a regex backtrack limit, which the chunking prevents.
-            let (ids, _) = self.bpe.encode(piece, &all).expect("tiktoken regex failed on a bounded chunk");
+            let (ids, _) = self.bpe.encode(piece, &all).map_err(|e| anyhow!("tokenizing: {}", e.message))?;
             out.extend(ids);
         }
-        out
+        Ok(out)
     }
 
     /// The bytes of a sequence of ids (specials decode to their names).
@@ -284,6 +292,11 @@ mod tests {
         assert_eq!(t.decode_lossy(&ids).unwrap(), "hello world<|im_end|>");
         // A reserved name typed in text is a special too (allowed_special = all).
         assert_eq!(t.encode("<|reserved_token_300|>"), vec![300]);
+        // Long whitespace runs go through the chunking and come back intact.
+        let long = format!("a{}x", " ".repeat(30_000));
+        let ids = t.try_encode(&long).unwrap();
+        assert_eq!(ids.len(), 30_002);
+        assert_eq!(t.decode_lossy(&ids).unwrap(), long);
         assert!(t.decode_bytes(&[518]).is_err());
     }
 
