@@ -48,16 +48,16 @@ for round in $(seq 1 "$ROUNDS"); do  # alternate cp and repack so machine load h
   $TIME -v bash -c "cp -r '$DATA/src' '$DATA/cp' && sync" 2> "$DATA/cp.time"
   CPS+=("$(secs "$DATA/cp.time")"); rm -rf "$DATA/cp"
   echo "== round $round: repack --ranks $RANKS --experts $EXPERTS (load: $(cut -d' ' -f1-3 /proc/loadavg))"
-  rm -rf "$DATA/out"; drop_caches
+  drop_caches
   $TIME -v bash -c "'$BIN' repack '$DATA/src' '$DATA/out' --ranks $RANKS --experts $EXPERTS --quiet && sync" 2> "$DATA/repack.time" \
     || { cat "$DATA/repack.time"; exit 1; }
   RPS+=("$(secs "$DATA/repack.time")"); CPU+=("$(cpu_s "$DATA/repack.time")")
   r=$(field "Maximum resident set size" "$DATA/repack.time"); [ "$r" -gt "$RSS" ] && RSS=$r
+  OUT_BYTES=$(du -sb "$DATA/out" | cut -f1); rm -rf "$DATA/out"   # free the disk before the next cp
   echo "   cp ${CPS[-1]} s, repack ${RPS[-1]} s (cpu ${CPU[-1]} s)"
 done
 CP_S=$(printf '%s\n' "${CPS[@]}" | best); RP_S=$(printf '%s\n' "${RPS[@]}" | best)
 RP_CPU=$(printf '%s\n' "${CPU[@]}" | best)
-OUT_BYTES=$(du -sb "$DATA/out" | cut -f1)
 
 awk -v b="$BYTES" -v c="$CP_S" -v r="$RP_S" -v rss="$RSS" -v ob="$OUT_BYTES" -v d="$DROPPED" -v cpu="$RP_CPU" -v n="$(nproc)" 'BEGIN{
   printf "cp (best of rounds):     %.1f s  %.0f MB/s\n", c, b/c/1e6;

@@ -118,7 +118,17 @@ fn wide_tree_over_several_mask_words() {
     // 150 nodes = 3 mask words per row; mostly chains with branches, so deep nodes cross word boundaries.
     let w = weights(1, ExpertsMode::Tp);
     let v = w.cfg.vocab;
-    let parents: Vec<i32> = (0..150i32).map(|i| if i == 0 { -1 } else if i % 7 == 0 { i / 2 } else { i - 1 }).collect();
+    let parents: Vec<i32> = (0..150i32)
+        .map(|i| {
+            if i == 0 {
+                -1
+            } else if i % 7 == 0 {
+                i / 2
+            } else {
+                i - 1
+            }
+        })
+        .collect();
     let tokens: Vec<u32> = (0..150u32).map(|i| (i * 37 + 11) % 96).collect();
     let mut t = target(&w, AttnMode::Absorbed);
     t.forward(&PROMPT[..2], &chain(2)).unwrap();

@@ -6,11 +6,11 @@
 use kdtree_convert::repack::{repack, RepackOptions, DEFAULT_MAX_FILE_SIZE};
 use kdtree_engine::api::Target;
 use kdtree_engine::cpu::ops;
-use kdtree_engine::{open, open_with, AttnMode, Device, OpenOptions};
 use kdtree_engine::model::open::open_cpu_target;
 use kdtree_engine::model::source::Slab;
 use kdtree_engine::model::weights::Ffn;
 use kdtree_engine::model::TensorSource;
+use kdtree_engine::{open, open_with, AttnMode, Device, OpenOptions};
 use kdtree_formats::plan::ExpertsMode;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -90,7 +90,8 @@ impl Ref<'_> {
         // YaRN inv_freq, k26-format §4.4.
         let s = t.rope_scaling.as_ref().unwrap();
         let base = t.rope_theta;
-        let corr = |r: f64| dr as f64 * (s.original_max_position_embeddings as f64 / (r * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln());
+        let corr =
+            |r: f64| dr as f64 * (s.original_max_position_embeddings as f64 / (r * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln());
         let (low, high) = (corr(s.beta_fast).floor().max(0.0), corr(s.beta_slow).ceil().min(dr as f64 - 1.0));
         let inv: Vec<f64> = (0..dr / 2)
             .map(|i| {
@@ -118,13 +119,16 @@ impl Ref<'_> {
             let xn = rms(&x, &self.get(&format!("{p}input_layernorm.weight")), t.rms_norm_eps);
             let q = match t.q_lora_rank {
                 Some(ql) => {
-                    let cq = rms(&mm(&xn, &self.get(&format!("{a}q_a_proj.weight")), h), &self.get(&format!("{a}q_a_layernorm.weight")), 1e-6);
+                    let cq =
+                        rms(&mm(&xn, &self.get(&format!("{a}q_a_proj.weight")), h), &self.get(&format!("{a}q_a_layernorm.weight")), 1e-6);
                     mm(&cq, &self.get(&format!("{a}q_b_proj.weight")), ql)
                 }
                 None => mm(&xn, &self.get(&format!("{a}q_proj.weight")), h),
             };
             let ckv = mm(&xn, &self.get(&format!("{a}kv_a_proj_with_mqa.weight")), h); // [n, c + dr]
-            let lat: Vec<f64> = (0..n).flat_map(|i| rms(&ckv[i * (c + dr)..i * (c + dr) + c], &self.get(&format!("{a}kv_a_layernorm.weight")), 1e-6)).collect();
+            let lat: Vec<f64> = (0..n)
+                .flat_map(|i| rms(&ckv[i * (c + dr)..i * (c + dr) + c], &self.get(&format!("{a}kv_a_layernorm.weight")), 1e-6))
+                .collect();
             let kv = mm(&lat, &self.get(&format!("{a}kv_b_proj.weight")), c); // [n, nh*(dn+dv)]
             let kpe: Vec<Vec<f64>> = (0..n).map(|i| rope(&ckv[i * (c + dr) + c..(i + 1) * (c + dr)], i)).collect();
             let mut heads = vec![0.0; n * nh * dv];

@@ -101,6 +101,8 @@ pub fn build_manifest(plan: &Plan, files: &[PlannedFile], records: &[FileRecord]
             splits: split_rules(plan.experts).into_iter().map(|(c, s)| SplitRule { class: c.into(), split: s.into() }).collect(),
         },
         files: fentries,
+        // Filled in by the converter once the carried files are copied (they are not part of the plan).
+        aux_files: Vec::new(),
         tensors: tentries,
     }
 }

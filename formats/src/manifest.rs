@@ -2,6 +2,8 @@
 //! plan, every file and every tensor with its sha256, skipped source tensors). FORMAT.md documents each
 //! field. TOML has no null, so the config is stored twice: verbatim JSON (authoritative, re-parsed by
 //! config.rs) and a TOML table of the same keys with nulls dropped (for humans and grep).
+//! `[[aux_files]]` (optional, default empty, so format_version stays 1) lists the tokenizer and
+//! chat-template files carried byte-exactly from the source, so a converted dir is self-contained.
 //! Tests: bottom of this file and formats/tests/manifest_k26.rs (size and parse time of the full plan).
 
 use crate::error::{FormatError, Result};
@@ -16,6 +18,9 @@ pub const FORMAT_VERSION: u32 = 1;
 pub const MANIFEST: &str = "manifest.toml";
 /// File name of the checksum list (`sha256sum -c --strict` format).
 pub const SHA256SUMS: &str = "SHA256SUMS";
+/// Source files `kdtree-convert repack` carries into OUT byte-exactly when SRC has them (each optional),
+/// in manifest / SHA256SUMS order: what the runtime needs for text (tokenizer, chat template, defaults).
+pub const AUX_FILES: [&str; 4] = ["tiktoken.model", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"];
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -29,6 +34,9 @@ pub struct Manifest {
     pub model: Model,
     pub plan: PlanInfo,
     pub files: Vec<FileEntry>,
+    /// Non-tensor files copied from the source (tokenizer, chat template); absent = none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub aux_files: Vec<AuxFile>,
     pub tensors: Vec<TensorEntry>,
 }
 
@@ -104,6 +112,15 @@ pub struct FileEntry {
     pub sha256: String,
 }
 
+/// A file carried from the source byte-exactly (see `AUX_FILES`): name in the model dir, size, sha256.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuxFile {
+    pub name: String,
+    pub size: u64,
+    pub sha256: String,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TensorEntry {
@@ -164,7 +181,8 @@ impl Manifest {
         Ok(m)
     }
 
-    /// Cross-checks a reader relies on: safe unique file names, tensors in listed files, ranks in range.
+    /// Cross-checks a reader relies on: safe unique file names (shards and aux files together), tensors in
+    /// listed shard files, ranks in range.
     pub fn check(&self, file: &str) -> Result<()> {
         let mut names = HashSet::new();
         for f in &self.files {
@@ -173,6 +191,15 @@ impl Manifest {
             }
             if !names.insert(f.name.as_str()) || f.rank >= self.plan.ranks {
                 return Err(FormatError::file(file, format!("file {:?} listed twice or rank {} out of range", f.name, f.rank)));
+            }
+        }
+        let mut all = names.clone();
+        for a in &self.aux_files {
+            if !is_plain_file_name(&a.name) || a.name == MANIFEST || a.name == SHA256SUMS {
+                return Err(FormatError::file(file, format!("aux file name {:?} is not a plain file name", a.name)));
+            }
+            if !all.insert(a.name.as_str()) {
+                return Err(FormatError::file(file, format!("aux file {:?} listed twice", a.name)));
             }
         }
         let mut seen = HashSet::new();
@@ -229,6 +256,7 @@ mod tests {
             },
             plan: PlanInfo { ranks: 1, experts: ExpertsMode::Tp, group_size: 32, max_file_size: 10, experts_source: "int4".into(), splits: vec![] },
             files: vec![FileEntry { name: "rank-00-of-01.part-0000.safetensors".into(), rank: 0, part: 0, size: 1, sha256: "ab".into() }],
+            aux_files: vec![AuxFile { name: "tiktoken.model".into(), size: 3, sha256: "ef".into() }],
             tensors: vec![TensorEntry {
                 name: "w".into(),
                 rank: 0,
@@ -267,6 +295,30 @@ mod tests {
         assert!(m.check("m").is_err());
         let e = Manifest::parse("m", &s.replace("generator = ", "surprise = 1\ngenerator = ")).unwrap_err();
         assert!(e.to_string().contains("surprise"), "{e}");
+    }
+
+    #[test]
+    fn aux_files_are_optional_and_checked() {
+        // Without aux files the section is not written, and a manifest without it still parses (format_version 1).
+        let mut m = tiny();
+        let s = m.to_toml().unwrap();
+        assert!(s.contains("[[aux_files]]\nname = \"tiktoken.model\"\nsize = 3\n"), "{s}");
+        assert!(s.find("[[aux_files]]").unwrap() < s.find("[[tensors]]").unwrap(), "{s}");
+        m.aux_files.clear();
+        let s = m.to_toml().unwrap();
+        assert!(!s.contains("aux_files"), "{s}");
+        assert_eq!(Manifest::parse("m", &s).unwrap(), m);
+        // Unsafe, reserved, duplicate or shard-colliding names are refused.
+        for bad in ["../tiktoken.model", "/etc/passwd", "a/b", MANIFEST, SHA256SUMS, "rank-00-of-01.part-0000.safetensors"] {
+            let mut m = tiny();
+            m.aux_files[0].name = bad.into();
+            assert!(m.check("m").is_err(), "{bad} accepted");
+        }
+        let mut m = tiny();
+        m.aux_files.push(m.aux_files[0].clone());
+        assert!(m.check("m").unwrap_err().to_string().contains("listed twice"));
+        let e = Manifest::parse("m", &tiny().to_toml().unwrap().replace("size = 3\n", "size = 3\nmode = 1\n")).unwrap_err();
+        assert!(e.to_string().contains("mode"), "{e}");
     }
 
     #[test]

@@ -152,7 +152,13 @@ pub fn rms_norm(x: &[f32], weight: &[bf16], eps: f32) -> Vec<f32> {
 /// `cos[i], sin[i]` for i < D/2. This is the DeepSeek/Kimi rope on the *stored* layout (k26-format §4.4).
 pub fn rope_interleaved(x: &mut [f32], cos: &[f32], sin: &[f32]) {
     let half = x.len() / 2;
-    assert!(cos.len() == half && sin.len() == half, "rope_interleaved: D={} needs {half} cos/sin, got {}/{}", x.len(), cos.len(), sin.len());
+    assert!(
+        cos.len() == half && sin.len() == half,
+        "rope_interleaved: D={} needs {half} cos/sin, got {}/{}",
+        x.len(),
+        cos.len(),
+        sin.len()
+    );
     for i in 0..half {
         let (a, b) = (x[2 * i], x[2 * i + 1]);
         x[2 * i] = a * cos[i] - b * sin[i];

@@ -36,10 +36,20 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// Attention output `[T, H]` (after o_proj, ranks summed) for normed input `x` `[T, H]`; appends the T
 /// nodes' latent rows to layer `l` of `cache` as scratch. `positions[i]` is node i's absolute position.
 #[allow(clippy::too_many_arguments)]
-pub fn mla(cfg: &ModelConfig, w: &Attn, l: usize, x: &[f32], mask: &TreeMask, positions: &[usize], cache: &mut LatentCache, mode: AttnMode) -> Vec<f32> {
+pub fn mla(
+    cfg: &ModelConfig,
+    w: &Attn,
+    l: usize,
+    x: &[f32],
+    mask: &TreeMask,
+    positions: &[usize],
+    cache: &mut LatentCache,
+    mode: AttnMode,
+) -> Vec<f32> {
     let (t, h, c, p) = (mask.n, cfg.hidden, cfg.kv_lora, cfg.rope);
     let (dn, dv, qk) = (cfg.nope, cfg.v_dim, cfg.qk_head_dim());
-    let cos_sin: Vec<(Vec<f32>, Vec<f32>)> = positions.iter().map(|&pos| ops::rope_cos_sin(&cfg.inv_freq, pos, cfg.rope_attention_factor)).collect();
+    let cos_sin: Vec<(Vec<f32>, Vec<f32>)> =
+        positions.iter().map(|&pos| ops::rope_cos_sin(&cfg.inv_freq, pos, cfg.rope_attention_factor)).collect();
 
     // Query input: normed q_a latent [T, q_lora], or x itself when q_lora_rank is None.
     let q_in = match &w.q_a {
@@ -62,7 +72,8 @@ pub fn mla(cfg: &ModelConfig, w: &Attn, l: usize, x: &[f32], mask: &TreeMask, po
     let lat = &cache.rows[l]; // [committed + T, C + P]
     let slot = |s: usize| &lat[s * (c + p)..(s + 1) * (c + p)];
     // Visible slots of each node: the committed prefix, then its ancestors and itself.
-    let visible: Vec<Vec<usize>> = (0..t).map(|i| (0..committed).chain(mask.visible_nodes(i).into_iter().map(|j| committed + j)).collect()).collect();
+    let visible: Vec<Vec<usize>> =
+        (0..t).map(|i| (0..committed).chain(mask.visible_nodes(i).into_iter().map(|j| committed + j)).collect()).collect();
 
     let mut out = vec![0f32; t * h]; // [T, H], ranks summed in order
     for rw in &w.ranks {

@@ -126,7 +126,8 @@ mod tests {
     fn mask_rows_are_ancestor_sets_for_wide_trees() {
         // 200 nodes (4 u64 words per row), random parents; compare with a walk up the parent chain.
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
-        let parents: Vec<i32> = (0..200).map(|i| if i == 0 || rng.random_range(0..10) == 0 { -1 } else { rng.random_range(0..i) }).collect();
+        let parents: Vec<i32> =
+            (0..200).map(|i| if i == 0 || rng.random_range(0..10) == 0 { -1 } else { rng.random_range(0..i) }).collect();
         let m = TreeMask::from_parents(&parents).unwrap();
         assert_eq!(m.words, 4);
         for i in 0..200 {
@@ -155,7 +156,8 @@ mod tests {
         }
         c.committed = 1;
         for l in 0..2 {
-            c.append(l, &(0..15).map(|v| (v + 100 * l) as f32).collect::<Vec<_>>()); // 5 scratch rows
+            c.append(l, &(0..15).map(|v| (v + 100 * l) as f32).collect::<Vec<_>>());
+            // 5 scratch rows
         }
         c.scratch = 5;
         c.commit(&[0, 2, 3]).unwrap();

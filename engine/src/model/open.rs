@@ -52,7 +52,11 @@ pub fn open_with(dir: &Path, device: Device, opts: OpenOptions) -> Result<Loaded
     let md = ModelDir::open(dir).with_context(|| format!("opening {}", dir.display()))?;
     let drafter_cfg = md.drafter_config().cloned();
     let src: Arc<dyn TensorSource> = Arc::new(md);
-    let (target, weights) = open_cpu_target(src.clone(), drafter_cfg.as_ref().map(|c| c.dflash_config.target_layer_ids.clone()).unwrap_or_default(), opts.attn_mode)?;
+    let (target, weights) = open_cpu_target(
+        src.clone(),
+        drafter_cfg.as_ref().map(|c| c.dflash_config.target_layer_ids.clone()).unwrap_or_default(),
+        opts.attn_mode,
+    )?;
     let drafter: Option<Box<dyn Drafter>> = match &drafter_cfg {
         None => None,
         Some(cfg) => {

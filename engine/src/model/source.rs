@@ -90,12 +90,7 @@ pub fn pod_vec<T: bytemuck::Pod>(data: &[u8]) -> Vec<T> {
 /// Fetch `name` of `rank`, checking dtype and shard shape; the error names the tensor and both shapes.
 pub fn expect<'a>(src: &'a dyn TensorSource, name: &str, rank: usize, dtype: Dtype, shape: &[usize]) -> Result<TensorRef<'a>> {
     let t = src.tensor(name, rank)?;
-    ensure!(
-        t.dtype == dtype && t.shape == shape,
-        "{name} (rank {rank}): expected {dtype} {shape:?}, found {} {:?}",
-        t.dtype,
-        t.shape
-    );
+    ensure!(t.dtype == dtype && t.shape == shape, "{name} (rank {rank}): expected {dtype} {shape:?}, found {} {:?}", t.dtype, t.shape);
     Ok(t)
 }
 
@@ -103,7 +98,12 @@ pub fn expect<'a>(src: &'a dyn TensorSource, name: &str, rank: usize, dtype: Dty
 /// starting at `offset` (`None` = replicated). This is where the engine proves it reads the plan right.
 pub fn expect_split(t: &TensorRef<'_>, name: &str, rank: usize, axis: Option<usize>, offset: usize) -> Result<()> {
     let found = (t.split_axis, if t.split_axis.is_some() { t.split_offset } else { 0 });
-    ensure!(found == (axis, offset), "{name} (rank {rank}): expected split {axis:?} at {offset}, manifest says {:?} at {}", t.split_axis, t.split_offset);
+    ensure!(
+        found == (axis, offset),
+        "{name} (rank {rank}): expected split {axis:?} at {offset}, manifest says {:?} at {}",
+        t.split_axis,
+        t.split_offset
+    );
     Ok(())
 }
 
@@ -139,12 +139,24 @@ struct MemShard {
 
 impl MemSource {
     /// Split `tensors` (converted names, prefix `prefix`, e.g. `"language_model."`) over `ranks` ranks.
-    pub fn new(text: TextConfig, prefix: &str, tensors: &HashMap<String, MemTensor>, ranks: usize, experts: ExpertsMode) -> Result<MemSource> {
+    pub fn new(
+        text: TextConfig,
+        prefix: &str,
+        tensors: &HashMap<String, MemTensor>,
+        ranks: usize,
+        experts: ExpertsMode,
+    ) -> Result<MemSource> {
         let plan = plan_model(&text, None, prefix, SourceQuant::Bf16, ranks, experts)?;
         let mut shards = HashMap::new();
         for o in &plan.tensors {
             let whole = tensors.get(&o.name).with_context(|| format!("MemSource: plan needs {} but it was not given", o.name))?;
-            ensure!(whole.shape == o.logical_shape, "MemSource: {} has shape {:?}, plan expects {:?}", o.name, whole.shape, o.logical_shape);
+            ensure!(
+                whole.shape == o.logical_shape,
+                "MemSource: {} has shape {:?}, plan expects {:?}",
+                o.name,
+                whole.shape,
+                o.logical_shape
+            );
             let bytes = slice_bytes(whole, o.split_axis, o.split_offset, &o.shape)?;
             let shard = MemShard {
                 dtype: o.dtype,

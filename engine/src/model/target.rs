@@ -37,7 +37,8 @@ impl CpuTarget {
         for &l in &tap_layers {
             ensure!(l < c.layers, "tap layer {l} >= num_hidden_layers {}", c.layers);
         }
-        let info = TargetInfo { vocab_size: c.vocab, hidden_size: c.hidden, num_layers: c.layers, max_positions: c.max_positions, tap_layers };
+        let info =
+            TargetInfo { vocab_size: c.vocab, hidden_size: c.hidden, num_layers: c.layers, max_positions: c.max_positions, tap_layers };
         let cache = LatentCache::new(c.layers, c.latent_width());
         Ok(CpuTarget { w, info, cache, mode, trace: None, last_parents: Vec::new() })
     }
@@ -135,7 +136,11 @@ impl Target for CpuTarget {
         for (k, &node) in path.iter().enumerate() {
             ensure!(node < n, "commit: path[{k}] = {node} but the last forward had {n} nodes");
             let want = if k == 0 { -1 } else { path[k - 1] as i32 };
-            ensure!(self.last_parents[node] == want, "commit: path[{k}] = {node} has parent {}, expected {want} (not a root-to-node path)", self.last_parents[node]);
+            ensure!(
+                self.last_parents[node] == want,
+                "commit: path[{k}] = {node} has parent {}, expected {want} (not a root-to-node path)",
+                self.last_parents[node]
+            );
         }
         self.cache.commit(path)?;
         self.last_parents.clear();

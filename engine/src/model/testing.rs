@@ -100,10 +100,18 @@ pub fn random_tensors(t: &TextConfig, seed: u64) -> HashMap<String, MemTensor> {
             let sc = 0.45 / (k as f32).sqrt(); // q has std ≈ 4.6, so w has std ≈ 2 / sqrt(k)
             let scales: Vec<bf16> = (0..e * n * k / 32).map(|_| bf16::from_f32(sc * rng.random_range(0.5f32..1.5))).collect();
             let stem = format!("{mlp}experts.{proj}");
-            m.insert(format!("{stem}.weight_packed"), MemTensor { dtype: Dtype::U8, shape: vec![e, n, k], layout: Layout::Int4G32, data: packed });
+            m.insert(
+                format!("{stem}.weight_packed"),
+                MemTensor { dtype: Dtype::U8, shape: vec![e, n, k], layout: Layout::Int4G32, data: packed },
+            );
             m.insert(
                 format!("{stem}.weight_scale"),
-                MemTensor { dtype: Dtype::BF16, shape: vec![e, n, k / 32], layout: Layout::Int4G32Scale, data: bytemuck::cast_slice(&scales).to_vec() },
+                MemTensor {
+                    dtype: Dtype::BF16,
+                    shape: vec![e, n, k / 32],
+                    layout: Layout::Int4G32Scale,
+                    data: bytemuck::cast_slice(&scales).to_vec(),
+                },
             );
         }
     }

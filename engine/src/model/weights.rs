@@ -67,9 +67,19 @@ impl ModelConfig {
         if let Some(a) = t.hidden_act.as_deref() {
             ensure!(a == "silu", "hidden_act {a:?} is not supported (only silu)");
         }
-        ensure!(t.n_group >= 1 && t.n_routed_experts % t.n_group == 0, "n_group {} does not divide {} experts", t.n_group, t.n_routed_experts);
+        ensure!(
+            t.n_group >= 1 && t.n_routed_experts % t.n_group == 0,
+            "n_group {} does not divide {} experts",
+            t.n_group,
+            t.n_routed_experts
+        );
         ensure!(t.topk_group <= t.n_group, "topk_group {} > n_group {}", t.topk_group, t.n_group);
-        ensure!(t.num_experts_per_tok <= t.n_routed_experts, "num_experts_per_tok {} > n_routed_experts {}", t.num_experts_per_tok, t.n_routed_experts);
+        ensure!(
+            t.num_experts_per_tok <= t.n_routed_experts,
+            "num_experts_per_tok {} > n_routed_experts {}",
+            t.num_experts_per_tok,
+            t.n_routed_experts
+        );
         ensure!(t.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim {} must be even", t.qk_rope_head_dim);
         let qk = t.qk_head_dim() as f64;
         // transformers: scaling *= mscale² only when rope_scaling has a non-zero mscale_all_dim.
@@ -277,7 +287,12 @@ impl Ld<'_> {
             .map(|rank| {
                 let p = self.src().tensor(&pname, rank)?;
                 let s = self.src().tensor(&sname, rank)?;
-                ensure!(p.dtype == Dtype::U8 && s.dtype == Dtype::BF16, "{pname}: expected U8 + BF16 scales, found {} + {}", p.dtype, s.dtype);
+                ensure!(
+                    p.dtype == Dtype::U8 && s.dtype == Dtype::BF16,
+                    "{pname}: expected U8 + BF16 scales, found {} + {}",
+                    p.dtype,
+                    s.dtype
+                );
                 ensure!(p.logical_shape == [e, n, k], "{pname}: logical shape {:?}, expected [{e}, {n}, {k}]", p.logical_shape);
                 ensure!(p.shape.len() == 3, "{pname} (rank {rank}): shape {:?} is not 3-D", p.shape);
                 let (cnt, nr, kr) = (p.shape[0], p.shape[1], p.shape[2] * 2);
@@ -300,7 +315,14 @@ impl Ld<'_> {
                     _ => {}
                 }
                 ensure!(s.shape == [cnt, nr, kr / 32], "{sname} (rank {rank}): shape {:?}, expected [{cnt}, {nr}, {}]", s.shape, kr / 32);
-                Ok(I4Stack { packed: Slab::new(self.owner, p.data), scales: Slab::new(self.owner, s.data), first, count: cnt, n: nr, k: kr })
+                Ok(I4Stack {
+                    packed: Slab::new(self.owner, p.data),
+                    scales: Slab::new(self.owner, s.data),
+                    first,
+                    count: cnt,
+                    n: nr,
+                    k: kr,
+                })
             })
             .collect()
     }
@@ -325,7 +347,11 @@ impl Weights {
         let vr = v / r;
         let vocab_mats = |name: &str| -> Result<Vec<Mat>> { (0..r).map(|k| ld.mat(name, k, vr, h, Some((0, k * vr)))).collect() };
         let embed = vocab_mats(&format!("{m}embed_tokens.weight"))?;
-        let lm_head = if t.tie_word_embeddings { vocab_mats(&format!("{m}embed_tokens.weight"))? } else { vocab_mats(&format!("{prefix}lm_head.weight"))? };
+        let lm_head = if t.tie_word_embeddings {
+            vocab_mats(&format!("{m}embed_tokens.weight"))?
+        } else {
+            vocab_mats(&format!("{prefix}lm_head.weight"))?
+        };
         let norm = ld.vec_rep(&format!("{m}norm.weight"), h)?;
         let (hr, qk) = (nh / r, cfg.qk_head_dim());
         let mut layers = Vec::with_capacity(cfg.layers);
@@ -333,7 +359,9 @@ impl Weights {
             let p = format!("{m}layers.{l}.");
             let a = format!("{p}self_attn.");
             let q_a = match cfg.q_lora {
-                Some(ql) => Some((ld.mat(&format!("{a}q_a_proj.weight"), 0, ql, h, None)?, ld.vec_rep(&format!("{a}q_a_layernorm.weight"), ql)?)),
+                Some(ql) => {
+                    Some((ld.mat(&format!("{a}q_a_proj.weight"), 0, ql, h, None)?, ld.vec_rep(&format!("{a}q_a_layernorm.weight"), ql)?))
+                }
                 None => None,
             };
             let ranks = (0..r)
@@ -369,7 +397,11 @@ impl Weights {
                 } else {
                     None
                 };
-                let shared = if cfg.n_shared > 0 { ld.mlp(&format!("{mlp}shared_experts."), h, cfg.moe_intermediate * cfg.n_shared)? } else { Vec::new() };
+                let shared = if cfg.n_shared > 0 {
+                    ld.mlp(&format!("{mlp}shared_experts."), h, cfg.moe_intermediate * cfg.n_shared)?
+                } else {
+                    Vec::new()
+                };
                 let stem = format!("{mlp}experts");
                 let mi = cfg.moe_intermediate;
                 Ffn::Moe(Moe {
@@ -381,7 +413,12 @@ impl Weights {
                     down: ld.experts(&stem, "down_proj", e, h, mi)?,
                 })
             };
-            layers.push(Layer { input_norm: ld.vec_rep(&format!("{p}input_layernorm.weight"), h)?, post_norm: ld.vec_rep(&format!("{p}post_attention_layernorm.weight"), h)?, attn, ffn });
+            layers.push(Layer {
+                input_norm: ld.vec_rep(&format!("{p}input_layernorm.weight"), h)?,
+                post_norm: ld.vec_rep(&format!("{p}post_attention_layernorm.weight"), h)?,
+                attn,
+                ffn,
+            });
         }
         Ok(Weights { cfg, embed, norm, lm_head, layers, prefix })
     }

@@ -3,18 +3,22 @@
 //! write each planned file as `*.partial` (hashing while writing), rename it, and record its hashes in
 //! `OUT/.kdtree-convert/<file>.json` (keyed by a job id, so a re-run skips it); manifest.toml and
 //! SHA256SUMS come last (temp + rename), then the records are removed. Killed at any moment, the same
-//! command resumes and ends with the same bytes as an uninterrupted run.
-//! Tests: tools/kdtree-convert/tests/repack.rs (determinism, kill -9 resume) and tests/bad_input.rs.
+//! command resumes and ends with the same bytes as an uninterrupted run. The tokenizer / chat-template
+//! files of SRC (`manifest::AUX_FILES`, each optional) are copied first, the same way (stream, hash,
+//! `*.partial` + rename, record keyed by the source's sha256), and listed in `[[aux_files]]` and SHA256SUMS.
+//! Tests: tools/kdtree-convert/tests/repack.rs (determinism, kill -9 resume), tests/bad_input.rs and
+//! tests/aux_files.rs (carried files).
 
 use crate::emit::emit;
 use crate::progress::Progress;
-use crate::source::{self, Checkpoint};
+use crate::source::{self, AuxSource, Checkpoint};
 use anyhow::{bail, Context, Result};
 use kdtree_formats::assemble::{build_manifest, file_specs, planned_record, FileRecord, ManifestInputs, TensorRecord};
-use kdtree_formats::manifest::{json_to_toml, sha256sums, Manifest, Model, MANIFEST, SHA256SUMS};
+use kdtree_formats::manifest::{json_to_toml, sha256sums, AuxFile, Manifest, Model, MANIFEST, SHA256SUMS};
 use kdtree_formats::plan::{assign_files, plan_model, ExpertsMode, Plan, PlannedFile, SourceQuant};
 use kdtree_formats::writer::{partial_path, write_atomic, ShardWriter};
 use sha2::{Digest, Sha256};
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -52,6 +56,8 @@ struct Job {
     files: Vec<PlannedFile>,
     planned: Vec<FileRecord>,
     inputs: ManifestInputs,
+    /// Files carried from SRC as they are (tokenizer, chat template), hashed when the job was prepared.
+    aux: Vec<AuxSource>,
 }
 
 fn prepare(o: &RepackOptions) -> Result<Job> {
@@ -63,6 +69,7 @@ fn prepare(o: &RepackOptions) -> Result<Job> {
     ck.check_against(&plan)?;
     let files = assign_files(&plan, o.max_file_size);
     let planned = files.iter().map(|f| planned_record(&plan, f)).collect::<Result<Vec<_>, _>>()?;
+    let aux = source::aux_files(&o.src)?;
     let text_config = json_to_toml(&ck.text_json).and_then(|v| v.as_table().cloned()).unwrap_or_default();
     let inputs = ManifestInputs {
         generator: format!("kdtree-convert {}", env!("CARGO_PKG_VERSION")),
@@ -80,7 +87,7 @@ fn prepare(o: &RepackOptions) -> Result<Job> {
             SourceQuant::Bf16 => "bf16 (quantized by kdtree-convert)".into(),
         },
     };
-    Ok(Job { ck, plan, files, planned, inputs })
+    Ok(Job { ck, plan, files, planned, inputs, aux })
 }
 
 /// Identity of one output file's content: source fingerprint, options and the file's tensor plan.
@@ -94,10 +101,10 @@ fn job_id(job: &Job, f: &PlannedFile) -> String {
 }
 
 /// OUT may only hold what this conversion writes.
-fn check_out_dir(out: &Path, files: &[PlannedFile]) -> Result<()> {
+fn check_out_dir(out: &Path, files: &[PlannedFile], aux: &[AuxSource]) -> Result<()> {
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     let mut ours: std::collections::HashSet<String> = [MANIFEST, SHA256SUMS, STATE_DIR].iter().map(|s| s.to_string()).collect();
-    for n in files.iter().map(|f| f.name.as_str()).chain([MANIFEST, SHA256SUMS]) {
+    for n in files.iter().map(|f| f.name.as_str()).chain(aux.iter().map(|a| a.name.as_str())).chain([MANIFEST, SHA256SUMS]) {
         ours.insert(n.to_string());
         ours.insert(format!("{n}.partial"));
     }
@@ -143,6 +150,54 @@ fn write_file(job: &Job, o: &RepackOptions, i: usize, prog: &Progress) -> Result
     let body = serde_json::to_vec(&Done { job: id, record: record.clone() })?;
     write_atomic(&rec_path, &body)?;
     Ok(record)
+}
+
+/// The manifest entry a carried file gets.
+fn aux_entry(a: &AuxSource) -> AuxFile {
+    AuxFile { name: a.name.clone(), size: a.size, sha256: a.sha256.clone() }
+}
+
+/// Copy one carried file byte-exactly: stream `SRC/name` (symlinks followed) into `OUT/name.partial`,
+/// hashing as it goes, fsync, check size and sha256 against what `prepare` found (so a source changed
+/// meanwhile is refused, not half-carried), rename, record. Reused when its record names the same source
+/// content and the file in OUT has that size.
+fn copy_aux(o: &RepackOptions, a: &AuxSource) -> Result<AuxFile> {
+    let id = format!("aux|{}|{}|{}", a.name, a.size, a.sha256);
+    let path = o.out.join(&a.name);
+    let rec_path = o.out.join(STATE_DIR).join(format!("{}.json", a.name));
+    if let Ok(body) = std::fs::read(&rec_path) {
+        if let Ok(done) = serde_json::from_slice::<Done>(&body) {
+            if done.job == id && std::fs::metadata(&path).map(|m| m.len()).ok() == Some(a.size) {
+                return Ok(aux_entry(a));
+            }
+        }
+    }
+    let partial = partial_path(&path);
+    let mut src = std::fs::File::open(&a.path).with_context(|| format!("opening {}", a.path.display()))?;
+    let mut dst = std::fs::File::create(&partial).with_context(|| format!("creating {}", partial.display()))?;
+    let mut h = Sha256::new();
+    let mut size = 0u64;
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = src.read(&mut buf).with_context(|| format!("reading {}", a.path.display()))?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+        dst.write_all(&buf[..n]).with_context(|| format!("writing {}", partial.display()))?;
+        size += n as u64;
+    }
+    dst.sync_all().with_context(|| format!("writing {}", partial.display()))?;
+    drop(dst);
+    let sha256 = hex::encode(h.finalize());
+    if size != a.size || sha256 != a.sha256 {
+        let _ = std::fs::remove_file(&partial);
+        bail!("{}: changed during the conversion ({} bytes, sha256 {sha256}; was {} bytes, {}); re-run", a.path.display(), size, a.size, a.sha256);
+    }
+    std::fs::rename(&partial, &path).with_context(|| format!("renaming {} to {}", partial.display(), path.display()))?;
+    let record = FileRecord { name: a.name.clone(), size, sha256, tensors: Vec::new() };
+    write_atomic(&rec_path, &serde_json::to_vec(&Done { job: id, record })?)?;
+    Ok(aux_entry(a))
 }
 
 /// Threads writing `files` output files: one per core, at most MAX_THREADS, at most one per file.
@@ -196,12 +251,14 @@ fn already_complete(job: &Job, out: &Path) -> bool {
         && m.plan.max_file_size == job.inputs.max_file_size
         && m.files.len() == job.files.len()
         && m.files.iter().zip(&job.planned).all(|(a, b)| a.name == b.name && a.size == b.size && std::fs::metadata(out.join(&a.name)).map(|x| x.len()).ok() == Some(a.size))
+        && m.aux_files == job.aux.iter().map(aux_entry).collect::<Vec<_>>()
+        && m.aux_files.iter().all(|a| std::fs::metadata(out.join(&a.name)).map(|x| x.len()).ok() == Some(a.size))
 }
 
 /// Run a conversion. Returns the manifest written.
 pub fn repack(o: &RepackOptions) -> Result<Manifest> {
     let job = prepare(o)?;
-    check_out_dir(&o.out, &job.files)?;
+    check_out_dir(&o.out, &job.files, &job.aux)?;
     if already_complete(&job, &o.out) {
         if !o.quiet {
             eprintln!("{}: already complete (run `kdtree-convert verify` to re-hash)", o.out.display());
@@ -217,22 +274,33 @@ pub fn repack(o: &RepackOptions) -> Result<Manifest> {
         }
     }
     std::fs::create_dir_all(o.out.join(STATE_DIR))?;
+    let aux = job.aux.iter().map(|a| copy_aux(o, a)).collect::<Result<Vec<_>>>()?;
     let total: u64 = job.files.iter().map(|f| f.data_bytes).sum();
     let prog = Progress::new("repack", total, o.quiet);
     let records = write_all(&job, o, &prog)?;
     prog.finish();
-    let manifest = build_manifest(&job.plan, &job.files, &records, job.inputs);
+    let mut manifest = build_manifest(&job.plan, &job.files, &records, job.inputs);
+    manifest.aux_files = aux;
     let text = manifest.to_toml()?;
     write_atomic(&o.out.join(MANIFEST), text.as_bytes())?;
     let mut sums: Vec<(String, String)> = records.iter().map(|r| (r.name.clone(), r.sha256.clone())).collect();
+    sums.extend(manifest.aux_files.iter().map(|a| (a.name.clone(), a.sha256.clone())));
     sums.push((MANIFEST.to_string(), hex::encode(Sha256::digest(text.as_bytes()))));
     write_atomic(&o.out.join(SHA256SUMS), sha256sums(&sums).as_bytes())?;
     std::fs::remove_dir_all(o.out.join(STATE_DIR))?;
-    for f in &job.files {
-        let _ = std::fs::remove_file(partial_path(&o.out.join(&f.name)));
+    for n in job.files.iter().map(|f| &f.name).chain(job.aux.iter().map(|a| &a.name)) {
+        let _ = std::fs::remove_file(partial_path(&o.out.join(n)));
     }
     if !o.quiet {
-        eprintln!("{}: {} files, {} tensors, {} bytes", o.out.display(), manifest.files.len(), manifest.tensors.len(), manifest.files.iter().map(|f| f.size).sum::<u64>());
+        let carried: Vec<&str> = manifest.aux_files.iter().map(|a| a.name.as_str()).collect();
+        eprintln!(
+            "{}: {} files, {} tensors, {} bytes; carried {}",
+            o.out.display(),
+            manifest.files.len(),
+            manifest.tensors.len(),
+            manifest.files.iter().map(|f| f.size).sum::<u64>(),
+            if carried.is_empty() { "no tokenizer files".to_string() } else { carried.join(", ") }
+        );
     }
     Ok(manifest)
 }

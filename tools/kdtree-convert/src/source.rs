@@ -3,16 +3,18 @@
 //! formats::reader before any byte is used; weight_map entries must be plain file names inside the dir.
 //! Then every tensor the plan needs is checked (present, dtype, shape, weight_shape values) and anything
 //! unexpected outside vision_tower.* / mm_projector.* is refused. Reference: shared k26-format.md §1.4, §2.
-//! Tests: tools/kdtree-convert/tests/bad_input.rs.
+//! `aux_files` finds (and hashes) the tokenizer / chat-template files repack carries along.
+//! Tests: tools/kdtree-convert/tests/bad_input.rs, tests/aux_files.rs.
 
 use anyhow::{anyhow, bail, Context, Result};
 use kdtree_formats::config::{parse_drafter_config, parse_text_config, DrafterConfig, TextConfig};
-use kdtree_formats::manifest::{is_plain_file_name, DrafterSource, Source, SourceFile};
+use kdtree_formats::manifest::{is_plain_file_name, DrafterSource, Source, SourceFile, AUX_FILES};
 use kdtree_formats::plan::{Plan, SourceQuant};
 use kdtree_formats::reader::{SafeFile, TensorInfo};
 use kdtree_formats::Dtype;
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, HashMap};
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
 /// Source tensor names not converted (the vision tower and its projector).
@@ -257,4 +259,53 @@ impl Checkpoint {
 fn layer_of(name: &str) -> Option<usize> {
     let rest = &name[name.find("layers.")? + 7..];
     rest.split('.').next()?.parse().ok()
+}
+
+/// A source file carried into OUT byte-exactly (one of `AUX_FILES`), with its size and sha256 as found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AuxSource {
+    pub name: String,
+    /// `SRC/name` (may be a symlink, e.g. into a Hugging Face cache's blobs; it is followed).
+    pub path: PathBuf,
+    pub size: u64,
+    pub sha256: String,
+}
+
+/// Stream `path` through sha256: (size, hex digest).
+pub fn hash_file(path: &Path) -> Result<(u64, String)> {
+    let mut f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut size = 0u64;
+    loop {
+        let n = f.read(&mut buf).with_context(|| format!("reading {}", path.display()))?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+        size += n as u64;
+    }
+    Ok((size, hex::encode(h.finalize())))
+}
+
+/// The `AUX_FILES` present in `src`, in that order, hashed. An absent name is skipped (each is optional:
+/// without tiktoken.model only token-id prompts work); a name that exists but is not a readable regular
+/// file after following symlinks (a dangling link, a directory) is an error rather than silently dropped.
+pub fn aux_files(src: &Path) -> Result<Vec<AuxSource>> {
+    let mut out = Vec::new();
+    for name in AUX_FILES {
+        let path = src.join(name);
+        match std::fs::symlink_metadata(&path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+            Ok(_) => {}
+        }
+        let meta = std::fs::metadata(&path).with_context(|| format!("{}: exists but cannot be followed (dangling symlink?)", path.display()))?;
+        if !meta.is_file() {
+            bail!("{}: not a regular file", path.display());
+        }
+        let (size, sha256) = hash_file(&path)?;
+        out.push(AuxSource { name: name.to_string(), path, size, sha256 });
+    }
+    Ok(out)
 }

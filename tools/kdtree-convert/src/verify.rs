@@ -1,11 +1,12 @@
 //! `kdtree-convert verify`: re-hash every file and every tensor (in parallel, one streaming pass per
 //! file) against manifest.toml, check SHA256SUMS against the manifest, and look for missing and extra
-//! files. The first bad file (in manifest order) is named, with the first bad tensor in it.
+//! files. The first bad file (in manifest order: shards, then `[[aux_files]]`) is named, with the first
+//! bad tensor in it. Carried files (tokenizer, chat template) are hashed whole like the shards.
 //! Exit: 0 ok, 1 a check failed, 2 could not run (e.g. unreadable manifest). Tests: tests/verify.rs.
 
 use crate::progress::Progress;
 use anyhow::{Context, Result};
-use kdtree_formats::manifest::{parse_sha256sums, FileEntry, Manifest, TensorEntry, MANIFEST, SHA256SUMS};
+use kdtree_formats::manifest::{parse_sha256sums, AuxFile, FileEntry, Manifest, TensorEntry, MANIFEST, SHA256SUMS};
 use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeSet, HashMap};
@@ -74,6 +75,28 @@ fn check_file(dir: &Path, f: &FileEntry, tensors: &[&TensorEntry], prog: &Progre
     }))
 }
 
+/// Hash one carried (aux) file whole; return the problem found, if any.
+fn check_aux(dir: &Path, a: &AuxFile, prog: &Progress) -> Result<Option<String>> {
+    let p = dir.join(&a.name);
+    let mut file = std::fs::File::open(&p).with_context(|| format!("opening {}", p.display()))?;
+    let len = file.metadata()?.len();
+    if len != a.size {
+        return Ok(Some(format!("{}: size {len}, manifest says {} (truncated or replaced)", a.name, a.size)));
+    }
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+        prog.inc(n as u64);
+    }
+    let got = hex::encode(h.finalize());
+    Ok((got != a.sha256).then(|| format!("{}: sha256 {got}, manifest says {} (carried file modified)", a.name, a.sha256)))
+}
+
 /// Verify the converted model in `dir`.
 pub fn verify(dir: &Path, quiet: bool) -> Result<Verdict> {
     let mpath = dir.join(MANIFEST);
@@ -86,6 +109,7 @@ pub fn verify(dir: &Path, quiet: bool) -> Result<Verdict> {
     };
     let sums: HashMap<String, String> = parse_sha256sums(SHA256SUMS, &sums_text)?.into_iter().collect();
     let mut want: HashMap<String, String> = m.files.iter().map(|f| (f.name.clone(), f.sha256.clone())).collect();
+    want.extend(m.aux_files.iter().map(|a| (a.name.clone(), a.sha256.clone())));
     want.insert(MANIFEST.into(), hex::encode(Sha256::digest(&text)));
     for (n, h) in &want {
         match sums.get(n) {
@@ -102,8 +126,8 @@ pub fn verify(dir: &Path, quiet: bool) -> Result<Verdict> {
     for e in std::fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
         present.insert(e?.file_name().to_string_lossy().into_owned());
     }
-    if let Some(f) = m.files.iter().find(|f| !present.contains(&f.name)) {
-        return Ok(Verdict::Failed(format!("{}: missing", f.name)));
+    if let Some(n) = m.files.iter().map(|f| &f.name).chain(m.aux_files.iter().map(|a| &a.name)).find(|n| !present.contains(*n)) {
+        return Ok(Verdict::Failed(format!("{n}: missing")));
     }
     if let Some(x) = present.iter().find(|n| !want.contains_key(*n) && n.as_str() != SHA256SUMS) {
         return Ok(Verdict::Failed(format!("{x}: extra file not in the manifest")));
@@ -115,16 +139,17 @@ pub fn verify(dir: &Path, quiet: bool) -> Result<Verdict> {
     for v in by_file.values_mut() {
         v.sort_by_key(|t| t.offset);
     }
-    let total: u64 = m.files.iter().map(|f| f.size).sum();
+    let total: u64 = m.files.iter().map(|f| f.size).chain(m.aux_files.iter().map(|a| a.size)).sum();
     let prog = Progress::new("verify", total, quiet);
     let results: Vec<Option<String>> = m
         .files
         .par_iter()
         .map(|f| check_file(dir, f, by_file.get(f.name.as_str()).map_or(&[][..], |v| v.as_slice()), &prog))
         .collect::<Result<_>>()?;
+    let aux_results: Vec<Option<String>> = m.aux_files.par_iter().map(|a| check_aux(dir, a, &prog)).collect::<Result<_>>()?;
     prog.finish();
-    if let Some(bad) = results.into_iter().flatten().next() {
+    if let Some(bad) = results.into_iter().chain(aux_results).flatten().next() {
         return Ok(Verdict::Failed(bad));
     }
-    Ok(Verdict::Ok { files: m.files.len(), tensors: m.tensors.len(), bytes: total })
+    Ok(Verdict::Ok { files: m.files.len() + m.aux_files.len(), tensors: m.tensors.len(), bytes: total })
 }

@@ -10,7 +10,7 @@
 //! | name | dtype | shape | meaning |
 //! |---|---|---|---|
 //! | `prompt_ids` | I32 | [P] | prompt token ids |
-//! | `ar.tokens` | I32 | [T] | greedy AR continuation; step s chose `ar.tokens[s]` from the logits after `prompt + ar.tokens[..s]` |
+//! | `ar.tokens` | I32 | [T] | greedy AR continuation; step s chose `ar.tokens[s]` from the logits after `prompt + ar.tokens[..s]`; stop tokens do not end it (always `--max-tokens`), so a run that stops at EOS must equal a prefix |
 //! | `ar.topk_ids`, `ar.topk_logits` | I32, F32 | [T, k] | top-k of every step, by logit descending, ties to the lower id |
 //! | `ar.full_logits` | F32 | [S, V] | all logits of steps 0..S |
 //! | `trace.meta` | I32 | [3] | (decode step, position, input token) of the traced forward |

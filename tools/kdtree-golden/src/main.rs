@@ -115,9 +115,11 @@ fn read_prompts(path: &std::path::Path, model: &std::path::Path) -> Result<Vec<(
     let mut tok: Option<kdtree_text::Tokenizer> = None;
     let mut encode = |text: &str| -> Result<Vec<u32>> {
         if tok.is_none() {
+            // same rule as kdtree-run: the tokenizer lives in the model dir (tiktoken.model)
+            ensure!(model.join("tiktoken.model").exists(), "{} has no tokenizer (tiktoken.model); use prompt_token_ids", model.display());
             tok = Some(kdtree_text::Tokenizer::from_dir(model).with_context(|| format!("loading the tokenizer of {}", model.display()))?);
         }
-        Ok(tok.as_ref().unwrap().encode(text))
+        tok.as_ref().unwrap().try_encode(text)
     };
     let mut out = Vec::new();
     for l in lines {
