@@ -17,9 +17,12 @@ pub struct RopeScaling {
     pub original_max_position_embeddings: u64,
     pub beta_fast: f64,
     pub beta_slow: f64,
+    /// Defaults to 1 when absent (DeepSeek `rope_scaling.get("mscale", 1)`).
     #[serde(default = "one")]
     pub mscale: f64,
-    #[serde(default = "one")]
+    /// Defaults to 0 when absent (DeepSeek `rope_scaling.get("mscale_all_dim", 0)`): no mscale² on the
+    /// softmax scale then. K2.6 sets it to 1.
+    #[serde(default)]
     pub mscale_all_dim: f64,
 }
 

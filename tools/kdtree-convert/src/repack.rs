@@ -237,34 +237,69 @@ fn write_all(job: &Job, o: &RepackOptions, prog: &Progress) -> Result<Vec<FileRe
     slots.into_iter().map(|r| r.ok_or_else(|| anyhow::anyhow!("internal: a file was not written"))?).collect()
 }
 
-/// Whether OUT already holds exactly this conversion, complete (manifest + sums, no state left).
-fn already_complete(job: &Job, out: &Path) -> bool {
+/// The manifest of a complete earlier run (manifest + sums, no state left) whose shards are exactly this
+/// conversion's (same source, config, plan, file names and sizes on disk); its carried files may differ.
+fn complete_shards(job: &Job, out: &Path) -> Option<Manifest> {
     if out.join(STATE_DIR).exists() || !out.join(SHA256SUMS).is_file() {
-        return false;
+        return None;
     }
-    let Ok(text) = std::fs::read_to_string(out.join(MANIFEST)) else { return false };
-    let Ok(m) = Manifest::parse(MANIFEST, &text) else { return false };
-    m.source == job.inputs.source
+    let text = std::fs::read_to_string(out.join(MANIFEST)).ok()?;
+    let m = Manifest::parse(MANIFEST, &text).ok()?;
+    let same = m.source == job.inputs.source
         && m.model == job.inputs.model
         && m.plan.ranks == job.plan.ranks
         && m.plan.experts == job.plan.experts
         && m.plan.max_file_size == job.inputs.max_file_size
         && m.files.len() == job.files.len()
-        && m.files.iter().zip(&job.planned).all(|(a, b)| a.name == b.name && a.size == b.size && std::fs::metadata(out.join(&a.name)).map(|x| x.len()).ok() == Some(a.size))
-        && m.aux_files == job.aux.iter().map(aux_entry).collect::<Vec<_>>()
+        && m.files.iter().zip(&job.planned).all(|(a, b)| a.name == b.name && a.size == b.size && std::fs::metadata(out.join(&a.name)).map(|x| x.len()).ok() == Some(a.size));
+    same.then_some(m)
+}
+
+/// Whether the carried files of a complete manifest are this conversion's, present with their sizes.
+fn aux_complete(job: &Job, m: &Manifest, out: &Path) -> bool {
+    m.aux_files == job.aux.iter().map(aux_entry).collect::<Vec<_>>()
         && m.aux_files.iter().all(|a| std::fs::metadata(out.join(&a.name)).map(|x| x.len()).ok() == Some(a.size))
+}
+
+/// Turn the shard entries of a complete earlier manifest back into completion records, so only the
+/// carried files are redone (e.g. tokenizer files added to SRC after a conversion, or a manifest that
+/// predates `[[aux_files]]`). A file whose tensor entries do not match the plan gets no record (rewritten).
+fn seed_records(job: &Job, o: &RepackOptions, m: &Manifest) -> Result<()> {
+    for (i, (f, fe)) in job.files.iter().zip(&m.files).enumerate() {
+        let tensors: Vec<TensorRecord> = m
+            .tensors
+            .iter()
+            .filter(|t| t.file == fe.name)
+            .map(|t| TensorRecord { name: t.name.clone(), offset: t.offset, nbytes: t.nbytes, sha256: t.sha256.clone() })
+            .collect();
+        let planned = &job.planned[i].tensors;
+        let fits = tensors.len() == planned.len() && tensors.iter().zip(planned).all(|(a, b)| a.name == b.name && a.offset == b.offset && a.nbytes == b.nbytes);
+        if !fits {
+            continue;
+        }
+        let record = FileRecord { name: fe.name.clone(), size: fe.size, sha256: fe.sha256.clone(), tensors };
+        let body = serde_json::to_vec(&Done { job: job_id(job, f), record })?;
+        write_atomic(&o.out.join(STATE_DIR).join(format!("{}.json", f.name)), &body)?;
+    }
+    Ok(())
 }
 
 /// Run a conversion. Returns the manifest written.
 pub fn repack(o: &RepackOptions) -> Result<Manifest> {
     let job = prepare(o)?;
     check_out_dir(&o.out, &job.files, &job.aux)?;
-    if already_complete(&job, &o.out) {
+    let prev = complete_shards(&job, &o.out);
+    if let Some(m) = prev.as_ref().filter(|m| aux_complete(&job, m, &o.out)) {
         if !o.quiet {
             eprintln!("{}: already complete (run `kdtree-convert verify` to re-hash)", o.out.display());
         }
-        let text = std::fs::read_to_string(o.out.join(MANIFEST))?;
-        return Ok(Manifest::parse(MANIFEST, &text)?);
+        return Ok(m.clone());
+    }
+    std::fs::create_dir_all(o.out.join(STATE_DIR))?;
+    if let Some(m) = &prev {
+        // Shards complete, carried files differ: keep the shards (records first, so a kill from here on
+        // still resumes without rewriting them).
+        seed_records(&job, o, m)?;
     }
     // From here on, nothing verify would accept exists until the end.
     for n in [MANIFEST, SHA256SUMS] {
@@ -273,7 +308,6 @@ pub fn repack(o: &RepackOptions) -> Result<Manifest> {
             std::fs::remove_file(&p).with_context(|| format!("removing stale {}", p.display()))?;
         }
     }
-    std::fs::create_dir_all(o.out.join(STATE_DIR))?;
     let aux = job.aux.iter().map(|a| copy_aux(o, a)).collect::<Result<Vec<_>>>()?;
     let total: u64 = job.files.iter().map(|f| f.data_bytes).sum();
     let prog = Progress::new("repack", total, o.quiet);

@@ -68,7 +68,7 @@ fn synth_tiny_repack_carries_tokenizer_files_and_verify_guards_them() {
     // The converted dir alone is enough for the text side.
     let tok = kdtree_text::Tokenizer::from_dir(&out).unwrap();
     let src_tok = kdtree_text::Tokenizer::from_dir(&src).unwrap();
-    assert_eq!(tok.encode_ordinary("hello kdtree"), src_tok.encode_ordinary("hello kdtree"));
+    assert_eq!(tok.encode("hello kdtree"), src_tok.encode("hello kdtree"));
     kdtree_text::ChatTemplate::from_dir(&out).unwrap();
     // The model itself still opens, and a re-run on the complete OUT changes nothing.
     kdtree_formats::ModelDir::open(&out).unwrap();
@@ -189,7 +189,13 @@ fn interrupted_or_changed_carried_files_are_recopied() {
     assert_eq!(code, 0, "{msg}");
     assert_eq!(snapshot(&out), want, "resumed output differs from an uninterrupted run");
 
-    // SRC's tiktoken.model changes after a complete conversion: the re-run carries the new bytes.
+    // SRC's tiktoken.model changes after a complete conversion: the re-run carries the new bytes and keeps
+    // the shards as they are (same inodes: not rewritten).
+    use std::os::unix::fs::MetadataExt;
+    let inodes = |dir: &Path| -> Vec<(std::path::PathBuf, u64)> {
+        want.keys().filter(|k| k.to_str().unwrap().ends_with(".safetensors")).map(|k| (k.clone(), std::fs::metadata(dir.join(k)).unwrap().ino())).collect()
+    };
+    let before = inodes(&out);
     let mut tk = std::fs::read(src.join("tiktoken.model")).unwrap();
     tk.extend_from_slice(b"\n");
     std::fs::write(src.join("tiktoken.model"), &tk).unwrap();
@@ -197,7 +203,7 @@ fn interrupted_or_changed_carried_files_are_recopied() {
     assert_eq!(code, 0, "{msg}");
     assert_eq!(std::fs::read(out.join("tiktoken.model")).unwrap(), tk);
     assert_carried(&src, &out, &AUX_FILES);
-    // The shards were reused, not rewritten: same bytes as before.
+    assert_eq!(inodes(&out), before, "shards were rewritten for a tokenizer change");
     for (k, v) in &want {
         if k.to_str().unwrap().ends_with(".safetensors") {
             assert!(&std::fs::read(out.join(k)).unwrap() == v, "{k:?} changed");
