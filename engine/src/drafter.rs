@@ -11,9 +11,11 @@
 //!   scale head_dim^-0.5), then SwiGLU MLP; final `norm`; the target's `lm_head`; rows 1..B−1 returned.
 //! * RoPE/YaRN from the drafter config: inverse frequencies per transformers `_compute_yarn_parameters`
 //!   (cpu::ops::yarn_inv_freq) and cos/sin amplitude = the transformers default
-//!   `get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)`, which is 1.0 for the Kimi drafters
-//!   (mscale = mscale_all_dim = 1). vllm-ascend forces `1 + 0.1 ln 64 ≈ 1.416` for Kimi-K2.5-DFlash and
+//!   `get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)` (cpu::ops::yarn_attention_factor),
+//!   which is 1.0 for the Kimi drafters (mscale = mscale_all_dim = 1); with both keys absent the formats
+//!   defaults (1, 0) give `1 + 0.1 ln(factor)`, transformers' plain-YaRN default. vllm-ascend forces `1 + 0.1 ln 64 ≈ 1.416` for Kimi-K2.5-DFlash and
 //!   reports higher acceptance (ddtree.md §1.9); that is a tunable, [`DFlashDrafter::set_rope_attention_factor`].
+//!
 //! Tensor-parallel shards: the loader hands over *logical* (gathered) tensors, so the forward is the
 //! same for every R and never sums per-rank partials.
 //! Activations are f32, weights bf16, every reduction in the fixed order of cpu::ops.
@@ -142,8 +144,8 @@ impl DrafterDims {
             vocab: cfg.vocab_size,
             eps: cfg.rms_norm_eps as f32,
         };
-        ensure!(d.kv_heads > 0 && d.heads % d.kv_heads == 0, "drafter: {} heads not a multiple of {} kv heads", d.heads, d.kv_heads);
-        ensure!(d.head_dim % 2 == 0, "drafter: head_dim {} must be even for RoPE", d.head_dim);
+        ensure!(d.kv_heads > 0 && d.heads.is_multiple_of(d.kv_heads), "drafter: {} heads not a multiple of {} kv heads", d.heads, d.kv_heads);
+        ensure!(d.head_dim.is_multiple_of(2), "drafter: head_dim {} must be even for RoPE", d.head_dim);
         ensure!(d.block >= 2, "drafter: block_size {} < 2", d.block);
         ensure!(d.n_taps > 0, "drafter: dflash_config.target_layer_ids is empty");
         Ok(d)
@@ -276,12 +278,18 @@ impl DFlashDrafter {
         }
     }
 
-    /// Non-causal GQA attention of q [B, Hq*D] over keys/values [C + B, Hk*D] (context then block).
-    /// Returns [B, Hq*D].
-    fn attention(&self, q: &[f32], k: &[f32], v: &[f32], b: usize) -> Vec<f32> {
+    /// Non-causal GQA attention of q [B, Hq*D] over the keys/values of `[context ; block]`: context rows
+    /// `kc`/`vc` [C, Hk*D] then block rows `kb`/`vb` [B, Hk*D] (no copy of the cache). Returns [B, Hq*D].
+    fn attention(&self, q: &[f32], (kc, vc): (&[f32], &[f32]), (kb, vb): (&[f32], &[f32]), b: usize) -> Vec<f32> {
         let DrafterDims { heads, kv_heads, head_dim: dd, .. } = self.dims;
         let (qw, kw) = (heads * dd, kv_heads * dd);
-        let nk = k.len() / kw;
+        let nc = kc.len() / kw;
+        let nk = nc + b;
+        // Row j of [context ; block] for K or V.
+        let row = |c: &'_ [f32], blk: &'_ [f32], j: usize, hk: usize| -> *const f32 {
+            if j < nc { c[j * kw + hk * dd..].as_ptr() } else { blk[(j - nc) * kw + hk * dd..].as_ptr() }
+        };
+        let _ = row;
         let group = heads / kv_heads;
         let scale = (dd as f32).powf(-0.5);
         let mut out = vec![0f32; b * qw];

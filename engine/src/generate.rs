@@ -186,7 +186,7 @@ pub fn commit_round(target: &mut dyn Target, drafter: &mut dyn Drafter, rec: &Ro
     let path = &rec.walk.path[..keep];
     target.commit(path)?;
     let nodes = rec.tree.len();
-    ensure!(rec.verify.taps.len() % nodes.max(1) == 0 && !rec.verify.taps.is_empty(), "target produced no drafter taps");
+    ensure!(rec.verify.taps.len().is_multiple_of(nodes) && !rec.verify.taps.is_empty(), "target produced no drafter taps");
     let w = rec.verify.taps.len() / nodes;
     let taps: Vec<f32> = path.iter().flat_map(|&n| rec.verify.taps[n * w..(n + 1) * w].iter().copied()).collect();
     drafter.extend_context(&taps, keep)

@@ -39,7 +39,7 @@ impl Sampling {
         Self::default()
     }
     pub fn is_greedy(&self) -> bool {
-        !(self.temperature > 0.0)
+        self.temperature.is_nan() || self.temperature <= 0.0
     }
     pub fn rng(&self) -> GenRng {
         GenRng::seed_from_u64(self.seed)

@@ -3,7 +3,8 @@
 //! target's embed_tokens / lm_head (low acceptance, exercises the plumbing), and (b) an oracle drafter
 //! that knows the AR continuation but ranks the true token second at some depths, so walks accept deep
 //! paths through non-first siblings and the target compacts non-chain paths. Also: the drafter output is
-//! identical whether the target's tables are split over 1 or 2 ranks, and sampled runs are seeded.
+//! identical whether the target's tables are split over 1 or 2 ranks, and sampled runs are seeded
+//! and equal the sampled AR run.
 
 use anyhow::Result;
 use half::bf16;
@@ -163,7 +164,7 @@ fn drafter_output_does_not_depend_on_target_ranks() {
 }
 
 #[test]
-fn sampled_ddtree_is_seeded_on_the_tiny_model() {
+fn sampled_ddtree_is_seeded_and_equals_sampled_ar_on_the_tiny_model() {
     let w = weights(1);
     let mut t = target(&w);
     let mut d = dflash(w.clone());
@@ -174,4 +175,12 @@ fn sampled_ddtree_is_seeded_on_the_tiny_model() {
     let c = run(&mut t, Some(&mut d), &req(p, 16, Mode::DDTree { budget: 8 }, s(4)));
     assert_eq!(a.tokens, b.tokens);
     assert_ne!(a.tokens, c.tokens);
+    // One draw per emitted token in both loops, and the target's tree rows equal its chain rows here,
+    // so the sampled DDTree run is the sampled AR run.
+    let ar = run(&mut t, None, &req(p, 16, Mode::Ar, s(3)));
+    assert_eq!(a.tokens, ar.tokens);
+    let mut o = Oracle { prompt_len: p.len(), ar: ar.tokens.clone(), ctx: 0, vocab: 96 };
+    let deep = run(&mut t, Some(&mut o), &req(p, 16, Mode::DDTree { budget: 32 }, s(3)));
+    assert_eq!(deep.tokens, ar.tokens);
+    assert!(deep.spec.acceptance_length() > 2.0, "tau {}", deep.spec.acceptance_length());
 }

@@ -11,6 +11,7 @@
 //!   is a function of the inputs only, never of heap internals;
 //! * top-K ties (equal logits) are ordered by token id ascending (torch.topk leaves this unspecified);
 //! * nodes are numbered in pop order, root = node 0 = the bonus token, not counted in the budget.
+//!
 //! Visibility is stored as per-row ancestor bitmasks (bit j of row i = node j is i or an ancestor of i),
 //! built by OR-copying the parent's row, which is valid because parents[i] < i.
 //! Tests: below (ddtree.md §2.5 worked example) and engine/tests/ddtree_tree.rs.
@@ -167,7 +168,7 @@ impl PartialEq for Cand {
 impl Eq for Cand {}
 impl PartialOrd for Cand {
     fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
-        Some(self.key_cmp(o))
+        Some(self.cmp(o))
     }
 }
 impl Ord for Cand {
@@ -262,7 +263,7 @@ pub(crate) mod tests {
     #[test]
     fn multi_word_bitmask_rows_copy_the_parent() {
         // A chain of 130 nodes: row i has bits 0..=i set, spread over 3 words.
-        let parents: Vec<i32> = (0..130).map(|i| i as i32 - 1).collect();
+        let parents: Vec<i32> = (0..130i32).map(|i| i - 1).collect();
         let v = Visibility::from_parents(&parents);
         assert_eq!(v.words, 3);
         assert_eq!(v.row(129), &[u64::MAX, u64::MAX, 0b11]);

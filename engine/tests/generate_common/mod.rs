@@ -1,7 +1,7 @@
 //! Mock target and drafter for the generation-loop tests (no model math, no files).
 //!
-//! MockTarget: a toy LM whose logits at a node depend on the node's *whole* token prefix (committed tokens
-//! + ancestors + itself) through a running hash, plus a strong preference for `fav(prev, last)` and a
+//! MockTarget: a toy LM whose logits at a node depend on the node's *whole* token prefix (committed tokens,
+//! ancestors, itself) through a running hash, plus a strong preference for `fav(prev, last)` and a
 //! weaker one for `alt(prev, last)`; the hash noise sometimes lets `alt` win, so greedy continuations are
 //! prefix-dependent and a drafter that only knows `fav`/`alt` is right often but not always. It checks the
 //! `api::Target` contract (parents, positions < max_positions, root-to-node commit paths) and its taps

@@ -2,7 +2,7 @@
 //! file) against manifest.toml, check SHA256SUMS against the manifest, and look for missing and extra
 //! files. The first bad file (in manifest order: shards, then `[[aux_files]]`) is named, with the first
 //! bad tensor in it. Carried files (tokenizer, chat template) are hashed whole like the shards.
-//! Exit: 0 ok, 1 a check failed, 2 could not run (e.g. unreadable manifest). Tests: tests/verify.rs.
+//! Exit: 0 ok, 1 a check failed, 2 could not run (e.g. unreadable manifest). Tests: tests/verify.rs, tests/aux_files.rs.
 
 use crate::progress::Progress;
 use anyhow::{Context, Result};

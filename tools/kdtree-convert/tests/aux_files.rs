@@ -26,7 +26,21 @@ fn manifest(out: &Path) -> Manifest {
 }
 
 fn sha256sum_strict(out: &Path) -> bool {
-    std::process::Command::new("sha256sum").args(["-c", "--strict", "--quiet", "SHA256SUMS"]).current_dir(out).status().unwrap().success()
+    use std::process::{Command, Stdio};
+    let st = Command::new("sha256sum").args(["-c", "--strict", "--status", "SHA256SUMS"]).current_dir(out).stdout(Stdio::null()).status();
+    st.unwrap().success()
+}
+
+fn shard_inodes(dir: &Path) -> Vec<(String, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let mut v: Vec<(String, u64)> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap())
+        .filter(|e| e.file_name().to_str().unwrap().ends_with(".safetensors"))
+        .map(|e| (e.file_name().to_str().unwrap().to_string(), e.metadata().unwrap().ino()))
+        .collect();
+    v.sort();
+    v
 }
 
 /// OUT holds exactly `names` among the carried files, each byte-identical to SRC, listed (in AUX_FILES
@@ -104,7 +118,6 @@ fn synth_tiny_repack_carries_tokenizer_files_and_verify_guards_them() {
     assert_eq!(verify(&out).0, 0);
     // A tokenizer file the manifest does not list is an extra file like any other.
     let gc = out.join("generation_config.json");
-    let gc_bytes = std::fs::read(&gc).unwrap();
     let mp = out.join("manifest.toml");
     let mut m = manifest(&out);
     m.aux_files.retain(|a| a.name != "generation_config.json");
@@ -122,7 +135,6 @@ fn synth_tiny_repack_carries_tokenizer_files_and_verify_guards_them() {
     assert!(msg.contains("generation_config.json: extra file"), "{msg}");
     std::fs::remove_file(&gc).unwrap();
     assert_eq!(verify(&out).0, 0, "a manifest without generation_config.json verifies");
-    let _ = gc_bytes;
 }
 
 #[test]
@@ -152,7 +164,10 @@ fn missing_optional_files_are_skipped_and_symlinks_followed() {
     std::fs::remove_file(src.join("tiktoken.model")).unwrap();
 
     // A checkpoint without any of them converts as before: no [[aux_files]] section.
+    let keep = d.path().join("keep");
+    std::fs::create_dir_all(&keep).unwrap();
     for n in ["tokenizer_config.json", "chat_template.jinja"] {
+        std::fs::copy(src.join(n), keep.join(n)).unwrap();
         std::fs::remove_file(src.join(n)).unwrap();
     }
     let out3 = d.path().join("out3");
@@ -160,6 +175,16 @@ fn missing_optional_files_are_skipped_and_symlinks_followed() {
     assert_eq!(code, 0, "{msg}");
     assert!(!std::fs::read_to_string(out3.join("manifest.toml")).unwrap().contains("aux_files"));
     assert_carried(&src, &out3, &[]);
+    // Tokenizer files added to SRC later (or an OUT converted before they were carried): re-running the
+    // same command carries them and keeps the complete shards as they are (same inodes).
+    let before = shard_inodes(&out3);
+    for n in ["tokenizer_config.json", "chat_template.jinja"] {
+        std::fs::copy(keep.join(n), src.join(n)).unwrap();
+    }
+    let (code, msg) = repack(&src, &out3);
+    assert_eq!(code, 0, "{msg}");
+    assert_carried(&src, &out3, &["tokenizer_config.json", "chat_template.jinja"]);
+    assert_eq!(shard_inodes(&out3), before, "shards were rewritten");
 }
 
 #[test]
@@ -191,11 +216,7 @@ fn interrupted_or_changed_carried_files_are_recopied() {
 
     // SRC's tiktoken.model changes after a complete conversion: the re-run carries the new bytes and keeps
     // the shards as they are (same inodes: not rewritten).
-    use std::os::unix::fs::MetadataExt;
-    let inodes = |dir: &Path| -> Vec<(std::path::PathBuf, u64)> {
-        want.keys().filter(|k| k.to_str().unwrap().ends_with(".safetensors")).map(|k| (k.clone(), std::fs::metadata(dir.join(k)).unwrap().ino())).collect()
-    };
-    let before = inodes(&out);
+    let before = shard_inodes(&out);
     let mut tk = std::fs::read(src.join("tiktoken.model")).unwrap();
     tk.extend_from_slice(b"\n");
     std::fs::write(src.join("tiktoken.model"), &tk).unwrap();
@@ -203,7 +224,7 @@ fn interrupted_or_changed_carried_files_are_recopied() {
     assert_eq!(code, 0, "{msg}");
     assert_eq!(std::fs::read(out.join("tiktoken.model")).unwrap(), tk);
     assert_carried(&src, &out, &AUX_FILES);
-    assert_eq!(inodes(&out), before, "shards were rewritten for a tokenizer change");
+    assert_eq!(shard_inodes(&out), before, "shards were rewritten for a tokenizer change");
     for (k, v) in &want {
         if k.to_str().unwrap().ends_with(".safetensors") {
             assert!(&std::fs::read(out.join(k)).unwrap() == v, "{k:?} changed");

@@ -1,5 +1,6 @@
 //! kill -9 at several moments during `repack`, re-run the same command each time: the final output
-//! must be byte-identical to an uninterrupted run, and no interrupted state may pass `verify`.
+//! must be byte-identical to an uninterrupted run (carried tokenizer files included), and no interrupted
+//! state may pass `verify`.
 
 mod common;
 use common::*;
@@ -11,6 +12,11 @@ fn kill9_then_resume_gives_identical_bytes() {
     let t = Tiny { hidden: 256, inter: 512, moe_inter: 128, layers: 4, experts: 16, vocab: 8192, ..Tiny::default() };
     let src = d.path().join("src");
     write_checkpoint(&src, &t);
+    // Carried tokenizer files (copied first, resumable like the shards) are part of the comparison.
+    let tk: String = (0..60_000u32).map(|i| format!("{:08x} {i}\n", i.wrapping_mul(2_654_435_761))).collect();
+    std::fs::write(src.join("tiktoken.model"), tk).unwrap();
+    std::fs::write(src.join("tokenizer_config.json"), r#"{"added_tokens_decoder": {}}"#).unwrap();
+    std::fs::write(src.join("chat_template.jinja"), "{% for m in messages %}{{ m.content }}{% endfor %}").unwrap();
     let args = |out: &std::path::Path| -> Vec<String> {
         ["repack", s(&src), s(out), "--ranks", "2", "--max-file-size", "150000", "--quiet"].iter().map(|x| x.to_string()).collect()
     };
