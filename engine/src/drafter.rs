@@ -279,17 +279,12 @@ impl DFlashDrafter {
     }
 
     /// Non-causal GQA attention of q [B, Hq*D] over the keys/values of `[context ; block]`: context rows
-    /// `kc`/`vc` [C, Hk*D] then block rows `kb`/`vb` [B, Hk*D] (no copy of the cache). Returns [B, Hq*D].
+    /// `kc`/`vc` [C, Hk*D] then block rows `kb`/`vb` [B, Hk*D] (the cache is read in place). Scores,
+    /// softmax and the weighted sum run over the C + B rows in that order. Returns [B, Hq*D].
     fn attention(&self, q: &[f32], (kc, vc): (&[f32], &[f32]), (kb, vb): (&[f32], &[f32]), b: usize) -> Vec<f32> {
         let DrafterDims { heads, kv_heads, head_dim: dd, .. } = self.dims;
         let (qw, kw) = (heads * dd, kv_heads * dd);
         let nc = kc.len() / kw;
-        let nk = nc + b;
-        // Row j of [context ; block] for K or V.
-        let row = |c: &'_ [f32], blk: &'_ [f32], j: usize, hk: usize| -> *const f32 {
-            if j < nc { c[j * kw + hk * dd..].as_ptr() } else { blk[(j - nc) * kw + hk * dd..].as_ptr() }
-        };
-        let _ = row;
         let group = heads / kv_heads;
         let scale = (dd as f32).powf(-0.5);
         let mut out = vec![0f32; b * qw];
@@ -297,15 +292,15 @@ impl DFlashDrafter {
             let (t, hq) = (idx / heads, idx % heads);
             let hk = hq / group;
             let qv = &q[t * qw + hq * dd..t * qw + (hq + 1) * dd];
-            let mut s: Vec<f32> = (0..nk)
-                .map(|j| {
-                    let kv = &k[j * kw + hk * dd..j * kw + (hk + 1) * dd];
-                    qv.iter().zip(kv).fold(0f32, |a, (x, y)| a + x * y) * scale
-                })
+            let head = |r: usize| r * kw + hk * dd..r * kw + (hk + 1) * dd; // head hk of row r
+            let dot = |kv: &[f32]| qv.iter().zip(kv).fold(0f32, |a, (x, y)| a + x * y) * scale;
+            let mut s: Vec<f32> = (0..nc)
+                .map(|j| dot(&kc[head(j)]))
+                .chain((0..b).map(|j| dot(&kb[head(j)])))
                 .collect();
             ops::softmax(&mut s);
             for (j, &p) in s.iter().enumerate() {
-                let vv = &v[j * kw + hk * dd..j * kw + (hk + 1) * dd];
+                let vv = if j < nc { &vc[head(j)] } else { &vb[head(j - nc)] };
                 for (oi, &vi) in o.iter_mut().zip(vv) {
                     *oi += p * vi;
                 }
@@ -365,9 +360,7 @@ impl Drafter for DFlashDrafter {
             self.norm_rope(&mut kb, kv_heads, &lw.k_norm, start);
             let vb = ops::matmul_bf16(&hn, &lw.v_proj, b, h, kw); // [B, Hk*D]
             let c = &self.cache[l];
-            let k: Vec<f32> = c.k.iter().chain(&kb).copied().collect(); // [C+B, Hk*D]
-            let v: Vec<f32> = c.v.iter().chain(&vb).copied().collect(); // [C+B, Hk*D]
-            let att = self.attention(&q, &k, &v, b); // [B, Hq*D]
+            let att = self.attention(&q, (&c.k, &c.v), (&kb, &vb), b); // [B, Hq*D]
             let o = ops::matmul_bf16(&att, &lw.o_proj, b, qw, h);
             x.iter_mut().zip(&o).for_each(|(a, d)| *a += d);
             let hn = ops::rms_norm(&x, &lw.post_attention_layernorm, eps);

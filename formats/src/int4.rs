@@ -50,7 +50,7 @@ pub fn word_lane(word: u32, j: usize) -> i8 {
 
 /// Unpack a whole row of `q.len()` elements (must be even) into signed values.
 pub fn unpack_row(packed_row: &[u8], q: &mut [i8]) {
-    assert!(q.len() % 2 == 0 && packed_row.len() * 2 >= q.len(), "unpack_row: length mismatch");
+    assert!(q.len().is_multiple_of(2) && packed_row.len() * 2 >= q.len(), "unpack_row: length mismatch");
     for (m, pair) in q.chunks_exact_mut(2).enumerate() {
         let b = packed_row[m];
         pair[0] = (b & 0xF) as i8 - OFFSET;
@@ -62,7 +62,7 @@ pub fn unpack_row(packed_row: &[u8], q: &mut [i8]) {
 /// `scales` are BF16 bit patterns or values; `out.len()` = K, a multiple of 32.
 pub fn dequant_row_f32(packed_row: &[u8], scales: &[bf16], out: &mut [f32]) {
     let k = out.len();
-    assert!(k % GROUP == 0, "K={k} not a multiple of {GROUP}");
+    assert!(k.is_multiple_of(GROUP), "K={k} not a multiple of {GROUP}");
     assert!(packed_row.len() * 2 == k && scales.len() == k / GROUP, "dequant_row_f32: shape mismatch");
     for (g, (dst, src)) in out.chunks_exact_mut(GROUP).zip(packed_row.chunks_exact(GROUP / 2)).enumerate() {
         let s = scales[g].to_f32();
@@ -96,13 +96,13 @@ pub fn pack_word(q: &[i8]) -> u32 {
 
 /// Pack a row of signed values (length a multiple of 8) into I32 words, as compressed-tensors `pack_to_int32`.
 pub fn pack_row_words(q: &[i8]) -> Vec<i32> {
-    assert!(q.len() % PER_WORD == 0, "row length {} not a multiple of 8", q.len());
+    assert!(q.len().is_multiple_of(PER_WORD), "row length {} not a multiple of 8", q.len());
     q.chunks_exact(PER_WORD).map(|c| pack_word(c) as i32).collect()
 }
 
 /// Pack a row into its on-disk bytes (little-endian words; byte `m` = `u[2m] | u[2m+1] << 4`).
 pub fn pack_row_bytes(q: &[i8], out: &mut [u8]) {
-    assert!(q.len() % 2 == 0 && out.len() * 2 == q.len(), "pack_row_bytes: length mismatch");
+    assert!(q.len().is_multiple_of(2) && out.len() * 2 == q.len(), "pack_row_bytes: length mismatch");
     for (o, pair) in out.iter_mut().zip(q.chunks_exact(2)) {
         debug_assert!(pair.iter().all(|v| (Q_MIN..=Q_MAX).contains(v)));
         *o = ((pair[0] + OFFSET) as u8 & 0xF) | (((pair[1] + OFFSET) as u8 & 0xF) << 4);
@@ -137,7 +137,7 @@ pub fn quantize_value(x: bf16, s: bf16) -> i8 {
 /// Quantize one row of K BF16 values: writes K/32 scales and K/2 packed bytes.
 pub fn quantize_row(row: &[bf16], scales: &mut [bf16], packed: &mut [u8]) {
     let k = row.len();
-    assert!(k % GROUP == 0, "K={k} not a multiple of {GROUP}");
+    assert!(k.is_multiple_of(GROUP), "K={k} not a multiple of {GROUP}");
     assert!(scales.len() == k / GROUP && packed.len() == k / 2, "quantize_row: shape mismatch");
     let mut q = [0i8; GROUP];
     for ((grp, s_out), p_out) in row.chunks_exact(GROUP).zip(scales.iter_mut()).zip(packed.chunks_exact_mut(GROUP / 2)) {

@@ -1,4 +1,7 @@
-//! kdtree-golden as a library: the bundle format (writer and reader), so `kdtree-run --verify` and
-//! tests can load reference bundles without re-deriving the layout.
+//! kdtree-golden as a library: the bundle format (writer and reader), the reference computations the
+//! bundles record (`reference`: model loading, greedy AR, one DDTree round) and the bundle maker the
+//! binary runs (`make`), so `kdtree-run --verify` and tests re-run exactly what was recorded.
 
 pub mod bundle;
+pub mod make;
+pub mod reference;

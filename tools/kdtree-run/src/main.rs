@@ -3,8 +3,10 @@
 //! This file is the table of contents: parse flags, validate the prompt file, open (or resume) the
 //! output, load the model, answer each line in order, summarise. Modules: `args` (flags), `load`
 //! (model + tokenizer + template), `runner` (one line), `records` (output JSON), `resume` (output file
-//! and --resume), `summary` (--summary). Exit: 0 ok, 1 an error record was written, 2 error (printed
-//! once); a closed stdout/pipe ends quietly with 0. Tests: unit tests per module, tests/run_cli.rs.
+//! and --resume), `summary` (--summary), `verify` (--verify: re-run a golden bundle's recordings and
+//! compare, per prompt right after its record). Exit: 0 ok, 1 an error record was written or --verify
+//! found a mismatch, 2 error (printed once); a closed stdout/pipe ends quietly with 0. Tests: unit tests
+//! per module, tests/run_cli.rs, tests/verify_cli.rs.
 
 mod args;
 mod load;
@@ -12,13 +14,17 @@ mod records;
 mod resume;
 mod runner;
 mod summary;
+mod verify;
 
+use std::collections::HashMap;
 use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{bail, Result};
 use clap::Parser;
+use kdtree_engine::api::Drafter;
 use kdtree_engine::generate::{Mode, Sampling};
+use kdtree_golden::bundle::{Bundle, PromptRecord};
 
 use crate::args::{Args, ModeArg};
 use crate::runner::{Defaults, Runner};
@@ -47,11 +53,17 @@ fn is_broken_pipe(e: &anyhow::Error) -> bool {
 fn run(args: Args) -> Result<bool> {
     let t0 = Instant::now();
     args.validate()?;
-    if let Some(golden) = &args.verify {
-        // The golden bundle comparison is not wired in yet; refuse before doing any work.
-        bail!("--verify {}: comparing against golden bundles is not available in this build", golden.display());
-    }
     let lines = kdtree_text::prompts::read_prompt_file(&args.prompts)?;
+    // --verify: the bundle, its prompt ids and every prompt file's sha256 are checked before any work.
+    let (bundle, golden) = match &args.verify {
+        Some(dir) => {
+            let b = Bundle::open(dir)?;
+            verify::check_ids(&lines, &b, &args.prompts)?;
+            let recs: HashMap<String, PromptRecord> = b.load_all()?.into_iter().collect();
+            (Some(b), recs)
+        }
+        None => (None, HashMap::new()),
+    };
     let ids: Vec<&str> = lines.iter().map(|l| l.id.as_str()).collect();
     let existing = resume::read_existing(&args.out, args.resume, &ids)?;
     let mut totals = Totals::default();
@@ -72,7 +84,9 @@ fn run(args: Args) -> Result<bool> {
     };
     let mut backend = String::from("none (nothing left to run)");
     // Load before touching the output, so a model that fails to load leaves it as it was.
-    let model = if done < lines.len() { Some(load::load(&args.model, args.device)?) } else { None };
+    let need_model = done < lines.len() || bundle.is_some();
+    let model = if need_model { Some(load::load(&args.model, args.device, bundle.is_some())?) } else { None };
+    let mut checks = Vec::new();
     let mut sink = resume::open_output(&args.out, &existing)?;
     if let Some(mut model) = model {
         backend = model.backend.clone();
@@ -93,14 +107,54 @@ fn run(args: Args) -> Result<bool> {
                 thinking: args.thinking,
             },
         };
-        for (i, line) in lines.iter().enumerate().skip(done) {
-            let outcome = runner.run_line(line);
-            let record = records::record(line, &outcome, &model.name);
-            sink.write_record(&record)?;
-            totals.add(&record, false);
-            say(progress(i + 1, lines.len(), &line.id, &outcome));
+        let tol = match &bundle {
+            Some(b) => {
+                let tol = verify::logit_tolerance(&backend)?;
+                let sha = kdtree_golden::bundle::sha256_hex(&std::fs::read(args.model.join("manifest.toml"))?);
+                let drafter = runner.drafter.as_deref();
+                if let Some(w) = verify::check_model(b, &*runner.target, drafter, &sha)? {
+                    eprintln!("kdtree-run: verify: warning: {w}");
+                }
+                tol
+            }
+            None => 0.0,
+        };
+        for (i, line) in lines.iter().enumerate() {
+            let outcome = if i >= done {
+                let outcome = runner.run_line(line);
+                let record = records::record(line, &outcome, &model.name);
+                sink.write_record(&record)?;
+                totals.add(&record, false);
+                say(progress(i + 1, lines.len(), &line.id, &outcome));
+                Some(outcome)
+            } else {
+                None
+            };
+            if bundle.is_none() {
+                continue;
+            }
+            let rec = &golden[&line.id];
+            let prompt = match &line.request {
+                Err(e) => Err(format!("the line is invalid: {e}")),
+                Ok(req) => runner.prompt_ids(req).map(|(ids, _)| ids).map_err(|(code, msg)| format!("{code}: {msg}")),
+            };
+            let run = match &outcome {
+                Some(records::Outcome::Done(c)) if !(c.sampling.temperature > 0.0) => verify::RunTokens::Greedy(&c.token_ids),
+                _ => verify::RunTokens::NotCompared,
+            };
+            let drafter = runner.drafter.as_mut().map(|d| &mut **d as &mut dyn Drafter);
+            checks.push(verify::check_prompt(&line.id, &mut *runner.target, drafter, prompt, run, rec, tol)?);
         }
     }
+    let verified = match &bundle {
+        None => true,
+        Some(b) => {
+            let good = checks.iter().filter(|c| c.ok()).count();
+            eprint!("kdtree-run: verify against {} (backend {backend}):\n{}", b.dir.display(), verify::table(&checks));
+            eprintln!("kdtree-run: verify: {good} of {} prompts match", checks.len());
+            good == checks.len()
+        }
+    };
     if let Some(path) = &args.summary {
         let info = RunInfo {
             model: &args.model,
@@ -112,7 +166,7 @@ fn run(args: Args) -> Result<bool> {
         summary::write_summary(path, &totals, &info)?;
     }
     say(format!("{} lines: {} ok, {} errors, {:.1}s", totals.lines, totals.ok, totals.errors, t0.elapsed().as_secs_f64()));
-    Ok(totals.errors == 0)
+    Ok(totals.errors == 0 && verified)
 }
 
 /// One stderr progress line.

@@ -59,7 +59,7 @@ impl Runner<'_> {
     }
 
     /// The prompt's token ids and, for chat lines, the thinking mode used; Err = (code, message).
-    fn prompt_ids(&self, req: &Request) -> Result<(Vec<u32>, Option<bool>), Refusal> {
+    pub fn prompt_ids(&self, req: &Request) -> Result<(Vec<u32>, Option<bool>), Refusal> {
         let need_tok = || {
             let msg = "the model has no tokenizer (tiktoken.model); use prompt_token_ids";
             self.tokenizer.ok_or(("invalid_request", msg.to_string()))

@@ -164,22 +164,22 @@ impl Preset {
                 bad.push(what)
             }
         };
-        need(t.num_attention_heads % r == 0, format!("heads {} % {r}", t.num_attention_heads));
-        need(self.vocab_size() % r == 0, format!("vocab {} % {r}", self.vocab_size()));
-        need(t.intermediate_size % r == 0, format!("intermediate {} % {r}", t.intermediate_size));
-        need(t.moe_intermediate_size % r == 0 && (t.moe_intermediate_size / r) % 32 == 0, format!("(moe_intermediate {} / {r}) % 32", t.moe_intermediate_size));
-        need(t.n_routed_experts % r == 0, format!("experts {} % {r}", t.n_routed_experts));
-        need(t.hidden_size % 32 == 0, format!("hidden {} % 32", t.hidden_size));
-        need(t.qk_rope_head_dim % 2 == 0, format!("rope dim {} even", t.qk_rope_head_dim));
+        need(t.num_attention_heads.is_multiple_of(r), format!("heads {} % {r}", t.num_attention_heads));
+        need(self.vocab_size().is_multiple_of(r), format!("vocab {} % {r}", self.vocab_size()));
+        need(t.intermediate_size.is_multiple_of(r), format!("intermediate {} % {r}", t.intermediate_size));
+        need(t.moe_intermediate_size.is_multiple_of(r) && (t.moe_intermediate_size / r).is_multiple_of(32), format!("(moe_intermediate {} / {r}) % 32", t.moe_intermediate_size));
+        need(t.n_routed_experts.is_multiple_of(r), format!("experts {} % {r}", t.n_routed_experts));
+        need(t.hidden_size.is_multiple_of(32), format!("hidden {} % 32", t.hidden_size));
+        need(t.qk_rope_head_dim.is_multiple_of(2), format!("rope dim {} even", t.qk_rope_head_dim));
         need(t.num_experts_per_tok >= 1 && t.num_experts_per_tok <= t.n_routed_experts, "1 <= top-k <= experts".into());
         need(t.num_hidden_layers > t.first_k_dense_replace, "at least one MoE layer".into());
         need(t.n_shared_experts == 1, "n_shared_experts must be 1 (K2.6)".into());
-        need(d.num_attention_heads % r == 0 && d.num_key_value_heads % r == 0, format!("drafter heads {}/{} % {r}", d.num_attention_heads, d.num_key_value_heads));
-        need(d.num_attention_heads % d.num_key_value_heads.max(1) == 0, "drafter heads % kv heads".into());
-        need(d.intermediate_size % r == 0, format!("drafter intermediate {} % {r}", d.intermediate_size));
-        need(d.head_dim % 2 == 0 && d.num_hidden_layers >= 1 && d.block_size >= 2, "drafter head_dim even, >= 1 layer, block >= 2".into());
+        need(d.num_attention_heads.is_multiple_of(r) && d.num_key_value_heads.is_multiple_of(r), format!("drafter heads {}/{} % {r}", d.num_attention_heads, d.num_key_value_heads));
+        need(d.num_attention_heads.is_multiple_of(d.num_key_value_heads.max(1)), "drafter heads % kv heads".into());
+        need(d.intermediate_size.is_multiple_of(r), format!("drafter intermediate {} % {r}", d.intermediate_size));
+        need(d.head_dim.is_multiple_of(2) && d.num_hidden_layers >= 1 && d.block_size >= 2, "drafter head_dim even, >= 1 layer, block >= 2".into());
         need(self.tokenizer.mergeable >= 256, "mergeable >= 256 (all single bytes)".into());
-        need(self.vision.hidden % self.vision.heads.max(1) == 0, "vision hidden % heads".into());
+        need(self.vision.hidden.is_multiple_of(self.vision.heads.max(1)), "vision hidden % heads".into());
         if !bad.is_empty() {
             bail!("preset {} fails the {r}-rank plan rules: {}", self.name, bad.join(", "));
         }

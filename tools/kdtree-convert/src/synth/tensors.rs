@@ -145,7 +145,7 @@ pub fn layer(p: &Preset, l: usize) -> Vec<Spec> {
         let sd = match p.synth.weight_shape_dtype {
             ShapeDtype::I32 => Dtype::I32,
             ShapeDtype::I64 => Dtype::I64,
-            ShapeDtype::Mixed if x % 2 == 0 => Dtype::I32,
+            ShapeDtype::Mixed if x.is_multiple_of(2) => Dtype::I32,
             ShapeDtype::Mixed => Dtype::I64,
         };
         let ep = format!("{pre}.mlp.experts.{x}");

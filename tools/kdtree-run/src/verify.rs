@@ -1,0 +1,393 @@
+//! `--verify GOLDEN_DIR`: re-run what a kdtree-golden bundle recorded and compare.
+//!
+//! Per prompt of the bundle (the `--prompts` file must be the one the bundle was made from: same ids):
+//! 1. prompt ids: kdtree-run's own encoding of the line must equal the bundle's `prompt_ids`;
+//! 2. greedy AR, re-recorded by the very function kdtree-golden records with
+//!    (`kdtree_golden::reference::greedy_ar`) with the bundle's T = `ar.tokens.len()` steps and **no stop
+//!    tokens** (the bundle's `ar.tokens` never stops at EOS): all T tokens must be equal (strict; a prefix
+//!    comparison would let a run that stops early pass on one token);
+//! 3. logits: every step's top-k (ids exactly; values within the tolerance) and the full rows of the first
+//!    S steps within the tolerance;
+//! 4. the DDTree round (`kdtree_golden::reference::ddtree_round_record`, the engine's `prefill` +
+//!    `ddtree_round`): start, root, draft rows, tree tokens / parents / depths, visibility words, accepted
+//!    path, decisions and bonus exactly; draft and verify logits within the tolerance;
+//! 5. the line's own JSONL record, when it ran greedy in this invocation: its `token_ids` must equal
+//!    `ar.tokens` over their common length (greedy DDTree == greedy AR; a stop ends the record early).
+//!
+//! Tolerances are per backend ([`logit_tolerance`]). The model is loaded with
+//! `kdtree_golden::reference::open_cpu` in `GOLDEN_ATTN_MODE`, the loader kdtree-golden uses (see load.rs).
+//! Tests: bottom of this file (the comparisons), tests/verify_cli.rs (end to end, pass and forced failures).
+
+use anyhow::{bail, ensure, Result};
+use kdtree_engine::api::{Drafter, Target};
+use kdtree_golden::bundle::{topk_of, ArRecord, Bundle, DdtreeRecord, PromptRecord};
+use kdtree_golden::reference::{ddtree_round_record, greedy_ar, ArOptions};
+use kdtree_text::prompts::PromptLine;
+use std::fmt::Write as _;
+use std::path::Path;
+
+/// Largest |Δ| allowed between a CPU re-run's logits and the bundle's: 0, i.e. bit-identical values. The
+/// CPU backend runs the very code that recorded the bundle (same loader, same MLA form, same functions),
+/// and the CPU reference reduces in a fixed order that does not depend on the thread count (golden
+/// `regen.sh --check` proves byte equality at 1 and 2 threads), so any difference is a real change.
+pub const CPU_LOGIT_TOL: f32 = 0.0;
+
+/// The CUDA backend's tolerance: **not yet measured**. It must be set from measured |Δ| of CUDA runs
+/// against these bundles (bf16/TF32 tensor-core GEMMs and a different reduction order cannot be exact);
+/// until then `--verify` on CUDA is refused rather than judged against an invented number.
+pub const CUDA_LOGIT_TOL: Option<f32> = None;
+
+/// The logit tolerance of `backend` (as `engine::open` names it).
+pub fn logit_tolerance(backend: &str) -> Result<f32> {
+    match backend {
+        "cpu" => Ok(CPU_LOGIT_TOL),
+        "cuda" => match CUDA_LOGIT_TOL {
+            Some(t) => Ok(t),
+            None => bail!(
+                "--verify on the cuda backend: its logit tolerance is not yet measured (CUDA_LOGIT_TOL in \
+                 tools/kdtree-run/src/verify.rs); use --device cpu"
+            ),
+        },
+        other => bail!("--verify: no logit tolerance is defined for backend {other:?}"),
+    }
+}
+
+/// The prompt file's ids must be the bundle's (same set; order free). Err names what differs.
+pub fn check_ids(lines: &[PromptLine], bundle: &Bundle, prompts: &Path) -> Result<()> {
+    let ours: Vec<&str> = lines.iter().map(|l| l.id.as_str()).collect();
+    let theirs: Vec<&str> = bundle.index.prompts.iter().map(|p| p.id.as_str()).collect();
+    let only_ours: Vec<&str> = ours.iter().copied().filter(|id| !theirs.contains(id)).collect();
+    let only_theirs: Vec<&str> = theirs.iter().copied().filter(|id| !ours.contains(id)).collect();
+    ensure!(
+        only_ours.is_empty() && only_theirs.is_empty() && ours.len() == theirs.len(),
+        "--prompts {} is not the prompt file of the bundle {}: ids only in the prompt file {only_ours:?}, \
+         only in the bundle's index.json {only_theirs:?} ({} lines vs {} bundle prompts)",
+        prompts.display(),
+        bundle.dir.display(),
+        ours.len(),
+        theirs.len()
+    );
+    Ok(())
+}
+
+/// The loaded model's shape facts must be the bundle's (a different architecture is an error, not a
+/// mismatch). Returns a warning when only the manifest hash differs (another conversion of the model:
+/// compared anyway, the numbers decide).
+pub fn check_model(bundle: &Bundle, target: &dyn Target, drafter: Option<&dyn Drafter>, manifest_sha256: &str) -> Result<Option<String>> {
+    let m = &bundle.index.model;
+    let i = target.info();
+    let block = drafter.map_or(0, |d| d.block_size());
+    let ours = (i.vocab_size, i.hidden_size, i.num_layers, &i.tap_layers, block);
+    let theirs = (m.vocab_size, m.hidden_size, m.num_layers, &m.tap_layers, m.block_size);
+    ensure!(
+        ours == theirs,
+        "the model is not the bundle's architecture: (vocab, hidden, layers, tap layers, drafter block) = {ours:?}, bundle {} has {theirs:?}",
+        bundle.dir.display()
+    );
+    Ok((manifest_sha256 != m.manifest_sha256).then(|| {
+        format!(
+            "the model's manifest.toml sha256 {manifest_sha256} differs from the bundle's {} (another conversion?); comparing anyway",
+            m.manifest_sha256
+        )
+    }))
+}
+
+/// The outcome of one prompt.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct PromptCheck {
+    pub id: String,
+    /// Leading AR tokens equal to the bundle's, of `tokens_total`.
+    pub tokens_equal: usize,
+    pub tokens_total: usize,
+    /// Largest |Δ| over every compared logit (AR full rows and top-k values, DDTree draft and verify).
+    pub max_delta: f32,
+    /// None: the bundle has no DDTree round; Some(true): it matched.
+    pub ddtree: Option<bool>,
+    /// What differs, one line each (empty = match).
+    pub problems: Vec<String>,
+}
+
+impl PromptCheck {
+    pub fn ok(&self) -> bool {
+        self.problems.is_empty()
+    }
+}
+
+/// Running |Δ| comparison of logit arrays.
+struct Cmp {
+    tol: f32,
+    max_delta: f32,
+}
+
+impl Cmp {
+    /// Compare `got` with `want` (the bundle); the first value beyond the tolerance (or a length
+    /// difference) is returned as a problem. A NaN counts as an infinite difference.
+    fn rows(&mut self, what: &str, got: &[f32], want: &[f32]) -> Option<String> {
+        if got.len() != want.len() {
+            return Some(format!("{what}: {} values, bundle {}", got.len(), want.len()));
+        }
+        let mut first = None;
+        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+            let d = (g - w).abs();
+            let d = if d.is_nan() { f32::INFINITY } else { d };
+            self.max_delta = self.max_delta.max(d);
+            if !(d <= self.tol) && first.is_none() {
+                first = Some(format!("{what}[{i}]: {g} vs bundle {w} (|Δ| {d:e} > tolerance {:e})", self.tol));
+            }
+        }
+        first
+    }
+
+    /// Step `s`'s top-k against the bundle's: the values at the recorded ids within the tolerance, no other
+    /// id above the recorded k-th value by more than the tolerance, and (tolerance 0) the very same ids.
+    fn topk(&mut self, s: usize, row: &[f32], ids: &[u32], vals: &[f32]) -> Option<String> {
+        let at: Vec<f32> = ids.iter().map(|&id| row.get(id as usize).copied().unwrap_or(f32::NAN)).collect();
+        if let Some(p) = self.rows(&format!("ar.topk_logits step {s} (ids {ids:?})"), &at, vals) {
+            return Some(p);
+        }
+        let (mine, _) = topk_of(row, ids.len());
+        if self.tol == 0.0 {
+            return (mine != ids).then(|| format!("ar.topk_ids step {s}: {mine:?} vs bundle {ids:?}"));
+        }
+        let kth = vals.last().copied().unwrap_or(f32::INFINITY);
+        let intruder = (0..row.len() as u32).find(|id| !ids.contains(id) && !(row[*id as usize] <= kth + self.tol));
+        intruder.map(|id| format!("ar.topk_ids step {s}: id {id} ({}) outranks the bundle's top-k {ids:?} (k-th {kth})", row[id as usize]))
+    }
+}
+
+fn first_diff<T: PartialEq + std::fmt::Debug>(what: &str, got: &[T], want: &[T]) -> Option<String> {
+    if got == want {
+        return None;
+    }
+    match got.iter().zip(want).position(|(a, b)| a != b) {
+        Some(i) => Some(format!("{what}[{i}]: {:?} vs bundle {:?}", got[i], want[i])),
+        None => Some(format!("{what}: {} entries vs bundle {}", got.len(), want.len())),
+    }
+}
+
+/// Compare a re-recorded AR run (`got`, with every step's full row `rows`) with the bundle's.
+fn compare_ar(c: &mut PromptCheck, cmp: &mut Cmp, got: &ArRecord, rows: &[Vec<f32>], want: &ArRecord) {
+    c.tokens_total = want.tokens.len();
+    c.tokens_equal = got.tokens.iter().zip(&want.tokens).take_while(|(a, b)| a == b).count();
+    c.problems.extend(first_diff("ar.tokens", &got.tokens, &want.tokens));
+    let mut full = None;
+    for s in 0..want.full_steps.min(rows.len()) {
+        let p = cmp.rows(&format!("ar.full_logits step {s}"), &rows[s], want.full_row(s).unwrap_or_default());
+        full = full.or(p);
+    }
+    let mut topk = None;
+    for (s, row) in rows.iter().enumerate().take(want.tokens.len()) {
+        let (ids, vals) = want.topk_row(s);
+        let p = cmp.topk(s, row, ids, vals);
+        topk = topk.or(p);
+    }
+    c.problems.extend(full.into_iter().chain(topk));
+}
+
+/// Compare a re-run DDTree round with the bundle's; returns whether it matched.
+fn compare_round(c: &mut PromptCheck, cmp: &mut Cmp, got: &DdtreeRecord, want: &DdtreeRecord) -> bool {
+    let before = c.problems.len();
+    let meta = |r: &DdtreeRecord| vec![r.start, r.root as usize, r.budget, r.draft_rows, r.visibility_words];
+    c.problems.extend(first_diff("ddtree (start, root, budget, draft rows, visibility words)", &meta(got), &meta(want)));
+    c.problems.extend(cmp.rows("ddtree.draft_logits", &got.draft_logits, &want.draft_logits));
+    c.problems.extend(first_diff("ddtree.tree_tokens", &got.tree_tokens, &want.tree_tokens));
+    c.problems.extend(first_diff("ddtree.tree_parents", &got.tree_parents, &want.tree_parents));
+    c.problems.extend(first_diff("ddtree.tree_depths", &got.tree_depths, &want.tree_depths));
+    c.problems.extend(first_diff("ddtree.visibility", &got.visibility, &want.visibility));
+    c.problems.extend(cmp.rows("ddtree.verify_logits", &got.verify_logits, &want.verify_logits));
+    c.problems.extend(first_diff("ddtree.accepted", &got.accepted, &want.accepted));
+    c.problems.extend(first_diff("ddtree.decisions", &got.decisions, &want.decisions));
+    c.problems.extend(first_diff("ddtree bonus", &[got.bonus], &[want.bonus]));
+    c.problems.len() == before
+}
+
+/// What the line's run gave, for the record check (5).
+pub enum RunTokens<'a> {
+    /// Greedy record written in this invocation.
+    Greedy(&'a [u32]),
+    /// Sampled, failed, or written by an earlier run (--resume): not compared.
+    NotCompared,
+}
+
+/// Check one prompt: `prompt` is kdtree-run's own encoding of the line (Err: why it has none).
+pub fn check_prompt(
+    id: &str,
+    target: &mut dyn Target,
+    drafter: Option<&mut dyn Drafter>,
+    prompt: Result<Vec<u32>, String>,
+    run: RunTokens,
+    rec: &PromptRecord,
+    tol: f32,
+) -> Result<PromptCheck> {
+    let mut c = PromptCheck { id: id.to_string(), tokens_total: rec.ar.tokens.len(), ..Default::default() };
+    c.ddtree = rec.ddtree.as_ref().map(|_| false);
+    let mut cmp = Cmp { tol, max_delta: 0.0 };
+    let same_prompt = match prompt {
+        Err(e) => {
+            c.problems.push(format!("prompt: {e}"));
+            false
+        }
+        Ok(p) => {
+            c.problems.extend(first_diff("prompt ids", &p, &rec.prompt_ids));
+            p == rec.prompt_ids
+        }
+    };
+    let info = target.info().clone();
+    let t = rec.ar.tokens.len();
+    if rec.ar.vocab != info.vocab_size || rec.prompt_ids.len() + t > info.max_positions {
+        c.problems.push(format!(
+            "the bundle's {} prompt + {t} tokens (vocab {}) do not fit the model (max_positions {}, vocab {})",
+            rec.prompt_ids.len(),
+            rec.ar.vocab,
+            info.max_positions,
+            info.vocab_size
+        ));
+        return Ok(c);
+    }
+    // The run answered the line's own prompt; its tokens say something about the bundle only when that
+    // prompt is the bundle's (else the prompt-ids problem above already fails the prompt).
+    if let (RunTokens::Greedy(toks), true) = (run, same_prompt) {
+        let n = toks.len().min(t);
+        c.problems.extend(first_diff("the run's token_ids (greedy) vs ar.tokens", &toks[..n], &rec.ar.tokens[..n]));
+    }
+    let opts = ArOptions { max_tokens: t, topk: rec.ar.topk, full_logits_steps: rec.ar.full_steps };
+    let (ar, rows) = greedy_ar(target, &rec.prompt_ids, &opts, &mut |_, _| Ok(()))?;
+    compare_ar(&mut c, &mut cmp, &ar, &rows, &rec.ar);
+    if let Some(want) = &rec.ddtree {
+        match drafter {
+            None => c.problems.push("the bundle has a DDTree round but the model has no drafter".into()),
+            Some(d) => {
+                let got = ddtree_round_record(target, d, &rec.prompt_ids, want.budget)?;
+                c.ddtree = Some(compare_round(&mut c, &mut cmp, &got, want));
+            }
+        }
+    }
+    c.max_delta = cmp.max_delta;
+    Ok(c)
+}
+
+/// The per-prompt table (and the problems under it) printed to stderr.
+pub fn table(checks: &[PromptCheck]) -> String {
+    let head = ["prompt id", "tokens", "max |Δlogit|", "ddtree round", "verdict"];
+    let rows: Vec<[String; 5]> = checks
+        .iter()
+        .map(|c| {
+            [
+                c.id.clone(),
+                format!("{}/{}", c.tokens_equal, c.tokens_total),
+                if c.max_delta == 0.0 { "0".into() } else { format!("{:.3e}", c.max_delta) },
+                match c.ddtree {
+                    None => "not recorded".into(),
+                    Some(true) => "match".into(),
+                    Some(false) => "MISMATCH".into(),
+                },
+                if c.ok() { "match".into() } else { "MISMATCH".into() },
+            ]
+        })
+        .collect();
+    let width = |i: usize| rows.iter().map(|r| r[i].chars().count()).chain([head[i].chars().count()]).max().unwrap_or(0);
+    let widths: Vec<usize> = (0..5).map(width).collect();
+    let line = |cells: [&str; 5]| {
+        let padded: Vec<String> = cells.iter().zip(&widths).map(|(c, &w)| format!("{c:<w$}")).collect();
+        padded.join(" | ").trim_end().to_string()
+    };
+    let mut out = String::new();
+    writeln!(out, "{}", line(head)).unwrap();
+    writeln!(out, "{}", widths.iter().map(|&w| "-".repeat(w)).collect::<Vec<_>>().join("-|-")).unwrap();
+    for r in &rows {
+        writeln!(out, "{}", line([&r[0], &r[1], &r[2], &r[3], &r[4]])).unwrap();
+    }
+    for c in checks.iter().filter(|c| !c.ok()) {
+        for p in &c.problems {
+            writeln!(out, "  {}: {p}", c.id).unwrap();
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tolerances_per_backend() {
+        assert_eq!(logit_tolerance("cpu").unwrap(), 0.0);
+        let e = logit_tolerance("cuda").unwrap_err().to_string();
+        assert!(e.contains("not yet measured"), "{e}");
+        assert!(logit_tolerance("tpu").is_err());
+    }
+
+    #[test]
+    fn row_comparison_tracks_max_delta_and_reports_the_first_excess() {
+        let mut cmp = Cmp { tol: 0.0, max_delta: 0.0 };
+        assert_eq!(cmp.rows("x", &[1.0, 2.0], &[1.0, 2.0]), None);
+        assert_eq!(cmp.max_delta, 0.0);
+        let p = cmp.rows("x", &[1.0, 2.5, 3.0], &[1.0, 2.0, 4.0]).unwrap();
+        assert!(p.starts_with("x[1]: 2.5 vs bundle 2"), "{p}");
+        assert_eq!(cmp.max_delta, 1.0);
+        assert!(cmp.rows("x", &[f32::NAN], &[0.0]).is_some());
+        assert_eq!(cmp.max_delta, f32::INFINITY);
+        assert!(cmp.rows("x", &[1.0], &[1.0, 2.0]).unwrap().contains("1 values, bundle 2"));
+        let mut loose = Cmp { tol: 0.1, max_delta: 0.0 };
+        assert_eq!(loose.rows("x", &[1.05], &[1.0]), None);
+        assert!(loose.rows("x", &[1.2], &[1.0]).is_some());
+    }
+
+    #[test]
+    fn topk_comparison_exact_and_with_tolerance() {
+        let row = [0.0, 3.0, 1.0, 2.0];
+        let mut exact = Cmp { tol: 0.0, max_delta: 0.0 };
+        assert_eq!(exact.topk(0, &row, &[1, 3], &[3.0, 2.0]), None);
+        // right values, wrong ids (a tie-break or order difference) fails at tolerance 0
+        let row_tie = [0.0, 3.0, 2.0, 2.0];
+        assert!(exact.topk(0, &row_tie, &[1, 3], &[3.0, 2.0]).unwrap().contains("topk_ids"));
+        assert!(exact.topk(0, &row, &[1, 3], &[3.0, 2.5]).unwrap().contains("topk_logits"));
+        let mut loose = Cmp { tol: 0.01, max_delta: 0.0 };
+        assert_eq!(loose.topk(0, &row_tie, &[1, 3], &[3.0, 2.0]), None);
+        let row_up = [0.0, 3.0, 2.5, 2.0];
+        assert!(loose.topk(0, &row_up, &[1, 3], &[3.0, 2.0]).unwrap().contains("id 2"));
+    }
+
+    #[test]
+    fn round_comparison_names_what_differs() {
+        let want = DdtreeRecord {
+            start: 4, root: 7, budget: 2, vocab: 2, draft_rows: 1, draft_logits: vec![0.5, 1.5],
+            tree_tokens: vec![7, 1, 0], tree_parents: vec![-1, 0, 0], tree_depths: vec![0, 1, 1],
+            visibility_words: 1, visibility: vec![1, 3, 5], verify_logits: vec![0.0; 6],
+            accepted: vec![0], decisions: vec![1], bonus: 1,
+        };
+        let mut c = PromptCheck::default();
+        let mut cmp = Cmp { tol: 0.0, max_delta: 0.0 };
+        assert!(compare_round(&mut c, &mut cmp, &want.clone(), &want));
+        let mut got = want.clone();
+        got.tree_parents[2] = 1;
+        got.verify_logits[5] = 0.25;
+        got.bonus = 0;
+        assert!(!compare_round(&mut c, &mut cmp, &got, &want));
+        let all = c.problems.join("\n");
+        assert!(all.contains("ddtree.tree_parents[2]: 1 vs bundle 0"), "{all}");
+        assert!(all.contains("ddtree.verify_logits[5]"), "{all}");
+        assert!(all.contains("ddtree bonus"), "{all}");
+        assert_eq!(cmp.max_delta, 0.25);
+    }
+
+    #[test]
+    fn table_lists_every_prompt_and_the_problems_of_failing_ones() {
+        let ok = PromptCheck { id: "a".into(), tokens_equal: 16, tokens_total: 16, ddtree: Some(true), ..Default::default() };
+        let bad = PromptCheck {
+            id: "bb".into(),
+            tokens_equal: 3,
+            tokens_total: 16,
+            max_delta: 0.5,
+            ddtree: None,
+            problems: vec!["ar.tokens[3]: 1 vs bundle 2".into()],
+        };
+        let t = table(&[ok, bad]);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines[0], "prompt id | tokens | max |Δlogit| | ddtree round | verdict");
+        assert_eq!(lines[2], "a         | 16/16  | 0            | match        | match");
+        assert_eq!(lines[3], "bb        | 3/16   | 5.000e-1     | not recorded | MISMATCH");
+        assert_eq!(lines[4], "  bb: ar.tokens[3]: 1 vs bundle 2");
+        assert_eq!(lines.len(), 5);
+    }
+}
