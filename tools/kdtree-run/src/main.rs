@@ -139,7 +139,7 @@ fn run(args: Args) -> Result<bool> {
                 Ok(req) => runner.prompt_ids(req).map(|(ids, _)| ids).map_err(|(code, msg)| format!("{code}: {msg}")),
             };
             let run = match &outcome {
-                Some(records::Outcome::Done(c)) if !(c.sampling.temperature > 0.0) => verify::RunTokens::Greedy(&c.token_ids),
+                Some(records::Outcome::Done(c)) if c.sampling.temperature <= 0.0 => verify::RunTokens::Greedy(&c.token_ids),
                 _ => verify::RunTokens::NotCompared,
             };
             let drafter = runner.drafter.as_mut().map(|d| &mut **d as &mut dyn Drafter);

@@ -120,9 +120,10 @@ struct Cmp {
 }
 
 impl Cmp {
-    /// Compare `got` with `want` (the bundle); the first value beyond the tolerance (or a length
-    /// difference) is returned as a problem. A NaN counts as an infinite difference.
-    fn rows(&mut self, what: &str, got: &[f32], want: &[f32]) -> Option<String> {
+    /// Compare `got` with `want` (the bundle), rows of `cols` values (0: one flat array); the first value
+    /// beyond the tolerance (or a length difference) is returned as a problem, located as `what[row, col]`.
+    /// A NaN counts as an infinite difference.
+    fn rows(&mut self, what: &str, cols: usize, got: &[f32], want: &[f32]) -> Option<String> {
         if got.len() != want.len() {
             return Some(format!("{what}: {} values, bundle {}", got.len(), want.len()));
         }
@@ -131,8 +132,12 @@ impl Cmp {
             let d = (g - w).abs();
             let d = if d.is_nan() { f32::INFINITY } else { d };
             self.max_delta = self.max_delta.max(d);
-            if !(d <= self.tol) && first.is_none() {
-                first = Some(format!("{what}[{i}]: {g} vs bundle {w} (|Δ| {d:e} > tolerance {:e})", self.tol));
+            if d > self.tol && first.is_none() {
+                let at = match (i.checked_div(cols), i.checked_rem(cols)) {
+                    (Some(r), Some(c)) => format!("{r}, {c}"),
+                    _ => format!("{i}"),
+                };
+                first = Some(format!("{what}[{at}]: {g} vs bundle {w} (|Δ| {d:e} > tolerance {})", self.tol));
             }
         }
         first
@@ -142,7 +147,7 @@ impl Cmp {
     /// id above the recorded k-th value by more than the tolerance, and (tolerance 0) the very same ids.
     fn topk(&mut self, s: usize, row: &[f32], ids: &[u32], vals: &[f32]) -> Option<String> {
         let at: Vec<f32> = ids.iter().map(|&id| row.get(id as usize).copied().unwrap_or(f32::NAN)).collect();
-        if let Some(p) = self.rows(&format!("ar.topk_logits step {s} (ids {ids:?})"), &at, vals) {
+        if let Some(p) = self.rows(&format!("ar.topk_logits step {s} (ids {ids:?})"), 0, &at, vals) {
             return Some(p);
         }
         let (mine, _) = topk_of(row, ids.len());
@@ -150,7 +155,8 @@ impl Cmp {
             return (mine != ids).then(|| format!("ar.topk_ids step {s}: {mine:?} vs bundle {ids:?}"));
         }
         let kth = vals.last().copied().unwrap_or(f32::INFINITY);
-        let intruder = (0..row.len() as u32).find(|id| !ids.contains(id) && !(row[*id as usize] <= kth + self.tol));
+        let outranks = |x: f32| x.is_nan() || x > kth + self.tol;
+        let intruder = (0..row.len() as u32).find(|id| !ids.contains(id) && outranks(row[*id as usize]));
         intruder.map(|id| format!("ar.topk_ids step {s}: id {id} ({}) outranks the bundle's top-k {ids:?} (k-th {kth})", row[id as usize]))
     }
 }
@@ -170,11 +176,8 @@ fn compare_ar(c: &mut PromptCheck, cmp: &mut Cmp, got: &ArRecord, rows: &[Vec<f3
     c.tokens_total = want.tokens.len();
     c.tokens_equal = got.tokens.iter().zip(&want.tokens).take_while(|(a, b)| a == b).count();
     c.problems.extend(first_diff("ar.tokens", &got.tokens, &want.tokens));
-    let mut full = None;
-    for s in 0..want.full_steps.min(rows.len()) {
-        let p = cmp.rows(&format!("ar.full_logits step {s}"), &rows[s], want.full_row(s).unwrap_or_default());
-        full = full.or(p);
-    }
+    let got_full: Vec<f32> = rows.iter().take(want.full_steps).flatten().copied().collect();
+    let full = cmp.rows("ar.full_logits", want.vocab, &got_full, &want.full_logits);
     let mut topk = None;
     for (s, row) in rows.iter().enumerate().take(want.tokens.len()) {
         let (ids, vals) = want.topk_row(s);
@@ -189,12 +192,12 @@ fn compare_round(c: &mut PromptCheck, cmp: &mut Cmp, got: &DdtreeRecord, want: &
     let before = c.problems.len();
     let meta = |r: &DdtreeRecord| vec![r.start, r.root as usize, r.budget, r.draft_rows, r.visibility_words];
     c.problems.extend(first_diff("ddtree (start, root, budget, draft rows, visibility words)", &meta(got), &meta(want)));
-    c.problems.extend(cmp.rows("ddtree.draft_logits", &got.draft_logits, &want.draft_logits));
+    c.problems.extend(cmp.rows("ddtree.draft_logits", want.vocab, &got.draft_logits, &want.draft_logits));
     c.problems.extend(first_diff("ddtree.tree_tokens", &got.tree_tokens, &want.tree_tokens));
     c.problems.extend(first_diff("ddtree.tree_parents", &got.tree_parents, &want.tree_parents));
     c.problems.extend(first_diff("ddtree.tree_depths", &got.tree_depths, &want.tree_depths));
     c.problems.extend(first_diff("ddtree.visibility", &got.visibility, &want.visibility));
-    c.problems.extend(cmp.rows("ddtree.verify_logits", &got.verify_logits, &want.verify_logits));
+    c.problems.extend(cmp.rows("ddtree.verify_logits", want.vocab, &got.verify_logits, &want.verify_logits));
     c.problems.extend(first_diff("ddtree.accepted", &got.accepted, &want.accepted));
     c.problems.extend(first_diff("ddtree.decisions", &got.decisions, &want.decisions));
     c.problems.extend(first_diff("ddtree bonus", &[got.bonus], &[want.bonus]));
@@ -320,17 +323,19 @@ mod tests {
     #[test]
     fn row_comparison_tracks_max_delta_and_reports_the_first_excess() {
         let mut cmp = Cmp { tol: 0.0, max_delta: 0.0 };
-        assert_eq!(cmp.rows("x", &[1.0, 2.0], &[1.0, 2.0]), None);
+        assert_eq!(cmp.rows("x", 0, &[1.0, 2.0], &[1.0, 2.0]), None);
         assert_eq!(cmp.max_delta, 0.0);
-        let p = cmp.rows("x", &[1.0, 2.5, 3.0], &[1.0, 2.0, 4.0]).unwrap();
-        assert!(p.starts_with("x[1]: 2.5 vs bundle 2"), "{p}");
+        let p = cmp.rows("x", 0, &[1.0, 2.5, 3.0], &[1.0, 2.0, 4.0]).unwrap();
+        assert!(p.starts_with("x[1]: 2.5 vs bundle 2 (|Δ| 5e-1 > tolerance 0)"), "{p}");
         assert_eq!(cmp.max_delta, 1.0);
-        assert!(cmp.rows("x", &[f32::NAN], &[0.0]).is_some());
+        let p = cmp.rows("y", 2, &[0.0, 0.0, 0.0, 1.0], &[0.0, 0.0, 0.0, 0.0]).unwrap();
+        assert!(p.starts_with("y[1, 1]: 1 vs bundle 0"), "{p}");
+        assert!(cmp.rows("x", 0, &[f32::NAN], &[0.0]).is_some());
         assert_eq!(cmp.max_delta, f32::INFINITY);
-        assert!(cmp.rows("x", &[1.0], &[1.0, 2.0]).unwrap().contains("1 values, bundle 2"));
+        assert!(cmp.rows("x", 0, &[1.0], &[1.0, 2.0]).unwrap().contains("1 values, bundle 2"));
         let mut loose = Cmp { tol: 0.1, max_delta: 0.0 };
-        assert_eq!(loose.rows("x", &[1.05], &[1.0]), None);
-        assert!(loose.rows("x", &[1.2], &[1.0]).is_some());
+        assert_eq!(loose.rows("x", 0, &[1.05], &[1.0]), None);
+        assert!(loose.rows("x", 0, &[1.2], &[1.0]).is_some());
     }
 
     #[test]
@@ -366,7 +371,7 @@ mod tests {
         assert!(!compare_round(&mut c, &mut cmp, &got, &want));
         let all = c.problems.join("\n");
         assert!(all.contains("ddtree.tree_parents[2]: 1 vs bundle 0"), "{all}");
-        assert!(all.contains("ddtree.verify_logits[5]"), "{all}");
+        assert!(all.contains("ddtree.verify_logits[2, 1]: 0.25 vs bundle 0"), "{all}");
         assert!(all.contains("ddtree bonus"), "{all}");
         assert_eq!(cmp.max_delta, 0.25);
     }

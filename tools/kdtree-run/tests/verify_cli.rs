@@ -170,10 +170,10 @@ fn a_changed_logit_fails_and_names_the_prompt() {
     let p2 = row(&err, "p2");
     assert_eq!((p2[1].as_str(), p2[3].as_str(), p2[4].as_str()), ("6/6", "match", "MISMATCH"), "{err}");
     assert_eq!(p2[2], "5.000e-1", "{err}");
-    assert!(err.contains("  p2: ar.full_logits step 1["), "{err}");
+    assert!(err.contains("  p2: ar.full_logits[1, "), "{err}");
     let p1 = row(&err, "p1");
     assert_eq!((p1[1].as_str(), p1[3].as_str(), p1[4].as_str()), ("6/6", "MISMATCH", "MISMATCH"), "{err}");
-    assert!(err.contains("  p1: ddtree.verify_logits[3]: "), "{err}");
+    assert!(err.contains("  p1: ddtree.verify_logits[0, 3]: "), "{err}");
     assert!(err.contains("verify: 0 of 2 prompts match"), "{err}");
     // the records were still written
     assert_eq!(std::fs::read_to_string(dir.join("out.jsonl")).unwrap().lines().count(), 2);
