@@ -51,15 +51,19 @@ fn dot_f32(x: &[f32], w: impl Fn(usize) -> f32, k: usize) -> f32 {
 }
 
 /// Shared driver: `y[t, n] = f(x[t, :], n)` for all t < T, n < N, parallel over n.
-fn matmul_by_row(x: &[f32], t: usize, k: usize, n: usize, f: impl Fn(&[f32], usize) -> f32 + Sync) -> Vec<f32> {
+fn matmul_by_row(x: &[f32], t: usize, k: usize, n: usize, fill_row: impl Fn(usize, &mut [f32]) + Sync) -> Vec<f32> {
     assert_eq!(x.len(), t * k, "matmul: x has {} elements, expected T={t} x K={k}", x.len());
-    // [N, T] f32: computed column-of-y-at-a-time so decode (T = 1) still spreads over threads.
+    // [N, T] f32: computed column-of-y-at-a-time so decode (T = 1) still spreads over threads. Each weight
+    // row is widened to f32 once per task and reused for all T inputs; the widening is exact, so the sums
+    // are the same whatever T is.
     let mut yt = vec![0f32; n * t];
     yt.par_chunks_mut(t.max(1) * ROWS_PER_TASK).enumerate().for_each(|(c, chunk)| {
+        let mut wrow = vec![0f32; k]; // [K] f32, one weight row
         for (j, col) in chunk.chunks_mut(t.max(1)).enumerate() {
             let row = c * ROWS_PER_TASK + j;
+            fill_row(row, &mut wrow);
             for (ti, out) in col.iter_mut().enumerate() {
-                *out = f(&x[ti * k..(ti + 1) * k], row);
+                *out = dot_f32(&x[ti * k..(ti + 1) * k], |i| wrow[i], k);
             }
         }
     });
@@ -77,9 +81,9 @@ fn matmul_by_row(x: &[f32], t: usize, k: usize, n: usize, f: impl Fn(&[f32], usi
 /// f32 accumulation. Returns `[T, N]` f32.
 pub fn matmul_bf16(x: &[f32], w: &[bf16], t: usize, k: usize, n: usize) -> Vec<f32> {
     assert_eq!(w.len(), n * k, "matmul_bf16: W has {} elements, expected N={n} x K={k}", w.len());
-    matmul_by_row(x, t, k, n, |xr, row| {
+    matmul_by_row(x, t, k, n, |row, out| {
         let wr = &w[row * k..(row + 1) * k];
-        dot_f32(xr, |i| bf16_to_f32(wr[i]), k)
+        out.iter_mut().zip(wr).for_each(|(o, &v)| *o = bf16_to_f32(v));
     })
 }
 
@@ -87,7 +91,7 @@ pub fn matmul_bf16(x: &[f32], w: &[bf16], t: usize, k: usize, n: usize) -> Vec<f
 /// absorbed MLA projections). Same summation order as [`matmul_bf16`].
 pub fn matmul_f32(x: &[f32], w: &[f32], t: usize, k: usize, n: usize) -> Vec<f32> {
     assert_eq!(w.len(), n * k, "matmul_f32: W has {} elements, expected N={n} x K={k}", w.len());
-    matmul_by_row(x, t, k, n, |xr, row| dot_f32(xr, |i| w[row * k + i], k))
+    matmul_by_row(x, t, k, n, |row, out| out.copy_from_slice(&w[row * k..(row + 1) * k]))
 }
 
 /// Dequantise one INT4 group-32 weight: `packed` is row `[K/2]` u8 (byte m = u[2m] | u[2m+1] << 4,
@@ -124,9 +128,9 @@ fn check_i4(packed: &[u8], scales: &[bf16], n: usize, k: usize, op: &str) {
 /// and then accumulated like [`matmul_bf16`], so it equals `matmul_f32(x, dequant_i4g32_matrix(..))` bit for bit.
 pub fn matmul_i4g32(x: &[f32], packed: &[u8], scales: &[bf16], t: usize, k: usize, n: usize) -> Vec<f32> {
     check_i4(packed, scales, n, k, "matmul_i4g32");
-    matmul_by_row(x, t, k, n, |xr, row| {
+    matmul_by_row(x, t, k, n, |row, out| {
         let (p, s) = (&packed[row * k / 2..(row + 1) * k / 2], &scales[row * k / 32..(row + 1) * k / 32]);
-        dot_f32(xr, |i| dequant_i4g32(p, s, i), k)
+        out.iter_mut().enumerate().for_each(|(i, o)| *o = dequant_i4g32(p, s, i));
     })
 }
 

@@ -65,7 +65,9 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = DeviceArg::Auto)]
     pub device: DeviceArg,
 
-    /// Compare the outputs with a golden bundle directory (made by kdtree-golden).
+    /// Re-run a kdtree-golden bundle (--prompts must be its prompt file) and compare: greedy AR tokens
+    /// exactly, logits within the backend's tolerance (CPU: 0), the DDTree round; per-prompt table on
+    /// stderr, exit 1 on any mismatch.
     #[arg(long, value_name = "GOLDEN_DIR")]
     pub verify: Option<PathBuf>,
 
