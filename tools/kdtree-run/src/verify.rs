@@ -86,7 +86,8 @@ pub fn check_model(bundle: &Bundle, target: &dyn Target, drafter: Option<&dyn Dr
     );
     Ok((manifest_sha256 != m.manifest_sha256).then(|| {
         format!(
-            "the model's manifest.toml sha256 {manifest_sha256} differs from the bundle's {} (another conversion?); comparing anyway",
+            "the model's manifest.toml sha256 {manifest_sha256} differs from the bundle's {} (another conversion? \
+             on the CPU a different rank count alone changes the summation order, ~1e-6); comparing anyway",
             m.manifest_sha256
         )
     }))
