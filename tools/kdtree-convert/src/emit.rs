@@ -20,6 +20,9 @@ use kdtree_formats::writer::ShardWriter;
 const RELEASE_EVERY: usize = 8 << 20;
 /// Largest piece handed to the writer at once.
 const CHUNK: usize = 4 << 20;
+/// Source bytes asked for ahead of the copy (MADV_WILLNEED): page faults on a cold page cache are
+/// synchronous, so without it each writer thread waits on the disk between its hashing bursts.
+const READ_AHEAD: usize = 64 << 20;
 
 /// A source byte range mapped on its own, with the consumed part released as copying goes. Dropping it
 /// unmaps it, which releases every page it touched (fault-around included, as that stays inside the map).
@@ -32,7 +35,22 @@ struct Region {
 impl Region {
     /// Map `file[abs .. abs+len]`.
     fn new(file: &SafeFile, abs: usize, len: usize) -> Result<Region> {
-        Ok(Region { map: file.map_range(abs, len)?, released_to: 0, since_release: 0 })
+        let reg = Region { map: file.map_range(abs, len)?, released_to: 0, since_release: 0 };
+        if let Some(m) = &reg.map {
+            // Advice only: a failure changes speed, never bytes.
+            let _ = m.advise(memmap2::Advice::Sequential);
+        }
+        reg.read_ahead(0);
+        Ok(reg)
+    }
+    /// Ask the kernel to start reading `[from, from + READ_AHEAD)` of the region now.
+    fn read_ahead(&self, from: usize) {
+        if let Some(m) = &self.map {
+            let from = from / 4096 * 4096;
+            if from < m.len() {
+                let _ = m.advise_range(memmap2::Advice::WillNeed, from, READ_AHEAD.min(m.len() - from));
+            }
+        }
     }
     fn bytes(&self) -> &[u8] {
         self.map.as_deref().unwrap_or(&[])
@@ -55,6 +73,7 @@ impl Region {
         if self.since_release < RELEASE_EVERY {
             return;
         }
+        self.read_ahead(upto);
         if let Some(m) = &self.map {
             let end = upto / 4096 * 4096;
             if end > self.released_to {
