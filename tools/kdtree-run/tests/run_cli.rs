@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value as Json;
 
+mod common;
+
 const BIN: &str = env!("CARGO_BIN_EXE_kdtree-run");
 
 /// The converted tiny model (with tokenizer files and chat template beside the shards).
@@ -19,25 +21,7 @@ fn model() -> &'static Path {
     MODEL.get_or_init(|| {
         let root = Path::new(env!("CARGO_TARGET_TMPDIR")).join("kdtree-run-cli");
         let _ = std::fs::remove_dir_all(&root);
-        let hf = root.join("hf");
-        let out = root.join("tiny");
-        kdtree_convert::synth::write("tiny", &hf, 0, true, None).expect("synth tiny");
-        kdtree_convert::repack::repack(&kdtree_convert::repack::RepackOptions {
-            src: hf.clone(),
-            out: out.clone(),
-            drafter: Some(hf.join("drafter")),
-            ranks: 1,
-            experts: kdtree_formats::plan::ExpertsMode::Tp,
-            max_file_size: 1 << 30,
-            quiet: true,
-        })
-        .expect("repack tiny");
-        for f in ["tiktoken.model", "tokenizer_config.json", "chat_template.jinja"] {
-            if !out.join(f).exists() {
-                std::fs::copy(hf.join(f), out.join(f)).expect("copy tokenizer file");
-            }
-        }
-        out
+        common::convert_tiny(&root, 0)
     })
 }
 

@@ -10,6 +10,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 
+mod common;
+
 use kdtree_golden::bundle::{sha256_hex, Bundle, Index, PromptRecord, INDEX_FILE};
 
 const BIN: &str = env!("CARGO_BIN_EXE_kdtree-run");
@@ -27,20 +29,7 @@ fn root() -> PathBuf {
 
 /// synth tiny (+ drafter) with `seed`, repacked to one rank.
 fn convert(seed: u64) -> PathBuf {
-    let hf = root().join(format!("hf-{seed}"));
-    let out = root().join(format!("tiny-{seed}"));
-    kdtree_convert::synth::write("tiny", &hf, seed, true, None).expect("synth tiny");
-    kdtree_convert::repack::repack(&kdtree_convert::repack::RepackOptions {
-        src: hf.clone(),
-        out: out.clone(),
-        drafter: Some(hf.join("drafter")),
-        ranks: 1,
-        experts: kdtree_formats::plan::ExpertsMode::Tp,
-        max_file_size: 1 << 30,
-        quiet: true,
-    })
-    .expect("repack tiny");
-    out
+    common::convert_tiny(&root(), seed)
 }
 
 /// (model of seed 0, its prompts file, its bundle), built once.
