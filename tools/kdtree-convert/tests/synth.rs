@@ -12,20 +12,11 @@ use kdtree_formats::{int4, Dtype};
 use std::collections::BTreeMap;
 use std::path::Path;
 
+mod common;
+
+/// Every file under `dir`, keyed by its relative path as a string.
 fn all_files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
-    let mut out = BTreeMap::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                stack.push(p);
-            } else {
-                out.insert(p.strip_prefix(dir).unwrap().display().to_string(), std::fs::read(&p).unwrap());
-            }
-        }
-    }
-    out
+    common::snapshot(dir).into_iter().map(|(p, v)| (p.display().to_string(), v)).collect()
 }
 
 fn bf16s(b: &[u8]) -> Vec<f32> {
