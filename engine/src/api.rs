@@ -19,10 +19,23 @@ pub struct TargetInfo {
     pub tap_layers: Vec<usize>,
 }
 
+/// Which rows of a forward need logits (lm_head is the largest matmul of a step at K2.6 sizes:
+/// a prefill computes only the last row; a tree verify needs every row).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LogitRows {
+    /// One row per node: `[T, vocab]`.
+    #[default]
+    All,
+    /// Only the last node's row: `[1, vocab]`.
+    Last,
+    /// No logits (e.g. a prefill chunk that is not the last).
+    None,
+}
+
 /// Output of one target forward over a batch of tree nodes.
 #[derive(Debug, Clone, Default)]
 pub struct StepOut {
-    /// [T, vocab] f32 logits, one row per input node.
+    /// [rows, vocab] f32 logits: rows = T, 1 or 0 per the forward's [`LogitRows`].
     pub logits: Vec<f32>,
     /// [T, tap_layers.len() * hidden] f32, the drafter taps of each node (empty when tap_layers is empty).
     pub taps: Vec<f32>,
@@ -39,14 +52,28 @@ pub trait Target {
     fn info(&self) -> &TargetInfo;
     /// Tokens in the committed KV cache.
     fn committed(&self) -> usize;
-    /// Run the nodes; their KV goes to scratch slots after the committed prefix.
-    fn forward(&mut self, tokens: &[u32], parents: &[i32]) -> Result<StepOut>;
+    /// Run the nodes; their KV goes to scratch slots after the committed prefix. Logits only for `rows`.
+    fn forward_rows(&mut self, tokens: &[u32], parents: &[i32], rows: LogitRows) -> Result<StepOut>;
+    /// [`Target::forward_rows`] with logits for every node.
+    fn forward(&mut self, tokens: &[u32], parents: &[i32]) -> Result<StepOut> {
+        self.forward_rows(tokens, parents, LogitRows::All)
+    }
     /// Commit nodes `path` of the last forward (a root-to-node path: path[0] is a root and each next
     /// entry is a child of the previous; for a chain, `0..k`). Their KV is compacted to positions
     /// `[committed, committed + path.len())`; all other scratch KV is dropped.
     fn commit(&mut self, path: &[usize]) -> Result<()>;
+    /// Keep only the committed prefix `[0, len)` (len <= committed): undoes the tail of a commit when a
+    /// stop string or max_tokens cuts inside an accepted path. Drops any scratch.
+    fn truncate(&mut self, len: usize) -> Result<()>;
     /// Drop everything (new prompt).
     fn reset(&mut self);
+    /// Start recording named per-layer tensors of every forward (probes; see model/trace.rs for names).
+    /// Backends without probes ignore it.
+    fn start_trace(&mut self) {}
+    /// Stop recording and return what was recorded (None when nothing was recording).
+    fn take_trace(&mut self) -> Option<crate::model::Trace> {
+        None
+    }
 }
 
 /// A DFlash drafter session holding its context K/V cache (committed context only).
@@ -62,5 +89,7 @@ pub trait Drafter {
     /// the bonus token = context_len). Returns [B-1, vocab] f32 logits for block positions 1..B-1.
     /// The context cache is unchanged.
     fn draft(&mut self, bonus: u32, start: usize) -> Result<Vec<f32>>;
+    /// Keep only context positions `[0, len)` (len <= context_len), the drafter side of `Target::truncate`.
+    fn truncate_context(&mut self, len: usize) -> Result<()>;
     fn reset(&mut self);
 }

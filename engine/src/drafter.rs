@@ -14,7 +14,7 @@
 //!   `get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)` (cpu::ops::yarn_attention_factor),
 //!   which is 1.0 for the Kimi drafters (mscale = mscale_all_dim = 1); with both keys absent the formats
 //!   defaults (1, 0) give `1 + 0.1 ln(factor)`, transformers' plain-YaRN default. vllm-ascend forces `1 + 0.1 ln 64 ≈ 1.416` for Kimi-K2.5-DFlash and
-//!   reports higher acceptance (ddtree.md §1.9); that is a tunable, [`DFlashDrafter::set_rope_attention_factor`].
+//!   reports higher acceptance (ddtree.md §1.9); not applied here.
 //!
 //! Tensor-parallel shards: the loader hands over *logical* (gathered) tensors, so the forward is the
 //! same for every R and never sums per-rank partials.
@@ -258,12 +258,6 @@ impl DFlashDrafter {
     pub fn rope_attention_factor(&self) -> f64 {
         self.attention_factor
     }
-    /// Override the YaRN cos/sin amplitude (e.g. 1 + 0.1 ln(factor)); drops the context cache, whose keys
-    /// were rotated with the old amplitude.
-    pub fn set_rope_attention_factor(&mut self, f: f64) {
-        self.attention_factor = f;
-        self.reset();
-    }
 
     /// q_norm/k_norm per head then NeoX RoPE, in place on x [rows, heads*D] at positions pos0.. .
     fn norm_rope(&self, x: &mut [f32], heads: usize, weight: &[bf16], pos0: usize) {
@@ -371,6 +365,17 @@ impl Drafter for DFlashDrafter {
         }
         let xn = ops::rms_norm(&x[h..], &self.w.norm, eps); // [B-1, H]: block positions 1..B-1
         Ok(self.tables.lm_head(&xn, b - 1))
+    }
+
+    fn truncate_context(&mut self, len: usize) -> Result<()> {
+        ensure!(len <= self.ctx_len, "truncate_context to {len}: the context holds {} positions", self.ctx_len);
+        let kw = self.dims.kv_heads * self.dims.head_dim;
+        for c in &mut self.cache {
+            c.k.truncate(len * kw);
+            c.v.truncate(len * kw);
+        }
+        self.ctx_len = len;
+        Ok(())
     }
 
     fn reset(&mut self) {

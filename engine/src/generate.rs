@@ -18,7 +18,7 @@
 //! fills the cache ends with `FinishReason::Length`.
 //! Tests: engine/tests/generate_loops.rs (mock target and drafter) and generate_tiny_model.rs.
 
-use crate::api::{Drafter, StepOut, Target};
+use crate::api::{Drafter, LogitRows, StepOut, Target};
 use crate::ddtree::{build_tree, walk_sampled, DraftTree, Walk};
 use crate::sampling::{sample, GenRng};
 use anyhow::{bail, ensure, Result};
@@ -142,15 +142,15 @@ pub fn prefill(target: &mut dyn Target, drafter: Option<&mut dyn Drafter>, promp
     let max = target.info().max_positions;
     ensure!(target.committed() + prompt.len() <= max, "prompt of {} tokens exceeds max_positions {max}", prompt.len());
     let parents: Vec<i32> = (0..prompt.len() as i32).map(|i| i - 1).collect();
-    let out = target.forward(prompt, &parents)?;
+    let out = target.forward_rows(prompt, &parents, LogitRows::Last)?;
     let v = target.info().vocab_size;
-    ensure!(out.logits.len() == prompt.len() * v, "target returned {} logits for {} tokens x vocab {v}", out.logits.len(), prompt.len());
+    ensure!(out.logits.len() == v, "target returned {} logits for the last of {} tokens x vocab {v}", out.logits.len(), prompt.len());
     let path: Vec<usize> = (0..prompt.len()).collect();
     target.commit(&path)?;
     if let Some(d) = drafter {
         d.extend_context(&out.taps, prompt.len())?;
     }
-    Ok(out.logits[(prompt.len() - 1) * v..].to_vec())
+    Ok(out.logits)
 }
 
 /// One DDTree round from root token `root`: draft, build the tree, verify, walk. Commits nothing.

@@ -88,6 +88,11 @@ impl Drafter for Oracle {
         }
         Ok(out)
     }
+    fn truncate_context(&mut self, len: usize) -> Result<()> {
+        anyhow::ensure!(len <= self.ctx, "truncate_context to {len} of {}", self.ctx);
+        self.ctx = len;
+        Ok(())
+    }
     fn reset(&mut self) {
         self.ctx = 0;
     }

@@ -110,6 +110,13 @@ impl LatentCache {
         self.scratch = 0;
         Ok(())
     }
+    /// Keep only the committed rows `[0, len)`, dropping scratch.
+    pub fn truncate(&mut self, len: usize) -> Result<()> {
+        ensure!(len <= self.committed, "truncate to {len}: only {} rows are committed", self.committed);
+        self.committed = len;
+        self.drop_scratch();
+        Ok(())
+    }
     pub fn reset(&mut self) {
         self.rows.iter_mut().for_each(Vec::clear);
         self.committed = 0;

@@ -15,7 +15,7 @@ use super::cache::{LatentCache, TreeMask};
 use super::ffn;
 use super::trace::Trace;
 use super::weights::{Ffn, Weights};
-use crate::api::{StepOut, Target, TargetInfo};
+use crate::api::{LogitRows, StepOut, Target, TargetInfo};
 use crate::cpu::ops;
 use anyhow::{ensure, Result};
 use std::sync::Arc;
@@ -48,29 +48,6 @@ impl CpuTarget {
     pub fn mode(&self) -> AttnMode {
         self.mode
     }
-    /// Switch the MLA form (the cache layout is the same for both, so this is allowed mid-session).
-    pub fn set_mode(&mut self, mode: AttnMode) {
-        self.mode = mode;
-    }
-    pub fn set_tap_layers(&mut self, tap_layers: Vec<usize>) -> Result<()> {
-        for &l in &tap_layers {
-            ensure!(l < self.w.cfg.layers, "tap layer {l} >= num_hidden_layers {}", self.w.cfg.layers);
-        }
-        self.info.tap_layers = tap_layers;
-        Ok(())
-    }
-    /// Start recording every forward into a fresh [`Trace`] (see trace.rs for names).
-    pub fn start_trace(&mut self) {
-        self.trace = Some(Trace::default());
-    }
-    /// Stop recording and return what was recorded.
-    pub fn take_trace(&mut self) -> Option<Trace> {
-        self.trace.take()
-    }
-    /// The latent cache (read-only; tests and the golden tool inspect it).
-    pub fn cache(&self) -> &LatentCache {
-        &self.cache
-    }
 }
 
 impl Target for CpuTarget {
@@ -81,7 +58,7 @@ impl Target for CpuTarget {
         self.cache.committed
     }
 
-    fn forward(&mut self, tokens: &[u32], parents: &[i32]) -> Result<StepOut> {
+    fn forward_rows(&mut self, tokens: &[u32], parents: &[i32], rows: LogitRows) -> Result<StepOut> {
         let w = self.w.clone();
         let c = &w.cfg;
         let t = tokens.len();
@@ -122,11 +99,19 @@ impl Target for CpuTarget {
         }
         self.cache.scratch = t;
         self.last_parents = parents.to_vec();
-        let xn = w.final_norm(&x);
-        let logits = w.lm_head(&xn, t); // [T, V]
+        // Only the rows asked for go through the final norm and lm_head (a row's result does not depend
+        // on the other rows, so the values equal those of an all-rows forward bit for bit).
+        let first = match rows {
+            LogitRows::All => 0,
+            LogitRows::Last => t - 1,
+            LogitRows::None => t,
+        };
+        let n = t - first;
+        let xn = w.final_norm(&x[first * h..]);
+        let logits = if n > 0 { w.lm_head(&xn, n) } else { Vec::new() }; // [n, V]
         if let Some(tr) = self.trace.as_mut() {
-            tr.f32("final_norm".into(), &[t, h], &xn);
-            tr.f32("logits".into(), &[t, c.vocab], &logits);
+            tr.f32("final_norm".into(), &[n, h], &xn);
+            tr.f32("logits".into(), &[n, c.vocab], &logits);
         }
         Ok(StepOut { logits, taps })
     }
@@ -147,8 +132,22 @@ impl Target for CpuTarget {
         Ok(())
     }
 
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        self.cache.truncate(len)?;
+        self.last_parents.clear();
+        Ok(())
+    }
+
     fn reset(&mut self) {
         self.cache.reset();
         self.last_parents.clear();
+    }
+
+    fn start_trace(&mut self) {
+        self.trace = Some(Trace::default());
+    }
+
+    fn take_trace(&mut self) -> Option<Trace> {
+        self.trace.take()
     }
 }

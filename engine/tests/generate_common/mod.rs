@@ -11,7 +11,7 @@
 #![allow(dead_code)]
 
 use anyhow::{ensure, Result};
-use kdtree_engine::api::{Drafter, StepOut, Target, TargetInfo};
+use kdtree_engine::api::{Drafter, LogitRows, StepOut, Target, TargetInfo};
 
 pub const VOCAB: usize = 48;
 pub const HIDDEN: usize = 3;
@@ -73,7 +73,7 @@ impl Target for MockTarget {
     fn committed(&self) -> usize {
         self.committed.len()
     }
-    fn forward(&mut self, tokens: &[u32], parents: &[i32]) -> Result<StepOut> {
+    fn forward_rows(&mut self, tokens: &[u32], parents: &[i32], rows: LogitRows) -> Result<StepOut> {
         ensure!(tokens.len() == parents.len() && !tokens.is_empty(), "tokens/parents length");
         let n = tokens.len();
         let (mut hash, mut depth, mut prev) = (vec![0u64; n], vec![0usize; n], vec![0u32; n]);
@@ -100,6 +100,11 @@ impl Target for MockTarget {
         }
         self.forwards += 1;
         self.scratch = Some((tokens.to_vec(), parents.to_vec()));
+        let logits = match rows {
+            LogitRows::All => logits,
+            LogitRows::Last => logits[(n - 1) * VOCAB..].to_vec(),
+            LogitRows::None => Vec::new(),
+        };
         Ok(StepOut { logits, taps })
     }
     fn commit(&mut self, path: &[usize]) -> Result<()> {
@@ -112,6 +117,13 @@ impl Target for MockTarget {
             self.committed.push(tokens[n]);
             self.hash = mix(self.hash, tokens[n]);
         }
+        Ok(())
+    }
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        ensure!(len <= self.committed.len(), "truncate to {len} of {}", self.committed.len());
+        self.committed.truncate(len);
+        self.hash = self.committed.iter().fold(0, |h, &t| mix(h, t));
+        self.scratch = None;
         Ok(())
     }
     fn reset(&mut self) {
@@ -167,6 +179,12 @@ impl Drafter for MockDrafter {
             (prev, last) = (last, f);
         }
         Ok(out)
+    }
+    fn truncate_context(&mut self, len: usize) -> Result<()> {
+        ensure!(len <= self.ctx.len(), "truncate_context to {len} of {}", self.ctx.len());
+        self.ctx.truncate(len);
+        self.hash = self.ctx.iter().fold(0, |h, &t| mix(h, t));
+        Ok(())
     }
     fn reset(&mut self) {
         self.ctx.clear();

@@ -182,7 +182,7 @@ impl Runner<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kdtree_engine::api::{StepOut, TargetInfo};
+    use kdtree_engine::api::{LogitRows, StepOut, TargetInfo};
     use kdtree_text::prompts::parse_line;
 
     /// A chain-only target over 256 byte ids + 2 specials that emits a fixed script: the token predicted
@@ -209,7 +209,7 @@ mod tests {
         fn committed(&self) -> usize {
             self.committed
         }
-        fn forward(&mut self, tokens: &[u32], parents: &[i32]) -> anyhow::Result<StepOut> {
+        fn forward_rows(&mut self, tokens: &[u32], parents: &[i32], rows: LogitRows) -> anyhow::Result<StepOut> {
             assert_eq!(tokens.len(), parents.len());
             if self.committed == 0 {
                 self.prompt_len = tokens.len();
@@ -223,10 +223,19 @@ mod tests {
                 logits[i * v + next as usize] = 1.0;
             }
             self.last = tokens.to_vec();
+            let logits = match rows {
+                LogitRows::All => logits,
+                LogitRows::Last => logits[(tokens.len() - 1) * v..].to_vec(),
+                LogitRows::None => vec![],
+            };
             Ok(StepOut { logits, taps: vec![] })
         }
         fn commit(&mut self, path: &[usize]) -> anyhow::Result<()> {
             self.committed += path.len();
+            Ok(())
+        }
+        fn truncate(&mut self, len: usize) -> anyhow::Result<()> {
+            self.committed = len;
             Ok(())
         }
         fn reset(&mut self) {
