@@ -1,8 +1,8 @@
 //! The interface between model code and everything that drives it.
 //!
 //! A backend (CPU now, CUDA later) implements [`Target`] and [`Drafter`]; the generation loops in
-//! `generate.rs` (autoregressive and DDTree) are written once against these traits, and the tools
-//! (`kdtree-run`, `kdtree-golden`) only see [`Model`]-level calls. Shapes are row-major f32 on the host.
+//! `session.rs` (autoregressive steps and DDTree rounds) are written once against these traits; the tools
+//! (`kdtree-run`, `kdtree-golden`) see only the [`crate::Session`] API. Shapes are row-major f32 on the host.
 
 use anyhow::Result;
 
@@ -92,4 +92,54 @@ pub trait Drafter {
     /// Keep only context positions `[0, len)` (len <= context_len), the drafter side of `Target::truncate`.
     fn truncate_context(&mut self, len: usize) -> Result<()>;
     fn reset(&mut self);
+}
+
+/// A borrowed target is a target (lets a [`crate::Session`] run over a model the caller keeps).
+impl<T: Target + ?Sized> Target for &mut T {
+    fn info(&self) -> &TargetInfo {
+        (**self).info()
+    }
+    fn committed(&self) -> usize {
+        (**self).committed()
+    }
+    fn forward_rows(&mut self, tokens: &[u32], parents: &[i32], rows: LogitRows) -> Result<StepOut> {
+        (**self).forward_rows(tokens, parents, rows)
+    }
+    fn commit(&mut self, path: &[usize]) -> Result<()> {
+        (**self).commit(path)
+    }
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        (**self).truncate(len)
+    }
+    fn reset(&mut self) {
+        (**self).reset()
+    }
+    fn start_trace(&mut self) {
+        (**self).start_trace()
+    }
+    fn take_trace(&mut self) -> Option<crate::model::Trace> {
+        (**self).take_trace()
+    }
+}
+
+/// A borrowed drafter is a drafter.
+impl<D: Drafter + ?Sized> Drafter for &mut D {
+    fn block_size(&self) -> usize {
+        (**self).block_size()
+    }
+    fn context_len(&self) -> usize {
+        (**self).context_len()
+    }
+    fn extend_context(&mut self, taps: &[f32], n: usize) -> Result<()> {
+        (**self).extend_context(taps, n)
+    }
+    fn draft(&mut self, bonus: u32, start: usize) -> Result<Vec<f32>> {
+        (**self).draft(bonus, start)
+    }
+    fn truncate_context(&mut self, len: usize) -> Result<()> {
+        (**self).truncate_context(len)
+    }
+    fn reset(&mut self) {
+        (**self).reset()
+    }
 }

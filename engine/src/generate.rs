@@ -1,37 +1,20 @@
-//! Generation loops written once against `api::Target` + `api::Drafter`: autoregressive and DDTree.
-//!
-//! AR: prefill the prompt as a chain, then one token per step (greedy argmax or a seeded sample).
-//! DDTree (ddtree.md §3.5): prefill (the prompt's taps become drafter context), then rounds:
-//! draft `[bonus, mask × (B−1)]` → build the tree (budget) → one target forward over `[bonus, nodes]`
-//! with the tree's parents → walk → commit the accepted path → drafter context += taps of the accepted
-//! nodes → the walk's last decision is the next bonus.
+//! Generation over a [`Session`]: prefill, then steps, with stops checked token by token in emission
+//! order — identical in AR and DDTree mode: a stop token (kept in the output), then the callback (called
+//! with all tokens so far; true = stop), then `max_tokens`. Tokens of a step after the stop point are cut
+//! with `Session::keep`, so after `generate` returns `session.committed() == prompt.len() +
+//! tokens.len() − 1` (the last emitted token is never fed) and, in DDTree mode, the drafter context equals
+//! the committed prefix. A run that fills the cache ends with `FinishReason::Length`.
 //! Must match: greedy DDTree output == greedy AR output token for token (ddtree.md §3.1), and with the
-//! same seed sampled DDTree == sampled AR, because both draw one value from one ChaCha20 stream per
-//! emitted token in emission order (see ddtree/walk.rs) — exact whenever the target's tree logits equal
-//! its chain logits.
-//! Stops (identical in both modes, checked token by token in emission order): a stop token (kept in the
-//! output), then the callback (called with all tokens so far; true = stop), then `max_tokens`. Tokens of
-//! an accepted path after the stop point are dropped and only the nodes before it are committed, so after
-//! `generate` returns, `target.committed() == prompt.len() + tokens.len() - 1` (the last emitted token is
-//! never fed) and, in DDTree mode, `drafter.context_len() == target.committed()`.
-//! The depth of a tree is capped so no node lands at or beyond `TargetInfo::max_positions`; a run that
-//! fills the cache ends with `FinishReason::Length`.
+//! same seed sampled DDTree == sampled AR (see sampling.rs for why the draws line up).
 //! Tests: engine/tests/generate_loops.rs (mock target and drafter) and generate_tiny_model.rs.
 
-use crate::api::{Drafter, LogitRows, StepOut, Target};
-use crate::ddtree::{build_tree, walk_sampled, DraftTree, Walk};
-use crate::sampling::{sample, GenRng};
-use anyhow::{bail, ensure, Result};
+use crate::api::{Drafter, Target};
+use crate::session::Session;
+use anyhow::{ensure, Result};
 use std::time::Instant;
 
 pub use crate::sampling::Sampling;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
-    Ar,
-    /// DDTree with a node budget (root excluded).
-    DDTree { budget: usize },
-}
+pub use crate::session::Mode;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct GenRequest {
@@ -39,6 +22,7 @@ pub struct GenRequest {
     pub max_tokens: usize,
     pub stop_token_ids: Vec<u32>,
     pub sampling: Sampling,
+    /// Must be the session's mode (checked).
     pub mode: Mode,
 }
 
@@ -107,97 +91,8 @@ pub struct GenOutput {
     pub ttft_ms: f64,
 }
 
-/// Everything one DDTree round computed, before committing (what the golden tool records).
-#[derive(Debug, Clone)]
-pub struct RoundRecord {
-    /// Position of the root (= `target.committed()` at the start of the round).
-    pub start: usize,
-    /// Draft rows used (tree depth limit, <= B−1).
-    pub draft_rows: usize,
-    /// [draft_rows, V] f32 raw draft logits.
-    pub draft_logits: Vec<f32>,
-    /// Tree (tokens, depths, parents, child maps, visibility); `tree.tokens[0]` is the root/bonus.
-    pub tree: DraftTree,
-    /// Target forward over the tree: logits [N+1, V], taps [N+1, n_tap*H].
-    pub verify: StepOut,
-    /// Accepted path (starts with 0) and the target's decisions along it; `walk.bonus()` is the next root.
-    pub walk: Walk,
-}
-
-impl RoundRecord {
-    /// Tokens this round emits, in order: the accepted nodes' tokens after the root, then the bonus.
-    pub fn new_tokens(&self) -> Vec<u32> {
-        self.walk.path[1..].iter().map(|&n| self.tree.tokens[n]).chain([self.walk.bonus()]).collect()
-    }
-}
-
 fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
-}
-
-/// Run the prompt as a chain, commit it, hand its taps to the drafter (if any). Returns the last row of
-/// logits [V] (the distribution of the first generated token).
-pub fn prefill(target: &mut dyn Target, drafter: Option<&mut dyn Drafter>, prompt: &[u32]) -> Result<Vec<f32>> {
-    ensure!(!prompt.is_empty(), "empty prompt");
-    let max = target.info().max_positions;
-    ensure!(target.committed() + prompt.len() <= max, "prompt of {} tokens exceeds max_positions {max}", prompt.len());
-    let parents: Vec<i32> = (0..prompt.len() as i32).map(|i| i - 1).collect();
-    let out = target.forward_rows(prompt, &parents, LogitRows::Last)?;
-    let v = target.info().vocab_size;
-    ensure!(out.logits.len() == v, "target returned {} logits for the last of {} tokens x vocab {v}", out.logits.len(), prompt.len());
-    let path: Vec<usize> = (0..prompt.len()).collect();
-    target.commit(&path)?;
-    if let Some(d) = drafter {
-        d.extend_context(&out.taps, prompt.len())?;
-    }
-    Ok(out.logits)
-}
-
-/// One DDTree round from root token `root`: draft, build the tree, verify, walk. Commits nothing.
-/// The tree depth is min(B−1, max_positions − 1 − committed).
-pub fn ddtree_round(
-    target: &mut dyn Target,
-    drafter: &mut dyn Drafter,
-    root: u32,
-    budget: usize,
-    sampling: &Sampling,
-    rng: &mut GenRng,
-) -> Result<RoundRecord> {
-    let start = target.committed();
-    let (v, max) = (target.info().vocab_size, target.info().max_positions);
-    ensure!(start < max, "KV cache full: {start} committed, max_positions {max}");
-    ensure!(drafter.context_len() == start, "drafter context {} != target committed {start}", drafter.context_len());
-    let l = drafter.block_size() - 1;
-    let draft = drafter.draft(root, start)?;
-    ensure!(draft.len() == l * v, "drafter returned {} logits, expected {l} rows x vocab {v}", draft.len());
-    let rows = l.min(max - 1 - start);
-    let draft_logits = draft[..rows * v].to_vec();
-    let tree = build_tree(root, &draft_logits, rows, v, budget);
-    let verify = target.forward(&tree.tokens, &tree.parents)?;
-    ensure!(verify.logits.len() == tree.len() * v, "target returned {} logits for {} nodes x vocab {v}", verify.logits.len(), tree.len());
-    let walk = walk_sampled(&tree, &verify.logits, v, sampling, rng);
-    Ok(RoundRecord { start, draft_rows: rows, draft_logits, tree, verify, walk })
-}
-
-/// Commit the first `keep` nodes of the round's accepted path (1 <= keep <= path length) in the target and
-/// append their taps to the drafter context.
-pub fn commit_round(target: &mut dyn Target, drafter: &mut dyn Drafter, rec: &RoundRecord, keep: usize) -> Result<()> {
-    ensure!(keep >= 1 && keep <= rec.walk.path.len(), "commit_round: keep {keep} outside 1..={}", rec.walk.path.len());
-    let path = &rec.walk.path[..keep];
-    target.commit(path)?;
-    let nodes = rec.tree.len();
-    ensure!(rec.verify.taps.len().is_multiple_of(nodes) && !rec.verify.taps.is_empty(), "target produced no drafter taps");
-    let w = rec.verify.taps.len() / nodes;
-    let taps: Vec<f32> = path.iter().flat_map(|&n| rec.verify.taps[n * w..(n + 1) * w].iter().copied()).collect();
-    drafter.extend_context(&taps, keep)
-}
-
-/// Reborrow an optional drafter for a shorter lifetime (the trait-object lifetime must shrink with it).
-fn reborrow<'s>(d: &'s mut Option<&mut dyn Drafter>) -> Option<&'s mut dyn Drafter> {
-    match d {
-        Some(d) => Some(&mut **d),
-        None => None,
-    }
 }
 
 /// Append `tok` and decide whether generation ends with it.
@@ -214,24 +109,10 @@ fn emit(out: &mut Vec<u32>, tok: u32, req: &GenRequest, on_tokens: &mut dyn FnMu
     }
 }
 
-/// Generate from `req.prompt` (both sessions are reset first). See the module comment for the contract.
-pub fn generate(
-    target: &mut dyn Target,
-    mut drafter: Option<&mut dyn Drafter>,
-    req: &GenRequest,
-    on_tokens: &mut dyn FnMut(&[u32]) -> bool,
-) -> Result<GenOutput> {
+/// Generate from `req.prompt` in the session's mode. See the module comment for the contract.
+pub fn generate(session: &mut Session<'_>, req: &GenRequest, on_tokens: &mut dyn FnMut(&[u32]) -> bool) -> Result<GenOutput> {
     let t0 = Instant::now();
-    target.reset();
-    let ddtree_budget = match req.mode {
-        Mode::Ar => None,
-        Mode::DDTree { budget } => {
-            let Some(d) = reborrow(&mut drafter) else { bail!("DDTree mode needs a drafter") };
-            ensure!(!target.info().tap_layers.is_empty(), "DDTree mode needs a target with tap layers");
-            d.reset();
-            Some(budget)
-        }
-    };
+    ensure!(req.mode == session.mode(), "request mode {:?} but the session runs {:?}", req.mode, session.mode());
     let mut out = GenOutput {
         tokens: Vec::new(),
         finish_reason: FinishReason::Length,
@@ -244,50 +125,45 @@ pub fn generate(
         ensure!(!req.prompt.is_empty(), "empty prompt");
         return Ok(out);
     }
-    let last = if ddtree_budget.is_some() {
-        prefill(target, reborrow(&mut drafter), &req.prompt)?
-    } else {
-        prefill(target, None, &req.prompt)?
-    };
+    let first = session.prefill(&req.prompt, &req.sampling)?;
     out.prefill_ms = ms(t0);
-    let mut rng = req.sampling.rng();
-    let first = sample(&last, &req.sampling, &mut rng);
-    out.ttft_ms = ms(t0);
+    out.ttft_ms = out.prefill_ms;
     let t_dec = Instant::now();
     let mut finish = emit(&mut out.tokens, first, req, on_tokens);
-    let v = target.info().vocab_size;
-    let max = target.info().max_positions;
+    let depths = session.block_size().saturating_sub(1);
     while finish.is_none() {
-        if target.committed() >= max {
+        if !session.can_step() {
             finish = Some(FinishReason::Length);
             break;
         }
-        let root = *out.tokens.last().unwrap();
-        match (ddtree_budget, reborrow(&mut drafter)) {
-            (Some(budget), Some(d)) => {
-                let rec = ddtree_round(target, d, root, budget, &req.sampling, &mut rng)?;
-                out.spec.record(rec.tree.drafted(), rec.walk.accepted(), d.block_size() - 1);
-                let mut kept = 0;
-                for tok in rec.new_tokens() {
-                    kept += 1;
-                    finish = emit(&mut out.tokens, tok, req, on_tokens);
-                    if finish.is_some() {
-                        break;
-                    }
-                }
-                // `kept` tokens emitted: the root plus the first kept−1 accepted nodes were fed.
-                commit_round(target, d, &rec, kept)?;
-            }
-            _ => {
-                let step = target.forward(&[root], &[-1])?;
-                ensure!(step.logits.len() == v, "target returned {} logits for 1 token x vocab {v}", step.logits.len());
-                target.commit(&[0])?;
-                let tok = sample(&step.logits, &req.sampling, &mut rng);
-                finish = emit(&mut out.tokens, tok, req, on_tokens);
+        let step = session.step()?;
+        if let Mode::DDTree { .. } = session.mode() {
+            out.spec.record(step.drafted, step.accepted, depths);
+        }
+        let mut kept = 0;
+        for &tok in &step.tokens {
+            kept += 1;
+            finish = emit(&mut out.tokens, tok, req, on_tokens);
+            if finish.is_some() {
+                break;
             }
         }
+        session.keep(kept)?;
     }
     out.finish_reason = finish.unwrap_or(FinishReason::Length);
     out.decode_ms = ms(t_dec);
     Ok(out)
+}
+
+/// One request on a target (and drafter) the caller keeps: a fresh [`Session`] in `req.mode` over the
+/// borrowed parts, then [`generate`]. For tests and tools that hold concrete engine types.
+pub fn generate_on(
+    target: &mut dyn Target,
+    drafter: Option<&mut dyn Drafter>,
+    req: &GenRequest,
+    on_tokens: &mut dyn FnMut(&[u32]) -> bool,
+) -> Result<GenOutput> {
+    let d = if let Mode::DDTree { .. } = req.mode { drafter.map(|d| Box::new(d) as Box<dyn Drafter + '_>) } else { None };
+    let mut session = Session::new(Box::new(target), d, req.mode)?;
+    generate(&mut session, req, on_tokens)
 }

@@ -12,6 +12,8 @@ pub mod drafter;
 pub mod generate;
 pub mod model;
 pub mod sampling;
+pub mod session;
 
 pub use model::open::{open, open_with, Device, Loaded, OpenOptions};
 pub use model::AttnMode;
+pub use session::{Emitted, Mode, ProbeSet, Probes, RoundRecord, Session};

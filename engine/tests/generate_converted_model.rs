@@ -5,7 +5,7 @@
 use kdtree_convert::repack::{repack, RepackOptions, DEFAULT_MAX_FILE_SIZE};
 use kdtree_engine::api::{Drafter, Target};
 use kdtree_engine::drafter::{DFlashDrafter, TargetTables};
-use kdtree_engine::generate::{generate, FinishReason, GenRequest, Mode, Sampling};
+use kdtree_engine::generate::{generate_on as generate, FinishReason, GenRequest, Mode, Sampling};
 use kdtree_engine::model::{AttnMode, CpuTarget, TensorSource, Weights};
 use kdtree_formats::plan::ExpertsMode;
 use kdtree_formats::ModelDir;

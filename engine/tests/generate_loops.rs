@@ -6,7 +6,7 @@ mod generate_common;
 
 use generate_common::{MockDrafter, MockTarget};
 use kdtree_engine::api::{Drafter, Target};
-use kdtree_engine::generate::{generate, FinishReason, GenOutput, GenRequest, Mode, Sampling};
+use kdtree_engine::generate::{generate_on as generate, FinishReason, GenOutput, GenRequest, Mode, Sampling};
 
 const BLOCK: usize = 8;
 
@@ -183,28 +183,33 @@ fn a_session_is_reset_between_generations() {
 }
 
 #[test]
-fn round_pieces_record_a_consistent_round() {
-    use kdtree_engine::generate::{commit_round, ddtree_round, prefill};
+fn a_round_is_one_step_and_keep_cuts_inside_its_path() {
+    use kdtree_engine::{ProbeSet, Session};
     let (mut t, mut d) = (MockTarget::new(4096), MockDrafter::new(BLOCK));
     let p = &prompts()[3];
-    let last = prefill(&mut t, Some(&mut d as &mut dyn Drafter), p).unwrap();
-    let s = Sampling::greedy();
-    let root = kdtree_engine::sampling::argmax(&last);
-    let rec = ddtree_round(&mut t, &mut d, root, 24, &s, &mut s.rng()).unwrap();
+    let mut s = Session::new(Box::new(&mut t), Some(Box::new(&mut d)), Mode::DDTree { budget: 24 }).unwrap();
+    s.set_probes(ProbeSet { rounds: true, logits: true, layers: false });
+    let root = s.prefill(p, &Sampling::greedy()).unwrap();
+    let step = s.step().unwrap();
+    let probes = s.take_probes();
+    let rec = &probes.rounds[0];
+    assert_eq!(kdtree_engine::sampling::argmax(&probes.logits[0]), root, "the prefill's last row decided the root");
     let n = rec.tree.len();
     assert_eq!((rec.start, rec.draft_rows, rec.tree.tokens[0], rec.tree.drafted()), (p.len(), BLOCK - 1, root, 24));
     assert_eq!(rec.draft_logits.len(), (BLOCK - 1) * generate_common::VOCAB);
     assert_eq!(rec.verify.logits.len(), n * generate_common::VOCAB);
     assert_eq!(rec.tree.visibility.rows, n);
     assert_eq!(rec.walk.path[0], 0);
-    let toks = rec.new_tokens();
-    assert_eq!(toks.len(), rec.walk.path.len());
-    // Commit only the root and the first accepted node, if any; state must follow.
-    let keep = rec.walk.path.len().min(2);
-    commit_round(&mut t, &mut d, &rec, keep).unwrap();
-    assert_eq!(t.committed(), p.len() + keep);
+    assert_eq!(step.tokens, rec.new_tokens());
+    assert_eq!((step.drafted, step.accepted), (24, rec.walk.accepted()));
+    assert_eq!(s.committed(), p.len() + rec.walk.path.len(), "a step commits root + accepted nodes");
+    assert!(rec.walk.accepted() >= 1, "the mock drafter is accepted here, so keep(1) really cuts");
+    // Keep only the first token (the root is committed, the first emitted token is pending).
+    s.keep(1).unwrap();
+    assert_eq!(s.committed(), p.len() + 1);
+    assert!(s.keep(0).is_err() && s.keep(2).is_err(), "keep is bounded by the (already cut) step");
+    drop(s);
     assert_eq!(d.context_len(), t.committed());
-    let want: Vec<u32> = p.iter().copied().chain(rec.walk.path[..keep].iter().map(|&i| rec.tree.tokens[i])).collect();
+    let want: Vec<u32> = p.iter().copied().chain([root]).collect();
     assert_eq!(t.committed_tokens(), &want[..]);
-    assert!(commit_round(&mut t, &mut d, &rec, 0).is_err());
 }

@@ -10,7 +10,7 @@ use anyhow::Result;
 use half::bf16;
 use kdtree_engine::api::{Drafter, Target};
 use kdtree_engine::drafter::{DFlashDrafter, DrafterDims, DrafterWeights, TargetTables};
-use kdtree_engine::generate::{generate, FinishReason, GenOutput, GenRequest, Mode, Sampling};
+use kdtree_engine::generate::{generate_on as generate, FinishReason, GenOutput, GenRequest, Mode, Sampling};
 use kdtree_engine::model::testing::{tiny_config, tiny_weights};
 use kdtree_engine::model::{AttnMode, CpuTarget, Weights};
 use kdtree_formats::config::{parse_drafter_config, DrafterConfig};

@@ -35,7 +35,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 /// `format` of index.json and the one metadata value of every prompt file.
-pub const FORMAT: &str = "kdtree-golden/1";
+/// Format 2: recorded through the Session API with the shipping configuration (absorbed MLA); format 1
+/// bundles (naive MLA) are refused, not misread.
+pub const FORMAT: &str = "kdtree-golden/2";
 pub const INDEX_FILE: &str = "index.json";
 
 /// Greedy autoregressive continuation of one prompt.
@@ -576,7 +578,7 @@ mod tests {
         }
         let n = u64::from_le_bytes(a[..8].try_into().unwrap()) as usize;
         let header = std::str::from_utf8(&a[8..8 + n]).unwrap();
-        assert!(header.starts_with("{\"__metadata__\":{\"format\":\"kdtree-golden/1\"}"), "{header}");
+        assert!(header.starts_with("{\"__metadata__\":{\"format\":\"kdtree-golden/2\"}"), "{header}");
         // within one dtype, names appear in sorted order
         let pos = |s: &str| header.find(&format!("\"{s}\"")).unwrap();
         assert!(pos("ar.full_logits") < pos("ar.topk_logits"));

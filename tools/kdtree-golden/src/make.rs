@@ -1,14 +1,14 @@
 //! Writing a bundle: for each prompt the greedy AR run with top-k logits of every step and full logits
-//! of the first steps, the per-layer tensors of one single-token decode forward (CpuTarget's trace
-//! hook), and one DDTree round right after the prompt. The `kdtree-golden` binary is a thin clap front
+//! of the first steps, the per-layer tensors of one single-token decode forward (the session's layer
+//! probe), and one DDTree round right after the prompt. The `kdtree-golden` binary is a thin clap front
 //! end over [`make_bundle`]; tests of other crates (kdtree-run --verify) call it directly, so they get
 //! exactly the binary's bundle. Output bytes depend only on the model and the options.
 
 use crate::bundle::{write_bundle, Index, LayerTrace, ModelInfo, PromptEntryExtra, PromptRecord, Settings, TraceRecord, FORMAT};
-use crate::reference::{ddtree_round_record, greedy_ar, open_cpu, ArEvent, ArOptions, GOLDEN_ATTN_MODE};
+use crate::reference::{ddtree_round_record, greedy_ar, open, ArOptions};
 use anyhow::{bail, ensure, Context, Result};
-use kdtree_engine::api::{Drafter, Target};
-use kdtree_engine::model::{CpuTarget, Trace, TraceData};
+use kdtree_engine::model::{Trace, TraceData};
+use kdtree_engine::{Device, Mode};
 use std::path::Path;
 
 /// The settings of one bundle (the binary's flags).
@@ -34,12 +34,12 @@ pub struct Options {
 pub fn make_bundle(model: &Path, prompts: &Path, out: &Path, a: &Options) -> Result<Index> {
     ensure!(a.max_tokens >= 1, "--max-tokens must be at least 1");
     ensure!(a.topk >= 1, "--topk must be at least 1");
-    let mut m = open_cpu(model, GOLDEN_ATTN_MODE)?;
+    let mut m = open(model, Device::Cpu)?;
     let prompts = read_prompts(prompts, model)?;
-    let info = m.target.info().clone();
-    let do_round = m.drafter.is_some() && !a.no_ddtree;
-    let block = m.drafter.as_ref().map(|d| d.block_size()).unwrap_or(0);
-    let ar_opts = ArOptions { max_tokens: a.max_tokens, topk: a.topk, full_logits_steps: a.full_logits_steps };
+    let info = m.loaded.info().clone();
+    let do_round = m.loaded.has_drafter() && !a.no_ddtree;
+    let block = m.loaded.block_size();
+    let ar_opts = ArOptions { max_tokens: a.max_tokens, topk: a.topk, full_logits_steps: a.full_logits_steps, trace_step: a.trace_step };
     let mut records = Vec::with_capacity(prompts.len());
     for (i, (id, ids)) in prompts.iter().enumerate() {
         ensure!(
@@ -49,21 +49,14 @@ pub fn make_bundle(model: &Path, prompts: &Path, out: &Path, a: &Options) -> Res
             a.max_tokens,
             info.max_positions
         );
-        let mut trace = None;
-        let (ar, _) = greedy_ar(&mut m.target, ids, &ar_opts, &mut |t: &mut CpuTarget, ev| {
-            match ev {
-                ArEvent::BeforeDecode { step, .. } if step == a.trace_step => t.start_trace(),
-                ArEvent::AfterDecode { step, token } if step == a.trace_step => {
-                    let tr = t.take_trace().context("trace hook returned nothing")?;
-                    trace = Some(trace_record(&tr, step, t.committed(), token, t.info().num_layers)?);
-                }
-                _ => {}
-            }
-            Ok(())
-        })?;
-        let (ddtree, extra) = match (&mut m.drafter, do_round) {
-            (Some(d), true) => {
-                let r = ddtree_round_record(&mut m.target, d as &mut dyn Drafter, ids, a.budget)?;
+        let (ar, _, traced) = greedy_ar(&mut m.loaded.session(Mode::Ar)?, ids, &ar_opts)?;
+        let trace = match traced {
+            Some((step, position, token, tr)) => Some(trace_record(&tr, step, position, token, info.num_layers)?),
+            None => None,
+        };
+        let (ddtree, extra) = match do_round {
+            true => {
+                let r = ddtree_round_record(&mut m.loaded.session(Mode::DDTree { budget: a.budget })?, ids, a.budget)?;
                 let emitted: Vec<u32> = r.accepted[1..].iter().map(|&n| r.tree_tokens[n]).chain([r.bonus]).collect();
                 // greedy DDTree emits the root (= ar.tokens[0]) then these; they must continue the AR run
                 let n = emitted.len().min(ar.tokens.len().saturating_sub(1));
@@ -73,7 +66,7 @@ pub fn make_bundle(model: &Path, prompts: &Path, out: &Path, a: &Options) -> Res
                 }
                 (Some(r), PromptEntryExtra { ddtree_tokens: emitted.len(), ddtree_matches_ar: matches })
             }
-            _ => (None, PromptEntryExtra::default()),
+            false => (None, PromptEntryExtra::default()),
         };
         if !a.quiet {
             eprintln!(
@@ -181,7 +174,7 @@ fn f32_of(tr: &Trace, name: &str, want: &[usize]) -> Result<Vec<f32>> {
 }
 
 /// Convert the engine's trace of a 1-token forward (names in engine/src/model/trace.rs) to the bundle's.
-fn trace_record(tr: &Trace, step: usize, position: usize, token: u32, layers: usize) -> Result<TraceRecord> {
+pub fn trace_record(tr: &Trace, step: usize, position: usize, token: u32, layers: usize) -> Result<TraceRecord> {
     let h = |name: &str| tr.get(name).map(|t| t.shape.clone());
     let hidden = h("layers.0.attn_out").context("trace has no layers.0.attn_out")?;
     ensure!(hidden.len() == 2 && hidden[0] == 1, "trace of a decode step must have T = 1, got {hidden:?}");

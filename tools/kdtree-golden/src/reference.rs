@@ -1,53 +1,34 @@
 //! The reference computations shared by `kdtree-golden` (which records them) and `kdtree-run --verify`
 //! (which re-runs them and compares): how the model is loaded, the greedy AR recording and the one
-//! DDTree round. Both tools call these very functions, so a CPU re-run repeats the recording operation
-//! for operation and must reproduce every recorded value bit for bit.
+//! DDTree round. Both tools call these very functions through the engine's Session API (probes capture
+//! the logits, per-layer tensors and the round), so a CPU re-run repeats the recording operation for
+//! operation and must reproduce every recorded value bit for bit.
 //!
-//! Loading: [`open_cpu`] is built from the engine's own loader pieces (`engine::model::open::open_cpu_target`,
-//! `DFlashDrafter::load`, the same calls `engine::open_with` makes) and returns the concrete CPU types,
-//! because the golden tool needs `CpuTarget`'s trace hook, which `engine::open`'s boxed `dyn Target` hides.
-//! When the engine grows an `open_cpu(dir, OpenOptions) -> (CpuTarget, Option<DFlashDrafter>)` (with
-//! `open_with` boxing its result), this function should become a call to it.
-//! Tests: tools/kdtree-golden/tests/determinism.rs, tools/kdtree-run/tests/verify_cli.rs.
+//! Loading: [`open`] is `kdtree_engine::open` — the loader and the configuration that ship (absorbed
+//! MLA), so what is verified is what runs. Tests: tools/kdtree-golden/tests/determinism.rs,
+//! tools/kdtree-run/tests/verify_cli.rs.
 
 use crate::bundle::{sha256_hex, topk_of, ArRecord, DdtreeRecord};
 use anyhow::{ensure, Context, Result};
-use kdtree_engine::api::{Drafter, Target};
-use kdtree_engine::drafter::DFlashDrafter;
-use kdtree_engine::generate::{ddtree_round, prefill, Sampling};
-use kdtree_engine::model::open::open_cpu_target;
-use kdtree_engine::model::{AttnMode, CpuTarget, TensorSource};
-use kdtree_engine::sampling::argmax;
-use kdtree_formats::ModelDir;
+use kdtree_engine::generate::Sampling;
+use kdtree_engine::model::Trace;
+use kdtree_engine::{Device, Loaded, Mode, ProbeSet, Session};
 use std::path::Path;
-use std::sync::Arc;
 
-/// MLA form of the CPU target the bundles are recorded with: the naive (transformers') form, which
-/// crosscheck/ compares against transformers. `engine::open` defaults to the absorbed form, which agrees
-/// only to ~1e-6 relative, so an exact re-run must use this one. It is not stored in the bundle (the
-/// format is fixed); changing it changes every recorded logit (`make golden`).
-pub const GOLDEN_ATTN_MODE: AttnMode = AttnMode::Naive;
-
-/// A converted model on the CPU reference backend.
-pub struct CpuModel {
-    pub target: CpuTarget,
-    pub drafter: Option<DFlashDrafter>,
+/// A converted model opened by the engine's loader, with its manifest hash.
+pub struct RefModel {
+    pub loaded: Loaded,
     /// sha256 of the directory's manifest.toml.
     pub manifest_sha256: String,
 }
 
-/// Open `dir` on the CPU backend with MLA form `mode`: the target (tapping the layers the drafter was
-/// trained on) and, when the directory holds one, the DFlash drafter over the target's tables.
-pub fn open_cpu(dir: &Path, mode: AttnMode) -> Result<CpuModel> {
+/// Open `dir` on `device` with the engine's own loader (the target tapping the layers the drafter was
+/// trained on and, when the directory holds one, the DFlash drafter).
+pub fn open(dir: &Path, device: Device) -> Result<RefModel> {
     let manifest_path = dir.join("manifest.toml");
     let manifest = std::fs::read(&manifest_path).with_context(|| format!("reading {}", manifest_path.display()))?;
-    let md = ModelDir::open(dir).with_context(|| format!("opening model {}", dir.display()))?;
-    let taps = md.drafter_config().map(|c| c.dflash_config.target_layer_ids.clone()).unwrap_or_default();
-    let has_drafter = md.drafter_config().is_some();
-    let src: Arc<dyn TensorSource> = Arc::new(md);
-    let (target, weights) = open_cpu_target(src.clone(), taps, mode)?;
-    let drafter = if has_drafter { Some(DFlashDrafter::load(&*src, weights)?) } else { None };
-    Ok(CpuModel { target, drafter, manifest_sha256: sha256_hex(&manifest) })
+    let loaded = kdtree_engine::open(dir, device).with_context(|| format!("opening model {}", dir.display()))?;
+    Ok(RefModel { loaded, manifest_sha256: sha256_hex(&manifest) })
 }
 
 /// What the AR recording keeps.
@@ -59,43 +40,43 @@ pub struct ArOptions {
     pub topk: usize,
     /// Steps whose full logits are kept (capped at `max_tokens`).
     pub full_logits_steps: usize,
+    /// AR step (>= 1) whose single-token forward is traced per layer; 0 = none.
+    pub trace_step: usize,
 }
 
-/// Moments of [`greedy_ar`] a caller can hook (the golden tool traces one decode forward).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ArEvent {
-    /// Right before the single-token forward that feeds `token` for step `step` (>= 1).
-    BeforeDecode { step: usize, token: u32 },
-    /// Right after that forward, before its commit.
-    AfterDecode { step: usize, token: u32 },
-}
+/// The per-layer probe of the traced decode forward: (step, position, fed token, trace).
+pub type StepTrace = (usize, usize, u32, Trace);
 
-/// Greedy AR from a fresh session: prefill `prompt`, then `max_tokens` argmax steps (stop tokens do not
-/// stop it), keeping every step's top-k and the first steps' full logits. Returns the record and every
-/// step's full logit row (what a comparison needs beyond the record).
-pub fn greedy_ar<T: Target + AsDynTarget + ?Sized>(
-    t: &mut T,
-    prompt: &[u32],
-    o: &ArOptions,
-    hook: &mut dyn FnMut(&mut T, ArEvent) -> Result<()>,
-) -> Result<(ArRecord, Vec<Vec<f32>>)> {
-    let v = t.info().vocab_size;
-    t.reset();
-    let mut row = prefill(t.as_dyn(), None, prompt)?;
+/// Greedy AR on a fresh AR session: prefill `prompt`, then `max_tokens` argmax steps (stop tokens do not
+/// stop it), keeping every step's top-k and the first steps' full logits. Returns the record, every
+/// step's full logit row (what a comparison needs beyond the record) and the traced step's probes.
+pub fn greedy_ar(s: &mut Session<'_>, prompt: &[u32], o: &ArOptions) -> Result<(ArRecord, Vec<Vec<f32>>, Option<StepTrace>)> {
+    ensure!(s.mode() == Mode::Ar, "greedy_ar needs an AR session");
+    let v = s.info().vocab_size;
     let mut rec = ArRecord { topk: o.topk.min(v), vocab: v, ..Default::default() };
     let mut rows = Vec::with_capacity(o.max_tokens);
+    let mut trace = None;
+    s.set_probes(ProbeSet { logits: true, ..Default::default() });
+    let _ = s.take_probes();
     for step in 0..o.max_tokens {
-        if step > 0 {
-            let fed = rec.tokens[step - 1];
-            hook(t, ArEvent::BeforeDecode { step, token: fed })?;
-            let out = t.forward(&[fed], &[-1])?;
-            hook(t, ArEvent::AfterDecode { step, token: fed })?;
-            t.commit(&[0])?;
-            ensure!(out.logits.len() == v, "decode step returned {} logits, vocab {v}", out.logits.len());
-            row = out.logits;
+        let tok = if step == 0 {
+            s.prefill(prompt, &Sampling::greedy())?
+        } else {
+            s.set_probes(ProbeSet { logits: true, layers: step == o.trace_step, rounds: false });
+            let e = s.step()?;
+            ensure!(e.tokens.len() == 1, "an AR step emitted {} tokens", e.tokens.len());
+            e.tokens[0]
+        };
+        let mut p = s.take_probes();
+        if step > 0 && step == o.trace_step {
+            let tr = p.layers.pop().context("the layer probe recorded nothing")?;
+            trace = Some((step, position_of_step(prompt, step), rec.tokens[step - 1], tr));
         }
+        ensure!(p.logits.len() == 1, "step {step}: the logits probe recorded {} rows, expected 1", p.logits.len());
+        let row = p.logits.pop().unwrap_or_default();
+        ensure!(row.len() == v, "step {step}: logit row of {} values, vocab {v}", row.len());
         ensure!(row.iter().all(|x| x.is_finite()), "step {step}: non-finite logits");
-        let tok = argmax(&row);
+        ensure!(kdtree_engine::sampling::argmax(&row) == tok, "step {step}: the session's greedy token is not the argmax of its row");
         let (ids, vals) = topk_of(&row, rec.topk);
         rec.topk_ids.extend(ids);
         rec.topk_logits.extend(vals);
@@ -104,22 +85,29 @@ pub fn greedy_ar<T: Target + AsDynTarget + ?Sized>(
             rec.full_steps += 1;
         }
         rec.tokens.push(tok);
-        rows.push(std::mem::take(&mut row));
+        rows.push(row);
     }
-    Ok((rec, rows))
+    s.set_probes(ProbeSet::default());
+    Ok((rec, rows, trace))
 }
 
-/// One greedy DDTree round right after `prompt` (fresh sessions; root = argmax of the prefill's last
-/// row), drafted, built, verified and walked by the engine's `ddtree_round`; nothing is committed.
-pub fn ddtree_round_record(t: &mut dyn Target, d: &mut dyn Drafter, prompt: &[u32], budget: usize) -> Result<DdtreeRecord> {
-    let v = t.info().vocab_size;
-    t.reset();
-    d.reset();
-    let row = prefill(t, Some(d), prompt)?;
-    let root = argmax(&row);
-    let sampling = Sampling::greedy();
-    let mut rng = sampling.rng();
-    let rec = ddtree_round(t, d, root, budget, &sampling, &mut rng)?;
+/// Position of the token fed by AR step `step` (>= 1): the prompt, then `step − 1` generated tokens.
+fn position_of_step(prompt: &[u32], step: usize) -> usize {
+    prompt.len() + step - 1
+}
+
+/// One greedy DDTree round right after `prompt` on a DDTree session of `budget` (fresh state; root =
+/// argmax of the prefill's last row), as one `Session::step`, captured by the round probe.
+pub fn ddtree_round_record(s: &mut Session<'_>, prompt: &[u32], budget: usize) -> Result<DdtreeRecord> {
+    ensure!(s.mode() == Mode::DDTree { budget }, "ddtree_round_record needs a DDTree session of budget {budget}");
+    let v = s.info().vocab_size;
+    s.set_probes(ProbeSet { rounds: true, ..Default::default() });
+    let _ = s.take_probes();
+    let root = s.prefill(prompt, &Sampling::greedy())?;
+    let e = s.step()?;
+    let rec = s.take_probes().rounds.pop().context("the round probe recorded nothing")?;
+    s.set_probes(ProbeSet::default());
+    ensure!(e.tokens == rec.new_tokens(), "the step's tokens differ from its recorded round");
     let tree = &rec.tree;
     Ok(DdtreeRecord {
         start: rec.start,
@@ -138,21 +126,4 @@ pub fn ddtree_round_record(t: &mut dyn Target, d: &mut dyn Drafter, prompt: &[u3
         decisions: rec.walk.decisions.clone(),
         bonus: rec.walk.bonus(),
     })
-}
-
-/// `&mut T` as `&mut dyn Target` for both sized targets and `dyn Target` itself.
-pub trait AsDynTarget {
-    fn as_dyn(&mut self) -> &mut dyn Target;
-}
-
-impl<T: Target> AsDynTarget for T {
-    fn as_dyn(&mut self) -> &mut dyn Target {
-        self
-    }
-}
-
-impl AsDynTarget for dyn Target + '_ {
-    fn as_dyn(&mut self) -> &mut dyn Target {
-        self
-    }
 }

@@ -22,11 +22,10 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use clap::Parser;
-use kdtree_engine::api::Drafter;
 use kdtree_engine::generate::{Mode, Sampling};
 use kdtree_golden::bundle::{Bundle, PromptRecord};
 
-use crate::args::{Args, ModeArg};
+use crate::args::{Args, DeviceArg, ModeArg};
 use crate::runner::{Defaults, Runner};
 use crate::summary::{RunInfo, Totals};
 
@@ -85,65 +84,78 @@ fn run(args: Args) -> Result<bool> {
     let mut backend = String::from("none (nothing left to run)");
     // Load before touching the output, so a model that fails to load leaves it as it was.
     let need_model = done < lines.len() || bundle.is_some();
-    let model = if need_model { Some(load::load(&args.model, args.device, bundle.is_some())?) } else { None };
+    if bundle.is_some() && args.device == DeviceArg::Cuda {
+        verify::tolerances("cuda")?; // refused before anything loads while unmeasured
+    }
+    let model = if need_model { Some(load::load(&args.model, args.device)?) } else { None };
     let mut checks = Vec::new();
+    if matches!(mode, Mode::DDTree { .. }) && model.as_ref().is_some_and(|m| !m.loaded.has_drafter()) {
+        bail!("{} has no drafter; DDTree needs one (use --mode ar)", args.model.display());
+    }
     let mut sink = resume::open_output(&args.out, &existing)?;
     if let Some(mut model) = model {
-        backend = model.backend.clone();
+        backend = model.loaded.backend.clone();
         say(format!("backend: {backend}"));
-        if matches!(mode, Mode::DDTree { .. }) && model.drafter.is_none() {
-            bail!("{} has no drafter; DDTree needs one (use --mode ar)", args.model.display());
-        }
-        let mut runner = Runner {
-            target: model.target.as_mut(),
-            drafter: model.drafter.as_mut().map(|d| &mut **d as &mut dyn kdtree_engine::api::Drafter),
-            tokenizer: model.tokenizer.as_ref(),
-            chat: model.chat.as_ref(),
-            stop_token_ids: model.stop_token_ids.clone(),
-            defaults: Defaults {
-                max_tokens: args.max_tokens as usize,
-                sampling: Sampling { temperature: args.temperature, top_p: args.top_p, top_k: args.top_k, seed: args.seed },
-                mode,
-                thinking: args.thinking,
-            },
-        };
         let tol = match &bundle {
             Some(b) => {
-                let tol = verify::logit_tolerance(&backend)?;
+                let tol = verify::tolerances(&backend)?;
                 let sha = kdtree_golden::bundle::sha256_hex(&std::fs::read(args.model.join("manifest.toml"))?);
-                let drafter = runner.drafter.as_deref();
-                if let Some(w) = verify::check_model(b, &*runner.target, drafter, &sha)? {
+                if let Some(w) = verify::check_model(b, &model.loaded, &sha)? {
                     eprintln!("kdtree-run: verify: warning: {w}");
                 }
-                tol
+                Some(tol)
             }
-            None => 0.0,
+            None => None,
         };
-        for (i, line) in lines.iter().enumerate() {
-            let outcome = if i >= done {
-                let outcome = runner.run_line(line);
-                let record = records::record(line, &outcome, &model.name);
-                sink.write_record(&record)?;
-                totals.add(&record, false);
-                say(progress(i + 1, lines.len(), &line.id, &outcome));
-                Some(outcome)
-            } else {
-                None
+        // Pass 1: answer the lines (one session for the whole run). Under --verify keep what pass 2 needs.
+        let mut to_verify = Vec::new();
+        {
+            let mut runner = Runner {
+                session: model.loaded.session(mode)?,
+                tokenizer: model.tokenizer.as_ref(),
+                chat: model.chat.as_ref(),
+                stop_token_ids: model.stop_token_ids.clone(),
+                defaults: Defaults {
+                    max_tokens: args.max_tokens as usize,
+                    sampling: Sampling { temperature: args.temperature, top_p: args.top_p, top_k: args.top_k, seed: args.seed },
+                    mode,
+                    thinking: args.thinking,
+                },
             };
-            if bundle.is_none() {
-                continue;
+            for (i, line) in lines.iter().enumerate() {
+                let outcome = if i >= done {
+                    let outcome = runner.run_line(line);
+                    let record = records::record(line, &outcome, &model.name);
+                    sink.write_record(&record)?;
+                    totals.add(&record, false);
+                    say(progress(i + 1, lines.len(), &line.id, &outcome));
+                    Some(outcome)
+                } else {
+                    None
+                };
+                if bundle.is_none() {
+                    continue;
+                }
+                let prompt = match &line.request {
+                    Err(e) => Err(format!("the line is invalid: {e}")),
+                    Ok(req) => runner.prompt_ids(req).map(|(ids, _)| ids).map_err(|(code, msg)| format!("{code}: {msg}")),
+                };
+                let greedy = match &outcome {
+                    Some(records::Outcome::Done(c)) if c.sampling.temperature <= 0.0 => Some(c.token_ids.clone()),
+                    _ => None,
+                };
+                to_verify.push((line.id.clone(), prompt, greedy));
             }
-            let rec = &golden[&line.id];
-            let prompt = match &line.request {
-                Err(e) => Err(format!("the line is invalid: {e}")),
-                Ok(req) => runner.prompt_ids(req).map(|(ids, _)| ids).map_err(|(code, msg)| format!("{code}: {msg}")),
-            };
-            let run = match &outcome {
-                Some(records::Outcome::Done(c)) if c.sampling.temperature <= 0.0 => verify::RunTokens::Greedy(&c.token_ids),
-                _ => verify::RunTokens::NotCompared,
-            };
-            let drafter = runner.drafter.as_mut().map(|d| &mut **d as &mut dyn Drafter);
-            checks.push(verify::check_prompt(&line.id, &mut *runner.target, drafter, prompt, run, rec, tol)?);
+        }
+        // Pass 2 (--verify): re-run what the bundle recorded, on the same model, and compare.
+        if let Some(tol) = tol {
+            for (id, prompt, greedy) in to_verify {
+                let run = match &greedy {
+                    Some(t) => verify::RunTokens::Greedy(t),
+                    None => verify::RunTokens::NotCompared,
+                };
+                checks.push(verify::check_prompt(&id, &mut model.loaded, prompt, run, &golden[&id], &tol)?);
+            }
         }
     }
     let verified = match &bundle {

@@ -1,6 +1,6 @@
 //! The per-line work: prompt → token ids (raw text, chat template, or given ids), checks against the
-//! model (context length, vocabulary), one `engine::generate` call with stop strings matched on
-//! complete UTF-8 text, and the [`Outcome`] its record is made from.
+//! model (context length, vocabulary), one `engine::generate` call on the run's Session with stop
+//! strings matched on complete UTF-8 text, and the [`Outcome`] its record is made from.
 //!
 //! Stop handling: stop token ids (the model's eos) end generation inside the engine and stay in
 //! `token_ids` but are not rendered into `text`; a stop string ends it from the per-token callback and
@@ -9,8 +9,8 @@
 
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use kdtree_engine::api::{Drafter, Target};
 use kdtree_engine::generate::{generate, FinishReason, GenRequest, Mode, Sampling};
+use kdtree_engine::Session;
 use kdtree_text::chat::{ChatOptions, ChatTemplate};
 use kdtree_text::detok::{Detokenizer, StopMatcher};
 use kdtree_text::prompts::{Input, PromptLine, Request};
@@ -29,8 +29,8 @@ pub struct Defaults {
 
 /// Everything needed to answer lines.
 pub struct Runner<'a> {
-    pub target: &'a mut dyn Target,
-    pub drafter: Option<&'a mut dyn Drafter>,
+    /// The run's session (its mode is `defaults.mode`).
+    pub session: Session<'a>,
     /// None: the model dir has no tokenizer; only `prompt_token_ids` lines can run and `text` is null.
     pub tokenizer: Option<&'a Tokenizer>,
     pub chat: Option<&'a ChatTemplate>,
@@ -89,7 +89,7 @@ impl Runner<'_> {
             Ok(p) => p,
             Err((code, message)) => return failed(code, message),
         };
-        let info = self.target.info().clone();
+        let info = self.session.info().clone();
         if prompt.is_empty() {
             return failed("empty_prompt", "the prompt encodes to no tokens");
         }
@@ -143,9 +143,7 @@ impl Runner<'_> {
             false
         };
         let pre_ms = t0.elapsed().as_secs_f64() * 1e3;
-        // Re-borrow the drafter for this call only (coercion does not reach inside the Option).
-        let drafter = self.drafter.as_mut().map(|d| &mut **d as &mut dyn Drafter);
-        let out = match generate(&mut *self.target, drafter, &gen_req, &mut on_tokens) {
+        let out = match generate(&mut self.session, &gen_req, &mut on_tokens) {
             Ok(out) => out,
             Err(e) => return failed("engine_error", format!("{e:#}")),
         };
@@ -182,7 +180,7 @@ impl Runner<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kdtree_engine::api::{LogitRows, StepOut, TargetInfo};
+    use kdtree_engine::api::{LogitRows, StepOut, Target, TargetInfo};
     use kdtree_text::prompts::parse_line;
 
     /// A chain-only target over 256 byte ids + 2 specials that emits a fixed script: the token predicted
@@ -254,8 +252,7 @@ mod tests {
         let chat = ChatTemplate::builtin();
         let mut target = ScriptTarget::new(script.as_bytes(), max_positions);
         let mut runner = Runner {
-            target: &mut target,
-            drafter: None,
+            session: Session::new(Box::new(&mut target), None, Mode::Ar).unwrap(),
             tokenizer: Some(&tok),
             chat: Some(&chat),
             stop_token_ids: vec![257],
@@ -275,8 +272,7 @@ mod tests {
     fn without_a_tokenizer_only_plain_token_id_lines_run() {
         let mut target = ScriptTarget::new(b"ab", 100);
         let mut runner = Runner {
-            target: &mut target,
-            drafter: None,
+            session: Session::new(Box::new(&mut target), None, Mode::Ar).unwrap(),
             tokenizer: None,
             chat: None,
             stop_token_ids: vec![257],

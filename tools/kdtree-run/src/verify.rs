@@ -3,52 +3,65 @@
 //! Per prompt of the bundle (the `--prompts` file must be the one the bundle was made from: same ids):
 //! 1. prompt ids: kdtree-run's own encoding of the line must equal the bundle's `prompt_ids`;
 //! 2. greedy AR, re-recorded by the very function kdtree-golden records with
-//!    (`kdtree_golden::reference::greedy_ar`) with the bundle's T = `ar.tokens.len()` steps and **no stop
-//!    tokens** (the bundle's `ar.tokens` never stops at EOS): all T tokens must be equal (strict; a prefix
-//!    comparison would let a run that stops early pass on one token);
+//!    (`kdtree_golden::reference::greedy_ar`, an AR Session with probes) with the bundle's T =
+//!    `ar.tokens.len()` steps and **no stop tokens** (the bundle's `ar.tokens` never stops at EOS): all T
+//!    tokens must be equal (strict; a prefix comparison would let a run that stops early pass on one token);
 //! 3. logits: every step's top-k (ids exactly; values within the tolerance) and the full rows of the first
-//!    S steps within the tolerance;
-//! 4. the DDTree round (`kdtree_golden::reference::ddtree_round_record`, the engine's `prefill` +
-//!    `ddtree_round`): start, root, draft rows, tree tokens / parents / depths, visibility words, accepted
+//!    S steps within the tolerance; the per-layer probes of the traced decode step (attention output,
+//!    router ids exactly and weights, MoE/MLP output, residual) within their tolerances;
+//! 4. the DDTree round (`kdtree_golden::reference::ddtree_round_record`: a DDTree Session's prefill and
+//!    one step, captured by the round probe): start, root, draft rows, tree tokens / parents / depths, visibility words, accepted
 //!    path, decisions and bonus exactly; draft and verify logits within the tolerance;
 //! 5. the line's own JSONL record, when it ran greedy in this invocation: its `token_ids` must equal
 //!    `ar.tokens` over their common length (greedy DDTree == greedy AR; a stop ends the record early).
 //!
-//! Tolerances are per backend ([`logit_tolerance`]). The model is loaded with
-//! `kdtree_golden::reference::open_cpu` in `GOLDEN_ATTN_MODE`, the loader kdtree-golden uses (see load.rs).
+//! Tolerances are per backend and per tensor ([`tolerances`]). The model is the run's own (`engine::open`,
+//! absorbed MLA: the configuration that ships), the loader kdtree-golden records with.
 //! Tests: bottom of this file (the comparisons), tests/verify_cli.rs (end to end, pass and forced failures).
 
 use anyhow::{bail, ensure, Result};
-use kdtree_engine::api::{Drafter, Target};
-use kdtree_golden::bundle::{topk_of, ArRecord, Bundle, DdtreeRecord, PromptRecord};
+use kdtree_engine::{Loaded, Mode};
+use kdtree_golden::bundle::{topk_of, ArRecord, Bundle, DdtreeRecord, PromptRecord, TraceRecord};
+use kdtree_golden::make::trace_record;
 use kdtree_golden::reference::{ddtree_round_record, greedy_ar, ArOptions};
 use kdtree_text::prompts::PromptLine;
 use std::fmt::Write as _;
 use std::path::Path;
 
-/// Largest |Δ| allowed between a CPU re-run's logits and the bundle's: 0, i.e. bit-identical values. The
-/// CPU backend runs the very code that recorded the bundle (same loader, same MLA form, same functions),
-/// and the CPU reference reduces in a fixed order that does not depend on the thread count (golden
-/// `regen.sh --check` proves byte equality at 1 and 2 threads), so any difference is a real change.
-pub const CPU_LOGIT_TOL: f32 = 0.0;
+/// Largest |Δ| allowed per compared tensor class.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Tolerances {
+    /// Logits (AR rows and top-k values, DDTree draft and verify logits).
+    pub logits: f32,
+    /// Per-layer probes: attention output, MoE/MLP output, residual.
+    pub layers: f32,
+    /// Router weights (ids always compare exactly).
+    pub router_weights: f32,
+}
 
-/// The CUDA backend's tolerance: **not yet measured**. It must be set from measured |Δ| of CUDA runs
-/// against these bundles (bf16/TF32 tensor-core GEMMs and a different reduction order cannot be exact);
-/// until then `--verify` on CUDA is refused rather than judged against an invented number.
-pub const CUDA_LOGIT_TOL: Option<f32> = None;
+/// The CPU backend: 0 everywhere, i.e. bit-identical values. The CPU re-run is the very code that
+/// recorded the bundle (same loader, same absorbed MLA, same Session calls), and the CPU reference reduces
+/// in a fixed order that does not depend on the thread count (golden `regen.sh --check` proves byte
+/// equality at 1 and 2 threads), so any difference is a real change.
+pub const CPU_TOLERANCES: Tolerances = Tolerances { logits: 0.0, layers: 0.0, router_weights: 0.0 };
 
-/// The logit tolerance of `backend` (as `engine::open` names it).
-pub fn logit_tolerance(backend: &str) -> Result<f32> {
+/// The CUDA backend's tolerances: **not yet measured**. They must be set from measured |Δ| of CUDA runs
+/// against these bundles (bf16 tensor-core GEMMs and a different reduction order cannot be exact); until
+/// then `--verify` on CUDA is refused rather than judged against invented numbers.
+pub const CUDA_TOLERANCES: Option<Tolerances> = None;
+
+/// The tolerances of `backend` (as `engine::open` names it).
+pub fn tolerances(backend: &str) -> Result<Tolerances> {
     match backend {
-        "cpu" => Ok(CPU_LOGIT_TOL),
-        "cuda" => match CUDA_LOGIT_TOL {
+        "cpu" => Ok(CPU_TOLERANCES),
+        "cuda" => match CUDA_TOLERANCES {
             Some(t) => Ok(t),
             None => bail!(
-                "--verify on the cuda backend: its logit tolerance is not yet measured (CUDA_LOGIT_TOL in \
+                "--verify on the cuda backend: its tolerances are not yet measured (CUDA_TOLERANCES in \
                  tools/kdtree-run/src/verify.rs); use --device cpu"
             ),
         },
-        other => bail!("--verify: no logit tolerance is defined for backend {other:?}"),
+        other => bail!("--verify: no tolerances are defined for backend {other:?}"),
     }
 }
 
@@ -73,10 +86,10 @@ pub fn check_ids(lines: &[PromptLine], bundle: &Bundle, prompts: &Path) -> Resul
 /// The loaded model's shape facts must be the bundle's (a different architecture is an error, not a
 /// mismatch). Returns a warning when only the manifest hash differs (another conversion of the model:
 /// compared anyway, the numbers decide).
-pub fn check_model(bundle: &Bundle, target: &dyn Target, drafter: Option<&dyn Drafter>, manifest_sha256: &str) -> Result<Option<String>> {
+pub fn check_model(bundle: &Bundle, model: &Loaded, manifest_sha256: &str) -> Result<Option<String>> {
     let m = &bundle.index.model;
-    let i = target.info();
-    let block = drafter.map_or(0, |d| d.block_size());
+    let i = model.info();
+    let block = model.block_size();
     let ours = (i.vocab_size, i.hidden_size, i.num_layers, &i.tap_layers, block);
     let theirs = (m.vocab_size, m.hidden_size, m.num_layers, &m.tap_layers, m.block_size);
     ensure!(
@@ -205,6 +218,24 @@ fn compare_round(c: &mut PromptCheck, cmp: &mut Cmp, got: &DdtreeRecord, want: &
     c.problems.len() == before
 }
 
+/// Compare the re-run's per-layer probes of the traced decode step with the bundle's: step, position
+/// and token exactly, router ids exactly, every tensor within its class's tolerance.
+fn compare_trace(c: &mut PromptCheck, cmp: &mut Cmp, tol: &Tolerances, got: &TraceRecord, want: &TraceRecord) {
+    let meta = |r: &TraceRecord| vec![r.step, r.position, r.token as usize, r.layers.len()];
+    c.problems.extend(first_diff("trace (step, position, token, layers)", &meta(got), &meta(want)));
+    let saved = cmp.tol;
+    for (l, (g, w)) in got.layers.iter().zip(&want.layers).enumerate() {
+        c.problems.extend(first_diff(&format!("trace.layers.{l}.router_ids"), &g.router_ids, &w.router_ids));
+        cmp.tol = tol.layers;
+        c.problems.extend(cmp.rows(&format!("trace.layers.{l}.attn_out"), 0, &g.attn_out, &w.attn_out));
+        c.problems.extend(cmp.rows(&format!("trace.layers.{l}.mlp_out"), 0, &g.mlp_out, &w.mlp_out));
+        c.problems.extend(cmp.rows(&format!("trace.layers.{l}.residual"), 0, &g.residual, &w.residual));
+        cmp.tol = tol.router_weights;
+        c.problems.extend(cmp.rows(&format!("trace.layers.{l}.router_weights"), 0, &g.router_weights, &w.router_weights));
+    }
+    cmp.tol = saved;
+}
+
 /// What the line's run gave, for the record check (5).
 pub enum RunTokens<'a> {
     /// Greedy record written in this invocation.
@@ -216,16 +247,15 @@ pub enum RunTokens<'a> {
 /// Check one prompt: `prompt` is kdtree-run's own encoding of the line (Err: why it has none).
 pub fn check_prompt(
     id: &str,
-    target: &mut dyn Target,
-    drafter: Option<&mut dyn Drafter>,
+    model: &mut Loaded,
     prompt: Result<Vec<u32>, String>,
     run: RunTokens,
     rec: &PromptRecord,
-    tol: f32,
+    tol: &Tolerances,
 ) -> Result<PromptCheck> {
     let mut c = PromptCheck { id: id.to_string(), tokens_total: rec.ar.tokens.len(), ..Default::default() };
     c.ddtree = rec.ddtree.as_ref().map(|_| false);
-    let mut cmp = Cmp { tol, max_delta: 0.0 };
+    let mut cmp = Cmp { tol: tol.logits, max_delta: 0.0 };
     let same_prompt = match prompt {
         Err(e) => {
             c.problems.push(format!("prompt: {e}"));
@@ -236,7 +266,7 @@ pub fn check_prompt(
             p == rec.prompt_ids
         }
     };
-    let info = target.info().clone();
+    let info = model.info().clone();
     let t = rec.ar.tokens.len();
     if rec.ar.vocab != info.vocab_size || rec.prompt_ids.len() + t > info.max_positions {
         c.problems.push(format!(
@@ -254,16 +284,25 @@ pub fn check_prompt(
         let n = toks.len().min(t);
         c.problems.extend(first_diff("the run's token_ids (greedy) vs ar.tokens", &toks[..n], &rec.ar.tokens[..n]));
     }
-    let opts = ArOptions { max_tokens: t, topk: rec.ar.topk, full_logits_steps: rec.ar.full_steps };
-    let (ar, rows) = greedy_ar(target, &rec.prompt_ids, &opts, &mut |_, _| Ok(()))?;
+    let trace_step = rec.trace.as_ref().map_or(0, |t| t.step);
+    let opts = ArOptions { max_tokens: t, topk: rec.ar.topk, full_logits_steps: rec.ar.full_steps, trace_step };
+    let (ar, rows, traced) = greedy_ar(&mut model.session(Mode::Ar)?, &rec.prompt_ids, &opts)?;
     compare_ar(&mut c, &mut cmp, &ar, &rows, &rec.ar);
-    if let Some(want) = &rec.ddtree {
-        match drafter {
-            None => c.problems.push("the bundle has a DDTree round but the model has no drafter".into()),
-            Some(d) => {
-                let got = ddtree_round_record(target, d, &rec.prompt_ids, want.budget)?;
-                c.ddtree = Some(compare_round(&mut c, &mut cmp, &got, want));
+    if let Some(want) = &rec.trace {
+        match traced {
+            None => c.problems.push(format!("trace: the re-run recorded no probes at step {}", want.step)),
+            Some((step, position, token, tr)) => {
+                let got = trace_record(&tr, step, position, token, info.num_layers)?;
+                compare_trace(&mut c, &mut cmp, tol, &got, want);
             }
+        }
+    }
+    if let Some(want) = &rec.ddtree {
+        if !model.has_drafter() {
+            c.problems.push("the bundle has a DDTree round but the model has no drafter".into());
+        } else {
+            let got = ddtree_round_record(&mut model.session(Mode::DDTree { budget: want.budget })?, &rec.prompt_ids, want.budget)?;
+            c.ddtree = Some(compare_round(&mut c, &mut cmp, &got, want));
         }
     }
     c.max_delta = cmp.max_delta;
@@ -315,10 +354,10 @@ mod tests {
 
     #[test]
     fn tolerances_per_backend() {
-        assert_eq!(logit_tolerance("cpu").unwrap(), 0.0);
-        let e = logit_tolerance("cuda").unwrap_err().to_string();
+        assert_eq!(tolerances("cpu").unwrap(), CPU_TOLERANCES);
+        let e = tolerances("cuda").unwrap_err().to_string();
         assert!(e.contains("not yet measured"), "{e}");
-        assert!(logit_tolerance("tpu").is_err());
+        assert!(tolerances("tpu").is_err());
     }
 
     #[test]

@@ -179,6 +179,27 @@ fn a_changed_logit_fails_and_names_the_prompt() {
 }
 
 #[test]
+fn a_changed_layer_probe_fails_and_names_the_tensor() {
+    let (model, prompts, golden) = fixture();
+    let dir = scratch("probe");
+    let bad = dir.join("golden");
+    copy_bundle(golden, &bad);
+    // p1: one residual value of layer 1 of the traced decode step; p2: the router's first expert id
+    edit_record(&bad, "p1", true, |r| r.trace.as_mut().expect("bundle has a trace").layers[1].residual[2] += 0.25);
+    edit_record(&bad, "p2", true, |r| {
+        let t = r.trace.as_mut().unwrap();
+        let l = t.layers.iter_mut().find(|l| !l.router_ids.is_empty()).expect("a MoE layer");
+        l.router_ids[0] = (l.router_ids[0] + 1) % 8;
+    });
+    let (o, err) = verify(model, prompts, &bad, &dir.join("out.jsonl"), &[]);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert_eq!(row(&err, "p1")[4], "MISMATCH", "{err}");
+    assert!(err.contains("  p1: trace.layers.1.residual[2]: "), "{err}");
+    assert_eq!(row(&err, "p2")[4], "MISMATCH", "{err}");
+    assert!(err.contains("  p2: trace.layers.") && err.contains(".router_ids[0]: "), "{err}");
+}
+
+#[test]
 fn another_model_seed_fails_every_prompt() {
     let (_, prompts, golden) = fixture();
     let other = convert(1);

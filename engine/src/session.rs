@@ -1,0 +1,305 @@
+//! The engine's API at the tool boundary: a [`Session`] owns one sequence's generation state — the
+//! target's latent KV cache and the drafter's context (inside its `Target` / `Drafter`), tree scratch,
+//! the sampling settings and the RNG — and advances it one *step* per call: one autoregressive token, or
+//! one whole DDTree round (draft → top-K → tree → verify → walk → commit → drafter context += taps of the
+//! accepted nodes). A step returns only the emitted tokens and the round's counters: on a GPU backend
+//! that is the one device→host copy per round; logits, trees and taps never cross the boundary unless
+//! a caller asks for them with [`ProbeSet`].
+//!
+//! Contract (checked by engine/tests/session.rs and the generation tests):
+//! * `prefill(prompt, sampling)` resets both caches, runs the prompt as a chain with lm_head on the last
+//!   row only, commits it, hands its taps to the drafter (DDTree mode), and returns the first token.
+//! * After any call, `committed() == prompt.len() + emitted − 1`: the last emitted token is pending (it is
+//!   the next step's input / root) and, in DDTree mode, the drafter context equals the committed prefix.
+//! * `keep(n)` keeps only the first n tokens of the last step (a stop string or max_tokens cut inside an
+//!   accepted path): the target and drafter are truncated to match, the n-th token becomes pending.
+//! * Mode and budget are fixed per session (on a GPU they fix a CUDA graph's shape); sampling settings
+//!   are per prompt. The depth of a tree is capped so no node reaches `TargetInfo::max_positions`.
+//!
+//! One sequence per session today; batching (issue 15) adds a batch of sequences behind the same calls.
+
+use crate::api::{Drafter, LogitRows, StepOut, Target, TargetInfo};
+use crate::ddtree::{build_tree, walk_sampled, DraftTree, Walk};
+use crate::model::Trace;
+use crate::sampling::{sample, GenRng, Sampling};
+use anyhow::{bail, ensure, Context, Result};
+
+/// Generation mode, fixed per session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Ar,
+    /// DDTree with a node budget (root excluded).
+    DDTree { budget: usize },
+}
+
+/// What a session records during its steps, for checking (kdtree-golden records bundles with it and
+/// `kdtree-run --verify` compares them).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ProbeSet {
+    /// The logit row behind each emitted token's decision in AR mode and the prefill's last row.
+    pub logits: bool,
+    /// Per layer of every target forward: `layers.{L}.attn_out`, `layers.{L}.router.topk_ids` /
+    /// `topk_weights`, `layers.{L}.mlp_out`, `layers.{L}.residual`, `final_norm`, `logits`.
+    pub layers: bool,
+    /// Per DDTree round: draft logits, tree, visibility, verify logits and taps, accepted path, bonus.
+    pub rounds: bool,
+}
+
+/// What the probes captured since the last [`Session::take_probes`].
+#[derive(Debug, Clone, Default)]
+pub struct Probes {
+    /// `[V]` rows, one per recorded decision (prefill's last row first).
+    pub logits: Vec<Vec<f32>>,
+    /// One trace per target forward (prefill, each step), in order.
+    pub layers: Vec<Trace>,
+    pub rounds: Vec<RoundRecord>,
+}
+
+/// Everything one DDTree round computed (what the round probe records).
+#[derive(Debug, Clone)]
+pub struct RoundRecord {
+    /// Position of the root (= committed length at the start of the round).
+    pub start: usize,
+    /// Draft rows used (tree depth limit, <= B−1).
+    pub draft_rows: usize,
+    /// [draft_rows, V] f32 raw draft logits.
+    pub draft_logits: Vec<f32>,
+    /// Tree (tokens, depths, parents, child maps, visibility); `tree.tokens[0]` is the root.
+    pub tree: DraftTree,
+    /// Target forward over the tree: logits [N+1, V], taps [N+1, n_tap*H].
+    pub verify: StepOut,
+    /// Accepted path (starts with 0) and the target's decisions along it; `walk.bonus()` is the next root.
+    pub walk: Walk,
+}
+
+impl RoundRecord {
+    /// Tokens this round emits, in order: the accepted nodes' tokens after the root, then the bonus.
+    pub fn new_tokens(&self) -> Vec<u32> {
+        self.walk.path[1..].iter().map(|&n| self.tree.tokens[n]).chain([self.walk.bonus()]).collect()
+    }
+}
+
+/// The result of one step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Emitted {
+    /// Tokens emitted by this step, in order (AR: one; DDTree: accepted path tokens then the bonus).
+    pub tokens: Vec<u32>,
+    /// DDTree counters (zero in AR mode): tree nodes drafted (root excluded), nodes accepted, and the
+    /// round's depth limit (draft rows).
+    pub drafted: usize,
+    pub accepted: usize,
+    pub depth_limit: usize,
+}
+
+/// One sequence's generation state over a target (and, in DDTree mode, a drafter).
+pub struct Session<'a> {
+    target: Box<dyn Target + 'a>,
+    drafter: Option<Box<dyn Drafter + 'a>>,
+    mode: Mode,
+    sampling: Sampling,
+    rng: GenRng,
+    /// Last emitted token, not yet fed to the target (None before prefill).
+    pending: Option<u32>,
+    /// Committed length before the last step and the tokens it emitted (for `keep`).
+    last: Option<(usize, Vec<u32>)>,
+    probes: ProbeSet,
+    captured: Probes,
+}
+
+impl<'a> Session<'a> {
+    /// A session in `mode`. DDTree needs a drafter and a target with tap layers.
+    pub fn new(target: Box<dyn Target + 'a>, drafter: Option<Box<dyn Drafter + 'a>>, mode: Mode) -> Result<Session<'a>> {
+        if let Mode::DDTree { .. } = mode {
+            ensure!(drafter.is_some(), "DDTree mode needs a drafter (the model directory has none; use --mode ar)");
+            ensure!(!target.info().tap_layers.is_empty(), "DDTree mode needs a target with tap layers");
+        }
+        let sampling = Sampling::greedy();
+        let rng = sampling.rng();
+        Ok(Session { target, drafter, mode, sampling, rng, pending: None, last: None, probes: ProbeSet::default(), captured: Probes::default() })
+    }
+
+    pub fn info(&self) -> &TargetInfo {
+        self.target.info()
+    }
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+    /// Tokens in the target's committed KV cache.
+    pub fn committed(&self) -> usize {
+        self.target.committed()
+    }
+    /// Drafter block size B (0 without a drafter).
+    pub fn block_size(&self) -> usize {
+        self.drafter.as_ref().map_or(0, |d| d.block_size())
+    }
+    /// Whether another step fits under `max_positions` (the pending token needs a slot).
+    pub fn can_step(&self) -> bool {
+        self.pending.is_some() && self.target.committed() < self.target.info().max_positions
+    }
+
+    /// Record `set` during the following calls (replaces the previous set; captured data is kept).
+    pub fn set_probes(&mut self, set: ProbeSet) {
+        self.probes = set;
+    }
+    /// Everything captured so far (and clear it).
+    pub fn take_probes(&mut self) -> Probes {
+        std::mem::take(&mut self.captured)
+    }
+
+    fn traced<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        if !self.probes.layers {
+            return f(self);
+        }
+        self.target.start_trace();
+        let out = f(self);
+        if let Some(tr) = self.target.take_trace() {
+            self.captured.layers.push(tr);
+        }
+        out
+    }
+
+    /// Start a new sequence: reset, run `prompt`, commit it, return the first generated token.
+    pub fn prefill(&mut self, prompt: &[u32], sampling: &Sampling) -> Result<u32> {
+        ensure!(!prompt.is_empty(), "empty prompt");
+        let info = self.target.info().clone();
+        ensure!(prompt.len() <= info.max_positions, "prompt of {} tokens exceeds max_positions {}", prompt.len(), info.max_positions);
+        if let Some(bad) = prompt.iter().find(|&&t| t as usize >= info.vocab_size) {
+            bail!("prompt token {bad} is outside the vocabulary of {}", info.vocab_size);
+        }
+        self.target.reset();
+        if let Some(d) = self.drafter.as_mut() {
+            d.reset();
+        }
+        self.sampling = sampling.clone();
+        self.rng = sampling.rng();
+        self.pending = None;
+        self.last = None;
+        let ddtree = matches!(self.mode, Mode::DDTree { .. });
+        let out = self.traced(|s| {
+            let parents: Vec<i32> = (0..prompt.len() as i32).map(|i| i - 1).collect();
+            s.target.forward_rows(prompt, &parents, LogitRows::Last)
+        })?;
+        ensure!(out.logits.len() == info.vocab_size, "target returned {} logits for the last prompt row, vocab {}", out.logits.len(), info.vocab_size);
+        let path: Vec<usize> = (0..prompt.len()).collect();
+        self.target.commit(&path)?;
+        if ddtree {
+            let d = self.drafter.as_mut().context("DDTree session without a drafter")?;
+            d.extend_context(&out.taps, prompt.len())?;
+        }
+        let tok = sample(&out.logits, &self.sampling, &mut self.rng);
+        if self.probes.logits {
+            self.captured.logits.push(out.logits);
+        }
+        self.pending = Some(tok);
+        Ok(tok)
+    }
+
+    /// One AR step or one whole DDTree round from the pending token.
+    pub fn step(&mut self) -> Result<Emitted> {
+        let root = self.pending.context("step before prefill")?;
+        let (start, max) = (self.target.committed(), self.target.info().max_positions);
+        ensure!(start < max, "KV cache full: {start} committed, max_positions {max}");
+        let emitted = match self.mode {
+            Mode::Ar => self.traced(|s| s.ar_step(root))?,
+            Mode::DDTree { budget } => self.traced(|s| s.ddtree_step(root, budget))?,
+        };
+        self.pending = emitted.tokens.last().copied();
+        self.last = Some((start, emitted.tokens.clone()));
+        Ok(emitted)
+    }
+
+    fn ar_step(&mut self, root: u32) -> Result<Emitted> {
+        let v = self.target.info().vocab_size;
+        let out = self.target.forward_rows(&[root], &[-1], LogitRows::All)?;
+        ensure!(out.logits.len() == v, "target returned {} logits for 1 token x vocab {v}", out.logits.len());
+        self.target.commit(&[0])?;
+        let tok = sample(&out.logits, &self.sampling, &mut self.rng);
+        if self.probes.logits {
+            self.captured.logits.push(out.logits);
+        }
+        Ok(Emitted { tokens: vec![tok], drafted: 0, accepted: 0, depth_limit: 0 })
+    }
+
+    fn ddtree_step(&mut self, root: u32, budget: usize) -> Result<Emitted> {
+        let d = self.drafter.as_deref_mut().context("DDTree session without a drafter")?;
+        let rec = ddtree_round(&mut *self.target, d, root, budget, &self.sampling, &mut self.rng)?;
+        let path = &rec.walk.path;
+        self.target.commit(path)?;
+        let nodes = rec.tree.len();
+        ensure!(!rec.verify.taps.is_empty() && rec.verify.taps.len().is_multiple_of(nodes), "target produced no drafter taps");
+        let w = rec.verify.taps.len() / nodes;
+        let taps: Vec<f32> = path.iter().flat_map(|&n| rec.verify.taps[n * w..(n + 1) * w].iter().copied()).collect();
+        d.extend_context(&taps, path.len())?;
+        let e = Emitted { tokens: rec.new_tokens(), drafted: rec.tree.drafted(), accepted: rec.walk.accepted(), depth_limit: rec.draft_rows };
+        if self.probes.rounds {
+            self.captured.rounds.push(rec);
+        }
+        Ok(e)
+    }
+
+    /// Keep only the first `n` tokens of the last step (1 <= n <= its token count): the target and the
+    /// drafter forget the nodes after them, and the n-th token becomes the pending one.
+    pub fn keep(&mut self, n: usize) -> Result<()> {
+        let (start, toks) = self.last.as_ref().context("keep: no step to cut")?;
+        ensure!(n >= 1 && n <= toks.len(), "keep: {n} outside 1..={}", toks.len());
+        if n == toks.len() {
+            return Ok(());
+        }
+        // The step committed its root plus len−1 accepted nodes; keeping n tokens keeps root + n−1 nodes.
+        let len = start + n;
+        self.target.truncate(len)?;
+        if let (Mode::DDTree { .. }, Some(d)) = (self.mode, self.drafter.as_mut()) {
+            d.truncate_context(len)?;
+        }
+        self.pending = Some(toks[n - 1]);
+        self.last = Some((*start, toks[..n].to_vec()));
+        Ok(())
+    }
+}
+
+/// One DDTree round from root token `root`: draft, build the tree, verify, walk. Commits nothing.
+/// The tree depth is min(B−1, max_positions − 1 − committed).
+fn ddtree_round(
+    target: &mut dyn Target,
+    drafter: &mut dyn Drafter,
+    root: u32,
+    budget: usize,
+    sampling: &Sampling,
+    rng: &mut GenRng,
+) -> Result<RoundRecord> {
+    let start = target.committed();
+    let (v, max) = (target.info().vocab_size, target.info().max_positions);
+    ensure!(drafter.context_len() == start, "drafter context {} != target committed {start}", drafter.context_len());
+    let l = drafter.block_size() - 1;
+    let draft = drafter.draft(root, start)?;
+    ensure!(draft.len() == l * v, "drafter returned {} logits, expected {l} rows x vocab {v}", draft.len());
+    let rows = l.min(max - 1 - start);
+    let draft_logits = draft[..rows * v].to_vec();
+    let tree = build_tree(root, &draft_logits, rows, v, budget);
+    let verify = target.forward_rows(&tree.tokens, &tree.parents, LogitRows::All)?;
+    ensure!(verify.logits.len() == tree.len() * v, "target returned {} logits for {} nodes x vocab {v}", verify.logits.len(), tree.len());
+    let walk = walk_sampled(&tree, &verify.logits, v, sampling, rng);
+    Ok(RoundRecord { start, draft_rows: rows, draft_logits, tree, verify, walk })
+}
+
+impl crate::Loaded {
+    /// A session over this model in `mode` (borrows the model; one session at a time).
+    pub fn session(&mut self, mode: Mode) -> Result<Session<'_>> {
+        let d = match mode {
+            Mode::DDTree { .. } => self.drafter.as_deref_mut().map(|d| Box::new(d) as Box<dyn Drafter + '_>),
+            Mode::Ar => None,
+        };
+        Session::new(Box::new(&mut *self.target), d, mode)
+    }
+    /// Static facts of the target.
+    pub fn info(&self) -> &TargetInfo {
+        self.target.info()
+    }
+    /// Drafter block size B (0 without a drafter).
+    pub fn block_size(&self) -> usize {
+        self.drafter.as_ref().map_or(0, |d| d.block_size())
+    }
+    pub fn has_drafter(&self) -> bool {
+        self.drafter.is_some()
+    }
+}
