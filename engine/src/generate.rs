@@ -6,9 +6,9 @@
 //! with the tree's parents → walk → commit the accepted path → drafter context += taps of the accepted
 //! nodes → the walk's last decision is the next bonus.
 //! Must match: greedy DDTree output == greedy AR output token for token (ddtree.md §3.1), and with the
-//! same seed sampled DDTree == sampled AR, because both draw one value from one ChaCha20 stream per
-//! emitted token in emission order (see ddtree/walk.rs) — exact whenever the target's tree logits equal
-//! its chain logits.
+//! same seed sampled DDTree == sampled AR, because the decision for the token at absolute position p uses
+//! the uniform of (seed, p) in both loops (sampling.rs header, ddtree/walk.rs) — exact whenever the
+//! target's tree logits equal its chain logits.
 //! Stops (identical in both modes, checked token by token in emission order): a stop token (kept in the
 //! output), then the callback (called with all tokens so far; true = stop), then `max_tokens`. Tokens of
 //! an accepted path after the stop point are dropped and only the nodes before it are committed, so after
@@ -20,7 +20,7 @@
 
 use crate::api::{Drafter, StepOut, Target};
 use crate::ddtree::{build_tree, walk_sampled, DraftTree, Walk};
-use crate::sampling::{sample, GenRng};
+use crate::sampling::sample;
 use anyhow::{bail, ensure, Result};
 use std::time::Instant;
 
@@ -153,15 +153,15 @@ pub fn prefill(target: &mut dyn Target, drafter: Option<&mut dyn Drafter>, promp
     Ok(out.logits[(prompt.len() - 1) * v..].to_vec())
 }
 
-/// One DDTree round from root token `root`: draft, build the tree, verify, walk. Commits nothing.
-/// The tree depth is min(B−1, max_positions − 1 − committed).
+/// One DDTree round from root token `root` (at position `target.committed()`): draft, build the tree,
+/// verify, walk (the decision at depth d draws the uniform of position committed + d + 1). Commits
+/// nothing. The tree depth is min(B−1, max_positions − 1 − committed).
 pub fn ddtree_round(
     target: &mut dyn Target,
     drafter: &mut dyn Drafter,
     root: u32,
     budget: usize,
     sampling: &Sampling,
-    rng: &mut GenRng,
 ) -> Result<RoundRecord> {
     let start = target.committed();
     let (v, max) = (target.info().vocab_size, target.info().max_positions);
@@ -175,7 +175,7 @@ pub fn ddtree_round(
     let tree = build_tree(root, &draft_logits, rows, v, budget);
     let verify = target.forward(&tree.tokens, &tree.parents)?;
     ensure!(verify.logits.len() == tree.len() * v, "target returned {} logits for {} nodes x vocab {v}", verify.logits.len(), tree.len());
-    let walk = walk_sampled(&tree, &verify.logits, v, sampling, rng);
+    let walk = walk_sampled(&tree, &verify.logits, v, sampling, start);
     Ok(RoundRecord { start, draft_rows: rows, draft_logits, tree, verify, walk })
 }
 
@@ -250,8 +250,8 @@ pub fn generate(
         prefill(target, None, &req.prompt)?
     };
     out.prefill_ms = ms(t0);
-    let mut rng = req.sampling.rng();
-    let first = sample(&last, &req.sampling, &mut rng);
+    // The first token sits right after the prompt.
+    let first = sample(&last, &req.sampling, target.committed());
     out.ttft_ms = ms(t0);
     let t_dec = Instant::now();
     let mut finish = emit(&mut out.tokens, first, req, on_tokens);
@@ -265,7 +265,7 @@ pub fn generate(
         let root = *out.tokens.last().unwrap();
         match (ddtree_budget, reborrow(&mut drafter)) {
             (Some(budget), Some(d)) => {
-                let rec = ddtree_round(target, d, root, budget, &req.sampling, &mut rng)?;
+                let rec = ddtree_round(target, d, root, budget, &req.sampling)?;
                 out.spec.record(rec.tree.drafted(), rec.walk.accepted(), d.block_size() - 1);
                 let mut kept = 0;
                 for tok in rec.new_tokens() {
@@ -282,7 +282,8 @@ pub fn generate(
                 let step = target.forward(&[root], &[-1])?;
                 ensure!(step.logits.len() == v, "target returned {} logits for 1 token x vocab {v}", step.logits.len());
                 target.commit(&[0])?;
-                let tok = sample(&step.logits, &req.sampling, &mut rng);
+                // `root` now sits at committed − 1; the new token goes to position committed.
+                let tok = sample(&step.logits, &req.sampling, target.committed());
                 finish = emit(&mut out.tokens, tok, req, on_tokens);
             }
         }

@@ -190,7 +190,7 @@ fn round_pieces_record_a_consistent_round() {
     let last = prefill(&mut t, Some(&mut d as &mut dyn Drafter), p).unwrap();
     let s = Sampling::greedy();
     let root = kdtree_engine::sampling::argmax(&last);
-    let rec = ddtree_round(&mut t, &mut d, root, 24, &s, &mut s.rng()).unwrap();
+    let rec = ddtree_round(&mut t, &mut d, root, 24, &s).unwrap();
     let n = rec.tree.len();
     assert_eq!((rec.start, rec.draft_rows, rec.tree.tokens[0], rec.tree.drafted()), (p.len(), BLOCK - 1, root, 24));
     assert_eq!(rec.draft_logits.len(), (BLOCK - 1) * generate_common::VOCAB);

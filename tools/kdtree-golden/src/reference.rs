@@ -117,9 +117,7 @@ pub fn ddtree_round_record(t: &mut dyn Target, d: &mut dyn Drafter, prompt: &[u3
     d.reset();
     let row = prefill(t, Some(d), prompt)?;
     let root = argmax(&row);
-    let sampling = Sampling::greedy();
-    let mut rng = sampling.rng();
-    let rec = ddtree_round(t, d, root, budget, &sampling, &mut rng)?;
+    let rec = ddtree_round(t, d, root, budget, &Sampling::greedy())?;
     let tree = &rec.tree;
     Ok(DdtreeRecord {
         start: rec.start,
