@@ -1,6 +1,6 @@
 //! The engine's API at the tool boundary: a [`Session`] owns one sequence's generation state — the
-//! target's latent KV cache and the drafter's context (inside its `Target` / `Drafter`), tree scratch,
-//! the sampling settings and the RNG — and advances it one *step* per call: one autoregressive token, or
+//! target's latent KV cache and the drafter's context (inside its `Target` / `Drafter`), tree scratch
+//! and the sampling settings (draws are keyed by (seed, position), sampling.rs) — and advances it one *step* per call: one autoregressive token, or
 //! one whole DDTree round (draft → top-K → tree → verify → walk → commit → drafter context += taps of the
 //! accepted nodes). A step returns only the emitted tokens and the round's counters: on a GPU backend
 //! that is the one device→host copy per round; logits, trees and taps never cross the boundary unless
@@ -21,7 +21,7 @@
 use crate::api::{Drafter, LogitRows, StepOut, Target, TargetInfo};
 use crate::ddtree::{build_tree, walk_sampled, DraftTree, Walk};
 use crate::model::Trace;
-use crate::sampling::{sample, GenRng, Sampling};
+use crate::sampling::{sample, Sampling};
 use anyhow::{bail, ensure, Context, Result};
 
 /// Generation mode, fixed per session.
@@ -97,7 +97,6 @@ pub struct Session<'a> {
     drafter: Option<Box<dyn Drafter + 'a>>,
     mode: Mode,
     sampling: Sampling,
-    rng: GenRng,
     /// Last emitted token, not yet fed to the target (None before prefill).
     pending: Option<u32>,
     /// Committed length before the last step and the tokens it emitted (for `keep`).
@@ -114,8 +113,7 @@ impl<'a> Session<'a> {
             ensure!(!target.info().tap_layers.is_empty(), "DDTree mode needs a target with tap layers");
         }
         let sampling = Sampling::greedy();
-        let rng = sampling.rng();
-        Ok(Session { target, drafter, mode, sampling, rng, pending: None, last: None, probes: ProbeSet::default(), captured: Probes::default() })
+        Ok(Session { target, drafter, mode, sampling, pending: None, last: None, probes: ProbeSet::default(), captured: Probes::default() })
     }
 
     pub fn info(&self) -> &TargetInfo {
@@ -171,7 +169,6 @@ impl<'a> Session<'a> {
             d.reset();
         }
         self.sampling = sampling.clone();
-        self.rng = sampling.rng();
         self.pending = None;
         self.last = None;
         let ddtree = matches!(self.mode, Mode::DDTree { .. });
@@ -186,7 +183,8 @@ impl<'a> Session<'a> {
             let d = self.drafter.as_mut().context("DDTree session without a drafter")?;
             d.extend_context(&out.taps, prompt.len())?;
         }
-        let tok = sample(&out.logits, &self.sampling, &mut self.rng);
+        // The first generated token sits right after the prompt (sampling.rs: draws keyed by position).
+        let tok = sample(&out.logits, &self.sampling, self.target.committed());
         if self.probes.logits {
             self.captured.logits.push(out.logits);
         }
@@ -213,7 +211,8 @@ impl<'a> Session<'a> {
         let out = self.target.forward_rows(&[root], &[-1], LogitRows::All)?;
         ensure!(out.logits.len() == v, "target returned {} logits for 1 token x vocab {v}", out.logits.len());
         self.target.commit(&[0])?;
-        let tok = sample(&out.logits, &self.sampling, &mut self.rng);
+        // `root` now sits at committed − 1; the new token goes to position committed.
+        let tok = sample(&out.logits, &self.sampling, self.target.committed());
         if self.probes.logits {
             self.captured.logits.push(out.logits);
         }
@@ -222,7 +221,7 @@ impl<'a> Session<'a> {
 
     fn ddtree_step(&mut self, root: u32, budget: usize) -> Result<Emitted> {
         let d = self.drafter.as_deref_mut().context("DDTree session without a drafter")?;
-        let rec = ddtree_round(&mut *self.target, d, root, budget, &self.sampling, &mut self.rng)?;
+        let rec = ddtree_round(&mut *self.target, d, root, budget, &self.sampling)?;
         let path = &rec.walk.path;
         self.target.commit(path)?;
         let nodes = rec.tree.len();
@@ -257,16 +256,10 @@ impl<'a> Session<'a> {
     }
 }
 
-/// One DDTree round from root token `root`: draft, build the tree, verify, walk. Commits nothing.
-/// The tree depth is min(B−1, max_positions − 1 − committed).
-fn ddtree_round(
-    target: &mut dyn Target,
-    drafter: &mut dyn Drafter,
-    root: u32,
-    budget: usize,
-    sampling: &Sampling,
-    rng: &mut GenRng,
-) -> Result<RoundRecord> {
+/// One DDTree round from root token `root` (at position `target.committed()`): draft, build the tree,
+/// verify, walk (the decision at depth d draws the uniform of position committed + d + 1). Commits
+/// nothing. The tree depth is min(B−1, max_positions − 1 − committed).
+fn ddtree_round(target: &mut dyn Target, drafter: &mut dyn Drafter, root: u32, budget: usize, sampling: &Sampling) -> Result<RoundRecord> {
     let start = target.committed();
     let (v, max) = (target.info().vocab_size, target.info().max_positions);
     ensure!(drafter.context_len() == start, "drafter context {} != target committed {start}", drafter.context_len());
@@ -278,7 +271,7 @@ fn ddtree_round(
     let tree = build_tree(root, &draft_logits, rows, v, budget);
     let verify = target.forward_rows(&tree.tokens, &tree.parents, LogitRows::All)?;
     ensure!(verify.logits.len() == tree.len() * v, "target returned {} logits for {} nodes x vocab {v}", verify.logits.len(), tree.len());
-    let walk = walk_sampled(&tree, &verify.logits, v, sampling, rng);
+    let walk = walk_sampled(&tree, &verify.logits, v, sampling, start);
     Ok(RoundRecord { start, draft_rows: rows, draft_logits, tree, verify, walk })
 }
 

@@ -2,23 +2,24 @@
 //!
 //! Dimension letters: L = draft rows (depths 1..L), V = vocab, K = min(budget, V), N = nodes popped
 //! (<= budget), W = ceil((N+1)/64) bitmask words.
-//! Must match `build_ddtree_tree` of liranringel/ddtree `ddtree.py` (c96427a; ddtree.md §2.2):
-//! * log-probs are `logit - logsumexp(row)` of the *raw* draft logits (temperature 1) in f32;
-//! * candidates are keyed like the reference's heap tuple `(-logw, ranks, parent, depth, rank)`, so equal
-//!   scores are broken by the smaller rank tuple (lexicographic, a prefix before its extensions), then
-//!   parent, depth, rank; `logw` is accumulated in f64 from the f32 log-probs with the reference's exact
-//!   update formulas (sibling: `logw - lp[d][r] + lp[d][r+1]`, child: `logw + lp[d+1][0]`). The result
-//!   is a function of the inputs only, never of heap internals;
-//! * top-K ties (equal logits) are ordered by token id ascending (torch.topk leaves this unspecified);
+//! Must match `build_ddtree_tree` of liranringel/ddtree `ddtree.py` (c96427a; ddtree.md §2.2) exactly:
+//! * log-probs are `logit - logsumexp(row)` of the *raw* draft logits (temperature 1) in f32; the top-K is
+//!   the engine's rank order (`sampling::top_k`: logit desc, token id asc; torch.topk leaves ties open);
+//! * candidates are ordered like the reference's heap tuple `(-logw, ranks, parent, depth, rank)`: equal
+//!   scores (IEEE `==`, as Python compares floats) are broken by the smaller rank tuple (lexicographic, a
+//!   prefix before its extensions), then parent, depth, rank; `logw` is accumulated in f64 from the f32
+//!   log-probs with the reference's update formulas (sibling: `logw - lp[d][r] + lp[d][r+1]`, child:
+//!   `logw + lp[d+1][0]`). The order is total, so the result never depends on heap internals;
 //! * nodes are numbered in pop order, root = node 0 = the bonus token, not counted in the budget.
 //!
-//! Visibility is stored as per-row ancestor bitmasks (bit j of row i = node j is i or an ancestor of i),
-//! built by OR-copying the parent's row, which is valid because parents[i] < i.
-//! Tests: below (ddtree.md §2.5 worked example) and engine/tests/ddtree_tree.rs.
+//! Fixed-size state: a candidate is `(logw, parent node, depth, rank)` (no per-candidate rank Vec); its
+//! rank tuple is the parent's path ranks plus its own rank, compared by walking both parent chains up to
+//! the first differing depth (only on exact score ties). All buffers are sized by the budget up front.
+//! Tests: below (ddtree.md §2.5 worked example) and engine/tests/ddtree_tree.rs (slow reference port).
 
-use crate::sampling::log_sum_exp;
-use std::cmp::{Ordering, Reverse};
-use std::collections::BinaryHeap;
+use super::Visibility;
+use crate::sampling::{log_sum_exp, top_k_into};
+use std::cmp::Ordering;
 
 /// Per-depth top-K of the draft marginals.
 #[derive(Debug, Clone, PartialEq)]
@@ -31,65 +32,23 @@ pub struct TopK {
     pub tokens: Vec<u32>,
 }
 
-/// Top-K of each row of `logits` ([rows, vocab] f32): order (logit desc, token id asc).
+/// Top-K of each row of `logits` ([rows, vocab] f32) in rank order, as log-probs `logit - logsumexp(row)`.
 pub fn top_k_log_probs(logits: &[f32], rows: usize, vocab: usize, k: usize) -> TopK {
     assert_eq!(logits.len(), rows * vocab, "draft logits: {} values, expected rows={rows} x vocab={vocab}", logits.len());
     let k = k.min(vocab);
     let mut log_probs = Vec::with_capacity(rows * k);
     let mut tokens = Vec::with_capacity(rows * k);
-    for r in 0..rows {
-        let row = &logits[r * vocab..(r + 1) * vocab];
+    let mut keys = Vec::with_capacity(vocab);
+    for row in logits.chunks_exact(vocab.max(1)).take(rows) {
         let lz = log_sum_exp(row);
-        let by_logit = |a: &u32, b: &u32| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b));
-        let mut idx: Vec<u32> = (0..vocab as u32).collect();
-        if k > 0 && k < vocab {
-            idx.select_nth_unstable_by(k - 1, by_logit);
-        }
-        idx.truncate(k);
-        idx.sort_unstable_by(by_logit);
-        for &t in &idx {
+        top_k_into(row, k, &mut keys);
+        for &key in &keys {
+            let t = u32::MAX - key as u32;
             log_probs.push(row[t as usize] - lz);
             tokens.push(t);
         }
     }
     TopK { rows, k, log_probs, tokens }
-}
-
-/// Ancestor visibility as bitmasks: `bits[i * words + j / 64] >> (j % 64) & 1` = node j visible to node i.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Visibility {
-    /// Rows = nodes (N + 1).
-    pub rows: usize,
-    /// u64 words per row = ceil(rows / 64).
-    pub words: usize,
-    /// [rows, words] u64.
-    pub bits: Vec<u64>,
-}
-
-impl Visibility {
-    /// Build from `parents` (parents[0] = -1, parents[i] < i): row i = row(parents[i]) | {i}.
-    pub fn from_parents(parents: &[i32]) -> Self {
-        let rows = parents.len();
-        let words = rows.div_ceil(64).max(1);
-        let mut bits = vec![0u64; rows * words];
-        for i in 0..rows {
-            let p = parents[i];
-            if p >= 0 {
-                let p = p as usize;
-                assert!(p < i, "parents[{i}] = {p} is not < {i}");
-                let (done, cur) = bits.split_at_mut(i * words);
-                cur[..words].copy_from_slice(&done[p * words..(p + 1) * words]);
-            }
-            bits[i * words + i / 64] |= 1u64 << (i % 64);
-        }
-        Visibility { rows, words, bits }
-    }
-    pub fn row(&self, i: usize) -> &[u64] {
-        &self.bits[i * self.words..(i + 1) * self.words]
-    }
-    pub fn visible(&self, i: usize, j: usize) -> bool {
-        (self.row(i)[j / 64] >> (j % 64)) & 1 == 1
-    }
 }
 
 /// The draft tree: node 0 is the root (bonus token), nodes 1..=N in pop order.
@@ -103,22 +62,25 @@ pub struct DraftTree {
     pub parents: Vec<i32>,
     /// [N+1] surrogate log q of each node's prefix (sum of its path's draft log-probs); 0 at the root.
     pub log_q: Vec<f64>,
-    /// [N+1] children of each node as (token, child index), in pop order; tokens are distinct per node.
-    pub child_maps: Vec<Vec<(u32, usize)>>,
+    /// [N+1] first child of each node in pop order, -1 for a leaf (SGLang's `retrive_next_token`).
+    pub first_child: Vec<i32>,
+    /// [N+1] next sibling in pop order, -1 for the last (SGLang's `retrive_next_sibling`). A node's
+    /// children carry distinct tokens.
+    pub next_sibling: Vec<i32>,
     pub visibility: Visibility,
 }
 
 impl DraftTree {
     /// Root-only tree (budget 0 or no draft rows).
     pub fn root_only(bonus: u32) -> Self {
-        let parents = vec![-1];
         DraftTree {
             tokens: vec![bonus],
             depths: vec![0],
-            visibility: Visibility::from_parents(&parents),
-            parents,
+            parents: vec![-1],
             log_q: vec![0.0],
-            child_maps: vec![Vec::new()],
+            first_child: vec![-1],
+            next_sibling: vec![-1],
+            visibility: Visibility::root_only(),
         }
     }
     /// Nodes including the root (N + 1).
@@ -132,48 +94,126 @@ impl DraftTree {
     pub fn drafted(&self) -> usize {
         self.tokens.len() - 1
     }
-    pub fn child(&self, node: usize, token: u32) -> Option<usize> {
-        self.child_maps[node].iter().find(|c| c.0 == token).map(|c| c.1)
+    /// Children of `node` as (token, child index), in pop order.
+    pub fn children(&self, node: usize) -> impl Iterator<Item = (u32, usize)> + '_ {
+        let mut c = self.first_child[node];
+        std::iter::from_fn(move || {
+            let i = usize::try_from(c).ok()?;
+            c = self.next_sibling[i];
+            Some((self.tokens[i], i))
+        })
     }
-    /// Absolute positions of the nodes when the root sits at `start`.
-    pub fn positions(&self, start: usize) -> Vec<usize> {
-        self.depths.iter().map(|&d| start + d as usize).collect()
+    /// Append a node (the builder's only mutation); `last_child` is the builder's per-node scratch.
+    fn add_node(&mut self, last_child: &mut Vec<i32>, token: u32, depth: u32, parent: i32, logw: f64) {
+        let n = self.tokens.len() as i32;
+        self.tokens.push(token);
+        self.depths.push(depth);
+        self.parents.push(parent);
+        self.log_q.push(logw);
+        self.first_child.push(-1);
+        self.next_sibling.push(-1);
+        last_child.push(-1);
+        if parent >= 0 {
+            let p = parent as usize;
+            match last_child[p] {
+                -1 => self.first_child[p] = n,
+                prev => self.next_sibling[prev as usize] = n,
+            }
+            last_child[p] = n;
+        }
+    }
+    /// The child of `node` carrying `token`, if any.
+    pub fn child(&self, node: usize, token: u32) -> Option<usize> {
+        self.children(node).find(|c| c.0 == token).map(|c| c.1)
     }
 }
 
-/// A heap candidate; ordered like the reference tuple `(-logw, ranks, parent, depth, rank)`.
+/// A heap candidate: the prefix `path(parent) + [rank-th token at depth]`.
+#[derive(Debug, Clone, Copy)]
 struct Cand {
     logw: f64,
-    ranks: Vec<u32>,
-    parent: usize,
-    depth: usize,
-    rank: usize,
+    parent: u32,
+    depth: u32,
+    rank: u32,
 }
 
-impl Cand {
-    fn key_cmp(&self, o: &Self) -> Ordering {
-        (-self.logw)
-            .total_cmp(&-o.logw)
-            .then_with(|| self.ranks.cmp(&o.ranks))
-            .then(self.parent.cmp(&o.parent))
-            .then(self.depth.cmp(&o.depth))
-            .then(self.rank.cmp(&o.rank))
+/// The popped nodes the ordering needs: parent and rank of every node (node 0 = root).
+struct Nodes<'a> {
+    parents: &'a [i32],
+    ranks: &'a [u32],
+}
+
+impl Nodes<'_> {
+    /// One level up from the rank-tuple element `(parent node, rank)`.
+    fn up(&self, e: (usize, u32)) -> (usize, u32) {
+        (self.parents[e.0] as usize, self.ranks[e.0])
+    }
+    /// Lexicographic order of the candidates' rank tuples (a prefix before its extensions).
+    fn cmp_ranks(&self, a: &Cand, b: &Cand) -> Ordering {
+        let m = a.depth.min(b.depth);
+        let lift = |c: &Cand| (m..c.depth).fold((c.parent as usize, c.rank), |e, _| self.up(e));
+        let (mut ea, mut eb) = (lift(a), lift(b));
+        if ea == eb {
+            return a.depth.cmp(&b.depth);
+        }
+        // Differing elements at depth m: climb to the first depth where they hang off the same node;
+        // there the ranks differ and decide.
+        while ea.0 != eb.0 {
+            ea = self.up(ea);
+            eb = self.up(eb);
+        }
+        ea.1.cmp(&eb.1)
+    }
+    /// The reference heap order `(-logw, ranks, parent, depth, rank)`; Less pops first.
+    fn cmp(&self, a: &Cand, b: &Cand) -> Ordering {
+        let (x, y) = (-a.logw, -b.logw);
+        if x != y {
+            return x.total_cmp(&y);
+        }
+        self.cmp_ranks(a, b).then(a.parent.cmp(&b.parent)).then(a.depth.cmp(&b.depth)).then(a.rank.cmp(&b.rank))
     }
 }
-impl PartialEq for Cand {
-    fn eq(&self, o: &Self) -> bool {
-        self.key_cmp(o) == Ordering::Equal
+
+/// Binary min-heap of candidates under `Nodes::cmp` (std's BinaryHeap cannot see the node arrays).
+struct Heap(Vec<Cand>);
+
+impl Heap {
+    fn push(&mut self, c: Cand, o: &Nodes) {
+        let h = &mut self.0;
+        h.push(c);
+        let mut i = h.len() - 1;
+        while i > 0 {
+            let p = (i - 1) / 2;
+            if o.cmp(&h[i], &h[p]) != Ordering::Less {
+                break;
+            }
+            h.swap(i, p);
+            i = p;
+        }
     }
-}
-impl Eq for Cand {}
-impl PartialOrd for Cand {
-    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
-        Some(self.cmp(o))
-    }
-}
-impl Ord for Cand {
-    fn cmp(&self, o: &Self) -> Ordering {
-        self.key_cmp(o)
+    fn pop(&mut self, o: &Nodes) -> Option<Cand> {
+        let h = &mut self.0;
+        let last = h.pop()?;
+        if h.is_empty() {
+            return Some(last);
+        }
+        let top = std::mem::replace(&mut h[0], last);
+        let mut i = 0;
+        loop {
+            let (l, r) = (2 * i + 1, 2 * i + 2);
+            let mut m = i;
+            if l < h.len() && o.cmp(&h[l], &h[m]) == Ordering::Less {
+                m = l;
+            }
+            if r < h.len() && o.cmp(&h[r], &h[m]) == Ordering::Less {
+                m = r;
+            }
+            if m == i {
+                return Some(top);
+            }
+            h.swap(i, m);
+            i = m;
+        }
     }
 }
 
@@ -192,36 +232,43 @@ pub fn build_tree_from_top_k(bonus: u32, top: &TopK, budget: usize) -> DraftTree
     if budget == 0 || top.rows == 0 || top.k == 0 {
         return DraftTree::root_only(bonus);
     }
+    assert!(budget < i32::MAX as usize && top.k <= u32::MAX as usize, "budget {budget} / k {} too large", top.k);
     let (k, depth_limit) = (top.k, top.rows);
-    let lp = |d: usize, r: usize| top.log_probs[(d - 1) * k + r] as f64; // depth d is 1-based
-    let mut tree = DraftTree::root_only(bonus);
-    let mut heap = BinaryHeap::new();
-    heap.push(Reverse(Cand { logw: lp(1, 0), ranks: vec![0], parent: 0, depth: 1, rank: 0 }));
-    while tree.drafted() < budget {
-        let Some(Reverse(c)) = heap.pop() else { break };
-        let token = top.tokens[(c.depth - 1) * k + c.rank];
-        let n = tree.tokens.len();
-        tree.tokens.push(token);
-        tree.depths.push(c.depth as u32);
-        tree.parents.push(c.parent as i32);
-        tree.log_q.push(c.logw);
-        tree.child_maps.push(Vec::new());
-        tree.child_maps[c.parent].push((token, n));
-        if c.rank + 1 < k {
-            let mut ranks = c.ranks.clone();
-            *ranks.last_mut().unwrap() = (c.rank + 1) as u32;
+    let lp = |d: u32, r: u32| top.log_probs[(d as usize - 1) * k + r as usize] as f64; // depth d is 1-based
+    let cap = budget + 1;
+    let mut t = DraftTree {
+        tokens: Vec::with_capacity(cap),
+        depths: Vec::with_capacity(cap),
+        parents: Vec::with_capacity(cap),
+        log_q: Vec::with_capacity(cap),
+        first_child: Vec::with_capacity(cap),
+        next_sibling: Vec::with_capacity(cap),
+        visibility: Visibility::root_only(),
+    };
+    // Per node: its rank (for the tie order) and its last child so far (to append siblings in pop order).
+    let (mut ranks, mut last_child) = (Vec::with_capacity(cap), Vec::with_capacity(cap));
+    t.add_node(&mut last_child, bonus, 0, -1, 0.0);
+    ranks.push(0);
+    let mut heap = Heap(Vec::with_capacity(cap + 1));
+    heap.0.push(Cand { logw: lp(1, 0), parent: 0, depth: 1, rank: 0 });
+    while t.drafted() < budget {
+        let Some(c) = heap.pop(&Nodes { parents: &t.parents, ranks: &ranks }) else { break };
+        let token = top.tokens[(c.depth as usize - 1) * k + c.rank as usize];
+        let n = t.tokens.len() as u32;
+        t.add_node(&mut last_child, token, c.depth, c.parent as i32, c.logw);
+        ranks.push(c.rank);
+        let o = Nodes { parents: &t.parents, ranks: &ranks };
+        if (c.rank as usize) + 1 < k {
             let logw = c.logw - lp(c.depth, c.rank) + lp(c.depth, c.rank + 1);
-            heap.push(Reverse(Cand { logw, ranks, parent: c.parent, depth: c.depth, rank: c.rank + 1 }));
+            heap.push(Cand { logw, rank: c.rank + 1, ..c }, &o);
         }
-        if c.depth < depth_limit {
-            let mut ranks = c.ranks;
-            ranks.push(0);
+        if (c.depth as usize) < depth_limit {
             let logw = c.logw + lp(c.depth + 1, 0);
-            heap.push(Reverse(Cand { logw, ranks, parent: n, depth: c.depth + 1, rank: 0 }));
+            heap.push(Cand { logw, parent: n, depth: c.depth + 1, rank: 0 }, &o);
         }
     }
-    tree.visibility = Visibility::from_parents(&tree.parents);
-    tree
+    t.visibility = Visibility::from_parents(&t.parents).expect("the builder's parents are earlier nodes");
+    t
 }
 
 #[cfg(test)]
@@ -243,33 +290,30 @@ pub(crate) mod tests {
         logits
     }
 
+    fn child_lists(t: &DraftTree) -> Vec<Vec<(u32, usize)>> {
+        (0..t.len()).map(|n| t.children(n).collect()).collect()
+    }
+
     #[test]
     fn worked_example_of_ddtree_md_2_5() {
         let x = 100; // bonus token id
         let t = build_tree(x, &worked_example_logits(9), 3, 9, 5);
         assert_eq!(t.parents, vec![-1, 0, 1, 2, 1, 0]);
         assert_eq!(t.depths, vec![0, 1, 2, 3, 2, 1]);
-        assert_eq!(t.positions(10), vec![10, 11, 12, 13, 12, 11]);
         assert_eq!(t.tokens, vec![x, 0, 3, 6, 4, 1]); // x, a, d, g, e, b
-        assert_eq!(t.child_maps, vec![vec![(0, 1), (1, 5)], vec![(3, 2), (4, 4)], vec![(6, 3)], vec![], vec![], vec![]]);
+        assert_eq!(child_lists(&t), vec![vec![(0, 1), (1, 5)], vec![(3, 2), (4, 4)], vec![(6, 3)], vec![], vec![], vec![]]);
+        assert_eq!((t.first_child, t.next_sibling), (vec![1, 2, 3, -1, -1, -1], vec![-1, 5, 4, -1, -1, -1]));
         assert_eq!(t.visibility.words, 1);
         assert_eq!(t.visibility.bits, vec![0x01, 0x03, 0x07, 0x0F, 0x13, 0x21]);
         let q: Vec<f64> = t.log_q.iter().map(|l| l.exp()).collect();
         for (got, want) in q.iter().zip([1.0, 0.7, 0.42, 0.336, 0.21, 0.2]) {
             assert!((got - want).abs() < 1e-6, "prefix probs {q:?}");
         }
-    }
-
-    #[test]
-    fn multi_word_bitmask_rows_copy_the_parent() {
-        // A chain of 130 nodes: row i has bits 0..=i set, spread over 3 words.
-        let parents: Vec<i32> = (0..130i32).map(|i| i - 1).collect();
-        let v = Visibility::from_parents(&parents);
-        assert_eq!(v.words, 3);
-        assert_eq!(v.row(129), &[u64::MAX, u64::MAX, 0b11]);
-        assert_eq!(v.row(63), &[u64::MAX, 0, 0]);
-        assert_eq!(v.row(64), &[u64::MAX, 1, 0]);
-        assert!(v.visible(100, 0) && v.visible(100, 100) && !v.visible(100, 101));
+        // Budget 9 continues in q order: a·e·g .168, b·d .12, c .1, b·d·g .096 (then a·f .07, ...).
+        let t9 = build_tree(x, &worked_example_logits(9), 3, 9, 9);
+        assert_eq!(&t9.parents[..6], &t.parents[..]);
+        assert_eq!(t9.tokens[6..], [6, 3, 2, 6]);
+        assert_eq!(t9.parents[6..], [4, 5, 0, 7]);
     }
 
     #[test]
@@ -290,5 +334,7 @@ pub(crate) mod tests {
         let t = build_tree(5, &[1.0, 2.0], 1, 2, 10);
         assert_eq!(t.tokens, vec![5, 1, 0]);
         assert_eq!(t.parents, vec![-1, 0, 0]);
+        assert_eq!(t.child(0, 0), Some(2));
+        assert_eq!(t.child(0, 7), None);
     }
 }

@@ -3,15 +3,18 @@
 //! Must match `follow_verified_tree` of liranringel/ddtree `ddtree.py` (ddtree.md §3.1–3.3): start at the
 //! root; at the current node take the target's decision; if a child carries that token move to it and
 //! repeat, else stop. The decision at the last accepted node is the bonus (next root).
-//! Greedy decision = argmax (lowest index on ties). Sampled decision (T > 0) = one independent draw from
-//! the target's adjusted distribution (sampling.rs) at each *visited* node, in visit order. The reference
-//! samples every node up front; drawing only at visited nodes gives the same joint law of the walk (the
-//! draws are independent) and makes the k-th draw of a generation decide its k-th token, exactly as in the
-//! autoregressive loop. So a seed gives the same tokens in both modes when node logits equal chain logits.
+//! Greedy decision = argmax (lowest index on ties). Sampled decision (T > 0) = one draw from the target's
+//! adjusted distribution (sampling.rs) at each *visited* node with the uniform of the position the decided
+//! token will occupy: a node at depth d under a root at position `start` decides position `start + d + 1`
+//! (sampling.rs header). The reference samples every node up front with independent draws; here the draw
+//! of a node is a function of (seed, position) alone, so the walk has the same law, every node could be
+//! drawn in parallel (nodes of equal depth share a uniform, but only one of them is on the walked path),
+//! and the token at position p is decided exactly as the autoregressive loop decides it. So a seed gives
+//! the same tokens in both modes whenever node logits equal chain logits.
 //! Tests: below, and engine/tests/generate_loops.rs (DDTree == AR).
 
 use super::DraftTree;
-use crate::sampling::{argmax, sample, GenRng, Sampling};
+use crate::sampling::{argmax, sample, Sampling};
 
 /// Result of one walk.
 #[derive(Debug, Clone, PartialEq)]
@@ -58,10 +61,11 @@ pub fn walk_greedy(tree: &DraftTree, logits: &[f32], vocab: usize) -> Walk {
     walk(tree, |n| argmax(&logits[n * vocab..(n + 1) * vocab]))
 }
 
-/// Sample-and-walk at `s` (greedy when `s.temperature <= 0`, then no RNG use).
-pub fn walk_sampled(tree: &DraftTree, logits: &[f32], vocab: usize, s: &Sampling, rng: &mut GenRng) -> Walk {
+/// Sample-and-walk at `s` for a tree whose root sits at position `start` (greedy when
+/// `s.temperature <= 0`).
+pub fn walk_sampled(tree: &DraftTree, logits: &[f32], vocab: usize, s: &Sampling, start: usize) -> Walk {
     assert_eq!(logits.len(), tree.len() * vocab, "verify logits: {} values, expected {} nodes x {vocab}", logits.len(), tree.len());
-    walk(tree, |n| sample(&logits[n * vocab..(n + 1) * vocab], s, rng))
+    walk(tree, |n| sample(&logits[n * vocab..(n + 1) * vocab], s, start + tree.depths[n] as usize + 1))
 }
 
 #[cfg(test)]
