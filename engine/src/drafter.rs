@@ -60,17 +60,10 @@ impl TargetTables for DenseTables {
         self.vocab
     }
     fn embed(&self, tokens: &[u32]) -> Vec<f32> {
-        let h = self.hidden;
-        tokens
-            .iter()
-            .flat_map(|&t| {
-                assert!((t as usize) < self.vocab, "embed: token {t} >= vocab {}", self.vocab);
-                ops::bf16_slice_to_f32(&self.embed_tokens[t as usize * h..(t as usize + 1) * h])
-            })
-            .collect()
+        ops::embedding_bf16(&[&self.embed_tokens], self.hidden, tokens)
     }
     fn lm_head(&self, x: &[f32], n: usize) -> Vec<f32> {
-        ops::matmul_bf16(x, &self.lm_head, n, self.hidden, self.vocab)
+        ops::lm_head_bf16(x, n, self.hidden, &[&self.lm_head])
     }
 }
 
@@ -85,30 +78,10 @@ impl TargetTables for crate::model::Weights {
         self.cfg.vocab
     }
     fn embed(&self, tokens: &[u32]) -> Vec<f32> {
-        let h = self.cfg.hidden;
-        let per = self.cfg.vocab / self.embed.len();
-        tokens
-            .iter()
-            .flat_map(|&t| {
-                let (r, row) = (t as usize / per, t as usize % per);
-                assert!(r < self.embed.len(), "embed: token {t} >= vocab {}", self.cfg.vocab);
-                ops::bf16_slice_to_f32(&self.embed[r].w[row * h..(row + 1) * h])
-            })
-            .collect()
+        crate::model::Weights::embed(self, tokens)
     }
     fn lm_head(&self, x: &[f32], n: usize) -> Vec<f32> {
-        let v = self.cfg.vocab;
-        let mut out = vec![0f32; n * v]; // [n, V]
-        let mut off = 0;
-        for m in &self.lm_head {
-            let part = m.matmul(x, n); // [n, V/R]
-            for t in 0..n {
-                out[t * v + off..t * v + off + m.rows].copy_from_slice(&part[t * m.rows..(t + 1) * m.rows]);
-            }
-            off += m.rows;
-        }
-        assert_eq!(off, v, "lm_head shards cover {off} of {v} vocab rows");
-        out
+        crate::model::Weights::lm_head(self, x, n)
     }
 }
 

@@ -5,9 +5,10 @@
 //! * **absorbed** (FlashMLA-style): fold kv_b's key half into q (`q_lat = W_UK^T q_nope`, kv_lora wide),
 //!   score against the 576-wide latent rows directly, average the latents, then apply kv_b's value half.
 //!
-//! Both run per TP rank over that rank's heads; each rank's o_proj partial `[T, H]` is summed in rank order.
+//! Both run per TP rank over that rank's heads (the scores/softmax/values core is cpu::ops::mla_attention);
+//! each rank's o_proj partial `[T, H]` is summed in rank order.
 //! Must match: k26-format §4.3-§4.4 (MLA, interleaved YaRN rope, softmax scale). Tests:
-//! engine/src/model/tests.rs (`naive_equals_absorbed`, tree/chain, TP partials).
+//! engine/tests/target_model.rs (`naive_equals_absorbed`, tree/chain, TP partials).
 //!
 //! Letters: T new nodes, S visible rows (committed prefix + ancestors + self), Hr heads of a rank,
 //! C kv_lora, P rope dims, Dn nope dims, Dv v dims.
@@ -15,7 +16,6 @@
 use super::cache::{LatentCache, TreeMask};
 use super::weights::{Attn, ModelConfig};
 use crate::cpu::ops;
-use rayon::prelude::*;
 
 /// Which MLA form the forward uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -25,12 +25,6 @@ pub enum AttnMode {
     Naive,
     /// Weight-absorbed form over the latent cache.
     Absorbed,
-}
-
-/// Sequential f32 dot product (fixed order).
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).fold(0f32, |s, (&x, &y)| s + x * y)
 }
 
 /// Attention output `[T, H]` (after o_proj, ranks summed) for normed input `x` `[T, H]`; appends the T
@@ -70,10 +64,6 @@ pub fn mla(
     cache.append(l, &rows);
     let committed = cache.committed;
     let lat = &cache.rows[l]; // [committed + T, C + P]
-    let slot = |s: usize| &lat[s * (c + p)..(s + 1) * (c + p)];
-    // Visible slots of each node: the committed prefix, then its ancestors and itself.
-    let visible: Vec<Vec<usize>> =
-        (0..t).map(|i| (0..committed).chain(mask.visible_nodes(i).into_iter().map(|j| committed + j)).collect()).collect();
 
     let mut out = vec![0f32; t * h]; // [T, H], ranks summed in order
     for rw in &w.ranks {
@@ -85,74 +75,19 @@ pub fn mla(
                 ops::rope_interleaved(&mut q[base..base + p], &cos_sin[i].0, &cos_sin[i].1);
             }
         }
-        let kvb = &rw.kv_b.w; // [Hr * (Dn + Dv), C] bf16
-        let kvw = dn + dv;
-        // Naive only: k_nope | v of every cached row, [S_all, Hr * (Dn + Dv)].
-        let expanded = match mode {
+        let d = ops::MlaDims { heads: hr, nope: dn, rope: p, v: dv, kv_lora: c, scale: cfg.softmax_scale };
+        let heads_out = match mode {
             AttnMode::Naive => {
+                // k_nope | v of every cached row, [S_all, Hr * (Dn + Dv)].
                 let n_all = committed + t;
-                let latents: Vec<f32> = (0..n_all).flat_map(|s| slot(s)[..c].to_vec()).collect();
-                rw.kv_b.matmul(&latents, n_all)
+                let latents: Vec<f32> = lat.chunks(c + p).take(n_all).flat_map(|r| r[..c].to_vec()).collect();
+                let expanded = rw.kv_b.matmul(&latents, n_all);
+                ops::mla_attention(&d, &q, lat, committed, mask, ops::MlaKv::Expanded(&expanded))
             }
-            AttnMode::Absorbed => Vec::new(),
-        };
-        // Per node, per head: attention output [Hr * Dv].
-        let heads_out: Vec<f32> = (0..t * hr)
-            .into_par_iter()
-            .flat_map_iter(|ih| {
-                let (i, hh) = (ih / hr, ih % hr);
-                let qh = &q[i * hr * qk + hh * qk..i * hr * qk + (hh + 1) * qk];
-                let vis = &visible[i];
-                let mut scores = vec![0f32; vis.len()]; // [S]
-                let mut o = vec![0f32; dv]; // [Dv]
-                match mode {
-                    AttnMode::Naive => {
-                        for (si, &s) in vis.iter().enumerate() {
-                            let e = &expanded[s * hr * kvw + hh * kvw..s * hr * kvw + (hh + 1) * kvw];
-                            let score = dot(&qh[..dn], &e[..dn]) + dot(&qh[dn..], &slot(s)[c..]);
-                            scores[si] = score * cfg.softmax_scale;
-                        }
-                        ops::softmax(&mut scores);
-                        for (si, &s) in vis.iter().enumerate() {
-                            let v = &expanded[s * hr * kvw + hh * kvw + dn..s * hr * kvw + (hh + 1) * kvw];
-                            for j in 0..dv {
-                                o[j] += scores[si] * v[j];
-                            }
-                        }
-                    }
-                    AttnMode::Absorbed => {
-                        // q_lat[C] = W_UK_h^T q_nope: Σ_d q_nope[d] · kv_b[h·(Dn+Dv) + d, :].
-                        let mut q_lat = vec![0f32; c];
-                        for d in 0..dn {
-                            let wr = &kvb[(hh * kvw + d) * c..(hh * kvw + d + 1) * c];
-                            for k in 0..c {
-                                q_lat[k] += qh[d] * ops::bf16_to_f32(wr[k]);
-                            }
-                        }
-                        for (si, &s) in vis.iter().enumerate() {
-                            let row = slot(s);
-                            scores[si] = (dot(&q_lat, &row[..c]) + dot(&qh[dn..], &row[c..])) * cfg.softmax_scale;
-                        }
-                        ops::softmax(&mut scores);
-                        let mut o_lat = vec![0f32; c]; // [C]
-                        for (si, &s) in vis.iter().enumerate() {
-                            let row = slot(s);
-                            for k in 0..c {
-                                o_lat[k] += scores[si] * row[k];
-                            }
-                        }
-                        // o[j] = W_UV_h[j, :] · o_lat.
-                        for (j, oj) in o.iter_mut().enumerate() {
-                            let wr = &kvb[(hh * kvw + dn + j) * c..(hh * kvw + dn + j + 1) * c];
-                            *oj = wr.iter().zip(&o_lat).fold(0f32, |a, (&wv, &ov)| a + ops::bf16_to_f32(wv) * ov);
-                        }
-                    }
-                }
-                o
-            })
-            .collect(); // [T, Hr * Dv]
+            AttnMode::Absorbed => ops::mla_attention(&d, &q, lat, committed, mask, ops::MlaKv::Absorbed(&rw.kv_b.w)),
+        }; // [T, Hr * Dv]
         let part = rw.o_proj.matmul(&heads_out, t); // [T, H]
-        out.iter_mut().zip(&part).for_each(|(a, b)| *a += b);
+        ops::add_assign(&mut out, &part);
     }
     out
 }

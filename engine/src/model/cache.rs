@@ -7,7 +7,8 @@
 //!
 //! Mask: node i sees the whole committed prefix plus its ancestors and itself, one bit per node in
 //! `ceil(T/64)` u64 words per row (any budget, ddtree.md §6.1); a row is its parent's row OR its own bit,
-//! which works because `parents[i] < i`. Tests: engine/src/model/tests.rs (tree == chain, commit).
+//! which works because `parents[i] < i`. Tests: below, engine/tests/target_model.rs (tree == chain,
+//! commit compaction).
 
 use anyhow::{ensure, Result};
 
@@ -90,21 +91,13 @@ impl LatentCache {
         assert_eq!(rows.len() % self.width, 0, "append: {} values is not a multiple of width {}", rows.len(), self.width);
         self.rows[l].extend_from_slice(rows);
     }
-    /// Row `slot` of layer `l`: `[width]`.
-    pub fn row(&self, l: usize, slot: usize) -> &[f32] {
-        &self.rows[l][slot * self.width..(slot + 1) * self.width]
-    }
     /// Keep scratch nodes `path` (indices into the last forward), in order, as the next committed rows.
     pub fn commit(&mut self, path: &[usize]) -> Result<()> {
         for (k, &p) in path.iter().enumerate() {
             ensure!(p < self.scratch, "commit: path[{k}] = {p} but the last forward had {} nodes", self.scratch);
         }
-        let (c, w) = (self.committed, self.width);
         for layer in self.rows.iter_mut() {
-            // Gather first (clone), then write: no overlap hazard whatever the path.
-            let kept: Vec<f32> = path.iter().flat_map(|&p| layer[(c + p) * w..(c + p + 1) * w].to_vec()).collect();
-            layer.truncate(c * w);
-            layer.extend_from_slice(&kept);
+            crate::cpu::ops::kv_compact(layer, self.width, self.committed, path);
         }
         self.committed += path.len();
         self.scratch = 0;

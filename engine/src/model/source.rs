@@ -4,7 +4,7 @@
 //! zero-copy view of a tensor's bytes that keeps its source alive.
 //!
 //! Must match: docs/design/interfaces.md (converted names, TP plan, `TensorRef`). Tested by the model
-//! tests (engine/src/model/tests.rs) and engine/tests/target_plans.rs (real shards).
+//! tests (engine/tests/target_model.rs) and engine/tests/target_plans.rs (real shards).
 
 use anyhow::{bail, ensure, Context, Result};
 use kdtree_formats::config::{DrafterConfig, TextConfig};

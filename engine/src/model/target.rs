@@ -8,7 +8,7 @@
 //! activation are f32; weights are bf16 (or INT4 × bf16 scale) widened exactly to f32; every reduction
 //! accumulates in f32 in a fixed order. No bf16 rounding is emulated at module boundaries, so this equals
 //! transformers run in f32 on the same (bf16-valued) weights up to f32 summation-order noise.
-//! Tests: engine/src/model/tests.rs and engine/tests/target_*.rs.
+//! Tests: engine/tests/target_*.rs.
 
 use super::attention::{mla, AttnMode};
 use super::cache::{LatentCache, TreeMask};

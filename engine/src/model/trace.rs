@@ -3,7 +3,7 @@
 //! its shape, in the order computed. Names: `layers.{L}.attn_out` [T, H], `layers.{L}.router.topk_ids`
 //! [T, k] (selection order), `layers.{L}.router.topk_weights` [T, k] (after norm and scaling),
 //! `layers.{L}.mlp_out` [T, H], `layers.{L}.residual` [T, H], then `final_norm` [T, H] and `logits` [T, V].
-//! Test: engine/src/model/tests.rs `trace_records_every_layer`.
+//! Test: engine/tests/target_model.rs `trace_records_every_layer`.
 
 /// One recorded tensor.
 #[derive(Debug, Clone, PartialEq)]

@@ -3,8 +3,8 @@
 //! recorded split against the plan (so a test that loads R = 1, 2, 4, 8 proves the engine reads the plan
 //! right). Weights stay zero-copy views of the source ([`Slab`]).
 //!
-//! Must match: k26-format.md §2.2 (names, shapes), §5.2-§5.3 (splits). Tests: engine/src/model/tests.rs,
-//! engine/tests/target_plans.rs.
+//! Must match: k26-format.md §2.2 (names, shapes), §5.2-§5.3 (splits). Tests: below (K2.6 constants),
+//! engine/tests/target_plans.rs (every plan), engine/tests/target_model.rs.
 //!
 //! Dimension letters: H hidden, V vocab, R ranks, Hr = heads/R, E experts, I intermediate widths.
 
@@ -126,6 +126,17 @@ impl ModelConfig {
     pub fn heads_per_rank(&self) -> usize {
         self.heads / self.ranks
     }
+    /// The MoE router's constants.
+    pub fn router(&self) -> ops::Router {
+        ops::Router {
+            n_experts: self.n_experts,
+            n_group: self.n_group,
+            topk_group: self.topk_group,
+            top_k: self.top_k,
+            norm_topk_prob: self.norm_topk_prob,
+            routed_scaling: self.routed_scaling,
+        }
+    }
 }
 
 /// A bf16 matrix `[rows, cols]` (torch Linear layout `[out, in]`).
@@ -158,12 +169,12 @@ impl I4Stack {
     pub fn holds(&self, e: usize) -> bool {
         e >= self.first && e < self.first + self.count
     }
-    /// `x[T, k] · W_e^T` → `[T, n]` for global expert `e` (must be held).
-    pub fn matmul(&self, e: usize, x: &[f32], t: usize) -> Vec<f32> {
+    /// Global expert `e`'s `[n, k]` matrix (must be held).
+    pub fn expert(&self, e: usize) -> ops::ExpertI4<'_> {
         assert!(self.holds(e), "expert {e} not on this rank (holds {}..{})", self.first, self.first + self.count);
         let i = e - self.first;
         let (pb, sb) = (self.n * self.k / 2, self.n * self.k / 32);
-        ops::matmul_i4g32(x, &self.packed[i * pb..(i + 1) * pb], &self.scales[i * sb..(i + 1) * sb], t, self.k, self.n)
+        ops::ExpertI4 { packed: &self.packed[i * pb..(i + 1) * pb], scales: &self.scales[i * sb..(i + 1) * sb], n: self.n, k: self.k }
     }
 }
 
@@ -230,8 +241,6 @@ pub struct Weights {
     /// lm_head per rank `[V/R, H]` (vocab-parallel; embed_tokens when tied).
     pub lm_head: Vec<Mat>,
     pub layers: Vec<Layer>,
-    /// Name prefix of the target tensors (`"language_model."` on K2.6, `""` for a plain DeepseekV3).
-    pub prefix: String,
 }
 
 /// Loader context: the source and helpers that check shape and split.
@@ -420,20 +429,13 @@ impl Weights {
                 ffn,
             });
         }
-        Ok(Weights { cfg, embed, norm, lm_head, layers, prefix })
+        Ok(Weights { cfg, embed, norm, lm_head, layers })
     }
 
     /// `embed_tokens` rows of `tokens`: `[n, H]` f32, each looked up on the rank owning its vocab slice.
     pub fn embed(&self, tokens: &[u32]) -> Vec<f32> {
-        let (h, vr) = (self.cfg.hidden, self.cfg.vocab / self.cfg.ranks);
-        let mut out = Vec::with_capacity(tokens.len() * h); // [n, H] f32
-        for &tok in tokens {
-            let tok = tok as usize;
-            assert!(tok < self.cfg.vocab, "embed: token {tok} >= vocab {}", self.cfg.vocab);
-            let m = &self.embed[tok / vr];
-            out.extend(ops::bf16_slice_to_f32(&m.w[(tok % vr) * h..(tok % vr + 1) * h]));
-        }
-        out
+        let shards: Vec<&[bf16]> = self.embed.iter().map(|m| &m.w[..]).collect();
+        ops::embedding_bf16(&shards, self.cfg.hidden, tokens)
     }
 
     /// Final RMSNorm (`model.norm`, eps = rms_norm_eps) of `x` `[n, H]`.
@@ -442,17 +444,10 @@ impl Weights {
     }
 
     /// `lm_head(x)` for `x` `[n, H]` f32 (already normed): `[n, V]` f32 logits, the vocab-parallel rank
-    /// slices gathered in global id order.
+    /// slices merged in global id order.
     pub fn lm_head(&self, x: &[f32], n: usize) -> Vec<f32> {
-        let (v, vr) = (self.cfg.vocab, self.cfg.vocab / self.cfg.ranks);
-        let mut out = vec![0f32; n * v]; // [n, V] f32
-        for (r, m) in self.lm_head.iter().enumerate() {
-            let part = m.matmul(x, n); // [n, V/R]
-            for i in 0..n {
-                out[i * v + r * vr..i * v + (r + 1) * vr].copy_from_slice(&part[i * vr..(i + 1) * vr]);
-            }
-        }
-        out
+        let shards: Vec<&[bf16]> = self.lm_head.iter().map(|m| &m.w[..]).collect();
+        ops::lm_head_bf16(x, n, self.cfg.hidden, &shards)
     }
 }
 
