@@ -1,0 +1,115 @@
+//! MLA latent attention wrapper for kernels/cuda/mla_attention.cu (split-KV partials, then the
+//! log-sum-exp merge). CPU twin: the latent core of `crate::cpu::ops::mla_attention` (absorbed form).
+
+use cudarc::driver::{CudaView, CudaViewMut, PushKernelArg};
+use half::bf16;
+
+use super::{as_i32, launch_cfg, need_len};
+use crate::cuda::{drv, ensure, Gpu, Result};
+
+const OP: &str = "mla_attention";
+/// Heads per CTA and latent rows per chunk of the kernel (rows per split are a multiple of this).
+const HEADS_PER_CTA: usize = 16;
+const ROWS_PER_CHUNK: usize = 16;
+
+/// Shapes of one MLA attention call on one rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MlaShape {
+    /// T new nodes (queries); their latent rows are `[committed, committed + t)` of the cache.
+    pub t: usize,
+    /// Hr heads of the rank.
+    pub heads: usize,
+    /// C = kv_lora (values and the latent part of keys), P = rope dims; C + P <= 576, both multiples of 8.
+    pub kv_lora: usize,
+    pub rope: usize,
+    /// Committed prefix rows every node sees.
+    pub committed: usize,
+}
+
+/// How the rows are split over CTAs, and the workspace that takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MlaSplit {
+    pub splits: usize,
+    pub rows_per_split: usize,
+}
+
+impl MlaSplit {
+    /// Enough CTAs to fill the GPU about twice (flash-decoding), at least 64 rows each.
+    pub fn choose(gpu: &Gpu, s: &MlaShape) -> MlaSplit {
+        let rows = s.committed + s.t;
+        let ctas_per_split = s.t * s.heads.div_ceil(HEADS_PER_CTA);
+        let want = (2 * gpu.sms).div_ceil(ctas_per_split.max(1)).max(1);
+        let max_splits = rows.div_ceil(64).max(1);
+        let splits = want.min(max_splits);
+        let rows_per_split = rows.div_ceil(splits).div_ceil(ROWS_PER_CHUNK) * ROWS_PER_CHUNK;
+        MlaSplit { splits: rows.div_ceil(rows_per_split), rows_per_split }
+    }
+    /// f32 elements of `part_o` and `part_ml`.
+    pub fn workspace(&self, s: &MlaShape) -> (usize, usize) {
+        (s.t * self.splits * s.heads * s.kv_lora, s.t * self.splits * s.heads * 2)
+    }
+}
+
+/// `out[t, h, :C] = Σ_s softmax_s(scale · q[t, h, :] · lat[s, :]) · lat[s, :C]` over the rows node t sees:
+/// the committed prefix `[0, committed)` and `committed + j` for each node j set in `mask` row t (`words`
+/// u64 per node; bit j of row i = node j is i or an ancestor of i), or, with no mask, `j <= t` (causal
+/// prefill). `q` `[T, Hr, C+P]` bf16 (q_lat | q_pe), `lat` `[>= committed + T, C+P]` bf16 (c_kv | k_pe),
+/// `out` `[T, Hr, C]` bf16. Every node must see at least one row (itself: the mask's diagonal).
+/// Launch contract: two kernels, no allocation, no host sync, graph-capturable for fixed shapes.
+#[allow(clippy::too_many_arguments)]
+pub fn mla_attention(
+    gpu: &Gpu,
+    q: &CudaView<'_, bf16>,
+    lat: &CudaView<'_, bf16>,
+    mask: Option<(&CudaView<'_, u64>, usize)>,
+    s: &MlaShape,
+    split: &MlaSplit,
+    scale: f32,
+    part_o: &mut CudaViewMut<'_, f32>,
+    part_ml: &mut CudaViewMut<'_, f32>,
+    out: &mut CudaViewMut<'_, bf16>,
+) -> Result<()> {
+    let lw = s.kv_lora + s.rope;
+    ensure(OP, s.kv_lora % 8 == 0 && s.rope % 8 == 0 && s.kv_lora > 0, || format!("kv_lora={} and rope={} must be multiples of 8", s.kv_lora, s.rope))?;
+    ensure(OP, s.kv_lora <= 512 && lw <= 576, || format!("kv_lora={} + rope={} exceeds the kernel's 512 + 64", s.kv_lora, s.rope))?;
+    ensure(OP, split.rows_per_split % ROWS_PER_CHUNK == 0 && split.rows_per_split > 0, || format!("rows_per_split={} is not a positive multiple of {ROWS_PER_CHUNK}", split.rows_per_split))?;
+    let rows = s.committed + s.t;
+    ensure(OP, split.splits * split.rows_per_split >= rows, || format!("{} splits x {} rows do not cover {rows} rows", split.splits, split.rows_per_split))?;
+    need_len(OP, "q", q.len(), s.t * s.heads * lw)?;
+    need_len(OP, "lat", lat.len(), rows * lw)?;
+    let (wo, wml) = split.workspace(s);
+    need_len(OP, "part_o", part_o.len(), wo)?;
+    need_len(OP, "part_ml", part_ml.len(), wml)?;
+    need_len(OP, "out", out.len(), s.t * s.heads * s.kv_lora)?;
+    let words = match mask {
+        Some((m, w)) => {
+            ensure(OP, w * 64 >= s.t, || format!("{w} mask words per node cannot hold {} nodes", s.t))?;
+            need_len(OP, "mask", m.len(), s.t * w)?;
+            w
+        }
+        None => 0,
+    };
+    if s.t == 0 || s.heads == 0 {
+        return Ok(());
+    }
+    let (t, hr, c, p) = (as_i32(OP, "t", s.t)?, as_i32(OP, "heads", s.heads)?, as_i32(OP, "kv_lora", s.kv_lora)?, as_i32(OP, "rope", s.rope)?);
+    let (committed, w, rps, sp) =
+        (as_i32(OP, "committed", s.committed)?, as_i32(OP, "words", words)?, as_i32(OP, "rows_per_split", split.rows_per_split)?, as_i32(OP, "splits", split.splits)?);
+    let grid = (split.splits as u32, s.t as u32, s.heads.div_ceil(HEADS_PER_CTA) as u32);
+    let null: u64 = 0;
+    let mut b = gpu.stream.launch_builder(gpu.func("kdtree_mla_attention_split_bf16"));
+    b.arg(q).arg(lat);
+    match mask {
+        Some((m, _)) => b.arg(m),
+        None => b.arg(&null),
+    };
+    b.arg(&mut *part_o).arg(&mut *part_ml).arg(&t).arg(&hr).arg(&c).arg(&p).arg(&committed).arg(&w).arg(&rps).arg(&scale);
+    // SAFETY: every buffer the kernel reads or writes was length-checked above for these shapes; the mask
+    // argument is a device pointer or 0 (the kernel's causal case).
+    unsafe { b.launch(launch_cfg(grid, 256, 0)) }.map_err(drv(OP))?;
+    let mut b = gpu.stream.launch_builder(gpu.func("kdtree_mla_attention_merge_bf16"));
+    b.arg(&*part_o).arg(&*part_ml).arg(&mut *out).arg(&sp).arg(&hr).arg(&c);
+    // SAFETY: as above; the merge reads the partials the first kernel wrote and writes out [T, Hr, C].
+    unsafe { b.launch(launch_cfg((s.t as u32, s.heads as u32, 1), 128, 0)) }.map_err(drv(OP))?;
+    Ok(())
+}

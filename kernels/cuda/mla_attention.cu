@@ -1,0 +1,173 @@
+// MLA attention in the absorbed (latent) form over the 576-wide latent cache, for decode, tree verify
+// (each node sees the committed prefix plus its ancestors: an ancestor bitmask of any width) and causal
+// prefill (no mask: node i sees tree rows 0..=i). Split-KV (flash-decoding): kernel 1 computes, per
+// (node, split of the rows, group of heads), the running max m, the sum l and the unnormalised weighted
+// sum of latent values; kernel 2 merges the splits with log-sum-exp and writes o_lat.
+// CPU twin: the latent core of engine cpu::ops::mla_attention (absorbed form): scores
+// `scale * (q_lat · c_kv + q_pe · k_pe)`, softmax over visible rows, `o_lat = Σ p · c_kv`; the query
+// absorption (q_lat = W_UK^T q_nope) and W_UV are GEMMs around it. Test: engine/tests/cuda_mla.rs.
+// Wrapper: engine/src/cuda/ops/mla_attention.rs. Bench: bench/ (issue 10).
+// Dimension letters: T new nodes, S latent rows (committed prefix + T scratch rows), Hr heads of the rank,
+// C kv_lora (<= 512, multiple of 8), P rope dims (C + P <= 576, multiple of 8), W mask words per node.
+// Version 1: CUDA cores, 16 heads x 16 rows per step, K/V chunk and queries in shared memory, each latent
+// row read once per (node, split, head group). Tensor-core (mma) version: issue 10.
+#include "common.cuh"
+
+namespace {
+constexpr int HG = 16;         // heads per CTA
+constexpr int R = 16;          // latent rows per chunk
+constexpr int LW_MAX = 576;    // C + P
+constexpr int LDS = LW_MAX + 8;  // padded smem row (bf16): spreads 16-byte loads of 16 rows over banks
+constexpr int THREADS = 256;
+}  // namespace
+
+// q [T, Hr, C+P] bf16 (q_lat | q_pe per node and head); lat [S, C+P] bf16 (c_kv | k_pe), rows
+// [committed, committed + T) are the nodes' own; mask [T, W] u64 or null (causal over the T nodes).
+// part_o [T, splits, Hr, C] f32; part_ml [T, splits, Hr, 2] f32. grid (splits, T, ceil(Hr/16)), 256 threads.
+extern "C" __global__ void __launch_bounds__(THREADS)
+kdtree_mla_attention_split_bf16(const bf16* __restrict__ q, const bf16* __restrict__ lat,
+                                const unsigned long long* __restrict__ mask, float* __restrict__ part_o,
+                                float* __restrict__ part_ml, int T, int Hr, int C, int P, int committed, int W,
+                                int rows_per_split, float scale) {
+    __shared__ __align__(16) bf16 qs[HG * LDS];
+    __shared__ __align__(16) bf16 ks[R * LDS];
+    __shared__ float ps[HG * R];
+    __shared__ float alpha_s[HG];
+    const int split = blockIdx.x, t = blockIdx.y, h0 = blockIdx.z * HG, splits = gridDim.x;
+    const int LW = C + P, tid = threadIdx.x;
+    const int nh = min(HG, Hr - h0);
+    // queries of this node and head group -> smem (16-byte chunks)
+    for (int i = tid; i < HG * (LW / 8); i += THREADS) {
+        const int h = i / (LW / 8), c = (i % (LW / 8)) * 8;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (h < nh) v = *reinterpret_cast<const uint4*>(q + ((size_t)t * Hr + h0 + h) * LW + c);
+        *reinterpret_cast<uint4*>(qs + h * LDS + c) = v;
+    }
+    const int S = committed + T;
+    const int s_begin = split * rows_per_split, s_end = min(S, s_begin + rows_per_split);
+    // score thread: head sh, row sr of the chunk; accumulate thread: heads 4*ah.., columns ac..ac+8
+    const int sh = tid / R, sr = tid % R;
+    const int ah = tid / 64, ac = (tid % 64) * 8;
+    float m = -INFINITY, l = 0.f;        // of head sh (replicated over its 16 lanes)
+    float o[4][8];
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+#pragma unroll
+        for (int k = 0; k < 8; k++) o[j][k] = 0.f;
+    const unsigned long long* mrow = mask ? mask + (size_t)t * W : nullptr;
+    for (int s0 = s_begin; s0 < s_end; s0 += R) {
+        __syncthreads();  // previous chunk fully consumed (and queries stored, first time)
+        for (int i = tid; i < R * (LW / 8); i += THREADS) {
+            const int r = i / (LW / 8), c = (i % (LW / 8)) * 8;
+            uint4 v = make_uint4(0, 0, 0, 0);
+            if (s0 + r < s_end) v = *reinterpret_cast<const uint4*>(lat + (size_t)(s0 + r) * LW + c);
+            *reinterpret_cast<uint4*>(ks + r * LDS + c) = v;
+        }
+        __syncthreads();
+        // score of (head sh, row s0 + sr), -inf when not visible
+        const int s = s0 + sr;
+        bool vis = s < s_end && sh < nh;
+        if (vis && s >= committed) {
+            const int j = s - committed;
+            vis = mrow ? ((mrow[j >> 6] >> (j & 63)) & 1ull) != 0ull : j <= t;
+        }
+        float sc = -INFINITY;
+        if (vis) {
+            float acc = 0.f;
+            const bf16* qh = qs + sh * LDS;
+            const bf16* kr = ks + sr * LDS;
+            for (int c = 0; c < LW; c += 8) {
+                uint4 a = *reinterpret_cast<const uint4*>(qh + c), b = *reinterpret_cast<const uint4*>(kr + c);
+                const bf162* pa = reinterpret_cast<const bf162*>(&a);
+                const bf162* pb = reinterpret_cast<const bf162*>(&b);
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    float2 x = __bfloat1622float2(pa[k]), y = __bfloat1622float2(pb[k]);
+                    acc = fmaf(x.x, y.x, acc);
+                    acc = fmaf(x.y, y.y, acc);
+                }
+            }
+            sc = acc * scale;
+        }
+        // online softmax over the chunk, per head (16 consecutive lanes)
+        float cm = sc;
+#pragma unroll
+        for (int off = R / 2; off > 0; off >>= 1) cm = fmaxf(cm, __shfl_xor_sync(kdtree::FULL_MASK, cm, off, R));
+        const float m_new = fmaxf(m, cm);
+        const float a = m_new == -INFINITY ? 1.f : __expf(m - m_new);
+        const float p = sc == -INFINITY ? 0.f : __expf(sc - m_new);
+        float ls = p;
+#pragma unroll
+        for (int off = R / 2; off > 0; off >>= 1) ls += __shfl_xor_sync(kdtree::FULL_MASK, ls, off, R);
+        l = l * a + ls;
+        m = m_new;
+        ps[sh * R + sr] = p;
+        if (sr == 0) alpha_s[sh] = a;
+        __syncthreads();
+        if (ac < C) {
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const float aj = alpha_s[4 * ah + j];
+#pragma unroll
+                for (int k = 0; k < 8; k++) o[j][k] *= aj;
+            }
+            for (int r = 0; r < R; r++) {
+                uint4 v = *reinterpret_cast<const uint4*>(ks + r * LDS + ac);
+                const bf162* pv = reinterpret_cast<const bf162*>(&v);
+                float vf[8];
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    float2 f = __bfloat1622float2(pv[k]);
+                    vf[2 * k] = f.x;
+                    vf[2 * k + 1] = f.y;
+                }
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    const float pj = ps[(4 * ah + j) * R + r];
+#pragma unroll
+                    for (int k = 0; k < 8; k++) o[j][k] = fmaf(pj, vf[k], o[j][k]);
+                }
+            }
+        }
+    }
+    const size_t base = ((size_t)t * splits + split) * Hr;
+    if (sr == 0 && sh < nh) {
+        part_ml[(base + h0 + sh) * 2] = m;
+        part_ml[(base + h0 + sh) * 2 + 1] = l;
+    }
+    if (ac < C) {
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int h = 4 * ah + j;
+            if (h >= nh) continue;
+            float* dst = part_o + (base + h0 + h) * C + ac;
+            *reinterpret_cast<float4*>(dst) = make_float4(o[j][0], o[j][1], o[j][2], o[j][3]);
+            *reinterpret_cast<float4*>(dst + 4) = make_float4(o[j][4], o[j][5], o[j][6], o[j][7]);
+        }
+    }
+}
+
+// Merge the splits: o_lat[t, h, :] = Σ_i e^{m_i − M} o_i / Σ_i e^{m_i − M} l_i (M = max_i m_i).
+// part_o [T, splits, Hr, C] f32, part_ml [T, splits, Hr, 2] f32 -> out [T, Hr, C] bf16.
+// grid (T, Hr), blockDim.x multiple of 32.
+extern "C" __global__ void kdtree_mla_attention_merge_bf16(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                                           bf16* __restrict__ out, int splits, int Hr, int C) {
+    const int t = blockIdx.x, h = blockIdx.y;
+    float M = -INFINITY;
+    for (int i = 0; i < splits; i++) M = fmaxf(M, part_ml[(((size_t)t * splits + i) * Hr + h) * 2]);
+    float L = 0.f;
+    for (int i = 0; i < splits; i++) {
+        const float mi = part_ml[(((size_t)t * splits + i) * Hr + h) * 2];
+        if (mi != -INFINITY) L += __expf(mi - M) * part_ml[(((size_t)t * splits + i) * Hr + h) * 2 + 1];
+    }
+    const float inv = 1.f / L;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        float acc = 0.f;
+        for (int i = 0; i < splits; i++) {
+            const size_t row = ((size_t)t * splits + i) * Hr + h;
+            const float mi = part_ml[row * 2];
+            if (mi != -INFINITY) acc += __expf(mi - M) * part_o[row * C + c];
+        }
+        out[((size_t)t * Hr + h) * C + c] = __float2bfloat16_rn(acc * inv);
+    }
+}
