@@ -20,10 +20,10 @@ use kdtree_engine::model::ModelConfig;
 use rand::seq::{IndexedRandom, SliceRandom};
 use rand::Rng;
 
-/// One bf16 rounding of the output: |err| <= 2^-9 |y| <= 2^-9 max|y| (measured: see bench/GPU-RESULTS.md).
-const BF16_OUT_TOL: f64 = 2.0e-3;
+/// One bf16 rounding of the output: half an ulp, at most 2^-8 of max |y| (3.9e-3).
+const BF16_OUT_TOL: f64 = 4.0e-3;
 /// RMSNorm: bf16 output rounding plus a different f32 summation order of the mean of squares.
-const RMS_NORM_TOL: f64 = 2.5e-3;
+const RMS_NORM_TOL: f64 = 4.5e-3;
 /// Router weights: sigmoid through expf (<= 2 ulp) vs Rust's exp; ids must match exactly.
 const ROUTER_WEIGHT_TOL: f64 = 1.0e-6;
 

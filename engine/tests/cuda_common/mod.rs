@@ -58,6 +58,8 @@ pub fn nan_f32(n: usize) -> Vec<f32> {
 pub struct Err {
     pub max_abs: f64,
     pub rel: f64,
+    /// Index of the largest error.
+    pub at: usize,
 }
 
 pub fn error(case: &str, got: &[f32], want: &[f32]) -> Err {
@@ -65,9 +67,15 @@ pub fn error(case: &str, got: &[f32], want: &[f32]) -> Err {
     if let Some(i) = got.iter().position(|v| v.is_nan()) {
         panic!("{case}: NaN at {i} (output not fully written, or a NaN result)");
     }
-    let max_abs = got.iter().zip(want).map(|(&a, &b)| (a as f64 - b as f64).abs()).fold(0.0, f64::max);
+    let (mut max_abs, mut at) = (0.0f64, 0usize);
+    for (i, (&a, &b)) in got.iter().zip(want).enumerate() {
+        let d = (a as f64 - b as f64).abs();
+        if d > max_abs {
+            (max_abs, at) = (d, i);
+        }
+    }
     let scale = want.iter().map(|&b| (b as f64).abs()).fold(0.0, f64::max).max(1e-30);
-    Err { max_abs, rel: max_abs / scale }
+    Err { max_abs, rel: max_abs / scale, at }
 }
 
 /// Checks `got` against `want` with a tolerance on `rel`, printing one line per case.
@@ -75,7 +83,18 @@ pub fn check(case: &str, got: &[f32], want: &[f32], tol: f64) {
     let e = error(case, got, want);
     eprintln!("{case}: max_abs {:.3e} rel {:.3e} (tol {:.1e})", e.max_abs, e.rel, tol);
     println!("PARITY {case} max_abs={:.3e} rel={:.3e} tol={:.1e}", e.max_abs, e.rel, tol);
-    assert!(e.rel <= tol, "{case}: rel error {:.3e} over tolerance {:.1e} (max_abs {:.3e})", e.rel, tol, e.max_abs);
+    assert!(
+        e.rel <= tol,
+        "{case}: rel error {:.3e} over tolerance {:.1e} (max_abs {:.3e} at {}: got {} want {}; first values got {:?} want {:?})",
+        e.rel,
+        tol,
+        e.max_abs,
+        e.at,
+        got[e.at],
+        want[e.at],
+        &got[..got.len().min(4)],
+        &want[..want.len().min(4)]
+    );
 }
 
 pub fn check_bf16(case: &str, got: &[bf16], want: &[f32], tol: f64) {
