@@ -7,6 +7,8 @@
 
 pub mod api;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod ddtree;
 pub mod drafter;
 pub mod generate;

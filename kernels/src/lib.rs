@@ -1,7 +1,66 @@
-//! kdtree-kernels: CUDA kernel sources (built for sm_90a and sm_120a) and their loading.
+//! kdtree-kernels: CUDA kernel sources (kernels/cuda/*.cu, one op per file) and their embedded fatbin.
 //!
-//! This crate knows no model layer: each kernel is one op with a CPU twin in
-//! `kdtree-engine::cpu::ops`. It builds without a CUDA toolkit; the `cuda` feature gates the loader once
-//! kernels exist.
-//! The kernel index (op | CPU twin | CUDA wrapper | .cu | test | bench) is kernels/README.md; no kernel has
-//! landed yet.
+//! This crate knows no model layer: each kernel is one op with a CPU twin in the engine's CPU backend;
+//! the wrappers that check shapes and launch live in `kdtree-engine::cuda`. Without the `cuda` feature it
+//! builds to nothing but the list of kernel names, so the workspace builds with no CUDA toolkit. With it,
+//! build.rs compiles all sources into one fatbin (sm_90a + sm_120a + compute_90 PTX) that [`FATBIN`] embeds;
+//! the engine loads it with the driver API (`cuModuleLoadData`) and looks kernels up by name.
+//! The kernel index (op | CPU twin | CUDA wrapper | .cu | test | bench | shapes) is kernels/README.md.
+
+/// The fatbin holding every kernel (built by build.rs with nvcc; load it as one module).
+#[cfg(feature = "cuda")]
+pub static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/kdtree_kernels.fatbin"));
+
+/// Every `extern "C"` kernel the fatbin exports, by source file. The engine's loader resolves all of them at
+/// context creation, so a missing or renamed kernel fails at start, naming the kernel.
+pub const KERNELS: &[(&str, &str)] = &[
+    ("argmax.cu", "kdtree_argmax_f32"),
+    ("argmax.cu", "kdtree_argmax_bf16"),
+    ("embed.cu", "kdtree_embed_gather_bf16"),
+    ("moe_align.cu", "kdtree_moe_align_i32"),
+    ("moe_router.cu", "kdtree_moe_router_f32"),
+    ("residual_add.cu", "kdtree_residual_add_bf16"),
+    ("rms_norm.cu", "kdtree_rms_norm_bf16"),
+    ("rope.cu", "kdtree_rope_interleaved_bf16"),
+    ("silu_mul.cu", "kdtree_silu_mul_bf16"),
+    ("w4a16_gemm.cu", "kdtree_w4a16_gemm_i4g32_m1"),
+    ("w4a16_gemm.cu", "kdtree_w4a16_gemm_i4g32_m2"),
+    ("w4a16_gemm.cu", "kdtree_w4a16_gemm_i4g32_m4"),
+    ("w4a16_gemm.cu", "kdtree_moe_w4a16_gemm_i4g32_m1"),
+    ("w4a16_gemm.cu", "kdtree_moe_w4a16_gemm_i4g32_m2"),
+    ("w4a16_gemm.cu", "kdtree_moe_w4a16_gemm_i4g32_m4"),
+    ("w4a16_gemm.cu", "kdtree_w4a16_reduce_f32"),
+];
+
+#[cfg(test)]
+mod tests {
+    use super::KERNELS;
+
+    /// Every listed kernel is defined in the file it names, and every `extern "C" __global__` kernel in
+    /// kernels/cuda is listed (macro-generated ones through their `_m##MT` stem).
+    #[test]
+    fn kernel_list_matches_sources() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("cuda");
+        for (file, name) in KERNELS {
+            let src = std::fs::read_to_string(dir.join(file)).unwrap();
+            let stem = name.trim_end_matches(|c: char| c.is_ascii_digit()).trim_end_matches("_m");
+            assert!(src.contains(name) || src.contains(&format!("{stem}_m##MT")), "{name} not defined in {file}");
+        }
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().and_then(|e| e.to_str()) != Some("cu") {
+                continue;
+            }
+            let src = std::fs::read_to_string(&path).unwrap();
+            let file = path.file_name().unwrap().to_str().unwrap();
+            for line in src.lines() {
+                if let Some(rest) = line.split("__global__ void ").nth(1) {
+                    let rest = rest.trim_start_matches("__launch_bounds__(128) ").trim_start_matches("__launch_bounds__(1024) ");
+                    let name = rest.split('(').next().unwrap().trim();
+                    let listed = KERNELS.iter().any(|(f, n)| *f == file && (n == &name || n.starts_with(name.trim_end_matches("##MT"))));
+                    assert!(listed, "kernel {name} in {file} is missing from KERNELS");
+                }
+            }
+        }
+    }
+}

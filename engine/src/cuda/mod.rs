@@ -1,0 +1,142 @@
+//! CUDA backend building blocks: a [`Gpu`] context (device, one stream, the kernels' module, cuBLAS) and
+//! one checked wrapper per op in [`ops`], each the twin of a CPU op (index: kernels/README.md).
+//!
+//! Kernels come from `kdtree_kernels::FATBIN` (compiled at build time by nvcc for sm_90a + sm_120a + PTX),
+//! loaded with the driver API; libcuda and libcublas are dlopened at run time (cudarc `dynamic-loading`),
+//! so a binary built here runs on a machine with only the NVIDIA driver and the CUDA 13 libraries.
+//! Wrappers check every shape and length before launching (messages print both numbers) and map failures
+//! to [`CudaError`] naming the op. Parity tests: engine/tests/cuda_ops.rs.
+
+pub mod ops;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+
+/// Errors of the CUDA backend; every variant names the op (or step) that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    /// No usable GPU: the driver library is missing, no device exists, or the device cannot run the fatbin.
+    #[error("no usable CUDA device: {0}")]
+    NoDevice(String),
+    /// A shape, length or alignment precondition of an op failed (checked before any launch).
+    #[error("{op}: {msg}")]
+    Shape { op: &'static str, msg: String },
+    #[error("{op}: CUDA driver error: {source}")]
+    Driver {
+        op: &'static str,
+        #[source]
+        source: cudarc::driver::DriverError,
+    },
+    #[error("{op}: cuBLAS error: {source}")]
+    Blas {
+        op: &'static str,
+        #[source]
+        source: cudarc::cublas::result::CublasError,
+    },
+}
+
+pub type Result<T> = std::result::Result<T, CudaError>;
+
+/// Shape check helper: `ensure(op, cond, || format!(..))`.
+pub(crate) fn ensure(op: &'static str, cond: bool, msg: impl FnOnce() -> String) -> Result<()> {
+    if cond {
+        Ok(())
+    } else {
+        Err(CudaError::Shape { op, msg: msg() })
+    }
+}
+
+/// Maps a driver error to [`CudaError::Driver`] for `op`.
+pub(crate) fn drv(op: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> CudaError {
+    move |source| CudaError::Driver { op, source }
+}
+
+/// One GPU: context, the stream every op launches on, the kernels module and a cuBLAS handle bound to
+/// that stream. Not `Clone`; share it by reference (ops take `&Gpu`).
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub blas: CudaBlas,
+    /// Number of streaming multiprocessors (sizes split-K grids).
+    pub sms: usize,
+    /// Largest dynamic shared memory a block may opt into (bytes).
+    pub max_smem: usize,
+    _module: Arc<CudaModule>,
+    funcs: HashMap<&'static str, CudaFunction>,
+}
+
+impl Gpu {
+    /// Opens device `ordinal`, loads the embedded fatbin and resolves every kernel in
+    /// `kdtree_kernels::KERNELS` (a missing one is an error naming it). Fails with
+    /// [`CudaError::NoDevice`] (never panics) when libcuda is absent or no device exists.
+    pub fn new(ordinal: usize) -> Result<Gpu> {
+        // SAFETY: only probes whether the shared library can be dlopened.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(CudaError::NoDevice("libcuda (the NVIDIA driver library) was not found".into()));
+        }
+        let n = CudaContext::device_count().map_err(|e| CudaError::NoDevice(format!("cuInit/cuDeviceGetCount: {e}")))?;
+        if ordinal >= n.max(0) as usize {
+            return Err(CudaError::NoDevice(format!("device {ordinal} requested, {n} present")));
+        }
+        // SAFETY: as above, for libcublas.
+        if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+            return Err(CudaError::NoDevice("libcublas (CUDA 13 libraries) was not found; add it to LD_LIBRARY_PATH".into()));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(drv("open device"))?;
+        let stream = ctx.default_stream();
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(kdtree_kernels::FATBIN.to_vec()))
+            .map_err(|e| CudaError::NoDevice(format!("loading the kernels fatbin (sm_90a/sm_120a/compute_90): {e}")))?;
+        let mut funcs = HashMap::new();
+        for &(file, name) in kdtree_kernels::KERNELS {
+            let f = module
+                .load_function(name)
+                .map_err(|e| CudaError::NoDevice(format!("kernel {name} (kernels/cuda/{file}) not in the fatbin: {e}")))?;
+            funcs.insert(name, f);
+        }
+        use cudarc::driver::sys::CUdevice_attribute as A;
+        let sms = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(drv("device attributes"))? as usize;
+        let max_smem = ctx
+            .attribute(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(drv("device attributes"))? as usize;
+        let blas = CudaBlas::new(stream.clone()).map_err(|source| CudaError::Blas { op: "cublas init", source })?;
+        let gpu = Gpu { ctx, stream, blas, sms, max_smem, _module: module, funcs };
+        ops::w4a16_gemm::configure(&gpu)?;
+        Ok(gpu)
+    }
+
+    /// The kernel `name` (all are resolved in [`Gpu::new`]).
+    pub(crate) fn func(&self, name: &'static str) -> &CudaFunction {
+        &self.funcs[name]
+    }
+
+    /// Device name and compute capability, e.g. "NVIDIA H200 (sm_90)".
+    pub fn describe(&self) -> String {
+        let name = self.ctx.name().unwrap_or_else(|_| "?".into());
+        let (ma, mi) = self.ctx.compute_capability().unwrap_or((0, 0));
+        format!("{name} (sm_{ma}{mi}, {} SMs)", self.sms)
+    }
+
+    /// Host → device copy into a new buffer (allocates; not for the hot path).
+    pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
+        self.stream.clone_htod(host).map_err(drv("upload"))
+    }
+
+    /// Device → host copy (synchronises the stream; tests and final outputs only).
+    pub fn download<T: DeviceRepr>(&self, dev: &CudaSlice<T>) -> Result<Vec<T>> {
+        self.stream.clone_dtoh(dev).map_err(drv("download"))
+    }
+
+    /// A zero-filled device buffer of `n` elements.
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
+        self.stream.alloc_zeros(n).map_err(drv("alloc"))
+    }
+
+    /// Blocks until all work queued on the stream is done.
+    pub fn sync(&self) -> Result<()> {
+        self.stream.synchronize().map_err(drv("synchronize"))
+    }
+}

@@ -1,0 +1,49 @@
+//! One wrapper per op (engine/src/cuda/ops/<op>.rs wraps kernels/cuda/<op>.cu; the CPU twin is named in
+//! each file). Every wrapper checks shapes and lengths before it launches, launches on `gpu.stream`, and
+//! maps failures to [`super::CudaError`] naming the op. Unless a wrapper says otherwise, a launch does no
+//! allocation and no host sync, and is graph-capturable.
+
+pub mod argmax;
+pub mod embed;
+pub mod gemm_bf16;
+pub mod moe_align;
+pub mod moe_router;
+pub mod residual_add;
+pub mod rms_norm;
+pub mod rope;
+pub mod silu_mul;
+pub mod w4a16_gemm;
+
+use cudarc::driver::{CudaView, LaunchConfig};
+
+use super::{ensure, Result};
+
+pub(crate) fn launch_cfg(grid: (u32, u32, u32), block: u32, smem: u32) -> LaunchConfig {
+    LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem }
+}
+
+/// Checks that a buffer named `what` holds at least `need` elements.
+pub(crate) fn need_len(op: &'static str, what: &str, have: usize, need: usize) -> Result<()> {
+    ensure(op, have >= need, || format!("{what} has {have} elements, needs at least {need}"))
+}
+
+/// Elements spanned by `rows` rows of `width` with row stride `ld` (0 when rows = 0).
+pub(crate) fn span(rows: usize, ld: usize, width: usize) -> usize {
+    if rows == 0 {
+        0
+    } else {
+        (rows - 1) * ld + width
+    }
+}
+
+/// Converts a size to the kernels' `int`, naming the op and quantity when it does not fit.
+pub(crate) fn as_i32(op: &'static str, what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| super::CudaError::Shape { op, msg: format!("{what}={v} exceeds i32") })
+}
+
+/// Device address of a view (for alignment checks).
+pub(crate) fn addr<T>(gpu: &super::Gpu, v: &CudaView<'_, T>) -> u64 {
+    use cudarc::driver::DevicePtr;
+    let (p, _sync) = v.device_ptr(&gpu.stream);
+    p
+}

@@ -1,0 +1,123 @@
+//! Timings of the W4A16 GEMM on the K2.6 expert shapes (and the cuBLAS bf16 GEMM on the same shapes, and a
+//! device copy, measured in the same run as the bandwidth ceiling). `#[ignore]`: run explicitly with
+//! `--ignored --nocapture --test-threads=1` (scripts/gpu-test.sh does). Weights are random and rotated over
+//! more than 200 MB so every call streams from HBM, not the 60 MB L2; CUDA events around many calls after a
+//! warm-up; GB/s counts the weight bytes (packed + scales, or bf16) once per call.
+#![cfg(feature = "cuda")]
+
+mod cuda_common;
+
+use cuda_common::*;
+use half::bf16;
+use kdtree_engine::cuda::ops;
+use kdtree_engine::cuda::Gpu;
+use rand::RngCore;
+
+const ROTATE_BYTES: usize = 256 << 20;
+
+/// Mean ms per call of `f(i)` over `iters` calls after `warm` calls, timed with CUDA events.
+fn time_ms(g: &Gpu, warm: usize, iters: usize, mut f: impl FnMut(usize)) -> f64 {
+    for i in 0..warm {
+        f(i);
+    }
+    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let a = g.stream.record_event(flags).unwrap();
+    for i in 0..iters {
+        f(warm + i);
+    }
+    let b = g.stream.record_event(flags).unwrap();
+    b.synchronize().unwrap();
+    a.elapsed_ms(&b).unwrap() as f64 / iters as f64
+}
+
+fn copy_gbps(g: &Gpu) -> f64 {
+    let n = 1usize << 30;
+    let src = g.zeros::<u8>(n).unwrap();
+    let mut dst = g.zeros::<u8>(n).unwrap();
+    let ms = time_ms(g, 2, 10, |_| g.stream.memcpy_dtod(&src, &mut dst).unwrap());
+    2.0 * n as f64 / (ms * 1e-3) / 1e9
+}
+
+#[test]
+#[ignore = "timing; run by scripts/gpu-test.sh"]
+fn w4a16_bandwidth() {
+    let Some(g) = gpu() else { return };
+    let copy = copy_gbps(&g);
+    println!("BENCH device {} copy {:.0} GB/s (read+write, 1 GiB memcpy_dtod)", g.describe(), copy);
+    let mut r = rng(2000);
+    for &(n, k) in &[(4096usize, 7168usize), (7168, 2048), (512, 7168), (7168, 256)] {
+        let bytes = n * k / 2 + n * k / 32 * 2;
+        let copies = ROTATE_BYTES.div_ceil(bytes).max(2);
+        let mut packed = vec![0u8; copies * n * k / 2];
+        r.fill_bytes(&mut packed);
+        let scales = rand_bf16(&mut r, copies * n * k / 32, 1.0 / 512.0, 1.0 / 64.0);
+        let dp = g.upload(&packed).unwrap();
+        let ds = g.upload(&scales).unwrap();
+        let wb = bf16_weights(&g, &mut r, n, k);
+        for &m in &[1usize, 8, 64] {
+            let x = rand_bf16(&mut r, m * k, 0.01, 1.0);
+            let dx = g.upload(&x).unwrap();
+            let plan = ops::w4a16_gemm::plan_dense(&g, m, n, k);
+            let mut ws = g.zeros::<f32>(plan.workspace_len(m, n)).unwrap();
+            let mut out = g.zeros::<bf16>(m * n).unwrap();
+            let (eb, es) = (n * k / 2, n * k / 32);
+            let ms = time_ms(&g, copies, 4 * copies.max(10), |i| {
+                let c = i % copies;
+                ops::w4a16_gemm::w4a16_gemm(&g, &dx.as_view(), k, m, &dp.slice(c * eb..(c + 1) * eb), &ds.slice(c * es..(c + 1) * es), n, k, &mut ws.as_view_mut(), &mut out.as_view_mut(), n).unwrap();
+            });
+            let gbps = bytes as f64 / (ms * 1e-3) / 1e9;
+            println!("BENCH w4a16_gemm N={n} K={k} M={m} splits={} {:.2} us {:.0} GB/s {:.0}% of copy", plan.splits, ms * 1e3, gbps, 100.0 * gbps / copy);
+            // cuBLAS bf16 on the same shape (4x the weight bytes), rotated the same way.
+            let (wcopies, wsz) = (wb.len() / (n * k), n * k);
+            let mut y = g.zeros::<bf16>(m * n).unwrap();
+            let ms = time_ms(&g, wcopies, 4 * wcopies.max(10), |i| {
+                let c = i % wcopies;
+                ops::gemm_bf16::gemm_bf16(&g, &dx.as_view(), &wb.slice(c * wsz..(c + 1) * wsz), &mut y.as_view_mut(), m, k, n).unwrap();
+            });
+            let gbps = (2 * n * k) as f64 / (ms * 1e-3) / 1e9;
+            println!("BENCH gemm_bf16 N={n} K={k} M={m} {:.2} us {:.0} GB/s {:.0}% of copy", ms * 1e3, gbps, 100.0 * gbps / copy);
+        }
+    }
+    // Grouped MoE decode: 1 token x top-8 of 32 distinct experts of the fused gate+up 4096x7168 (rotated over
+    // 4 id sets so each call reads 8 experts no other call of the last 3 read), align + GEMM + reduce.
+    let (e, n, k, top_k) = (32usize, 4096usize, 7168usize, 8usize);
+    let mut packed = vec![0u8; e * n * k / 2];
+    r.fill_bytes(&mut packed);
+    let scales = rand_bf16(&mut r, e * n * k / 32, 1.0 / 512.0, 1.0 / 64.0);
+    let (dp, ds) = (g.upload(&packed).unwrap(), g.upload(&scales).unwrap());
+    drop((packed, scales));
+    for &t in &[1usize, 8] {
+        let p = t * top_k;
+        let sets: Vec<_> = (0..4)
+            .map(|s| {
+                let ids: Vec<i32> = (0..p).map(|q| ((s * 8 + q % 8) as i32 + (q / 8) as i32) % e as i32).collect();
+                g.upload(&ids).unwrap()
+            })
+            .collect();
+        let plan = ops::w4a16_gemm::plan_moe(&g, p, e, n, k);
+        let mt = ops::moe_align::max_tiles(p, e, plan.tile_rows());
+        let x = g.upload(&rand_bf16(&mut r, t * k, 0.01, 1.0)).unwrap();
+        let mut sorted = g.zeros::<i32>(p).unwrap();
+        let mut tiles = g.zeros::<i32>(3 * mt).unwrap();
+        let mut nt = g.zeros::<i32>(1).unwrap();
+        let mut ws = g.zeros::<f32>(plan.workspace_len(p, n)).unwrap();
+        let mut out = g.zeros::<bf16>(p * n).unwrap();
+        let ms = time_ms(&g, 8, 64, |i| {
+            ops::moe_align::moe_align(&g, &sets[i % 4].as_view(), e, plan.tile_rows(), &mut sorted.as_view_mut(), &mut tiles.as_view_mut(), &mut nt.as_view_mut()).unwrap();
+            let (sv, tv, nv) = (sorted.as_view(), tiles.as_view(), nt.as_view());
+            let routing = ops::w4a16_gemm::Routing { sorted: &sv, tiles: &tv, max_tiles: mt, n_tiles: &nv, tile_rows: plan.tile_rows() };
+            ops::w4a16_gemm::moe_w4a16_gemm(&g, &x.as_view(), k, top_k, p, &routing, &dp.as_view(), &ds.as_view(), e, n, k, &mut ws.as_view_mut(), &mut out.as_view_mut(), n).unwrap();
+        });
+        let experts_read = if t == 1 { 8 } else { 8.min(e) + 7 };
+        let bytes = experts_read * (n * k / 2 + n * k / 16);
+        let gbps = bytes as f64 / (ms * 1e-3) / 1e9;
+        println!("BENCH moe_w4a16_gemm T={t} top_k=8 experts_read={experts_read} N={n} K={k} splits={} {:.2} us {:.0} GB/s {:.0}% of copy", plan.splits, ms * 1e3, gbps, 100.0 * gbps / copy);
+    }
+}
+
+/// bf16 weights `[copies, n, k]` rotated over >= ROTATE_BYTES.
+fn bf16_weights(g: &Gpu, r: &mut rand_chacha::ChaCha8Rng, n: usize, k: usize) -> cudarc::driver::CudaSlice<bf16> {
+    let copies = ROTATE_BYTES.div_ceil(2 * n * k).max(2);
+    let w: Vec<bf16> = (0..copies * n * k).map(|_| bf16::from_bits(0x3c00 | (r.next_u32() as u16 & 0x80ff))).collect();
+    g.upload(&w).unwrap()
+}

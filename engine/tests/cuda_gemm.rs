@@ -1,0 +1,196 @@
+//! Parity of the CUDA GEMMs against their CPU twins: W4A16 group-32 (dense and grouped-MoE forms, the
+//! converter's INT4 layout) and the cuBLAS bf16 GEMM, at small shapes and at K2.6 shapes (expert
+//! projections 4096x7168 and 7168x2048, their TP8 slices 512x7168 and 7168x256, 384 experts, hidden 7168,
+//! lm_head 163840x7168). Seeded inputs (seed printed), NaN-poisoned outputs, rel = max abs / max |ref|.
+//! Needs a GPU: skips without one unless KDTREE_REQUIRE_GPU=1. Run: scripts/gpu-test.sh.
+#![cfg(feature = "cuda")]
+
+mod cuda_common;
+
+// CPU twins (one block, so the paths are easy to fix when engine/src/cpu/ops splits one op per file).
+use kdtree_engine::cpu::ops::{matmul_bf16, matmul_i4g32};
+
+use cuda_common::*;
+use half::bf16;
+use kdtree_engine::cuda::ops;
+use kdtree_engine::cuda::Gpu;
+use rand::seq::{IndexedRandom, SliceRandom};
+use rand::RngCore;
+use rand_chacha::ChaCha8Rng;
+
+/// W4A16 vs the exact-f32 twin: each weight rounded once to bf16(q·s) (2^-9 relative) and the output
+/// rounded to bf16 (2^-9 of |y|); both bounded by ~2^-9 of max |y|, plus f32 order. Measured floor: see
+/// bench/GPU-RESULTS.md.
+const W4A16_TOL: f64 = 6.0e-3;
+/// bf16 GEMM with f32 output: only the f32 summation order differs from the twin.
+const GEMM_F32_TOL: f64 = 3.0e-5;
+/// bf16 GEMM with bf16 output: one output rounding (2^-8 of max |y|) plus f32 order.
+const GEMM_BF16_TOL: f64 = 4.5e-3;
+
+/// Random INT4 weights `[experts, n, k]`: packed bytes (all 256 values) and bf16 scales in ±[2^-9, 2^-6).
+fn int4_weights(r: &mut ChaCha8Rng, experts: usize, n: usize, k: usize) -> (Vec<u8>, Vec<bf16>) {
+    let mut packed = vec![0u8; experts * n * k / 2];
+    r.fill_bytes(&mut packed);
+    let scales = rand_bf16(r, experts * n * k / 32, 1.0 / 512.0, 1.0 / 64.0);
+    (packed, scales)
+}
+
+/// Fast random bf16 (sign random, magnitude in [2^-9, 1)), for the multi-GB lm_head weight.
+fn fast_bf16(r: &mut ChaCha8Rng, n: usize) -> Vec<bf16> {
+    (0..n)
+        .map(|_| {
+            let u = r.next_u32();
+            let exp = 118 + (u >> 24) % 9; // 2^-9 .. 2^-1
+            bf16::from_bits(((u & 0x8000) as u16) | ((exp as u16) << 7) | ((u & 0x7f) as u16))
+        })
+        .collect()
+}
+
+fn run_dense(g: &Gpu, x: &[bf16], m: usize, packed: &[u8], scales: &[bf16], n: usize, k: usize) -> Vec<bf16> {
+    let plan = ops::w4a16_gemm::plan_dense(g, m, n, k);
+    let dx = g.upload(x).unwrap();
+    let dp = g.upload(packed).unwrap();
+    let ds = g.upload(scales).unwrap();
+    let mut ws = g.upload(&nan_f32(plan.workspace_len(m, n).max(1))).unwrap();
+    let mut out = g.upload(&nan_bf16(m * n)).unwrap();
+    ops::w4a16_gemm::w4a16_gemm(g, &dx.as_view(), k, m, &dp.as_view(), &ds.as_view(), n, k, &mut ws.as_view_mut(), &mut out.as_view_mut(), n).unwrap();
+    g.download(&out).unwrap()
+}
+
+#[test]
+fn w4a16_gemm_parity() {
+    let Some(g) = gpu() else { return };
+    // (M, N, K): small shapes (incl. N not a multiple of 128, M over one 32-row tile), then K2.6 expert
+    // projections (gate+up fused 4096x7168, down 7168x2048) and their TP8 slices (512x7168, 7168x256).
+    let cases = [
+        (1, 32, 128), (3, 64, 256), (17, 160, 384), (40, 96, 512), (70, 128, 1024),
+        (1, 4096, 7168), (8, 4096, 7168), (33, 4096, 7168), (1, 7168, 2048), (64, 7168, 2048),
+        (1, 512, 7168), (16, 512, 7168), (5, 7168, 256), (200, 512, 2048),
+    ];
+    for (i, &(m, n, k)) in cases.iter().enumerate() {
+        let plan = ops::w4a16_gemm::plan_dense(&g, m, n, k);
+        let case = format!("w4a16_gemm(M={m},N={n},K={k},i4g32) [tile {} rows, {} splits]", plan.tile_rows(), plan.splits);
+        let mut r = rng(1000 + i as u64);
+        let x = rand_bf16(&mut r, m * k, 0.01, 1.0);
+        let (packed, scales) = int4_weights(&mut r, 1, n, k);
+        let got = run_dense(&g, &x, m, &packed, &scales, n, k);
+        let want = matmul_i4g32(&widen(&x), &packed, &scales, m, k, n);
+        check_bf16(&case, &got, &want, W4A16_TOL);
+    }
+}
+
+#[test]
+fn w4a16_gemm_rejects_bad_shapes() {
+    let Some(g) = gpu() else { return };
+    let x = g.upload(&vec![bf16::ONE; 7168]).unwrap();
+    let p = g.upload(&vec![0u8; 512 * 3584]).unwrap();
+    let s = g.upload(&vec![bf16::ONE; 512 * 224 - 1]).unwrap();
+    let mut ws = g.upload(&vec![0f32; 1 << 20]).unwrap();
+    let mut out = g.upload(&vec![bf16::ZERO; 512]).unwrap();
+    let e = ops::w4a16_gemm::w4a16_gemm(&g, &x.as_view(), 7168, 1, &p.as_view(), &s.as_view(), 512, 7168, &mut ws.as_view_mut(), &mut out.as_view_mut(), 512).unwrap_err().to_string();
+    assert!(e.contains("w4a16_gemm") && e.contains("114687") && e.contains("224"), "{e}");
+}
+
+/// Grouped MoE GEMM: ids (token, slot) -> expert; the ids go through moe_align on the device.
+/// `per_pair_x`: x is `[P, K]` (down projection, x_row_div 1), else `[T, K]` (gate/up, x_row_div top_k).
+#[allow(clippy::too_many_arguments)]
+fn moe_case(g: &Gpu, case: &str, r: &mut ChaCha8Rng, t: usize, top_k: usize, e: usize, used: usize, n: usize, k: usize, per_pair_x: bool, ids_on_device: Option<Vec<i32>>) {
+    let p = t * top_k;
+    let ids = ids_on_device.unwrap_or_else(|| {
+        let mut pool: Vec<i32> = (0..e as i32).collect();
+        pool.shuffle(r);
+        pool.truncate(used);
+        (0..t).flat_map(|_| pool.choose_multiple(r, top_k).copied().collect::<Vec<_>>()).collect()
+    });
+    let xrows = if per_pair_x { p } else { t };
+    let x = rand_bf16(r, xrows * k, 0.01, 1.0);
+    let (packed, scales) = int4_weights(r, e, n, k);
+    let plan = ops::w4a16_gemm::plan_moe(g, p, e, n, k);
+    let tile = plan.tile_rows();
+    let mt = ops::moe_align::max_tiles(p, e, tile);
+    let di = g.upload(&ids).unwrap();
+    let mut sorted = g.upload(&vec![-1i32; p]).unwrap();
+    let mut tiles = g.upload(&vec![-1i32; 3 * mt]).unwrap();
+    let mut nt = g.upload(&[-1i32]).unwrap();
+    ops::moe_align::moe_align(g, &di.as_view(), e, tile, &mut sorted.as_view_mut(), &mut tiles.as_view_mut(), &mut nt.as_view_mut()).unwrap();
+    let dx = g.upload(&x).unwrap();
+    let dp = g.upload(&packed).unwrap();
+    let ds = g.upload(&scales).unwrap();
+    let mut ws = g.upload(&nan_f32(plan.workspace_len(p, n))).unwrap();
+    let mut out = g.upload(&nan_bf16(p * n)).unwrap();
+    let (sv, tv, nv) = (sorted.as_view(), tiles.as_view(), nt.as_view());
+    let routing = ops::w4a16_gemm::Routing { sorted: &sv, tiles: &tv, max_tiles: mt, n_tiles: &nv, tile_rows: tile };
+    let div = if per_pair_x { 1 } else { top_k };
+    ops::w4a16_gemm::moe_w4a16_gemm(g, &dx.as_view(), k, div, p, &routing, &dp.as_view(), &ds.as_view(), e, n, k, &mut ws.as_view_mut(), &mut out.as_view_mut(), n).unwrap();
+    let got = g.download(&out).unwrap();
+    let xf = widen(&x);
+    let (eb, es) = (n * k / 2, n * k / 32);
+    let mut want = Vec::with_capacity(p * n);
+    for (q, &ex) in ids.iter().enumerate() {
+        let xr = if per_pair_x { q } else { q / top_k };
+        let ex = ex as usize;
+        want.extend(matmul_i4g32(&xf[xr * k..(xr + 1) * k], &packed[ex * eb..(ex + 1) * eb], &scales[ex * es..(ex + 1) * es], 1, k, n));
+    }
+    check_bf16(&format!("{case} [tile {tile} rows, {} splits]", plan.splits), &got, &want, W4A16_TOL);
+}
+
+#[test]
+fn moe_w4a16_gemm_parity() {
+    let Some(g) = gpu() else { return };
+    // (T, top_k, E, experts used, N, K, x per pair)
+    let cases = [
+        (3, 2, 8, 8, 64, 256, false),
+        (6, 4, 16, 5, 96, 384, true),
+        (1, 8, 384, 384, 256, 7168, false),
+        (40, 8, 384, 24, 256, 7168, false),
+        (9, 8, 384, 384, 7168, 256, true),
+    ];
+    for (i, &(t, k, e, used, n, kk, pp)) in cases.iter().enumerate() {
+        let case = format!("moe_w4a16_gemm(T={t},top_k={k},E={e},used={used},N={n},K={kk},x_per_pair={pp})");
+        let mut r = rng(1100 + i as u64);
+        moe_case(&g, &case, &mut r, t, k, e, used, n, kk, pp, None);
+    }
+}
+
+/// The device chain router -> align -> grouped GEMM with the expert ids never leaving the device (they are
+/// read back only to build the reference afterwards).
+#[test]
+fn moe_chain_ids_stay_on_device() {
+    let Some(g) = gpu() else { return };
+    let (t, e, top_k, n, k) = (4, 384, 8, 256, 7168);
+    let mut r = rng(1200);
+    let logits = rand_f32(&mut r, t * e, -6.0, 6.0);
+    let rc = ops::moe_router::RouterCfg { n_experts: e, n_group: 1, topk_group: 1, top_k, norm_topk_prob: true, routed_scaling: 2.827 };
+    let dl = g.upload(&logits).unwrap();
+    let mut di = g.upload(&vec![-1i32; t * top_k]).unwrap();
+    let mut dw = g.upload(&nan_f32(t * top_k)).unwrap();
+    ops::moe_router::moe_router(&g, &dl.as_view(), None, t, rc, &mut di.as_view_mut(), &mut dw.as_view_mut()).unwrap();
+    let ids = g.download(&di).unwrap();
+    moe_case(&g, "moe_chain(router->align->moe_w4a16_gemm,T=4,E=384,N=256,K=7168)", &mut r, t, top_k, e, e, n, k, false, Some(ids));
+}
+
+#[test]
+fn gemm_bf16_parity() {
+    let Some(g) = gpu() else { return };
+    // (T, K, N, f32 out): q_a 7168->1536, kv_a 7168->576, q_b 1536->12288, router 7168->384 (f32),
+    // o_proj 8192->7168, lm_head 7168->163840 (f32 logits), a small odd shape.
+    let cases = [(1, 7168, 1536, false), (8, 7168, 576, false), (5, 1536, 12288, false), (3, 7168, 384, true), (2, 8192, 7168, false), (1, 7168, 163_840, true), (7, 100, 33, true)];
+    for (i, &(t, k, n, f32_out)) in cases.iter().enumerate() {
+        let case = format!("gemm_bf16(T={t},K={k},N={n},out={})", if f32_out { "f32" } else { "bf16" });
+        let mut r = rng(1300 + i as u64);
+        let x = rand_bf16(&mut r, t * k, 0.01, 1.0);
+        let w = fast_bf16(&mut r, n * k);
+        let dx = g.upload(&x).unwrap();
+        let dw = g.upload(&w).unwrap();
+        let want = matmul_bf16(&widen(&x), &w, t, k, n);
+        if f32_out {
+            let mut dy = g.upload(&nan_f32(t * n)).unwrap();
+            ops::gemm_bf16::gemm_bf16(&g, &dx.as_view(), &dw.as_view(), &mut dy.as_view_mut(), t, k, n).unwrap();
+            check(&case, &g.download(&dy).unwrap(), &want, GEMM_F32_TOL);
+        } else {
+            let mut dy = g.upload(&nan_bf16(t * n)).unwrap();
+            ops::gemm_bf16::gemm_bf16(&g, &dx.as_view(), &dw.as_view(), &mut dy.as_view_mut(), t, k, n).unwrap();
+            check_bf16(&case, &g.download(&dy).unwrap(), &want, GEMM_BF16_TOL);
+        }
+    }
+}

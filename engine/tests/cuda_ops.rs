@@ -1,0 +1,287 @@
+//! Parity of the CUDA elementwise, norm, rope, gather, argmax and MoE-routing ops against their CPU twins
+//! (kernels/README.md is the index). Random seeded inputs (never zeros; the seed is printed), outputs
+//! NaN-poisoned before launch, max abs and rel (max abs / max |reference|) error against the named
+//! tolerances below; exact ops (embedding gather, argmax, router ids, align lists) compare bit for bit.
+//! Needs a GPU: skips without one unless KDTREE_REQUIRE_GPU=1. Run: scripts/gpu-test.sh.
+#![cfg(feature = "cuda")]
+
+mod cuda_common;
+
+// CPU twins (one block, so the paths are easy to fix when engine/src/cpu/ops splits one op per file).
+use kdtree_engine::cpu::ops::{rms_norm, rope_cos_sin, rope_interleaved, silu_mul, yarn_inv_freq};
+use kdtree_engine::model::ffn::route;
+use kdtree_engine::sampling::argmax;
+
+use cuda_common::*;
+use half::bf16;
+use kdtree_engine::cuda::ops;
+use kdtree_engine::model::testing::tiny_config;
+use kdtree_engine::model::ModelConfig;
+use rand::seq::{IndexedRandom, SliceRandom};
+use rand::Rng;
+
+/// One bf16 rounding of the output: half an ulp, at most 2^-8 of max |y| (3.9e-3).
+const BF16_OUT_TOL: f64 = 4.0e-3;
+/// RMSNorm: bf16 output rounding plus a different f32 summation order of the mean of squares.
+const RMS_NORM_TOL: f64 = 4.5e-3;
+/// Router weights: sigmoid through expf (<= 2 ulp) vs Rust's exp; ids must match exactly.
+const ROUTER_WEIGHT_TOL: f64 = 1.0e-6;
+
+#[test]
+fn rms_norm_parity() {
+    let Some(g) = gpu() else { return };
+    // (rows, h, ld_x): 576-wide rows with the 512 latent normalised (kv_a_layernorm) and K2.6 hidden 7168.
+    for (i, &(rows, h, ld)) in [(1, 64, 64), (7, 7168, 7168), (33, 512, 576), (3, 1536, 1536), (2, 100, 100)].iter().enumerate() {
+        let case = format!("rms_norm(rows={rows},h={h},ld_x={ld},bf16)");
+        let mut r = rng(100 + i as u64);
+        let x = rand_bf16(&mut r, rows * ld, 0.01, 2.0);
+        let w = rand_bf16(&mut r, h, 0.5, 1.5);
+        let dx = g.upload(&x).unwrap();
+        let dw = g.upload(&w).unwrap();
+        let mut dy = g.upload(&nan_bf16(rows * h)).unwrap();
+        ops::rms_norm::rms_norm(&g, &dx.as_view(), &dw.as_view(), &mut dy.as_view_mut(), rows, h, ld, h, 1e-5).unwrap();
+        let got = g.download(&dy).unwrap();
+        let xs: Vec<f32> = (0..rows).flat_map(|t| widen(&x[t * ld..t * ld + h])).collect();
+        let want = rms_norm(&xs, &w, 1e-5);
+        check_bf16(&case, &got, &want, RMS_NORM_TOL);
+    }
+}
+
+#[test]
+fn rope_parity() {
+    let Some(g) = gpu() else { return };
+    let k26 = kdtree_formats::config::RopeScaling {
+        kind: "yarn".into(),
+        factor: 64.0,
+        original_max_position_embeddings: 4096,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        mscale: 1.0,
+        mscale_all_dim: 1.0,
+    };
+    let inv = yarn_inv_freq(64, 50000.0, Some(&k26));
+    // (tokens, heads, ld_head, offset, ld_token): q [T, 64, 192] rope at 128; k_rope [T, 576] at 512.
+    let layouts = [(5, 64, 192, 128, 64 * 192), (9, 1, 576, 512, 576), (3, 8, 192, 128, 8 * 192)];
+    for (i, &(t, heads, ld_head, offset, ld_token)) in layouts.iter().enumerate() {
+        let case = format!("rope_interleaved(tokens={t},heads={heads},ld_head={ld_head},offset={offset},D=64,bf16)");
+        let mut r = rng(200 + i as u64);
+        let x = rand_bf16(&mut r, t * ld_token, 0.01, 2.0);
+        let pos: Vec<i32> = (0..t).map(|_| r.random_range(0..200_000)).collect();
+        let mut dx = g.upload(&x).unwrap();
+        let dpos = g.upload(&pos).unwrap();
+        let dinv = g.upload(&inv).unwrap();
+        let l = ops::rope::RopeLayout { tokens: t, heads, ld_token, ld_head, offset, dim: 64 };
+        ops::rope::rope_interleaved(&g, &mut dx.as_view_mut(), &dpos.as_view(), &dinv.as_view(), l, 1.0).unwrap();
+        let got = g.download(&dx).unwrap();
+        let mut want = widen(&x);
+        for tt in 0..t {
+            let (c, s) = rope_cos_sin(&inv, pos[tt] as usize, 1.0);
+            for h in 0..heads {
+                let o = tt * ld_token + h * ld_head + offset;
+                rope_interleaved(&mut want[o..o + 64], &c, &s);
+            }
+        }
+        check_bf16(&case, &got, &want, BF16_OUT_TOL);
+    }
+}
+
+#[test]
+fn silu_mul_parity() {
+    let Some(g) = gpu() else { return };
+    // (rows, i, fused): fused = gate and up halves of one [rows, 2i] buffer.
+    for (n, &(rows, i, fused)) in [(1, 2048, true), (8, 256, false), (64, 18432 / 8, true), (3, 100, false)].iter().enumerate() {
+        let case = format!("silu_mul(rows={rows},i={i},fused={fused},bf16)");
+        let mut r = rng(300 + n as u64);
+        let ld = if fused { 2 * i } else { i };
+        let gu = rand_bf16(&mut r, rows * ld + if fused { 0 } else { rows * i }, 0.01, 6.0);
+        let dgu = g.upload(&gu).unwrap();
+        let mut dout = g.upload(&nan_bf16(rows * i)).unwrap();
+        let (gate, up) = if fused { (dgu.slice(0..), dgu.slice(i..)) } else { (dgu.slice(0..rows * i), dgu.slice(rows * i..)) };
+        ops::silu_mul::silu_mul(&g, &gate, &up, &mut dout.as_view_mut(), rows, i, ld).unwrap();
+        let got = g.download(&dout).unwrap();
+        let (mut gv, mut uv) = (Vec::new(), Vec::new());
+        for t in 0..rows {
+            let (go, uo) = if fused { (t * ld, t * ld + i) } else { (t * i, rows * i + t * i) };
+            gv.extend(widen(&gu[go..go + i]));
+            uv.extend(widen(&gu[uo..uo + i]));
+        }
+        check_bf16(&case, &got, &silu_mul(&gv, &uv), BF16_OUT_TOL);
+    }
+}
+
+#[test]
+fn embed_gather_parity() {
+    let Some(g) = gpu() else { return };
+    for (n, &(v, h, t)) in [(163_840, 7168, 9), (96, 64, 5), (1000, 100, 4)].iter().enumerate() {
+        let case = format!("embed_gather(V={v},H={h},T={t},bf16)");
+        let mut r = rng(400 + n as u64);
+        let table = rand_bf16(&mut r, v * h, 0.001, 1.0);
+        let mut ids: Vec<i32> = (0..t).map(|_| r.random_range(0..v as i32)).collect();
+        ids[0] = v as i32 - 1;
+        let dt = g.upload(&table).unwrap();
+        let di = g.upload(&ids).unwrap();
+        let mut dout = g.upload(&nan_bf16(t * h)).unwrap();
+        ops::embed::embed_gather(&g, &di.as_view(), &dt.as_view(), &mut dout.as_view_mut(), v, h).unwrap();
+        let got = g.download(&dout).unwrap();
+        let want: Vec<bf16> = ids.iter().flat_map(|&id| table[id as usize * h..(id as usize + 1) * h].to_vec()).collect();
+        assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{case}: rows differ");
+        println!("PARITY {case} exact");
+        // An out-of-range id gives a NaN row, never another row.
+        let bad = g.upload(&[v as i32, -1]).unwrap();
+        let mut dout = g.upload(&vec![bf16::ZERO; 2 * h]).unwrap();
+        ops::embed::embed_gather(&g, &bad.as_view(), &dt.as_view(), &mut dout.as_view_mut(), v, h).unwrap();
+        assert!(g.download(&dout).unwrap().iter().all(|x| x.is_nan()), "{case}: out-of-range id must give NaN rows");
+    }
+}
+
+#[test]
+fn residual_add_parity() {
+    let Some(g) = gpu() else { return };
+    for (n, &len) in [7168usize, 64 * 7168, 1001].iter().enumerate() {
+        let case = format!("residual_add(n={len},bf16)");
+        let mut r = rng(500 + n as u64);
+        let h = rand_bf16(&mut r, len, 0.01, 4.0);
+        let d = rand_bf16(&mut r, len, 0.01, 4.0);
+        let mut dh = g.upload(&h).unwrap();
+        let dd = g.upload(&d).unwrap();
+        ops::residual_add::residual_add(&g, &mut dh.as_view_mut(), &dd.as_view()).unwrap();
+        let got = g.download(&dh).unwrap();
+        // Local reference (the CPU model adds f32 residuals inline): f32 add of the widened inputs.
+        let want: Vec<f32> = h.iter().zip(&d).map(|(a, b)| a.to_f32() + b.to_f32()).collect();
+        check_bf16(&case, &got, &want, BF16_OUT_TOL);
+        // Odd offsets take the unaligned path.
+        let mut dh = g.upload(&h).unwrap();
+        ops::residual_add::residual_add(&g, &mut dh.slice_mut(1..len), &dd.slice(1..len)).unwrap();
+        let got = g.download(&dh).unwrap();
+        check_bf16(&format!("{case}+offset1"), &got[1..], &want[1..], BF16_OUT_TOL);
+    }
+}
+
+#[test]
+fn argmax_parity() {
+    let Some(g) = gpu() else { return };
+    for (n, &(rows, v)) in [(4, 163_840), (3, 1000), (1, 31), (16, 163_840)].iter().enumerate() {
+        let mut r = rng(600 + n as u64);
+        let mut x = rand_f32(&mut r, rows * v, -20.0, 20.0);
+        // Row 0 (when 2+ rows): an exact tie at two indices (lowest wins) and NaNs (never win).
+        if rows > 1 {
+            x[5] = 100.0;
+            x[v - 3] = 100.0;
+            x[7] = f32::NAN;
+        }
+        let want: Vec<u32> = (0..rows).map(|t| argmax(&x[t * v..(t + 1) * v])).collect();
+        let dx = g.upload(&x).unwrap();
+        let mut dout = g.upload(&vec![u32::MAX; rows]).unwrap();
+        ops::argmax::argmax(&g, &dx.as_view(), rows, v, v, &mut dout.as_view_mut()).unwrap();
+        assert_eq!(g.download(&dout).unwrap(), want, "argmax(rows={rows},V={v},f32)");
+        println!("PARITY argmax(rows={rows},V={v},f32) exact");
+        // bf16 logits (ties are common after rounding; the rule is the same, so still bit for bit).
+        let xb: Vec<bf16> = x.iter().map(|&f| bf16::from_f32(f)).collect();
+        let want: Vec<u32> = (0..rows).map(|t| argmax(&widen(&xb[t * v..(t + 1) * v]))).collect();
+        let dx = g.upload(&xb).unwrap();
+        let mut dout = g.upload(&vec![u32::MAX; rows]).unwrap();
+        ops::argmax::argmax(&g, &dx.as_view(), rows, v, v, &mut dout.as_view_mut()).unwrap();
+        assert_eq!(g.download(&dout).unwrap(), want, "argmax(rows={rows},V={v},bf16)");
+        println!("PARITY argmax(rows={rows},V={v},bf16) exact");
+    }
+}
+
+fn router_cfg(e: usize, n_group: usize, topk_group: usize, top_k: usize) -> ModelConfig {
+    let mut c = ModelConfig::from_text(&tiny_config(Some(32)), 1).unwrap();
+    c.n_experts = e;
+    c.n_group = n_group;
+    c.topk_group = topk_group;
+    c.top_k = top_k;
+    c.norm_topk_prob = true;
+    c.routed_scaling = 2.827;
+    c
+}
+
+#[test]
+fn moe_router_parity() {
+    let Some(g) = gpu() else { return };
+    // (tokens, E, n_group, topk_group, top_k, bias): K2.6 (384, 1 group, top-8), DeepSeek-V3-style groups,
+    // the tiny test model's shape.
+    let cases = [(1, 384, 1, 1, 8, true), (64, 384, 1, 1, 8, true), (7, 256, 8, 4, 8, true), (5, 8, 2, 1, 2, false), (33, 384, 1, 1, 8, false)];
+    for (n, &(t, e, ng, tg, k, with_bias)) in cases.iter().enumerate() {
+        let case = format!("moe_router(T={t},E={e},n_group={ng},topk_group={tg},top_k={k},bias={with_bias})");
+        let mut r = rng(700 + n as u64);
+        let logits = rand_f32(&mut r, t * e, -6.0, 6.0);
+        let bias = with_bias.then(|| rand_f32(&mut r, e, -0.1, 0.1));
+        let cfg = router_cfg(e, ng, tg, k);
+        let rc = ops::moe_router::RouterCfg { n_experts: e, n_group: ng, topk_group: tg, top_k: k, norm_topk_prob: true, routed_scaling: 2.827 };
+        let dl = g.upload(&logits).unwrap();
+        let db = bias.as_ref().map(|b| g.upload(b).unwrap());
+        let mut di = g.upload(&vec![-1i32; t * k]).unwrap();
+        let mut dw = g.upload(&nan_f32(t * k)).unwrap();
+        let bv = db.as_ref().map(|b| b.as_view());
+        ops::moe_router::moe_router(&g, &dl.as_view(), bv.as_ref(), t, rc, &mut di.as_view_mut(), &mut dw.as_view_mut()).unwrap();
+        let (ids, wts) = (g.download(&di).unwrap(), g.download(&dw).unwrap());
+        let (mut want_ids, mut want_w) = (Vec::new(), Vec::new());
+        for tt in 0..t {
+            let (i, w) = route(&cfg, &logits[tt * e..(tt + 1) * e], bias.as_deref());
+            want_ids.extend(i.iter().map(|&x| x as i32));
+            want_w.extend(w);
+        }
+        assert_eq!(ids, want_ids, "{case}: expert ids differ");
+        check(&case, &wts, &want_w, ROUTER_WEIGHT_TOL);
+    }
+}
+
+#[test]
+fn moe_align_parity() {
+    let Some(g) = gpu() else { return };
+    // (tokens, top_k, E, experts actually used, tile_rows)
+    for (n, &(t, k, e, used, tile)) in [(1, 8, 384, 384, 8), (40, 8, 384, 24, 16), (256, 8, 384, 384, 32), (5, 2, 8, 8, 8)].iter().enumerate() {
+        let case = format!("moe_align(T={t},top_k={k},E={e},used={used},tile_rows={tile})");
+        let mut r = rng(800 + n as u64);
+        let mut pool: Vec<i32> = (0..e as i32).collect();
+        pool.shuffle(&mut r);
+        pool.truncate(used);
+        let ids: Vec<i32> = (0..t).flat_map(|_| pool.choose_multiple(&mut r, k).copied().collect::<Vec<_>>()).collect();
+        let p = t * k;
+        let mt = ops::moe_align::max_tiles(p, e, tile);
+        let di = g.upload(&ids).unwrap();
+        let mut ds = g.upload(&vec![-1i32; p]).unwrap();
+        let mut dt = g.upload(&vec![-1i32; 3 * mt]).unwrap();
+        let mut dn = g.upload(&[-1i32]).unwrap();
+        ops::moe_align::moe_align(&g, &di.as_view(), e, tile, &mut ds.as_view_mut(), &mut dt.as_view_mut(), &mut dn.as_view_mut()).unwrap();
+        // Reference: the per-expert lists of model::ffn::moe (ascending expert, pairs in order), cut in tiles.
+        let mut want_sorted = Vec::new();
+        let mut want_tiles = (Vec::new(), Vec::new(), Vec::new());
+        for ex in 0..e as i32 {
+            let start = want_sorted.len();
+            want_sorted.extend((0..p as i32).filter(|&q| ids[q as usize] == ex));
+            let c = want_sorted.len() - start;
+            for j in (0..c).step_by(tile) {
+                want_tiles.0.push(ex);
+                want_tiles.1.push((start + j) as i32);
+                want_tiles.2.push(tile.min(c - j) as i32);
+            }
+        }
+        let nt = g.download(&dn).unwrap()[0] as usize;
+        assert_eq!(nt, want_tiles.0.len(), "{case}: tile count");
+        assert_eq!(g.download(&ds).unwrap(), want_sorted, "{case}: sorted pairs");
+        let tiles = g.download(&dt).unwrap();
+        assert_eq!(&tiles[..nt], &want_tiles.0[..], "{case}: tile experts");
+        assert_eq!(&tiles[mt..mt + nt], &want_tiles.1[..], "{case}: tile starts");
+        assert_eq!(&tiles[2 * mt..2 * mt + nt], &want_tiles.2[..], "{case}: tile counts");
+        println!("PARITY {case} exact ({nt} tiles)");
+    }
+}
+
+#[test]
+fn wrappers_reject_bad_shapes_naming_both_numbers() {
+    let Some(g) = gpu() else { return };
+    let x = g.upload(&vec![bf16::ONE; 64]).unwrap();
+    let w = g.upload(&vec![bf16::ONE; 63]).unwrap();
+    let mut y = g.upload(&vec![bf16::ZERO; 64]).unwrap();
+    let e = ops::rms_norm::rms_norm(&g, &x.as_view(), &w.as_view(), &mut y.as_view_mut(), 1, 64, 64, 64, 1e-5).unwrap_err().to_string();
+    assert!(e.contains("rms_norm") && e.contains("63") && e.contains("64"), "{e}");
+    let l = g.upload(&vec![0f32; 16]).unwrap();
+    let mut i = g.upload(&vec![0i32; 8]).unwrap();
+    let mut wt = g.upload(&vec![0f32; 8]).unwrap();
+    let rc = ops::moe_router::RouterCfg { n_experts: 16, n_group: 1, topk_group: 1, top_k: 40, norm_topk_prob: true, routed_scaling: 1.0 };
+    let e = ops::moe_router::moe_router(&g, &l.as_view(), None, 1, rc, &mut i.as_view_mut(), &mut wt.as_view_mut()).unwrap_err().to_string();
+    assert!(e.contains("moe_router") && e.contains("40"), "{e}");
+}

@@ -1,0 +1,78 @@
+// Shared helpers for the kdtree kernels: bf16 types, warp and block reductions, 16-byte vector types.
+// Every .cu in this folder includes this header and compiles on its own (kernels/check.sh checks each file
+// for sm_90a and sm_120a with warnings as errors); build.rs compiles them together into one fatbin.
+// Build line: nvcc -fatbin -Werror all-warnings -gencode arch=compute_90a,code=sm_90a
+//             -gencode arch=compute_120a,code=sm_120a -gencode arch=compute_90,code=compute_90
+#pragma once
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+typedef __nv_bfloat16 bf16;
+typedef __nv_bfloat162 bf162;
+
+namespace kdtree {
+
+constexpr unsigned FULL_MASK = 0xffffffffu;
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+// Block-wide sum; every thread gets the result. `scratch` holds >= 32 floats. blockDim.x % 32 == 0.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();  // scratch may still be read by a previous call
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float r = lane < nwarps ? scratch[lane] : 0.f;
+    return warp_sum(r);
+}
+
+// (value, index) candidate for argmax / top-k. Order: a valid (non-NaN, not excluded) entry beats an
+// invalid one; larger value wins; on equal values the lower index wins (the engine's tie rule).
+struct Best {
+    float v;
+    int i;      // index, or INT_MAX when invalid
+};
+
+__device__ __forceinline__ bool better(Best a, Best b) {
+    const bool av = a.i != 0x7fffffff, bv = b.i != 0x7fffffff;
+    if (av != bv) return av;
+    if (a.v != b.v) return a.v > b.v;
+    return a.i < b.i;
+}
+
+__device__ __forceinline__ Best best_of(Best a, Best b) { return better(b, a) ? b : a; }
+
+__device__ __forceinline__ Best warp_best(Best b) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        Best c{__shfl_xor_sync(FULL_MASK, b.v, o), __shfl_xor_sync(FULL_MASK, b.i, o)};
+        b = best_of(b, c);
+    }
+    return b;
+}
+
+// Block-wide best; every thread gets the result. `sv`/`si` hold >= 32 entries. blockDim.x % 32 == 0.
+__device__ __forceinline__ Best block_best(Best b, float* sv, int* si) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    b = warp_best(b);
+    __syncthreads();
+    if (lane == 0) {
+        sv[warp] = b.v;
+        si[warp] = b.i;
+    }
+    __syncthreads();
+    Best r = lane < nwarps ? Best{sv[lane], si[lane]} : Best{0.f, 0x7fffffff};
+    return warp_best(r);
+}
+
+constexpr int INVALID = 0x7fffffff;
+
+__device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+}  // namespace kdtree

@@ -1,0 +1,96 @@
+// MoE router (noaux_tc, sigmoid), one token per block: s = sigmoid(logits) in f32; selection on
+// s + e_score_correction_bias; with n_group > 1 or topk_group < n_group, groups are scored by the sum of
+// their top-2 biased scores, the topk_group best kept and the rest set to 0.0; top_k experts by selection
+// score (lowest index first on ties); weights are the unbiased s, divided by (sum + 1e-20) when norm,
+// times routed_scaling_factor (k26-format §4.5).
+// CPU twin: engine model::ffn::route (same order of operations; sigmoid through expf, so a weight may
+// differ by an ulp). Test: engine/tests/cuda_ops.rs (moe_router cases; ids bit for bit on tie-free input).
+// Wrapper: engine/src/cuda/ops/moe_router.rs. Limits: E <= 1024, top_k <= 32, n_group <= 64, E % n_group == 0.
+#include "common.cuh"
+
+constexpr int ROUTER_MAX_E = 1024;
+constexpr int ROUTER_MAX_GROUPS = 64;
+constexpr int ROUTER_MAX_TOPK = 32;
+
+// logits [T, E] f32, bias [E] f32 or null; ids [T, top_k] i32, weights [T, top_k] f32. blockDim.x = 256.
+extern "C" __global__ void kdtree_moe_router_f32(const float* __restrict__ logits, const float* __restrict__ bias,
+                                                 int E, int n_group, int topk_group, int top_k, int norm,
+                                                 float routed_scaling, int* __restrict__ ids,
+                                                 float* __restrict__ weights) {
+    __shared__ float s[ROUTER_MAX_E];       // unbiased sigmoid scores
+    __shared__ float sel[ROUTER_MAX_E];     // selection scores (biased, group-masked)
+    __shared__ float gscore[ROUTER_MAX_GROUPS];
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    __shared__ int chosen[ROUTER_MAX_TOPK];
+    const float* lr = logits + (size_t)blockIdx.x * E;
+    for (int i = threadIdx.x; i < E; i += blockDim.x) {
+        const float v = 1.0f / (1.0f + expf(-lr[i]));
+        s[i] = v;
+        sel[i] = bias ? v + bias[i] : v;
+    }
+    __syncthreads();
+    if (n_group > 1 || topk_group < n_group) {
+        const int gs = E / n_group, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+        for (int g = warp; g < n_group; g += nwarps) {
+            const float* grp = sel + g * gs;
+            kdtree::Best b1{0.f, kdtree::INVALID};
+            for (int i = lane; i < gs; i += 32) b1 = kdtree::best_of(b1, kdtree::Best{grp[i], i});
+            b1 = kdtree::warp_best(b1);
+            float score = 0.f + grp[b1.i];
+            if (gs >= 2) {
+                kdtree::Best b2{0.f, kdtree::INVALID};
+                for (int i = lane; i < gs; i += 32)
+                    if (i != b1.i) b2 = kdtree::best_of(b2, kdtree::Best{grp[i], i});
+                b2 = kdtree::warp_best(b2);
+                score = score + grp[b2.i];
+            }
+            if (lane == 0) gscore[g] = score;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            // keep[g] marks the topk_group best groups (selection sort, lowest index first on ties).
+            unsigned long long keep = 0;
+            for (int r = 0; r < topk_group; r++) {
+                int bi = -1;
+                for (int g = 0; g < n_group; g++) {
+                    if ((keep >> g) & 1ull) continue;
+                    if (bi < 0 || gscore[g] > gscore[bi]) bi = g;
+                }
+                keep |= 1ull << bi;
+            }
+            for (int g = 0; g < n_group; g++) gscore[g] = ((keep >> g) & 1ull) ? 1.f : 0.f;
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < E; i += blockDim.x)
+            if (gscore[i / gs] == 0.f) sel[i] = 0.0f;
+        __syncthreads();
+    }
+    for (int r = 0; r < top_k; r++) {
+        kdtree::Best b{0.f, kdtree::INVALID};
+        for (int i = threadIdx.x; i < E; i += blockDim.x) {
+            bool taken = false;
+            for (int j = 0; j < r; j++) taken |= chosen[j] == i;
+            const float v = sel[i];
+            if (!taken && v == v) b = kdtree::best_of(b, kdtree::Best{v, i});
+        }
+        b = kdtree::block_best(b, sv, si);
+        if (threadIdx.x == 0) chosen[r] = b.i;
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        float w[ROUTER_MAX_TOPK];
+        float sum = 0.f;
+        for (int r = 0; r < top_k; r++) {
+            w[r] = s[chosen[r]];
+            sum = sum + w[r];
+        }
+        const float den = sum + 1e-20f;
+        for (int r = 0; r < top_k; r++) {
+            float v = norm ? w[r] / den : w[r];
+            v = v * routed_scaling;
+            ids[(size_t)blockIdx.x * top_k + r] = chosen[r];
+            weights[(size_t)blockIdx.x * top_k + r] = v;
+        }
+    }
+}
