@@ -9,14 +9,12 @@ mod cuda_common;
 
 // CPU twins (one block, so the paths are easy to fix when engine/src/cpu/ops splits one op per file).
 use kdtree_engine::cpu::ops::{rms_norm, rope_cos_sin, rope_interleaved, silu_mul, yarn_inv_freq};
-use kdtree_engine::model::ffn::route;
+use kdtree_engine::cpu::ops::{moe_route, Router};
 use kdtree_engine::sampling::argmax;
 
 use cuda_common::*;
 use half::bf16;
 use kdtree_engine::cuda::ops;
-use kdtree_engine::model::testing::tiny_config;
-use kdtree_engine::model::ModelConfig;
 use rand::seq::{IndexedRandom, SliceRandom};
 use rand::Rng;
 
@@ -186,15 +184,8 @@ fn argmax_parity() {
     }
 }
 
-fn router_cfg(e: usize, n_group: usize, topk_group: usize, top_k: usize) -> ModelConfig {
-    let mut c = ModelConfig::from_text(&tiny_config(Some(32)), 1).unwrap();
-    c.n_experts = e;
-    c.n_group = n_group;
-    c.topk_group = topk_group;
-    c.top_k = top_k;
-    c.norm_topk_prob = true;
-    c.routed_scaling = 2.827;
-    c
+fn router_cfg(e: usize, n_group: usize, topk_group: usize, top_k: usize) -> Router {
+    Router { n_experts: e, n_group, topk_group, top_k, norm_topk_prob: true, routed_scaling: 2.827 }
 }
 
 #[test]
@@ -219,7 +210,7 @@ fn moe_router_parity() {
         let (ids, wts) = (g.download(&di).unwrap(), g.download(&dw).unwrap());
         let (mut want_ids, mut want_w) = (Vec::new(), Vec::new());
         for tt in 0..t {
-            let (i, w) = route(&cfg, &logits[tt * e..(tt + 1) * e], bias.as_deref());
+            let (i, w) = moe_route(&cfg, &logits[tt * e..(tt + 1) * e], bias.as_deref());
             want_ids.extend(i.iter().map(|&x| x as i32));
             want_w.extend(w);
         }

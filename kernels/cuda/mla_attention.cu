@@ -18,14 +18,13 @@ constexpr int HG = 16;         // heads per CTA
 constexpr int R = 16;          // latent rows per chunk
 constexpr int LW_MAX = 576;    // C + P
 constexpr int LDS = LW_MAX + 8;  // padded smem row (bf16): spreads 16-byte loads of 16 rows over banks
-constexpr int THREADS = 256;
+constexpr int THREADS = 256;  // = the __launch_bounds__ below
 }  // namespace
 
 // q [T, Hr, C+P] bf16 (q_lat | q_pe per node and head); lat [S, C+P] bf16 (c_kv | k_pe), rows
 // [committed, committed + T) are the nodes' own; mask [T, W] u64 or null (causal over the T nodes).
 // part_o [T, splits, Hr, C] f32; part_ml [T, splits, Hr, 2] f32. grid (splits, T, ceil(Hr/16)), 256 threads.
-extern "C" __global__ void __launch_bounds__(THREADS)
-kdtree_mla_attention_split_bf16(const bf16* __restrict__ q, const bf16* __restrict__ lat,
+extern "C" __global__ void __launch_bounds__(256) kdtree_mla_attention_split_bf16(const bf16* __restrict__ q, const bf16* __restrict__ lat,
                                 const unsigned long long* __restrict__ mask, float* __restrict__ part_o,
                                 float* __restrict__ part_ml, int T, int Hr, int C, int P, int committed, int W,
                                 int rows_per_split, float scale) {

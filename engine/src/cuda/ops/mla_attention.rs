@@ -108,7 +108,8 @@ pub fn mla_attention(
     // argument is a device pointer or 0 (the kernel's causal case).
     unsafe { b.launch(launch_cfg(grid, 256, 0)) }.map_err(drv(OP))?;
     let mut b = gpu.stream.launch_builder(gpu.func("kdtree_mla_attention_merge_bf16"));
-    b.arg(&*part_o).arg(&*part_ml).arg(&mut *out).arg(&sp).arg(&hr).arg(&c);
+    let (po, pml) = (part_o.as_view(), part_ml.as_view());
+    b.arg(&po).arg(&pml).arg(&mut *out).arg(&sp).arg(&hr).arg(&c);
     // SAFETY: as above; the merge reads the partials the first kernel wrote and writes out [T, Hr, C].
     unsafe { b.launch(launch_cfg((s.t as u32, s.heads as u32, 1), 128, 0)) }.map_err(drv(OP))?;
     Ok(())
