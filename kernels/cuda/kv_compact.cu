@@ -1,0 +1,18 @@
+// Commit of an accepted path in the latent KV cache: for each layer, rows committed + path[i] move to
+// committed + i, for i = 0, 1, ... in order (path[i] >= i and strictly increasing, so a row is always read
+// before any later step could overwrite it). CPU twin: engine cpu::ops::kv_compact.
+// Test: engine/tests/cuda_target.rs (tree verify then commit == chain). Wrapper: engine/src/cuda/ops/kv_compact.rs.
+#include "common.cuh"
+
+// cache [layers, rows_per_layer, width] bf16; path [n] i32 (node indices of the last forward).
+// grid (layers), 128 threads; rows move one after another (n <= the tree depth + 1: a few rows).
+extern "C" __global__ void kdtree_kv_compact_bf16(bf16* __restrict__ cache, long long layer_stride, int width, int committed,
+                                                  const int* __restrict__ path, int n) {
+    bf16* c = cache + (size_t)blockIdx.x * layer_stride;
+    for (int i = 0; i < n; i++) {
+        const int from = committed + path[i], to = committed + i;
+        if (from != to)
+            for (int j = threadIdx.x; j < width; j += blockDim.x) c[(size_t)to * width + j] = c[(size_t)from * width + j];
+        __syncthreads();
+    }
+}
