@@ -120,21 +120,23 @@ pub fn top_k(row: &[f32], k: usize) -> Vec<u32> {
 }
 
 /// [`top_k`] into a reusable buffer of rank keys (decode the id with `u32::MAX - key as u32`, the value
-/// is `row[id]`): `keys` ends as the `min(k, len)` best keys, descending.
+/// is `row[id]`): `keys` ends as the `min(k, len)` best keys, descending. One selection over V keys
+/// (measured faster than a k-entry heap scan on a 163,840-vocab row for every k), then a sort of k.
 pub fn top_k_into(row: &[f32], k: usize, keys: &mut Vec<u64>) {
     assert!(row.len() <= u32::MAX as usize, "top_k: row of {} elements exceeds u32 ids", row.len());
     keys.clear();
-    keys.extend(row.iter().enumerate().map(|(i, &x)| rank_key(x, i as u32)));
-    let k = k.min(keys.len());
+    let k = k.min(row.len());
     if k == 0 {
-        keys.clear();
         return;
     }
+    // Ascending order of !key = descending order of key.
+    keys.extend(row.iter().enumerate().map(|(i, &x)| !rank_key(x, i as u32)));
     if k < keys.len() {
-        keys.select_nth_unstable_by(k - 1, |a, b| b.cmp(a));
+        keys.select_nth_unstable(k - 1);
         keys.truncate(k);
     }
-    keys.sort_unstable_by(|a, b| b.cmp(a));
+    keys.sort_unstable();
+    keys.iter_mut().for_each(|x| *x = !*x);
 }
 
 /// Index of the largest value (the first in rank order): the lowest index wins ties, NaN never wins
@@ -192,9 +194,9 @@ impl Survivors<'_> {
         let mut keys = Vec::new();
         let kth = if s.top_k > 0 && s.top_k < n {
             let k = s.top_k;
-            keys.extend(row.iter().enumerate().map(|(i, &x)| rank_key(x, i as u32)));
-            let (_, kth, _) = keys.select_nth_unstable_by(k - 1, |a, b| b.cmp(a));
-            Some(row[(u32::MAX - *kth as u32) as usize])
+            keys.extend(row.iter().enumerate().map(|(i, &x)| !rank_key(x, i as u32))); // ascending = rank order
+            let (_, kth, _) = keys.select_nth_unstable(k - 1);
+            Some(row[(u32::MAX - !*kth as u32) as usize])
         } else {
             None
         };
