@@ -243,10 +243,10 @@ pub fn build_tree_from_top_k(bonus: u32, top: &TopK, budget: usize) -> DraftTree
     if budget == 0 || top.rows == 0 || top.k == 0 {
         return DraftTree::root_only(bonus);
     }
-    assert!(budget < i32::MAX as usize && top.k <= u32::MAX as usize, "budget {budget} / k {} too large", top.k);
     let (k, depth_limit) = (top.k, top.rows);
     let lp = |d: u32, r: u32| top.log_probs[(d as usize - 1) * k + r as usize] as f64; // depth d is 1-based
-    let cap = budget + 1;
+    // Sized for the usual budgets up front (no reallocation up to 4096 nodes); a larger budget grows.
+    let cap = budget.min(4096) + 1;
     let mut t = DraftTree {
         tokens: Vec::with_capacity(cap),
         depths: Vec::with_capacity(cap),
