@@ -6,8 +6,8 @@
 //!
 //! **Rank order** of a row: value descending, then token id ascending; `-0.0` equals `+0.0`; NaN ranks
 //! after every number. As an integer: [`rank_key`] `= ord(x) << 32 | (2^32 − 1 − id)`, larger = better,
-//! where `ord` maps a float to a u32 in value order (NaN → 0, −0 → +0), so a GPU can radix-select u64
-//! keys. [`top_k`] = the first k in rank order (selection, then a sort of the k only); [`argmax`] = the
+//! where `ord(NaN) = 0` and otherwise, with `b = bits(x + 0.0)` (so −0 → +0), `ord = !b` if the sign bit
+//! is set, else `b | 0x8000_0000` (a u32 in value order), so a GPU can radix-select u64 keys. [`top_k`] = the first k in rank order (selection, then a sort of the k only); [`argmax`] = the
 //! first. The MoE router, the draft top-K of the tree builder and the sampler all use this order.
 //!
 //! **Uniform of a position.** The token that will sit at absolute position p (0-based, prompt included)
@@ -19,7 +19,7 @@
 //! u, so with equal logits the same token; a GPU walk can draw every node in parallel. Greedy uses no u.
 //!
 //! **Sampled decision** at temperature T > 0, top_k k, top_p P, uniform u (probabilities in f64):
-//! 1. candidates: the non-NaN tokens (none: token 0). `x_j = l_j / T`, `m = max x_j`,
+//! 1. candidates: the non-NaN tokens (none: token 0). `x_j = f64(l_j) / f64(T)`, `m = max x_j`,
 //!    `w_j = 1 if x_j == m else exp(x_j − m)` (so ±inf rows stay finite).
 //! 2. top-k (0 < k < #candidates): keep the tokens with `l_j >= v_k`, v_k = the k-th value in rank order.
 //!    Ties with the k-th value survive, as in transformers' `TopKLogitsWarper` (`scores < topk[-1]` removed).
@@ -31,9 +31,9 @@
 //!    id-order inclusive prefix sum of survivor weights is `> u · Z` (the last survivor if rounding leaves
 //!    none).
 //!
-//! Nothing sorts the vocabulary: step 2 is one selection (the k-th value), step 3 a partial selection of
-//! the top 32, 128, … in rank order until the cut is reached, step 4 one pass in id order (a prefix sum on
-//! a GPU). Sums are sequential in the stated order; a parallel backend summing in another order can
+//! Nothing sorts the vocabulary: step 2 is one selection (the k-th value); step 3 sorts only the step-2
+//! survivors when top-k cut, else widens a partial selection (top 32, 128, 512, … in rank order) until
+//! the cut is inside it; step 4 is one pass in id order (a prefix sum on a GPU). Sums are sequential in the stated order; a parallel backend summing in another order can
 //! differ only when u·Z or P lies within f64 rounding (~1e-16 relative) of a boundary.
 //! Tests: unit tests below; brute-force spec in engine/tests/sampling_spec.rs; AR == DDTree and
 //! position-keyed draws in engine/tests/generate_loops.rs and sampling_positions.rs.
@@ -241,8 +241,8 @@ impl Survivors<'_> {
             None => Box::new((0..self.row.len()).filter(|&j| !self.row[j].is_nan())),
         }
     }
-    /// Step 3: leaves the step-2 survivors in rank order in `keys` and returns how many of them the
-    /// nucleus keeps (through the cut token), or None when they never reach `p`.
+    /// Step 3: leaves a rank-order prefix of the step-2 survivors' rank keys in `keys` and returns how
+    /// many of them the nucleus keeps (through the cut token), or None when they never reach `p`.
     fn nucleus(&self, p: f64, candidates: usize, keys: &mut Vec<u64>) -> Option<usize> {
         let z = self.total();
         let walk = |ranked: &[u64]| {
