@@ -19,6 +19,7 @@
 
 use super::Visibility;
 use crate::sampling::{log_sum_exp, top_k_into};
+use rayon::prelude::*;
 use std::cmp::Ordering;
 
 /// Per-depth top-K of the draft marginals.
@@ -36,17 +37,23 @@ pub struct TopK {
 pub fn top_k_log_probs(logits: &[f32], rows: usize, vocab: usize, k: usize) -> TopK {
     assert_eq!(logits.len(), rows * vocab, "draft logits: {} values, expected rows={rows} x vocab={vocab}", logits.len());
     let k = k.min(vocab);
-    let mut log_probs = Vec::with_capacity(rows * k);
-    let mut tokens = Vec::with_capacity(rows * k);
-    let mut keys = Vec::with_capacity(vocab);
-    for row in logits.chunks_exact(vocab.max(1)).take(rows) {
-        let lz = log_sum_exp(row);
-        top_k_into(row, k, &mut keys);
-        for &key in &keys {
-            let t = u32::MAX - key as u32;
-            log_probs.push(row[t as usize] - lz);
-            tokens.push(t);
-        }
+    if rows == 0 || k == 0 {
+        return TopK { rows, k, log_probs: Vec::new(), tokens: Vec::new() };
+    }
+    // Rows are independent: one rayon task per row, each result a function of its row only.
+    let per_row: Vec<(Vec<f32>, Vec<u32>)> = logits
+        .par_chunks_exact(vocab)
+        .map(|row| {
+            let lz = log_sum_exp(row);
+            let mut keys = Vec::with_capacity(vocab);
+            top_k_into(row, k, &mut keys);
+            keys.iter().map(|&key| (u32::MAX - key as u32) as usize).map(|t| (row[t] - lz, t as u32)).unzip()
+        })
+        .collect();
+    let (mut log_probs, mut tokens) = (Vec::with_capacity(rows * k), Vec::with_capacity(rows * k));
+    for (lp, t) in per_row {
+        log_probs.extend(lp);
+        tokens.extend(t);
     }
     TopK { rows, k, log_probs, tokens }
 }
@@ -175,45 +182,49 @@ impl Nodes<'_> {
 }
 
 /// Binary min-heap of candidates under `Nodes::cmp` (std's BinaryHeap cannot see the node arrays).
+/// Pop sifts the hole to the bottom, then up (as std does): about one comparison per level.
 struct Heap(Vec<Cand>);
 
 impl Heap {
-    fn push(&mut self, c: Cand, o: &Nodes) {
+    fn sift_up(&mut self, mut pos: usize, o: &Nodes) {
         let h = &mut self.0;
-        h.push(c);
-        let mut i = h.len() - 1;
-        while i > 0 {
-            let p = (i - 1) / 2;
-            if o.cmp(&h[i], &h[p]) != Ordering::Less {
+        let c = h[pos];
+        while pos > 0 {
+            let parent = (pos - 1) / 2;
+            if o.cmp(&c, &h[parent]) != Ordering::Less {
                 break;
             }
-            h.swap(i, p);
-            i = p;
+            h[pos] = h[parent];
+            pos = parent;
         }
+        h[pos] = c;
+    }
+    fn push(&mut self, c: Cand, o: &Nodes) {
+        self.0.push(c);
+        self.sift_up(self.0.len() - 1, o);
     }
     fn pop(&mut self, o: &Nodes) -> Option<Cand> {
-        let h = &mut self.0;
-        let last = h.pop()?;
-        if h.is_empty() {
+        let last = self.0.pop()?;
+        if self.0.is_empty() {
             return Some(last);
         }
-        let top = std::mem::replace(&mut h[0], last);
-        let mut i = 0;
-        loop {
-            let (l, r) = (2 * i + 1, 2 * i + 2);
-            let mut m = i;
-            if l < h.len() && o.cmp(&h[l], &h[m]) == Ordering::Less {
-                m = l;
-            }
-            if r < h.len() && o.cmp(&h[r], &h[m]) == Ordering::Less {
-                m = r;
-            }
-            if m == i {
-                return Some(top);
-            }
-            h.swap(i, m);
-            i = m;
+        let top = std::mem::replace(&mut self.0[0], last);
+        let n = self.0.len();
+        let h = &mut self.0;
+        let (mut pos, mut child) = (0, 1);
+        while child + 1 < n {
+            child += (o.cmp(&h[child + 1], &h[child]) == Ordering::Less) as usize;
+            h[pos] = h[child];
+            pos = child;
+            child = 2 * pos + 1;
         }
+        if child == n - 1 {
+            h[pos] = h[child];
+            pos = child;
+        }
+        h[pos] = last;
+        self.sift_up(pos, o);
+        Some(top)
     }
 }
 
@@ -232,10 +243,10 @@ pub fn build_tree_from_top_k(bonus: u32, top: &TopK, budget: usize) -> DraftTree
     if budget == 0 || top.rows == 0 || top.k == 0 {
         return DraftTree::root_only(bonus);
     }
-    assert!(budget < i32::MAX as usize && top.k <= u32::MAX as usize, "budget {budget} / k {} too large", top.k);
     let (k, depth_limit) = (top.k, top.rows);
     let lp = |d: u32, r: u32| top.log_probs[(d as usize - 1) * k + r as usize] as f64; // depth d is 1-based
-    let cap = budget + 1;
+    // Sized for the usual budgets up front (no reallocation up to 4096 nodes); a larger budget grows.
+    let cap = budget.min(4096) + 1;
     let mut t = DraftTree {
         tokens: Vec::with_capacity(cap),
         depths: Vec::with_capacity(cap),

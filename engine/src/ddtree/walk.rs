@@ -96,6 +96,35 @@ mod tests {
     }
 
     #[test]
+    fn sampled_decisions_use_the_uniform_of_the_decided_position() {
+        let v = 64;
+        let tree = build_tree(100, &crate::ddtree::build::tests::worked_example_logits(v), 3, v, 5);
+        // Each node mildly prefers its first child's token, so walks often go deep but not always.
+        let verify: Vec<f32> = (0..tree.len())
+            .flat_map(|n| {
+                let mut r = vec![0.0f32; v];
+                if let Some((t, _)) = tree.children(n).next() {
+                    r[t as usize] = 3.0;
+                }
+                r
+            })
+            .collect();
+        let mut depths_seen = [0usize; 4];
+        for seed in 0..40u64 {
+            let s = Sampling { temperature: 1.0, top_p: 1.0, top_k: 0, seed };
+            for start in [0usize, 10, 1 << 33] {
+                let w = walk_sampled(&tree, &verify, v, &s, start);
+                for (i, &n) in w.path.iter().enumerate() {
+                    let pos = start + tree.depths[n] as usize + 1;
+                    assert_eq!(w.decisions[i], sample(&verify[n * v..(n + 1) * v], &s, pos), "seed {seed} node {n}");
+                }
+                depths_seen[w.accepted()] += 1;
+            }
+        }
+        assert!(depths_seen.iter().all(|&c| c > 0), "walk depths {depths_seen:?}");
+    }
+
+    #[test]
     fn root_only_tree_is_one_decision() {
         let tree = crate::ddtree::DraftTree::root_only(3);
         let w = walk_greedy(&tree, &one_hot(5, 2), 5);
