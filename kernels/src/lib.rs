@@ -16,10 +16,13 @@ pub static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/kdtree_kern
 pub const KERNELS: &[(&str, &str)] = &[
     ("argmax.cu", "kdtree_argmax_f32"),
     ("argmax.cu", "kdtree_argmax_bf16"),
+    ("copy_rows.cu", "kdtree_copy_rows_bf16"),
     ("embed.cu", "kdtree_embed_gather_bf16"),
+    ("kv_compact.cu", "kdtree_kv_compact_bf16"),
     ("mla_attention.cu", "kdtree_mla_attention_split_bf16"),
     ("mla_attention.cu", "kdtree_mla_attention_merge_bf16"),
     ("moe_align.cu", "kdtree_moe_align_i32"),
+    ("moe_combine.cu", "kdtree_moe_combine_bf16"),
     ("moe_router.cu", "kdtree_moe_router_f32"),
     ("residual_add.cu", "kdtree_residual_add_bf16"),
     ("rms_norm.cu", "kdtree_rms_norm_bf16"),

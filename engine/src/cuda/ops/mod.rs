@@ -4,10 +4,14 @@
 //! allocation and no host sync, and is graph-capturable.
 
 pub mod argmax;
+pub mod copy_rows;
 pub mod embed;
 pub mod gemm_bf16;
+pub mod kv_compact;
+pub mod mla_absorb;
 pub mod mla_attention;
 pub mod moe_align;
+pub mod moe_combine;
 pub mod moe_router;
 pub mod residual_add;
 pub mod rms_norm;
