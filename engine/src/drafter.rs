@@ -121,6 +121,13 @@ impl DrafterDims {
         ensure!(d.head_dim.is_multiple_of(2), "drafter: head_dim {} must be even for RoPE", d.head_dim);
         ensure!(d.block >= 2, "drafter: block_size {} < 2", d.block);
         ensure!(d.n_taps > 0, "drafter: dflash_config.target_layer_ids is empty");
+        // The mask token is embedded at every block position but the first: it must be a vocabulary row.
+        ensure!(
+            (d.mask_token_id as usize) < d.vocab,
+            "drafter: dflash_config.mask_token_id {} is outside the vocabulary (vocab_size {})",
+            d.mask_token_id,
+            d.vocab
+        );
         Ok(d)
     }
 }

@@ -6,6 +6,7 @@
 //! knows nothing of JSON prompts, clap or exit codes.
 
 pub mod api;
+pub mod backend;
 pub mod cpu;
 pub mod ddtree;
 pub mod drafter;
@@ -13,5 +14,5 @@ pub mod generate;
 pub mod model;
 pub mod sampling;
 
-pub use model::open::{open, open_with, Device, Loaded, OpenOptions};
+pub use model::open::{open, open_cpu, open_with, CpuModel, Device, Loaded, OpenOptions};
 pub use model::AttnMode;

@@ -229,3 +229,17 @@ fn draft_matches_a_naive_from_scratch_reference() {
     }
     let _ = t.vocab_size();
 }
+
+#[test]
+fn mask_token_outside_the_vocabulary_is_a_config_error() {
+    // vocab_size 40: mask ids 40 and 1000 are outside it; 39 (the last id) is fine.
+    for bad in [V as u32, 1000] {
+        let mut cfg = config(4);
+        cfg.dflash_config.mask_token_id = bad;
+        let err = DrafterDims::from_config(&cfg).expect_err("out-of-vocab mask_token_id must be refused").to_string();
+        assert!(err.contains(&format!("mask_token_id {bad}")) && err.contains(&format!("vocab_size {V}")), "{err}");
+    }
+    let mut cfg = config(4);
+    cfg.dflash_config.mask_token_id = V as u32 - 1;
+    assert!(DrafterDims::from_config(&cfg).is_ok());
+}

@@ -6,7 +6,8 @@
 use kdtree_convert::repack::{repack, RepackOptions, DEFAULT_MAX_FILE_SIZE};
 use kdtree_engine::api::Target;
 use kdtree_engine::cpu::ops;
-use kdtree_engine::model::open::open_cpu_target;
+use kdtree_engine::backend::BackendError;
+use kdtree_engine::model::open::open_cpu_source;
 use kdtree_engine::model::source::Slab;
 use kdtree_engine::model::weights::Ffn;
 use kdtree_engine::model::TensorSource;
@@ -119,11 +120,12 @@ fn open_loads_target_and_drafter() {
     let d = drafter.draft(7, n).unwrap();
     assert_eq!(d.len(), (b - 1) * info.vocab_size);
     assert!(d.iter().all(|v| v.is_finite()));
-    assert!(open(&dir, Device::Cuda).is_err(), "no CUDA backend in this build");
 
     // Weights are zero-copy views of the mmapped shards (aligned data), not copies.
     let src: Arc<dyn TensorSource> = Arc::new(md);
-    let (_, w) = open_cpu_target(src, vec![], AttnMode::Absorbed).unwrap();
+    let m = open_cpu_source(src, OpenOptions { attn_mode: AttnMode::Absorbed }).unwrap();
+    assert!(m.drafter.is_some());
+    let w = m.target.weights().clone();
     let mapped = |s: &Slab<half::bf16>| matches!(s, Slab::Mapped { .. });
     assert!(w.embed.iter().all(|m| mapped(&m.w)) && w.lm_head.iter().all(|m| mapped(&m.w)) && mapped(&w.norm));
     for layer in &w.layers {
@@ -132,5 +134,18 @@ fn open_loads_target_and_drafter() {
             assert!(m.gate.iter().chain(&m.up).chain(&m.down).all(|e| matches!(e.packed, Slab::Mapped { .. }) && mapped(&e.scales)));
             assert!(matches!(m.bias, Some(Slab::Mapped { .. })), "e_score_correction_bias mapped");
         }
+    }
+}
+
+#[test]
+fn cuda_without_the_feature_is_a_typed_error() {
+    // The device check comes before any file is read: a missing directory still gets the CUDA error.
+    let err = open(Path::new("/nonexistent/model"), Device::Cuda).err().expect("cuda must be refused");
+    let typed = err.downcast_ref::<BackendError>().expect("a BackendError");
+    if cfg!(feature = "cuda") {
+        assert_eq!(*typed, BackendError::CudaNotWired);
+    } else {
+        assert_eq!(*typed, BackendError::NoCuda);
+        assert_eq!(err.to_string(), "this kdtree build has no CUDA backend: rebuild with --features cuda");
     }
 }

@@ -262,7 +262,8 @@ impl Ld<'_> {
             Some(_) => ensure!(t.split_offset == 0, "{name}: single rank but split offset {}", t.split_offset),
             None => expect_split(&t, name, rank, None, 0)?,
         }
-        Ok(Slab::new(self.owner, t.data))
+        // SAFETY: `t` was just returned by `self.owner.tensor(..)` (through `expect`).
+        Ok(unsafe { Slab::new(self.owner, t.data) })
     }
     fn mat(&self, name: &str, rank: usize, rows: usize, cols: usize, split: Option<(usize, usize)>) -> Result<Mat> {
         Ok(Mat { w: self.bf16(name, rank, &[rows, cols], split)?, rows, cols })
@@ -324,9 +325,11 @@ impl Ld<'_> {
                     _ => {}
                 }
                 ensure!(s.shape == [cnt, nr, kr / 32], "{sname} (rank {rank}): shape {:?}, expected [{cnt}, {nr}, {}]", s.shape, kr / 32);
+                // SAFETY: `p` and `s` were just returned by `self.owner.tensor(..)`.
+                let (packed, scales) = unsafe { (Slab::new(self.owner, p.data), Slab::new(self.owner, s.data)) };
                 Ok(I4Stack {
-                    packed: Slab::new(self.owner, p.data),
-                    scales: Slab::new(self.owner, s.data),
+                    packed,
+                    scales,
                     first,
                     count: cnt,
                     n: nr,
@@ -402,7 +405,8 @@ impl Weights {
                 let bias = if t.topk_method.as_deref() == Some("noaux_tc") {
                     let name = format!("{mlp}gate.e_score_correction_bias");
                     let tb = expect(&*src, &name, 0, Dtype::F32, &[e])?;
-                    Some(Slab::new(&src, tb.data))
+                    // SAFETY: `tb` was just returned by `src.tensor(..)` (through `expect`).
+                    Some(unsafe { Slab::new(&src, tb.data) })
                 } else {
                     None
                 };

@@ -3,11 +3,9 @@
 //! DDTree round. Both tools call these very functions, so a CPU re-run repeats the recording operation
 //! for operation and must reproduce every recorded value bit for bit.
 //!
-//! Loading: [`open_cpu`] is built from the engine's own loader pieces (`engine::model::open::open_cpu_target`,
-//! `DFlashDrafter::load`, the same calls `engine::open_with` makes) and returns the concrete CPU types,
-//! because the golden tool needs `CpuTarget`'s trace hook, which `engine::open`'s boxed `dyn Target` hides.
-//! When the engine grows an `open_cpu(dir, OpenOptions) -> (CpuTarget, Option<DFlashDrafter>)` (with
-//! `open_with` boxing its result), this function should become a call to it.
+//! Loading: [`open_cpu`] is the engine's one CPU loader (`kdtree_engine::open_cpu`, which `engine::open`
+//! boxes) plus the manifest hash; it returns the concrete CPU types, because the golden tool needs
+//! `CpuTarget`'s trace hook, which `engine::open`'s boxed `dyn Target` hides.
 //! Tests: tools/kdtree-golden/tests/determinism.rs, tools/kdtree-run/tests/verify_cli.rs.
 
 use crate::bundle::{sha256_hex, topk_of, ArRecord, DdtreeRecord};
@@ -15,12 +13,10 @@ use anyhow::{ensure, Context, Result};
 use kdtree_engine::api::{Drafter, Target};
 use kdtree_engine::drafter::DFlashDrafter;
 use kdtree_engine::generate::{ddtree_round, prefill, Sampling};
-use kdtree_engine::model::open::open_cpu_target;
-use kdtree_engine::model::{AttnMode, CpuTarget, TensorSource};
+use kdtree_engine::model::{AttnMode, CpuTarget};
 use kdtree_engine::sampling::argmax;
-use kdtree_formats::ModelDir;
+use kdtree_engine::OpenOptions;
 use std::path::Path;
-use std::sync::Arc;
 
 /// MLA form of the CPU target the bundles are recorded with: the naive (transformers') form, which
 /// crosscheck/ compares against transformers. `engine::open` defaults to the absorbed form, which agrees
@@ -41,12 +37,8 @@ pub struct CpuModel {
 pub fn open_cpu(dir: &Path, mode: AttnMode) -> Result<CpuModel> {
     let manifest_path = dir.join("manifest.toml");
     let manifest = std::fs::read(&manifest_path).with_context(|| format!("reading {}", manifest_path.display()))?;
-    let md = ModelDir::open(dir).with_context(|| format!("opening model {}", dir.display()))?;
-    let taps = md.drafter_config().map(|c| c.dflash_config.target_layer_ids.clone()).unwrap_or_default();
-    let has_drafter = md.drafter_config().is_some();
-    let src: Arc<dyn TensorSource> = Arc::new(md);
-    let (target, weights) = open_cpu_target(src.clone(), taps, mode)?;
-    let drafter = if has_drafter { Some(DFlashDrafter::load(&*src, weights)?) } else { None };
+    let m = kdtree_engine::open_cpu(dir, OpenOptions { attn_mode: mode })?;
+    let (target, drafter) = (m.target, m.drafter);
     Ok(CpuModel { target, drafter, manifest_sha256: sha256_hex(&manifest) })
 }
 
