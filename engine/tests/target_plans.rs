@@ -126,15 +126,31 @@ fn open_loads_target_and_drafter() {
     let m = open_cpu_source(src, OpenOptions { attn_mode: AttnMode::Absorbed }).unwrap();
     assert!(m.drafter.is_some());
     let w = m.target.weights().clone();
+    // Rank-first: every weight of every rank (replicated ones included) is a view of that rank's own
+    // shards, which are distinct mmapped files for R = 2.
+    assert_eq!(w.ranks.len(), 2);
     let mapped = |s: &Slab<half::bf16>| matches!(s, Slab::Mapped { .. });
-    assert!(w.embed.iter().all(|m| mapped(&m.w)) && w.lm_head.iter().all(|m| mapped(&m.w)) && mapped(&w.norm));
-    for layer in &w.layers {
-        assert!(layer.attn.ranks.iter().all(|r| mapped(&r.q.w) && mapped(&r.kv_b.w) && mapped(&r.o_proj.w)));
-        if let Ffn::Moe(m) = &layer.ffn {
-            assert!(m.gate.iter().chain(&m.up).chain(&m.down).all(|e| matches!(e.packed, Slab::Mapped { .. }) && mapped(&e.scales)));
-            assert!(matches!(m.bias, Some(Slab::Mapped { .. })), "e_score_correction_bias mapped");
+    let ptr = |s: &Slab<half::bf16>| s.as_ptr() as usize;
+    for rw in &w.ranks {
+        assert!(mapped(&rw.embed.w) && mapped(&rw.lm_head.w) && mapped(&rw.norm));
+        for layer in &rw.layers {
+            let at = &layer.attn;
+            assert!([&at.q.w, &at.kv_b.w, &at.o_proj.w, &at.kv_a.w, &at.kv_a_norm, &layer.input_norm, &layer.post_norm].into_iter().all(mapped));
+            assert!(at.q_a.as_ref().is_none_or(|(m, n)| mapped(&m.w) && mapped(n)));
+            match &layer.ffn {
+                Ffn::Moe(m) => {
+                    assert!([&m.gate, &m.up, &m.down].iter().all(|e| matches!(e.packed, Slab::Mapped { .. }) && mapped(&e.scales)));
+                    assert!(mapped(&m.router.w));
+                    assert!(matches!(m.bias, Some(Slab::Mapped { .. })), "e_score_correction_bias mapped");
+                }
+                Ffn::Dense(d) => assert!(mapped(&d.gate.w) && mapped(&d.up.w) && mapped(&d.down.w)),
+            }
         }
     }
+    // Replicated tensors: each rank reads its own copy (different addresses, equal bytes).
+    let (n0, n1) = (&w.ranks[0].norm, &w.ranks[1].norm);
+    assert_ne!(ptr(n0), ptr(n1), "rank 1's model.norm must come from rank 1's shard");
+    assert_eq!(&n0[..], &n1[..]);
 }
 
 #[test]
