@@ -122,8 +122,9 @@ pub trait Backend: Clone + Send + Sync + 'static {
     fn embedding(&self, shards: &[&Self::Mat], h: usize, tokens: &[u32]) -> Self::Act;
     /// lm_head `[n, V]` over vocab-parallel shards, merged in global vocab order.
     fn lm_head(&self, x: &Self::Act, n: usize, h: usize, shards: &[&Self::Mat]) -> Self::Act;
-    /// Argmax of each `[V]` row of `logits` `[n, V]` (lowest global id wins ties).
-    fn argmax_rows(&self, logits: &Self::Act, vocab: usize) -> Vec<u32>;
+    /// Greedy token of each row of lm_head(x) `[n]`: per-shard argmax merged in global vocab order
+    /// (lowest global id wins ties), without forming the `[n, V]` logits.
+    fn lm_head_argmax(&self, x: &Self::Act, n: usize, h: usize, shards: &[&Self::Mat]) -> Vec<u32>;
 
     // ---- MLA ----
     fn kv_new(&self, layers: usize, width: usize) -> Self::Kv;

@@ -1,4 +1,4 @@
-//! DFlash drafter (engine/src/drafter.rs) on a tiny random drafter held in memory:
+//! DFlash drafter (engine/src/drafter/) on a tiny random drafter held in memory:
 //! * the draft does not depend on how the context was appended (one call of n rows, n calls of 1 row,
 //!   uneven chunks) and leaves the context cache untouched;
 //! * it matches a naive f64 reference written here from ddtree.md §1 that recomputes the context K/V

@@ -94,8 +94,9 @@ impl Backend for CpuBackend {
         let s: Vec<&[bf16]> = shards.iter().map(|m| &m.w[..]).collect();
         ops::lm_head_bf16(x, n, h, &s)
     }
-    fn argmax_rows(&self, logits: &Vec<f32>, vocab: usize) -> Vec<u32> {
-        logits.chunks(vocab.max(1)).map(ops::argmax).collect()
+    fn lm_head_argmax(&self, x: &Vec<f32>, n: usize, h: usize, shards: &[&Mat]) -> Vec<u32> {
+        let s: Vec<&[bf16]> = shards.iter().map(|m| &m.w[..]).collect();
+        ops::lm_head_argmax_bf16(x, n, h, &s)
     }
 
     fn kv_new(&self, layers: usize, width: usize) -> LatentCache {

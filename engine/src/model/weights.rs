@@ -238,6 +238,12 @@ impl<B: Backend> Weights<B> {
         let shards: Vec<&B::Mat> = self.ranks.iter().map(|r| &r.lm_head).collect();
         self.backend.lm_head(x, n, self.cfg.hidden, &shards)
     }
+
+    /// Greedy token of each row of `lm_head(x)` (vocab-parallel argmax, merged in global id order).
+    pub fn lm_head_argmax(&self, x: &B::Act, n: usize) -> Vec<u32> {
+        let shards: Vec<&B::Mat> = self.ranks.iter().map(|r| &r.lm_head).collect();
+        self.backend.lm_head_argmax(x, n, self.cfg.hidden, &shards)
+    }
 }
 
 /// Everything rank `ld.rank` needs, from its own shards.
