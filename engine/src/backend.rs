@@ -96,7 +96,7 @@ pub trait Backend: Clone + Send + Sync + 'static {
     fn mat_rows(&self, m: &Self::Mat) -> usize;
 
     // ---- activations ----
-    fn from_host(&self, x: Vec<f32>) -> Self::Act;
+    fn act_from_host(&self, x: Vec<f32>) -> Self::Act;
     fn to_host(&self, x: &Self::Act) -> Vec<f32>;
     /// Rows `[from, to)` of `x` `[T, cols]`.
     fn rows(&self, x: &Self::Act, cols: usize, from: usize, to: usize) -> Self::Act;
@@ -155,6 +155,7 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// (ids `[T, k]` in selection order, weights `[T, k]`) for probes.
     fn routes_to_host(&self, routes: &Self::Routes) -> (Vec<i32>, Vec<f32>);
     /// One rank's routed-expert partial `[T, H]` (experts it holds, ascending id per token).
+    #[allow(clippy::too_many_arguments)]
     fn moe_experts(&self, x: &Self::Act, t: usize, h: usize, routes: &Self::Routes, gate: &Self::I4, up: &Self::I4, down: &Self::I4) -> Self::Act;
 
     // ---- drafter ----

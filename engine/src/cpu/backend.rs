@@ -53,7 +53,7 @@ impl Backend for CpuBackend {
         m.rows
     }
 
-    fn from_host(&self, x: Vec<f32>) -> Vec<f32> {
+    fn act_from_host(&self, x: Vec<f32>) -> Vec<f32> {
         x
     }
     fn to_host(&self, x: &Vec<f32>) -> Vec<f32> {

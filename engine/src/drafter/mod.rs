@@ -183,7 +183,7 @@ impl<B: Backend> DFlashDrafter<B> {
         let (fc, hidden_norm, norm) = (mat(w.fc, h, dims.n_taps * h)?, vector(w.hidden_norm)?, vector(w.norm)?);
         let inv_freq = ops::yarn_inv_freq(dims.head_dim, cfg.rope_theta, cfg.rope_scaling.as_ref());
         let attention_factor = ops::yarn_attention_factor(cfg.rope_scaling.as_ref());
-        let cache = (0..dims.layers).map(|_| LayerCache { k: b.from_host(Vec::new()), v: b.from_host(Vec::new()) }).collect();
+        let cache = (0..dims.layers).map(|_| LayerCache { k: b.act_from_host(Vec::new()), v: b.act_from_host(Vec::new()) }).collect();
         Ok(DFlashDrafter { b, dims, fc, hidden_norm, norm, layers, tables, inv_freq, attention_factor, cache, ctx_len: 0 })
     }
     pub fn dims(&self) -> &DrafterDims {
@@ -212,7 +212,7 @@ impl<B: Backend> Drafter for DFlashDrafter<B> {
             return Ok(());
         }
         let b = &self.b;
-        let taps = b.from_host(taps.to_vec());
+        let taps = b.act_from_host(taps.to_vec());
         let ctx = b.rms_norm(&b.linear(&taps, n, &self.fc), &self.hidden_norm, eps); // [n, H]
         let rope = RopeTable::new(&self.inv_freq, self.ctx_len..self.ctx_len + n, self.attention_factor);
         for (lw, c) in self.layers.iter().zip(self.cache.iter_mut()) {

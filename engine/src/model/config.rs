@@ -60,7 +60,7 @@ impl ModelConfig {
             ensure!(a == "silu", "hidden_act {a:?} is not supported (only silu)");
         }
         ensure!(
-            t.n_group >= 1 && t.n_routed_experts % t.n_group == 0,
+            t.n_group >= 1 && t.n_routed_experts.is_multiple_of(t.n_group),
             "n_group {} does not divide {} experts",
             t.n_group,
             t.n_routed_experts
@@ -72,7 +72,7 @@ impl ModelConfig {
             t.num_experts_per_tok,
             t.n_routed_experts
         );
-        ensure!(t.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim {} must be even", t.qk_rope_head_dim);
+        ensure!(t.qk_rope_head_dim.is_multiple_of(2), "qk_rope_head_dim {} must be even", t.qk_rope_head_dim);
         let qk = t.qk_head_dim() as f64;
         // transformers: scaling *= mscale² only when rope_scaling has a non-zero mscale_all_dim.
         let mscale = match &t.rope_scaling {

@@ -153,7 +153,7 @@ impl<B: Backend> Ld<'_, B> {
     }
     /// This rank's SwiGLU slice, intermediate `i` split by rows (gate/up) and columns (down).
     fn mlp(&self, p: &str, h: usize, i: usize) -> Result<Mlp<B>> {
-        ensure!(i % self.r == 0, "{p}: intermediate {i} does not divide over {} ranks", self.r);
+        ensure!(i.is_multiple_of(self.r), "{p}: intermediate {i} does not divide over {} ranks", self.r);
         let (ir, k) = (i / self.r, self.rank);
         Ok(Mlp {
             gate: self.mat(&format!("{p}gate_proj.weight"), ir, h, Some((0, k * ir)))?,

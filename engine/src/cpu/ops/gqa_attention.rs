@@ -13,7 +13,7 @@ use rayon::prelude::*;
 #[allow(clippy::too_many_arguments)]
 pub fn gqa_attention(q: &[f32], b: usize, (kc, vc): (&[f32], &[f32]), (kb, vb): (&[f32], &[f32]), heads: usize, kv_heads: usize, dd: usize) -> Vec<f32> {
     let (qw, kw) = (heads * dd, kv_heads * dd);
-    assert!(kv_heads > 0 && heads % kv_heads == 0, "gqa_attention: {heads} heads not a multiple of {kv_heads} kv heads");
+    assert!(kv_heads > 0 && heads.is_multiple_of(kv_heads), "gqa_attention: {heads} heads not a multiple of {kv_heads} kv heads");
     assert_eq!(q.len(), b * qw, "gqa_attention: q has {} values, expected B={b} x {qw}", q.len());
     let nc = kc.len() / kw;
     let group = heads / kv_heads;
