@@ -6,6 +6,7 @@
 //! knows nothing of JSON prompts, clap or exit codes.
 
 pub mod api;
+pub mod backend;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -16,6 +17,6 @@ pub mod model;
 pub mod sampling;
 pub mod session;
 
-pub use model::open::{open, open_with, Device, Loaded, OpenOptions};
+pub use model::open::{open, open_cpu, open_with, CpuModel, Device, Loaded, OpenOptions};
 pub use model::AttnMode;
 pub use session::{Emitted, Mode, ProbeSet, Probes, RoundRecord, Session};

@@ -1,4 +1,4 @@
-//! DFlash drafter (engine/src/drafter.rs) on a tiny random drafter held in memory:
+//! DFlash drafter (engine/src/drafter/) on a tiny random drafter held in memory:
 //! * the draft does not depend on how the context was appended (one call of n rows, n calls of 1 row,
 //!   uneven chunks) and leaves the context cache untouched;
 //! * it matches a naive f64 reference written here from ddtree.md §1 that recomputes the context K/V
@@ -228,4 +228,18 @@ fn draft_matches_a_naive_from_scratch_reference() {
         assert!(spread > 0.1, "logits too flat to be a meaningful comparison: {spread}");
     }
     let _ = t.vocab_size();
+}
+
+#[test]
+fn mask_token_outside_the_vocabulary_is_a_config_error() {
+    // vocab_size 40: mask ids 40 and 1000 are outside it; 39 (the last id) is fine.
+    for bad in [V as u32, 1000] {
+        let mut cfg = config(4);
+        cfg.dflash_config.mask_token_id = bad;
+        let err = DrafterDims::from_config(&cfg).expect_err("out-of-vocab mask_token_id must be refused").to_string();
+        assert!(err.contains(&format!("mask_token_id {bad}")) && err.contains(&format!("vocab_size {V}")), "{err}");
+    }
+    let mut cfg = config(4);
+    cfg.dflash_config.mask_token_id = V as u32 - 1;
+    assert!(DrafterDims::from_config(&cfg).is_ok());
 }

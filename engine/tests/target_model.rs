@@ -266,3 +266,14 @@ fn forward_rejects_bad_input() {
     assert!(t.forward(&[96], &[-1]).is_err(), "token >= vocab");
     assert!(t.forward(&[], &[]).is_err(), "empty");
 }
+
+#[test]
+fn vocab_parallel_argmax_equals_argmax_of_merged_logits() {
+    for ranks in [1, 2, 4] {
+        let w = weights(ranks, ExpertsMode::Tp);
+        let x = w.final_norm(&w.embed(&PROMPT)); // any [n, H] rows will do
+        let logits = w.lm_head(&x, PROMPT.len());
+        let want: Vec<u32> = logits.chunks(w.cfg.vocab).map(ops::argmax).collect();
+        assert_eq!(w.lm_head_argmax(&x, PROMPT.len()), want, "R = {ranks}");
+    }
+}

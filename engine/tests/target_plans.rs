@@ -6,7 +6,8 @@
 use kdtree_convert::repack::{repack, RepackOptions, DEFAULT_MAX_FILE_SIZE};
 use kdtree_engine::api::Target;
 use kdtree_engine::cpu::ops;
-use kdtree_engine::model::open::open_cpu_target;
+use kdtree_engine::backend::BackendError;
+use kdtree_engine::model::open::open_cpu_source;
 use kdtree_engine::model::source::Slab;
 use kdtree_engine::model::weights::Ffn;
 use kdtree_engine::model::TensorSource;
@@ -119,18 +120,48 @@ fn open_loads_target_and_drafter() {
     let d = drafter.draft(7, n).unwrap();
     assert_eq!(d.len(), (b - 1) * info.vocab_size);
     assert!(d.iter().all(|v| v.is_finite()));
-    assert!(open(&dir, Device::Cuda).is_err(), "no CUDA backend in this build");
 
     // Weights are zero-copy views of the mmapped shards (aligned data), not copies.
     let src: Arc<dyn TensorSource> = Arc::new(md);
-    let (_, w) = open_cpu_target(src, vec![], AttnMode::Absorbed).unwrap();
+    let m = open_cpu_source(src, OpenOptions { attn_mode: AttnMode::Absorbed }).unwrap();
+    assert!(m.drafter.is_some());
+    let w = m.target.weights().clone();
+    // Rank-first: every weight of every rank (replicated ones included) is a view of that rank's own
+    // shards, which are distinct mmapped files for R = 2.
+    assert_eq!(w.ranks.len(), 2);
     let mapped = |s: &Slab<half::bf16>| matches!(s, Slab::Mapped { .. });
-    assert!(w.embed.iter().all(|m| mapped(&m.w)) && w.lm_head.iter().all(|m| mapped(&m.w)) && mapped(&w.norm));
-    for layer in &w.layers {
-        assert!(layer.attn.ranks.iter().all(|r| mapped(&r.q.w) && mapped(&r.kv_b.w) && mapped(&r.o_proj.w)));
-        if let Ffn::Moe(m) = &layer.ffn {
-            assert!(m.gate.iter().chain(&m.up).chain(&m.down).all(|e| matches!(e.packed, Slab::Mapped { .. }) && mapped(&e.scales)));
-            assert!(matches!(m.bias, Some(Slab::Mapped { .. })), "e_score_correction_bias mapped");
+    let ptr = |s: &Slab<half::bf16>| s.as_ptr() as usize;
+    for rw in &w.ranks {
+        assert!(mapped(&rw.embed.w) && mapped(&rw.lm_head.w) && mapped(&rw.norm));
+        for layer in &rw.layers {
+            let at = &layer.attn;
+            assert!([&at.q.w, &at.kv_b.w, &at.o_proj.w, &at.kv_a.w, &at.kv_a_norm, &layer.input_norm, &layer.post_norm].into_iter().all(mapped));
+            assert!(at.q_a.as_ref().is_none_or(|(m, n)| mapped(&m.w) && mapped(n)));
+            match &layer.ffn {
+                Ffn::Moe(m) => {
+                    assert!([&m.gate, &m.up, &m.down].iter().all(|e| matches!(e.packed, Slab::Mapped { .. }) && mapped(&e.scales)));
+                    assert!(mapped(&m.router.w));
+                    assert!(matches!(m.bias, Some(Slab::Mapped { .. })), "e_score_correction_bias mapped");
+                }
+                Ffn::Dense(d) => assert!(mapped(&d.gate.w) && mapped(&d.up.w) && mapped(&d.down.w)),
+            }
         }
+    }
+    // Replicated tensors: each rank reads its own copy (different addresses, equal bytes).
+    let (n0, n1) = (&w.ranks[0].norm, &w.ranks[1].norm);
+    assert_ne!(ptr(n0), ptr(n1), "rank 1's model.norm must come from rank 1's shard");
+    assert_eq!(&n0[..], &n1[..]);
+}
+
+#[test]
+fn cuda_without_the_feature_is_a_typed_error() {
+    // The device check comes before any file is read: a missing directory still gets the CUDA error.
+    let err = open(Path::new("/nonexistent/model"), Device::Cuda).err().expect("cuda must be refused");
+    let typed = err.downcast_ref::<BackendError>().expect("a BackendError");
+    if cfg!(feature = "cuda") {
+        assert_eq!(*typed, BackendError::CudaNotWired);
+    } else {
+        assert_eq!(*typed, BackendError::NoCuda);
+        assert_eq!(err.to_string(), "this kdtree build has no CUDA backend: rebuild with --features cuda");
     }
 }

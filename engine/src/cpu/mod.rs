@@ -1,4 +1,8 @@
 //! CPU reference backend: plain kernels with f32 accumulation and a fixed reduction order, so results are
-//! identical for any rayon thread count. `ops` is the spec the CUDA kernels are checked against.
+//! identical for any rayon thread count. `ops` (one op per file) is the spec the CUDA kernels are checked
+//! against; `backend` implements `backend::Backend` with them.
 
+pub mod backend;
 pub mod ops;
+
+pub use backend::CpuBackend;

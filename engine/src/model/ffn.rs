@@ -1,6 +1,7 @@
-//! The feed-forward half of a layer: dense SwiGLU (layers < first_k_dense_replace) and the MoE
-//! (noaux_tc sigmoid router with group-limited selection, INT4 routed experts, shared expert), each computed
-//! per TP/EP rank and summed over ranks in rank order, as an all-reduce would.
+//! The feed-forward half of a layer, written once against `backend::Backend`: dense SwiGLU (layers <
+//! first_k_dense_replace) and the MoE (noaux_tc sigmoid router with group-limited selection, INT4 routed
+//! experts, shared expert), each computed per TP/EP rank and reduced over ranks in rank order
+//! (`Backend::all_reduce`). The router runs once with rank 0's replicated gate.
 //!
 //! Must match: k26-format §4.5-§4.6 and transformers `DeepseekV3MoE`: the router decision is
 //! cpu::ops::moe_route, the routed experts cpu::ops::moe_experts_i4g32 (per token in ascending expert id),
@@ -8,46 +9,41 @@
 //! engine/tests/target_model.rs (`tp_and_ep_plans_agree`), engine/tests/target_reference.rs (f64 spec).
 
 use super::trace::Trace;
-use super::weights::{Mlp, ModelConfig, Moe};
-use crate::cpu::ops;
+use super::weights::{Ffn, Mlp, Weights};
+use crate::backend::Backend;
 
 /// Per-rank SwiGLU partial `down(silu(gate x) ⊙ up x)` `[T, H]`.
-fn swiglu(m: &Mlp, x: &[f32], t: usize) -> Vec<f32> {
-    let a = ops::silu_mul(&m.gate.matmul(x, t), &m.up.matmul(x, t)); // [T, I/R]
-    m.down.matmul(&a, t)
+fn swiglu<B: Backend>(b: &B, m: &Mlp<B>, x: &B::Act, t: usize) -> B::Act {
+    let a = b.silu_mul(&b.linear(x, t, &m.gate), &b.linear(x, t, &m.up)); // [T, I/R]
+    b.linear(&a, t, &m.down)
 }
 
-/// Dense MLP `[T, H]`: rank partials summed in rank order.
-pub fn dense(ranks: &[Mlp], x: &[f32], t: usize) -> Vec<f32> {
-    let partials: Vec<Vec<f32>> = ranks.iter().map(|m| swiglu(m, x, t)).collect(); // R x [T, H]
-    ops::all_reduce_sum(&partials, x.len())
-}
-
-/// MoE output `[T, H]` for normed input `x` `[T, H]`. Records router decisions under `layers.{l}.router.*`.
-pub fn moe(cfg: &ModelConfig, w: &Moe, l: usize, x: &[f32], t: usize, trace: Option<&mut Trace>) -> Vec<f32> {
-    let (h, e) = (cfg.hidden, cfg.n_experts);
-    let logits = w.router.matmul(x, t); // [T, E] f32 (bf16 weights widened exactly, as weight.float())
-    let bias = w.bias.as_deref();
-    let router = cfg.router();
-    let routes: Vec<(Vec<usize>, Vec<f32>)> = (0..t).map(|i| ops::moe_route(&router, &logits[i * e..(i + 1) * e], bias)).collect();
-    if let Some(tr) = trace {
-        let k = cfg.top_k;
-        tr.i32(format!("layers.{l}.router.topk_ids"), &[t, k], routes.iter().flat_map(|(ids, _)| ids.iter().map(|&i| i as i32)).collect());
-        let wts: Vec<f32> = routes.iter().flat_map(|(_, w)| w.iter().copied()).collect();
-        tr.f32(format!("layers.{l}.router.topk_weights"), &[t, k], &wts);
-    }
-    let per_expert = ops::tokens_per_expert(&routes, e); // ascending expert id
-    let mut partials = Vec::with_capacity(w.gate.len());
-    for r in 0..w.gate.len() {
-        // [T, H] this rank's routed experts, ascending id, then its shared-expert slice.
-        let (g, u, d) = (&w.gate[r], &w.up[r], &w.down[r]);
-        let mut part = ops::moe_experts_i4g32(x, t, h, &per_expert, |ex| {
-            g.holds(ex).then(|| [g.expert(ex), u.expert(ex), d.expert(ex)])
+/// FFN output `[T, H]` of layer `l` for normed input `x` `[T, H]`. Records MoE router decisions under
+/// `layers.{l}.router.*`.
+pub fn ffn<B: Backend>(w: &Weights<B>, l: usize, x: &B::Act, t: usize, trace: Option<&mut Trace>) -> B::Act {
+    let (b, cfg) = (&w.backend, &w.cfg);
+    let Ffn::Moe(m0) = &w.ranks[0].layers[l].ffn else {
+        let partials = w.ranks.iter().map(|rw| match &rw.layers[l].ffn {
+            Ffn::Dense(m) => swiglu(b, m, x, t),
+            Ffn::Moe(_) => unreachable!("layer {l}: rank 0 is dense, every rank loads the same plan"),
         });
-        if let Some(sh) = w.shared.get(r) {
-            ops::add_assign(&mut part, &swiglu(sh, x, t));
-        }
-        partials.push(part);
+        return b.all_reduce(partials.collect());
+    };
+    let logits = b.linear(x, t, &m0.router); // [T, E] f32 (bf16 weights widened exactly, as weight.float())
+    let routes = b.moe_route(&logits, t, &cfg.router(), m0.bias.as_ref());
+    if let Some(tr) = trace {
+        let (ids, wts) = b.routes_to_host(&routes);
+        tr.i32(format!("layers.{l}.router.topk_ids"), &[t, cfg.top_k], ids);
+        tr.f32(format!("layers.{l}.router.topk_weights"), &[t, cfg.top_k], &wts);
     }
-    ops::all_reduce_sum(&partials, t * h)
+    let partials = w.ranks.iter().map(|rw| {
+        let Ffn::Moe(m) = &rw.layers[l].ffn else { unreachable!("layer {l}: rank 0 is MoE, every rank loads the same plan") };
+        // [T, H] this rank's routed experts, ascending id, then its shared-expert slice.
+        let mut part = b.moe_experts(x, t, cfg.hidden, &routes, &m.gate, &m.up, &m.down);
+        if let Some(sh) = &m.shared {
+            b.add(&mut part, &swiglu(b, sh, x, t));
+        }
+        part
+    });
+    b.all_reduce(partials.collect())
 }

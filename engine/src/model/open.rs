@@ -1,16 +1,23 @@
-//! `engine::open(dir, Device)`: open a converted model directory (kdtree_formats::ModelDir, mmapped) and
-//! build the target session and, when the directory holds a DFlash drafter, the drafter, which borrows the
-//! target's embed_tokens / lm_head (vocab-parallel shards, gathered in global id order) and gets the
-//! target taps it was trained on (`dflash_config.target_layer_ids`). Interface: docs/design/interfaces.md
-//! "engine → tools". Test: engine/tests/target_plans.rs (`open_loads_target_and_drafter`).
+//! The one CPU model loader and the device switch in front of it.
+//!
+//! [`open_cpu`] opens a converted model directory (kdtree_formats::ModelDir, mmapped) and builds the CPU
+//! target and, when the directory holds a DFlash drafter, the drafter; [`open_with`] / [`open`] check the
+//! device and box what `open_cpu` returns. Rank-first: every rank's target weights are views of that
+//! rank's own shard files (`ModelDir::tensor(name, rank)`), never gathered; the drafter borrows the
+//! target's per-rank embed_tokens / lm_head (vocab-parallel, merged in global id order) and gets the
+//! target taps it was trained on (`dflash_config.target_layer_ids`). The drafter's own `drafter.*` weights
+//! are gathered to logical tensors (its forward has no TP split yet). Interface:
+//! docs/design/interfaces.md "engine → tools". Tests: engine/tests/target_plans.rs
+//! (`open_loads_target_and_drafter`, `cuda_without_the_feature_is_a_typed_error`).
 
 use super::attention::AttnMode;
-use super::source::{gather_bf16, TensorSource};
+use super::source::TensorSource;
 use super::target::CpuTarget;
 use super::weights::Weights;
 use crate::api::{Drafter, Target};
-use crate::drafter::{DFlashDrafter, DrafterDims, DrafterWeights};
-use anyhow::{bail, ensure, Context, Result};
+use crate::backend::BackendError;
+use crate::drafter::DFlashDrafter;
+use anyhow::{Context, Result};
 use kdtree_formats::ModelDir;
 use std::path::Path;
 use std::sync::Arc;
@@ -31,11 +38,18 @@ pub struct Loaded {
     pub drafter: Option<Box<dyn Drafter>>,
 }
 
-/// Options of [`open_with`].
+/// Options of [`open_with`] and [`open_cpu`].
 #[derive(Debug, Clone, Copy, Default)]
 pub struct OpenOptions {
     /// MLA form of the CPU target (both give the same logits to ~1e-6 relative).
     pub attn_mode: AttnMode,
+}
+
+/// A converted model on the CPU reference backend, with its concrete types (the golden tool needs
+/// `CpuTarget`'s trace hook).
+pub struct CpuModel {
+    pub target: CpuTarget,
+    pub drafter: Option<DFlashDrafter>,
 }
 
 /// Open `dir` on `device` with default options (CPU target uses the absorbed MLA form: it does not
@@ -44,37 +58,35 @@ pub fn open(dir: &Path, device: Device) -> Result<Loaded> {
     open_with(dir, device, OpenOptions { attn_mode: AttnMode::Absorbed })
 }
 
-/// Open `dir` on `device`.
+/// Open `dir` on `device`. `Device::Cuda` is a [`BackendError`]: `NoCuda` in a build without the `cuda`
+/// feature, `CudaNotWired` in one with it (until the CUDA backend lands); `Auto` takes the CPU.
 pub fn open_with(dir: &Path, device: Device, opts: OpenOptions) -> Result<Loaded> {
     if device == Device::Cuda {
-        bail!("the CUDA backend is not available in this build (use --device cpu)");
+        return Err(BackendError::cuda_unavailable().into());
     }
-    let md = ModelDir::open(dir).with_context(|| format!("opening {}", dir.display()))?;
-    let drafter_cfg = md.drafter_config().cloned();
-    let src: Arc<dyn TensorSource> = Arc::new(md);
-    let (target, weights) = open_cpu_target(
-        src.clone(),
-        drafter_cfg.as_ref().map(|c| c.dflash_config.target_layer_ids.clone()).unwrap_or_default(),
-        opts.attn_mode,
-    )?;
-    let drafter: Option<Box<dyn Drafter>> = match &drafter_cfg {
-        None => None,
-        Some(cfg) => {
-            let dims = DrafterDims::from_config(cfg)?;
-            let dw = DrafterWeights::load_with(&dims, |name, shape| {
-                let (v, s) = gather_bf16(&*src, name)?;
-                ensure!(s == shape, "{name}: logical shape {s:?}, the drafter expects {shape:?}");
-                Ok(v)
-            })?;
-            Some(Box::new(DFlashDrafter::new(cfg, dw, weights)?))
-        }
-    };
-    Ok(Loaded { backend: "cpu".into(), target: Box::new(target), drafter })
+    let m = open_cpu(dir, opts)?;
+    Ok(Loaded {
+        backend: "cpu".into(),
+        target: Box::new(m.target),
+        drafter: m.drafter.map(|d| Box::new(d) as Box<dyn Drafter>),
+    })
 }
 
-/// The CPU target over any [`TensorSource`], with taps at `tap_layers`; also returns the shared weights
-/// (for the drafter's tables).
-pub fn open_cpu_target(src: Arc<dyn TensorSource>, tap_layers: Vec<usize>, mode: AttnMode) -> Result<(CpuTarget, Arc<Weights>)> {
-    let w = Arc::new(Weights::load(src)?);
-    Ok((CpuTarget::new(w.clone(), tap_layers, mode)?, w))
+/// Open `dir` on the CPU backend: the target (tapping the layers the drafter was trained on) and, when the
+/// directory holds one, the DFlash drafter over the target's tables.
+pub fn open_cpu(dir: &Path, opts: OpenOptions) -> Result<CpuModel> {
+    let md = ModelDir::open(dir).with_context(|| format!("opening model {}", dir.display()))?;
+    open_cpu_source(Arc::new(md), opts)
+}
+
+/// [`open_cpu`] over any [`TensorSource`] (a `ModelDir`, or an in-memory `MemSource` in tests).
+pub fn open_cpu_source(src: Arc<dyn TensorSource>, opts: OpenOptions) -> Result<CpuModel> {
+    let taps = src.drafter_config().map(|c| c.dflash_config.target_layer_ids.clone()).unwrap_or_default();
+    let w = Arc::new(Weights::load(src.clone())?);
+    let target = CpuTarget::new(w.clone(), taps, opts.attn_mode)?;
+    let drafter = match src.drafter_config() {
+        Some(_) => Some(DFlashDrafter::load(&*src, w)?),
+        None => None,
+    };
+    Ok(CpuModel { target, drafter })
 }

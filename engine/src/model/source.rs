@@ -57,8 +57,21 @@ unsafe impl<T: bytemuck::Pod + Send> Send for Slab<T> {}
 unsafe impl<T: bytemuck::Pod + Sync> Sync for Slab<T> {}
 
 impl<T: bytemuck::Pod> Slab<T> {
-    /// View `data` (which must come from `owner`) as `[T]`.
-    pub fn new(owner: &Arc<dyn TensorSource>, data: &[u8]) -> Slab<T> {
+    /// View `data` as `[T]`, keeping `owner` alive for as long as the view lives (copied when unaligned).
+    ///
+    /// # Safety
+    /// `data` must point into memory owned by `owner`: a `TensorRef::data` returned by
+    /// `owner.tensor(..)` (or a sub-slice of one). The `TensorSource` contract then keeps those bytes valid
+    /// and unchanged while `owner` lives; bytes from anywhere else (a temporary Vec, another source) would
+    /// dangle once their real owner is dropped.
+    ///
+    /// ```compile_fail,E0133
+    /// // Calling it needs an `unsafe` block (and a reason): this does not compile.
+    /// # use std::sync::Arc;
+    /// # use kdtree_engine::model::{source::Slab, TensorSource};
+    /// fn view(owner: &Arc<dyn TensorSource>, bytes: &[u8]) -> Slab<u8> { Slab::new(owner, bytes) }
+    /// ```
+    pub unsafe fn new(owner: &Arc<dyn TensorSource>, data: &[u8]) -> Slab<T> {
         match bytemuck::try_cast_slice::<u8, T>(data) {
             Ok(s) => Slab::Mapped { _owner: owner.clone(), ptr: s.as_ptr(), len: s.len() },
             Err(_) => Slab::Owned(pod_vec(data)),

@@ -1,5 +1,6 @@
-//! The CPU K2.6 target session: [`CpuTarget`] implements `api::Target` (tree forward with parents, commit
-//! of an accepted path) over [`Weights`] and the latent cache.
+//! The K2.6 target session, written once against `backend::Backend`: [`TargetModel`] implements
+//! `api::Target` (tree forward with parents, commit of an accepted path) over [`Weights`] and the
+//! backend's latent cache; [`CpuTarget`] is it on the CPU reference backend.
 //!
 //! Forward (k26-format §4.1): `h = embed(ids)`; per layer `h += MLA(norm_in(h))`, `h += FFN(norm_post(h))`;
 //! taps = h after each tap layer (before the final norm); `logits = lm_head(norm(h))`.
@@ -11,38 +12,42 @@
 //! Tests: engine/tests/target_*.rs.
 
 use super::attention::{mla, AttnMode};
-use super::cache::{LatentCache, TreeMask};
-use super::ffn;
+use super::cache::TreeMask;
+use super::ffn::ffn;
 use super::trace::Trace;
-use super::weights::{Ffn, Weights};
+use super::weights::Weights;
 use crate::api::{LogitRows, StepOut, Target, TargetInfo};
-use crate::cpu::ops;
+use crate::backend::{Backend, RopeTable};
+use crate::cpu::CpuBackend;
 use anyhow::{ensure, Result};
 use std::sync::Arc;
 
-/// A target session on the CPU reference backend.
-pub struct CpuTarget {
-    w: Arc<Weights>,
+/// A target session on backend `B`.
+pub struct TargetModel<B: Backend> {
+    w: Arc<Weights<B>>,
     info: TargetInfo,
-    cache: LatentCache,
+    cache: B::Kv,
     mode: AttnMode,
     trace: Option<Trace>,
     /// Parents of the last forward's nodes (commit checks the path against them).
     last_parents: Vec<i32>,
 }
 
-impl CpuTarget {
-    pub fn new(w: Arc<Weights>, tap_layers: Vec<usize>, mode: AttnMode) -> Result<CpuTarget> {
+/// The target on the CPU reference backend.
+pub type CpuTarget = TargetModel<CpuBackend>;
+
+impl<B: Backend> TargetModel<B> {
+    pub fn new(w: Arc<Weights<B>>, tap_layers: Vec<usize>, mode: AttnMode) -> Result<TargetModel<B>> {
         let c = &w.cfg;
         for &l in &tap_layers {
             ensure!(l < c.layers, "tap layer {l} >= num_hidden_layers {}", c.layers);
         }
         let info =
             TargetInfo { vocab_size: c.vocab, hidden_size: c.hidden, num_layers: c.layers, max_positions: c.max_positions, tap_layers };
-        let cache = LatentCache::new(c.layers, c.latent_width());
-        Ok(CpuTarget { w, info, cache, mode, trace: None, last_parents: Vec::new() })
+        let cache = w.backend.kv_new(c.layers, c.latent_width());
+        Ok(TargetModel { w, info, cache, mode, trace: None, last_parents: Vec::new() })
     }
-    pub fn weights(&self) -> &Arc<Weights> {
+    pub fn weights(&self) -> &Arc<Weights<B>> {
         &self.w
     }
     pub fn mode(&self) -> AttnMode {
@@ -50,17 +55,17 @@ impl CpuTarget {
     }
 }
 
-impl Target for CpuTarget {
+impl<B: Backend> Target for TargetModel<B> {
     fn info(&self) -> &TargetInfo {
         &self.info
     }
     fn committed(&self) -> usize {
-        self.cache.committed
+        self.w.backend.kv_committed(&self.cache)
     }
 
     fn forward_rows(&mut self, tokens: &[u32], parents: &[i32], rows: LogitRows) -> Result<StepOut> {
         let w = self.w.clone();
-        let c = &w.cfg;
+        let (b, c) = (&w.backend, &w.cfg);
         let t = tokens.len();
         ensure!(t > 0, "forward: no tokens");
         ensure!(parents.len() == t, "forward: {t} tokens but {} parents", parents.len());
@@ -68,36 +73,37 @@ impl Target for CpuTarget {
             ensure!((tok as usize) < c.vocab, "forward: tokens[{i}] = {tok} >= vocab {}", c.vocab);
         }
         let mask = TreeMask::from_parents(parents)?;
-        let positions: Vec<usize> = mask.depth.iter().map(|&d| self.cache.committed + d).collect();
+        let committed = b.kv_committed(&self.cache);
+        let positions: Vec<usize> = mask.depth.iter().map(|&d| committed + d).collect();
         let maxpos = positions.iter().copied().max().unwrap_or(0);
         ensure!(maxpos < c.max_positions, "forward: position {maxpos} >= max_positions {}", c.max_positions);
-        self.cache.drop_scratch();
+        b.kv_drop_scratch(&mut self.cache);
+        let rope = RopeTable::new(&c.inv_freq, positions, c.rope_attention_factor);
 
         let h = c.hidden;
         let taps_n = self.info.tap_layers.len();
         let mut taps = vec![0f32; if taps_n > 0 { t * taps_n * h } else { 0 }]; // [T, n_taps * H]
         let mut x = w.embed(tokens); // [T, H] residual stream
-        for (l, layer) in w.layers.iter().enumerate() {
-            let a = mla(c, &layer.attn, l, &ops::rms_norm(&x, &layer.input_norm, c.eps), &mask, &positions, &mut self.cache, self.mode);
-            x.iter_mut().zip(&a).for_each(|(r, v)| *r += v);
-            let xn = ops::rms_norm(&x, &layer.post_norm, c.eps);
-            let m = match &layer.ffn {
-                Ffn::Dense(ranks) => ffn::dense(ranks, &xn, t),
-                Ffn::Moe(moe) => ffn::moe(c, moe, l, &xn, t, self.trace.as_mut()),
-            };
-            x.iter_mut().zip(&m).for_each(|(r, v)| *r += v);
+        for (l, layer) in w.ranks[0].layers.iter().enumerate() {
+            let a = mla(&w, l, &b.rms_norm(&x, &layer.input_norm, c.eps), &mask, &rope, &mut self.cache, self.mode);
+            b.add(&mut x, &a);
+            let m = ffn(&w, l, &b.rms_norm(&x, &layer.post_norm, c.eps), t, self.trace.as_mut());
+            b.add(&mut x, &m);
             if let Some(tr) = self.trace.as_mut() {
-                tr.f32(format!("layers.{l}.attn_out"), &[t, h], &a);
-                tr.f32(format!("layers.{l}.mlp_out"), &[t, h], &m);
-                tr.f32(format!("layers.{l}.residual"), &[t, h], &x);
+                tr.f32(format!("layers.{l}.attn_out"), &[t, h], &b.to_host(&a));
+                tr.f32(format!("layers.{l}.mlp_out"), &[t, h], &b.to_host(&m));
+                tr.f32(format!("layers.{l}.residual"), &[t, h], &b.to_host(&x));
             }
-            for (k, _) in self.info.tap_layers.iter().enumerate().filter(|(_, &tl)| tl == l) {
-                for i in 0..t {
-                    taps[(i * taps_n + k) * h..(i * taps_n + k + 1) * h].copy_from_slice(&x[i * h..(i + 1) * h]);
+            if self.info.tap_layers.contains(&l) {
+                let xh = b.to_host(&x);
+                for (k, _) in self.info.tap_layers.iter().enumerate().filter(|(_, &tl)| tl == l) {
+                    for i in 0..t {
+                        taps[(i * taps_n + k) * h..(i * taps_n + k + 1) * h].copy_from_slice(&xh[i * h..(i + 1) * h]);
+                    }
                 }
             }
         }
-        self.cache.scratch = t;
+        b.kv_set_scratch(&mut self.cache, t);
         self.last_parents = parents.to_vec();
         // Only the rows asked for go through the final norm and lm_head (a row's result does not depend
         // on the other rows, so the values equal those of an all-rows forward bit for bit).
@@ -107,10 +113,10 @@ impl Target for CpuTarget {
             LogitRows::None => t,
         };
         let n = t - first;
-        let xn = w.final_norm(&x[first * h..]);
-        let logits = if n > 0 { w.lm_head(&xn, n) } else { Vec::new() }; // [n, V]
+        let xn = w.final_norm(&b.rows(&x, h, first, t));
+        let logits = if n > 0 { b.to_host(&w.lm_head(&xn, n)) } else { Vec::new() }; // [n, V]
         if let Some(tr) = self.trace.as_mut() {
-            tr.f32("final_norm".into(), &[n, h], &xn);
+            tr.f32("final_norm".into(), &[n, h], &b.to_host(&xn));
             tr.f32("logits".into(), &[n, c.vocab], &logits);
         }
         Ok(StepOut { logits, taps })
@@ -127,19 +133,19 @@ impl Target for CpuTarget {
                 self.last_parents[node]
             );
         }
-        self.cache.commit(path)?;
+        self.w.backend.kv_compact(&mut self.cache, path)?;
         self.last_parents.clear();
         Ok(())
     }
 
     fn truncate(&mut self, len: usize) -> Result<()> {
-        self.cache.truncate(len)?;
+        self.w.backend.kv_truncate(&mut self.cache, len)?;
         self.last_parents.clear();
         Ok(())
     }
 
     fn reset(&mut self) {
-        self.cache.reset();
+        self.w.backend.kv_reset(&mut self.cache);
         self.last_parents.clear();
     }
 

@@ -13,7 +13,7 @@ use half::bf16;
 use kdtree_formats::int4;
 
 fn check_i4(packed: &[u8], scales: &[bf16], n: usize, k: usize, op: &str) {
-    assert!(k % int4::GROUP == 0, "{op}: K={k} is not a multiple of the group size 32");
+    assert!(k.is_multiple_of(int4::GROUP), "{op}: K={k} is not a multiple of the group size 32");
     assert_eq!(packed.len(), n * k / 2, "{op}: packed has {} bytes, expected N={n} x K/2={}", packed.len(), k / 2);
     assert_eq!(scales.len(), n * k / 32, "{op}: scales has {} elements, expected N={n} x K/32={}", scales.len(), k / 32);
 }

@@ -3,7 +3,7 @@
 //! Each file opens with what it computes, the reference it must match and where its test lives. Element
 //! ops: matmul_bf16 / matmul_f32 / matmul_i4g32 (shared driver in `matmul`), rms_norm, rope (interleaved,
 //! NeoX), yarn, softmax, silu, select (argmax, top-K). Model-level ops: mla_attention (latent cache with
-//! an ancestor mask), moe_route, moe_experts, embedding and lm_head over vocab-parallel shards, residual
+//! an ancestor mask), gqa_attention (the drafter's block), moe_route, moe_experts, embedding and lm_head over vocab-parallel shards, residual
 //! (add, fixed-order rank sum), kv_compact. The backend seam (engine/src/backend.rs) calls these.
 //!
 //! Determinism: every reduction runs in one fixed sequential order; rayon only decides which thread runs
@@ -12,6 +12,7 @@
 use half::bf16;
 
 mod embedding;
+mod gqa_attention;
 mod kv_compact;
 mod lm_head;
 mod matmul;
@@ -29,8 +30,9 @@ mod softmax;
 mod yarn;
 
 pub use embedding::embedding_bf16;
+pub use gqa_attention::gqa_attention;
 pub use kv_compact::kv_compact;
-pub use lm_head::lm_head_bf16;
+pub use lm_head::{lm_head_argmax_bf16, lm_head_bf16};
 pub use matmul_bf16::{matmul_bf16, matmul_f32};
 pub use matmul_i4g32::{dequant_i4g32_matrix, matmul_i4g32};
 pub use mla_attention::{mla_attention, MlaDims, MlaKv};

@@ -22,7 +22,7 @@ pub fn yarn_get_mscale(scale: f64, mscale: f64) -> f64 {
 /// `floor(corr(beta_fast))` and `ceil(corr(beta_slow))`, `corr(r) = D ln(orig / 2πr) / (2 ln theta)`.
 /// Computed in f64, rounded to f32 once.
 pub fn yarn_inv_freq(dim: usize, theta: f64, scaling: Option<&RopeScaling>) -> Vec<f32> {
-    assert!(dim % 2 == 0 && dim > 0, "yarn_inv_freq: rope dim {dim} must be even and > 0");
+    assert!(dim.is_multiple_of(2) && dim > 0, "yarn_inv_freq: rope dim {dim} must be even and > 0");
     let half = dim / 2;
     let extra: Vec<f64> = (0..half).map(|i| 1.0 / theta.powf((2 * i) as f64 / dim as f64)).collect();
     let Some(s) = scaling.filter(|s| s.kind == "yarn" || s.kind == "deepseek_yarn") else {

@@ -1,0 +1,167 @@
+//! The op-level backend seam: the model-level ops that the target (MLA, MoE, dense MLP, embedding,
+//! lm_head) and the DFlash drafter are written once against, and the typed error for backends a build
+//! lacks. The CPU reference implements [`Backend`] in engine/src/cpu/backend.rs with the cpu/ops files;
+//! a CUDA backend implements the same set with device buffers (idea: candle-core's `BackendStorage`).
+//!
+//! Contracts every implementation keeps: activations are row-major `[rows, cols]` f32 (the caller passes
+//! the row count); reductions across tensor-parallel ranks happen only in [`Backend::all_reduce`], in
+//! rank order 0..R; logits of vocab-parallel shards are merged in global vocab order. `upload_*` runs
+//! once per weight at load (a GPU backend copies, and may repack INT4 for its kernels, there); the ops
+//! never see host weight bytes. Only `to_host` / `routes_to_host` (probes, logits) move data to the host.
+//! Tests: the CPU backend is the model's reference (engine/tests/target_*.rs, ddtree_drafter.rs);
+//! `cuda_without_the_feature_is_a_typed_error` in engine/tests/target_plans.rs.
+//!
+//! Letters: T rows (tokens / tree nodes), H hidden, V vocab, R ranks, E experts.
+
+use crate::cpu::ops::{MlaDims, Router};
+use crate::model::cache::TreeMask;
+use crate::model::source::Slab;
+use crate::model::weights::{I4Stack, Mat};
+use crate::model::AttnMode;
+use anyhow::Result;
+use half::bf16;
+
+/// Why a backend cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BackendError {
+    /// `--device cuda` on a build without the `cuda` feature.
+    #[error("this kdtree build has no CUDA backend: rebuild with --features cuda")]
+    NoCuda,
+    /// A `cuda` build whose engine has no CUDA backend implementation yet.
+    #[error("CUDA backend not yet wired: this build has the cuda feature but the engine does not run on CUDA yet (use --device cpu)")]
+    CudaNotWired,
+}
+
+impl BackendError {
+    /// The error `Device::Cuda` gets in this build.
+    pub fn cuda_unavailable() -> BackendError {
+        if cfg!(feature = "cuda") {
+            BackendError::CudaNotWired
+        } else {
+            BackendError::NoCuda
+        }
+    }
+}
+
+/// cos/sin of the rows' positions, `[T, D/2]` each (computed once per forward, host side: positions are
+/// known on the host; a GPU backend uploads these T·D floats with the tokens).
+#[derive(Debug, Clone)]
+pub struct RopeTable {
+    pub half: usize,
+    pub cos: Vec<f32>,
+    pub sin: Vec<f32>,
+}
+
+impl RopeTable {
+    /// cos/sin of `positions` (cpu::ops::rope_cos_sin: angle in f32, cos/sin in f64, times `factor`).
+    pub fn new(inv_freq: &[f32], positions: impl IntoIterator<Item = usize>, factor: f64) -> RopeTable {
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        for pos in positions {
+            let (c, s) = crate::cpu::ops::rope_cos_sin(inv_freq, pos, factor);
+            cos.extend(c);
+            sin.extend(s);
+        }
+        RopeTable { half: inv_freq.len(), cos, sin }
+    }
+    /// Row `i`'s (cos, sin), `[D/2]` each.
+    pub fn row(&self, i: usize) -> (&[f32], &[f32]) {
+        (&self.cos[i * self.half..(i + 1) * self.half], &self.sin[i * self.half..(i + 1) * self.half])
+    }
+}
+
+/// The model-level ops. `Act` is an activation tensor, `Mat` / `I4` / `Vector` / `VectorF32` uploaded
+/// weights, `Kv` the MLA latent cache of all layers, `Routes` one MoE layer's router decisions.
+pub trait Backend: Clone + Send + Sync + 'static {
+    type Act: Send + Sync;
+    /// A bf16 matrix `[rows, cols]` (torch Linear `[out, in]`).
+    type Mat: Send + Sync;
+    /// An INT4 group-32 expert stack of one rank (`[count, n, k]`, global experts `first..first+count`).
+    type I4: Send + Sync;
+    /// A bf16 vector (norm weights).
+    type Vector: Send + Sync;
+    /// An f32 vector (e_score_correction_bias).
+    type VectorF32: Send + Sync;
+    type Kv: Send;
+    type Routes;
+
+    /// Short name for logs and summaries ("cpu", "cuda").
+    fn name(&self) -> &'static str;
+
+    // ---- upload (once per weight, at load) ----
+    fn upload_bf16(&self, m: Mat) -> Result<Self::Mat>;
+    fn upload_i4g32(&self, s: I4Stack) -> Result<Self::I4>;
+    fn upload_vector(&self, v: Slab<bf16>) -> Result<Self::Vector>;
+    fn upload_vector_f32(&self, v: Slab<f32>) -> Result<Self::VectorF32>;
+    /// Rows of a bf16 matrix (its output width).
+    fn mat_rows(&self, m: &Self::Mat) -> usize;
+
+    // ---- activations ----
+    fn act_from_host(&self, x: Vec<f32>) -> Self::Act;
+    fn to_host(&self, x: &Self::Act) -> Vec<f32>;
+    /// Rows `[from, to)` of `x` `[T, cols]`.
+    fn rows(&self, x: &Self::Act, cols: usize, from: usize, to: usize) -> Self::Act;
+    /// Append the rows of `x` to `acc` (same width).
+    fn append_rows(&self, acc: &mut Self::Act, x: &Self::Act);
+    /// Keep the first `n` values of `x`.
+    fn truncate(&self, x: &mut Self::Act, n: usize);
+
+    // ---- dense ops ----
+    /// `x[T, K] · W[N, K]^T` → `[T, N]`.
+    fn linear(&self, x: &Self::Act, t: usize, w: &Self::Mat) -> Self::Act;
+    /// RMSNorm of every `[D]` row of `x` (D = the weight's length).
+    fn rms_norm(&self, x: &Self::Act, w: &Self::Vector, eps: f32) -> Self::Act;
+    /// `acc += x`.
+    fn add(&self, acc: &mut Self::Act, x: &Self::Act);
+    /// `silu(gate) ⊙ up`.
+    fn silu_mul(&self, gate: &Self::Act, up: &Self::Act) -> Self::Act;
+    /// Sum of rank partials in rank order 0..R (the tensor-parallel all-reduce).
+    fn all_reduce(&self, partials: Vec<Self::Act>) -> Self::Act;
+
+    // ---- vocabulary ----
+    /// `embed_tokens` rows `[n, H]` from vocab-parallel shards `[V/R, H]` (rank order).
+    fn embedding(&self, shards: &[&Self::Mat], h: usize, tokens: &[u32]) -> Self::Act;
+    /// lm_head `[n, V]` over vocab-parallel shards, merged in global vocab order.
+    fn lm_head(&self, x: &Self::Act, n: usize, h: usize, shards: &[&Self::Mat]) -> Self::Act;
+    /// Greedy token of each row of lm_head(x) `[n]`: per-shard argmax merged in global vocab order
+    /// (lowest global id wins ties), without forming the `[n, V]` logits.
+    fn lm_head_argmax(&self, x: &Self::Act, n: usize, h: usize, shards: &[&Self::Mat]) -> Vec<u32>;
+
+    // ---- MLA ----
+    fn kv_new(&self, layers: usize, width: usize) -> Self::Kv;
+    /// Committed rows of the cache.
+    fn kv_committed(&self, kv: &Self::Kv) -> usize;
+    /// Start of a forward: drop any scratch rows.
+    fn kv_drop_scratch(&self, kv: &mut Self::Kv);
+    /// New latent rows `[T, C + P]` = `rms_norm(c_kv) | rope_interleaved(k_pe)` from `kv_a` output `ckv`,
+    /// appended to layer `l` as scratch.
+    fn kv_append_latent(&self, kv: &mut Self::Kv, l: usize, ckv: &Self::Act, norm: &Self::Vector, eps: f32, rope: &RopeTable);
+    /// Mark the last forward's `t` rows as scratch (after every layer appended them).
+    fn kv_set_scratch(&self, kv: &mut Self::Kv, t: usize);
+    /// Keep scratch rows `path` (root-to-node, in order) as the next committed rows; drop the rest.
+    fn kv_compact(&self, kv: &mut Self::Kv, path: &[usize]) -> Result<()>;
+    /// Keep committed rows `[0, len)`.
+    fn kv_truncate(&self, kv: &mut Self::Kv, len: usize) -> Result<()>;
+    fn kv_reset(&self, kv: &mut Self::Kv);
+    /// Interleaved RoPE on the `q_pe` part (after `nope` dims) of every head of `q` `[T, heads·(nope+P)]`.
+    fn rope_q(&self, q: &mut Self::Act, heads: usize, nope: usize, rope: &RopeTable);
+    /// MLA attention of one rank's roped queries `[T, Hr·(Dn+P)]` over layer `l` of the cache (committed
+    /// prefix + scratch) with the ancestor mask; `kv_b` `[Hr·(Dn+Dv), C]`. Returns `[T, Hr·Dv]`.
+    #[allow(clippy::too_many_arguments)]
+    fn mla_attention(&self, q: &Self::Act, kv: &Self::Kv, l: usize, mask: &TreeMask, kv_b: &Self::Mat, d: &MlaDims, mode: AttnMode) -> Self::Act;
+
+    // ---- MoE ----
+    /// Router decisions of every row of `logits` `[T, E]`.
+    fn moe_route(&self, logits: &Self::Act, t: usize, r: &Router, bias: Option<&Self::VectorF32>) -> Self::Routes;
+    /// (ids `[T, k]` in selection order, weights `[T, k]`) for probes.
+    fn routes_to_host(&self, routes: &Self::Routes) -> (Vec<i32>, Vec<f32>);
+    /// One rank's routed-expert partial `[T, H]` (experts it holds, ascending id per token).
+    #[allow(clippy::too_many_arguments)]
+    fn moe_experts(&self, x: &Self::Act, t: usize, h: usize, routes: &Self::Routes, gate: &Self::I4, up: &Self::I4, down: &Self::I4) -> Self::Act;
+
+    // ---- drafter ----
+    /// Per-head RMSNorm (weight `[D]`) then NeoX RoPE of `x` `[T, heads·D]`, row i at rope row i.
+    fn head_norm_rope_neox(&self, x: &Self::Act, w: &Self::Vector, eps: f32, heads: usize, rope: &RopeTable) -> Self::Act;
+    /// Non-causal GQA of `q` `[B, Hq·D]` over `[context ; block]` keys/values (`[C, Hk·D]`, `[B, Hk·D]`).
+    #[allow(clippy::too_many_arguments)]
+    fn gqa_attention(&self, q: &Self::Act, b: usize, ctx: (&Self::Act, &Self::Act), block: (&Self::Act, &Self::Act), heads: usize, kv_heads: usize, head_dim: usize) -> Self::Act;
+}

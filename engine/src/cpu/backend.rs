@@ -1,0 +1,192 @@
+//! [`CpuBackend`]: the reference implementation of `backend::Backend` with the cpu/ops files.
+//!
+//! Activations are host `Vec<f32>`; uploads are identity moves, so weights stay zero-copy `Slab` views of
+//! the mmapped shards; the latent cache is `model::cache::LatentCache`. Every op is the cpu/ops function
+//! named in its body, with the same arguments in the same order, so the model's results are those of the
+//! ops (bit for bit: golden/regen.sh --check). Tests: engine/tests/target_*.rs, ddtree_drafter.rs.
+
+use super::ops;
+use crate::backend::{Backend, RopeTable};
+use crate::model::cache::{LatentCache, TreeMask};
+use crate::model::source::Slab;
+use crate::model::weights::{I4Stack, Mat};
+use crate::model::AttnMode;
+use anyhow::Result;
+use half::bf16;
+
+/// The CPU reference backend (rayon, f32 accumulation, fixed reduction order).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CpuBackend;
+
+/// One MoE layer's router decisions: per token (experts, weights), and per expert its (token, weight)s.
+pub struct CpuRoutes {
+    pub per_token: Vec<(Vec<usize>, Vec<f32>)>,
+    pub per_expert: Vec<Vec<(usize, f32)>>,
+}
+
+impl Backend for CpuBackend {
+    type Act = Vec<f32>;
+    type Mat = Mat;
+    type I4 = I4Stack;
+    type Vector = Slab<bf16>;
+    type VectorF32 = Slab<f32>;
+    type Kv = LatentCache;
+    type Routes = CpuRoutes;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn upload_bf16(&self, m: Mat) -> Result<Mat> {
+        Ok(m)
+    }
+    fn upload_i4g32(&self, s: I4Stack) -> Result<I4Stack> {
+        Ok(s)
+    }
+    fn upload_vector(&self, v: Slab<bf16>) -> Result<Slab<bf16>> {
+        Ok(v)
+    }
+    fn upload_vector_f32(&self, v: Slab<f32>) -> Result<Slab<f32>> {
+        Ok(v)
+    }
+    fn mat_rows(&self, m: &Mat) -> usize {
+        m.rows
+    }
+
+    fn act_from_host(&self, x: Vec<f32>) -> Vec<f32> {
+        x
+    }
+    fn to_host(&self, x: &Vec<f32>) -> Vec<f32> {
+        x.clone()
+    }
+    fn rows(&self, x: &Vec<f32>, cols: usize, from: usize, to: usize) -> Vec<f32> {
+        x[from * cols..to * cols].to_vec()
+    }
+    fn append_rows(&self, acc: &mut Vec<f32>, x: &Vec<f32>) {
+        acc.extend_from_slice(x);
+    }
+    fn truncate(&self, x: &mut Vec<f32>, n: usize) {
+        x.truncate(n);
+    }
+
+    fn linear(&self, x: &Vec<f32>, t: usize, w: &Mat) -> Vec<f32> {
+        ops::matmul_bf16(x, &w.w, t, w.cols, w.rows)
+    }
+    fn rms_norm(&self, x: &Vec<f32>, w: &Slab<bf16>, eps: f32) -> Vec<f32> {
+        ops::rms_norm(x, w, eps)
+    }
+    fn add(&self, acc: &mut Vec<f32>, x: &Vec<f32>) {
+        ops::add_assign(acc, x);
+    }
+    fn silu_mul(&self, gate: &Vec<f32>, up: &Vec<f32>) -> Vec<f32> {
+        ops::silu_mul(gate, up)
+    }
+    fn all_reduce(&self, partials: Vec<Vec<f32>>) -> Vec<f32> {
+        let n = partials.first().map_or(0, Vec::len);
+        ops::all_reduce_sum(&partials, n)
+    }
+
+    fn embedding(&self, shards: &[&Mat], h: usize, tokens: &[u32]) -> Vec<f32> {
+        let s: Vec<&[bf16]> = shards.iter().map(|m| &m.w[..]).collect();
+        ops::embedding_bf16(&s, h, tokens)
+    }
+    fn lm_head(&self, x: &Vec<f32>, n: usize, h: usize, shards: &[&Mat]) -> Vec<f32> {
+        let s: Vec<&[bf16]> = shards.iter().map(|m| &m.w[..]).collect();
+        ops::lm_head_bf16(x, n, h, &s)
+    }
+    fn lm_head_argmax(&self, x: &Vec<f32>, n: usize, h: usize, shards: &[&Mat]) -> Vec<u32> {
+        let s: Vec<&[bf16]> = shards.iter().map(|m| &m.w[..]).collect();
+        ops::lm_head_argmax_bf16(x, n, h, &s)
+    }
+
+    fn kv_new(&self, layers: usize, width: usize) -> LatentCache {
+        LatentCache::new(layers, width)
+    }
+    fn kv_committed(&self, kv: &LatentCache) -> usize {
+        kv.committed
+    }
+    fn kv_drop_scratch(&self, kv: &mut LatentCache) {
+        kv.drop_scratch();
+    }
+    fn kv_append_latent(&self, kv: &mut LatentCache, l: usize, ckv: &Vec<f32>, norm: &Slab<bf16>, eps: f32, rope: &RopeTable) {
+        let (c, w) = (norm.len(), kv.width);
+        let t = ckv.len() / w;
+        let mut rows = vec![0f32; t * w]; // [T, C + P]
+        for i in 0..t {
+            let src = &ckv[i * w..(i + 1) * w];
+            let dst = &mut rows[i * w..(i + 1) * w];
+            dst[..c].copy_from_slice(&ops::rms_norm(&src[..c], norm, eps));
+            dst[c..].copy_from_slice(&src[c..]);
+            let (cos, sin) = rope.row(i);
+            ops::rope_interleaved(&mut dst[c..], cos, sin);
+        }
+        kv.append(l, &rows);
+    }
+    fn kv_set_scratch(&self, kv: &mut LatentCache, t: usize) {
+        kv.scratch = t;
+    }
+    fn kv_compact(&self, kv: &mut LatentCache, path: &[usize]) -> Result<()> {
+        kv.commit(path)
+    }
+    fn kv_truncate(&self, kv: &mut LatentCache, len: usize) -> Result<()> {
+        kv.truncate(len)
+    }
+    fn kv_reset(&self, kv: &mut LatentCache) {
+        kv.reset();
+    }
+    fn rope_q(&self, q: &mut Vec<f32>, heads: usize, nope: usize, rope: &RopeTable) {
+        let (p, t) = (2 * rope.half, rope.cos.len() / rope.half.max(1));
+        let qk = nope + p;
+        for i in 0..t {
+            let (cos, sin) = rope.row(i);
+            for hh in 0..heads {
+                let base = i * heads * qk + hh * qk + nope;
+                ops::rope_interleaved(&mut q[base..base + p], cos, sin);
+            }
+        }
+    }
+    fn mla_attention(&self, q: &Vec<f32>, kv: &LatentCache, l: usize, mask: &TreeMask, kv_b: &Mat, d: &ops::MlaDims, mode: AttnMode) -> Vec<f32> {
+        let (committed, lat) = (kv.committed, &kv.rows[l]); // [committed + T, C + P]
+        match mode {
+            AttnMode::Naive => {
+                // k_nope | v of every cached row, [S_all, Hr * (Dn + Dv)].
+                let n_all = committed + mask.n;
+                let latents: Vec<f32> = lat.chunks(kv.width).take(n_all).flat_map(|r| r[..d.kv_lora].to_vec()).collect();
+                let expanded = self.linear(&latents, n_all, kv_b);
+                ops::mla_attention(d, q, lat, committed, mask, ops::MlaKv::Expanded(&expanded))
+            }
+            AttnMode::Absorbed => ops::mla_attention(d, q, lat, committed, mask, ops::MlaKv::Absorbed(&kv_b.w)),
+        }
+    }
+
+    fn moe_route(&self, logits: &Vec<f32>, t: usize, r: &ops::Router, bias: Option<&Slab<f32>>) -> CpuRoutes {
+        let e = r.n_experts;
+        let bias = bias.map(|b| &b[..]);
+        let per_token: Vec<(Vec<usize>, Vec<f32>)> = (0..t).map(|i| ops::moe_route(r, &logits[i * e..(i + 1) * e], bias)).collect();
+        let per_expert = ops::tokens_per_expert(&per_token, e);
+        CpuRoutes { per_token, per_expert }
+    }
+    fn routes_to_host(&self, routes: &CpuRoutes) -> (Vec<i32>, Vec<f32>) {
+        let ids = routes.per_token.iter().flat_map(|(ids, _)| ids.iter().map(|&i| i as i32)).collect();
+        let wts = routes.per_token.iter().flat_map(|(_, w)| w.iter().copied()).collect();
+        (ids, wts)
+    }
+    fn moe_experts(&self, x: &Vec<f32>, t: usize, h: usize, routes: &CpuRoutes, gate: &I4Stack, up: &I4Stack, down: &I4Stack) -> Vec<f32> {
+        ops::moe_experts_i4g32(x, t, h, &routes.per_expert, |ex| gate.holds(ex).then(|| [gate.expert(ex), up.expert(ex), down.expert(ex)]))
+    }
+
+    fn head_norm_rope_neox(&self, x: &Vec<f32>, w: &Slab<bf16>, eps: f32, heads: usize, rope: &RopeTable) -> Vec<f32> {
+        let dd = w.len();
+        let mut y = ops::rms_norm(x, w, eps); // rows·heads vectors of D
+        for (r, row) in y.chunks_mut(heads * dd).enumerate() {
+            let (cos, sin) = rope.row(r);
+            for hv in row.chunks_mut(dd) {
+                ops::rope_neox(hv, cos, sin);
+            }
+        }
+        y
+    }
+    fn gqa_attention(&self, q: &Vec<f32>, b: usize, ctx: (&Vec<f32>, &Vec<f32>), block: (&Vec<f32>, &Vec<f32>), heads: usize, kv_heads: usize, head_dim: usize) -> Vec<f32> {
+        ops::gqa_attention(q, b, (ctx.0, ctx.1), (block.0, block.1), heads, kv_heads, head_dim)
+    }
+}

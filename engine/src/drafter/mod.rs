@@ -1,0 +1,272 @@
+//! DFlash drafter forward implementing [`api::Drafter`], written once against `backend::Backend`
+//! ([`DFlashDrafter<B>`]; `B` = the CPU reference by default).
+//!
+//! What it computes (ddtree.md §1, z-lab `dflash/model.py`, liranringel/ddtree `model/dflash.py`):
+//! * context: `ctx = hidden_norm(fc(concat taps))`; in every draft layer its keys/values are that layer's
+//!   `k_norm(k_proj(ctx))` (RoPE at the tokens' absolute positions) and `v_proj(ctx)`. They depend only on
+//!   the committed token and its position, so they are computed once per committed token per layer and
+//!   cached ([`DFlashDrafter::extend_context`]); the cache never holds block (draft) K/V.
+//! * block: `[bonus, mask × (B−1)]` embedded with the target's `embed_tokens`, at positions
+//!   `start..start+B`; each layer is pre-norm Qwen3: non-causal GQA attention of the block queries over
+//!   `[K_ctx ; K_block]` (q_norm/k_norm per head, then NeoX rotate_half RoPE over the full head_dim,
+//!   scale head_dim^-0.5), then SwiGLU MLP; final `norm`; the target's `lm_head`; rows 1..B−1 returned.
+//! * RoPE/YaRN from the drafter config: inverse frequencies per transformers `_compute_yarn_parameters`
+//!   (cpu::ops::yarn_inv_freq) and cos/sin amplitude = the transformers default
+//!   `get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)` (cpu::ops::yarn_attention_factor),
+//!   which is 1.0 for the Kimi drafters (mscale = mscale_all_dim = 1); with both keys absent the formats
+//!   defaults (1, 0) give `1 + 0.1 ln(factor)`, transformers' plain-YaRN default. vllm-ascend forces
+//!   `1 + 0.1 ln 64 ≈ 1.416` for Kimi-K2.5-DFlash and reports higher acceptance (ddtree.md §1.9); not applied here.
+//!
+//! Tensor-parallel shards: the drafter's own weights are *logical* (gathered) tensors (weights.rs), so
+//! the forward is the same for every R and never sums per-rank partials; the target tables it borrows
+//! (embed_tokens, lm_head) stay per rank (vocab-parallel, merged in global vocab order).
+//! Activations are f32, weights bf16, every reduction in the fixed order of cpu::ops (the block attention
+//! is cpu/ops/gqa_attention.rs).
+//! Tests: engine/tests/ddtree_drafter.rs (chunking invariance, non-causality, naive from-scratch reference).
+//!
+//! Dimension letters: H hidden, C committed context rows, B block, Hq query heads, Hk kv heads, D head_dim,
+//! I intermediate, V vocab, n_tap number of tapped target layers.
+
+mod weights;
+
+pub use weights::{DraftLayer, DrafterDims, DrafterWeights};
+
+use crate::api::Drafter;
+use crate::backend::{Backend, RopeTable};
+use crate::cpu::{ops, CpuBackend};
+use crate::model::source::Slab;
+use crate::model::weights::Mat;
+use anyhow::{bail, ensure, Result};
+use half::bf16;
+use kdtree_formats::config::DrafterConfig;
+use std::sync::Arc;
+
+/// The target's token table and LM head, borrowed by the drafter (it has neither of its own).
+pub trait TargetTables<B: Backend = CpuBackend>: Send + Sync {
+    fn hidden_size(&self) -> usize;
+    fn vocab_size(&self) -> usize;
+    /// `embed_tokens` rows of `tokens`: [n, H].
+    fn embed(&self, tokens: &[u32]) -> B::Act;
+    /// `lm_head(x)` for x [n, H]: [n, V] logits in global vocab order.
+    fn lm_head(&self, x: &B::Act, n: usize) -> B::Act;
+}
+
+/// Whole (vocab-gathered) bf16 tables held in memory (CPU; tests).
+pub struct DenseTables {
+    pub hidden: usize,
+    pub vocab: usize,
+    /// [V, H] bf16
+    pub embed_tokens: Vec<bf16>,
+    /// [V, H] bf16
+    pub lm_head: Vec<bf16>,
+}
+
+impl TargetTables for DenseTables {
+    fn hidden_size(&self) -> usize {
+        self.hidden
+    }
+    fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+    fn embed(&self, tokens: &[u32]) -> Vec<f32> {
+        ops::embedding_bf16(&[&self.embed_tokens], self.hidden, tokens)
+    }
+    fn lm_head(&self, x: &Vec<f32>, n: usize) -> Vec<f32> {
+        ops::lm_head_bf16(x, n, self.hidden, &[&self.lm_head])
+    }
+}
+
+/// The target's own per-rank tables (vocab-parallel `[V/R, H]` shards), used without a copy: embed looks
+/// up the owning rank's row; lm_head runs each rank's shard and places its columns at the rank's vocab
+/// offset (global vocab order, ddtree.md §5.6 item 10).
+impl<B: Backend> TargetTables<B> for crate::model::Weights<B> {
+    fn hidden_size(&self) -> usize {
+        self.cfg.hidden
+    }
+    fn vocab_size(&self) -> usize {
+        self.cfg.vocab
+    }
+    fn embed(&self, tokens: &[u32]) -> B::Act {
+        crate::model::Weights::embed(self, tokens)
+    }
+    fn lm_head(&self, x: &B::Act, n: usize) -> B::Act {
+        crate::model::Weights::lm_head(self, x, n)
+    }
+}
+
+/// One draft layer's weights on the backend (names as [`DraftLayer`]).
+struct Layer<B: Backend> {
+    input_layernorm: B::Vector,
+    q_proj: B::Mat,
+    k_proj: B::Mat,
+    v_proj: B::Mat,
+    o_proj: B::Mat,
+    q_norm: B::Vector,
+    k_norm: B::Vector,
+    post_attention_layernorm: B::Vector,
+    gate_proj: B::Mat,
+    up_proj: B::Mat,
+    down_proj: B::Mat,
+}
+
+/// Cached context K/V of one layer (committed context only).
+struct LayerCache<B: Backend> {
+    k: B::Act, // [C, Hk*D] after k_norm and RoPE
+    v: B::Act, // [C, Hk*D]
+}
+
+/// A DFlash drafter session on backend `B`.
+pub struct DFlashDrafter<B: Backend = CpuBackend> {
+    b: B,
+    dims: DrafterDims,
+    fc: B::Mat,              // [H, n_tap*H]
+    hidden_norm: B::Vector,  // [H]
+    norm: B::Vector,         // [H]
+    layers: Vec<Layer<B>>,
+    tables: Arc<dyn TargetTables<B>>,
+    inv_freq: Vec<f32>, // [D/2]
+    attention_factor: f64,
+    cache: Vec<LayerCache<B>>,
+    ctx_len: usize,
+}
+
+impl DFlashDrafter<CpuBackend> {
+    /// Load the drafter of a converted model (`drafter.*` tensors, gathered over ranks) with the target's
+    /// tables, on the CPU. Errors when the model has no drafter.
+    pub fn load(src: &dyn crate::model::TensorSource, tables: Arc<dyn TargetTables>) -> Result<Self> {
+        Self::load_on(CpuBackend, src, tables)
+    }
+    /// A CPU drafter from host weights.
+    pub fn new(cfg: &DrafterConfig, w: DrafterWeights, tables: Arc<dyn TargetTables>) -> Result<Self> {
+        Self::new_on(CpuBackend, cfg, w, tables)
+    }
+}
+
+impl<B: Backend> DFlashDrafter<B> {
+    /// [`DFlashDrafter::load`] on backend `b`.
+    pub fn load_on(b: B, src: &dyn crate::model::TensorSource, tables: Arc<dyn TargetTables<B>>) -> Result<Self> {
+        let cfg = src.drafter_config().ok_or_else(|| anyhow::anyhow!("model has no drafter (no drafter config)"))?.clone();
+        let dims = DrafterDims::from_config(&cfg)?;
+        let w = DrafterWeights::load_with(&dims, |name, shape| {
+            let (v, logical) = crate::model::source::gather_bf16(src, name)?;
+            ensure!(logical == shape, "{name}: logical shape {logical:?}, expected {shape:?}");
+            Ok(v)
+        })?;
+        Self::new_on(b, &cfg, w, tables)
+    }
+
+    /// Upload host weights `w` to `b` and start an empty session.
+    pub fn new_on(b: B, cfg: &DrafterConfig, w: DrafterWeights, tables: Arc<dyn TargetTables<B>>) -> Result<Self> {
+        let dims = DrafterDims::from_config(cfg)?;
+        ensure!(tables.hidden_size() == dims.hidden, "drafter hidden {} != target hidden {}", dims.hidden, tables.hidden_size());
+        ensure!(tables.vocab_size() == dims.vocab, "drafter vocab {} != target vocab {}", dims.vocab, tables.vocab_size());
+        ensure!(w.layers.len() == dims.layers, "drafter: {} layers loaded, config says {}", w.layers.len(), dims.layers);
+        let (h, qd, kd, i) = (dims.hidden, dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim, dims.intermediate);
+        let mat = |v: Vec<bf16>, rows: usize, cols: usize| b.upload_bf16(Mat { w: Slab::Owned(v), rows, cols });
+        let vector = |v: Vec<bf16>| b.upload_vector(Slab::Owned(v));
+        let mut layers = Vec::with_capacity(dims.layers);
+        for l in w.layers {
+            layers.push(Layer {
+                input_layernorm: vector(l.input_layernorm)?,
+                q_proj: mat(l.q_proj, qd, h)?,
+                k_proj: mat(l.k_proj, kd, h)?,
+                v_proj: mat(l.v_proj, kd, h)?,
+                o_proj: mat(l.o_proj, h, qd)?,
+                q_norm: vector(l.q_norm)?,
+                k_norm: vector(l.k_norm)?,
+                post_attention_layernorm: vector(l.post_attention_layernorm)?,
+                gate_proj: mat(l.gate_proj, i, h)?,
+                up_proj: mat(l.up_proj, i, h)?,
+                down_proj: mat(l.down_proj, h, i)?,
+            });
+        }
+        let (fc, hidden_norm, norm) = (mat(w.fc, h, dims.n_taps * h)?, vector(w.hidden_norm)?, vector(w.norm)?);
+        let inv_freq = ops::yarn_inv_freq(dims.head_dim, cfg.rope_theta, cfg.rope_scaling.as_ref());
+        let attention_factor = ops::yarn_attention_factor(cfg.rope_scaling.as_ref());
+        let cache = (0..dims.layers).map(|_| LayerCache { k: b.act_from_host(Vec::new()), v: b.act_from_host(Vec::new()) }).collect();
+        Ok(DFlashDrafter { b, dims, fc, hidden_norm, norm, layers, tables, inv_freq, attention_factor, cache, ctx_len: 0 })
+    }
+    pub fn dims(&self) -> &DrafterDims {
+        &self.dims
+    }
+    pub fn rope_attention_factor(&self) -> f64 {
+        self.attention_factor
+    }
+}
+
+impl<B: Backend> Drafter for DFlashDrafter<B> {
+    fn block_size(&self) -> usize {
+        self.dims.block
+    }
+
+    fn context_len(&self) -> usize {
+        self.ctx_len
+    }
+
+    fn extend_context(&mut self, taps: &[f32], n: usize) -> Result<()> {
+        let DrafterDims { hidden: h, n_taps, kv_heads, eps, .. } = self.dims;
+        if taps.len() != n * n_taps * h {
+            bail!("extend_context: taps has {} values, expected n={n} x {n_taps} taps x H={h}", taps.len());
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let b = &self.b;
+        let taps = b.act_from_host(taps.to_vec());
+        let ctx = b.rms_norm(&b.linear(&taps, n, &self.fc), &self.hidden_norm, eps); // [n, H]
+        let rope = RopeTable::new(&self.inv_freq, self.ctx_len..self.ctx_len + n, self.attention_factor);
+        for (lw, c) in self.layers.iter().zip(self.cache.iter_mut()) {
+            let k = b.head_norm_rope_neox(&b.linear(&ctx, n, &lw.k_proj), &lw.k_norm, eps, kv_heads, &rope); // [n, Hk*D]
+            let v = b.linear(&ctx, n, &lw.v_proj); // [n, Hk*D]
+            b.append_rows(&mut c.k, &k);
+            b.append_rows(&mut c.v, &v);
+        }
+        self.ctx_len += n;
+        Ok(())
+    }
+
+    fn draft(&mut self, bonus: u32, start: usize) -> Result<Vec<f32>> {
+        let DrafterDims { hidden: h, heads, kv_heads, head_dim, block: bl, mask_token_id, eps, .. } = self.dims;
+        if start != self.ctx_len {
+            bail!("draft: block starts at {start} but the drafter context holds {} positions", self.ctx_len);
+        }
+        let b = &self.b;
+        let mut ids = vec![mask_token_id; bl];
+        ids[0] = bonus;
+        let rope = RopeTable::new(&self.inv_freq, start..start + bl, self.attention_factor);
+        let mut x = self.tables.embed(&ids); // [B, H]
+        for (lw, c) in self.layers.iter().zip(&self.cache) {
+            let hn = b.rms_norm(&x, &lw.input_layernorm, eps); // [B, H]
+            let q = b.head_norm_rope_neox(&b.linear(&hn, bl, &lw.q_proj), &lw.q_norm, eps, heads, &rope); // [B, Hq*D]
+            let kb = b.head_norm_rope_neox(&b.linear(&hn, bl, &lw.k_proj), &lw.k_norm, eps, kv_heads, &rope); // [B, Hk*D]
+            let vb = b.linear(&hn, bl, &lw.v_proj); // [B, Hk*D]
+            let att = b.gqa_attention(&q, bl, (&c.k, &c.v), (&kb, &vb), heads, kv_heads, head_dim); // [B, Hq*D]
+            b.add(&mut x, &b.linear(&att, bl, &lw.o_proj));
+            let hn = b.rms_norm(&x, &lw.post_attention_layernorm, eps);
+            let g = b.linear(&hn, bl, &lw.gate_proj); // [B, I]
+            let u = b.linear(&hn, bl, &lw.up_proj); // [B, I]
+            b.add(&mut x, &b.linear(&b.silu_mul(&g, &u), bl, &lw.down_proj));
+        }
+        let xn = b.rms_norm(&b.rows(&x, h, 1, bl), &self.norm, eps); // [B-1, H]: block positions 1..B-1
+        Ok(b.to_host(&self.tables.lm_head(&xn, bl - 1)))
+    }
+
+    fn truncate_context(&mut self, len: usize) -> Result<()> {
+        ensure!(len <= self.ctx_len, "truncate_context to {len}: the context holds {} positions", self.ctx_len);
+        let kw = self.dims.kv_heads * self.dims.head_dim;
+        for c in &mut self.cache {
+            self.b.truncate(&mut c.k, len * kw);
+            self.b.truncate(&mut c.v, len * kw);
+        }
+        self.ctx_len = len;
+        Ok(())
+    }
+
+    fn reset(&mut self) {
+        for c in &mut self.cache {
+            self.b.truncate(&mut c.k, 0);
+            self.b.truncate(&mut c.v, 0);
+        }
+        self.ctx_len = 0;
+    }
+}
