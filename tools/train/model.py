@@ -149,7 +149,19 @@ class MoE(nn.Module):
         self.w_down = nn.Parameter(torch.empty(e, h, i))
         self.shared_experts = SwiGLU(h, i * c["n_shared_experts"])
         self.fake_quant = False
+        self.sparse = False  # inference: run only the selected experts, in ascending expert id (as the engine)
         self.last_load = None
+
+    def forward_sparse(self, xf, idx, w):
+        out = torch.zeros_like(xf, dtype=torch.float32)
+        for e in range(self.w_gate.shape[0]):
+            rows, slot = (idx == e).nonzero(as_tuple=True)
+            if rows.numel() == 0:
+                continue
+            xe = xf[rows]
+            y = (F.silu(xe @ self.w_gate[e].T) * (xe @ self.w_up[e].T)) @ self.w_down[e].T
+            out.index_add_(0, rows, y.float() * w[rows, slot][:, None])
+        return out
 
     def route(self, x):
         with torch.autocast(x.device.type, enabled=False):
@@ -164,6 +176,8 @@ class MoE(nn.Module):
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
         idx, w = self.route(xf)
+        if self.sparse:
+            return self.forward_sparse(xf, idx, w).to(x.dtype).reshape(shape) + self.shared_experts(x)
         combine = torch.zeros(xf.shape[0], self.w_gate.shape[0], device=x.device, dtype=torch.float32)
         combine.scatter_(1, idx, w)
         self.last_load = torch.bincount(idx.flatten(), minlength=self.w_gate.shape[0]).detach()
