@@ -10,7 +10,7 @@ RUN        := $(RELEASE)/kdtree-run
 SEED       ?= 0
 PAIR       ?= models/kdtree-tiny
 
-.PHONY: build test demo demo-synth train golden golden-check crosscheck fixtures bench-convert clean
+.PHONY: build test demo demo-synth train bench-acceptance golden golden-check crosscheck fixtures bench-convert clean
 
 ## build: release binaries kdtree-convert, kdtree-golden, kdtree-run
 build:
@@ -44,6 +44,10 @@ demo-synth: build
 ## train: re-train the pair from scratch (needs python3 with torch, safetensors, tiktoken, regex; a GPU: ~2.5 min on an H200)
 train:
 	python3 tools/train/train.py --out $(OUT)/train --seed $(SEED) --target-steps 1200 --drafter-steps 3000
+
+## bench-acceptance: DDTree acceptance length of the trained pair per budget on held-out prompts (CPU, ~20 min)
+bench-acceptance: build
+	bash tools/train/bench_acceptance.sh $(OUT)/bench-acceptance
 
 ## golden: regenerate the committed reference bundles in golden/ on purpose
 golden: build
