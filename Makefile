@@ -8,8 +8,9 @@ CONVERT    := $(RELEASE)/kdtree-convert
 GOLDEN     := $(RELEASE)/kdtree-golden
 RUN        := $(RELEASE)/kdtree-run
 SEED       ?= 0
+PAIR       ?= models/kdtree-tiny
 
-.PHONY: build test demo golden golden-check crosscheck fixtures bench-convert clean
+.PHONY: build test demo demo-synth train bench-acceptance golden golden-check crosscheck fixtures bench-convert clean
 
 ## build: release binaries kdtree-convert, kdtree-golden, kdtree-run
 build:
@@ -19,18 +20,34 @@ build:
 test:
 	$(CARGO) test --workspace --locked
 
-## demo: synth tiny + drafter -> repack -> verify -> golden -> run prompts -> verify against golden
+## demo: the trained pair models/kdtree-tiny -> repack -> verify -> golden -> run example prompts -> verify against golden
 demo: build
 	rm -rf $(OUT)/demo && mkdir -p $(OUT)/demo
-	$(CONVERT) synth tiny $(OUT)/demo/hf --drafter --seed $(SEED)
-	$(CONVERT) repack $(OUT)/demo/hf $(OUT)/demo/model --drafter $(OUT)/demo/hf/drafter
+	$(CONVERT) repack $(PAIR) $(OUT)/demo/model --drafter $(PAIR)/drafter
 	$(CONVERT) verify $(OUT)/demo/model
 	$(CONVERT) inspect $(OUT)/demo/model
-	$(GOLDEN) $(OUT)/demo/model --prompts golden/prompts.jsonl --out $(OUT)/demo/golden --quiet
+	$(GOLDEN) $(OUT)/demo/model --prompts golden/kdtree-tiny/prompts.jsonl --out $(OUT)/demo/golden --quiet
 	$(RUN) $(OUT)/demo/model --prompts examples/prompts.jsonl --out $(OUT)/demo/results.jsonl --summary $(OUT)/demo/summary.json
 	cat $(OUT)/demo/results.jsonl
 	cat $(OUT)/demo/summary.json; echo
-	$(RUN) $(OUT)/demo/model --prompts golden/prompts.jsonl --out $(OUT)/demo/verify.jsonl --verify $(OUT)/demo/golden
+	$(RUN) $(OUT)/demo/model --prompts golden/kdtree-tiny/prompts.jsonl --out $(OUT)/demo/verify.jsonl --verify $(OUT)/demo/golden --max-tokens 16
+
+## demo-synth: the same on the synthetic tiny preset (random weights; checks the pipeline, prints noise)
+demo-synth: build
+	rm -rf $(OUT)/demo-synth && mkdir -p $(OUT)/demo-synth
+	$(CONVERT) synth tiny $(OUT)/demo-synth/hf --drafter --seed $(SEED)
+	$(CONVERT) repack $(OUT)/demo-synth/hf $(OUT)/demo-synth/model --drafter $(OUT)/demo-synth/hf/drafter
+	$(CONVERT) verify $(OUT)/demo-synth/model
+	$(GOLDEN) $(OUT)/demo-synth/model --prompts golden/prompts.jsonl --out $(OUT)/demo-synth/golden --quiet
+	$(RUN) $(OUT)/demo-synth/model --prompts golden/prompts.jsonl --out $(OUT)/demo-synth/verify.jsonl --verify $(OUT)/demo-synth/golden
+
+## train: re-train the pair from scratch (needs python3 with torch, safetensors, tiktoken, regex; a GPU: ~2.5 min on an H200)
+train:
+	python3 tools/train/train.py --out $(OUT)/train --seed $(SEED) --target-steps 1200 --drafter-steps 3000
+
+## bench-acceptance: DDTree acceptance length of the trained pair per budget on held-out prompts (CPU, ~20 min)
+bench-acceptance: build
+	bash tools/train/bench_acceptance.sh $(OUT)/bench-acceptance
 
 ## golden: regenerate the committed reference bundles in golden/ on purpose
 golden: build

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Regenerate the committed golden bundles (tiny preset + drafter), or check them byte for byte.
+# Regenerate the committed golden bundles, or check them byte for byte. Two sets:
+#   golden/              synthetic tiny preset + drafter (synth tiny --drafter --seed 0), prompts golden/prompts.jsonl
+#   golden/kdtree-tiny/  the trained pair models/kdtree-tiny (+ drafter/), prompts golden/kdtree-tiny/prompts.jsonl
 #
-#   golden/regen.sh           synth tiny -> repack -> kdtree-golden -> replace golden/index.json + *.safetensors
+#   golden/regen.sh           convert -> kdtree-golden -> replace each set's index.json + *.safetensors
 #   golden/regen.sh --check   the same into a temp dir, twice (RAYON_NUM_THREADS=1 and =2); fail (exit 1) on
 #                             any byte difference from each other or from what is committed
 #
@@ -9,9 +11,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PRESET=tiny
 SEED=0
-GOLDEN_ARGS=(--max-tokens 16 --full-logits-steps 4 --topk 8 --budget 8 --trace-step 1)
+SYNTH_ARGS=(--max-tokens 16 --full-logits-steps 4 --topk 8 --budget 8 --trace-step 1)
+PAIR_ARGS=(--max-tokens 16 --full-logits-steps 2 --topk 8 --budget 8 --trace-step 1)
 BIN="${CARGO_TARGET_DIR:-target}/release"
 
 check=0
@@ -25,8 +27,9 @@ cargo build --release --locked -p kdtree-convert -p kdtree-golden
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 
-"$BIN/kdtree-convert" synth "$PRESET" "$work/hf" --drafter --seed "$SEED" >/dev/null
+"$BIN/kdtree-convert" synth tiny "$work/hf" --drafter --seed "$SEED" >/dev/null
 "$BIN/kdtree-convert" repack "$work/hf" "$work/model" --drafter "$work/hf/drafter" >/dev/null
+"$BIN/kdtree-convert" repack models/kdtree-tiny "$work/pair" --drafter models/kdtree-tiny/drafter >/dev/null
 
 # bundle files of a dir: index.json + every *.safetensors, sorted
 files_of() { (cd "$1" && ls index.json *.safetensors 2>/dev/null | LC_ALL=C sort); }
@@ -43,20 +46,29 @@ same_dirs() { # same_dirs A B: identical file lists and bytes
     return $ok
 }
 
-if [ $check -eq 0 ]; then
-    "$BIN/kdtree-golden" "$work/model" --prompts golden/prompts.jsonl --out "$work/golden" "${GOLDEN_ARGS[@]}"
-    rm -f golden/index.json golden/*.safetensors
-    cp "$work/golden/index.json" "$work/golden/"*.safetensors golden/
-    echo "golden: wrote $(files_of golden | wc -l) files ($(du -cb golden/index.json golden/*.safetensors | tail -1 | cut -f1) bytes) to golden/"
-    exit 0
-fi
-
-for t in 1 2; do
-    RAYON_NUM_THREADS=$t "$BIN/kdtree-golden" "$work/model" --prompts golden/prompts.jsonl --out "$work/golden-t$t" \
-        "${GOLDEN_ARGS[@]}" --quiet
-done
+# set NAME MODEL DEST ARGS...: regenerate (or check) one bundle set
 status=0
-same_dirs "$work/golden-t1" "$work/golden-t2" || { echo "golden-check: output differs between RAYON_NUM_THREADS=1 and 2" >&2; status=1; }
-same_dirs golden "$work/golden-t1" || { echo "golden-check: rebuilt bundles differ from the committed golden/ (run make golden on purpose if the change is intended)" >&2; status=1; }
-[ $status -eq 0 ] && echo "golden-check: OK ($(files_of golden | wc -l) files identical, threads 1 and 2)"
+run_set() {
+    local name="$1" model="$2" dest="$3"
+    shift 3
+    if [ $check -eq 0 ]; then
+        "$BIN/kdtree-golden" "$model" --prompts "$dest/prompts.jsonl" --out "$work/golden-$name" "$@"
+        rm -f "$dest/index.json" "$dest"/*.safetensors
+        cp "$work/golden-$name/index.json" "$work/golden-$name/"*.safetensors "$dest/"
+        echo "golden: wrote $(files_of "$dest" | wc -l) files ($(cd "$dest" && du -cb $(files_of .) | tail -1 | cut -f1) bytes) to $dest/"
+        return 0
+    fi
+    for t in 1 2; do
+        RAYON_NUM_THREADS=$t "$BIN/kdtree-golden" "$model" --prompts "$dest/prompts.jsonl" --out "$work/golden-$name-t$t" \
+            "$@" --quiet
+    done
+    local ok=0
+    same_dirs "$work/golden-$name-t1" "$work/golden-$name-t2" || { echo "golden-check [$name]: output differs between RAYON_NUM_THREADS=1 and 2" >&2; ok=1; }
+    same_dirs "$dest" "$work/golden-$name-t1" || { echo "golden-check [$name]: rebuilt bundles differ from the committed $dest/ (run make golden on purpose if the change is intended)" >&2; ok=1; }
+    [ $ok -eq 0 ] && echo "golden-check [$name]: OK ($(files_of "$dest" | wc -l) files identical, threads 1 and 2)"
+    [ $ok -eq 0 ] || status=1
+}
+
+run_set synth-tiny "$work/model" golden "${SYNTH_ARGS[@]}"
+run_set kdtree-tiny "$work/pair" golden/kdtree-tiny "${PAIR_ARGS[@]}"
 exit $status
