@@ -14,6 +14,13 @@ pub static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/kdtree_kern
 /// Every `extern "C"` kernel the fatbin exports, by source file. The engine's loader resolves all of them at
 /// context creation, so a missing or renamed kernel fails at start, naming the kernel.
 pub const KERNELS: &[(&str, &str)] = &[
+    ("act_f32.cu", "kdtree_f32_to_bf16"),
+    ("act_f32.cu", "kdtree_bf16_to_f32"),
+    ("act_f32.cu", "kdtree_add_f32"),
+    ("act_f32.cu", "kdtree_silu_mul_f32"),
+    ("act_f32.cu", "kdtree_rms_norm_f32"),
+    ("act_f32.cu", "kdtree_rope_table_f32"),
+    ("act_f32.cu", "kdtree_copy_rows_f32"),
     ("argmax.cu", "kdtree_argmax_f32"),
     ("argmax.cu", "kdtree_argmax_bf16"),
     ("copy_rows.cu", "kdtree_copy_rows_bf16"),
@@ -22,7 +29,7 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("mla_attention.cu", "kdtree_mla_attention_split_bf16"),
     ("mla_attention.cu", "kdtree_mla_attention_merge_bf16"),
     ("moe_align.cu", "kdtree_moe_align_i32"),
-    ("moe_combine.cu", "kdtree_moe_combine_bf16"),
+    ("moe_combine.cu", "kdtree_moe_combine_f32"),
     ("moe_router.cu", "kdtree_moe_router_f32"),
     ("residual_add.cu", "kdtree_residual_add_bf16"),
     ("rms_norm.cu", "kdtree_rms_norm_bf16"),

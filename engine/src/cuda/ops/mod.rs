@@ -3,6 +3,7 @@
 //! maps failures to [`super::CudaError`] naming the op. Unless a wrapper says otherwise, a launch does no
 //! allocation and no host sync, and is graph-capturable.
 
+pub mod act_f32;
 pub mod argmax;
 pub mod copy_rows;
 pub mod embed;

@@ -1,0 +1,72 @@
+// The f32 activation ops of the CUDA backend (engine/src/cuda/backend.rs): the model keeps its residual
+// stream and activations in f32 like the CPU reference, and rounds to bf16 only where a bf16 kernel or a
+// tensor-core GEMM reads them. One family per file: conversions, add, SwiGLU, RMSNorm over strided rows,
+// RoPE from a host cos/sin table (interleaved or NeoX, the very cos/sin values of the CPU twin), strided
+// row copies. CPU twins: cpu::ops::{add_assign, silu_mul, rms_norm, rope_interleaved, rope_neox}.
+// Test: engine/tests/cuda_target.rs (the whole forward against the CPU backend). Wrappers:
+// engine/src/cuda/ops/act_f32.rs.
+#include "common.cuh"
+
+// dst[i] = bf16(src[i]) / f32(src[i]); grid-stride over n.
+extern "C" __global__ void kdtree_f32_to_bf16(const float* __restrict__ src, bf16* __restrict__ dst, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        dst[i] = __float2bfloat16_rn(src[i]);
+}
+extern "C" __global__ void kdtree_bf16_to_f32(const bf16* __restrict__ src, float* __restrict__ dst, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        dst[i] = __bfloat162float(src[i]);
+}
+
+// acc[i] += x[i] (f32).
+extern "C" __global__ void kdtree_add_f32(float* __restrict__ acc, const float* __restrict__ x, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        acc[i] += x[i];
+}
+
+// out[i] = silu(gate[i]) * up[i] with silu(z) = z / (1 + e^-z) (f32, as the twin).
+extern "C" __global__ void kdtree_silu_mul_f32(const float* __restrict__ gate, const float* __restrict__ up, float* __restrict__ out,
+                                               long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const float g = gate[i];
+        out[i] = g * (1.0f / (1.0f + expf(-g))) * up[i];
+    }
+}
+
+// y[r, :D] = w * (x[r, :D] * rsqrt(mean(x²) + eps)) for each row r; rows ld_x / ld_y apart; w [D] bf16.
+// One block per row, blockDim.x a multiple of 32.
+extern "C" __global__ void kdtree_rms_norm_f32(const float* __restrict__ x, int ld_x, const bf16* __restrict__ w, float* __restrict__ y,
+                                               int ld_y, int D, float eps) {
+    __shared__ float scratch[32];
+    const float* xr = x + (size_t)blockIdx.x * ld_x;
+    float* yr = y + (size_t)blockIdx.x * ld_y;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = kdtree::block_sum(ss, scratch);
+    const float r = 1.0f / sqrtf(ss / (float)D + eps);
+    for (int i = threadIdx.x; i < D; i += blockDim.x) yr[i] = __bfloat162float(w[i]) * (xr[i] * r);
+}
+
+// RoPE in place on x (f32) from a cos/sin table [T, D/2] (row t for token t): element (t, h, d) at
+// x[t * ld_token + h * ld_head + offset + d]. neox = 0: pairs (2i, 2i+1) (interleaved, GPT-J); neox = 1:
+// pairs (i, i + D/2) (rotate_half). Separately rounded multiplies and adds, like the twin.
+// grid (ceil(heads * D/2 / blockDim.x), T).
+extern "C" __global__ void kdtree_rope_table_f32(float* __restrict__ x, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                                 int heads, int ld_token, int ld_head, int offset, int D, int neox) {
+    const int half = D / 2, t = blockIdx.y;
+    const int p = blockIdx.x * blockDim.x + threadIdx.x;
+    if (p >= heads * half) return;
+    const int h = p / half, i = p % half;
+    const float c = cos_t[(size_t)t * half + i], s = sin_t[(size_t)t * half + i];
+    float* v = x + (size_t)t * ld_token + (size_t)h * ld_head + offset;
+    const int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
+    const float a = v[ia], b = v[ib];
+    v[ia] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+    v[ib] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+}
+
+// dst[r * ld_dst + c] = src[r * ld_src + c] (f32), r < rows, c < width. grid (ceil(width / 256), rows).
+extern "C" __global__ void kdtree_copy_rows_f32(const float* __restrict__ src, int ld_src, float* __restrict__ dst, int ld_dst, int rows,
+                                                int width) {
+    const int r = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r < rows && c < width) dst[(size_t)r * ld_dst + c] = src[(size_t)r * ld_src + c];
+}
