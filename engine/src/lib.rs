@@ -1,9 +1,11 @@
 //! kdtree-engine: the math of Kimi K2.6 + DFlash + DDTree.
 //!
-//! Model code (MLA, MoE, drafter, DDTree, generation loops) is written once against the traits in
-//! [`api`]; `cpu` is the reference backend (rayon, f32 accumulation, fixed reduction order). Weights
-//! are read only through kdtree-formats (`ModelDir`); this crate opens no files by path itself and
-//! knows nothing of JSON prompts, clap or exit codes.
+//! The round logic (DDTree, generation loops) drives the model through the traits in [`api`]; the model
+//! itself (MLA, MoE, dense MLP, embedding / lm_head, the DFlash drafter) is written once against the
+//! op-level [`backend::Backend`]. `cpu` is the reference backend (one op per file in `cpu::ops`; rayon,
+//! f32 accumulation, fixed reduction order). Weights are read only through kdtree-formats (`ModelDir`),
+//! rank by rank; this crate opens no files by path itself and knows nothing of JSON prompts, clap or
+//! exit codes.
 
 pub mod api;
 pub mod backend;

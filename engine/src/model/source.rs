@@ -46,15 +46,29 @@ unsafe impl TensorSource for ModelDir {
 }
 
 /// A typed slice of tensor bytes: borrowed from its source (zero-copy) when the bytes are aligned for
-/// `T`, otherwise copied once into an owned vector. Derefs to `[T]`.
+/// `T`, otherwise copied once into an owned vector. Derefs to `[T]`. A mapped view can only be made by
+/// [`Slab::new`] (its fields are private), so safe code cannot forge one from an arbitrary pointer.
 pub enum Slab<T: bytemuck::Pod> {
-    Mapped { _owner: Arc<dyn TensorSource>, ptr: *const T, len: usize },
+    Mapped(MappedView<T>),
     Owned(Vec<T>),
 }
 
-// SAFETY: a Mapped slab is an immutable view into memory owned by `_owner` (Send + Sync, never mutated).
-unsafe impl<T: bytemuck::Pod + Send> Send for Slab<T> {}
-unsafe impl<T: bytemuck::Pod + Sync> Sync for Slab<T> {}
+/// A zero-copy view into memory owned by a [`TensorSource`], which it keeps alive.
+///
+/// ```compile_fail,E0451
+/// // The fields are private: a view cannot be built outside this module.
+/// # use kdtree_engine::model::source::{MappedView, Slab};
+/// let forged: Slab<u8> = Slab::Mapped(MappedView { _owner: todo!(), ptr: 8 as *const u8, len: 1 });
+/// ```
+pub struct MappedView<T> {
+    _owner: Arc<dyn TensorSource>,
+    ptr: *const T,
+    len: usize,
+}
+
+// SAFETY: a mapped view is an immutable view into memory owned by `_owner` (Send + Sync, never mutated).
+unsafe impl<T: bytemuck::Pod + Send> Send for MappedView<T> {}
+unsafe impl<T: bytemuck::Pod + Sync> Sync for MappedView<T> {}
 
 impl<T: bytemuck::Pod> Slab<T> {
     /// View `data` as `[T]`, keeping `owner` alive for as long as the view lives (copied when unaligned).
@@ -73,7 +87,7 @@ impl<T: bytemuck::Pod> Slab<T> {
     /// ```
     pub unsafe fn new(owner: &Arc<dyn TensorSource>, data: &[u8]) -> Slab<T> {
         match bytemuck::try_cast_slice::<u8, T>(data) {
-            Ok(s) => Slab::Mapped { _owner: owner.clone(), ptr: s.as_ptr(), len: s.len() },
+            Ok(s) => Slab::Mapped(MappedView { _owner: owner.clone(), ptr: s.as_ptr(), len: s.len() }),
             Err(_) => Slab::Owned(pod_vec(data)),
         }
     }
@@ -85,7 +99,7 @@ impl<T: bytemuck::Pod> std::ops::Deref for Slab<T> {
         match self {
             // SAFETY: ptr/len came from a live, aligned slice of `_owner`, which this slab keeps alive and
             // which the TensorSource contract keeps unchanged.
-            Slab::Mapped { ptr, len, .. } => unsafe { std::slice::from_raw_parts(*ptr, *len) },
+            Slab::Mapped(m) => unsafe { std::slice::from_raw_parts(m.ptr, m.len) },
             Slab::Owned(v) => v,
         }
     }
