@@ -27,20 +27,6 @@ pub enum BackendError {
     /// `--device cuda` on a build without the `cuda` feature.
     #[error("this kdtree build has no CUDA backend: rebuild with --features cuda")]
     NoCuda,
-    /// A `cuda` build whose engine has no CUDA backend implementation yet.
-    #[error("CUDA backend not yet wired: this build has the cuda feature but the engine does not run on CUDA yet (use --device cpu)")]
-    CudaNotWired,
-}
-
-impl BackendError {
-    /// The error `Device::Cuda` gets in this build.
-    pub fn cuda_unavailable() -> BackendError {
-        if cfg!(feature = "cuda") {
-            BackendError::CudaNotWired
-        } else {
-            BackendError::NoCuda
-        }
-    }
 }
 
 /// cos/sin of the rows' positions, `[T, D/2]` each (computed once per forward, host side: positions are
@@ -86,6 +72,11 @@ pub trait Backend: Clone + Send + Sync + 'static {
 
     /// Short name for logs and summaries ("cpu", "cuda").
     fn name(&self) -> &'static str;
+    /// The first error of an op since the last call (ops are infallible on the CPU; a device backend
+    /// records a failed launch and reports it here). The model calls it at the end of every forward.
+    fn check(&self) -> Result<()> {
+        Ok(())
+    }
 
     // ---- upload (once per weight, at load) ----
     fn upload_bf16(&self, m: Mat) -> Result<Self::Mat>;

@@ -156,12 +156,12 @@ fn open_loads_target_and_drafter() {
 #[test]
 fn cuda_without_the_feature_is_a_typed_error() {
     // The device check comes before any file is read: a missing directory still gets the CUDA error.
+    // (A cuda build opens GPU 0 first: its errors are engine/tests/cuda_target.rs's business.)
+    if cfg!(feature = "cuda") {
+        return;
+    }
     let err = open(Path::new("/nonexistent/model"), Device::Cuda).err().expect("cuda must be refused");
     let typed = err.downcast_ref::<BackendError>().expect("a BackendError");
-    if cfg!(feature = "cuda") {
-        assert_eq!(*typed, BackendError::CudaNotWired);
-    } else {
-        assert_eq!(*typed, BackendError::NoCuda);
-        assert_eq!(err.to_string(), "this kdtree build has no CUDA backend: rebuild with --features cuda");
-    }
+    assert_eq!(*typed, BackendError::NoCuda);
+    assert_eq!(err.to_string(), "this kdtree build has no CUDA backend: rebuild with --features cuda");
 }

@@ -7,7 +7,10 @@
 //! Wrappers check every shape and length before launching (messages print both numbers) and map failures
 //! to [`CudaError`] naming the op. Parity tests: engine/tests/cuda_ops.rs.
 
+pub mod backend;
 pub mod ops;
+
+pub use backend::CudaBackend;
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -222,7 +222,7 @@ impl<B: Backend> Drafter for DFlashDrafter<B> {
             b.append_rows(&mut c.v, &v);
         }
         self.ctx_len += n;
-        Ok(())
+        b.check()
     }
 
     fn draft(&mut self, bonus: u32, start: usize) -> Result<Vec<f32>> {
@@ -248,7 +248,9 @@ impl<B: Backend> Drafter for DFlashDrafter<B> {
             b.add(&mut x, &b.linear(&b.silu_mul(&g, &u), bl, &lw.down_proj));
         }
         let xn = b.rms_norm(&b.rows(&x, h, 1, bl), &self.norm, eps); // [B-1, H]: block positions 1..B-1
-        Ok(b.to_host(&self.tables.lm_head(&xn, bl - 1)))
+        let logits = b.to_host(&self.tables.lm_head(&xn, bl - 1));
+        b.check()?;
+        Ok(logits)
     }
 
     fn truncate_context(&mut self, len: usize) -> Result<()> {

@@ -15,6 +15,7 @@ use super::source::TensorSource;
 use super::target::CpuTarget;
 use super::weights::Weights;
 use crate::api::{Drafter, Target};
+#[cfg(not(feature = "cuda"))]
 use crate::backend::BackendError;
 use crate::drafter::DFlashDrafter;
 use anyhow::{Context, Result};
@@ -58,11 +59,23 @@ pub fn open(dir: &Path, device: Device) -> Result<Loaded> {
     open_with(dir, device, OpenOptions { attn_mode: AttnMode::Absorbed })
 }
 
-/// Open `dir` on `device`. `Device::Cuda` is a [`BackendError`]: `NoCuda` in a build without the `cuda`
-/// feature, `CudaNotWired` in one with it (until the CUDA backend lands); `Auto` takes the CPU.
+/// Open `dir` on `device`. `Device::Cuda` in a build without the `cuda` feature is
+/// [`BackendError::NoCuda`]; with it, the CUDA target (GPU 0) paired with the CPU drafter, or the error
+/// saying why no GPU is usable. `Auto` takes CUDA when this build has it and a GPU is usable, else the CPU.
 pub fn open_with(dir: &Path, device: Device, opts: OpenOptions) -> Result<Loaded> {
+    #[cfg(feature = "cuda")]
+    match device {
+        Device::Cuda => return open_cuda(dir, crate::cuda::Gpu::new(0)?),
+        Device::Auto => {
+            if let Ok(gpu) = crate::cuda::Gpu::new(0) {
+                return open_cuda(dir, gpu);
+            }
+        }
+        Device::Cpu => {}
+    }
+    #[cfg(not(feature = "cuda"))]
     if device == Device::Cuda {
-        return Err(BackendError::cuda_unavailable().into());
+        return Err(BackendError::NoCuda.into());
     }
     let m = open_cpu(dir, opts)?;
     Ok(Loaded {
@@ -89,4 +102,30 @@ pub fn open_cpu_source(src: Arc<dyn TensorSource>, opts: OpenOptions) -> Result<
         None => None,
     };
     Ok(CpuModel { target, drafter })
+}
+
+/// The CUDA target on `gpu` (weights uploaded through the CUDA backend, absorbed MLA) and, when the
+/// directory holds one, the CPU drafter over the CPU view of the same shards (mmapped, no copy): the GPU
+/// drafter and the on-device round are issue 9.
+#[cfg(feature = "cuda")]
+fn open_cuda(dir: &Path, gpu: crate::cuda::Gpu) -> Result<Loaded> {
+    use crate::cuda::CudaBackend;
+    use crate::model::target::TargetModel;
+    let md = ModelDir::open(dir).with_context(|| format!("opening model {}", dir.display()))?;
+    anyhow::ensure!(
+        md.ranks() == 1,
+        "{}: converted for {} ranks; this CUDA backend runs one rank (convert with --ranks 1; several ranks on one GPU: issue 11)",
+        dir.display(),
+        md.ranks()
+    );
+    let src: Arc<dyn TensorSource> = Arc::new(md);
+    let taps = src.drafter_config().map(|c| c.dflash_config.target_layer_ids.clone()).unwrap_or_default();
+    let name = gpu.describe();
+    let w = Arc::new(Weights::load_on(CudaBackend::new(Arc::new(gpu)), src.clone()).with_context(|| format!("uploading {} to {name}", dir.display()))?);
+    let target = TargetModel::new(w, taps, AttnMode::Absorbed)?;
+    let drafter = match src.drafter_config() {
+        Some(_) => Some(Box::new(DFlashDrafter::load(&*src, Arc::new(Weights::load(src.clone())?))?) as Box<dyn Drafter>),
+        None => None,
+    };
+    Ok(Loaded { backend: "cuda".into(), target: Box::new(target), drafter })
 }

@@ -115,6 +115,7 @@ impl<B: Backend> Target for TargetModel<B> {
         let n = t - first;
         let xn = w.final_norm(&b.rows(&x, h, first, t));
         let logits = if n > 0 { b.to_host(&w.lm_head(&xn, n)) } else { Vec::new() }; // [n, V]
+        b.check()?;
         if let Some(tr) = self.trace.as_mut() {
             tr.f32("final_norm".into(), &[n, h], &b.to_host(&xn));
             tr.f32("logits".into(), &[n, c.vocab], &logits);

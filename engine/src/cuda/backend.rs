@@ -1,0 +1,477 @@
+//! [`CudaBackend`]: `backend::Backend` on one GPU with the kernels of kernels/cuda (through the wrappers
+//! in cuda/ops), so `TargetModel<CudaBackend>` is the CPU reference's model code running on the device.
+//!
+//! Precision: activations and the residual stream are f32 device buffers like the CPU reference's; they are
+//! rounded to bf16 where a bf16 GEMM (cuBLAS, W4A16) or the MLA kernel reads them; the latent KV cache is
+//! bf16 (576 per token per layer). Router and lm_head logits come out of cuBLAS in f32.
+//! Errors: the trait's ops are infallible (the CPU cannot fail), so a failed launch here is recorded (the
+//! first one wins) and reported by [`Backend::check`], which the model calls at the end of every forward;
+//! a failed op leaves an empty activation, and nothing panics.
+//! Scope of this version (checked at load, with a clear error): one rank (`--ranks 1` conversions; several
+//! ranks on one GPU and NCCL are issue 11), routed-expert shapes the W4A16 kernel takes (N % 32, K % 128).
+//! The drafter's ops are here for completeness through host round trips (the GPU drafter is issue 9); the
+//! engine pairs a CUDA target with the CPU drafter. Tests: engine/tests/cuda_target.rs.
+
+use std::sync::{Arc, Mutex};
+
+use anyhow::{bail, Result};
+use cudarc::driver::CudaSlice;
+use half::bf16;
+
+use super::ops::act_f32::{self, RopeSlice};
+use super::ops::mla_absorb::{absorb_q, apply_uv, AbsorbDims};
+use super::ops::mla_attention::{mla_attention, MlaShape, MlaSplit};
+use super::ops::{argmax, copy_rows, embed, gemm_bf16, kv_compact, moe_align, moe_combine, moe_router, silu_mul, w4a16_gemm};
+use super::{CudaError, Gpu};
+use crate::backend::{Backend, RopeTable};
+use crate::cpu::ops::{MlaDims, Router};
+use crate::model::cache::TreeMask;
+use crate::model::source::Slab;
+use crate::model::weights::{I4Stack, Mat};
+use crate::model::AttnMode;
+
+type R<T> = std::result::Result<T, CudaError>;
+
+/// A bf16 matrix `[rows, cols]` on the device.
+pub struct DMat {
+    pub w: CudaSlice<bf16>,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// A rank's INT4 group-32 expert stack on the device (the converter's layout, unchanged).
+pub struct DI4 {
+    pub packed: CudaSlice<u8>,
+    pub scales: CudaSlice<bf16>,
+    pub first: usize,
+    pub count: usize,
+    pub n: usize,
+    pub k: usize,
+}
+
+/// The latent KV cache of all layers: `[layers, cap, width]` bf16; rows `[0, committed)` committed, then
+/// `scratch` rows of the last forward. Grows (doubling, copying the committed rows) when a forward needs
+/// more rows: an allocation only when the context outgrows it.
+pub struct DKv {
+    buf: CudaSlice<bf16>,
+    layers: usize,
+    width: usize,
+    cap: usize,
+    committed: usize,
+    scratch: usize,
+}
+
+/// One MoE layer's router decisions on the device.
+pub struct DRoutes {
+    ids: CudaSlice<i32>,
+    wts: CudaSlice<f32>,
+    t: usize,
+    k: usize,
+    experts: usize,
+}
+
+/// The CUDA backend: the GPU and the first error of a failed op (see the module comment).
+#[derive(Clone)]
+pub struct CudaBackend {
+    gpu: Arc<Gpu>,
+    err: Arc<Mutex<Option<String>>>,
+}
+
+impl CudaBackend {
+    pub fn new(gpu: Arc<Gpu>) -> CudaBackend {
+        CudaBackend { gpu, err: Arc::new(Mutex::new(None)) }
+    }
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+    /// Run `f`; on error keep the first message and return None.
+    fn run<T>(&self, op: &str, f: impl FnOnce() -> R<T>) -> Option<T> {
+        match f() {
+            Ok(v) => Some(v),
+            Err(e) => {
+                let mut g = self.err.lock().unwrap_or_else(|p| p.into_inner());
+                g.get_or_insert_with(|| format!("cuda backend, {op}: {e}"));
+                None
+            }
+        }
+    }
+    fn empty(&self) -> CudaSlice<f32> {
+        // A zero-length buffer needs no device memory; if even that fails the error is already recorded.
+        self.gpu.stream.alloc_zeros::<f32>(0).expect("a zero-length allocation cannot fail")
+    }
+    fn new_f32(&self, n: usize) -> R<CudaSlice<f32>> {
+        self.gpu.zeros::<f32>(n)
+    }
+    fn to_bf16(&self, x: &CudaSlice<f32>) -> R<CudaSlice<bf16>> {
+        let mut y = self.gpu.zeros::<bf16>(x.len())?;
+        act_f32::f32_to_bf16(&self.gpu, &x.as_view(), &mut y.as_view_mut())?;
+        Ok(y)
+    }
+    fn to_f32(&self, x: &CudaSlice<bf16>) -> R<CudaSlice<f32>> {
+        let mut y = self.new_f32(x.len())?;
+        act_f32::bf16_to_f32(&self.gpu, &x.as_view(), &mut y.as_view_mut())?;
+        Ok(y)
+    }
+    fn rope_tables(&self, rope: &RopeTable) -> R<(CudaSlice<f32>, CudaSlice<f32>)> {
+        Ok((self.gpu.upload(&rope.cos)?, self.gpu.upload(&rope.sin)?))
+    }
+    fn copy(&self, src: &CudaSlice<f32>, from: usize, to: usize) -> R<CudaSlice<f32>> {
+        let mut y = self.new_f32(to - from)?;
+        if to > from {
+            self.gpu.stream.memcpy_dtod(&src.slice(from..to), &mut y).map_err(super::drv("copy"))?;
+        }
+        Ok(y)
+    }
+    /// `x[T, K] · W^T` in f32 (x rounded to bf16 for the GEMM).
+    fn gemm_f32(&self, x: &CudaSlice<f32>, t: usize, w: &DMat) -> R<CudaSlice<f32>> {
+        let xb = self.to_bf16(x)?;
+        let mut y = self.new_f32(t * w.rows)?;
+        gemm_bf16::gemm_bf16(&self.gpu, &xb.as_view(), &w.w.as_view(), &mut y.as_view_mut(), t, w.cols, w.rows)?;
+        Ok(y)
+    }
+    fn grow(&self, kv: &mut DKv, rows: usize) -> R<()> {
+        if rows <= kv.cap {
+            return Ok(());
+        }
+        let cap = rows.next_power_of_two().max(256);
+        let mut buf = self.gpu.zeros::<bf16>(kv.layers * cap * kv.width)?;
+        let keep = kv.committed * kv.width;
+        for l in 0..kv.layers {
+            if keep > 0 {
+                let src = kv.buf.slice(l * kv.cap * kv.width..l * kv.cap * kv.width + keep);
+                let mut dst = buf.slice_mut(l * cap * kv.width..l * cap * kv.width + keep);
+                self.gpu.stream.memcpy_dtod(&src, &mut dst).map_err(super::drv("kv grow"))?;
+            }
+        }
+        kv.buf = buf;
+        kv.cap = cap;
+        Ok(())
+    }
+    #[allow(clippy::too_many_arguments)]
+    fn mla(&self, q: &CudaSlice<f32>, kv: &DKv, l: usize, mask: &TreeMask, kv_b: &DMat, d: &MlaDims) -> R<CudaSlice<f32>> {
+        let (t, hr, c, p, dn, dv) = (mask.n, d.heads, d.kv_lora, d.rope, d.nope, d.v);
+        let qb = self.to_bf16(q)?; // [T, Hr·(Dn+P)]
+        let lw = c + p;
+        let mut qcat = self.gpu.zeros::<bf16>(t * hr * lw)?; // [T, Hr, C+P]
+        let ad = AbsorbDims { t, heads: hr, nope: dn, v: dv, kv_lora: c };
+        absorb_q(&self.gpu, &qb.as_view(), p, &kv_b.w.as_view(), &mut qcat.as_view_mut(), ad)?;
+        // q_pe (already roped) next to q_lat: rows (t, h) of width P, from offset Dn (stride Dn+P) to C.
+        copy_rows::copy_rows(&self.gpu, &qb.slice(dn..), dn + p, &mut qcat.slice_mut(c..), lw, t * hr, p)?;
+        let bits = self.gpu.upload(&mask.bits)?;
+        let s = MlaShape { t, heads: hr, kv_lora: c, rope: p, committed: kv.committed };
+        let split = MlaSplit::choose(&self.gpu, &s);
+        let (wo, wml) = split.workspace(&s);
+        let (mut po, mut pml) = (self.new_f32(wo)?, self.new_f32(wml)?);
+        let mut olat = self.gpu.zeros::<bf16>(t * hr * c)?;
+        let base = l * kv.cap * kv.width;
+        let lat = kv.buf.slice(base..base + (kv.committed + t) * kv.width);
+        let mview = bits.as_view();
+        mla_attention(&self.gpu, &qb_view(&qcat), &lat, Some((&mview, mask.words)), &s, &split, d.scale, &mut po.as_view_mut(), &mut pml.as_view_mut(), &mut olat.as_view_mut())?;
+        let mut o = self.gpu.zeros::<bf16>(t * hr * dv)?;
+        apply_uv(&self.gpu, &olat.as_view(), &kv_b.w.as_view(), &mut o.as_view_mut(), ad)?;
+        self.to_f32(&o)
+    }
+    #[allow(clippy::too_many_arguments)]
+    fn experts(&self, x: &CudaSlice<f32>, t: usize, h: usize, r: &DRoutes, gate: &DI4, up: &DI4, down: &DI4) -> R<CudaSlice<f32>> {
+        let g = &*self.gpu;
+        let (pairs, e, mi) = (t * r.k, r.experts, gate.n);
+        let xb = self.to_bf16(x)?;
+        let plan_gu = w4a16_gemm::plan_moe(g, pairs, e, mi, h);
+        let plan_d = w4a16_gemm::plan_moe(g, pairs, e, h, mi);
+        let tile = plan_gu.tile_rows();
+        let mt = moe_align::max_tiles(pairs, e, tile);
+        let (mut sorted, mut tiles, mut n_tiles) = (g.zeros::<i32>(pairs)?, g.zeros::<i32>(3 * mt)?, g.zeros::<i32>(1)?);
+        moe_align::moe_align(g, &r.ids.as_view(), e, tile, &mut sorted.as_view_mut(), &mut tiles.as_view_mut(), &mut n_tiles.as_view_mut())?;
+        let mut ws = self.new_f32(plan_gu.workspace_len(pairs, mi).max(plan_d.workspace_len(pairs, h)))?;
+        let (sv, tv, nv) = (sorted.as_view(), tiles.as_view(), n_tiles.as_view());
+        let routing = w4a16_gemm::Routing { sorted: &sv, tiles: &tv, max_tiles: mt, n_tiles: &nv, tile_rows: tile };
+        let (mut gb, mut ub) = (g.zeros::<bf16>(pairs * mi)?, g.zeros::<bf16>(pairs * mi)?);
+        let xv = xb.as_view();
+        w4a16_gemm::moe_w4a16_gemm(g, &xv, h, r.k, pairs, &routing, &gate.packed.as_view(), &gate.scales.as_view(), e, mi, h, &mut ws.as_view_mut(), &mut gb.as_view_mut(), mi)?;
+        w4a16_gemm::moe_w4a16_gemm(g, &xv, h, r.k, pairs, &routing, &up.packed.as_view(), &up.scales.as_view(), e, mi, h, &mut ws.as_view_mut(), &mut ub.as_view_mut(), mi)?;
+        let mut act = g.zeros::<bf16>(pairs * mi)?;
+        silu_mul::silu_mul(g, &gb.as_view(), &ub.as_view(), &mut act.as_view_mut(), pairs, mi, mi)?;
+        let mut y = g.zeros::<bf16>(pairs * h)?;
+        w4a16_gemm::moe_w4a16_gemm(g, &act.as_view(), mi, 1, pairs, &routing, &down.packed.as_view(), &down.scales.as_view(), e, h, mi, &mut ws.as_view_mut(), &mut y.as_view_mut(), h)?;
+        let mut out = self.new_f32(t * h)?;
+        moe_combine::moe_combine(g, &y.as_view(), h, &r.wts.as_view(), &r.ids.as_view(), &mut out.as_view_mut(), t, r.k, h)?;
+        Ok(out)
+    }
+    /// Host round trip for the drafter-only ops (see the module comment).
+    fn via_host(&self, f: impl FnOnce(&CudaBackend) -> R<Vec<f32>>) -> CudaSlice<f32> {
+        self.run("host fallback", || {
+            let y = f(self)?;
+            self.gpu.upload(&y)
+        })
+        .unwrap_or_else(|| self.empty())
+    }
+}
+
+fn qb_view(x: &CudaSlice<bf16>) -> cudarc::driver::CudaView<'_, bf16> {
+    x.as_view()
+}
+
+impl Backend for CudaBackend {
+    type Act = CudaSlice<f32>;
+    type Mat = DMat;
+    type I4 = DI4;
+    type Vector = CudaSlice<bf16>;
+    type VectorF32 = CudaSlice<f32>;
+    type Kv = DKv;
+    type Routes = DRoutes;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+    fn check(&self) -> Result<()> {
+        let mut g = self.err.lock().unwrap_or_else(|p| p.into_inner());
+        match g.take() {
+            Some(e) => bail!("{e}"),
+            None => Ok(()),
+        }
+    }
+
+    fn upload_bf16(&self, m: Mat) -> Result<DMat> {
+        Ok(DMat { w: self.gpu.upload(&m.w[..])?, rows: m.rows, cols: m.cols })
+    }
+    fn upload_i4g32(&self, s: I4Stack) -> Result<DI4> {
+        if s.n % w4a16_gemm::N_STEP != 0 || s.k % w4a16_gemm::K_STEP != 0 {
+            bail!(
+                "routed experts of shard shape [{}, {}, {}]: the CUDA W4A16 kernel needs N % {} == 0 and K % {} == 0 \
+                 (convert with fewer ranks, e.g. --ranks 1)",
+                s.count,
+                s.n,
+                s.k,
+                w4a16_gemm::N_STEP,
+                w4a16_gemm::K_STEP
+            );
+        }
+        Ok(DI4 { packed: self.gpu.upload(&s.packed[..])?, scales: self.gpu.upload(&s.scales[..])?, first: s.first, count: s.count, n: s.n, k: s.k })
+    }
+    fn upload_vector(&self, v: Slab<bf16>) -> Result<CudaSlice<bf16>> {
+        Ok(self.gpu.upload(&v[..])?)
+    }
+    fn upload_vector_f32(&self, v: Slab<f32>) -> Result<CudaSlice<f32>> {
+        Ok(self.gpu.upload(&v[..])?)
+    }
+    fn mat_rows(&self, m: &DMat) -> usize {
+        m.rows
+    }
+
+    fn act_from_host(&self, x: Vec<f32>) -> CudaSlice<f32> {
+        self.run("upload", || self.gpu.upload(&x)).unwrap_or_else(|| self.empty())
+    }
+    fn to_host(&self, x: &CudaSlice<f32>) -> Vec<f32> {
+        self.run("download", || self.gpu.download(x)).unwrap_or_default()
+    }
+    fn rows(&self, x: &CudaSlice<f32>, cols: usize, from: usize, to: usize) -> CudaSlice<f32> {
+        self.run("rows", || self.copy(x, from * cols, to * cols)).unwrap_or_else(|| self.empty())
+    }
+    fn append_rows(&self, acc: &mut CudaSlice<f32>, x: &CudaSlice<f32>) {
+        let n = acc.len();
+        if let Some(y) = self.run("append_rows", || {
+            let mut y = self.new_f32(n + x.len())?;
+            let s = &self.gpu.stream;
+            if n > 0 {
+                s.memcpy_dtod(acc, &mut y.slice_mut(..n)).map_err(super::drv("append_rows"))?;
+            }
+            if !x.is_empty() {
+                s.memcpy_dtod(x, &mut y.slice_mut(n..)).map_err(super::drv("append_rows"))?;
+            }
+            Ok(y)
+        }) {
+            *acc = y;
+        }
+    }
+    fn truncate(&self, x: &mut CudaSlice<f32>, n: usize) {
+        if n < x.len() {
+            if let Some(y) = self.run("truncate", || self.copy(x, 0, n)) {
+                *x = y;
+            }
+        }
+    }
+
+    fn linear(&self, x: &CudaSlice<f32>, t: usize, w: &DMat) -> CudaSlice<f32> {
+        self.run("linear", || self.gemm_f32(x, t, w)).unwrap_or_else(|| self.empty())
+    }
+    fn rms_norm(&self, x: &CudaSlice<f32>, w: &CudaSlice<bf16>, eps: f32) -> CudaSlice<f32> {
+        self.run("rms_norm", || {
+            let d = w.len();
+            let mut y = self.new_f32(x.len())?;
+            act_f32::rms_norm_f32(&self.gpu, &x.as_view(), d, &w.as_view(), &mut y.as_view_mut(), d, x.len() / d.max(1), eps)?;
+            Ok(y)
+        })
+        .unwrap_or_else(|| self.empty())
+    }
+    fn add(&self, acc: &mut CudaSlice<f32>, x: &CudaSlice<f32>) {
+        self.run("add", || act_f32::add_f32(&self.gpu, &mut acc.as_view_mut(), &x.as_view()));
+    }
+    fn silu_mul(&self, gate: &CudaSlice<f32>, up: &CudaSlice<f32>) -> CudaSlice<f32> {
+        self.run("silu_mul", || {
+            let mut y = self.new_f32(gate.len())?;
+            act_f32::silu_mul_f32(&self.gpu, &gate.as_view(), &up.as_view(), &mut y.as_view_mut())?;
+            Ok(y)
+        })
+        .unwrap_or_else(|| self.empty())
+    }
+    fn all_reduce(&self, partials: Vec<CudaSlice<f32>>) -> CudaSlice<f32> {
+        let mut it = partials.into_iter();
+        let Some(mut acc) = it.next() else { return self.empty() };
+        for p in it {
+            self.add(&mut acc, &p);
+        }
+        acc
+    }
+
+    fn embedding(&self, shards: &[&DMat], h: usize, tokens: &[u32]) -> CudaSlice<f32> {
+        self.run("embedding", || {
+            if shards.len() != 1 {
+                return Err(CudaError::Shape { op: "embedding", msg: format!("{} vocab shards: the CUDA backend runs one rank", shards.len()) });
+            }
+            let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+            let ids = self.gpu.upload(&ids)?;
+            let mut e = self.gpu.zeros::<bf16>(tokens.len() * h)?;
+            embed::embed_gather(&self.gpu, &ids.as_view(), &shards[0].w.as_view(), &mut e.as_view_mut(), shards[0].rows, h)?;
+            self.to_f32(&e)
+        })
+        .unwrap_or_else(|| self.empty())
+    }
+    fn lm_head(&self, x: &CudaSlice<f32>, n: usize, _h: usize, shards: &[&DMat]) -> CudaSlice<f32> {
+        self.run("lm_head", || {
+            if shards.len() != 1 {
+                return Err(CudaError::Shape { op: "lm_head", msg: format!("{} vocab shards: the CUDA backend runs one rank", shards.len()) });
+            }
+            self.gemm_f32(x, n, shards[0])
+        })
+        .unwrap_or_else(|| self.empty())
+    }
+    fn lm_head_argmax(&self, x: &CudaSlice<f32>, n: usize, h: usize, shards: &[&DMat]) -> Vec<u32> {
+        let logits = self.lm_head(x, n, h, shards);
+        let v = shards.iter().map(|m| m.rows).sum::<usize>();
+        self.run("lm_head_argmax", || {
+            let mut ids = self.gpu.zeros::<u32>(n)?;
+            argmax::argmax(&self.gpu, &logits.as_view(), n, v, v, &mut ids.as_view_mut())?;
+            self.gpu.download(&ids)
+        })
+        .unwrap_or_default()
+    }
+
+    fn kv_new(&self, layers: usize, width: usize) -> DKv {
+        let buf = self.run("kv_new", || self.gpu.zeros::<bf16>(0)).unwrap_or_else(|| self.gpu.stream.alloc_zeros::<bf16>(0).expect("a zero-length allocation cannot fail"));
+        DKv { buf, layers, width, cap: 0, committed: 0, scratch: 0 }
+    }
+    fn kv_committed(&self, kv: &DKv) -> usize {
+        kv.committed
+    }
+    fn kv_drop_scratch(&self, kv: &mut DKv) {
+        kv.scratch = 0;
+    }
+    fn kv_append_latent(&self, kv: &mut DKv, l: usize, ckv: &CudaSlice<f32>, norm: &CudaSlice<bf16>, eps: f32, rope: &RopeTable) {
+        self.run("kv_append_latent", || {
+            let (w, c) = (kv.width, norm.len());
+            let t = ckv.len() / w;
+            self.grow(kv, kv.committed + t)?;
+            // [T, C+P] f32: rms_norm of the c_kv part, k_pe copied, then RoPE on it; stored as bf16.
+            let mut rows = self.copy(ckv, 0, ckv.len())?;
+            act_f32::rms_norm_f32(&self.gpu, &ckv.as_view(), w, &norm.as_view(), &mut rows.as_view_mut(), w, t, eps)?;
+            let (cos, sin) = self.rope_tables(rope)?;
+            let r = RopeSlice { tokens: t, heads: 1, ld_token: w, ld_head: w, offset: c, dim: w - c, neox: false };
+            act_f32::rope_table_f32(&self.gpu, &mut rows.as_view_mut(), &cos.as_view(), &sin.as_view(), r)?;
+            let at = (l * kv.cap + kv.committed) * w;
+            act_f32::f32_to_bf16(&self.gpu, &rows.as_view(), &mut kv.buf.slice_mut(at..at + t * w))
+        });
+    }
+    fn kv_set_scratch(&self, kv: &mut DKv, t: usize) {
+        kv.scratch = t;
+    }
+    fn kv_compact(&self, kv: &mut DKv, path: &[usize]) -> Result<()> {
+        for (i, &p) in path.iter().enumerate() {
+            if p >= kv.scratch || p < i || (i > 0 && p <= path[i - 1]) {
+                bail!("kv_compact: path[{i}] = {p} is not a strictly increasing node index below {} scratch rows", kv.scratch);
+            }
+        }
+        let ids: Vec<i32> = path.iter().map(|&p| p as i32).collect();
+        let dpath = self.gpu.upload(&ids)?;
+        kv_compact::kv_compact(&self.gpu, &mut kv.buf.as_view_mut(), kv.layers, kv.cap, kv.width, kv.committed, &dpath.as_view(), path.len())?;
+        kv.committed += path.len();
+        kv.scratch = 0;
+        self.check()
+    }
+    fn kv_truncate(&self, kv: &mut DKv, len: usize) -> Result<()> {
+        if len > kv.committed {
+            bail!("truncate to {len}: only {} rows are committed", kv.committed);
+        }
+        kv.committed = len;
+        kv.scratch = 0;
+        Ok(())
+    }
+    fn kv_reset(&self, kv: &mut DKv) {
+        kv.committed = 0;
+        kv.scratch = 0;
+    }
+    fn rope_q(&self, q: &mut CudaSlice<f32>, heads: usize, nope: usize, rope: &RopeTable) {
+        self.run("rope_q", || {
+            let p = 2 * rope.half;
+            let t = rope.cos.len() / rope.half.max(1);
+            let (cos, sin) = self.rope_tables(rope)?;
+            let r = RopeSlice { tokens: t, heads, ld_token: heads * (nope + p), ld_head: nope + p, offset: nope, dim: p, neox: false };
+            act_f32::rope_table_f32(&self.gpu, &mut q.as_view_mut(), &cos.as_view(), &sin.as_view(), r)
+        });
+    }
+    fn mla_attention(&self, q: &CudaSlice<f32>, kv: &DKv, l: usize, mask: &TreeMask, kv_b: &DMat, d: &MlaDims, _mode: AttnMode) -> CudaSlice<f32> {
+        // Both forms compute the same attention; the GPU runs the absorbed one (the naive form would
+        // expand every cached latent through kv_b at each step).
+        self.run("mla_attention", || self.mla(q, kv, l, mask, kv_b, d)).unwrap_or_else(|| self.empty())
+    }
+
+    fn moe_route(&self, logits: &CudaSlice<f32>, t: usize, r: &Router, bias: Option<&CudaSlice<f32>>) -> DRoutes {
+        let res = self.run("moe_route", || {
+            let (mut ids, mut wts) = (self.gpu.zeros::<i32>(t * r.top_k)?, self.new_f32(t * r.top_k)?);
+            let c = moe_router::RouterCfg { n_experts: r.n_experts, n_group: r.n_group, topk_group: r.topk_group, top_k: r.top_k, norm_topk_prob: r.norm_topk_prob, routed_scaling: r.routed_scaling };
+            let bv = bias.map(|b| b.as_view());
+            moe_router::moe_router(&self.gpu, &logits.as_view(), bv.as_ref(), t, c, &mut ids.as_view_mut(), &mut wts.as_view_mut())?;
+            Ok((ids, wts))
+        });
+        let (ids, wts) = res.unwrap_or_else(|| {
+            let z = self.gpu.stream.alloc_zeros::<i32>(0).expect("a zero-length allocation cannot fail");
+            (z, self.empty())
+        });
+        DRoutes { ids, wts, t, k: r.top_k, experts: r.n_experts }
+    }
+    fn routes_to_host(&self, routes: &DRoutes) -> (Vec<i32>, Vec<f32>) {
+        self.run("routes_to_host", || Ok((self.gpu.download(&routes.ids)?, self.gpu.download(&routes.wts)?))).unwrap_or_default()
+    }
+    fn moe_experts(&self, x: &CudaSlice<f32>, t: usize, h: usize, routes: &DRoutes, gate: &DI4, up: &DI4, down: &DI4) -> CudaSlice<f32> {
+        self.run("moe_experts", || {
+            if gate.first != 0 || gate.count != routes.experts {
+                return Err(CudaError::Shape { op: "moe_experts", msg: format!("the rank holds experts {}..{} of {}: expert-parallel shards run on the CUDA backend from issue 11 on", gate.first, gate.first + gate.count, routes.experts) });
+            }
+            if routes.t != t || routes.ids.len() != t * routes.k {
+                return Err(CudaError::Shape { op: "moe_experts", msg: format!("routes of {} tokens for {t}", routes.t) });
+            }
+            self.experts(x, t, h, routes, gate, up, down)
+        })
+        .unwrap_or_else(|| self.empty())
+    }
+
+    fn head_norm_rope_neox(&self, x: &CudaSlice<f32>, w: &CudaSlice<bf16>, eps: f32, heads: usize, rope: &RopeTable) -> CudaSlice<f32> {
+        self.run("head_norm_rope_neox", || {
+            let d = w.len();
+            let mut y = self.new_f32(x.len())?;
+            act_f32::rms_norm_f32(&self.gpu, &x.as_view(), d, &w.as_view(), &mut y.as_view_mut(), d, x.len() / d.max(1), eps)?;
+            let (cos, sin) = self.rope_tables(rope)?;
+            let t = x.len() / (heads * d).max(1);
+            let r = RopeSlice { tokens: t, heads, ld_token: heads * d, ld_head: d, offset: 0, dim: d, neox: true };
+            act_f32::rope_table_f32(&self.gpu, &mut y.as_view_mut(), &cos.as_view(), &sin.as_view(), r)?;
+            Ok(y)
+        })
+        .unwrap_or_else(|| self.empty())
+    }
+    fn gqa_attention(&self, q: &CudaSlice<f32>, b: usize, ctx: (&CudaSlice<f32>, &CudaSlice<f32>), block: (&CudaSlice<f32>, &CudaSlice<f32>), heads: usize, kv_heads: usize, head_dim: usize) -> CudaSlice<f32> {
+        self.via_host(|s| {
+            let g = &s.gpu;
+            let (qh, kc, vc, kb, vb) = (g.download(q)?, g.download(ctx.0)?, g.download(ctx.1)?, g.download(block.0)?, g.download(block.1)?);
+            Ok(crate::cpu::ops::gqa_attention(&qh, b, (&kc, &vc), (&kb, &vb), heads, kv_heads, head_dim))
+        })
+    }
+}
