@@ -7,11 +7,15 @@
 //! Output bytes depend only on the model and the options, not on paths or thread counts
 //! (tests/determinism.rs runs it with RAYON_NUM_THREADS=1 and =2 and compares bytes).
 //! The work is `kdtree_golden::make::make_bundle` (src/make.rs); this file is its command line.
+//! Exit: 0 written, 2 error (printed once, each cause once; never a panic on a closed stderr).
+//! Tests: tests/determinism.rs, tests/cli.rs (exit codes, messages, closed stderr).
 
 use anyhow::Result;
 use clap::Parser;
 use kdtree_golden::make::{make_bundle, Options};
+use kdtree_text::console;
 use std::path::PathBuf;
+use std::process::ExitCode;
 
 /// Write CPU reference bundles (tokens, logits, per-layer tensors, one DDTree round) for checking other engines.
 #[derive(Parser, Debug)]
@@ -49,8 +53,18 @@ struct Args {
     quiet: bool,
 }
 
-fn main() -> Result<()> {
-    let a = Args::parse();
+fn main() -> ExitCode {
+    match run(Args::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            console::say(format_args!("kdtree-golden: error: {}", console::error_chain(&e)));
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// Write the bundle the flags describe.
+fn run(a: Args) -> Result<()> {
     let opts = Options {
         max_tokens: a.max_tokens,
         budget: a.budget,
