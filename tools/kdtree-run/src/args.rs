@@ -25,7 +25,8 @@ pub struct Args {
     #[arg(long, value_name = "FILE")]
     pub prompts: PathBuf,
 
-    /// Output JSONL, written and flushed line by line ("-" = stdout).
+    /// Output JSONL, written and flushed line by line ("-" = stdout; devices such as /dev/null work).
+    /// Must not be the prompt file or any other input (same file by identity, not by spelling).
     #[arg(long, value_name = "FILE.jsonl")]
     pub out: PathBuf,
 
@@ -41,7 +42,7 @@ pub struct Args {
     #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_tokens: u64,
 
-    /// Default sampling temperature; 0 = greedy.
+    /// Default sampling temperature in [0, 100]; 0 = greedy.
     #[arg(long, value_name = "T", default_value_t = 0.0)]
     pub temperature: f32,
 
@@ -75,7 +76,8 @@ pub struct Args {
     #[arg(long, value_name = "FILE.json")]
     pub summary: Option<PathBuf>,
 
-    /// Keep the records already in --out (cutting a torn last line) and answer only the rest.
+    /// Keep the records already in --out (cutting a torn last line) and answer only the rest; a record
+    /// whose line or effective settings (or the model) changed since it was written is answered again.
     #[arg(long)]
     pub resume: bool,
 
@@ -98,10 +100,11 @@ pub enum DeviceArg {
 }
 
 impl Args {
-    /// Checks clap cannot express.
+    /// Checks clap cannot express; the numeric ranges are the ones prompt lines are held to.
     pub fn validate(&self) -> anyhow::Result<()> {
-        anyhow::ensure!(self.temperature >= 0.0, "--temperature must be >= 0, got {}", self.temperature);
-        anyhow::ensure!(self.top_p > 0.0 && self.top_p <= 1.0, "--top-p must be in (0, 1], got {}", self.top_p);
+        use kdtree_text::prompts::{check_temperature, check_top_p};
+        check_temperature(self.temperature).map_err(|e| anyhow::anyhow!("--temperature {e}"))?;
+        check_top_p(self.top_p).map_err(|e| anyhow::anyhow!("--top-p {e}"))?;
         anyhow::ensure!(!(self.resume && self.out.as_os_str() == "-"), "--resume needs --out to be a file");
         Ok(())
     }

@@ -1,15 +1,20 @@
 //! kdtree-run: prompt file → JSONL of completions, with DDTree speculative decoding or plain AR.
 //!
-//! This file is the table of contents: parse flags, validate the prompt file, open (or resume) the
-//! output, load the model, answer each line in order, summarise. Modules: `args` (flags), `load`
-//! (model + tokenizer + template), `runner` (one line), `records` (output JSON), `resume` (output file
-//! and --resume), `summary` (--summary), `verify` (--verify: re-run a golden bundle's recordings and
-//! compare, per prompt right after its record). Exit: 0 ok, 1 an error record was written or --verify
-//! found a mismatch, 2 error (printed once); a closed stdout/pipe ends quietly with 0. Tests: unit tests
-//! per module, tests/run_cli.rs, tests/verify_cli.rs.
+//! This file is the table of contents. [`prepare`] runs every check that can fail early and writes
+//! nothing: flags, output paths against the inputs (paths.rs), the prompt file, the --verify bundle,
+//! --resume's records and their fingerprints, the model and its drafter. Only then is the output opened,
+//! [`answer`] answers the lines in order, [`report_verify`] prints --verify's table and the summary is
+//! written. Modules: `args` (flags), `paths` (output checks), `load` (model + tokenizer + template),
+//! `runner` (one line), `records` (output JSON), `fingerprint` (what made a record), `resume` (output
+//! file and --resume), `summary` (--summary), `verify` (--verify). Exit: 0 ok, 1 an error record was
+//! written or --verify found a mismatch, 2 error (printed once, each cause once); a closed stdout ends
+//! quietly with 0; a closed stderr loses messages, never the run. Tests: unit tests per module,
+//! tests/run_cli.rs, tests/hardening.rs, tests/verify_cli.rs, tests/openai_types.rs.
 
 mod args;
+mod fingerprint;
 mod load;
+mod paths;
 mod records;
 mod resume;
 mod runner;
@@ -25,8 +30,12 @@ use clap::Parser;
 use kdtree_engine::api::Drafter;
 use kdtree_engine::generate::{Mode, Sampling};
 use kdtree_golden::bundle::{Bundle, PromptRecord};
+use kdtree_text::console;
+use kdtree_text::prompts::PromptLine;
 
 use crate::args::{Args, ModeArg};
+use crate::load::Model;
+use crate::resume::{Existing, Expected, Sink};
 use crate::runner::{Defaults, Runner};
 use crate::summary::{RunInfo, Totals};
 
@@ -34,139 +43,191 @@ fn main() -> ExitCode {
     match run(Args::parse()) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::from(1),
-        Err(e) if is_broken_pipe(&e) => ExitCode::SUCCESS,
+        Err(e) if console::is_broken_pipe(&e) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("kdtree-run: error: {e:#}");
+            console::say(format_args!("kdtree-run: error: {}", console::error_chain(&e)));
             ExitCode::from(2)
         }
     }
 }
 
-/// A write to a closed pipe anywhere in the chain (`kdtree-run ... --out - | head`).
-fn is_broken_pipe(e: &anyhow::Error) -> bool {
-    e.chain()
-        .filter_map(|c| c.downcast_ref::<std::io::Error>())
-        .any(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
-}
-
-/// Answer every prompt line; Ok(true) when every record is a success.
+/// Answer every prompt line; Ok(true) when every record is a success and --verify matched.
 fn run(args: Args) -> Result<bool> {
     let t0 = Instant::now();
-    args.validate()?;
-    let lines = kdtree_text::prompts::read_prompt_file(&args.prompts)?;
-    // --verify: the bundle, its prompt ids and every prompt file's sha256 are checked before any work.
-    let (bundle, golden) = match &args.verify {
-        Some(dir) => {
-            let b = Bundle::open(dir)?;
-            verify::check_ids(&lines, &b, &args.prompts)?;
-            let recs: HashMap<String, PromptRecord> = b.load_all()?.into_iter().collect();
-            (Some(b), recs)
-        }
-        None => (None, HashMap::new()),
-    };
-    let ids: Vec<&str> = lines.iter().map(|l| l.id.as_str()).collect();
-    let existing = resume::read_existing(&args.out, args.resume, &ids)?;
-    let mut totals = Totals::default();
-    existing.records.iter().for_each(|r| totals.add(r, true));
-    let done = existing.records.len();
-    let say = |msg: String| {
-        if !args.quiet {
-            eprintln!("kdtree-run: {msg}");
-        }
-    };
-    if args.resume {
-        let torn = if existing.torn { "; a torn last line was cut" } else { "" };
-        say(format!("resuming: {done} of {} lines already done{torn}", lines.len()));
-    }
-    let mode = match args.mode {
-        ModeArg::Ar => Mode::Ar,
-        ModeArg::Ddtree => Mode::DDTree { budget: args.budget },
-    };
-    let mut backend = String::from("none (nothing left to run)");
-    // Load before touching the output, so a model that fails to load leaves it as it was.
-    let need_model = done < lines.len() || bundle.is_some();
-    let model = if need_model { Some(load::load(&args.model, args.device, bundle.is_some())?) } else { None };
-    let mut checks = Vec::new();
-    let mut sink = resume::open_output(&args.out, &existing)?;
-    if let Some(mut model) = model {
-        backend = model.backend.clone();
-        say(format!("backend: {backend}"));
-        if matches!(mode, Mode::DDTree { .. }) && model.drafter.is_none() {
-            bail!("{} has no drafter; DDTree needs one (use --mode ar)", args.model.display());
-        }
-        let mut runner = Runner {
-            target: model.target.as_mut(),
-            drafter: model.drafter.as_mut().map(|d| &mut **d as &mut dyn kdtree_engine::api::Drafter),
-            tokenizer: model.tokenizer.as_ref(),
-            chat: model.chat.as_ref(),
-            stop_token_ids: model.stop_token_ids.clone(),
-            defaults: Defaults {
-                max_tokens: args.max_tokens as usize,
-                sampling: Sampling { temperature: args.temperature, top_p: args.top_p, top_k: args.top_k, seed: args.seed },
-                mode,
-                thinking: args.thinking,
-            },
-        };
-        let tol = match &bundle {
-            Some(b) => {
-                let tol = verify::logit_tolerance(&backend)?;
-                let sha = kdtree_golden::bundle::sha256_hex(&std::fs::read(args.model.join("manifest.toml"))?);
-                let drafter = runner.drafter.as_deref();
-                if let Some(w) = verify::check_model(b, &*runner.target, drafter, &sha)? {
-                    eprintln!("kdtree-run: verify: warning: {w}");
-                }
-                tol
-            }
-            None => 0.0,
-        };
-        for (i, line) in lines.iter().enumerate() {
-            let outcome = if i >= done {
-                let outcome = runner.run_line(line);
-                let record = records::record(line, &outcome, &model.name);
-                sink.write_record(&record)?;
-                totals.add(&record, false);
-                say(progress(i + 1, lines.len(), &line.id, &outcome));
-                Some(outcome)
-            } else {
-                None
-            };
-            if bundle.is_none() {
-                continue;
-            }
-            let rec = &golden[&line.id];
-            let prompt = match &line.request {
-                Err(e) => Err(format!("the line is invalid: {e}")),
-                Ok(req) => runner.prompt_ids(req).map(|(ids, _)| ids).map_err(|(code, msg)| format!("{code}: {msg}")),
-            };
-            let run = match &outcome {
-                Some(records::Outcome::Done(c)) if c.sampling.temperature <= 0.0 => verify::RunTokens::Greedy(&c.token_ids),
-                _ => verify::RunTokens::NotCompared,
-            };
-            let drafter = runner.drafter.as_mut().map(|d| &mut **d as &mut dyn Drafter);
-            checks.push(verify::check_prompt(&line.id, &mut *runner.target, drafter, prompt, run, rec, tol)?);
-        }
-    }
-    let verified = match &bundle {
-        None => true,
-        Some(b) => {
-            let good = checks.iter().filter(|c| c.ok()).count();
-            eprint!("kdtree-run: verify against {} (backend {backend}):\n{}", b.dir.display(), verify::table(&checks));
-            eprintln!("kdtree-run: verify: {good} of {} prompts match", checks.len());
-            good == checks.len()
-        }
-    };
+    let mut job = prepare(&args)?;
+    let mut sink = resume::open_output(&args.out, &job.existing)?;
+    let checks = answer(&args, &mut job, &mut sink)?;
+    drop(sink);
+    let verified = report_verify(&job, &checks);
     if let Some(path) = &args.summary {
         let info = RunInfo {
             model: &args.model,
-            backend: &backend,
-            mode: match mode { Mode::Ar => "ar", Mode::DDTree { .. } => "ddtree" },
-            budget: match mode { Mode::Ar => None, Mode::DDTree { budget } => Some(budget) },
+            backend: &job.backend,
+            mode: match job.defaults.mode { Mode::Ar => "ar", Mode::DDTree { .. } => "ddtree" },
+            budget: match job.defaults.mode { Mode::Ar => None, Mode::DDTree { budget } => Some(budget) },
             wall_s: t0.elapsed().as_secs_f64(),
         };
-        summary::write_summary(path, &totals, &info)?;
+        summary::write_summary(path, &job.totals, &info)?;
     }
-    say(format!("{} lines: {} ok, {} errors, {:.1}s", totals.lines, totals.ok, totals.errors, t0.elapsed().as_secs_f64()));
-    Ok(totals.errors == 0 && verified)
+    let t = &job.totals;
+    log(&args, format_args!("{} lines: {} ok, {} errors, {:.1}s", t.lines, t.ok, t.errors, t0.elapsed().as_secs_f64()));
+    Ok(t.errors == 0 && verified)
+}
+
+/// A progress line on stderr (none with --quiet).
+fn log(args: &Args, msg: std::fmt::Arguments) {
+    if !args.quiet {
+        console::say(format_args!("kdtree-run: {msg}"));
+    }
+}
+
+/// What [`prepare`] established.
+struct Job {
+    lines: Vec<PromptLine>,
+    /// This run's fingerprint of each line (records carry it; --resume compares it).
+    fingerprints: Vec<String>,
+    existing: Existing,
+    defaults: Defaults,
+    /// None when every line is already answered (nothing to load).
+    model: Option<Model>,
+    backend: String,
+    golden: Option<Golden>,
+    /// Over the kept records so far; [`answer`] adds the new ones.
+    totals: Totals,
+}
+
+/// --verify's bundle, its records by prompt id, and the backend's logit tolerance.
+struct Golden {
+    bundle: Bundle,
+    records: HashMap<String, PromptRecord>,
+    tol: f32,
+}
+
+/// Every check that can fail before a byte is written, cheapest first: flags; outputs are not inputs and
+/// can be written; the prompt file; the --verify bundle; --resume's records (ids in order, fingerprints);
+/// the model, its drafter for DDTree, and (--verify) its fit to the bundle.
+fn prepare(args: &Args) -> Result<Job> {
+    args.validate()?;
+    paths::check(args)?;
+    let lines = kdtree_text::prompts::read_prompt_file(&args.prompts)?;
+    let bundle = open_bundle(args, &lines)?;
+    let defaults = Defaults {
+        max_tokens: args.max_tokens as usize,
+        sampling: Sampling { temperature: args.temperature, top_p: args.top_p, top_k: args.top_k, seed: args.seed },
+        mode: match args.mode {
+            ModeArg::Ar => Mode::Ar,
+            ModeArg::Ddtree => Mode::DDTree { budget: args.budget },
+        },
+        thinking: args.thinking,
+    };
+    let (model_hash, name) = (fingerprint::model_files(&args.model)?, records::model_name(&args.model));
+    let fingerprints: Vec<String> = lines.iter().map(|l| fingerprint::line(l, &defaults, &model_hash, &name)).collect();
+    let expected: Vec<Expected> =
+        lines.iter().zip(&fingerprints).map(|(l, f)| Expected { id: &l.id, fingerprint: f }).collect();
+    let existing = resume::read_existing(&args.out, args.resume, &expected)?;
+    let mut totals = Totals::default();
+    let kept: Vec<&serde_json::Value> = (0..lines.len()).filter_map(|i| existing.kept(i).map(|(r, _)| r)).collect();
+    kept.iter().for_each(|r| totals.add(r, true));
+    if args.resume {
+        let stale = existing.stale();
+        if let Some(&first) = stale.first() {
+            let l = &lines[first];
+            log(args, format_args!(
+                "resuming: {} records answer a line whose text or settings (or the model) changed since they were written (first: line {}, id {:?}); answering them again",
+                stale.len(), l.line_no, l.id
+            ));
+        }
+        let torn = if existing.torn { "; a torn last line was cut" } else { "" };
+        log(args, format_args!("resuming: {} of {} lines already done{torn}", kept.len(), lines.len()));
+    }
+    let need_model = kept.len() < lines.len() || bundle.is_some();
+    let model = if need_model { Some(open_model(args, &defaults, bundle.as_ref())?) } else { None };
+    let backend = model.as_ref().map_or("none (nothing left to run)".into(), |m| m.backend.clone());
+    let golden = match bundle {
+        Some((bundle, records)) => Some(Golden { tol: verify::logit_tolerance(&backend)?, bundle, records }),
+        None => None,
+    };
+    Ok(Job { lines, fingerprints, existing, defaults, model, backend, golden, totals })
+}
+
+/// --verify: the bundle, its prompt ids (and every prompt file's sha256) checked against the prompt
+/// file, its records loaded.
+fn open_bundle(args: &Args, lines: &[PromptLine]) -> Result<Option<(Bundle, HashMap<String, PromptRecord>)>> {
+    let Some(dir) = &args.verify else { return Ok(None) };
+    let b = Bundle::open(dir)?;
+    verify::check_ids(lines, &b, &args.prompts)?;
+    let recs = b.load_all()?.into_iter().collect();
+    Ok(Some((b, recs)))
+}
+
+/// Load the model; refuse DDTree without a drafter and (--verify) a model that is not the bundle's.
+fn open_model(args: &Args, d: &Defaults, bundle: Option<&(Bundle, HashMap<String, PromptRecord>)>) -> Result<Model> {
+    let model = load::load(&args.model, args.device, bundle.is_some())?;
+    log(args, format_args!("backend: {}", model.backend));
+    if matches!(d.mode, Mode::DDTree { .. }) && model.drafter.is_none() {
+        bail!("{} has no drafter; DDTree needs one (use --mode ar)", args.model.display());
+    }
+    if let Some((b, _)) = bundle {
+        let sha = kdtree_golden::bundle::sha256_hex(&std::fs::read(args.model.join("manifest.toml"))?);
+        if let Some(w) = verify::check_model(b, &*model.target, model.drafter.as_deref(), &sha)? {
+            console::say(format_args!("kdtree-run: verify: warning: {w}"));
+        }
+    }
+    Ok(model)
+}
+
+/// Answer each line in order into `sink`: records kept by --resume stay or are copied, the rest are
+/// run; under --verify each line is then re-checked against its bundle record.
+fn answer(args: &Args, job: &mut Job, sink: &mut Sink) -> Result<Vec<verify::PromptCheck>> {
+    let Some(model) = job.model.as_mut() else { return Ok(Vec::new()) };
+    let mut runner = Runner {
+        target: model.target.as_mut(),
+        drafter: model.drafter.as_mut().map(|d| &mut **d as &mut dyn Drafter),
+        tokenizer: model.tokenizer.as_ref(),
+        chat: model.chat.as_ref(),
+        stop_token_ids: model.stop_token_ids.clone(),
+        defaults: job.defaults.clone(),
+    };
+    let mut checks = Vec::new();
+    for (i, line) in job.lines.iter().enumerate() {
+        let outcome = match job.existing.kept(i) {
+            Some(_) if i < job.existing.prefix => None,
+            Some((_, bytes)) => {
+                sink.write_line(bytes)?;
+                None
+            }
+            None => {
+                let outcome = runner.run_line(line);
+                let record = records::record(line, &outcome, &model.name, &job.fingerprints[i]);
+                sink.write_record(&record)?;
+                job.totals.add(&record, false);
+                log(args, format_args!("{}", progress(i + 1, job.lines.len(), &line.id, &outcome)));
+                Some(outcome)
+            }
+        };
+        let Some(g) = &job.golden else { continue };
+        let prompt = match &line.request {
+            Err(e) => Err(format!("the line is invalid: {e}")),
+            Ok(req) => runner.prompt_ids(req).map(|(ids, _)| ids).map_err(|(code, msg)| format!("{code}: {msg}")),
+        };
+        let run = match &outcome {
+            Some(records::Outcome::Done(c)) if c.sampling.temperature <= 0.0 => verify::RunTokens::Greedy(&c.token_ids),
+            _ => verify::RunTokens::NotCompared,
+        };
+        let drafter = runner.drafter.as_mut().map(|d| &mut **d as &mut dyn Drafter);
+        checks.push(verify::check_prompt(&line.id, &mut *runner.target, drafter, prompt, run, &g.records[&line.id], g.tol)?);
+    }
+    Ok(checks)
+}
+
+/// --verify's per-prompt table and verdict on stderr (printed with --quiet too); true when all match.
+fn report_verify(job: &Job, checks: &[verify::PromptCheck]) -> bool {
+    let Some(g) = &job.golden else { return true };
+    let good = checks.iter().filter(|c| c.ok()).count();
+    let table = verify::table(checks);
+    console::say(format_args!("kdtree-run: verify against {} (backend {}):\n{}", g.bundle.dir.display(), job.backend, table.trim_end()));
+    console::say(format_args!("kdtree-run: verify: {good} of {} prompts match", checks.len()));
+    good == checks.len()
 }
 
 /// One stderr progress line.

@@ -85,7 +85,7 @@ impl Runner<'_> {
 
     fn run_request(&mut self, req: &Request) -> Outcome {
         let t0 = Instant::now();
-        let (prompt, thinking) = match self.prompt_ids(req) {
+        let (prompt, _) = match self.prompt_ids(req) {
             Ok(p) => p,
             Err((code, message)) => return failed(code, message),
         };
@@ -103,16 +103,7 @@ impl Runner<'_> {
             );
         }
         let d = &self.defaults;
-        let o = &req.overrides;
-        let used = SamplingUsed {
-            temperature: o.temperature.unwrap_or(d.sampling.temperature),
-            top_p: o.top_p.unwrap_or(d.sampling.top_p),
-            top_k: o.top_k.unwrap_or(d.sampling.top_k),
-            seed: o.seed.unwrap_or(d.sampling.seed),
-            max_tokens: o.max_tokens.unwrap_or(d.max_tokens),
-            stop: o.stop.clone().unwrap_or_default(),
-            thinking,
-        };
+        let used = SamplingUsed::resolve(d, req);
         if self.tokenizer.is_none() && !used.stop.is_empty() {
             return failed("invalid_request", "stop strings need a tokenizer (tiktoken.model) in the model directory");
         }
