@@ -25,7 +25,7 @@ use std::collections::HashMap;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use anyhow::{bail, Result};
+use anyhow::{Context, Result};
 use clap::Parser;
 use kdtree_engine::api::Drafter;
 use kdtree_engine::generate::{Mode, Sampling};
@@ -160,13 +160,21 @@ fn open_bundle(args: &Args, lines: &[PromptLine]) -> Result<Option<(Bundle, Hash
     Ok(Some((b, recs)))
 }
 
-/// Load the model; refuse DDTree without a drafter and (--verify) a model that is not the bundle's.
+/// Load the model; refuse DDTree without a drafter (asked of the manifest before the weights load,
+/// and of the loaded model) and (--verify) a model that is not the bundle's.
 fn open_model(args: &Args, d: &Defaults, bundle: Option<&(Bundle, HashMap<String, PromptRecord>)>) -> Result<Model> {
-    let model = load::load(&args.model, args.device, bundle.is_some())?;
-    log(args, format_args!("backend: {}", model.backend));
-    if matches!(d.mode, Mode::DDTree { .. }) && model.drafter.is_none() {
-        bail!("{} has no drafter; DDTree needs one (use --mode ar)", args.model.display());
+    let no_drafter = || anyhow::anyhow!("{} has no drafter; DDTree needs one (use --mode ar)", args.model.display());
+    let ddtree = matches!(d.mode, Mode::DDTree { .. });
+    let dir = kdtree_formats::ModelDir::open(&args.model).with_context(|| format!("opening model {}", args.model.display()))?;
+    if ddtree && dir.drafter_config().is_none() {
+        return Err(no_drafter());
     }
+    drop(dir);
+    let model = load::load(&args.model, args.device, bundle.is_some())?;
+    if ddtree && model.drafter.is_none() {
+        return Err(no_drafter());
+    }
+    log(args, format_args!("backend: {}", model.backend));
     if let Some((b, _)) = bundle {
         let sha = kdtree_golden::bundle::sha256_hex(&std::fs::read(args.model.join("manifest.toml"))?);
         if let Some(w) = verify::check_model(b, &*model.target, model.drafter.as_deref(), &sha)? {
