@@ -11,7 +11,8 @@ use clap::{ArgAction, Parser, ValueEnum};
 /// {"id","prompt_token_ids":[...]}, or OpenAI batch lines {"custom_id","method":"POST",
 /// "url":"/v1/chat/completions","body":{...}}. Per-line max_tokens, temperature, top_p, top_k, seed
 /// and stop override the flags below. Output lines come in input order; every run-dependent value is
-/// in each record's `timing`, so `jq -c 'del(.timing)'` compares runs.
+/// in each record's `timing` (and OpenAI bodies' `created`), so `jq -c 'del(.timing, .response.body.created)'`
+/// compares runs.
 ///
 /// Exit status: 0 all lines ok; 1 some line got an error record or --verify found a mismatch; 2 error.
 #[derive(Parser, Debug, Clone)]
