@@ -87,12 +87,18 @@ pub fn scan_existing(bytes: &[u8], expected: &[Expected]) -> Result<Existing> {
         let r: Json = serde_json::from_slice(line)
             .with_context(|| format!("output line {n} is not a JSON record; not resuming over it"))?;
         let Some(want) = expected.get(e.records.len()) else {
-            bail!("output has more records ({n}+) than the prompt file has lines ({})", expected.len());
+            bail!(
+                "output has more records ({n}+) than the prompt file has lines ({}); not resuming over it \
+                 (rerun without --resume to start the file over)",
+                expected.len()
+            );
         };
         match record_id(&r) {
             Some(id) if id == want.id => {}
             other => bail!(
-                "output line {n} answers id {other:?} but prompt line {n} is {:?}; is this the output of another prompt file?",
+                "output line {n} answers id {other:?} but the prompt file's request {n} is {:?}: lines were added, \
+                 removed or reordered since, or this is another prompt file's output; not resuming over it \
+                 (rerun without --resume to start the file over)",
                 want.id
             ),
         }

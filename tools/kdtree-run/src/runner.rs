@@ -42,7 +42,7 @@ pub struct Runner<'a> {
 type Refusal = (&'static str, String);
 
 fn encode(tok: &Tokenizer, text: &str) -> Result<Vec<u32>, Refusal> {
-    tok.try_encode(text).map_err(|e| ("tokenizer_error", format!("{e:#}")))
+    tok.try_encode(text).map_err(|e| ("tokenizer_error", kdtree_text::console::error_chain(&e)))
 }
 
 fn failed(code: &str, message: impl Into<String>) -> Outcome {
@@ -77,7 +77,7 @@ impl Runner<'_> {
                     preserve_thinking: preserve_thinking.unwrap_or(false),
                     tools: tools.clone(),
                 };
-                let text = chat.render(messages, &opts).map_err(|e| ("invalid_request", format!("{e:#}")))?;
+                let text = chat.render(messages, &opts).map_err(|e| ("invalid_request", kdtree_text::console::error_chain(&e)))?;
                 Ok((encode(tok, &text)?, Some(thinking)))
             }
         }
@@ -138,7 +138,7 @@ impl Runner<'_> {
         let drafter = self.drafter.as_mut().map(|d| &mut **d as &mut dyn Drafter);
         let out = match generate(&mut *self.target, drafter, &gen_req, &mut on_tokens) {
             Ok(out) => out,
-            Err(e) => return failed("engine_error", format!("{e:#}")),
+            Err(e) => return failed("engine_error", kdtree_text::console::error_chain(&e)),
         };
         let text = tokenizer.map(|_| {
             if !matcher.stopped() {
