@@ -1,38 +1,22 @@
 //! Output paths, checked before anything is opened for writing, and the summary's atomic write.
 //!
 //! An output (`--out`, `--summary`) must not be an input (the prompt file, a file of the model or
-//! `--verify` directory) nor the other output. Sameness is file identity (device + inode, after
-//! following symlinks), so hard links, symlinks and `./x` spellings are caught, and `--out -` is judged
-//! by what stdout is (`> prompts.jsonl` appending to the prompt file). Devices (`/dev/null`, a terminal)
-//! may be shared. An output must not be a directory and must be writable (its directory, when it does
-//! not exist yet; always its directory for the summary, which is renamed into place). `--resume` needs a
-//! regular file. Tests: bottom of this file; tests/run_cli.rs.
+//! `--verify` directory) nor the other output. Sameness is file identity (kdtree_text::files: device +
+//! inode after following symlinks), so hard links, symlinks and `./x` spellings are caught, and
+//! `--out -` is judged by what stdout is (`>> prompts.jsonl` appending to the prompt file). Devices
+//! (`/dev/null`, a terminal) may be shared. An output must not be a directory and must be writable
+//! (its directory, when it does not exist yet; always its directory for the summary, which is renamed
+//! into place). `--resume` needs a regular file. Tests: bottom of this file; tests/hardening.rs.
 
 use std::ffi::CString;
 use std::fs::Metadata;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
+use kdtree_text::files::{same_file, Inputs};
 
 use crate::args::Args;
-
-/// An existing file, by identity.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct FileId {
-    dev: u64,
-    ino: u64,
-}
-
-fn id(m: &Metadata) -> FileId {
-    FileId { dev: m.dev(), ino: m.ino() }
-}
-
-/// Devices can be written by several outputs at once (`/dev/null`, a terminal); files and pipes cannot.
-fn shareable(m: &Metadata) -> bool {
-    m.file_type().is_char_device() || m.file_type().is_block_device()
-}
 
 /// What `path` is now (symlinks followed); `-` is stdout. None: it does not exist (yet).
 fn stat_output(path: &Path) -> Result<Option<Metadata>> {
@@ -45,19 +29,6 @@ fn stat_output(path: &Path) -> Result<Option<Metadata>> {
         Ok(m) => Ok(Some(m)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(e).with_context(|| format!("inspecting {}", path.display())),
-    }
-}
-
-/// Regular files under `dir` (a few levels deep), as (identity, path): what an output must not be.
-fn files_under(dir: &Path, depth: usize, out: &mut Vec<(FileId, PathBuf)>) {
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
-    for e in entries.flatten() {
-        let p = e.path();
-        match std::fs::metadata(&p) {
-            Ok(m) if m.is_file() => out.push((id(&m), p)),
-            Ok(m) if m.is_dir() && depth > 0 => files_under(&p, depth - 1, out),
-            _ => {}
-        }
     }
 }
 
@@ -98,13 +69,11 @@ fn check_dir_writable(flag: &str, path: &Path) -> Result<()> {
 
 /// Every check of `--out` and `--summary` (see the module doc); nothing is opened for writing.
 pub fn check(args: &Args) -> Result<()> {
-    let mut inputs: Vec<(FileId, PathBuf)> = Vec::new();
-    if let Ok(m) = std::fs::metadata(&args.prompts) {
-        inputs.push((id(&m), args.prompts.clone()));
-    }
-    files_under(&args.model, 2, &mut inputs);
+    let mut inputs = Inputs::default();
+    inputs.file(&args.prompts);
+    inputs.dir(&args.model, 2);
     if let Some(v) = &args.verify {
-        files_under(v, 2, &mut inputs);
+        inputs.dir(v, 2);
     }
     let mut outputs: Vec<(&str, &Path, Metadata)> = Vec::new();
     let summary = args.summary.as_deref().map(|p| ("--summary", p));
@@ -116,14 +85,12 @@ pub fn check(args: &Args) -> Result<()> {
         if m.is_dir() {
             bail!("{flag} {} is a directory", path.display());
         }
-        if !shareable(&m) {
-            if let Some((_, input)) = inputs.iter().find(|(i, _)| *i == id(&m)) {
-                let what = if *input == args.prompts { "the prompt file" } else { "an input file" };
-                bail!("{flag} {} is {what} {} (the same file): refusing to write over an input", path.display(), input.display());
-            }
-            if let Some((other, p, _)) = outputs.iter().find(|(_, _, o)| id(o) == id(&m)) {
-                bail!("{flag} {} and {other} {} are the same file", path.display(), p.display());
-            }
+        if let Some(input) = inputs.find(&m) {
+            let what = if input == args.prompts { "the prompt file" } else { "an input file" };
+            bail!("{flag} {} is {what} {} (the same file): refusing to write over an input", path.display(), input.display());
+        }
+        if let Some((other, p, _)) = outputs.iter().find(|(_, _, o)| same_file(o, &m)) {
+            bail!("{flag} {} and {other} {} are the same file", path.display(), p.display());
         }
         if flag == "--summary" && m.is_file() {
             check_dir_writable(flag, &resolved(path))?;
