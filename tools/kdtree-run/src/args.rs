@@ -3,6 +3,9 @@
 use std::path::PathBuf;
 
 use clap::{ArgAction, Parser, ValueEnum};
+use kdtree_engine::generate::{Mode, Sampling};
+
+use crate::runner::Defaults;
 
 /// Prompts in, one JSON record per prompt out, with DDTree speculative decoding (Kimi K2.6 target +
 /// DFlash drafter) or plain autoregressive decoding.
@@ -73,7 +76,8 @@ pub struct Args {
     #[arg(long, value_name = "GOLDEN_DIR")]
     pub verify: Option<PathBuf>,
 
-    /// Write run totals (tokens/s, acceptance, wall time, manifest hash, backend) as JSON.
+    /// Write run totals (tokens/s, acceptance, wall time, manifest hash, backend) as JSON, at the end
+    /// (through a temp file renamed into place; "-" = stdout). Checked for writability before any work.
     #[arg(long, value_name = "FILE.json")]
     pub summary: Option<PathBuf>,
 
@@ -101,6 +105,19 @@ pub enum DeviceArg {
 }
 
 impl Args {
+    /// The run-wide settings a prompt line may override.
+    pub fn defaults(&self) -> Defaults {
+        Defaults {
+            max_tokens: self.max_tokens as usize,
+            sampling: Sampling { temperature: self.temperature, top_p: self.top_p, top_k: self.top_k, seed: self.seed },
+            mode: match self.mode {
+                ModeArg::Ar => Mode::Ar,
+                ModeArg::Ddtree => Mode::DDTree { budget: self.budget },
+            },
+            thinking: self.thinking,
+        }
+    }
+
     /// Checks clap cannot express; the numeric ranges are the ones prompt lines are held to.
     pub fn validate(&self) -> anyhow::Result<()> {
         use kdtree_text::prompts::{check_temperature, check_top_p};

@@ -28,12 +28,12 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Parser;
 use kdtree_engine::api::Drafter;
-use kdtree_engine::generate::{Mode, Sampling};
+use kdtree_engine::generate::Mode;
 use kdtree_golden::bundle::{Bundle, PromptRecord};
 use kdtree_text::console;
 use kdtree_text::prompts::PromptLine;
 
-use crate::args::{Args, ModeArg};
+use crate::args::Args;
 use crate::load::Model;
 use crate::resume::{Existing, Expected, Sink};
 use crate::runner::{Defaults, Runner};
@@ -111,35 +111,13 @@ fn prepare(args: &Args) -> Result<Job> {
     paths::check(args)?;
     let lines = kdtree_text::prompts::read_prompt_file(&args.prompts)?;
     let bundle = open_bundle(args, &lines)?;
-    let defaults = Defaults {
-        max_tokens: args.max_tokens as usize,
-        sampling: Sampling { temperature: args.temperature, top_p: args.top_p, top_k: args.top_k, seed: args.seed },
-        mode: match args.mode {
-            ModeArg::Ar => Mode::Ar,
-            ModeArg::Ddtree => Mode::DDTree { budget: args.budget },
-        },
-        thinking: args.thinking,
-    };
+    let defaults = args.defaults();
     let (model_hash, name) = (fingerprint::model_files(&args.model)?, records::model_name(&args.model));
     let fingerprints: Vec<String> = lines.iter().map(|l| fingerprint::line(l, &defaults, &model_hash, &name)).collect();
-    let expected: Vec<Expected> =
-        lines.iter().zip(&fingerprints).map(|(l, f)| Expected { id: &l.id, fingerprint: f }).collect();
-    let existing = resume::read_existing(&args.out, args.resume, &expected)?;
+    let existing = read_existing(args, &lines, &fingerprints)?;
     let mut totals = Totals::default();
     let kept: Vec<&serde_json::Value> = (0..lines.len()).filter_map(|i| existing.kept(i).map(|(r, _)| r)).collect();
     kept.iter().for_each(|r| totals.add(r, true));
-    if args.resume {
-        let stale = existing.stale();
-        if let Some(&first) = stale.first() {
-            let l = &lines[first];
-            log(args, format_args!(
-                "resuming: {} records answer a line whose text or settings (or the model) changed since they were written (first: line {}, id {:?}); answering them again",
-                stale.len(), l.line_no, l.id
-            ));
-        }
-        let torn = if existing.torn { "; a torn last line was cut" } else { "" };
-        log(args, format_args!("resuming: {} of {} lines already done{torn}", kept.len(), lines.len()));
-    }
     let need_model = kept.len() < lines.len() || bundle.is_some();
     let model = if need_model { Some(open_model(args, &defaults, bundle.as_ref())?) } else { None };
     let backend = model.as_ref().map_or("none (nothing left to run)".into(), |m| m.backend.clone());
@@ -148,6 +126,27 @@ fn prepare(args: &Args) -> Result<Job> {
         None => None,
     };
     Ok(Job { lines, fingerprints, existing, defaults, model, backend, golden, totals })
+}
+
+/// --resume: the records already in --out, checked against the prompt file's ids and this run's
+/// fingerprints (resume.rs); says what is kept and what is answered again.
+fn read_existing(args: &Args, lines: &[PromptLine], fingerprints: &[String]) -> Result<Existing> {
+    let expected: Vec<Expected> =
+        lines.iter().zip(fingerprints).map(|(l, f)| Expected { id: &l.id, fingerprint: f }).collect();
+    let existing = resume::read_existing(&args.out, args.resume, &expected)?;
+    if args.resume {
+        let stale = existing.stale();
+        if let Some(l) = stale.first().map(|&i| &lines[i]) {
+            log(args, format_args!(
+                "resuming: {} records answer a line whose text or settings (or the model) changed since they were written (first: line {}, id {:?}); answering them again",
+                stale.len(), l.line_no, l.id
+            ));
+        }
+        let kept = (0..lines.len()).filter(|&i| existing.kept(i).is_some()).count();
+        let torn = if existing.torn { "; a torn last line was cut" } else { "" };
+        log(args, format_args!("resuming: {kept} of {} lines already done{torn}", lines.len()));
+    }
+    Ok(existing)
 }
 
 /// --verify: the bundle, its prompt ids (and every prompt file's sha256) checked against the prompt

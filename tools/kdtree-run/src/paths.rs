@@ -92,9 +92,11 @@ pub fn check(args: &Args) -> Result<()> {
         if let Some((other, p, _)) = outputs.iter().find(|(_, _, o)| same_file(o, &m)) {
             bail!("{flag} {} and {other} {} are the same file", path.display(), p.display());
         }
-        if flag == "--summary" && m.is_file() {
+        if path.as_os_str() == "-" {
+            // stdout: open already.
+        } else if flag == "--summary" && m.is_file() {
             check_dir_writable(flag, &resolved(path))?;
-        } else if path.as_os_str() != "-" {
+        } else {
             access(path, libc::W_OK).with_context(|| format!("{flag} {} is not writable", path.display()))?;
         }
         if flag == "--out" && args.resume && !m.is_file() {
@@ -106,9 +108,14 @@ pub fn check(args: &Args) -> Result<()> {
 }
 
 /// Write `bytes` to `path`: a regular (or new) file through a temp file in its directory renamed over
-/// it, so no partial file is ever left under its name; a device or pipe (`/dev/stdout`) directly.
+/// it, so no partial file is ever left under its name; a device or pipe (`/dev/stdout`) directly; `-`
+/// is stdout.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     use std::io::Write;
+    if path.as_os_str() == "-" {
+        let mut out = std::io::stdout().lock();
+        return out.write_all(bytes).and_then(|_| out.flush()).context("writing to stdout");
+    }
     if std::fs::metadata(path).is_ok_and(|m| !m.is_file()) {
         let mut f = std::fs::OpenOptions::new().write(true).open(path).with_context(|| format!("opening {}", path.display()))?;
         return f.write_all(bytes).with_context(|| format!("writing {}", path.display()));

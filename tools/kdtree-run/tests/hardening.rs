@@ -193,6 +193,14 @@ fn non_regular_outputs_work_without_resume() {
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let lines: Vec<Json> = String::from_utf8(o.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(lines.iter().map(|r| r["id"].as_str().unwrap()).collect::<Vec<_>>(), ["q0", "q1", "q2"]);
+    // --summary - is stdout; --out - and --summary - on one pipe would mix the two.
+    let o = kdtree_run(&[model(), "--prompts", s(&p), "--out", s(&dir.join("o.jsonl")), "--mode", "ar", "--quiet", "--summary", "-"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let sum: Json = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(sum["lines"], 3);
+    let o = kdtree_run(&[model(), "--prompts", s(&p), "--out", "-", "--summary", "/dev/stdout"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("are the same file"), "{}", stderr(&o));
     for out in ["/dev/null", "/dev/stdout", "-"] {
         let o = kdtree_run(&[model(), "--prompts", s(&p), "--out", out, "--resume"]);
         assert_eq!(o.status.code(), Some(2), "{out}: {}", stderr(&o));
