@@ -451,6 +451,33 @@ mod tests {
     }
 
     #[test]
+    fn arbitrary_bytes_never_panic_and_ids_stay_unique_apart_from_duplicates() {
+        // Seeded LCG: lines of random bytes mixed with JSON fragments and colliding ids.
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = || {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (x >> 33) as usize
+        };
+        let pieces: [&[u8]; 8] = [b"{\"id\":\"line-", b"\"}", b"\xff", b"\xe2\x82", b"\n", b"\r\n", b"{\"prompt\":\"x\"}", b"3"];
+        for _ in 0..300 {
+            let mut bytes = Vec::new();
+            for _ in 0..next() % 40 {
+                if next() % 3 == 0 {
+                    bytes.push((next() % 256) as u8);
+                } else {
+                    bytes.extend_from_slice(pieces[next() % pieces.len()]);
+                }
+            }
+            let lines = parse_prompt_bytes(&bytes);
+            let mut ids = std::collections::HashSet::new();
+            for l in &lines {
+                let dup = l.request.as_ref().is_err_and(|e| e.code == "duplicate_id");
+                assert!(ids.insert(l.id.clone()) || dup, "id {:?} twice in {bytes:?}", l.id);
+            }
+        }
+    }
+
+    #[test]
     fn synthetic_ids_never_collide_with_the_files_ids() {
         let text = concat!(
             "not json\n",
