@@ -7,11 +7,19 @@
 //! Output bytes depend only on the model and the options, not on paths or thread counts
 //! (tests/determinism.rs runs it with RAYON_NUM_THREADS=1 and =2 and compares bytes).
 //! The work is `kdtree_golden::make::make_bundle` (src/make.rs); this file is its command line.
+//! Exit: 0 written, 2 error (printed once, each cause once; never a panic on a closed stderr). The
+//! output directory is checked before any work (`check_out`): it must not be a file, and no bundle file
+//! may overwrite an input.
+//! Tests: tests/determinism.rs, tests/cli.rs (exit codes, messages, closed stderr).
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use clap::Parser;
+use kdtree_golden::bundle::{file_name_for, INDEX_FILE};
 use kdtree_golden::make::{make_bundle, Options};
-use std::path::PathBuf;
+use kdtree_text::console;
+use kdtree_text::files::Inputs;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
 
 /// Write CPU reference bundles (tokens, logits, per-layer tensors, one DDTree round) for checking other engines.
 #[derive(Parser, Debug)]
@@ -49,8 +57,19 @@ struct Args {
     quiet: bool,
 }
 
-fn main() -> Result<()> {
-    let a = Args::parse();
+fn main() -> ExitCode {
+    match run(Args::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            console::say(format_args!("kdtree-golden: error: {}", console::error_chain(&e)));
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// Write the bundle the flags describe.
+fn run(a: Args) -> Result<()> {
+    check_out(&a)?;
     let opts = Options {
         max_tokens: a.max_tokens,
         budget: a.budget,
@@ -61,5 +80,35 @@ fn main() -> Result<()> {
         quiet: a.quiet,
     };
     make_bundle(&a.model, &a.prompts, &a.out, &opts)?;
+    Ok(())
+}
+
+/// Before any work: `--out` must be (or be creatable as) a directory, and none of the files the bundle
+/// will write there (index.json, one file per prompt) may be an input: the prompt file or a file of the
+/// model directory, judged by file identity (kdtree_text::files), not by spelling.
+fn check_out(a: &Args) -> Result<()> {
+    match std::fs::metadata(&a.out) {
+        Ok(m) if !m.is_dir() => bail!("--out {} exists and is not a directory", a.out.display()),
+        Ok(_) => {}
+        Err(_) => {
+            let parent = a.out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+            if !parent.is_dir() {
+                bail!("--out {}: directory {} does not exist", a.out.display(), parent.display());
+            }
+            return Ok(());
+        }
+    }
+    let mut inputs = Inputs::default();
+    inputs.file(&a.prompts);
+    inputs.dir(&a.model, 2);
+    // The prompt file is read again (and checked line by line) by make_bundle; here only its ids matter.
+    let lines = kdtree_text::prompts::read_prompt_file(&a.prompts)?;
+    let names = lines.iter().enumerate().map(|(i, l)| file_name_for(&l.id, i)).chain([INDEX_FILE.to_string()]);
+    for name in names {
+        let path = a.out.join(&name);
+        if let Some(input) = std::fs::metadata(&path).ok().as_ref().and_then(|m| inputs.find(m)) {
+            bail!("--out {}: the bundle would overwrite {} with {name}: refusing to write over an input", a.out.display(), input.display());
+        }
+    }
     Ok(())
 }

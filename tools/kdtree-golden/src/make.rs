@@ -62,21 +62,21 @@ pub fn make_bundle(model: &Path, prompts: &Path, out: &Path, a: &Options) -> Res
                 let n = emitted.len().min(ar.tokens.len().saturating_sub(1));
                 let matches = r.root == ar.tokens[0] && emitted[..n] == ar.tokens[1..1 + n];
                 if !matches {
-                    eprintln!("kdtree-golden: warning: prompt {id:?}: DDTree round tokens {emitted:?} differ from greedy AR {:?}", &ar.tokens[1..]);
+                    kdtree_text::console::say(format_args!("kdtree-golden: warning: prompt {id:?}: DDTree round tokens {emitted:?} differ from greedy AR {:?}", &ar.tokens[1..]));
                 }
                 (Some(r), PromptEntryExtra { ddtree_tokens: emitted.len(), ddtree_matches_ar: matches })
             }
             false => (None, PromptEntryExtra::default()),
         };
         if !a.quiet {
-            eprintln!(
+            kdtree_text::console::say(format_args!(
                 "kdtree-golden: [{}/{}] {id}: {} prompt tokens -> {:?}{}",
                 i + 1,
                 prompts.len(),
                 ids.len(),
                 ar.tokens,
                 ddtree.as_ref().map(|r| format!(", DDTree round accepted {} of {} nodes", r.accepted.len() - 1, r.tree_tokens.len() - 1)).unwrap_or_default()
-            );
+            ));
         }
         records.push((id.clone(), PromptRecord { prompt_ids: ids.clone(), ar, trace, ddtree }, extra));
     }
@@ -113,7 +113,7 @@ pub fn make_bundle(model: &Path, prompts: &Path, out: &Path, a: &Options) -> Res
     };
     let index = write_bundle(out, index, &records)?;
     if !a.quiet {
-        eprintln!("kdtree-golden: wrote {} prompt files + index.json to {}", index.prompts.len(), out.display());
+        kdtree_text::console::say(format_args!("kdtree-golden: wrote {} prompt files + index.json to {}", index.prompts.len(), out.display()));
     }
     Ok(index)
 }

@@ -3,6 +3,9 @@
 use std::path::PathBuf;
 
 use clap::{ArgAction, Parser, ValueEnum};
+use kdtree_engine::generate::{Mode, Sampling};
+
+use crate::runner::Defaults;
 
 /// Prompts in, one JSON record per prompt out, with DDTree speculative decoding (Kimi K2.6 target +
 /// DFlash drafter) or plain autoregressive decoding.
@@ -11,7 +14,8 @@ use clap::{ArgAction, Parser, ValueEnum};
 /// {"id","prompt_token_ids":[...]}, or OpenAI batch lines {"custom_id","method":"POST",
 /// "url":"/v1/chat/completions","body":{...}}. Per-line max_tokens, temperature, top_p, top_k, seed
 /// and stop override the flags below. Output lines come in input order; every run-dependent value is
-/// in each record's `timing`, so `jq -c 'del(.timing)'` compares runs.
+/// in each record's `timing` (and OpenAI bodies' `created`), so `jq -c 'del(.timing, .response.body.created)'`
+/// compares runs.
 ///
 /// Exit status: 0 all lines ok; 1 some line got an error record or --verify found a mismatch; 2 error.
 #[derive(Parser, Debug, Clone)]
@@ -25,7 +29,8 @@ pub struct Args {
     #[arg(long, value_name = "FILE")]
     pub prompts: PathBuf,
 
-    /// Output JSONL, written and flushed line by line ("-" = stdout).
+    /// Output JSONL, written and flushed line by line ("-" = stdout; devices such as /dev/null work).
+    /// Must not be the prompt file or any other input (same file by identity, not by spelling).
     #[arg(long, value_name = "FILE.jsonl")]
     pub out: PathBuf,
 
@@ -41,7 +46,7 @@ pub struct Args {
     #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_tokens: u64,
 
-    /// Default sampling temperature; 0 = greedy.
+    /// Default sampling temperature in [0, 100]; 0 = greedy.
     #[arg(long, value_name = "T", default_value_t = 0.0)]
     pub temperature: f32,
 
@@ -71,11 +76,13 @@ pub struct Args {
     #[arg(long, value_name = "GOLDEN_DIR")]
     pub verify: Option<PathBuf>,
 
-    /// Write run totals (tokens/s, acceptance, wall time, manifest hash, backend) as JSON.
+    /// Write run totals (tokens/s, acceptance, wall time, manifest hash, backend) as JSON, at the end
+    /// (through a temp file renamed into place; "-" = stdout). Checked for writability before any work.
     #[arg(long, value_name = "FILE.json")]
     pub summary: Option<PathBuf>,
 
-    /// Keep the records already in --out (cutting a torn last line) and answer only the rest.
+    /// Keep the records already in --out (cutting a torn last line) and answer only the rest; a record
+    /// whose line or effective settings (or the model) changed since it was written is answered again.
     #[arg(long)]
     pub resume: bool,
 
@@ -98,10 +105,24 @@ pub enum DeviceArg {
 }
 
 impl Args {
-    /// Checks clap cannot express.
+    /// The run-wide settings a prompt line may override.
+    pub fn defaults(&self) -> Defaults {
+        Defaults {
+            max_tokens: self.max_tokens as usize,
+            sampling: Sampling { temperature: self.temperature, top_p: self.top_p, top_k: self.top_k, seed: self.seed },
+            mode: match self.mode {
+                ModeArg::Ar => Mode::Ar,
+                ModeArg::Ddtree => Mode::DDTree { budget: self.budget },
+            },
+            thinking: self.thinking,
+        }
+    }
+
+    /// Checks clap cannot express; the numeric ranges are the ones prompt lines are held to.
     pub fn validate(&self) -> anyhow::Result<()> {
-        anyhow::ensure!(self.temperature >= 0.0, "--temperature must be >= 0, got {}", self.temperature);
-        anyhow::ensure!(self.top_p > 0.0 && self.top_p <= 1.0, "--top-p must be in (0, 1], got {}", self.top_p);
+        use kdtree_text::prompts::{check_temperature, check_top_p};
+        check_temperature(self.temperature).map_err(|e| anyhow::anyhow!("--temperature {e}"))?;
+        check_top_p(self.top_p).map_err(|e| anyhow::anyhow!("--top-p {e}"))?;
         anyhow::ensure!(!(self.resume && self.out.as_os_str() == "-"), "--resume needs --out to be a file");
         Ok(())
     }

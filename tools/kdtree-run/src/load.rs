@@ -48,7 +48,7 @@ pub fn load(dir: &Path, device: DeviceArg) -> Result<Model> {
     }
     stop_token_ids.sort_unstable();
     stop_token_ids.dedup();
-    let name = dir.file_name().map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned());
+    let name = crate::records::model_name(dir);
     Ok(Model {
         loaded,
         tokenizer,

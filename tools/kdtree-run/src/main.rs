@@ -1,15 +1,20 @@
 //! kdtree-run: prompt file → JSONL of completions, with DDTree speculative decoding or plain AR.
 //!
-//! This file is the table of contents: parse flags, validate the prompt file, open (or resume) the
-//! output, load the model, answer each line in order, summarise. Modules: `args` (flags), `load`
-//! (model + tokenizer + template), `runner` (one line), `records` (output JSON), `resume` (output file
-//! and --resume), `summary` (--summary), `verify` (--verify: re-run a golden bundle's recordings and
-//! compare, per prompt right after its record). Exit: 0 ok, 1 an error record was written or --verify
-//! found a mismatch, 2 error (printed once); a closed stdout/pipe ends quietly with 0. Tests: unit tests
-//! per module, tests/run_cli.rs, tests/verify_cli.rs.
+//! This file is the table of contents. [`prepare`] runs every check that can fail early and writes
+//! nothing: flags, output paths against the inputs (paths.rs), the prompt file, the --verify bundle,
+//! --resume's records and their fingerprints, the model and its drafter. Only then is the output opened,
+//! [`answer`] answers the lines in order, [`report_verify`] prints --verify's table and the summary is
+//! written. Modules: `args` (flags), `paths` (output checks), `load` (model + tokenizer + template),
+//! `runner` (one line), `records` (output JSON), `fingerprint` (what made a record), `resume` (output
+//! file and --resume), `summary` (--summary), `verify` (--verify). Exit: 0 ok, 1 an error record was
+//! written or --verify found a mismatch, 2 error (printed once, each cause once); a closed stdout ends
+//! quietly with 0; a closed stderr loses messages, never the run. Tests: unit tests per module,
+//! tests/run_cli.rs, tests/hardening.rs, tests/verify_cli.rs, tests/openai_types.rs.
 
 mod args;
+mod fingerprint;
 mod load;
+mod paths;
 mod records;
 mod resume;
 mod runner;
@@ -20,12 +25,16 @@ use std::collections::HashMap;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use anyhow::{bail, Result};
+use anyhow::{Context, Result};
 use clap::Parser;
-use kdtree_engine::generate::{Mode, Sampling};
+use kdtree_engine::generate::Mode;
 use kdtree_golden::bundle::{Bundle, PromptRecord};
+use kdtree_text::console;
+use kdtree_text::prompts::PromptLine;
 
-use crate::args::{Args, DeviceArg, ModeArg};
+use crate::args::{Args, DeviceArg};
+use crate::load::Model;
+use crate::resume::{Existing, Expected, Sink};
 use crate::runner::{Defaults, Runner};
 use crate::summary::{RunInfo, Totals};
 
@@ -33,152 +42,213 @@ fn main() -> ExitCode {
     match run(Args::parse()) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::from(1),
-        Err(e) if is_broken_pipe(&e) => ExitCode::SUCCESS,
+        Err(e) if console::is_broken_pipe(&e) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("kdtree-run: error: {e:#}");
+            console::say(format_args!("kdtree-run: error: {}", console::error_chain(&e)));
             ExitCode::from(2)
         }
     }
 }
 
-/// A write to a closed pipe anywhere in the chain (`kdtree-run ... --out - | head`).
-fn is_broken_pipe(e: &anyhow::Error) -> bool {
-    e.chain()
-        .filter_map(|c| c.downcast_ref::<std::io::Error>())
-        .any(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
-}
-
-/// Answer every prompt line; Ok(true) when every record is a success.
+/// Answer every prompt line; Ok(true) when every record is a success and --verify matched.
 fn run(args: Args) -> Result<bool> {
     let t0 = Instant::now();
-    args.validate()?;
-    let lines = kdtree_text::prompts::read_prompt_file(&args.prompts)?;
-    // --verify: the bundle, its prompt ids and every prompt file's sha256 are checked before any work.
-    let (bundle, golden) = match &args.verify {
-        Some(dir) => {
-            let b = Bundle::open(dir)?;
-            verify::check_ids(&lines, &b, &args.prompts)?;
-            let recs: HashMap<String, PromptRecord> = b.load_all()?.into_iter().collect();
-            (Some(b), recs)
-        }
-        None => (None, HashMap::new()),
-    };
-    let ids: Vec<&str> = lines.iter().map(|l| l.id.as_str()).collect();
-    let existing = resume::read_existing(&args.out, args.resume, &ids)?;
-    let mut totals = Totals::default();
-    existing.records.iter().for_each(|r| totals.add(r, true));
-    let done = existing.records.len();
-    let say = |msg: String| {
-        if !args.quiet {
-            eprintln!("kdtree-run: {msg}");
-        }
-    };
-    if args.resume {
-        let torn = if existing.torn { "; a torn last line was cut" } else { "" };
-        say(format!("resuming: {done} of {} lines already done{torn}", lines.len()));
-    }
-    let mode = match args.mode {
-        ModeArg::Ar => Mode::Ar,
-        ModeArg::Ddtree => Mode::DDTree { budget: args.budget },
-    };
-    let mut backend = String::from("none (nothing left to run)");
-    // Load before touching the output, so a model that fails to load leaves it as it was.
-    let need_model = done < lines.len() || bundle.is_some();
-    if bundle.is_some() && args.device == DeviceArg::Cuda {
-        verify::tolerances("cuda")?; // refused before anything loads while unmeasured
-    }
-    let model = if need_model { Some(load::load(&args.model, args.device)?) } else { None };
-    let mut checks = Vec::new();
-    if matches!(mode, Mode::DDTree { .. }) && model.as_ref().is_some_and(|m| !m.loaded.has_drafter()) {
-        bail!("{} has no drafter; DDTree needs one (use --mode ar)", args.model.display());
-    }
-    let mut sink = resume::open_output(&args.out, &existing)?;
-    if let Some(mut model) = model {
-        backend = model.loaded.backend.clone();
-        say(format!("backend: {backend}"));
-        let tol = match &bundle {
-            Some(b) => {
-                let tol = verify::tolerances(&backend)?;
-                let sha = kdtree_golden::bundle::sha256_hex(&std::fs::read(args.model.join("manifest.toml"))?);
-                if let Some(w) = verify::check_model(b, &model.loaded, &sha)? {
-                    eprintln!("kdtree-run: verify: warning: {w}");
-                }
-                Some(tol)
-            }
-            None => None,
-        };
-        // Pass 1: answer the lines (one session for the whole run). Under --verify keep what pass 2 needs.
-        let mut to_verify = Vec::new();
-        {
-            let mut runner = Runner {
-                session: model.loaded.session(mode)?,
-                tokenizer: model.tokenizer.as_ref(),
-                chat: model.chat.as_ref(),
-                stop_token_ids: model.stop_token_ids.clone(),
-                defaults: Defaults {
-                    max_tokens: args.max_tokens as usize,
-                    sampling: Sampling { temperature: args.temperature, top_p: args.top_p, top_k: args.top_k, seed: args.seed },
-                    mode,
-                    thinking: args.thinking,
-                },
-            };
-            for (i, line) in lines.iter().enumerate() {
-                let outcome = if i >= done {
-                    let outcome = runner.run_line(line);
-                    let record = records::record(line, &outcome, &model.name);
-                    sink.write_record(&record)?;
-                    totals.add(&record, false);
-                    say(progress(i + 1, lines.len(), &line.id, &outcome));
-                    Some(outcome)
-                } else {
-                    None
-                };
-                if bundle.is_none() {
-                    continue;
-                }
-                let prompt = match &line.request {
-                    Err(e) => Err(format!("the line is invalid: {e}")),
-                    Ok(req) => runner.prompt_ids(req).map(|(ids, _)| ids).map_err(|(code, msg)| format!("{code}: {msg}")),
-                };
-                let greedy = match &outcome {
-                    Some(records::Outcome::Done(c)) if c.sampling.temperature <= 0.0 => Some(c.token_ids.clone()),
-                    _ => None,
-                };
-                to_verify.push((line.id.clone(), prompt, greedy));
-            }
-        }
-        // Pass 2 (--verify): re-run what the bundle recorded, on the same model, and compare.
-        if let Some(tol) = tol {
-            for (id, prompt, greedy) in to_verify {
-                let run = match &greedy {
-                    Some(t) => verify::RunTokens::Greedy(t),
-                    None => verify::RunTokens::NotCompared,
-                };
-                checks.push(verify::check_prompt(&id, &mut model.loaded, prompt, run, &golden[&id], &tol)?);
-            }
-        }
-    }
-    let verified = match &bundle {
-        None => true,
-        Some(b) => {
-            let good = checks.iter().filter(|c| c.ok()).count();
-            eprint!("kdtree-run: verify against {} (backend {backend}):\n{}", b.dir.display(), verify::table(&checks));
-            eprintln!("kdtree-run: verify: {good} of {} prompts match", checks.len());
-            good == checks.len()
-        }
-    };
+    let mut job = prepare(&args)?;
+    let mut sink = resume::open_output(&args.out, &job.existing)?;
+    let checks = answer(&args, &mut job, &mut sink)?;
+    drop(sink);
+    let verified = report_verify(&job, &checks);
     if let Some(path) = &args.summary {
         let info = RunInfo {
             model: &args.model,
-            backend: &backend,
-            mode: match mode { Mode::Ar => "ar", Mode::DDTree { .. } => "ddtree" },
-            budget: match mode { Mode::Ar => None, Mode::DDTree { budget } => Some(budget) },
+            backend: &job.backend,
+            mode: match job.defaults.mode { Mode::Ar => "ar", Mode::DDTree { .. } => "ddtree" },
+            budget: match job.defaults.mode { Mode::Ar => None, Mode::DDTree { budget } => Some(budget) },
             wall_s: t0.elapsed().as_secs_f64(),
         };
-        summary::write_summary(path, &totals, &info)?;
+        summary::write_summary(path, &job.totals, &info)?;
     }
-    say(format!("{} lines: {} ok, {} errors, {:.1}s", totals.lines, totals.ok, totals.errors, t0.elapsed().as_secs_f64()));
-    Ok(totals.errors == 0 && verified)
+    let t = &job.totals;
+    log(&args, format_args!("{} lines: {} ok, {} errors, {:.1}s", t.lines, t.ok, t.errors, t0.elapsed().as_secs_f64()));
+    Ok(t.errors == 0 && verified)
+}
+
+/// A progress line on stderr (none with --quiet).
+fn log(args: &Args, msg: std::fmt::Arguments) {
+    if !args.quiet {
+        console::say(format_args!("kdtree-run: {msg}"));
+    }
+}
+
+/// What [`prepare`] established.
+struct Job {
+    lines: Vec<PromptLine>,
+    /// This run's fingerprint of each line (records carry it; --resume compares it).
+    fingerprints: Vec<String>,
+    existing: Existing,
+    defaults: Defaults,
+    /// None when every line is already answered (nothing to load).
+    model: Option<Model>,
+    backend: String,
+    golden: Option<Golden>,
+    /// Over the kept records so far; [`answer`] adds the new ones.
+    totals: Totals,
+}
+
+/// --verify's bundle, its records by prompt id, and the backend's logit tolerance.
+struct Golden {
+    bundle: Bundle,
+    records: HashMap<String, PromptRecord>,
+    tol: verify::Tolerances,
+}
+
+/// Every check that can fail before a byte is written, cheapest first: flags; outputs are not inputs and
+/// can be written; the prompt file; the --verify bundle; --resume's records (ids in order, fingerprints);
+/// the model, its drafter for DDTree, and (--verify) its fit to the bundle.
+fn prepare(args: &Args) -> Result<Job> {
+    args.validate()?;
+    paths::check(args)?;
+    let lines = kdtree_text::prompts::read_prompt_file(&args.prompts)?;
+    let bundle = open_bundle(args, &lines)?;
+    let defaults = args.defaults();
+    let (model_hash, name) = (fingerprint::model_files(&args.model)?, records::model_name(&args.model));
+    let fingerprints: Vec<String> = lines.iter().map(|l| fingerprint::line(l, &defaults, &model_hash, &name)).collect();
+    let existing = read_existing(args, &lines, &fingerprints)?;
+    let mut totals = Totals::default();
+    let kept: Vec<&serde_json::Value> = (0..lines.len()).filter_map(|i| existing.kept(i).map(|(r, _)| r)).collect();
+    kept.iter().for_each(|r| totals.add(r, true));
+    let need_model = kept.len() < lines.len() || bundle.is_some();
+    let model = if need_model { Some(open_model(args, &defaults, bundle.as_ref())?) } else { None };
+    let backend = model.as_ref().map_or("none (nothing left to run)".into(), |m| m.loaded.backend.clone());
+    let golden = match bundle {
+        Some((bundle, records)) => Some(Golden { tol: verify::tolerances(&backend)?, bundle, records }),
+        None => None,
+    };
+    Ok(Job { lines, fingerprints, existing, defaults, model, backend, golden, totals })
+}
+
+/// --resume: the records already in --out, checked against the prompt file's ids and this run's
+/// fingerprints (resume.rs); says what is kept and what is answered again.
+fn read_existing(args: &Args, lines: &[PromptLine], fingerprints: &[String]) -> Result<Existing> {
+    let expected: Vec<Expected> =
+        lines.iter().zip(fingerprints).map(|(l, f)| Expected { id: &l.id, fingerprint: f }).collect();
+    let existing = resume::read_existing(&args.out, args.resume, &expected)?;
+    if args.resume {
+        let stale = existing.stale();
+        if let Some(l) = stale.first().map(|&i| &lines[i]) {
+            log(args, format_args!(
+                "resuming: {} records answer a line whose text or settings (or the model) changed since they were written (first: line {}, id {:?}); answering them again",
+                stale.len(), l.line_no, l.id
+            ));
+        }
+        let kept = (0..lines.len()).filter(|&i| existing.kept(i).is_some()).count();
+        let torn = if existing.torn { "; a torn last line was cut" } else { "" };
+        log(args, format_args!("resuming: {kept} of {} lines already done{torn}", lines.len()));
+    }
+    Ok(existing)
+}
+
+/// --verify: the bundle, its prompt ids (and every prompt file's sha256) checked against the prompt
+/// file, its records loaded.
+fn open_bundle(args: &Args, lines: &[PromptLine]) -> Result<Option<(Bundle, HashMap<String, PromptRecord>)>> {
+    let Some(dir) = &args.verify else { return Ok(None) };
+    let b = Bundle::open(dir)?;
+    verify::check_ids(lines, &b, &args.prompts)?;
+    let recs = b.load_all()?.into_iter().collect();
+    Ok(Some((b, recs)))
+}
+
+/// Load the model; refuse DDTree without a drafter (asked of the manifest before the weights load,
+/// and of the loaded model) and (--verify) a model that is not the bundle's.
+fn open_model(args: &Args, d: &Defaults, bundle: Option<&(Bundle, HashMap<String, PromptRecord>)>) -> Result<Model> {
+    let no_drafter = || anyhow::anyhow!("{} has no drafter; DDTree needs one (use --mode ar)", args.model.display());
+    let ddtree = matches!(d.mode, Mode::DDTree { .. });
+    let dir = kdtree_formats::ModelDir::open(&args.model).with_context(|| format!("opening model {}", args.model.display()))?;
+    if ddtree && dir.drafter_config().is_none() {
+        return Err(no_drafter());
+    }
+    drop(dir);
+    if bundle.is_some() && args.device == DeviceArg::Cuda {
+        verify::tolerances("cuda")?; // refused before the weights load while unmeasured
+    }
+    let model = load::load(&args.model, args.device)?;
+    if ddtree && !model.loaded.has_drafter() {
+        return Err(no_drafter());
+    }
+    log(args, format_args!("backend: {}", model.loaded.backend));
+    if let Some((b, _)) = bundle {
+        let sha = kdtree_golden::bundle::sha256_hex(&std::fs::read(args.model.join("manifest.toml"))?);
+        if let Some(w) = verify::check_model(b, &model.loaded, &sha)? {
+            console::say(format_args!("kdtree-run: verify: warning: {w}"));
+        }
+    }
+    Ok(model)
+}
+
+/// Answer each line in order into `sink` on one session: records kept by --resume stay or are copied,
+/// the rest are run. Then, under --verify, each line is re-checked against its bundle record on the same
+/// model (kdtree_golden::reference's sessions: the recording code itself).
+fn answer(args: &Args, job: &mut Job, sink: &mut Sink) -> Result<Vec<verify::PromptCheck>> {
+    let Some(model) = job.model.as_mut() else { return Ok(Vec::new()) };
+    let mut to_verify = Vec::new();
+    {
+        let mut runner = Runner {
+            session: model.loaded.session(job.defaults.mode)?,
+            tokenizer: model.tokenizer.as_ref(),
+            chat: model.chat.as_ref(),
+            stop_token_ids: model.stop_token_ids.clone(),
+            defaults: job.defaults.clone(),
+        };
+        for (i, line) in job.lines.iter().enumerate() {
+            let outcome = match job.existing.kept(i) {
+                Some(_) if i < job.existing.prefix => None,
+                Some((_, bytes)) => {
+                    sink.write_line(bytes)?;
+                    None
+                }
+                None => {
+                    let outcome = runner.run_line(line);
+                    let record = records::record(line, &outcome, &model.name, &job.fingerprints[i]);
+                    sink.write_record(&record)?;
+                    job.totals.add(&record, false);
+                    log(args, format_args!("{}", progress(i + 1, job.lines.len(), &line.id, &outcome)));
+                    Some(outcome)
+                }
+            };
+            if job.golden.is_none() {
+                continue;
+            }
+            let prompt = match &line.request {
+                Err(e) => Err(format!("the line is invalid: {e}")),
+                Ok(req) => runner.prompt_ids(req).map(|(ids, _)| ids).map_err(|(code, msg)| format!("{code}: {msg}")),
+            };
+            let greedy = match &outcome {
+                Some(records::Outcome::Done(c)) if c.sampling.temperature <= 0.0 => Some(c.token_ids.clone()),
+                _ => None,
+            };
+            to_verify.push((line.id.clone(), prompt, greedy));
+        }
+    }
+    let Some(g) = &job.golden else { return Ok(Vec::new()) };
+    let mut checks = Vec::new();
+    for (id, prompt, greedy) in to_verify {
+        let run = match &greedy {
+            Some(t) => verify::RunTokens::Greedy(t),
+            None => verify::RunTokens::NotCompared,
+        };
+        checks.push(verify::check_prompt(&id, &mut model.loaded, prompt, run, &g.records[&id], &g.tol)?);
+    }
+    Ok(checks)
+}
+
+/// --verify's per-prompt table and verdict on stderr (printed with --quiet too); true when all match.
+fn report_verify(job: &Job, checks: &[verify::PromptCheck]) -> bool {
+    let Some(g) = &job.golden else { return true };
+    let good = checks.iter().filter(|c| c.ok()).count();
+    let table = verify::table(checks);
+    console::say(format_args!("kdtree-run: verify against {} (backend {}):\n{}", g.bundle.dir.display(), job.backend, table.trim_end()));
+    console::say(format_args!("kdtree-run: verify: {good} of {} prompts match", checks.len()));
+    good == checks.len()
 }
 
 /// One stderr progress line.

@@ -8,9 +8,12 @@
 //! `sampling` and `spec` as extension fields; a failed line gets `status_code` 400 (bad request) or 500
 //! (engine failure) and `body.error {message, type, code}` as the OpenAI API does.
 //!
-//! Every run-dependent value (times, `created`) sits in the top-level `timing` object of either shape,
-//! and ids are derived from the line's id, so `jq -c 'del(.timing)'` gives byte-identical files across
-//! runs. Spec counters (`spec`, DDTree only): `verify_steps` (target verify forwards), `drafted` (tree
+//! Every run-dependent value (times, `created`) sits in the top-level `timing` object of either shape;
+//! the one exception is `body.created` of OpenAI successes, which the `chat.completion` object requires
+//! (the official `openai` package refuses a body without it; tests/openai_types.rs checks with its own
+//! types) and which equals `timing.created`. Ids are derived from the line's id, so
+//! `jq -c 'del(.timing, .response.body.created)'` gives byte-identical files across runs. Every record
+//! carries the `fingerprint` of the request it answers (fingerprint.rs), which `--resume` compares. Spec counters (`spec`, DDTree only): `verify_steps` (target verify forwards), `drafted` (tree
 //! nodes drafted, root excluded), `accepted` (drafted nodes accepted), `accepted_per_depth[d-1]`
 //! (rounds whose accepted path reached depth d), `acceptance_histogram[k]` (rounds accepting exactly k),
 //! `acceptance_length` = (accepted + verify_steps) / verify_steps = tokens committed per verify step
@@ -18,9 +21,13 @@
 //! `acceptance_rate` = accepted / drafted.
 //! Tests: bottom of this file; shapes end to end in tests/run_cli.rs.
 
+use std::path::Path;
+
 use kdtree_engine::generate::{Mode, SpecStats};
-use kdtree_text::prompts::PromptLine;
+use kdtree_text::prompts::{Input, PromptLine, Request};
 use serde_json::{json, Value as Json};
+
+use crate::runner::Defaults;
 
 /// Sampling settings a line actually ran with (defaults merged with its overrides).
 #[derive(Debug, Clone, PartialEq)]
@@ -33,6 +40,36 @@ pub struct SamplingUsed {
     pub stop: Vec<String>,
     /// Chat lines only: the thinking mode of the template.
     pub thinking: Option<bool>,
+}
+
+impl SamplingUsed {
+    /// The settings `req` runs with: the run's defaults `d` merged with the line's overrides (chat
+    /// lines: `thinking` too). The runner and the fingerprint both take them from here.
+    pub fn resolve(d: &Defaults, req: &Request) -> Self {
+        let o = &req.overrides;
+        SamplingUsed {
+            temperature: o.temperature.unwrap_or(d.sampling.temperature),
+            top_p: o.top_p.unwrap_or(d.sampling.top_p),
+            top_k: o.top_k.unwrap_or(d.sampling.top_k),
+            seed: o.seed.unwrap_or(d.sampling.seed),
+            max_tokens: o.max_tokens.unwrap_or(d.max_tokens),
+            stop: o.stop.clone().unwrap_or_default(),
+            thinking: match &req.input {
+                Input::Chat { thinking, .. } => Some(thinking.unwrap_or(d.thinking)),
+                _ => None,
+            },
+        }
+    }
+
+    /// As JSON (the record's `sampling` object).
+    pub fn to_json(&self) -> Json {
+        sampling(self)
+    }
+}
+
+/// The model's name in OpenAI bodies whose line gave none: the directory's name.
+pub fn model_name(dir: &Path) -> String {
+    dir.file_name().map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned())
 }
 
 /// Wall-clock facts of one request; the only run-dependent part of a record.
@@ -77,9 +114,25 @@ fn is_client_error(code: &str) -> bool {
     code != "engine_error"
 }
 
-/// The record of `line`; `model` names the model in OpenAI bodies when the line gave none.
-pub fn record(line: &PromptLine, outcome: &Outcome, model: &str) -> Json {
-    let model = line.request.as_ref().ok().and_then(|r| r.model.clone()).unwrap_or_else(|| model.to_string());
+/// The record of `line`; `model` names the model in OpenAI bodies when the line gave none;
+/// `fingerprint` is the line's request fingerprint (fingerprint.rs).
+pub fn record(line: &PromptLine, outcome: &Outcome, model: &str, fingerprint: &str) -> Json {
+    let mut r = record_body_of(line, outcome, model);
+    let timing = r.as_object_mut().and_then(|o| o.remove("timing"));
+    r["fingerprint"] = fingerprint.into();
+    if let Some(t) = timing {
+        r["timing"] = t;
+    }
+    r
+}
+
+/// The model (the line's `body.model`, else `model`) an OpenAI body names.
+pub fn body_model(line: &PromptLine, model: &str) -> String {
+    line.request.as_ref().ok().and_then(|r| r.model.clone()).unwrap_or_else(|| model.to_string())
+}
+
+fn record_body_of(line: &PromptLine, outcome: &Outcome, model: &str) -> Json {
+    let model = body_model(line, model);
     match (line.openai, outcome) {
         (false, Outcome::Done(c)) => {
             let mut r = json!({
@@ -109,6 +162,7 @@ pub fn record(line: &PromptLine, outcome: &Outcome, model: &str) -> Json {
                 "body": {
                     "id": format!("chatcmpl-{}", line.id),
                     "object": "chat.completion",
+                    "created": c.timing.created,
                     "model": model,
                     "choices": [{
                         "index": 0,
@@ -244,9 +298,10 @@ mod tests {
     #[test]
     fn plain_record_shape_and_timing_isolation() {
         let line = parse_line(1, r#"{"id":"a","prompt":"x"}"#);
-        let r = record(&line, &Outcome::Done(completion()), "tiny");
+        let r = record(&line, &Outcome::Done(completion()), "tiny", "fp");
         let keys: Vec<&str> = r.as_object().unwrap().keys().map(String::as_str).collect();
-        assert_eq!(keys, ["id", "status", "finish_reason", "text", "token_ids", "usage", "sampling", "spec", "timing"]);
+        assert_eq!(keys, ["id", "status", "finish_reason", "text", "token_ids", "usage", "sampling", "spec", "fingerprint", "timing"]);
+        assert_eq!(r["fingerprint"], "fp");
         assert_eq!(r["usage"], json!({"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}));
         assert_eq!(r["spec"]["acceptance_length"], json!(2.5));
         assert_eq!(r["spec"]["acceptance_rate"], json!(0.375));
@@ -254,7 +309,7 @@ mod tests {
         // Changing only timings changes only `timing`.
         let mut c2 = completion();
         c2.timing = Timing { created: 99, e2e_ms: 7.0, ..Timing::default() };
-        let mut r2 = record(&line, &Outcome::Done(c2), "tiny");
+        let mut r2 = record(&line, &Outcome::Done(c2), "tiny", "fp");
         let mut r1 = r.clone();
         r1.as_object_mut().unwrap().remove("timing");
         r2.as_object_mut().unwrap().remove("timing");
@@ -266,7 +321,7 @@ mod tests {
     #[test]
     fn openai_envelope_shape() {
         let line = parse_line(1, r#"{"custom_id":"q4","method":"POST","url":"/v1/chat/completions","body":{"model":"kimi","messages":[{"role":"user","content":"Hi"}]}}"#);
-        let r = record(&line, &Outcome::Done(completion()), "tiny");
+        let r = record(&line, &Outcome::Done(completion()), "tiny", "fp");
         assert_eq!(r["id"], "batch_req_q4");
         assert_eq!(r["custom_id"], "q4");
         assert_eq!(r["error"], Json::Null);
@@ -278,13 +333,15 @@ mod tests {
         assert_eq!(body["choices"][0]["finish_reason"], "stop");
         assert_eq!(body["usage"]["total_tokens"], 7);
         assert_eq!(r["timing"]["created"], 17);
-        assert!(body.get("created").is_none());
+        assert_eq!(body["created"], 17, "chat.completion requires created");
+        let keys: Vec<&str> = r.as_object().unwrap().keys().map(String::as_str).collect();
+        assert_eq!(keys, ["id", "custom_id", "response", "error", "fingerprint", "timing"]);
         assert_eq!(record_body(&r)["spec"]["verify_steps"], 2);
-        let bad = record(&line, &Outcome::Failed { code: "context_length_exceeded".into(), message: "too long".into() }, "tiny");
+        let bad = record(&line, &Outcome::Failed { code: "context_length_exceeded".into(), message: "too long".into() }, "tiny", "fp");
         assert_eq!(bad["response"]["status_code"], 400);
         assert_eq!(bad["response"]["body"]["error"]["code"], "context_length_exceeded");
         assert!(!record_ok(&bad));
-        let bad = record(&line, &Outcome::Failed { code: "engine_error".into(), message: "boom".into() }, "tiny");
+        let bad = record(&line, &Outcome::Failed { code: "engine_error".into(), message: "boom".into() }, "tiny", "fp");
         assert_eq!(bad["response"]["status_code"], 500);
     }
 
@@ -292,8 +349,8 @@ mod tests {
     fn error_record_and_ar_spec() {
         let line = parse_line(2, r#"{"id":"e","prompt":""}"#);
         let err = line.request.clone().unwrap_err();
-        let r = record(&line, &Outcome::Failed { code: err.code.into(), message: err.to_string() }, "m");
-        assert_eq!(r, json!({"id": "e", "status": "error", "error": {"code": "empty_prompt", "message": "line 2: \"prompt\" is empty"}}));
+        let r = record(&line, &Outcome::Failed { code: err.code.into(), message: err.to_string() }, "m", "fp");
+        assert_eq!(r, json!({"id": "e", "status": "error", "error": {"code": "empty_prompt", "message": "line 2: \"prompt\" is empty"}, "fingerprint": "fp"}));
         assert_eq!(spec(Mode::Ar, &SpecStats::default()), json!({"mode": "ar"}));
     }
 }

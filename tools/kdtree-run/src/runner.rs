@@ -42,7 +42,7 @@ pub struct Runner<'a> {
 type Refusal = (&'static str, String);
 
 fn encode(tok: &Tokenizer, text: &str) -> Result<Vec<u32>, Refusal> {
-    tok.try_encode(text).map_err(|e| ("tokenizer_error", format!("{e:#}")))
+    tok.try_encode(text).map_err(|e| ("tokenizer_error", kdtree_text::console::error_chain(&e)))
 }
 
 fn failed(code: &str, message: impl Into<String>) -> Outcome {
@@ -77,7 +77,7 @@ impl Runner<'_> {
                     preserve_thinking: preserve_thinking.unwrap_or(false),
                     tools: tools.clone(),
                 };
-                let text = chat.render(messages, &opts).map_err(|e| ("invalid_request", format!("{e:#}")))?;
+                let text = chat.render(messages, &opts).map_err(|e| ("invalid_request", kdtree_text::console::error_chain(&e)))?;
                 Ok((encode(tok, &text)?, Some(thinking)))
             }
         }
@@ -85,7 +85,7 @@ impl Runner<'_> {
 
     fn run_request(&mut self, req: &Request) -> Outcome {
         let t0 = Instant::now();
-        let (prompt, thinking) = match self.prompt_ids(req) {
+        let (prompt, _) = match self.prompt_ids(req) {
             Ok(p) => p,
             Err((code, message)) => return failed(code, message),
         };
@@ -103,16 +103,7 @@ impl Runner<'_> {
             );
         }
         let d = &self.defaults;
-        let o = &req.overrides;
-        let used = SamplingUsed {
-            temperature: o.temperature.unwrap_or(d.sampling.temperature),
-            top_p: o.top_p.unwrap_or(d.sampling.top_p),
-            top_k: o.top_k.unwrap_or(d.sampling.top_k),
-            seed: o.seed.unwrap_or(d.sampling.seed),
-            max_tokens: o.max_tokens.unwrap_or(d.max_tokens),
-            stop: o.stop.clone().unwrap_or_default(),
-            thinking,
-        };
+        let used = SamplingUsed::resolve(d, req);
         if self.tokenizer.is_none() && !used.stop.is_empty() {
             return failed("invalid_request", "stop strings need a tokenizer (tiktoken.model) in the model directory");
         }
@@ -145,7 +136,7 @@ impl Runner<'_> {
         let pre_ms = t0.elapsed().as_secs_f64() * 1e3;
         let out = match generate(&mut self.session, &gen_req, &mut on_tokens) {
             Ok(out) => out,
-            Err(e) => return failed("engine_error", format!("{e:#}")),
+            Err(e) => return failed("engine_error", kdtree_text::console::error_chain(&e)),
         };
         let text = tokenizer.map(|_| {
             if !matcher.stopped() {

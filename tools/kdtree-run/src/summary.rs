@@ -120,11 +120,12 @@ pub fn summary_json(t: &Totals, info: &RunInfo) -> Result<Json> {
     }))
 }
 
-/// Write the summary (pretty JSON) to `path`.
+/// Write the summary (pretty JSON) to `path`, atomically (paths::write_atomic); paths::check made sure
+/// before the run that it can be written.
 pub fn write_summary(path: &Path, t: &Totals, info: &RunInfo) -> Result<()> {
     let mut s = serde_json::to_string_pretty(&summary_json(t, info)?)?;
     s.push('\n');
-    std::fs::write(path, s).with_context(|| format!("writing summary {}", path.display()))
+    crate::paths::write_atomic(path, s.as_bytes()).with_context(|| format!("writing summary {}", path.display()))
 }
 
 #[cfg(test)]

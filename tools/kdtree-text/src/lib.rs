@@ -7,11 +7,15 @@
 //!   `assets/chat_template.jinja` is our K2.6-style template that synthetic checkpoints ship.
 //! * [`prompts`]: prompt files (JSONL: plain prompts, chat messages, token ids, OpenAI batch lines),
 //!   validated up front into one `Ok`/`Err` entry per line.
+//! * [`console`]: the tools' messages to people: stderr lines that never panic, errors printed once.
+//! * [`files`]: file identity, for the tools' "an output must not be an input" checks.
 //!
 //! Must not know: model math, devices, output formats.
 
 pub mod chat;
+pub mod console;
 pub mod detok;
+pub mod files;
 pub mod prompts;
 pub mod tokenizer;
 

@@ -10,9 +10,14 @@
 //!
 //! Plain lines take the same optional max_tokens, temperature, top_p, top_k, seed, stop (string or
 //! list) and override the run's defaults. The whole file is validated before any work: every
-//! non-blank line becomes one [`PromptLine`] whose `request` is `Ok` or a [`LineError`] (malformed
-//! JSON, unknown field, wrong type, empty prompt, duplicate id), so bad lines get error records while
-//! the others still run. Tests: bottom of this file.
+//! non-blank line becomes one [`PromptLine`] whose `request` is `Ok` or a [`LineError`] (bytes that are
+//! not UTF-8, malformed JSON, unknown field, wrong type, non-finite or out-of-range number, empty
+//! prompt, duplicate id), so bad lines get error records while the others still run.
+//!
+//! Ids: a line without an id we can read gets the synthetic id `line-N` (N = its line number), or
+//! `line-N~2`, `line-N~3`, ... when the file uses that id itself: a synthetic id never equals any id of
+//! the file, so no two records share an id except a `duplicate_id` error, which repeats the user's id on
+//! purpose. Tests: bottom of this file.
 
 use std::path::Path;
 
@@ -24,8 +29,12 @@ use serde_json::{Map, Value as Json};
 pub struct PromptLine {
     /// 1-based line number in the file.
     pub line_no: usize,
-    /// `id` / `custom_id`; `line-{N}` when the line has none we can read.
+    /// `id` / `custom_id`; synthetic (`line-N`, see the module doc) when the line has none we can read.
     pub id: String,
+    /// `id` was made up by [`parse_prompts`] (the line has no readable id).
+    pub synthetic: bool,
+    /// The line as read (bytes that are not UTF-8 replaced by U+FFFD), for fingerprints of the request.
+    pub raw: String,
     /// The line is an OpenAI batch request (its output uses the batch output envelope).
     pub openai: bool,
     pub request: Result<Request, LineError>,
@@ -64,35 +73,64 @@ pub struct Request {
 #[error("line {line_no}: {message}")]
 pub struct LineError {
     pub line_no: usize,
-    /// Machine-readable: `invalid_json`, `invalid_request`, `empty_prompt`, `duplicate_id`.
+    /// Machine-readable: `invalid_utf8`, `invalid_json`, `invalid_request`, `empty_prompt`, `duplicate_id`.
     pub code: &'static str,
     pub message: String,
 }
 
 /// Read and validate a prompt file (only I/O errors fail the whole file).
 pub fn read_prompt_file(path: &Path) -> Result<Vec<PromptLine>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading prompts {}", path.display()))?;
-    Ok(parse_prompts(&text))
+    let bytes = std::fs::read(path).with_context(|| format!("reading prompts {}", path.display()))?;
+    Ok(parse_prompt_bytes(&bytes))
 }
 
-/// Validate every non-blank line; ids must be unique (a repeat is an error on the later line).
+/// [`parse_prompt_bytes`] of text.
 pub fn parse_prompts(text: &str) -> Vec<PromptLine> {
-    let mut seen = std::collections::HashMap::<String, usize>::new();
+    parse_prompt_bytes(text.as_bytes())
+}
+
+/// Validate every non-blank line (`\n` or `\r\n` ends a line); a line that is not UTF-8 is that line's
+/// `invalid_utf8` error. Ids must be unique (a repeat is an error on the later line); synthetic ids are
+/// then chosen so that they collide with no id of the file.
+pub fn parse_prompt_bytes(bytes: &[u8]) -> Vec<PromptLine> {
     let mut out = Vec::new();
-    for (i, raw) in text.lines().enumerate() {
-        if raw.trim().is_empty() {
-            continue;
-        }
-        let mut line = parse_line(i + 1, raw);
-        if line.request.is_ok() || line.id != synthetic_id(line.line_no) {
-            if let Some(first) = seen.get(&line.id) {
-                let message = format!("id {:?} repeats line {first}", line.id);
-                line.request = Err(LineError { line_no: line.line_no, code: "duplicate_id", message });
-            } else {
-                seen.insert(line.id.clone(), line.line_no);
+    for (i, raw) in bytes.split(|&b| b == b'\n').enumerate() {
+        let raw = raw.strip_suffix(b"\r").unwrap_or(raw);
+        let line_no = i + 1;
+        match std::str::from_utf8(raw) {
+            Ok(text) if text.trim().is_empty() => {}
+            Ok(text) => out.push(parse_line(line_no, text)),
+            Err(e) => {
+                let at = e.valid_up_to();
+                let message = format!("not valid UTF-8: byte 0x{:02x} at column {}", raw[at], at + 1);
+                out.push(PromptLine {
+                    line_no,
+                    id: synthetic_id(line_no),
+                    synthetic: true,
+                    openai: false,
+                    raw: String::from_utf8_lossy(raw).into_owned(),
+                    request: Err(LineError { line_no, code: "invalid_utf8", message }),
+                });
             }
         }
-        out.push(line);
+    }
+    let mut seen = std::collections::HashMap::<String, usize>::new();
+    for line in out.iter_mut().filter(|l| !l.synthetic) {
+        if let Some(first) = seen.get(&line.id) {
+            let message = format!("id {:?} repeats line {first}", line.id);
+            line.request = Err(LineError { line_no: line.line_no, code: "duplicate_id", message });
+        } else {
+            seen.insert(line.id.clone(), line.line_no);
+        }
+    }
+    for line in out.iter_mut().filter(|l| l.synthetic) {
+        let base = synthetic_id(line.line_no);
+        let id = std::iter::once(base.clone())
+            .chain((2..).map(|k| format!("{base}~{k}")))
+            .find(|id| !seen.contains_key(id))
+            .expect("an unused suffix exists");
+        seen.insert(id.clone(), line.line_no);
+        line.id = id;
     }
     out
 }
@@ -101,18 +139,39 @@ fn synthetic_id(line_no: usize) -> String {
     format!("line-{line_no}")
 }
 
-/// Parse one line; never fails as a whole.
+/// The range a temperature must lie in, for flags and lines alike.
+pub fn check_temperature(t: f32) -> Result<(), String> {
+    if t.is_finite() && (0.0..=100.0).contains(&t) {
+        Ok(())
+    } else {
+        Err(format!("must be a finite number in [0, 100], got {t}"))
+    }
+}
+
+/// The range a nucleus mass must lie in, for flags and lines alike.
+pub fn check_top_p(p: f32) -> Result<(), String> {
+    if p.is_finite() && p > 0.0 && p <= 1.0 {
+        Ok(())
+    } else {
+        Err(format!("must be a finite number in (0, 1], got {p}"))
+    }
+}
+
+/// Parse one line; never fails as a whole. A line without a readable id gets `line-N` here;
+/// [`parse_prompt_bytes`] makes such ids unique within the file.
 pub fn parse_line(line_no: usize, raw: &str) -> PromptLine {
-    let fail = |id: String, openai: bool, code: &'static str, message: String| PromptLine {
+    let fail = |id: Option<String>, openai: bool, code: &'static str, message: String| PromptLine {
         line_no,
-        id,
+        synthetic: id.is_none(),
+        id: id.unwrap_or_else(|| synthetic_id(line_no)),
         openai,
+        raw: raw.to_string(),
         request: Err(LineError { line_no, code, message }),
     };
     let obj = match serde_json::from_str::<Json>(raw) {
         Ok(Json::Object(o)) => o,
-        Ok(_) => return fail(synthetic_id(line_no), false, "invalid_json", "expected a JSON object".into()),
-        Err(e) => return fail(synthetic_id(line_no), false, "invalid_json", format!("not valid JSON: {e}")),
+        Ok(_) => return fail(None, false, "invalid_json", "expected a JSON object".into()),
+        Err(e) => return fail(None, false, "invalid_json", format!("not valid JSON: {e}")),
     };
     let openai = obj.contains_key("custom_id");
     let id_key = if openai { "custom_id" } else { "id" };
@@ -121,13 +180,13 @@ pub fn parse_line(line_no: usize, raw: &str) -> PromptLine {
         Some(Json::Number(n)) => n.to_string(),
         _ => {
             let msg = format!("missing or empty \"{id_key}\" (a string)");
-            return fail(synthetic_id(line_no), openai, "invalid_request", msg);
+            return fail(None, openai, "invalid_request", msg);
         }
     };
     let parsed = if openai { parse_openai(&obj) } else { parse_plain(&obj) };
     match parsed {
-        Ok(request) => PromptLine { line_no, id, openai, request: Ok(request) },
-        Err((code, message)) => fail(id, openai, code, message),
+        Ok(request) => PromptLine { line_no, id, synthetic: false, openai, raw: raw.to_string(), request: Ok(request) },
+        Err((code, message)) => fail(Some(id), openai, code, message),
     }
 }
 
@@ -262,21 +321,19 @@ fn overrides(obj: &Map<String, Json>, max_key: &str, prefix: &str) -> Result<Ove
     let uint = |k: &str| -> Result<Option<u64>, Fail> {
         get(k).map(|v| v.as_u64().ok_or_else(|| invalid(format!("\"{prefix}{k}\" must be a non-negative integer")))).transpose()
     };
-    let float = |k: &str| -> Result<Option<f32>, Fail> {
-        get(k).map(|v| v.as_f64().map(|x| x as f32).ok_or_else(|| invalid(format!("\"{prefix}{k}\" must be a number")))).transpose()
+    // Checked after the cast to f32, so a finite JSON number beyond f32 (1e39 -> inf) is refused too.
+    let float = |k: &str, check: fn(f32) -> Result<(), String>| -> Result<Option<f32>, Fail> {
+        let Some(v) = get(k) else { return Ok(None) };
+        let x = v.as_f64().ok_or_else(|| invalid(format!("\"{prefix}{k}\" must be a number")))? as f32;
+        check(x).map_err(|e| invalid(format!("\"{prefix}{k}\" {e}")))?;
+        Ok(Some(x))
     };
     let max_tokens = uint(max_key)?.map(|x| x as usize);
     if max_tokens == Some(0) {
         return Err(invalid(format!("\"{prefix}{max_key}\" must be at least 1")));
     }
-    let temperature = float("temperature")?;
-    if temperature.is_some_and(|t| !(0.0..=100.0).contains(&t)) {
-        return Err(invalid(format!("\"{prefix}temperature\" must be in [0, 100]")));
-    }
-    let top_p = float("top_p")?;
-    if top_p.is_some_and(|p| !(p > 0.0 && p <= 1.0)) {
-        return Err(invalid(format!("\"{prefix}top_p\" must be in (0, 1]")));
-    }
+    let temperature = float("temperature", check_temperature)?;
+    let top_p = float("top_p", check_top_p)?;
     let stop = match get("stop") {
         None => None,
         Some(Json::String(s)) => Some(vec![s.clone()]),
@@ -376,6 +433,83 @@ mod tests {
         let e = lines[3].request.as_ref().unwrap_err();
         assert_eq!(e.to_string(), "line 4: unknown field \"max_token\"");
         assert!(lines[10].openai && lines[11].openai && !lines[0].openai);
+    }
+
+    #[test]
+    fn a_non_utf8_byte_fails_only_its_line() {
+        let mut bytes = b"{\"id\":\"a\",\"prompt\":\"x\"}\r\n".to_vec();
+        bytes.extend_from_slice(b"{\"id\":\"b\",\"prompt\":\"caf\xe9\"}\n");
+        bytes.extend_from_slice(b"{\"id\":\"c\",\"prompt\":\"y\"}");
+        let lines = parse_prompt_bytes(&bytes);
+        let ids: Vec<&str> = lines.iter().map(|l| l.id.as_str()).collect();
+        assert_eq!(ids, ["a", "line-2", "c"]);
+        assert!(lines[0].request.is_ok() && lines[2].request.is_ok());
+        let e = lines[1].request.as_ref().unwrap_err();
+        assert_eq!((e.code, e.line_no), ("invalid_utf8", 2));
+        assert_eq!(e.to_string(), "line 2: not valid UTF-8: byte 0xe9 at column 24");
+        assert!(lines[1].raw.contains('\u{fffd}'));
+    }
+
+    #[test]
+    fn arbitrary_bytes_never_panic_and_ids_stay_unique_apart_from_duplicates() {
+        // Seeded LCG: lines of random bytes mixed with JSON fragments and colliding ids.
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = || {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (x >> 33) as usize
+        };
+        let pieces: [&[u8]; 8] = [b"{\"id\":\"line-", b"\"}", b"\xff", b"\xe2\x82", b"\n", b"\r\n", b"{\"prompt\":\"x\"}", b"3"];
+        for _ in 0..300 {
+            let mut bytes = Vec::new();
+            for _ in 0..next() % 40 {
+                if next() % 3 == 0 {
+                    bytes.push((next() % 256) as u8);
+                } else {
+                    bytes.extend_from_slice(pieces[next() % pieces.len()]);
+                }
+            }
+            let lines = parse_prompt_bytes(&bytes);
+            let mut ids = std::collections::HashSet::new();
+            for l in &lines {
+                let dup = l.request.as_ref().is_err_and(|e| e.code == "duplicate_id");
+                assert!(ids.insert(l.id.clone()) || dup, "id {:?} twice in {bytes:?}", l.id);
+            }
+        }
+    }
+
+    #[test]
+    fn synthetic_ids_never_collide_with_the_files_ids() {
+        let text = concat!(
+            "not json\n",
+            r#"{"id":"line-1","prompt":"x"}"#, "\n",
+            r#"{"id":"line-1~2","prompt":"x"}"#, "\n",
+            r#"{"prompt":"no id"}"#, "\n",
+            r#"{"id":"line-4","prompt":"x"}"#, "\n",
+            r#"{"id":"line-6","prompt":"x"}"#, "\n",
+        );
+        let lines = parse_prompts(text);
+        let ids: Vec<&str> = lines.iter().map(|l| l.id.as_str()).collect();
+        assert_eq!(ids, ["line-1~3", "line-1", "line-1~2", "line-4~2", "line-4", "line-6"]);
+        assert!(lines[1].request.is_ok() && lines[4].request.is_ok() && lines[5].request.is_ok());
+        assert!(lines[0].synthetic && lines[3].synthetic && !lines[1].synthetic);
+        // Deterministic: the same file gives the same ids.
+        assert_eq!(parse_prompts(text), lines);
+    }
+
+    #[test]
+    fn non_finite_and_out_of_range_numbers_are_refused() {
+        for (field, value) in [("temperature", "1e39"), ("temperature", "-1"), ("temperature", "101"),
+            ("top_p", "1e39"), ("top_p", "0"), ("top_p", "-1e39")]
+        {
+            let line = parse_line(1, &format!(r#"{{"id":"a","prompt":"x","{field}":{value}}}"#));
+            let e = line.request.unwrap_err();
+            assert_eq!(e.code, "invalid_request", "{field}={value}");
+            assert!(e.message.contains(field) && e.message.contains("finite"), "{field}={value}: {e}");
+        }
+        // JSON has no inf/nan literals: such a line is not JSON.
+        assert_eq!(parse_line(1, r#"{"id":"a","prompt":"x","temperature":NaN}"#).request.unwrap_err().code, "invalid_json");
+        assert!(check_temperature(f32::INFINITY).is_err() && check_temperature(f32::NAN).is_err());
+        assert!(check_top_p(f32::NAN).is_err() && check_top_p(1.0).is_ok() && check_temperature(0.0).is_ok());
     }
 
     #[test]

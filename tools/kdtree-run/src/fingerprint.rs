@@ -1,0 +1,132 @@
+//! Request fingerprints: each output record's `fingerprint` says what produced it, so `--resume` never
+//! keeps a record whose input line or settings changed while its id stayed the same.
+//!
+//! A line's fingerprint is the sha256 (hex) of a canonical JSON of: the line's text as read, its
+//! validation error (a `duplicate_id` error depends on other lines), the effective settings it runs
+//! with ([`SamplingUsed::resolve`]: defaults merged with its overrides: temperature, top_p, top_k, seed,
+//! max_tokens, stop, thinking), the decoding mode and DDTree budget, the hash of the model files that
+//! shape a record ([`model_files`]) and, for OpenAI lines without `body.model`, the model name their
+//! body echoes. Not in it: the backend (cpu/cuda) and timings. Tests: bottom of this file; resume with
+//! changed lines, flags and model in tests/run_cli.rs.
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use kdtree_engine::generate::Mode;
+use kdtree_text::prompts::PromptLine;
+use serde_json::json;
+use sha2::{Digest, Sha256};
+
+use crate::records::{body_model, SamplingUsed};
+use crate::runner::Defaults;
+
+/// Files of a converted model directory that decide a record: `manifest.toml` (config, plan and the
+/// checksums of every tensor) and the text side kdtree-run loads (load.rs).
+pub const MODEL_FILES: [&str; 4] = ["manifest.toml", "tiktoken.model", "tokenizer_config.json", "chat_template.jinja"];
+
+/// sha256 (hex) over the sha256 of each of [`MODEL_FILES`] in `dir` ("absent" for a missing one other
+/// than manifest.toml, which must exist).
+pub fn model_files(dir: &Path) -> Result<String> {
+    let mut all = Sha256::new();
+    for name in MODEL_FILES {
+        let p = dir.join(name);
+        let digest = match std::fs::read(&p) {
+            Ok(bytes) => hex::encode(Sha256::digest(&bytes)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && name != "manifest.toml" => "absent".into(),
+            Err(e) => return Err(e).with_context(|| format!("opening model {}: reading {}", dir.display(), p.display())),
+        };
+        all.update(format!("{name} {digest}\n"));
+    }
+    Ok(hex::encode(all.finalize()))
+}
+
+/// The fingerprint of `line` run with `defaults` on the model whose [`model_files`] hash is `model`
+/// and whose directory name is `model_name`.
+pub fn line(line: &PromptLine, defaults: &Defaults, model: &str, model_name: &str) -> String {
+    let (mode, budget) = match defaults.mode {
+        Mode::Ar => ("ar", None),
+        Mode::DDTree { budget } => ("ddtree", Some(budget)),
+    };
+    let request = line.request.as_ref();
+    let echoed = (line.openai && request.is_ok_and(|r| r.model.is_none())).then(|| body_model(line, model_name));
+    let canonical = json!({
+        "v": 1,
+        "line": line.raw,
+        "error": request.err().map(|e| format!("{}: {e}", e.code)),
+        "settings": request.ok().map(|r| SamplingUsed::resolve(defaults, r).to_json()),
+        "mode": mode,
+        "budget": budget,
+        "model": model,
+        "model_name": echoed,
+    });
+    hex::encode(Sha256::digest(canonical.to_string().as_bytes()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kdtree_engine::generate::Sampling;
+    use kdtree_text::prompts::{parse_line, parse_prompts};
+
+    fn defaults() -> Defaults {
+        Defaults { max_tokens: 8, sampling: Sampling::greedy(), mode: Mode::DDTree { budget: 4 }, thinking: true }
+    }
+
+    fn fp(text: &str, d: &Defaults) -> String {
+        line(&parse_line(1, text), d, "m", "tiny")
+    }
+
+    #[test]
+    fn changes_with_the_input_each_effective_setting_and_the_model() {
+        let d = defaults();
+        let base = fp(r#"{"id":"a","prompt":"x"}"#, &d);
+        assert_eq!(base.len(), 64);
+        assert_eq!(base, fp(r#"{"id":"a","prompt":"x"}"#, &d), "deterministic");
+        assert_ne!(base, fp(r#"{"id":"a","prompt":"y"}"#, &d));
+        assert_ne!(base, fp(r#"{"id":"a","prompt":"x","seed":1}"#, &d));
+        let changed = [
+            Defaults { max_tokens: 9, ..defaults() },
+            Defaults { sampling: Sampling { temperature: 0.5, ..Sampling::greedy() }, ..defaults() },
+            Defaults { sampling: Sampling { top_p: 0.5, ..Sampling::greedy() }, ..defaults() },
+            Defaults { sampling: Sampling { top_k: 3, ..Sampling::greedy() }, ..defaults() },
+            Defaults { sampling: Sampling { seed: 3, ..Sampling::greedy() }, ..defaults() },
+            Defaults { mode: Mode::DDTree { budget: 5 }, ..defaults() },
+            Defaults { mode: Mode::Ar, ..defaults() },
+        ];
+        for c in &changed {
+            assert_ne!(base, fp(r#"{"id":"a","prompt":"x"}"#, c), "{c:?}");
+        }
+        // A setting the line overrides does not matter; thinking matters only for chat lines.
+        let own = r#"{"id":"a","prompt":"x","max_tokens":3}"#;
+        assert_eq!(fp(own, &d), fp(own, &Defaults { max_tokens: 99, ..defaults() }));
+        assert_eq!(base, fp(r#"{"id":"a","prompt":"x"}"#, &Defaults { thinking: false, ..defaults() }));
+        let chat = r#"{"id":"a","messages":[{"role":"user","content":"x"}]}"#;
+        assert_ne!(fp(chat, &d), fp(chat, &Defaults { thinking: false, ..defaults() }));
+        assert_ne!(base, line(&parse_line(1, r#"{"id":"a","prompt":"x"}"#), &d, "other model", "tiny"));
+        // The echoed model name counts only where the body echoes it.
+        let oa = r#"{"custom_id":"a","method":"POST","url":"/v1/chat/completions","body":{"messages":[{"role":"user","content":"x"}]}}"#;
+        assert_ne!(line(&parse_line(1, oa), &d, "m", "tiny"), line(&parse_line(1, oa), &d, "m", "renamed"));
+        assert_eq!(base, line(&parse_line(1, r#"{"id":"a","prompt":"x"}"#), &d, "m", "renamed"));
+    }
+
+    #[test]
+    fn an_error_that_depends_on_other_lines_changes_it() {
+        let d = defaults();
+        let dup = parse_prompts("{\"id\":\"a\",\"prompt\":\"x\"}\n{\"id\":\"a\",\"prompt\":\"y\"}\n");
+        let alone = parse_prompts("{\"id\":\"b\",\"prompt\":\"x\"}\n{\"id\":\"a\",\"prompt\":\"y\"}\n");
+        assert_ne!(line(&dup[1], &d, "m", "t"), line(&alone[1], &d, "m", "t"));
+    }
+
+    #[test]
+    fn model_hash_covers_manifest_and_text_files() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(model_files(dir.path()).is_err(), "no manifest.toml");
+        std::fs::write(dir.path().join("manifest.toml"), "a").unwrap();
+        let a = model_files(dir.path()).unwrap();
+        std::fs::write(dir.path().join("chat_template.jinja"), "t").unwrap();
+        let b = model_files(dir.path()).unwrap();
+        std::fs::write(dir.path().join("manifest.toml"), "b").unwrap();
+        let c = model_files(dir.path()).unwrap();
+        assert!(a != b && b != c && a != c);
+    }
+}
