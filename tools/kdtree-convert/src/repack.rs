@@ -291,7 +291,7 @@ pub fn repack(o: &RepackOptions) -> Result<Manifest> {
     let prev = complete_shards(&job, &o.out);
     if let Some(m) = prev.as_ref().filter(|m| aux_complete(&job, m, &o.out)) {
         if !o.quiet {
-            eprintln!("{}: already complete (run `kdtree-convert verify` to re-hash)", o.out.display());
+            crate::elog!("{}: already complete (run `kdtree-convert verify` to re-hash)", o.out.display());
         }
         return Ok(m.clone());
     }
@@ -327,7 +327,7 @@ pub fn repack(o: &RepackOptions) -> Result<Manifest> {
     }
     if !o.quiet {
         let carried: Vec<&str> = manifest.aux_files.iter().map(|a| a.name.as_str()).collect();
-        eprintln!(
+        crate::elog!(
             "{}: {} files, {} tensors, {} bytes; carried {}",
             o.out.display(),
             manifest.files.len(),

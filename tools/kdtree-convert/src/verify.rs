@@ -2,7 +2,8 @@
 //! file) against manifest.toml, check SHA256SUMS against the manifest, and look for missing and extra
 //! files. The first bad file (in manifest order: shards, then `[[aux_files]]`) is named, with the first
 //! bad tensor in it. Carried files (tokenizer, chat template) are hashed whole like the shards.
-//! Exit: 0 ok, 1 a check failed, 2 could not run (e.g. unreadable manifest). Tests: tests/verify.rs, tests/aux_files.rs.
+//! Exit: 0 ok, 1 a check failed (a missing or unparseable manifest.toml or SHA256SUMS included), 2 could
+//! not run (DIR is not a directory, a file cannot be read). Tests: tests/verify.rs, tests/aux_files.rs.
 
 use crate::progress::Progress;
 use anyhow::{Context, Result};
@@ -99,15 +100,32 @@ fn check_aux(dir: &Path, a: &AuxFile, prog: &Progress) -> Result<Option<String>>
 
 /// Verify the converted model in `dir`.
 pub fn verify(dir: &Path, quiet: bool) -> Result<Verdict> {
+    if !dir.is_dir() {
+        anyhow::bail!("{}: not a directory", dir.display());
+    }
+    // A manifest or SHA256SUMS that is missing or does not parse is a failed check, as `sha256sum -c`
+    // treats a malformed list: the directory is not a complete conversion.
     let mpath = dir.join(MANIFEST);
-    let text = std::fs::read(&mpath).with_context(|| format!("reading {}", mpath.display()))?;
-    let m = Manifest::parse(&mpath.display().to_string(), std::str::from_utf8(&text).context("manifest.toml is not UTF-8")?)?;
+    let text = match std::fs::read(&mpath) {
+        Ok(t) => t,
+        Err(e) => return Ok(Verdict::Failed(format!("{MANIFEST}: cannot read: {e}"))),
+    };
+    let Ok(utf8) = std::str::from_utf8(&text) else {
+        return Ok(Verdict::Failed(format!("{MANIFEST}: not UTF-8")));
+    };
+    let m = match Manifest::parse(MANIFEST, utf8) {
+        Ok(m) => m,
+        Err(e) => return Ok(Verdict::Failed(e.to_string())),
+    };
     // SHA256SUMS: present, parseable, and in agreement with the manifest (it also covers manifest.toml).
     let spath = dir.join(SHA256SUMS);
     let Ok(sums_text) = std::fs::read_to_string(&spath) else {
         return Ok(Verdict::Failed(format!("{SHA256SUMS}: missing or unreadable")));
     };
-    let sums: HashMap<String, String> = parse_sha256sums(SHA256SUMS, &sums_text)?.into_iter().collect();
+    let sums: HashMap<String, String> = match parse_sha256sums(SHA256SUMS, &sums_text) {
+        Ok(v) => v.into_iter().collect(),
+        Err(e) => return Ok(Verdict::Failed(e.to_string())),
+    };
     let mut want: HashMap<String, String> = m.files.iter().map(|f| (f.name.clone(), f.sha256.clone())).collect();
     want.extend(m.aux_files.iter().map(|a| (a.name.clone(), a.sha256.clone())));
     want.insert(MANIFEST.into(), hex::encode(Sha256::digest(&text)));

@@ -58,7 +58,7 @@ pub struct Written {
 pub fn run_synth(args: &SynthArgs, quiet: bool) -> Result<()> {
     let w = write_opts(&args.preset, &args.out, args.seed, args.drafter, args.layers, quiet)?;
     if !quiet {
-        eprintln!(
+        crate::elog!(
             "synth {}: {} layers, {} shards, {:.2} GiB{} -> {}",
             w.preset.name,
             w.preset.text.num_hidden_layers,
