@@ -287,6 +287,10 @@ fn seed_records(job: &Job, o: &RepackOptions, m: &Manifest) -> Result<()> {
 /// Run a conversion. Returns the manifest written.
 pub fn repack(o: &RepackOptions) -> Result<Manifest> {
     let job = prepare(o)?;
+    let inner = o.src.join("drafter");
+    if o.drafter.is_none() && inner.join("config.json").is_file() {
+        crate::elog!("notice: {} holds a drafter, which is not converted without --drafter (add `--drafter {}` to include it)", inner.display(), inner.display());
+    }
     check_out_dir(&o.out, &job.files, &job.aux)?;
     let prev = complete_shards(&job, &o.out);
     if let Some(m) = prev.as_ref().filter(|m| aux_complete(&job, m, &o.out)) {
