@@ -4,6 +4,7 @@
 
 pub mod emit;
 pub mod inspect;
+pub mod lock;
 pub mod log;
 pub mod progress;
 pub mod repack;

@@ -10,6 +10,7 @@
 //! tests/aux_files.rs (carried files).
 
 use crate::emit::emit;
+use crate::lock::{lock_out, LOCK_FILE};
 use crate::progress::Progress;
 use crate::source::{self, AuxSource, Checkpoint};
 use anyhow::{bail, Context, Result};
@@ -102,8 +103,7 @@ fn job_id(job: &Job, f: &PlannedFile) -> String {
 
 /// OUT may only hold what this conversion writes.
 fn check_out_dir(out: &Path, files: &[PlannedFile], aux: &[AuxSource]) -> Result<()> {
-    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    let mut ours: std::collections::HashSet<String> = [MANIFEST, SHA256SUMS, STATE_DIR].iter().map(|s| s.to_string()).collect();
+    let mut ours: std::collections::HashSet<String> = [MANIFEST, SHA256SUMS, STATE_DIR, LOCK_FILE].iter().map(|s| s.to_string()).collect();
     for n in files.iter().map(|f| f.name.as_str()).chain(aux.iter().map(|a| a.name.as_str())).chain([MANIFEST, SHA256SUMS]) {
         ours.insert(n.to_string());
         ours.insert(format!("{n}.partial"));
@@ -291,6 +291,15 @@ pub fn repack(o: &RepackOptions) -> Result<Manifest> {
     if o.drafter.is_none() && inner.join("config.json").is_file() {
         crate::elog!("notice: {} holds a drafter, which is not converted without --drafter (add `--drafter {}` to include it)", inner.display(), inner.display());
     }
+    std::fs::create_dir_all(&o.out).with_context(|| format!("creating {}", o.out.display()))?;
+    let lock = lock_out(&o.out)?;
+    let m = write_locked(o, job)?;
+    lock.release();
+    Ok(m)
+}
+
+/// The conversion proper, with OUT locked.
+fn write_locked(o: &RepackOptions, job: Job) -> Result<Manifest> {
     check_out_dir(&o.out, &job.files, &job.aux)?;
     let prev = complete_shards(&job, &o.out);
     if let Some(m) = prev.as_ref().filter(|m| aux_complete(&job, m, &o.out)) {
