@@ -298,6 +298,33 @@ pub fn repack(o: &RepackOptions) -> Result<Manifest> {
     Ok(m)
 }
 
+/// Bytes this run still has to write into `out`: every planned and carried file, less those already
+/// there at their final size (a resumed run may reuse them; a stale `*.partial` is about to be replaced).
+fn bytes_to_write(job: &Job, out: &Path) -> u64 {
+    let sizes = job.planned.iter().map(|r| (&r.name, r.size)).chain(job.aux.iter().map(|a| (&a.name, a.size)));
+    let have = |n: &str, size: u64| std::fs::metadata(out.join(n)).is_ok_and(|m| m.len() == size);
+    let partial = |n: &str| std::fs::metadata(partial_path(&out.join(n))).map_or(0, |m| m.len());
+    sizes.map(|(n, size)| if have(n, size) { 0 } else { size.saturating_sub(partial(n)) }).sum()
+}
+
+/// Refuse to start when the filesystem of `out` has less than `needed` bytes free for us (statvfs
+/// f_bavail: what an unprivileged writer may use), so a conversion does not die hours in.
+pub fn check_free_space(out: &Path, needed: u64) -> Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(out.as_os_str().as_bytes()).with_context(|| format!("{}: path holds a NUL byte", out.display()))?;
+    // SAFETY: statvfs writes into the zeroed struct we pass; the path is a valid NUL-terminated string.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error()).with_context(|| format!("statvfs {}", out.display()));
+    }
+    let free = (st.f_bavail as u64).saturating_mul(st.f_frsize as u64);
+    if needed > free {
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        bail!("{}: not enough free space: this conversion needs {needed} bytes ({:.2} GiB) more, the filesystem has {free} ({:.2} GiB) free", out.display(), gib(needed), gib(free));
+    }
+    Ok(())
+}
+
 /// The conversion proper, with OUT locked.
 fn write_locked(o: &RepackOptions, job: Job) -> Result<Manifest> {
     check_out_dir(&o.out, &job.files, &job.aux)?;
@@ -308,6 +335,7 @@ fn write_locked(o: &RepackOptions, job: Job) -> Result<Manifest> {
         }
         return Ok(m.clone());
     }
+    check_free_space(&o.out, bytes_to_write(&job, &o.out))?;
     std::fs::create_dir_all(o.out.join(STATE_DIR))?;
     if let Some(m) = &prev {
         // Shards complete, carried files differ: keep the shards (records first, so a kill from here on

@@ -52,3 +52,25 @@ fn repack_says_an_inner_drafter_is_ignored() {
     assert_eq!(code, 0, "{err}");
     assert!(!err.contains("notice"), "{err}");
 }
+
+#[test]
+fn progress_goes_to_a_non_terminal_stderr_as_plain_lines() {
+    let d = tempfile::tempdir().unwrap();
+    let src = d.path().join("src");
+    write_checkpoint(&src, &Tiny::default());
+    // stderr is a pipe here, not a terminal: without plain lines a long run would print nothing.
+    let (code, _, err) = run(&["repack", s(&src), s(&d.path().join("out")), "--ranks", "2"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.lines().any(|l| l.starts_with("repack: ") && l.contains(" in ") && l.ends_with("/s")), "{err}");
+    let (code, _, err) = run(&["repack", s(&src), s(&d.path().join("out2")), "--ranks", "2", "--quiet"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(err, "", "--quiet prints nothing");
+}
+
+#[test]
+fn free_space_is_checked_before_anything_is_written() {
+    let d = tempfile::tempdir().unwrap();
+    kdtree_convert::repack::check_free_space(d.path(), 1).unwrap();
+    let e = kdtree_convert::repack::check_free_space(d.path(), u64::MAX / 2).unwrap_err().to_string();
+    assert!(e.contains("not enough free space") && e.contains(&(u64::MAX / 2).to_string()) && e.contains("free"), "{e}");
+}
