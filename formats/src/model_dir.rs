@@ -8,6 +8,7 @@ use crate::error::{FormatError, Result};
 use crate::manifest::{Manifest, TensorEntry, MANIFEST};
 use crate::plan::Layout;
 use crate::reader::SafeFile;
+use crate::validate::check_model;
 use crate::Dtype;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -53,6 +54,8 @@ impl ModelDir {
             Some(j) => Some(parse_drafter_config(&format!("{mname} [model.drafter_config_json]"), j).map_err(|e| FormatError::file(&mname, e))?),
             None => None,
         };
+        let dname = format!("{mname} [model.drafter_config_json]");
+        check_model(&format!("{mname} [model.text_config_json]"), &tc, dc.as_ref().map(|d| (dname.as_str(), d))).map_err(|e| FormatError::file(&mname, e))?;
         let mut files = Vec::with_capacity(manifest.files.len());
         let mut by_name = HashMap::new();
         for f in &manifest.files {
