@@ -33,7 +33,7 @@ fn build(dir: &Path) {
             w.write(&fill(&t.name, t.rank, t.nbytes())).unwrap();
         }
         let d = w.finish().unwrap();
-        let tensors = d.tensors.into_iter().map(|t| TensorRecord { name: t.name, offset: t.offset, nbytes: t.nbytes, sha256: t.sha256 }).collect();
+        let tensors = d.tensors.into_iter().map(|t| TensorRecord { name: t.name, offset: t.offset, nbytes: t.nbytes, xxh3: t.xxh3 }).collect();
         records.push(FileRecord { name: f.name.clone(), size: d.size, sha256: d.sha256, tensors });
     }
     let json: serde_json::Value = serde_json::from_str(TEXT).unwrap();

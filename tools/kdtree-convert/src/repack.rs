@@ -1,6 +1,6 @@
 //! `kdtree-convert repack`: checkpoint (+ drafter) → rank shards + manifest.toml + SHA256SUMS.
 //! Order of work: open and validate every source header and the whole plan before OUT is touched; then
-//! write each planned file as `*.partial` (hashing while writing), rename it, and record its hashes in
+//! write each planned file as `*.partial` (SHA-256 of the file and xxh3-64 of each tensor while writing), rename it, and record them in
 //! `OUT/.kdtree-convert/<file>.json` (keyed by a job id, so a re-run skips it); manifest.toml and
 //! SHA256SUMS come last (temp + rename), then the records are removed. Killed at any moment, the same
 //! command resumes and ends with the same bytes as an uninterrupted run. The tokenizer / chat-template
@@ -15,7 +15,7 @@ use crate::progress::Progress;
 use crate::source::{self, AuxSource, Checkpoint};
 use anyhow::{bail, Context, Result};
 use kdtree_formats::assemble::{build_manifest, file_specs, planned_record, FileRecord, ManifestInputs, TensorRecord};
-use kdtree_formats::manifest::{json_to_toml, sha256sums, AuxFile, Manifest, Model, MANIFEST, SHA256SUMS};
+use kdtree_formats::manifest::{json_to_toml, sha256sums, AuxFile, Manifest, Model, FORMAT_VERSION, MANIFEST, SHA256SUMS};
 use kdtree_formats::plan::{assign_files, plan_model, ExpertsMode, Plan, PlannedFile, SourceQuant};
 use kdtree_formats::writer::{partial_path, write_atomic, ShardWriter};
 use sha2::{Digest, Sha256};
@@ -142,7 +142,7 @@ fn write_file(job: &Job, o: &RepackOptions, i: usize, prog: &Progress) -> Result
         name: f.name.clone(),
         size: done.size,
         sha256: done.sha256,
-        tensors: done.tensors.into_iter().map(|t| TensorRecord { name: t.name, offset: t.offset, nbytes: t.nbytes, sha256: t.sha256 }).collect(),
+        tensors: done.tensors.into_iter().map(|t| TensorRecord { name: t.name, offset: t.offset, nbytes: t.nbytes, xxh3: t.xxh3 }).collect(),
     };
     if record.size != job.planned[i].size {
         bail!("internal: {} is {} bytes, planned {}", f.name, record.size, job.planned[i].size);
@@ -245,7 +245,9 @@ fn complete_shards(job: &Job, out: &Path) -> Option<Manifest> {
     }
     let text = std::fs::read_to_string(out.join(MANIFEST)).ok()?;
     let m = Manifest::parse(MANIFEST, &text).ok()?;
-    let same = m.source == job.inputs.source
+    // An older format's manifest (per-tensor sha256) is rewritten whole, never patched into this one.
+    let same = m.format_version == FORMAT_VERSION
+        && m.source == job.inputs.source
         && m.model == job.inputs.model
         && m.plan.ranks == job.plan.ranks
         && m.plan.experts == job.plan.experts
@@ -270,7 +272,7 @@ fn seed_records(job: &Job, o: &RepackOptions, m: &Manifest) -> Result<()> {
             .tensors
             .iter()
             .filter(|t| t.file == fe.name)
-            .map(|t| TensorRecord { name: t.name.clone(), offset: t.offset, nbytes: t.nbytes, sha256: t.sha256.clone() })
+            .map(|t| TensorRecord { name: t.name.clone(), offset: t.offset, nbytes: t.nbytes, xxh3: t.xxh3.clone() })
             .collect();
         let planned = &job.planned[i].tensors;
         let fits = tensors.len() == planned.len() && tensors.iter().zip(planned).all(|(a, b)| a.name == b.name && a.offset == b.offset && a.nbytes == b.nbytes);

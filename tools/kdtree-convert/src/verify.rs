@@ -1,5 +1,5 @@
-//! `kdtree-convert verify`: re-hash every file and every tensor (in parallel, one streaming pass per
-//! file) against manifest.toml, check SHA256SUMS against the manifest, and look for missing and extra
+//! `kdtree-convert verify`: re-hash every file (SHA-256) and every tensor (xxh3-64; sha256 in a format v1
+//! manifest) in parallel, one streaming pass per file, against manifest.toml, check SHA256SUMS against the manifest, and look for missing and extra
 //! files. The first bad file (in manifest order: shards, then `[[aux_files]]`) is named, with the first
 //! bad tensor in it. Carried files (tokenizer, chat template) are hashed whole like the shards.
 //! Exit: 0 ok, 1 a check failed (a missing or unparseable manifest.toml or SHA256SUMS included), 2 could
@@ -7,12 +7,13 @@
 
 use crate::progress::Progress;
 use anyhow::{Context, Result};
-use kdtree_formats::manifest::{parse_sha256sums, AuxFile, FileEntry, Manifest, TensorEntry, MANIFEST, SHA256SUMS};
+use kdtree_formats::manifest::{parse_sha256sums, xxh3_hex, AuxFile, FileEntry, Manifest, TensorEntry, MANIFEST, SHA256SUMS};
 use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeSet, HashMap};
 use std::io::Read;
 use std::path::Path;
+use xxhash_rust::xxh3::Xxh3;
 
 /// Outcome of a verify run that could read the manifest.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -22,8 +23,41 @@ pub enum Verdict {
     Failed(String),
 }
 
-/// Hash one file in a single pass; return the first problem found.
-fn check_file(dir: &Path, f: &FileEntry, tensors: &[&TensorEntry], prog: &Progress) -> Result<Option<String>> {
+/// The per-tensor checksum of the manifest's version: v2 xxh3-64, v1 sha256.
+enum TensorHash {
+    Xxh3(Box<Xxh3>),
+    Sha256(Sha256),
+}
+
+impl TensorHash {
+    fn new(v1: bool) -> TensorHash {
+        if v1 {
+            TensorHash::Sha256(Sha256::new())
+        } else {
+            TensorHash::Xxh3(Box::new(Xxh3::new()))
+        }
+    }
+    fn update(&mut self, b: &[u8]) {
+        match self {
+            TensorHash::Xxh3(h) => h.update(b),
+            TensorHash::Sha256(h) => h.update(b),
+        }
+    }
+    /// (name of the checksum, hex value); the hasher starts over.
+    fn take(&mut self) -> (&'static str, String) {
+        match self {
+            TensorHash::Xxh3(h) => {
+                let v = xxh3_hex(h.digest());
+                h.reset();
+                ("xxh3", v)
+            }
+            TensorHash::Sha256(h) => ("sha256", hex::encode(std::mem::take(h).finalize())),
+        }
+    }
+}
+
+/// Hash one file in a single pass; return the first problem found. `v1`: tensors carry sha256, not xxh3.
+fn check_file(dir: &Path, f: &FileEntry, tensors: &[&TensorEntry], v1: bool, prog: &Progress) -> Result<Option<String>> {
     let p = dir.join(&f.name);
     let mut file = std::fs::File::open(&p).with_context(|| format!("opening {}", p.display()))?;
     let len = file.metadata()?.len();
@@ -35,7 +69,7 @@ fn check_file(dir: &Path, f: &FileEntry, tensors: &[&TensorEntry], prog: &Progre
     let mut fh = Sha256::new();
     let mut bad_tensor: Option<String> = None;
     let mut ti = 0usize;
-    let mut th = Sha256::new();
+    let mut th = TensorHash::new(v1);
     let mut pos = 0u64;
     let mut buf = vec![0u8; 8 << 20];
     loop {
@@ -54,9 +88,10 @@ fn check_file(dir: &Path, f: &FileEntry, tensors: &[&TensorEntry], prog: &Progre
                 th.update(&chunk[(a - cs) as usize..(b - cs) as usize]);
             }
             if te <= ce {
-                let got = hex::encode(std::mem::take(&mut th).finalize());
-                if got != t.sha256 && bad_tensor.is_none() {
-                    bad_tensor = Some(format!("tensor \"{}\" (rank {}): sha256 {got}, manifest says {}", t.name, t.rank, t.sha256));
+                let (what, got) = th.take();
+                let want = if v1 { &t.sha256 } else { &t.xxh3 };
+                if &got != want && bad_tensor.is_none() {
+                    bad_tensor = Some(format!("tensor \"{}\" (rank {}): {what} {got}, manifest says {want}", t.name, t.rank));
                 }
                 ti += 1;
             } else {
@@ -162,7 +197,7 @@ pub fn verify(dir: &Path, quiet: bool) -> Result<Verdict> {
     let results: Vec<Option<String>> = m
         .files
         .par_iter()
-        .map(|f| check_file(dir, f, by_file.get(f.name.as_str()).map_or(&[][..], |v| v.as_slice()), &prog))
+        .map(|f| check_file(dir, f, by_file.get(f.name.as_str()).map_or(&[][..], |v| v.as_slice()), m.format_version == 1, &prog))
         .collect::<Result<_>>()?;
     let aux_results: Vec<Option<String>> = m.aux_files.par_iter().map(|a| check_aux(dir, a, &prog)).collect::<Result<_>>()?;
     prog.finish();

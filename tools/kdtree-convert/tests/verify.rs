@@ -72,3 +72,51 @@ fn verify_names_truncated_missing_and_extra_files() {
     assert_eq!(code, 1, "{msg}");
     assert!(msg.contains("manifest.toml"), "{msg}");
 }
+
+/// Rewrite a fresh (v2) conversion as format v1 did it: per-tensor sha256, no xxh3; SHA256SUMS updated.
+fn as_v1(out: &Path) {
+    use sha2::{Digest, Sha256};
+    let mp = out.join("manifest.toml");
+    let mut m = kdtree_formats::Manifest::parse("m", &std::fs::read_to_string(&mp).unwrap()).unwrap();
+    m.format_version = 1;
+    for t in &mut m.tensors {
+        let b = std::fs::read(out.join(&t.file)).unwrap();
+        t.sha256 = hex::encode(Sha256::digest(&b[t.offset as usize..(t.offset + t.nbytes) as usize]));
+        t.xxh3.clear();
+    }
+    let text = m.to_toml().unwrap();
+    assert!(text.starts_with("format_version = 1\n"));
+    std::fs::write(&mp, &text).unwrap();
+    let sums = std::fs::read_to_string(out.join("SHA256SUMS")).unwrap();
+    let fixed: String = sums
+        .lines()
+        .map(|l| if l.ends_with("  manifest.toml") { format!("{}  manifest.toml\n", hex::encode(Sha256::digest(text.as_bytes()))) } else { format!("{l}\n") })
+        .collect();
+    std::fs::write(out.join("SHA256SUMS"), fixed).unwrap();
+}
+
+#[test]
+fn verify_reads_format_v1_and_names_a_bad_tensor_by_its_sha256() {
+    let d = tempfile::tempdir().unwrap();
+    let out = converted(d.path());
+    let m = kdtree_formats::ModelDir::open(&out).unwrap().manifest().clone();
+    assert_eq!(m.format_version, 2);
+    assert!(m.tensors.iter().all(|t| t.xxh3.len() == 16 && t.sha256.is_empty()));
+    as_v1(&out);
+    let (code, msg) = verify(&out);
+    assert_eq!(code, 0, "{msg}");
+    assert!(kdtree_formats::ModelDir::open(&out).is_ok());
+    let t = m.tensors.iter().find(|t| t.name.ends_with("layers.1.mlp.experts.gate_proj.weight_scale") && t.rank == 0).unwrap();
+    let p = out.join(&t.file);
+    let mut bytes = std::fs::read(&p).unwrap();
+    bytes[t.offset as usize + 3] ^= 0x80;
+    std::fs::write(&p, &bytes).unwrap();
+    let (code, msg) = verify(&out);
+    assert_eq!(code, 1, "{msg}");
+    assert!(msg.contains(&format!("tensor \"{}\" (rank 0): sha256 ", t.name)), "{msg}");
+    // A re-run of repack rewrites a v1 conversion whole as v2 (never patches v1 entries into v2).
+    let (code, _, err) = run(&["repack", s(&d.path().join("src")), s(&out), "--ranks", "2", "--max-file-size", "30000", "--quiet"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(verify(&out).0, 0);
+    assert_eq!(kdtree_formats::ModelDir::open(&out).unwrap().manifest().format_version, 2);
+}
