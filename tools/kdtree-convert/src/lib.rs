@@ -9,5 +9,6 @@ pub mod log;
 pub mod progress;
 pub mod repack;
 pub mod source;
+pub mod stamp;
 pub mod synth;
 pub mod verify;

@@ -45,6 +45,10 @@ enum Cmd {
     Verify {
         /// Converted model directory.
         dir: PathBuf,
+        /// Also check that the source files it was converted from are unchanged (size, mtime, inode, as
+        /// recorded by repack in .kdtree-convert.source.json).
+        #[arg(long)]
+        source: bool,
         /// No progress bar.
         #[arg(long)]
         quiet: bool,
@@ -102,7 +106,7 @@ fn run(args: Args) -> anyhow::Result<Outcome> {
             Ok(Outcome::Pass)
         }
         // The exit code is the verdict's: a closed stdout loses the line, never the answer.
-        Cmd::Verify { dir, quiet } => match verify::verify(&dir, quiet)? {
+        Cmd::Verify { dir, source, quiet } => match verify::verify_with_source(&dir, source, quiet)? {
             verify::Verdict::Ok { files, tensors, bytes } => {
                 let _ = out(&format!("OK: {files} files, {tensors} tensors, {bytes} bytes match {}\n", dir.join("manifest.toml").display()));
                 Ok(Outcome::Pass)

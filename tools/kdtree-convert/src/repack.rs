@@ -13,6 +13,7 @@ use crate::emit::emit;
 use crate::lock::{lock_out, LOCK_FILE};
 use crate::progress::Progress;
 use crate::source::{self, AuxSource, Checkpoint};
+use crate::stamp::{Stamp, STAMP_FILE};
 use anyhow::{bail, Context, Result};
 use kdtree_formats::assemble::{build_manifest, file_specs, planned_record, FileRecord, ManifestInputs, TensorRecord};
 use kdtree_formats::manifest::{json_to_toml, sha256sums, AuxFile, Manifest, Model, FORMAT_VERSION, MANIFEST, SHA256SUMS};
@@ -103,11 +104,12 @@ fn job_id(job: &Job, f: &PlannedFile) -> String {
 
 /// OUT may only hold what this conversion writes.
 fn check_out_dir(out: &Path, files: &[PlannedFile], aux: &[AuxSource]) -> Result<()> {
-    let mut ours: std::collections::HashSet<String> = [MANIFEST, SHA256SUMS, STATE_DIR, LOCK_FILE].iter().map(|s| s.to_string()).collect();
+    let mut ours: std::collections::HashSet<String> = [MANIFEST, SHA256SUMS, STATE_DIR, LOCK_FILE, STAMP_FILE].iter().map(|s| s.to_string()).collect();
     for n in files.iter().map(|f| f.name.as_str()).chain(aux.iter().map(|a| a.name.as_str())).chain([MANIFEST, SHA256SUMS]) {
         ours.insert(n.to_string());
         ours.insert(format!("{n}.partial"));
     }
+    ours.insert(format!("{STAMP_FILE}.partial"));
     for e in std::fs::read_dir(out).with_context(|| format!("listing {}", out.display()))? {
         let name = e?.file_name().to_string_lossy().into_owned();
         if !ours.contains(&name) {
@@ -300,6 +302,33 @@ pub fn repack(o: &RepackOptions) -> Result<Manifest> {
     Ok(m)
 }
 
+/// Every file the conversion reads, in a fixed order (for the source stamp). Carried files are not in
+/// it: each is checked by content (sha256) when copied, so one added or changed in SRC is recopied alone.
+fn input_paths(o: &RepackOptions, job: &Job) -> Vec<PathBuf> {
+    let mut v = Vec::new();
+    for dir in std::iter::once(&o.src).chain(o.drafter.as_ref()) {
+        v.extend(["config.json", "model.safetensors.index.json"].iter().map(|n| dir.join(n)).filter(|p| p.exists()));
+    }
+    v.extend(job.ck.files.iter().map(|f| f.path.clone()));
+    v
+}
+
+/// Drop every trace of an earlier conversion's progress (records, manifest, sums), so each file is
+/// rewritten; the shards themselves are replaced as they are rewritten (`*.partial` + rename).
+fn forget_previous(out: &Path) -> Result<()> {
+    for n in [MANIFEST, SHA256SUMS] {
+        let p = out.join(n);
+        if p.exists() {
+            std::fs::remove_file(&p).with_context(|| format!("removing {}", p.display()))?;
+        }
+    }
+    let st = out.join(STATE_DIR);
+    if st.exists() {
+        std::fs::remove_dir_all(&st).with_context(|| format!("removing {}", st.display()))?;
+    }
+    Ok(())
+}
+
 /// Bytes this run still has to write into `out`: every planned and carried file, less those already
 /// there at their final size (a resumed run may reuse them; a stale `*.partial` is about to be replaced).
 fn bytes_to_write(job: &Job, out: &Path) -> u64 {
@@ -330,6 +359,22 @@ pub fn check_free_space(out: &Path, needed: u64) -> Result<()> {
 /// The conversion proper, with OUT locked.
 fn write_locked(o: &RepackOptions, job: Job) -> Result<Manifest> {
     check_out_dir(&o.out, &job.files, &job.aux)?;
+    let inputs = input_paths(o, &job);
+    let stamp = Stamp::take(&inputs)?;
+    match Stamp::read(&o.out) {
+        Some(old) => {
+            if let Some(why) = old.diff(&stamp) {
+                // Shards in OUT (finished or not) came from another source state: none may be kept.
+                crate::elog!("notice: SRC changed since the conversion in {} was made ({why}); converting everything again", o.out.display());
+                forget_previous(&o.out)?;
+            }
+        }
+        None if o.out.join(MANIFEST).exists() || o.out.join(STATE_DIR).exists() => {
+            crate::elog!("notice: {} has no source stamp ({STAMP_FILE}: written by an older kdtree-convert); converting everything again", o.out.display());
+            forget_previous(&o.out)?;
+        }
+        None => {}
+    }
     let prev = complete_shards(&job, &o.out);
     if let Some(m) = prev.as_ref().filter(|m| aux_complete(&job, m, &o.out)) {
         if !o.quiet {
@@ -338,6 +383,8 @@ fn write_locked(o: &RepackOptions, job: Job) -> Result<Manifest> {
         return Ok(m.clone());
     }
     check_free_space(&o.out, bytes_to_write(&job, &o.out))?;
+    // Before the first shard: what any shard in OUT from here on was made from.
+    stamp.write(&o.out)?;
     std::fs::create_dir_all(o.out.join(STATE_DIR))?;
     if let Some(m) = &prev {
         // Shards complete, carried files differ: keep the shards (records first, so a kill from here on
@@ -356,6 +403,10 @@ fn write_locked(o: &RepackOptions, job: Job) -> Result<Manifest> {
     let prog = Progress::new("repack", total, o.quiet);
     let records = write_all(&job, o, &prog)?;
     prog.finish();
+    // A source changed under the run (its bytes may be in some shards and not others): no manifest.
+    if let Some(why) = stamp.diff(&Stamp::take(&inputs)?) {
+        bail!("SRC changed during the conversion ({why}); re-run to convert the new source");
+    }
     let mut manifest = build_manifest(&job.plan, &job.files, &records, job.inputs);
     manifest.aux_files = aux;
     let text = manifest.to_toml()?;

@@ -6,6 +6,7 @@
 //! not run (DIR is not a directory, a file cannot be read). Tests: tests/verify.rs, tests/aux_files.rs.
 
 use crate::progress::Progress;
+use crate::stamp::{Stamp, STAMP_FILE};
 use anyhow::{Context, Result};
 use kdtree_formats::manifest::{parse_sha256sums, xxh3_hex, AuxFile, FileEntry, Manifest, TensorEntry, MANIFEST, SHA256SUMS};
 use rayon::prelude::*;
@@ -133,6 +134,34 @@ fn check_aux(dir: &Path, a: &AuxFile, prog: &Progress) -> Result<Option<String>>
     Ok((got != a.sha256).then(|| format!("{}: sha256 {got}, manifest says {} (carried file modified)", a.name, a.sha256)))
 }
 
+/// With `verify --source`: the source files recorded at conversion (`stamp.rs`) must be unchanged.
+pub fn check_source(dir: &Path) -> Verdict {
+    let Some(old) = Stamp::read(dir) else {
+        return Verdict::Failed(format!("{STAMP_FILE}: missing or unreadable, so the source state of this conversion is unknown"));
+    };
+    let paths: Vec<_> = old.files.iter().map(|f| f.path.clone()).collect();
+    let now = match Stamp::take(&paths) {
+        Ok(n) => n,
+        Err(e) => return Verdict::Failed(format!("source: {e:#} (moved or deleted since the conversion?)")),
+    };
+    match old.diff(&now) {
+        Some(why) => Verdict::Failed(format!("source changed since the conversion: {why}")),
+        None => Verdict::Ok { files: old.files.len(), tensors: 0, bytes: old.files.iter().map(|f| f.size).sum() },
+    }
+}
+
+/// `verify`, then (with `source`) `check_source`; the first failure is the verdict.
+pub fn verify_with_source(dir: &Path, source: bool, quiet: bool) -> Result<Verdict> {
+    let v = verify(dir, quiet)?;
+    if !source || matches!(v, Verdict::Failed(_)) {
+        return Ok(v);
+    }
+    Ok(match check_source(dir) {
+        Verdict::Ok { .. } => v,
+        failed => failed,
+    })
+}
+
 /// Verify the converted model in `dir`.
 pub fn verify(dir: &Path, quiet: bool) -> Result<Verdict> {
     if !dir.is_dir() {
@@ -182,7 +211,7 @@ pub fn verify(dir: &Path, quiet: bool) -> Result<Verdict> {
     if let Some(n) = m.files.iter().map(|f| &f.name).chain(m.aux_files.iter().map(|a| &a.name)).find(|n| !present.contains(*n)) {
         return Ok(Verdict::Failed(format!("{n}: missing")));
     }
-    if let Some(x) = present.iter().find(|n| !want.contains_key(*n) && n.as_str() != SHA256SUMS) {
+    if let Some(x) = present.iter().find(|n| !want.contains_key(*n) && n.as_str() != SHA256SUMS && n.as_str() != STAMP_FILE) {
         return Ok(Verdict::Failed(format!("{x}: extra file not in the manifest")));
     }
     let mut by_file: HashMap<&str, Vec<&TensorEntry>> = HashMap::new();
