@@ -233,5 +233,11 @@ pub fn verify(dir: &Path, quiet: bool) -> Result<Verdict> {
     if let Some(bad) = results.into_iter().chain(aux_results).flatten().next() {
         return Ok(Verdict::Failed(bad));
     }
+    // Every byte is as listed; the listing itself must also be what a reader accepts (configs in bounds,
+    // every entry the planned one), or a manifest edited together with SHA256SUMS would pass here and fail
+    // in the runner.
+    if let Err(e) = kdtree_formats::ModelDir::open(dir) {
+        return Ok(Verdict::Failed(e.to_string()));
+    }
     Ok(Verdict::Ok { files: m.files.len() + m.aux_files.len(), tensors: m.tensors.len(), bytes: total })
 }

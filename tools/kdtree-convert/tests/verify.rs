@@ -120,3 +120,27 @@ fn verify_reads_format_v1_and_names_a_bad_tensor_by_its_sha256() {
     assert_eq!(verify(&out).0, 0);
     assert_eq!(kdtree_formats::ModelDir::open(&out).unwrap().manifest().format_version, 2);
 }
+
+#[test]
+fn verify_fails_a_consistent_but_unplanned_manifest() {
+    // split_offset edited and SHA256SUMS updated to match: the hashes pass, the reader would refuse it.
+    use sha2::{Digest, Sha256};
+    let d = tempfile::tempdir().unwrap();
+    let out = converted(d.path());
+    let mp = out.join("manifest.toml");
+    let mut m = kdtree_formats::Manifest::parse("m", &std::fs::read_to_string(&mp).unwrap()).unwrap();
+    let t = m.tensors.iter_mut().find(|t| t.name.ends_with("layers.1.self_attn.q_b_proj.weight") && t.rank == 1).unwrap();
+    t.split_offset += 1;
+    let name = t.name.clone();
+    let text = m.to_toml().unwrap();
+    std::fs::write(&mp, &text).unwrap();
+    let sums = std::fs::read_to_string(out.join("SHA256SUMS")).unwrap();
+    let fixed: String = sums
+        .lines()
+        .map(|l| if l.ends_with("  manifest.toml") { format!("{}  manifest.toml\n", hex::encode(Sha256::digest(text.as_bytes()))) } else { format!("{l}\n") })
+        .collect();
+    std::fs::write(out.join("SHA256SUMS"), fixed).unwrap();
+    let (code, msg) = verify(&out);
+    assert_eq!(code, 1, "{msg}");
+    assert!(msg.starts_with("FAILED: ") && msg.contains(&name) && msg.contains("split_offset"), "{msg}");
+}
