@@ -6,8 +6,11 @@
 //! command resumes and ends with the same bytes as an uninterrupted run. The tokenizer / chat-template
 //! files of SRC (`manifest::AUX_FILES`, each optional) are copied first, the same way (stream, hash,
 //! `*.partial` + rename, record keyed by the source's sha256), and listed in `[[aux_files]]` and SHA256SUMS.
-//! Tests: tools/kdtree-convert/tests/repack.rs (determinism, kill -9 resume), tests/bad_input.rs and
-//! tests/aux_files.rs (carried files).
+//! Before the first byte: OUT is locked (lock.rs), SRC's state is compared with the stamp of any
+//! earlier run (stamp.rs: a changed source is converted again, never mixed) and the free space is
+//! checked (statvfs). Tests: tools/kdtree-convert/tests/repack.rs (determinism, kill -9 resume),
+//! tests/bad_input.rs, tests/bad_config.rs, tests/aux_files.rs (carried files), tests/lock.rs,
+//! tests/stale_source.rs, tests/messages.rs (notices, free space).
 
 use crate::emit::emit;
 use crate::lock::{lock_out, LOCK_FILE};
