@@ -1,6 +1,6 @@
 //! From plan to manifest: the exact byte layout of each planned shard file (computed from shapes alone,
 //! the same header the writer emits) and the assembly of `Manifest` from the per-file records the
-//! converter keeps (size, sha256 of the file and of each tensor). Used by kdtree-convert repack, and by
+//! converter keeps (size, sha256 of the file, xxh3-64 of each tensor). Used by kdtree-convert repack, and by
 //! formats/tests/manifest_k26.rs to build the full K2.6 manifest without any weights.
 
 use crate::manifest::{FileEntry, Manifest, Model, PlanInfo, Source, SplitRule, TensorEntry, FORMAT_VERSION};
@@ -23,7 +23,8 @@ pub struct TensorRecord {
     pub name: String,
     pub offset: u64,
     pub nbytes: u64,
-    pub sha256: String,
+    /// xxh3-64 of the tensor's data (format v2).
+    pub xxh3: String,
 }
 
 /// Tensor specs of a planned file, in write (name) order.
@@ -46,7 +47,7 @@ pub fn planned_record(plan: &Plan, f: &PlannedFile) -> Result<FileRecord> {
     let tensors = specs
         .iter()
         .zip(offs)
-        .map(|(s, (b, e))| TensorRecord { name: s.name.clone(), offset: start + b as u64, nbytes: (e - b) as u64, sha256: String::new() })
+        .map(|(s, (b, e))| TensorRecord { name: s.name.clone(), offset: start + b as u64, nbytes: (e - b) as u64, xxh3: String::new() })
         .collect();
     Ok(FileRecord { name: f.name.clone(), size, sha256: String::new(), tensors })
 }
@@ -82,7 +83,8 @@ pub fn build_manifest(plan: &Plan, files: &[PlannedFile], records: &[FileRecord]
                 file: f.name.clone(),
                 offset: tr.offset,
                 nbytes: tr.nbytes,
-                sha256: tr.sha256.clone(),
+                sha256: String::new(),
+                xxh3: tr.xxh3.clone(),
             });
         }
     }

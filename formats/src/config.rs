@@ -148,8 +148,9 @@ impl DrafterConfig {
 /// Error from reading a config.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("{path}: invalid JSON: {source}")]
-    Json { path: String, source: serde_json::Error },
+    /// The JSON error is part of the message, not `source()` (see error.rs: printed once).
+    #[error("{path}: invalid JSON: {err}")]
+    Json { path: String, err: serde_json::Error },
     #[error("{path}: {msg}")]
     Invalid { path: String, msg: String },
 }
@@ -158,7 +159,7 @@ pub enum ConfigError {
 /// A top-level `quantization_config` is folded into the text config when the nested one has none.
 pub fn parse_text_config(path: &str, body: &str) -> Result<TextConfig, ConfigError> {
     let root: serde_json::Value =
-        serde_json::from_str(body).map_err(|source| ConfigError::Json { path: path.into(), source })?;
+        serde_json::from_str(body).map_err(|err| ConfigError::Json { path: path.into(), err })?;
     let obj = root
         .as_object()
         .ok_or_else(|| ConfigError::Invalid { path: path.into(), msg: "top level is not a JSON object".into() })?;
@@ -178,7 +179,7 @@ pub fn parse_text_config(path: &str, body: &str) -> Result<TextConfig, ConfigErr
 /// Parse a DFlash drafter `config.json` body.
 pub fn parse_drafter_config(path: &str, body: &str) -> Result<DrafterConfig, ConfigError> {
     let cfg: DrafterConfig =
-        serde_json::from_str(body).map_err(|source| ConfigError::Json { path: path.into(), source })?;
+        serde_json::from_str(body).map_err(|err| ConfigError::Json { path: path.into(), err })?;
     if cfg.block_size().is_none() {
         return Err(ConfigError::Invalid {
             path: path.into(),

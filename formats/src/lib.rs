@@ -14,6 +14,7 @@ pub mod manifest;
 pub mod model_dir;
 pub mod plan;
 pub mod reader;
+pub mod validate;
 pub mod writer;
 
 pub use dtype::Dtype;

@@ -1,8 +1,10 @@
 //! `manifest.toml`: the index of a converted model (format version, source fingerprint, model config,
-//! plan, every file and every tensor with its sha256, skipped source tensors). FORMAT.md documents each
+//! plan, every file with its sha256 and every tensor with its checksum, skipped source tensors).
+//! Version 2 (written) checksums each tensor with xxh3-64 (`xxh3`), so the converter runs SHA-256 over
+//! each byte once (for the file hash); version 1 (still read) had a per-tensor `sha256`. FORMAT.md documents each
 //! field. TOML has no null, so the config is stored twice: verbatim JSON (authoritative, re-parsed by
 //! config.rs) and a TOML table of the same keys with nulls dropped (for humans and grep).
-//! `[[aux_files]]` (optional, default empty, so format_version stays 1) lists the tokenizer and
+//! `[[aux_files]]` (optional, default empty, so it did not change format_version) lists the tokenizer and
 //! chat-template files carried byte-exactly from the source, so a converted dir is self-contained.
 //! Tests: bottom of this file and formats/tests/manifest_k26.rs (size and parse time of the full plan).
 
@@ -12,8 +14,10 @@ use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
 use std::path::{Component, Path};
 
-/// Version written by this crate; readers refuse anything else.
-pub const FORMAT_VERSION: u32 = 1;
+/// Version written by this crate.
+pub const FORMAT_VERSION: u32 = 2;
+/// Versions this crate reads: 1 (per-tensor sha256) and 2 (per-tensor xxh3-64).
+pub const READ_VERSIONS: [u32; 2] = [1, 2];
 /// File name of the manifest inside a model directory.
 pub const MANIFEST: &str = "manifest.toml";
 /// File name of the checksum list (`sha256sum -c --strict` format).
@@ -138,7 +142,21 @@ pub struct TensorEntry {
     /// Absolute byte offset of the data in `file`, and its length.
     pub offset: u64,
     pub nbytes: u64,
+    /// Format v1: sha256 of the data (64 hex digits); empty (absent) in v2.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub sha256: String,
+    /// Format v2: xxh3-64 of the data (16 hex digits, `xxh3_hex`); empty (absent) in v1.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub xxh3: String,
+}
+
+/// The manifest spelling of an xxh3-64 value: 16 lowercase hex digits.
+pub fn xxh3_hex(h: u64) -> String {
+    format!("{h:016x}")
+}
+
+fn is_hex(s: &str, len: usize) -> bool {
+    s.len() == len && s.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
 /// JSON → TOML with nulls dropped (TOML has no null); integers stay integers.
@@ -172,8 +190,8 @@ impl Manifest {
             .and_then(|r| r.trim().strip_prefix('='))
             .and_then(|v| v.trim().parse::<u32>().ok());
         match version {
-            Some(FORMAT_VERSION) => {}
-            Some(v) => return Err(FormatError::file(file, format!("format_version {v} is not supported (this build reads {FORMAT_VERSION})"))),
+            Some(v) if READ_VERSIONS.contains(&v) => {}
+            Some(v) => return Err(FormatError::file(file, format!("format_version {v} is not supported (this build reads {READ_VERSIONS:?})"))),
             None => return Err(FormatError::file(file, "no format_version line: not a kdtree manifest")),
         }
         let m: Manifest = toml::from_str(text).map_err(|e| FormatError::file(file, format!("invalid manifest: {e}")))?;
@@ -209,6 +227,15 @@ impl Manifest {
             }
             if t.rank >= self.plan.ranks || !seen.insert((t.name.as_str(), t.rank)) {
                 return Err(FormatError::tensor(file, &t.name, format!("rank {} out of range or listed twice", t.rank)));
+            }
+            // One checksum per tensor, the one of this version.
+            let ok = match self.format_version {
+                1 => is_hex(&t.sha256, 64) && t.xxh3.is_empty(),
+                _ => is_hex(&t.xxh3, 16) && t.sha256.is_empty(),
+            };
+            if !ok {
+                let want = if self.format_version == 1 { "sha256 (64 hex digits)" } else { "xxh3 (16 hex digits)" };
+                return Err(FormatError::tensor(file, &t.name, format!("rank {}: format_version {} needs {want} and no other checksum", t.rank, self.format_version)));
             }
         }
         Ok(())
@@ -269,7 +296,8 @@ mod tests {
                 file: "rank-00-of-01.part-0000.safetensors".into(),
                 offset: 64,
                 nbytes: 4,
-                sha256: "cd".into(),
+                sha256: String::new(),
+                xxh3: "00000000000000cd".into(),
             }],
         }
     }
@@ -278,7 +306,7 @@ mod tests {
     fn round_trips_and_drops_nulls() {
         let m = tiny();
         let s = m.to_toml().unwrap();
-        assert!(s.starts_with("format_version = 1\n"), "{s}");
+        assert!(s.starts_with("format_version = 2\n"), "{s}");
         assert!(!s.contains("a ="), "null kept: {s}");
         assert_eq!(Manifest::parse("m", &s).unwrap(), m);
     }
@@ -286,7 +314,7 @@ mod tests {
     #[test]
     fn refuses_bad_version_unsafe_names_and_unknown_fields() {
         let s = tiny().to_toml().unwrap();
-        assert!(Manifest::parse("m", &s.replace("format_version = 1", "format_version = 9")).unwrap_err().to_string().contains("format_version 9"));
+        assert!(Manifest::parse("m", &s.replace("format_version = 2", "format_version = 9")).unwrap_err().to_string().contains("format_version 9"));
         let e = Manifest::parse("m", &s.replace("\"rank-00-of-01.part-0000.safetensors\"", "\"../x\"")).unwrap_err();
         assert!(e.to_string().contains("../x"), "{e}");
         let mut m = tiny();
@@ -299,7 +327,7 @@ mod tests {
 
     #[test]
     fn aux_files_are_optional_and_checked() {
-        // Without aux files the section is not written, and a manifest without it still parses (format_version 1).
+        // Without aux files the section is not written, and a manifest without it still parses.
         let mut m = tiny();
         let s = m.to_toml().unwrap();
         assert!(s.contains("[[aux_files]]\nname = \"tiktoken.model\"\nsize = 3\n"), "{s}");
@@ -319,6 +347,25 @@ mod tests {
         assert!(m.check("m").unwrap_err().to_string().contains("listed twice"));
         let e = Manifest::parse("m", &tiny().to_toml().unwrap().replace("size = 3\n", "size = 3\nmode = 1\n")).unwrap_err();
         assert!(e.to_string().contains("mode"), "{e}");
+    }
+
+    #[test]
+    fn v1_manifests_still_read_and_checksums_match_the_version() {
+        // A v1 manifest: per-tensor sha256, no xxh3.
+        let mut m = tiny();
+        m.format_version = 1;
+        m.tensors[0].xxh3.clear();
+        m.tensors[0].sha256 = "cd".repeat(32);
+        let s = m.to_toml().unwrap();
+        assert!(s.starts_with("format_version = 1\n") && s.contains("sha256 = \"cdcd") && !s.contains("xxh3"), "{s}");
+        assert_eq!(Manifest::parse("m", &s).unwrap(), m);
+        // Each version's checksum only: v1 with an xxh3, v2 with a sha256, a short or missing one: refused.
+        let e = Manifest::parse("m", &s.replace("format_version = 1", "format_version = 2")).unwrap_err().to_string();
+        assert!(e.contains("\"w\"") && e.contains("needs xxh3"), "{e}");
+        let v2 = tiny().to_toml().unwrap();
+        for bad in [v2.replace("xxh3 = \"00000000000000cd\"", "xxh3 = \"cd\""), v2.replace("xxh3 = \"00000000000000cd\"\n", "")] {
+            assert!(Manifest::parse("m", &bad).unwrap_err().to_string().contains("needs xxh3"), "{bad}");
+        }
     }
 
     #[test]

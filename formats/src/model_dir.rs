@@ -1,13 +1,18 @@
-//! Reading a converted model: `ModelDir::open(path)` parses manifest.toml, checks every listed file's
-//! size before mapping it, validates each header strictly and checks that every manifest tensor sits in
-//! its file with the recorded dtype, shape and offset. It does not hash (that is `kdtree-convert verify`).
+//! Reading a converted model: `ModelDir::open(path)` parses manifest.toml, validates its configs
+//! (formats::validate), re-derives the plan from them and requires every manifest entry to be exactly a
+//! planned tensor (dtype, shard shape, logical_shape, layout, split_axis, split_offset; none missing, none
+//! extra), so an edited manifest cannot send a reader out of range (issue 16 item 8); then it checks every
+//! listed file's size before mapping it, validates each header strictly and checks that every manifest
+//! tensor sits in its file with the recorded dtype, shape and offset. It does not hash (that is
+//! `kdtree-convert verify`).
 //! The API is the one in docs/design/interfaces.md (formats → engine). Tests: formats/tests/model_dir.rs.
 
 use crate::config::{parse_drafter_config, parse_text_config, DrafterConfig, TextConfig};
 use crate::error::{FormatError, Result};
 use crate::manifest::{Manifest, TensorEntry, MANIFEST};
-use crate::plan::Layout;
+use crate::plan::{plan_model, Layout, OutTensor, SourceQuant, GROUP};
 use crate::reader::SafeFile;
+use crate::validate::check_model;
 use crate::Dtype;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -53,6 +58,9 @@ impl ModelDir {
             Some(j) => Some(parse_drafter_config(&format!("{mname} [model.drafter_config_json]"), j).map_err(|e| FormatError::file(&mname, e))?),
             None => None,
         };
+        let dname = format!("{mname} [model.drafter_config_json]");
+        check_model(&format!("{mname} [model.text_config_json]"), &tc, dc.as_ref().map(|d| (dname.as_str(), d))).map_err(|e| FormatError::file(&mname, e))?;
+        check_against_plan(&mname, &manifest, &tc, dc.as_ref())?;
         let mut files = Vec::with_capacity(manifest.files.len());
         let mut by_name = HashMap::new();
         for f in &manifest.files {
@@ -118,6 +126,48 @@ fn check_entry(f: &SafeFile, t: &TensorEntry) -> Result<()> {
             &t.name,
             format!("manifest says {} {:?} at {} ({} bytes), header says {} {:?} at {off} ({} bytes)", t.dtype, t.shape, t.offset, t.nbytes, h.dtype, h.shape, h.nbytes()),
         ));
+    }
+    Ok(())
+}
+
+/// Every manifest entry must be the tensor the plan of the manifest's own config puts there, and every
+/// planned tensor must be listed. The plan is the converter's (`plan_model`); the source quantization
+/// only changes where bytes come from, not the output entries.
+fn check_against_plan(mname: &str, m: &Manifest, text: &TextConfig, drafter: Option<&DrafterConfig>) -> Result<()> {
+    if m.plan.group_size != GROUP {
+        return Err(FormatError::file(mname, format!("plan.group_size = {}, this build reads {GROUP}", m.plan.group_size)));
+    }
+    let prefix = if m.tensors.iter().any(|t| t.name.starts_with("language_model.")) { "language_model." } else { "" };
+    let plan = plan_model(text, drafter, prefix, SourceQuant::Bf16, m.plan.ranks, m.plan.experts).map_err(|e| FormatError::file(mname, e))?;
+    let mut want: HashMap<(&str, usize), &OutTensor> = plan.tensors.iter().map(|t| ((t.name.as_str(), t.rank), t)).collect();
+    for t in &m.tensors {
+        let Some(p) = want.remove(&(t.name.as_str(), t.rank)) else {
+            return Err(FormatError::tensor(mname, &t.name, format!("rank {}: not a tensor of the model the manifest's config describes", t.rank)));
+        };
+        let differs = |what: &str, found: String, planned: String| {
+            FormatError::tensor(mname, &t.name, format!("rank {}: {what} is {found} in the manifest, the plan says {planned}", t.rank))
+        };
+        if t.dtype != p.dtype {
+            return Err(differs("dtype", t.dtype.to_string(), p.dtype.to_string()));
+        }
+        if t.layout != p.layout {
+            return Err(differs("layout", format!("{:?}", t.layout), format!("{:?}", p.layout)));
+        }
+        if t.logical_shape != p.logical_shape {
+            return Err(differs("logical_shape", format!("{:?}", t.logical_shape), format!("{:?}", p.logical_shape)));
+        }
+        if t.shape != p.shape {
+            return Err(differs("shape", format!("{:?}", t.shape), format!("{:?}", p.shape)));
+        }
+        if t.split_axis != p.split_axis {
+            return Err(differs("split_axis", format!("{:?}", t.split_axis), format!("{:?}", p.split_axis)));
+        }
+        if t.split_offset != p.split_offset {
+            return Err(differs("split_offset", t.split_offset.to_string(), p.split_offset.to_string()));
+        }
+    }
+    if let Some(((name, rank), _)) = want.into_iter().min_by_key(|(k, _)| *k) {
+        return Err(FormatError::tensor(mname, name, format!("rank {rank}: planned but not listed in the manifest")));
     }
     Ok(())
 }

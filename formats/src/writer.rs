@@ -1,12 +1,14 @@
 //! Deterministic safetensors shard writer. The header is ours (not the safetensors crate's): tensors
 //! sorted by name, data laid out in the same order, `__metadata__` = {"format":"pt"} so HF tooling
 //! loads the file, header padded with spaces so the data starts 8-byte aligned. The file is written
-//! to `<name>.partial`, hashed (whole file and each tensor) as bytes go out, fsynced, then renamed.
+//! to `<name>.partial`, checksummed as bytes go out (SHA-256 of the whole file for SHA256SUMS, xxh3-64 of
+//! each tensor's data for the manifest: each byte goes through SHA-256 once; format v2), fsynced, renamed.
 //! Tests: bottom of this file and formats/tests/writer_compat.rs (the safetensors crate opens it).
 
 use crate::dtype::{byte_len, Dtype};
 use crate::error::{FormatError, Result};
 use sha2::{Digest, Sha256};
+use xxhash_rust::xxh3::Xxh3;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -22,7 +24,7 @@ pub struct TensorSpec {
     pub shape: Vec<usize>,
 }
 
-/// Where a tensor landed in the finished file, with its sha256.
+/// Where a tensor landed in the finished file, with the xxh3-64 of its data.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WrittenTensor {
     pub name: String,
@@ -31,7 +33,8 @@ pub struct WrittenTensor {
     /// Absolute byte offset of the data in the file.
     pub offset: u64,
     pub nbytes: u64,
-    pub sha256: String,
+    /// xxh3-64 of the data, 16 lowercase hex digits (`manifest::xxh3_hex`).
+    pub xxh3: String,
 }
 
 /// A finished file.
@@ -89,7 +92,7 @@ pub struct ShardWriter {
     /// Index of the tensor being written and bytes of it written so far.
     cur: usize,
     cur_done: u64,
-    cur_hash: Sha256,
+    cur_hash: Xxh3,
     pos: u64,
 }
 
@@ -116,7 +119,7 @@ impl ShardWriter {
             tensors: Vec::with_capacity(specs.len()),
             cur: 0,
             cur_done: 0,
-            cur_hash: Sha256::new(),
+            cur_hash: Xxh3::new(),
             pos: 0,
         };
         let data_start = 8 + header.len() as u64;
@@ -127,7 +130,7 @@ impl ShardWriter {
                 shape: s.shape,
                 offset: data_start + b as u64,
                 nbytes: (e - b) as u64,
-                sha256: String::new(),
+                xxh3: String::new(),
             });
         }
         w.raw(&(header.len() as u64).to_le_bytes())?;
@@ -136,7 +139,7 @@ impl ShardWriter {
         Ok(w)
     }
 
-    /// The tensors in write order with their offsets (sha256 filled in by `finish`).
+    /// The tensors in write order with their offsets (xxh3 filled in as each completes).
     pub fn layout(&self) -> &[WrittenTensor] {
         &self.tensors
     }
@@ -158,7 +161,8 @@ impl ShardWriter {
             if self.cur_done < t.nbytes {
                 break;
             }
-            t.sha256 = hex::encode(std::mem::take(&mut self.cur_hash).finalize());
+            t.xxh3 = crate::manifest::xxh3_hex(self.cur_hash.digest());
+            self.cur_hash.reset();
             self.cur += 1;
             self.cur_done = 0;
         }
@@ -242,7 +246,8 @@ mod tests {
         assert_eq!(names, ["a", "m", "z"]);
         let z = &done.tensors[2];
         assert_eq!(&bytes[z.offset as usize..][..3], &[9, 10, 11]);
-        assert_eq!(z.sha256, hex::encode(Sha256::digest([9u8, 10, 11])));
+        assert_eq!(z.xxh3, format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&[9u8, 10, 11])));
+        assert_eq!(done.tensors[1].xxh3, format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&[])));
         let f = SafeFile::open(&p).unwrap();
         assert_eq!(f.tensor("a").unwrap().1, &[1, 2, 3, 4, 5, 6, 7, 8]);
         assert_eq!(f.header.metadata.get("format").map(String::as_str), Some("pt"));

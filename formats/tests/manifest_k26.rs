@@ -21,7 +21,7 @@ fn k26_manifest(experts: ExpertsMode) -> (Manifest, kdtree_formats::plan::Plan) 
     for r in &mut records {
         r.sha256 = "a".repeat(64);
         for t in &mut r.tensors {
-            t.sha256 = "b".repeat(64);
+            t.xxh3 = "b".repeat(16);
         }
     }
     let tc: serde_json::Value = serde_json::from_str::<serde_json::Value>(CONFIG).unwrap()["text_config"].clone();

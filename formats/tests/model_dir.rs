@@ -33,7 +33,7 @@ fn build(dir: &Path) {
             w.write(&fill(&t.name, t.rank, t.nbytes())).unwrap();
         }
         let d = w.finish().unwrap();
-        let tensors = d.tensors.into_iter().map(|t| TensorRecord { name: t.name, offset: t.offset, nbytes: t.nbytes, sha256: t.sha256 }).collect();
+        let tensors = d.tensors.into_iter().map(|t| TensorRecord { name: t.name, offset: t.offset, nbytes: t.nbytes, xxh3: t.xxh3 }).collect();
         records.push(FileRecord { name: f.name.clone(), size: d.size, sha256: d.sha256, tensors });
     }
     let json: serde_json::Value = serde_json::from_str(TEXT).unwrap();
@@ -84,4 +84,48 @@ fn open_refuses_truncated_shard_and_manifest_header_mismatch() {
     std::fs::write(d.path().join(MANIFEST), bad).unwrap();
     let e = ModelDir::open(d.path()).err().unwrap().to_string();
     assert!(e.contains("manifest says") && e.contains("header says"), "{e}");
+}
+
+/// Rewrite the manifest with `edit` applied to the first tensor entry named `name` (rank `rank`).
+fn edit_entry(dir: &Path, name: &str, rank: usize, edit: impl Fn(&mut kdtree_formats::manifest::TensorEntry)) {
+    let p = dir.join(MANIFEST);
+    let mut m = kdtree_formats::Manifest::parse("m", &std::fs::read_to_string(&p).unwrap()).unwrap();
+    let t = m.tensors.iter_mut().find(|t| t.name == name && t.rank == rank).unwrap();
+    edit(t);
+    std::fs::write(&p, m.to_toml().unwrap()).unwrap();
+}
+
+#[test]
+fn open_refuses_entries_that_disagree_with_the_plan_naming_the_tensor() {
+    let packed = "language_model.model.layers.1.mlp.experts.down_proj.weight_packed";
+    let q = "language_model.model.layers.0.self_attn.q_b_proj.weight";
+    type Edit = Box<dyn Fn(&mut kdtree_formats::manifest::TensorEntry)>;
+    let cases: Vec<(&str, usize, Edit, &str)> = vec![
+        (packed, 1, Box::new(|t| t.split_offset = 999), "split_offset is 999 in the manifest, the plan says 32"),
+        (packed, 1, Box::new(|t| t.split_offset = 0), "split_offset is 0"),
+        (packed, 0, Box::new(|t| t.logical_shape = vec![4, 64, 640]), "logical_shape is [4, 64, 640]"),
+        (packed, 0, Box::new(|t| t.split_axis = Some(1)), "split_axis is Some(1)"),
+        (packed, 0, Box::new(|t| t.layout = Layout::Plain), "layout is Plain"),
+        (q, 1, Box::new(|t| t.split_offset = 4), "split_offset is 4"),
+        (q, 1, Box::new(|t| t.logical_shape = vec![96, 31]), "logical_shape"),
+        (q, 0, Box::new(|t| t.split_axis = None), "split_axis is None"),
+        (q, 0, Box::new(|t| t.name = "language_model.model.layers.0.self_attn.q_b_proj.weightx".into()), "not a tensor of the model"),
+    ];
+    for (name, rank, edit, want) in cases {
+        let d = tempfile::tempdir().unwrap();
+        build(d.path());
+        edit_entry(d.path(), name, rank, edit);
+        let e = ModelDir::open(d.path()).err().unwrap().to_string();
+        assert!(e.contains(&format!("rank {rank}: ")) && e.contains(want), "{name} (rank {rank}): {e}");
+        assert!(e.contains("q_b_proj") || e.contains("down_proj"), "tensor not named: {e}");
+    }
+    // An entry removed: the planned tensor is named as missing.
+    let d = tempfile::tempdir().unwrap();
+    build(d.path());
+    let p = d.path().join(MANIFEST);
+    let mut m = kdtree_formats::Manifest::parse("m", &std::fs::read_to_string(&p).unwrap()).unwrap();
+    m.tensors.retain(|t| !(t.name == q && t.rank == 1));
+    std::fs::write(&p, m.to_toml().unwrap()).unwrap();
+    let e = ModelDir::open(d.path()).err().unwrap().to_string();
+    assert!(e.contains(q) && e.contains("planned but not listed"), "{e}");
 }

@@ -55,7 +55,8 @@ fn describe(s: &mut String, d: &ModelDir, name: &str, rank: usize) -> Result<()>
         None => "replicated".into(),
     };
     writeln!(s, "\n{name} rank {rank}\n  dtype {} shape {:?} logical {:?} layout {:?} split {split}", t.dtype, t.shape, t.logical_shape, t.layout)?;
-    writeln!(s, "  file {} offset {} bytes {} sha256 {}", e.file, e.offset, e.nbytes, e.sha256)?;
+    let sum = if e.xxh3.is_empty() { format!("sha256 {}", e.sha256) } else { format!("xxh3 {}", e.xxh3) };
+    writeln!(s, "  file {} offset {} bytes {} {sum}", e.file, e.offset, e.nbytes)?;
     let vals: Vec<f32> = match (t.layout, t.dtype) {
         (Layout::Int4G32, _) => {
             // First row of the first expert: K_r = 2 * bytes per row; needs the matching scales.

@@ -4,8 +4,11 @@
 
 pub mod emit;
 pub mod inspect;
+pub mod lock;
+pub mod log;
 pub mod progress;
 pub mod repack;
 pub mod source;
+pub mod stamp;
 pub mod synth;
 pub mod verify;

@@ -3,8 +3,8 @@
 //! subcommand, exit codes (0 ok, 1 check failed, 2 error). The work lives in the library modules.
 
 use clap::{Parser, Subcommand, ValueEnum};
-use kdtree_convert::{inspect, repack, synth, verify};
-use std::io::Write;
+use kdtree_convert::log::out;
+use kdtree_convert::{elog, inspect, repack, synth, verify};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -45,6 +45,10 @@ enum Cmd {
     Verify {
         /// Converted model directory.
         dir: PathBuf,
+        /// Also check that the source files it was converted from are unchanged (size, mtime, inode, as
+        /// recorded by repack in .kdtree-convert.source.json).
+        #[arg(long)]
+        source: bool,
         /// No progress bar.
         #[arg(long)]
         quiet: bool,
@@ -85,7 +89,7 @@ fn main() -> ExitCode {
         Ok(Outcome::CheckFailed) => ExitCode::from(1),
         Err(e) if is_broken_pipe(&e) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            elog!("error: {e:#}");
             ExitCode::from(2)
         }
     }
@@ -101,19 +105,20 @@ fn run(args: Args) -> anyhow::Result<Outcome> {
             repack::repack(&repack::RepackOptions { src, out, drafter, ranks, experts, max_file_size, quiet })?;
             Ok(Outcome::Pass)
         }
-        Cmd::Verify { dir, quiet } => match verify::verify(&dir, quiet)? {
+        // The exit code is the verdict's: a closed stdout loses the line, never the answer.
+        Cmd::Verify { dir, source, quiet } => match verify::verify_with_source(&dir, source, quiet)? {
             verify::Verdict::Ok { files, tensors, bytes } => {
-                writeln!(std::io::stdout(), "OK: {files} files, {tensors} tensors, {bytes} bytes match {}", dir.join("manifest.toml").display())?;
+                let _ = out(&format!("OK: {files} files, {tensors} tensors, {bytes} bytes match {}\n", dir.join("manifest.toml").display()));
                 Ok(Outcome::Pass)
             }
             verify::Verdict::Failed(why) => {
-                writeln!(std::io::stdout(), "FAILED: {why}")?;
+                let _ = out(&format!("FAILED: {why}\n"));
                 Ok(Outcome::CheckFailed)
             }
         },
         Cmd::Inspect { dir, tensor } => {
             let report = inspect::inspect(&dir, tensor.as_deref())?;
-            std::io::stdout().lock().write_all(report.as_bytes())?;
+            out(&report)?;
             Ok(Outcome::Pass)
         }
         Cmd::Synth { args, quiet } => {

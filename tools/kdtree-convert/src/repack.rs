@@ -1,20 +1,25 @@
 //! `kdtree-convert repack`: checkpoint (+ drafter) → rank shards + manifest.toml + SHA256SUMS.
 //! Order of work: open and validate every source header and the whole plan before OUT is touched; then
-//! write each planned file as `*.partial` (hashing while writing), rename it, and record its hashes in
+//! write each planned file as `*.partial` (SHA-256 of the file and xxh3-64 of each tensor while writing), rename it, and record them in
 //! `OUT/.kdtree-convert/<file>.json` (keyed by a job id, so a re-run skips it); manifest.toml and
 //! SHA256SUMS come last (temp + rename), then the records are removed. Killed at any moment, the same
 //! command resumes and ends with the same bytes as an uninterrupted run. The tokenizer / chat-template
 //! files of SRC (`manifest::AUX_FILES`, each optional) are copied first, the same way (stream, hash,
 //! `*.partial` + rename, record keyed by the source's sha256), and listed in `[[aux_files]]` and SHA256SUMS.
-//! Tests: tools/kdtree-convert/tests/repack.rs (determinism, kill -9 resume), tests/bad_input.rs and
-//! tests/aux_files.rs (carried files).
+//! Before the first byte: OUT is locked (lock.rs), SRC's state is compared with the stamp of any
+//! earlier run (stamp.rs: a changed source is converted again, never mixed) and the free space is
+//! checked (statvfs). Tests: tools/kdtree-convert/tests/repack.rs (determinism, kill -9 resume),
+//! tests/bad_input.rs, tests/bad_config.rs, tests/aux_files.rs (carried files), tests/lock.rs,
+//! tests/stale_source.rs, tests/messages.rs (notices, free space).
 
 use crate::emit::emit;
+use crate::lock::{lock_out, LOCK_FILE};
 use crate::progress::Progress;
 use crate::source::{self, AuxSource, Checkpoint};
+use crate::stamp::{Stamp, STAMP_FILE};
 use anyhow::{bail, Context, Result};
 use kdtree_formats::assemble::{build_manifest, file_specs, planned_record, FileRecord, ManifestInputs, TensorRecord};
-use kdtree_formats::manifest::{json_to_toml, sha256sums, AuxFile, Manifest, Model, MANIFEST, SHA256SUMS};
+use kdtree_formats::manifest::{json_to_toml, sha256sums, AuxFile, Manifest, Model, FORMAT_VERSION, MANIFEST, SHA256SUMS};
 use kdtree_formats::plan::{assign_files, plan_model, ExpertsMode, Plan, PlannedFile, SourceQuant};
 use kdtree_formats::writer::{partial_path, write_atomic, ShardWriter};
 use sha2::{Digest, Sha256};
@@ -102,12 +107,12 @@ fn job_id(job: &Job, f: &PlannedFile) -> String {
 
 /// OUT may only hold what this conversion writes.
 fn check_out_dir(out: &Path, files: &[PlannedFile], aux: &[AuxSource]) -> Result<()> {
-    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    let mut ours: std::collections::HashSet<String> = [MANIFEST, SHA256SUMS, STATE_DIR].iter().map(|s| s.to_string()).collect();
+    let mut ours: std::collections::HashSet<String> = [MANIFEST, SHA256SUMS, STATE_DIR, LOCK_FILE, STAMP_FILE].iter().map(|s| s.to_string()).collect();
     for n in files.iter().map(|f| f.name.as_str()).chain(aux.iter().map(|a| a.name.as_str())).chain([MANIFEST, SHA256SUMS]) {
         ours.insert(n.to_string());
         ours.insert(format!("{n}.partial"));
     }
+    ours.insert(format!("{STAMP_FILE}.partial"));
     for e in std::fs::read_dir(out).with_context(|| format!("listing {}", out.display()))? {
         let name = e?.file_name().to_string_lossy().into_owned();
         if !ours.contains(&name) {
@@ -142,7 +147,7 @@ fn write_file(job: &Job, o: &RepackOptions, i: usize, prog: &Progress) -> Result
         name: f.name.clone(),
         size: done.size,
         sha256: done.sha256,
-        tensors: done.tensors.into_iter().map(|t| TensorRecord { name: t.name, offset: t.offset, nbytes: t.nbytes, sha256: t.sha256 }).collect(),
+        tensors: done.tensors.into_iter().map(|t| TensorRecord { name: t.name, offset: t.offset, nbytes: t.nbytes, xxh3: t.xxh3 }).collect(),
     };
     if record.size != job.planned[i].size {
         bail!("internal: {} is {} bytes, planned {}", f.name, record.size, job.planned[i].size);
@@ -245,7 +250,9 @@ fn complete_shards(job: &Job, out: &Path) -> Option<Manifest> {
     }
     let text = std::fs::read_to_string(out.join(MANIFEST)).ok()?;
     let m = Manifest::parse(MANIFEST, &text).ok()?;
-    let same = m.source == job.inputs.source
+    // An older format's manifest (per-tensor sha256) is rewritten whole, never patched into this one.
+    let same = m.format_version == FORMAT_VERSION
+        && m.source == job.inputs.source
         && m.model == job.inputs.model
         && m.plan.ranks == job.plan.ranks
         && m.plan.experts == job.plan.experts
@@ -270,7 +277,7 @@ fn seed_records(job: &Job, o: &RepackOptions, m: &Manifest) -> Result<()> {
             .tensors
             .iter()
             .filter(|t| t.file == fe.name)
-            .map(|t| TensorRecord { name: t.name.clone(), offset: t.offset, nbytes: t.nbytes, sha256: t.sha256.clone() })
+            .map(|t| TensorRecord { name: t.name.clone(), offset: t.offset, nbytes: t.nbytes, xxh3: t.xxh3.clone() })
             .collect();
         let planned = &job.planned[i].tensors;
         let fits = tensors.len() == planned.len() && tensors.iter().zip(planned).all(|(a, b)| a.name == b.name && a.offset == b.offset && a.nbytes == b.nbytes);
@@ -287,14 +294,100 @@ fn seed_records(job: &Job, o: &RepackOptions, m: &Manifest) -> Result<()> {
 /// Run a conversion. Returns the manifest written.
 pub fn repack(o: &RepackOptions) -> Result<Manifest> {
     let job = prepare(o)?;
+    let inner = o.src.join("drafter");
+    if o.drafter.is_none() && inner.join("config.json").is_file() {
+        crate::elog!("notice: {} holds a drafter, which is not converted without --drafter (add `--drafter {}` to include it)", inner.display(), inner.display());
+    }
+    std::fs::create_dir_all(&o.out).with_context(|| format!("creating {}", o.out.display()))?;
+    let lock = lock_out(&o.out)?;
+    let m = write_locked(o, job)?;
+    lock.release();
+    Ok(m)
+}
+
+/// Every file the conversion reads, in a fixed order (for the source stamp). Carried files are not in
+/// it: each is checked by content (sha256) when copied, so one added or changed in SRC is recopied alone.
+fn input_paths(o: &RepackOptions, job: &Job) -> Vec<PathBuf> {
+    let mut v = Vec::new();
+    for dir in std::iter::once(&o.src).chain(o.drafter.as_ref()) {
+        v.extend(["config.json", "model.safetensors.index.json"].iter().map(|n| dir.join(n)).filter(|p| p.exists()));
+    }
+    v.extend(job.ck.files.iter().map(|f| f.path.clone()));
+    v
+}
+
+/// Drop every trace of an earlier conversion's progress (records, manifest, sums), so each file is
+/// rewritten; the shards themselves are replaced as they are rewritten (`*.partial` + rename).
+fn forget_previous(out: &Path) -> Result<()> {
+    for n in [MANIFEST, SHA256SUMS] {
+        let p = out.join(n);
+        if p.exists() {
+            std::fs::remove_file(&p).with_context(|| format!("removing {}", p.display()))?;
+        }
+    }
+    let st = out.join(STATE_DIR);
+    if st.exists() {
+        std::fs::remove_dir_all(&st).with_context(|| format!("removing {}", st.display()))?;
+    }
+    Ok(())
+}
+
+/// Bytes this run still has to write into `out`: every planned and carried file, less those already
+/// there at their final size (a resumed run may reuse them; a stale `*.partial` is about to be replaced).
+fn bytes_to_write(job: &Job, out: &Path) -> u64 {
+    let sizes = job.planned.iter().map(|r| (&r.name, r.size)).chain(job.aux.iter().map(|a| (&a.name, a.size)));
+    let have = |n: &str, size: u64| std::fs::metadata(out.join(n)).is_ok_and(|m| m.len() == size);
+    let partial = |n: &str| std::fs::metadata(partial_path(&out.join(n))).map_or(0, |m| m.len());
+    sizes.map(|(n, size)| if have(n, size) { 0 } else { size.saturating_sub(partial(n)) }).sum()
+}
+
+/// Refuse to start when the filesystem of `out` has less than `needed` bytes free for us (statvfs
+/// f_bavail: what an unprivileged writer may use), so a conversion does not die hours in.
+pub fn check_free_space(out: &Path, needed: u64) -> Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(out.as_os_str().as_bytes()).with_context(|| format!("{}: path holds a NUL byte", out.display()))?;
+    // SAFETY: statvfs writes into the zeroed struct we pass; the path is a valid NUL-terminated string.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error()).with_context(|| format!("statvfs {}", out.display()));
+    }
+    let free = (st.f_bavail as u64).saturating_mul(st.f_frsize as u64);
+    if needed > free {
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        bail!("{}: not enough free space: this conversion needs {needed} bytes ({:.2} GiB) more, the filesystem has {free} ({:.2} GiB) free", out.display(), gib(needed), gib(free));
+    }
+    Ok(())
+}
+
+/// The conversion proper, with OUT locked.
+fn write_locked(o: &RepackOptions, job: Job) -> Result<Manifest> {
     check_out_dir(&o.out, &job.files, &job.aux)?;
+    let inputs = input_paths(o, &job);
+    let stamp = Stamp::take(&inputs)?;
+    match Stamp::read(&o.out) {
+        Some(old) => {
+            if let Some(why) = old.diff(&stamp) {
+                // Shards in OUT (finished or not) came from another source state: none may be kept.
+                crate::elog!("notice: SRC changed since the conversion in {} was made ({why}); converting everything again", o.out.display());
+                forget_previous(&o.out)?;
+            }
+        }
+        None if o.out.join(MANIFEST).exists() || o.out.join(STATE_DIR).exists() => {
+            crate::elog!("notice: {} has no source stamp ({STAMP_FILE}: written by an older kdtree-convert); converting everything again", o.out.display());
+            forget_previous(&o.out)?;
+        }
+        None => {}
+    }
     let prev = complete_shards(&job, &o.out);
     if let Some(m) = prev.as_ref().filter(|m| aux_complete(&job, m, &o.out)) {
         if !o.quiet {
-            eprintln!("{}: already complete (run `kdtree-convert verify` to re-hash)", o.out.display());
+            crate::elog!("{}: already complete (run `kdtree-convert verify` to re-hash)", o.out.display());
         }
         return Ok(m.clone());
     }
+    check_free_space(&o.out, bytes_to_write(&job, &o.out))?;
+    // Before the first shard: what any shard in OUT from here on was made from.
+    stamp.write(&o.out)?;
     std::fs::create_dir_all(o.out.join(STATE_DIR))?;
     if let Some(m) = &prev {
         // Shards complete, carried files differ: keep the shards (records first, so a kill from here on
@@ -313,6 +406,10 @@ pub fn repack(o: &RepackOptions) -> Result<Manifest> {
     let prog = Progress::new("repack", total, o.quiet);
     let records = write_all(&job, o, &prog)?;
     prog.finish();
+    // A source changed under the run (its bytes may be in some shards and not others): no manifest.
+    if let Some(why) = stamp.diff(&Stamp::take(&inputs)?) {
+        bail!("SRC changed during the conversion ({why}); re-run to convert the new source");
+    }
     let mut manifest = build_manifest(&job.plan, &job.files, &records, job.inputs);
     manifest.aux_files = aux;
     let text = manifest.to_toml()?;
@@ -327,7 +424,7 @@ pub fn repack(o: &RepackOptions) -> Result<Manifest> {
     }
     if !o.quiet {
         let carried: Vec<&str> = manifest.aux_files.iter().map(|a| a.name.as_str()).collect();
-        eprintln!(
+        crate::elog!(
             "{}: {} files, {} tensors, {} bytes; carried {}",
             o.out.display(),
             manifest.files.len(),

@@ -2,7 +2,7 @@
 //! single model.safetensors) and an optional DFlash drafter dir. Every safetensors header is validated by
 //! formats::reader before any byte is used; weight_map entries must be plain file names inside the dir.
 //! Then every tensor the plan needs is checked (present, dtype, shape, weight_shape values) and anything
-//! unexpected outside vision_tower.* / mm_projector.* is refused. Reference: shared k26-format.md §1.4, §2.
+//! unexpected outside vision_tower.* / mm_projector.* is refused. Configs pass formats::validate first. Reference: shared k26-format.md §1.4, §2.
 //! `aux_files` finds (and hashes) the tokenizer / chat-template files repack carries along.
 //! Tests: tools/kdtree-convert/tests/bad_input.rs, tests/aux_files.rs.
 
@@ -11,6 +11,7 @@ use kdtree_formats::config::{parse_drafter_config, parse_text_config, DrafterCon
 use kdtree_formats::manifest::{is_plain_file_name, DrafterSource, Source, SourceFile, AUX_FILES};
 use kdtree_formats::plan::{Plan, SourceQuant};
 use kdtree_formats::reader::{SafeFile, TensorInfo};
+use kdtree_formats::validate::{check_drafter, check_text};
 use kdtree_formats::Dtype;
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, HashMap};
@@ -147,6 +148,8 @@ pub fn open(src: &Path, drafter_dir: Option<&Path>) -> Result<Checkpoint> {
     let hf = open_hf_dir(src)?;
     let cname = src.join("config.json").display().to_string();
     let text = parse_text_config(&cname, &hf.config)?;
+    // Bounds and cross-field rules first: nothing below may size anything from an unchecked value.
+    check_text(&cname, &text)?;
     let root: serde_json::Value = serde_json::from_str(&hf.config)?;
     let mut text_json = root.get("text_config").cloned().unwrap_or_else(|| root.clone());
     if let (Some(q), Some(t)) = (root.get("quantization_config"), text_json.as_object_mut()) {
@@ -186,7 +189,9 @@ pub fn open(src: &Path, drafter_dir: Option<&Path>) -> Result<Checkpoint> {
     if let Some(d) = drafter_dir {
         let dh = open_hf_dir(d)?;
         let dname = d.join("config.json").display().to_string();
-        drafter = Some(parse_drafter_config(&dname, &dh.config)?);
+        let dc = parse_drafter_config(&dname, &dh.config)?;
+        check_drafter(&dname, &dc, &text)?;
+        drafter = Some(dc);
         drafter_json = Some(serde_json::from_str(&dh.config)?);
         for (n, fi) in dh.map {
             tensors.insert(format!("{DRAFTER_PREFIX}{n}"), drafter_base + fi);

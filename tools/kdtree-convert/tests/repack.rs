@@ -30,7 +30,10 @@ fn repack_is_deterministic_verifies_and_sha256sum_accepts() {
     }
     assert_eq!(snaps[0], snaps[1], "two runs differ");
     assert!(snaps[0].keys().any(|k| k.to_str().unwrap() == "rank-01-of-02.part-0003.safetensors"), "{:?}", snaps[0].keys());
-    assert!(!snaps[0].keys().any(|k| k.to_str().unwrap().contains("partial") || k.to_str().unwrap().contains(".kdtree")));
+    // No temp files, state or lock left; the source stamp stays (it is how a re-run tells a changed SRC).
+    let stamp = kdtree_convert::stamp::STAMP_FILE;
+    assert!(!snaps[0].keys().any(|k| k.to_str().unwrap().contains("partial") || (k.to_str().unwrap().contains(".kdtree") && k.to_str().unwrap() != stamp)));
+    assert!(snaps[0].keys().any(|k| k.to_str().unwrap() == stamp));
     // Re-running on a complete output changes nothing.
     let out = d.path().join("out0");
     let (code, _, err) = run(&["repack", s(&src), s(&out), "--ranks", "2", "--drafter", s(&drafter), "--max-file-size", "20000", "--quiet"]);

@@ -1,6 +1,6 @@
 //! `kdtree-convert verify`: passes on a fresh conversion; a flipped byte inside a tensor names that
 //! tensor; truncation, a missing file and an extra file each fail with exit 1 naming the file; an
-//! unreadable manifest exits 2.
+//! unparseable manifest exits 1 (tests/closed_pipes.rs has the other malformed-index cases).
 
 mod common;
 use common::*;
@@ -60,7 +60,7 @@ fn verify_names_truncated_missing_and_extra_files() {
     assert_eq!(code, 1, "{msg}");
     assert!(msg.contains("stray.bin: extra file"), "{msg}");
     std::fs::remove_file(out.join("stray.bin")).unwrap();
-    // A manifest edit is caught by SHA256SUMS; an unreadable manifest is an error (exit 2).
+    // A manifest edit is caught by SHA256SUMS; an unparseable manifest is a failed check (exit 1).
     let mp = out.join("manifest.toml");
     let text = std::fs::read_to_string(&mp).unwrap();
     std::fs::write(&mp, text.replacen("generator = \"", "generator = \"x", 1)).unwrap();
@@ -69,6 +69,78 @@ fn verify_names_truncated_missing_and_extra_files() {
     assert!(msg.contains("manifest.toml: SHA256SUMS says"), "{msg}");
     std::fs::write(&mp, "not toml [").unwrap();
     let (code, msg) = verify(&out);
-    assert_eq!(code, 2, "{msg}");
+    assert_eq!(code, 1, "{msg}");
     assert!(msg.contains("manifest.toml"), "{msg}");
+}
+
+/// Rewrite a fresh (v2) conversion as format v1 did it: per-tensor sha256, no xxh3; SHA256SUMS updated.
+fn as_v1(out: &Path) {
+    use sha2::{Digest, Sha256};
+    let mp = out.join("manifest.toml");
+    let mut m = kdtree_formats::Manifest::parse("m", &std::fs::read_to_string(&mp).unwrap()).unwrap();
+    m.format_version = 1;
+    for t in &mut m.tensors {
+        let b = std::fs::read(out.join(&t.file)).unwrap();
+        t.sha256 = hex::encode(Sha256::digest(&b[t.offset as usize..(t.offset + t.nbytes) as usize]));
+        t.xxh3.clear();
+    }
+    let text = m.to_toml().unwrap();
+    assert!(text.starts_with("format_version = 1\n"));
+    std::fs::write(&mp, &text).unwrap();
+    let sums = std::fs::read_to_string(out.join("SHA256SUMS")).unwrap();
+    let fixed: String = sums
+        .lines()
+        .map(|l| if l.ends_with("  manifest.toml") { format!("{}  manifest.toml\n", hex::encode(Sha256::digest(text.as_bytes()))) } else { format!("{l}\n") })
+        .collect();
+    std::fs::write(out.join("SHA256SUMS"), fixed).unwrap();
+}
+
+#[test]
+fn verify_reads_format_v1_and_names_a_bad_tensor_by_its_sha256() {
+    let d = tempfile::tempdir().unwrap();
+    let out = converted(d.path());
+    let m = kdtree_formats::ModelDir::open(&out).unwrap().manifest().clone();
+    assert_eq!(m.format_version, 2);
+    assert!(m.tensors.iter().all(|t| t.xxh3.len() == 16 && t.sha256.is_empty()));
+    as_v1(&out);
+    let (code, msg) = verify(&out);
+    assert_eq!(code, 0, "{msg}");
+    assert!(kdtree_formats::ModelDir::open(&out).is_ok());
+    let t = m.tensors.iter().find(|t| t.name.ends_with("layers.1.mlp.experts.gate_proj.weight_scale") && t.rank == 0).unwrap();
+    let p = out.join(&t.file);
+    let mut bytes = std::fs::read(&p).unwrap();
+    bytes[t.offset as usize + 3] ^= 0x80;
+    std::fs::write(&p, &bytes).unwrap();
+    let (code, msg) = verify(&out);
+    assert_eq!(code, 1, "{msg}");
+    assert!(msg.contains(&format!("tensor \"{}\" (rank 0): sha256 ", t.name)), "{msg}");
+    // A re-run of repack rewrites a v1 conversion whole as v2 (never patches v1 entries into v2).
+    let (code, _, err) = run(&["repack", s(&d.path().join("src")), s(&out), "--ranks", "2", "--max-file-size", "30000", "--quiet"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(verify(&out).0, 0);
+    assert_eq!(kdtree_formats::ModelDir::open(&out).unwrap().manifest().format_version, 2);
+}
+
+#[test]
+fn verify_fails_a_consistent_but_unplanned_manifest() {
+    // split_offset edited and SHA256SUMS updated to match: the hashes pass, the reader would refuse it.
+    use sha2::{Digest, Sha256};
+    let d = tempfile::tempdir().unwrap();
+    let out = converted(d.path());
+    let mp = out.join("manifest.toml");
+    let mut m = kdtree_formats::Manifest::parse("m", &std::fs::read_to_string(&mp).unwrap()).unwrap();
+    let t = m.tensors.iter_mut().find(|t| t.name.ends_with("layers.1.self_attn.q_b_proj.weight") && t.rank == 1).unwrap();
+    t.split_offset += 1;
+    let name = t.name.clone();
+    let text = m.to_toml().unwrap();
+    std::fs::write(&mp, &text).unwrap();
+    let sums = std::fs::read_to_string(out.join("SHA256SUMS")).unwrap();
+    let fixed: String = sums
+        .lines()
+        .map(|l| if l.ends_with("  manifest.toml") { format!("{}  manifest.toml\n", hex::encode(Sha256::digest(text.as_bytes()))) } else { format!("{l}\n") })
+        .collect();
+    std::fs::write(out.join("SHA256SUMS"), fixed).unwrap();
+    let (code, msg) = verify(&out);
+    assert_eq!(code, 1, "{msg}");
+    assert!(msg.starts_with("FAILED: ") && msg.contains(&name) && msg.contains("split_offset"), "{msg}");
 }

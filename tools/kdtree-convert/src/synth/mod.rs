@@ -58,7 +58,7 @@ pub struct Written {
 pub fn run_synth(args: &SynthArgs, quiet: bool) -> Result<()> {
     let w = write_opts(&args.preset, &args.out, args.seed, args.drafter, args.layers, quiet)?;
     if !quiet {
-        eprintln!(
+        crate::elog!(
             "synth {}: {} layers, {} shards, {:.2} GiB{} -> {}",
             w.preset.name,
             w.preset.text.num_hidden_layers,
@@ -97,9 +97,9 @@ fn write_opts(preset: &str, out: &Path, seed: u64, drafter: bool, layers: Option
 
     write_json(&out.join("config.json"), &configs::model_config(&p))?;
     write_json(&out.join("generation_config.json"), &configs::generation_config(&p))?;
-    std::fs::write(out.join("tiktoken.model"), vocab::tiktoken_model(p.tokenizer.mergeable))?;
+    write_bytes(&out.join("tiktoken.model"), vocab::tiktoken_model(p.tokenizer.mergeable).as_bytes())?;
     write_json(&out.join("tokenizer_config.json"), &vocab::tokenizer_config(p.tokenizer.mergeable, p.text.max_position_embeddings))?;
-    std::fs::write(out.join("chat_template.jinja"), vocab::CHAT_TEMPLATE)?;
+    write_bytes(&out.join("chat_template.jinja"), vocab::CHAT_TEMPLATE.as_bytes())?;
 
     let n = shards.len();
     let mut names = std::collections::BTreeMap::new();
@@ -117,7 +117,7 @@ fn write_opts(preset: &str, out: &Path, seed: u64, drafter: bool, layers: Option
 
     if drafter {
         let d = out.join("drafter");
-        std::fs::create_dir_all(&d)?;
+        std::fs::create_dir_all(&d).with_context(|| format!("creating {}", d.display()))?;
         write_json(&d.join("config.json"), &configs::drafter_config(&p))?;
         write_shard(&d.join("model.safetensors"), &drafter_specs, seed ^ 0xD4AF_7E42, &progress)?;
     }
@@ -128,7 +128,12 @@ fn write_opts(preset: &str, out: &Path, seed: u64, drafter: bool, layers: Option
 fn write_json(path: &Path, v: &Value) -> Result<()> {
     let mut s = serde_json::to_string_pretty(v)?;
     s.push('\n');
-    std::fs::write(path, s).with_context(|| format!("writing {}", path.display()))
+    write_bytes(path, s.as_bytes())
+}
+
+/// Every write names its file (a full disk says which one).
+fn write_bytes(path: &Path, b: &[u8]) -> Result<()> {
+    std::fs::write(path, b).with_context(|| format!("writing {}", path.display()))
 }
 
 /// Write one safetensors file: chunks generated in parallel windows, written in the writer's (name) order.
