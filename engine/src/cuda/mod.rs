@@ -54,8 +54,8 @@ pub(crate) fn drv(op: &'static str) -> impl FnOnce(cudarc::driver::DriverError) 
     move |source| CudaError::Driver { op, source }
 }
 
-/// One GPU: context, the stream every op launches on, the kernels module and a cuBLAS handle bound to
-/// that stream. Not `Clone`; share it by reference (ops take `&Gpu`).
+/// One GPU: context, the stream every op launches on (capturable into a CUDA graph), the kernels module
+/// and a cuBLAS handle bound to that stream. Not `Clone`; share it by reference (ops take `&Gpu`).
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
@@ -86,7 +86,11 @@ impl Gpu {
             return Err(CudaError::NoDevice("libcublas (CUDA 13 libraries) was not found; add it to LD_LIBRARY_PATH".into()));
         }
         let ctx = CudaContext::new(ordinal).map_err(drv("open device"))?;
-        let stream = ctx.default_stream();
+        // SAFETY: a Gpu issues all work on its one stream, so cudarc's cross-stream event tracking (an event
+        // record per buffer use, which also gets in the way of graph capture) is not needed.
+        unsafe { ctx.disable_event_tracking() };
+        // An own stream, not the legacy default stream: only a real stream can be captured into a graph.
+        let stream = ctx.new_stream().map_err(drv("create stream"))?;
         let module = ctx
             .load_module(cudarc::nvrtc::Ptx::from_binary(kdtree_kernels::FATBIN.to_vec()))
             .map_err(|e| CudaError::NoDevice(format!("loading the kernels fatbin (sm_90a/sm_120a/compute_90): {e}")))?;

@@ -3,7 +3,7 @@
 //! packed `[N, K/2]` u8, low nibble = even k, offset 8; scales `[N, K/32]` bf16; formats/FORMAT.md).
 //!
 //! Plan: the grid is (N/128 row blocks) x (S k-splits) x (row tiles of 8, 16 or 32 rows). S is chosen so
-//! that there are at least two blocks per SM (M = 1 decode on a 512-row TP slice still fills the GPU), and
+//! that there are about four blocks per SM (M = 1 decode on a 512-row TP slice still fills the GPU), and
 //! limited by the shared memory that holds the block's slice of x. Partials go to an f32 workspace
 //! `[S, rows, N]`, reduced in split order by a second kernel (deterministic; no atomics).
 
@@ -21,6 +21,9 @@ pub const K_STEP: usize = 128;
 pub const N_STEP: usize = 32;
 const ROWS_PER_CTA: usize = 128;
 const GROUP_BYTES_SMEM: usize = 72;
+/// Blocks per SM the split-K count aims at (4 fit by registers: 128 threads x 128 registers); enough
+/// warps with 192 bytes in flight per lane to cover HBM latency at M = 1.
+const BLOCKS_PER_SM: usize = 4;
 
 const DENSE: [&str; 3] = ["kdtree_w4a16_gemm_i4g32_m1", "kdtree_w4a16_gemm_i4g32_m2", "kdtree_w4a16_gemm_i4g32_m4"];
 const GROUPED: [&str; 3] = ["kdtree_moe_w4a16_gemm_i4g32_m1", "kdtree_moe_w4a16_gemm_i4g32_m2", "kdtree_moe_w4a16_gemm_i4g32_m4"];
@@ -79,7 +82,7 @@ fn mt_for(rows: usize) -> usize {
 fn plan_for(gpu: &Gpu, mt: usize, row_tiles: usize, n: usize, k: usize) -> Plan {
     let nkb = (k / K_STEP).max(1);
     let blocks = n.div_ceil(ROWS_PER_CTA) * row_tiles.max(1);
-    let want = (2 * gpu.sms).div_ceil(blocks).clamp(1, nkb);
+    let want = (BLOCKS_PER_SM * gpu.sms).div_ceil(blocks).clamp(1, nkb);
     let mut kbps = nkb.div_ceil(want);
     let budget = gpu.max_smem.saturating_sub(1024);
     while kbps > 1 && 8 * mt * smem_row_stride(kbps) > budget {
