@@ -40,7 +40,8 @@ fn time_graph_ms(g: &Gpu, iters: usize, mut f: impl FnMut(usize)) -> f64 {
     for i in 0..iters {
         f(i);
     }
-    let graph = g.stream.end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD).unwrap().expect("captured graph");
+    let graph = g.stream.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("captured graph");
+    graph.upload().unwrap();
     graph.launch().unwrap();
     time_ms(g, 0, 1, |_| graph.launch().unwrap()) / iters as f64
 }

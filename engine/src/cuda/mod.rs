@@ -64,6 +64,8 @@ pub struct Gpu {
     pub sms: usize,
     /// Largest dynamic shared memory a block may opt into (bytes).
     pub max_smem: usize,
+    /// Shared memory of one SM (bytes), shared by the blocks resident on it.
+    pub smem_per_sm: usize,
     _module: Arc<CudaModule>,
     funcs: HashMap<&'static str, CudaFunction>,
 }
@@ -106,8 +108,11 @@ impl Gpu {
         let max_smem = ctx
             .attribute(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .map_err(drv("device attributes"))? as usize;
+        let smem_per_sm = ctx
+            .attribute(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)
+            .map_err(drv("device attributes"))? as usize;
         let blas = CudaBlas::new(stream.clone()).map_err(|source| CudaError::Blas { op: "cublas init", source })?;
-        let gpu = Gpu { ctx, stream, blas, sms, max_smem, _module: module, funcs };
+        let gpu = Gpu { ctx, stream, blas, sms, max_smem, smem_per_sm, _module: module, funcs };
         ops::w4a16_gemm::configure(&gpu)?;
         Ok(gpu)
     }

@@ -4,7 +4,7 @@
 //!
 //! Plan: the grid is (N/128 row blocks) x (S k-splits) x (row tiles of 8, 16 or 32 rows). S is chosen so
 //! that there are about four blocks per SM (M = 1 decode on a 512-row TP slice still fills the GPU), and
-//! limited by the shared memory that holds the block's slice of x. Partials go to an f32 workspace
+//! limited so that the shared memory holding the block's slice of x lets four blocks stay resident. Partials go to an f32 workspace
 //! `[S, rows, N]`, reduced in split order by a second kernel (deterministic; no atomics).
 
 use cudarc::driver::sys::CUfunction_attribute;
@@ -84,7 +84,9 @@ fn plan_for(gpu: &Gpu, mt: usize, row_tiles: usize, n: usize, k: usize) -> Plan 
     let blocks = n.div_ceil(ROWS_PER_CTA) * row_tiles.max(1);
     let want = (BLOCKS_PER_SM * gpu.sms).div_ceil(blocks).clamp(1, nkb);
     let mut kbps = nkb.div_ceil(want);
-    let budget = gpu.max_smem.saturating_sub(1024);
+    // Shared memory per block small enough for BLOCKS_PER_SM blocks to be resident (1 KB per block is
+    // reserved by the system, plus the static row maps).
+    let budget = (gpu.smem_per_sm / BLOCKS_PER_SM).saturating_sub(1024 + 512).min(gpu.max_smem.saturating_sub(1024));
     while kbps > 1 && 8 * mt * smem_row_stride(kbps) > budget {
         kbps -= 1;
     }
