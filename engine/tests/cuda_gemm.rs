@@ -18,13 +18,15 @@ use rand::seq::{IndexedRandom, SliceRandom};
 use rand::RngCore;
 use rand_chacha::ChaCha8Rng;
 
-/// W4A16 vs the exact-f32 twin: each weight rounded once to bf16(q·s) (2^-9 relative) and the output
-/// rounded to bf16 (2^-9 of |y|); both bounded by ~2^-9 of max |y|, plus f32 order. Measured floor: see
-/// bench/GPU-RESULTS.md.
+/// W4A16 vs the exact-f32 twin: each weight rounded once to bf16(q·s) and the output rounded to bf16
+/// (up to 2^-8 of max |y|), plus f32 order. Measured on the H200 (2026-12-01, one seed per case): max
+/// 3.7e-3 over 14 dense and 5 grouped cases; 1.6x.
 const W4A16_TOL: f64 = 6.0e-3;
-/// bf16 GEMM with f32 output: only the f32 summation order differs from the twin.
+/// bf16 GEMM with f32 output: only the f32 summation order differs from the twin. Measured: max 9.4e-6
+/// (lm_head 163840x7168) over 3 cases; 3x.
 const GEMM_F32_TOL: f64 = 3.0e-5;
-/// bf16 GEMM with bf16 output: one output rounding (2^-8 of max |y|) plus f32 order.
+/// bf16 GEMM with bf16 output: one output rounding (2^-8 of max |y|) plus f32 order. Measured: max 2.4e-3
+/// over 4 cases; bound 3.9e-3 + order.
 const GEMM_BF16_TOL: f64 = 4.5e-3;
 
 /// Random INT4 weights `[experts, n, k]`: packed bytes (all 256 values) and bf16 scales in ±[2^-9, 2^-6).
@@ -232,7 +234,7 @@ fn op_chain_is_graph_capturable() {
     let mut tiles = g.zeros::<i32>(3 * mt).unwrap();
     let mut nt = g.zeros::<i32>(1).unwrap();
     let mut eo = g.zeros::<bf16>(p * ni).unwrap();
-    let mut am = g.zeros::<u32>(t).unwrap();
+    let mut am = g.zeros::<u32>(p).unwrap(); // argmax of each of the P expert-output rows
     let mut step = || {
         ops::embed::embed_gather(&g, &ids.as_view(), &table.as_view(), &mut hid.as_view_mut(), v, h).unwrap();
         ops::rms_norm::rms_norm(&g, &hid.as_view(), &norm_w.as_view(), &mut xn.as_view_mut(), t, h, h, h, 1e-5).unwrap();
