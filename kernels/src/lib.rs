@@ -17,6 +17,8 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("argmax.cu", "kdtree_argmax_f32"),
     ("argmax.cu", "kdtree_argmax_bf16"),
     ("embed.cu", "kdtree_embed_gather_bf16"),
+    ("mla_attn.cu", "kdtree_mla_attn_bf16"),
+    ("mla_attn.cu", "kdtree_mla_merge_f32"),
     ("moe_align.cu", "kdtree_moe_align_i32"),
     ("moe_router.cu", "kdtree_moe_router_f32"),
     ("residual_add.cu", "kdtree_residual_add_bf16"),
@@ -55,7 +57,7 @@ mod tests {
             let file = path.file_name().unwrap().to_str().unwrap();
             for line in src.lines() {
                 if let Some(rest) = line.split("__global__ void ").nth(1) {
-                    let rest = rest.trim_start_matches("__launch_bounds__(128) ").trim_start_matches("__launch_bounds__(1024) ");
+                    let rest = rest.trim_start_matches("__launch_bounds__(128) ").trim_start_matches("__launch_bounds__(256) ").trim_start_matches("__launch_bounds__(1024) ");
                     let name = rest.split('(').next().unwrap().trim();
                     let listed = KERNELS.iter().any(|(f, n)| *f == file && (n == &name || n.starts_with(name.trim_end_matches("##MT"))));
                     assert!(listed, "kernel {name} in {file} is missing from KERNELS");

@@ -6,6 +6,7 @@
 pub mod argmax;
 pub mod embed;
 pub mod gemm_bf16;
+pub mod mla_attn;
 pub mod moe_align;
 pub mod moe_router;
 pub mod residual_add;
