@@ -79,12 +79,32 @@ fn w4a16_bandwidth() {
             let (eb, es) = (n * k / 2, n * k / 32);
             let mut call = |i: usize| {
                 let c = i % copies;
-                ops::w4a16_gemm::w4a16_gemm(&g, &dx.as_view(), k, m, &dp.slice(c * eb..(c + 1) * eb), &ds.slice(c * es..(c + 1) * es), n, k, &mut ws.as_view_mut(), &mut out.as_view_mut(), n).unwrap();
+                ops::w4a16_gemm::w4a16_gemm(
+                    &g,
+                    &dx.as_view(),
+                    k,
+                    m,
+                    &dp.slice(c * eb..(c + 1) * eb),
+                    &ds.slice(c * es..(c + 1) * es),
+                    n,
+                    k,
+                    &mut ws.as_view_mut(),
+                    &mut out.as_view_mut(),
+                    n,
+                )
+                .unwrap();
             };
             let eager = time_ms(&g, copies, 4 * copies.max(10), &mut call);
             let ms = time_graph_ms(&g, 4 * copies.max(10), &mut call);
             let gbps = bytes as f64 / (ms * 1e-3) / 1e9;
-            println!("BENCH w4a16_gemm N={n} K={k} M={m} splits={} graph {:.2} us {:.0} GB/s {:.0}% of copy (eager {:.2} us)", plan.splits, ms * 1e3, gbps, 100.0 * gbps / copy, eager * 1e3);
+            println!(
+                "BENCH w4a16_gemm N={n} K={k} M={m} splits={} graph {:.2} us {:.0} GB/s {:.0}% of copy (eager {:.2} us)",
+                plan.splits,
+                ms * 1e3,
+                gbps,
+                100.0 * gbps / copy,
+                eager * 1e3
+            );
             // cuBLAS bf16 on the same shape (4x the weight bytes), rotated the same way.
             let (wcopies, wsz) = (wb.len() / (n * k), n * k);
             let mut y = g.zeros::<bf16>(m * n).unwrap();
@@ -121,10 +141,35 @@ fn w4a16_bandwidth() {
         let mut ws = g.zeros::<f32>(plan.workspace_len(p, n)).unwrap();
         let mut out = g.zeros::<bf16>(p * n).unwrap();
         let ms = time_graph_ms(&g, 64, |i| {
-            ops::moe_align::moe_align(&g, &sets[i % 4].as_view(), e, plan.tile_rows(), &mut sorted.as_view_mut(), &mut tiles.as_view_mut(), &mut nt.as_view_mut()).unwrap();
+            ops::moe_align::moe_align(
+                &g,
+                &sets[i % 4].as_view(),
+                e,
+                plan.tile_rows(),
+                &mut sorted.as_view_mut(),
+                &mut tiles.as_view_mut(),
+                &mut nt.as_view_mut(),
+            )
+            .unwrap();
             let (sv, tv, nv) = (sorted.as_view(), tiles.as_view(), nt.as_view());
             let routing = ops::w4a16_gemm::Routing { sorted: &sv, tiles: &tv, max_tiles: mt, n_tiles: &nv, tile_rows: plan.tile_rows() };
-            ops::w4a16_gemm::moe_w4a16_gemm(&g, &x.as_view(), k, top_k, p, &routing, &dp.as_view(), &ds.as_view(), e, n, k, &mut ws.as_view_mut(), &mut out.as_view_mut(), n).unwrap();
+            ops::w4a16_gemm::moe_w4a16_gemm(
+                &g,
+                &x.as_view(),
+                k,
+                top_k,
+                p,
+                &routing,
+                &dp.as_view(),
+                &ds.as_view(),
+                e,
+                n,
+                k,
+                &mut ws.as_view_mut(),
+                &mut out.as_view_mut(),
+                n,
+            )
+            .unwrap();
         });
         let experts_read = if t == 1 { 8 } else { 8.min(e) + 7 };
         let bytes = experts_read * (n * k / 2 + n * k / 16);

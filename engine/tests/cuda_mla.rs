@@ -50,13 +50,33 @@ fn mla_attn_parity() {
     let Some(g) = gpu() else { return };
     // (committed, nodes, heads, tree shape): decode, TP8 and full-head decode, chains (causal prefill),
     // random trees up to 1024 nodes.
-    let cases = [(0, 1, 8, "chain"), (1000, 1, 64, "chain"), (4096, 1, 8, "chain"), (300, 16, 8, "tree"), (37, 100, 8, "tree"), (0, 512, 2, "chain"), (500, 1024, 1, "tree"), (64, 7, 13, "tree")];
+    let cases = [
+        (0, 1, 8, "chain"),
+        (1000, 1, 64, "chain"),
+        (4096, 1, 8, "chain"),
+        (300, 16, 8, "tree"),
+        (37, 100, 8, "tree"),
+        (0, 512, 2, "chain"),
+        (500, 1024, 1, "tree"),
+        (64, 7, 13, "tree"),
+    ];
     for (n, &(committed, t, h, shape)) in cases.iter().enumerate() {
         let mut r = rng(1500 + n as u64);
-        let parents: Vec<i32> = (0..t as i32).map(|j| if shape == "chain" { j - 1 } else if j == 0 { -1 } else { r.random_range(-1..j) }).collect();
+        let parents: Vec<i32> = (0..t as i32)
+            .map(|j| {
+                if shape == "chain" {
+                    j - 1
+                } else if j == 0 {
+                    -1
+                } else {
+                    r.random_range(-1..j)
+                }
+            })
+            .collect();
         let mask = TreeMask::from_parents(&parents).unwrap();
         let plan = ops::mla_attn::plan(&g, t, h, committed);
-        let case = format!("mla_attn(committed={committed},nodes={t},heads={h},{shape},mask_words={}) [{} splits]", mask.words, plan.splits);
+        let case =
+            format!("mla_attn(committed={committed},nodes={t},heads={h},{shape},mask_words={}) [{} splits]", mask.words, plan.splits);
         let q = rand_bf16(&mut r, t * h * D, 0.01, 1.0);
         let kv = rand_bf16(&mut r, (committed + t) * D, 0.01, 1.0);
         let (dq, dkv, dm) = (g.upload(&q).unwrap(), g.upload(&kv).unwrap(), g.upload(&mask.bits).unwrap());
@@ -64,7 +84,21 @@ fn mla_attn_parity() {
         let mut op = g.upload(&nan_f32(lo)).unwrap();
         let mut ml = g.upload(&nan_f32(lm)).unwrap();
         let mut out = g.upload(&nan_bf16(t * h * DL)).unwrap();
-        ops::mla_attn::mla_attn(&g, &dq.as_view(), &dkv.as_view(), &dm.as_view(), t, h, committed, mask.words, SCALE, &mut op.as_view_mut(), &mut ml.as_view_mut(), &mut out.as_view_mut()).unwrap();
+        ops::mla_attn::mla_attn(
+            &g,
+            &dq.as_view(),
+            &dkv.as_view(),
+            &dm.as_view(),
+            t,
+            h,
+            committed,
+            mask.words,
+            SCALE,
+            &mut op.as_view_mut(),
+            &mut ml.as_view_mut(),
+            &mut out.as_view_mut(),
+        )
+        .unwrap();
         let got = g.download(&out).unwrap();
         let (qf, kvf) = (widen(&q), widen(&kv));
         let want: Vec<f32> = (0..t * h)
@@ -72,7 +106,8 @@ fn mla_attn_parity() {
             .flat_map_iter(|ih| {
                 let i = ih / h;
                 let row = mask.row(i);
-                let visible: Vec<usize> = (0..committed).chain((0..t).filter(|&j| (row[j / 64] >> (j % 64)) & 1 == 1).map(|j| committed + j)).collect();
+                let visible: Vec<usize> =
+                    (0..committed).chain((0..t).filter(|&j| (row[j / 64] >> (j % 64)) & 1 == 1).map(|j| committed + j)).collect();
                 reference(&qf[ih * D..(ih + 1) * D], &kvf, &visible)
             })
             .collect();
@@ -89,6 +124,21 @@ fn mla_attn_rejects_a_short_mask() {
     let mut o = g.upload(&vec![0f32; 1 << 20]).unwrap();
     let mut l = g.upload(&vec![0f32; 1 << 12]).unwrap();
     let mut out = g.upload(&vec![bf16::ZERO; 100 * DL]).unwrap();
-    let e = ops::mla_attn::mla_attn(&g, &q.as_view(), &kv.as_view(), &m.as_view(), 100, 1, 0, 1, SCALE, &mut o.as_view_mut(), &mut l.as_view_mut(), &mut out.as_view_mut()).unwrap_err().to_string();
+    let e = ops::mla_attn::mla_attn(
+        &g,
+        &q.as_view(),
+        &kv.as_view(),
+        &m.as_view(),
+        100,
+        1,
+        0,
+        1,
+        SCALE,
+        &mut o.as_view_mut(),
+        &mut l.as_view_mut(),
+        &mut out.as_view_mut(),
+    )
+    .unwrap_err()
+    .to_string();
     assert!(e.contains("mla_attn") && e.contains("words=1") && e.contains("t=100"), "{e}");
 }

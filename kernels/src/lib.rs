@@ -57,7 +57,10 @@ mod tests {
             let file = path.file_name().unwrap().to_str().unwrap();
             for line in src.lines() {
                 if let Some(rest) = line.split("__global__ void ").nth(1) {
-                    let rest = rest.trim_start_matches("__launch_bounds__(128) ").trim_start_matches("__launch_bounds__(256) ").trim_start_matches("__launch_bounds__(1024) ");
+                    let rest = rest
+                        .trim_start_matches("__launch_bounds__(128) ")
+                        .trim_start_matches("__launch_bounds__(256) ")
+                        .trim_start_matches("__launch_bounds__(1024) ");
                     let name = rest.split('(').next().unwrap().trim();
                     let listed = KERNELS.iter().any(|(f, n)| *f == file && (n == &name || n.starts_with(name.trim_end_matches("##MT"))));
                     assert!(listed, "kernel {name} in {file} is missing from KERNELS");

@@ -105,12 +105,9 @@ impl Gpu {
         }
         use cudarc::driver::sys::CUdevice_attribute as A;
         let sms = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(drv("device attributes"))? as usize;
-        let max_smem = ctx
-            .attribute(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-            .map_err(drv("device attributes"))? as usize;
-        let smem_per_sm = ctx
-            .attribute(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)
-            .map_err(drv("device attributes"))? as usize;
+        let max_smem = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).map_err(drv("device attributes"))? as usize;
+        let smem_per_sm =
+            ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR).map_err(drv("device attributes"))? as usize;
         let blas = CudaBlas::new(stream.clone()).map_err(|source| CudaError::Blas { op: "cublas init", source })?;
         let gpu = Gpu { ctx, stream, blas, sms, max_smem, smem_per_sm, _module: module, funcs };
         ops::w4a16_gemm::configure(&gpu)?;

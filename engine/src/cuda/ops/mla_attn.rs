@@ -47,7 +47,20 @@ pub fn plan(gpu: &Gpu, t: usize, h: usize, committed: usize) -> Plan {
 /// `ml_part` are f32 workspaces of `plan(..).workspace_lens(t, h)`. Two launches.
 /// Launch contract: no allocation, no host sync, graph-capturable.
 #[allow(clippy::too_many_arguments)]
-pub fn mla_attn(gpu: &Gpu, q: &CudaView<'_, bf16>, kv: &CudaView<'_, bf16>, mask: &CudaView<'_, u64>, t: usize, h: usize, committed: usize, words: usize, scale: f32, o_part: &mut CudaViewMut<'_, f32>, ml_part: &mut CudaViewMut<'_, f32>, out: &mut CudaViewMut<'_, bf16>) -> Result<()> {
+pub fn mla_attn(
+    gpu: &Gpu,
+    q: &CudaView<'_, bf16>,
+    kv: &CudaView<'_, bf16>,
+    mask: &CudaView<'_, u64>,
+    t: usize,
+    h: usize,
+    committed: usize,
+    words: usize,
+    scale: f32,
+    o_part: &mut CudaViewMut<'_, f32>,
+    ml_part: &mut CudaViewMut<'_, f32>,
+    out: &mut CudaViewMut<'_, bf16>,
+) -> Result<()> {
     ensure(OP, h > 0, || "heads h=0".into())?;
     ensure(OP, words >= t.div_ceil(64), || format!("mask words={words} cannot hold t={t} nodes (needs {})", t.div_ceil(64)))?;
     ensure(OP, q.len() == t * h * D, || format!("q has {} elements, expected t={t} x h={h} x {D}", q.len()))?;
@@ -63,7 +76,13 @@ pub fn mla_attn(gpu: &Gpu, q: &CudaView<'_, bf16>, kv: &CudaView<'_, bf16>, mask
     need_len(OP, "o_part", o_part.len(), lo)?;
     need_len(OP, "ml_part", ml_part.len(), lm)?;
     ensure(OP, p.splits <= 65535 && h.div_ceil(HEADS_PER_CTA) <= 65535, || format!("grid too large: {} splits, {h} heads", p.splits))?;
-    let (tt, hh, c, w, r) = (as_i32(OP, "t", t)?, as_i32(OP, "h", h)?, as_i32(OP, "committed", committed)?, as_i32(OP, "words", words)?, as_i32(OP, "rows_per_split", p.rows_per_split)?);
+    let (tt, hh, c, w, r) = (
+        as_i32(OP, "t", t)?,
+        as_i32(OP, "h", h)?,
+        as_i32(OP, "committed", committed)?,
+        as_i32(OP, "words", words)?,
+        as_i32(OP, "rows_per_split", p.rows_per_split)?,
+    );
     let mut b = gpu.stream.launch_builder(gpu.func("kdtree_mla_attn_bf16"));
     b.arg(q).arg(kv).arg(mask).arg(&tt).arg(&hh).arg(&c).arg(&w).arg(&scale).arg(&r).arg(&mut *o_part).arg(&mut *ml_part);
     let grid = (t as u32, h.div_ceil(HEADS_PER_CTA) as u32, p.splits as u32);

@@ -107,11 +107,22 @@ pub fn plan_moe(gpu: &Gpu, pairs: usize, n_experts: usize, n: usize, k: usize) -
     plan_for(gpu, mt, active, n, k)
 }
 
-fn check_weights(op: &'static str, packed: &CudaView<'_, u8>, scales: &CudaView<'_, bf16>, experts: usize, n: usize, k: usize) -> Result<()> {
+fn check_weights(
+    op: &'static str,
+    packed: &CudaView<'_, u8>,
+    scales: &CudaView<'_, bf16>,
+    experts: usize,
+    n: usize,
+    k: usize,
+) -> Result<()> {
     ensure(op, k > 0 && k % K_STEP == 0, || format!("K={k} must be a positive multiple of {K_STEP}"))?;
     ensure(op, n > 0 && n % N_STEP == 0, || format!("N={n} must be a positive multiple of {N_STEP}"))?;
-    ensure(op, packed.len() == experts * n * k / 2, || format!("packed has {} bytes, expected E={experts} x N={n} x K/2={}", packed.len(), k / 2))?;
-    ensure(op, scales.len() == experts * n * k / 32, || format!("scales has {} elements, expected E={experts} x N={n} x K/32={}", scales.len(), k / 32))?;
+    ensure(op, packed.len() == experts * n * k / 2, || {
+        format!("packed has {} bytes, expected E={experts} x N={n} x K/2={}", packed.len(), k / 2)
+    })?;
+    ensure(op, scales.len() == experts * n * k / 32, || {
+        format!("scales has {} elements, expected E={experts} x N={n} x K/32={}", scales.len(), k / 32)
+    })?;
     Ok(())
 }
 
@@ -122,7 +133,16 @@ fn check_x(op: &'static str, gpu: &Gpu, x: &CudaView<'_, bf16>, rows: usize, ld_
 }
 
 /// Split-K reduce: `out[r, :n] = bf16(sum_s ws[s, r, :])`, rows `ld_out` apart.
-fn reduce(gpu: &Gpu, op: &'static str, ws: &CudaView<'_, f32>, splits: usize, rows: usize, n: usize, out: &mut CudaViewMut<'_, bf16>, ld_out: usize) -> Result<()> {
+fn reduce(
+    gpu: &Gpu,
+    op: &'static str,
+    ws: &CudaView<'_, f32>,
+    splits: usize,
+    rows: usize,
+    n: usize,
+    out: &mut CudaViewMut<'_, bf16>,
+    ld_out: usize,
+) -> Result<()> {
     let total = rows * n;
     let (s, r, nn, l) = (as_i32(op, "splits", splits)?, as_i32(op, "rows", rows)?, as_i32(op, "N", n)?, as_i32(op, "ld_out", ld_out)?);
     let mut b = gpu.stream.launch_builder(gpu.func("kdtree_w4a16_reduce_f32"));
@@ -137,7 +157,19 @@ fn reduce(gpu: &Gpu, op: &'static str, ws: &CudaView<'_, f32>, splits: usize, ro
 /// `plan_dense(gpu, m_rows, n, k).workspace_len(m_rows, n)` elements. Two launches (GEMM, split reduce).
 /// Launch contract: no allocation, no host sync, graph-capturable.
 #[allow(clippy::too_many_arguments)]
-pub fn w4a16_gemm(gpu: &Gpu, x: &CudaView<'_, bf16>, ld_x: usize, m_rows: usize, packed: &CudaView<'_, u8>, scales: &CudaView<'_, bf16>, n: usize, k: usize, ws: &mut CudaViewMut<'_, f32>, out: &mut CudaViewMut<'_, bf16>, ld_out: usize) -> Result<()> {
+pub fn w4a16_gemm(
+    gpu: &Gpu,
+    x: &CudaView<'_, bf16>,
+    ld_x: usize,
+    m_rows: usize,
+    packed: &CudaView<'_, u8>,
+    scales: &CudaView<'_, bf16>,
+    n: usize,
+    k: usize,
+    ws: &mut CudaViewMut<'_, f32>,
+    out: &mut CudaViewMut<'_, bf16>,
+    ld_out: usize,
+) -> Result<()> {
     check_weights(OP, packed, scales, 1, n, k)?;
     check_x(OP, gpu, x, m_rows, ld_x, k)?;
     ensure(OP, ld_out >= n, || format!("ld_out={ld_out} must be >= N={n}"))?;
@@ -149,7 +181,8 @@ pub fn w4a16_gemm(gpu: &Gpu, x: &CudaView<'_, bf16>, ld_x: usize, m_rows: usize,
     need_len(OP, "workspace", ws.len(), p.workspace_len(m_rows, n))?;
     let tiles = m_rows.div_ceil(p.tile_rows());
     ensure(OP, tiles <= 65535, || format!("M={m_rows} needs {tiles} row tiles, over the grid limit 65535"))?;
-    let (lx, mm, nn, kk, kb) = (as_i32(OP, "ld_x", ld_x)?, as_i32(OP, "M", m_rows)?, as_i32(OP, "N", n)?, as_i32(OP, "K", k)?, as_i32(OP, "kbps", p.kbps)?);
+    let (lx, mm, nn, kk, kb) =
+        (as_i32(OP, "ld_x", ld_x)?, as_i32(OP, "M", m_rows)?, as_i32(OP, "N", n)?, as_i32(OP, "K", k)?, as_i32(OP, "kbps", p.kbps)?);
     let name = DENSE[p.mt.trailing_zeros() as usize];
     let mut b = gpu.stream.launch_builder(gpu.func(name));
     b.arg(x).arg(&lx).arg(&mm).arg(packed).arg(scales).arg(&nn).arg(&kk).arg(&kb).arg(&mut *ws);
@@ -179,7 +212,22 @@ pub struct Routing<'a> {
 /// holds `plan_moe(gpu, pairs, E, n, k).workspace_len(pairs, n)` f32. Blocks beyond the device-side tile
 /// count exit at once. Launch contract: no allocation, no host sync, graph-capturable.
 #[allow(clippy::too_many_arguments)]
-pub fn moe_w4a16_gemm(gpu: &Gpu, x: &CudaView<'_, bf16>, ld_x: usize, x_row_div: usize, pairs: usize, r: &Routing<'_>, packed: &CudaView<'_, u8>, scales: &CudaView<'_, bf16>, n_experts: usize, n: usize, k: usize, ws: &mut CudaViewMut<'_, f32>, out: &mut CudaViewMut<'_, bf16>, ld_out: usize) -> Result<()> {
+pub fn moe_w4a16_gemm(
+    gpu: &Gpu,
+    x: &CudaView<'_, bf16>,
+    ld_x: usize,
+    x_row_div: usize,
+    pairs: usize,
+    r: &Routing<'_>,
+    packed: &CudaView<'_, u8>,
+    scales: &CudaView<'_, bf16>,
+    n_experts: usize,
+    n: usize,
+    k: usize,
+    ws: &mut CudaViewMut<'_, f32>,
+    out: &mut CudaViewMut<'_, bf16>,
+    ld_out: usize,
+) -> Result<()> {
     check_weights(OP_MOE, packed, scales, n_experts, n, k)?;
     ensure(OP_MOE, x_row_div >= 1, || "x_row_div must be >= 1".into())?;
     check_x(OP_MOE, gpu, x, pairs.div_ceil(x_row_div), ld_x, k)?;
@@ -190,13 +238,23 @@ pub fn moe_w4a16_gemm(gpu: &Gpu, x: &CudaView<'_, bf16>, ld_x: usize, x_row_div:
     }
     let p = plan_moe(gpu, pairs, n_experts, n, k);
     ensure(OP_MOE, r.tile_rows == p.tile_rows(), || format!("routing tiles have {} rows, the plan needs {}", r.tile_rows, p.tile_rows()))?;
-    ensure(OP_MOE, r.max_tiles == super::moe_align::max_tiles(pairs, n_experts, r.tile_rows), || format!("max_tiles={} does not match P={pairs}, E={n_experts}", r.max_tiles))?;
+    ensure(OP_MOE, r.max_tiles == super::moe_align::max_tiles(pairs, n_experts, r.tile_rows), || {
+        format!("max_tiles={} does not match P={pairs}, E={n_experts}", r.max_tiles)
+    })?;
     need_len(OP_MOE, "sorted", r.sorted.len(), pairs)?;
     need_len(OP_MOE, "tiles", r.tiles.len(), 3 * r.max_tiles)?;
     need_len(OP_MOE, "n_tiles", r.n_tiles.len(), 1)?;
     need_len(OP_MOE, "workspace", ws.len(), p.workspace_len(pairs, n))?;
     ensure(OP_MOE, r.max_tiles <= 65535, || format!("max_tiles={} exceeds the grid limit 65535", r.max_tiles))?;
-    let (lx, div, pp, mt, nn, kk, kb) = (as_i32(OP_MOE, "ld_x", ld_x)?, as_i32(OP_MOE, "x_row_div", x_row_div)?, as_i32(OP_MOE, "P", pairs)?, as_i32(OP_MOE, "max_tiles", r.max_tiles)?, as_i32(OP_MOE, "N", n)?, as_i32(OP_MOE, "K", k)?, as_i32(OP_MOE, "kbps", p.kbps)?);
+    let (lx, div, pp, mt, nn, kk, kb) = (
+        as_i32(OP_MOE, "ld_x", ld_x)?,
+        as_i32(OP_MOE, "x_row_div", x_row_div)?,
+        as_i32(OP_MOE, "P", pairs)?,
+        as_i32(OP_MOE, "max_tiles", r.max_tiles)?,
+        as_i32(OP_MOE, "N", n)?,
+        as_i32(OP_MOE, "K", k)?,
+        as_i32(OP_MOE, "kbps", p.kbps)?,
+    );
     let name = GROUPED[p.mt.trailing_zeros() as usize];
     let mut b = gpu.stream.launch_builder(gpu.func(name));
     b.arg(x).arg(&lx).arg(&div).arg(&pp).arg(r.sorted).arg(r.tiles).arg(&mt).arg(r.n_tiles);
