@@ -80,6 +80,18 @@ fn mt_for(rows: usize) -> usize {
 
 /// The plan for `row_tiles` tiles of `8 mt` rows over an `[n, k]` weight matrix.
 fn plan_for(gpu: &Gpu, mt: usize, row_tiles: usize, n: usize, k: usize) -> Plan {
+    plan_on(Device { sms: gpu.sms, smem_per_sm: gpu.smem_per_sm, max_smem: gpu.max_smem }, mt, row_tiles, n, k)
+}
+
+/// The device figures a plan depends on.
+#[derive(Clone, Copy)]
+struct Device {
+    sms: usize,
+    smem_per_sm: usize,
+    max_smem: usize,
+}
+
+fn plan_on(gpu: Device, mt: usize, row_tiles: usize, n: usize, k: usize) -> Plan {
     let nkb = (k / K_STEP).max(1);
     let blocks = n.div_ceil(ROWS_PER_CTA) * row_tiles.max(1);
     let want = (BLOCKS_PER_SM * gpu.sms).div_ceil(blocks).clamp(1, nkb);
@@ -263,4 +275,37 @@ pub fn moe_w4a16_gemm(
     // SAFETY: as the dense form; expert ids come from moe_align, which drops ids outside [0, E).
     unsafe { b.launch(launch_cfg(grid, 128, p.smem as u32)) }.map_err(drv(OP_MOE))?;
     reduce(gpu, OP_MOE, &ws.as_view(), p.splits, pairs, n, out, ld_out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// H200 figures (132 SMs, 228 KB of shared memory per SM, 227 KB per block opt-in).
+    const H200: Device = Device { sms: 132, smem_per_sm: 233_472, max_smem: 232_448 };
+
+    #[test]
+    fn smem_row_stride_avoids_bank_conflicts_and_holds_the_slice() {
+        for kbps in 1..=56 {
+            let rs = smem_row_stride(kbps);
+            assert_eq!(rs / 8 % 16, 4, "kbps={kbps}: stride {rs} / 8 must be 4 mod 16");
+            assert!(rs >= kbps * 4 * GROUP_BYTES_SMEM && rs < kbps * 4 * GROUP_BYTES_SMEM + 128, "kbps={kbps}: stride {rs}");
+            assert_eq!(rs % 16, 0, "kbps={kbps}: rows must stay 16-byte aligned");
+        }
+    }
+
+    #[test]
+    fn plans_cover_k_with_nonempty_splits_and_fit_four_blocks_per_sm() {
+        for &(n, k) in &[(4096, 7168), (7168, 2048), (512, 7168), (7168, 256), (32, 128), (160, 384)] {
+            for mt in [1, 2, 4] {
+                for tiles in [1, 2, 8, 40] {
+                    let p = plan_on(H200, mt, tiles, n, k);
+                    let nkb = k / K_STEP;
+                    assert!(p.kbps >= 1 && p.splits * p.kbps >= nkb && (p.splits - 1) * p.kbps < nkb, "{p:?} for K={k}");
+                    assert!(p.smem * BLOCKS_PER_SM <= H200.smem_per_sm || p.kbps == 1, "{p:?}: smem over a quarter SM");
+                    assert_eq!(p.smem, 8 * mt * smem_row_stride(p.kbps));
+                }
+            }
+        }
+    }
 }
