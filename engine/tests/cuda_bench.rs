@@ -2,7 +2,9 @@
 //! device copy, measured in the same run as the bandwidth ceiling). `#[ignore]`: run explicitly with
 //! `--ignored --nocapture --test-threads=1` (scripts/gpu-test.sh does). Weights are random and rotated over
 //! more than 200 MB so every call streams from HBM, not the 60 MB L2; CUDA events around many calls after a
-//! warm-up; GB/s counts the weight bytes (packed + scales, or bf16) once per call.
+//! warm-up; GB/s counts the weight bytes (packed + scales, or bf16) once per call. W4A16 is timed eagerly
+//! and replayed from a CUDA graph (which also proves the launches capturable: no host sync, no allocation);
+//! cuBLAS eagerly only (its capture needs a workspace set first).
 #![cfg(feature = "cuda")]
 
 mod cuda_common;
@@ -30,6 +32,20 @@ fn time_ms(g: &Gpu, warm: usize, iters: usize, mut f: impl FnMut(usize)) -> f64 
     a.elapsed_ms(&b).unwrap() as f64 / iters as f64
 }
 
+/// Mean ms per call of `f(i)`, i < iters, captured once into a CUDA graph (so host launch cost is out of
+/// the figure, as in a captured forward) and replayed after one warm-up replay.
+fn time_graph_ms(g: &Gpu, iters: usize, mut f: impl FnMut(usize)) -> f64 {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    g.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+    for i in 0..iters {
+        f(i);
+    }
+    let graph = g.stream.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("captured graph");
+    graph.upload().unwrap();
+    graph.launch().unwrap();
+    time_ms(g, 0, 1, |_| graph.launch().unwrap()) / iters as f64
+}
+
 fn copy_gbps(g: &Gpu) -> f64 {
     let n = 1usize << 30;
     let src = g.zeros::<u8>(n).unwrap();
@@ -43,7 +59,7 @@ fn copy_gbps(g: &Gpu) -> f64 {
 fn w4a16_bandwidth() {
     let Some(g) = gpu() else { return };
     let copy = copy_gbps(&g);
-    println!("BENCH device {} copy {:.0} GB/s (read+write, 1 GiB memcpy_dtod)", g.describe(), copy);
+    println!("\nBENCH device {} copy {:.0} GB/s (read+write, 1 GiB memcpy_dtod)", g.describe(), copy);
     let mut r = rng(2000);
     for &(n, k) in &[(4096usize, 7168usize), (7168, 2048), (512, 7168), (7168, 256)] {
         let bytes = n * k / 2 + n * k / 32 * 2;
@@ -61,12 +77,34 @@ fn w4a16_bandwidth() {
             let mut ws = g.zeros::<f32>(plan.workspace_len(m, n)).unwrap();
             let mut out = g.zeros::<bf16>(m * n).unwrap();
             let (eb, es) = (n * k / 2, n * k / 32);
-            let ms = time_ms(&g, copies, 4 * copies.max(10), |i| {
+            let mut call = |i: usize| {
                 let c = i % copies;
-                ops::w4a16_gemm::w4a16_gemm(&g, &dx.as_view(), k, m, &dp.slice(c * eb..(c + 1) * eb), &ds.slice(c * es..(c + 1) * es), n, k, &mut ws.as_view_mut(), &mut out.as_view_mut(), n).unwrap();
-            });
+                ops::w4a16_gemm::w4a16_gemm(
+                    &g,
+                    &dx.as_view(),
+                    k,
+                    m,
+                    &dp.slice(c * eb..(c + 1) * eb),
+                    &ds.slice(c * es..(c + 1) * es),
+                    n,
+                    k,
+                    &mut ws.as_view_mut(),
+                    &mut out.as_view_mut(),
+                    n,
+                )
+                .unwrap();
+            };
+            let eager = time_ms(&g, copies, 4 * copies.max(10), &mut call);
+            let ms = time_graph_ms(&g, 4 * copies.max(10), &mut call);
             let gbps = bytes as f64 / (ms * 1e-3) / 1e9;
-            println!("BENCH w4a16_gemm N={n} K={k} M={m} splits={} {:.2} us {:.0} GB/s {:.0}% of copy", plan.splits, ms * 1e3, gbps, 100.0 * gbps / copy);
+            println!(
+                "BENCH w4a16_gemm N={n} K={k} M={m} splits={} graph {:.2} us {:.0} GB/s {:.0}% of copy (eager {:.2} us)",
+                plan.splits,
+                ms * 1e3,
+                gbps,
+                100.0 * gbps / copy,
+                eager * 1e3
+            );
             // cuBLAS bf16 on the same shape (4x the weight bytes), rotated the same way.
             let (wcopies, wsz) = (wb.len() / (n * k), n * k);
             let mut y = g.zeros::<bf16>(m * n).unwrap();
@@ -75,7 +113,7 @@ fn w4a16_bandwidth() {
                 ops::gemm_bf16::gemm_bf16(&g, &dx.as_view(), &wb.slice(c * wsz..(c + 1) * wsz), &mut y.as_view_mut(), m, k, n).unwrap();
             });
             let gbps = (2 * n * k) as f64 / (ms * 1e-3) / 1e9;
-            println!("BENCH gemm_bf16 N={n} K={k} M={m} {:.2} us {:.0} GB/s {:.0}% of copy", ms * 1e3, gbps, 100.0 * gbps / copy);
+            println!("BENCH gemm_bf16 N={n} K={k} M={m} eager {:.2} us {:.0} GB/s {:.0}% of copy", ms * 1e3, gbps, 100.0 * gbps / copy);
         }
     }
     // Grouped MoE decode: 1 token x top-8 of 32 distinct experts of the fused gate+up 4096x7168 (rotated over
@@ -102,16 +140,41 @@ fn w4a16_bandwidth() {
         let mut nt = g.zeros::<i32>(1).unwrap();
         let mut ws = g.zeros::<f32>(plan.workspace_len(p, n)).unwrap();
         let mut out = g.zeros::<bf16>(p * n).unwrap();
-        let ms = time_ms(&g, 8, 64, |i| {
-            ops::moe_align::moe_align(&g, &sets[i % 4].as_view(), e, plan.tile_rows(), &mut sorted.as_view_mut(), &mut tiles.as_view_mut(), &mut nt.as_view_mut()).unwrap();
+        let ms = time_graph_ms(&g, 64, |i| {
+            ops::moe_align::moe_align(
+                &g,
+                &sets[i % 4].as_view(),
+                e,
+                plan.tile_rows(),
+                &mut sorted.as_view_mut(),
+                &mut tiles.as_view_mut(),
+                &mut nt.as_view_mut(),
+            )
+            .unwrap();
             let (sv, tv, nv) = (sorted.as_view(), tiles.as_view(), nt.as_view());
             let routing = ops::w4a16_gemm::Routing { sorted: &sv, tiles: &tv, max_tiles: mt, n_tiles: &nv, tile_rows: plan.tile_rows() };
-            ops::w4a16_gemm::moe_w4a16_gemm(&g, &x.as_view(), k, top_k, p, &routing, &dp.as_view(), &ds.as_view(), e, n, k, &mut ws.as_view_mut(), &mut out.as_view_mut(), n).unwrap();
+            ops::w4a16_gemm::moe_w4a16_gemm(
+                &g,
+                &x.as_view(),
+                k,
+                top_k,
+                p,
+                &routing,
+                &dp.as_view(),
+                &ds.as_view(),
+                e,
+                n,
+                k,
+                &mut ws.as_view_mut(),
+                &mut out.as_view_mut(),
+                n,
+            )
+            .unwrap();
         });
         let experts_read = if t == 1 { 8 } else { 8.min(e) + 7 };
         let bytes = experts_read * (n * k / 2 + n * k / 16);
         let gbps = bytes as f64 / (ms * 1e-3) / 1e9;
-        println!("BENCH moe_w4a16_gemm T={t} top_k=8 experts_read={experts_read} N={n} K={k} splits={} {:.2} us {:.0} GB/s {:.0}% of copy", plan.splits, ms * 1e3, gbps, 100.0 * gbps / copy);
+        println!("BENCH moe_w4a16_gemm T={t} top_k=8 experts_read={experts_read} N={n} K={k} splits={} graph(align+gemm+reduce) {:.2} us {:.0} GB/s {:.0}% of copy", plan.splits, ms * 1e3, gbps, 100.0 * gbps / copy);
     }
 }
 

@@ -18,11 +18,14 @@ use kdtree_engine::cuda::ops;
 use rand::seq::{IndexedRandom, SliceRandom};
 use rand::Rng;
 
-/// One bf16 rounding of the output: half an ulp, at most 2^-8 of max |y| (3.9e-3).
+/// One bf16 rounding of the output: half an ulp, at most 2^-8 of max |y| (3.9e-3, the bound). Measured on
+/// the H200 (2026-12-01, one seed per case): silu_mul max 3.5e-3, rope 2.9e-3, residual_add 2.0e-3.
 const BF16_OUT_TOL: f64 = 4.0e-3;
-/// RMSNorm: bf16 output rounding plus a different f32 summation order of the mean of squares.
+/// RMSNorm: bf16 output rounding plus a different f32 summation order of the mean of squares. Measured:
+/// max 3.5e-3 over 5 cases; bound 3.9e-3 + order.
 const RMS_NORM_TOL: f64 = 4.5e-3;
-/// Router weights: sigmoid through expf (<= 2 ulp) vs Rust's exp; ids must match exactly.
+/// Router weights: sigmoid through expf (<= 2 ulp) vs Rust's exp; ids must match exactly. Measured: max
+/// 8.3e-8 over 5 cases (ids identical in all); 12x.
 const ROUTER_WEIGHT_TOL: f64 = 1.0e-6;
 
 #[test]
@@ -193,14 +196,16 @@ fn moe_router_parity() {
     let Some(g) = gpu() else { return };
     // (tokens, E, n_group, topk_group, top_k, bias): K2.6 (384, 1 group, top-8), DeepSeek-V3-style groups,
     // the tiny test model's shape.
-    let cases = [(1, 384, 1, 1, 8, true), (64, 384, 1, 1, 8, true), (7, 256, 8, 4, 8, true), (5, 8, 2, 1, 2, false), (33, 384, 1, 1, 8, false)];
+    let cases =
+        [(1, 384, 1, 1, 8, true), (64, 384, 1, 1, 8, true), (7, 256, 8, 4, 8, true), (5, 8, 2, 1, 2, false), (33, 384, 1, 1, 8, false)];
     for (n, &(t, e, ng, tg, k, with_bias)) in cases.iter().enumerate() {
         let case = format!("moe_router(T={t},E={e},n_group={ng},topk_group={tg},top_k={k},bias={with_bias})");
         let mut r = rng(700 + n as u64);
         let logits = rand_f32(&mut r, t * e, -6.0, 6.0);
         let bias = with_bias.then(|| rand_f32(&mut r, e, -0.1, 0.1));
         let cfg = router_cfg(e, ng, tg, k);
-        let rc = ops::moe_router::RouterCfg { n_experts: e, n_group: ng, topk_group: tg, top_k: k, norm_topk_prob: true, routed_scaling: 2.827 };
+        let rc =
+            ops::moe_router::RouterCfg { n_experts: e, n_group: ng, topk_group: tg, top_k: k, norm_topk_prob: true, routed_scaling: 2.827 };
         let dl = g.upload(&logits).unwrap();
         let db = bias.as_ref().map(|b| g.upload(b).unwrap());
         let mut di = g.upload(&vec![-1i32; t * k]).unwrap();
@@ -223,7 +228,9 @@ fn moe_router_parity() {
 fn moe_align_parity() {
     let Some(g) = gpu() else { return };
     // (tokens, top_k, E, experts actually used, tile_rows)
-    for (n, &(t, k, e, used, tile)) in [(1, 8, 384, 384, 8), (40, 8, 384, 24, 16), (256, 8, 384, 384, 32), (5, 2, 8, 8, 8)].iter().enumerate() {
+    for (n, &(t, k, e, used, tile)) in
+        [(1, 8, 384, 384, 8), (40, 8, 384, 24, 16), (256, 8, 384, 384, 32), (5, 2, 8, 8, 8)].iter().enumerate()
+    {
         let case = format!("moe_align(T={t},top_k={k},E={e},used={used},tile_rows={tile})");
         let mut r = rng(800 + n as u64);
         let mut pool: Vec<i32> = (0..e as i32).collect();
@@ -273,6 +280,7 @@ fn wrappers_reject_bad_shapes_naming_both_numbers() {
     let mut i = g.upload(&vec![0i32; 8]).unwrap();
     let mut wt = g.upload(&vec![0f32; 8]).unwrap();
     let rc = ops::moe_router::RouterCfg { n_experts: 16, n_group: 1, topk_group: 1, top_k: 40, norm_topk_prob: true, routed_scaling: 1.0 };
-    let e = ops::moe_router::moe_router(&g, &l.as_view(), None, 1, rc, &mut i.as_view_mut(), &mut wt.as_view_mut()).unwrap_err().to_string();
+    let e =
+        ops::moe_router::moe_router(&g, &l.as_view(), None, 1, rc, &mut i.as_view_mut(), &mut wt.as_view_mut()).unwrap_err().to_string();
     assert!(e.contains("moe_router") && e.contains("40"), "{e}");
 }

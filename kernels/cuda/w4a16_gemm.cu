@@ -21,6 +21,7 @@
 //     order: each 8-k chunk stored as k0 k4 k1 k5 k2 k6 k3 k7, so a lane's two B registers are one 8-byte
 //     load. Each 32-k group is padded to 72 bytes and rows are padded so that row stride / 8 = 4 (mod 16):
 //     the 16 lanes of a half-warp hit 16 distinct 8-byte bank pairs;
+//   * each lane keeps three k-steps of weights in flight (the first two issued before x is staged);
 //   * grid (N / 128, S, row tiles): 4 warps per block share the staged x; every split writes f32 partials
 //     ws[S, M, N], and kdtree_w4a16_reduce_f32 sums them in split order (deterministic, no atomics) and rounds
 //     to bf16. The host picks S so that there are >= 2 blocks per SM (M = 1 needs split-K to fill the GPU).
@@ -90,15 +91,44 @@ __device__ __forceinline__ void w4a16_cta(const bf16* __restrict__ x, int ld_x, 
     const int rs = smem_row_stride(kbps);
     const int nkb = kb_hi - kb_lo;
 
+    const int n_warp = blockIdx.x * ROWS_PER_CTA + warp * ROWS_PER_WARP;
+    const bool active = n_warp < N;
+    const size_t row_bytes = (size_t)K / 2, row_groups = (size_t)K / 32;
+    const uint8_t* wp[4];
+    const bf16* sp[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const size_t n = active ? (size_t)n_warp + g + 8 * i : 0;
+        wp[i] = packed + n * row_bytes + (size_t)t * 16;
+        sp[i] = scales + n * row_groups + t;
+    }
+    // Three k-steps of weights in flight per lane (192 bytes): the first two are issued before x is staged,
+    // so the weight stream starts at once.
+    uint4 w0[4], w1[4], w2[4];
+    bf16 s0[4], s1[4], s2n[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        w0[i] = w1[i] = w2[i] = make_uint4(0, 0, 0, 0);
+        s0[i] = s1[i] = s2n[i] = __float2bfloat16_rn(0.f);
+    }
+    if (active) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            w0[i] = ld_stream(wp[i] + (size_t)kb_lo * 64);
+            s0[i] = sp[i][(size_t)kb_lo * 4];
+            if (kb_lo + 1 < kb_hi) {
+                w1[i] = ld_stream(wp[i] + (size_t)(kb_lo + 1) * 64);
+                s1[i] = sp[i][(size_t)(kb_lo + 1) * 4];
+            }
+        }
+    }
+
     // Stage x[tile rows, kb_lo*128 .. kb_hi*128) into smem, permuted (k0 k4 k1 k5 k2 k6 k3 k7 per 8-k chunk).
     const int chunks_per_row = nkb * (KB / 8);
-    for (int c = threadIdx.x; c < 8 * MT * chunks_per_row; c += blockDim.x) {
+    for (int c = threadIdx.x; c < tile.count * chunks_per_row; c += blockDim.x) {
         const int r = c / chunks_per_row, ck = c % chunks_per_row;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (r < tile.count) {
-            const bf16* src = x + (size_t)tile.xrow[r] * ld_x + (size_t)kb_lo * KB + ck * 8;
-            v = *reinterpret_cast<const uint4*>(src);
-        }
+        const bf16* src = x + (size_t)tile.xrow[r] * ld_x + (size_t)kb_lo * KB + ck * 8;
+        const uint4 v = *reinterpret_cast<const uint4*>(src);
         // v holds bf16 pairs (k0,k1) (k2,k3) (k4,k5) (k6,k7); produce (k0,k4) (k1,k5) (k2,k6) (k3,k7).
         uint2 lo, hi;
         lo.x = __byte_perm(v.x, v.z, 0x5410);
@@ -109,9 +139,13 @@ __device__ __forceinline__ void w4a16_cta(const bf16* __restrict__ x, int ld_x, 
         *reinterpret_cast<uint2*>(dst) = lo;
         *reinterpret_cast<uint2*>(dst + 8) = hi;
     }
+    // Rows past the tile's count are zero (their outputs are never stored; zeros keep the mma finite).
+    for (int c = threadIdx.x; c < (8 * MT - tile.count) * (rs / 16); c += blockDim.x) {
+        const int r = tile.count + c / (rs / 16);
+        *reinterpret_cast<uint4*>(smem + r * rs + (c % (rs / 16)) * 16) = make_uint4(0, 0, 0, 0);
+    }
     __syncthreads();
 
-    const int n_warp = blockIdx.x * ROWS_PER_CTA + warp * ROWS_PER_WARP;
     float acc[2][MT][4];
 #pragma unroll
     for (int i = 0; i < 2; i++)
@@ -120,34 +154,18 @@ __device__ __forceinline__ void w4a16_cta(const bf16* __restrict__ x, int ld_x, 
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[i][m][e] = 0.f;
 
-    if (n_warp < N) {
-        const size_t row_bytes = (size_t)K / 2, row_groups = (size_t)K / 32;
-        const uint8_t* wp[4];
-        const bf16* sp[4];
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const size_t n = (size_t)n_warp + g + 8 * i;
-            wp[i] = packed + n * row_bytes + (size_t)t * 16;
-            sp[i] = scales + n * row_groups + t;
-        }
-        uint4 wcur[4], wnext[4];
-        bf16 scur[4], snext[4];
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            wcur[i] = ld_stream(wp[i] + (size_t)kb_lo * 64);
-            scur[i] = sp[i][(size_t)kb_lo * 4];
-        }
+    if (active) {
         for (int kb = kb_lo; kb < kb_hi; kb++) {
-            if (kb + 1 < kb_hi) {
+            if (kb + 2 < kb_hi) {
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
-                    wnext[i] = ld_stream(wp[i] + (size_t)(kb + 1) * 64);
-                    snext[i] = sp[i][(size_t)(kb + 1) * 4];
+                    w2[i] = ld_stream(wp[i] + (size_t)(kb + 2) * 64);
+                    s2n[i] = sp[i][(size_t)(kb + 2) * 4];
                 }
             }
-            bf162 s2[4];
+            bf162 sc[4];
 #pragma unroll
-            for (int i = 0; i < 4; i++) s2[i] = __halves2bfloat162(scur[i], scur[i]);
+            for (int i = 0; i < 4; i++) sc[i] = __halves2bfloat162(s0[i], s0[i]);
             const unsigned char* xs = smem + g * rs + ((kb - kb_lo) * 4 + t) * GROUP_BYTES_SMEM;
 #pragma unroll
             for (int s = 0; s < 8; s++) {
@@ -155,9 +173,9 @@ __device__ __forceinline__ void w4a16_cta(const bf16* __restrict__ x, int ld_x, 
                 uint32_t lo[4], hi[4];
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
-                    const uint32_t w = word == 0 ? wcur[i].x : word == 1 ? wcur[i].y : word == 2 ? wcur[i].z : wcur[i].w;
-                    lo[i] = deq2(w, 4 * j, s2[i]);
-                    hi[i] = deq2(w, 4 * (j + 1), s2[i]);
+                    const uint32_t w = word == 0 ? w0[i].x : word == 1 ? w0[i].y : word == 2 ? w0[i].z : w0[i].w;
+                    lo[i] = deq2(w, 4 * j, sc[i]);
+                    hi[i] = deq2(w, 4 * (j + 1), sc[i]);
                 }
 #pragma unroll
                 for (int m = 0; m < MT; m++) {
@@ -168,8 +186,10 @@ __device__ __forceinline__ void w4a16_cta(const bf16* __restrict__ x, int ld_x, 
             }
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                wcur[i] = wnext[i];
-                scur[i] = snext[i];
+                w0[i] = w1[i];
+                s0[i] = s1[i];
+                w1[i] = w2[i];
+                s1[i] = s2n[i];
             }
         }
     }

@@ -57,8 +57,8 @@ pub(crate) fn drv(op: &'static str) -> impl FnOnce(cudarc::driver::DriverError) 
     move |source| CudaError::Driver { op, source }
 }
 
-/// One GPU: context, the stream every op launches on, the kernels module and a cuBLAS handle bound to
-/// that stream. Not `Clone`; share it by reference (ops take `&Gpu`).
+/// One GPU: context, the stream every op launches on (capturable into a CUDA graph), the kernels module
+/// and a cuBLAS handle bound to that stream. Not `Clone`; share it by reference (ops take `&Gpu`).
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
@@ -67,6 +67,8 @@ pub struct Gpu {
     pub sms: usize,
     /// Largest dynamic shared memory a block may opt into (bytes).
     pub max_smem: usize,
+    /// Shared memory of one SM (bytes), shared by the blocks resident on it.
+    pub smem_per_sm: usize,
     _module: Arc<CudaModule>,
     funcs: HashMap<&'static str, CudaFunction>,
 }
@@ -89,7 +91,11 @@ impl Gpu {
             return Err(CudaError::NoDevice("libcublas (CUDA 13 libraries) was not found; add it to LD_LIBRARY_PATH".into()));
         }
         let ctx = CudaContext::new(ordinal).map_err(drv("open device"))?;
-        let stream = ctx.default_stream();
+        // SAFETY: a Gpu issues all work on its one stream, so cudarc's cross-stream event tracking (an event
+        // record per buffer use, which also gets in the way of graph capture) is not needed.
+        unsafe { ctx.disable_event_tracking() };
+        // An own stream, not the legacy default stream: only a real stream can be captured into a graph.
+        let stream = ctx.new_stream().map_err(drv("create stream"))?;
         let module = ctx
             .load_module(cudarc::nvrtc::Ptx::from_binary(kdtree_kernels::FATBIN.to_vec()))
             .map_err(|e| CudaError::NoDevice(format!("loading the kernels fatbin (sm_90a/sm_120a/compute_90): {e}")))?;
@@ -102,11 +108,11 @@ impl Gpu {
         }
         use cudarc::driver::sys::CUdevice_attribute as A;
         let sms = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(drv("device attributes"))? as usize;
-        let max_smem = ctx
-            .attribute(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-            .map_err(drv("device attributes"))? as usize;
+        let max_smem = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).map_err(drv("device attributes"))? as usize;
+        let smem_per_sm =
+            ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR).map_err(drv("device attributes"))? as usize;
         let blas = CudaBlas::new(stream.clone()).map_err(|source| CudaError::Blas { op: "cublas init", source })?;
-        let gpu = Gpu { ctx, stream, blas, sms, max_smem, _module: module, funcs };
+        let gpu = Gpu { ctx, stream, blas, sms, max_smem, smem_per_sm, _module: module, funcs };
         ops::w4a16_gemm::configure(&gpu)?;
         Ok(gpu)
     }

@@ -22,7 +22,14 @@ impl ArgmaxInput for bf16 {
 
 /// `out[r] = argmax(x[r * ld .. r * ld + v])` for r < rows. One block of 1024 threads per row.
 /// Launch contract: no allocation, no host sync, graph-capturable.
-pub fn argmax<T: ArgmaxInput>(gpu: &Gpu, x: &CudaView<'_, T>, rows: usize, v: usize, ld: usize, out: &mut CudaViewMut<'_, u32>) -> Result<()> {
+pub fn argmax<T: ArgmaxInput>(
+    gpu: &Gpu,
+    x: &CudaView<'_, T>,
+    rows: usize,
+    v: usize,
+    ld: usize,
+    out: &mut CudaViewMut<'_, u32>,
+) -> Result<()> {
     ensure(OP, v > 0 && ld >= v, || format!("vocab v={v} must be > 0 and <= ld={ld}"))?;
     need_len(OP, "x", x.len(), span(rows, ld, v))?;
     need_len(OP, "out", out.len(), rows)?;

@@ -12,7 +12,14 @@ const OP: &str = "embed_gather";
 /// `out[t, :] = table[ids[t], :]` for t < ids.len(); table is `[v, h]`, out `[T, h]`. An id outside
 /// `[0, v)` yields a NaN row (no host sync to report it; callers validate ids on the host where they come
 /// from the host). Launch contract: no allocation, no host sync, graph-capturable.
-pub fn embed_gather(gpu: &Gpu, ids: &CudaView<'_, i32>, table: &CudaView<'_, bf16>, out: &mut CudaViewMut<'_, bf16>, v: usize, h: usize) -> Result<()> {
+pub fn embed_gather(
+    gpu: &Gpu,
+    ids: &CudaView<'_, i32>,
+    table: &CudaView<'_, bf16>,
+    out: &mut CudaViewMut<'_, bf16>,
+    v: usize,
+    h: usize,
+) -> Result<()> {
     let t = ids.len();
     ensure(OP, table.len() == v * h, || format!("table has {} elements, expected v={v} x h={h}", table.len()))?;
     need_len(OP, "out", out.len(), t * h)?;

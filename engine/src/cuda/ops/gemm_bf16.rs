@@ -24,7 +24,15 @@ impl GemmOut for f32 {
 /// `y[T, N] = x[T, K] · W[N, K]^T` (row-major, W as `nn.Linear.weight`), bf16 inputs, f32 accumulation,
 /// output bf16 or f32. Launch contract: no allocation (cuBLAS's own workspace), no host sync; capture in a
 /// graph needs a cuBLAS workspace set first (cublasSetWorkspace), as cuBLAS documents.
-pub fn gemm_bf16<O: GemmOut>(gpu: &Gpu, x: &CudaView<'_, bf16>, w: &CudaView<'_, bf16>, y: &mut CudaViewMut<'_, O>, t: usize, k: usize, n: usize) -> Result<()> {
+pub fn gemm_bf16<O: GemmOut>(
+    gpu: &Gpu,
+    x: &CudaView<'_, bf16>,
+    w: &CudaView<'_, bf16>,
+    y: &mut CudaViewMut<'_, O>,
+    t: usize,
+    k: usize,
+    n: usize,
+) -> Result<()> {
     ensure(OP, w.len() == n * k, || format!("W has {} elements, expected N={n} x K={k}", w.len()))?;
     need_len(OP, "x", x.len(), t * k)?;
     need_len(OP, "y", y.len(), t * n)?;

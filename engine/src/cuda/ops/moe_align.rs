@@ -20,7 +20,15 @@ pub fn max_tiles(pairs: usize, n_experts: usize, tile_rows: usize) -> usize {
 /// and `n_tiles [1]`. `tile_rows` must be the GEMM's row tile (8, 16 or 32). One block of 1024 threads.
 /// Launch contract: no allocation, no host sync, graph-capturable.
 #[allow(clippy::too_many_arguments)]
-pub fn moe_align(gpu: &Gpu, ids: &CudaView<'_, i32>, n_experts: usize, tile_rows: usize, sorted: &mut CudaViewMut<'_, i32>, tiles: &mut CudaViewMut<'_, i32>, n_tiles: &mut CudaViewMut<'_, i32>) -> Result<()> {
+pub fn moe_align(
+    gpu: &Gpu,
+    ids: &CudaView<'_, i32>,
+    n_experts: usize,
+    tile_rows: usize,
+    sorted: &mut CudaViewMut<'_, i32>,
+    tiles: &mut CudaViewMut<'_, i32>,
+    n_tiles: &mut CudaViewMut<'_, i32>,
+) -> Result<()> {
     let p = ids.len();
     ensure(OP, (1..=1024).contains(&n_experts), || format!("n_experts={n_experts} must be in 1..=1024"))?;
     ensure(OP, matches!(tile_rows, 8 | 16 | 32), || format!("tile_rows={tile_rows} must be 8, 16 or 32"))?;
@@ -28,7 +36,8 @@ pub fn moe_align(gpu: &Gpu, ids: &CudaView<'_, i32>, n_experts: usize, tile_rows
     need_len(OP, "sorted", sorted.len(), p)?;
     need_len(OP, "tiles", tiles.len(), 3 * mt)?;
     need_len(OP, "n_tiles", n_tiles.len(), 1)?;
-    let (pp, e, tr, m) = (as_i32(OP, "pairs", p)?, as_i32(OP, "n_experts", n_experts)?, as_i32(OP, "tile_rows", tile_rows)?, as_i32(OP, "max_tiles", mt)?);
+    let (pp, e, tr, m) =
+        (as_i32(OP, "pairs", p)?, as_i32(OP, "n_experts", n_experts)?, as_i32(OP, "tile_rows", tile_rows)?, as_i32(OP, "max_tiles", mt)?);
     let mut b = gpu.stream.launch_builder(gpu.func("kdtree_moe_align_i32"));
     b.arg(ids).arg(&pp).arg(&e).arg(&tr).arg(&m).arg(sorted).arg(tiles).arg(n_tiles);
     // SAFETY: lengths checked above; the kernel writes sorted[< P], tiles[< 3 max_tiles], n_tiles[0].

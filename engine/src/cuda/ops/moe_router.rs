@@ -23,13 +23,25 @@ pub struct RouterCfg {
 /// `ids [tokens, top_k]` (selection order) and weights `weights [tokens, top_k]` f32. `bias` is
 /// `e_score_correction_bias` `[n_experts]` (selection only). One block per token.
 /// Launch contract: no allocation, no host sync, graph-capturable.
-pub fn moe_router(gpu: &Gpu, logits: &CudaView<'_, f32>, bias: Option<&CudaView<'_, f32>>, tokens: usize, c: RouterCfg, ids: &mut CudaViewMut<'_, i32>, weights: &mut CudaViewMut<'_, f32>) -> Result<()> {
+pub fn moe_router(
+    gpu: &Gpu,
+    logits: &CudaView<'_, f32>,
+    bias: Option<&CudaView<'_, f32>>,
+    tokens: usize,
+    c: RouterCfg,
+    ids: &mut CudaViewMut<'_, i32>,
+    weights: &mut CudaViewMut<'_, f32>,
+) -> Result<()> {
     let e = c.n_experts;
     ensure(OP, (1..=1024).contains(&e), || format!("n_experts={e} must be in 1..=1024"))?;
     ensure(OP, (1..=32).contains(&c.top_k), || format!("top_k={} must be in 1..=32", c.top_k))?;
-    ensure(OP, c.n_group >= 1 && c.n_group <= 64 && e % c.n_group == 0, || format!("n_group={} must divide n_experts={e} and be <= 64", c.n_group))?;
+    ensure(OP, c.n_group >= 1 && c.n_group <= 64 && e % c.n_group == 0, || {
+        format!("n_group={} must divide n_experts={e} and be <= 64", c.n_group)
+    })?;
     ensure(OP, (1..=c.n_group).contains(&c.topk_group), || format!("topk_group={} must be in 1..=n_group={}", c.topk_group, c.n_group))?;
-    ensure(OP, c.top_k <= c.topk_group * (e / c.n_group), || format!("top_k={} exceeds the {} experts of topk_group={} groups", c.top_k, c.topk_group * (e / c.n_group), c.topk_group))?;
+    ensure(OP, c.top_k <= c.topk_group * (e / c.n_group), || {
+        format!("top_k={} exceeds the {} experts of topk_group={} groups", c.top_k, c.topk_group * (e / c.n_group), c.topk_group)
+    })?;
     need_len(OP, "logits", logits.len(), tokens * e)?;
     need_len(OP, "ids", ids.len(), tokens * c.top_k)?;
     need_len(OP, "weights", weights.len(), tokens * c.top_k)?;
@@ -40,7 +52,8 @@ pub fn moe_router(gpu: &Gpu, logits: &CudaView<'_, f32>, bias: Option<&CudaView<
         return Ok(());
     }
     ensure(OP, tokens <= u32::MAX as usize, || format!("tokens={tokens} exceeds u32"))?;
-    let (ee, ng, tg, k) = (as_i32(OP, "e", e)?, as_i32(OP, "n_group", c.n_group)?, as_i32(OP, "topk_group", c.topk_group)?, as_i32(OP, "top_k", c.top_k)?);
+    let (ee, ng, tg, k) =
+        (as_i32(OP, "e", e)?, as_i32(OP, "n_group", c.n_group)?, as_i32(OP, "topk_group", c.topk_group)?, as_i32(OP, "top_k", c.top_k)?);
     let norm = c.norm_topk_prob as i32;
     let null: u64 = 0;
     let mut b = gpu.stream.launch_builder(gpu.func("kdtree_moe_router_f32"));

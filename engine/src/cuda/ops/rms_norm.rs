@@ -13,7 +13,17 @@ const OP: &str = "rms_norm";
 /// out of place). bf16 in/out, f32 math. One block per row.
 /// Launch contract: no allocation, no host sync, graph-capturable.
 #[allow(clippy::too_many_arguments)]
-pub fn rms_norm(gpu: &Gpu, x: &CudaView<'_, bf16>, weight: &CudaView<'_, bf16>, y: &mut CudaViewMut<'_, bf16>, rows: usize, h: usize, ld_x: usize, ld_y: usize, eps: f32) -> Result<()> {
+pub fn rms_norm(
+    gpu: &Gpu,
+    x: &CudaView<'_, bf16>,
+    weight: &CudaView<'_, bf16>,
+    y: &mut CudaViewMut<'_, bf16>,
+    rows: usize,
+    h: usize,
+    ld_x: usize,
+    ld_y: usize,
+    eps: f32,
+) -> Result<()> {
     ensure(OP, h > 0, || "hidden size h=0".into())?;
     ensure(OP, ld_x >= h && ld_y >= h, || format!("row strides ld_x={ld_x}, ld_y={ld_y} must be >= h={h}"))?;
     ensure(OP, weight.len() == h, || format!("weight has {} elements, expected h={h}", weight.len()))?;

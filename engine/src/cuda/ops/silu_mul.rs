@@ -11,7 +11,15 @@ const OP: &str = "silu_mul";
 /// `out[t, j] = bf16(silu(gate[t, j]) * up[t, j])` for t < rows, j < i; gate and up rows are `ld_in` apart
 /// (`ld_in = 2i` with `up` = gate + i for a fused gate_up buffer), out is `[rows, i]`.
 /// Launch contract: no allocation, no host sync, graph-capturable.
-pub fn silu_mul(gpu: &Gpu, gate: &CudaView<'_, bf16>, up: &CudaView<'_, bf16>, out: &mut CudaViewMut<'_, bf16>, rows: usize, i: usize, ld_in: usize) -> Result<()> {
+pub fn silu_mul(
+    gpu: &Gpu,
+    gate: &CudaView<'_, bf16>,
+    up: &CudaView<'_, bf16>,
+    out: &mut CudaViewMut<'_, bf16>,
+    rows: usize,
+    i: usize,
+    ld_in: usize,
+) -> Result<()> {
     ensure(OP, ld_in >= i, || format!("ld_in={ld_in} must be >= i={i}"))?;
     need_len(OP, "gate", gate.len(), span(rows, ld_in, i))?;
     need_len(OP, "up", up.len(), span(rows, ld_in, i))?;

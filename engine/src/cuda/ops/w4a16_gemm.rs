@@ -3,8 +3,8 @@
 //! packed `[N, K/2]` u8, low nibble = even k, offset 8; scales `[N, K/32]` bf16; formats/FORMAT.md).
 //!
 //! Plan: the grid is (N/128 row blocks) x (S k-splits) x (row tiles of 8, 16 or 32 rows). S is chosen so
-//! that there are at least two blocks per SM (M = 1 decode on a 512-row TP slice still fills the GPU), and
-//! limited by the shared memory that holds the block's slice of x. Partials go to an f32 workspace
+//! that there are about four blocks per SM (M = 1 decode on a 512-row TP slice still fills the GPU), and
+//! limited so that the shared memory holding the block's slice of x lets four blocks stay resident. Partials go to an f32 workspace
 //! `[S, rows, N]`, reduced in split order by a second kernel (deterministic; no atomics).
 
 use cudarc::driver::sys::CUfunction_attribute;
@@ -21,6 +21,9 @@ pub const K_STEP: usize = 128;
 pub const N_STEP: usize = 32;
 const ROWS_PER_CTA: usize = 128;
 const GROUP_BYTES_SMEM: usize = 72;
+/// Blocks per SM the split-K count aims at (4 fit by registers: 128 threads x 128 registers); enough
+/// warps with 192 bytes in flight per lane to cover HBM latency at M = 1.
+const BLOCKS_PER_SM: usize = 4;
 
 const DENSE: [&str; 3] = ["kdtree_w4a16_gemm_i4g32_m1", "kdtree_w4a16_gemm_i4g32_m2", "kdtree_w4a16_gemm_i4g32_m4"];
 const GROUPED: [&str; 3] = ["kdtree_moe_w4a16_gemm_i4g32_m1", "kdtree_moe_w4a16_gemm_i4g32_m2", "kdtree_moe_w4a16_gemm_i4g32_m4"];
@@ -77,11 +80,25 @@ fn mt_for(rows: usize) -> usize {
 
 /// The plan for `row_tiles` tiles of `8 mt` rows over an `[n, k]` weight matrix.
 fn plan_for(gpu: &Gpu, mt: usize, row_tiles: usize, n: usize, k: usize) -> Plan {
+    plan_on(Device { sms: gpu.sms, smem_per_sm: gpu.smem_per_sm, max_smem: gpu.max_smem }, mt, row_tiles, n, k)
+}
+
+/// The device figures a plan depends on.
+#[derive(Clone, Copy)]
+struct Device {
+    sms: usize,
+    smem_per_sm: usize,
+    max_smem: usize,
+}
+
+fn plan_on(gpu: Device, mt: usize, row_tiles: usize, n: usize, k: usize) -> Plan {
     let nkb = (k / K_STEP).max(1);
     let blocks = n.div_ceil(ROWS_PER_CTA) * row_tiles.max(1);
-    let want = (2 * gpu.sms).div_ceil(blocks).clamp(1, nkb);
+    let want = (BLOCKS_PER_SM * gpu.sms).div_ceil(blocks).clamp(1, nkb);
     let mut kbps = nkb.div_ceil(want);
-    let budget = gpu.max_smem.saturating_sub(1024);
+    // Shared memory per block small enough for BLOCKS_PER_SM blocks to be resident (1 KB per block is
+    // reserved by the system, plus the static row maps).
+    let budget = (gpu.smem_per_sm / BLOCKS_PER_SM).saturating_sub(1024 + 512).min(gpu.max_smem.saturating_sub(1024));
     while kbps > 1 && 8 * mt * smem_row_stride(kbps) > budget {
         kbps -= 1;
     }
@@ -102,11 +119,22 @@ pub fn plan_moe(gpu: &Gpu, pairs: usize, n_experts: usize, n: usize, k: usize) -
     plan_for(gpu, mt, active, n, k)
 }
 
-fn check_weights(op: &'static str, packed: &CudaView<'_, u8>, scales: &CudaView<'_, bf16>, experts: usize, n: usize, k: usize) -> Result<()> {
+fn check_weights(
+    op: &'static str,
+    packed: &CudaView<'_, u8>,
+    scales: &CudaView<'_, bf16>,
+    experts: usize,
+    n: usize,
+    k: usize,
+) -> Result<()> {
     ensure(op, k > 0 && k % K_STEP == 0, || format!("K={k} must be a positive multiple of {K_STEP}"))?;
     ensure(op, n > 0 && n % N_STEP == 0, || format!("N={n} must be a positive multiple of {N_STEP}"))?;
-    ensure(op, packed.len() == experts * n * k / 2, || format!("packed has {} bytes, expected E={experts} x N={n} x K/2={}", packed.len(), k / 2))?;
-    ensure(op, scales.len() == experts * n * k / 32, || format!("scales has {} elements, expected E={experts} x N={n} x K/32={}", scales.len(), k / 32))?;
+    ensure(op, packed.len() == experts * n * k / 2, || {
+        format!("packed has {} bytes, expected E={experts} x N={n} x K/2={}", packed.len(), k / 2)
+    })?;
+    ensure(op, scales.len() == experts * n * k / 32, || {
+        format!("scales has {} elements, expected E={experts} x N={n} x K/32={}", scales.len(), k / 32)
+    })?;
     Ok(())
 }
 
@@ -117,7 +145,16 @@ fn check_x(op: &'static str, gpu: &Gpu, x: &CudaView<'_, bf16>, rows: usize, ld_
 }
 
 /// Split-K reduce: `out[r, :n] = bf16(sum_s ws[s, r, :])`, rows `ld_out` apart.
-fn reduce(gpu: &Gpu, op: &'static str, ws: &CudaView<'_, f32>, splits: usize, rows: usize, n: usize, out: &mut CudaViewMut<'_, bf16>, ld_out: usize) -> Result<()> {
+fn reduce(
+    gpu: &Gpu,
+    op: &'static str,
+    ws: &CudaView<'_, f32>,
+    splits: usize,
+    rows: usize,
+    n: usize,
+    out: &mut CudaViewMut<'_, bf16>,
+    ld_out: usize,
+) -> Result<()> {
     let total = rows * n;
     let (s, r, nn, l) = (as_i32(op, "splits", splits)?, as_i32(op, "rows", rows)?, as_i32(op, "N", n)?, as_i32(op, "ld_out", ld_out)?);
     let mut b = gpu.stream.launch_builder(gpu.func("kdtree_w4a16_reduce_f32"));
@@ -132,7 +169,19 @@ fn reduce(gpu: &Gpu, op: &'static str, ws: &CudaView<'_, f32>, splits: usize, ro
 /// `plan_dense(gpu, m_rows, n, k).workspace_len(m_rows, n)` elements. Two launches (GEMM, split reduce).
 /// Launch contract: no allocation, no host sync, graph-capturable.
 #[allow(clippy::too_many_arguments)]
-pub fn w4a16_gemm(gpu: &Gpu, x: &CudaView<'_, bf16>, ld_x: usize, m_rows: usize, packed: &CudaView<'_, u8>, scales: &CudaView<'_, bf16>, n: usize, k: usize, ws: &mut CudaViewMut<'_, f32>, out: &mut CudaViewMut<'_, bf16>, ld_out: usize) -> Result<()> {
+pub fn w4a16_gemm(
+    gpu: &Gpu,
+    x: &CudaView<'_, bf16>,
+    ld_x: usize,
+    m_rows: usize,
+    packed: &CudaView<'_, u8>,
+    scales: &CudaView<'_, bf16>,
+    n: usize,
+    k: usize,
+    ws: &mut CudaViewMut<'_, f32>,
+    out: &mut CudaViewMut<'_, bf16>,
+    ld_out: usize,
+) -> Result<()> {
     check_weights(OP, packed, scales, 1, n, k)?;
     check_x(OP, gpu, x, m_rows, ld_x, k)?;
     ensure(OP, ld_out >= n, || format!("ld_out={ld_out} must be >= N={n}"))?;
@@ -144,7 +193,8 @@ pub fn w4a16_gemm(gpu: &Gpu, x: &CudaView<'_, bf16>, ld_x: usize, m_rows: usize,
     need_len(OP, "workspace", ws.len(), p.workspace_len(m_rows, n))?;
     let tiles = m_rows.div_ceil(p.tile_rows());
     ensure(OP, tiles <= 65535, || format!("M={m_rows} needs {tiles} row tiles, over the grid limit 65535"))?;
-    let (lx, mm, nn, kk, kb) = (as_i32(OP, "ld_x", ld_x)?, as_i32(OP, "M", m_rows)?, as_i32(OP, "N", n)?, as_i32(OP, "K", k)?, as_i32(OP, "kbps", p.kbps)?);
+    let (lx, mm, nn, kk, kb) =
+        (as_i32(OP, "ld_x", ld_x)?, as_i32(OP, "M", m_rows)?, as_i32(OP, "N", n)?, as_i32(OP, "K", k)?, as_i32(OP, "kbps", p.kbps)?);
     let name = DENSE[p.mt.trailing_zeros() as usize];
     let mut b = gpu.stream.launch_builder(gpu.func(name));
     b.arg(x).arg(&lx).arg(&mm).arg(packed).arg(scales).arg(&nn).arg(&kk).arg(&kb).arg(&mut *ws);
@@ -174,7 +224,22 @@ pub struct Routing<'a> {
 /// holds `plan_moe(gpu, pairs, E, n, k).workspace_len(pairs, n)` f32. Blocks beyond the device-side tile
 /// count exit at once. Launch contract: no allocation, no host sync, graph-capturable.
 #[allow(clippy::too_many_arguments)]
-pub fn moe_w4a16_gemm(gpu: &Gpu, x: &CudaView<'_, bf16>, ld_x: usize, x_row_div: usize, pairs: usize, r: &Routing<'_>, packed: &CudaView<'_, u8>, scales: &CudaView<'_, bf16>, n_experts: usize, n: usize, k: usize, ws: &mut CudaViewMut<'_, f32>, out: &mut CudaViewMut<'_, bf16>, ld_out: usize) -> Result<()> {
+pub fn moe_w4a16_gemm(
+    gpu: &Gpu,
+    x: &CudaView<'_, bf16>,
+    ld_x: usize,
+    x_row_div: usize,
+    pairs: usize,
+    r: &Routing<'_>,
+    packed: &CudaView<'_, u8>,
+    scales: &CudaView<'_, bf16>,
+    n_experts: usize,
+    n: usize,
+    k: usize,
+    ws: &mut CudaViewMut<'_, f32>,
+    out: &mut CudaViewMut<'_, bf16>,
+    ld_out: usize,
+) -> Result<()> {
     check_weights(OP_MOE, packed, scales, n_experts, n, k)?;
     ensure(OP_MOE, x_row_div >= 1, || "x_row_div must be >= 1".into())?;
     check_x(OP_MOE, gpu, x, pairs.div_ceil(x_row_div), ld_x, k)?;
@@ -185,13 +250,23 @@ pub fn moe_w4a16_gemm(gpu: &Gpu, x: &CudaView<'_, bf16>, ld_x: usize, x_row_div:
     }
     let p = plan_moe(gpu, pairs, n_experts, n, k);
     ensure(OP_MOE, r.tile_rows == p.tile_rows(), || format!("routing tiles have {} rows, the plan needs {}", r.tile_rows, p.tile_rows()))?;
-    ensure(OP_MOE, r.max_tiles == super::moe_align::max_tiles(pairs, n_experts, r.tile_rows), || format!("max_tiles={} does not match P={pairs}, E={n_experts}", r.max_tiles))?;
+    ensure(OP_MOE, r.max_tiles == super::moe_align::max_tiles(pairs, n_experts, r.tile_rows), || {
+        format!("max_tiles={} does not match P={pairs}, E={n_experts}", r.max_tiles)
+    })?;
     need_len(OP_MOE, "sorted", r.sorted.len(), pairs)?;
     need_len(OP_MOE, "tiles", r.tiles.len(), 3 * r.max_tiles)?;
     need_len(OP_MOE, "n_tiles", r.n_tiles.len(), 1)?;
     need_len(OP_MOE, "workspace", ws.len(), p.workspace_len(pairs, n))?;
     ensure(OP_MOE, r.max_tiles <= 65535, || format!("max_tiles={} exceeds the grid limit 65535", r.max_tiles))?;
-    let (lx, div, pp, mt, nn, kk, kb) = (as_i32(OP_MOE, "ld_x", ld_x)?, as_i32(OP_MOE, "x_row_div", x_row_div)?, as_i32(OP_MOE, "P", pairs)?, as_i32(OP_MOE, "max_tiles", r.max_tiles)?, as_i32(OP_MOE, "N", n)?, as_i32(OP_MOE, "K", k)?, as_i32(OP_MOE, "kbps", p.kbps)?);
+    let (lx, div, pp, mt, nn, kk, kb) = (
+        as_i32(OP_MOE, "ld_x", ld_x)?,
+        as_i32(OP_MOE, "x_row_div", x_row_div)?,
+        as_i32(OP_MOE, "P", pairs)?,
+        as_i32(OP_MOE, "max_tiles", r.max_tiles)?,
+        as_i32(OP_MOE, "N", n)?,
+        as_i32(OP_MOE, "K", k)?,
+        as_i32(OP_MOE, "kbps", p.kbps)?,
+    );
     let name = GROUPED[p.mt.trailing_zeros() as usize];
     let mut b = gpu.stream.launch_builder(gpu.func(name));
     b.arg(x).arg(&lx).arg(&div).arg(&pp).arg(r.sorted).arg(r.tiles).arg(&mt).arg(r.n_tiles);
@@ -200,4 +275,37 @@ pub fn moe_w4a16_gemm(gpu: &Gpu, x: &CudaView<'_, bf16>, ld_x: usize, x_row_div:
     // SAFETY: as the dense form; expert ids come from moe_align, which drops ids outside [0, E).
     unsafe { b.launch(launch_cfg(grid, 128, p.smem as u32)) }.map_err(drv(OP_MOE))?;
     reduce(gpu, OP_MOE, &ws.as_view(), p.splits, pairs, n, out, ld_out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// H200 figures (132 SMs, 228 KB of shared memory per SM, 227 KB per block opt-in).
+    const H200: Device = Device { sms: 132, smem_per_sm: 233_472, max_smem: 232_448 };
+
+    #[test]
+    fn smem_row_stride_avoids_bank_conflicts_and_holds_the_slice() {
+        for kbps in 1..=56 {
+            let rs = smem_row_stride(kbps);
+            assert_eq!(rs / 8 % 16, 4, "kbps={kbps}: stride {rs} / 8 must be 4 mod 16");
+            assert!(rs >= kbps * 4 * GROUP_BYTES_SMEM && rs < kbps * 4 * GROUP_BYTES_SMEM + 128, "kbps={kbps}: stride {rs}");
+            assert_eq!(rs % 16, 0, "kbps={kbps}: rows must stay 16-byte aligned");
+        }
+    }
+
+    #[test]
+    fn plans_cover_k_with_nonempty_splits_and_fit_four_blocks_per_sm() {
+        for &(n, k) in &[(4096, 7168), (7168, 2048), (512, 7168), (7168, 256), (32, 128), (160, 384)] {
+            for mt in [1, 2, 4] {
+                for tiles in [1, 2, 8, 40] {
+                    let p = plan_on(H200, mt, tiles, n, k);
+                    let nkb = k / K_STEP;
+                    assert!(p.kbps >= 1 && p.splits * p.kbps >= nkb && (p.splits - 1) * p.kbps < nkb, "{p:?} for K={k}");
+                    assert!(p.smem * BLOCKS_PER_SM <= H200.smem_per_sm || p.kbps == 1, "{p:?}: smem over a quarter SM");
+                    assert_eq!(p.smem, 8 * mt * smem_row_stride(p.kbps));
+                }
+            }
+        }
+    }
 }
