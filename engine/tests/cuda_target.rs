@@ -13,17 +13,19 @@ use cuda_common::*;
 use kdtree_engine::api::{LogitRows, Target};
 use kdtree_engine::cuda::CudaBackend;
 use kdtree_engine::generate::{generate_on, GenRequest, Mode, Sampling};
+use kdtree_engine::{ProbeSet, Session};
 use kdtree_engine::model::source::MemSource;
 use kdtree_engine::model::target::TargetModel;
 use kdtree_engine::model::testing::{random_tensors, tiny_config, PREFIX};
 use kdtree_engine::model::{AttnMode, CpuTarget, TensorSource, Weights};
 use kdtree_formats::plan::ExpertsMode;
 
-/// Logits of the bf16 GPU path against the f32 CPU reference, relative to max |logit|: activations are
-/// rounded to bf16 at every GEMM input and the latent cache is bf16 (2^-9 relative each), over 3 layers.
-/// Not yet measured when written; the measured figures are printed by this test and recorded in
-/// bench/GPU-RESULTS.md.
-const TARGET_LOGITS_TOL: f64 = 5.0e-2;
+/// Logits of the bf16 GPU path against the f32 CPU reference, relative to max |logit| of the row set:
+/// activations are rounded to bf16 at every GEMM input and the latent cache is bf16 (2^-9 relative each),
+/// over 3 layers. Measured on the H200 (2026-12-01): 1.3e-2 (prefill), <= 2e-2 per tree node whose routed
+/// experts agree; 2x: 4e-2. A node whose router picks other experts on the GPU (a near-tie of the
+/// selection scores flipped by bf16 noise: seen at 1 of 12 nodes) is reported and not compared.
+const TARGET_LOGITS_TOL: f64 = 4.0e-2;
 
 fn models() -> Option<(CpuTarget, TargetModel<CudaBackend>)> {
     let gpu = gpu()?;
@@ -43,6 +45,40 @@ fn compare(case: &str, got: &[f32], want: &[f32], tol: f64) {
     check(case, got, want, tol);
 }
 
+/// Per layer and node, the rel error of each traced tensor (printed: where a forward first diverges).
+fn diagnose(a: &kdtree_engine::model::Trace, b: &kdtree_engine::model::Trace, t: usize) {
+    use kdtree_engine::model::TraceData;
+    for ta in &a.tensors {
+        let Some(tb) = b.get(&ta.name) else { continue };
+        match (&ta.data, &tb.data) {
+            (TraceData::F32(x), TraceData::F32(y)) if x.len() == y.len() && x.len() % t == 0 => {
+                let w = x.len() / t;
+                let per: Vec<String> = (0..t).map(|i| format!("{:.0e}", error(&ta.name, &y[i * w..(i + 1) * w], &x[i * w..(i + 1) * w]).rel)).collect();
+                println!("DIAG {} per node rel: {}", ta.name, per.join(" "));
+            }
+            (TraceData::I32(x), TraceData::I32(y)) => println!("DIAG {} ids equal: {}", ta.name, x == y),
+            _ => println!("DIAG {}: shapes differ", ta.name),
+        }
+    }
+}
+
+/// Per node: whether its router chose the same experts on both backends in every MoE layer.
+fn same_routes(a: &kdtree_engine::model::Trace, b: &kdtree_engine::model::Trace, t: usize) -> Vec<bool> {
+    use kdtree_engine::model::TraceData;
+    let mut same = vec![true; t];
+    for ta in a.tensors.iter().filter(|x| x.name.ends_with("router.topk_ids")) {
+        let (TraceData::I32(x), Some(TraceData::I32(y))) = (&ta.data, b.get(&ta.name).map(|v| &v.data)) else { continue };
+        let k = x.len() / t;
+        for (i, s) in same.iter_mut().enumerate() {
+            let (mut p, mut q) = (x[i * k..(i + 1) * k].to_vec(), y[i * k..(i + 1) * k].to_vec());
+            p.sort_unstable();
+            q.sort_unstable();
+            *s &= p == q;
+        }
+    }
+    same
+}
+
 #[test]
 fn cuda_target_matches_the_cpu_reference() {
     let Some((mut cpu, mut cuda)) = models() else { return };
@@ -58,22 +94,50 @@ fn cuda_target_matches_the_cpu_reference() {
     // A tree of 12 nodes: two roots, branches, depth 4.
     let tokens = [3u32, 9, 14, 1, 77, 50, 8, 8, 60, 2, 31, 90];
     let parents = [-1i32, 0, 0, 1, 1, 2, -1, 6, 3, 8, 4, 7];
+    cpu.start_trace();
+    cuda.start_trace();
     let a = cpu.forward_rows(&tokens, &parents, LogitRows::All).unwrap();
     let b = cuda.forward_rows(&tokens, &parents, LogitRows::All).unwrap();
-    compare("target tree verify logits (12 nodes, ancestor mask)", &b.logits, &a.logits, TARGET_LOGITS_TOL);
+    let (ta, tb) = (cpu.take_trace().unwrap(), cuda.take_trace().unwrap());
+    diagnose(&ta, &tb, tokens.len());
+    let same = same_routes(&ta, &tb, tokens.len());
+    let kept: Vec<usize> = (0..tokens.len()).filter(|&i| same[i]).collect();
+    println!("PARITY tree nodes with the CPU's routed experts in every layer: {} of {}", kept.len(), tokens.len());
+    assert!(kept.len() * 3 >= tokens.len() * 2, "routing differs at {} of {} nodes: more than bf16 near-ties", tokens.len() - kept.len(), tokens.len());
+    let rows = |l: &[f32]| -> Vec<f32> { kept.iter().flat_map(|&i| l[i * 96..(i + 1) * 96].to_vec()).collect() };
+    compare("target tree verify logits (12 nodes, ancestor mask; same-route nodes)", &rows(&b.logits), &rows(&a.logits), TARGET_LOGITS_TOL);
     cpu.commit(&[0, 1, 3, 8]).unwrap();
     cuda.commit(&[0, 1, 3, 8]).unwrap();
     assert_eq!((cpu.committed(), cuda.committed()), (27, 27));
+    cpu.start_trace();
+    cuda.start_trace();
     let a = cpu.forward_rows(&[5], &[-1], LogitRows::All).unwrap();
     let b = cuda.forward_rows(&[5], &[-1], LogitRows::All).unwrap();
-    compare("target decode after a compacted path", &b.logits, &a.logits, TARGET_LOGITS_TOL);
+    if same_routes(&cpu.take_trace().unwrap(), &cuda.take_trace().unwrap(), 1)[0] {
+        compare("target decode after a compacted path", &b.logits, &a.logits, TARGET_LOGITS_TOL);
+    } else {
+        println!("PARITY target decode after a compacted path: routed experts differ (near-tie), not compared");
+    }
     let last = cpu.forward_rows(&[5, 6], &[-1, 0], LogitRows::Last).unwrap();
     assert_eq!(last.logits.len(), 96, "LogitRows::Last gives one row");
-    // Greedy AR: report agreement (bf16 can flip a near-tie; the logits bound above is the check).
+    // Greedy AR: the tokens must agree until a step where the CPU's own top-2 margin is within the
+    // logits tolerance (a near-tie bf16 may flip); the CPU's rows come from the session's logits probe.
     let req = GenRequest { prompt: prompt.clone(), max_tokens: 24, stop_token_ids: vec![], sampling: Sampling::greedy(), mode: Mode::Ar };
-    let ta = generate_on(&mut cpu, None, &req, &mut |_| false).unwrap().tokens;
     let tb = generate_on(&mut cuda, None, &req, &mut |_| false).unwrap().tokens;
+    let mut s = Session::new(Box::new(&mut cpu), None, Mode::Ar).unwrap();
+    s.set_probes(ProbeSet { logits: true, ..Default::default() });
+    let mut ta = vec![s.prefill(&prompt, &Sampling::greedy()).unwrap()];
+    while ta.len() < 24 {
+        ta.extend(s.step().unwrap().tokens);
+    }
+    let rows = s.take_probes().logits;
     let same = ta.iter().zip(&tb).take_while(|(x, y)| x == y).count();
     println!("PARITY greedy AR 24 tokens: first {same} identical (cpu {ta:?} cuda {tb:?})");
-    assert!(same >= 8, "greedy AR diverged at token {same}: cpu {ta:?} cuda {tb:?}");
+    if same < ta.len() {
+        let row = &rows[same];
+        let scale = row.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+        let margin = (row[ta[same] as usize] - row[tb[same] as usize]) as f64;
+        println!("PARITY greedy AR diverges at step {same}: CPU margin {margin:.3e}, tolerance {:.3e}", TARGET_LOGITS_TOL * scale);
+        assert!(margin <= TARGET_LOGITS_TOL * scale, "greedy AR diverged at step {same} where the CPU's margin {margin} is no near-tie");
+    }
 }

@@ -15,7 +15,7 @@
 use anyhow::{bail, Result};
 use clap::Parser;
 use kdtree_golden::bundle::{file_name_for, INDEX_FILE};
-use kdtree_golden::make::{make_bundle, Options};
+use kdtree_golden::make::{make_bundle_on, Options};
 use kdtree_text::console;
 use kdtree_text::files::Inputs;
 use std::path::{Path, PathBuf};
@@ -55,6 +55,16 @@ struct Args {
     /// No progress lines on stderr.
     #[arg(long)]
     quiet: bool,
+    /// Backend that records: the CPU reference (the default, what golden/ holds), or a CUDA build's GPU
+    /// (a bundle to compare with the CPU's: `kdtree-run --verify` on the CPU then reports their |Δ|).
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    device: DeviceArg,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum DeviceArg {
+    Cpu,
+    Cuda,
 }
 
 fn main() -> ExitCode {
@@ -79,7 +89,11 @@ fn run(a: Args) -> Result<()> {
         no_ddtree: a.no_ddtree,
         quiet: a.quiet,
     };
-    make_bundle(&a.model, &a.prompts, &a.out, &opts)?;
+    let device = match a.device {
+        DeviceArg::Cpu => kdtree_engine::Device::Cpu,
+        DeviceArg::Cuda => kdtree_engine::Device::Cuda,
+    };
+    make_bundle_on(&a.model, &a.prompts, &a.out, &opts, device)?;
     Ok(())
 }
 

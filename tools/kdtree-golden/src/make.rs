@@ -30,11 +30,17 @@ pub struct Options {
     pub quiet: bool,
 }
 
-/// Write the bundle of `model` (a converted directory) for the prompts of `prompts` into `out`.
+/// Write the bundle of `model` (a converted directory) for the prompts of `prompts` into `out`, recorded by
+/// the CPU reference.
 pub fn make_bundle(model: &Path, prompts: &Path, out: &Path, a: &Options) -> Result<Index> {
+    make_bundle_on(model, prompts, out, a, Device::Cpu)
+}
+
+/// [`make_bundle`] recorded on `device`.
+pub fn make_bundle_on(model: &Path, prompts: &Path, out: &Path, a: &Options, device: Device) -> Result<Index> {
     ensure!(a.max_tokens >= 1, "--max-tokens must be at least 1");
     ensure!(a.topk >= 1, "--topk must be at least 1");
-    let mut m = open(model, Device::Cpu)?;
+    let mut m = open(model, device)?;
     let prompts = read_prompts(prompts, model)?;
     let info = m.loaded.info().clone();
     let do_round = m.loaded.has_drafter() && !a.no_ddtree;
