@@ -1,5 +1,6 @@
 # kdtree: reproducible entry points. `make test` is what CI runs (.ci/run).
-# Everything builds with no CUDA toolkit; GPU work lives in bench/ and scripts/gpu-suite.sh.
+# Everything builds with no CUDA toolkit. GPU work: `make gpu-stage` here (builds the CUDA test binaries
+# and tools into .dev-gpu/), then `make gpu-test` on the GPU machine (scripts/gpu-test.sh; builds nothing).
 
 CARGO      ?= cargo
 OUT        ?= out
@@ -10,7 +11,7 @@ RUN        := $(RELEASE)/kdtree-run
 SEED       ?= 0
 PAIR       ?= models/kdtree-tiny
 
-.PHONY: build test demo demo-synth train bench-acceptance golden golden-check crosscheck fixtures bench-convert clean
+.PHONY: kernels-check cuda-check gpu-stage gpu-test build test demo demo-synth train bench-acceptance golden golden-check crosscheck fixtures bench-convert clean
 
 ## build: release binaries kdtree-convert, kdtree-golden, kdtree-run
 build:
@@ -19,6 +20,23 @@ build:
 ## test: every unit and integration test of the workspace (the README's test command; CI runs it)
 test:
 	$(CARGO) test --workspace --locked
+
+## kernels-check: compile every CUDA kernel for sm_90a and sm_120a, warnings as errors (installs nvcc from PyPI into .cuda/)
+kernels-check:
+	bash kernels/check.sh
+
+## cuda-check: build the CUDA backend and its GPU tests (no GPU needed) and run the GPU-free unit tests of engine::cuda
+cuda-check:
+	KDTREE_NVCC="$$(bash tools/cuda/install-nvcc.sh)" $(CARGO) test -p kdtree-engine --features cuda --release --locked --no-run
+	KDTREE_NVCC="$$(bash tools/cuda/install-nvcc.sh)" $(CARGO) test -p kdtree-engine --features cuda --release --locked --lib cuda::
+
+## gpu-stage: build the GPU suite (CUDA test binaries, kdtree-run/kdtree-golden with --features cuda) into .dev-gpu/
+gpu-stage:
+	bash scripts/gpu-test.sh --stage .dev-gpu
+
+## gpu-test: on the GPU machine (driver + CUDA 13 libraries only): the whole GPU suite from .dev-gpu/, a table last
+gpu-test:
+	bash .dev-gpu/gpu-test.sh .dev-gpu
 
 ## demo: the trained pair models/kdtree-tiny -> repack -> verify -> golden -> run example prompts -> verify against golden
 demo: build
