@@ -14,7 +14,7 @@
 //! Letters: T rows (tokens / tree nodes), H hidden, V vocab, R ranks, E experts.
 
 use crate::cpu::ops::{MlaDims, Router};
-use crate::model::cache::TreeMask;
+use crate::ddtree::Visibility;
 use crate::model::source::Slab;
 use crate::model::weights::{I4Stack, Mat};
 use crate::model::AttnMode;
@@ -138,7 +138,7 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// MLA attention of one rank's roped queries `[T, Hr·(Dn+P)]` over layer `l` of the cache (committed
     /// prefix + scratch) with the ancestor mask; `kv_b` `[Hr·(Dn+Dv), C]`. Returns `[T, Hr·Dv]`.
     #[allow(clippy::too_many_arguments)]
-    fn mla_attention(&self, q: &Self::Act, kv: &Self::Kv, l: usize, mask: &TreeMask, kv_b: &Self::Mat, d: &MlaDims, mode: AttnMode) -> Self::Act;
+    fn mla_attention(&self, q: &Self::Act, kv: &Self::Kv, l: usize, mask: &Visibility, kv_b: &Self::Mat, d: &MlaDims, mode: AttnMode) -> Self::Act;
 
     // ---- MoE ----
     /// Router decisions of every row of `logits` `[T, E]`.

@@ -10,7 +10,7 @@ mod cuda_common;
 
 // CPU twin (one block so the paths are easy to follow if the CPU ops move).
 use kdtree_engine::cpu::ops::{mla_attention, MlaDims, MlaKv};
-use kdtree_engine::model::cache::TreeMask;
+use kdtree_engine::ddtree::Visibility;
 
 use cuda_common::*;
 use half::bf16;
@@ -34,7 +34,7 @@ fn case(g: &kdtree_engine::cuda::Gpu, t: usize, heads: usize, committed: usize, 
     let q = rand_bf16(&mut r, t * heads * lw, 0.01, 0.12);
     let lat = rand_bf16(&mut r, (committed + t) * lw, 0.05, 1.5);
     let par = parents(&mut r, t, !masked);
-    let mask = TreeMask::from_parents(&par).unwrap();
+    let mask = Visibility::from_parents(&par).unwrap();
     // CPU twin: per head q = q_nope (= q_lat, Dn = C) | q_pe; kv_b rows [W_UK_h = I_C; W_UV_h = I_C].
     let mut kvb = vec![bf16::ZERO; heads * 2 * c * c];
     for h in 0..heads {

@@ -7,7 +7,8 @@
 
 use super::ops;
 use crate::backend::{Backend, RopeTable};
-use crate::model::cache::{LatentCache, TreeMask};
+use crate::ddtree::Visibility;
+use crate::model::cache::LatentCache;
 use crate::model::source::Slab;
 use crate::model::weights::{I4Stack, Mat};
 use crate::model::AttnMode;
@@ -145,12 +146,12 @@ impl Backend for CpuBackend {
             }
         }
     }
-    fn mla_attention(&self, q: &Vec<f32>, kv: &LatentCache, l: usize, mask: &TreeMask, kv_b: &Mat, d: &ops::MlaDims, mode: AttnMode) -> Vec<f32> {
+    fn mla_attention(&self, q: &Vec<f32>, kv: &LatentCache, l: usize, mask: &Visibility, kv_b: &Mat, d: &ops::MlaDims, mode: AttnMode) -> Vec<f32> {
         let (committed, lat) = (kv.committed, &kv.rows[l]); // [committed + T, C + P]
         match mode {
             AttnMode::Naive => {
                 // k_nope | v of every cached row, [S_all, Hr * (Dn + Dv)].
-                let n_all = committed + mask.n;
+                let n_all = committed + mask.rows;
                 let latents: Vec<f32> = lat.chunks(kv.width).take(n_all).flat_map(|r| r[..d.kv_lora].to_vec()).collect();
                 let expanded = self.linear(&latents, n_all, kv_b);
                 ops::mla_attention(d, q, lat, committed, mask, ops::MlaKv::Expanded(&expanded))

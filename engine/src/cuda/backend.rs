@@ -25,7 +25,7 @@ use super::ops::{argmax, copy_rows, embed, gemm_bf16, kv_compact, moe_align, moe
 use super::{CudaError, Gpu};
 use crate::backend::{Backend, RopeTable};
 use crate::cpu::ops::{MlaDims, Router};
-use crate::model::cache::TreeMask;
+use crate::ddtree::Visibility;
 use crate::model::source::Slab;
 use crate::model::weights::{I4Stack, Mat};
 use crate::model::AttnMode;
@@ -148,8 +148,8 @@ impl CudaBackend {
         Ok(())
     }
     #[allow(clippy::too_many_arguments)]
-    fn mla(&self, q: &CudaSlice<f32>, kv: &DKv, l: usize, mask: &TreeMask, kv_b: &DMat, d: &MlaDims) -> R<CudaSlice<f32>> {
-        let (t, hr, c, p, dn, dv) = (mask.n, d.heads, d.kv_lora, d.rope, d.nope, d.v);
+    fn mla(&self, q: &CudaSlice<f32>, kv: &DKv, l: usize, mask: &Visibility, kv_b: &DMat, d: &MlaDims) -> R<CudaSlice<f32>> {
+        let (t, hr, c, p, dn, dv) = (mask.rows, d.heads, d.kv_lora, d.rope, d.nope, d.v);
         let qb = self.to_bf16(q)?; // [T, Hr·(Dn+P)]
         let lw = c + p;
         let mut qcat = self.gpu.zeros::<bf16>(t * hr * lw)?; // [T, Hr, C+P]
@@ -418,7 +418,7 @@ impl Backend for CudaBackend {
             act_f32::rope_table_f32(&self.gpu, &mut q.as_view_mut(), &cos.as_view(), &sin.as_view(), r)
         });
     }
-    fn mla_attention(&self, q: &CudaSlice<f32>, kv: &DKv, l: usize, mask: &TreeMask, kv_b: &DMat, d: &MlaDims, _mode: AttnMode) -> CudaSlice<f32> {
+    fn mla_attention(&self, q: &CudaSlice<f32>, kv: &DKv, l: usize, mask: &Visibility, kv_b: &DMat, d: &MlaDims, _mode: AttnMode) -> CudaSlice<f32> {
         // Both forms compute the same attention; the GPU runs the absorbed one (the naive form would
         // expand every cached latent through kv_b at each step).
         self.run("mla_attention", || self.mla(q, kv, l, mask, kv_b, d)).unwrap_or_else(|| self.empty())

@@ -13,7 +13,7 @@
 //!
 //! Letters: T new nodes, Hr heads of a rank, C kv_lora, P rope dims, Dn nope dims, Dv v dims.
 
-use super::cache::TreeMask;
+use crate::ddtree::Visibility;
 use super::weights::Weights;
 use crate::backend::{Backend, RopeTable};
 use crate::cpu::ops::MlaDims;
@@ -30,8 +30,8 @@ pub enum AttnMode {
 
 /// Attention output `[T, H]` (after o_proj, ranks reduced) for normed input `x` `[T, H]` of layer `l`;
 /// appends the T nodes' latent rows to the cache as scratch. `rope` holds the nodes' positions.
-pub fn mla<B: Backend>(w: &Weights<B>, l: usize, x: &B::Act, mask: &TreeMask, rope: &RopeTable, kv: &mut B::Kv, mode: AttnMode) -> B::Act {
-    let (b, cfg, t) = (&w.backend, &w.cfg, mask.n);
+pub fn mla<B: Backend>(w: &Weights<B>, l: usize, x: &B::Act, mask: &Visibility, rope: &RopeTable, kv: &mut B::Kv, mode: AttnMode) -> B::Act {
+    let (b, cfg, t) = (&w.backend, &w.cfg, mask.rows);
     let a0 = &w.ranks[0].layers[l].attn;
     // Query input: normed q_a latent [T, q_lora], or x itself when q_lora_rank is None.
     let q_lat;

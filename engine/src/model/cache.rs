@@ -1,4 +1,4 @@
-//! The MLA latent KV cache and the tree visibility mask.
+//! The MLA latent KV cache (the tree visibility mask is ddtree::Visibility).
 //!
 //! Cache: per layer and per token, the normalised latent `c_kv` (kv_lora) followed by the RoPE'd shared key
 //! `k_pe` (rope) — 512 + 64 = 576 f32 on K2.6 (k26-format §4.3). Rows `[0, committed)` are the committed
@@ -11,58 +11,6 @@
 //! commit compaction).
 
 use anyhow::{ensure, Result};
-
-/// Ancestor-or-self visibility of T tree nodes, and their depths.
-#[derive(Debug, Clone)]
-pub struct TreeMask {
-    pub n: usize,
-    /// u64 words per row: ceil(n / 64).
-    pub words: usize,
-    /// `[n, words]`: bit j of row i set ⇔ node j is node i or an ancestor of it.
-    pub bits: Vec<u64>,
-    /// Depth of each node (roots 0).
-    pub depth: Vec<usize>,
-}
-
-impl TreeMask {
-    /// Build from `parents` (`-1` = root, else `parents[i] < i`).
-    pub fn from_parents(parents: &[i32]) -> Result<TreeMask> {
-        let n = parents.len();
-        let words = n.div_ceil(64).max(1);
-        let mut bits = vec![0u64; n * words];
-        let mut depth = vec![0usize; n];
-        for (i, &p) in parents.iter().enumerate() {
-            ensure!(p >= -1 && (p as i64) < i as i64, "parents[{i}] = {p}: must be -1 (root) or an earlier node (< {i})");
-            if p >= 0 {
-                let p = p as usize;
-                depth[i] = depth[p] + 1;
-                let (src, dst) = bits.split_at_mut(i * words);
-                dst[..words].copy_from_slice(&src[p * words..(p + 1) * words]);
-            }
-            bits[i * words + i / 64] |= 1u64 << (i % 64);
-        }
-        Ok(TreeMask { n, words, bits, depth })
-    }
-    pub fn row(&self, i: usize) -> &[u64] {
-        &self.bits[i * self.words..(i + 1) * self.words]
-    }
-    /// Whether node i sees node j.
-    pub fn visible(&self, i: usize, j: usize) -> bool {
-        self.row(i)[j / 64] >> (j % 64) & 1 == 1
-    }
-    /// Tree nodes node i sees, ascending (its ancestors then itself).
-    pub fn visible_nodes(&self, i: usize) -> Vec<usize> {
-        let mut out = Vec::new();
-        for (w, &word) in self.row(i).iter().enumerate() {
-            let mut b = word;
-            while b != 0 {
-                out.push(w * 64 + b.trailing_zeros() as usize);
-                b &= b - 1;
-            }
-        }
-        out
-    }
-}
 
 /// Latent KV cache of all layers.
 #[derive(Debug, Clone)]
@@ -120,33 +68,6 @@ impl LatentCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rand::{Rng, SeedableRng};
-
-    #[test]
-    fn mask_rows_are_ancestor_sets_for_wide_trees() {
-        // 200 nodes (4 u64 words per row), random parents; compare with a walk up the parent chain.
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
-        let parents: Vec<i32> =
-            (0..200).map(|i| if i == 0 || rng.random_range(0..10) == 0 { -1 } else { rng.random_range(0..i) }).collect();
-        let m = TreeMask::from_parents(&parents).unwrap();
-        assert_eq!(m.words, 4);
-        for i in 0..200 {
-            let mut want = vec![i];
-            let mut p = parents[i];
-            while p >= 0 {
-                want.push(p as usize);
-                p = parents[p as usize];
-            }
-            assert_eq!(m.depth[i], want.len() - 1, "depth of {i}");
-            want.sort();
-            assert_eq!(m.visible_nodes(i), want, "row {i}");
-            for j in 0..200 {
-                assert_eq!(m.visible(i, j), want.contains(&j));
-            }
-        }
-        assert!(TreeMask::from_parents(&[-1, 1]).is_err());
-        assert!(TreeMask::from_parents(&[-2]).is_err());
-    }
 
     #[test]
     fn commit_gathers_path_rows() {

@@ -12,7 +12,7 @@
 //! Tests: engine/tests/target_*.rs.
 
 use super::attention::{mla, AttnMode};
-use super::cache::TreeMask;
+use crate::ddtree::Visibility;
 use super::ffn::ffn;
 use super::trace::Trace;
 use super::weights::Weights;
@@ -72,9 +72,9 @@ impl<B: Backend> Target for TargetModel<B> {
         for (i, &tok) in tokens.iter().enumerate() {
             ensure!((tok as usize) < c.vocab, "forward: tokens[{i}] = {tok} >= vocab {}", c.vocab);
         }
-        let mask = TreeMask::from_parents(parents)?;
+        let mask = Visibility::from_parents(parents)?;
         let committed = b.kv_committed(&self.cache);
-        let positions: Vec<usize> = mask.depth.iter().map(|&d| committed + d).collect();
+        let positions: Vec<usize> = mask.depths().iter().map(|&d| committed + d).collect();
         let maxpos = positions.iter().copied().max().unwrap_or(0);
         ensure!(maxpos < c.max_positions, "forward: position {maxpos} >= max_positions {}", c.max_positions);
         b.kv_drop_scratch(&mut self.cache);

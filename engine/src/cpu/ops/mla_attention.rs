@@ -13,7 +13,7 @@
 //! Dv v dims.
 
 use super::{bf16_to_f32, softmax};
-use crate::model::cache::TreeMask;
+use crate::ddtree::Visibility;
 use half::bf16;
 use rayon::prelude::*;
 
@@ -49,8 +49,8 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// Attention output `[T, Hr·Dv]` for roped queries `q` `[T, Hr·(Dn+P)]` (per head `q_nope | q_pe`) over
 /// latent rows `lat` `[committed + T, C + P]` (`c_kv | k_pe`); node i sees rows `[0, committed)` and
 /// `committed + j` for each j in `mask`'s row i.
-pub fn mla_attention(d: &MlaDims, q: &[f32], lat: &[f32], committed: usize, mask: &TreeMask, kv: MlaKv<'_>) -> Vec<f32> {
-    let (t, hr, c, p, dn, dv) = (mask.n, d.heads, d.kv_lora, d.rope, d.nope, d.v);
+pub fn mla_attention(d: &MlaDims, q: &[f32], lat: &[f32], committed: usize, mask: &Visibility, kv: MlaKv<'_>) -> Vec<f32> {
+    let (t, hr, c, p, dn, dv) = (mask.rows, d.heads, d.kv_lora, d.rope, d.nope, d.v);
     let (qk, kvw, lw) = (dn + p, dn + dv, c + p);
     assert_eq!(q.len(), t * hr * qk, "mla_attention: q has {} values, expected T={t} x Hr={hr} x {qk}", q.len());
     assert_eq!(lat.len(), (committed + t) * lw, "mla_attention: {} latent values, expected {} rows x {lw}", lat.len(), committed + t);
@@ -135,7 +135,7 @@ mod tests {
     #[test]
     fn naive_equals_absorbed_and_the_mask_isolates_branches() {
         let (d, q, mut lat, kvb, expanded) = case(13);
-        let mask = TreeMask::from_parents(&[-1, 0, 0, 1]).unwrap();
+        let mask = Visibility::from_parents(&[-1, 0, 0, 1]).unwrap();
         let a = mla_attention(&d, &q, &lat, 3, &mask, MlaKv::Expanded(&expanded));
         let b = mla_attention(&d, &q, &lat, 3, &mask, MlaKv::Absorbed(&kvb));
         let err = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));

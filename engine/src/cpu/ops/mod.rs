@@ -2,7 +2,7 @@
 //!
 //! Each file opens with what it computes, the reference it must match and where its test lives. Element
 //! ops: matmul_bf16 / matmul_f32 / matmul_i4g32 (shared driver in `matmul`), rms_norm, rope (interleaved,
-//! NeoX), yarn, softmax, silu, select (argmax, top-K). Model-level ops: mla_attention (latent cache with
+//! NeoX), yarn, softmax, silu (argmax and top-K are sampling.rs's, the engine's one of each). Model-level ops: mla_attention (latent cache with
 //! an ancestor mask), gqa_attention (the drafter's block), moe_route, moe_experts, embedding and lm_head over vocab-parallel shards, residual
 //! (add, fixed-order rank sum), kv_compact. The backend seam (engine/src/backend.rs) calls these.
 //!
@@ -24,7 +24,6 @@ mod moe_route;
 mod residual;
 mod rms_norm;
 mod rope;
-mod select;
 mod silu;
 mod softmax;
 mod yarn;
@@ -41,7 +40,7 @@ pub use moe_route::{moe_route, Router};
 pub use residual::{add_assign, all_reduce_sum};
 pub use rms_norm::rms_norm;
 pub use rope::{rope_cos_sin, rope_interleaved, rope_neox};
-pub use select::{argmax, topk};
+pub use crate::sampling::argmax;
 pub use silu::{sigmoid, silu, silu_mul};
 pub use softmax::softmax;
 pub use yarn::{yarn_attention_factor, yarn_get_mscale, yarn_inv_freq};

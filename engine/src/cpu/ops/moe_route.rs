@@ -8,7 +8,13 @@
 //!
 //! Dimension letters: E experts.
 
-use super::{sigmoid, topk};
+use super::sigmoid;
+use crate::sampling::top_k;
+
+/// The `k` best indices (value desc, lowest index on ties; the engine's one top-K) as usize.
+fn best(x: &[f32], k: usize) -> Vec<usize> {
+    top_k(x, k).into_iter().map(|i| i as usize).collect()
+}
 
 /// Router constants from the text config (`ModelConfig::router`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -36,17 +42,17 @@ pub fn moe_route(r: &Router, logits: &[f32], bias: Option<&[f32]>) -> (Vec<usize
         let group_scores: Vec<f32> = (0..r.n_group)
             .map(|g| {
                 let grp = &sel[g * gs..(g + 1) * gs];
-                topk(grp, gs.min(2)).iter().fold(0f32, |a, &i| a + grp[i])
+                best(grp, gs.min(2)).iter().fold(0f32, |a, &i| a + grp[i])
             })
             .collect();
-        let keep = topk(&group_scores, r.topk_group);
+        let keep = best(&group_scores, r.topk_group);
         for g in 0..r.n_group {
             if !keep.contains(&g) {
                 sel[g * gs..(g + 1) * gs].iter_mut().for_each(|v| *v = 0.0);
             }
         }
     }
-    let idx = topk(&sel, r.top_k);
+    let idx = best(&sel, r.top_k);
     let mut wts: Vec<f32> = idx.iter().map(|&i| s[i]).collect();
     if r.norm_topk_prob {
         let den = wts.iter().fold(0f32, |a, &v| a + v) + 1e-20;
