@@ -247,6 +247,15 @@ impl Manifest {
 }
 
 /// The `SHA256SUMS` body for `(name, sha256)` pairs, in the given order (`<hex>  <name>\n`).
+/// sha256 (hex) of `dir/manifest.toml`: the one fingerprint of a converted model that bundles, summaries
+/// and `--verify` record and compare.
+pub fn manifest_sha256(dir: &Path) -> Result<String> {
+    use sha2::{Digest, Sha256};
+    let p = dir.join("manifest.toml");
+    let bytes = std::fs::read(&p).map_err(|e| FormatError::io(&p, e))?;
+    Ok(hex::encode(Sha256::digest(&bytes)))
+}
+
 pub fn sha256sums(entries: &[(String, String)]) -> String {
     entries.iter().map(|(n, h)| format!("{h}  {n}\n")).collect()
 }

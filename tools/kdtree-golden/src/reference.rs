@@ -8,7 +8,7 @@
 //! MLA), so what is verified is what runs. Tests: tools/kdtree-golden/tests/determinism.rs,
 //! tools/kdtree-run/tests/verify_cli.rs.
 
-use crate::bundle::{sha256_hex, topk_of, ArRecord, DdtreeRecord};
+use crate::bundle::{topk_of, ArRecord, DdtreeRecord};
 use anyhow::{ensure, Context, Result};
 use kdtree_engine::generate::Sampling;
 use kdtree_engine::model::Trace;
@@ -25,10 +25,9 @@ pub struct RefModel {
 /// Open `dir` on `device` with the engine's own loader (the target tapping the layers the drafter was
 /// trained on and, when the directory holds one, the DFlash drafter).
 pub fn open(dir: &Path, device: Device) -> Result<RefModel> {
-    let manifest_path = dir.join("manifest.toml");
-    let manifest = std::fs::read(&manifest_path).with_context(|| format!("reading {}", manifest_path.display()))?;
+    let manifest_sha256 = kdtree_formats::manifest::manifest_sha256(dir)?;
     let loaded = kdtree_engine::open(dir, device).with_context(|| format!("opening model {}", dir.display()))?;
-    Ok(RefModel { loaded, manifest_sha256: sha256_hex(&manifest) })
+    Ok(RefModel { loaded, manifest_sha256 })
 }
 
 /// What the AR recording keeps.

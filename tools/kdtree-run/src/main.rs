@@ -177,7 +177,7 @@ fn open_model(args: &Args, d: &Defaults, bundle: Option<&(Bundle, HashMap<String
     }
     log(args, format_args!("backend: {}", model.loaded.backend));
     if let Some((b, _)) = bundle {
-        let sha = kdtree_golden::bundle::sha256_hex(&std::fs::read(args.model.join("manifest.toml"))?);
+        let sha = kdtree_formats::manifest::manifest_sha256(&args.model)?;
         if let Some(w) = verify::check_model(b, &model.loaded, &sha)? {
             console::say(format_args!("kdtree-run: verify: warning: {w}"));
         }

@@ -11,7 +11,6 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 use serde_json::{json, Value as Json};
-use sha2::{Digest, Sha256};
 
 use crate::records::{record_body, record_ok, round6};
 
@@ -83,12 +82,10 @@ pub struct RunInfo<'a> {
 
 /// sha256 (hex) of `model/manifest.toml`, None when the directory has none.
 pub fn manifest_sha256(model: &Path) -> Result<Option<String>> {
-    let p = model.join("manifest.toml");
-    if !p.exists() {
+    if !model.join("manifest.toml").exists() {
         return Ok(None);
     }
-    let bytes = std::fs::read(&p).with_context(|| format!("reading {}", p.display()))?;
-    Ok(Some(hex::encode(Sha256::digest(&bytes))))
+    Ok(Some(kdtree_formats::manifest::manifest_sha256(model)?))
 }
 
 pub fn summary_json(t: &Totals, info: &RunInfo) -> Result<Json> {

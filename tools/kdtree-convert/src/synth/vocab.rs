@@ -64,73 +64,10 @@ pub fn special_name(base: usize, offset: usize) -> String {
         .unwrap_or_else(|| format!("<|reserved_token_{}|>", base + offset))
 }
 
-/// Split text into pre-tokens, roughly as Kimi's regex: Han runs, letter runs with one optional leading
-/// non-letter/non-digit char, digit runs of at most 3, punctuation runs with an optional leading space, whitespace.
+/// Pre-tokens of `text`: Kimi's own pre-tokeniser regex (kdtree_text's, the one the runtime tokenizer
+/// uses), so the synthetic merges follow the real model's splits.
 fn pretokenize(text: &str) -> Vec<&str> {
-    #[derive(PartialEq, Clone, Copy)]
-    enum C {
-        Han,
-        Letter,
-        Digit,
-        Space,
-        Other,
-    }
-    fn class(c: char) -> C {
-        if ('\u{4E00}'..='\u{9FFF}').contains(&c) || ('\u{3400}'..='\u{4DBF}').contains(&c) {
-            C::Han
-        } else if c.is_alphabetic() {
-            C::Letter
-        } else if c.is_numeric() {
-            C::Digit
-        } else if c.is_whitespace() {
-            C::Space
-        } else {
-            C::Other
-        }
-    }
-    let chars: Vec<(usize, char)> = text.char_indices().collect();
-    let end_of = |i: usize| chars.get(i).map(|c| c.0).unwrap_or(text.len());
-    let mut out = Vec::new();
-    let mut i = 0;
-    while i < chars.len() {
-        let c0 = class(chars[i].1);
-        let start = i;
-        let mut j = i + 1;
-        match c0 {
-            C::Han | C::Letter => {
-                while j < chars.len() && class(chars[j].1) == c0 {
-                    j += 1
-                }
-            }
-            C::Digit => {
-                while j < chars.len() && j - i < 3 && class(chars[j].1) == C::Digit {
-                    j += 1
-                }
-            }
-            C::Space | C::Other => {
-                let nl = chars[i].1 == '\n' || chars[i].1 == '\r';
-                let next = chars.get(j).map(|c| class(c.1));
-                if !nl && next == Some(C::Letter) {
-                    // " word" / "(word": one leading char joins the letter run
-                    j += 1;
-                    while j < chars.len() && class(chars[j].1) == C::Letter {
-                        j += 1
-                    }
-                } else if c0 == C::Other || (chars[i].1 == ' ' && next == Some(C::Other)) {
-                    while j < chars.len() && class(chars[j].1) == C::Other {
-                        j += 1
-                    }
-                } else {
-                    while j < chars.len() && class(chars[j].1) == C::Space {
-                        j += 1
-                    }
-                }
-            }
-        }
-        out.push(&text[chars[start].0..end_of(j)]);
-        i = j;
-    }
-    out
+    kdtree_text::tokenizer::pretokenize(text)
 }
 
 /// Merges learned from the corpus (token byte strings in rank order after the 256 single bytes), cached.
@@ -287,8 +224,7 @@ mod tests {
 
     #[test]
     fn pretokenizer_keeps_words_digits_and_han_apart() {
-        assert_eq!(pretokenize("Hello world 12345 人工智能!"), vec!["Hello", " world", " ", "123", "45", " ", "人工智能", "!"]);
-        assert_eq!(pretokenize("a(b) += 3;\n"), vec!["a", "(b", ")", " +=", " ", "3", ";", "\n"]);
+        assert_eq!(pretokenize("Hello world 12345 人工智能!"), kdtree_text::tokenizer::pretokenize("Hello world 12345 人工智能!"));
     }
 
     #[test]
