@@ -10,12 +10,13 @@ use kdtree_formats::plan::ExpertsMode;
 use std::sync::Arc;
 
 const SEED: u64 = 7;
-/// naive vs absorbed MLA: same math, different f32 summation order. Measured ≤ 1.2e-6 max rel on logits
-/// (relative to the largest |logit|); ~16x.
-const MLA_FORMS_REL: f32 = 2e-5;
+/// naive vs absorbed MLA: same math, different f32 summation order. Measured ≤ 1.29e-6 max rel (logits
+/// and taps, relative to the largest |value|; 2026-12-01, seed 7); 2x.
+const MLA_FORMS_REL: f32 = 2.6e-6;
 /// TP/EP plans: o_proj / down / shared partials are summed per rank, a different f32 order than R = 1.
-/// Measured ≤ 1.1e-6 max rel on logits (R = 2, 4 TP; 2, 8 EP); ~18x. EP over 1 rank is bit-identical.
-const PLAN_REL: f32 = 2e-5;
+/// Measured ≤ 1.07e-6 max rel on logits (R = 2, 4 TP; 2, 8 EP; 2026-12-01); 2x. EP over 1 rank is
+/// bit-identical (asserted exactly below).
+const PLAN_REL: f32 = 2.2e-6;
 
 fn weights(ranks: usize, mode: ExpertsMode) -> Arc<Weights> {
     tiny_weights(&tiny_config(Some(32)), SEED, ranks, mode).expect("tiny weights")
@@ -49,12 +50,15 @@ fn naive_equals_absorbed() {
         let err = max_rel(&ob.logits, &oa.logits);
         println!("q_lora={q_lora:?}: naive vs absorbed max rel {err:e}");
         assert!(err < MLA_FORMS_REL, "q_lora={q_lora:?}: naive vs absorbed rel {err}");
-        assert!(max_rel(&ob.taps, &oa.taps) < MLA_FORMS_REL);
+        let et = max_rel(&ob.taps, &oa.taps);
+        println!("MEASURE naive vs absorbed q_lora={q_lora:?}: logits {err:e}, taps {et:e}");
+        assert!(et < MLA_FORMS_REL);
         // And over a tree after a commit (cached prefix + scratch rows).
         a.commit(&[0, 1, 2, 3]).unwrap();
         b.commit(&[0, 1, 2, 3]).unwrap();
         let (tok, par) = ([9u32, 10, 11, 12], [-1, 0, 0, 1]);
         let err = max_rel(&b.forward(&tok, &par).unwrap().logits, &a.forward(&tok, &par).unwrap().logits);
+        println!("MEASURE naive vs absorbed tree after commit: {err:e}");
         assert!(err < MLA_FORMS_REL, "tree after commit: naive vs absorbed rel {err}");
     }
 }
@@ -218,6 +222,7 @@ fn tp_and_ep_plans_agree() {
         if ranks == 1 {
             assert_eq!(logits, ref_logits, "one rank: EP and TP hold the same bytes, results must be bit-identical");
         }
+        println!("MEASURE plan R={ranks} {mode:?}: {err:e}");
         assert!(err < PLAN_REL, "R={ranks} {mode:?}: logits rel {err} vs R=1");
         assert_eq!(toks, ref_toks, "R={ranks} {mode:?}: greedy tokens differ");
     }

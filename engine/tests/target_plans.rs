@@ -17,8 +17,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// Per-rank partial sums reorder f32 additions (o_proj, dense/shared down, experts); relative to the
-/// largest |logit|. Measured ≤ 4.7e-7 on this model (R = 2, 8; TP and EP); ~200x, shared with target_model.rs.
-const PLAN_REL: f32 = 1e-4;
+/// largest |logit|. Measured ≤ 4.7e-7 on this model (R = 2, 8; TP and EP) and 5.4e-7 naive vs absorbed
+/// (2026-12-01); 2x.
+const PLAN_REL: f32 = 1.1e-6;
 const PROMPT: [u32; 8] = [17, 300, 5, 5, 900, 42, 768, 3];
 const NEW: usize = 6;
 
@@ -94,7 +95,9 @@ fn synth_repack_open_greedy_agrees_across_plans() {
             let mut naive = open_with(&dir, Device::Cpu, OpenOptions { attn_mode: AttnMode::Naive }).unwrap();
             let (nt, nl) = greedy(naive.target.as_mut());
             assert_eq!(&nt, &reference.as_ref().unwrap().0);
-            assert!(max_rel(&nl, &reference.as_ref().unwrap().1) < PLAN_REL);
+            let err = max_rel(&nl, &reference.as_ref().unwrap().1);
+            println!("naive vs absorbed (R=8 ep): max rel {err:e}");
+            assert!(err < PLAN_REL);
         }
     }
 }

@@ -47,7 +47,8 @@ pub fn make_bundle_on(model: &Path, prompts: &Path, out: &Path, a: &Options, dev
     let block = m.loaded.block_size();
     let ar_opts = ArOptions { max_tokens: a.max_tokens, topk: a.topk, full_logits_steps: a.full_logits_steps, trace_step: a.trace_step };
     let mut records = Vec::with_capacity(prompts.len());
-    for (i, (id, ids)) in prompts.iter().enumerate() {
+    // Every prompt must fit before any work (a late prompt failing after earlier ones ran wastes the run).
+    for (id, ids) in &prompts {
         ensure!(
             ids.len() + a.max_tokens <= info.max_positions,
             "prompt {id:?}: {} + {} tokens exceed max_positions {}",
@@ -55,6 +56,8 @@ pub fn make_bundle_on(model: &Path, prompts: &Path, out: &Path, a: &Options, dev
             a.max_tokens,
             info.max_positions
         );
+    }
+    for (i, (id, ids)) in prompts.iter().enumerate() {
         let (ar, _, traced) = greedy_ar(&mut m.loaded.session(Mode::Ar)?, ids, &ar_opts)?;
         let trace = match traced {
             Some((step, position, token, tr)) => Some(trace_record(&tr, step, position, token, info.num_layers)?),

@@ -143,8 +143,10 @@ fn resume_after_sigkill_gives_the_same_file() {
     let dir = scratch("resume");
     let prompts = dir.join("p.jsonl");
     let mut text = String::new();
-    for i in 0..8 {
-        text += &format!("{{\"id\":\"q{i}\",\"prompt_token_ids\":[{},{},{}],\"max_tokens\":4}}\n", 10 + i, 20 + i, 30 + i);
+    // Enough lines that the run is still going when its first record appears (asserted below).
+    const LINES: usize = 120;
+    for i in 0..LINES {
+        text += &format!("{{\"id\":\"q{i}\",\"prompt_token_ids\":[{},{},{}],\"max_tokens\":4}}\n", 10 + i % 50, 20 + i % 70, 30 + i % 90);
     }
     std::fs::write(&prompts, text).unwrap();
     let (full, killed) = (dir.join("full.jsonl"), dir.join("killed.jsonl"));
@@ -158,18 +160,16 @@ fn resume_after_sigkill_gives_the_same_file() {
         assert!(t0.elapsed() < Duration::from_secs(120), "no output line within 120 s");
         std::thread::sleep(Duration::from_millis(1));
     }
+    assert!(child.try_wait().unwrap().is_none(), "the run finished before the kill: the test proves nothing");
     child.kill().unwrap(); // SIGKILL
-    child.wait().unwrap();
+    let status = child.wait().unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.signal(), Some(9), "the run must have died of the SIGKILL, not finished: {status:?}");
     let mut bytes = std::fs::read(&killed).unwrap();
     let complete = bytes.iter().filter(|&&c| c == b'\n').count();
-    if complete == 8 {
-        // Finished before the kill landed: cut it back to one and a half lines, as a kill would.
-        let first = bytes.iter().position(|&c| c == b'\n').unwrap() + 1;
-        bytes.truncate(first + 10);
-    } else {
-        // A kill between records leaves no torn line; add one so that path is exercised too.
-        bytes.extend_from_slice(b"{\"id\":\"q");
-    }
+    assert!(complete >= 1 && complete < LINES, "the kill must land mid-run: {complete} of {LINES} lines written");
+    // A kill between records leaves no torn line; add one so that path is exercised too.
+    bytes.extend_from_slice(b"{\"id\":\"q");
     std::fs::write(&killed, &bytes).unwrap();
 
     let o = kdtree_run(&[&base[..], &["--out", s(&killed), "--resume"]].concat());
