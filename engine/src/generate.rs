@@ -137,7 +137,7 @@ pub fn generate(session: &mut Session<'_>, req: &GenRequest, on_tokens: &mut dyn
             break;
         }
         let step = session.step()?;
-        if let Mode::DDTree { .. } = session.mode() {
+        if session.mode().drafts() {
             out.spec.record(step.drafted, step.accepted, depths);
         }
         let mut kept = 0;
@@ -163,7 +163,7 @@ pub fn generate_on(
     req: &GenRequest,
     on_tokens: &mut dyn FnMut(&[u32]) -> bool,
 ) -> Result<GenOutput> {
-    let d = if let Mode::DDTree { .. } = req.mode { drafter.map(|d| Box::new(d) as Box<dyn Drafter + '_>) } else { None };
+    let d = if req.mode.drafts() { drafter.map(|d| Box::new(d) as Box<dyn Drafter + '_>) } else { None };
     let mut session = Session::new(Box::new(target), d, req.mode)?;
     generate(&mut session, req, on_tokens)
 }

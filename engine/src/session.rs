@@ -19,7 +19,7 @@
 //! One sequence per session today; batching (issue 15) adds a batch of sequences behind the same calls.
 
 use crate::api::{Drafter, LogitRows, StepOut, Target, TargetInfo};
-use crate::ddtree::{build_tree, walk_sampled, DraftTree, Walk};
+use crate::ddtree::{build_tree, build_tree_from_top_k, top_k_log_probs, walk_sampled, DraftTree, Walk};
 use crate::model::Trace;
 use crate::sampling::{sample, Sampling};
 use anyhow::{bail, ensure, Context, Result};
@@ -30,6 +30,16 @@ pub enum Mode {
     Ar,
     /// DDTree with a node budget (root excluded).
     DDTree { budget: usize },
+    /// The plain DFlash chain: one path of the drafter's argmax token at each of the B−1 block
+    /// positions, verified and walked like a tree (the baseline DDTree is measured against).
+    Chain,
+}
+
+impl Mode {
+    /// Whether the mode drafts (needs a drafter and target taps).
+    pub fn drafts(&self) -> bool {
+        !matches!(self, Mode::Ar)
+    }
 }
 
 /// What a session records during its steps, for checking (kdtree-golden records bundles with it and
@@ -108,8 +118,8 @@ pub struct Session<'a> {
 impl<'a> Session<'a> {
     /// A session in `mode`. DDTree needs a drafter and a target with tap layers.
     pub fn new(target: Box<dyn Target + 'a>, drafter: Option<Box<dyn Drafter + 'a>>, mode: Mode) -> Result<Session<'a>> {
-        if let Mode::DDTree { .. } = mode {
-            ensure!(drafter.is_some(), "DDTree mode needs a drafter (the model directory has none; use --mode ar)");
+        if mode.drafts() {
+            ensure!(drafter.is_some(), "{mode:?} mode needs a drafter (the model directory has none; use --mode ar)");
             ensure!(!target.info().tap_layers.is_empty(), "DDTree mode needs a target with tap layers");
         }
         let sampling = Sampling::greedy();
@@ -171,7 +181,7 @@ impl<'a> Session<'a> {
         self.sampling = sampling.clone();
         self.pending = None;
         self.last = None;
-        let ddtree = matches!(self.mode, Mode::DDTree { .. });
+        let ddtree = self.mode.drafts();
         let out = self.traced(|s| {
             let parents: Vec<i32> = (0..prompt.len() as i32).map(|i| i - 1).collect();
             s.target.forward_rows(prompt, &parents, LogitRows::Last)
@@ -199,7 +209,8 @@ impl<'a> Session<'a> {
         ensure!(start < max, "KV cache full: {start} committed, max_positions {max}");
         let emitted = match self.mode {
             Mode::Ar => self.traced(|s| s.ar_step(root))?,
-            Mode::DDTree { budget } => self.traced(|s| s.ddtree_step(root, budget))?,
+            Mode::DDTree { budget } => self.traced(|s| s.ddtree_step(root, Some(budget)))?,
+            Mode::Chain => self.traced(|s| s.ddtree_step(root, None))?,
         };
         self.pending = emitted.tokens.last().copied();
         self.last = Some((start, emitted.tokens.clone()));
@@ -219,7 +230,8 @@ impl<'a> Session<'a> {
         Ok(Emitted { tokens: vec![tok], drafted: 0, accepted: 0, depth_limit: 0 })
     }
 
-    fn ddtree_step(&mut self, root: u32, budget: usize) -> Result<Emitted> {
+    /// One round; `budget` None = the chain.
+    fn ddtree_step(&mut self, root: u32, budget: Option<usize>) -> Result<Emitted> {
         let d = self.drafter.as_deref_mut().context("DDTree session without a drafter")?;
         let rec = ddtree_round(&mut *self.target, d, root, budget, &self.sampling)?;
         let path = &rec.walk.path;
@@ -247,7 +259,7 @@ impl<'a> Session<'a> {
         // The step committed its root plus len−1 accepted nodes; keeping n tokens keeps root + n−1 nodes.
         let len = start + n;
         self.target.truncate(len)?;
-        if let (Mode::DDTree { .. }, Some(d)) = (self.mode, self.drafter.as_mut()) {
+        if let (true, Some(d)) = (self.mode.drafts(), self.drafter.as_mut()) {
             d.truncate_context(len)?;
         }
         self.pending = Some(toks[n - 1]);
@@ -259,7 +271,8 @@ impl<'a> Session<'a> {
 /// One DDTree round from root token `root` (at position `target.committed()`): draft, build the tree,
 /// verify, walk (the decision at depth d draws the uniform of position committed + d + 1). Commits
 /// nothing. The tree depth is min(B−1, max_positions − 1 − committed).
-fn ddtree_round(target: &mut dyn Target, drafter: &mut dyn Drafter, root: u32, budget: usize, sampling: &Sampling) -> Result<RoundRecord> {
+/// `budget` None: the chain (top-1 of each draft row, one path of the rows' length).
+fn ddtree_round(target: &mut dyn Target, drafter: &mut dyn Drafter, root: u32, budget: Option<usize>, sampling: &Sampling) -> Result<RoundRecord> {
     let start = target.committed();
     let (v, max) = (target.info().vocab_size, target.info().max_positions);
     ensure!(drafter.context_len() == start, "drafter context {} != target committed {start}", drafter.context_len());
@@ -268,7 +281,10 @@ fn ddtree_round(target: &mut dyn Target, drafter: &mut dyn Drafter, root: u32, b
     ensure!(draft.len() == l * v, "drafter returned {} logits, expected {l} rows x vocab {v}", draft.len());
     let rows = l.min(max - 1 - start);
     let draft_logits = draft[..rows * v].to_vec();
-    let tree = build_tree(root, &draft_logits, rows, v, budget);
+    let tree = match budget {
+        Some(budget) => build_tree(root, &draft_logits, rows, v, budget),
+        None => build_tree_from_top_k(root, &top_k_log_probs(&draft_logits, rows, v, 1), rows),
+    };
     let verify = target.forward_rows(&tree.tokens, &tree.parents, LogitRows::All)?;
     ensure!(verify.logits.len() == tree.len() * v, "target returned {} logits for {} nodes x vocab {v}", verify.logits.len(), tree.len());
     let walk = walk_sampled(&tree, &verify.logits, v, sampling, start);
@@ -278,9 +294,9 @@ fn ddtree_round(target: &mut dyn Target, drafter: &mut dyn Drafter, root: u32, b
 impl crate::Loaded {
     /// A session over this model in `mode` (borrows the model; one session at a time).
     pub fn session(&mut self, mode: Mode) -> Result<Session<'_>> {
-        let d = match mode {
-            Mode::DDTree { .. } => self.drafter.as_deref_mut().map(|d| Box::new(d) as Box<dyn Drafter + '_>),
-            Mode::Ar => None,
+        let d = match mode.drafts() {
+            true => self.drafter.as_deref_mut().map(|d| Box::new(d) as Box<dyn Drafter + '_>),
+            false => None,
         };
         Session::new(Box::new(&mut *self.target), d, mode)
     }

@@ -95,6 +95,8 @@ pub struct Args {
 pub enum ModeArg {
     Ddtree,
     Ar,
+    /// The plain DFlash chain (the drafter's argmax path, no tree): the baseline DDTree is measured against.
+    Chain,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -113,6 +115,7 @@ impl Args {
             mode: match self.mode {
                 ModeArg::Ar => Mode::Ar,
                 ModeArg::Ddtree => Mode::DDTree { budget: self.budget },
+                ModeArg::Chain => Mode::Chain,
             },
             thinking: self.thinking,
         }

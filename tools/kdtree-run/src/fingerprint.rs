@@ -46,6 +46,7 @@ pub fn line(line: &PromptLine, defaults: &Defaults, model: &str, model_name: &st
     let (mode, budget) = match defaults.mode {
         Mode::Ar => ("ar", None),
         Mode::DDTree { budget } => ("ddtree", Some(budget)),
+        Mode::Chain => ("chain", None),
     };
     let request = line.request.as_ref();
     let echoed = (line.openai && request.is_ok_and(|r| r.model.is_none())).then(|| body_model(line, model_name));

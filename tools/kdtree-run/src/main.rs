@@ -62,8 +62,8 @@ fn run(args: Args) -> Result<bool> {
         let info = RunInfo {
             model: &args.model,
             backend: &job.backend,
-            mode: match job.defaults.mode { Mode::Ar => "ar", Mode::DDTree { .. } => "ddtree" },
-            budget: match job.defaults.mode { Mode::Ar => None, Mode::DDTree { budget } => Some(budget) },
+            mode: match job.defaults.mode { Mode::Ar => "ar", Mode::DDTree { .. } => "ddtree", Mode::Chain => "chain" },
+            budget: match job.defaults.mode { Mode::DDTree { budget } => Some(budget), _ => None },
             wall_s: t0.elapsed().as_secs_f64(),
         };
         summary::write_summary(path, &job.totals, &info)?;
@@ -161,8 +161,8 @@ fn open_bundle(args: &Args, lines: &[PromptLine]) -> Result<Option<(Bundle, Hash
 /// Load the model; refuse DDTree without a drafter (asked of the manifest before the weights load,
 /// and of the loaded model) and (--verify) a model that is not the bundle's.
 fn open_model(args: &Args, d: &Defaults, bundle: Option<&(Bundle, HashMap<String, PromptRecord>)>) -> Result<Model> {
-    let no_drafter = || anyhow::anyhow!("{} has no drafter; DDTree needs one (use --mode ar)", args.model.display());
-    let ddtree = matches!(d.mode, Mode::DDTree { .. });
+    let no_drafter = || anyhow::anyhow!("{} has no drafter; --mode {:?} needs one (use --mode ar)", args.model.display(), d.mode);
+    let ddtree = d.mode.drafts();
     let dir = kdtree_formats::ModelDir::open(&args.model).with_context(|| format!("opening model {}", args.model.display()))?;
     if ddtree && dir.drafter_config().is_none() {
         return Err(no_drafter());

@@ -222,9 +222,9 @@ fn sampling(s: &SamplingUsed) -> Json {
 pub fn spec(mode: Mode, s: &SpecStats) -> Json {
     match mode {
         Mode::Ar => json!({"mode": "ar"}),
-        Mode::DDTree { budget } => json!({
-            "mode": "ddtree",
-            "budget": budget,
+        Mode::DDTree { .. } | Mode::Chain => json!({
+            "mode": if mode == Mode::Chain { "chain" } else { "ddtree" },
+            "budget": match mode { Mode::DDTree { budget } => Some(budget), _ => None },
             "verify_steps": s.verify_steps,
             "drafted": s.drafted,
             "accepted": s.accepted,
