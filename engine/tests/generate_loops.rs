@@ -23,14 +23,14 @@ fn req(prompt: &[u32], max_tokens: usize, mode: Mode, sampling: Sampling) -> Gen
 fn run(t: &mut MockTarget, d: &mut MockDrafter, r: &GenRequest, cb: &mut dyn FnMut(&[u32]) -> bool) -> GenOutput {
     let out = match r.mode {
         Mode::Ar => generate(t, None, r, cb),
-        Mode::DDTree { .. } => generate(t, Some(d as &mut dyn Drafter), r, cb),
+        Mode::DDTree { .. } | Mode::Chain => generate(t, Some(d as &mut dyn Drafter), r, cb),
     }
     .unwrap();
     if !out.tokens.is_empty() {
         let mut want = r.prompt.clone();
         want.extend(&out.tokens[..out.tokens.len() - 1]);
         assert_eq!(t.committed_tokens(), &want[..], "committed state after {:?}", r.mode);
-        if matches!(r.mode, Mode::DDTree { .. }) {
+        if r.mode.drafts() {
             assert_eq!(d.context_len(), t.committed(), "drafter context vs target");
         }
     }
@@ -39,6 +39,21 @@ fn run(t: &mut MockTarget, d: &mut MockDrafter, r: &GenRequest, cb: &mut dyn FnM
 
 fn run_simple(r: &GenRequest) -> GenOutput {
     run(&mut MockTarget::new(4096), &mut MockDrafter::new(BLOCK), r, &mut |_| false)
+}
+
+#[test]
+fn the_chain_is_lossless_and_drafts_one_path_a_round() {
+    for p in prompts() {
+        let ar = run_simple(&req(&p, 64, Mode::Ar, Sampling::greedy()));
+        let chain = run_simple(&req(&p, 64, Mode::Chain, Sampling::greedy()));
+        assert_eq!(chain.tokens, ar.tokens, "prompt {p:?}: greedy chain == greedy AR");
+        let s = &chain.spec;
+        // Every round drafts one node per depth (the full block, B-1 = 7, far from max_positions here).
+        assert_eq!(s.drafted, s.verify_steps * (BLOCK as u64 - 1), "one path of B-1 nodes a round");
+        assert!(s.acceptance_length() > 1.0, "the mock drafter's chain is accepted at times");
+        let sampled = |m| run_simple(&req(&p, 48, m, Sampling { temperature: 0.9, top_p: 0.95, top_k: 0, seed: 5 })).tokens;
+        assert_eq!(sampled(Mode::Chain), sampled(Mode::Ar), "sampled chain == sampled AR for a seed");
+    }
 }
 
 #[test]
