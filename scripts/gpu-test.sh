@@ -77,11 +77,38 @@ PY
   "$dir/kdtree-golden" "$e2e/pair1" --prompts golden/kdtree-tiny/prompts.jsonl --out "$e2e/gold-cuda-pair" --device cuda --quiet \
     --max-tokens 16 --full-logits-steps 2 --topk 8 --budget 8 --trace-step 1 || status=1
   tar -C "$e2e" -cf "$out/gpu-bundles.tar" gold-cuda-synth gold-cuda-pair 2>/dev/null
-  for mode in ar ddtree; do
-    "$dir/kdtree-run" "$e2e/pair1" --prompts examples/prompts.jsonl --out "$out/pair-$mode.jsonl" --device cuda --mode $mode $([ $mode = ddtree ] && echo --budget 16) \
-      --summary "$out/pair-$mode-summary.json" --quiet || status=1
-    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('E2E trained pair', sys.argv[2], 'backend', d.get('backend'), 'completion_tokens', d.get('completion_tokens'), 'tokens_per_s', d.get('tokens_per_s'), 'acceptance_length', d.get('acceptance_length'))" "$out/pair-$mode-summary.json" $mode | tee -a "$log"
+  # The trained pair on the held-out prompts: AR, the chain and DDTree, greedy and T = 1 (seed 1).
+  for temp in 0 1; do
+    for mode in ar chain ddtree16 ddtree64; do
+      case $mode in ddtree*) m="--mode ddtree --budget ${mode#ddtree}";; *) m="--mode $mode";; esac
+      "$dir/kdtree-run" "$e2e/pair1" --prompts examples/heldout.jsonl --out "$e2e/pair-$mode-t$temp.jsonl" --device cuda $m \
+        --temperature $temp --seed 1 --summary "$e2e/pair-$mode-t$temp.json" --quiet || status=1
+      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('E2E trained pair heldout', sys.argv[2], 'T', sys.argv[3], 'backend', d.get('backend'), 'tokens', d.get('completion_tokens'), 'tok/s', d.get('tokens_per_s'), 'acceptance_length', d.get('acceptance_length'))" "$e2e/pair-$mode-t$temp.json" $mode $temp | tee -a "$log"
+    done
   done
+  tar -C "$e2e" -cf "$out/pair-runs.tar" $(cd "$e2e" && ls pair-*.json pair-*.jsonl) 2>/dev/null
+  if [ "${KDTREE_GPU_K26:-0}" = 1 ]; then
+    # A k26-slice model (real K2.6 widths: hidden 7168, 64 heads, 384 experts top-8, vocab 163840; 1 dense + 2
+    # MoE layers, ~25 GB) converted for one rank: greedy AR, CPU reference vs the GPU, first 8 tokens.
+    k="$(mktemp -d -p "${K26_DIR:-/tmp}")"
+    s=$(date +%s)
+    "$dir/kdtree-convert" synth k26-slice "$k/hf" --layers 3 --seed 0 --quiet && "$dir/kdtree-convert" repack "$k/hf" "$k/m" --ranks 1 --quiet && rm -rf "$k/hf" || status=1
+    echo "E2E k26-slice synth + repack --ranks 1: $(( $(date +%s) - s )) s, $(du -sh "$k/m" | cut -f1)" | tee -a "$log"
+    printf '{"id":"k1","prompt_token_ids":[1,17,305,42,7,900,12,3],"max_tokens":8}\n{"id":"k2","prompt_token_ids":[5000,6,77,81234],"max_tokens":8}\n' > "$k/p.jsonl"
+    for dev in cpu cuda; do
+      s=$(date +%s)
+      "$dir/kdtree-run" "$k/m" --prompts "$k/p.jsonl" --out "$k/$dev.jsonl" --device $dev --mode ar --summary "$k/$dev.json" --quiet || status=1
+      echo "E2E k26-slice $dev: $(( $(date +%s) - s )) s wall incl. load; $(python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print(' '.join(f\"{x['id']} decode {x['timing']['decode_tok_s']} tok/s\" for x in r))" "$k/$dev.jsonl")" | tee -a "$log"
+    done
+    python3 - "$k/cpu.jsonl" "$k/cuda.jsonl" <<'PY' | tee -a "$log"
+import json, sys
+a, b = ([json.loads(l) for l in open(p)] for p in sys.argv[1:3])
+for x, y in zip(a, b):
+    n = next((i for i, (p, q) in enumerate(zip(x["token_ids"], y["token_ids"])) if p != q), len(x["token_ids"]))
+    print(f"E2E k26-slice greedy AR {x['id']}: first {n} of {len(x['token_ids'])} tokens identical (cpu {x['token_ids']} cuda {y['token_ids']})")
+PY
+    rm -rf "$k"
+  fi
 fi
 if [ "${KDTREE_GPU_BENCH:-1}" = 1 ]; then
   echo "== cuda_bench (timings)"
