@@ -18,7 +18,8 @@ use anyhow::{bail, Result};
 use cudarc::driver::CudaSlice;
 use half::bf16;
 
-use super::ops::act_f32::{self, RopeSlice};
+use super::ops::act_f32;
+use super::ops::rope::RopeLayout;
 use super::ops::mla_absorb::{absorb_q, apply_uv, AbsorbDims};
 use super::ops::mla_attention::{mla_attention, MlaShape, MlaSplit};
 use super::ops::{argmax, copy_rows, embed, gemm_bf16, kv_compact, moe_align, moe_combine, moe_router, silu_mul, w4a16_gemm};
@@ -375,8 +376,8 @@ impl Backend for CudaBackend {
             let mut rows = self.copy(ckv, 0, ckv.len())?;
             act_f32::rms_norm_f32(&self.gpu, &ckv.as_view(), w, &norm.as_view(), &mut rows.as_view_mut(), w, t, eps)?;
             let (cos, sin) = self.rope_tables(rope)?;
-            let r = RopeSlice { tokens: t, heads: 1, ld_token: w, ld_head: w, offset: c, dim: w - c, neox: false };
-            act_f32::rope_table_f32(&self.gpu, &mut rows.as_view_mut(), &cos.as_view(), &sin.as_view(), r)?;
+            let r = RopeLayout { tokens: t, heads: 1, ld_token: w, ld_head: w, offset: c, dim: w - c };
+            act_f32::rope_table_f32(&self.gpu, &mut rows.as_view_mut(), &cos.as_view(), &sin.as_view(), r, false)?;
             let at = (l * kv.cap + kv.committed) * w;
             act_f32::f32_to_bf16(&self.gpu, &rows.as_view(), &mut kv.buf.slice_mut(at..at + t * w))
         });
@@ -414,8 +415,8 @@ impl Backend for CudaBackend {
             let p = 2 * rope.half;
             let t = rope.cos.len() / rope.half.max(1);
             let (cos, sin) = self.rope_tables(rope)?;
-            let r = RopeSlice { tokens: t, heads, ld_token: heads * (nope + p), ld_head: nope + p, offset: nope, dim: p, neox: false };
-            act_f32::rope_table_f32(&self.gpu, &mut q.as_view_mut(), &cos.as_view(), &sin.as_view(), r)
+            let r = RopeLayout { tokens: t, heads, ld_token: heads * (nope + p), ld_head: nope + p, offset: nope, dim: p };
+            act_f32::rope_table_f32(&self.gpu, &mut q.as_view_mut(), &cos.as_view(), &sin.as_view(), r, false)
         });
     }
     fn mla_attention(&self, q: &CudaSlice<f32>, kv: &DKv, l: usize, mask: &Visibility, kv_b: &DMat, d: &MlaDims, _mode: AttnMode) -> CudaSlice<f32> {
@@ -427,7 +428,7 @@ impl Backend for CudaBackend {
     fn moe_route(&self, logits: &CudaSlice<f32>, t: usize, r: &Router, bias: Option<&CudaSlice<f32>>) -> DRoutes {
         let res = self.run("moe_route", || {
             let (mut ids, mut wts) = (self.gpu.zeros::<i32>(t * r.top_k)?, self.new_f32(t * r.top_k)?);
-            let c = moe_router::RouterCfg { n_experts: r.n_experts, n_group: r.n_group, topk_group: r.topk_group, top_k: r.top_k, norm_topk_prob: r.norm_topk_prob, routed_scaling: r.routed_scaling };
+            let c = *r;
             let bv = bias.map(|b| b.as_view());
             moe_router::moe_router(&self.gpu, &logits.as_view(), bv.as_ref(), t, c, &mut ids.as_view_mut(), &mut wts.as_view_mut())?;
             Ok((ids, wts))
@@ -461,8 +462,8 @@ impl Backend for CudaBackend {
             act_f32::rms_norm_f32(&self.gpu, &x.as_view(), d, &w.as_view(), &mut y.as_view_mut(), d, x.len() / d.max(1), eps)?;
             let (cos, sin) = self.rope_tables(rope)?;
             let t = x.len() / (heads * d).max(1);
-            let r = RopeSlice { tokens: t, heads, ld_token: heads * d, ld_head: d, offset: 0, dim: d, neox: true };
-            act_f32::rope_table_f32(&self.gpu, &mut y.as_view_mut(), &cos.as_view(), &sin.as_view(), r)?;
+            let r = RopeLayout { tokens: t, heads, ld_token: heads * d, ld_head: d, offset: 0, dim: d };
+            act_f32::rope_table_f32(&self.gpu, &mut y.as_view_mut(), &cos.as_view(), &sin.as_view(), r, true)?;
             Ok(y)
         })
         .unwrap_or_else(|| self.empty())

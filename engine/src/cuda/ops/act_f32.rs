@@ -6,6 +6,7 @@
 use cudarc::driver::{CudaView, CudaViewMut, PushKernelArg};
 use half::bf16;
 
+use super::rope::RopeLayout;
 use super::{as_i32, launch_cfg, need_len, span};
 use crate::cuda::{drv, ensure, Gpu, Result};
 
@@ -93,20 +94,10 @@ pub fn rms_norm_f32(gpu: &Gpu, x: &CudaView<'_, f32>, ld_x: usize, w: &CudaView<
     Ok(())
 }
 
-/// Where the rope slice sits and which pairing: element (t, h, d) at `t·ld_token + h·ld_head + offset + d`.
-#[derive(Debug, Clone, Copy)]
-pub struct RopeSlice {
-    pub tokens: usize,
-    pub heads: usize,
-    pub ld_token: usize,
-    pub ld_head: usize,
-    pub offset: usize,
-    pub dim: usize,
-    pub neox: bool,
-}
-
-/// RoPE in place from `cos`/`sin` `[tokens, dim/2]` (the host table of `backend::RopeTable`).
-pub fn rope_table_f32(gpu: &Gpu, x: &mut CudaViewMut<'_, f32>, cos: &CudaView<'_, f32>, sin: &CudaView<'_, f32>, r: RopeSlice) -> Result<()> {
+/// RoPE in place from `cos`/`sin` `[tokens, dim/2]` (the host table of `backend::RopeTable`) on the slice
+/// `r` describes (the layout of the bf16 rope op, `super::rope::RopeLayout`); `neox`: pairs (i, i + D/2)
+/// (rotate_half, the drafter) instead of (2i, 2i + 1) (interleaved, the target).
+pub fn rope_table_f32(gpu: &Gpu, x: &mut CudaViewMut<'_, f32>, cos: &CudaView<'_, f32>, sin: &CudaView<'_, f32>, r: RopeLayout, neox: bool) -> Result<()> {
     const OP: &str = "rope_table_f32";
     ensure(OP, r.dim % 2 == 0 && r.dim > 0, || format!("rope dim {} must be even", r.dim))?;
     need_len(OP, "cos", cos.len(), r.tokens * r.dim / 2)?;
@@ -117,7 +108,7 @@ pub fn rope_table_f32(gpu: &Gpu, x: &mut CudaViewMut<'_, f32>, cos: &CudaView<'_
     let last = (r.tokens - 1) * r.ld_token + (r.heads - 1) * r.ld_head + r.offset + r.dim;
     need_len(OP, "x", x.len(), last)?;
     ensure(OP, r.tokens <= 65535, || format!("tokens={} exceeds the grid limit 65535", r.tokens))?;
-    let (h, lt, lh, off, d, nx) = (as_i32(OP, "heads", r.heads)?, as_i32(OP, "ld_token", r.ld_token)?, as_i32(OP, "ld_head", r.ld_head)?, as_i32(OP, "offset", r.offset)?, as_i32(OP, "dim", r.dim)?, r.neox as i32);
+    let (h, lt, lh, off, d, nx) = (as_i32(OP, "heads", r.heads)?, as_i32(OP, "ld_token", r.ld_token)?, as_i32(OP, "ld_head", r.ld_head)?, as_i32(OP, "offset", r.offset)?, as_i32(OP, "dim", r.dim)?, neox as i32);
     let mut b = gpu.stream.launch_builder(gpu.func("kdtree_rope_table_f32"));
     b.arg(x).arg(cos).arg(sin).arg(&h).arg(&lt).arg(&lh).arg(&off).arg(&d).arg(&nx);
     // SAFETY: the last element touched is inside x (checked), tables hold tokens x dim/2.

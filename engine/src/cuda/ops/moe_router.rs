@@ -1,4 +1,4 @@
-//! MoE router wrapper for kernels/cuda/moe_router.cu. CPU twin: `crate::model::ffn::route`.
+//! MoE router wrapper for kernels/cuda/moe_router.cu. CPU twin: `crate::cpu::ops::moe_route`.
 
 use cudarc::driver::{CudaView, CudaViewMut, PushKernelArg};
 
@@ -7,17 +7,9 @@ use crate::cuda::{drv, ensure, Gpu, Result};
 
 const OP: &str = "moe_router";
 
-/// Router settings (config.json: n_routed_experts, n_group, topk_group, num_experts_per_tok,
-/// norm_topk_prob, routed_scaling_factor). Field meanings as `crate::model::weights::ModelConfig`.
-#[derive(Clone, Copy, Debug)]
-pub struct RouterCfg {
-    pub n_experts: usize,
-    pub n_group: usize,
-    pub topk_group: usize,
-    pub top_k: usize,
-    pub norm_topk_prob: bool,
-    pub routed_scaling: f32,
-}
+/// Router settings: the CPU twin's own (`cpu::ops::Router`, from config.json's n_routed_experts, n_group,
+/// topk_group, num_experts_per_tok, norm_topk_prob, routed_scaling_factor).
+pub use crate::cpu::ops::Router as RouterCfg;
 
 /// For each of `tokens` rows of f32 `logits` `[tokens, n_experts]`: selected expert ids
 /// `ids [tokens, top_k]` (selection order) and weights `weights [tokens, top_k]` f32. `bias` is
