@@ -144,6 +144,12 @@ impl Gpu {
         self.stream.alloc_zeros(n).map_err(drv("alloc"))
     }
 
+    /// (free, total) device memory in bytes (`cuMemGetInfo`).
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        self.ctx.bind_to_thread().map_err(drv("mem_info"))?;
+        cudarc::driver::result::mem_get_info().map_err(drv("mem_info"))
+    }
+
     /// Blocks until all work queued on the stream is done.
     pub fn sync(&self) -> Result<()> {
         self.stream.synchronize().map_err(drv("synchronize"))

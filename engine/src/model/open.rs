@@ -118,6 +118,19 @@ fn open_cuda(dir: &Path, gpu: crate::cuda::Gpu) -> Result<Loaded> {
         dir.display(),
         md.ranks()
     );
+    // The target's weights must fit the GPU, with room left for the latent cache and activations.
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let needed: u64 = md.manifest().tensors.iter().filter(|t| t.rank == 0 && !t.name.starts_with("drafter.")).map(|t| t.nbytes).sum();
+    let (free, total) = gpu.mem_info()?;
+    anyhow::ensure!(
+        needed + (1u64 << 30) <= free as u64,
+        "{}: the target's weights need {:.2} GiB on {} (+1 GiB for the cache and activations), but only {:.2} GiB of {:.2} GiB are free",
+        dir.display(),
+        gib(needed),
+        gpu.describe(),
+        gib(free as u64),
+        gib(total as u64)
+    );
     let src: Arc<dyn TensorSource> = Arc::new(md);
     let taps = src.drafter_config().map(|c| c.dflash_config.target_layer_ids.clone()).unwrap_or_default();
     let name = gpu.describe();
