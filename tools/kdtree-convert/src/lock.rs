@@ -32,8 +32,7 @@ pub fn lock_out(out: &Path) -> Result<OutLock> {
             if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
                 return Err(e).with_context(|| format!("locking {}", path.display()));
             }
-            let mut who = String::new();
-            let _ = file.read_to_string(&mut who);
+            let who = holder(&mut file);
             let who = who.trim();
             let who = if who.is_empty() { "another process".to_string() } else { format!("another kdtree-convert ({who})") };
             bail!("{}: locked by {who}; two conversions cannot write one OUT at once (wait for it to finish, or stop it)", out.display());
@@ -48,6 +47,21 @@ pub fn lock_out(out: &Path) -> Result<OutLock> {
         return Ok(OutLock { file, path });
     }
     bail!("{}: could not take the lock (its file keeps being replaced)", path.display())
+}
+
+/// The holder's line in the lock file. The holder writes it just after taking the lock, so a waiter
+/// that arrives in between sees an empty file: give the holder up to ~0.5 s to write it.
+fn holder(file: &mut File) -> String {
+    let mut who = String::new();
+    for _ in 0..50 {
+        who.clear();
+        let _ = file.rewind().and_then(|_| file.read_to_string(&mut who));
+        if who.ends_with('\n') {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    who
 }
 
 impl OutLock {
