@@ -184,3 +184,62 @@ fn bf16_weights(g: &Gpu, r: &mut rand_chacha::ChaCha8Rng, n: usize, k: usize) ->
     let w: Vec<bf16> = (0..copies * n * k).map(|_| bf16::from_bits(0x3c00 | (r.next_u32() as u16 & 0x80ff))).collect();
     g.upload(&w).unwrap()
 }
+
+/// The DDTree round's tree stages on the device (engine/src/cuda/tree.rs) at the real drafter's shape (7 draft
+/// rows, vocab 163,840) for budgets 64, 256, 1024: top-K log-probs, tree build, ancestor mask, and the
+/// greedy walk (argmax over the tree's verify rows + walk), each timed eagerly and the whole chain replayed
+/// from one CUDA graph (proves it capturable: no host sync, no allocation, sizes read on the device).
+/// Draft logits: two tied dominant tokens per row over random values (deep, branching trees).
+#[test]
+#[ignore = "timing; run by scripts/gpu-test.sh"]
+fn ddtree_tree_stages() {
+    use kdtree_engine::cuda::tree::DeviceTree;
+    use rand::Rng;
+    let Some(g) = gpu() else { return };
+    let (rows, v) = (7usize, 163_840usize);
+    let mut r = rng(31);
+    let mut logits: Vec<f32> = (0..rows * v)
+        .map(|_| r.random_range(-4.0f32..4.0))
+        .collect();
+    for d in 0..rows {
+        let a = r.random_range(0..v);
+        logits[d * v + a] = 14.0;
+        logits[d * v + (a + 1 + r.random_range(0..v - 1)) % v] = 14.0;
+    }
+    let dl = g.upload(&logits).unwrap();
+    for budget in [64usize, 256, 1024] {
+        let mut dt = DeviceTree::new(&g, budget, rows, v).unwrap();
+        dt.set_bonus(&g, 11).unwrap();
+        let verify: Vec<f32> = (0..(budget + 1) * v)
+            .map(|_| r.random_range(-4.0f32..4.0))
+            .collect();
+        let dv = g.upload(&verify).unwrap();
+        let (k, n) = (dt.k, budget + 1);
+        let topk = time_ms(&g, 3, 20, |_| {
+            let (mut lp, mut tok) = (dt.lp.as_view_mut(), dt.tok.as_view_mut());
+            ops::topk_logprobs::topk_logprobs(&g, &dl.as_view(), rows, v, v, k, &mut lp, &mut tok)
+                .unwrap()
+        });
+        let build = time_ms(&g, 3, 20, |_| dt.build_from_top_k(&g).unwrap());
+        let mask = time_ms(&g, 3, 20, |_| {
+            let (p, nn) = (dt.parents.as_view(), dt.n_nodes.as_view());
+            ops::visibility::visibility(&g, &p, Some(&nn), n, dt.words, &mut dt.bits.as_view_mut())
+                .unwrap()
+        });
+        let walk = time_ms(&g, 3, 20, |_| dt.walk_greedy(&g, &dv.as_view(), v).unwrap());
+        let chain = time_graph_ms(&g, 10, |_| {
+            dt.build(&g, &dl.as_view(), v).unwrap();
+            dt.walk_greedy(&g, &dv.as_view(), v).unwrap();
+        });
+        let t = dt.to_host(&g).unwrap();
+        let depth = t.depths.iter().max().copied().unwrap_or(0);
+        println!(
+            "BENCH ddtree_tree budget={budget} rows={rows} V={v}: topk {:.1} us, build(+mask) {:.1} us, mask {:.1} us, walk(argmax {n} rows + walk) {:.1} us; graph(topk+build+mask+argmax+walk, 5 kernels) {:.1} us; tree depth {depth}",
+            topk * 1e3,
+            build * 1e3,
+            mask * 1e3,
+            walk * 1e3,
+            chain * 1e3
+        );
+    }
+}

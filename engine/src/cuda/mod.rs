@@ -9,6 +9,7 @@
 
 pub mod backend;
 pub mod ops;
+pub mod tree;
 
 pub use backend::CudaBackend;
 

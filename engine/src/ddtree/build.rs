@@ -9,7 +9,8 @@
 //!   scores (IEEE `==`, as Python compares floats) are broken by the smaller rank tuple (lexicographic, a
 //!   prefix before its extensions), then parent, depth, rank; `logw` is accumulated in f64 from the f32
 //!   log-probs with the reference's update formulas (sibling: `logw - lp[d][r] + lp[d][r+1]`, child:
-//!   `logw + lp[d+1][0]`). The order is total, so the result never depends on heap internals;
+//!   `logw + lp[d+1][0]`), a NaN score counting as -inf. The order is total, so the result never depends
+//!   on heap internals;
 //! * nodes are numbered in pop order, root = node 0 = the bonus token, not counted in the budget.
 //!
 //! Fixed-size state: a candidate is `(logw, parent node, depth, rank)` (no per-candidate rank Vec); its
@@ -228,6 +229,17 @@ impl Heap {
     }
 }
 
+/// A candidate's score: NaN (e.g. `-inf - -inf` once a row has fewer than K finite logits, or a NaN logit)
+/// counts as -inf, so the order stays total (the reference's heap order with NaN is undefined) and a device
+/// builder, whose NaN bits differ from the host's, orders the same (kernels/cuda/ddtree_build.cu).
+fn score(logw: f64) -> f64 {
+    if logw.is_nan() {
+        f64::NEG_INFINITY
+    } else {
+        logw
+    }
+}
+
 /// Build the tree for root `bonus` from draft logits `[rows, vocab]` (rows = depths available) and a
 /// node budget (root excluded). budget 0 or rows 0 gives the root-only tree.
 pub fn build_tree(bonus: u32, draft_logits: &[f32], rows: usize, vocab: usize, budget: usize) -> DraftTree {
@@ -261,7 +273,7 @@ pub fn build_tree_from_top_k(bonus: u32, top: &TopK, budget: usize) -> DraftTree
     t.add_node(&mut last_child, bonus, 0, -1, 0.0);
     ranks.push(0);
     let mut heap = Heap(Vec::with_capacity(cap + 1));
-    heap.0.push(Cand { logw: lp(1, 0), parent: 0, depth: 1, rank: 0 });
+    heap.0.push(Cand { logw: score(lp(1, 0)), parent: 0, depth: 1, rank: 0 });
     while t.drafted() < budget {
         let Some(c) = heap.pop(&Nodes { parents: &t.parents, ranks: &ranks }) else { break };
         let token = top.tokens[(c.depth as usize - 1) * k + c.rank as usize];
@@ -270,11 +282,11 @@ pub fn build_tree_from_top_k(bonus: u32, top: &TopK, budget: usize) -> DraftTree
         ranks.push(c.rank);
         let o = Nodes { parents: &t.parents, ranks: &ranks };
         if (c.rank as usize) + 1 < k {
-            let logw = c.logw - lp(c.depth, c.rank) + lp(c.depth, c.rank + 1);
+            let logw = score(c.logw - lp(c.depth, c.rank) + lp(c.depth, c.rank + 1));
             heap.push(Cand { logw, rank: c.rank + 1, ..c }, &o);
         }
         if (c.depth as usize) < depth_limit {
-            let logw = c.logw + lp(c.depth + 1, 0);
+            let logw = score(c.logw + lp(c.depth + 1, 0));
             heap.push(Cand { logw, parent: n, depth: c.depth + 1, rank: 0 }, &o);
         }
     }
@@ -337,6 +349,41 @@ pub(crate) mod tests {
         let t = build_tree(9, &logits, 2, v, 5);
         assert_eq!(t.parents, vec![-1, 0, 0, 0, 1, 1]);
         assert_eq!(t.tokens, vec![9, 0, 1, 2, 0, 1]);
+    }
+
+    #[test]
+    fn rows_with_fewer_finite_logits_than_k_keep_a_total_order() {
+        // K = 8 > the 3 finite logits per row: siblings past them score -inf - -inf = NaN, which counts as
+        // -inf (build.rs `score`), so scores never rise in pop order and equal -inf scores pop in rank-tuple
+        // order: first the extensions (0, 3), (0, 4), … of the best depth-1 prefix (0) = node 1.
+        let v = 8;
+        let mut logits = vec![f32::NEG_INFINITY; 2 * v];
+        for (i, x) in [
+            (0, 0.0f32),
+            (3, -0.5),
+            (5, -1.0),
+            (v + 1, 0.0),
+            (v + 2, -2.0),
+            (v + 6, -0.25),
+        ] {
+            logits[i] = x;
+        }
+        let t = build_tree(9, &logits, 2, v, 40);
+        assert!(t.log_q.iter().all(|x| !x.is_nan()), "{:?}", t.log_q);
+        assert!(
+            t.log_q[1..].windows(2).all(|w| w[0] >= w[1]),
+            "scores rise in pop order: {:?}",
+            t.log_q
+        );
+        let finite = t.log_q.iter().filter(|x| x.is_finite()).count();
+        assert_eq!(
+            finite,
+            1 + 3 + 9,
+            "root, 3 depth-1 and 3x3 depth-2 prefixes"
+        );
+        assert_eq!((t.depths[finite], t.depths[finite + 1]), (2, 2));
+        assert_eq!((t.parents[finite], t.parents[finite + 1]), (1, 1));
+        assert_eq!(t.len(), 41);
     }
 
     #[test]

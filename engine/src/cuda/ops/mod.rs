@@ -6,6 +6,8 @@
 pub mod act_f32;
 pub mod argmax;
 pub mod copy_rows;
+pub mod ddtree_build;
+pub mod ddtree_walk;
 pub mod embed;
 pub mod gemm_bf16;
 pub mod kv_compact;
@@ -18,6 +20,8 @@ pub mod residual_add;
 pub mod rms_norm;
 pub mod rope;
 pub mod silu_mul;
+pub mod topk_logprobs;
+pub mod visibility;
 pub mod w4a16_gemm;
 
 use cudarc::driver::{CudaView, LaunchConfig};

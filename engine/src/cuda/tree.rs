@@ -1,0 +1,269 @@
+//! The DDTree round's tree work on the device (issue 9): per-depth top-K log-probs of the draft logits, the
+//! best-first tree build, its ancestor bitmask (the target's tree-verify mask), and the walk over the
+//! target's per-node decisions. Buffers are sized once for a (budget, draft rows, vocab) and reused every
+//! round (no allocation per round); every step reads its sizes (tree size, bonus token) from device memory,
+//! so the chain is graph-capturable and needs no host read until the round's result.
+//!
+//! Launches: `build` = topk_logprobs + ddtree_build + visibility (3 kernels); `walk_greedy` = argmax over the
+//! tree's rows + ddtree_walk (2). CPU twins: `ddtree::{top_k_log_probs, build_tree_from_top_k, Visibility,
+//! walk_greedy}`; equality is tested in engine/tests/cuda_ddtree.rs.
+
+use cudarc::driver::CudaSlice;
+
+use super::ops::{argmax, ddtree_build, ddtree_walk, topk_logprobs, visibility};
+use super::{ensure, Gpu, Result};
+use crate::ddtree::{DraftTree, TopK, Visibility, Walk};
+
+/// Device buffers of one sequence's tree, for a fixed budget (root excluded), draft rows (depths) and vocab.
+pub struct DeviceTree {
+    pub budget: usize,
+    pub rows: usize,
+    pub vocab: usize,
+    /// K = min(budget, vocab).
+    pub k: usize,
+    /// u64 words per mask row: ceil((budget + 1) / 64).
+    pub words: usize,
+    /// Per-depth top-K `[rows, k]`.
+    pub lp: CudaSlice<f32>,
+    pub tok: CudaSlice<u32>,
+    /// The root token `[1]` (the last round's bonus).
+    pub bonus: CudaSlice<u32>,
+    /// Tree arrays `[budget + 1]` (node 0 = root, pop order) and the node count `[1]`.
+    pub tokens: CudaSlice<u32>,
+    pub depths: CudaSlice<u32>,
+    pub parents: CudaSlice<i32>,
+    pub log_q: CudaSlice<f64>,
+    pub first_child: CudaSlice<i32>,
+    pub next_sibling: CudaSlice<i32>,
+    pub n_nodes: CudaSlice<i32>,
+    /// Ancestor bitmask `[budget + 1, words]`.
+    pub bits: CudaSlice<u64>,
+    /// Per-node target decisions `[budget + 1]`, the accepted path and its decisions `[rows + 1]`, its
+    /// length `[1]`.
+    pub decisions: CudaSlice<u32>,
+    pub path: CudaSlice<i32>,
+    pub path_dec: CudaSlice<u32>,
+    pub path_len: CudaSlice<i32>,
+}
+
+impl DeviceTree {
+    /// Allocates every buffer once (budget 1..=2048, draft rows 1..=255, K <= 2048).
+    pub fn new(gpu: &Gpu, budget: usize, rows: usize, vocab: usize) -> Result<DeviceTree> {
+        let op = "device_tree";
+        ensure(op, (1..=ddtree_build::MAX_BUDGET).contains(&budget), || {
+            format!(
+                "budget {budget} must be in 1..={}",
+                ddtree_build::MAX_BUDGET
+            )
+        })?;
+        ensure(op, (1..=ddtree_build::MAX_DEPTH).contains(&rows), || {
+            format!(
+                "{rows} draft rows must be in 1..={}",
+                ddtree_build::MAX_DEPTH
+            )
+        })?;
+        ensure(op, vocab > 0, || "empty vocabulary".into())?;
+        let (k, n) = (budget.min(vocab), budget + 1);
+        let words = n.div_ceil(64);
+        Ok(DeviceTree {
+            budget,
+            rows,
+            vocab,
+            k,
+            words,
+            lp: gpu.zeros(rows * k)?,
+            tok: gpu.zeros(rows * k)?,
+            bonus: gpu.zeros(1)?,
+            tokens: gpu.zeros(n)?,
+            depths: gpu.zeros(n)?,
+            parents: gpu.zeros(n)?,
+            log_q: gpu.zeros(n)?,
+            first_child: gpu.zeros(n)?,
+            next_sibling: gpu.zeros(n)?,
+            n_nodes: gpu.zeros(1)?,
+            bits: gpu.zeros(n * words)?,
+            decisions: gpu.zeros(n)?,
+            path: gpu.zeros(rows + 1)?,
+            path_dec: gpu.zeros(rows + 1)?,
+            path_len: gpu.zeros(1)?,
+        })
+    }
+
+    /// Top-K of `draft_logits` (`[rows, ld]` f32, first `vocab` used), then [`DeviceTree::build_from_top_k`].
+    pub fn build(
+        &mut self,
+        gpu: &Gpu,
+        draft_logits: &cudarc::driver::CudaView<'_, f32>,
+        ld: usize,
+    ) -> Result<()> {
+        topk_logprobs::topk_logprobs(
+            gpu,
+            draft_logits,
+            self.rows,
+            self.vocab,
+            ld,
+            self.k,
+            &mut self.lp.as_view_mut(),
+            &mut self.tok.as_view_mut(),
+        )?;
+        self.build_from_top_k(gpu)
+    }
+
+    /// Tree of root `bonus` from the top-K in `lp` / `tok`, and its ancestor bitmask.
+    pub fn build_from_top_k(&mut self, gpu: &Gpu) -> Result<()> {
+        let out = ddtree_build::TreeOut {
+            tokens: &mut self.tokens.as_view_mut(),
+            depths: &mut self.depths.as_view_mut(),
+            parents: &mut self.parents.as_view_mut(),
+            log_q: &mut self.log_q.as_view_mut(),
+            first_child: &mut self.first_child.as_view_mut(),
+            next_sibling: &mut self.next_sibling.as_view_mut(),
+            n_nodes: &mut self.n_nodes.as_view_mut(),
+        };
+        ddtree_build::ddtree_build(
+            gpu,
+            &self.lp.as_view(),
+            &self.tok.as_view(),
+            self.rows,
+            self.k,
+            self.budget,
+            &self.bonus.as_view(),
+            out,
+        )?;
+        visibility::visibility(
+            gpu,
+            &self.parents.as_view(),
+            Some(&self.n_nodes.as_view()),
+            self.budget + 1,
+            self.words,
+            &mut self.bits.as_view_mut(),
+        )
+    }
+
+    /// Greedy decisions (row argmax of `verify_logits` `[budget + 1, ld]`, node order; rows past the tree's
+    /// size are ignored) and the walk over them.
+    pub fn walk_greedy(
+        &mut self,
+        gpu: &Gpu,
+        verify_logits: &cudarc::driver::CudaView<'_, f32>,
+        ld: usize,
+    ) -> Result<()> {
+        argmax::argmax(
+            gpu,
+            verify_logits,
+            self.budget + 1,
+            self.vocab,
+            ld,
+            &mut self.decisions.as_view_mut(),
+        )?;
+        self.walk(gpu)
+    }
+
+    /// The walk over the decisions already in `decisions` (greedy or sampled per node).
+    pub fn walk(&mut self, gpu: &Gpu) -> Result<()> {
+        ddtree_walk::ddtree_walk(
+            gpu,
+            &self.decisions.as_view(),
+            &self.tokens.as_view(),
+            &self.first_child.as_view(),
+            &self.next_sibling.as_view(),
+            &self.n_nodes.as_view(),
+            self.budget + 1,
+            self.rows + 1,
+            &mut self.path.as_view_mut(),
+            &mut self.path_dec.as_view_mut(),
+            &mut self.path_len.as_view_mut(),
+        )
+    }
+
+    /// The top-K as the CPU type (tests).
+    pub fn top_k_to_host(&self, gpu: &Gpu) -> Result<TopK> {
+        Ok(TopK {
+            rows: self.rows,
+            k: self.k,
+            log_probs: gpu.download(&self.lp)?,
+            tokens: gpu.download(&self.tok)?,
+        })
+    }
+
+    /// Uploads a host top-K into `lp` / `tok` (tests: the builder on the CPU's exact input).
+    pub fn set_top_k(&mut self, gpu: &Gpu, top: &TopK) -> Result<()> {
+        ensure(
+            "device_tree",
+            top.rows == self.rows && top.k == self.k,
+            || {
+                format!(
+                    "top-K {}x{} for a tree of {}x{}",
+                    top.rows, top.k, self.rows, self.k
+                )
+            },
+        )?;
+        gpu.stream
+            .memcpy_htod(&top.log_probs, &mut self.lp)
+            .map_err(super::drv("device_tree upload"))?;
+        gpu.stream
+            .memcpy_htod(&top.tokens, &mut self.tok)
+            .map_err(super::drv("device_tree upload"))?;
+        Ok(())
+    }
+
+    /// Sets the root token.
+    pub fn set_bonus(&mut self, gpu: &Gpu, bonus: u32) -> Result<()> {
+        gpu.stream
+            .memcpy_htod(&[bonus], &mut self.bonus)
+            .map_err(super::drv("device_tree upload"))
+    }
+
+    /// The tree as the CPU type, its bitmask narrowed to the CPU's `ceil(nodes / 64)` words (the extra
+    /// capacity words must be zero: an error otherwise). Tests and probes only (synchronises).
+    pub fn to_host(&self, gpu: &Gpu) -> Result<DraftTree> {
+        let n = gpu.download(&self.n_nodes)?[0] as usize;
+        ensure("device_tree", (1..=self.budget + 1).contains(&n), || {
+            format!(
+                "the device tree has {n} nodes, capacity {}",
+                self.budget + 1
+            )
+        })?;
+        fn cut<T>(mut v: Vec<T>, n: usize) -> Vec<T> {
+            v.truncate(n);
+            v
+        }
+        let bits_all = gpu.download(&self.bits)?;
+        let words = n.div_ceil(64).max(1);
+        let mut bits = Vec::with_capacity(n * words);
+        for i in 0..n {
+            let row = &bits_all[i * self.words..(i + 1) * self.words];
+            ensure("device_tree", row[words..].iter().all(|&w| w == 0), || {
+                format!("mask row {i} has bits past node {n}")
+            })?;
+            bits.extend_from_slice(&row[..words]);
+        }
+        Ok(DraftTree {
+            tokens: cut(gpu.download(&self.tokens)?, n),
+            depths: cut(gpu.download(&self.depths)?, n),
+            parents: cut(gpu.download(&self.parents)?, n),
+            log_q: cut(gpu.download(&self.log_q)?, n),
+            first_child: cut(gpu.download(&self.first_child)?, n),
+            next_sibling: cut(gpu.download(&self.next_sibling)?, n),
+            visibility: Visibility {
+                rows: n,
+                words,
+                bits,
+            },
+        })
+    }
+
+    /// The last walk as the CPU type (synchronises).
+    pub fn walk_to_host(&self, gpu: &Gpu) -> Result<Walk> {
+        let len = gpu.download(&self.path_len)?[0] as usize;
+        ensure("device_tree", (1..=self.rows + 1).contains(&len), || {
+            format!("walk length {len} outside 1..={}", self.rows + 1)
+        })?;
+        let path = gpu.download(&self.path)?[..len]
+            .iter()
+            .map(|&p| p as usize)
+            .collect();
+        let decisions = gpu.download(&self.path_dec)?[..len].to_vec();
+        Ok(Walk { path, decisions })
+    }
+}

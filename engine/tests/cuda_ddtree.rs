@@ -1,0 +1,310 @@
+//! The DDTree tree work on the GPU (engine/src/cuda/tree.rs) against the CPU: per-depth top-K log-probs ==
+//! `ddtree::top_k_log_probs` bit for bit, the device tree == `ddtree::build_tree_from_top_k` on the same
+//! top-K (tokens, depths, parents, scores, child lists, ancestor bitmask), and the device walk ==
+//! `ddtree::walk` on the same per-node decisions, for budgets 1…2048 and draft logits that give shallow,
+//! deep and branching trees with exact score ties (the committed golden rounds are all one level deep).
+//! Needs a GPU: skips without one unless KDTREE_REQUIRE_GPU=1. Run: scripts/gpu-test.sh.
+#![cfg(feature = "cuda")]
+
+mod cuda_common;
+
+use cuda_common::*;
+use kdtree_engine::cuda::tree::DeviceTree;
+use kdtree_engine::cuda::Gpu;
+use kdtree_engine::ddtree::{build_tree_from_top_k, top_k_log_probs, walk, DraftTree};
+use rand::Rng;
+use rand_chacha::ChaCha8Rng;
+
+/// Draft logits `[rows, v]` of one shape family.
+#[derive(Clone, Copy, Debug)]
+enum Logits {
+    /// i.i.d. N-ish(0, 2): shallow, wide trees.
+    Random,
+    /// One dominant token per row (+9): deep chains, branching near the root.
+    Peaked,
+    /// Two dominant tokens with exactly equal logits per row, the rest quantized to a few values: deep,
+    /// branching trees whose sibling scores tie exactly.
+    PeakedTies,
+    /// Every row identical and quantized to 4 values: ties everywhere (within rows and across depths).
+    Quantized,
+    /// Every logit equal (all scores of a depth tie; ddtree build.rs `equal_scores_break_on_the_rank_tuple`).
+    Flat,
+    /// Three finite logits per row, the rest -inf: K exceeds the finite tokens (NaN scores count as -inf).
+    FewFinite,
+}
+
+fn draft_logits(r: &mut ChaCha8Rng, kind: Logits, rows: usize, v: usize) -> Vec<f32> {
+    let mut x = vec![0f32; rows * v];
+    let row0: Vec<f32> = (0..v).map(|_| r.random_range(0..4) as f32 * 0.5).collect();
+    for d in 0..rows {
+        let row = &mut x[d * v..(d + 1) * v];
+        match kind {
+            Logits::Random => row
+                .iter_mut()
+                .for_each(|l| *l = r.random_range(-4.0f32..4.0)),
+            Logits::Peaked => {
+                row.iter_mut()
+                    .for_each(|l| *l = r.random_range(-2.0f32..2.0));
+                row[r.random_range(0..v)] = 9.0;
+            }
+            Logits::PeakedTies => {
+                row.iter_mut()
+                    .for_each(|l| *l = r.random_range(0..3) as f32 - 2.0);
+                let a = r.random_range(0..v);
+                let b = (a + 1 + r.random_range(0..v - 1)) % v;
+                row[a] = 14.0;
+                row[b] = 14.0;
+            }
+            Logits::Quantized => row.copy_from_slice(&row0),
+            Logits::Flat => row.iter_mut().for_each(|l| *l = 1.25),
+            Logits::FewFinite => {
+                row.iter_mut().for_each(|l| *l = f32::NEG_INFINITY);
+                for j in 0..3.min(v) {
+                    row[(j * 7 + d) % v] = j as f32 * -0.75;
+                }
+            }
+        }
+    }
+    x
+}
+
+fn same_tree(case: &str, got: &DraftTree, want: &DraftTree) {
+    assert_eq!(got.len(), want.len(), "{case}: node count");
+    for (what, g, w) in [
+        ("tokens", &got.tokens, &want.tokens),
+        ("depths", &got.depths, &want.depths),
+    ] {
+        if let Some(i) = g.iter().zip(w).position(|(a, b)| a != b) {
+            panic!("{case}: {what} differ first at node {i}: gpu {} cpu {} (parents gpu {:?} cpu {:?})", g[i], w[i], &got.parents[..=i], &want.parents[..=i]);
+        }
+    }
+    for (what, g, w) in [
+        ("parents", &got.parents, &want.parents),
+        ("first_child", &got.first_child, &want.first_child),
+        ("next_sibling", &got.next_sibling, &want.next_sibling),
+    ] {
+        if let Some(i) = g.iter().zip(w).position(|(a, b)| a != b) {
+            panic!(
+                "{case}: {what} differ first at node {i}: gpu {} cpu {}",
+                g[i], w[i]
+            );
+        }
+    }
+    if let Some(i) = got
+        .log_q
+        .iter()
+        .zip(&want.log_q)
+        .position(|(a, b)| a.to_bits() != b.to_bits())
+    {
+        panic!(
+            "{case}: log_q differ at node {i}: gpu {:e} cpu {:e}",
+            got.log_q[i], want.log_q[i]
+        );
+    }
+    assert_eq!(got.visibility, want.visibility, "{case}: ancestor bitmask");
+}
+
+/// Per-node decisions that follow a child with probability `p_follow` (else an off-tree token), so walks
+/// go deep and stop at every depth.
+fn decisions(r: &mut ChaCha8Rng, t: &DraftTree, v: usize, p_follow: f64) -> Vec<u32> {
+    (0..t.len())
+        .map(|n| {
+            let kids: Vec<u32> = t.children(n).map(|c| c.0).collect();
+            if !kids.is_empty() && (kids.len() == v || r.random_bool(p_follow)) {
+                kids[r.random_range(0..kids.len())]
+            } else {
+                loop {
+                    let x = r.random_range(0..v as u32);
+                    if !kids.contains(&x) {
+                        break x;
+                    }
+                }
+            }
+        })
+        .collect()
+}
+
+struct Case {
+    kind: Logits,
+    rows: usize,
+    v: usize,
+    budget: usize,
+}
+
+fn run_case(g: &Gpu, seed: u64, c: &Case) -> (usize, u32) {
+    let case = format!(
+        "ddtree({:?},rows={},V={},budget={})",
+        c.kind, c.rows, c.v, c.budget
+    );
+    let mut r = rng(seed);
+    let logits = draft_logits(&mut r, c.kind, c.rows, c.v);
+    let bonus = r.random_range(0..c.v as u32);
+    // CPU reference.
+    let top = top_k_log_probs(&logits, c.rows, c.v, c.budget.min(c.v));
+    let want = build_tree_from_top_k(bonus, &top, c.budget);
+    // GPU: top-K, build and mask from the draft logits on the device.
+    let mut dt = DeviceTree::new(g, c.budget, c.rows, c.v).unwrap();
+    let dl = g.upload(&logits).unwrap();
+    dt.set_bonus(g, bonus).unwrap();
+    dt.build(g, &dl.as_view(), c.v).unwrap();
+    let gtop = dt.top_k_to_host(g).unwrap();
+    if let Some(i) = gtop
+        .tokens
+        .iter()
+        .zip(&top.tokens)
+        .position(|(a, b)| a != b)
+    {
+        panic!(
+            "{case}: top-K tokens differ first at {i} (row {}, rank {}): gpu {} cpu {}",
+            i / top.k,
+            i % top.k,
+            gtop.tokens[i],
+            top.tokens[i]
+        );
+    }
+    if let Some(i) = gtop
+        .log_probs
+        .iter()
+        .zip(&top.log_probs)
+        .position(|(a, b)| a.to_bits() != b.to_bits())
+    {
+        panic!(
+            "{case}: top-K log-probs differ first at {i}: gpu {:e} cpu {:e}",
+            gtop.log_probs[i], top.log_probs[i]
+        );
+    }
+    let got = dt.to_host(g).unwrap();
+    same_tree(&case, &got, &want);
+    // The builder alone on the CPU's top-K (uploaded), into buffers the last build filled.
+    dt.set_top_k(g, &top).unwrap();
+    dt.build_from_top_k(g).unwrap();
+    same_tree(
+        &format!("{case} from the CPU top-K"),
+        &dt.to_host(g).unwrap(),
+        &want,
+    );
+    // Walks over three decision sets.
+    let mut deepest = 0;
+    for p in [0.5, 0.9, 1.0] {
+        let dec = decisions(&mut r, &want, c.v, p);
+        let cpu = walk(&want, |n| dec[n]);
+        let mut padded = dec.clone();
+        padded.resize(c.budget + 1, u32::MAX);
+        g.stream.memcpy_htod(&padded, &mut dt.decisions).unwrap();
+        dt.walk(g).unwrap();
+        let gpu = dt.walk_to_host(g).unwrap();
+        assert_eq!(gpu, cpu, "{case}: walk with follow probability {p}");
+        deepest = deepest.max(cpu.accepted());
+    }
+    let max_depth = *want.depths.iter().max().unwrap();
+    let ties = (1..want.len())
+        .filter(|&i| (1..want.len()).any(|j| j != i && want.log_q[j] == want.log_q[i]))
+        .count();
+    println!("PARITY {case} exact (nodes {}, max depth {max_depth}, nodes with a tied score {ties}, deepest walk {deepest})", want.len());
+    (ties, max_depth)
+}
+
+#[test]
+fn device_tree_equals_the_cpu_tree() {
+    let Some(g) = gpu() else { return };
+    let v = 163_840;
+    let mut cases = Vec::new();
+    for budget in [1, 8, 64, 256, 1024] {
+        for kind in [Logits::Random, Logits::Peaked, Logits::PeakedTies] {
+            cases.push(Case {
+                kind,
+                rows: 7,
+                v,
+                budget,
+            });
+        }
+    }
+    for budget in [8, 64, 256, 1024, 2048] {
+        cases.push(Case {
+            kind: Logits::Quantized,
+            rows: 7,
+            v: 64,
+            budget,
+        });
+        cases.push(Case {
+            kind: Logits::Flat,
+            rows: 7,
+            v: 64,
+            budget,
+        });
+        cases.push(Case {
+            kind: Logits::FewFinite,
+            rows: 7,
+            v: 3000,
+            budget,
+        });
+    }
+    cases.push(Case {
+        kind: Logits::PeakedTies,
+        rows: 15,
+        v: 5,
+        budget: 2048,
+    });
+    cases.push(Case {
+        kind: Logits::Peaked,
+        rows: 1,
+        v: 1000,
+        budget: 256,
+    });
+    cases.push(Case {
+        kind: Logits::Peaked,
+        rows: 255,
+        v: 8,
+        budget: 2048,
+    });
+    cases.push(Case {
+        kind: Logits::PeakedTies,
+        rows: 7,
+        v,
+        budget: 2048,
+    });
+    let (mut tied_cases, mut deep_cases) = (0, 0);
+    for (i, c) in cases.iter().enumerate() {
+        let (ties, depth) = run_case(&g, 9000 + i as u64, c);
+        tied_cases += (ties > 0) as usize;
+        deep_cases += (depth >= 4) as usize;
+    }
+    // The cases must exercise what they claim: exact ties and deep trees.
+    assert!(
+        tied_cases >= 10 && deep_cases >= 10,
+        "tied cases {tied_cases}, deep cases {deep_cases}"
+    );
+}
+
+#[test]
+fn greedy_walk_from_verify_logits_equals_the_cpu_walk() {
+    let Some(g) = gpu() else { return };
+    let (v, rows) = (163_840, 7);
+    for (i, budget) in [8usize, 64].into_iter().enumerate() {
+        let mut r = rng(9100 + i as u64);
+        let logits = draft_logits(&mut r, Logits::PeakedTies, rows, v);
+        let top = top_k_log_probs(&logits, rows, v, budget);
+        let tree = build_tree_from_top_k(7, &top, budget);
+        let mut dt = DeviceTree::new(&g, budget, rows, v).unwrap();
+        dt.set_top_k(&g, &top).unwrap();
+        dt.set_bonus(&g, 7).unwrap();
+        dt.build_from_top_k(&g).unwrap();
+        // Verify logits peaked at a chosen decision, tied exactly with one other token (the lower id wins,
+        // on both sides); rows past the tree stay random.
+        let dec = decisions(&mut r, &tree, v, 0.8);
+        let mut verify = rand_f32(&mut r, (budget + 1) * v, -3.0, 3.0);
+        for (n, &d) in dec.iter().enumerate() {
+            verify[n * v + d as usize] = 5.0;
+            verify[n * v + (d as usize + 1 + r.random_range(0..v - 1)) % v] = 5.0;
+        }
+        let want = kdtree_engine::ddtree::walk_greedy(&tree, &verify[..tree.len() * v], v);
+        let dv = g.upload(&verify).unwrap();
+        dt.walk_greedy(&g, &dv.as_view(), v).unwrap();
+        let got = dt.walk_to_host(&g).unwrap();
+        assert_eq!(got, want, "greedy walk, budget {budget}");
+        println!(
+            "PARITY ddtree_walk_greedy(budget={budget},V={v}) exact (accepted {})",
+            want.accepted()
+        );
+    }
+}

@@ -1,0 +1,32 @@
+// The DDTree verification walk on the device (ddtree.md §3.1): from the root, take the target's decision at
+// the current node; if a child carries that token move to it and repeat, else stop; the decision at the last
+// accepted node is the bonus (next root). CPU twin: engine ddtree::walk (greedy decisions = the argmax
+// kernel, sampled = the sample_rows kernel, both per node). Test: engine/tests/cuda_ddtree.rs. Wrapper:
+// engine/src/cuda/ops/ddtree_walk.rs.
+//
+// One thread: a walk visits at most depth + 1 nodes and each step scans one child list.
+#include "common.cuh"
+
+// decisions [nodes] u32 (per node); tokens, first_child, next_sibling [nodes] (the builder's outputs);
+// n [1] i32 nodes in use. Outputs: path [max_len] i32 (accepted nodes, root first), path_dec [max_len] u32
+// (decision at each path node: path_dec[i] chose tokens[path[i+1]], the last is the bonus), len [1] i32.
+// A walk longer than max_len stops there (the wrapper sizes max_len = max depth + 1). grid (1), block 1.
+extern "C" __global__ void kdtree_ddtree_walk(const unsigned* __restrict__ decisions, const unsigned* __restrict__ tokens,
+                                              const int* __restrict__ first_child, const int* __restrict__ next_sibling,
+                                              const int* __restrict__ n, int max_len, int* __restrict__ path,
+                                              unsigned* __restrict__ path_dec, int* __restrict__ len) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    const int used = n[0];
+    int cur = 0, k = 0;
+    while (k < max_len) {
+        const unsigned d = decisions[cur];
+        path[k] = cur;
+        path_dec[k] = d;
+        k++;
+        int c = first_child[cur];
+        while (c >= 0 && c < used && tokens[c] != d) c = next_sibling[c];
+        if (c < 0 || c >= used) break;
+        cur = c;
+    }
+    len[0] = k;
+}
