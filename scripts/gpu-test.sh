@@ -112,7 +112,8 @@ PY
 fi
 if [ "${KDTREE_GPU_BENCH:-1}" = 1 ]; then
   echo "== cuda_bench (timings)"
-  "$dir/cuda_bench" --ignored --nocapture --test-threads=1 2>&1 | tee -a "$log" | grep -E "^(BENCH|test result)|panicked"
+  # KDTREE_GPU_BENCH_FILTER: only the timings whose test name contains it (e.g. ddtree_tree_stages).
+  "$dir/cuda_bench" --ignored --nocapture --test-threads=1 ${KDTREE_GPU_BENCH_FILTER:-} 2>&1 | tee -a "$log" | grep -E "^(BENCH|test result)|panicked"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 echo
