@@ -308,3 +308,41 @@ fn greedy_walk_from_verify_logits_equals_the_cpu_walk() {
         );
     }
 }
+
+/// The tree stages of a round captured once into a CUDA graph (5 kernels: top-K, build, mask, argmax, walk;
+/// capture fails on any host sync or allocation) and replayed over new draft logits, root token and verify
+/// logits written into the same device buffers: each replay equals the CPU tree and walk.
+#[test]
+fn captured_tree_stages_replay_over_new_inputs() {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    let Some(g) = gpu() else { return };
+    let (v, rows, budget) = (163_840usize, 7usize, 64usize);
+    let mut dt = DeviceTree::new(&g, budget, rows, v).unwrap();
+    let mut dl = g.zeros::<f32>(rows * v).unwrap();
+    let mut dv = g.zeros::<f32>((budget + 1) * v).unwrap();
+    g.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+    dt.build(&g, &dl.as_view(), v).unwrap();
+    dt.walk_greedy(&g, &dv.as_view(), v).unwrap();
+    let graph = g.stream.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("captured graph");
+    for round in 0..3u64 {
+        let mut r = rng(9200 + round);
+        let kind = [Logits::PeakedTies, Logits::Peaked, Logits::Random][round as usize];
+        let logits = draft_logits(&mut r, kind, rows, v);
+        let bonus = r.random_range(0..v as u32);
+        let want = build_tree_from_top_k(bonus, &top_k_log_probs(&logits, rows, v, budget), budget);
+        let dec = decisions(&mut r, &want, v, 0.9);
+        let mut verify = rand_f32(&mut r, (budget + 1) * v, -3.0, 3.0);
+        for (n, &d) in dec.iter().enumerate() {
+            verify[n * v + d as usize] = 5.0;
+        }
+        let want_walk = kdtree_engine::ddtree::walk_greedy(&want, &verify[..want.len() * v], v);
+        g.stream.memcpy_htod(&logits, &mut dl).unwrap();
+        g.stream.memcpy_htod(&verify, &mut dv).unwrap();
+        dt.set_bonus(&g, bonus).unwrap();
+        graph.launch().unwrap();
+        let case = format!("graph replay {round} ({kind:?})");
+        same_tree(&case, &dt.to_host(&g).unwrap(), &want);
+        assert_eq!(dt.walk_to_host(&g).unwrap(), want_walk, "{case}: walk");
+        println!("PARITY ddtree_graph_replay(round={round},{kind:?},budget={budget}) exact (accepted {}, 5 kernels, 0 host syncs inside)", want_walk.accepted());
+    }
+}
