@@ -25,6 +25,8 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("argmax.cu", "kdtree_argmax_bf16"),
     ("copy_rows.cu", "kdtree_copy_rows_bf16"),
     ("embed.cu", "kdtree_embed_gather_bf16"),
+    ("gqa_attention.cu", "kdtree_gqa_attention_split_f32"),
+    ("gqa_attention.cu", "kdtree_gqa_attention_merge_f32"),
     ("kv_compact.cu", "kdtree_kv_compact_bf16"),
     ("mla_attention.cu", "kdtree_mla_attention_split_bf16"),
     ("mla_attention.cu", "kdtree_mla_attention_merge_bf16"),
