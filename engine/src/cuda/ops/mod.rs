@@ -8,6 +8,7 @@ pub mod argmax;
 pub mod copy_rows;
 pub mod embed;
 pub mod gemm_bf16;
+pub mod gqa_attention;
 pub mod kv_compact;
 pub mod mla_absorb;
 pub mod mla_attention;
