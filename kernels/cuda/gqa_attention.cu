@@ -34,9 +34,9 @@ extern "C" __global__ void __launch_bounds__(256) kdtree_gqa_attention_split_f32
                                 float* __restrict__ part_o, float* __restrict__ part_ml, int B, int C, int Hq, int Hk, int D,
                                 int rows_per_split, float scale) {
     using namespace gqa;
-    extern __shared__ float smem[];
+    extern __shared__ float gqa_smem[];  // a name of its own: build.rs compiles every .cu as one translation unit
     const int LD = D | 1;          // odd row stride
-    float* qs = smem;              // [QT, LD]
+    float* qs = gqa_smem;          // [QT, LD]
     float* ks = qs + QT * LD;      // [R, LD]
     float* vs = ks + R * LD;       // [R, LD]
     const int split = blockIdx.x, hk = blockIdx.y, i0 = blockIdx.z * QT, tid = threadIdx.x;
