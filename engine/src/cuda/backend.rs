@@ -230,7 +230,7 @@ impl Backend for CudaBackend {
         Ok(DMat { w: self.gpu.upload(&m.w[..])?, rows: m.rows, cols: m.cols })
     }
     fn upload_i4g32(&self, s: I4Stack) -> Result<DI4> {
-        if s.n % w4a16_gemm::N_STEP != 0 || s.k % w4a16_gemm::K_STEP != 0 {
+        if !s.n.is_multiple_of(w4a16_gemm::N_STEP) || !s.k.is_multiple_of(w4a16_gemm::K_STEP) {
             bail!(
                 "routed experts of shard shape [{}, {}, {}]: the CUDA W4A16 kernel needs N % {} == 0 and K % {} == 0 \
                  (convert with fewer ranks, e.g. --ranks 1)",

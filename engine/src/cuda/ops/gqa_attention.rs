@@ -100,7 +100,7 @@ pub fn gqa_attention(
     let (hq, hk, d) = (s.heads, s.kv_heads, s.head_dim);
     ensure(OP, hk > 0 && hq > 0 && hq % hk == 0, || format!("heads={hq} is not a positive multiple of kv_heads={hk}"))?;
     ensure(OP, (1..=MAX_HEAD_DIM).contains(&d), || format!("head_dim={d} outside the kernel's 1..={MAX_HEAD_DIM}"))?;
-    ensure(OP, split.rows_per_split % ROWS_PER_CHUNK == 0 && split.rows_per_split > 0 && split.splits > 0, || {
+    ensure(OP, split.rows_per_split.is_multiple_of(ROWS_PER_CHUNK) && split.rows_per_split > 0 && split.splits > 0, || {
         format!("{} splits x rows_per_split={}: need >= 1 split of a positive multiple of {ROWS_PER_CHUNK} rows", split.splits, split.rows_per_split)
     })?;
     let rows = s.ctx + s.b;
@@ -163,7 +163,7 @@ mod tests {
                     let s = GqaShape { b, ctx, heads: hq, kv_heads: hk, head_dim: 128 };
                     let p = GqaSplit::for_sms(sms, &s);
                     let rows = ctx + b;
-                    assert!(p.splits >= 1 && p.rows_per_split % ROWS_PER_CHUNK == 0, "{s:?}: {p:?}");
+                    assert!(p.splits >= 1 && p.rows_per_split.is_multiple_of(ROWS_PER_CHUNK), "{s:?}: {p:?}");
                     assert!(p.splits * p.rows_per_split >= rows && (p.splits - 1) * p.rows_per_split < rows, "{s:?}: {p:?}");
                     assert!(p.splits == 1 || p.rows_per_split >= 64, "{s:?}: {p:?}");
                 }
