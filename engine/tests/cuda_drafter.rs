@@ -61,7 +61,7 @@ fn gqa_case(g: &Gpu, (b, hq, hk, d, c): (usize, usize, usize, usize, usize), see
     let s = GqaShape { b, ctx: c, heads: hq, kv_heads: hk, head_dim: d };
     let split = GqaSplit::choose(g, &s);
     let (wo, wml) = split.workspace(&s);
-    let up = |v: &[f32]| g.upload(v).unwrap();
+    let up = |v: &[f32]| if v.is_empty() { g.zeros::<f32>(0).unwrap() } else { g.upload(v).unwrap() };
     let (dq, dkc, dvc, dkb, dvb) = (up(&q), up(&kc), up(&vc), up(&kb), up(&vb));
     let (mut po, mut pml, mut out) = (up(&nan_f32(wo)), up(&nan_f32(wml)), up(&nan_f32(b * qw)));
     gpu_gqa(g, &dq.as_view(), (&dkc.as_view(), &dvc.as_view()), (&dkb.as_view(), &dvb.as_view()), &s, &split, &mut po.as_view_mut(), &mut pml.as_view_mut(), &mut out.as_view_mut()).unwrap();
