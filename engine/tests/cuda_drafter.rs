@@ -33,8 +33,9 @@ use rand::Rng;
 /// fmaf vs mul + add in the dots, ~2^-24 relative per step. CPU twin vs an f64 loop on exactly these cases
 /// and seeds, measured on the build machine (2026-12-01): 2e-7 to 8e-7 for C <= 300, 3.5e-6 at C = 4096,
 /// 5.7e-6 at C = 20,000 (the sequential 20k-term sums; max |out| also shrinks as C grows). The kernel's
-/// chains are ~100x shorter, so GPU vs twin is about the twin's own floor: 2e-5 is 3.5x over the largest;
-/// an indexing or softmax bug gives >= 1e-2.
+/// sequential chains are one split long (<= ~2,300 rows in these cases, the softmax sum in chunks of 16),
+/// so its own error is below the twin's and GPU vs twin is about the twin's floor: 2e-5 is 3.5x over the
+/// largest; an indexing or softmax bug gives >= 1e-2.
 const GQA_TOL: f64 = 2.0e-5;
 
 /// Draft logits of the bf16 GPU path against the f32 CPU drafter, relative to max |logit| of the block:
