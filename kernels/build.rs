@@ -26,6 +26,8 @@ fn main() {
         .filter(|p| matches!(p.extension().and_then(|x| x.to_str()), Some("cu" | "cuh")))
         .collect();
     sources.sort();
+    // The folder too: a new .cu must rebuild the fatbin (a list of files alone misses files added later).
+    println!("cargo:rerun-if-changed={}", cuda.display());
     for s in &sources {
         println!("cargo:rerun-if-changed={}", s.display());
     }

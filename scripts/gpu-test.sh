@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU suite: runs the prebuilt CUDA test binaries in DIR (cuda_ops, cuda_gemm, cuda_mla, cuda_bench; built on a
-# machine with Rust by `cargo test -p kdtree-engine --features cuda --release --no-run` and copied there
+# The GPU suite: runs the prebuilt CUDA test binaries in DIR (cuda_ops, cuda_gemm, cuda_mla, cuda_target,
+# cuda_drafter, cuda_bench; built on a machine with Rust by `cargo test -p kdtree-engine --features cuda --release --no-run` and copied there
 # without their hash suffix), parity first (KDTREE_REQUIRE_GPU=1: no GPU is a failure), then timings, and
 # prints a short table last. Needs only the NVIDIA driver and the CUDA 13 libraries (libcublas) on the
 # GPU machine; builds nothing. Usage: scripts/gpu-test.sh DIR [LOG]. Exit 0 all passed, 1 a test failed.
@@ -40,7 +40,7 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libcublas\.so'; then
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/gpu: /'
 status=0
-for t in cuda_ops cuda_gemm cuda_mla cuda_ddtree cuda_target; do
+for t in cuda_ops cuda_gemm cuda_mla cuda_ddtree cuda_drafter cuda_target; do
   echo "== $t (parity)"
   "$dir/$t" --nocapture 2>&1 | tee -a "$log" | grep -E "^(PARITY|test |test result|thread|  left|  right|SKIP)|panicked"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
@@ -48,7 +48,7 @@ done
 if [ -x "$dir/kdtree-run" ]; then
   # End to end, from the repository root: models converted for one rank here, CPU vs CUDA greedy tokens,
   # --verify against the committed CPU bundles, bundles recorded on the GPU (for measuring |Δ| against
-  # the CPU elsewhere), and the trained pair on the GPU (AR and DDTree with the CPU drafter).
+  # the CPU elsewhere), and the trained pair on the GPU (AR and DDTree, the drafter on the GPU too).
   e2e="$(mktemp -d)"
   out="${OUT:-$e2e/out}"; mkdir -p "$out"
   echo "== end to end (kdtree-run / kdtree-golden --device cuda)"

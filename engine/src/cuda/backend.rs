@@ -9,8 +9,9 @@
 //! a failed op leaves an empty activation, and nothing panics.
 //! Scope of this version (checked at load, with a clear error): one rank (`--ranks 1` conversions; several
 //! ranks on one GPU and NCCL are issue 11), routed-expert shapes the W4A16 kernel takes (N % 32, K % 128).
-//! The drafter's ops are here for completeness through host round trips (the GPU drafter is issue 9); the
-//! engine pairs a CUDA target with the CPU drafter. Tests: engine/tests/cuda_target.rs.
+//! The DFlash drafter's ops (per-head norm + NeoX RoPE, the non-causal block attention) run on the device
+//! too, so `DFlashDrafter<CudaBackend>` drafts on the GPU over the target's embed_tokens / lm_head.
+//! Tests: engine/tests/cuda_target.rs, engine/tests/cuda_drafter.rs.
 
 use std::sync::{Arc, Mutex};
 
@@ -21,6 +22,7 @@ use half::bf16;
 use super::ops::act_f32;
 use super::ops::rope::RopeLayout;
 use super::ops::mla_absorb::{absorb_q, apply_uv, AbsorbDims};
+use super::ops::gqa_attention::{gqa_attention, GqaShape, GqaSplit};
 use super::ops::mla_attention::{mla_attention, MlaShape, MlaSplit};
 use super::ops::{argmax, copy_rows, embed, gemm_bf16, kv_compact, moe_align, moe_combine, moe_router, silu_mul, w4a16_gemm};
 use super::{CudaError, Gpu};
@@ -198,14 +200,6 @@ impl CudaBackend {
         moe_combine::moe_combine(g, &y.as_view(), h, &r.wts.as_view(), &r.ids.as_view(), &mut out.as_view_mut(), t, r.k, h)?;
         Ok(out)
     }
-    /// Host round trip for the drafter-only ops (see the module comment).
-    fn via_host(&self, f: impl FnOnce(&CudaBackend) -> R<Vec<f32>>) -> CudaSlice<f32> {
-        self.run("host fallback", || {
-            let y = f(self)?;
-            self.gpu.upload(&y)
-        })
-        .unwrap_or_else(|| self.empty())
-    }
 }
 
 fn qb_view(x: &CudaSlice<bf16>) -> cudarc::driver::CudaView<'_, bf16> {
@@ -236,7 +230,7 @@ impl Backend for CudaBackend {
         Ok(DMat { w: self.gpu.upload(&m.w[..])?, rows: m.rows, cols: m.cols })
     }
     fn upload_i4g32(&self, s: I4Stack) -> Result<DI4> {
-        if s.n % w4a16_gemm::N_STEP != 0 || s.k % w4a16_gemm::K_STEP != 0 {
+        if !s.n.is_multiple_of(w4a16_gemm::N_STEP) || !s.k.is_multiple_of(w4a16_gemm::K_STEP) {
             bail!(
                 "routed experts of shard shape [{}, {}, {}]: the CUDA W4A16 kernel needs N % {} == 0 and K % {} == 0 \
                  (convert with fewer ranks, e.g. --ranks 1)",
@@ -260,6 +254,9 @@ impl Backend for CudaBackend {
     }
 
     fn act_from_host(&self, x: Vec<f32>) -> CudaSlice<f32> {
+        if x.is_empty() {
+            return self.empty(); // (the drafter's empty context cache) no copy of nothing
+        }
         self.run("upload", || self.gpu.upload(&x)).unwrap_or_else(|| self.empty())
     }
     fn to_host(&self, x: &CudaSlice<f32>) -> Vec<f32> {
@@ -469,10 +466,21 @@ impl Backend for CudaBackend {
         .unwrap_or_else(|| self.empty())
     }
     fn gqa_attention(&self, q: &CudaSlice<f32>, b: usize, ctx: (&CudaSlice<f32>, &CudaSlice<f32>), block: (&CudaSlice<f32>, &CudaSlice<f32>), heads: usize, kv_heads: usize, head_dim: usize) -> CudaSlice<f32> {
-        self.via_host(|s| {
-            let g = &s.gpu;
-            let (qh, kc, vc, kb, vb) = (g.download(q)?, g.download(ctx.0)?, g.download(ctx.1)?, g.download(block.0)?, g.download(block.1)?);
-            Ok(crate::cpu::ops::gqa_attention(&qh, b, (&kc, &vc), (&kb, &vb), heads, kv_heads, head_dim))
+        self.run("gqa_attention", || {
+            let kw = kv_heads * head_dim;
+            let c = ctx.0.len().checked_div(kw).unwrap_or(0);
+            if c * kw != ctx.0.len() || ctx.1.len() != ctx.0.len() {
+                return Err(CudaError::Shape { op: "gqa_attention", msg: format!("context keys/values of {} / {} values are not C rows of Hk={kv_heads} x D={head_dim}", ctx.0.len(), ctx.1.len()) });
+            }
+            let s = GqaShape { b, ctx: c, heads, kv_heads, head_dim };
+            let split = GqaSplit::choose(&self.gpu, &s);
+            let (wo, wml) = split.workspace(&s);
+            // Workspace and output are allocated per call (as the MLA attention's).
+            let (mut po, mut pml, mut out) = (self.new_f32(wo)?, self.new_f32(wml)?, self.new_f32(b * heads * head_dim)?);
+            let (kc, vc, kb, vb) = (ctx.0.as_view(), ctx.1.as_view(), block.0.as_view(), block.1.as_view());
+            gqa_attention(&self.gpu, &q.as_view(), (&kc, &vc), (&kb, &vb), &s, &split, &mut po.as_view_mut(), &mut pml.as_view_mut(), &mut out.as_view_mut())?;
+            Ok(out)
         })
+        .unwrap_or_else(|| self.empty())
     }
 }

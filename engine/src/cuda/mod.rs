@@ -115,6 +115,7 @@ impl Gpu {
         let blas = CudaBlas::new(stream.clone()).map_err(|source| CudaError::Blas { op: "cublas init", source })?;
         let gpu = Gpu { ctx, stream, blas, sms, max_smem, smem_per_sm, _module: module, funcs };
         ops::w4a16_gemm::configure(&gpu)?;
+        ops::gqa_attention::configure(&gpu)?;
         Ok(gpu)
     }
 

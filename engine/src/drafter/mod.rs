@@ -22,7 +22,9 @@
 //! (embed_tokens, lm_head) stay per rank (vocab-parallel, merged in global vocab order).
 //! Activations are f32, weights bf16, every reduction in the fixed order of cpu::ops (the block attention
 //! is cpu/ops/gqa_attention.rs).
-//! Tests: engine/tests/ddtree_drafter.rs (chunking invariance, non-causality, naive from-scratch reference).
+//! On the CUDA backend the same code drafts on the GPU (block attention: kernels/cuda/gqa_attention.cu).
+//! Tests: engine/tests/ddtree_drafter.rs (chunking invariance, non-causality, naive from-scratch reference);
+//! engine/tests/cuda_drafter.rs (the CUDA drafter against this CPU one).
 //!
 //! Dimension letters: H hidden, C committed context rows, B block, Hq query heads, Hk kv heads, D head_dim,
 //! I intermediate, V vocab, n_tap number of tapped target layers.

@@ -2,7 +2,8 @@
 //!
 //! [`open_cpu`] opens a converted model directory (kdtree_formats::ModelDir, mmapped) and builds the CPU
 //! target and, when the directory holds a DFlash drafter, the drafter; [`open_with`] / [`open`] check the
-//! device and box what `open_cpu` returns. Rank-first: every rank's target weights are views of that
+//! device and box what `open_cpu` returns, or, with the `cuda` feature, the CUDA target and drafter (both
+//! on GPU 0, the drafter over the CUDA target's tables). Rank-first: every rank's target weights are views of that
 //! rank's own shard files (`ModelDir::tensor(name, rank)`), never gathered; the drafter borrows the
 //! target's per-rank embed_tokens / lm_head (vocab-parallel, merged in global id order) and gets the
 //! target taps it was trained on (`dflash_config.target_layer_ids`). The drafter's own `drafter.*` weights
@@ -60,8 +61,8 @@ pub fn open(dir: &Path, device: Device) -> Result<Loaded> {
 }
 
 /// Open `dir` on `device`. `Device::Cuda` in a build without the `cuda` feature is
-/// [`BackendError::NoCuda`]; with it, the CUDA target (GPU 0) paired with the CPU drafter, or the error
-/// saying why no GPU is usable. `Auto` takes CUDA when this build has it and a GPU is usable, else the CPU.
+/// [`BackendError::NoCuda`]; with it, the CUDA target and drafter (GPU 0), or the error saying why no GPU
+/// is usable. `Auto` takes CUDA when this build has it and a GPU is usable, else the CPU.
 pub fn open_with(dir: &Path, device: Device, opts: OpenOptions) -> Result<Loaded> {
     #[cfg(feature = "cuda")]
     match device {
@@ -105,8 +106,8 @@ pub fn open_cpu_source(src: Arc<dyn TensorSource>, opts: OpenOptions) -> Result<
 }
 
 /// The CUDA target on `gpu` (weights uploaded through the CUDA backend, absorbed MLA) and, when the
-/// directory holds one, the CPU drafter over the CPU view of the same shards (mmapped, no copy): the GPU
-/// drafter and the on-device round are issue 9.
+/// directory holds one, the DFlash drafter on the same GPU, borrowing the CUDA target's embed_tokens /
+/// lm_head (one copy of each on the device). The on-device round (top-K, tree, walk, commit) is issue 9.
 #[cfg(feature = "cuda")]
 fn open_cuda(dir: &Path, gpu: crate::cuda::Gpu) -> Result<Loaded> {
     use crate::cuda::CudaBackend;
@@ -118,13 +119,13 @@ fn open_cuda(dir: &Path, gpu: crate::cuda::Gpu) -> Result<Loaded> {
         dir.display(),
         md.ranks()
     );
-    // The target's weights must fit the GPU, with room left for the latent cache and activations.
+    // The target's and the drafter's weights must fit the GPU, with room left for the caches and activations.
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-    let needed: u64 = md.manifest().tensors.iter().filter(|t| t.rank == 0 && !t.name.starts_with("drafter.")).map(|t| t.nbytes).sum();
+    let needed: u64 = md.manifest().tensors.iter().filter(|t| t.rank == 0).map(|t| t.nbytes).sum();
     let (free, total) = gpu.mem_info()?;
     anyhow::ensure!(
         needed + (1u64 << 30) <= free as u64,
-        "{}: the target's weights need {:.2} GiB on {} (+1 GiB for the cache and activations), but only {:.2} GiB of {:.2} GiB are free",
+        "{}: the weights (target and drafter) need {:.2} GiB on {} (+1 GiB for the caches and activations), but only {:.2} GiB of {:.2} GiB are free",
         dir.display(),
         gib(needed),
         gpu.describe(),
@@ -134,10 +135,11 @@ fn open_cuda(dir: &Path, gpu: crate::cuda::Gpu) -> Result<Loaded> {
     let src: Arc<dyn TensorSource> = Arc::new(md);
     let taps = src.drafter_config().map(|c| c.dflash_config.target_layer_ids.clone()).unwrap_or_default();
     let name = gpu.describe();
-    let w = Arc::new(Weights::load_on(CudaBackend::new(Arc::new(gpu)), src.clone()).with_context(|| format!("uploading {} to {name}", dir.display()))?);
-    let target = TargetModel::new(w, taps, AttnMode::Absorbed)?;
+    let backend = CudaBackend::new(Arc::new(gpu));
+    let w = Arc::new(Weights::load_on(backend.clone(), src.clone()).with_context(|| format!("uploading {} to {name}", dir.display()))?);
+    let target = TargetModel::new(w.clone(), taps, AttnMode::Absorbed)?;
     let drafter = match src.drafter_config() {
-        Some(_) => Some(Box::new(DFlashDrafter::load(&*src, Arc::new(Weights::load(src.clone())?))?) as Box<dyn Drafter>),
+        Some(_) => Some(Box::new(DFlashDrafter::load_on(backend, &*src, w).with_context(|| format!("uploading the drafter of {} to {name}", dir.display()))?) as Box<dyn Drafter>),
         None => None,
     };
     Ok(Loaded { backend: "cuda".into(), target: Box::new(target), drafter })

@@ -10,6 +10,7 @@ pub mod ddtree_build;
 pub mod ddtree_walk;
 pub mod embed;
 pub mod gemm_bf16;
+pub mod gqa_attention;
 pub mod kv_compact;
 pub mod mla_absorb;
 pub mod mla_attention;

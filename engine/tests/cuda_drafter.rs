@@ -1,0 +1,224 @@
+//! The DFlash drafter on the GPU against the CPU reference:
+//! * `gqa_attention_parity`: the block attention kernel (kernels/cuda/gqa_attention.cu) against its CPU
+//!   twin `cpu::ops::gqa_attention` on seeded random inputs, contexts of 0 to 20,000 rows, head_dim 8 to
+//!   256, the real K2.x drafter shape (B 8, Hq 64, Hk 8, D 128); NaN-poisoned workspace and output.
+//! * `gqa_attention_rejects_bad_shapes`: the wrapper's errors name the op and the numbers.
+//! * `cuda_drafter_matches_the_cpu_drafter`: `DFlashDrafter<CudaBackend>` as `open_with(.., Device::Cuda)`
+//!   loads it (over the CUDA target's embed_tokens / lm_head) against the CPU drafter of `open_cpu`, on the
+//!   synthetic `tiny` preset and on the trained pair models/kdtree-tiny (both converted for one rank here):
+//!   the same taps (the CPU target's prefill of a prompt, then of three more tokens, then 3,000 random rows)
+//!   go into both; the [B−1, V] draft logits are compared, and the per-row argmax (tie-aware).
+//!
+//! Needs a GPU (skips without one unless KDTREE_REQUIRE_GPU=1).
+#![cfg(feature = "cuda")]
+
+mod cuda_common;
+
+use std::path::{Path, PathBuf};
+
+use cuda_common::*;
+use kdtree_convert::repack::{repack, RepackOptions, DEFAULT_MAX_FILE_SIZE};
+use kdtree_engine::api::{Drafter, LogitRows, Target};
+use kdtree_engine::cpu::ops::gqa_attention as cpu_gqa;
+use kdtree_engine::cuda::ops::gqa_attention::{gqa_attention as gpu_gqa, GqaShape, GqaSplit};
+use kdtree_engine::cuda::Gpu;
+use kdtree_engine::sampling::argmax;
+use kdtree_engine::{open_cpu, open_with, AttnMode, Device, OpenOptions};
+use kdtree_formats::plan::ExpertsMode;
+use rand::Rng;
+
+/// GPU kernel vs CPU twin, both f32 end to end (no bf16 anywhere), relative to max |out|. The two differ
+/// only in summation order (the twin: one sequential f32 pass over the C + B rows for the softmax sum and
+/// for the output; the kernel: chunks of 16 rows per split, rescaled online, merged over the splits) and
+/// fmaf vs mul + add in the dots, ~2^-24 relative per step. CPU twin vs an f64 loop on exactly these cases
+/// and seeds, measured on the build machine (2026-12-01): 2e-7 to 8e-7 for C <= 300, 3.5e-6 at C = 4096,
+/// 5.7e-6 at C = 20,000 (the sequential 20k-term sums; max |out| also shrinks as C grows). The kernel's
+/// sequential chains are one split long (<= ~2,300 rows in these cases, the softmax sum in chunks of 16),
+/// so its own error is below the twin's and GPU vs twin is about the twin's floor: 2e-5 is 3.5x over the
+/// largest; an indexing or softmax bug gives >= 1e-2.
+const GQA_TOL: f64 = 2.0e-5;
+
+/// Draft logits of the bf16 GPU path against the f32 CPU drafter, relative to max |logit| of the block:
+/// every GEMM input is rounded to bf16 on the GPU (2^-9 relative), about ten on the longest path (fc, the
+/// context k/v, q/k/v, o, gate/up, down per layer, the target's lm_head), the attention itself is f32 (above).
+/// The target's comparable path measured 1.3e-2 on the H200 (cuda_target); the drafter's own floor is
+/// printed by this test on its first H200 run: until it is recorded, the target's 4e-2.
+const DRAFT_LOGITS_TOL: f64 = 4.0e-2;
+
+fn rand_pm(r: &mut rand_chacha::ChaCha8Rng, n: usize, a: f32) -> Vec<f32> {
+    (0..n).map(|_| r.random_range(-a..a)).collect()
+}
+
+/// One kernel case: (B, Hq, Hk, D, C).
+fn gqa_case(g: &Gpu, (b, hq, hk, d, c): (usize, usize, usize, usize, usize), seed: u64) {
+    let name = format!("gqa_attention(B={b},Hq={hq},Hk={hk},D={d},C={c},f32)");
+    let mut r = rng(seed);
+    let (qw, kw) = (hq * d, hk * d);
+    // ±2: after the drafter's q/k RMSNorm, entries are O(1); scores q·k·D^-0.5 then spread ~±1 (peaked, not one-hot).
+    let q = rand_pm(&mut r, b * qw, 2.0);
+    let (kc, vc) = (rand_pm(&mut r, c * kw, 2.0), rand_pm(&mut r, c * kw, 1.0));
+    let (kb, vb) = (rand_pm(&mut r, b * kw, 2.0), rand_pm(&mut r, b * kw, 1.0));
+    let want = cpu_gqa(&q, b, (&kc, &vc), (&kb, &vb), hq, hk, d);
+    let s = GqaShape { b, ctx: c, heads: hq, kv_heads: hk, head_dim: d };
+    let split = GqaSplit::choose(g, &s);
+    let (wo, wml) = split.workspace(&s);
+    let up = |v: &[f32]| if v.is_empty() { g.zeros::<f32>(0).unwrap() } else { g.upload(v).unwrap() };
+    let (dq, dkc, dvc, dkb, dvb) = (up(&q), up(&kc), up(&vc), up(&kb), up(&vb));
+    let (mut po, mut pml, mut out) = (up(&nan_f32(wo)), up(&nan_f32(wml)), up(&nan_f32(b * qw)));
+    gpu_gqa(g, &dq.as_view(), (&dkc.as_view(), &dvc.as_view()), (&dkb.as_view(), &dvb.as_view()), &s, &split, &mut po.as_view_mut(), &mut pml.as_view_mut(), &mut out.as_view_mut()).unwrap();
+    let got = g.download(&out).unwrap();
+    eprintln!("{name}: {} splits x {} rows", split.splits, split.rows_per_split);
+    check(&name, &got, &want, GQA_TOL);
+}
+
+#[test]
+fn gqa_attention_parity() {
+    let Some(g) = gpu() else { return };
+    // (B, Hq, Hk, D, C): the real K2.x drafter block (C 0, 1, 4096, 20,000), the synthetic tiny preset
+    // (16/8 heads, D 16) at C 5000, the trained pair (D 32), the unit tests' drafter (D 8), a query tile
+    // that is not full (B·G = 10), MQA at D 256 (the largest), D not a power of two, one query.
+    let cases = [
+        (8, 64, 8, 128, 0),
+        (8, 64, 8, 128, 1),
+        (8, 64, 8, 128, 4096),
+        (8, 64, 8, 128, 20_000),
+        (8, 16, 8, 16, 5000),
+        (8, 16, 8, 32, 300),
+        (4, 4, 2, 8, 33),
+        (5, 6, 3, 64, 17),
+        (3, 4, 1, 256, 1000),
+        (2, 2, 2, 10, 7),
+        (1, 1, 1, 128, 5000),
+    ];
+    for (i, &cs) in cases.iter().enumerate() {
+        gqa_case(&g, cs, 1300 + i as u64);
+    }
+}
+
+#[test]
+fn gqa_attention_rejects_bad_shapes() {
+    let Some(g) = gpu() else { return };
+    let buf = g.upload(&vec![0f32; 4096]).unwrap();
+    let mut w = g.upload(&vec![0f32; 4096]).unwrap();
+    let (mut w2, mut w3) = (g.upload(&vec![0f32; 4096]).unwrap(), g.upload(&vec![0f32; 4096]).unwrap());
+    let v = buf.as_view();
+    let mut err = |s: GqaShape| {
+        let split = GqaSplit::choose(&g, &s);
+        let e = gpu_gqa(&g, &v, (&v, &v), (&v, &v), &s, &split, &mut w.as_view_mut(), &mut w2.as_view_mut(), &mut w3.as_view_mut()).unwrap_err().to_string();
+        eprintln!("{s:?}: {e}");
+        e
+    };
+    let e = err(GqaShape { b: 1, ctx: 0, heads: 2, kv_heads: 1, head_dim: 258 });
+    assert!(e.contains("gqa_attention") && e.contains("head_dim=258"), "{e}");
+    let e = err(GqaShape { b: 1, ctx: 0, heads: 6, kv_heads: 4, head_dim: 8 });
+    assert!(e.contains("gqa_attention") && e.contains("heads=6") && e.contains("kv_heads=4"), "{e}");
+    let e = err(GqaShape { b: 2, ctx: 100, heads: 4, kv_heads: 2, head_dim: 32 }); // kc needs 6400 > 4096
+    assert!(e.contains("gqa_attention") && e.contains("kc has 4096 elements, needs at least 6400"), "{e}");
+    println!("PARITY gqa_attention shape errors exact (head_dim 258, heads 6 / kv 4, short kc)");
+}
+
+/// models/kdtree-tiny: at the path this test was built from, else from the working directory (the GPU
+/// suite runs the staged binary from a copy of the repository root on another machine).
+fn pair_dir() -> PathBuf {
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/kdtree-tiny");
+    [built, PathBuf::from("models/kdtree-tiny"), PathBuf::from("../models/kdtree-tiny")]
+        .into_iter()
+        .find(|p| p.join("config.json").is_file() && p.join("drafter/config.json").is_file())
+        .expect("models/kdtree-tiny (with drafter/) not found at the build path, ./models or ../models")
+}
+
+/// Converts `src` (an HF checkpoint with a drafter/ folder) for one rank into `out`.
+fn convert(src: &Path, out: &Path) {
+    repack(&RepackOptions {
+        src: src.to_path_buf(),
+        out: out.to_path_buf(),
+        drafter: Some(src.join("drafter")),
+        ranks: 1,
+        experts: ExpertsMode::Tp,
+        max_file_size: DEFAULT_MAX_FILE_SIZE,
+        quiet: true,
+    })
+    .unwrap();
+}
+
+/// One draft compared: logits within the tolerance, argmax equal per row except where the CPU's own
+/// margin between the two tokens is within the tolerance (a near-tie bf16 may flip).
+fn compare_draft(case: &str, got: &[f32], want: &[f32], vocab: usize) {
+    check(&format!("{case} logits"), got, want, DRAFT_LOGITS_TOL);
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+    let rows = want.len() / vocab;
+    let mut same = 0;
+    for i in 0..rows {
+        let (a, b) = (&want[i * vocab..(i + 1) * vocab], &got[i * vocab..(i + 1) * vocab]);
+        let (ta, tb) = (argmax(a) as usize, argmax(b) as usize);
+        if ta == tb {
+            same += 1;
+            continue;
+        }
+        let margin = (a[ta] - a[tb]) as f64;
+        println!("PARITY {case} row {i}: argmax cpu {ta} cuda {tb}, CPU margin {margin:.3e} (near-tie bound {:.3e})", DRAFT_LOGITS_TOL * scale);
+        assert!(margin <= DRAFT_LOGITS_TOL * scale, "{case} row {i}: argmax cpu {ta} cuda {tb} where the CPU's margin {margin} is no near-tie");
+    }
+    println!("PARITY {case} argmax: {same} of {rows} rows identical, the rest near-ties");
+}
+
+/// The CUDA drafter (as `open_with(Device::Cuda)` loads it) against the CPU drafter of `open_cpu` on the
+/// converted model `dir`, fed the same taps; `prompt` and `more` are token ids of that model's vocab.
+fn drafter_case(label: &str, dir: &Path, prompt: &[u32], more: &[u32]) {
+    let opts = OpenOptions { attn_mode: AttnMode::Absorbed };
+    let mut cpu = open_cpu(dir, opts).unwrap();
+    let gpu = open_with(dir, Device::Cuda, opts).unwrap();
+    assert_eq!(gpu.backend, "cuda");
+    let (mut dc, mut dg) = (cpu.drafter.take().expect("model has a drafter"), gpu.drafter.expect("cuda drafter loaded"));
+    let v = cpu.target.info().vocab_size;
+    let bl = dc.block_size();
+    assert_eq!(dg.block_size(), bl);
+    // Round 1: taps of the CPU target's prefill of the prompt.
+    let chain = |n: usize| (0..n as i32).map(|i| i - 1).collect::<Vec<i32>>();
+    let out = cpu.target.forward_rows(prompt, &chain(prompt.len()), LogitRows::Last).unwrap();
+    let n = prompt.len();
+    dc.extend_context(&out.taps, n).unwrap();
+    dg.extend_context(&out.taps, n).unwrap();
+    let bonus = argmax(&out.logits);
+    let (a, b) = (dc.draft(bonus, n).unwrap(), dg.draft(bonus, n).unwrap());
+    assert_eq!((a.len(), b.len()), ((bl - 1) * v, (bl - 1) * v));
+    compare_draft(&format!("{label} draft after a {n}-token prefill (B={bl}, V={v})"), &b, &a, v);
+    // Round 2: three more committed tokens (a chain after the prompt), drafted from the new end.
+    cpu.target.commit(&(0..n).collect::<Vec<_>>()).unwrap();
+    let out = cpu.target.forward_rows(more, &chain(more.len()), LogitRows::Last).unwrap();
+    dc.extend_context(&out.taps, more.len()).unwrap();
+    dg.extend_context(&out.taps, more.len()).unwrap();
+    let at = n + more.len();
+    assert_eq!((dc.context_len(), dg.context_len()), (at, at));
+    let bonus = argmax(&out.logits);
+    let (a, b) = (dc.draft(bonus, at).unwrap(), dg.draft(bonus, at).unwrap());
+    compare_draft(&format!("{label} draft after {} more tokens (C={at})", more.len()), &b, &a, v);
+    // A long context: 3,000 random tap rows (appended in two chunks) after a reset; the attention splits.
+    dc.reset();
+    dg.reset();
+    let w = out.taps.len() / more.len();
+    let mut r = rng(77);
+    let taps = rand_pm(&mut r, 3000 * w, 3.0);
+    for (lo, hi) in [(0, 1000), (1000, 3000)] {
+        dc.extend_context(&taps[lo * w..hi * w], hi - lo).unwrap();
+        dg.extend_context(&taps[lo * w..hi * w], hi - lo).unwrap();
+    }
+    let (a, b) = (dc.draft(prompt[0], 3000).unwrap(), dg.draft(prompt[0], 3000).unwrap());
+    compare_draft(&format!("{label} draft over 3000 random context rows"), &b, &a, v);
+}
+
+#[test]
+fn cuda_drafter_matches_the_cpu_drafter() {
+    if gpu().is_none() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    // The synthetic tiny preset with its drafter (random weights; drafter 16/8 heads, head_dim 16).
+    let hf = tmp.path().join("hf");
+    kdtree_convert::synth::write("tiny", &hf, 0, true, None).unwrap();
+    convert(&hf, &tmp.path().join("tiny1"));
+    drafter_case("drafter(tiny synth)", &tmp.path().join("tiny1"), &[1, 17, 305, 42, 7, 900, 12, 3, 64, 5], &[8, 99, 21]);
+    // The trained pair (drafter 16/8 heads, head_dim 32, vocab 4352): peaked logits, real acceptance.
+    convert(&pair_dir(), &tmp.path().join("pair1"));
+    drafter_case("drafter(kdtree-tiny pair)", &tmp.path().join("pair1"), &[1, 17, 305, 42, 7, 900, 12, 3, 64, 5, 2000, 11], &[8, 99, 21]);
+}
