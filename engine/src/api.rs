@@ -74,6 +74,23 @@ pub trait Target {
     fn take_trace(&mut self) -> Option<crate::model::Trace> {
         None
     }
+    /// One whole DDTree round from root token `root` (at position `committed()`) where the target's ops
+    /// run: draft, top-K, tree, verify, walk, commit and the drafter's context, with one read back to the
+    /// host (the walk). None when this target cannot run it with `drafter` (another backend, a recording
+    /// trace, a depth limit cut by max_positions, a tree that might not fill `budget`): the caller runs the
+    /// host round, which gives the same tokens.
+    fn device_round(&mut self, _drafter: &mut dyn Drafter, _root: u32, _budget: usize, _s: &crate::sampling::Sampling) -> Option<Result<DeviceRound>> {
+        None
+    }
+}
+
+/// What a device round returns: the walk (accepted path, the target's decisions along it = the emitted
+/// tokens), the nodes drafted and the draft rows (depth limit). Everything is already committed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeviceRound {
+    pub walk: crate::ddtree::Walk,
+    pub drafted: usize,
+    pub draft_rows: usize,
 }
 
 /// A DFlash drafter session holding its context K/V cache (committed context only).
@@ -92,6 +109,11 @@ pub trait Drafter {
     /// Keep only context positions `[0, len)` (len <= context_len), the drafter side of `Target::truncate`.
     fn truncate_context(&mut self, len: usize) -> Result<()>;
     fn reset(&mut self);
+    /// The concrete drafter, for a target that runs the round on its own backend
+    /// ([`Target::device_round`]); None by default.
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        None
+    }
 }
 
 /// A borrowed target is a target (lets a [`crate::Session`] run over a model the caller keeps).
@@ -120,6 +142,9 @@ impl<T: Target + ?Sized> Target for &mut T {
     fn take_trace(&mut self) -> Option<crate::model::Trace> {
         (**self).take_trace()
     }
+    fn device_round(&mut self, drafter: &mut dyn Drafter, root: u32, budget: usize, s: &crate::sampling::Sampling) -> Option<Result<DeviceRound>> {
+        (**self).device_round(drafter, root, budget, s)
+    }
 }
 
 /// A borrowed drafter is a drafter.
@@ -141,5 +166,8 @@ impl<D: Drafter + ?Sized> Drafter for &mut D {
     }
     fn reset(&mut self) {
         (**self).reset()
+    }
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        (**self).as_any_mut()
     }
 }

@@ -69,6 +69,16 @@ pub trait Backend: Clone + Send + Sync + 'static {
     type VectorF32: Send + Sync;
     type Kv: Send;
     type Routes;
+    /// Small index vectors (token ids, node depths) where the ops read them (host `Vec` on the CPU).
+    type Ids: Send + Sync;
+    /// The cos/sin rows of one forward's positions ([`RopeTable`] on the CPU, uploaded once per forward on
+    /// a device).
+    type Rope: Send + Sync;
+    /// An ancestor bitmask ([`Visibility`] on the CPU).
+    type Mask: Send + Sync;
+    /// One sequence's draft-tree workspace for a fixed (budget, draft rows, vocab): top-K, tree, mask,
+    /// decisions and walk, all where the ops run (the device round, [`Backend::tree_build`]).
+    type Tree: Send;
 
     /// Short name for logs and summaries ("cpu", "cuda").
     fn name(&self) -> &'static str;
@@ -86,6 +96,14 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// Rows of a bf16 matrix (its output width).
     fn mat_rows(&self, m: &Self::Mat) -> usize;
 
+    // ---- positions, masks, ids ----
+    /// The table where the ops read it.
+    fn rope_upload(&self, r: RopeTable) -> Self::Rope;
+    /// Row i = row `idx[i]` of `r`, for i < t (a tree's positions from its node depths on the device).
+    fn rope_gather(&self, r: &RopeTable, idx: &Self::Ids, t: usize) -> Self::Rope;
+    fn mask_upload(&self, v: &Visibility) -> Self::Mask;
+    fn ids_from_host(&self, ids: &[u32]) -> Self::Ids;
+
     // ---- activations ----
     fn act_from_host(&self, x: Vec<f32>) -> Self::Act;
     fn to_host(&self, x: &Self::Act) -> Vec<f32>;
@@ -95,6 +113,10 @@ pub trait Backend: Clone + Send + Sync + 'static {
     fn append_rows(&self, acc: &mut Self::Act, x: &Self::Act);
     /// Keep the first `n` values of `x`.
     fn truncate(&self, x: &mut Self::Act, n: usize);
+    /// Columns `[at, at + src_cols)` of `dst` `[t, dst_cols]` = `src` `[t, src_cols]`.
+    fn set_cols(&self, dst: &mut Self::Act, dst_cols: usize, at: usize, src: &Self::Act, src_cols: usize, t: usize);
+    /// A zero activation of `n` values.
+    fn zeros(&self, n: usize) -> Self::Act;
 
     // ---- dense ops ----
     /// `x[T, K] · W[N, K]^T` → `[T, N]`.
@@ -111,6 +133,8 @@ pub trait Backend: Clone + Send + Sync + 'static {
     // ---- vocabulary ----
     /// `embed_tokens` rows `[n, H]` from vocab-parallel shards `[V/R, H]` (rank order).
     fn embedding(&self, shards: &[&Self::Mat], h: usize, tokens: &[u32]) -> Self::Act;
+    /// [`Backend::embedding`] of `n` ids already where the ops run.
+    fn embedding_ids(&self, shards: &[&Self::Mat], h: usize, ids: &Self::Ids, n: usize) -> Self::Act;
     /// lm_head `[n, V]` over vocab-parallel shards, merged in global vocab order.
     fn lm_head(&self, x: &Self::Act, n: usize, h: usize, shards: &[&Self::Mat]) -> Self::Act;
     /// Greedy token of each row of lm_head(x) `[n]`: per-shard argmax merged in global vocab order
@@ -125,7 +149,7 @@ pub trait Backend: Clone + Send + Sync + 'static {
     fn kv_drop_scratch(&self, kv: &mut Self::Kv);
     /// New latent rows `[T, C + P]` = `rms_norm(c_kv) | rope_interleaved(k_pe)` from `kv_a` output `ckv`,
     /// appended to layer `l` as scratch.
-    fn kv_append_latent(&self, kv: &mut Self::Kv, l: usize, ckv: &Self::Act, norm: &Self::Vector, eps: f32, rope: &RopeTable);
+    fn kv_append_latent(&self, kv: &mut Self::Kv, l: usize, ckv: &Self::Act, norm: &Self::Vector, eps: f32, rope: &Self::Rope);
     /// Mark the last forward's `t` rows as scratch (after every layer appended them).
     fn kv_set_scratch(&self, kv: &mut Self::Kv, t: usize);
     /// Keep scratch rows `path` (root-to-node, in order) as the next committed rows; drop the rest.
@@ -134,11 +158,11 @@ pub trait Backend: Clone + Send + Sync + 'static {
     fn kv_truncate(&self, kv: &mut Self::Kv, len: usize) -> Result<()>;
     fn kv_reset(&self, kv: &mut Self::Kv);
     /// Interleaved RoPE on the `q_pe` part (after `nope` dims) of every head of `q` `[T, heads·(nope+P)]`.
-    fn rope_q(&self, q: &mut Self::Act, heads: usize, nope: usize, rope: &RopeTable);
+    fn rope_q(&self, q: &mut Self::Act, heads: usize, nope: usize, rope: &Self::Rope);
     /// MLA attention of one rank's roped queries `[T, Hr·(Dn+P)]` over layer `l` of the cache (committed
-    /// prefix + scratch) with the ancestor mask; `kv_b` `[Hr·(Dn+Dv), C]`. Returns `[T, Hr·Dv]`.
+    /// prefix + scratch) with the ancestor mask of the T nodes; `kv_b` `[Hr·(Dn+Dv), C]`. Returns `[T, Hr·Dv]`.
     #[allow(clippy::too_many_arguments)]
-    fn mla_attention(&self, q: &Self::Act, kv: &Self::Kv, l: usize, mask: &Visibility, kv_b: &Self::Mat, d: &MlaDims, mode: AttnMode) -> Self::Act;
+    fn mla_attention(&self, q: &Self::Act, t: usize, kv: &Self::Kv, l: usize, mask: &Self::Mask, kv_b: &Self::Mat, d: &MlaDims, mode: AttnMode) -> Self::Act;
 
     // ---- MoE ----
     /// Router decisions of every row of `logits` `[T, E]`.
@@ -151,8 +175,24 @@ pub trait Backend: Clone + Send + Sync + 'static {
 
     // ---- drafter ----
     /// Per-head RMSNorm (weight `[D]`) then NeoX RoPE of `x` `[T, heads·D]`, row i at rope row i.
-    fn head_norm_rope_neox(&self, x: &Self::Act, w: &Self::Vector, eps: f32, heads: usize, rope: &RopeTable) -> Self::Act;
+    fn head_norm_rope_neox(&self, x: &Self::Act, w: &Self::Vector, eps: f32, heads: usize, rope: &Self::Rope) -> Self::Act;
     /// Non-causal GQA of `q` `[B, Hq·D]` over `[context ; block]` keys/values (`[C, Hk·D]`, `[B, Hk·D]`).
     #[allow(clippy::too_many_arguments)]
     fn gqa_attention(&self, q: &Self::Act, b: usize, ctx: (&Self::Act, &Self::Act), block: (&Self::Act, &Self::Act), heads: usize, kv_heads: usize, head_dim: usize) -> Self::Act;
+
+    // ---- the DDTree round's tree (ddtree/; the device kernels are cuda/tree.rs) ----
+    /// A tree workspace for `budget` nodes (root excluded), `rows` draft rows, `vocab`.
+    fn tree_new(&self, budget: usize, rows: usize, vocab: usize) -> Result<Self::Tree>;
+    /// Top-K log-probs of `draft` `[rows, vocab]`, the tree of root `bonus` and its ancestor mask
+    /// (`ddtree::build_tree`). The tree has `budget + 1` nodes when [`crate::ddtree::tree_is_full`] holds.
+    fn tree_build(&self, tree: &mut Self::Tree, draft: &Self::Act, bonus: u32) -> Result<()>;
+    /// Node tokens / depths `[budget + 1]` and the mask of the last build.
+    fn tree_tokens<'t>(&self, tree: &'t Self::Tree) -> &'t Self::Ids;
+    fn tree_depths<'t>(&self, tree: &'t Self::Tree) -> &'t Self::Ids;
+    fn tree_mask<'t>(&self, tree: &'t Self::Tree) -> &'t Self::Mask;
+    /// The target's decision at every node from `logits` `[budget + 1, vocab]` (greedy, or sampled with the
+    /// uniform of position `start + depth + 1`), then the walk (`ddtree::walk_sampled`).
+    fn tree_walk(&self, tree: &mut Self::Tree, logits: &Self::Act, s: &crate::sampling::Sampling, start: usize) -> Result<()>;
+    /// The last walk: the round's one read back to the host.
+    fn tree_result(&self, tree: &Self::Tree) -> Result<crate::ddtree::Walk>;
 }

@@ -113,6 +113,11 @@ pub struct Session<'a> {
     last: Option<(usize, Vec<u32>)>,
     probes: ProbeSet,
     captured: Probes,
+    /// Run DDTree rounds where the target's ops run when it can ([`Target::device_round`]); off = always the
+    /// host round (the reference the device round is tested against).
+    device_round: bool,
+    /// DDTree rounds this session ran where the target's ops run.
+    device_rounds: usize,
 }
 
 impl<'a> Session<'a> {
@@ -123,7 +128,7 @@ impl<'a> Session<'a> {
             ensure!(!target.info().tap_layers.is_empty(), "DDTree mode needs a target with tap layers");
         }
         let sampling = Sampling::greedy();
-        Ok(Session { target, drafter, mode, sampling, pending: None, last: None, probes: ProbeSet::default(), captured: Probes::default() })
+        Ok(Session { target, drafter, mode, sampling, pending: None, last: None, probes: ProbeSet::default(), captured: Probes::default(), device_round: true, device_rounds: 0 })
     }
 
     pub fn info(&self) -> &TargetInfo {
@@ -230,9 +235,27 @@ impl<'a> Session<'a> {
         Ok(Emitted { tokens: vec![tok], drafted: 0, accepted: 0, depth_limit: 0 })
     }
 
+    /// Whether DDTree rounds may run where the target's ops run (default on; the tokens are the same).
+    pub fn set_device_round(&mut self, on: bool) {
+        self.device_round = on;
+    }
+
+    /// DDTree rounds so far that ran where the target's ops run ([`Session::set_device_round`]).
+    pub fn device_rounds(&self) -> usize {
+        self.device_rounds
+    }
+
     /// One round; `budget` None = the chain.
     fn ddtree_step(&mut self, root: u32, budget: Option<usize>) -> Result<Emitted> {
         let d = self.drafter.as_deref_mut().context("DDTree session without a drafter")?;
+        if let (Some(budget), true, false) = (budget, self.device_round, self.probes.rounds) {
+            if let Some(r) = self.target.device_round(d, root, budget, &self.sampling) {
+                let r = r?;
+                self.device_rounds += 1;
+                let accepted = r.walk.accepted();
+                return Ok(Emitted { tokens: r.walk.decisions, drafted: r.drafted, accepted, depth_limit: r.draft_rows });
+            }
+        }
         let rec = ddtree_round(&mut *self.target, d, root, budget, &self.sampling)?;
         let path = &rec.walk.path;
         self.target.commit(path)?;

@@ -7,7 +7,7 @@
 
 use super::ops;
 use crate::backend::{Backend, RopeTable};
-use crate::ddtree::Visibility;
+use crate::ddtree::{build_tree, walk_sampled, DraftTree, Visibility, Walk};
 use crate::model::cache::LatentCache;
 use crate::model::source::Slab;
 use crate::model::weights::{I4Stack, Mat};
@@ -18,6 +18,18 @@ use half::bf16;
 /// The CPU reference backend (rayon, f32 accumulation, fixed reduction order).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct CpuBackend;
+
+/// The CPU tree workspace: the builder's and the walk's outputs (`ddtree`), the tree padded to budget + 1
+/// nodes only in the sense that a full tree has exactly that many (`ddtree::tree_is_full`).
+pub struct CpuTree {
+    pub budget: usize,
+    pub rows: usize,
+    pub vocab: usize,
+    pub tree: DraftTree,
+    pub depths: Vec<u32>,
+    pub mask: Visibility,
+    pub walk: Option<Walk>,
+}
 
 /// One MoE layer's router decisions: per token (experts, weights), and per expert its (token, weight)s.
 pub struct CpuRoutes {
@@ -33,6 +45,10 @@ impl Backend for CpuBackend {
     type VectorF32 = Slab<f32>;
     type Kv = LatentCache;
     type Routes = CpuRoutes;
+    type Ids = Vec<u32>;
+    type Rope = RopeTable;
+    type Mask = Visibility;
+    type Tree = CpuTree;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -54,6 +70,25 @@ impl Backend for CpuBackend {
         m.rows
     }
 
+    fn rope_upload(&self, r: RopeTable) -> RopeTable {
+        r
+    }
+    fn rope_gather(&self, r: &RopeTable, idx: &Vec<u32>, t: usize) -> RopeTable {
+        let (mut cos, mut sin) = (Vec::with_capacity(t * r.half), Vec::with_capacity(t * r.half));
+        for &i in &idx[..t] {
+            let (c, s) = r.row(i as usize);
+            cos.extend_from_slice(c);
+            sin.extend_from_slice(s);
+        }
+        RopeTable { half: r.half, cos, sin }
+    }
+    fn mask_upload(&self, v: &Visibility) -> Visibility {
+        v.clone()
+    }
+    fn ids_from_host(&self, ids: &[u32]) -> Vec<u32> {
+        ids.to_vec()
+    }
+
     fn act_from_host(&self, x: Vec<f32>) -> Vec<f32> {
         x
     }
@@ -68,6 +103,14 @@ impl Backend for CpuBackend {
     }
     fn truncate(&self, x: &mut Vec<f32>, n: usize) {
         x.truncate(n);
+    }
+    fn set_cols(&self, dst: &mut Vec<f32>, dst_cols: usize, at: usize, src: &Vec<f32>, src_cols: usize, t: usize) {
+        for i in 0..t {
+            dst[i * dst_cols + at..i * dst_cols + at + src_cols].copy_from_slice(&src[i * src_cols..(i + 1) * src_cols]);
+        }
+    }
+    fn zeros(&self, n: usize) -> Vec<f32> {
+        vec![0.0; n]
     }
 
     fn linear(&self, x: &Vec<f32>, t: usize, w: &Mat) -> Vec<f32> {
@@ -90,6 +133,9 @@ impl Backend for CpuBackend {
     fn embedding(&self, shards: &[&Mat], h: usize, tokens: &[u32]) -> Vec<f32> {
         let s: Vec<&[bf16]> = shards.iter().map(|m| &m.w[..]).collect();
         ops::embedding_bf16(&s, h, tokens)
+    }
+    fn embedding_ids(&self, shards: &[&Mat], h: usize, ids: &Vec<u32>, n: usize) -> Vec<f32> {
+        self.embedding(shards, h, &ids[..n])
     }
     fn lm_head(&self, x: &Vec<f32>, n: usize, h: usize, shards: &[&Mat]) -> Vec<f32> {
         let s: Vec<&[bf16]> = shards.iter().map(|m| &m.w[..]).collect();
@@ -146,7 +192,7 @@ impl Backend for CpuBackend {
             }
         }
     }
-    fn mla_attention(&self, q: &Vec<f32>, kv: &LatentCache, l: usize, mask: &Visibility, kv_b: &Mat, d: &ops::MlaDims, mode: AttnMode) -> Vec<f32> {
+    fn mla_attention(&self, q: &Vec<f32>, _t: usize, kv: &LatentCache, l: usize, mask: &Visibility, kv_b: &Mat, d: &ops::MlaDims, mode: AttnMode) -> Vec<f32> {
         let (committed, lat) = (kv.committed, &kv.rows[l]); // [committed + T, C + P]
         match mode {
             AttnMode::Naive => {
@@ -189,6 +235,36 @@ impl Backend for CpuBackend {
     }
     fn gqa_attention(&self, q: &Vec<f32>, b: usize, ctx: (&Vec<f32>, &Vec<f32>), block: (&Vec<f32>, &Vec<f32>), heads: usize, kv_heads: usize, head_dim: usize) -> Vec<f32> {
         ops::gqa_attention(q, b, (ctx.0, ctx.1), (block.0, block.1), heads, kv_heads, head_dim)
+    }
+
+    fn tree_new(&self, budget: usize, rows: usize, vocab: usize) -> Result<CpuTree> {
+        let tree = DraftTree::root_only(0);
+        Ok(CpuTree { budget, rows, vocab, depths: vec![0], mask: tree.visibility.clone(), tree, walk: None })
+    }
+    fn tree_build(&self, t: &mut CpuTree, draft: &Vec<f32>, bonus: u32) -> Result<()> {
+        t.tree = build_tree(bonus, draft, t.rows, t.vocab, t.budget);
+        t.depths = t.tree.depths.clone();
+        t.mask = t.tree.visibility.clone();
+        t.walk = None;
+        Ok(())
+    }
+    fn tree_tokens<'t>(&self, t: &'t CpuTree) -> &'t Vec<u32> {
+        &t.tree.tokens
+    }
+    fn tree_depths<'t>(&self, t: &'t CpuTree) -> &'t Vec<u32> {
+        &t.depths
+    }
+    fn tree_mask<'t>(&self, t: &'t CpuTree) -> &'t Visibility {
+        &t.mask
+    }
+    fn tree_walk(&self, t: &mut CpuTree, logits: &Vec<f32>, s: &crate::sampling::Sampling, start: usize) -> Result<()> {
+        let n = t.tree.len();
+        anyhow::ensure!(logits.len() >= n * t.vocab, "tree_walk: {} logits for {n} nodes x {}", logits.len(), t.vocab);
+        t.walk = Some(walk_sampled(&t.tree, &logits[..n * t.vocab], t.vocab, s, start));
+        Ok(())
+    }
+    fn tree_result(&self, t: &CpuTree) -> Result<Walk> {
+        t.walk.clone().ok_or_else(|| anyhow::anyhow!("tree_result: no walk since the last build"))
     }
 }
 

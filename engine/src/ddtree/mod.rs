@@ -13,3 +13,20 @@ mod walk;
 pub use build::{build_tree, build_tree_from_top_k, top_k_log_probs, DraftTree, TopK};
 pub use visibility::Visibility;
 pub use walk::{walk, walk_greedy, walk_sampled, Walk};
+
+/// Whether a tree of `budget` nodes from `rows` draft rows over `vocab` always has exactly `budget` drafted
+/// nodes: the distinct prefixes, `sum over d = 1..rows of K^d` with `K = min(budget, vocab)`, are at least
+/// `budget` (the builder pops each prefix at most once and never runs out before they are all popped).
+/// The device round's shapes (`budget + 1` verify rows) rely on it.
+pub fn tree_is_full(budget: usize, rows: usize, vocab: usize) -> bool {
+    let k = budget.min(vocab) as u128;
+    let (mut total, mut pow) = (0u128, 1u128);
+    for _ in 0..rows {
+        pow = pow.saturating_mul(k);
+        total = total.saturating_add(pow);
+        if total >= budget as u128 {
+            return true;
+        }
+    }
+    budget == 0
+}

@@ -194,29 +194,16 @@ impl<B: Backend> DFlashDrafter<B> {
     pub fn rope_attention_factor(&self) -> f64 {
         self.attention_factor
     }
-}
 
-impl<B: Backend> Drafter for DFlashDrafter<B> {
-    fn block_size(&self) -> usize {
-        self.dims.block
-    }
-
-    fn context_len(&self) -> usize {
-        self.ctx_len
-    }
-
-    fn extend_context(&mut self, taps: &[f32], n: usize) -> Result<()> {
-        let DrafterDims { hidden: h, n_taps, kv_heads, eps, .. } = self.dims;
-        if taps.len() != n * n_taps * h {
-            bail!("extend_context: taps has {} values, expected n={n} x {n_taps} taps x H={h}", taps.len());
-        }
+    /// [`Drafter::extend_context`] from taps `[n, n_taps·H]` already where the ops run (the device round).
+    pub fn extend_context_act(&mut self, taps: &B::Act, n: usize) -> Result<()> {
+        let DrafterDims { kv_heads, eps, .. } = self.dims;
         if n == 0 {
             return Ok(());
         }
         let b = &self.b;
-        let taps = b.act_from_host(taps.to_vec());
-        let ctx = b.rms_norm(&b.linear(&taps, n, &self.fc), &self.hidden_norm, eps); // [n, H]
-        let rope = RopeTable::new(&self.inv_freq, self.ctx_len..self.ctx_len + n, self.attention_factor);
+        let ctx = b.rms_norm(&b.linear(taps, n, &self.fc), &self.hidden_norm, eps); // [n, H]
+        let rope = b.rope_upload(RopeTable::new(&self.inv_freq, self.ctx_len..self.ctx_len + n, self.attention_factor));
         for (lw, c) in self.layers.iter().zip(self.cache.iter_mut()) {
             let k = b.head_norm_rope_neox(&b.linear(&ctx, n, &lw.k_proj), &lw.k_norm, eps, kv_heads, &rope); // [n, Hk*D]
             let v = b.linear(&ctx, n, &lw.v_proj); // [n, Hk*D]
@@ -227,7 +214,8 @@ impl<B: Backend> Drafter for DFlashDrafter<B> {
         b.check()
     }
 
-    fn draft(&mut self, bonus: u32, start: usize) -> Result<Vec<f32>> {
+    /// [`Drafter::draft`] leaving the logits `[B−1, V]` where the ops run (the device round).
+    pub fn draft_act(&mut self, bonus: u32, start: usize) -> Result<B::Act> {
         let DrafterDims { hidden: h, heads, kv_heads, head_dim, block: bl, mask_token_id, eps, .. } = self.dims;
         if start != self.ctx_len {
             bail!("draft: block starts at {start} but the drafter context holds {} positions", self.ctx_len);
@@ -235,7 +223,7 @@ impl<B: Backend> Drafter for DFlashDrafter<B> {
         let b = &self.b;
         let mut ids = vec![mask_token_id; bl];
         ids[0] = bonus;
-        let rope = RopeTable::new(&self.inv_freq, start..start + bl, self.attention_factor);
+        let rope = b.rope_upload(RopeTable::new(&self.inv_freq, start..start + bl, self.attention_factor));
         let mut x = self.tables.embed(&ids); // [B, H]
         for (lw, c) in self.layers.iter().zip(&self.cache) {
             let hn = b.rms_norm(&x, &lw.input_layernorm, eps); // [B, H]
@@ -250,8 +238,37 @@ impl<B: Backend> Drafter for DFlashDrafter<B> {
             b.add(&mut x, &b.linear(&b.silu_mul(&g, &u), bl, &lw.down_proj));
         }
         let xn = b.rms_norm(&b.rows(&x, h, 1, bl), &self.norm, eps); // [B-1, H]: block positions 1..B-1
-        let logits = b.to_host(&self.tables.lm_head(&xn, bl - 1));
+        let logits = self.tables.lm_head(&xn, bl - 1);
         b.check()?;
+        Ok(logits)
+    }
+}
+
+impl<B: Backend> Drafter for DFlashDrafter<B> {
+    fn block_size(&self) -> usize {
+        self.dims.block
+    }
+
+    fn context_len(&self) -> usize {
+        self.ctx_len
+    }
+
+    fn extend_context(&mut self, taps: &[f32], n: usize) -> Result<()> {
+        let DrafterDims { hidden: h, n_taps, .. } = self.dims;
+        if taps.len() != n * n_taps * h {
+            bail!("extend_context: taps has {} values, expected n={n} x {n_taps} taps x H={h}", taps.len());
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let taps = self.b.act_from_host(taps.to_vec());
+        self.extend_context_act(&taps, n)
+    }
+
+    fn draft(&mut self, bonus: u32, start: usize) -> Result<Vec<f32>> {
+        let logits = self.draft_act(bonus, start)?;
+        let logits = self.b.to_host(&logits);
+        self.b.check()?;
         Ok(logits)
     }
 
@@ -272,5 +289,8 @@ impl<B: Backend> Drafter for DFlashDrafter<B> {
             self.b.truncate(&mut c.v, 0);
         }
         self.ctx_len = 0;
+    }
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        Some(self)
     }
 }

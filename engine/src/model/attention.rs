@@ -13,9 +13,8 @@
 //!
 //! Letters: T new nodes, Hr heads of a rank, C kv_lora, P rope dims, Dn nope dims, Dv v dims.
 
-use crate::ddtree::Visibility;
 use super::weights::Weights;
-use crate::backend::{Backend, RopeTable};
+use crate::backend::Backend;
 use crate::cpu::ops::MlaDims;
 
 /// Which MLA form the forward uses.
@@ -29,9 +28,11 @@ pub enum AttnMode {
 }
 
 /// Attention output `[T, H]` (after o_proj, ranks reduced) for normed input `x` `[T, H]` of layer `l`;
-/// appends the T nodes' latent rows to the cache as scratch. `rope` holds the nodes' positions.
-pub fn mla<B: Backend>(w: &Weights<B>, l: usize, x: &B::Act, mask: &Visibility, rope: &RopeTable, kv: &mut B::Kv, mode: AttnMode) -> B::Act {
-    let (b, cfg, t) = (&w.backend, &w.cfg, mask.rows);
+/// appends the T nodes' latent rows to the cache as scratch. `rope` holds the nodes' positions, `mask` their
+/// ancestor bitmask.
+#[allow(clippy::too_many_arguments)]
+pub fn mla<B: Backend>(w: &Weights<B>, l: usize, x: &B::Act, t: usize, mask: &B::Mask, rope: &B::Rope, kv: &mut B::Kv, mode: AttnMode) -> B::Act {
+    let (b, cfg) = (&w.backend, &w.cfg);
     let a0 = &w.ranks[0].layers[l].attn;
     // Query input: normed q_a latent [T, q_lora], or x itself when q_lora_rank is None.
     let q_lat;
@@ -56,7 +57,7 @@ pub fn mla<B: Backend>(w: &Weights<B>, l: usize, x: &B::Act, mask: &Visibility, 
             let mut q = b.linear(q_in, t, &at.q); // [T, Hr * qk]: per head q_nope (Dn) | q_pe (P)
             b.rope_q(&mut q, hr, cfg.nope, rope);
             let d = MlaDims { heads: hr, nope: cfg.nope, rope: cfg.rope, v: cfg.v_dim, kv_lora: cfg.kv_lora, scale: cfg.softmax_scale };
-            let heads_out = b.mla_attention(&q, kv, l, mask, &at.kv_b, &d, mode); // [T, Hr * Dv]
+            let heads_out = b.mla_attention(&q, t, kv, l, mask, &at.kv_b, &d, mode); // [T, Hr * Dv]
             b.linear(&heads_out, t, &at.o_proj) // [T, H]
         })
         .collect();

@@ -16,7 +16,10 @@ use crate::ddtree::Visibility;
 use super::ffn::ffn;
 use super::trace::Trace;
 use super::weights::Weights;
-use crate::api::{LogitRows, StepOut, Target, TargetInfo};
+use crate::api::{DeviceRound, Drafter, LogitRows, StepOut, Target, TargetInfo};
+use crate::ddtree::tree_is_full;
+use crate::drafter::DFlashDrafter;
+use crate::sampling::Sampling;
 use crate::backend::{Backend, RopeTable};
 use crate::cpu::CpuBackend;
 use anyhow::{ensure, Result};
@@ -31,6 +34,8 @@ pub struct TargetModel<B: Backend> {
     trace: Option<Trace>,
     /// Parents of the last forward's nodes (commit checks the path against them).
     last_parents: Vec<i32>,
+    /// The device round's tree workspace and the budget it was made for.
+    tree: Option<(usize, B::Tree)>,
 }
 
 /// The target on the CPU reference backend.
@@ -45,13 +50,91 @@ impl<B: Backend> TargetModel<B> {
         let info =
             TargetInfo { vocab_size: c.vocab, hidden_size: c.hidden, num_layers: c.layers, max_positions: c.max_positions, tap_layers };
         let cache = w.backend.kv_new(c.layers, c.latent_width());
-        Ok(TargetModel { w, info, cache, mode, trace: None, last_parents: Vec::new() })
+        Ok(TargetModel { w, info, cache, mode, trace: None, last_parents: Vec::new(), tree: None })
     }
     pub fn weights(&self) -> &Arc<Weights<B>> {
         &self.w
     }
     pub fn mode(&self) -> AttnMode {
         self.mode
+    }
+
+    /// The decoder layers over embedded rows `x` `[T, H]` (their latent rows go to the cache as scratch):
+    /// the residual stream after the last layer and the taps `[T, n_taps·H]` (None without tap layers).
+    fn layers(&mut self, mut x: B::Act, t: usize, mask: &B::Mask, rope: &B::Rope) -> (B::Act, Option<B::Act>) {
+        let w = self.w.clone();
+        let (b, c) = (&w.backend, &w.cfg);
+        let (h, taps_n) = (c.hidden, self.info.tap_layers.len());
+        let mut taps = (taps_n > 0).then(|| b.zeros(t * taps_n * h));
+        b.kv_drop_scratch(&mut self.cache);
+        for (l, layer) in w.ranks[0].layers.iter().enumerate() {
+            let a = mla(&w, l, &b.rms_norm(&x, &layer.input_norm, c.eps), t, mask, rope, &mut self.cache, self.mode);
+            b.add(&mut x, &a);
+            let m = ffn(&w, l, &b.rms_norm(&x, &layer.post_norm, c.eps), t, self.trace.as_mut());
+            b.add(&mut x, &m);
+            if let Some(tr) = self.trace.as_mut() {
+                tr.f32(format!("layers.{l}.attn_out"), &[t, h], &b.to_host(&a));
+                tr.f32(format!("layers.{l}.mlp_out"), &[t, h], &b.to_host(&m));
+                tr.f32(format!("layers.{l}.residual"), &[t, h], &b.to_host(&x));
+            }
+            if let Some(acc) = taps.as_mut() {
+                for (k, _) in self.info.tap_layers.iter().enumerate().filter(|(_, &tl)| tl == l) {
+                    b.set_cols(acc, taps_n * h, k * h, &x, h, t);
+                }
+            }
+        }
+        b.kv_set_scratch(&mut self.cache, t);
+        (x, taps)
+    }
+
+    /// The verify forward of the device round: the `t` nodes of `tree` (tokens, depths and mask where the
+    /// ops run; nothing read back), at positions `committed + depth`. Returns the logits `[t, V]` and the
+    /// taps `[t, n_taps·H]` (empty without tap layers), both where the ops run; `commit` then takes the
+    /// walked path (its parents are the tree's, checked by the caller's walk).
+    pub fn forward_tree(&mut self, tree: &B::Tree, t: usize, depth_limit: usize) -> Result<(B::Act, B::Act)> {
+        let w = self.w.clone();
+        let (b, c) = (&w.backend, &w.cfg);
+        let committed = b.kv_committed(&self.cache);
+        ensure!(committed + depth_limit < c.max_positions, "forward: position {} >= max_positions {}", committed + depth_limit, c.max_positions);
+        // Node i sits at committed + depth[i]: the table of the depth_limit + 1 positions, gathered by depth.
+        let table = RopeTable::new(&c.inv_freq, committed..=committed + depth_limit, c.rope_attention_factor);
+        let rope = b.rope_gather(&table, b.tree_depths(tree), t);
+        let (x, taps) = self.layers(w.embed_ids(b.tree_tokens(tree), t), t, b.tree_mask(tree), &rope);
+        self.last_parents.clear();
+        let logits = w.lm_head(&w.final_norm(&x), t);
+        b.check()?;
+        Ok((logits, taps.unwrap_or_else(|| b.zeros(0))))
+    }
+
+    /// The device round (see [`Target::device_round`]) with the tree workspace `tree` (budget `budget`).
+    fn run_round(&mut self, tree: &mut B::Tree, d: &mut DFlashDrafter<B>, root: u32, budget: usize, s: &Sampling) -> Result<DeviceRound> {
+        let w = self.w.clone();
+        let b = &w.backend;
+        let start = b.kv_committed(&self.cache);
+        ensure!(d.context_len() == start, "drafter context {} != target committed {start}", d.context_len());
+        let rows = d.block_size() - 1;
+        let draft = d.draft_act(root, start)?; // [rows, V], stays where the ops run
+        b.tree_build(tree, &draft, root)?;
+        let t = budget + 1;
+        let (logits, taps) = self.forward_tree(tree, t, rows)?;
+        b.tree_walk(tree, &logits, s, start)?;
+        let walk = b.tree_result(tree)?; // the round's one read back
+        let p = &walk.path;
+        ensure!(
+            !p.is_empty() && p[0] == 0 && p.len() <= rows + 1 && p.windows(2).all(|x| x[0] < x[1]) && p[p.len() - 1] < t && walk.decisions.len() == p.len(),
+            "device walk: path {p:?} with {} decisions is not a root-to-node path of a {t}-node tree",
+            walk.decisions.len()
+        );
+        b.kv_compact(&mut self.cache, p)?;
+        // The drafter's context grows by the accepted nodes' taps (rows of the path, where the ops run).
+        let tw = self.info.tap_layers.len() * self.info.hidden_size;
+        let mut acc = b.rows(&taps, tw, p[0], p[0] + 1);
+        for &n in &p[1..] {
+            b.append_rows(&mut acc, &b.rows(&taps, tw, n, n + 1));
+        }
+        d.extend_context_act(&acc, p.len())?;
+        b.check()?;
+        Ok(DeviceRound { walk, drafted: budget, draft_rows: rows })
     }
 }
 
@@ -72,38 +155,14 @@ impl<B: Backend> Target for TargetModel<B> {
         for (i, &tok) in tokens.iter().enumerate() {
             ensure!((tok as usize) < c.vocab, "forward: tokens[{i}] = {tok} >= vocab {}", c.vocab);
         }
-        let mask = Visibility::from_parents(parents)?;
+        let vis = Visibility::from_parents(parents)?;
         let committed = b.kv_committed(&self.cache);
-        let positions: Vec<usize> = mask.depths().iter().map(|&d| committed + d).collect();
+        let positions: Vec<usize> = vis.depths().iter().map(|&d| committed + d).collect();
         let maxpos = positions.iter().copied().max().unwrap_or(0);
         ensure!(maxpos < c.max_positions, "forward: position {maxpos} >= max_positions {}", c.max_positions);
-        b.kv_drop_scratch(&mut self.cache);
-        let rope = RopeTable::new(&c.inv_freq, positions, c.rope_attention_factor);
-
-        let h = c.hidden;
-        let taps_n = self.info.tap_layers.len();
-        let mut taps = vec![0f32; if taps_n > 0 { t * taps_n * h } else { 0 }]; // [T, n_taps * H]
-        let mut x = w.embed(tokens); // [T, H] residual stream
-        for (l, layer) in w.ranks[0].layers.iter().enumerate() {
-            let a = mla(&w, l, &b.rms_norm(&x, &layer.input_norm, c.eps), &mask, &rope, &mut self.cache, self.mode);
-            b.add(&mut x, &a);
-            let m = ffn(&w, l, &b.rms_norm(&x, &layer.post_norm, c.eps), t, self.trace.as_mut());
-            b.add(&mut x, &m);
-            if let Some(tr) = self.trace.as_mut() {
-                tr.f32(format!("layers.{l}.attn_out"), &[t, h], &b.to_host(&a));
-                tr.f32(format!("layers.{l}.mlp_out"), &[t, h], &b.to_host(&m));
-                tr.f32(format!("layers.{l}.residual"), &[t, h], &b.to_host(&x));
-            }
-            if self.info.tap_layers.contains(&l) {
-                let xh = b.to_host(&x);
-                for (k, _) in self.info.tap_layers.iter().enumerate().filter(|(_, &tl)| tl == l) {
-                    for i in 0..t {
-                        taps[(i * taps_n + k) * h..(i * taps_n + k + 1) * h].copy_from_slice(&xh[i * h..(i + 1) * h]);
-                    }
-                }
-            }
-        }
-        b.kv_set_scratch(&mut self.cache, t);
+        let rope = b.rope_upload(RopeTable::new(&c.inv_freq, positions, c.rope_attention_factor));
+        let mask = b.mask_upload(&vis);
+        let (x, taps) = self.layers(w.embed(tokens), t, &mask, &rope);
         self.last_parents = parents.to_vec();
         // Only the rows asked for go through the final norm and lm_head (a row's result does not depend
         // on the other rows, so the values equal those of an all-rows forward bit for bit).
@@ -113,8 +172,10 @@ impl<B: Backend> Target for TargetModel<B> {
             LogitRows::None => t,
         };
         let n = t - first;
+        let h = c.hidden;
         let xn = w.final_norm(&b.rows(&x, h, first, t));
         let logits = if n > 0 { b.to_host(&w.lm_head(&xn, n)) } else { Vec::new() }; // [n, V]
+        let taps = taps.map(|a| b.to_host(&a)).unwrap_or_default();
         b.check()?;
         if let Some(tr) = self.trace.as_mut() {
             tr.f32("final_norm".into(), &[n, h], &b.to_host(&xn));
@@ -156,5 +217,25 @@ impl<B: Backend> Target for TargetModel<B> {
 
     fn take_trace(&mut self) -> Option<Trace> {
         self.trace.take()
+    }
+
+    fn device_round(&mut self, drafter: &mut dyn Drafter, root: u32, budget: usize, s: &Sampling) -> Option<Result<DeviceRound>> {
+        let d = drafter.as_any_mut()?.downcast_mut::<DFlashDrafter<B>>()?;
+        let (v, max) = (self.info.vocab_size, self.info.max_positions);
+        let rows = d.block_size().checked_sub(1)?;
+        let start = self.w.backend.kv_committed(&self.cache);
+        if self.trace.is_some() || rows == 0 || budget == 0 || start + rows >= max || self.info.tap_layers.is_empty() || !tree_is_full(budget, rows, v) {
+            return None;
+        }
+        let mut tree = match self.tree.take() {
+            Some((b, tree)) if b == budget => tree,
+            _ => match self.w.backend.tree_new(budget, rows, v) {
+                Ok(t) => t,
+                Err(e) => return Some(Err(e)),
+            },
+        };
+        let r = self.run_round(&mut tree, d, root, budget, s);
+        self.tree = Some((budget, tree));
+        Some(r)
     }
 }

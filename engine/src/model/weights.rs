@@ -227,6 +227,12 @@ impl<B: Backend> Weights<B> {
         self.backend.embedding(&shards, self.cfg.hidden, tokens)
     }
 
+    /// [`Weights::embed`] of `n` ids already where the ops run.
+    pub fn embed_ids(&self, ids: &B::Ids, n: usize) -> B::Act {
+        let shards: Vec<&B::Mat> = self.ranks.iter().map(|r| &r.embed).collect();
+        self.backend.embedding_ids(&shards, self.cfg.hidden, ids, n)
+    }
+
     /// Final RMSNorm (`model.norm`, eps = rms_norm_eps) of `x` `[n, H]`.
     pub fn final_norm(&self, x: &B::Act) -> B::Act {
         self.backend.rms_norm(x, &self.ranks[0].norm, self.cfg.eps)

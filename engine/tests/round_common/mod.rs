@@ -1,0 +1,83 @@
+//! Shared by the device-round tests (generate_device_round.rs on the CPU, cuda_round.rs on the GPU): convert
+//! a model for one rank, then run the same prompts through sessions with the device round on and off and
+//! compare every step's emitted tokens and counters.
+#![allow(dead_code)]
+
+use kdtree_convert::repack::{repack, RepackOptions, DEFAULT_MAX_FILE_SIZE};
+use kdtree_engine::generate::Sampling;
+use kdtree_engine::{Emitted, Loaded, Mode};
+use kdtree_formats::plan::ExpertsMode;
+use std::path::{Path, PathBuf};
+
+/// models/kdtree-tiny: at the path this test was built from, else from the working directory (the GPU suite
+/// runs staged binaries from a copy of the repository root).
+pub fn pair_dir() -> PathBuf {
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/kdtree-tiny");
+    [built, PathBuf::from("models/kdtree-tiny"), PathBuf::from("../models/kdtree-tiny")]
+        .into_iter()
+        .find(|p| p.join("config.json").is_file() && p.join("drafter/config.json").is_file())
+        .expect("models/kdtree-tiny (with drafter/) not found at the build path, ./models or ../models")
+}
+
+/// Converts `src` (an HF checkpoint with a drafter/ folder) for `ranks` ranks into `out`.
+pub fn convert(src: &Path, out: &Path, ranks: usize) {
+    repack(&RepackOptions {
+        src: src.to_path_buf(),
+        out: out.to_path_buf(),
+        drafter: Some(src.join("drafter")),
+        ranks,
+        experts: ExpertsMode::Tp,
+        max_file_size: DEFAULT_MAX_FILE_SIZE,
+        quiet: true,
+    })
+    .unwrap();
+}
+
+/// Prefill `prompt` and run `steps` DDTree rounds at `budget`; the emitted steps and how many rounds ran
+/// on the device path.
+pub fn run(m: &mut Loaded, prompt: &[u32], budget: usize, s: &Sampling, device: bool, steps: usize) -> (Vec<Emitted>, usize) {
+    let mut sess = m.session(Mode::DDTree { budget }).unwrap();
+    sess.set_device_round(device);
+    let first = sess.prefill(prompt, s).unwrap();
+    let mut out = vec![Emitted { tokens: vec![first], drafted: 0, accepted: 0, depth_limit: 0 }];
+    for _ in 0..steps {
+        out.push(sess.step().unwrap());
+    }
+    (out, sess.device_rounds())
+}
+
+/// Mean accepted nodes per round (+1 = tokens per round).
+pub fn tau(steps: &[Emitted]) -> f64 {
+    let r = &steps[1..];
+    r.iter().map(|e| e.accepted as f64 + 1.0).sum::<f64>() / r.len().max(1) as f64
+}
+
+/// The device round and the host round give the same steps on `m` for greedy and two sampled settings;
+/// returns (rounds compared, mean tau greedy) and prints one line per case (`prefix` names the model).
+pub fn compare(m: &mut Loaded, prefix: &str, prompts: &[Vec<u32>], budgets: &[usize], steps: usize) -> (usize, f64) {
+    let settings = [
+        ("greedy", Sampling::greedy()),
+        ("T=1 seed 5", Sampling { temperature: 1.0, top_p: 1.0, top_k: 0, seed: 5 }),
+        ("T=0.7 top_p 0.9 top_k 40 seed 9", Sampling { temperature: 0.7, top_p: 0.9, top_k: 40, seed: 9 }),
+    ];
+    let (mut rounds, mut taus) = (0, Vec::new());
+    for (name, s) in &settings {
+        for &budget in budgets {
+            for (i, p) in prompts.iter().enumerate() {
+                let (dev, n_dev) = run(m, p, budget, s, true, steps);
+                let (host, n_host) = run(m, p, budget, s, false, steps);
+                assert_eq!(n_host, 0, "{prefix}: the host-round session ran device rounds");
+                assert_eq!(n_dev, steps, "{prefix}: {name} budget {budget}: only {n_dev} of {steps} rounds ran on the device path");
+                for (k, (a, b)) in dev.iter().zip(&host).enumerate() {
+                    assert_eq!(a, b, "{prefix}: {name} budget {budget} prompt {i}: step {k} differs (device round vs host round)");
+                }
+                rounds += steps;
+                if *name == "greedy" {
+                    taus.push(tau(&dev));
+                }
+                println!("PARITY device_round({prefix},{name},budget={budget},prompt={i}) exact ({steps} rounds, tau {:.2})", tau(&dev));
+            }
+        }
+    }
+    (rounds, taus.iter().sum::<f64>() / taus.len().max(1) as f64)
+}
