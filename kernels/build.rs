@@ -26,6 +26,8 @@ fn main() {
         .filter(|p| matches!(p.extension().and_then(|x| x.to_str()), Some("cu" | "cuh")))
         .collect();
     sources.sort();
+    // The folder too: a new .cu is not in the list a previous run printed (cargo scans a directory).
+    println!("cargo:rerun-if-changed={}", cuda.display());
     for s in &sources {
         println!("cargo:rerun-if-changed={}", s.display());
     }

@@ -34,6 +34,7 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("residual_add.cu", "kdtree_residual_add_bf16"),
     ("rms_norm.cu", "kdtree_rms_norm_bf16"),
     ("rope.cu", "kdtree_rope_interleaved_bf16"),
+    ("sample_rows.cu", "kdtree_sample_rows_f32"),
     ("silu_mul.cu", "kdtree_silu_mul_bf16"),
     ("w4a16_gemm.cu", "kdtree_w4a16_gemm_i4g32_m1"),
     ("w4a16_gemm.cu", "kdtree_w4a16_gemm_i4g32_m2"),
