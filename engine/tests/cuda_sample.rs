@@ -48,7 +48,7 @@ const KINDS: [&str; 13] = [
     "pos-inf",
     "quantized-signed-zeros",
     "bf16-rounded",
-    "one-candidate",
+    "one-finite",
     "random-narrow",
 ];
 
@@ -92,7 +92,7 @@ fn make_row(kind: &str, v: usize, r: &mut ChaCha8Rng) -> Vec<f32> {
         }
         "quantized-signed-zeros" => x.iter_mut().for_each(|l| *l = (*l * 0.2).round() * 0.5 * if r.random::<bool>() { 1.0 } else { -1.0 }),
         "bf16-rounded" => x.iter_mut().for_each(|l| *l = half::bf16::from_f32(*l * 0.25).to_f32()),
-        "one-candidate" => {
+        "one-finite" => {
             x.iter_mut().enumerate().for_each(|(j, l)| *l = if j % 2 == 0 { f32::NAN } else { f32::NEG_INFINITY });
             let j = pick(r);
             x[j] = 1.5;
@@ -296,9 +296,9 @@ fn sample_rows_replay_is_deterministic_and_matches_positions() {
 #[test]
 fn sample_rows_rejects_bad_shapes() {
     let Some(g) = gpu() else { return };
-    let x = g.upload(&vec![0.5f32; 10]).unwrap();
-    let d = g.upload(&vec![0u32; 1]).unwrap();
-    let mut o = g.upload(&vec![0u32; 2]).unwrap();
+    let x = g.upload(&[0.5f32; 10]).unwrap();
+    let d = g.upload(&[0u32; 1]).unwrap();
+    let mut o = g.upload(&[0u32; 2]).unwrap();
     let s = Sampling { temperature: 1.0, ..Sampling::greedy() };
     let err = |e: kdtree_engine::cuda::CudaError| e.to_string();
     let e = ops::sample_rows::sample_rows(&g, &x.as_view(), 2, 6, 6, &s, 0, None, &mut o.as_view_mut()).map_err(err).unwrap_err();

@@ -11,6 +11,8 @@ use crate::sampling::Sampling;
 const OP: &str = "sample_rows";
 /// Threads per block: the kernel's block scans assume exactly 1024 (32 warps).
 const THREADS: u32 = 1024;
+/// Largest vocabulary accepted (2^30; K2.6 has 163,840).
+pub const MAX_V: usize = 1 << 30;
 
 /// `out[r] = sampling::sample(logits[r * ld .. r * ld + v], s, position(r))` for r < rows, where
 /// `position(r) = start + depth[r] + 1` (a DDTree node of depth `depth[r]` under a root at `start`), or
@@ -33,6 +35,8 @@ pub fn sample_rows(
     out: &mut CudaViewMut<'_, u32>,
 ) -> Result<()> {
     ensure(OP, v > 0 && ld >= v, || format!("vocab v={v} must be > 0 and <= ld={ld}"))?;
+    // The kernel's id loops step by 1024 in i32: keep them far from overflow.
+    ensure(OP, v <= MAX_V, || format!("vocab v={v} exceeds {MAX_V}"))?;
     need_len(OP, "logits", logits.len(), span(rows, ld, v))?;
     need_len(OP, "out", out.len(), rows)?;
     if let Some(d) = depth {
