@@ -30,6 +30,12 @@
 // (~1e-13 relative, V * 2^-63 for the fixed point) of a boundary between two tokens. The spec allows that
 // (sampling.rs header); the parity test detects such rows in f64 on the host and reports them.
 // All sums are in a fixed order (integer atomics only), so a replay gives the same tokens.
+// Rows with exact ties hit such boundaries on purpose: P = 0.5 over an even group of equal weights puts the
+// exact cumulative on P, and the CPU's sequential sum rounds it either way (about 1 in 1,500 of the
+// settings x rows of a GPU-free model of this algorithm, all on quantized rows at top_p 0.5).
+// Cost (v1): passes over each row: greedy 1, top-k 5, top-p 7, both 9, + 2 when the cut falls inside
+// a tie group; and two f64 exps per token for top-p (Z_k and the first mass histogram). Not yet done: a
+// shared-memory list of the candidates after the first digit, so later passes skip the row.
 #include "common.cuh"
 #include "philox.cuh"
 
