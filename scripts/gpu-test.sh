@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU suite: runs the prebuilt CUDA test binaries in DIR (cuda_ops, cuda_gemm, cuda_mla, cuda_target,
-# cuda_drafter, cuda_bench; built on a machine with Rust by `cargo test -p kdtree-engine --features cuda --release --no-run` and copied there
+# The GPU suite: runs the prebuilt CUDA test binaries in DIR (cuda_ops, cuda_gemm, cuda_mla, cuda_ddtree,
+# cuda_sample, cuda_drafter, cuda_target, cuda_round, cuda_bench; built on a machine with Rust by `cargo test -p kdtree-engine --features cuda --release --no-run` and copied there
 # without their hash suffix), parity first (KDTREE_REQUIRE_GPU=1: no GPU is a failure), then timings, and
 # prints a short table last. Needs only the NVIDIA driver and the CUDA 13 libraries (libcublas) on the
 # GPU machine; builds nothing. Usage: scripts/gpu-test.sh DIR [LOG]. Exit 0 all passed, 1 a test failed.
@@ -40,9 +40,9 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libcublas\.so'; then
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/gpu: /'
 status=0
-for t in cuda_ops cuda_gemm cuda_mla cuda_ddtree cuda_drafter cuda_target; do
+for t in cuda_ops cuda_gemm cuda_mla cuda_ddtree cuda_sample cuda_drafter cuda_target cuda_round; do
   echo "== $t (parity)"
-  "$dir/$t" --nocapture 2>&1 | tee -a "$log" | grep -E "^(PARITY|test |test result|thread|  left|  right|SKIP)|panicked"
+  "$dir/$t" --nocapture 2>&1 | tee -a "$log" | grep -E "^(PARITY|BOUNDARY|test |test result|thread|  left|  right|SKIP)|panicked"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
 if [ -x "$dir/kdtree-run" ]; then
@@ -119,7 +119,7 @@ fi
 echo
 echo "== summary"
 printf '%-100s %s\n' "parity case" "rel (tol)"
-grep '^PARITY' "$log" | sed -E 's/^PARITY (.*) max_abs=([^ ]+) rel=([^ ]+) tol=([^ ]+)$/\1|\3 (\4)/; s/^PARITY (.*) exact(.*)$/\1|exact\2/' | awk -F'|' '{printf "%-100s %s\n", $1, $2}'
+grep '^PARITY' "$log" | sed -E 's/^PARITY (.*) max_abs=([^ ]+) rel=([^ ]+) tol=([^ ]+)$/\1|\3 (\4)/; s/^PARITY (.*) exact(.*)$/\1|exact\2/; s/^PARITY (.*) (mismatches .*)$/\1|\2/' | awk -F'|' '{printf "%-100s %s\n", $1, $2}'
 grep '^BENCH' "$log" | sed 's/^BENCH //'
 grep '^E2E' "$log" | sed 's/^E2E //'
 echo "verdict: $([ $status -eq 0 ] && echo PASS || echo FAIL)"

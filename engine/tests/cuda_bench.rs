@@ -1,6 +1,6 @@
 //! Timings of the W4A16 GEMM on the K2.6 expert shapes (and the cuBLAS bf16 GEMM on the same shapes, and a
-//! device copy, measured in the same run as the bandwidth ceiling). `#[ignore]`: run explicitly with
-//! `--ignored --nocapture --test-threads=1` (scripts/gpu-test.sh does). Weights are random and rotated over
+//! device copy, measured in the same run as the bandwidth ceiling), and of the per-row sampler. `#[ignore]`:
+//! run explicitly with `--ignored --nocapture --test-threads=1` (scripts/gpu-test.sh does). Weights are random and rotated over
 //! more than 200 MB so every call streams from HBM, not the 60 MB L2; CUDA events around many calls after a
 //! warm-up; GB/s counts the weight bytes (packed + scales, or bf16) once per call. W4A16 is timed eagerly
 //! and replayed from a CUDA graph (which also proves the launches capturable: no host sync, no allocation);
@@ -175,6 +175,37 @@ fn w4a16_bandwidth() {
         let bytes = experts_read * (n * k / 2 + n * k / 16);
         let gbps = bytes as f64 / (ms * 1e-3) / 1e9;
         println!("BENCH moe_w4a16_gemm T={t} top_k=8 experts_read={experts_read} N={n} K={k} splits={} graph(align+gemm+reduce) {:.2} us {:.0} GB/s {:.0}% of copy", plan.splits, ms * 1e3, gbps, 100.0 * gbps / copy);
+    }
+}
+
+/// The per-row token decision (kernels/cuda/sample_rows.cu) on K2.6's vocabulary for a tree's worth of
+/// rows (65 = budget 64 + root, 257), depth-keyed positions, replayed from a graph; GB/s counts the logits
+/// read once (the kernel makes several passes over each row: see its header).
+#[test]
+#[ignore = "timing; run by scripts/gpu-test.sh"]
+fn sample_rows_time() {
+    use kdtree_engine::sampling::Sampling;
+    let Some(g) = gpu() else { return };
+    let v = 163_840usize;
+    let mut r = rng(2100);
+    for &rows in &[65usize, 257] {
+        let dx = g.upload(&rand_f32(&mut r, rows * v, -8.0, 8.0)).unwrap();
+        let dd = g.upload(&(0..rows as u32).map(|i| i % 8).collect::<Vec<u32>>()).unwrap();
+        let mut out = g.zeros::<u32>(rows).unwrap();
+        let settings = [
+            ("T=1,top_p=0.9", Sampling { temperature: 1.0, top_p: 0.9, top_k: 0, seed: 1 }),
+            ("T=1,top_k=50", Sampling { temperature: 1.0, top_p: 1.0, top_k: 50, seed: 1 }),
+            ("greedy", Sampling::greedy()),
+        ];
+        for (name, s) in settings {
+            let mut call = |_: usize| {
+                ops::sample_rows::sample_rows(&g, &dx.as_view(), rows, v, v, &s, 1000, Some(&dd.as_view()), &mut out.as_view_mut()).unwrap()
+            };
+            let eager = time_ms(&g, 3, 20, &mut call);
+            let ms = time_graph_ms(&g, 20, &mut call);
+            let gbps = (rows * v * 4) as f64 / (ms * 1e-3) / 1e9;
+            println!("BENCH sample_rows rows={rows} V={v} {name} graph {:.2} us {:.0} GB/s of logits (eager {:.2} us)", ms * 1e3, gbps, eager * 1e3);
+        }
     }
 }
 

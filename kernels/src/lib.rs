@@ -38,6 +38,7 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("residual_add.cu", "kdtree_residual_add_bf16"),
     ("rms_norm.cu", "kdtree_rms_norm_bf16"),
     ("rope.cu", "kdtree_rope_interleaved_bf16"),
+    ("sample_rows.cu", "kdtree_sample_rows_f32"),
     ("silu_mul.cu", "kdtree_silu_mul_bf16"),
     ("topk_logprobs.cu", "kdtree_topk_logprobs_f32"),
     ("visibility.cu", "kdtree_visibility_from_parents"),

@@ -20,6 +20,7 @@ pub mod moe_router;
 pub mod residual_add;
 pub mod rms_norm;
 pub mod rope;
+pub mod sample_rows;
 pub mod silu_mul;
 pub mod topk_logprobs;
 pub mod visibility;
