@@ -281,7 +281,6 @@ __device__ int tie_select(const float* __restrict__ x, int V, int seg, unsigned 
     return s.tie_id;
 }
 
-
 // logits [R, ld] f32 (first V used); depth [R] u32 or nullptr; out [R] u32. One block of 1024 threads per
 // row. Row r decides the token at position start + depth[r] + 1 (depth == nullptr: start + r) with
 // u = uniform(seed, position). top_k: 0 or >= V disables; top_p >= 1 or NaN disables; temperature <= 0
