@@ -254,7 +254,7 @@ fn ddtree_tree_stages() {
         let build = time_ms(&g, 3, 20, |_| dt.build_from_top_k(&g).unwrap());
         let mask = time_ms(&g, 3, 20, |_| {
             let (p, nn) = (dt.parents.as_view(), dt.n_nodes.as_view());
-            ops::visibility::visibility(&g, &p, Some(&nn), n, dt.words, &mut dt.bits.as_view_mut())
+            ops::visibility::visibility(&g, &p, Some(&nn), n, dt.words, &mut dt.mask.bits.as_view_mut())
                 .unwrap()
         });
         let walk = time_ms(&g, 3, 20, |_| dt.walk_greedy(&g, &dv.as_view(), v).unwrap());

@@ -24,11 +24,13 @@ use super::ops::rope::RopeLayout;
 use super::ops::mla_absorb::{absorb_q, apply_uv, AbsorbDims};
 use super::ops::gqa_attention::{gqa_attention, GqaShape, GqaSplit};
 use super::ops::mla_attention::{mla_attention, MlaShape, MlaSplit};
-use super::ops::{argmax, copy_rows, embed, gemm_bf16, kv_compact, moe_align, moe_combine, moe_router, silu_mul, w4a16_gemm};
+use super::ops::{argmax, copy_rows, embed, gather_rows, gemm_bf16, kv_compact, moe_align, moe_combine, moe_router, silu_mul, w4a16_gemm};
 use super::{CudaError, Gpu};
 use crate::backend::{Backend, RopeTable};
 use crate::cpu::ops::{MlaDims, Router};
-use crate::ddtree::Visibility;
+use crate::ddtree::{Visibility, Walk};
+use super::tree::{DMask, DeviceTree};
+use crate::sampling::Sampling;
 use crate::model::source::Slab;
 use crate::model::weights::{I4Stack, Mat};
 use crate::model::AttnMode;
@@ -73,6 +75,14 @@ pub struct DRoutes {
     experts: usize,
 }
 
+/// One forward's cos/sin rows on the device, `[rows, half]` each.
+pub struct DRope {
+    pub cos: CudaSlice<f32>,
+    pub sin: CudaSlice<f32>,
+    pub half: usize,
+    pub rows: usize,
+}
+
 /// The CUDA backend: the GPU and the first error of a failed op (see the module comment).
 #[derive(Clone)]
 pub struct CudaBackend {
@@ -115,8 +125,12 @@ impl CudaBackend {
         act_f32::bf16_to_f32(&self.gpu, &x.as_view(), &mut y.as_view_mut())?;
         Ok(y)
     }
-    fn rope_tables(&self, rope: &RopeTable) -> R<(CudaSlice<f32>, CudaSlice<f32>)> {
-        Ok((self.gpu.upload(&rope.cos)?, self.gpu.upload(&rope.sin)?))
+    fn empty_u32(&self) -> CudaSlice<u32> {
+        self.gpu.stream.alloc_zeros::<u32>(0).expect("a zero-length allocation cannot fail")
+    }
+    fn empty_rope(&self, half: usize) -> DRope {
+        let z = || self.gpu.stream.alloc_zeros::<f32>(0).expect("a zero-length allocation cannot fail");
+        DRope { cos: z(), sin: z(), half, rows: 0 }
     }
     fn copy(&self, src: &CudaSlice<f32>, from: usize, to: usize) -> R<CudaSlice<f32>> {
         let mut y = self.new_f32(to - from)?;
@@ -151,8 +165,11 @@ impl CudaBackend {
         Ok(())
     }
     #[allow(clippy::too_many_arguments)]
-    fn mla(&self, q: &CudaSlice<f32>, kv: &DKv, l: usize, mask: &Visibility, kv_b: &DMat, d: &MlaDims) -> R<CudaSlice<f32>> {
-        let (t, hr, c, p, dn, dv) = (mask.rows, d.heads, d.kv_lora, d.rope, d.nope, d.v);
+    fn mla(&self, q: &CudaSlice<f32>, t: usize, kv: &DKv, l: usize, mask: &DMask, kv_b: &DMat, d: &MlaDims) -> R<CudaSlice<f32>> {
+        let (hr, c, p, dn, dv) = (d.heads, d.kv_lora, d.rope, d.nope, d.v);
+        if mask.rows < t {
+            return Err(CudaError::Shape { op: "mla_attention", msg: format!("a mask of {} rows for {t} nodes", mask.rows) });
+        }
         let qb = self.to_bf16(q)?; // [T, Hr·(Dn+P)]
         let lw = c + p;
         let mut qcat = self.gpu.zeros::<bf16>(t * hr * lw)?; // [T, Hr, C+P]
@@ -160,7 +177,6 @@ impl CudaBackend {
         absorb_q(&self.gpu, &qb.as_view(), p, &kv_b.w.as_view(), &mut qcat.as_view_mut(), ad)?;
         // q_pe (already roped) next to q_lat: rows (t, h) of width P, from offset Dn (stride Dn+P) to C.
         copy_rows::copy_rows(&self.gpu, &qb.slice(dn..), dn + p, &mut qcat.slice_mut(c..), lw, t * hr, p)?;
-        let bits = self.gpu.upload(&mask.bits)?;
         let s = MlaShape { t, heads: hr, kv_lora: c, rope: p, committed: kv.committed };
         let split = MlaSplit::choose(&self.gpu, &s);
         let (wo, wml) = split.workspace(&s);
@@ -168,7 +184,7 @@ impl CudaBackend {
         let mut olat = self.gpu.zeros::<bf16>(t * hr * c)?;
         let base = l * kv.cap * kv.width;
         let lat = kv.buf.slice(base..base + (kv.committed + t) * kv.width);
-        let mview = bits.as_view();
+        let mview = mask.bits.as_view();
         mla_attention(&self.gpu, &qb_view(&qcat), &lat, Some((&mview, mask.words)), &s, &split, d.scale, &mut po.as_view_mut(), &mut pml.as_view_mut(), &mut olat.as_view_mut())?;
         let mut o = self.gpu.zeros::<bf16>(t * hr * dv)?;
         apply_uv(&self.gpu, &olat.as_view(), &kv_b.w.as_view(), &mut o.as_view_mut(), ad)?;
@@ -214,6 +230,10 @@ impl Backend for CudaBackend {
     type VectorF32 = CudaSlice<f32>;
     type Kv = DKv;
     type Routes = DRoutes;
+    type Ids = CudaSlice<u32>;
+    type Rope = DRope;
+    type Mask = DMask;
+    type Tree = DeviceTree;
 
     fn name(&self) -> &'static str {
         "cuda"
@@ -253,6 +273,31 @@ impl Backend for CudaBackend {
         m.rows
     }
 
+    fn rope_upload(&self, r: RopeTable) -> DRope {
+        let rows = r.cos.len() / r.half.max(1);
+        self.run("rope_upload", || Ok(DRope { cos: self.gpu.upload(&r.cos)?, sin: self.gpu.upload(&r.sin)?, half: r.half, rows }))
+            .unwrap_or_else(|| self.empty_rope(r.half))
+    }
+    fn rope_gather(&self, r: &RopeTable, idx: &CudaSlice<u32>, t: usize) -> DRope {
+        self.run("rope_gather", || {
+            let (half, n) = (r.half, r.cos.len() / r.half.max(1));
+            let (tc, ts) = (self.gpu.upload(&r.cos)?, self.gpu.upload(&r.sin)?);
+            let (mut cos, mut sin) = (self.new_f32(t * half)?, self.new_f32(t * half)?);
+            let iv = idx.as_view();
+            gather_rows::gather_rows(&self.gpu, &tc.as_view(), half, n, &iv, &mut cos.as_view_mut(), half, t, half)?;
+            gather_rows::gather_rows(&self.gpu, &ts.as_view(), half, n, &iv, &mut sin.as_view_mut(), half, t, half)?;
+            Ok(DRope { cos, sin, half, rows: t })
+        })
+        .unwrap_or_else(|| self.empty_rope(r.half))
+    }
+    fn mask_upload(&self, v: &Visibility) -> DMask {
+        let bits = self.run("mask_upload", || self.gpu.upload(&v.bits)).unwrap_or_else(|| self.gpu.stream.alloc_zeros::<u64>(0).expect("a zero-length allocation cannot fail"));
+        DMask { bits, rows: v.rows, words: v.words }
+    }
+    fn ids_from_host(&self, ids: &[u32]) -> CudaSlice<u32> {
+        self.run("ids_from_host", || self.gpu.upload(ids)).unwrap_or_else(|| self.empty_u32())
+    }
+
     fn act_from_host(&self, x: Vec<f32>) -> CudaSlice<f32> {
         if x.is_empty() {
             return self.empty(); // (the drafter's empty context cache) no copy of nothing
@@ -287,6 +332,15 @@ impl Backend for CudaBackend {
                 *x = y;
             }
         }
+    }
+    fn set_cols(&self, dst: &mut CudaSlice<f32>, dst_cols: usize, at: usize, src: &CudaSlice<f32>, src_cols: usize, t: usize) {
+        self.run("set_cols", || {
+            let mut d = dst.slice_mut(at..);
+            act_f32::copy_rows_f32(&self.gpu, &src.as_view(), src_cols, &mut d, dst_cols, t, src_cols)
+        });
+    }
+    fn zeros(&self, n: usize) -> CudaSlice<f32> {
+        self.run("zeros", || self.new_f32(n)).unwrap_or_else(|| self.empty())
     }
 
     fn linear(&self, x: &CudaSlice<f32>, t: usize, w: &DMat) -> CudaSlice<f32> {
@@ -334,6 +388,23 @@ impl Backend for CudaBackend {
         })
         .unwrap_or_else(|| self.empty())
     }
+    fn embedding_ids(&self, shards: &[&DMat], h: usize, ids: &CudaSlice<u32>, n: usize) -> CudaSlice<f32> {
+        self.run("embedding", || {
+            if shards.len() != 1 {
+                return Err(CudaError::Shape { op: "embedding", msg: format!("{} vocab shards: the CUDA backend runs one rank", shards.len()) });
+            }
+            if ids.len() < n {
+                return Err(CudaError::Shape { op: "embedding", msg: format!("{} ids for {n} rows", ids.len()) });
+            }
+            let v = ids.slice(..n);
+            // SAFETY: the token ids are below the vocabulary (< 2^31), so u32 and i32 hold the same values.
+            let iv = unsafe { v.transmute::<i32>(n) }.expect("n ids");
+            let mut e = self.gpu.zeros::<bf16>(n * h)?;
+            embed::embed_gather(&self.gpu, &iv, &shards[0].w.as_view(), &mut e.as_view_mut(), shards[0].rows, h)?;
+            self.to_f32(&e)
+        })
+        .unwrap_or_else(|| self.empty())
+    }
     fn lm_head(&self, x: &CudaSlice<f32>, n: usize, _h: usize, shards: &[&DMat]) -> CudaSlice<f32> {
         self.run("lm_head", || {
             if shards.len() != 1 {
@@ -364,7 +435,7 @@ impl Backend for CudaBackend {
     fn kv_drop_scratch(&self, kv: &mut DKv) {
         kv.scratch = 0;
     }
-    fn kv_append_latent(&self, kv: &mut DKv, l: usize, ckv: &CudaSlice<f32>, norm: &CudaSlice<bf16>, eps: f32, rope: &RopeTable) {
+    fn kv_append_latent(&self, kv: &mut DKv, l: usize, ckv: &CudaSlice<f32>, norm: &CudaSlice<bf16>, eps: f32, rope: &DRope) {
         self.run("kv_append_latent", || {
             let (w, c) = (kv.width, norm.len());
             let t = ckv.len() / w;
@@ -372,9 +443,8 @@ impl Backend for CudaBackend {
             // [T, C+P] f32: rms_norm of the c_kv part, k_pe copied, then RoPE on it; stored as bf16.
             let mut rows = self.copy(ckv, 0, ckv.len())?;
             act_f32::rms_norm_f32(&self.gpu, &ckv.as_view(), w, &norm.as_view(), &mut rows.as_view_mut(), w, t, eps)?;
-            let (cos, sin) = self.rope_tables(rope)?;
             let r = RopeLayout { tokens: t, heads: 1, ld_token: w, ld_head: w, offset: c, dim: w - c };
-            act_f32::rope_table_f32(&self.gpu, &mut rows.as_view_mut(), &cos.as_view(), &sin.as_view(), r, false)?;
+            act_f32::rope_table_f32(&self.gpu, &mut rows.as_view_mut(), &rope.cos.as_view(), &rope.sin.as_view(), r, false)?;
             let at = (l * kv.cap + kv.committed) * w;
             act_f32::f32_to_bf16(&self.gpu, &rows.as_view(), &mut kv.buf.slice_mut(at..at + t * w))
         });
@@ -407,19 +477,18 @@ impl Backend for CudaBackend {
         kv.committed = 0;
         kv.scratch = 0;
     }
-    fn rope_q(&self, q: &mut CudaSlice<f32>, heads: usize, nope: usize, rope: &RopeTable) {
+    fn rope_q(&self, q: &mut CudaSlice<f32>, heads: usize, nope: usize, rope: &DRope) {
         self.run("rope_q", || {
             let p = 2 * rope.half;
-            let t = rope.cos.len() / rope.half.max(1);
-            let (cos, sin) = self.rope_tables(rope)?;
+            let t = rope.rows;
             let r = RopeLayout { tokens: t, heads, ld_token: heads * (nope + p), ld_head: nope + p, offset: nope, dim: p };
-            act_f32::rope_table_f32(&self.gpu, &mut q.as_view_mut(), &cos.as_view(), &sin.as_view(), r, false)
+            act_f32::rope_table_f32(&self.gpu, &mut q.as_view_mut(), &rope.cos.as_view(), &rope.sin.as_view(), r, false)
         });
     }
-    fn mla_attention(&self, q: &CudaSlice<f32>, kv: &DKv, l: usize, mask: &Visibility, kv_b: &DMat, d: &MlaDims, _mode: AttnMode) -> CudaSlice<f32> {
+    fn mla_attention(&self, q: &CudaSlice<f32>, t: usize, kv: &DKv, l: usize, mask: &DMask, kv_b: &DMat, d: &MlaDims, _mode: AttnMode) -> CudaSlice<f32> {
         // Both forms compute the same attention; the GPU runs the absorbed one (the naive form would
         // expand every cached latent through kv_b at each step).
-        self.run("mla_attention", || self.mla(q, kv, l, mask, kv_b, d)).unwrap_or_else(|| self.empty())
+        self.run("mla_attention", || self.mla(q, t, kv, l, mask, kv_b, d)).unwrap_or_else(|| self.empty())
     }
 
     fn moe_route(&self, logits: &CudaSlice<f32>, t: usize, r: &Router, bias: Option<&CudaSlice<f32>>) -> DRoutes {
@@ -452,15 +521,14 @@ impl Backend for CudaBackend {
         .unwrap_or_else(|| self.empty())
     }
 
-    fn head_norm_rope_neox(&self, x: &CudaSlice<f32>, w: &CudaSlice<bf16>, eps: f32, heads: usize, rope: &RopeTable) -> CudaSlice<f32> {
+    fn head_norm_rope_neox(&self, x: &CudaSlice<f32>, w: &CudaSlice<bf16>, eps: f32, heads: usize, rope: &DRope) -> CudaSlice<f32> {
         self.run("head_norm_rope_neox", || {
             let d = w.len();
             let mut y = self.new_f32(x.len())?;
             act_f32::rms_norm_f32(&self.gpu, &x.as_view(), d, &w.as_view(), &mut y.as_view_mut(), d, x.len() / d.max(1), eps)?;
-            let (cos, sin) = self.rope_tables(rope)?;
             let t = x.len() / (heads * d).max(1);
             let r = RopeLayout { tokens: t, heads, ld_token: heads * d, ld_head: d, offset: 0, dim: d };
-            act_f32::rope_table_f32(&self.gpu, &mut y.as_view_mut(), &cos.as_view(), &sin.as_view(), r, true)?;
+            act_f32::rope_table_f32(&self.gpu, &mut y.as_view_mut(), &rope.cos.as_view(), &rope.sin.as_view(), r, true)?;
             Ok(y)
         })
         .unwrap_or_else(|| self.empty())
@@ -483,4 +551,30 @@ impl Backend for CudaBackend {
         })
         .unwrap_or_else(|| self.empty())
     }
+
+    fn tree_new(&self, budget: usize, rows: usize, vocab: usize) -> Result<DeviceTree> {
+        Ok(DeviceTree::new(&self.gpu, budget, rows, vocab)?)
+    }
+    fn tree_build(&self, tree: &mut DeviceTree, draft: &CudaSlice<f32>, bonus: u32) -> Result<()> {
+        tree.set_bonus(&self.gpu, bonus)?;
+        tree.build(&self.gpu, &draft.as_view(), tree.vocab)?;
+        self.check()
+    }
+    fn tree_tokens<'t>(&self, tree: &'t DeviceTree) -> &'t CudaSlice<u32> {
+        &tree.tokens
+    }
+    fn tree_depths<'t>(&self, tree: &'t DeviceTree) -> &'t CudaSlice<u32> {
+        &tree.depths
+    }
+    fn tree_mask<'t>(&self, tree: &'t DeviceTree) -> &'t DMask {
+        &tree.mask
+    }
+    fn tree_walk(&self, tree: &mut DeviceTree, logits: &CudaSlice<f32>, s: &Sampling, start: usize) -> Result<()> {
+        tree.walk_sampled(&self.gpu, &logits.as_view(), tree.vocab, s, start)?;
+        self.check()
+    }
+    fn tree_result(&self, tree: &DeviceTree) -> Result<Walk> {
+        Ok(tree.walk_to_host(&self.gpu)?)
+    }
+
 }

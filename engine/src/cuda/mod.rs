@@ -72,6 +72,31 @@ pub struct Gpu {
     pub smem_per_sm: usize,
     _module: Arc<CudaModule>,
     funcs: HashMap<&'static str, CudaFunction>,
+    /// What this GPU was asked to do so far (kernel launches, cuBLAS calls, copies): the round tests
+    /// print these per round.
+    pub stats: GpuStats,
+}
+
+/// Counters of a [`Gpu`]'s work: kernel launches (every wrapper resolves its kernel once per launch),
+/// cuBLAS calls, host-to-device copies and device-to-host reads (each read waits for the stream: a host
+/// synchronisation).
+#[derive(Debug, Default)]
+pub struct GpuStats {
+    pub launches: std::sync::atomic::AtomicU64,
+    pub blas_calls: std::sync::atomic::AtomicU64,
+    pub uploads: std::sync::atomic::AtomicU64,
+    pub downloads: std::sync::atomic::AtomicU64,
+}
+
+impl GpuStats {
+    /// (launches, cuBLAS calls, uploads, downloads) now.
+    pub fn snapshot(&self) -> [u64; 4] {
+        use std::sync::atomic::Ordering::Relaxed;
+        [self.launches.load(Relaxed), self.blas_calls.load(Relaxed), self.uploads.load(Relaxed), self.downloads.load(Relaxed)]
+    }
+    pub(crate) fn bump(c: &std::sync::atomic::AtomicU64) {
+        c.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 impl Gpu {
@@ -113,7 +138,7 @@ impl Gpu {
         let smem_per_sm =
             ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR).map_err(drv("device attributes"))? as usize;
         let blas = CudaBlas::new(stream.clone()).map_err(|source| CudaError::Blas { op: "cublas init", source })?;
-        let gpu = Gpu { ctx, stream, blas, sms, max_smem, smem_per_sm, _module: module, funcs };
+        let gpu = Gpu { ctx, stream, blas, sms, max_smem, smem_per_sm, _module: module, funcs, stats: GpuStats::default() };
         ops::w4a16_gemm::configure(&gpu)?;
         ops::gqa_attention::configure(&gpu)?;
         Ok(gpu)
@@ -121,6 +146,7 @@ impl Gpu {
 
     /// The kernel `name` (all are resolved in [`Gpu::new`]).
     pub(crate) fn func(&self, name: &'static str) -> &CudaFunction {
+        GpuStats::bump(&self.stats.launches);
         &self.funcs[name]
     }
 
@@ -133,11 +159,13 @@ impl Gpu {
 
     /// Host → device copy into a new buffer (allocates; not for the hot path).
     pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
+        GpuStats::bump(&self.stats.uploads);
         self.stream.clone_htod(host).map_err(drv("upload"))
     }
 
     /// Device → host copy (synchronises the stream; tests and final outputs only).
     pub fn download<T: DeviceRepr>(&self, dev: &CudaSlice<T>) -> Result<Vec<T>> {
+        GpuStats::bump(&self.stats.downloads);
         self.stream.clone_dtoh(dev).map_err(drv("download"))
     }
 

@@ -10,9 +10,17 @@
 
 use cudarc::driver::CudaSlice;
 
-use super::ops::{argmax, ddtree_build, ddtree_walk, topk_logprobs, visibility};
+use super::ops::{argmax, ddtree_build, ddtree_walk, sample_rows, topk_logprobs, visibility};
 use super::{ensure, Gpu, Result};
 use crate::ddtree::{DraftTree, TopK, Visibility, Walk};
+
+/// An ancestor bitmask on the device: `bits` `[rows, words]` u64, bit j of row i = node j is i or an
+/// ancestor of i (the CUDA backend's `Backend::Mask`).
+pub struct DMask {
+    pub bits: CudaSlice<u64>,
+    pub rows: usize,
+    pub words: usize,
+}
 
 /// Device buffers of one sequence's tree, for a fixed budget (root excluded), draft rows (depths) and vocab.
 pub struct DeviceTree {
@@ -36,14 +44,14 @@ pub struct DeviceTree {
     pub first_child: CudaSlice<i32>,
     pub next_sibling: CudaSlice<i32>,
     pub n_nodes: CudaSlice<i32>,
-    /// Ancestor bitmask `[budget + 1, words]`.
-    pub bits: CudaSlice<u64>,
+    /// Ancestor bitmask `[budget + 1, words]` (the verify forward's tree-attention mask).
+    pub mask: DMask,
     /// Per-node target decisions `[budget + 1]`, the accepted path and its decisions `[rows + 1]`, its
     /// length `[1]`.
     pub decisions: CudaSlice<u32>,
-    pub path: CudaSlice<i32>,
-    pub path_dec: CudaSlice<u32>,
-    pub path_len: CudaSlice<i32>,
+    /// The walk's result in one buffer (so reading it back is one copy): `[len, path[rows + 1],
+    /// decisions[rows + 1]]` i32 (the decisions are u32 token ids).
+    pub walk_out: CudaSlice<i32>,
 }
 
 impl DeviceTree {
@@ -81,11 +89,9 @@ impl DeviceTree {
             first_child: gpu.zeros(n)?,
             next_sibling: gpu.zeros(n)?,
             n_nodes: gpu.zeros(1)?,
-            bits: gpu.zeros(n * words)?,
+            mask: DMask { bits: gpu.zeros(n * words)?, rows: n, words },
             decisions: gpu.zeros(n)?,
-            path: gpu.zeros(rows + 1)?,
-            path_dec: gpu.zeros(rows + 1)?,
-            path_len: gpu.zeros(1)?,
+            walk_out: gpu.zeros(1 + 2 * (rows + 1))?,
         })
     }
 
@@ -136,7 +142,7 @@ impl DeviceTree {
             Some(&self.n_nodes.as_view()),
             self.budget + 1,
             self.words,
-            &mut self.bits.as_view_mut(),
+            &mut self.mask.bits.as_view_mut(),
         )
     }
 
@@ -159,8 +165,24 @@ impl DeviceTree {
         self.walk(gpu)
     }
 
+    /// Sampled decisions (`sampling::sample` of every node's row of `verify_logits` `[budget + 1, ld]` with
+    /// the uniform of position `start + depth + 1`; greedy when `s` is) and the walk over them.
+    pub fn walk_sampled(&mut self, gpu: &Gpu, verify_logits: &cudarc::driver::CudaView<'_, f32>, ld: usize, s: &crate::sampling::Sampling, start: usize) -> Result<()> {
+        if s.is_greedy() {
+            return self.walk_greedy(gpu, verify_logits, ld);
+        }
+        let depths = self.depths.as_view();
+        sample_rows::sample_rows(gpu, verify_logits, self.budget + 1, self.vocab, ld, s, start as u64, Some(&depths), &mut self.decisions.as_view_mut())?;
+        self.walk(gpu)
+    }
+
     /// The walk over the decisions already in `decisions` (greedy or sampled per node).
     pub fn walk(&mut self, gpu: &Gpu) -> Result<()> {
+        let m = self.rows + 1;
+        let (mut len, mut rest) = self.walk_out.split_at_mut(1);
+        let (mut path, mut dec) = rest.split_at_mut(m);
+        // SAFETY: i32 and u32 have the same size and every bit pattern is valid for both.
+        let mut dec = unsafe { dec.transmute_mut::<u32>(m) }.expect("the decisions slice holds m values");
         ddtree_walk::ddtree_walk(
             gpu,
             &self.decisions.as_view(),
@@ -170,9 +192,9 @@ impl DeviceTree {
             &self.n_nodes.as_view(),
             self.budget + 1,
             self.rows + 1,
-            &mut self.path.as_view_mut(),
-            &mut self.path_dec.as_view_mut(),
-            &mut self.path_len.as_view_mut(),
+            &mut path,
+            &mut dec,
+            &mut len,
         )
     }
 
@@ -209,6 +231,7 @@ impl DeviceTree {
 
     /// Sets the root token.
     pub fn set_bonus(&mut self, gpu: &Gpu, bonus: u32) -> Result<()> {
+        super::GpuStats::bump(&gpu.stats.uploads);
         gpu.stream
             .memcpy_htod(&[bonus], &mut self.bonus)
             .map_err(super::drv("device_tree upload"))
@@ -228,7 +251,7 @@ impl DeviceTree {
             v.truncate(n);
             v
         }
-        let bits_all = gpu.download(&self.bits)?;
+        let bits_all = gpu.download(&self.mask.bits)?;
         let words = n.div_ceil(64).max(1);
         let mut bits = Vec::with_capacity(n * words);
         for i in 0..n {
@@ -253,17 +276,14 @@ impl DeviceTree {
         })
     }
 
-    /// The last walk as the CPU type (synchronises).
+    /// The last walk as the CPU type: one device-to-host copy (the round's one read back).
     pub fn walk_to_host(&self, gpu: &Gpu) -> Result<Walk> {
-        let len = gpu.download(&self.path_len)?[0] as usize;
-        ensure("device_tree", (1..=self.rows + 1).contains(&len), || {
-            format!("walk length {len} outside 1..={}", self.rows + 1)
-        })?;
-        let path = gpu.download(&self.path)?[..len]
-            .iter()
-            .map(|&p| p as usize)
-            .collect();
-        let decisions = gpu.download(&self.path_dec)?[..len].to_vec();
+        let m = self.rows + 1;
+        let out = gpu.download(&self.walk_out)?;
+        let len = out[0] as usize;
+        ensure("device_tree", (1..=m).contains(&len), || format!("walk length {len} outside 1..={m}"))?;
+        let path = out[1..1 + len].iter().map(|&p| p as usize).collect();
+        let decisions = out[1 + m..1 + m + len].iter().map(|&d| d as u32).collect();
         Ok(Walk { path, decisions })
     }
 }

@@ -107,9 +107,16 @@ pub fn open_cpu_source(src: Arc<dyn TensorSource>, opts: OpenOptions) -> Result<
 
 /// The CUDA target on `gpu` (weights uploaded through the CUDA backend, absorbed MLA) and, when the
 /// directory holds one, the DFlash drafter on the same GPU, borrowing the CUDA target's embed_tokens /
-/// lm_head (one copy of each on the device). The on-device round (top-K, tree, walk, commit) is issue 9.
+/// lm_head (one copy of each on the device). DDTree rounds then run on the device (`Target::device_round`:
+/// draft, top-K, tree, mask, verify, walk and commit on the GPU, one read back per round).
 #[cfg(feature = "cuda")]
 fn open_cuda(dir: &Path, gpu: crate::cuda::Gpu) -> Result<Loaded> {
+    open_cuda_on(dir, Arc::new(gpu))
+}
+
+/// [`open_with`] on the CUDA device `gpu` the caller keeps (tests read its [`crate::cuda::GpuStats`]).
+#[cfg(feature = "cuda")]
+pub fn open_cuda_on(dir: &Path, gpu: Arc<crate::cuda::Gpu>) -> Result<Loaded> {
     use crate::cuda::CudaBackend;
     use crate::model::target::TargetModel;
     let md = ModelDir::open(dir).with_context(|| format!("opening model {}", dir.display()))?;
@@ -135,7 +142,7 @@ fn open_cuda(dir: &Path, gpu: crate::cuda::Gpu) -> Result<Loaded> {
     let src: Arc<dyn TensorSource> = Arc::new(md);
     let taps = src.drafter_config().map(|c| c.dflash_config.target_layer_ids.clone()).unwrap_or_default();
     let name = gpu.describe();
-    let backend = CudaBackend::new(Arc::new(gpu));
+    let backend = CudaBackend::new(gpu);
     let w = Arc::new(Weights::load_on(backend.clone(), src.clone()).with_context(|| format!("uploading {} to {name}", dir.display()))?);
     let target = TargetModel::new(w.clone(), taps, AttnMode::Absorbed)?;
     let drafter = match src.drafter_config() {

@@ -46,6 +46,7 @@ pub fn gemm_bf16<O: GemmOut>(
     let (pw, _sw) = w.device_ptr(&gpu.stream);
     let (px, _sx) = x.device_ptr(&gpu.stream);
     let (py, _sy) = y.device_ptr_mut(&gpu.stream);
+    crate::cuda::GpuStats::bump(&gpu.stats.blas_calls);
     // SAFETY: pointers are live device buffers whose lengths were checked above for these dimensions.
     unsafe {
         cudarc::cublas::result::gemm_ex(

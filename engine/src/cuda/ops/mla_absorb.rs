@@ -42,6 +42,7 @@ unsafe fn batched(
 ) -> Result<()> {
     let (alpha, beta) = (1.0f32, 0.0f32);
     let i = |what: &str, v: usize| as_i32(OP, what, v);
+    crate::cuda::GpuStats::bump(&gpu.stats.blas_calls);
     // SAFETY (caller): a, b, c are live device buffers covering every element these strides address.
     unsafe {
         cudarc::cublas::result::gemm_strided_batched_ex(

@@ -1,0 +1,107 @@
+//! The whole DDTree round on the GPU (`Target::device_round` on the CUDA backend: the drafter, top-K, tree
+//! build, mask, verify, per-node decisions, walk and commit on the device; one read back per round) on the
+//! trained pair models/kdtree-tiny converted for one rank:
+//! * `device_round_equals_the_host_round_on_the_gpu`: every round's tokens and counters equal the host round
+//!   on the same GPU (same kernels for the forwards; the host builds and walks the tree), greedy and two
+//!   sampled settings, budgets 1 to 1024;
+//! * `ddtree_equals_ar_on_the_gpu`: greedy DDTree through the device round emits the AR tokens, budgets 1,
+//!   8, 64, 256, 1024 (tie-aware: a divergence is accepted only where the AR row's top two logits are within
+//!   the bf16 tolerance, and printed);
+//! * `one_read_back_per_round`: kernel launches, cuBLAS calls, uploads and reads (host syncs) per round,
+//!   device round vs host round, from the GPU's counters; a device round reads back exactly once.
+//! Needs a GPU: skips without one unless KDTREE_REQUIRE_GPU=1.
+#![cfg(feature = "cuda")]
+
+mod cuda_common;
+mod round_common;
+
+use kdtree_engine::cuda::Gpu;
+use kdtree_engine::generate::Sampling;
+use kdtree_engine::{open_cuda_on, Loaded, Mode, ProbeSet};
+use round_common::*;
+use std::sync::Arc;
+
+fn pair_on_gpu(tmp: &tempfile::TempDir) -> Option<(Arc<Gpu>, Loaded)> {
+    let g = Arc::new(cuda_common::gpu()?);
+    convert(&pair_dir(), &tmp.path().join("pair1"), 1);
+    let m = open_cuda_on(&tmp.path().join("pair1"), g.clone()).unwrap();
+    Some((g, m))
+}
+
+const PROMPTS: [&[u32]; 2] = [&[1, 17, 305, 42, 7, 900, 12, 3, 64, 5, 2000, 11], &[400, 401, 402, 9]];
+
+#[test]
+fn device_round_equals_the_host_round_on_the_gpu() {
+    let tmp = tempfile::tempdir().unwrap();
+    let Some((_g, mut m)) = pair_on_gpu(&tmp) else { return };
+    let prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|p| p.to_vec()).collect();
+    let (rounds, tau) = compare(&mut m, "kdtree-tiny pair, cuda", &prompts, &[1, 8, 64, 256, 1024], 6);
+    println!("PARITY device_round(cuda) exact over {rounds} rounds (greedy tau {tau:.2})");
+}
+
+#[test]
+fn ddtree_equals_ar_on_the_gpu() {
+    let tmp = tempfile::tempdir().unwrap();
+    let Some((_g, mut m)) = pair_on_gpu(&tmp) else { return };
+    let n = 24;
+    for (i, p) in PROMPTS.iter().enumerate() {
+        // AR with the logit row behind every token (for the tie check).
+        let (ar, rows) = {
+            let mut s = m.session(Mode::Ar).unwrap();
+            s.set_probes(ProbeSet { logits: true, ..ProbeSet::default() });
+            let mut toks = vec![s.prefill(p, &Sampling::greedy()).unwrap()];
+            while toks.len() < n {
+                toks.extend(s.step().unwrap().tokens);
+            }
+            (toks, s.take_probes().logits)
+        };
+        for budget in [1usize, 8, 64, 256, 1024] {
+            let mut s = m.session(Mode::DDTree { budget }).unwrap();
+            let mut toks = vec![s.prefill(p, &Sampling::greedy()).unwrap()];
+            while toks.len() < n {
+                toks.extend(s.step().unwrap().tokens);
+            }
+            assert!(s.device_rounds() > 0, "budget {budget}: no round ran on the device");
+            toks.truncate(n);
+            match toks.iter().zip(&ar).position(|(a, b)| a != b) {
+                None => println!("PARITY ddtree_vs_ar(cuda,prompt={i},budget={budget}) exact ({n} tokens, {} device rounds)", s.device_rounds()),
+                Some(k) => {
+                    let row = &rows[k];
+                    let (a, b) = (row[ar[k] as usize], row[toks[k] as usize]);
+                    assert!((a - b).abs() <= 5e-2 * a.abs().max(1.0), "prompt {i} budget {budget}: token {k} is {} (AR {}), AR logits {a} vs {b}: not a near-tie", toks[k], ar[k]);
+                    println!("PARITY ddtree_vs_ar(cuda,prompt={i},budget={budget}) first {k} of {n} tokens identical, then a near-tie (AR logits {a} vs {b})");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn one_read_back_per_round() {
+    let tmp = tempfile::tempdir().unwrap();
+    let Some((g, mut m)) = pair_on_gpu(&tmp) else { return };
+    for budget in [8usize, 64, 256] {
+        for device in [true, false] {
+            let mut s = m.session(Mode::DDTree { budget }).unwrap();
+            s.set_device_round(device);
+            s.prefill(PROMPTS[0], &Sampling::greedy()).unwrap();
+            s.step().unwrap(); // warm: the tree workspace is allocated in the first round
+            let rounds = 5u64;
+            let before = g.stats.snapshot();
+            for _ in 0..rounds {
+                s.step().unwrap();
+            }
+            let after = g.stats.snapshot();
+            let per: Vec<f64> = before.iter().zip(&after).map(|(a, b)| (b - a) as f64 / rounds as f64).collect();
+            let what = if device { "device round" } else { "host round" };
+            println!(
+                "BENCH round_counts budget={budget} {what}: per round {:.1} kernel launches, {:.1} cuBLAS calls, {:.1} uploads, {:.1} reads back (host syncs)",
+                per[0], per[1], per[2], per[3]
+            );
+            if device {
+                assert_eq!(s.device_rounds() as u64, rounds + 1, "budget {budget}: rounds fell back to the host");
+                assert_eq!(after[3] - before[3], rounds, "budget {budget}: a device round must read back exactly once");
+            }
+        }
+    }
+}
