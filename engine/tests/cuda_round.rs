@@ -9,6 +9,7 @@
 //!   the bf16 tolerance, and printed);
 //! * `one_read_back_per_round`: kernel launches, cuBLAS calls, uploads and reads (host syncs) per round,
 //!   device round vs host round, from the GPU's counters; a device round reads back exactly once.
+//!
 //! Needs a GPU: skips without one unless KDTREE_REQUIRE_GPU=1.
 #![cfg(feature = "cuda")]
 
