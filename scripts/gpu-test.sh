@@ -40,7 +40,7 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libcublas\.so'; then
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/gpu: /'
 status=0
-for t in cuda_ops cuda_gemm cuda_mla cuda_ddtree cuda_sample cuda_drafter cuda_target cuda_round; do
+for t in cuda_ddtree cuda_sample cuda_drafter cuda_round cuda_ops cuda_gemm cuda_mla cuda_target; do
   echo "== $t (parity)"
   "$dir/$t" --nocapture 2>&1 | tee -a "$log" | grep -E "^(PARITY|BOUNDARY|test |test result|thread|  left|  right|SKIP)|panicked"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

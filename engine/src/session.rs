@@ -6,6 +6,12 @@
 //! that is the one device→host copy per round; logits, trees and taps never cross the boundary unless
 //! a caller asks for them with [`ProbeSet`].
 //!
+//! Where a round runs: a DDTree round goes to [`Target::device_round`] (the round on the target's own
+//! backend: the drafter, top-K, tree, mask, verify, decisions, walk and commit where the ops run, one read
+//! back) whenever the target can run it; otherwise, and when round probes are recorded, to the host round
+//! below (`ddtree_round`: the tree built and walked here). Both give the same steps
+//! (engine/tests/generate_device_round.rs on the CPU, cuda_round.rs on the GPU).
+//!
 //! Contract (checked by engine/tests/session.rs and the generation tests):
 //! * `prefill(prompt, sampling)` resets both caches, runs the prompt as a chain with lm_head on the last
 //!   row only, commits it, hands its taps to the drafter (DDTree mode), and returns the first token.

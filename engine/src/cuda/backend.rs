@@ -11,7 +11,10 @@
 //! ranks on one GPU and NCCL are issue 11), routed-expert shapes the W4A16 kernel takes (N % 32, K % 128).
 //! The DFlash drafter's ops (per-head norm + NeoX RoPE, the non-causal block attention) run on the device
 //! too, so `DFlashDrafter<CudaBackend>` drafts on the GPU over the target's embed_tokens / lm_head.
-//! Tests: engine/tests/cuda_target.rs, engine/tests/cuda_drafter.rs.
+//! The device round's types: `Ids` / `Rope` / `Mask` are device buffers (a forward uploads its RoPE rows
+//! and mask once, not per layer), `Tree` is `cuda::tree::DeviceTree` (top-K, build, mask, decisions, walk
+//! on the GPU; the walk is the round's one read back).
+//! Tests: engine/tests/cuda_target.rs, cuda_drafter.rs, cuda_ddtree.rs, cuda_round.rs.
 
 use std::sync::{Arc, Mutex};
 
