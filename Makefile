@@ -11,7 +11,7 @@ RUN        := $(RELEASE)/kdtree-run
 SEED       ?= 0
 PAIR       ?= models/kdtree-tiny
 
-.PHONY: kernels-check cuda-check gpu-stage gpu-test build test demo demo-synth train bench-acceptance golden golden-check crosscheck fixtures bench-convert clean
+.PHONY: lint kernels-check cuda-check gpu-stage gpu-test build test demo demo-synth train bench-acceptance golden golden-check crosscheck fixtures bench-convert clean
 
 ## build: release binaries kdtree-convert, kdtree-golden, kdtree-run
 build:
@@ -20,6 +20,11 @@ build:
 ## test: every unit and integration test of the workspace (the README's test command; CI runs it)
 test:
 	$(CARGO) test --workspace --locked
+
+## lint: clippy with warnings as errors on the whole workspace, and on the engine with the CUDA backend
+lint:
+	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
+	KDTREE_NVCC="$$(bash tools/cuda/install-nvcc.sh)" $(CARGO) clippy -p kdtree-engine --features cuda --all-targets --locked -- -D warnings
 
 ## kernels-check: compile every CUDA kernel for sm_90a and sm_120a, warnings as errors (installs nvcc from PyPI into .cuda/)
 kernels-check:

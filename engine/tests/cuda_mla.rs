@@ -27,6 +27,7 @@ fn parents(r: &mut rand_chacha::ChaCha8Rng, t: usize, chain: bool) -> Vec<i32> {
     (0..t as i32).map(|i| if chain { i - 1 } else if i == 0 || r.random_range(0..8) == 0 { -1 } else { r.random_range(0..i) }).collect()
 }
 
+#[allow(clippy::too_many_arguments)]
 fn case(g: &kdtree_engine::cuda::Gpu, t: usize, heads: usize, committed: usize, c: usize, p: usize, masked: bool, seed: u64) {
     let name = format!("mla_attention(T={t},Hr={heads},committed={committed},C={c},P={p},{})", if masked { "tree" } else { "causal" });
     let mut r = rng(seed);

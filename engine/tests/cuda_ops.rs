@@ -75,8 +75,8 @@ fn rope_parity() {
         ops::rope::rope_interleaved(&g, &mut dx.as_view_mut(), &dpos.as_view(), &dinv.as_view(), l, 1.0).unwrap();
         let got = g.download(&dx).unwrap();
         let mut want = widen(&x);
-        for tt in 0..t {
-            let (c, s) = rope_cos_sin(&inv, pos[tt] as usize, 1.0);
+        for (tt, &p) in pos.iter().enumerate().take(t) {
+            let (c, s) = rope_cos_sin(&inv, p as usize, 1.0);
             for h in 0..heads {
                 let o = tt * ld_token + h * ld_head + offset;
                 rope_interleaved(&mut want[o..o + 64], &c, &s);
@@ -271,14 +271,14 @@ fn moe_align_parity() {
 #[test]
 fn wrappers_reject_bad_shapes_naming_both_numbers() {
     let Some(g) = gpu() else { return };
-    let x = g.upload(&vec![bf16::ONE; 64]).unwrap();
-    let w = g.upload(&vec![bf16::ONE; 63]).unwrap();
-    let mut y = g.upload(&vec![bf16::ZERO; 64]).unwrap();
+    let x = g.upload(&[bf16::ONE; 64]).unwrap();
+    let w = g.upload(&[bf16::ONE; 63]).unwrap();
+    let mut y = g.upload(&[bf16::ZERO; 64]).unwrap();
     let e = ops::rms_norm::rms_norm(&g, &x.as_view(), &w.as_view(), &mut y.as_view_mut(), 1, 64, 64, 64, 1e-5).unwrap_err().to_string();
     assert!(e.contains("rms_norm") && e.contains("63") && e.contains("64"), "{e}");
-    let l = g.upload(&vec![0f32; 16]).unwrap();
-    let mut i = g.upload(&vec![0i32; 8]).unwrap();
-    let mut wt = g.upload(&vec![0f32; 8]).unwrap();
+    let l = g.upload(&[0f32; 16]).unwrap();
+    let mut i = g.upload(&[0i32; 8]).unwrap();
+    let mut wt = g.upload(&[0f32; 8]).unwrap();
     let rc = ops::moe_router::RouterCfg { n_experts: 16, n_group: 1, topk_group: 1, top_k: 40, norm_topk_prob: true, routed_scaling: 1.0 };
     let e =
         ops::moe_router::moe_router(&g, &l.as_view(), None, 1, rc, &mut i.as_view_mut(), &mut wt.as_view_mut()).unwrap_err().to_string();

@@ -98,7 +98,7 @@ impl TextConfig {
     }
     /// Whether layer `l` is a MoE layer (DeepSeek rule).
     pub fn is_moe_layer(&self, l: usize) -> bool {
-        self.n_routed_experts > 0 && l >= self.first_k_dense_replace && l % self.moe_layer_freq.max(1) == 0
+        self.n_routed_experts > 0 && l >= self.first_k_dense_replace && l.is_multiple_of(self.moe_layer_freq.max(1))
     }
 }
 

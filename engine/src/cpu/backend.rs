@@ -293,10 +293,10 @@ mod tests {
         let mut q = q0.clone();
         b.rope_q(&mut q, heads, nope, &rope);
         let mut want = q0;
-        for i in 0..t {
+        for (i, (cos, sin)) in cs.iter().enumerate() {
             for h in 0..heads {
                 let base = (i * heads + h) * (nope + p) + nope;
-                ops::rope_interleaved(&mut want[base..base + p], &cs[i].0, &cs[i].1);
+                ops::rope_interleaved(&mut want[base..base + p], cos, sin);
             }
         }
         assert_eq!(q, want);

@@ -167,7 +167,7 @@ fn resume_after_sigkill_gives_the_same_file() {
     assert_eq!(status.signal(), Some(9), "the run must have died of the SIGKILL, not finished: {status:?}");
     let mut bytes = std::fs::read(&killed).unwrap();
     let complete = bytes.iter().filter(|&&c| c == b'\n').count();
-    assert!(complete >= 1 && complete < LINES, "the kill must land mid-run: {complete} of {LINES} lines written");
+    assert!((1..LINES).contains(&complete), "the kill must land mid-run: {complete} of {LINES} lines written");
     // A kill between records leaves no torn line; add one so that path is exercised too.
     bytes.extend_from_slice(b"{\"id\":\"q");
     std::fs::write(&killed, &bytes).unwrap();

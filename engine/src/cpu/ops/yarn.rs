@@ -76,11 +76,11 @@ mod tests {
         for (bf, low, high) in [(32.0, 8.0, 20.0), (1.0, 19.0, 20.0)] {
             let s = k26_yarn(bf);
             let inv = yarn_inv_freq(64, 50000.0, Some(&s));
-            for i in 0..32 {
+            for (i, &got) in inv.iter().enumerate().take(32) {
                 let extra = 50000f64.powf(-(2.0 * i as f64) / 64.0);
                 let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
                 let want = extra / 64.0 * ramp + extra * (1.0 - ramp);
-                assert!(((inv[i] as f64) - want).abs() <= want * 1e-6, "beta_fast={bf} i={i}: {} vs {want}", inv[i]);
+                assert!(((got as f64) - want).abs() <= want * 1e-6, "beta_fast={bf} i={i}: {got} vs {want}");
             }
             assert_eq!(inv[8] as f64, (50000f64.powf(-16.0 / 64.0)) as f32 as f64, "i=8 is pure extrapolation");
         }

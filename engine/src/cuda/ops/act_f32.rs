@@ -99,7 +99,7 @@ pub fn rms_norm_f32(gpu: &Gpu, x: &CudaView<'_, f32>, ld_x: usize, w: &CudaView<
 /// (rotate_half, the drafter) instead of (2i, 2i + 1) (interleaved, the target).
 pub fn rope_table_f32(gpu: &Gpu, x: &mut CudaViewMut<'_, f32>, cos: &CudaView<'_, f32>, sin: &CudaView<'_, f32>, r: RopeLayout, neox: bool) -> Result<()> {
     const OP: &str = "rope_table_f32";
-    ensure(OP, r.dim % 2 == 0 && r.dim > 0, || format!("rope dim {} must be even", r.dim))?;
+    ensure(OP, r.dim.is_multiple_of(2) && r.dim > 0, || format!("rope dim {} must be even", r.dim))?;
     need_len(OP, "cos", cos.len(), r.tokens * r.dim / 2)?;
     need_len(OP, "sin", sin.len(), r.tokens * r.dim / 2)?;
     if r.tokens == 0 || r.heads == 0 {

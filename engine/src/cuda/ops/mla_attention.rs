@@ -70,9 +70,9 @@ pub fn mla_attention(
     out: &mut CudaViewMut<'_, bf16>,
 ) -> Result<()> {
     let lw = s.kv_lora + s.rope;
-    ensure(OP, s.kv_lora % 8 == 0 && s.rope % 8 == 0 && s.kv_lora > 0, || format!("kv_lora={} and rope={} must be multiples of 8", s.kv_lora, s.rope))?;
+    ensure(OP, s.kv_lora.is_multiple_of(8) && s.rope.is_multiple_of(8) && s.kv_lora > 0, || format!("kv_lora={} and rope={} must be multiples of 8", s.kv_lora, s.rope))?;
     ensure(OP, s.kv_lora <= 512 && lw <= 576, || format!("kv_lora={} + rope={} exceeds the kernel's 512 + 64", s.kv_lora, s.rope))?;
-    ensure(OP, split.rows_per_split % ROWS_PER_CHUNK == 0 && split.rows_per_split > 0, || format!("rows_per_split={} is not a positive multiple of {ROWS_PER_CHUNK}", split.rows_per_split))?;
+    ensure(OP, split.rows_per_split.is_multiple_of(ROWS_PER_CHUNK) && split.rows_per_split > 0, || format!("rows_per_split={} is not a positive multiple of {ROWS_PER_CHUNK}", split.rows_per_split))?;
     let rows = s.committed + s.t;
     ensure(OP, split.splits * split.rows_per_split >= rows, || format!("{} splits x {} rows do not cover {rows} rows", split.splits, split.rows_per_split))?;
     need_len(OP, "q", q.len(), s.t * s.heads * lw)?;

@@ -27,7 +27,7 @@ pub fn moe_router(
     let e = c.n_experts;
     ensure(OP, (1..=1024).contains(&e), || format!("n_experts={e} must be in 1..=1024"))?;
     ensure(OP, (1..=32).contains(&c.top_k), || format!("top_k={} must be in 1..=32", c.top_k))?;
-    ensure(OP, c.n_group >= 1 && c.n_group <= 64 && e % c.n_group == 0, || {
+    ensure(OP, c.n_group >= 1 && c.n_group <= 64 && e.is_multiple_of(c.n_group), || {
         format!("n_group={} must divide n_experts={e} and be <= 64", c.n_group)
     })?;
     ensure(OP, (1..=c.n_group).contains(&c.topk_group), || format!("topk_group={} must be in 1..=n_group={}", c.topk_group, c.n_group))?;

@@ -32,7 +32,7 @@ pub fn rope_interleaved(
     l: RopeLayout,
     attention_factor: f64,
 ) -> Result<()> {
-    ensure(OP, l.dim > 0 && l.dim % 2 == 0, || format!("rope dim {} must be even and > 0", l.dim))?;
+    ensure(OP, l.dim > 0 && l.dim.is_multiple_of(2), || format!("rope dim {} must be even and > 0", l.dim))?;
     ensure(OP, inv_freq.len() == l.dim / 2, || format!("inv_freq has {} elements, expected dim/2={}", inv_freq.len(), l.dim / 2))?;
     ensure(OP, pos.len() == l.tokens, || format!("pos has {} elements, expected tokens={}", pos.len(), l.tokens))?;
     ensure(OP, l.heads <= 1 || l.offset + l.dim <= l.ld_head, || {

@@ -127,8 +127,8 @@ fn check_weights(
     n: usize,
     k: usize,
 ) -> Result<()> {
-    ensure(op, k > 0 && k % K_STEP == 0, || format!("K={k} must be a positive multiple of {K_STEP}"))?;
-    ensure(op, n > 0 && n % N_STEP == 0, || format!("N={n} must be a positive multiple of {N_STEP}"))?;
+    ensure(op, k > 0 && k.is_multiple_of(K_STEP), || format!("K={k} must be a positive multiple of {K_STEP}"))?;
+    ensure(op, n > 0 && n.is_multiple_of(N_STEP), || format!("N={n} must be a positive multiple of {N_STEP}"))?;
     ensure(op, packed.len() == experts * n * k / 2, || {
         format!("packed has {} bytes, expected E={experts} x N={n} x K/2={}", packed.len(), k / 2)
     })?;
@@ -139,12 +139,13 @@ fn check_weights(
 }
 
 fn check_x(op: &'static str, gpu: &Gpu, x: &CudaView<'_, bf16>, rows: usize, ld_x: usize, k: usize) -> Result<()> {
-    ensure(op, ld_x >= k && ld_x % 8 == 0, || format!("ld_x={ld_x} must be >= K={k} and a multiple of 8"))?;
+    ensure(op, ld_x >= k && ld_x.is_multiple_of(8), || format!("ld_x={ld_x} must be >= K={k} and a multiple of 8"))?;
     need_len(op, "x", x.len(), span(rows, ld_x, k))?;
-    ensure(op, addr(gpu, x) % 16 == 0, || format!("x must be 16-byte aligned (address {:#x})", addr(gpu, x)))
+    ensure(op, addr(gpu, x).is_multiple_of(16), || format!("x must be 16-byte aligned (address {:#x})", addr(gpu, x)))
 }
 
 /// Split-K reduce: `out[r, :n] = bf16(sum_s ws[s, r, :])`, rows `ld_out` apart.
+#[allow(clippy::too_many_arguments)]
 fn reduce(
     gpu: &Gpu,
     op: &'static str,
