@@ -13,18 +13,18 @@
 #![cfg(feature = "cuda")]
 
 mod cuda_common;
+mod round_common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use cuda_common::*;
-use kdtree_convert::repack::{repack, RepackOptions, DEFAULT_MAX_FILE_SIZE};
+use round_common::{convert, pair_dir};
 use kdtree_engine::api::{Drafter, LogitRows, Target};
 use kdtree_engine::cpu::ops::gqa_attention as cpu_gqa;
 use kdtree_engine::cuda::ops::gqa_attention::{gqa_attention as gpu_gqa, GqaShape, GqaSplit};
 use kdtree_engine::cuda::Gpu;
 use kdtree_engine::sampling::argmax;
 use kdtree_engine::{open_cpu, open_with, AttnMode, Device, OpenOptions};
-use kdtree_formats::plan::ExpertsMode;
 use rand::Rng;
 
 /// GPU kernel vs CPU twin, both f32 end to end (no bf16 anywhere), relative to max |out|. The two differ
@@ -117,29 +117,6 @@ fn gqa_attention_rejects_bad_shapes() {
     println!("PARITY gqa_attention shape errors exact (head_dim 258, heads 6 / kv 4, short kc)");
 }
 
-/// models/kdtree-tiny: at the path this test was built from, else from the working directory (the GPU
-/// suite runs the staged binary from a copy of the repository root on another machine).
-fn pair_dir() -> PathBuf {
-    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/kdtree-tiny");
-    [built, PathBuf::from("models/kdtree-tiny"), PathBuf::from("../models/kdtree-tiny")]
-        .into_iter()
-        .find(|p| p.join("config.json").is_file() && p.join("drafter/config.json").is_file())
-        .expect("models/kdtree-tiny (with drafter/) not found at the build path, ./models or ../models")
-}
-
-/// Converts `src` (an HF checkpoint with a drafter/ folder) for one rank into `out`.
-fn convert(src: &Path, out: &Path) {
-    repack(&RepackOptions {
-        src: src.to_path_buf(),
-        out: out.to_path_buf(),
-        drafter: Some(src.join("drafter")),
-        ranks: 1,
-        experts: ExpertsMode::Tp,
-        max_file_size: DEFAULT_MAX_FILE_SIZE,
-        quiet: true,
-    })
-    .unwrap();
-}
 
 /// One draft compared: logits within the tolerance, argmax equal per row except where the CPU's own
 /// margin between the two tokens is within the tolerance (a near-tie bf16 may flip).
@@ -216,9 +193,9 @@ fn cuda_drafter_matches_the_cpu_drafter() {
     // The synthetic tiny preset with its drafter (random weights; drafter 16/8 heads, head_dim 16).
     let hf = tmp.path().join("hf");
     kdtree_convert::synth::write("tiny", &hf, 0, true, None).unwrap();
-    convert(&hf, &tmp.path().join("tiny1"));
+    convert(&hf, &tmp.path().join("tiny1"), 1);
     drafter_case("drafter(tiny synth)", &tmp.path().join("tiny1"), &[1, 17, 305, 42, 7, 900, 12, 3, 64, 5], &[8, 99, 21]);
     // The trained pair (drafter 16/8 heads, head_dim 32, vocab 4352): peaked logits, real acceptance.
-    convert(&pair_dir(), &tmp.path().join("pair1"));
+    convert(&pair_dir(), &tmp.path().join("pair1"), 1);
     drafter_case("drafter(kdtree-tiny pair)", &tmp.path().join("pair1"), &[1, 17, 305, 42, 7, 900, 12, 3, 64, 5, 2000, 11], &[8, 99, 21]);
 }
