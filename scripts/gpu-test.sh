@@ -92,7 +92,8 @@ PY
     # MoE layers, ~25 GB) converted for one rank: greedy AR, CPU reference vs the GPU, first 8 tokens.
     k="$(mktemp -d -p "${K26_DIR:-/tmp}")"
     s=$(date +%s)
-    "$dir/kdtree-convert" synth k26-slice "$k/hf" --layers 3 --seed 0 --quiet && "$dir/kdtree-convert" repack "$k/hf" "$k/m" --ranks 1 --quiet && rm -rf "$k/hf" || status=1
+    "$dir/kdtree-convert" synth k26-slice "$k/hf" --layers 3 --seed 0 --drafter --quiet &&
+      "$dir/kdtree-convert" repack "$k/hf" "$k/m" --drafter "$k/hf/drafter" --ranks 1 --quiet && rm -rf "$k/hf" || status=1
     echo "E2E k26-slice synth + repack --ranks 1: $(( $(date +%s) - s )) s, $(du -sh "$k/m" | cut -f1)" | tee -a "$log"
     printf '{"id":"k1","prompt_token_ids":[1,17,305,42,7,900,12,3],"max_tokens":8}\n{"id":"k2","prompt_token_ids":[5000,6,77,81234],"max_tokens":8}\n' > "$k/p.jsonl"
     for dev in cpu cuda; do
@@ -106,6 +107,18 @@ a, b = ([json.loads(l) for l in open(p)] for p in sys.argv[1:3])
 for x, y in zip(a, b):
     n = next((i for i, (p, q) in enumerate(zip(x["token_ids"], y["token_ids"])) if p != q), len(x["token_ids"]))
     print(f"E2E k26-slice greedy AR {x['id']}: first {n} of {len(x['token_ids'])} tokens identical (cpu {x['token_ids']} cuda {y['token_ids']})")
+PY
+    # Greedy DDTree through the device round (the real drafter shape on random weights) == greedy AR on the GPU.
+    for b in 1 8 64 256 1024; do
+      "$dir/kdtree-run" "$k/m" --prompts "$k/p.jsonl" --out "$k/dd$b.jsonl" --device cuda --mode ddtree --budget $b --quiet || status=1
+    done
+    python3 - "$k" <<'PY' | tee -a "$log"
+import json, sys
+k = sys.argv[1]
+ar = {x["id"]: x["token_ids"] for x in map(json.loads, open(f"{k}/cuda.jsonl"))}
+for b in (1, 8, 64, 256, 1024):
+    for x in map(json.loads, open(f"{k}/dd{b}.jsonl")):
+        print(f"E2E k26-slice greedy DDTree budget {b} {x['id']}: == AR on the GPU: {x['token_ids'] == ar[x['id']]}")
 PY
     rm -rf "$k"
   fi

@@ -8,6 +8,7 @@
 #![cfg(feature = "cuda")]
 
 mod cuda_common;
+mod round_common;
 
 use cuda_common::*;
 use half::bf16;
@@ -272,5 +273,86 @@ fn ddtree_tree_stages() {
             walk * 1e3,
             chain * 1e3
         );
+    }
+}
+
+/// The device round's stages on the trained pair (models/kdtree-tiny, one rank), each between CUDA events
+/// over 20 rounds from the same state (median): draft (the drafter's block), top-K + tree + mask, the verify
+/// forward over budget + 1 nodes, decisions + walk, the read back, and the commit (latent compaction and the
+/// drafter's context; undone after timing so every round starts alike). Eager launches: each figure is the
+/// stage's wall time on the GPU, gaps between launches included.
+#[test]
+#[ignore = "timing; run by scripts/gpu-test.sh"]
+fn ddtree_round_stages() {
+    use kdtree_engine::api::{Drafter, Target};
+    use kdtree_engine::backend::Backend;
+    use kdtree_engine::cuda::CudaBackend;
+    use kdtree_engine::drafter::DFlashDrafter;
+    use kdtree_engine::generate::Sampling;
+    use kdtree_engine::model::{AttnMode, TargetModel, TensorSource, Weights};
+    use kdtree_engine::{Mode, Session};
+    use std::sync::Arc;
+    let Some(g) = gpu() else { return };
+    let g = Arc::new(g);
+    let tmp = tempfile::tempdir().unwrap();
+    round_common::convert(&round_common::pair_dir(), &tmp.path().join("pair1"), 1);
+    let src: Arc<dyn TensorSource> = Arc::new(kdtree_formats::ModelDir::open(tmp.path().join("pair1")).unwrap());
+    let b = CudaBackend::new(g.clone());
+    let w = Arc::new(Weights::load_on(b.clone(), src.clone()).unwrap());
+    let taps = src.drafter_config().unwrap().dflash_config.target_layer_ids.clone();
+    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    for budget in [16usize, 64, 256] {
+        let mut t = TargetModel::new(w.clone(), taps.clone(), AttnMode::Absorbed).unwrap();
+        let mut d = DFlashDrafter::load_on(b.clone(), &*src, w.clone()).unwrap();
+        // A prompt and three rounds, through a session over the borrowed parts; then the stages by hand.
+        let root = {
+            let mut s = Session::new(Box::new(&mut t), Some(Box::new(&mut d)), Mode::DDTree { budget }).unwrap();
+            s.prefill(&[1, 17, 305, 42, 7, 900, 12, 3, 64, 5, 2000, 11], &Sampling::greedy()).unwrap();
+            let mut last = 0;
+            for _ in 0..3 {
+                last = *s.step().unwrap().tokens.last().unwrap();
+            }
+            last
+        };
+        let rows = d.block_size() - 1;
+        let mut tree = b.tree_new(budget, rows, t.info().vocab_size).unwrap();
+        let names = ["draft", "top-K+tree+mask", "verify", "decide+walk", "read back", "commit"];
+        let mut ms: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
+        for _ in 0..20 {
+            let start = t.committed();
+            let mut e = vec![g.stream.record_event(flags).unwrap()];
+            let draft = d.draft_act(root, start).unwrap();
+            e.push(g.stream.record_event(flags).unwrap());
+            b.tree_build(&mut tree, &draft, root).unwrap();
+            e.push(g.stream.record_event(flags).unwrap());
+            let (logits, taps_act) = t.forward_tree(&tree, budget + 1, rows).unwrap();
+            e.push(g.stream.record_event(flags).unwrap());
+            b.tree_walk(&mut tree, &logits, &Sampling::greedy(), start).unwrap();
+            e.push(g.stream.record_event(flags).unwrap());
+            let walk = b.tree_result(&tree).unwrap();
+            e.push(g.stream.record_event(flags).unwrap());
+            t.commit_tree(&walk.path).unwrap();
+            let tw = taps.len() * t.info().hidden_size;
+            let mut acc = b.rows(&taps_act, tw, walk.path[0], walk.path[0] + 1);
+            for &n in &walk.path[1..] {
+                b.append_rows(&mut acc, &b.rows(&taps_act, tw, n, n + 1));
+            }
+            d.extend_context_act(&acc, walk.path.len()).unwrap();
+            e.push(g.stream.record_event(flags).unwrap());
+            e.last().unwrap().synchronize().unwrap();
+            for (k, m) in ms.iter_mut().enumerate() {
+                m.push(e[k].elapsed_ms(&e[k + 1]).unwrap() as f64);
+            }
+            // Back to the round's start (same state every time; the root stays the same).
+            t.truncate(start).unwrap();
+            d.truncate_context(start).unwrap();
+        }
+        let med = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let parts: Vec<String> = names.iter().zip(ms.iter_mut()).map(|(n, v)| format!("{n} {:.1} us", med(v) * 1e3)).collect();
+        let total: f64 = ms.iter_mut().map(med).sum();
+        println!("BENCH ddtree_round_stages kdtree-tiny pair budget={budget}: {}; sum {:.1} us", parts.join(", "), total * 1e3);
     }
 }

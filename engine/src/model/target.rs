@@ -106,6 +106,12 @@ impl<B: Backend> TargetModel<B> {
         Ok((logits, taps.unwrap_or_else(|| b.zeros(0))))
     }
 
+    /// Commit a walked root-to-node `path` of the last [`TargetModel::forward_tree`] (the device round's
+    /// commit; the caller checked the path against the tree).
+    pub fn commit_tree(&mut self, path: &[usize]) -> Result<()> {
+        self.w.backend.kv_compact(&mut self.cache, path)
+    }
+
     /// The device round (see [`Target::device_round`]) with the tree workspace `tree` (budget `budget`).
     fn run_round(&mut self, tree: &mut B::Tree, d: &mut DFlashDrafter<B>, root: u32, budget: usize, s: &Sampling) -> Result<DeviceRound> {
         let w = self.w.clone();
@@ -125,7 +131,7 @@ impl<B: Backend> TargetModel<B> {
             "device walk: path {p:?} with {} decisions is not a root-to-node path of a {t}-node tree",
             walk.decisions.len()
         );
-        b.kv_compact(&mut self.cache, p)?;
+        self.commit_tree(p)?;
         // The drafter's context grows by the accepted nodes' taps (rows of the path, where the ops run).
         let tw = self.info.tap_layers.len() * self.info.hidden_size;
         let mut acc = b.rows(&taps, tw, p[0], p[0] + 1);
