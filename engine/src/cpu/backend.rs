@@ -19,8 +19,8 @@ use half::bf16;
 #[derive(Debug, Clone, Copy, Default)]
 pub struct CpuBackend;
 
-/// The CPU tree workspace: the builder's and the walk's outputs (`ddtree`), the tree padded to budget + 1
-/// nodes only in the sense that a full tree has exactly that many (`ddtree::tree_is_full`).
+/// The CPU tree workspace: the last build's tree, depths and mask and the last walk (`ddtree`). The device
+/// round uses it only for trees that fill the budget (`ddtree::tree_is_full`: budget + 1 nodes).
 pub struct CpuTree {
     pub budget: usize,
     pub rows: usize,
