@@ -110,14 +110,23 @@ for x, y in zip(a, b):
 PY
     # Greedy DDTree through the device round (the real drafter shape on random weights) == greedy AR on the GPU.
     for b in 1 8 64 256 1024; do
-      "$dir/kdtree-run" "$k/m" --prompts "$k/p.jsonl" --out "$k/dd$b.jsonl" --device cuda --mode ddtree --budget $b --quiet || status=1
+      "$dir/kdtree-run" "$k/m" --prompts "$k/p.jsonl" --out "$k/dd$b.jsonl" --device cuda --mode ddtree --budget $b --quiet 2>&1 | tail -3 | sed 's/^/E2E k26-slice budget '$b' stderr: /' | tee -a "$log"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     done
     python3 - "$k" <<'PY' | tee -a "$log"
 import json, sys
 k = sys.argv[1]
 ar = {x["id"]: x["token_ids"] for x in map(json.loads, open(f"{k}/cuda.jsonl"))}
 for b in (1, 8, 64, 256, 1024):
-    for x in map(json.loads, open(f"{k}/dd{b}.jsonl")):
+    try:
+        lines = list(map(json.loads, open(f"{k}/dd{b}.jsonl")))
+    except OSError as e:
+        print(f"E2E k26-slice greedy DDTree budget {b}: no output ({e})")
+        continue
+    for x in lines:
+        if "token_ids" not in x:
+            print(f"E2E k26-slice greedy DDTree budget {b} {x.get('id')}: error {x.get('error')}")
+            continue
         print(f"E2E k26-slice greedy DDTree budget {b} {x['id']}: == AR on the GPU: {x['token_ids'] == ar[x['id']]}")
 PY
     rm -rf "$k"

@@ -55,6 +55,14 @@ impl RopeTable {
     }
 }
 
+/// Where a forward's positions start: the target's committed rows or another position counter (the
+/// drafter's context). A device backend reads it where the ops run, so a captured round replays at any
+/// position.
+pub enum PosOf<'a, B: Backend> {
+    Kv(&'a B::Kv),
+    Pos(&'a B::Pos),
+}
+
 /// The model-level ops. `Act` is an activation tensor, `Mat` / `I4` / `Vector` / `VectorF32` uploaded
 /// weights, `Kv` the MLA latent cache of all layers, `Routes` one MoE layer's router decisions.
 pub trait Backend: Clone + Send + Sync + 'static {
@@ -79,6 +87,11 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// One sequence's draft-tree workspace for a fixed (budget, draft rows, vocab): top-K, tree, mask,
     /// decisions and walk, all where the ops run (the device round, [`Backend::tree_build`]).
     type Tree: Send;
+    /// A position counter where the ops read it, with its host copy (the drafter's context length; the
+    /// target's committed length lives in `Kv`). `usize` on the CPU.
+    type Pos: Send + Sync;
+    /// A captured DDTree round (a CUDA graph; nothing on the CPU), see [`Backend::graph_run`].
+    type Graph: Send;
 
     /// Short name for logs and summaries ("cpu", "cuda").
     fn name(&self) -> &'static str;
@@ -103,6 +116,19 @@ pub trait Backend: Clone + Send + Sync + 'static {
     fn rope_gather(&self, r: &RopeTable, idx: &Self::Ids, t: usize) -> Self::Rope;
     fn mask_upload(&self, v: &Visibility) -> Self::Mask;
     fn ids_from_host(&self, ids: &[u32]) -> Self::Ids;
+    /// `dst[at..at + n] = src[..n]` where the ops run.
+    fn ids_copy(&self, dst: &mut Self::Ids, at: usize, src: &Self::Ids, n: usize);
+    /// cos/sin of positions `base + offsets[i]` (or `base + i`) for i < t, as [`RopeTable::new`] computes them,
+    /// with the base read where the ops run.
+    fn rope_at(&self, inv_freq: &Self::VectorF32, factor: f64, base: PosOf<'_, Self>, offsets: Option<&Self::Ids>, t: usize) -> Self::Rope;
+
+    // ---- position counters ----
+    fn pos_new(&self, v: usize) -> Self::Pos;
+    /// The host copy.
+    fn pos_get(&self, p: &Self::Pos) -> usize;
+    fn pos_set(&self, p: &mut Self::Pos, v: usize);
+    /// `+= n` (where the ops run and on the host).
+    fn pos_add(&self, p: &mut Self::Pos, n: usize);
 
     // ---- activations ----
     fn act_from_host(&self, x: Vec<f32>) -> Self::Act;
@@ -117,6 +143,12 @@ pub trait Backend: Clone + Send + Sync + 'static {
     fn set_cols(&self, dst: &mut Self::Act, dst_cols: usize, at: usize, src: &Self::Act, src_cols: usize, t: usize);
     /// A zero activation of `n` values.
     fn zeros(&self, n: usize) -> Self::Act;
+    /// Room for `rows` rows of `cols` in `x`, keeping its values (a row cache). True when `x` moved (a
+    /// captured round that used it must be captured again).
+    fn reserve_rows(&self, x: &mut Self::Act, cols: usize, rows: usize) -> bool;
+    /// Rows `[at, at + n)` of the row cache `dst` (room reserved) = `src` `[n, cols]`, `at` read where the
+    /// ops run.
+    fn write_rows_at(&self, dst: &mut Self::Act, cols: usize, at: &Self::Pos, src: &Self::Act, n: usize);
 
     // ---- dense ops ----
     /// `x[T, K] · W[N, K]^T` → `[T, N]`.
@@ -145,6 +177,10 @@ pub trait Backend: Clone + Send + Sync + 'static {
     fn kv_new(&self, layers: usize, width: usize) -> Self::Kv;
     /// Committed rows of the cache.
     fn kv_committed(&self, kv: &Self::Kv) -> usize;
+    /// Room for `rows` rows (committed + scratch) without growing inside a forward.
+    fn kv_reserve(&self, kv: &mut Self::Kv, rows: usize) -> Result<()>;
+    /// Changes whenever the cache's storage moves (a captured round is keyed by it; 0 on the CPU).
+    fn kv_id(&self, kv: &Self::Kv) -> u64;
     /// Start of a forward: drop any scratch rows.
     fn kv_drop_scratch(&self, kv: &mut Self::Kv);
     /// New latent rows `[T, C + P]` = `rms_norm(c_kv) | rope_interleaved(k_pe)` from `kv_a` output `ckv`,
@@ -176,23 +212,45 @@ pub trait Backend: Clone + Send + Sync + 'static {
     // ---- drafter ----
     /// Per-head RMSNorm (weight `[D]`) then NeoX RoPE of `x` `[T, heads·D]`, row i at rope row i.
     fn head_norm_rope_neox(&self, x: &Self::Act, w: &Self::Vector, eps: f32, heads: usize, rope: &Self::Rope) -> Self::Act;
-    /// Non-causal GQA of `q` `[B, Hq·D]` over `[context ; block]` keys/values (`[C, Hk·D]`, `[B, Hk·D]`).
+    /// Non-causal GQA of `q` `[B, Hq·D]` over `[context ; block]` keys/values: the first `ctx_len` rows of the
+    /// row caches `ctx` (`[>= C, Hk·D]`), then `block` (`[B, Hk·D]`).
     #[allow(clippy::too_many_arguments)]
-    fn gqa_attention(&self, q: &Self::Act, b: usize, ctx: (&Self::Act, &Self::Act), block: (&Self::Act, &Self::Act), heads: usize, kv_heads: usize, head_dim: usize) -> Self::Act;
+    fn gqa_attention(&self, q: &Self::Act, b: usize, ctx: (&Self::Act, &Self::Act), ctx_len: &Self::Pos, block: (&Self::Act, &Self::Act), heads: usize, kv_heads: usize, head_dim: usize) -> Self::Act;
 
     // ---- the DDTree round's tree (ddtree/; the device kernels are cuda/tree.rs) ----
     /// A tree workspace for `budget` nodes (root excluded), `rows` draft rows, `vocab`.
     fn tree_new(&self, budget: usize, rows: usize, vocab: usize) -> Result<Self::Tree>;
-    /// Top-K log-probs of `draft` `[rows, vocab]`, the tree of root `bonus` and its ancestor mask
-    /// (`ddtree::build_tree`). The tree has `budget + 1` nodes when [`crate::ddtree::tree_is_full`] holds.
-    fn tree_build(&self, tree: &mut Self::Tree, draft: &Self::Act, bonus: u32) -> Result<()>;
+    /// Top-K log-probs of `draft` `[rows, vocab]`, the tree of the root token ([`Backend::tree_root`]) and
+    /// its ancestor mask (`ddtree::build_tree`). The tree has `budget + 1` nodes when
+    /// [`crate::ddtree::tree_is_full`] holds.
+    fn tree_build(&self, tree: &mut Self::Tree, draft: &Self::Act) -> Result<()>;
+    /// Sets the root token (the next round's is the last walk's bonus, set by [`Backend::tree_commit`]).
+    fn tree_set_root(&self, tree: &mut Self::Tree, root: u32) -> Result<()>;
+    /// The root token `[1]` where the ops read it.
+    fn tree_root<'t>(&self, tree: &'t Self::Tree) -> &'t Self::Ids;
     /// Node tokens / depths `[budget + 1]` and the mask of the last build.
     fn tree_tokens<'t>(&self, tree: &'t Self::Tree) -> &'t Self::Ids;
     fn tree_depths<'t>(&self, tree: &'t Self::Tree) -> &'t Self::Ids;
     fn tree_mask<'t>(&self, tree: &'t Self::Tree) -> &'t Self::Mask;
     /// The target's decision at every node from `logits` `[budget + 1, vocab]` (greedy, or sampled with the
-    /// uniform of position `start + depth + 1`), then the walk (`ddtree::walk_sampled`).
-    fn tree_walk(&self, tree: &mut Self::Tree, logits: &Self::Act, s: &crate::sampling::Sampling, start: usize) -> Result<()>;
+    /// uniform of position `start + depth + 1`, `start` = the committed rows of `kv`), then the walk
+    /// (`ddtree::walk_sampled`).
+    fn tree_walk(&self, tree: &mut Self::Tree, logits: &Self::Act, s: &crate::sampling::Sampling, kv: &Self::Kv) -> Result<()>;
+    /// `[rows_out, cols]`: row i = row `path[i]` of `x` (`[budget + 1, cols]`) for i < the walk's length,
+    /// zeros after (the accepted nodes' taps for the drafter, padded to a fixed shape).
+    fn tree_path_rows(&self, tree: &Self::Tree, x: &Self::Act, cols: usize, rows_out: usize) -> Self::Act;
+    /// The round's commit where the ops run: `kv` keeps the walked path's scratch rows (`kv_compact`), `kv`'s
+    /// committed length and `ctx` advance by the walk's length, and the root becomes the walk's bonus. The
+    /// host copies follow in [`Backend::tree_commit_host`], once the walk has been read.
+    fn tree_commit(&self, tree: &mut Self::Tree, kv: &mut Self::Kv, ctx: &mut Self::Pos) -> Result<()>;
+    /// The host side of [`Backend::tree_commit`] for a walk of `n` nodes.
+    fn tree_commit_host(&self, tree: &Self::Tree, kv: &mut Self::Kv, ctx: &mut Self::Pos, n: usize);
     /// The last walk: the round's one read back to the host.
     fn tree_result(&self, tree: &Self::Tree) -> Result<crate::ddtree::Walk>;
+
+    // ---- one captured round ----
+    /// Runs `body` (a whole DDTree round of ops, no host reads): on a device, captured once into `graph` for
+    /// `key` and replayed while the key stays (a new key captures again); on the CPU, just run. A failed
+    /// body leaves no graph.
+    fn graph_run(&self, graph: &mut Option<Self::Graph>, key: u64, body: &mut dyn FnMut() -> Result<()>) -> Result<()>;
 }

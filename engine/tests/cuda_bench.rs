@@ -200,7 +200,7 @@ fn sample_rows_time() {
         ];
         for (name, s) in settings {
             let mut call = |_: usize| {
-                ops::sample_rows::sample_rows(&g, &dx.as_view(), rows, v, v, &s, 1000, Some(&dd.as_view()), &mut out.as_view_mut()).unwrap()
+                ops::sample_rows::sample_rows(&g, &dx.as_view(), rows, v, v, &s, 1000, None, Some(&dd.as_view()), &mut out.as_view_mut()).unwrap()
             };
             let eager = time_ms(&g, 3, 20, &mut call);
             let ms = time_graph_ms(&g, 20, &mut call);
@@ -316,28 +316,23 @@ fn ddtree_round_stages() {
         };
         let rows = d.block_size() - 1;
         let mut tree = b.tree_new(budget, rows, t.info().vocab_size).unwrap();
-        let names = ["draft", "top-K+tree+mask", "verify", "decide+walk", "read back", "commit"];
+        let names = ["draft", "top-K+tree+mask", "verify", "decide+walk", "commit", "read back"];
         let mut ms: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
         for _ in 0..20 {
             let start = t.committed();
+            b.tree_set_root(&mut tree, root).unwrap();
             let mut e = vec![g.stream.record_event(flags).unwrap()];
-            let draft = d.draft_act(root, start).unwrap();
+            let draft = d.draft_from_root(b.tree_root(&tree)).unwrap();
             e.push(g.stream.record_event(flags).unwrap());
-            b.tree_build(&mut tree, &draft, root).unwrap();
+            b.tree_build(&mut tree, &draft).unwrap();
             e.push(g.stream.record_event(flags).unwrap());
             let (logits, taps_act) = t.forward_tree(&tree, budget + 1, rows).unwrap();
             e.push(g.stream.record_event(flags).unwrap());
-            b.tree_walk(&mut tree, &logits, &Sampling::greedy(), start).unwrap();
+            t.walk_tree(&mut tree, &logits, &Sampling::greedy()).unwrap();
             e.push(g.stream.record_event(flags).unwrap());
-            let walk = b.tree_result(&tree).unwrap();
+            t.commit_walk(&mut tree, &mut d, &taps_act).unwrap();
             e.push(g.stream.record_event(flags).unwrap());
-            t.commit_tree(&walk.path).unwrap();
-            let tw = taps.len() * t.info().hidden_size;
-            let mut acc = b.rows(&taps_act, tw, walk.path[0], walk.path[0] + 1);
-            for &n in &walk.path[1..] {
-                b.append_rows(&mut acc, &b.rows(&taps_act, tw, n, n + 1));
-            }
-            d.extend_context_act(&acc, walk.path.len()).unwrap();
+            t.read_walk(&mut tree, &mut d, budget + 1).unwrap();
             e.push(g.stream.record_event(flags).unwrap());
             e.last().unwrap().synchronize().unwrap();
             for (k, m) in ms.iter_mut().enumerate() {
@@ -347,6 +342,27 @@ fn ddtree_round_stages() {
             t.truncate(start).unwrap();
             d.truncate_context(start).unwrap();
         }
+        // The whole round through Target::device_round: eager, then captured (first call captures, the rest
+        // replay), from the same state every time.
+        let mut whole = |graphs: bool| {
+            b.set_graphs(graphs);
+            let mut v = Vec::new();
+            for i in 0..21 {
+                let start = t.committed();
+                let e0 = g.stream.record_event(flags).unwrap();
+                t.device_round(&mut d, root, budget, &Sampling::greedy()).unwrap().unwrap();
+                let e1 = g.stream.record_event(flags).unwrap();
+                e1.synchronize().unwrap();
+                if i > 0 {
+                    v.push(e0.elapsed_ms(&e1).unwrap() as f64);
+                }
+                t.truncate(start).unwrap();
+                d.truncate_context(start).unwrap();
+            }
+            v
+        };
+        let (mut eager, mut captured) = (whole(false), whole(true));
+        b.set_graphs(true);
         let med = |v: &mut Vec<f64>| {
             v.sort_by(f64::total_cmp);
             v[v.len() / 2]
@@ -354,5 +370,10 @@ fn ddtree_round_stages() {
         let parts: Vec<String> = names.iter().zip(ms.iter_mut()).map(|(n, v)| format!("{n} {:.1} us", med(v) * 1e3)).collect();
         let total: f64 = ms.iter_mut().map(med).sum();
         println!("BENCH ddtree_round_stages kdtree-tiny pair budget={budget}: {}; sum {:.1} us", parts.join(", "), total * 1e3);
+        println!(
+            "BENCH ddtree_round kdtree-tiny pair budget={budget}: whole round eager {:.1} us, one CUDA graph {:.1} us (median of 20, host read included)",
+            med(&mut eager) * 1e3,
+            med(&mut captured) * 1e3
+        );
     }
 }

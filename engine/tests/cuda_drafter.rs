@@ -49,23 +49,31 @@ fn rand_pm(r: &mut rand_chacha::ChaCha8Rng, n: usize, a: f32) -> Vec<f32> {
     (0..n).map(|_| r.random_range(-a..a)).collect()
 }
 
-/// One kernel case: (B, Hq, Hk, D, C).
-fn gqa_case(g: &Gpu, (b, hq, hk, d, c): (usize, usize, usize, usize, usize), seed: u64) {
-    let name = format!("gqa_attention(B={b},Hq={hq},Hk={hk},D={d},C={c},f32)");
+/// One kernel case: (B, Hq, Hk, D, C). `room`: None = C on the host, its own split; Some(rows) = the device
+/// round's form: context caches of `rows` rows (random rows past C), C read from the device, the split
+/// chosen for the room and the rows divided evenly in the kernel.
+fn gqa_case(g: &Gpu, (b, hq, hk, d, c): (usize, usize, usize, usize, usize), seed: u64, room: Option<usize>) {
+    let name = format!("gqa_attention(B={b},Hq={hq},Hk={hk},D={d},C={c},f32{})", room.map(|r| format!(",C on the device,room {r}")).unwrap_or_default());
     let mut r = rng(seed);
     let (qw, kw) = (hq * d, hk * d);
+    let rows = room.unwrap_or(c);
     // ±2: after the drafter's q/k RMSNorm, entries are O(1); scores q·k·D^-0.5 then spread ~±1 (peaked, not one-hot).
     let q = rand_pm(&mut r, b * qw, 2.0);
-    let (kc, vc) = (rand_pm(&mut r, c * kw, 2.0), rand_pm(&mut r, c * kw, 1.0));
+    let (kc, vc) = (rand_pm(&mut r, rows * kw, 2.0), rand_pm(&mut r, rows * kw, 1.0));
     let (kb, vb) = (rand_pm(&mut r, b * kw, 2.0), rand_pm(&mut r, b * kw, 1.0));
-    let want = cpu_gqa(&q, b, (&kc, &vc), (&kb, &vb), hq, hk, d);
+    let want = cpu_gqa(&q, b, (&kc[..c * kw], &vc[..c * kw]), (&kb, &vb), hq, hk, d);
     let s = GqaShape { b, ctx: c, heads: hq, kv_heads: hk, head_dim: d };
-    let split = GqaSplit::choose(g, &s);
+    let split = match room {
+        None => GqaSplit::choose(g, &s),
+        Some(rows) => GqaSplit { splits: GqaSplit::choose(g, &GqaShape { ctx: rows, ..s }).splits, rows_per_split: 0 },
+    };
+    let dc = g.upload(&[c as i32]).unwrap();
+    let dcv = dc.as_view();
     let (wo, wml) = split.workspace(&s);
     let up = |v: &[f32]| if v.is_empty() { g.zeros::<f32>(0).unwrap() } else { g.upload(v).unwrap() };
     let (dq, dkc, dvc, dkb, dvb) = (up(&q), up(&kc), up(&vc), up(&kb), up(&vb));
     let (mut po, mut pml, mut out) = (up(&nan_f32(wo)), up(&nan_f32(wml)), up(&nan_f32(b * qw)));
-    gpu_gqa(g, &dq.as_view(), (&dkc.as_view(), &dvc.as_view()), (&dkb.as_view(), &dvb.as_view()), &s, &split, &mut po.as_view_mut(), &mut pml.as_view_mut(), &mut out.as_view_mut()).unwrap();
+    gpu_gqa(g, &dq.as_view(), (&dkc.as_view(), &dvc.as_view()), room.map(|_| &dcv), (&dkb.as_view(), &dvb.as_view()), &s, &split, &mut po.as_view_mut(), &mut pml.as_view_mut(), &mut out.as_view_mut()).unwrap();
     let got = g.download(&out).unwrap();
     eprintln!("{name}: {} splits x {} rows", split.splits, split.rows_per_split);
     check(&name, &got, &want, GQA_TOL);
@@ -91,7 +99,11 @@ fn gqa_attention_parity() {
         (1, 1, 1, 128, 5000),
     ];
     for (i, &cs) in cases.iter().enumerate() {
-        gqa_case(&g, cs, 1300 + i as u64);
+        gqa_case(&g, cs, 1300 + i as u64, None);
+    }
+    // The device round's form (C on the device, split for the room).
+    for (i, &(cs, room)) in [((8, 64, 8, 128, 0), 256), ((8, 64, 8, 128, 300), 4096), ((8, 16, 8, 32, 257), 512)].iter().enumerate() {
+        gqa_case(&g, cs, 1350 + i as u64, Some(room));
     }
 }
 
@@ -104,7 +116,7 @@ fn gqa_attention_rejects_bad_shapes() {
     let v = buf.as_view();
     let mut err = |s: GqaShape| {
         let split = GqaSplit::choose(&g, &s);
-        let e = gpu_gqa(&g, &v, (&v, &v), (&v, &v), &s, &split, &mut w.as_view_mut(), &mut w2.as_view_mut(), &mut w3.as_view_mut()).unwrap_err().to_string();
+        let e = gpu_gqa(&g, &v, (&v, &v), None, (&v, &v), &s, &split, &mut w.as_view_mut(), &mut w2.as_view_mut(), &mut w3.as_view_mut()).unwrap_err().to_string();
         eprintln!("{s:?}: {e}");
         e
     };

@@ -27,13 +27,20 @@ fn parents(r: &mut rand_chacha::ChaCha8Rng, t: usize, chain: bool) -> Vec<i32> {
     (0..t as i32).map(|i| if chain { i - 1 } else if i == 0 || r.random_range(0..8) == 0 { -1 } else { r.random_range(0..i) }).collect()
 }
 
+/// `room`: None = the host's committed length and split; Some(rows) = the device round's form: a cache of
+/// `rows` rows (random rows past the nodes' own), the committed length read from the device, the split
+/// chosen for the room and the rows divided evenly in the kernel.
 #[allow(clippy::too_many_arguments)]
-fn case(g: &kdtree_engine::cuda::Gpu, t: usize, heads: usize, committed: usize, c: usize, p: usize, masked: bool, seed: u64) {
-    let name = format!("mla_attention(T={t},Hr={heads},committed={committed},C={c},P={p},{})", if masked { "tree" } else { "causal" });
+fn case(g: &kdtree_engine::cuda::Gpu, t: usize, heads: usize, committed: usize, c: usize, p: usize, masked: bool, seed: u64, room: Option<usize>) {
+    let name = format!(
+        "mla_attention(T={t},Hr={heads},committed={committed},C={c},P={p},{}{})",
+        if masked { "tree" } else { "causal" },
+        room.map(|r| format!(",committed on the device,room {r}")).unwrap_or_default()
+    );
     let mut r = rng(seed);
     let lw = c + p;
     let q = rand_bf16(&mut r, t * heads * lw, 0.01, 0.12);
-    let lat = rand_bf16(&mut r, (committed + t) * lw, 0.05, 1.5);
+    let lat = rand_bf16(&mut r, room.unwrap_or(committed + t) * lw, 0.05, 1.5);
     let par = parents(&mut r, t, !masked);
     let mask = Visibility::from_parents(&par).unwrap();
     // CPU twin: per head q = q_nope (= q_lat, Dn = C) | q_pe; kv_b rows [W_UK_h = I_C; W_UV_h = I_C].
@@ -45,9 +52,14 @@ fn case(g: &kdtree_engine::cuda::Gpu, t: usize, heads: usize, committed: usize, 
         }
     }
     let dims = MlaDims { heads, nope: c, rope: p, v: c, kv_lora: c, scale: 0.0723 };
-    let want = mla_attention(&dims, &widen(&q), &widen(&lat), committed, &mask, MlaKv::Absorbed(&kvb));
+    let want = mla_attention(&dims, &widen(&q), &widen(&lat[..(committed + t) * lw]), committed, &mask, MlaKv::Absorbed(&kvb));
     let s = MlaShape { t, heads, kv_lora: c, rope: p, committed };
-    let split = MlaSplit::choose(g, &s);
+    let split = match room {
+        None => MlaSplit::choose(g, &s),
+        Some(rows) => MlaSplit { splits: MlaSplit::choose(g, &MlaShape { committed: rows - t, ..s }).splits, rows_per_split: 0 },
+    };
+    let dc = g.upload(&[committed as i32]).unwrap();
+    let dcv = dc.as_view();
     let (wo, wml) = split.workspace(&s);
     let dq = g.upload(&q).unwrap();
     let dl = g.upload(&lat).unwrap();
@@ -56,7 +68,7 @@ fn case(g: &kdtree_engine::cuda::Gpu, t: usize, heads: usize, committed: usize, 
     let mut pml = g.upload(&nan_f32(wml)).unwrap();
     let mut out = g.upload(&nan_bf16(t * heads * c)).unwrap();
     let m = masked.then(|| (dm.as_view(), mask.words));
-    gpu_mla(g, &dq.as_view(), &dl.as_view(), m.as_ref().map(|(v, w)| (v, *w)), &s, &split, 0.0723, &mut po.as_view_mut(), &mut pml.as_view_mut(), &mut out.as_view_mut()).unwrap();
+    gpu_mla(g, &dq.as_view(), &dl.as_view(), m.as_ref().map(|(v, w)| (v, *w)), room.map(|_| &dcv), &s, &split, 0.0723, &mut po.as_view_mut(), &mut pml.as_view_mut(), &mut out.as_view_mut()).unwrap();
     let got = g.download(&out).unwrap();
     eprintln!("{name}: {} splits x {} rows", split.splits, split.rows_per_split);
     check_bf16(&name, &got, &want, MLA_TOL);
@@ -78,6 +90,10 @@ fn mla_attention_parity() {
         (7, 3, 33, 64, 16, true),
     ];
     for (i, &(t, hr, committed, c, p, masked)) in cases.iter().enumerate() {
-        case(&g, t, hr, committed, c, p, masked, 900 + i as u64);
+        case(&g, t, hr, committed, c, p, masked, 900 + i as u64, None);
+    }
+    // The device round's form: committed read on the device, split for a larger room.
+    for (i, &(t, hr, committed, room)) in [(1, 64, 1000, 4096), (65, 8, 300, 1024), (257, 8, 3, 512), (9, 8, 0, 256)].iter().enumerate() {
+        case(&g, t, hr, committed, 512, 64, true, 950 + i as u64, Some(room));
     }
 }

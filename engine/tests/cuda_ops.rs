@@ -284,3 +284,39 @@ fn wrappers_reject_bad_shapes_naming_both_numbers() {
         ops::moe_router::moe_router(&g, &l.as_view(), None, 1, rc, &mut i.as_view_mut(), &mut wt.as_view_mut()).unwrap_err().to_string();
     assert!(e.contains("moe_router") && e.contains("40"), "{e}");
 }
+
+/// The device round's cos/sin (round_state.cu `rope_at`: positions read from a device counter plus node
+/// depths) against the host table the eager forwards upload (`RopeTable::new`, i.e. `rope_cos_sin`): bit for
+/// bit, so a captured round and an eager forward rotate alike. K2.6's rope (64 dims, theta 50000, YaRN
+/// factor 40 with its attention factor) and the drafter's (128 dims, theta 1e6), positions up to 262k.
+#[test]
+fn rope_at_equals_the_host_table() {
+    use kdtree_engine::backend::RopeTable;
+    use kdtree_formats::config::RopeScaling;
+    let Some(g) = gpu() else { return };
+    let yarn = RopeScaling { kind: "yarn".into(), factor: 40.0, original_max_position_embeddings: 4096, beta_fast: 1.0, beta_slow: 1.0, mscale: 1.0, mscale_all_dim: 1.0 };
+    let mut r = rng(4100);
+    let mut total = 0;
+    for (name, inv, factor) in [
+        ("k26 (64, theta 5e4, yarn 40)", yarn_inv_freq(64, 50_000.0, Some(&yarn)), 1.0f64 + 0.1 * 40f64.ln()),
+        ("drafter (128, theta 1e6)", yarn_inv_freq(128, 1_000_000.0, None), 1.0),
+    ] {
+        let dinv = g.upload(&inv).unwrap();
+        for base in [0usize, 4095, 131_072, 262_000] {
+            for with_depths in [false, true] {
+                let t = if with_depths { 257 } else { 1024 };
+                let depths: Vec<u32> = (0..t).map(|i| if i == 0 { 0 } else { r.random_range(1..8u32) }).collect();
+                let want = RopeTable::new(&inv, (0..t).map(|i| base + if with_depths { depths[i] as usize } else { i }), factor);
+                let (db, dd) = (g.upload(&[base as i32]).unwrap(), g.upload(&depths).unwrap());
+                let (mut c, mut s) = (g.upload(&nan_f32(t * inv.len())).unwrap(), g.upload(&nan_f32(t * inv.len())).unwrap());
+                let ddv = dd.as_view();
+                ops::round_state::rope_at(&g, &dinv.as_view(), factor, &db.as_view(), with_depths.then_some(&ddv), t, &mut c.as_view_mut(), &mut s.as_view_mut()).unwrap();
+                let (gc, gs) = (g.download(&c).unwrap(), g.download(&s).unwrap());
+                let bad = gc.iter().zip(&want.cos).chain(gs.iter().zip(&want.sin)).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+                assert_eq!(bad, 0, "rope_at {name} base {base} depths {with_depths}: {bad} of {} values differ from the host table", 2 * gc.len());
+                total += 2 * gc.len();
+            }
+        }
+    }
+    println!("PARITY rope_at(device positions) exact ({total} cos/sin values, positions 0..262k, k26 and drafter ropes)");
+}

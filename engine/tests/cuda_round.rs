@@ -7,8 +7,11 @@
 //! * `ddtree_equals_ar_on_the_gpu`: greedy DDTree through the device round emits the AR tokens, budgets 1,
 //!   8, 64, 256, 1024 (tie-aware: a divergence is accepted only where the AR row's top two logits are within
 //!   the bf16 tolerance, and printed);
-//! * `one_read_back_per_round`: kernel launches, cuBLAS calls, uploads and reads (host syncs) per round,
-//!   device round vs host round, from the GPU's counters; a device round reads back exactly once.
+//! * `captured_round_equals_the_eager_round`: the round captured once as a CUDA graph and replayed gives
+//!   the same steps as the same ops launched one by one (greedy and sampled, budgets 1, 16, 256);
+//! * `one_read_back_per_round`: graph launches, kernel launches, cuBLAS calls, uploads and reads (host
+//!   syncs) per round, captured vs eager device round vs host round, from the GPU's counters; a device
+//!   round reads back exactly once, and a replayed one launches one graph and nothing else.
 //!
 //! Needs a GPU: skips without one unless KDTREE_REQUIRE_GPU=1.
 #![cfg(feature = "cuda")]
@@ -78,31 +81,67 @@ fn ddtree_equals_ar_on_the_gpu() {
 }
 
 #[test]
+fn captured_round_equals_the_eager_round() {
+    // The captured round (one CUDA graph, replayed) against the same ops run eagerly, step for step.
+    let tmp = tempfile::tempdir().unwrap();
+    let Some((g, mut m)) = pair_on_gpu(&tmp) else { return };
+    let settings = [Sampling::greedy(), Sampling { temperature: 1.0, top_p: 0.9, top_k: 0, seed: 3 }];
+    let (mut rounds, steps) = (0, 8);
+    for s in &settings {
+        for budget in [1usize, 16, 256] {
+            for p in PROMPTS {
+                g.set_graphs(false);
+                let (eager, _) = run(&mut m, p, budget, s, true, steps);
+                g.set_graphs(true);
+                let graphs_before = g.stats.graph_launches.load(std::sync::atomic::Ordering::Relaxed);
+                let (captured, n) = run(&mut m, p, budget, s, true, steps);
+                let graphs = g.stats.graph_launches.load(std::sync::atomic::Ordering::Relaxed) - graphs_before;
+                assert_eq!(n, steps, "budget {budget}: rounds fell back to the host");
+                assert_eq!(graphs as usize, steps, "budget {budget}: {graphs} graph launches for {steps} rounds");
+                assert_eq!(captured, eager, "budget {budget} {s:?}: the captured round differs from the eager one");
+                rounds += steps;
+            }
+        }
+    }
+    println!("PARITY device_round(cuda, one CUDA graph per round == eager) exact over {rounds} rounds (greedy and T=1 top_p 0.9, budgets 1, 16, 256)");
+}
+
+#[test]
 fn one_read_back_per_round() {
     let tmp = tempfile::tempdir().unwrap();
     let Some((g, mut m)) = pair_on_gpu(&tmp) else { return };
+    let graph_launches = || g.stats.graph_launches.load(std::sync::atomic::Ordering::Relaxed);
     for budget in [8usize, 64, 256] {
-        for device in [true, false] {
+        for (what, device, graphs) in [("one CUDA graph", true, true), ("device round, eager", true, false), ("host round", false, false)] {
+            g.set_graphs(graphs);
             let mut s = m.session(Mode::DDTree { budget }).unwrap();
             s.set_device_round(device);
             s.prefill(PROMPTS[0], &Sampling::greedy()).unwrap();
-            s.step().unwrap(); // warm: the tree workspace is allocated in the first round
+            // Warm: the tree workspace is allocated (and the round captured) in the first round.
+            let warm = g.stats.snapshot();
+            s.step().unwrap();
+            let captured = g.stats.snapshot();
             let rounds = 5u64;
-            let before = g.stats.snapshot();
+            let (before, gl) = (g.stats.snapshot(), graph_launches());
             for _ in 0..rounds {
                 s.step().unwrap();
             }
-            let after = g.stats.snapshot();
+            let (after, gl) = (g.stats.snapshot(), graph_launches() - gl);
             let per: Vec<f64> = before.iter().zip(&after).map(|(a, b)| (b - a) as f64 / rounds as f64).collect();
-            let what = if device { "device round" } else { "host round" };
+            let in_graph = if graphs { format!(" (the graph holds {} kernels and {} cuBLAS calls)", captured[0] - warm[0], captured[1] - warm[1]) } else { String::new() };
             println!(
-                "BENCH round_counts budget={budget} {what}: per round {:.1} kernel launches, {:.1} cuBLAS calls, {:.1} uploads, {:.1} reads back (host syncs)",
-                per[0], per[1], per[2], per[3]
+                "BENCH round_counts budget={budget} {what}: per round {:.1} graph launches, {:.1} kernel launches, {:.1} cuBLAS calls, {:.1} uploads, {:.1} reads back (host syncs){in_graph}",
+                gl as f64 / rounds as f64, per[0], per[1], per[2], per[3]
             );
             if device {
                 assert_eq!(s.device_rounds() as u64, rounds + 1, "budget {budget}: rounds fell back to the host");
                 assert_eq!(after[3] - before[3], rounds, "budget {budget}: a device round must read back exactly once");
             }
+            if graphs {
+                assert_eq!(gl, rounds, "budget {budget}: one graph launch per round");
+                assert_eq!((after[0] - before[0], after[1] - before[1], after[2] - before[2]), (0, 0, 0), "budget {budget}: a replayed round launches nothing else and uploads nothing");
+            }
         }
     }
+    g.set_graphs(true);
 }

@@ -205,7 +205,7 @@ fn check_group(g: &Gpu, group: &str, rows: &Rows, settings: &[Sampling], seed: u
         let ddev = depth.as_ref().map(|d| g.upload(d).unwrap());
         let mut dout = g.upload(&vec![u32::MAX; n]).unwrap();
         let dview = ddev.as_ref().map(|d| d.as_view());
-        ops::sample_rows::sample_rows(g, &rows.dev.as_view(), n, rows.v, rows.ld, &s, *start, dview.as_ref(), &mut dout.as_view_mut())
+        ops::sample_rows::sample_rows(g, &rows.dev.as_view(), n, rows.v, rows.ld, &s, *start, None, dview.as_ref(), &mut dout.as_view_mut())
             .unwrap();
         let got = g.download(&dout).unwrap();
         for (ri, &tok) in got.iter().enumerate() {
@@ -279,14 +279,17 @@ fn sample_rows_replay_is_deterministic_and_matches_positions() {
     let depth: Vec<u32> = (0..n as u32).map(|i| i % 9).collect();
     let dd = g.upload(&depth).unwrap();
     let start = (1u64 << 32) - 4;
-    let run = || {
+    // The second launch reads part of the start position from the device (the captured round's form).
+    let dstart = g.upload(&[1000i32]).unwrap();
+    let run = |dev: bool| {
         let mut o = g.upload(&vec![u32::MAX; n]).unwrap();
-        ops::sample_rows::sample_rows(&g, &dx.as_view(), n, v, v, &s, start, Some(&dd.as_view()), &mut o.as_view_mut()).unwrap();
+        let (host_start, sv) = if dev { (start - 1000, Some(dstart.as_view())) } else { (start, None) };
+        ops::sample_rows::sample_rows(&g, &dx.as_view(), n, v, v, &s, host_start, sv.as_ref(), Some(&dd.as_view()), &mut o.as_view_mut()).unwrap();
         g.download(&o).unwrap()
     };
-    let a = run();
-    let b = run();
-    assert_eq!(a, b, "two launches on the same logits differ");
+    let a = run(false);
+    let b = run(true);
+    assert_eq!(a, b, "two launches on the same logits differ (start on the host, start partly on the device)");
     let want: Vec<u32> = (0..n).map(|i| sample(&host[i * v..(i + 1) * v], &s, (start + depth[i] as u64 + 1) as usize)).collect();
     let bad = a.iter().zip(&want).filter(|(x, y)| x != y).count();
     println!("PARITY sample_rows(replay,rows={n},V={v},T=1,top_p=0.9) mismatches {bad} of {n} (tol 0)");
@@ -301,13 +304,13 @@ fn sample_rows_rejects_bad_shapes() {
     let mut o = g.upload(&[0u32; 2]).unwrap();
     let s = Sampling { temperature: 1.0, ..Sampling::greedy() };
     let err = |e: kdtree_engine::cuda::CudaError| e.to_string();
-    let e = ops::sample_rows::sample_rows(&g, &x.as_view(), 2, 6, 6, &s, 0, None, &mut o.as_view_mut()).map_err(err).unwrap_err();
+    let e = ops::sample_rows::sample_rows(&g, &x.as_view(), 2, 6, 6, &s, 0, None, None, &mut o.as_view_mut()).map_err(err).unwrap_err();
     assert!(e.contains("sample_rows") && e.contains("logits has 10 elements, needs at least 12"), "{e}");
-    let e = ops::sample_rows::sample_rows(&g, &x.as_view(), 2, 5, 4, &s, 0, None, &mut o.as_view_mut()).map_err(err).unwrap_err();
+    let e = ops::sample_rows::sample_rows(&g, &x.as_view(), 2, 5, 4, &s, 0, None, None, &mut o.as_view_mut()).map_err(err).unwrap_err();
     assert!(e.contains("v=5") && e.contains("ld=4"), "{e}");
-    let e = ops::sample_rows::sample_rows(&g, &x.as_view(), 2, 5, 5, &s, 0, Some(&d.as_view()), &mut o.as_view_mut()).map_err(err).unwrap_err();
+    let e = ops::sample_rows::sample_rows(&g, &x.as_view(), 2, 5, 5, &s, 0, None, Some(&d.as_view()), &mut o.as_view_mut()).map_err(err).unwrap_err();
     assert!(e.contains("depth has 1 elements, needs at least 2"), "{e}");
-    let e = ops::sample_rows::sample_rows(&g, &x.as_view(), 3, 3, 3, &s, 0, None, &mut o.as_view_mut()).map_err(err).unwrap_err();
+    let e = ops::sample_rows::sample_rows(&g, &x.as_view(), 3, 3, 3, &s, 0, None, None, &mut o.as_view_mut()).map_err(err).unwrap_err();
     assert!(e.contains("out has 2 elements, needs at least 3"), "{e}");
     println!("PARITY sample_rows(shape checks) exact");
 }

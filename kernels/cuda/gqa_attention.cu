@@ -26,13 +26,15 @@ constexpr int THREADS = QT * R;   // = the __launch_bounds__ below
 // q [B, Hq*D]; kc, vc [C, Hk*D] (context); kb, vb [B, Hk*D] (block); row s < C of the S rows is context
 // row s, row s >= C is block row s - C. Query row i in [0, B*G) of kv head hk is token t = i / G, head
 // hq = hk*G + i % G. part_o [splits, B, Hq, D] f32; part_ml [splits, B, Hq, 2] f32 (m, l).
+// ctx_dev [1] or null: when set, C is read from it; rows_per_split <= 0: ceil(S / splits) rounded up to
+// the chunk (empty splits write m = -inf, l = 0).
 // grid (splits, Hk, ceil(B*G / 16)), 256 threads, dynamic shared memory (16 + 2*16) * (D | 1) * 4 bytes.
 // Thread tid: query row tid / 16 of the tile in both phases, lane tid % 16 = key row of the chunk (scores)
 // and first output column (accumulation: columns lane + 16 j).
 extern "C" __global__ void __launch_bounds__(256) kdtree_gqa_attention_split_f32(const float* __restrict__ q, const float* __restrict__ kc,
                                 const float* __restrict__ vc, const float* __restrict__ kb, const float* __restrict__ vb,
-                                float* __restrict__ part_o, float* __restrict__ part_ml, int B, int C, int Hq, int Hk, int D,
-                                int rows_per_split, float scale) {
+                                float* __restrict__ part_o, float* __restrict__ part_ml, int B, int C, const int* __restrict__ ctx_dev, int Hq,
+                                int Hk, int D, int rows_per_split, float scale) {
     using namespace gqa;
     extern __shared__ float gqa_smem[];  // a name of its own: build.rs compiles every .cu as one translation unit
     const int LD = D | 1;          // odd row stride
@@ -52,7 +54,9 @@ extern "C" __global__ void __launch_bounds__(256) kdtree_gqa_attention_split_f32
         }
         qs[i * LD + c] = v;
     }
+    if (ctx_dev) C = ctx_dev[0];  // a captured round reads the context length from the device
     const int S = C + B;
+    if (rows_per_split <= 0) rows_per_split = ((S + gridDim.x - 1) / gridDim.x + R - 1) / R * R;
     const int s_begin = split * rows_per_split, s_end = min(S, s_begin + rows_per_split);
     const int qr = tid / R, lane = tid % R;
     float m = -INFINITY, l = 0.f;  // of query row qr (replicated over its 16 lanes)

@@ -5,9 +5,14 @@
 #include "common.cuh"
 
 // cache [layers, rows_per_layer, width] bf16; path [n] i32 (node indices of the last forward).
+// committed_dev / n_dev [1] or null: when set, committed / n are read from them (a captured round: the walk
+// wrote the path and its length on the device).
 // grid (layers), 128 threads; rows move one after another (n <= the tree depth + 1: a few rows).
 extern "C" __global__ void kdtree_kv_compact_bf16(bf16* __restrict__ cache, long long layer_stride, int width, int committed,
-                                                  const int* __restrict__ path, int n) {
+                                                  const int* __restrict__ committed_dev, const int* __restrict__ path, int n,
+                                                  const int* __restrict__ n_dev) {
+    if (committed_dev) committed = committed_dev[0];
+    if (n_dev) n = n_dev[0];
     bf16* c = cache + (size_t)blockIdx.x * layer_stride;
     for (int i = 0; i < n; i++) {
         const int from = committed + path[i], to = committed + i;

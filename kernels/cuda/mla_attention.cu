@@ -23,11 +23,13 @@ constexpr int THREADS = 256;  // = the __launch_bounds__ below
 
 // q [T, Hr, C+P] bf16 (q_lat | q_pe per node and head); lat [S, C+P] bf16 (c_kv | k_pe), rows
 // [committed, committed + T) are the nodes' own; mask [T, W] u64 or null (causal over the T nodes).
+// committed_dev [1] or null: when set, the committed length is read from it (and `committed` ignored);
+// rows_per_split <= 0: ceil(S / splits) rounded up to the chunk (empty splits write m = -inf, l = 0).
 // part_o [T, splits, Hr, C] f32; part_ml [T, splits, Hr, 2] f32. grid (splits, T, ceil(Hr/16)), 256 threads.
 extern "C" __global__ void __launch_bounds__(256) kdtree_mla_attention_split_bf16(const bf16* __restrict__ q, const bf16* __restrict__ lat,
                                 const unsigned long long* __restrict__ mask, float* __restrict__ part_o,
-                                float* __restrict__ part_ml, int T, int Hr, int C, int P, int committed, int W,
-                                int rows_per_split, float scale) {
+                                float* __restrict__ part_ml, int T, int Hr, int C, int P, int committed,
+                                const int* __restrict__ committed_dev, int W, int rows_per_split, float scale) {
     __shared__ __align__(16) bf16 qs[HG * LDS];
     __shared__ __align__(16) bf16 ks[R * LDS];
     __shared__ float ps[HG * R];
@@ -42,7 +44,10 @@ extern "C" __global__ void __launch_bounds__(256) kdtree_mla_attention_split_bf1
         if (h < nh) v = *reinterpret_cast<const uint4*>(q + ((size_t)t * Hr + h0 + h) * LW + c);
         *reinterpret_cast<uint4*>(qs + h * LDS + c) = v;
     }
+    // A captured round reads the committed length from the device, and splits its rows evenly.
+    if (committed_dev) committed = committed_dev[0];
     const int S = committed + T;
+    if (rows_per_split <= 0) rows_per_split = ((S + splits - 1) / splits + R - 1) / R * R;
     const int s_begin = split * rows_per_split, s_end = min(S, s_begin + rows_per_split);
     // score thread: head sh, row sr of the chunk; accumulate thread: heads 4*ah.., columns ac..ac+8
     const int sh = tid / R, sr = tid % R;

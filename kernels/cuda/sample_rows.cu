@@ -463,7 +463,10 @@ __device__ __forceinline__ void sample_row(const float* __restrict__ logits, int
 extern "C" __global__ void __launch_bounds__(1024) kdtree_sample_rows_f32(const float* __restrict__ logits, int V, int ld,
                                                                           float temperature, float top_p, int top_k,
                                                                           unsigned long long seed, unsigned long long start,
+                                                                          const int* __restrict__ start_dev,
                                                                           const unsigned* __restrict__ depth,
                                                                           unsigned* __restrict__ out) {
+    // start_dev [1] or null: a captured round adds the committed length it reads from the device.
+    if (start_dev) start += (unsigned long long)start_dev[0];
     sample_rows::sample_row(logits, V, ld, temperature, top_p, top_k, seed, start, depth, out);
 }

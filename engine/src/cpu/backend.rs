@@ -6,7 +6,7 @@
 //! ops (bit for bit: golden/regen.sh --check). Tests: engine/tests/target_*.rs, ddtree_drafter.rs.
 
 use super::ops;
-use crate::backend::{Backend, RopeTable};
+use crate::backend::{Backend, PosOf, RopeTable};
 use crate::ddtree::{build_tree, walk_sampled, DraftTree, Visibility, Walk};
 use crate::model::cache::LatentCache;
 use crate::model::source::Slab;
@@ -29,6 +29,8 @@ pub struct CpuTree {
     pub depths: Vec<u32>,
     pub mask: Visibility,
     pub walk: Option<Walk>,
+    /// The root token `[1]` of the next build.
+    pub root: Vec<u32>,
 }
 
 /// One MoE layer's router decisions: per token (experts, weights), and per expert its (token, weight)s.
@@ -49,6 +51,8 @@ impl Backend for CpuBackend {
     type Rope = RopeTable;
     type Mask = Visibility;
     type Tree = CpuTree;
+    type Pos = usize;
+    type Graph = ();
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -88,6 +92,32 @@ impl Backend for CpuBackend {
     fn ids_from_host(&self, ids: &[u32]) -> Vec<u32> {
         ids.to_vec()
     }
+    fn ids_copy(&self, dst: &mut Vec<u32>, at: usize, src: &Vec<u32>, n: usize) {
+        dst[at..at + n].copy_from_slice(&src[..n]);
+    }
+    fn rope_at(&self, inv_freq: &Slab<f32>, factor: f64, base: PosOf<'_, Self>, offsets: Option<&Vec<u32>>, t: usize) -> RopeTable {
+        let b = match base {
+            PosOf::Kv(kv) => kv.committed,
+            PosOf::Pos(p) => *p,
+        };
+        let offs: Vec<usize> = match offsets {
+            Some(o) => o[..t].iter().map(|&d| d as usize).collect(),
+            None => (0..t).collect(),
+        };
+        RopeTable::new(inv_freq, offs.into_iter().map(|o| b + o), factor)
+    }
+    fn pos_new(&self, v: usize) -> usize {
+        v
+    }
+    fn pos_get(&self, p: &usize) -> usize {
+        *p
+    }
+    fn pos_set(&self, p: &mut usize, v: usize) {
+        *p = v;
+    }
+    fn pos_add(&self, p: &mut usize, n: usize) {
+        *p += n;
+    }
 
     fn act_from_host(&self, x: Vec<f32>) -> Vec<f32> {
         x
@@ -111,6 +141,16 @@ impl Backend for CpuBackend {
     }
     fn zeros(&self, n: usize) -> Vec<f32> {
         vec![0.0; n]
+    }
+    fn reserve_rows(&self, _x: &mut Vec<f32>, _cols: usize, _rows: usize) -> bool {
+        false // write_rows_at grows the Vec; nothing is captured on the CPU
+    }
+    fn write_rows_at(&self, dst: &mut Vec<f32>, cols: usize, at: &usize, src: &Vec<f32>, n: usize) {
+        let (from, to) = (at * cols, (at + n) * cols);
+        if dst.len() < to {
+            dst.resize(to, 0.0);
+        }
+        dst[from..to].copy_from_slice(&src[..n * cols]);
     }
 
     fn linear(&self, x: &Vec<f32>, t: usize, w: &Mat) -> Vec<f32> {
@@ -151,6 +191,12 @@ impl Backend for CpuBackend {
     }
     fn kv_committed(&self, kv: &LatentCache) -> usize {
         kv.committed
+    }
+    fn kv_reserve(&self, _kv: &mut LatentCache, _rows: usize) -> Result<()> {
+        Ok(())
+    }
+    fn kv_id(&self, _kv: &LatentCache) -> u64 {
+        0
     }
     fn kv_drop_scratch(&self, kv: &mut LatentCache) {
         kv.drop_scratch();
@@ -233,20 +279,29 @@ impl Backend for CpuBackend {
         }
         y
     }
-    fn gqa_attention(&self, q: &Vec<f32>, b: usize, ctx: (&Vec<f32>, &Vec<f32>), block: (&Vec<f32>, &Vec<f32>), heads: usize, kv_heads: usize, head_dim: usize) -> Vec<f32> {
-        ops::gqa_attention(q, b, (ctx.0, ctx.1), (block.0, block.1), heads, kv_heads, head_dim)
+    #[allow(clippy::too_many_arguments)]
+    fn gqa_attention(&self, q: &Vec<f32>, b: usize, ctx: (&Vec<f32>, &Vec<f32>), ctx_len: &usize, block: (&Vec<f32>, &Vec<f32>), heads: usize, kv_heads: usize, head_dim: usize) -> Vec<f32> {
+        let n = ctx_len * kv_heads * head_dim;
+        ops::gqa_attention(q, b, (&ctx.0[..n], &ctx.1[..n]), (block.0, block.1), heads, kv_heads, head_dim)
     }
 
     fn tree_new(&self, budget: usize, rows: usize, vocab: usize) -> Result<CpuTree> {
         let tree = DraftTree::root_only(0);
-        Ok(CpuTree { budget, rows, vocab, depths: vec![0], mask: tree.visibility.clone(), tree, walk: None })
+        Ok(CpuTree { budget, rows, vocab, depths: vec![0], mask: tree.visibility.clone(), tree, walk: None, root: vec![0] })
     }
-    fn tree_build(&self, t: &mut CpuTree, draft: &Vec<f32>, bonus: u32) -> Result<()> {
-        t.tree = build_tree(bonus, draft, t.rows, t.vocab, t.budget);
+    fn tree_build(&self, t: &mut CpuTree, draft: &Vec<f32>) -> Result<()> {
+        t.tree = build_tree(t.root[0], draft, t.rows, t.vocab, t.budget);
         t.depths = t.tree.depths.clone();
         t.mask = t.tree.visibility.clone();
         t.walk = None;
         Ok(())
+    }
+    fn tree_set_root(&self, t: &mut CpuTree, root: u32) -> Result<()> {
+        t.root[0] = root;
+        Ok(())
+    }
+    fn tree_root<'t>(&self, t: &'t CpuTree) -> &'t Vec<u32> {
+        &t.root
     }
     fn tree_tokens<'t>(&self, t: &'t CpuTree) -> &'t Vec<u32> {
         &t.tree.tokens
@@ -257,14 +312,36 @@ impl Backend for CpuBackend {
     fn tree_mask<'t>(&self, t: &'t CpuTree) -> &'t Visibility {
         &t.mask
     }
-    fn tree_walk(&self, t: &mut CpuTree, logits: &Vec<f32>, s: &crate::sampling::Sampling, start: usize) -> Result<()> {
+    fn tree_walk(&self, t: &mut CpuTree, logits: &Vec<f32>, s: &crate::sampling::Sampling, kv: &LatentCache) -> Result<()> {
         let n = t.tree.len();
         anyhow::ensure!(logits.len() >= n * t.vocab, "tree_walk: {} logits for {n} nodes x {}", logits.len(), t.vocab);
-        t.walk = Some(walk_sampled(&t.tree, &logits[..n * t.vocab], t.vocab, s, start));
+        t.walk = Some(walk_sampled(&t.tree, &logits[..n * t.vocab], t.vocab, s, kv.committed));
         Ok(())
+    }
+    fn tree_path_rows(&self, t: &CpuTree, x: &Vec<f32>, cols: usize, rows_out: usize) -> Vec<f32> {
+        let mut out = vec![0.0; rows_out * cols];
+        if let Some(w) = &t.walk {
+            for (i, &p) in w.path.iter().enumerate().take(rows_out) {
+                out[i * cols..(i + 1) * cols].copy_from_slice(&x[p * cols..(p + 1) * cols]);
+            }
+        }
+        out
+    }
+    fn tree_commit(&self, t: &mut CpuTree, kv: &mut LatentCache, ctx: &mut usize) -> Result<()> {
+        let w = t.walk.as_ref().ok_or_else(|| anyhow::anyhow!("tree_commit: no walk since the last build"))?;
+        kv.commit(&w.path)?;
+        *ctx += w.path.len();
+        t.root[0] = *w.decisions.last().ok_or_else(|| anyhow::anyhow!("tree_commit: an empty walk"))?;
+        Ok(())
+    }
+    fn tree_commit_host(&self, _t: &CpuTree, _kv: &mut LatentCache, _ctx: &mut usize, _n: usize) {
+        // tree_commit already moved the host state: the CPU has no other copy.
     }
     fn tree_result(&self, t: &CpuTree) -> Result<Walk> {
         t.walk.clone().ok_or_else(|| anyhow::anyhow!("tree_result: no walk since the last build"))
+    }
+    fn graph_run(&self, _graph: &mut Option<()>, _key: u64, body: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        body()
     }
 }
 

@@ -27,9 +27,9 @@ use super::ops::rope::RopeLayout;
 use super::ops::mla_absorb::{absorb_q, apply_uv, AbsorbDims};
 use super::ops::gqa_attention::{gqa_attention, GqaShape, GqaSplit};
 use super::ops::mla_attention::{mla_attention, MlaShape, MlaSplit};
-use super::ops::{argmax, copy_rows, embed, gather_rows, gemm_bf16, kv_compact, moe_align, moe_combine, moe_router, silu_mul, w4a16_gemm};
+use super::ops::{argmax, copy_rows, embed, gather_rows, gemm_bf16, kv_compact, moe_align, moe_combine, moe_router, round_state, silu_mul, w4a16_gemm};
 use super::{CudaError, Gpu};
-use crate::backend::{Backend, RopeTable};
+use crate::backend::{Backend, PosOf, RopeTable};
 use crate::cpu::ops::{MlaDims, Router};
 use crate::ddtree::{Visibility, Walk};
 use super::tree::{DMask, DeviceTree};
@@ -60,6 +60,8 @@ pub struct DI4 {
 /// The latent KV cache of all layers: `[layers, cap, width]` bf16; rows `[0, committed)` committed, then
 /// `scratch` rows of the last forward. Grows (doubling, copying the committed rows) when a forward needs
 /// more rows: an allocation only when the context outgrows it.
+/// `pos` is the committed length where the kernels read it (kept equal to `committed` by every host-side
+/// change; the device round advances it on the device and the host copy follows after the read back).
 pub struct DKv {
     buf: CudaSlice<bf16>,
     layers: usize,
@@ -67,6 +69,33 @@ pub struct DKv {
     cap: usize,
     committed: usize,
     scratch: usize,
+    pos: CudaSlice<i32>,
+    /// A new value whenever `buf` moves (a captured round is keyed by it).
+    id: u64,
+}
+
+/// A position counter: the device copy the kernels read and the host copy.
+pub struct DPos {
+    pub host: usize,
+    pub dev: CudaSlice<i32>,
+}
+
+/// A captured DDTree round: the graph, its key and how many kernels and cuBLAS calls it holds.
+pub struct DGraph {
+    key: u64,
+    graph: cudarc::driver::CudaGraph,
+    pub kernels: u64,
+    pub blas_calls: u64,
+}
+
+// SAFETY: CUDA graph objects may be used from any thread as long as calls on one graph are serialised
+// (CUDA driver API, graph thread safety). A DGraph is owned by one target session and only touched through
+// `&mut` (Backend::graph_run), so moving it to another thread cannot make two calls concurrent.
+unsafe impl Send for DGraph {}
+
+static NEXT_STORAGE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+fn storage_id() -> u64 {
+    NEXT_STORAGE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// One MoE layer's router decisions on the device.
@@ -87,6 +116,8 @@ pub struct DRope {
 }
 
 /// The CUDA backend: the GPU and the first error of a failed op (see the module comment).
+/// Device rounds are captured into CUDA graphs unless the GPU's switch is off ([`Gpu::set_graphs`],
+/// `KDTREE_CUDA_GRAPHS=0`); then the same ops run eagerly.
 #[derive(Clone)]
 pub struct CudaBackend {
     gpu: Arc<Gpu>,
@@ -96,6 +127,27 @@ pub struct CudaBackend {
 impl CudaBackend {
     pub fn new(gpu: Arc<Gpu>) -> CudaBackend {
         CudaBackend { gpu, err: Arc::new(Mutex::new(None)) }
+    }
+    /// [`Gpu::set_graphs`].
+    pub fn set_graphs(&self, on: bool) {
+        self.gpu.set_graphs(on);
+    }
+    pub fn graphs(&self) -> bool {
+        self.gpu.graphs()
+    }
+    /// An error when the stream is capturing a graph: storage that outlives the graph must not move inside it.
+    fn not_capturing(&self, what: &str) -> R<()> {
+        use cudarc::driver::sys::CUstreamCaptureStatus as S;
+        match self.gpu.stream.capture_status().map_err(super::drv("capture status"))? {
+            S::CU_STREAM_CAPTURE_STATUS_NONE => Ok(()),
+            _ => Err(CudaError::Shape { op: "graph capture", msg: what.to_string() }),
+        }
+    }
+    /// Writes `v` into a device counter (a host-side change of a length).
+    fn set_dev(&self, dev: &mut CudaSlice<i32>, v: usize) -> R<()> {
+        let v = i32::try_from(v).map_err(|_| CudaError::Shape { op: "position", msg: format!("{v} exceeds i32") })?;
+        super::GpuStats::bump(&self.gpu.stats.uploads);
+        self.gpu.stream.memcpy_htod(&[v], dev).map_err(super::drv("position upload"))
     }
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
@@ -153,6 +205,7 @@ impl CudaBackend {
         if rows <= kv.cap {
             return Ok(());
         }
+        self.not_capturing("the latent cache grows (reserve it before a captured round)")?;
         let cap = rows.next_power_of_two().max(256);
         let mut buf = self.gpu.zeros::<bf16>(kv.layers * cap * kv.width)?;
         let keep = kv.committed * kv.width;
@@ -165,6 +218,7 @@ impl CudaBackend {
         }
         kv.buf = buf;
         kv.cap = cap;
+        kv.id = storage_id();
         Ok(())
     }
     #[allow(clippy::too_many_arguments)]
@@ -180,15 +234,21 @@ impl CudaBackend {
         absorb_q(&self.gpu, &qb.as_view(), p, &kv_b.w.as_view(), &mut qcat.as_view_mut(), ad)?;
         // q_pe (already roped) next to q_lat: rows (t, h) of width P, from offset Dn (stride Dn+P) to C.
         copy_rows::copy_rows(&self.gpu, &qb.slice(dn..), dn + p, &mut qcat.slice_mut(c..), lw, t * hr, p)?;
+        if kv.committed + t > kv.cap {
+            return Err(CudaError::Shape { op: "mla_attention", msg: format!("{} committed + {t} rows exceed the cache's {}", kv.committed, kv.cap) });
+        }
         let s = MlaShape { t, heads: hr, kv_lora: c, rope: p, committed: kv.committed };
-        let split = MlaSplit::choose(&self.gpu, &s);
+        // The split depends on the cache's room, not on the committed length (read on the device), so a
+        // captured round and an eager forward at any length split alike.
+        let room = MlaShape { committed: kv.cap - t, ..s };
+        let split = MlaSplit { splits: MlaSplit::choose(&self.gpu, &room).splits, rows_per_split: 0 };
         let (wo, wml) = split.workspace(&s);
         let (mut po, mut pml) = (self.new_f32(wo)?, self.new_f32(wml)?);
         let mut olat = self.gpu.zeros::<bf16>(t * hr * c)?;
         let base = l * kv.cap * kv.width;
-        let lat = kv.buf.slice(base..base + (kv.committed + t) * kv.width);
-        let mview = mask.bits.as_view();
-        mla_attention(&self.gpu, &qb_view(&qcat), &lat, Some((&mview, mask.words)), &s, &split, d.scale, &mut po.as_view_mut(), &mut pml.as_view_mut(), &mut olat.as_view_mut())?;
+        let lat = kv.buf.slice(base..base + kv.cap * kv.width);
+        let (mview, pview) = (mask.bits.as_view(), kv.pos.as_view());
+        mla_attention(&self.gpu, &qb_view(&qcat), &lat, Some((&mview, mask.words)), Some(&pview), &s, &split, d.scale, &mut po.as_view_mut(), &mut pml.as_view_mut(), &mut olat.as_view_mut())?;
         let mut o = self.gpu.zeros::<bf16>(t * hr * dv)?;
         apply_uv(&self.gpu, &olat.as_view(), &kv_b.w.as_view(), &mut o.as_view_mut(), ad)?;
         self.to_f32(&o)
@@ -237,6 +297,8 @@ impl Backend for CudaBackend {
     type Rope = DRope;
     type Mask = DMask;
     type Tree = DeviceTree;
+    type Pos = DPos;
+    type Graph = DGraph;
 
     fn name(&self) -> &'static str {
         "cuda"
@@ -300,6 +362,50 @@ impl Backend for CudaBackend {
     fn ids_from_host(&self, ids: &[u32]) -> CudaSlice<u32> {
         self.run("ids_from_host", || self.gpu.upload(ids)).unwrap_or_else(|| self.empty_u32())
     }
+    fn ids_copy(&self, dst: &mut CudaSlice<u32>, at: usize, src: &CudaSlice<u32>, n: usize) {
+        self.run("ids_copy", || {
+            if at + n > dst.len() || n > src.len() {
+                return Err(CudaError::Shape { op: "ids_copy", msg: format!("{n} ids at {at} of {} from {}", dst.len(), src.len()) });
+            }
+            self.gpu.stream.memcpy_dtod(&src.slice(..n), &mut dst.slice_mut(at..at + n)).map_err(super::drv("ids_copy"))
+        });
+    }
+    fn rope_at(&self, inv_freq: &CudaSlice<f32>, factor: f64, base: PosOf<'_, Self>, offsets: Option<&CudaSlice<u32>>, t: usize) -> DRope {
+        let half = inv_freq.len();
+        self.run("rope_at", || {
+            let b = match base {
+                PosOf::Kv(kv) => kv.pos.as_view(),
+                PosOf::Pos(p) => p.dev.as_view(),
+            };
+            let (mut cos, mut sin) = (self.new_f32(t * half)?, self.new_f32(t * half)?);
+            let ov = offsets.map(|o| o.as_view());
+            round_state::rope_at(&self.gpu, &inv_freq.as_view(), factor, &b, ov.as_ref(), t, &mut cos.as_view_mut(), &mut sin.as_view_mut())?;
+            Ok(DRope { cos, sin, half, rows: t })
+        })
+        .unwrap_or_else(|| self.empty_rope(half))
+    }
+    fn pos_new(&self, v: usize) -> DPos {
+        let mut dev = self.run("pos_new", || self.gpu.zeros::<i32>(1)).unwrap_or_else(|| self.gpu.stream.alloc_zeros::<i32>(0).expect("a zero-length allocation cannot fail"));
+        if v != 0 {
+            self.run("pos_new", || self.set_dev(&mut dev, v));
+        }
+        DPos { host: v, dev }
+    }
+    fn pos_get(&self, p: &DPos) -> usize {
+        p.host
+    }
+    fn pos_set(&self, p: &mut DPos, v: usize) {
+        if p.host != v {
+            self.run("pos_set", || self.set_dev(&mut p.dev, v));
+            p.host = v;
+        }
+    }
+    fn pos_add(&self, p: &mut DPos, n: usize) {
+        if n > 0 {
+            self.run("pos_add", || round_state::pos_add(&self.gpu, &mut p.dev.as_view_mut(), n));
+            p.host += n;
+        }
+    }
 
     fn act_from_host(&self, x: Vec<f32>) -> CudaSlice<f32> {
         if x.is_empty() {
@@ -344,6 +450,30 @@ impl Backend for CudaBackend {
     }
     fn zeros(&self, n: usize) -> CudaSlice<f32> {
         self.run("zeros", || self.new_f32(n)).unwrap_or_else(|| self.empty())
+    }
+    fn reserve_rows(&self, x: &mut CudaSlice<f32>, cols: usize, rows: usize) -> bool {
+        if rows * cols <= x.len() {
+            return false;
+        }
+        // Doubling from 256 rows: a move only when the context outgrows it.
+        let cap = rows.next_power_of_two().max(256) * cols;
+        match self.run("reserve_rows", || {
+            self.not_capturing("a row cache grows (reserve it before a captured round)")?;
+            let mut y = self.new_f32(cap)?;
+            if !x.is_empty() {
+                self.gpu.stream.memcpy_dtod(&*x, &mut y.slice_mut(..x.len())).map_err(super::drv("reserve_rows"))?;
+            }
+            Ok(y)
+        }) {
+            Some(y) => {
+                *x = y;
+                true
+            }
+            None => false,
+        }
+    }
+    fn write_rows_at(&self, dst: &mut CudaSlice<f32>, cols: usize, at: &DPos, src: &CudaSlice<f32>, n: usize) {
+        self.run("write_rows_at", || round_state::store_rows_f32(&self.gpu, &mut dst.as_view_mut(), cols, &at.dev.as_view(), at.host, &src.as_view(), n));
     }
 
     fn linear(&self, x: &CudaSlice<f32>, t: usize, w: &DMat) -> CudaSlice<f32> {
@@ -430,10 +560,18 @@ impl Backend for CudaBackend {
 
     fn kv_new(&self, layers: usize, width: usize) -> DKv {
         let buf = self.run("kv_new", || self.gpu.zeros::<bf16>(0)).unwrap_or_else(|| self.gpu.stream.alloc_zeros::<bf16>(0).expect("a zero-length allocation cannot fail"));
-        DKv { buf, layers, width, cap: 0, committed: 0, scratch: 0 }
+        let pos = self.run("kv_new", || self.gpu.zeros::<i32>(1)).unwrap_or_else(|| self.gpu.stream.alloc_zeros::<i32>(0).expect("a zero-length allocation cannot fail"));
+        DKv { buf, layers, width, cap: 0, committed: 0, scratch: 0, pos, id: storage_id() }
     }
     fn kv_committed(&self, kv: &DKv) -> usize {
         kv.committed
+    }
+    fn kv_reserve(&self, kv: &mut DKv, rows: usize) -> Result<()> {
+        self.grow(kv, rows)?;
+        Ok(())
+    }
+    fn kv_id(&self, kv: &DKv) -> u64 {
+        kv.id
     }
     fn kv_drop_scratch(&self, kv: &mut DKv) {
         kv.scratch = 0;
@@ -448,8 +586,9 @@ impl Backend for CudaBackend {
             act_f32::rms_norm_f32(&self.gpu, &ckv.as_view(), w, &norm.as_view(), &mut rows.as_view_mut(), w, t, eps)?;
             let r = RopeLayout { tokens: t, heads: 1, ld_token: w, ld_head: w, offset: c, dim: w - c };
             act_f32::rope_table_f32(&self.gpu, &mut rows.as_view_mut(), &rope.cos.as_view(), &rope.sin.as_view(), r, false)?;
-            let at = (l * kv.cap + kv.committed) * w;
-            act_f32::f32_to_bf16(&self.gpu, &rows.as_view(), &mut kv.buf.slice_mut(at..at + t * w))
+            // At the committed length read on the device (a captured round replays at any length).
+            let base = l * kv.cap * w;
+            round_state::store_rows_bf16(&self.gpu, &mut kv.buf.slice_mut(base..base + kv.cap * w), w, &kv.pos.as_view(), kv.committed, &rows.as_view(), t)
         });
     }
     fn kv_set_scratch(&self, kv: &mut DKv, t: usize) {
@@ -464,6 +603,7 @@ impl Backend for CudaBackend {
         let ids: Vec<i32> = path.iter().map(|&p| p as i32).collect();
         let dpath = self.gpu.upload(&ids)?;
         kv_compact::kv_compact(&self.gpu, &mut kv.buf.as_view_mut(), kv.layers, kv.cap, kv.width, kv.committed, &dpath.as_view(), path.len())?;
+        round_state::pos_add(&self.gpu, &mut kv.pos.as_view_mut(), path.len())?;
         kv.committed += path.len();
         kv.scratch = 0;
         self.check()
@@ -472,11 +612,17 @@ impl Backend for CudaBackend {
         if len > kv.committed {
             bail!("truncate to {len}: only {} rows are committed", kv.committed);
         }
+        if len != kv.committed {
+            self.set_dev(&mut kv.pos, len)?;
+        }
         kv.committed = len;
         kv.scratch = 0;
         Ok(())
     }
     fn kv_reset(&self, kv: &mut DKv) {
+        if kv.committed != 0 {
+            self.run("kv_reset", || self.set_dev(&mut kv.pos, 0));
+        }
         kv.committed = 0;
         kv.scratch = 0;
     }
@@ -536,20 +682,23 @@ impl Backend for CudaBackend {
         })
         .unwrap_or_else(|| self.empty())
     }
-    fn gqa_attention(&self, q: &CudaSlice<f32>, b: usize, ctx: (&CudaSlice<f32>, &CudaSlice<f32>), block: (&CudaSlice<f32>, &CudaSlice<f32>), heads: usize, kv_heads: usize, head_dim: usize) -> CudaSlice<f32> {
+    #[allow(clippy::too_many_arguments)]
+    fn gqa_attention(&self, q: &CudaSlice<f32>, b: usize, ctx: (&CudaSlice<f32>, &CudaSlice<f32>), ctx_len: &DPos, block: (&CudaSlice<f32>, &CudaSlice<f32>), heads: usize, kv_heads: usize, head_dim: usize) -> CudaSlice<f32> {
         self.run("gqa_attention", || {
             let kw = kv_heads * head_dim;
-            let c = ctx.0.len().checked_div(kw).unwrap_or(0);
-            if c * kw != ctx.0.len() || ctx.1.len() != ctx.0.len() {
-                return Err(CudaError::Shape { op: "gqa_attention", msg: format!("context keys/values of {} / {} values are not C rows of Hk={kv_heads} x D={head_dim}", ctx.0.len(), ctx.1.len()) });
+            let (c, room) = (ctx_len.host, ctx.0.len().checked_div(kw).unwrap_or(0));
+            if c > room || ctx.1.len() != ctx.0.len() {
+                return Err(CudaError::Shape { op: "gqa_attention", msg: format!("context keys/values of {} / {} values hold fewer than C={c} rows of Hk={kv_heads} x D={head_dim}", ctx.0.len(), ctx.1.len()) });
             }
             let s = GqaShape { b, ctx: c, heads, kv_heads, head_dim };
-            let split = GqaSplit::choose(&self.gpu, &s);
+            // Split by the caches' room, C read on the device (as the MLA attention).
+            let split = GqaSplit { splits: GqaSplit::choose(&self.gpu, &GqaShape { ctx: room, ..s }).splits, rows_per_split: 0 };
             let (wo, wml) = split.workspace(&s);
             // Workspace and output are allocated per call (as the MLA attention's).
             let (mut po, mut pml, mut out) = (self.new_f32(wo)?, self.new_f32(wml)?, self.new_f32(b * heads * head_dim)?);
             let (kc, vc, kb, vb) = (ctx.0.as_view(), ctx.1.as_view(), block.0.as_view(), block.1.as_view());
-            gqa_attention(&self.gpu, &q.as_view(), (&kc, &vc), (&kb, &vb), &s, &split, &mut po.as_view_mut(), &mut pml.as_view_mut(), &mut out.as_view_mut())?;
+            let cv = ctx_len.dev.as_view();
+            gqa_attention(&self.gpu, &q.as_view(), (&kc, &vc), Some(&cv), (&kb, &vb), &s, &split, &mut po.as_view_mut(), &mut pml.as_view_mut(), &mut out.as_view_mut())?;
             Ok(out)
         })
         .unwrap_or_else(|| self.empty())
@@ -558,10 +707,15 @@ impl Backend for CudaBackend {
     fn tree_new(&self, budget: usize, rows: usize, vocab: usize) -> Result<DeviceTree> {
         Ok(DeviceTree::new(&self.gpu, budget, rows, vocab)?)
     }
-    fn tree_build(&self, tree: &mut DeviceTree, draft: &CudaSlice<f32>, bonus: u32) -> Result<()> {
-        tree.set_bonus(&self.gpu, bonus)?;
+    fn tree_build(&self, tree: &mut DeviceTree, draft: &CudaSlice<f32>) -> Result<()> {
         tree.build(&self.gpu, &draft.as_view(), tree.vocab)?;
         self.check()
+    }
+    fn tree_set_root(&self, tree: &mut DeviceTree, root: u32) -> Result<()> {
+        Ok(tree.set_bonus(&self.gpu, root)?)
+    }
+    fn tree_root<'t>(&self, tree: &'t DeviceTree) -> &'t CudaSlice<u32> {
+        &tree.bonus
     }
     fn tree_tokens<'t>(&self, tree: &'t DeviceTree) -> &'t CudaSlice<u32> {
         &tree.tokens
@@ -572,12 +726,68 @@ impl Backend for CudaBackend {
     fn tree_mask<'t>(&self, tree: &'t DeviceTree) -> &'t DMask {
         &tree.mask
     }
-    fn tree_walk(&self, tree: &mut DeviceTree, logits: &CudaSlice<f32>, s: &Sampling, start: usize) -> Result<()> {
-        tree.walk_sampled(&self.gpu, &logits.as_view(), tree.vocab, s, start)?;
+    fn tree_walk(&self, tree: &mut DeviceTree, logits: &CudaSlice<f32>, s: &Sampling, kv: &DKv) -> Result<()> {
+        tree.walk_sampled(&self.gpu, &logits.as_view(), tree.vocab, s, 0, Some(&kv.pos.as_view()))?;
         self.check()
+    }
+    fn tree_path_rows(&self, tree: &DeviceTree, x: &CudaSlice<f32>, cols: usize, rows_out: usize) -> CudaSlice<f32> {
+        self.run("tree_path_rows", || {
+            let mut out = self.new_f32(rows_out * cols)?;
+            let nodes = x.len().checked_div(cols).unwrap_or(0);
+            let wv = tree.walk_out.slice(..1 + rows_out.min(tree.rows + 1));
+            if rows_out > tree.rows + 1 {
+                return Err(CudaError::Shape { op: "tree_path_rows", msg: format!("{rows_out} rows for walks of up to {}", tree.rows + 1) });
+            }
+            round_state::path_rows(&self.gpu, &x.as_view(), nodes, cols, &wv, rows_out, &mut out.as_view_mut())?;
+            Ok(out)
+        })
+        .unwrap_or_else(|| self.empty())
+    }
+    fn tree_commit(&self, tree: &mut DeviceTree, kv: &mut DKv, ctx: &mut DPos) -> Result<()> {
+        let m = tree.rows + 1;
+        if kv.committed + m > kv.cap || kv.scratch < tree.budget + 1 {
+            bail!("tree_commit: {} committed + a path of up to {m} in a cache of {} rows ({} scratch rows)", kv.committed, kv.cap, kv.scratch);
+        }
+        let (n, rest) = tree.walk_out.split_at(1);
+        let path = rest.slice(..m);
+        kv_compact::kv_compact_dev(&self.gpu, &mut kv.buf.as_view_mut(), kv.layers, kv.cap, kv.width, kv.committed, &kv.pos.as_view(), &path, &n)?;
+        round_state::round_advance(&self.gpu, &tree.walk_out.as_view(), m, &mut kv.pos.as_view_mut(), Some(&mut ctx.dev.as_view_mut()), &mut tree.bonus.as_view_mut())?;
+        self.check()
+    }
+    fn tree_commit_host(&self, _tree: &DeviceTree, kv: &mut DKv, ctx: &mut DPos, n: usize) {
+        kv.committed += n;
+        kv.scratch = 0;
+        ctx.host += n;
     }
     fn tree_result(&self, tree: &DeviceTree) -> Result<Walk> {
         Ok(tree.walk_to_host(&self.gpu)?)
+    }
+    fn graph_run(&self, graph: &mut Option<DGraph>, key: u64, body: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        if !self.graphs() {
+            *graph = None;
+            return body();
+        }
+        if let Some(g) = graph.as_ref().filter(|g| g.key == key) {
+            super::GpuStats::bump(&self.gpu.stats.graph_launches);
+            g.graph.launch().map_err(super::drv("graph launch"))?;
+            return Ok(());
+        }
+        *graph = None;
+        let s = &self.gpu.stream;
+        let before = self.gpu.stats.snapshot();
+        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(super::drv("begin graph capture"))?;
+        let r = body();
+        // Always end the capture (a failed body must not leave the stream capturing).
+        let g = s.end_capture(CUgraphInstantiate_flags(0));
+        r?;
+        self.check()?;
+        let g = g.map_err(super::drv("end graph capture"))?.ok_or_else(|| anyhow::anyhow!("graph capture recorded nothing"))?;
+        let after = self.gpu.stats.snapshot();
+        super::GpuStats::bump(&self.gpu.stats.graph_launches);
+        g.launch().map_err(super::drv("graph launch"))?;
+        *graph = Some(DGraph { key, graph: g, kernels: after[0] - before[0], blas_calls: after[1] - before[1] });
+        Ok(())
     }
 
 }

@@ -72,10 +72,17 @@ pub struct Gpu {
     pub smem_per_sm: usize,
     _module: Arc<CudaModule>,
     funcs: HashMap<&'static str, CudaFunction>,
+    /// cuBLAS's workspace, set once (so a captured GEMM uses the same algorithms as an eager one).
+    _blas_workspace: CudaSlice<u8>,
+    /// Capture DDTree rounds into CUDA graphs (default on; `KDTREE_CUDA_GRAPHS=0` turns it off).
+    graphs: std::sync::atomic::AtomicBool,
     /// What this GPU was asked to do so far (kernel launches, cuBLAS calls, copies): the round tests
     /// print these per round.
     pub stats: GpuStats,
 }
+
+/// Bytes of the cuBLAS workspace (the size cuBLAS recommends for Hopper).
+const BLAS_WORKSPACE: usize = 32 << 20;
 
 /// Counters of a [`Gpu`]'s work: kernel launches (every wrapper resolves its kernel once per launch),
 /// cuBLAS calls, host-to-device copies and device-to-host reads (each read waits for the stream: a host
@@ -86,6 +93,8 @@ pub struct GpuStats {
     pub blas_calls: std::sync::atomic::AtomicU64,
     pub uploads: std::sync::atomic::AtomicU64,
     pub downloads: std::sync::atomic::AtomicU64,
+    /// CUDA graph launches (a captured device round is one).
+    pub graph_launches: std::sync::atomic::AtomicU64,
 }
 
 impl GpuStats {
@@ -138,7 +147,20 @@ impl Gpu {
         let smem_per_sm =
             ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR).map_err(drv("device attributes"))? as usize;
         let blas = CudaBlas::new(stream.clone()).map_err(|source| CudaError::Blas { op: "cublas init", source })?;
-        let gpu = Gpu { ctx, stream, blas, sms, max_smem, smem_per_sm, _module: module, funcs, stats: GpuStats::default() };
+        // cuBLAS documents that work captured into a graph needs a workspace the caller set (its own default
+        // pool may be allocated on first use, which a capture cannot do).
+        let ws = stream.alloc_zeros::<u8>(BLAS_WORKSPACE).map_err(drv("cublas workspace"))?;
+        {
+            use cudarc::driver::DevicePtr;
+            let (p, _sync) = ws.device_ptr(&stream);
+            // SAFETY: the handle is live and bound to `stream`; the workspace outlives it (both are fields of
+            // Gpu, and `_blas_workspace` is declared after `blas`, so it is dropped after the handle).
+            let st = unsafe { cudarc::cublas::sys::cublasSetWorkspace_v2(*blas.handle(), p as *mut std::ffi::c_void, BLAS_WORKSPACE) };
+            if st != cudarc::cublas::sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                return Err(CudaError::NoDevice(format!("cublasSetWorkspace: {st:?}")));
+            }
+        }
+        let gpu = Gpu { ctx, stream, blas, sms, max_smem, smem_per_sm, _module: module, funcs, _blas_workspace: ws, graphs: std::sync::atomic::AtomicBool::new(std::env::var("KDTREE_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true)), stats: GpuStats::default() };
         ops::w4a16_gemm::configure(&gpu)?;
         ops::gqa_attention::configure(&gpu)?;
         Ok(gpu)
@@ -148,6 +170,14 @@ impl Gpu {
     pub(crate) fn func(&self, name: &'static str) -> &CudaFunction {
         GpuStats::bump(&self.stats.launches);
         &self.funcs[name]
+    }
+
+    /// Whether device rounds are captured into CUDA graphs and replayed (on), or run eagerly.
+    pub fn set_graphs(&self, on: bool) {
+        self.graphs.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+    pub fn graphs(&self) -> bool {
+        self.graphs.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Device name and compute capability, e.g. "NVIDIA H200 (sm_90)".

@@ -166,13 +166,15 @@ impl DeviceTree {
     }
 
     /// Sampled decisions (`sampling::sample` of every node's row of `verify_logits` `[budget + 1, ld]` with
-    /// the uniform of position `start + depth + 1`; greedy when `s` is) and the walk over them.
-    pub fn walk_sampled(&mut self, gpu: &Gpu, verify_logits: &cudarc::driver::CudaView<'_, f32>, ld: usize, s: &crate::sampling::Sampling, start: usize) -> Result<()> {
+    /// the uniform of position `start + depth + 1`, plus `start_dev[0]` when given: the committed length on
+    /// the device; greedy when `s` is) and the walk over them.
+    #[allow(clippy::too_many_arguments)]
+    pub fn walk_sampled(&mut self, gpu: &Gpu, verify_logits: &cudarc::driver::CudaView<'_, f32>, ld: usize, s: &crate::sampling::Sampling, start: usize, start_dev: Option<&cudarc::driver::CudaView<'_, i32>>) -> Result<()> {
         if s.is_greedy() {
             return self.walk_greedy(gpu, verify_logits, ld);
         }
         let depths = self.depths.as_view();
-        sample_rows::sample_rows(gpu, verify_logits, self.budget + 1, self.vocab, ld, s, start as u64, Some(&depths), &mut self.decisions.as_view_mut())?;
+        sample_rows::sample_rows(gpu, verify_logits, self.budget + 1, self.vocab, ld, s, start as u64, start_dev, Some(&depths), &mut self.decisions.as_view_mut())?;
         self.walk(gpu)
     }
 

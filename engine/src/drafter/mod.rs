@@ -34,7 +34,7 @@ mod weights;
 pub use weights::{DraftLayer, DrafterDims, DrafterWeights};
 
 use crate::api::Drafter;
-use crate::backend::{Backend, RopeTable};
+use crate::backend::{Backend, PosOf};
 use crate::cpu::{ops, CpuBackend};
 use crate::model::source::Slab;
 use crate::model::weights::Mat;
@@ -49,6 +49,8 @@ pub trait TargetTables<B: Backend = CpuBackend>: Send + Sync {
     fn vocab_size(&self) -> usize;
     /// `embed_tokens` rows of `tokens`: [n, H].
     fn embed(&self, tokens: &[u32]) -> B::Act;
+    /// [`TargetTables::embed`] of `n` ids already where the ops run.
+    fn embed_ids(&self, ids: &B::Ids, n: usize) -> B::Act;
     /// `lm_head(x)` for x [n, H]: [n, V] logits in global vocab order.
     fn lm_head(&self, x: &B::Act, n: usize) -> B::Act;
 }
@@ -73,6 +75,9 @@ impl TargetTables for DenseTables {
     fn embed(&self, tokens: &[u32]) -> Vec<f32> {
         ops::embedding_bf16(&[&self.embed_tokens], self.hidden, tokens)
     }
+    fn embed_ids(&self, ids: &Vec<u32>, n: usize) -> Vec<f32> {
+        self.embed(&ids[..n])
+    }
     fn lm_head(&self, x: &Vec<f32>, n: usize) -> Vec<f32> {
         ops::lm_head_bf16(x, n, self.hidden, &[&self.lm_head])
     }
@@ -90,6 +95,9 @@ impl<B: Backend> TargetTables<B> for crate::model::Weights<B> {
     }
     fn embed(&self, tokens: &[u32]) -> B::Act {
         crate::model::Weights::embed(self, tokens)
+    }
+    fn embed_ids(&self, ids: &B::Ids, n: usize) -> B::Act {
+        crate::model::Weights::embed_ids(self, ids, n)
     }
     fn lm_head(&self, x: &B::Act, n: usize) -> B::Act {
         crate::model::Weights::lm_head(self, x, n)
@@ -111,11 +119,15 @@ struct Layer<B: Backend> {
     down_proj: B::Mat,
 }
 
-/// Cached context K/V of one layer (committed context only).
+/// Cached context K/V of one layer: row caches (`Backend::reserve_rows`) whose first `ctx_pos` rows are the
+/// committed context; rows after it are scratch (a device round writes a padded block there).
 struct LayerCache<B: Backend> {
-    k: B::Act, // [C, Hk*D] after k_norm and RoPE
-    v: B::Act, // [C, Hk*D]
+    k: B::Act, // [>= C, Hk*D] after k_norm and RoPE
+    v: B::Act, // [>= C, Hk*D]
 }
+
+/// Distinct drafters (a captured round is keyed by the drafter it drafted with).
+static NEXT_UID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 /// A DFlash drafter session on backend `B`.
 pub struct DFlashDrafter<B: Backend = CpuBackend> {
@@ -126,10 +138,16 @@ pub struct DFlashDrafter<B: Backend = CpuBackend> {
     norm: B::Vector,         // [H]
     layers: Vec<Layer<B>>,
     tables: Arc<dyn TargetTables<B>>,
-    inv_freq: Vec<f32>, // [D/2]
+    inv_freq: B::VectorF32, // [D/2], where the ops read it
     attention_factor: f64,
     cache: Vec<LayerCache<B>>,
-    ctx_len: usize,
+    /// Committed context rows, where the ops read it and on the host.
+    ctx_pos: B::Pos,
+    /// `[bonus, mask × (B−1)]` of the device round (slot 0 copied from the tree's root).
+    block_ids: B::Ids,
+    /// This drafter, and a count of its caches' moves (both key a captured round).
+    uid: u64,
+    moves: u64,
 }
 
 impl DFlashDrafter<CpuBackend> {
@@ -183,10 +201,14 @@ impl<B: Backend> DFlashDrafter<B> {
             });
         }
         let (fc, hidden_norm, norm) = (mat(w.fc, h, dims.n_taps * h)?, vector(w.hidden_norm)?, vector(w.norm)?);
-        let inv_freq = ops::yarn_inv_freq(dims.head_dim, cfg.rope_theta, cfg.rope_scaling.as_ref());
+        let inv_freq = b.upload_vector_f32(Slab::Owned(ops::yarn_inv_freq(dims.head_dim, cfg.rope_theta, cfg.rope_scaling.as_ref())))?;
         let attention_factor = ops::yarn_attention_factor(cfg.rope_scaling.as_ref());
         let cache = (0..dims.layers).map(|_| LayerCache { k: b.act_from_host(Vec::new()), v: b.act_from_host(Vec::new()) }).collect();
-        Ok(DFlashDrafter { b, dims, fc, hidden_norm, norm, layers, tables, inv_freq, attention_factor, cache, ctx_len: 0 })
+        let mut ids = vec![dims.mask_token_id; dims.block];
+        ids[0] = 0;
+        let (ctx_pos, block_ids) = (b.pos_new(0), b.ids_from_host(&ids));
+        let uid = NEXT_UID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(DFlashDrafter { b, dims, fc, hidden_norm, norm, layers, tables, inv_freq, attention_factor, cache, ctx_pos, block_ids, uid, moves: 0 })
     }
     pub fn dims(&self) -> &DrafterDims {
         &self.dims
@@ -195,42 +217,84 @@ impl<B: Backend> DFlashDrafter<B> {
         self.attention_factor
     }
 
-    /// [`Drafter::extend_context`] from taps `[n, n_taps·H]` already where the ops run (the device round).
+    /// [`Drafter::extend_context`] from taps `[n, n_taps·H]` already where the ops run. Up to a block of
+    /// rows is padded to the block (zero taps), the device round's fixed shape, so both compute the same.
     pub fn extend_context_act(&mut self, taps: &B::Act, n: usize) -> Result<()> {
-        let DrafterDims { kv_heads, eps, .. } = self.dims;
         if n == 0 {
             return Ok(());
         }
-        let b = &self.b;
-        let ctx = b.rms_norm(&b.linear(taps, n, &self.fc), &self.hidden_norm, eps); // [n, H]
-        let rope = b.rope_upload(RopeTable::new(&self.inv_freq, self.ctx_len..self.ctx_len + n, self.attention_factor));
-        for (lw, c) in self.layers.iter().zip(self.cache.iter_mut()) {
-            let k = b.head_norm_rope_neox(&b.linear(&ctx, n, &lw.k_proj), &lw.k_norm, eps, kv_heads, &rope); // [n, Hk*D]
-            let v = b.linear(&ctx, n, &lw.v_proj); // [n, Hk*D]
-            b.append_rows(&mut c.k, &k);
-            b.append_rows(&mut c.v, &v);
-        }
-        self.ctx_len += n;
-        b.check()
+        let rows = n.max(self.dims.block);
+        let tw = self.dims.n_taps * self.dims.hidden;
+        let padded;
+        let taps = if rows > n {
+            let mut p = self.b.zeros(rows * tw);
+            self.b.set_cols(&mut p, tw, 0, taps, tw, n);
+            padded = p;
+            &padded
+        } else {
+            taps
+        };
+        self.reserve_context(rows);
+        self.write_context(taps, rows);
+        self.b.pos_add(&mut self.ctx_pos, n);
+        self.b.check()
     }
 
-    /// [`Drafter::draft`] leaving the logits `[B−1, V]` where the ops run (the device round).
-    pub fn draft_act(&mut self, bonus: u32, start: usize) -> Result<B::Act> {
-        let DrafterDims { hidden: h, heads, kv_heads, head_dim, block: bl, mask_token_id, eps, .. } = self.dims;
-        if start != self.ctx_len {
-            bail!("draft: block starts at {start} but the drafter context holds {} positions", self.ctx_len);
+    /// Room for `rows` context rows after the committed ones (outside a captured round).
+    pub fn reserve_context(&mut self, rows: usize) {
+        let (b, kw) = (&self.b, self.dims.kv_heads * self.dims.head_dim);
+        let need = b.pos_get(&self.ctx_pos) + rows;
+        for c in &mut self.cache {
+            let moved = b.reserve_rows(&mut c.k, kw, need) | b.reserve_rows(&mut c.v, kw, need);
+            self.moves += moved as u64;
         }
+    }
+
+    /// Context K/V of taps `[rows, n_taps·H]` at positions `ctx_pos..ctx_pos + rows`, written after the
+    /// committed rows (room reserved); the committed length is not advanced.
+    pub fn write_context(&mut self, taps: &B::Act, rows: usize) {
+        let DrafterDims { kv_heads, head_dim, eps, .. } = self.dims;
         let b = &self.b;
+        let ctx = b.rms_norm(&b.linear(taps, rows, &self.fc), &self.hidden_norm, eps); // [rows, H]
+        let rope = b.rope_at(&self.inv_freq, self.attention_factor, PosOf::Pos(&self.ctx_pos), None, rows);
+        for (lw, c) in self.layers.iter().zip(self.cache.iter_mut()) {
+            let k = b.head_norm_rope_neox(&b.linear(&ctx, rows, &lw.k_proj), &lw.k_norm, eps, kv_heads, &rope); // [rows, Hk*D]
+            let v = b.linear(&ctx, rows, &lw.v_proj); // [rows, Hk*D]
+            b.write_rows_at(&mut c.k, kv_heads * head_dim, &self.ctx_pos, &k, rows);
+            b.write_rows_at(&mut c.v, kv_heads * head_dim, &self.ctx_pos, &v, rows);
+        }
+    }
+
+    /// [`Drafter::draft`] leaving the logits `[B−1, V]` where the ops run.
+    pub fn draft_act(&mut self, bonus: u32, start: usize) -> Result<B::Act> {
+        let DrafterDims { block: bl, mask_token_id, .. } = self.dims;
+        if start != self.context_len() {
+            bail!("draft: block starts at {start} but the drafter context holds {} positions", self.context_len());
+        }
         let mut ids = vec![mask_token_id; bl];
         ids[0] = bonus;
-        let rope = b.rope_upload(RopeTable::new(&self.inv_freq, start..start + bl, self.attention_factor));
-        let mut x = self.tables.embed(&ids); // [B, H]
+        let ids = self.b.ids_from_host(&ids);
+        self.draft_ids(&ids)
+    }
+
+    /// The device round's draft: the block's bonus is the root token `root` `[1]` where the ops read it.
+    pub fn draft_from_root(&mut self, root: &B::Ids) -> Result<B::Act> {
+        self.b.ids_copy(&mut self.block_ids, 0, root, 1);
+        self.draft_ids(&self.block_ids)
+    }
+
+    /// The block of `ids` `[B]` at positions `ctx_pos..ctx_pos + B`: logits `[B−1, V]` of block rows 1..B−1.
+    fn draft_ids(&self, ids: &B::Ids) -> Result<B::Act> {
+        let DrafterDims { hidden: h, heads, kv_heads, head_dim, block: bl, eps, .. } = self.dims;
+        let b = &self.b;
+        let rope = b.rope_at(&self.inv_freq, self.attention_factor, PosOf::Pos(&self.ctx_pos), None, bl);
+        let mut x = self.tables.embed_ids(ids, bl); // [B, H]
         for (lw, c) in self.layers.iter().zip(&self.cache) {
             let hn = b.rms_norm(&x, &lw.input_layernorm, eps); // [B, H]
             let q = b.head_norm_rope_neox(&b.linear(&hn, bl, &lw.q_proj), &lw.q_norm, eps, heads, &rope); // [B, Hq*D]
             let kb = b.head_norm_rope_neox(&b.linear(&hn, bl, &lw.k_proj), &lw.k_norm, eps, kv_heads, &rope); // [B, Hk*D]
             let vb = b.linear(&hn, bl, &lw.v_proj); // [B, Hk*D]
-            let att = b.gqa_attention(&q, bl, (&c.k, &c.v), (&kb, &vb), heads, kv_heads, head_dim); // [B, Hq*D]
+            let att = b.gqa_attention(&q, bl, (&c.k, &c.v), &self.ctx_pos, (&kb, &vb), heads, kv_heads, head_dim); // [B, Hq*D]
             b.add(&mut x, &b.linear(&att, bl, &lw.o_proj));
             let hn = b.rms_norm(&x, &lw.post_attention_layernorm, eps);
             let g = b.linear(&hn, bl, &lw.gate_proj); // [B, I]
@@ -242,6 +306,17 @@ impl<B: Backend> DFlashDrafter<B> {
         b.check()?;
         Ok(logits)
     }
+
+    /// The committed context length where the ops read it (the device round's commit advances it).
+    pub fn context_pos_mut(&mut self) -> &mut B::Pos {
+        &mut self.ctx_pos
+    }
+
+    /// Identifies this drafter and its caches' storage: a captured round that drafted with it stays valid
+    /// while this does not change.
+    pub fn capture_key(&self) -> (u64, u64) {
+        (self.uid, self.moves)
+    }
 }
 
 impl<B: Backend> Drafter for DFlashDrafter<B> {
@@ -250,7 +325,7 @@ impl<B: Backend> Drafter for DFlashDrafter<B> {
     }
 
     fn context_len(&self) -> usize {
-        self.ctx_len
+        self.b.pos_get(&self.ctx_pos)
     }
 
     fn extend_context(&mut self, taps: &[f32], n: usize) -> Result<()> {
@@ -273,22 +348,15 @@ impl<B: Backend> Drafter for DFlashDrafter<B> {
     }
 
     fn truncate_context(&mut self, len: usize) -> Result<()> {
-        ensure!(len <= self.ctx_len, "truncate_context to {len}: the context holds {} positions", self.ctx_len);
-        let kw = self.dims.kv_heads * self.dims.head_dim;
-        for c in &mut self.cache {
-            self.b.truncate(&mut c.k, len * kw);
-            self.b.truncate(&mut c.v, len * kw);
-        }
-        self.ctx_len = len;
+        let have = self.context_len();
+        ensure!(len <= have, "truncate_context to {len}: the context holds {have} positions");
+        // Rows past the committed length are scratch: only the length moves (the storage stays).
+        self.b.pos_set(&mut self.ctx_pos, len);
         Ok(())
     }
 
     fn reset(&mut self) {
-        for c in &mut self.cache {
-            self.b.truncate(&mut c.k, 0);
-            self.b.truncate(&mut c.v, 0);
-        }
-        self.ctx_len = 0;
+        self.b.pos_set(&mut self.ctx_pos, 0);
     }
     fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         Some(self)

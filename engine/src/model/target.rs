@@ -20,7 +20,7 @@ use crate::api::{DeviceRound, Drafter, LogitRows, StepOut, Target, TargetInfo};
 use crate::ddtree::tree_is_full;
 use crate::drafter::DFlashDrafter;
 use crate::sampling::Sampling;
-use crate::backend::{Backend, RopeTable};
+use crate::backend::{Backend, PosOf, RopeTable};
 use crate::cpu::CpuBackend;
 use anyhow::{ensure, Result};
 use std::sync::Arc;
@@ -34,8 +34,27 @@ pub struct TargetModel<B: Backend> {
     trace: Option<Trace>,
     /// Parents of the last forward's nodes (commit checks the path against them).
     last_parents: Vec<i32>,
-    /// The device round's tree workspace and the budget it was made for.
-    tree: Option<(usize, B::Tree)>,
+    /// The device round's tree workspace, the budget it was made for and its captured round.
+    round: Option<RoundSlot<B>>,
+    /// The tree's root token where the ops read it, when known to be the last round's bonus (no other
+    /// target op since): the next round needs no upload.
+    dev_root: Option<u32>,
+}
+
+/// One budget's device-round state: the tree workspace and the round captured over it (with its key).
+struct RoundSlot<B: Backend> {
+    budget: usize,
+    tree: B::Tree,
+    graph: Option<B::Graph>,
+}
+
+/// A captured round replays only for the same budget, sampling parameters and storage of every buffer it
+/// reads (the latent cache, the drafter and its caches): their hash.
+fn round_key(budget: usize, s: &Sampling, kv: u64, drafter: (u64, u64)) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (budget, s.temperature.to_bits(), s.top_p.to_bits(), s.top_k, s.seed, kv, drafter).hash(&mut h);
+    h.finish()
 }
 
 /// The target on the CPU reference backend.
@@ -50,7 +69,7 @@ impl<B: Backend> TargetModel<B> {
         let info =
             TargetInfo { vocab_size: c.vocab, hidden_size: c.hidden, num_layers: c.layers, max_positions: c.max_positions, tap_layers };
         let cache = w.backend.kv_new(c.layers, c.latent_width());
-        Ok(TargetModel { w, info, cache, mode, trace: None, last_parents: Vec::new(), tree: None })
+        Ok(TargetModel { w, info, cache, mode, trace: None, last_parents: Vec::new(), round: None, dev_root: None })
     }
     pub fn weights(&self) -> &Arc<Weights<B>> {
         &self.w
@@ -88,17 +107,15 @@ impl<B: Backend> TargetModel<B> {
     }
 
     /// The verify forward of the device round: the `t` nodes of `tree` (tokens, depths and mask where the
-    /// ops run; nothing read back), at positions `committed + depth`. Returns the logits `[t, V]` and the
-    /// taps `[t, n_taps·H]` (empty without tap layers), both where the ops run; `commit` then takes the
-    /// walked path (its parents are the tree's, checked by the caller's walk).
+    /// ops run; nothing read back), at positions `committed + depth` (committed read where the ops run).
+    /// Returns the logits `[t, V]` and the taps `[t, n_taps·H]` (empty without tap layers), both where the
+    /// ops run.
     pub fn forward_tree(&mut self, tree: &B::Tree, t: usize, depth_limit: usize) -> Result<(B::Act, B::Act)> {
         let w = self.w.clone();
         let (b, c) = (&w.backend, &w.cfg);
         let committed = b.kv_committed(&self.cache);
         ensure!(committed + depth_limit < c.max_positions, "forward: position {} >= max_positions {}", committed + depth_limit, c.max_positions);
-        // Node i sits at committed + depth[i]: the table of the depth_limit + 1 positions, gathered by depth.
-        let table = RopeTable::new(&c.inv_freq, committed..=committed + depth_limit, c.rope_attention_factor);
-        let rope = b.rope_gather(&table, b.tree_depths(tree), t);
+        let rope = b.rope_at(&w.rope_inv, c.rope_attention_factor, PosOf::Kv(&self.cache), Some(b.tree_depths(tree)), t);
         let (x, taps) = self.layers(w.embed_ids(b.tree_tokens(tree), t), t, b.tree_mask(tree), &rope);
         self.last_parents.clear();
         let logits = w.lm_head(&w.final_norm(&x), t);
@@ -106,41 +123,68 @@ impl<B: Backend> TargetModel<B> {
         Ok((logits, taps.unwrap_or_else(|| b.zeros(0))))
     }
 
-    /// Commit a walked root-to-node `path` of the last [`TargetModel::forward_tree`] (the device round's
-    /// commit; the caller checked the path against the tree).
-    pub fn commit_tree(&mut self, path: &[usize]) -> Result<()> {
-        self.w.backend.kv_compact(&mut self.cache, path)
-    }
-
-    /// The device round (see [`Target::device_round`]) with the tree workspace `tree` (budget `budget`).
-    fn run_round(&mut self, tree: &mut B::Tree, d: &mut DFlashDrafter<B>, root: u32, budget: usize, s: &Sampling) -> Result<DeviceRound> {
+    /// The device round (see [`Target::device_round`]) in `slot` (budget `budget`): the round's ops run as
+    /// one captured graph where the backend captures (`Backend::graph_run`), replayed while nothing it reads
+    /// moved; the host reads the walk once, then moves its own copies of the lengths.
+    fn run_round(&mut self, slot: &mut RoundSlot<B>, d: &mut DFlashDrafter<B>, root: u32, budget: usize, s: &Sampling) -> Result<DeviceRound> {
         let w = self.w.clone();
         let b = &w.backend;
         let start = b.kv_committed(&self.cache);
         ensure!(d.context_len() == start, "drafter context {} != target committed {start}", d.context_len());
-        let rows = d.block_size() - 1;
-        let draft = d.draft_act(root, start)?; // [rows, V], stays where the ops run
-        b.tree_build(tree, &draft, root)?;
-        let t = budget + 1;
-        let (logits, taps) = self.forward_tree(tree, t, rows)?;
-        b.tree_walk(tree, &logits, s, start)?;
-        let walk = b.tree_result(tree)?; // the round's one read back
-        let p = &walk.path;
+        let (rows, t) = (d.block_size() - 1, budget + 1);
+        // Outside the round: room for its rows (nothing grows inside), and the root where the ops read it.
+        b.kv_reserve(&mut self.cache, start + t)?;
+        d.reserve_context(rows + 1);
+        if self.dev_root != Some(root) {
+            b.tree_set_root(&mut slot.tree, root)?;
+        }
+        self.dev_root = None;
+        let key = round_key(budget, s, b.kv_id(&self.cache), d.capture_key());
+        let tree = &mut slot.tree;
+        b.graph_run(&mut slot.graph, key, &mut || {
+            let draft = d.draft_from_root(b.tree_root(tree))?; // [rows, V]
+            b.tree_build(tree, &draft)?;
+            let (logits, taps) = self.forward_tree(tree, t, rows)?;
+            self.walk_tree(tree, &logits, s)?;
+            self.commit_walk(tree, d, &taps)
+        })?;
+        let walk = self.read_walk(&mut slot.tree, d, t)?;
+        Ok(DeviceRound { walk, drafted: budget, draft_rows: rows })
+    }
+
+    /// The device round's decisions and walk over the verify `logits` (sampling positions from the committed
+    /// length where the ops run).
+    pub fn walk_tree(&mut self, tree: &mut B::Tree, logits: &B::Act, s: &Sampling) -> Result<()> {
+        self.w.backend.tree_walk(tree, logits, s, &self.cache)
+    }
+
+    /// The device round's commit, where the ops run: the drafter's context gets the accepted nodes' taps (the
+    /// path's rows of `taps`, padded to a block), the latent cache keeps the path, both lengths advance by the
+    /// walk's length and the tree's root becomes the bonus. The host copies follow in
+    /// [`TargetModel::read_walk`].
+    pub fn commit_walk(&mut self, tree: &mut B::Tree, d: &mut DFlashDrafter<B>, taps: &B::Act) -> Result<()> {
+        let b = &self.w.backend;
+        let (m, tw) = (d.block_size(), self.info.tap_layers.len() * self.info.hidden_size);
+        let acc = b.tree_path_rows(tree, taps, tw, m);
+        d.write_context(&acc, m);
+        b.tree_commit(tree, &mut self.cache, d.context_pos_mut())?;
+        b.check()
+    }
+
+    /// The round's one read back (the walk of a `t`-node tree), checked, then the host copies of the lengths
+    /// advance.
+    pub fn read_walk(&mut self, tree: &mut B::Tree, d: &mut DFlashDrafter<B>, t: usize) -> Result<crate::ddtree::Walk> {
+        let b = self.w.backend.clone();
+        let walk = b.tree_result(tree)?;
+        let (p, rows) = (&walk.path, d.block_size() - 1);
         ensure!(
             !p.is_empty() && p[0] == 0 && p.len() <= rows + 1 && p.windows(2).all(|x| x[0] < x[1]) && p[p.len() - 1] < t && walk.decisions.len() == p.len(),
             "device walk: path {p:?} with {} decisions is not a root-to-node path of a {t}-node tree",
             walk.decisions.len()
         );
-        self.commit_tree(p)?;
-        // The drafter's context grows by the accepted nodes' taps (rows of the path, where the ops run).
-        let tw = self.info.tap_layers.len() * self.info.hidden_size;
-        let mut acc = b.rows(&taps, tw, p[0], p[0] + 1);
-        for &n in &p[1..] {
-            b.append_rows(&mut acc, &b.rows(&taps, tw, n, n + 1));
-        }
-        d.extend_context_act(&acc, p.len())?;
-        b.check()?;
-        Ok(DeviceRound { walk, drafted: budget, draft_rows: rows })
+        b.tree_commit_host(tree, &mut self.cache, d.context_pos_mut(), p.len());
+        self.dev_root = walk.decisions.last().copied();
+        Ok(walk)
     }
 }
 
@@ -153,6 +197,7 @@ impl<B: Backend> Target for TargetModel<B> {
     }
 
     fn forward_rows(&mut self, tokens: &[u32], parents: &[i32], rows: LogitRows) -> Result<StepOut> {
+        self.dev_root = None;
         let w = self.w.clone();
         let (b, c) = (&w.backend, &w.cfg);
         let t = tokens.len();
@@ -191,6 +236,7 @@ impl<B: Backend> Target for TargetModel<B> {
     }
 
     fn commit(&mut self, path: &[usize]) -> Result<()> {
+        self.dev_root = None;
         let n = self.last_parents.len();
         for (k, &node) in path.iter().enumerate() {
             ensure!(node < n, "commit: path[{k}] = {node} but the last forward had {n} nodes");
@@ -207,12 +253,14 @@ impl<B: Backend> Target for TargetModel<B> {
     }
 
     fn truncate(&mut self, len: usize) -> Result<()> {
+        self.dev_root = None;
         self.w.backend.kv_truncate(&mut self.cache, len)?;
         self.last_parents.clear();
         Ok(())
     }
 
     fn reset(&mut self) {
+        self.dev_root = None;
         self.w.backend.kv_reset(&mut self.cache);
         self.last_parents.clear();
     }
@@ -233,14 +281,21 @@ impl<B: Backend> Target for TargetModel<B> {
         if self.trace.is_some() || rows == 0 || budget == 0 || start + rows >= max || self.info.tap_layers.is_empty() || !tree_is_full(budget, rows, v) {
             return None;
         }
-        let mut tree = match self.tree.take() {
-            Some((b, tree)) if b == budget => tree,
+        let mut slot = match self.round.take() {
+            Some(slot) if slot.budget == budget => slot,
             // A backend whose tree kernels cannot hold this shape (e.g. a budget over the device builder's
             // 2048) leaves the round to the host.
-            _ => self.w.backend.tree_new(budget, rows, v).ok()?,
+            _ => {
+                self.dev_root = None; // a new tree holds no root yet
+                RoundSlot { budget, tree: self.w.backend.tree_new(budget, rows, v).ok()?, graph: None }
+            }
         };
-        let r = self.run_round(&mut tree, d, root, budget, s);
-        self.tree = Some((budget, tree));
+        let r = self.run_round(&mut slot, d, root, budget, s);
+        if r.is_err() {
+            slot.graph = None;
+            self.dev_root = None;
+        }
+        self.round = Some(slot);
         Some(r)
     }
 }

@@ -117,6 +117,8 @@ pub struct Weights<B: Backend = CpuBackend> {
     pub backend: B,
     pub cfg: ModelConfig,
     pub ranks: Vec<RankWeights<B>>,
+    /// `cfg.inv_freq` where the ops read it (`Backend::rope_at` of the device round).
+    pub rope_inv: B::VectorF32,
 }
 
 /// Loader context of one rank: the source and helpers that check shape and split, then upload.
@@ -218,7 +220,8 @@ impl<B: Backend> Weights<B> {
         let ranks = (0..r)
             .map(|rank| load_rank(&Ld { b: &b, owner: &src, r, rank }, &cfg, prefix, t.tie_word_embeddings, t.topk_method.as_deref()))
             .collect::<Result<Vec<_>>>()?;
-        Ok(Weights { backend: b, cfg, ranks })
+        let rope_inv = b.upload_vector_f32(Slab::Owned(cfg.inv_freq.clone()))?;
+        Ok(Weights { backend: b, cfg, ranks, rope_inv })
     }
 
     /// `embed_tokens` rows of `tokens`: `[n, H]`, each looked up on the rank owning its vocab slice.

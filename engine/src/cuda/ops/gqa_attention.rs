@@ -84,12 +84,15 @@ pub(crate) fn configure(gpu: &Gpu) -> Result<()> {
 /// Preconditions (checked, errors name the numbers): Hk > 0, Hq a multiple of Hk, 1 <= D <= 256, every
 /// buffer long enough for the shape, the split covering the S rows in multiples of 16; B = 0 writes nothing.
 /// Workspace: `part_o`, `part_ml` of [`GqaSplit::workspace`] (the caller's; the backend allocates them per
-/// call). Launch contract: two kernels, no allocation, no host sync, graph-capturable for fixed shapes.
+/// call). `ctx_dev` (`[1]` i32) makes the kernel read C there (a captured round); `s.ctx` must then be its
+/// current value and `split` may have `rows_per_split == 0` (the kernel splits the rows evenly).
+/// Launch contract: two kernels, no allocation, no host sync, graph-capturable for fixed shapes.
 #[allow(clippy::too_many_arguments)]
 pub fn gqa_attention(
     gpu: &Gpu,
     q: &CudaView<'_, f32>,
     (kc, vc): (&CudaView<'_, f32>, &CudaView<'_, f32>),
+    ctx_dev: Option<&CudaView<'_, i32>>,
     (kb, vb): (&CudaView<'_, f32>, &CudaView<'_, f32>),
     s: &GqaShape,
     split: &GqaSplit,
@@ -100,11 +103,16 @@ pub fn gqa_attention(
     let (hq, hk, d) = (s.heads, s.kv_heads, s.head_dim);
     ensure(OP, hk > 0 && hq > 0 && hq % hk == 0, || format!("heads={hq} is not a positive multiple of kv_heads={hk}"))?;
     ensure(OP, (1..=MAX_HEAD_DIM).contains(&d), || format!("head_dim={d} outside the kernel's 1..={MAX_HEAD_DIM}"))?;
-    ensure(OP, split.rows_per_split.is_multiple_of(ROWS_PER_CHUNK) && split.rows_per_split > 0 && split.splits > 0, || {
-        format!("{} splits x rows_per_split={}: need >= 1 split of a positive multiple of {ROWS_PER_CHUNK} rows", split.splits, split.rows_per_split)
+    let even = split.rows_per_split == 0;
+    ensure(OP, !even || ctx_dev.is_some(), || "rows_per_split = 0 (even split in the kernel) needs the device context length".into())?;
+    ensure(OP, split.rows_per_split.is_multiple_of(ROWS_PER_CHUNK) && split.splits > 0, || {
+        format!("{} splits x rows_per_split={}: need >= 1 split of a multiple of {ROWS_PER_CHUNK} rows", split.splits, split.rows_per_split)
     })?;
     let rows = s.ctx + s.b;
-    ensure(OP, split.splits * split.rows_per_split >= rows, || format!("{} splits x {} rows do not cover C={} + B={} rows", split.splits, split.rows_per_split, s.ctx, s.b))?;
+    ensure(OP, even || split.splits * split.rows_per_split >= rows, || format!("{} splits x {} rows do not cover C={} + B={} rows", split.splits, split.rows_per_split, s.ctx, s.b))?;
+    if let Some(c) = ctx_dev {
+        need_len(OP, "ctx_dev", c.len(), 1)?;
+    }
     let (qw, kw) = (hq * d, hk * d);
     need_len(OP, "q", q.len(), s.b * qw)?;
     need_len(OP, "kc", kc.len(), s.ctx * kw)?;
@@ -128,7 +136,13 @@ pub fn gqa_attention(
     let scale = (d as f32).powf(-0.5); // as the twin
     let mut b = gpu.stream.launch_builder(gpu.func(SPLIT));
     b.arg(q).arg(kc).arg(vc).arg(kb).arg(vb).arg(&mut *part_o).arg(&mut *part_ml);
-    b.arg(&bi).arg(&ci).arg(&hqi).arg(&hki).arg(&di).arg(&rps).arg(&scale);
+    let null: u64 = 0;
+    b.arg(&bi).arg(&ci);
+    match ctx_dev {
+        Some(d) => b.arg(d),
+        None => b.arg(&null),
+    };
+    b.arg(&hqi).arg(&hki).arg(&di).arg(&rps).arg(&scale);
     let grid = (split.splits as u32, hk as u32, tiles as u32);
     // SAFETY: every buffer the kernel reads or writes was length-checked above for these shapes (the
     // context buffers are not read when C = 0); the dynamic shared memory is at most what `configure` allowed.

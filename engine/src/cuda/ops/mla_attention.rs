@@ -55,6 +55,9 @@ impl MlaSplit {
 /// u64 per node; bit j of row i = node j is i or an ancestor of i), or, with no mask, `j <= t` (causal
 /// prefill). `q` `[T, Hr, C+P]` bf16 (q_lat | q_pe), `lat` `[>= committed + T, C+P]` bf16 (c_kv | k_pe),
 /// `out` `[T, Hr, C]` bf16. Every node must see at least one row (itself: the mask's diagonal).
+/// `committed_dev` (`[1]` i32) makes the kernel read the committed length there (a captured round replays
+/// at any length); `s.committed` must then be its current value (the checks use it) and `split` may have
+/// `rows_per_split == 0`: the kernel splits the rows it finds evenly over `split.splits`.
 /// Launch contract: two kernels, no allocation, no host sync, graph-capturable for fixed shapes.
 #[allow(clippy::too_many_arguments)]
 pub fn mla_attention(
@@ -62,6 +65,7 @@ pub fn mla_attention(
     q: &CudaView<'_, bf16>,
     lat: &CudaView<'_, bf16>,
     mask: Option<(&CudaView<'_, u64>, usize)>,
+    committed_dev: Option<&CudaView<'_, i32>>,
     s: &MlaShape,
     split: &MlaSplit,
     scale: f32,
@@ -72,9 +76,14 @@ pub fn mla_attention(
     let lw = s.kv_lora + s.rope;
     ensure(OP, s.kv_lora.is_multiple_of(8) && s.rope.is_multiple_of(8) && s.kv_lora > 0, || format!("kv_lora={} and rope={} must be multiples of 8", s.kv_lora, s.rope))?;
     ensure(OP, s.kv_lora <= 512 && lw <= 576, || format!("kv_lora={} + rope={} exceeds the kernel's 512 + 64", s.kv_lora, s.rope))?;
-    ensure(OP, split.rows_per_split.is_multiple_of(ROWS_PER_CHUNK) && split.rows_per_split > 0, || format!("rows_per_split={} is not a positive multiple of {ROWS_PER_CHUNK}", split.rows_per_split))?;
+    let even = split.rows_per_split == 0;
+    ensure(OP, !even || committed_dev.is_some(), || "rows_per_split = 0 (even split in the kernel) needs the device committed length".into())?;
+    ensure(OP, split.rows_per_split.is_multiple_of(ROWS_PER_CHUNK) && split.splits > 0, || format!("rows_per_split={} is not a multiple of {ROWS_PER_CHUNK}", split.rows_per_split))?;
     let rows = s.committed + s.t;
-    ensure(OP, split.splits * split.rows_per_split >= rows, || format!("{} splits x {} rows do not cover {rows} rows", split.splits, split.rows_per_split))?;
+    ensure(OP, even || split.splits * split.rows_per_split >= rows, || format!("{} splits x {} rows do not cover {rows} rows", split.splits, split.rows_per_split))?;
+    if let Some(c) = committed_dev {
+        need_len(OP, "committed_dev", c.len(), 1)?;
+    }
     need_len(OP, "q", q.len(), s.t * s.heads * lw)?;
     need_len(OP, "lat", lat.len(), rows * lw)?;
     let (wo, wml) = split.workspace(s);
@@ -103,7 +112,12 @@ pub fn mla_attention(
         Some((m, _)) => b.arg(m),
         None => b.arg(&null),
     };
-    b.arg(&mut *part_o).arg(&mut *part_ml).arg(&t).arg(&hr).arg(&c).arg(&p).arg(&committed).arg(&w).arg(&rps).arg(&scale);
+    b.arg(&mut *part_o).arg(&mut *part_ml).arg(&t).arg(&hr).arg(&c).arg(&p).arg(&committed);
+    match committed_dev {
+        Some(d) => b.arg(d),
+        None => b.arg(&null),
+    };
+    b.arg(&w).arg(&rps).arg(&scale);
     // SAFETY: every buffer the kernel reads or writes was length-checked above for these shapes; the mask
     // argument is a device pointer or 0 (the kernel's causal case).
     unsafe { b.launch(launch_cfg(grid, 256, 0)) }.map_err(drv(OP))?;

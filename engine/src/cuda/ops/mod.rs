@@ -21,6 +21,7 @@ pub mod moe_router;
 pub mod residual_add;
 pub mod rms_norm;
 pub mod rope;
+pub mod round_state;
 pub mod sample_rows;
 pub mod silu_mul;
 pub mod topk_logprobs;

@@ -31,6 +31,7 @@ pub fn sample_rows(
     ld: usize,
     s: &Sampling,
     start: u64,
+    start_dev: Option<&CudaView<'_, i32>>,
     depth: Option<&CudaView<'_, u32>>,
     out: &mut CudaViewMut<'_, u32>,
 ) -> Result<()> {
@@ -52,6 +53,10 @@ pub fn sample_rows(
     let null: u64 = 0;
     let mut b = gpu.stream.launch_builder(gpu.func("kdtree_sample_rows_f32"));
     b.arg(logits).arg(&vv).arg(&l).arg(&s.temperature).arg(&s.top_p).arg(&k).arg(&s.seed).arg(&start);
+    match start_dev {
+        Some(d) => b.arg(d),
+        None => b.arg(&null),
+    };
     match depth {
         Some(d) => b.arg(d),
         None => b.arg(&null),

@@ -1,0 +1,147 @@
+//! Wrappers for kernels/cuda/round_state.cu: the position state of the DDTree round on the device (counters
+//! of the committed rows, cos/sin of positions read from them, row stores at a counter, the walked path's
+//! rows, the advance after a walk). With these a captured round replays at any position. CPU twins:
+//! `cpu::ops::rope_cos_sin` (rope_at), the CPU backend's `write_rows_at`, `tree_path_rows`, `tree_commit`.
+//! Tests: engine/tests/cuda_ops.rs, engine/tests/cuda_round.rs.
+
+use cudarc::driver::{CudaView, CudaViewMut, PushKernelArg};
+use half::bf16;
+
+use super::{as_i32, launch_cfg, need_len};
+use crate::cuda::{drv, ensure, Gpu, Result};
+
+const OP: &str = "round_state";
+
+fn grid_for(total: usize) -> u32 {
+    total.div_ceil(256).clamp(1, 1024) as u32
+}
+
+/// `pos[0] += n` on the device.
+pub fn pos_add(gpu: &Gpu, pos: &mut CudaViewMut<'_, i32>, n: usize) -> Result<()> {
+    need_len(OP, "pos", pos.len(), 1)?;
+    let n = as_i32(OP, "n", n)?;
+    let mut b = gpu.stream.launch_builder(gpu.func("kdtree_pos_add"));
+    b.arg(&mut *pos).arg(&n);
+    // SAFETY: pos holds one i32.
+    unsafe { b.launch(launch_cfg((1, 1, 1), 32, 0)) }.map_err(drv(OP))?;
+    Ok(())
+}
+
+/// After a walk (`walk_out` = `[len, path[m], decisions[m]]`): `kv_pos += len`, `ctx_pos += len` (when
+/// given), `root = decisions[len − 1]` (the bonus token).
+pub fn round_advance(
+    gpu: &Gpu,
+    walk_out: &CudaView<'_, i32>,
+    m: usize,
+    kv_pos: &mut CudaViewMut<'_, i32>,
+    ctx_pos: Option<&mut CudaViewMut<'_, i32>>,
+    root: &mut CudaViewMut<'_, u32>,
+) -> Result<()> {
+    need_len(OP, "walk_out", walk_out.len(), 1 + 2 * m)?;
+    need_len(OP, "kv_pos", kv_pos.len(), 1)?;
+    need_len(OP, "root", root.len(), 1)?;
+    ensure(OP, m > 0, || "a walk of 0 rows".into())?;
+    let mi = as_i32(OP, "m", m)?;
+    let null: u64 = 0;
+    let mut b = gpu.stream.launch_builder(gpu.func("kdtree_round_advance"));
+    b.arg(walk_out).arg(&mi).arg(&mut *kv_pos);
+    let mut ctx = ctx_pos;
+    match ctx.as_mut() {
+        Some(c) => {
+            need_len(OP, "ctx_pos", c.len(), 1)?;
+            b.arg(&mut **c)
+        }
+        None => b.arg(&null),
+    };
+    b.arg(&mut *root);
+    // SAFETY: walk_out holds 1 + 2m values with 1 <= len <= m (ddtree_walk), the counters one i32 each.
+    unsafe { b.launch(launch_cfg((1, 1, 1), 32, 0)) }.map_err(drv(OP))?;
+    Ok(())
+}
+
+/// cos/sin `[t, half]` of positions `base[0] + offsets[i]` (or `base[0] + i`): `cpu::ops::rope_cos_sin`.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_at(
+    gpu: &Gpu,
+    inv_freq: &CudaView<'_, f32>,
+    factor: f64,
+    base: &CudaView<'_, i32>,
+    offsets: Option<&CudaView<'_, u32>>,
+    t: usize,
+    cos: &mut CudaViewMut<'_, f32>,
+    sin: &mut CudaViewMut<'_, f32>,
+) -> Result<()> {
+    let half = inv_freq.len();
+    need_len(OP, "base", base.len(), 1)?;
+    need_len(OP, "cos", cos.len(), t * half)?;
+    need_len(OP, "sin", sin.len(), t * half)?;
+    if let Some(o) = offsets {
+        need_len(OP, "offsets", o.len(), t)?;
+    }
+    if t == 0 || half == 0 {
+        return Ok(());
+    }
+    ensure(OP, t <= 65535 * 32768, || format!("t={t} rows exceed the grid"))?;
+    let (h, ti) = (as_i32(OP, "half", half)?, as_i32(OP, "t", t)?);
+    let null: u64 = 0;
+    let mut b = gpu.stream.launch_builder(gpu.func("kdtree_rope_at_f32"));
+    b.arg(inv_freq).arg(&h).arg(&factor).arg(base);
+    match offsets {
+        Some(o) => b.arg(o),
+        None => b.arg(&null),
+    };
+    b.arg(&ti).arg(&mut *cos).arg(&mut *sin);
+    // SAFETY: lengths checked above; a null offsets pointer means position base + row.
+    unsafe { b.launch(launch_cfg((t as u32, 1, 1), 64, 0)) }.map_err(drv(OP))?;
+    Ok(())
+}
+
+/// Rows `[row0[0], row0[0] + n)` of `dst` (`[cap, w]` bf16) = `src` `[n, w]` f32 rounded to bf16. The
+/// caller guarantees `row0[0] + n <= cap` (`row0_host` is the host mirror, checked here).
+pub fn store_rows_bf16(gpu: &Gpu, dst: &mut CudaViewMut<'_, bf16>, w: usize, row0: &CudaView<'_, i32>, row0_host: usize, src: &CudaView<'_, f32>, n: usize) -> Result<()> {
+    need_len(OP, "row0", row0.len(), 1)?;
+    need_len(OP, "src", src.len(), n * w)?;
+    need_len(OP, "dst", dst.len(), (row0_host + n) * w)?;
+    if n == 0 || w == 0 {
+        return Ok(());
+    }
+    let (wi, ni) = (as_i32(OP, "w", w)?, as_i32(OP, "n", n)?);
+    let mut b = gpu.stream.launch_builder(gpu.func("kdtree_store_rows_bf16"));
+    b.arg(&mut *dst).arg(&wi).arg(row0).arg(src).arg(&ni);
+    // SAFETY: dst holds row0 + n rows of w (checked against the host mirror of row0).
+    unsafe { b.launch(launch_cfg((grid_for(n * w), 1, 1), 256, 0)) }.map_err(drv(OP))?;
+    Ok(())
+}
+
+/// [`store_rows_bf16`] for an f32 `dst`.
+pub fn store_rows_f32(gpu: &Gpu, dst: &mut CudaViewMut<'_, f32>, w: usize, row0: &CudaView<'_, i32>, row0_host: usize, src: &CudaView<'_, f32>, n: usize) -> Result<()> {
+    need_len(OP, "row0", row0.len(), 1)?;
+    need_len(OP, "src", src.len(), n * w)?;
+    need_len(OP, "dst", dst.len(), (row0_host + n) * w)?;
+    if n == 0 || w == 0 {
+        return Ok(());
+    }
+    let (wi, ni) = (as_i32(OP, "w", w)?, as_i32(OP, "n", n)?);
+    let mut b = gpu.stream.launch_builder(gpu.func("kdtree_store_rows_f32"));
+    b.arg(&mut *dst).arg(&wi).arg(row0).arg(src).arg(&ni);
+    // SAFETY: as store_rows_bf16.
+    unsafe { b.launch(launch_cfg((grid_for(n * w), 1, 1), 256, 0)) }.map_err(drv(OP))?;
+    Ok(())
+}
+
+/// `out` `[rows_out, cols]`: row i = row `path[i]` of `x` `[nodes, cols]` for i < the walk's length, zeros
+/// after (`walk_out` = `[len, path[..]]`, len <= rows_out, path entries < nodes).
+pub fn path_rows(gpu: &Gpu, x: &CudaView<'_, f32>, nodes: usize, cols: usize, walk_out: &CudaView<'_, i32>, rows_out: usize, out: &mut CudaViewMut<'_, f32>) -> Result<()> {
+    need_len(OP, "x", x.len(), nodes * cols)?;
+    need_len(OP, "walk_out", walk_out.len(), 1 + rows_out)?;
+    need_len(OP, "out", out.len(), rows_out * cols)?;
+    if rows_out == 0 || cols == 0 {
+        return Ok(());
+    }
+    let (c, r) = (as_i32(OP, "cols", cols)?, as_i32(OP, "rows_out", rows_out)?);
+    let mut b = gpu.stream.launch_builder(gpu.func("kdtree_path_rows_f32"));
+    b.arg(x).arg(&c).arg(walk_out).arg(&r).arg(&mut *out);
+    // SAFETY: the walk wrote len <= rows_out node indices below `nodes` (ddtree_walk over this tree).
+    unsafe { b.launch(launch_cfg((rows_out as u32, 1, 1), 256, 0)) }.map_err(drv(OP))?;
+    Ok(())
+}

@@ -1,0 +1,76 @@
+// The DDTree round's position state on the device (issue 9, one CUDA graph per round): the small ops that
+// read or advance the committed-length counters, so a captured round replays at any position.
+// - pos_add: counter += n (an eager commit of n rows).
+// - round_advance: after the walk, target counter += len, drafter context counter += len, root = bonus.
+// - rope_at: cos/sin of positions *base + offset[i] (or *base + i), the CPU's rope_cos_sin: angle
+//   (float)pos * inv_freq in f32, cos/sin in f64, times the attention factor, rounded to f32.
+// - store_rows: rows [*row0, *row0 + n) of a [cap, w] buffer = src [n, w] (f32 -> bf16 for the latent cache,
+//   f32 -> f32 for the drafter's context K/V).
+// - path_rows: out[i] = x[path[i]] for i < len of the walk, zero rows up to `rows_out`.
+// CPU twins: engine backend.rs RopeTable / cpu::ops::rope_cos_sin, cpu backend write_rows_at, tree_path_rows,
+// tree_commit. Wrappers: engine/src/cuda/ops/round_state.rs. Tests: engine/tests/cuda_ops.rs (rope_at,
+// store_rows, path_rows), engine/tests/cuda_round.rs (the captured round).
+#include "common.cuh"
+
+// pos [1] += n. One thread.
+extern "C" __global__ void kdtree_pos_add(int* __restrict__ pos, int n) {
+    if (threadIdx.x == 0 && blockIdx.x == 0) pos[0] += n;
+}
+
+// walk_out = [len, path[m], decisions[m]] (ddtree_walk). kv_pos and ctx_pos [1] += len; root [1] = the
+// walk's last decision (the bonus token, the next round's root). One thread; ctx_pos may be null.
+extern "C" __global__ void kdtree_round_advance(const int* __restrict__ walk_out, int m, int* __restrict__ kv_pos,
+                                                int* __restrict__ ctx_pos, unsigned* __restrict__ root) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    const int len = walk_out[0];
+    kv_pos[0] += len;
+    if (ctx_pos) ctx_pos[0] += len;
+    root[0] = (unsigned)walk_out[1 + m + len - 1];
+}
+
+// cos, sin [t, half] f32; inv_freq [half] f32; base [1]; offsets [t] u32 or null. grid (t), block >= 32.
+extern "C" __global__ void kdtree_rope_at_f32(const float* __restrict__ inv_freq, int half, double factor,
+                                              const int* __restrict__ base, const unsigned* __restrict__ offsets, int t,
+                                              float* __restrict__ cos_out, float* __restrict__ sin_out) {
+    const int i = blockIdx.x;
+    if (i >= t) return;
+    const long long pos = (long long)base[0] + (offsets ? (long long)offsets[i] : (long long)i);
+    const float p = (float)pos;
+    for (int j = threadIdx.x; j < half; j += blockDim.x) {
+        const double a = (double)__fmul_rn(p, inv_freq[j]);
+        cos_out[(size_t)i * half + j] = (float)(cos(a) * factor);
+        sin_out[(size_t)i * half + j] = (float)(sin(a) * factor);
+    }
+}
+
+// dst [cap, w] bf16 (one layer); rows [*row0, *row0 + n) = src [n, w] f32 rounded to bf16. grid-stride.
+extern "C" __global__ void kdtree_store_rows_bf16(bf16* __restrict__ dst, int w, const int* __restrict__ row0,
+                                                  const float* __restrict__ src, int n) {
+    const size_t at = (size_t)row0[0] * w, total = (size_t)n * w;
+    for (size_t k = (size_t)blockIdx.x * blockDim.x + threadIdx.x; k < total; k += (size_t)gridDim.x * blockDim.x)
+        dst[at + k] = __float2bfloat16_rn(src[k]);
+}
+
+// dst [cap, w] f32; rows [*row0, *row0 + n) = src [n, w]. grid-stride.
+extern "C" __global__ void kdtree_store_rows_f32(float* __restrict__ dst, int w, const int* __restrict__ row0,
+                                                 const float* __restrict__ src, int n) {
+    const size_t at = (size_t)row0[0] * w, total = (size_t)n * w;
+    for (size_t k = (size_t)blockIdx.x * blockDim.x + threadIdx.x; k < total; k += (size_t)gridDim.x * blockDim.x)
+        dst[at + k] = src[k];
+}
+
+// x [N, cols] f32; walk_out = [len, path[m], ...]; out [rows_out, cols]: row i = x[path[i]] for i < len,
+// zeros after. grid (rows_out), grid-stride over the columns.
+extern "C" __global__ void kdtree_path_rows_f32(const float* __restrict__ x, int cols, const int* __restrict__ walk_out,
+                                                int rows_out, float* __restrict__ out) {
+    const int i = blockIdx.x;
+    if (i >= rows_out) return;
+    const int len = walk_out[0];
+    float* o = out + (size_t)i * cols;
+    if (i < len) {
+        const float* r = x + (size_t)walk_out[1 + i] * cols;
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) o[c] = r[c];
+    } else {
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) o[c] = 0.f;
+    }
+}
