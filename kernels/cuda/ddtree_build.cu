@@ -9,10 +9,14 @@
 // finite logits) counts as -inf, as in the CPU builder. Scores are f64, accumulated from the f32 log-probs
 // with the reference's formulas: sibling `logw - lp[d][r] + lp[d][r+1]`, child `logw + lp[d+1][0]`.
 //
-// One warp. Since the order is total, the candidate set can be an unordered array instead of a heap: each
-// pop, every lane scans a 1/32 stride of it and a butterfly keeps the best (all lanes agree); lane 0 appends
-// the node and replaces the popped entry by its sibling / child. Candidates and node parents/ranks live in
-// shared memory (budget <= 2048, K <= 2048, depths <= 255, checked by the wrapper).
+// One warp. Since the order is total, the candidate set can be an unordered array instead of a heap, split
+// over the lanes by index (lane l holds slots l, l + 32, ...). Each lane keeps the best of its own slots in
+// registers; a pop is a 5-step butterfly over the 32 lane bests (all lanes agree), then lane 0 appends the
+// node and rewrites at most two slots (the popped one becomes its sibling, or its child, or the last slot;
+// a child may be appended), and only the lanes owning a changed slot update their best (the owner of the
+// popped slot rescans its ~n/32 slots). The top-K log-probs sit in shared memory when they fit (64 KB), the
+// tokens are looked up once at the end. Candidates and node parents/ranks live in shared memory
+// (budget <= 2048, K <= 2048, depths <= 255, checked by the wrapper).
 #include "common.cuh"
 
 namespace ddtree_build {
@@ -25,7 +29,7 @@ struct Shared {
     short parent[MAX_NODES];     // node parents (-1 for the root)
     short rank[MAX_NODES];       // node ranks
     short last_child[MAX_NODES];
-    int n_nodes, n_cand;
+    unsigned char depth[MAX_NODES];  // node depths
 };
 
 __device__ __forceinline__ unsigned pack(unsigned parent, unsigned depth, unsigned rank) { return parent | depth << 12 | rank << 20; }
@@ -56,10 +60,12 @@ __device__ int cmp_ranks(const Shared& s, unsigned a, unsigned b) {
     return ra < rb ? -1 : (ra > rb ? 1 : 0);
 }
 
-// Whether candidate i pops before candidate j.
-__device__ bool before(const Shared& s, int i, int j) {
-    const double x = -s.logw[i], y = -s.logw[j];
-    if (x != y) return x < y;
+// Whether candidate slot i (score wi) pops before slot j (score wj); -1 = no candidate (never pops first).
+// The scores are never NaN (score()): unequal scores decide, equal ones (IEEE ==) take the tie order.
+__device__ __forceinline__ bool better(const Shared& s, int i, double wi, int j, double wj) {
+    if (j < 0) return i >= 0;
+    if (i < 0) return false;
+    if (wi != wj) return wi > wj;
     const unsigned a = s.meta[i], b = s.meta[j];
     const int c = cmp_ranks(s, a, b);
     if (c != 0) return c < 0;
@@ -68,24 +74,42 @@ __device__ bool before(const Shared& s, int i, int j) {
     return c_rank(a) < c_rank(b);
 }
 
+// The best of this lane's slots lane, lane + stride, ... below nc.
+__device__ __forceinline__ void rescan(const Shared& s, int lane, int stride, int nc, int& best, double& bw) {
+    best = -1;
+    bw = -INFINITY;
+    for (int i = lane; i < nc; i += stride) {
+        const double w = s.logw[i];
+        if (better(s, i, w, best, bw)) {
+            best = i;
+            bw = w;
+        }
+    }
+}
+
 }  // namespace ddtree_build
 
 // lp [L, K] f32, tok [L, K] u32 (per-depth top-K, rank order); bonus [1] u32 (the root token, on the device).
 // Outputs, [budget + 1] each (nodes in pop order, node 0 = root): tokens u32, depths u32, parents i32,
 // log_q f64, first_child i32, next_sibling i32; n_nodes [1] i32 = nodes including the root.
+// lp_in_smem: 1 when the launch gave L * K * 4 bytes of dynamic shared memory for lp.
 // grid (1), block 32.
 extern "C" __global__ void __launch_bounds__(32) kdtree_ddtree_build(const float* __restrict__ lp, const unsigned* __restrict__ tok, int L,
                                                                      int K, int budget, const unsigned* __restrict__ bonus,
                                                                      unsigned* __restrict__ tokens, unsigned* __restrict__ depths,
                                                                      int* __restrict__ parents, double* __restrict__ log_q,
                                                                      int* __restrict__ first_child, int* __restrict__ next_sibling,
-                                                                     int* __restrict__ n_nodes) {
+                                                                     int* __restrict__ n_nodes, int lp_in_smem) {
     using namespace ddtree_build;
     __shared__ Shared s;
-    const int lane = threadIdx.x;
-    const auto LP = [&](int d, int r) { return (double)lp[(size_t)(d - 1) * K + r]; };  // depth d is 1-based
+    extern __shared__ float ddtree_lp[];  // a name of its own: build.rs compiles every .cu as one translation unit
+    const int lane = threadIdx.x, W = 32;
+    if (lp_in_smem)
+        for (int i = lane; i < L * K; i += W) ddtree_lp[i] = lp[i];
+    const float* lpp = lp_in_smem ? ddtree_lp : lp;
+    const auto LP = [&](int d, int r) { return (double)lpp[(size_t)(d - 1) * K + r]; };  // depth d is 1-based
+    const bool any = budget > 0 && L > 0 && K > 0;
     if (lane == 0) {
-        tokens[0] = bonus[0];
         depths[0] = 0u;
         parents[0] = -1;
         log_q[0] = 0.0;
@@ -94,64 +118,84 @@ extern "C" __global__ void __launch_bounds__(32) kdtree_ddtree_build(const float
         s.parent[0] = -1;
         s.rank[0] = 0;
         s.last_child[0] = -1;
-        s.n_nodes = 1;
-        s.n_cand = 0;
-        if (budget > 0 && L > 0 && K > 0) {
-            s.logw[0] = score(LP(1, 0));
-            s.meta[0] = pack(0u, 1u, 0u);
-            s.n_cand = 1;
-        }
+        s.depth[0] = 0;
     }
     __syncwarp();
-    while (*(volatile int*)&s.n_nodes - 1 < budget && *(volatile int*)&s.n_cand > 0) {
-        const int nc = *(volatile int*)&s.n_cand;
-        int best = -1;
-        for (int i = lane; i < nc; i += (int)blockDim.x)
-            if (best < 0 || before(s, i, best)) best = i;
+    if (lane == 0 && any) {
+        s.logw[0] = score(LP(1, 0));
+        s.meta[0] = pack(0u, 1u, 0u);
+    }
+    __syncwarp();
+    int n = 1, nc = any ? 1 : 0;  // nodes (root included), live candidate slots: the same in every lane
+    int mb;
+    double mw;
+    rescan(s, lane, W, nc, mb, mw);
+    while (n - 1 < budget && nc > 0) {
+        int best = mb;
+        double bw = mw;
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
-            const int other = __shfl_xor_sync(kdtree::FULL_MASK, best, o);
-            if (other >= 0 && (best < 0 || before(s, other, best))) best = other;
+            const int ob = __shfl_xor_sync(kdtree::FULL_MASK, best, o);
+            const double ow = __shfl_xor_sync(kdtree::FULL_MASK, bw, o);
+            if (better(s, ob, ow, best, bw)) {
+                best = ob;
+                bw = ow;
+            }
         }
-        __syncwarp();  // every lane is done reading the candidates before lane 0 rewrites them
+        const unsigned m = s.meta[best];
+        const int p = c_parent(m), d = c_depth(m), r = c_rank(m);
+        const bool sib = r + 1 < K, child = d < L;
+        const double sw = sib ? score(bw - LP(d, r) + LP(d, r + 1)) : 0.0;
+        const double cw = child ? score(bw + LP(d + 1, 0)) : 0.0;
+        // Where the new candidates go: the sibling replaces the popped slot; the child is appended (or takes the
+        // slot when there is no sibling); with neither, the last slot moves into the popped one.
+        const int child_at = sib ? nc : best;
+        const bool removed = !sib && !child;
+        __syncwarp();  // every lane has read the popped slot before lane 0 rewrites it
         if (lane == 0) {
-            const double logw = s.logw[best];
-            const unsigned m = s.meta[best];
-            const int p = c_parent(m), d = c_depth(m), r = c_rank(m), n = s.n_nodes;
-            tokens[n] = tok[(size_t)(d - 1) * K + r];
-            depths[n] = (unsigned)d;
             parents[n] = p;
-            log_q[n] = logw;
+            depths[n] = (unsigned)d;
+            log_q[n] = bw;
             first_child[n] = -1;
             next_sibling[n] = -1;
-            if (s.last_child[p] < 0)
+            const int lc = s.last_child[p];
+            if (lc < 0)
                 first_child[p] = n;
             else
-                next_sibling[s.last_child[p]] = n;
+                next_sibling[lc] = n;
             s.last_child[p] = (short)n;
             s.parent[n] = (short)p;
             s.rank[n] = (short)r;
             s.last_child[n] = -1;
-            s.n_nodes = n + 1;
-            const bool sib = r + 1 < K, child = d < L;
-            int nc2 = s.n_cand;
+            s.depth[n] = (unsigned char)d;
             if (sib) {
-                s.logw[best] = score(logw - LP(d, r) + LP(d, r + 1));
+                s.logw[best] = sw;
                 s.meta[best] = pack((unsigned)p, (unsigned)d, (unsigned)(r + 1));
             }
             if (child) {
-                const int at = sib ? nc2++ : best;
-                s.logw[at] = score(logw + LP(d + 1, 0));
-                s.meta[at] = pack((unsigned)n, (unsigned)(d + 1), 0u);
+                s.logw[child_at] = cw;
+                s.meta[child_at] = pack((unsigned)n, (unsigned)(d + 1), 0u);
             }
-            if (!sib && !child) {
-                nc2--;
-                s.logw[best] = s.logw[nc2];
-                s.meta[best] = s.meta[nc2];
+            if (removed) {
+                s.logw[best] = s.logw[nc - 1];
+                s.meta[best] = s.meta[nc - 1];
             }
-            s.n_cand = nc2;
         }
+        const int moved_from = removed ? nc - 1 : -1;
+        n++;
+        nc += (sib && child) ? 1 : (removed ? -1 : 0);
         __syncwarp();
+        if (best % W == lane || (moved_from >= 0 && mb == moved_from)) {
+            rescan(s, lane, W, nc, mb, mw);  // this lane's popped slot was rewritten (or its best slot moved)
+        } else if (sib && child && child_at % W == lane) {
+            const double w = s.logw[child_at];  // an appended child in this lane's slots
+            if (better(s, child_at, w, mb, mw)) {
+                mb = child_at;
+                mw = w;
+            }
+        }
     }
-    if (lane == 0) n_nodes[0] = s.n_nodes;
+    __syncwarp();
+    for (int i = lane; i < n; i += W) tokens[i] = i == 0 ? bonus[0] : tok[(size_t)(s.depth[i] - 1) * K + s.rank[i]];
+    if (lane == 0) n_nodes[0] = n;
 }

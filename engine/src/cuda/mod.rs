@@ -163,6 +163,7 @@ impl Gpu {
         let gpu = Gpu { ctx, stream, blas, sms, max_smem, smem_per_sm, _module: module, funcs, _blas_workspace: ws, graphs: std::sync::atomic::AtomicBool::new(std::env::var("KDTREE_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true)), stats: GpuStats::default() };
         ops::w4a16_gemm::configure(&gpu)?;
         ops::gqa_attention::configure(&gpu)?;
+        ops::ddtree_build::configure(&gpu)?;
         Ok(gpu)
     }
 

@@ -1,5 +1,6 @@
 //! DDTree build wrapper for kernels/cuda/ddtree_build.cu. CPU twin: `crate::ddtree::build_tree_from_top_k`.
 
+use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaView, CudaViewMut, PushKernelArg};
 
 use super::{as_i32, launch_cfg, need_len};
@@ -11,6 +12,18 @@ const OP: &str = "ddtree_build";
 pub const MAX_BUDGET: usize = 2048;
 /// Largest depth (draft rows) its candidates encode.
 pub const MAX_DEPTH: usize = 255;
+/// Top-K log-probs (`depths × k` f32) the kernel holds in shared memory; larger ones are read from global.
+pub const LP_SMEM_MAX: usize = 16384;
+const KERNEL: &str = "kdtree_ddtree_build";
+
+/// Lets the kernel take `LP_SMEM_MAX` f32 of dynamic shared memory on top of its ~38 KB static arrays
+/// (called once by `Gpu::new`).
+pub(crate) fn configure(gpu: &Gpu) -> Result<()> {
+    let need = LP_SMEM_MAX * 4;
+    gpu.func(KERNEL)
+        .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, need as i32)
+        .map_err(drv("ddtree_build configure"))
+}
 
 /// The builder's outputs, `[budget + 1]` each, nodes in pop order (node 0 = root); `n_nodes` `[1]` = nodes
 /// in use including the root (fewer than budget + 1 only when the top-K runs out).
@@ -25,7 +38,8 @@ pub struct TreeOut<'a, 'b> {
 }
 
 /// Build the tree of root `bonus` (`[1]` u32 on the device) from the per-depth top-K `lp` / `tok`
-/// (`[depths, k]`, rank order) with `budget` nodes. One warp. Launch contract: no allocation, no host sync,
+/// (`[depths, k]`, rank order) with `budget` nodes. One warp; lp in shared memory when `depths × k <=
+/// LP_SMEM_MAX`. Launch contract: no allocation, no host sync,
 /// graph-capturable.
 #[allow(clippy::too_many_arguments)]
 pub fn ddtree_build(
@@ -63,7 +77,10 @@ pub fn ddtree_build(
         as_i32(OP, "k", k)?,
         as_i32(OP, "budget", budget)?,
     );
-    let mut b = gpu.stream.launch_builder(gpu.func("kdtree_ddtree_build"));
+    let in_smem = depths * k <= LP_SMEM_MAX;
+    let smem = if in_smem { (depths * k * 4) as u32 } else { 0 };
+    let flag = in_smem as i32;
+    let mut b = gpu.stream.launch_builder(gpu.func(KERNEL));
     b.arg(lp).arg(tok).arg(&l).arg(&kk).arg(&bb).arg(bonus);
     b.arg(out.tokens)
         .arg(out.depths)
@@ -71,8 +88,10 @@ pub fn ddtree_build(
         .arg(out.log_q)
         .arg(out.first_child)
         .arg(out.next_sibling)
-        .arg(out.n_nodes);
-    // SAFETY: lengths checked above; budget, depths and k are within the kernel's packed limits.
-    unsafe { b.launch(launch_cfg((1, 1, 1), 32, 0)) }.map_err(drv(OP))?;
+        .arg(out.n_nodes)
+        .arg(&flag);
+    // SAFETY: lengths checked above; budget, depths and k are within the kernel's packed limits; the dynamic
+    // shared memory (lp when it fits) is at most what `configure` allowed.
+    unsafe { b.launch(launch_cfg((1, 1, 1), 32, smem)) }.map_err(drv(OP))?;
     Ok(())
 }
