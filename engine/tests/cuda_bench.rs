@@ -249,7 +249,7 @@ fn ddtree_tree_stages() {
         let (k, n) = (dt.k, budget + 1);
         let topk = time_ms(&g, 3, 20, |_| {
             let (mut lp, mut tok) = (dt.lp.as_view_mut(), dt.tok.as_view_mut());
-            ops::topk_logprobs::topk_logprobs(&g, &dl.as_view(), rows, v, v, k, &mut lp, &mut tok)
+            ops::topk_logprobs::topk_logprobs(&g, &dl.as_view(), rows, v, v, k, &mut lp, &mut tok, &mut dt.topk)
                 .unwrap()
         });
         let build = time_ms(&g, 3, 20, |_| dt.build_from_top_k(&g).unwrap());

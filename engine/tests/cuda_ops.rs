@@ -320,3 +320,20 @@ fn rope_at_equals_the_host_table() {
     }
     println!("PARITY rope_at(device positions) exact ({total} cos/sin values, positions 0..262k, k26 and drafter ropes)");
 }
+
+/// Strided row copies past the grid's 65,535 y limit (a K2.6 tree verify of 1025 nodes x 64 heads places
+/// 65,600 q_pe rows), exact.
+#[test]
+fn copy_rows_beyond_the_grid_limit() {
+    let Some(g) = gpu() else { return };
+    let (rows, width, ld_src, ld_dst) = (65_600usize, 64usize, 192usize, 576usize);
+    let mut r = rng(4200);
+    let src = rand_bf16(&mut r, rows * ld_src, 0.01, 2.0);
+    let dsrc = g.upload(&src).unwrap();
+    let mut ddst = g.upload(&nan_bf16(rows * ld_dst)).unwrap();
+    ops::copy_rows::copy_rows(&g, &dsrc.as_view(), ld_src, &mut ddst.as_view_mut(), ld_dst, rows, width).unwrap();
+    let got = g.download(&ddst).unwrap();
+    let bad = (0..rows).filter(|&i| got[i * ld_dst..i * ld_dst + width].iter().zip(&src[i * ld_src..i * ld_src + width]).any(|(a, b)| a.to_bits() != b.to_bits())).count();
+    assert_eq!(bad, 0, "copy_rows: {bad} of {rows} rows differ");
+    println!("PARITY copy_rows(rows={rows},width={width}) exact");
+}

@@ -52,6 +52,8 @@ pub struct DeviceTree {
     /// The walk's result in one buffer (so reading it back is one copy): `[len, path[rows + 1],
     /// decisions[rows + 1]]` i32 (the decisions are u32 token ids).
     pub walk_out: CudaSlice<i32>,
+    /// The top-K's workspace.
+    pub topk: topk_logprobs::TopkWork,
 }
 
 impl DeviceTree {
@@ -92,6 +94,7 @@ impl DeviceTree {
             mask: DMask { bits: gpu.zeros(n * words)?, rows: n, words },
             decisions: gpu.zeros(n)?,
             walk_out: gpu.zeros(1 + 2 * (rows + 1))?,
+            topk: topk_logprobs::TopkWork::new(gpu, rows, vocab, k)?,
         })
     }
 
@@ -111,6 +114,7 @@ impl DeviceTree {
             self.k,
             &mut self.lp.as_view_mut(),
             &mut self.tok.as_view_mut(),
+            &mut self.topk,
         )?;
         self.build_from_top_k(gpu)
     }
