@@ -7,9 +7,12 @@ use super::*;
 use kdtree_golden::bundle::Bundle;
 use std::sync::OnceLock;
 
-/// (tempdir, model, its bundle's records), built once.
-fn fixture() -> &'static (tempfile::TempDir, std::path::PathBuf, Vec<(String, PromptRecord)>) {
-    static F: OnceLock<(tempfile::TempDir, std::path::PathBuf, Vec<(String, PromptRecord)>)> = OnceLock::new();
+/// (tempdir, model, its bundle's records).
+type Fixture = (tempfile::TempDir, std::path::PathBuf, Vec<(String, PromptRecord)>);
+
+/// The fixture, built once.
+fn fixture() -> &'static Fixture {
+    static F: OnceLock<Fixture> = OnceLock::new();
     F.get_or_init(|| {
         let d = tempfile::tempdir().unwrap();
         let hf = d.path().join("hf");

@@ -79,7 +79,6 @@ pub fn row(cmp: &mut Cmp, t: &Tolerances, what: &str, got: &[f32], want: &[f32],
 /// One traced MoE layer's route (`got` vs the bundle's `want`). Ok(None): the same expert set (weights
 /// then compare per id: returned sorted by id); Ok(Some(note)): one expert swapped while `upstream_ok`
 /// (the comparison of the trace stops here); Err: the problem.
-#[allow(clippy::type_complexity)]
 pub fn layer_route(l: usize, got: &LayerTrace, want: &LayerTrace, upstream_ok: bool) -> Result<Option<String>, String> {
     let set = |r: &LayerTrace| {
         let mut v = r.router_ids.clone();
