@@ -68,10 +68,15 @@ for x, y in zip(a, b):
     print(f"E2E greedy AR tokens {x['id']}: cpu == cuda: {same}" + ("" if same else f" cpu {x['token_ids']} cuda {y['token_ids']}"))
 sys.exit(1 if bad else 0)
 PY
-  # (A report, not a gate: random synthetic weights have near-ties that bf16 flips; the tie-aware gate is
-  # cuda_target. --verify on cuda is refused until CUDA_TOLERANCES is set from measured bundles.)
-  "$dir/kdtree-run" "$e2e/tiny1" --prompts golden/prompts.jsonl --out "$e2e/verify.jsonl" --device cuda --verify golden 2>&1 | tee -a "$log" | tail -8
-  [ "${PIPESTATUS[0]}" -eq 0 ] && echo "E2E kdtree-run --device cuda --verify golden: match" | tee -a "$log" || echo "E2E kdtree-run --device cuda --verify golden: no match (see above)" | tee -a "$log"
+  # --verify against the committed CPU bundles, a gate: the cuda rules are measured tolerances plus the
+  # near-tie and route-flip rules of tools/kdtree-run/src/verify/rules.rs; each acceptance is printed.
+  verify_gate() { # MODEL PROMPTS BUNDLE TAG
+    "$dir/kdtree-run" "$e2e/$1" --prompts "$2" --out "$e2e/verify-$4.jsonl" --device cuda --verify "$3" --quiet 2>&1 | tee -a "$log" | tail -40
+    if [ "${PIPESTATUS[0]}" -eq 0 ]; then echo "E2E kdtree-run --device cuda --verify $3: match" | tee -a "$log"
+    else echo "E2E kdtree-run --device cuda --verify $3: MISMATCH (see above)" | tee -a "$log"; status=1; fi
+  }
+  verify_gate tiny1 golden/prompts.jsonl golden synth
+  verify_gate pair1 golden/kdtree-tiny/prompts.jsonl golden/kdtree-tiny pair
   "$dir/kdtree-golden" "$e2e/tiny1" --prompts golden/prompts.jsonl --out "$e2e/gold-cuda-synth" --device cuda --quiet \
     --max-tokens 16 --full-logits-steps 4 --topk 8 --budget 8 --trace-step 1 || status=1
   "$dir/kdtree-golden" "$e2e/pair1" --prompts golden/kdtree-tiny/prompts.jsonl --out "$e2e/gold-cuda-pair" --device cuda --quiet \

@@ -32,7 +32,7 @@ use kdtree_golden::bundle::{Bundle, PromptRecord};
 use kdtree_text::console;
 use kdtree_text::prompts::PromptLine;
 
-use crate::args::{Args, DeviceArg};
+use crate::args::Args;
 use crate::load::Model;
 use crate::resume::{Existing, Expected, Sink};
 use crate::runner::{Defaults, Runner};
@@ -168,9 +168,6 @@ fn open_model(args: &Args, d: &Defaults, bundle: Option<&(Bundle, HashMap<String
         return Err(no_drafter());
     }
     drop(dir);
-    if bundle.is_some() && args.device == DeviceArg::Cuda {
-        verify::tolerances("cuda")?; // refused before the weights load while unmeasured
-    }
     let model = load::load(&args.model, args.device)?;
     if ddtree && !model.loaded.has_drafter() {
         return Err(no_drafter());

@@ -15,7 +15,13 @@
 //! 5. the line's own JSONL record, when it ran greedy in this invocation: its `token_ids` must equal
 //!    `ar.tokens` over their common length (greedy DDTree == greedy AR; a stop ends the record early).
 //!
-//! Tolerances are per backend and per tensor ([`tolerances`]). The model is the run's own (`engine::open`,
+//! Tolerances are per backend and per tensor ([`tolerances`]). On the CPU all of the above is strict (tolerance
+//! 0, bit for bit). On CUDA the tolerances are measured (see [`CUDA_TOLERANCES`]) and the tie- and
+//! route-aware rules of verify/rules.rs apply: a greedy divergence only at a near-tie of the bundle's top-2
+//! (later steps then not compared), logit rows beyond the tolerance only as route flips (within
+//! `route_flip`, the bundle's argmax), router ids as sets with one swap forgiven at a clean router input,
+//! a reordered tree only at a draft near-tie, walk decisions only at a verify near-tie; each acceptance is
+//! a note printed under the table. The model is the run's own (`engine::open`,
 //! absorbed MLA: the configuration that ships), the loader kdtree-golden records with.
 //! Tests: bottom of this file (the comparisons), tests/verify_cli.rs (end to end, pass and forced failures).
 
@@ -28,39 +34,48 @@ use kdtree_text::prompts::PromptLine;
 use std::fmt::Write as _;
 use std::path::Path;
 
-/// Largest |Δ| allowed per compared tensor class.
+mod rules;
+#[cfg(test)]
+mod e2e_tests;
+
+/// Largest |Δ| allowed per compared tensor class, and whether near-ties and route flips are forgiven.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Tolerances {
-    /// Logits (AR rows and top-k values, DDTree draft and verify logits).
+    /// Logits (AR rows and top-k values, DDTree draft and verify logits); also the near-tie margin.
     pub logits: f32,
     /// Per-layer probes: attention output, MoE/MLP output, residual.
     pub layers: f32,
-    /// Router weights (ids always compare exactly).
+    /// Router weights (ids always compare exactly, as sets with `near_ties`).
     pub router_weights: f32,
+    /// A target logit row beyond `logits` but within this, with the bundle's argmax, is a route flip
+    /// (rules.rs); 0 = none accepted.
+    pub route_flip: f32,
+    /// The tie- and route-aware rules of rules.rs; false = every check strict.
+    pub near_ties: bool,
 }
 
-/// The CPU backend: 0 everywhere, i.e. bit-identical values. The CPU re-run is the very code that
-/// recorded the bundle (same loader, same absorbed MLA, same Session calls), and the CPU reference reduces
-/// in a fixed order that does not depend on the thread count (golden `regen.sh --check` proves byte
-/// equality at 1 and 2 threads), so any difference is a real change.
-pub const CPU_TOLERANCES: Tolerances = Tolerances { logits: 0.0, layers: 0.0, router_weights: 0.0 };
+/// The CPU backend: 0 everywhere, i.e. bit-identical values, and every check strict. The CPU re-run is
+/// the very code that recorded the bundle (same loader, same absorbed MLA, same Session calls), and the
+/// CPU reference reduces in a fixed order that does not depend on the thread count (golden `regen.sh
+/// --check` proves byte equality at 1 and 2 threads), so any difference is a real change.
+pub const CPU_TOLERANCES: Tolerances = Tolerances { logits: 0.0, layers: 0.0, router_weights: 0.0, route_flip: 0.0, near_ties: false };
 
-/// The CUDA backend's tolerances: **not yet measured**. They must be set from measured |Δ| of CUDA runs
-/// against these bundles (bf16 tensor-core GEMMs and a different reduction order cannot be exact); until
-/// then `--verify` on CUDA is refused rather than judged against invented numbers.
-pub const CUDA_TOLERANCES: Option<Tolerances> = None;
+/// The CUDA backend (bf16 activations at every GEMM input, bf16 latent cache, another reduction order).
+/// Measured on the H200 (2026-12-01, `examples/bundle_delta.rs` on bundles `kdtree-golden --device cuda`
+/// recorded, against the committed CPU ones: golden/ synthetic tiny, golden/kdtree-tiny trained pair), over
+/// rows and tokens whose routes agree: logits 5.7e-2 (synthetic) / 7.6e-2 (pair: AR rows and top-k values,
+/// draft rows <= 3.4e-2, verify rows), per-layer probes 1.9e-2 / 8.2e-2 (pair k-chat layer 3 residual,
+/// max |value| 7.5), router weights 1.8e-3 / 1.2e-2; 2x margin each, as the CUDA parity tests
+/// (engine/tests/cuda_target.rs). Route flips: the largest row measured after one is 1.90 (synthetic g-mid
+/// AR step 2; pair k-code verify node 1: 0.57, its child 0.18); 2x: 4.0. The near-tie margin is the logits
+/// tolerance: the measured flips had margins 3.8e-3 (g-mid AR step 7), 3.8e-3 (draft row 0 of g-short).
+pub const CUDA_TOLERANCES: Tolerances = Tolerances { logits: 0.15, layers: 0.165, router_weights: 0.025, route_flip: 4.0, near_ties: true };
 
 /// The tolerances of `backend` (as `engine::open` names it).
 pub fn tolerances(backend: &str) -> Result<Tolerances> {
     match backend {
         "cpu" => Ok(CPU_TOLERANCES),
-        "cuda" => match CUDA_TOLERANCES {
-            Some(t) => Ok(t),
-            None => bail!(
-                "--verify on the cuda backend: its tolerances are not yet measured (CUDA_TOLERANCES in \
-                 tools/kdtree-run/src/verify.rs); use --device cpu"
-            ),
-        },
+        "cuda" => Ok(CUDA_TOLERANCES),
         other => bail!("--verify: no tolerances are defined for backend {other:?}"),
     }
 }
@@ -119,6 +134,8 @@ pub struct PromptCheck {
     pub ddtree: Option<bool>,
     /// What differs, one line each (empty = match).
     pub problems: Vec<String>,
+    /// What the tie- and route-aware rules accepted, one line each (printed for every prompt).
+    pub notes: Vec<String>,
 }
 
 impl PromptCheck {
@@ -236,6 +253,105 @@ fn compare_trace(c: &mut PromptCheck, cmp: &mut Cmp, tol: &Tolerances, got: &Tra
     cmp.tol = saved;
 }
 
+/// [`compare_ar`] under the tie-aware rules: returns the steps compared (a forgiven near-tie divergence
+/// at k ends the comparison after row k: later rows follow another prefix).
+fn compare_ar_tolerant(c: &mut PromptCheck, cmp: &mut Cmp, t: &Tolerances, got: &ArRecord, rows: &[Vec<f32>], want: &ArRecord) -> usize {
+    c.tokens_total = want.tokens.len();
+    c.tokens_equal = got.tokens.iter().zip(&want.tokens).take_while(|(a, b)| a == b).count();
+    let margin = |s: usize| rules::margin_sorted(want.topk_row(s).1);
+    let last = match rules::greedy("ar.tokens", &got.tokens, &want.tokens, true, margin, t.logits) {
+        Ok(None) => want.tokens.len(),
+        Ok(Some((k, m))) => {
+            c.notes.push(format!(
+                "ar.tokens[{k}]: {} vs bundle {}: a near-tie (the bundle's top-2 margin {m:.3e} <= {}); steps after {k} (tokens, \
+                 logits, the run's token_ids) and anything fed by them not compared",
+                got.tokens[k], want.tokens[k], t.logits
+            ));
+            k + 1
+        }
+        Err(p) => {
+            c.problems.push(p);
+            (c.tokens_equal + 1).min(want.tokens.len())
+        }
+    };
+    let (mut full, mut topk) = (None, None);
+    for (s, row) in rows.iter().enumerate().take(last) {
+        if let Some(w) = want.full_row(s) {
+            full = full.or(rules::row(cmp, t, &format!("ar.full_logits step {s}"), row, w, &mut c.notes).err());
+        }
+        let (ids, vals) = want.topk_row(s);
+        let at: Vec<f32> = ids.iter().map(|&id| row.get(id as usize).copied().unwrap_or(f32::NAN)).collect();
+        let before = c.notes.len();
+        match rules::row(cmp, t, &format!("ar.topk_logits step {s} (ids {ids:?})"), &at, vals, &mut c.notes) {
+            Err(p) => topk = topk.or(Some(p)),
+            Ok(()) => {
+                cmp.tol = if c.notes.len() > before { t.route_flip } else { t.logits };
+                topk = topk.or(cmp.topk(s, row, ids, vals));
+            }
+        }
+    }
+    c.problems.extend(full.into_iter().chain(topk));
+    last
+}
+
+/// [`compare_trace`] under the route-aware rules: router ids as sets (weights per id); one swapped expert
+/// with a clean router input ends the comparison (rules::layer_route).
+fn compare_trace_tolerant(c: &mut PromptCheck, cmp: &mut Cmp, t: &Tolerances, got: &TraceRecord, want: &TraceRecord) {
+    let meta = |r: &TraceRecord| vec![r.step, r.position, r.token as usize, r.layers.len()];
+    c.problems.extend(first_diff("trace (step, position, token, layers)", &meta(got), &meta(want)));
+    let start = c.problems.len();
+    for (l, (g, w)) in got.layers.iter().zip(&want.layers).enumerate() {
+        cmp.tol = t.layers;
+        c.problems.extend(cmp.rows(&format!("trace.layers.{l}.attn_out"), 0, &g.attn_out, &w.attn_out));
+        match rules::layer_route(l, g, w, c.problems.len() == start) {
+            Ok(Some(note)) => {
+                c.notes.push(note);
+                break;
+            }
+            Ok(None) => {
+                cmp.tol = t.router_weights;
+                let (gw, ww) = (rules::weights_by_id(g), rules::weights_by_id(w));
+                c.problems.extend(cmp.rows(&format!("trace.layers.{l}.router_weights (by expert id)"), 0, &gw, &ww));
+            }
+            Err(p) => c.problems.push(p),
+        }
+        cmp.tol = t.layers;
+        c.problems.extend(cmp.rows(&format!("trace.layers.{l}.mlp_out"), 0, &g.mlp_out, &w.mlp_out));
+        c.problems.extend(cmp.rows(&format!("trace.layers.{l}.residual"), 0, &g.residual, &w.residual));
+    }
+}
+
+/// [`compare_round`] under the tie-aware rules (rules::tree_explained, rules::walk); verify rows compare
+/// by node path, each within the logits tolerance or as a route flip.
+fn compare_round_tolerant(c: &mut PromptCheck, cmp: &mut Cmp, t: &Tolerances, got: &DdtreeRecord, want: &DdtreeRecord) -> bool {
+    let before = c.problems.len();
+    let meta = |r: &DdtreeRecord| vec![r.start, r.root as usize, r.budget, r.draft_rows];
+    c.problems.extend(first_diff("ddtree (start, root, budget, draft rows)", &meta(got), &meta(want)));
+    cmp.tol = t.logits;
+    c.problems.extend(cmp.rows("ddtree.draft_logits", want.vocab, &got.draft_logits, &want.draft_logits));
+    let shape = |r: &DdtreeRecord| (r.tree_tokens.clone(), r.tree_parents.clone(), r.tree_depths.clone(), r.visibility_words, r.visibility.clone());
+    let same_tree = shape(got) == shape(want);
+    if !same_tree {
+        match rules::tree_explained(got, want, t.logits) {
+            Ok(note) => c.notes.push(note),
+            Err(p) => c.problems.push(p),
+        }
+    }
+    let (gp, wp, v) = (rules::paths(got), rules::paths(want), want.vocab);
+    let mut verify = None;
+    for (n, p) in wp.iter().enumerate() {
+        let (Some(m), Some(w)) = (gp.iter().position(|q| q == p), want.verify_logits.get(n * v..(n + 1) * v)) else { continue };
+        let g = got.verify_logits.get(m * v..(m + 1) * v).unwrap_or(&[]);
+        verify = verify.or(rules::row(cmp, t, &format!("ddtree.verify_logits node {n} (path {p:?})"), g, w, &mut c.notes).err());
+    }
+    c.problems.extend(verify);
+    match rules::walk(got, want, same_tree, t.logits) {
+        Ok(note) => c.notes.extend(note),
+        Err(p) => c.problems.push(p),
+    }
+    c.problems.len() == before
+}
+
 /// What the line's run gave, for the record check (5).
 pub enum RunTokens<'a> {
     /// Greedy record written in this invocation.
@@ -280,29 +396,58 @@ pub fn check_prompt(
     }
     // The run answered the line's own prompt; its tokens say something about the bundle only when that
     // prompt is the bundle's (else the prompt-ids problem above already fails the prompt).
-    if let (RunTokens::Greedy(toks), true) = (run, same_prompt) {
-        let n = toks.len().min(t);
-        c.problems.extend(first_diff("the run's token_ids (greedy) vs ar.tokens", &toks[..n], &rec.ar.tokens[..n]));
-    }
+    let run_tokens = match (run, same_prompt) {
+        (RunTokens::Greedy(toks), true) => Some(&toks[..toks.len().min(t)]),
+        _ => None,
+    };
     let trace_step = rec.trace.as_ref().map_or(0, |t| t.step);
     let opts = ArOptions { max_tokens: t, topk: rec.ar.topk, full_logits_steps: rec.ar.full_steps, trace_step };
     let (ar, rows, traced) = greedy_ar(&mut model.session(Mode::Ar)?, &rec.prompt_ids, &opts)?;
-    compare_ar(&mut c, &mut cmp, &ar, &rows, &rec.ar);
+    // Steps whose tokens are compared (all on the strict path; up to a forgiven near-tie otherwise).
+    let compared = if tol.near_ties { compare_ar_tolerant(&mut c, &mut cmp, tol, &ar, &rows, &rec.ar) } else {
+        compare_ar(&mut c, &mut cmp, &ar, &rows, &rec.ar);
+        t
+    };
+    if let Some(toks) = run_tokens {
+        let what = "the run's token_ids (greedy) vs ar.tokens";
+        let (toks, want) = (&toks[..toks.len().min(compared)], &rec.ar.tokens[..toks.len().min(compared)]);
+        if tol.near_ties {
+            match rules::greedy(what, toks, want, false, |s| rules::margin_sorted(rec.ar.topk_row(s).1), tol.logits) {
+                Ok(None) => {}
+                Ok(Some((k, m))) => c.notes.push(format!("{what}[{k}]: {} vs bundle {}: a near-tie (margin {m:.3e}); later tokens not compared", toks[k], want[k])),
+                Err(p) => c.problems.push(p),
+            }
+        } else {
+            c.problems.extend(first_diff(what, toks, want));
+        }
+    }
     if let Some(want) = &rec.trace {
         match traced {
+            _ if compared < want.step => c.notes.push(format!("trace: step {} follows the near-tie divergence: not compared", want.step)),
             None => c.problems.push(format!("trace: the re-run recorded no probes at step {}", want.step)),
             Some((step, position, token, tr)) => {
                 let got = trace_record(&tr, step, position, token, info.num_layers)?;
-                compare_trace(&mut c, &mut cmp, tol, &got, want);
+                if tol.near_ties {
+                    compare_trace_tolerant(&mut c, &mut cmp, tol, &got, want);
+                } else {
+                    compare_trace(&mut c, &mut cmp, tol, &got, want);
+                }
             }
         }
     }
     if let Some(want) = &rec.ddtree {
         if !model.has_drafter() {
             c.problems.push("the bundle has a DDTree round but the model has no drafter".into());
+        } else if tol.near_ties && ar.tokens.first() != rec.ar.tokens.first() {
+            c.notes.push("ddtree: its root (AR token 0) differs from the bundle's: the round is not compared".into());
+            c.ddtree = None;
         } else {
             let got = ddtree_round_record(&mut model.session(Mode::DDTree { budget: want.budget })?, &rec.prompt_ids, want.budget)?;
-            c.ddtree = Some(compare_round(&mut c, &mut cmp, &got, want));
+            c.ddtree = Some(if tol.near_ties {
+                compare_round_tolerant(&mut c, &mut cmp, tol, &got, want)
+            } else {
+                compare_round(&mut c, &mut cmp, &got, want)
+            });
         }
     }
     c.max_delta = cmp.max_delta;
@@ -340,7 +485,10 @@ pub fn table(checks: &[PromptCheck]) -> String {
     for r in &rows {
         writeln!(out, "{}", line([&r[0], &r[1], &r[2], &r[3], &r[4]])).unwrap();
     }
-    for c in checks.iter().filter(|c| !c.ok()) {
+    for c in checks {
+        for n in &c.notes {
+            writeln!(out, "  {}: accepted: {n}", c.id).unwrap();
+        }
         for p in &c.problems {
             writeln!(out, "  {}: {p}", c.id).unwrap();
         }
@@ -355,8 +503,9 @@ mod tests {
     #[test]
     fn tolerances_per_backend() {
         assert_eq!(tolerances("cpu").unwrap(), CPU_TOLERANCES);
-        let e = tolerances("cuda").unwrap_err().to_string();
-        assert!(e.contains("not yet measured"), "{e}");
+        assert_eq!(tolerances("cuda").unwrap(), CUDA_TOLERANCES);
+        // the CPU stays strict: no tolerance, no forgiven near-tie or route flip
+        assert_eq!((CPU_TOLERANCES.near_ties, CPU_TOLERANCES.route_flip), (false, 0.0));
         assert!(tolerances("tpu").is_err());
     }
 
@@ -426,13 +575,15 @@ mod tests {
             max_delta: 0.5,
             ddtree: None,
             problems: vec!["ar.tokens[3]: 1 vs bundle 2".into()],
+            notes: vec!["ar.full_logits step 1: route flip".into()],
         };
         let t = table(&[ok, bad]);
         let lines: Vec<&str> = t.lines().collect();
         assert_eq!(lines[0], "prompt id | tokens | max |Δlogit| | ddtree round | verdict");
         assert_eq!(lines[2], "a         | 16/16  | 0            | match        | match");
         assert_eq!(lines[3], "bb        | 3/16   | 5.000e-1     | not recorded | MISMATCH");
-        assert_eq!(lines[4], "  bb: ar.tokens[3]: 1 vs bundle 2");
-        assert_eq!(lines.len(), 5);
+        assert_eq!(lines[4], "  bb: accepted: ar.full_logits step 1: route flip");
+        assert_eq!(lines[5], "  bb: ar.tokens[3]: 1 vs bundle 2");
+        assert_eq!(lines.len(), 6);
     }
 }
