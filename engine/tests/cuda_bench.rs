@@ -230,13 +230,16 @@ fn ddtree_tree_stages() {
     let Some(g) = gpu() else { return };
     let (rows, v) = (7usize, 163_840usize);
     let mut r = rng(31);
+    // "exact ties": two dominant tokens of equal logit per row (every node has a tied score: the builder's
+    // tie order decides each pop); "distinct": the second dominant token half a nat lower (no ties).
+    for (data, second) in [("exact ties", 14.0f32), ("distinct", 13.5)] {
     let mut logits: Vec<f32> = (0..rows * v)
         .map(|_| r.random_range(-4.0f32..4.0))
         .collect();
     for d in 0..rows {
         let a = r.random_range(0..v);
         logits[d * v + a] = 14.0;
-        logits[d * v + (a + 1 + r.random_range(0..v - 1)) % v] = 14.0;
+        logits[d * v + (a + 1 + r.random_range(0..v - 1)) % v] = second;
     }
     let dl = g.upload(&logits).unwrap();
     for budget in [64usize, 256, 1024] {
@@ -266,13 +269,15 @@ fn ddtree_tree_stages() {
         let t = dt.to_host(&g).unwrap();
         let depth = t.depths.iter().max().copied().unwrap_or(0);
         println!(
-            "BENCH ddtree_tree budget={budget} rows={rows} V={v}: topk {:.1} us, build(+mask) {:.1} us, mask {:.1} us, walk(argmax {n} rows + walk) {:.1} us; graph(topk+build+mask+argmax+walk, 5 kernels) {:.1} us; tree depth {depth}",
+            "BENCH ddtree_tree ({data}) budget={budget} rows={rows} V={v}: topk {:.1} us ({} blocks per row), build(+mask) {:.1} us, mask {:.1} us, walk(argmax {n} rows + walk) {:.1} us; graph(topk+build+mask+argmax+walk, 7 kernels) {:.1} us; tree depth {depth}",
             topk * 1e3,
+            dt.topk.splits,
             build * 1e3,
             mask * 1e3,
             walk * 1e3,
             chain * 1e3
         );
+    }
     }
 }
 

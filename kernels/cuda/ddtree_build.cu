@@ -11,7 +11,8 @@
 //
 // One warp. Since the order is total, the candidate set can be an unordered array instead of a heap, split
 // over the lanes by index (lane l holds slots l, l + 32, ...). Each lane keeps the best of its own slots in
-// registers; a pop is a 5-step butterfly over the 32 lane bests (all lanes agree), then lane 0 appends the
+// registers; a pop takes the best lane best by two warp max-reductions of an order-preserving score key (a
+// butterfly with the full tie order only when lanes tie exactly; all lanes agree), then lane 0 appends the
 // node and rewrites at most two slots (the popped one becomes its sibling, or its child, or the last slot;
 // a child may be appended), and only the lanes owning a changed slot update their best (the owner of the
 // popped slot rescans its ~n/32 slots). The top-K log-probs sit in shared memory when they fit (64 KB), the
@@ -74,6 +75,14 @@ __device__ __forceinline__ bool better(const Shared& s, int i, double wi, int j,
     return c_rank(a) < c_rank(b);
 }
 
+// An order-preserving u64 of a candidate's score (larger score, larger key; -0 == +0; no candidate: 0, below
+// every real key, -inf included).
+__device__ __forceinline__ unsigned long long score_key(int slot, double w) {
+    if (slot < 0) return 0ull;
+    const unsigned long long b = (unsigned long long)__double_as_longlong(w + 0.0);
+    return (b >> 63) ? ~b : (b | 0x8000000000000000ull);
+}
+
 // The best of this lane's slots lane, lane + stride, ... below nc.
 __device__ __forceinline__ void rescan(const Shared& s, int lane, int stride, int nc, int& best, double& bw) {
     best = -1;
@@ -131,15 +140,27 @@ extern "C" __global__ void __launch_bounds__(32) kdtree_ddtree_build(const float
     double mw;
     rescan(s, lane, W, nc, mb, mw);
     while (n - 1 < budget && nc > 0) {
+        // The best lane best: the largest score key by two warp max-reductions (hardware __reduce_max_sync);
+        // only when several lanes hold that exact score does the butterfly with the full tie order run.
+        const unsigned long long key = score_key(mb, mw);
+        const unsigned hi = __reduce_max_sync(kdtree::FULL_MASK, (unsigned)(key >> 32));
+        const unsigned lo = __reduce_max_sync(kdtree::FULL_MASK, (unsigned)(key >> 32) == hi ? (unsigned)key : 0u);
+        const unsigned tied = __ballot_sync(kdtree::FULL_MASK, key == ((unsigned long long)hi << 32 | lo));
         int best = mb;
         double bw = mw;
+        if (__popc(tied) == 1) {
+            const int w = __ffs(tied) - 1;
+            best = __shfl_sync(kdtree::FULL_MASK, mb, w);
+            bw = __shfl_sync(kdtree::FULL_MASK, mw, w);
+        } else {
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const int ob = __shfl_xor_sync(kdtree::FULL_MASK, best, o);
-            const double ow = __shfl_xor_sync(kdtree::FULL_MASK, bw, o);
-            if (better(s, ob, ow, best, bw)) {
-                best = ob;
-                bw = ow;
+            for (int o = 16; o > 0; o >>= 1) {
+                const int ob = __shfl_xor_sync(kdtree::FULL_MASK, best, o);
+                const double ow = __shfl_xor_sync(kdtree::FULL_MASK, bw, o);
+                if (better(s, ob, ow, best, bw)) {
+                    best = ob;
+                    bw = ow;
+                }
             }
         }
         const unsigned m = s.meta[best];
