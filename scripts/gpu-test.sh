@@ -103,7 +103,8 @@ PY
     printf '{"id":"k1","prompt_token_ids":[1,17,305,42,7,900,12,3],"max_tokens":8}\n{"id":"k2","prompt_token_ids":[5000,6,77,81234],"max_tokens":8}\n' > "$k/p.jsonl"
     for dev in cpu cuda; do
       s=$(date +%s)
-      "$dir/kdtree-run" "$k/m" --prompts "$k/p.jsonl" --out "$k/$dev.jsonl" --device $dev --mode ar --summary "$k/$dev.json" --quiet || status=1
+      "$dir/kdtree-run" "$k/m" --prompts "$k/p.jsonl" --out "$k/$dev.jsonl" --device $dev --mode ar --summary "$k/$dev.json" 2> "$k/$dev.err" || status=1
+      grep -h "kdtree: loaded" "$k/$dev.err" | sed 's/^/E2E k26-slice load: /' | tee -a "$log"
       echo "E2E k26-slice $dev: $(( $(date +%s) - s )) s wall incl. load; $(python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print(' '.join(f\"{x['id']} decode {x['timing']['decode_tok_s']} tok/s\" for x in r))" "$k/$dev.jsonl")" | tee -a "$log"
     done
     python3 - "$k/cpu.jsonl" "$k/cuda.jsonl" <<'PY' | tee -a "$log"
@@ -118,22 +119,50 @@ PY
       "$dir/kdtree-run" "$k/m" --prompts "$k/p.jsonl" --out "$k/dd$b.jsonl" --device cuda --mode ddtree --budget $b --quiet 2>&1 | tail -3 | sed 's/^/E2E k26-slice budget '$b' stderr: /' | tee -a "$log"
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     done
+    # The AR run's top-2 logits per step (recorded on the GPU) tell a near-tie from a bug at a divergence.
+    "$dir/kdtree-golden" "$k/m" --prompts "$k/p.jsonl" --out "$k/gold" --device cuda --max-tokens 8 --full-logits-steps 0 \
+      --topk 2 --trace-step 0 --no-ddtree --quiet || status=1
     python3 - "$k" <<'PY' | tee -a "$log"
-import json, sys
+import json, struct, sys
 k = sys.argv[1]
 ar = {x["id"]: x["token_ids"] for x in map(json.loads, open(f"{k}/cuda.jsonl"))}
+def top2(pid):
+    # safetensors: u64 header length, JSON header, then the raw tensors (little-endian)
+    raw = open(f"{k}/gold/{pid}.safetensors", "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    h = json.loads(raw[8:8 + n])
+    def t(name, fmt):
+        a, b = h[name]["data_offsets"]
+        buf = raw[8 + n + a:8 + n + b]
+        return list(struct.unpack("<%d%s" % (len(buf) // 4, fmt), buf))
+    return t("ar.tokens", "i"), t("ar.topk_logits", "f")
+bad = 0
 for b in (1, 8, 64, 256, 1024):
     try:
         lines = list(map(json.loads, open(f"{k}/dd{b}.jsonl")))
     except OSError as e:
         print(f"E2E k26-slice greedy DDTree budget {b}: no output ({e})")
+        bad += 1
         continue
     for x in lines:
         if "token_ids" not in x:
             print(f"E2E k26-slice greedy DDTree budget {b} {x.get('id')}: error {x.get('error')}")
+            bad += 1
             continue
-        print(f"E2E k26-slice greedy DDTree budget {b} {x['id']}: == AR on the GPU: {x['token_ids'] == ar[x['id']]}")
+        a, d = ar[x["id"]], x["token_ids"]
+        i = next((j for j, (p, q) in enumerate(zip(a, d)) if p != q), None)
+        if i is None:
+            print(f"E2E k26-slice greedy DDTree budget {b} {x['id']}: == AR on the GPU: True")
+            continue
+        toks, lg = top2(x["id"])
+        margin = lg[2 * i] - lg[2 * i + 1]
+        tie = toks[:len(a)] == a and margin <= 0.15
+        bad += not tie
+        print(f"E2E k26-slice greedy DDTree budget {b} {x['id']}: first {i} of {len(a)} tokens == AR, then "
+              + (f"a near-tie (AR top-2 logit margin {margin:.3g} <= 0.15)" if tie else f"a divergence at AR margin {margin:.3g}: FAIL"))
+sys.exit(1 if bad else 0)
 PY
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     rm -rf "$k"
   fi
 fi

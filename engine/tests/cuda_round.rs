@@ -27,6 +27,11 @@ use kdtree_engine::{open_cuda_on, Loaded, Mode, ProbeSet};
 use round_common::*;
 use std::sync::Arc;
 
+/// Every capture of a round worked (a failed one falls back to eager rounds, which these tests must see).
+fn no_capture_failure(g: &Gpu) {
+    assert_eq!(g.capture_failure(), None, "a DDTree round could not be captured as a CUDA graph");
+}
+
 fn pair_on_gpu(tmp: &tempfile::TempDir) -> Option<(Arc<Gpu>, Loaded)> {
     let g = Arc::new(cuda_common::gpu()?);
     convert(&pair_dir(), &tmp.path().join("pair1"), 1);
@@ -39,16 +44,17 @@ const PROMPTS: [&[u32]; 2] = [&[1, 17, 305, 42, 7, 900, 12, 3, 64, 5, 2000, 11],
 #[test]
 fn device_round_equals_the_host_round_on_the_gpu() {
     let tmp = tempfile::tempdir().unwrap();
-    let Some((_g, mut m)) = pair_on_gpu(&tmp) else { return };
+    let Some((g, mut m)) = pair_on_gpu(&tmp) else { return };
     let prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|p| p.to_vec()).collect();
     let (rounds, tau) = compare(&mut m, "kdtree-tiny pair, cuda", &prompts, &[1, 8, 64, 256, 1024], 6);
+    no_capture_failure(&g);
     println!("PARITY device_round(cuda) exact over {rounds} rounds (greedy tau {tau:.2})");
 }
 
 #[test]
 fn ddtree_equals_ar_on_the_gpu() {
     let tmp = tempfile::tempdir().unwrap();
-    let Some((_g, mut m)) = pair_on_gpu(&tmp) else { return };
+    let Some((g, mut m)) = pair_on_gpu(&tmp) else { return };
     let n = 24;
     for (i, p) in PROMPTS.iter().enumerate() {
         // AR with the logit row behind every token (for the tie check).
@@ -80,6 +86,7 @@ fn ddtree_equals_ar_on_the_gpu() {
             }
         }
     }
+    no_capture_failure(&g);
 }
 
 /// Where `u` falls in `row`'s adjusted distribution relative to token `tok`'s interval: 0 inside it, else
@@ -102,7 +109,7 @@ fn sampled_ddtree_equals_sampled_ar_on_the_gpu() {
     // DDTree token's interval, i.e. bf16-level logit differences between a tree verify and a decode step move
     // a boundary across it; it is printed, and the comparison stops there (the continuations differ).
     let tmp = tempfile::tempdir().unwrap();
-    let Some((_g, mut m)) = pair_on_gpu(&tmp) else { return };
+    let Some((g, mut m)) = pair_on_gpu(&tmp) else { return };
     let n = 24;
     let mut exact = 0;
     for seed in [1u64, 7] {
@@ -145,6 +152,7 @@ fn sampled_ddtree_equals_sampled_ar_on_the_gpu() {
         }
     }
     assert!(exact >= 4, "only {exact} of 8 sampled runs matched AR exactly");
+    no_capture_failure(&g);
 }
 
 #[test]
@@ -170,6 +178,7 @@ fn captured_round_equals_the_eager_round() {
             }
         }
     }
+    no_capture_failure(&g);
     println!("PARITY device_round(cuda, one CUDA graph per round == eager) exact over {rounds} rounds (greedy and T=1 top_p 0.9, budgets 1, 16, 256)");
 }
 
@@ -210,5 +219,6 @@ fn one_read_back_per_round() {
             }
         }
     }
+    no_capture_failure(&g);
     g.set_graphs(true);
 }

@@ -163,9 +163,17 @@ impl CudaBackend {
             }
         }
     }
+    /// A zero-length buffer for a failed op's result (its error is already recorded). Never panics: when
+    /// even a zero-length allocation fails (an invalidated graph capture fails every call until it ends),
+    /// a null slice stands in.
+    fn empty_of<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(&self) -> CudaSlice<T> {
+        self.gpu.stream.alloc_zeros::<T>(0).unwrap_or_else(|_| {
+            // SAFETY: a null pointer of length 0: nothing reads or writes through it.
+            unsafe { self.gpu.stream.upgrade_device_ptr::<T>(0, 0) }
+        })
+    }
     fn empty(&self) -> CudaSlice<f32> {
-        // A zero-length buffer needs no device memory; if even that fails the error is already recorded.
-        self.gpu.stream.alloc_zeros::<f32>(0).expect("a zero-length allocation cannot fail")
+        self.empty_of::<f32>()
     }
     fn new_f32(&self, n: usize) -> R<CudaSlice<f32>> {
         self.gpu.zeros::<f32>(n)
@@ -181,10 +189,10 @@ impl CudaBackend {
         Ok(y)
     }
     fn empty_u32(&self) -> CudaSlice<u32> {
-        self.gpu.stream.alloc_zeros::<u32>(0).expect("a zero-length allocation cannot fail")
+        self.empty_of::<u32>()
     }
     fn empty_rope(&self, half: usize) -> DRope {
-        let z = || self.gpu.stream.alloc_zeros::<f32>(0).expect("a zero-length allocation cannot fail");
+        let z = || self.empty_of::<f32>();
         DRope { cos: z(), sin: z(), half, rows: 0 }
     }
     fn copy(&self, src: &CudaSlice<f32>, from: usize, to: usize) -> R<CudaSlice<f32>> {
@@ -356,7 +364,7 @@ impl Backend for CudaBackend {
         .unwrap_or_else(|| self.empty_rope(r.half))
     }
     fn mask_upload(&self, v: &Visibility) -> DMask {
-        let bits = self.run("mask_upload", || self.gpu.upload(&v.bits)).unwrap_or_else(|| self.gpu.stream.alloc_zeros::<u64>(0).expect("a zero-length allocation cannot fail"));
+        let bits = self.run("mask_upload", || self.gpu.upload(&v.bits)).unwrap_or_else(|| self.empty_of::<u64>());
         DMask { bits, rows: v.rows, words: v.words }
     }
     fn ids_from_host(&self, ids: &[u32]) -> CudaSlice<u32> {
@@ -385,7 +393,7 @@ impl Backend for CudaBackend {
         .unwrap_or_else(|| self.empty_rope(half))
     }
     fn pos_new(&self, v: usize) -> DPos {
-        let mut dev = self.run("pos_new", || self.gpu.zeros::<i32>(1)).unwrap_or_else(|| self.gpu.stream.alloc_zeros::<i32>(0).expect("a zero-length allocation cannot fail"));
+        let mut dev = self.run("pos_new", || self.gpu.zeros::<i32>(1)).unwrap_or_else(|| self.empty_of::<i32>());
         if v != 0 {
             self.run("pos_new", || self.set_dev(&mut dev, v));
         }
@@ -559,8 +567,8 @@ impl Backend for CudaBackend {
     }
 
     fn kv_new(&self, layers: usize, width: usize) -> DKv {
-        let buf = self.run("kv_new", || self.gpu.zeros::<bf16>(0)).unwrap_or_else(|| self.gpu.stream.alloc_zeros::<bf16>(0).expect("a zero-length allocation cannot fail"));
-        let pos = self.run("kv_new", || self.gpu.zeros::<i32>(1)).unwrap_or_else(|| self.gpu.stream.alloc_zeros::<i32>(0).expect("a zero-length allocation cannot fail"));
+        let buf = self.run("kv_new", || self.gpu.zeros::<bf16>(0)).unwrap_or_else(|| self.empty_of::<bf16>());
+        let pos = self.run("kv_new", || self.gpu.zeros::<i32>(1)).unwrap_or_else(|| self.empty_of::<i32>());
         DKv { buf, layers, width, cap: 0, committed: 0, scratch: 0, pos, id: storage_id() }
     }
     fn kv_committed(&self, kv: &DKv) -> usize {
@@ -649,7 +657,7 @@ impl Backend for CudaBackend {
             Ok((ids, wts))
         });
         let (ids, wts) = res.unwrap_or_else(|| {
-            let z = self.gpu.stream.alloc_zeros::<i32>(0).expect("a zero-length allocation cannot fail");
+            let z = self.empty_of::<i32>();
             (z, self.empty())
         });
         DRoutes { ids, wts, t, k: r.top_k, experts: r.n_experts }
@@ -780,9 +788,21 @@ impl Backend for CudaBackend {
         let r = body();
         // Always end the capture (a failed body must not leave the stream capturing).
         let g = s.end_capture(CUgraphInstantiate_flags(0));
-        r?;
-        self.check()?;
-        let g = g.map_err(super::drv("end graph capture"))?.ok_or_else(|| anyhow::anyhow!("graph capture recorded nothing"))?;
+        let captured = match (r, self.check(), g) {
+            (Ok(()), Ok(()), Ok(Some(g))) => Ok(g),
+            (r, c, g) => Err(r.err().or(c.err()).map(|e| format!("{e:#}")).or(g.err().map(|e| format!("end capture: {e}"))).unwrap_or_else(|| "the capture recorded nothing".into())),
+        };
+        let g = match captured {
+            Ok(g) => g,
+            Err(why) => {
+                // Nothing ran (a capture only records): run the same ops eagerly, and say so once.
+                let _ = self.gpu.ctx.check_err(); // drops inside the failed capture may have recorded its error
+                super::GpuStats::bump(&self.gpu.stats.capture_failures);
+                self.gpu.note_capture_failure(&why);
+                self.gpu.set_graphs(false); // not again on this GPU: every later round runs eagerly
+                return body();
+            }
+        };
         let after = self.gpu.stats.snapshot();
         super::GpuStats::bump(&self.gpu.stats.graph_launches);
         g.launch().map_err(super::drv("graph launch"))?;

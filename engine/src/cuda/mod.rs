@@ -8,6 +8,7 @@
 //! to [`CudaError`] naming the op. Parity tests: engine/tests/cuda_ops.rs.
 
 pub mod backend;
+mod load;
 pub mod ops;
 pub mod tree;
 
@@ -76,6 +77,10 @@ pub struct Gpu {
     _blas_workspace: CudaSlice<u8>,
     /// Capture DDTree rounds into CUDA graphs (default on; `KDTREE_CUDA_GRAPHS=0` turns it off).
     graphs: std::sync::atomic::AtomicBool,
+    /// Why the first failed capture failed.
+    capture_failure: std::sync::Mutex<Option<String>>,
+    /// Loading weights: pinned staging buffers and progress (see [`Gpu::begin_load`]).
+    load: std::sync::Mutex<Option<load::Load>>,
     /// What this GPU was asked to do so far (kernel launches, cuBLAS calls, copies): the round tests
     /// print these per round.
     pub stats: GpuStats,
@@ -95,6 +100,8 @@ pub struct GpuStats {
     pub downloads: std::sync::atomic::AtomicU64,
     /// CUDA graph launches (a captured device round is one).
     pub graph_launches: std::sync::atomic::AtomicU64,
+    /// Captures that failed (the round then ran eagerly); the first reason is in [`Gpu::capture_failure`].
+    pub capture_failures: std::sync::atomic::AtomicU64,
 }
 
 impl GpuStats {
@@ -160,7 +167,7 @@ impl Gpu {
                 return Err(CudaError::NoDevice(format!("cublasSetWorkspace: {st:?}")));
             }
         }
-        let gpu = Gpu { ctx, stream, blas, sms, max_smem, smem_per_sm, _module: module, funcs, _blas_workspace: ws, graphs: std::sync::atomic::AtomicBool::new(std::env::var("KDTREE_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true)), stats: GpuStats::default() };
+        let gpu = Gpu { ctx, stream, blas, sms, max_smem, smem_per_sm, _module: module, funcs, _blas_workspace: ws, graphs: std::sync::atomic::AtomicBool::new(std::env::var("KDTREE_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true)), capture_failure: std::sync::Mutex::new(None), load: std::sync::Mutex::new(None), stats: GpuStats::default() };
         ops::w4a16_gemm::configure(&gpu)?;
         ops::gqa_attention::configure(&gpu)?;
         ops::ddtree_build::configure(&gpu)?;
@@ -180,6 +187,18 @@ impl Gpu {
     pub fn graphs(&self) -> bool {
         self.graphs.load(std::sync::atomic::Ordering::Relaxed)
     }
+    /// The first failed capture's reason (None when every capture worked).
+    pub fn capture_failure(&self) -> Option<String> {
+        self.capture_failure.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+    /// Keeps the first failure's reason and says it once on stderr (the round runs eagerly instead).
+    pub(crate) fn note_capture_failure(&self, why: &str) {
+        let mut g = self.capture_failure.lock().unwrap_or_else(|p| p.into_inner());
+        if g.is_none() {
+            eprintln!("kdtree: warning: capturing the DDTree round as a CUDA graph failed, running it eagerly: {why}");
+            *g = Some(why.to_string());
+        }
+    }
 
     /// Device name and compute capability, e.g. "NVIDIA H200 (sm_90)".
     pub fn describe(&self) -> String {
@@ -188,10 +207,35 @@ impl Gpu {
         format!("{name} (sm_{ma}{mi}, {} SMs)", self.sms)
     }
 
-    /// Host → device copy into a new buffer (allocates; not for the hot path).
-    pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
+    /// Host → device copy into a new buffer (allocates; not for the hot path). Between
+    /// [`Gpu::begin_load`] and [`Gpu::end_load`] large copies go through pinned staging buffers and count
+    /// towards the load's progress.
+    pub fn upload<T: DeviceRepr + bytemuck::Pod + ValidAsZeroBits>(&self, host: &[T]) -> Result<CudaSlice<T>> {
         GpuStats::bump(&self.stats.uploads);
-        self.stream.clone_htod(host).map_err(drv("upload"))
+        let mut g = self.load.lock().unwrap_or_else(|p| p.into_inner());
+        match g.as_mut() {
+            Some(l) => l.upload(self, host),
+            None => self.stream.clone_htod(host).map_err(drv("upload")),
+        }
+    }
+
+    /// Starts loading `total` bytes of weights: uploads go through two pinned staging buffers (the copy of
+    /// one chunk out of the mmapped shard overlaps the DMA of the previous one) and, with `progress`, a line
+    /// on stderr about once a second (GB loaded, GB/s, ETA).
+    pub fn begin_load(&self, total: u64, progress: bool) -> Result<()> {
+        let l = load::Load::new(self, total, progress)?;
+        *self.load.lock().unwrap_or_else(|p| p.into_inner()) = Some(l);
+        Ok(())
+    }
+
+    /// Ends the load (waits for the last copies, frees the staging buffers): (bytes, seconds); with
+    /// progress, a last line with the rate.
+    pub fn end_load(&self) -> Result<(u64, f64)> {
+        let l = self.load.lock().unwrap_or_else(|p| p.into_inner()).take();
+        match l {
+            Some(l) => l.finish(self),
+            None => Ok((0, 0.0)),
+        }
     }
 
     /// Device → host copy (synchronises the stream; tests and final outputs only).

@@ -45,6 +45,9 @@ pub struct Loaded {
 pub struct OpenOptions {
     /// MLA form of the CPU target (both give the same logits to ~1e-6 relative).
     pub attn_mode: AttnMode,
+    /// Progress lines on stderr while the weights load onto a GPU (GB, GB/s, ETA); a library stays quiet
+    /// unless asked.
+    pub progress: bool,
 }
 
 /// A converted model on the CPU reference backend, with its concrete types (the golden tool needs
@@ -57,7 +60,7 @@ pub struct CpuModel {
 /// Open `dir` on `device` with default options (CPU target uses the absorbed MLA form: it does not
 /// re-expand every cached latent through kv_b at each step).
 pub fn open(dir: &Path, device: Device) -> Result<Loaded> {
-    open_with(dir, device, OpenOptions { attn_mode: AttnMode::Absorbed })
+    open_with(dir, device, OpenOptions { attn_mode: AttnMode::Absorbed, progress: false })
 }
 
 /// Open `dir` on `device`. `Device::Cuda` in a build without the `cuda` feature is
@@ -66,10 +69,10 @@ pub fn open(dir: &Path, device: Device) -> Result<Loaded> {
 pub fn open_with(dir: &Path, device: Device, opts: OpenOptions) -> Result<Loaded> {
     #[cfg(feature = "cuda")]
     match device {
-        Device::Cuda => return open_cuda(dir, crate::cuda::Gpu::new(0)?),
+        Device::Cuda => return open_cuda(dir, crate::cuda::Gpu::new(0)?, opts.progress),
         Device::Auto => {
             if let Ok(gpu) = crate::cuda::Gpu::new(0) {
-                return open_cuda(dir, gpu);
+                return open_cuda(dir, gpu, opts.progress);
             }
         }
         Device::Cpu => {}
@@ -110,13 +113,19 @@ pub fn open_cpu_source(src: Arc<dyn TensorSource>, opts: OpenOptions) -> Result<
 /// lm_head (one copy of each on the device). DDTree rounds then run on the device (`Target::device_round`:
 /// draft, top-K, tree, mask, verify, walk and commit on the GPU, one read back per round).
 #[cfg(feature = "cuda")]
-fn open_cuda(dir: &Path, gpu: crate::cuda::Gpu) -> Result<Loaded> {
-    open_cuda_on(dir, Arc::new(gpu))
+fn open_cuda(dir: &Path, gpu: crate::cuda::Gpu, progress: bool) -> Result<Loaded> {
+    open_cuda_with(dir, Arc::new(gpu), progress)
 }
 
 /// [`open_with`] on the CUDA device `gpu` the caller keeps (tests read its [`crate::cuda::GpuStats`]).
 #[cfg(feature = "cuda")]
 pub fn open_cuda_on(dir: &Path, gpu: Arc<crate::cuda::Gpu>) -> Result<Loaded> {
+    open_cuda_with(dir, gpu, false)
+}
+
+/// [`open_cuda_on`], with progress lines while the weights load when `progress`.
+#[cfg(feature = "cuda")]
+pub fn open_cuda_with(dir: &Path, gpu: Arc<crate::cuda::Gpu>, progress: bool) -> Result<Loaded> {
     use crate::cuda::CudaBackend;
     use crate::model::target::TargetModel;
     let md = ModelDir::open(dir).with_context(|| format!("opening model {}", dir.display()))?;
@@ -142,12 +151,20 @@ pub fn open_cuda_on(dir: &Path, gpu: Arc<crate::cuda::Gpu>) -> Result<Loaded> {
     let src: Arc<dyn TensorSource> = Arc::new(md);
     let taps = src.drafter_config().map(|c| c.dflash_config.target_layer_ids.clone()).unwrap_or_default();
     let name = gpu.describe();
-    let backend = CudaBackend::new(gpu);
-    let w = Arc::new(Weights::load_on(backend.clone(), src.clone()).with_context(|| format!("uploading {} to {name}", dir.display()))?);
-    let target = TargetModel::new(w.clone(), taps, AttnMode::Absorbed)?;
-    let drafter = match src.drafter_config() {
-        Some(_) => Some(Box::new(DFlashDrafter::load_on(backend, &*src, w).with_context(|| format!("uploading the drafter of {} to {name}", dir.display()))?) as Box<dyn Drafter>),
-        None => None,
-    };
-    Ok(Loaded { backend: "cuda".into(), target: Box::new(target), drafter })
+    let backend = CudaBackend::new(gpu.clone());
+    // Through pinned staging buffers, with progress when asked (the staging ends even on an error).
+    gpu.begin_load(needed, progress)?;
+    let loaded = (|| -> Result<Loaded> {
+        let w = Arc::new(Weights::load_on(backend.clone(), src.clone()).with_context(|| format!("uploading {} to {name}", dir.display()))?);
+        let target = TargetModel::new(w.clone(), taps, AttnMode::Absorbed)?;
+        let drafter = match src.drafter_config() {
+            Some(_) => Some(Box::new(DFlashDrafter::load_on(backend, &*src, w).with_context(|| format!("uploading the drafter of {} to {name}", dir.display()))?) as Box<dyn Drafter>),
+            None => None,
+        };
+        Ok(Loaded { backend: "cuda".into(), target: Box::new(target), drafter })
+    })();
+    let ended = gpu.end_load();
+    let loaded = loaded?;
+    ended?;
+    Ok(loaded)
 }

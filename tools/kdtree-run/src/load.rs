@@ -25,7 +25,7 @@ pub struct Model {
 }
 
 /// Load everything `dir` holds.
-pub fn load(dir: &Path, device: DeviceArg) -> Result<Model> {
+pub fn load(dir: &Path, device: DeviceArg, progress: bool) -> Result<Model> {
     let device = match device {
         DeviceArg::Auto => kdtree_engine::Device::Auto,
         DeviceArg::Cuda => kdtree_engine::Device::Cuda,
@@ -35,7 +35,8 @@ pub fn load(dir: &Path, device: DeviceArg) -> Result<Model> {
         .with_context(|| format!("opening model {}", dir.display()))?
         .text_config()
         .eos_token_id;
-    let loaded = kdtree_engine::open(dir, device).with_context(|| format!("loading model {}", dir.display()))?;
+    let opts = kdtree_engine::OpenOptions { attn_mode: kdtree_engine::model::AttnMode::Absorbed, progress };
+    let loaded = kdtree_engine::open_with(dir, device, opts).with_context(|| format!("loading model {}", dir.display()))?;
     let tokenizer = if dir.join("tiktoken.model").exists() { Some(Tokenizer::from_dir(dir)?) } else { None };
     let has_template = dir.join("chat_template.jinja").exists() || {
         let cfg = dir.join("tokenizer_config.json");

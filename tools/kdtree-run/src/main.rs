@@ -168,7 +168,7 @@ fn open_model(args: &Args, d: &Defaults, bundle: Option<&(Bundle, HashMap<String
         return Err(no_drafter());
     }
     drop(dir);
-    let model = load::load(&args.model, args.device)?;
+    let model = load::load(&args.model, args.device, !args.quiet)?;
     if ddtree && !model.loaded.has_drafter() {
         return Err(no_drafter());
     }

@@ -1,0 +1,92 @@
+//! Weight loading onto the GPU through pinned staging buffers (issue 8, loading): a large host slice (a
+//! zero-copy view of an mmapped shard) is copied in chunks into one of two page-locked buffers while the
+//! other one's DMA runs (cudarc's `PinnedHostSlice` records an event after each copy and waits on it before
+//! the host writes that buffer again), so the shard is never copied whole on the host and the copy engine
+//! streams from pinned memory. Progress (GB, GB/s, ETA) goes to stderr about once a second when asked.
+//! Used by [`super::Gpu::upload`] between `begin_load` and `end_load` (engine model/open.rs `open_cuda_on`).
+//! Test: engine/tests/cuda_target.rs (staged uploads equal the host bytes).
+
+use std::time::Instant;
+
+use cudarc::driver::{CudaSlice, DeviceRepr, PinnedHostSlice, ValidAsZeroBits};
+
+use super::{drv, Gpu, Result};
+
+/// Bytes of one staging buffer; copies smaller than this go straight from the host slice.
+pub(crate) const CHUNK: usize = 32 << 20;
+
+pub(crate) struct Load {
+    stage: [PinnedHostSlice<u8>; 2],
+    next: usize,
+    total: u64,
+    done: u64,
+    start: Instant,
+    last_print: Instant,
+    progress: bool,
+    name: String,
+}
+
+impl Load {
+    pub(crate) fn new(gpu: &Gpu, total: u64, progress: bool) -> Result<Load> {
+        // SAFETY: the staging buffers are written by the host before every copy out of them.
+        let alloc = || unsafe { gpu.ctx.alloc_pinned::<u8>(CHUNK) }.map_err(drv("pinned staging buffer"));
+        let now = Instant::now();
+        Ok(Load { stage: [alloc()?, alloc()?], next: 0, total, done: 0, start: now, last_print: now, progress, name: gpu.describe() })
+    }
+
+    pub(crate) fn upload<T: DeviceRepr + bytemuck::Pod + ValidAsZeroBits>(&mut self, gpu: &Gpu, host: &[T]) -> Result<CudaSlice<T>> {
+        let bytes: &[u8] = bytemuck::cast_slice(host);
+        let s = &gpu.stream;
+        if bytes.len() < CHUNK {
+            self.count(bytes.len());
+            return s.clone_htod(host).map_err(drv("upload"));
+        }
+        // SAFETY: every byte is written below before the buffer is read.
+        let mut dev = unsafe { s.alloc::<T>(host.len()) }.map_err(drv("upload"))?;
+        {
+            let n = bytes.len();
+            // SAFETY: T is plain data (Pod), so its device buffer is n bytes of u8 as well.
+            let mut view = dev.as_view_mut();
+            let mut dst = unsafe { view.transmute_mut::<u8>(n) }.expect("a Pod buffer of n bytes");
+            let mut off = 0;
+            while off + CHUNK <= n {
+                let buf = &mut self.stage[self.next];
+                self.next ^= 1;
+                // Waits for this buffer's previous DMA, then fills it from the mmapped shard.
+                buf.as_mut_slice().map_err(drv("staging buffer"))?.copy_from_slice(&bytes[off..off + CHUNK]);
+                s.memcpy_htod(&*buf, &mut dst.slice_mut(off..off + CHUNK)).map_err(drv("upload"))?;
+                off += CHUNK;
+                self.count(CHUNK);
+            }
+            if off < n {
+                s.memcpy_htod(&bytes[off..], &mut dst.slice_mut(off..)).map_err(drv("upload"))?;
+                self.count(n - off);
+            }
+        }
+        Ok(dev)
+    }
+
+    fn count(&mut self, n: usize) {
+        self.done += n as u64;
+        if self.progress && self.last_print.elapsed().as_secs_f64() >= 1.0 {
+            self.last_print = Instant::now();
+            let t = self.start.elapsed().as_secs_f64();
+            let rate = self.done as f64 / t.max(1e-9);
+            let eta = self.total.saturating_sub(self.done) as f64 / rate.max(1.0);
+            eprintln!("kdtree: loading weights onto {}: {:.1} of {:.1} GB, {:.2} GB/s, ETA {:.0} s", self.name, gb(self.done), gb(self.total), rate / 1e9, eta);
+        }
+    }
+
+    pub(crate) fn finish(self, gpu: &Gpu) -> Result<(u64, f64)> {
+        gpu.sync()?;
+        let t = self.start.elapsed().as_secs_f64();
+        if self.progress {
+            eprintln!("kdtree: loaded {:.2} GB of weights onto {} in {:.1} s ({:.2} GB/s)", gb(self.done), self.name, t, self.done as f64 / t.max(1e-9) / 1e9);
+        }
+        Ok((self.done, t))
+    }
+}
+
+fn gb(b: u64) -> f64 {
+    b as f64 / 1e9
+}
