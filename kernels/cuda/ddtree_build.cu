@@ -15,8 +15,8 @@
 // butterfly with the full tie order only when lanes tie exactly; all lanes agree), then lane 0 appends the
 // node and rewrites at most two slots (the popped one becomes its sibling, or its child, or the last slot;
 // a child may be appended), and only the lanes owning a changed slot update their best (the owner of the
-// popped slot rescans its ~n/32 slots). The top-K log-probs sit in shared memory when they fit (64 KB), the
-// tokens are looked up once at the end. Candidates and node parents/ranks live in shared memory
+// popped slot rescans its ~n/32 slots). The top-K log-probs sit in shared memory when they fit (64 KB); the
+// nodes are kept in shared memory and written out once at the end. Candidates and node parents/ranks live in shared memory
 // (budget <= 2048, K <= 2048, depths <= 255, checked by the wrapper).
 #include "common.cuh"
 
@@ -30,6 +30,8 @@ struct Shared {
     short parent[MAX_NODES];     // node parents (-1 for the root)
     short rank[MAX_NODES];       // node ranks
     short last_child[MAX_NODES];
+    short first_child[MAX_NODES];    // node child lists (written out at the end)
+    short next_sibling[MAX_NODES];
     unsigned char depth[MAX_NODES];  // node depths
 };
 
@@ -101,7 +103,9 @@ __device__ __forceinline__ void rescan(const Shared& s, int lane, int stride, in
 // lp [L, K] f32, tok [L, K] u32 (per-depth top-K, rank order); bonus [1] u32 (the root token, on the device).
 // Outputs, [budget + 1] each (nodes in pop order, node 0 = root): tokens u32, depths u32, parents i32,
 // log_q f64, first_child i32, next_sibling i32; n_nodes [1] i32 = nodes including the root.
-// lp_in_smem: 1 when the launch gave L * K * 4 bytes of dynamic shared memory for lp.
+// Dynamic shared memory: lp (L * K f32, when lp_in_smem; padded to 8 bytes), then log_q of the nodes
+// ((budget + 1) f64). Every output is kept in shared memory during the pops and written out at the end (a
+// global store before a __syncwarp would make the warp wait for it every pop).
 // grid (1), block 32.
 extern "C" __global__ void __launch_bounds__(32) kdtree_ddtree_build(const float* __restrict__ lp, const unsigned* __restrict__ tok, int L,
                                                                      int K, int budget, const unsigned* __restrict__ bonus,
@@ -116,14 +120,13 @@ extern "C" __global__ void __launch_bounds__(32) kdtree_ddtree_build(const float
     if (lp_in_smem)
         for (int i = lane; i < L * K; i += W) ddtree_lp[i] = lp[i];
     const float* lpp = lp_in_smem ? ddtree_lp : lp;
+    double* lq = reinterpret_cast<double*>(ddtree_lp + (lp_in_smem ? (L * K + 1) / 2 * 2 : 0));  // node log_q
     const auto LP = [&](int d, int r) { return (double)lpp[(size_t)(d - 1) * K + r]; };  // depth d is 1-based
     const bool any = budget > 0 && L > 0 && K > 0;
     if (lane == 0) {
-        depths[0] = 0u;
-        parents[0] = -1;
-        log_q[0] = 0.0;
-        first_child[0] = -1;
-        next_sibling[0] = -1;
+        lq[0] = 0.0;
+        s.first_child[0] = -1;
+        s.next_sibling[0] = -1;
         s.parent[0] = -1;
         s.rank[0] = 0;
         s.last_child[0] = -1;
@@ -174,16 +177,14 @@ extern "C" __global__ void __launch_bounds__(32) kdtree_ddtree_build(const float
         const bool removed = !sib && !child;
         __syncwarp();  // every lane has read the popped slot before lane 0 rewrites it
         if (lane == 0) {
-            parents[n] = p;
-            depths[n] = (unsigned)d;
-            log_q[n] = bw;
-            first_child[n] = -1;
-            next_sibling[n] = -1;
+            lq[n] = bw;
+            s.first_child[n] = -1;
+            s.next_sibling[n] = -1;
             const int lc = s.last_child[p];
             if (lc < 0)
-                first_child[p] = n;
+                s.first_child[p] = (short)n;
             else
-                next_sibling[lc] = n;
+                s.next_sibling[lc] = (short)n;
             s.last_child[p] = (short)n;
             s.parent[n] = (short)p;
             s.rank[n] = (short)r;
@@ -217,6 +218,13 @@ extern "C" __global__ void __launch_bounds__(32) kdtree_ddtree_build(const float
         }
     }
     __syncwarp();
-    for (int i = lane; i < n; i += W) tokens[i] = i == 0 ? bonus[0] : tok[(size_t)(s.depth[i] - 1) * K + s.rank[i]];
+    for (int i = lane; i < n; i += W) {
+        tokens[i] = i == 0 ? bonus[0] : tok[(size_t)(s.depth[i] - 1) * K + s.rank[i]];
+        depths[i] = s.depth[i];
+        parents[i] = s.parent[i];
+        log_q[i] = lq[i];
+        first_child[i] = s.first_child[i];
+        next_sibling[i] = s.next_sibling[i];
+    }
     if (lane == 0) n_nodes[0] = n;
 }

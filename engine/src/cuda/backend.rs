@@ -786,7 +786,10 @@ impl Backend for CudaBackend {
         let before = self.gpu.stats.snapshot();
         s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(super::drv("begin graph capture"))?;
         let r = body();
-        // Always end the capture (a failed body must not leave the stream capturing).
+        // Always end the capture (a failed body must not leave the stream capturing). cudarc's end_capture
+        // first returns any error a drop recorded in the context (an invalidated capture fails the frees
+        // too) without ending it: clear that first.
+        let _ = self.gpu.ctx.check_err();
         let g = s.end_capture(CUgraphInstantiate_flags(0));
         let captured = match (r, self.check(), g) {
             (Ok(()), Ok(()), Ok(Some(g))) => Ok(g),

@@ -53,7 +53,10 @@ impl Load {
                 let buf = &mut self.stage[self.next];
                 self.next ^= 1;
                 // Waits for this buffer's previous DMA, then fills it from the mmapped shard.
-                buf.as_mut_slice().map_err(drv("staging buffer"))?.copy_from_slice(&bytes[off..off + CHUNK]);
+                // Several threads: the copy out of a cold mmap is page-fault bound.
+                let dst_host = buf.as_mut_slice().map_err(drv("staging buffer"))?;
+                use rayon::prelude::*;
+                dst_host.par_chunks_mut(1 << 20).zip(bytes[off..off + CHUNK].par_chunks(1 << 20)).for_each(|(d, s)| d.copy_from_slice(s));
                 s.memcpy_htod(&*buf, &mut dst.slice_mut(off..off + CHUNK)).map_err(drv("upload"))?;
                 off += CHUNK;
                 self.count(CHUNK);

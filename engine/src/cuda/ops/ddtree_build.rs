@@ -16,10 +16,15 @@ pub const MAX_DEPTH: usize = 255;
 pub const LP_SMEM_MAX: usize = 16384;
 const KERNEL: &str = "kdtree_ddtree_build";
 
-/// Lets the kernel take `LP_SMEM_MAX` f32 of dynamic shared memory on top of its ~38 KB static arrays
-/// (called once by `Gpu::new`).
+/// Dynamic shared memory of a launch: lp when it fits (padded to 8 bytes), then the nodes' f64 log_q.
+fn smem_bytes(lp_floats: usize, in_smem: bool, budget: usize) -> usize {
+    (if in_smem { lp_floats.div_ceil(2) * 8 } else { 0 }) + (budget + 1) * 8
+}
+
+/// Lets the kernel take the largest dynamic shared memory a launch asks for on top of its ~47 KB static
+/// arrays (called once by `Gpu::new`).
 pub(crate) fn configure(gpu: &Gpu) -> Result<()> {
-    let need = LP_SMEM_MAX * 4;
+    let need = smem_bytes(LP_SMEM_MAX, true, MAX_BUDGET);
     gpu.func(KERNEL)
         .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, need as i32)
         .map_err(drv("ddtree_build configure"))
@@ -78,7 +83,7 @@ pub fn ddtree_build(
         as_i32(OP, "budget", budget)?,
     );
     let in_smem = depths * k <= LP_SMEM_MAX;
-    let smem = if in_smem { (depths * k * 4) as u32 } else { 0 };
+    let smem = smem_bytes(depths * k, in_smem, budget) as u32;
     let flag = in_smem as i32;
     let mut b = gpu.stream.launch_builder(gpu.func(KERNEL));
     b.arg(lp).arg(tok).arg(&l).arg(&kk).arg(&bb).arg(bonus);
