@@ -67,6 +67,11 @@ pub trait Target {
     fn truncate(&mut self, len: usize) -> Result<()>;
     /// Drop everything (new prompt).
     fn reset(&mut self);
+    /// Room for `rows` cache rows (committed + a forward's scratch) so that a generation of that length never
+    /// grows the cache, nor re-captures a device round, midway. Backends that grow freely ignore it.
+    fn reserve(&mut self, _rows: usize) -> Result<()> {
+        Ok(())
+    }
     /// Start recording named per-layer tensors of every forward (probes; see model/trace.rs for names).
     /// Backends without probes ignore it.
     fn start_trace(&mut self) {}
@@ -80,6 +85,14 @@ pub trait Target {
     /// trace, a depth limit cut by max_positions, a tree that might not fill `budget`): the caller runs the
     /// host round, which gives the same tokens.
     fn device_round(&mut self, _drafter: &mut dyn Drafter, _root: u32, _budget: usize, _s: &crate::sampling::Sampling) -> Option<Result<DeviceRound>> {
+        None
+    }
+    /// One AR step from root token `root` (at position `committed()`) where the target's ops run: the forward
+    /// of the one token, the decision (greedy, or sampled at position `committed() + 1`) and the commit, with
+    /// one read back (the token); a device backend captures it as one CUDA graph. None when this target
+    /// cannot (a recording trace, the position limit): the caller runs the host step, which gives the same
+    /// token.
+    fn device_step(&mut self, _root: u32, _s: &crate::sampling::Sampling) -> Option<Result<u32>> {
         None
     }
 }
@@ -109,6 +122,8 @@ pub trait Drafter {
     /// Keep only context positions `[0, len)` (len <= context_len), the drafter side of `Target::truncate`.
     fn truncate_context(&mut self, len: usize) -> Result<()>;
     fn reset(&mut self);
+    /// Room for `rows` context rows in all (see [`Target::reserve`]).
+    fn reserve(&mut self, _rows: usize) {}
     /// The concrete drafter, for a target that runs the round on its own backend
     /// ([`Target::device_round`]); None by default.
     fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
@@ -136,6 +151,9 @@ impl<T: Target + ?Sized> Target for &mut T {
     fn reset(&mut self) {
         (**self).reset()
     }
+    fn reserve(&mut self, rows: usize) -> Result<()> {
+        (**self).reserve(rows)
+    }
     fn start_trace(&mut self) {
         (**self).start_trace()
     }
@@ -144,6 +162,9 @@ impl<T: Target + ?Sized> Target for &mut T {
     }
     fn device_round(&mut self, drafter: &mut dyn Drafter, root: u32, budget: usize, s: &crate::sampling::Sampling) -> Option<Result<DeviceRound>> {
         (**self).device_round(drafter, root, budget, s)
+    }
+    fn device_step(&mut self, root: u32, s: &crate::sampling::Sampling) -> Option<Result<u32>> {
+        (**self).device_step(root, s)
     }
 }
 
@@ -166,6 +187,9 @@ impl<D: Drafter + ?Sized> Drafter for &mut D {
     }
     fn reset(&mut self) {
         (**self).reset()
+    }
+    fn reserve(&mut self, rows: usize) {
+        (**self).reserve(rows)
     }
     fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         (**self).as_any_mut()

@@ -118,6 +118,14 @@ pub trait Backend: Clone + Send + Sync + 'static {
     fn ids_from_host(&self, ids: &[u32]) -> Self::Ids;
     /// `dst[at..at + n] = src[..n]` where the ops run.
     fn ids_copy(&self, dst: &mut Self::Ids, at: usize, src: &Self::Ids, n: usize);
+    /// `dst[at..at + host.len()] = host` (a copy into the existing buffer: a captured graph keeps reading it).
+    fn ids_write(&self, dst: &mut Self::Ids, at: usize, host: &[u32]) -> Result<()>;
+    /// The ids on the host (a read back).
+    fn ids_to_host(&self, ids: &Self::Ids) -> Result<Vec<u32>>;
+    /// The target's decision for each of `rows` rows of `logits` `[rows, vocab]` into `out[..rows]`: greedy,
+    /// or `sampling::sample` at position `base + offset + row` (`base` read where the ops run).
+    #[allow(clippy::too_many_arguments)]
+    fn decide_rows(&self, logits: &Self::Act, rows: usize, vocab: usize, s: &crate::sampling::Sampling, base: PosOf<'_, Self>, offset: usize, out: &mut Self::Ids) -> Result<()>;
     /// cos/sin of positions `base + offsets[i]` (or `base + i`) for i < t, as [`RopeTable::new`] computes them,
     /// with the base read where the ops run.
     fn rope_at(&self, inv_freq: &Self::VectorF32, factor: f64, base: PosOf<'_, Self>, offsets: Option<&Self::Ids>, t: usize) -> Self::Rope;
@@ -190,6 +198,10 @@ pub trait Backend: Clone + Send + Sync + 'static {
     fn kv_set_scratch(&self, kv: &mut Self::Kv, t: usize);
     /// Keep scratch rows `path` (root-to-node, in order) as the next committed rows; drop the rest.
     fn kv_compact(&self, kv: &mut Self::Kv, path: &[usize]) -> Result<()>;
+    /// The first `n` scratch rows become committed where the ops run (no row moves: a chain's prefix; the
+    /// device AR step). The host copy follows in [`Backend::kv_commit_rows_host`].
+    fn kv_commit_rows(&self, kv: &mut Self::Kv, n: usize) -> Result<()>;
+    fn kv_commit_rows_host(&self, kv: &mut Self::Kv, n: usize);
     /// Keep committed rows `[0, len)`.
     fn kv_truncate(&self, kv: &mut Self::Kv, len: usize) -> Result<()>;
     fn kv_reset(&self, kv: &mut Self::Kv);

@@ -124,6 +124,8 @@ pub struct Session<'a> {
     device_round: bool,
     /// DDTree rounds this session ran where the target's ops run.
     device_rounds: usize,
+    /// AR steps so far that ran where the target's ops run.
+    device_steps: usize,
 }
 
 impl<'a> Session<'a> {
@@ -134,7 +136,7 @@ impl<'a> Session<'a> {
             ensure!(!target.info().tap_layers.is_empty(), "DDTree mode needs a target with tap layers");
         }
         let sampling = Sampling::greedy();
-        Ok(Session { target, drafter, mode, sampling, pending: None, last: None, probes: ProbeSet::default(), captured: Probes::default(), device_round: true, device_rounds: 0 })
+        Ok(Session { target, drafter, mode, sampling, pending: None, last: None, probes: ProbeSet::default(), captured: Probes::default(), device_round: true, device_rounds: 0, device_steps: 0 })
     }
 
     pub fn info(&self) -> &TargetInfo {
@@ -229,6 +231,13 @@ impl<'a> Session<'a> {
     }
 
     fn ar_step(&mut self, root: u32) -> Result<Emitted> {
+        // Where the target's ops run when it can (the same token; no logits come back, so not with probes).
+        if self.device_round && !self.probes.logits && !self.probes.layers {
+            if let Some(tok) = self.target.device_step(root, &self.sampling) {
+                self.device_steps += 1;
+                return Ok(Emitted { tokens: vec![tok?], drafted: 0, accepted: 0, depth_limit: 0 });
+            }
+        }
         let v = self.target.info().vocab_size;
         let out = self.target.forward_rows(&[root], &[-1], LogitRows::All)?;
         ensure!(out.logits.len() == v, "target returned {} logits for 1 token x vocab {v}", out.logits.len());
@@ -241,7 +250,26 @@ impl<'a> Session<'a> {
         Ok(Emitted { tokens: vec![tok], drafted: 0, accepted: 0, depth_limit: 0 })
     }
 
-    /// Whether DDTree rounds may run where the target's ops run (default on; the tokens are the same).
+    /// Room for a generation of `positions` committed positions (prompt + new tokens): the target's cache with
+    /// a round's scratch rows on top, the drafter's context with a block, so nothing grows midway.
+    pub fn reserve(&mut self, positions: usize) -> Result<()> {
+        let max = self.target.info().max_positions;
+        let p = positions.min(max);
+        let scratch = match self.mode {
+            Mode::DDTree { budget } => budget + 1,
+            Mode::Chain => self.drafter.as_ref().map_or(1, |d| d.block_size()),
+            Mode::Ar => 1,
+        };
+        self.target.reserve(p + scratch)?;
+        if let Some(d) = self.drafter.as_deref_mut() {
+            let block = d.block_size();
+            d.reserve(p + block);
+        }
+        Ok(())
+    }
+
+    /// Whether DDTree rounds and AR steps may run where the target's ops run (default on; the tokens are the
+    /// same).
     pub fn set_device_round(&mut self, on: bool) {
         self.device_round = on;
     }
@@ -249,6 +277,11 @@ impl<'a> Session<'a> {
     /// DDTree rounds so far that ran where the target's ops run ([`Session::set_device_round`]).
     pub fn device_rounds(&self) -> usize {
         self.device_rounds
+    }
+
+    /// AR steps so far that ran where the target's ops run ([`Target::device_step`]; the same switch).
+    pub fn device_steps(&self) -> usize {
+        self.device_steps
     }
 
     /// One round; `budget` None = the chain.

@@ -156,6 +156,35 @@ fn sampled_ddtree_equals_sampled_ar_on_the_gpu() {
 }
 
 #[test]
+fn device_ar_step_equals_the_host_step_on_the_gpu() {
+    // The AR step as one captured graph (one read back a step) against the host step, greedy and sampled;
+    // then its counts per step.
+    let tmp = tempfile::tempdir().unwrap();
+    let Some((g, mut m)) = pair_on_gpu(&tmp) else { return };
+    let prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|p| p.to_vec()).collect();
+    let n = compare_ar(&mut m, "kdtree-tiny pair, cuda", &prompts, 16);
+    let mut s = m.session(Mode::Ar).unwrap();
+    s.prefill(PROMPTS[0], &Sampling::greedy()).unwrap();
+    s.step().unwrap(); // captures
+    let (before, gl) = (g.stats.snapshot(), g.stats.graph_launches.load(std::sync::atomic::Ordering::Relaxed));
+    let steps = 8u64;
+    for _ in 0..steps {
+        s.step().unwrap();
+    }
+    let (after, gl) = (g.stats.snapshot(), g.stats.graph_launches.load(std::sync::atomic::Ordering::Relaxed) - gl);
+    println!(
+        "BENCH step_counts AR step as one CUDA graph: per step {:.1} graph launches, {:.1} kernel launches, {:.1} uploads, {:.1} reads back",
+        gl as f64 / steps as f64,
+        (after[0] - before[0]) as f64 / steps as f64,
+        (after[2] - before[2]) as f64 / steps as f64,
+        (after[3] - before[3]) as f64 / steps as f64
+    );
+    assert_eq!((gl, after[0] - before[0], after[2] - before[2], after[3] - before[3]), (steps, 0, 0, steps), "a replayed AR step: one graph launch, nothing else, one read");
+    no_capture_failure(&g);
+    println!("PARITY device_step(cuda, one CUDA graph per step == host step) exact over {n} steps");
+}
+
+#[test]
 fn captured_round_equals_the_eager_round() {
     // The captured round (one CUDA graph, replayed) against the same ops run eagerly, step for step.
     let tmp = tempfile::tempdir().unwrap();

@@ -2,7 +2,8 @@
 //! verify, walk and commit where the target's ops run, one read back per round) gives the same steps as the
 //! host round (session.rs `ddtree_round`) on the CPU backend: every round's tokens and counters, greedy and
 //! sampled, budgets 1 to 64, on the trained pair (deep accepted paths) and on the synthetic tiny preset
-//! converted for 2 ranks. The same comparison runs on the GPU in cuda_round.rs.
+//! converted for 2 ranks; and the AR step written against it (`Target::device_step`) gives the host step's
+//! tokens. The same comparisons run on the GPU in cuda_round.rs.
 
 mod round_common;
 
@@ -16,6 +17,7 @@ fn device_round_equals_the_host_round_on_the_cpu() {
     let mut m = open(&tmp.path().join("pair1"), Device::Cpu).unwrap();
     let prompts = [vec![1u32, 17, 305, 42, 7, 900, 12, 3, 64, 5, 2000, 11], vec![400, 401, 402, 9]];
     let (rounds, tau) = compare(&mut m, "kdtree-tiny pair, cpu", &prompts, &[1, 8, 64], 6);
+    compare_ar(&mut m, "kdtree-tiny pair, cpu", &prompts, 8);
     assert!(tau > 1.5, "the trained pair should accept deep paths (greedy tau {tau:.2})");
     eprintln!("{rounds} rounds compared, greedy tau {tau:.2}");
 

@@ -95,6 +95,25 @@ impl Backend for CpuBackend {
     fn ids_copy(&self, dst: &mut Vec<u32>, at: usize, src: &Vec<u32>, n: usize) {
         dst[at..at + n].copy_from_slice(&src[..n]);
     }
+    fn ids_write(&self, dst: &mut Vec<u32>, at: usize, host: &[u32]) -> Result<()> {
+        anyhow::ensure!(at + host.len() <= dst.len(), "ids_write: {} ids at {at} of {}", host.len(), dst.len());
+        dst[at..at + host.len()].copy_from_slice(host);
+        Ok(())
+    }
+    fn ids_to_host(&self, ids: &Vec<u32>) -> Result<Vec<u32>> {
+        Ok(ids.clone())
+    }
+    fn decide_rows(&self, logits: &Vec<f32>, rows: usize, vocab: usize, s: &crate::sampling::Sampling, base: PosOf<'_, Self>, offset: usize, out: &mut Vec<u32>) -> Result<()> {
+        anyhow::ensure!(logits.len() >= rows * vocab && out.len() >= rows, "decide_rows: {} logits / {} outputs for {rows} rows of {vocab}", logits.len(), out.len());
+        let b = match base {
+            PosOf::Kv(kv) => kv.committed,
+            PosOf::Pos(p) => *p,
+        };
+        for (i, o) in out.iter_mut().enumerate().take(rows) {
+            *o = crate::sampling::sample(&logits[i * vocab..(i + 1) * vocab], s, b + offset + i);
+        }
+        Ok(())
+    }
     fn rope_at(&self, inv_freq: &Slab<f32>, factor: f64, base: PosOf<'_, Self>, offsets: Option<&Vec<u32>>, t: usize) -> RopeTable {
         let b = match base {
             PosOf::Kv(kv) => kv.committed,
@@ -220,6 +239,12 @@ impl Backend for CpuBackend {
     }
     fn kv_compact(&self, kv: &mut LatentCache, path: &[usize]) -> Result<()> {
         kv.commit(path)
+    }
+    fn kv_commit_rows(&self, kv: &mut LatentCache, n: usize) -> Result<()> {
+        kv.commit(&(0..n).collect::<Vec<_>>())
+    }
+    fn kv_commit_rows_host(&self, _kv: &mut LatentCache, _n: usize) {
+        // kv_commit_rows already moved the host state: the CPU has no other copy.
     }
     fn kv_truncate(&self, kv: &mut LatentCache, len: usize) -> Result<()> {
         kv.truncate(len)

@@ -378,6 +378,29 @@ impl Backend for CudaBackend {
             self.gpu.stream.memcpy_dtod(&src.slice(..n), &mut dst.slice_mut(at..at + n)).map_err(super::drv("ids_copy"))
         });
     }
+    fn ids_write(&self, dst: &mut CudaSlice<u32>, at: usize, host: &[u32]) -> Result<()> {
+        if at + host.len() > dst.len() {
+            bail!("ids_write: {} ids at {at} of {}", host.len(), dst.len());
+        }
+        super::GpuStats::bump(&self.gpu.stats.uploads);
+        self.gpu.stream.memcpy_htod(host, &mut dst.slice_mut(at..at + host.len())).map_err(super::drv("ids_write"))?;
+        Ok(())
+    }
+    fn ids_to_host(&self, ids: &CudaSlice<u32>) -> Result<Vec<u32>> {
+        Ok(self.gpu.download(ids)?)
+    }
+    fn decide_rows(&self, logits: &CudaSlice<f32>, rows: usize, vocab: usize, s: &Sampling, base: PosOf<'_, Self>, offset: usize, out: &mut CudaSlice<u32>) -> Result<()> {
+        let bv = match base {
+            PosOf::Kv(kv) => kv.pos.as_view(),
+            PosOf::Pos(p) => p.dev.as_view(),
+        };
+        if s.is_greedy() {
+            argmax::argmax(&self.gpu, &logits.as_view(), rows, vocab, vocab, &mut out.as_view_mut())?;
+        } else {
+            super::ops::sample_rows::sample_rows(&self.gpu, &logits.as_view(), rows, vocab, vocab, s, offset as u64, Some(&bv), None, &mut out.as_view_mut())?;
+        }
+        self.check()
+    }
     fn rope_at(&self, inv_freq: &CudaSlice<f32>, factor: f64, base: PosOf<'_, Self>, offsets: Option<&CudaSlice<u32>>, t: usize) -> DRope {
         let half = inv_freq.len();
         self.run("rope_at", || {
@@ -615,6 +638,17 @@ impl Backend for CudaBackend {
         kv.committed += path.len();
         kv.scratch = 0;
         self.check()
+    }
+    fn kv_commit_rows(&self, kv: &mut DKv, n: usize) -> Result<()> {
+        if n > kv.scratch {
+            bail!("kv_commit_rows: {n} rows of {} scratch rows", kv.scratch);
+        }
+        round_state::pos_add(&self.gpu, &mut kv.pos.as_view_mut(), n)?;
+        self.check()
+    }
+    fn kv_commit_rows_host(&self, kv: &mut DKv, n: usize) {
+        kv.committed += n;
+        kv.scratch = 0;
     }
     fn kv_truncate(&self, kv: &mut DKv, len: usize) -> Result<()> {
         if len > kv.committed {

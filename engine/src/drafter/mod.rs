@@ -358,6 +358,10 @@ impl<B: Backend> Drafter for DFlashDrafter<B> {
     fn reset(&mut self) {
         self.b.pos_set(&mut self.ctx_pos, 0);
     }
+    fn reserve(&mut self, rows: usize) {
+        let have = self.context_len();
+        self.reserve_context(rows.saturating_sub(have));
+    }
     fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         Some(self)
     }

@@ -39,6 +39,18 @@ pub struct TargetModel<B: Backend> {
     /// The tree's root token where the ops read it, when known to be the last round's bonus (no other
     /// target op since): the next round needs no upload.
     dev_root: Option<u32>,
+    /// The device AR step's state (its token buffer, the one-node mask, its captured graph) and whether the
+    /// token buffer holds the last step's token (no other target op since).
+    step: Option<StepSlot<B>>,
+    step_root: Option<u32>,
+}
+
+/// The device AR step's buffers: the token `[1]` (the root going in, the decision coming out), the mask of
+/// a one-node forward, and the step captured over them.
+struct StepSlot<B: Backend> {
+    token: B::Ids,
+    mask: B::Mask,
+    graph: Option<B::Graph>,
 }
 
 /// One budget's device-round state: the tree workspace and the round captured over it (with its key).
@@ -69,7 +81,7 @@ impl<B: Backend> TargetModel<B> {
         let info =
             TargetInfo { vocab_size: c.vocab, hidden_size: c.hidden, num_layers: c.layers, max_positions: c.max_positions, tap_layers };
         let cache = w.backend.kv_new(c.layers, c.latent_width());
-        Ok(TargetModel { w, info, cache, mode, trace: None, last_parents: Vec::new(), round: None, dev_root: None })
+        Ok(TargetModel { w, info, cache, mode, trace: None, last_parents: Vec::new(), round: None, dev_root: None, step: None, step_root: None })
     }
     pub fn weights(&self) -> &Arc<Weights<B>> {
         &self.w
@@ -138,7 +150,7 @@ impl<B: Backend> TargetModel<B> {
         if self.dev_root != Some(root) {
             b.tree_set_root(&mut slot.tree, root)?;
         }
-        self.dev_root = None;
+        (self.dev_root, self.step_root) = (None, None);
         let key = round_key(budget, s, b.kv_id(&self.cache), d.capture_key());
         let tree = &mut slot.tree;
         b.graph_run(&mut slot.graph, key, &mut || {
@@ -150,6 +162,41 @@ impl<B: Backend> TargetModel<B> {
         })?;
         let walk = self.read_walk(&mut slot.tree, d, t)?;
         Ok(DeviceRound { walk, drafted: budget, draft_rows: rows })
+    }
+
+    /// The device AR step (see [`Target::device_step`]) in `slot`: the forward of the root token at position
+    /// `committed`, its decision, the commit, as one captured graph where the backend captures; one read.
+    fn run_step(&mut self, slot: &mut StepSlot<B>, root: u32, s: &Sampling) -> Result<u32> {
+        let w = self.w.clone();
+        let (b, c) = (&w.backend, &w.cfg);
+        let start = b.kv_committed(&self.cache);
+        b.kv_reserve(&mut self.cache, start + 1)?;
+        if self.step_root != Some(root) {
+            b.ids_write(&mut slot.token, 0, &[root])?;
+        }
+        (self.dev_root, self.step_root) = (None, None);
+        let key = {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            ("ar step", s.temperature.to_bits(), s.top_p.to_bits(), s.top_k, s.seed, b.kv_id(&self.cache)).hash(&mut h);
+            h.finish()
+        };
+        let (token, mask) = (&mut slot.token, &slot.mask);
+        b.graph_run(&mut slot.graph, key, &mut || {
+            let rope = b.rope_at(&w.rope_inv, c.rope_attention_factor, PosOf::Kv(&self.cache), None, 1);
+            let (x, _taps) = self.layers(w.embed_ids(token, 1), 1, mask, &rope);
+            let logits = w.lm_head(&w.final_norm(&x), 1);
+            // The token goes to position committed + 1 (sampling.rs: draws keyed by position).
+            b.decide_rows(&logits, 1, c.vocab, s, PosOf::Kv(&self.cache), 1, token)?;
+            b.kv_commit_rows(&mut self.cache, 1)?;
+            b.check()
+        })?;
+        let tok = b.ids_to_host(&slot.token)?[0]; // the step's one read back
+        ensure!((tok as usize) < c.vocab, "device step: token {tok} >= vocab {}", c.vocab);
+        b.kv_commit_rows_host(&mut self.cache, 1);
+        self.last_parents.clear();
+        self.step_root = Some(tok);
+        Ok(tok)
     }
 
     /// The device round's decisions and walk over the verify `logits` (sampling positions from the committed
@@ -197,7 +244,7 @@ impl<B: Backend> Target for TargetModel<B> {
     }
 
     fn forward_rows(&mut self, tokens: &[u32], parents: &[i32], rows: LogitRows) -> Result<StepOut> {
-        self.dev_root = None;
+        (self.dev_root, self.step_root) = (None, None);
         let w = self.w.clone();
         let (b, c) = (&w.backend, &w.cfg);
         let t = tokens.len();
@@ -236,7 +283,7 @@ impl<B: Backend> Target for TargetModel<B> {
     }
 
     fn commit(&mut self, path: &[usize]) -> Result<()> {
-        self.dev_root = None;
+        (self.dev_root, self.step_root) = (None, None);
         let n = self.last_parents.len();
         for (k, &node) in path.iter().enumerate() {
             ensure!(node < n, "commit: path[{k}] = {node} but the last forward had {n} nodes");
@@ -253,16 +300,20 @@ impl<B: Backend> Target for TargetModel<B> {
     }
 
     fn truncate(&mut self, len: usize) -> Result<()> {
-        self.dev_root = None;
+        (self.dev_root, self.step_root) = (None, None);
         self.w.backend.kv_truncate(&mut self.cache, len)?;
         self.last_parents.clear();
         Ok(())
     }
 
     fn reset(&mut self) {
-        self.dev_root = None;
+        (self.dev_root, self.step_root) = (None, None);
         self.w.backend.kv_reset(&mut self.cache);
         self.last_parents.clear();
+    }
+
+    fn reserve(&mut self, rows: usize) -> Result<()> {
+        self.w.backend.kv_reserve(&mut self.cache, rows)
     }
 
     fn start_trace(&mut self) {
@@ -296,6 +347,28 @@ impl<B: Backend> Target for TargetModel<B> {
             self.dev_root = None;
         }
         self.round = Some(slot);
+        Some(r)
+    }
+
+    fn device_step(&mut self, root: u32, s: &Sampling) -> Option<Result<u32>> {
+        let start = self.w.backend.kv_committed(&self.cache);
+        if self.trace.is_some() || start + 1 >= self.info.max_positions || root as usize >= self.info.vocab_size {
+            return None;
+        }
+        let b = self.w.backend.clone();
+        let mut slot = match self.step.take() {
+            Some(slot) => slot,
+            None => {
+                let mask = b.mask_upload(&Visibility::from_parents(&[-1]).ok()?);
+                StepSlot { token: b.ids_from_host(&[0]), mask, graph: None }
+            }
+        };
+        let r = self.run_step(&mut slot, root, s);
+        if r.is_err() {
+            slot.graph = None;
+            self.step_root = None;
+        }
+        self.step = Some(slot);
         Some(r)
     }
 }

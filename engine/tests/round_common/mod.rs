@@ -81,3 +81,32 @@ pub fn compare(m: &mut Loaded, prefix: &str, prompts: &[Vec<u32>], budgets: &[us
     }
     (rounds, taus.iter().sum::<f64>() / taus.len().max(1) as f64)
 }
+
+/// `steps` AR steps of `prompt` with the device step on or off: (tokens, steps that ran on the device path).
+pub fn run_ar(m: &mut Loaded, prompt: &[u32], s: &Sampling, device: bool, steps: usize) -> (Vec<u32>, usize) {
+    let mut sess = m.session(Mode::Ar).unwrap();
+    sess.set_device_round(device);
+    let mut out = vec![sess.prefill(prompt, s).unwrap()];
+    for _ in 0..steps {
+        out.extend(sess.step().unwrap().tokens);
+    }
+    (out, sess.device_steps())
+}
+
+/// The device AR step (`Target::device_step`) and the host step give the same tokens on `m`, greedy and
+/// sampled; returns the steps compared.
+pub fn compare_ar(m: &mut Loaded, prefix: &str, prompts: &[Vec<u32>], steps: usize) -> usize {
+    let settings = [("greedy", Sampling::greedy()), ("T=1 top_p 0.9 seed 3", Sampling { temperature: 1.0, top_p: 0.9, top_k: 0, seed: 3 })];
+    let mut n = 0;
+    for (name, s) in &settings {
+        for (i, p) in prompts.iter().enumerate() {
+            let (dev, n_dev) = run_ar(m, p, s, true, steps);
+            let (host, n_host) = run_ar(m, p, s, false, steps);
+            assert_eq!((n_dev, n_host), (steps, 0), "{prefix}: {name}: {n_dev} device steps of {steps} (host run: {n_host})");
+            assert_eq!(dev, host, "{prefix}: {name} prompt {i}: the device AR step differs from the host step");
+            n += steps;
+            println!("PARITY device_step({prefix},{name},prompt={i}) exact ({steps} steps)");
+        }
+    }
+    n
+}
