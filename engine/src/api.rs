@@ -87,6 +87,11 @@ pub trait Target {
     fn device_round(&mut self, _drafter: &mut dyn Drafter, _root: u32, _budget: usize, _s: &crate::sampling::Sampling) -> Option<Result<DeviceRound>> {
         None
     }
+    /// The chain round (the top-1 of each draft row as one path) where the target's ops run, as
+    /// [`Target::device_round`]; None when this target cannot: the caller runs the host chain round.
+    fn device_chain(&mut self, _drafter: &mut dyn Drafter, _root: u32, _s: &crate::sampling::Sampling) -> Option<Result<DeviceRound>> {
+        None
+    }
     /// One AR step from root token `root` (at position `committed()`) where the target's ops run: the forward
     /// of the one token, the decision (greedy, or sampled at position `committed() + 1`) and the commit, with
     /// one read back (the token); a device backend captures it as one CUDA graph. None when this target
@@ -162,6 +167,9 @@ impl<T: Target + ?Sized> Target for &mut T {
     }
     fn device_round(&mut self, drafter: &mut dyn Drafter, root: u32, budget: usize, s: &crate::sampling::Sampling) -> Option<Result<DeviceRound>> {
         (**self).device_round(drafter, root, budget, s)
+    }
+    fn device_chain(&mut self, drafter: &mut dyn Drafter, root: u32, s: &crate::sampling::Sampling) -> Option<Result<DeviceRound>> {
+        (**self).device_chain(drafter, root, s)
     }
     fn device_step(&mut self, root: u32, s: &crate::sampling::Sampling) -> Option<Result<u32>> {
         (**self).device_step(root, s)

@@ -230,8 +230,9 @@ pub trait Backend: Clone + Send + Sync + 'static {
     fn gqa_attention(&self, q: &Self::Act, b: usize, ctx: (&Self::Act, &Self::Act), ctx_len: &Self::Pos, block: (&Self::Act, &Self::Act), heads: usize, kv_heads: usize, head_dim: usize) -> Self::Act;
 
     // ---- the DDTree round's tree (ddtree/; the device kernels are cuda/tree.rs) ----
-    /// A tree workspace for `budget` nodes (root excluded), `rows` draft rows, `vocab`.
-    fn tree_new(&self, budget: usize, rows: usize, vocab: usize) -> Result<Self::Tree>;
+    /// A tree workspace for `budget` nodes (root excluded), `rows` draft rows, `vocab`, and the top-`k` of each
+    /// draft row (`min(budget, vocab)` for DDTree; 1 for the chain: one path of `rows` nodes).
+    fn tree_new(&self, budget: usize, rows: usize, vocab: usize, k: usize) -> Result<Self::Tree>;
     /// Top-K log-probs of `draft` `[rows, vocab]`, the tree of the root token ([`Backend::tree_root`]) and
     /// its ancestor mask (`ddtree::build_tree`). The tree has `budget + 1` nodes when
     /// [`crate::ddtree::tree_is_full`] holds.

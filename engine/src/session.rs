@@ -287,8 +287,12 @@ impl<'a> Session<'a> {
     /// One round; `budget` None = the chain.
     fn ddtree_step(&mut self, root: u32, budget: Option<usize>) -> Result<Emitted> {
         let d = self.drafter.as_deref_mut().context("DDTree session without a drafter")?;
-        if let (Some(budget), true, false) = (budget, self.device_round, self.probes.rounds) {
-            if let Some(r) = self.target.device_round(d, root, budget, &self.sampling) {
+        if let (true, false) = (self.device_round, self.probes.rounds) {
+            let r = match budget {
+                Some(budget) => self.target.device_round(d, root, budget, &self.sampling),
+                None => self.target.device_chain(d, root, &self.sampling),
+            };
+            if let Some(r) = r {
                 let r = r?;
                 self.device_rounds += 1;
                 let accepted = r.walk.accepted();

@@ -320,7 +320,7 @@ fn ddtree_round_stages() {
             last
         };
         let rows = d.block_size() - 1;
-        let mut tree = b.tree_new(budget, rows, t.info().vocab_size).unwrap();
+        let mut tree = b.tree_new(budget, rows, t.info().vocab_size, budget.min(t.info().vocab_size)).unwrap();
         let names = ["draft", "top-K+tree+mask", "verify", "decide+walk", "commit", "read back"];
         let mut ms: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
         for _ in 0..20 {

@@ -47,7 +47,9 @@ fn device_round_equals_the_host_round_on_the_gpu() {
     let Some((g, mut m)) = pair_on_gpu(&tmp) else { return };
     let prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|p| p.to_vec()).collect();
     let (rounds, tau) = compare(&mut m, "kdtree-tiny pair, cuda", &prompts, &[1, 8, 64, 256, 1024], 6);
+    let chain = compare_chain(&mut m, "kdtree-tiny pair, cuda", &prompts, 6);
     no_capture_failure(&g);
+    println!("PARITY device_chain(cuda) exact over {chain} rounds");
     println!("PARITY device_round(cuda) exact over {rounds} rounds (greedy tau {tau:.2})");
 }
 

@@ -3,7 +3,8 @@
 //! host round (session.rs `ddtree_round`) on the CPU backend: every round's tokens and counters, greedy and
 //! sampled, budgets 1 to 64, on the trained pair (deep accepted paths) and on the synthetic tiny preset
 //! converted for 2 ranks; and the AR step written against it (`Target::device_step`) gives the host step's
-//! tokens. The same comparisons run on the GPU in cuda_round.rs.
+//! tokens, and the chain round on the same path the host chain round's. The same comparisons run on the GPU
+//! in cuda_round.rs.
 
 mod round_common;
 
@@ -18,6 +19,7 @@ fn device_round_equals_the_host_round_on_the_cpu() {
     let prompts = [vec![1u32, 17, 305, 42, 7, 900, 12, 3, 64, 5, 2000, 11], vec![400, 401, 402, 9]];
     let (rounds, tau) = compare(&mut m, "kdtree-tiny pair, cpu", &prompts, &[1, 8, 64], 6);
     compare_ar(&mut m, "kdtree-tiny pair, cpu", &prompts, 8);
+    compare_chain(&mut m, "kdtree-tiny pair, cpu", &prompts, 6);
     assert!(tau > 1.5, "the trained pair should accept deep paths (greedy tau {tau:.2})");
     eprintln!("{rounds} rounds compared, greedy tau {tau:.2}");
 

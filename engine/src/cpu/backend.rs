@@ -7,7 +7,7 @@
 
 use super::ops;
 use crate::backend::{Backend, PosOf, RopeTable};
-use crate::ddtree::{build_tree, walk_sampled, DraftTree, Visibility, Walk};
+use crate::ddtree::{build_tree_from_top_k, top_k_log_probs, walk_sampled, DraftTree, Visibility, Walk};
 use crate::model::cache::LatentCache;
 use crate::model::source::Slab;
 use crate::model::weights::{I4Stack, Mat};
@@ -23,6 +23,8 @@ pub struct CpuBackend;
 /// round uses it only for trees that fill the budget (`ddtree::tree_is_full`: budget + 1 nodes).
 pub struct CpuTree {
     pub budget: usize,
+    /// Top-K per draft row.
+    pub k: usize,
     pub rows: usize,
     pub vocab: usize,
     pub tree: DraftTree,
@@ -310,12 +312,18 @@ impl Backend for CpuBackend {
         ops::gqa_attention(q, b, (&ctx.0[..n], &ctx.1[..n]), (block.0, block.1), heads, kv_heads, head_dim)
     }
 
-    fn tree_new(&self, budget: usize, rows: usize, vocab: usize) -> Result<CpuTree> {
+    fn tree_new(&self, budget: usize, rows: usize, vocab: usize, k: usize) -> Result<CpuTree> {
         let tree = DraftTree::root_only(0);
-        Ok(CpuTree { budget, rows, vocab, depths: vec![0], mask: tree.visibility.clone(), tree, walk: None, root: vec![0] })
+        anyhow::ensure!((1..=vocab).contains(&k), "tree_new: top-{k} of a vocabulary of {vocab}");
+        Ok(CpuTree { budget, k, rows, vocab, depths: vec![0], mask: tree.visibility.clone(), tree, walk: None, root: vec![0] })
     }
     fn tree_build(&self, t: &mut CpuTree, draft: &Vec<f32>) -> Result<()> {
-        t.tree = build_tree(t.root[0], draft, t.rows, t.vocab, t.budget);
+        // build_tree is this with k = min(budget, vocab); the chain takes k = 1.
+        t.tree = if t.budget == 0 || t.rows == 0 {
+            DraftTree::root_only(t.root[0])
+        } else {
+            build_tree_from_top_k(t.root[0], &top_k_log_probs(draft, t.rows, t.vocab, t.k), t.budget)
+        };
         t.depths = t.tree.depths.clone();
         t.mask = t.tree.visibility.clone();
         t.walk = None;

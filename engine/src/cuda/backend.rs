@@ -746,8 +746,8 @@ impl Backend for CudaBackend {
         .unwrap_or_else(|| self.empty())
     }
 
-    fn tree_new(&self, budget: usize, rows: usize, vocab: usize) -> Result<DeviceTree> {
-        Ok(DeviceTree::new(&self.gpu, budget, rows, vocab)?)
+    fn tree_new(&self, budget: usize, rows: usize, vocab: usize, k: usize) -> Result<DeviceTree> {
+        Ok(DeviceTree::with_k(&self.gpu, budget, rows, vocab, k)?)
     }
     fn tree_build(&self, tree: &mut DeviceTree, draft: &CudaSlice<f32>) -> Result<()> {
         tree.build(&self.gpu, &draft.as_view(), tree.vocab)?;

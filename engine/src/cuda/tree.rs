@@ -57,8 +57,13 @@ pub struct DeviceTree {
 }
 
 impl DeviceTree {
-    /// Allocates every buffer once (budget 1..=2048, draft rows 1..=255, K <= 2048).
+    /// Allocates every buffer once (budget 1..=2048, draft rows 1..=255, K = min(budget, vocab) <= 2048).
     pub fn new(gpu: &Gpu, budget: usize, rows: usize, vocab: usize) -> Result<DeviceTree> {
+        Self::with_k(gpu, budget, rows, vocab, budget.min(vocab))
+    }
+
+    /// [`DeviceTree::new`] with the top-`k` of each draft row given (1 for the chain), `k <= min(2048, vocab)`.
+    pub fn with_k(gpu: &Gpu, budget: usize, rows: usize, vocab: usize, k: usize) -> Result<DeviceTree> {
         let op = "device_tree";
         ensure(op, (1..=ddtree_build::MAX_BUDGET).contains(&budget), || {
             format!(
@@ -73,7 +78,8 @@ impl DeviceTree {
             )
         })?;
         ensure(op, vocab > 0, || "empty vocabulary".into())?;
-        let (k, n) = (budget.min(vocab), budget + 1);
+        ensure(op, (1..=vocab.min(topk_logprobs::MAX_K)).contains(&k), || format!("top-{k} of a vocabulary of {vocab}"))?;
+        let n = budget + 1;
         let words = n.div_ceil(64);
         Ok(DeviceTree {
             budget,

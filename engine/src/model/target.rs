@@ -53,19 +53,20 @@ struct StepSlot<B: Backend> {
     graph: Option<B::Graph>,
 }
 
-/// One budget's device-round state: the tree workspace and the round captured over it (with its key).
+/// One tree shape's device-round state: the tree workspace and the round captured over it (with its key).
 struct RoundSlot<B: Backend> {
     budget: usize,
+    k: usize,
     tree: B::Tree,
     graph: Option<B::Graph>,
 }
 
-/// A captured round replays only for the same budget, sampling parameters and storage of every buffer it
+/// A captured round replays only for the same tree shape (budget, top-K), sampling parameters and storage of every buffer it
 /// reads (the latent cache, the drafter and its caches): their hash.
-fn round_key(budget: usize, s: &Sampling, kv: u64, drafter: (u64, u64)) -> u64 {
+fn round_key(budget: usize, k: usize, s: &Sampling, kv: u64, drafter: (u64, u64)) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    (budget, s.temperature.to_bits(), s.top_p.to_bits(), s.top_k, s.seed, kv, drafter).hash(&mut h);
+    (budget, k, s.temperature.to_bits(), s.top_p.to_bits(), s.top_k, s.seed, kv, drafter).hash(&mut h);
     h.finish()
 }
 
@@ -151,7 +152,7 @@ impl<B: Backend> TargetModel<B> {
             b.tree_set_root(&mut slot.tree, root)?;
         }
         (self.dev_root, self.step_root) = (None, None);
-        let key = round_key(budget, s, b.kv_id(&self.cache), d.capture_key());
+        let key = round_key(budget, slot.k, s, b.kv_id(&self.cache), d.capture_key());
         let tree = &mut slot.tree;
         b.graph_run(&mut slot.graph, key, &mut || {
             let draft = d.draft_from_root(b.tree_root(tree))?; // [rows, V]
@@ -197,6 +198,33 @@ impl<B: Backend> TargetModel<B> {
         self.last_parents.clear();
         self.step_root = Some(tok);
         Ok(tok)
+    }
+
+    /// The device round for a tree of `budget` nodes built from the top-`k` of each draft row (see
+    /// [`Target::device_round`], [`Target::device_chain`]); None when this target cannot run it.
+    fn round_of(&mut self, d: &mut DFlashDrafter<B>, root: u32, budget: usize, k: usize, s: &Sampling) -> Option<Result<DeviceRound>> {
+        let (v, max) = (self.info.vocab_size, self.info.max_positions);
+        let rows = d.block_size().checked_sub(1)?;
+        let start = self.w.backend.kv_committed(&self.cache);
+        if self.trace.is_some() || rows == 0 || budget == 0 || start + rows >= max || self.info.tap_layers.is_empty() {
+            return None;
+        }
+        let mut slot = match self.round.take() {
+            Some(slot) if (slot.budget, slot.k) == (budget, k) => slot,
+            // A backend whose tree kernels cannot hold this shape (e.g. a budget over the device builder's
+            // 2048) leaves the round to the host.
+            _ => {
+                self.dev_root = None; // a new tree holds no root yet
+                RoundSlot { budget, k, tree: self.w.backend.tree_new(budget, rows, v, k).ok()?, graph: None }
+            }
+        };
+        let r = self.run_round(&mut slot, d, root, budget, s);
+        if r.is_err() {
+            slot.graph = None;
+            self.dev_root = None;
+        }
+        self.round = Some(slot);
+        Some(r)
     }
 
     /// The device round's decisions and walk over the verify `logits` (sampling positions from the committed
@@ -325,29 +353,21 @@ impl<B: Backend> Target for TargetModel<B> {
     }
 
     fn device_round(&mut self, drafter: &mut dyn Drafter, root: u32, budget: usize, s: &Sampling) -> Option<Result<DeviceRound>> {
+        let v = self.info.vocab_size;
         let d = drafter.as_any_mut()?.downcast_mut::<DFlashDrafter<B>>()?;
-        let (v, max) = (self.info.vocab_size, self.info.max_positions);
         let rows = d.block_size().checked_sub(1)?;
-        let start = self.w.backend.kv_committed(&self.cache);
-        if self.trace.is_some() || rows == 0 || budget == 0 || start + rows >= max || self.info.tap_layers.is_empty() || !tree_is_full(budget, rows, v) {
+        // The device round's verify shape is budget + 1 nodes: only trees sure to fill it.
+        if !tree_is_full(budget, rows, v) {
             return None;
         }
-        let mut slot = match self.round.take() {
-            Some(slot) if slot.budget == budget => slot,
-            // A backend whose tree kernels cannot hold this shape (e.g. a budget over the device builder's
-            // 2048) leaves the round to the host.
-            _ => {
-                self.dev_root = None; // a new tree holds no root yet
-                RoundSlot { budget, tree: self.w.backend.tree_new(budget, rows, v).ok()?, graph: None }
-            }
-        };
-        let r = self.run_round(&mut slot, d, root, budget, s);
-        if r.is_err() {
-            slot.graph = None;
-            self.dev_root = None;
-        }
-        self.round = Some(slot);
-        Some(r)
+        self.round_of(d, root, budget, budget.min(v), s)
+    }
+
+    fn device_chain(&mut self, drafter: &mut dyn Drafter, root: u32, s: &Sampling) -> Option<Result<DeviceRound>> {
+        let d = drafter.as_any_mut()?.downcast_mut::<DFlashDrafter<B>>()?;
+        let rows = d.block_size().checked_sub(1)?;
+        // The chain is the tree of the top-1 of every draft row: one path of `rows` nodes.
+        self.round_of(d, root, rows, 1, s)
     }
 
     fn device_step(&mut self, root: u32, s: &Sampling) -> Option<Result<u32>> {

@@ -36,7 +36,12 @@ pub fn convert(src: &Path, out: &Path, ranks: usize) {
 /// Prefill `prompt` and run `steps` DDTree rounds at `budget`; the emitted steps and how many rounds ran
 /// on the device path.
 pub fn run(m: &mut Loaded, prompt: &[u32], budget: usize, s: &Sampling, device: bool, steps: usize) -> (Vec<Emitted>, usize) {
-    let mut sess = m.session(Mode::DDTree { budget }).unwrap();
+    run_mode(m, prompt, Mode::DDTree { budget }, s, device, steps)
+}
+
+/// [`run`] in any drafting mode (DDTree or the chain).
+pub fn run_mode(m: &mut Loaded, prompt: &[u32], mode: Mode, s: &Sampling, device: bool, steps: usize) -> (Vec<Emitted>, usize) {
+    let mut sess = m.session(mode).unwrap();
     sess.set_device_round(device);
     let first = sess.prefill(prompt, s).unwrap();
     let mut out = vec![Emitted { tokens: vec![first], drafted: 0, accepted: 0, depth_limit: 0 }];
@@ -106,6 +111,26 @@ pub fn compare_ar(m: &mut Loaded, prefix: &str, prompts: &[Vec<u32>], steps: usi
             assert_eq!(dev, host, "{prefix}: {name} prompt {i}: the device AR step differs from the host step");
             n += steps;
             println!("PARITY device_step({prefix},{name},prompt={i}) exact ({steps} steps)");
+        }
+    }
+    n
+}
+
+/// The chain round where the target's ops run (`Target::device_chain`: the top-1 tree) and the host chain
+/// round give the same steps on `m`, greedy and sampled; returns the rounds compared.
+pub fn compare_chain(m: &mut Loaded, prefix: &str, prompts: &[Vec<u32>], steps: usize) -> usize {
+    let settings = [("greedy", Sampling::greedy()), ("T=1 seed 5", Sampling { temperature: 1.0, top_p: 1.0, top_k: 0, seed: 5 })];
+    let mut n = 0;
+    for (name, s) in &settings {
+        for (i, p) in prompts.iter().enumerate() {
+            let (dev, n_dev) = run_mode(m, p, Mode::Chain, s, true, steps);
+            let (host, n_host) = run_mode(m, p, Mode::Chain, s, false, steps);
+            assert_eq!((n_dev, n_host), (steps, 0), "{prefix}: chain {name}: {n_dev} device rounds of {steps} (host run: {n_host})");
+            for (k, (a, b)) in dev.iter().zip(&host).enumerate() {
+                assert_eq!(a, b, "{prefix}: chain {name} prompt {i}: step {k} differs (device round vs host round)");
+            }
+            n += steps;
+            println!("PARITY device_chain({prefix},{name},prompt={i}) exact ({steps} rounds, tau {:.2})", tau(&dev));
         }
     }
     n
