@@ -128,7 +128,7 @@ pub fn generate(session: &mut Session<'_>, req: &GenRequest, on_tokens: &mut dyn
     // Room for the whole generation up front (the caches never grow, nor a captured round re-captures, midway).
     // Best effort: when the device cannot hold that much (a max_tokens far beyond what a stop will allow), the
     // caches still grow on demand, as far as they can.
-    let _ = session.reserve(req.prompt.len() + req.max_tokens);
+    let _ = session.reserve(req.prompt.len().saturating_add(req.max_tokens));
     let first = session.prefill(&req.prompt, &req.sampling)?;
     out.prefill_ms = ms(t0);
     out.ttft_ms = out.prefill_ms;

@@ -188,6 +188,18 @@ fn position_limit_ends_both_modes_identically() {
 }
 
 #[test]
+fn unbounded_max_tokens_ends_at_the_position_limit() {
+    // max_tokens = usize::MAX (no limit but the context): sizing the caches for prompt + max_tokens must not
+    // overflow; the generation ends at the position limit like a bounded one.
+    let p = &prompts()[1];
+    let max_pos = p.len() + 12;
+    for mode in [Mode::Ar, Mode::DDTree { budget: 4 }, Mode::Chain] {
+        let out = run(&mut MockTarget::new(max_pos), &mut MockDrafter::new(BLOCK), &req(p, usize::MAX, mode, Sampling::greedy()), &mut |_| false);
+        assert_eq!((out.tokens.len(), out.finish_reason), (13, FinishReason::Length), "{mode:?}");
+    }
+}
+
+#[test]
 fn ddtree_without_drafter_or_prompt_is_an_error() {
     let r = req(&[1, 2], 5, Mode::DDTree { budget: 4 }, Sampling::greedy());
     assert!(generate(&mut MockTarget::new(64), None, &r, &mut |_| false).is_err());
