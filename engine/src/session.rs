@@ -256,14 +256,14 @@ impl<'a> Session<'a> {
         let max = self.target.info().max_positions;
         let p = positions.min(max);
         let scratch = match self.mode {
-            Mode::DDTree { budget } => budget + 1,
+            Mode::DDTree { budget } => budget.saturating_add(1),
             Mode::Chain => self.drafter.as_ref().map_or(1, |d| d.block_size()),
             Mode::Ar => 1,
         };
-        self.target.reserve(p + scratch)?;
+        self.target.reserve(p.saturating_add(scratch))?;
         if let Some(d) = self.drafter.as_deref_mut() {
             let block = d.block_size();
-            d.reserve(p + block);
+            d.reserve(p.saturating_add(block));
         }
         Ok(())
     }
