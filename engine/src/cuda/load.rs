@@ -16,8 +16,7 @@ use super::{drv, Gpu, Result};
 pub(crate) const CHUNK: usize = 32 << 20;
 
 pub(crate) struct Load {
-    /// None when page-locked memory could not be had (a container's memlock limit): direct copies then.
-    stage: Option<[PinnedHostSlice<u8>; 2]>,
+    stage: [PinnedHostSlice<u8>; 2],
     next: usize,
     total: u64,
     done: u64,
@@ -30,33 +29,18 @@ pub(crate) struct Load {
 impl Load {
     pub(crate) fn new(gpu: &Gpu, total: u64, progress: bool) -> Result<Load> {
         // SAFETY: the staging buffers are written by the host before every copy out of them.
-        let alloc = || unsafe { gpu.ctx.alloc_pinned::<u8>(CHUNK) };
-        let stage = match (alloc(), alloc()) {
-            (Ok(a), Ok(b)) => Some([a, b]),
-            (a, b) => {
-                let e = a.err().or(b.err()).map(|e| e.to_string()).unwrap_or_default();
-                if progress {
-                    eprintln!("kdtree: note: no page-locked staging buffers ({e}); copying the weights directly");
-                }
-                None
-            }
-        };
+        let alloc = || unsafe { gpu.ctx.alloc_pinned::<u8>(CHUNK) }.map_err(drv("pinned staging buffer"));
         let now = Instant::now();
-        Ok(Load { stage, next: 0, total, done: 0, start: now, last_print: now, progress, name: gpu.describe() })
+        Ok(Load { stage: [alloc()?, alloc()?], next: 0, total, done: 0, start: now, last_print: now, progress, name: gpu.describe() })
     }
 
     pub(crate) fn upload<T: DeviceRepr + bytemuck::Pod + ValidAsZeroBits>(&mut self, gpu: &Gpu, host: &[T]) -> Result<CudaSlice<T>> {
         let bytes: &[u8] = bytemuck::cast_slice(host);
         let s = &gpu.stream;
-        let mut stage = match self.stage.take() {
-            Some(stage) if bytes.len() >= CHUNK => stage,
-            other => {
-                self.stage = other;
-                let d = s.clone_htod(host).map_err(drv("upload"))?;
-                self.count(bytes.len());
-                return Ok(d);
-            }
-        };
+        if bytes.len() < CHUNK {
+            self.count(bytes.len());
+            return s.clone_htod(host).map_err(drv("upload"));
+        }
         // SAFETY: every byte is written below before the buffer is read.
         let mut dev = unsafe { s.alloc::<T>(host.len()) }.map_err(drv("upload"))?;
         {
@@ -66,13 +50,13 @@ impl Load {
             let mut dst = unsafe { view.transmute_mut::<u8>(n) }.expect("a Pod buffer of n bytes");
             let mut off = 0;
             while off + CHUNK <= n {
-                let buf = &mut stage[self.next];
+                let buf = &mut self.stage[self.next];
                 self.next ^= 1;
-                // Waits for this buffer's previous DMA, then fills it from the mmapped shard, with several
-                // threads: the copy out of a cold mmap is page-fault bound.
+                // Waits for this buffer's previous DMA, then fills it from the mmapped shard.
+                // Several threads: the copy out of a cold mmap is page-fault bound.
                 let dst_host = buf.as_mut_slice().map_err(drv("staging buffer"))?;
                 use rayon::prelude::*;
-                dst_host.par_chunks_mut(1 << 20).zip(bytes[off..off + CHUNK].par_chunks(1 << 20)).for_each(|(d, h)| d.copy_from_slice(h));
+                dst_host.par_chunks_mut(1 << 20).zip(bytes[off..off + CHUNK].par_chunks(1 << 20)).for_each(|(d, s)| d.copy_from_slice(s));
                 s.memcpy_htod(&*buf, &mut dst.slice_mut(off..off + CHUNK)).map_err(drv("upload"))?;
                 off += CHUNK;
                 self.count(CHUNK);
@@ -82,7 +66,6 @@ impl Load {
                 self.count(n - off);
             }
         }
-        self.stage = Some(stage);
         Ok(dev)
     }
 
