@@ -367,6 +367,7 @@ fn ddtree_round_stages() {
             v
         };
         let (mut eager, mut captured) = (whole(false), whole(true));
+        let census = g.last_graph().map(|c| c.to_string()).unwrap_or_else(|| "no graph captured".into());
         b.set_graphs(true);
         let med = |v: &mut Vec<f64>| {
             v.sort_by(f64::total_cmp);
@@ -376,7 +377,7 @@ fn ddtree_round_stages() {
         let total: f64 = ms.iter_mut().map(med).sum();
         println!("BENCH ddtree_round_stages kdtree-tiny pair budget={budget}: {}; sum {:.1} us", parts.join(", "), total * 1e3);
         println!(
-            "BENCH ddtree_round kdtree-tiny pair budget={budget}: whole round eager {:.1} us, one CUDA graph {:.1} us (median of 20, host read included)",
+            "BENCH ddtree_round kdtree-tiny pair budget={budget}: whole round eager {:.1} us, one CUDA graph {:.1} us (median of 20, host read included); the graph: {census}",
             med(&mut eager) * 1e3,
             med(&mut captured) * 1e3
         );

@@ -404,3 +404,121 @@ fn op_chain_is_graph_capturable() {
     assert_eq!((eager.2, eager.3), (replay.2, replay.3), "argmax / router ids differ between eager and graph replay");
     println!("PARITY op_chain(graph replay == eager) exact");
 }
+
+/// The fused MoE forms: gate and up in one launch (`moe_w4a16_gate_up`, `[gate | up]` rows) against the CPU
+/// twin, and the down projection with the SwiGLU in its x staging (`moe_w4a16_down_silu`) bit for bit
+/// against `silu_mul` followed by the plain grouped GEMM (same plan, same rounding), and against the twin.
+#[test]
+fn moe_fused_gate_up_and_silu_down() {
+    let Some(g) = gpu() else { return };
+    // (T, top_k, E, mi, h)
+    for (ci, &(t, top_k, e, mi, h)) in [(5usize, 4usize, 16usize, 256usize, 512usize), (1, 8, 384, 256, 7168), (33, 8, 64, 512, 1024)].iter().enumerate() {
+        let case = format!("moe_fused(T={t},top_k={top_k},E={e},mi={mi},h={h})");
+        let mut r = rng(1500 + ci as u64);
+        let p = t * top_k;
+        let ids: Vec<i32> = (0..p).map(|_| (r.next_u32() % e as u32) as i32).collect();
+        let x = rand_bf16(&mut r, t * h, 0.01, 1.0);
+        let ((pg, sg), (pu, su), (pd, sd)) = (int4_weights(&mut r, e, mi, h), int4_weights(&mut r, e, mi, h), int4_weights(&mut r, e, h, mi));
+        let plan_gu = ops::w4a16_gemm::plan_moe(&g, p, e, 2 * mi, h);
+        let plan_d = ops::w4a16_gemm::plan_moe(&g, p, e, h, mi);
+        assert_eq!(plan_gu.tile_rows(), plan_d.tile_rows(), "{case}: one routing serves both");
+        let tile = plan_gu.tile_rows();
+        let mt = ops::moe_align::max_tiles(p, e, tile);
+        let di = g.upload(&ids).unwrap();
+        let (mut sorted, mut tiles, mut nt) = (g.upload(&vec![-1i32; p]).unwrap(), g.upload(&vec![-1i32; 3 * mt]).unwrap(), g.upload(&[-1i32]).unwrap());
+        ops::moe_align::moe_align(&g, &di.as_view(), e, tile, &mut sorted.as_view_mut(), &mut tiles.as_view_mut(), &mut nt.as_view_mut()).unwrap();
+        let (sv, tv, nv) = (sorted.as_view(), tiles.as_view(), nt.as_view());
+        let routing = ops::w4a16_gemm::Routing { sorted: &sv, tiles: &tv, max_tiles: mt, n_tiles: &nv, tile_rows: tile };
+        let up = |v: &[u8]| g.upload(v).unwrap();
+        let ub = |v: &[bf16]| g.upload(v).unwrap();
+        let (dpg, dsg, dpu, dsu, dpd, dsd) = (up(&pg), ub(&sg), up(&pu), ub(&su), up(&pd), ub(&sd));
+        let dx = ub(&x);
+        let wsl = plan_gu.workspace_len(p, 2 * mi).max(plan_d.workspace_len(p, h));
+        let mut ws = g.upload(&nan_f32(wsl)).unwrap();
+        let mut gu = g.upload(&nan_bf16(p * 2 * mi)).unwrap();
+        ops::w4a16_gemm::moe_w4a16_gate_up(&g, &dx.as_view(), h, top_k, p, &routing, (&dpg.as_view(), &dsg.as_view()), (&dpu.as_view(), &dsu.as_view()), e, mi, h, &mut ws.as_view_mut(), &mut gu.as_view_mut(), 2 * mi).unwrap();
+        let gu_host = g.download(&gu).unwrap();
+        let xf = widen(&x);
+        let (eb, es) = (mi * h / 2, mi * h / 32);
+        let (mut want_g, mut want_u, mut got_g, mut got_u) = (vec![], vec![], vec![], vec![]);
+        for (q, &ex) in ids.iter().enumerate() {
+            let (xr, ex) = (q / top_k, ex as usize);
+            want_g.extend(matmul_i4g32(&xf[xr * h..(xr + 1) * h], &pg[ex * eb..(ex + 1) * eb], &sg[ex * es..(ex + 1) * es], 1, h, mi));
+            want_u.extend(matmul_i4g32(&xf[xr * h..(xr + 1) * h], &pu[ex * eb..(ex + 1) * eb], &su[ex * es..(ex + 1) * es], 1, h, mi));
+            got_g.extend_from_slice(&gu_host[q * 2 * mi..q * 2 * mi + mi]);
+            got_u.extend_from_slice(&gu_host[q * 2 * mi + mi..(q + 1) * 2 * mi]);
+        }
+        check_bf16(&format!("{case} gate [{} splits]", plan_gu.splits), &got_g, &want_g, W4A16_TOL);
+        check_bf16(&format!("{case} up"), &got_u, &want_u, W4A16_TOL);
+        // Down with the fused SwiGLU vs silu_mul + the plain grouped GEMM: the same bits.
+        let mut fused = g.upload(&nan_bf16(p * h)).unwrap();
+        ops::w4a16_gemm::moe_w4a16_down_silu(&g, &gu.as_view(), 2 * mi, p, &routing, &dpd.as_view(), &dsd.as_view(), e, h, mi, &mut ws.as_view_mut(), &mut fused.as_view_mut(), h).unwrap();
+        let mut act = g.upload(&nan_bf16(p * mi)).unwrap();
+        ops::silu_mul::silu_mul(&g, &gu.as_view(), &gu.slice(mi..), &mut act.as_view_mut(), p, mi, 2 * mi).unwrap();
+        let mut twostep = g.upload(&nan_bf16(p * h)).unwrap();
+        ops::w4a16_gemm::moe_w4a16_gemm(&g, &act.as_view(), mi, 1, p, &routing, &dpd.as_view(), &dsd.as_view(), e, h, mi, &mut ws.as_view_mut(), &mut twostep.as_view_mut(), h).unwrap();
+        let (fused, twostep, act) = (g.download(&fused).unwrap(), g.download(&twostep).unwrap(), g.download(&act).unwrap());
+        let same = fused.iter().zip(&twostep).all(|(a, b)| a.to_bits() == b.to_bits());
+        println!("PARITY {case} down_silu == silu_mul + moe_w4a16_gemm bit for bit: {same}");
+        assert!(same, "{case}: fused SwiGLU down differs from the two-step path");
+        let af = widen(&act);
+        let (db, ds) = (h * mi / 2, h * mi / 32);
+        let mut want_d = Vec::with_capacity(p * h);
+        for (q, &ex) in ids.iter().enumerate() {
+            let ex = ex as usize;
+            want_d.extend(matmul_i4g32(&af[q * mi..(q + 1) * mi], &pd[ex * db..(ex + 1) * db], &sd[ex * ds..(ex + 1) * ds], 1, mi, h));
+        }
+        check_bf16(&format!("{case} down_silu [{} splits]", plan_d.splits), &fused, &want_d, W4A16_TOL);
+    }
+}
+
+/// Programmatic dependent launch: a chain of dependent dense GEMMs (each reads the one before) gives the same
+/// bits with PDL on and off, eager and replayed from a graph, at decode and tree shapes (a GEMM that read
+/// its x before the previous one finished, or a split-K counter left dirty, would differ).
+#[test]
+fn w4a16_chain_same_with_and_without_pdl() {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    let Some(g) = gpu() else { return };
+    let (h, layers) = (2048usize, 6usize);
+    let was = g.pdl();
+    let mut r = rng(1600);
+    let weights: Vec<_> = (0..layers).map(|_| int4_weights(&mut r, 1, h, h)).map(|(p, s)| (g.upload(&p).unwrap(), g.upload(&s).unwrap())).collect();
+    for m in [1usize, 5, 16, 40] {
+        let x = rand_bf16(&mut r, m * h, 0.01, 1.0);
+        let plan = ops::w4a16_gemm::plan_dense(&g, m, h, h);
+        let run = |pdl: bool, graph: bool| -> Vec<bf16> {
+            g.set_pdl(pdl);
+            let mut bufs: Vec<_> = (0..=layers).map(|_| g.upload(&nan_bf16(m * h)).unwrap()).collect();
+            bufs[0] = g.upload(&x).unwrap();
+            let mut ws = g.upload(&nan_f32(plan.workspace_len(m, h))).unwrap();
+            let mut chain = |bufs: &mut Vec<cudarc::driver::CudaSlice<bf16>>| {
+                for (l, (p, s)) in weights.iter().enumerate() {
+                    let (a, b) = bufs.split_at_mut(l + 1);
+                    ops::w4a16_gemm::w4a16_gemm(&g, &a[l].as_view(), h, m, &p.as_view(), &s.as_view(), h, h, &mut ws.as_view_mut(), &mut b[0].as_view_mut(), h).unwrap();
+                }
+            };
+            if graph {
+                g.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+                chain(&mut bufs);
+                let gr = g.stream.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("a graph");
+                for _ in 0..3 {
+                    gr.launch().unwrap();
+                }
+            } else {
+                for _ in 0..3 {
+                    chain(&mut bufs);
+                }
+            }
+            g.download(&bufs[layers]).unwrap()
+        };
+        let base = run(false, false);
+        assert!(base.iter().all(|v| v.to_f32().is_finite()), "m={m}: chain output not finite");
+        for (pdl, graph) in [(true, false), (true, true), (false, true)] {
+            let got = run(pdl, graph);
+            let same = got.iter().zip(&base).all(|(a, b)| a.to_bits() == b.to_bits());
+            println!("PARITY w4a16 chain of {layers} (M={m}, {h}x{h}, {} splits) pdl={pdl} graph={graph} == pdl off eager: {same}", plan.splits);
+            assert!(same, "m={m} pdl={pdl} graph={graph}: the chain differs");
+        }
+    }
+    g.set_pdl(was);
+}

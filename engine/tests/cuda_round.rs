@@ -175,11 +175,12 @@ fn device_ar_step_equals_the_host_step_on_the_gpu() {
     }
     let (after, gl) = (g.stats.snapshot(), g.stats.graph_launches.load(std::sync::atomic::Ordering::Relaxed) - gl);
     println!(
-        "BENCH step_counts AR step as one CUDA graph: per step {:.1} graph launches, {:.1} kernel launches, {:.1} uploads, {:.1} reads back",
+        "BENCH step_counts AR step as one CUDA graph: per step {:.1} graph launches, {:.1} kernel launches, {:.1} uploads, {:.1} reads back; the graph: {}",
         gl as f64 / steps as f64,
         (after[0] - before[0]) as f64 / steps as f64,
         (after[2] - before[2]) as f64 / steps as f64,
-        (after[3] - before[3]) as f64 / steps as f64
+        (after[3] - before[3]) as f64 / steps as f64,
+        g.last_graph().map(|c| c.to_string()).unwrap_or_default()
     );
     assert_eq!((gl, after[0] - before[0], after[2] - before[2], after[3] - before[3]), (steps, 0, 0, steps), "a replayed AR step: one graph launch, nothing else, one read");
     no_capture_failure(&g);
@@ -235,7 +236,8 @@ fn one_read_back_per_round() {
             }
             let (after, gl) = (g.stats.snapshot(), graph_launches() - gl);
             let per: Vec<f64> = before.iter().zip(&after).map(|(a, b)| (b - a) as f64 / rounds as f64).collect();
-            let in_graph = if graphs { format!(" (the graph holds {} kernels and {} cuBLAS calls)", captured[0] - warm[0], captured[1] - warm[1]) } else { String::new() };
+            let census = g.last_graph().map(|c| c.to_string()).unwrap_or_default();
+            let in_graph = if graphs { format!(" (the graph holds {} kernel launches and {} cuBLAS calls; {census})", captured[0] - warm[0], captured[1] - warm[1]) } else { String::new() };
             println!(
                 "BENCH round_counts budget={budget} {what}: per round {:.1} graph launches, {:.1} kernel launches, {:.1} cuBLAS calls, {:.1} uploads, {:.1} reads back (host syncs){in_graph}",
                 gl as f64 / rounds as f64, per[0], per[1], per[2], per[3]

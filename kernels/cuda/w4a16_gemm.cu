@@ -21,10 +21,13 @@
 //     order: each 8-k chunk stored as k0 k4 k1 k5 k2 k6 k3 k7, so a lane's two B registers are one 8-byte
 //     load. Each 32-k group is padded to 72 bytes and rows are padded so that row stride / 8 = 4 (mod 16):
 //     the 16 lanes of a half-warp hit 16 distinct 8-byte bank pairs;
-//   * each lane keeps three k-steps of weights in flight (the first two issued before x is staged);
+//   * each lane keeps up to four k-steps of weights in flight (256 bytes), all issued first: with the decode
+//     plans (<= 4 k-steps per split) a block's whole weight slice is one round trip. The dense form issues
+//     them before griddepcontrol.wait (programmatic dependent launch), so they overlap the previous kernel;
 //   * grid (N / 128, S, row tiles): 4 warps per block share the staged x; every split writes f32 partials
-//     ws[S, M, N], and kdtree_w4a16_reduce_f32 sums them in split order (deterministic, no atomics) and rounds
-//     to bf16. The host picks S so that there are >= 2 blocks per SM (M = 1 needs split-K to fill the GPU).
+//     ws[S, M, N], and the last split block of each (row block, tile) to arrive (an atomic counter, reset by
+//     that block) sums them in split order (deterministic, the same sum whichever block is last) and rounds
+//     to bf16. The host picks S so that there are >= 4 blocks per SM (M = 1 needs split-K to fill the GPU).
 // Grouped MoE form (kdtree_moe_w4a16_gemm_i4g32): rows are (token, slot) pairs; kdtree_moe_align_i32
 // (moe_align.cu) sorts them by expert on the device and emits row tiles (expert, start, count); blocks past
 // the device-side tile count exit at once, so there is no host sync and the launch is graph-capturable.
@@ -74,24 +77,98 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// Programmatic dependent launch (sm_90+; the wrappers launch the GEMMs with programmatic stream
+// serialization): a GEMM may start while the kernel before it drains. Everything before pdl_wait() only
+// reads the weights (which no kernel writes); x, the workspace, the counters and the output are touched after
+// it. pdl_trigger() lets the next PDL-launched kernel start early (it waits for this whole grid in its own
+// pdl_wait()). Both are no-ops when the kernel was launched without the attribute.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 struct Tile {
     int count;          // rows in this tile (<= 8 * MT)
     const int* xrow;    // smem: x row per tile row
     const int* orow;    // smem: output row per tile row
 };
 
-// One CTA: rows [n0, n0 + 128) of one weight matrix, k-blocks [kb_lo, kb_hi), one row tile.
+// Where a CTA's results go: f32 partials ws[S, ws_rows, ld_ws] (column col0 + n), then, by the last of the S
+// split CTAs of this (row block, tile) to arrive, bf16 out[row, col0 + n] (rows ld_out apart).
+struct Out {
+    float* ws;
+    int ws_rows, ld_ws, col0;
+    bf16* out;
+    int ld_out;
+    unsigned* counter;  // arrivals of this (row block, tile); 0 between launches (the last CTA resets it)
+    int splits;
+};
+
+// x row r of the tile: plain (silu_off == 0), or silu(gate) * up of a [gate | up] row (up silu_off elements
+// after gate), rounded to bf16 exactly as kdtree_silu_mul_bf16 does (the fused SwiGLU of the MoE down GEMM).
+__device__ __forceinline__ uint4 load_x8(const bf16* src, int silu_off) {
+    uint4 v = *reinterpret_cast<const uint4*>(src);
+    if (silu_off == 0) return v;
+    const uint4 u = *reinterpret_cast<const uint4*>(src + silu_off);
+    const bf162* g2 = reinterpret_cast<const bf162*>(&v);
+    const bf162* u2 = reinterpret_cast<const bf162*>(&u);
+    uint4 r;
+    bf162* r2 = reinterpret_cast<bf162*>(&r);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float2 g = __bfloat1622float2(g2[i]), uu = __bfloat1622float2(u2[i]);
+        const float s0 = g.x * (1.0f / (1.0f + expf(-g.x))), s1 = g.y * (1.0f / (1.0f + expf(-g.y)));
+        r2[i] = __halves2bfloat162(__float2bfloat16_rn(s0 * uu.x), __float2bfloat16_rn(s1 * uu.y));
+    }
+    return r;
+}
+
+// One 128-k step of a warp: weights w (4 rows x 16 B) with scales s, x from smem at xs.
 template <int MT>
-__device__ __forceinline__ void w4a16_cta(const bf16* __restrict__ x, int ld_x, const uint8_t* __restrict__ packed,
-                                          const bf16* __restrict__ scales, int N, int K, int kbps, int kb_lo,
-                                          int kb_hi, Tile tile, float* __restrict__ ws, int ws_rows,
+__device__ __forceinline__ void k_step(float (&acc)[2][MT][4], const uint4 (&w)[4], const bf16 (&s)[4],
+                                       const unsigned char* xs, int rs) {
+    bf162 sc[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) sc[i] = __halves2bfloat162(s[i], s[i]);
+#pragma unroll
+    for (int st = 0; st < 8; st++) {
+        const int word = st >> 1, j = (st & 1) * 2;
+        uint32_t lo[4], hi[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const uint32_t v = word == 0 ? w[i].x : word == 1 ? w[i].y : word == 2 ? w[i].z : w[i].w;
+            lo[i] = deq2(v, 4 * j, sc[i]);
+            hi[i] = deq2(v, 4 * (j + 1), sc[i]);
+        }
+#pragma unroll
+        for (int m = 0; m < MT; m++) {
+            const uint2 b = *reinterpret_cast<const uint2*>(xs + m * 8 * rs + word * 16 + 4 * j);
+            mma_bf16(acc[0][m], lo[0], lo[1], hi[0], hi[1], b.x, b.y);
+            mma_bf16(acc[1][m], lo[2], lo[3], hi[2], hi[3], b.x, b.y);
+        }
+    }
+}
+
+// One CTA: rows [n0, n0 + 128) of one weight matrix, k-blocks [kb_lo, kb_hi), one row tile. ST k-steps of
+// weights are in flight per lane (ST x 64 bytes), all issued before anything else: with kbps <= ST (the
+// decode plans) a CTA's whole weight slice is one round trip, and it overlaps the previous kernel's tail.
+template <int MT, int ST>
+__device__ __forceinline__ void w4a16_cta(const bf16* __restrict__ x, int ld_x, int silu_off,
+                                          const uint8_t* __restrict__ packed, const bf16* __restrict__ scales,
+                                          int N, int K, int kbps, int kb_lo, int kb_hi, int n0, Tile tile, Out o,
                                           unsigned char* smem) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int rs = smem_row_stride(kbps);
     const int nkb = kb_hi - kb_lo;
 
-    const int n_warp = blockIdx.x * ROWS_PER_CTA + warp * ROWS_PER_WARP;
+    const int n_warp = n0 + warp * ROWS_PER_WARP;
     const bool active = n_warp < N;
     const size_t row_bytes = (size_t)K / 2, row_groups = (size_t)K / 32;
     const uint8_t* wp[4];
@@ -102,33 +179,25 @@ __device__ __forceinline__ void w4a16_cta(const bf16* __restrict__ x, int ld_x, 
         wp[i] = packed + n * row_bytes + (size_t)t * 16;
         sp[i] = scales + n * row_groups + t;
     }
-    // Three k-steps of weights in flight per lane (192 bytes): the first two are issued before x is staged,
-    // so the weight stream starts at once.
-    uint4 w0[4], w1[4], w2[4];
-    bf16 s0[4], s1[4], s2n[4];
+    uint4 w[ST][4];
+    bf16 s[ST][4];
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        w0[i] = w1[i] = w2[i] = make_uint4(0, 0, 0, 0);
-        s0[i] = s1[i] = s2n[i] = __float2bfloat16_rn(0.f);
-    }
-    if (active) {
+    for (int st = 0; st < ST; st++) {
+        const bool on = active && st < nkb;
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            w0[i] = ld_stream(wp[i] + (size_t)kb_lo * 64);
-            s0[i] = sp[i][(size_t)kb_lo * 4];
-            if (kb_lo + 1 < kb_hi) {
-                w1[i] = ld_stream(wp[i] + (size_t)(kb_lo + 1) * 64);
-                s1[i] = sp[i][(size_t)(kb_lo + 1) * 4];
-            }
+            w[st][i] = on ? ld_stream(wp[i] + (size_t)(kb_lo + st) * 64) : make_uint4(0, 0, 0, 0);
+            s[st][i] = on ? sp[i][(size_t)(kb_lo + st) * 4] : __float2bfloat16_rn(0.f);
         }
     }
+    pdl_trigger();
+    pdl_wait();
 
     // Stage x[tile rows, kb_lo*128 .. kb_hi*128) into smem, permuted (k0 k4 k1 k5 k2 k6 k3 k7 per 8-k chunk).
     const int chunks_per_row = nkb * (KB / 8);
     for (int c = threadIdx.x; c < tile.count * chunks_per_row; c += blockDim.x) {
         const int r = c / chunks_per_row, ck = c % chunks_per_row;
-        const bf16* src = x + (size_t)tile.xrow[r] * ld_x + (size_t)kb_lo * KB + ck * 8;
-        const uint4 v = *reinterpret_cast<const uint4*>(src);
+        const uint4 v = load_x8(x + (size_t)tile.xrow[r] * ld_x + (size_t)kb_lo * KB + ck * 8, silu_off);
         // v holds bf16 pairs (k0,k1) (k2,k3) (k4,k5) (k6,k7); produce (k0,k4) (k1,k5) (k2,k6) (k3,k7).
         uint2 lo, hi;
         lo.x = __byte_perm(v.x, v.z, 0x5410);
@@ -155,97 +224,108 @@ __device__ __forceinline__ void w4a16_cta(const bf16* __restrict__ x, int ld_x, 
             for (int e = 0; e < 4; e++) acc[i][m][e] = 0.f;
 
     if (active) {
-        for (int kb = kb_lo; kb < kb_hi; kb++) {
-            if (kb + 2 < kb_hi) {
+        // A ring of ST steps: step kb uses slot (kb - kb_lo) % ST, then refills it with step kb + ST.
+        for (int kb0 = kb_lo; kb0 < kb_hi; kb0 += ST) {
 #pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    w2[i] = ld_stream(wp[i] + (size_t)(kb + 2) * 64);
-                    s2n[i] = sp[i][(size_t)(kb + 2) * 4];
+            for (int st = 0; st < ST; st++) {
+                const int kb = kb0 + st;
+                if (kb < kb_hi) {
+                    k_step<MT>(acc, w[st], s[st], smem + g * rs + ((kb - kb_lo) * 4 + t) * GROUP_BYTES_SMEM, rs);
+                    if (kb + ST < kb_hi) {
+#pragma unroll
+                        for (int i = 0; i < 4; i++) {
+                            w[st][i] = ld_stream(wp[i] + (size_t)(kb + ST) * 64);
+                            s[st][i] = sp[i][(size_t)(kb + ST) * 4];
+                        }
+                    }
                 }
             }
-            bf162 sc[4];
+        }
+        float* wsl = o.ws + (size_t)blockIdx.y * o.ws_rows * o.ld_ws + o.col0;
 #pragma unroll
-            for (int i = 0; i < 4; i++) sc[i] = __halves2bfloat162(s0[i], s0[i]);
-            const unsigned char* xs = smem + g * rs + ((kb - kb_lo) * 4 + t) * GROUP_BYTES_SMEM;
+        for (int i = 0; i < 2; i++) {
+            const int n = n_warp + 16 * i + g;
 #pragma unroll
-            for (int s = 0; s < 8; s++) {
-                const int word = s >> 1, j = (s & 1) * 2;
-                uint32_t lo[4], hi[4];
+            for (int m = 0; m < MT; m++) {
 #pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    const uint32_t w = word == 0 ? w0[i].x : word == 1 ? w0[i].y : word == 2 ? w0[i].z : w0[i].w;
-                    lo[i] = deq2(w, 4 * j, sc[i]);
-                    hi[i] = deq2(w, 4 * (j + 1), sc[i]);
+                for (int e = 0; e < 4; e++) {
+                    const int r = m * 8 + 2 * t + (e & 1);
+                    const int nn = n + (e >> 1) * 8;
+                    if (r < tile.count) wsl[(size_t)tile.orow[r] * o.ld_ws + nn] = acc[i][m][e];
                 }
-#pragma unroll
-                for (int m = 0; m < MT; m++) {
-                    const uint2 b = *reinterpret_cast<const uint2*>(xs + m * 8 * rs + word * 16 + 4 * j);
-                    mma_bf16(acc[0][m], lo[0], lo[1], hi[0], hi[1], b.x, b.y);
-                    mma_bf16(acc[1][m], lo[2], lo[3], hi[2], hi[3], b.x, b.y);
-                }
-            }
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                w0[i] = w1[i];
-                s0[i] = s1[i];
-                w1[i] = w2[i];
-                s1[i] = s2n[i];
             }
         }
     }
-    if (n_warp >= N) return;
-    float* wsl = ws + (size_t)blockIdx.y * ws_rows * N;
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        const int n = n_warp + 16 * i + g;
-#pragma unroll
-        for (int m = 0; m < MT; m++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int r = m * 8 + 2 * t + (e & 1);
-                const int nn = n + (e >> 1) * 8;
-                if (r < tile.count) wsl[(size_t)tile.orow[r] * N + nn] = acc[i][m][e];
-            }
-        }
+
+    // Split-K reduction in the GEMM: the last of the S CTAs of this (row block, tile) to arrive sums the S
+    // partials in split order (deterministic: the same sum whichever CTA is last) and rounds to bf16.
+    __shared__ unsigned is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(o.counter, 1u) == (unsigned)(o.splits - 1);
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    if (threadIdx.x == 0) *o.counter = 0u;
+    const int cols = min(ROWS_PER_CTA, N - n0);
+    for (int c = threadIdx.x; c < tile.count * cols; c += blockDim.x) {
+        const int r = c / cols, n = n0 + c % cols;
+        const size_t off = (size_t)tile.orow[r] * o.ld_ws + o.col0 + n;
+        float a = 0.f;
+        for (int sp_ = 0; sp_ < o.splits; sp_++) a += __ldcg(o.ws + (size_t)sp_ * o.ws_rows * o.ld_ws + off);
+        o.out[(size_t)tile.orow[r] * o.ld_out + o.col0 + n] = __float2bfloat16_rn(a);
     }
 }
+
+// Steps in flight per lane by row tile (registers: 16 per step, plus 8 MT accumulators).
+template <int MT> struct Stages { static constexpr int value = MT == 4 ? 2 : 4; };
 
 }  // namespace w4a16
 
 using namespace w4a16;
 
-// Dense: x [M, ld_x] bf16, packed [N, K/2] u8, scales [N, K/32] bf16 -> ws [S, M, N] f32 partials.
+// Dense: x [M, ld_x] bf16, packed [N, K/2] u8, scales [N, K/32] bf16 -> out [M, ld_out] bf16 through the f32
+// workspace ws [S, M, N] and counters [tiles * ceil(N / 128)] (zero between launches).
 // Grid (ceil(N / 128), S, ceil(M / (8 MT))), block 128, dynamic smem 8 MT * row stride (wrapper computes it).
 #define DENSE_KERNEL(MT)                                                                                        \
     extern "C" __global__ void __launch_bounds__(128) kdtree_w4a16_gemm_i4g32_m##MT(                         \
         const bf16* __restrict__ x, int ld_x, int M, const uint8_t* __restrict__ packed,                      \
-        const bf16* __restrict__ scales, int N, int K, int kbps, float* __restrict__ ws) {                   \
+        const bf16* __restrict__ scales, int N, int K, int kbps, float* __restrict__ ws,                     \
+        bf16* __restrict__ out, int ld_out, unsigned* __restrict__ counters) {                               \
         extern __shared__ __align__(16) unsigned char smem[];                                                \
         __shared__ int rows[8 * MT];                                                                          \
         const int r0 = blockIdx.z * 8 * MT;                                                                   \
         if (threadIdx.x < 8 * MT) rows[threadIdx.x] = r0 + threadIdx.x;                                      \
         const int nkb = K / KB, kb_lo = blockIdx.y * kbps, kb_hi = min(nkb, kb_lo + kbps);                   \
         Tile tile{min(8 * MT, M - r0), rows, rows};                                                           \
+        Out o{ws, M, N, 0, out, ld_out, counters + blockIdx.z * gridDim.x + blockIdx.x, (int)gridDim.y};     \
         __syncthreads();                                                                                       \
-        w4a16_cta<MT>(x, ld_x, packed, scales, N, K, kbps, kb_lo, kb_hi, tile, ws, M, smem);                 \
+        w4a16_cta<MT, Stages<MT>::value>(x, ld_x, 0, packed, scales, N, K, kbps, kb_lo, kb_hi,               \
+                                         blockIdx.x * ROWS_PER_CTA, tile, o, smem);                          \
     }
 DENSE_KERNEL(1)
 DENSE_KERNEL(2)
 DENSE_KERNEL(4)
 
 // Grouped MoE: rows are P = T * top_k (token, slot) pairs; x row of pair p is p / x_row_div (top_k for the
-// gate/up projections, whose input is the token's hidden state; 1 for down, whose input is per pair).
-// packed [E, N, K/2], scales [E, N, K/32]; sorted [P] and tiles [3, max_tiles] (expert, start, count) and
-// n_tiles [1] come from kdtree_moe_align_i32. ws [S, P, N] f32. Grid (ceil(N / 128), S, max_tiles).
+// gate/up projections, whose input is the token's hidden state; 1 for down, whose input is per pair). With
+// silu_off > 0 the x row is silu(gate) * up of a [gate | up] row (the down projection after a fused
+// gate+up). nmat weight matrices (1, or 2: gate and up in one launch, written side by side as out[p] =
+// [gate | up], 2N wide): packed{0,1} [E, N, K/2], scales{0,1} [E, N, K/32]; sorted [P], tiles [3, max_tiles]
+// (expert, start, count) and n_tiles [1] come from kdtree_moe_align_i32. ws [S, P, nmat N] f32, counters
+// [max_tiles * nmat * ceil(N / 128)]. Grid (nmat * ceil(N / 128), S, max_tiles).
 #define GROUPED_KERNEL(MT)                                                                                      \
     extern "C" __global__ void __launch_bounds__(128) kdtree_moe_w4a16_gemm_i4g32_m##MT(                     \
-        const bf16* __restrict__ x, int ld_x, int x_row_div, int P, const int* __restrict__ sorted,          \
-        const int* __restrict__ tiles, int max_tiles, const int* __restrict__ n_tiles,                       \
-        const uint8_t* __restrict__ packed, const bf16* __restrict__ scales, int N, int K, int kbps,         \
-        float* __restrict__ ws) {                                                                              \
+        const bf16* __restrict__ x, int ld_x, int x_row_div, int silu_off, int P,                            \
+        const int* __restrict__ sorted, const int* __restrict__ tiles, int max_tiles,                         \
+        const int* __restrict__ n_tiles, const uint8_t* __restrict__ packed0,                                 \
+        const bf16* __restrict__ scales0, const uint8_t* __restrict__ packed1,                                \
+        const bf16* __restrict__ scales1, int nmat, int N, int K, int kbps, float* __restrict__ ws,          \
+        bf16* __restrict__ out, int ld_out, unsigned* __restrict__ counters) {                               \
         extern __shared__ __align__(16) unsigned char smem[];                                                \
         __shared__ int xrow[8 * MT], orow[8 * MT];                                                           \
         const int z = blockIdx.z;                                                                             \
+        pdl_wait(); /* the routing comes from the kernel before: no weight prefetch ahead of it here */      \
         if (z >= *n_tiles) return;                                                                            \
         const int e = tiles[z], start = tiles[max_tiles + z], count = tiles[2 * max_tiles + z];              \
         if (threadIdx.x < 8 * MT) {                                                                           \
@@ -253,23 +333,17 @@ DENSE_KERNEL(4)
             orow[threadIdx.x] = p;                                                                            \
             xrow[threadIdx.x] = p / x_row_div;                                                               \
         }                                                                                                      \
+        const int nbx = gridDim.x / nmat, mat = blockIdx.x / nbx;                                            \
+        const uint8_t* packed = mat == 0 ? packed0 : packed1;                                                 \
+        const bf16* scales = mat == 0 ? scales0 : scales1;                                                    \
         const int nkb = K / KB, kb_lo = blockIdx.y * kbps, kb_hi = min(nkb, kb_lo + kbps);                   \
         Tile tile{count, xrow, orow};                                                                         \
+        Out o{ws, P, nmat * N, mat * N, out, ld_out, counters + z * gridDim.x + blockIdx.x, (int)gridDim.y}; \
         __syncthreads();                                                                                       \
-        w4a16_cta<MT>(x, ld_x, packed + (size_t)e * N * (K / 2), scales + (size_t)e * N * (K / 32), N, K,    \
-                      kbps, kb_lo, kb_hi, tile, ws, P, smem);                                                 \
+        w4a16_cta<MT, Stages<MT>::value>(x, ld_x, silu_off, packed + (size_t)e * N * (K / 2),                \
+                                         scales + (size_t)e * N * (K / 32), N, K, kbps, kb_lo, kb_hi,        \
+                                         (blockIdx.x % nbx) * ROWS_PER_CTA, tile, o, smem);                  \
     }
 GROUPED_KERNEL(1)
 GROUPED_KERNEL(2)
 GROUPED_KERNEL(4)
-
-// Split-K reduce: out[r, n] = bf16(sum_{s < S} ws[s, r, n]) in split order. out [rows, ld_out] bf16.
-extern "C" __global__ void kdtree_w4a16_reduce_f32(const float* __restrict__ ws, int S, int rows, int N,
-                                                   bf16* __restrict__ out, int ld_out) {
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long long)rows * N) return;
-    const long long r = i / N, n = i % N;
-    float a = 0.f;
-    for (int s = 0; s < S; s++) a += ws[(size_t)s * rows * N + i];
-    out[r * ld_out + n] = __float2bfloat16_rn(a);
-}

@@ -57,7 +57,6 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("w4a16_gemm.cu", "kdtree_moe_w4a16_gemm_i4g32_m1"),
     ("w4a16_gemm.cu", "kdtree_moe_w4a16_gemm_i4g32_m2"),
     ("w4a16_gemm.cu", "kdtree_moe_w4a16_gemm_i4g32_m4"),
-    ("w4a16_gemm.cu", "kdtree_w4a16_reduce_f32"),
 ];
 
 #[cfg(test)]

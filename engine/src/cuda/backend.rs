@@ -27,7 +27,7 @@ use super::ops::rope::RopeLayout;
 use super::ops::mla_absorb::{absorb_q, apply_uv, AbsorbDims};
 use super::ops::gqa_attention::{gqa_attention, GqaShape, GqaSplit};
 use super::ops::mla_attention::{mla_attention, MlaShape, MlaSplit};
-use super::ops::{argmax, copy_rows, embed, gather_rows, gemm_bf16, kv_compact, moe_align, moe_combine, moe_router, round_state, silu_mul, w4a16_gemm};
+use super::ops::{argmax, copy_rows, embed, gather_rows, gemm_bf16, kv_compact, moe_align, moe_combine, moe_router, round_state, w4a16_gemm};
 use super::{CudaError, Gpu};
 use crate::backend::{Backend, PosOf, RopeTable};
 use crate::cpu::ops::{MlaDims, Router};
@@ -179,12 +179,12 @@ impl CudaBackend {
         self.gpu.zeros::<f32>(n)
     }
     fn to_bf16(&self, x: &CudaSlice<f32>) -> R<CudaSlice<bf16>> {
-        let mut y = self.gpu.zeros::<bf16>(x.len())?;
+        let mut y = self.gpu.out::<bf16>(x.len())?;
         act_f32::f32_to_bf16(&self.gpu, &x.as_view(), &mut y.as_view_mut())?;
         Ok(y)
     }
     fn to_f32(&self, x: &CudaSlice<bf16>) -> R<CudaSlice<f32>> {
-        let mut y = self.new_f32(x.len())?;
+        let mut y = self.gpu.out::<f32>(x.len())?;
         act_f32::bf16_to_f32(&self.gpu, &x.as_view(), &mut y.as_view_mut())?;
         Ok(y)
     }
@@ -205,7 +205,7 @@ impl CudaBackend {
     /// `x[T, K] · W^T` in f32 (x rounded to bf16 for the GEMM).
     fn gemm_f32(&self, x: &CudaSlice<f32>, t: usize, w: &DMat) -> R<CudaSlice<f32>> {
         let xb = self.to_bf16(x)?;
-        let mut y = self.new_f32(t * w.rows)?;
+        let mut y = self.gpu.out::<f32>(t * w.rows)?;
         gemm_bf16::gemm_bf16(&self.gpu, &xb.as_view(), &w.w.as_view(), &mut y.as_view_mut(), t, w.cols, w.rows)?;
         Ok(y)
     }
@@ -237,7 +237,7 @@ impl CudaBackend {
         }
         let qb = self.to_bf16(q)?; // [T, Hr·(Dn+P)]
         let lw = c + p;
-        let mut qcat = self.gpu.zeros::<bf16>(t * hr * lw)?; // [T, Hr, C+P]
+        let mut qcat = self.gpu.out::<bf16>(t * hr * lw)?; // [T, Hr, C+P]
         let ad = AbsorbDims { t, heads: hr, nope: dn, v: dv, kv_lora: c };
         absorb_q(&self.gpu, &qb.as_view(), p, &kv_b.w.as_view(), &mut qcat.as_view_mut(), ad)?;
         // q_pe (already roped) next to q_lat: rows (t, h) of width P, from offset Dn (stride Dn+P) to C.
@@ -252,12 +252,12 @@ impl CudaBackend {
         let split = MlaSplit { splits: MlaSplit::choose(&self.gpu, &room).splits, rows_per_split: 0 };
         let (wo, wml) = split.workspace(&s);
         let (mut po, mut pml) = (self.new_f32(wo)?, self.new_f32(wml)?);
-        let mut olat = self.gpu.zeros::<bf16>(t * hr * c)?;
+        let mut olat = self.gpu.out::<bf16>(t * hr * c)?;
         let base = l * kv.cap * kv.width;
         let lat = kv.buf.slice(base..base + kv.cap * kv.width);
         let (mview, pview) = (mask.bits.as_view(), kv.pos.as_view());
         mla_attention(&self.gpu, &qb_view(&qcat), &lat, Some((&mview, mask.words)), Some(&pview), &s, &split, d.scale, &mut po.as_view_mut(), &mut pml.as_view_mut(), &mut olat.as_view_mut())?;
-        let mut o = self.gpu.zeros::<bf16>(t * hr * dv)?;
+        let mut o = self.gpu.out::<bf16>(t * hr * dv)?;
         apply_uv(&self.gpu, &olat.as_view(), &kv_b.w.as_view(), &mut o.as_view_mut(), ad)?;
         self.to_f32(&o)
     }
@@ -266,24 +266,23 @@ impl CudaBackend {
         let g = &*self.gpu;
         let (pairs, e, mi) = (t * r.k, r.experts, gate.n);
         let xb = self.to_bf16(x)?;
-        let plan_gu = w4a16_gemm::plan_moe(g, pairs, e, mi, h);
+        // gate and up in one launch into [gate | up] rows, the SwiGLU inside the down GEMM's x staging.
+        let plan_gu = w4a16_gemm::plan_moe(g, pairs, e, 2 * mi, h);
         let plan_d = w4a16_gemm::plan_moe(g, pairs, e, h, mi);
         let tile = plan_gu.tile_rows();
         let mt = moe_align::max_tiles(pairs, e, tile);
         let (mut sorted, mut tiles, mut n_tiles) = (g.zeros::<i32>(pairs)?, g.zeros::<i32>(3 * mt)?, g.zeros::<i32>(1)?);
         moe_align::moe_align(g, &r.ids.as_view(), e, tile, &mut sorted.as_view_mut(), &mut tiles.as_view_mut(), &mut n_tiles.as_view_mut())?;
-        let mut ws = self.new_f32(plan_gu.workspace_len(pairs, mi).max(plan_d.workspace_len(pairs, h)))?;
+        let mut ws = g.out::<f32>(plan_gu.workspace_len(pairs, 2 * mi).max(plan_d.workspace_len(pairs, h)))?;
         let (sv, tv, nv) = (sorted.as_view(), tiles.as_view(), n_tiles.as_view());
         let routing = w4a16_gemm::Routing { sorted: &sv, tiles: &tv, max_tiles: mt, n_tiles: &nv, tile_rows: tile };
-        let (mut gb, mut ub) = (g.zeros::<bf16>(pairs * mi)?, g.zeros::<bf16>(pairs * mi)?);
+        let mut gu = g.out::<bf16>(pairs * 2 * mi)?;
         let xv = xb.as_view();
-        w4a16_gemm::moe_w4a16_gemm(g, &xv, h, r.k, pairs, &routing, &gate.packed.as_view(), &gate.scales.as_view(), e, mi, h, &mut ws.as_view_mut(), &mut gb.as_view_mut(), mi)?;
-        w4a16_gemm::moe_w4a16_gemm(g, &xv, h, r.k, pairs, &routing, &up.packed.as_view(), &up.scales.as_view(), e, mi, h, &mut ws.as_view_mut(), &mut ub.as_view_mut(), mi)?;
-        let mut act = g.zeros::<bf16>(pairs * mi)?;
-        silu_mul::silu_mul(g, &gb.as_view(), &ub.as_view(), &mut act.as_view_mut(), pairs, mi, mi)?;
+        let (gw, uw) = ((&gate.packed.as_view(), &gate.scales.as_view()), (&up.packed.as_view(), &up.scales.as_view()));
+        w4a16_gemm::moe_w4a16_gate_up(g, &xv, h, r.k, pairs, &routing, gw, uw, e, mi, h, &mut ws.as_view_mut(), &mut gu.as_view_mut(), 2 * mi)?;
         let mut y = g.zeros::<bf16>(pairs * h)?;
-        w4a16_gemm::moe_w4a16_gemm(g, &act.as_view(), mi, 1, pairs, &routing, &down.packed.as_view(), &down.scales.as_view(), e, h, mi, &mut ws.as_view_mut(), &mut y.as_view_mut(), h)?;
-        let mut out = self.new_f32(t * h)?;
+        w4a16_gemm::moe_w4a16_down_silu(g, &gu.as_view(), 2 * mi, pairs, &routing, &down.packed.as_view(), &down.scales.as_view(), e, h, mi, &mut ws.as_view_mut(), &mut y.as_view_mut(), h)?;
+        let mut out = g.out::<f32>(t * h)?;
         moe_combine::moe_combine(g, &y.as_view(), h, &r.wts.as_view(), &r.ids.as_view(), &mut out.as_view_mut(), t, r.k, h)?;
         Ok(out)
     }
@@ -355,7 +354,7 @@ impl Backend for CudaBackend {
         self.run("rope_gather", || {
             let (half, n) = (r.half, r.cos.len() / r.half.max(1));
             let (tc, ts) = (self.gpu.upload(&r.cos)?, self.gpu.upload(&r.sin)?);
-            let (mut cos, mut sin) = (self.new_f32(t * half)?, self.new_f32(t * half)?);
+            let (mut cos, mut sin) = (self.gpu.out::<f32>(t * half)?, self.gpu.out::<f32>(t * half)?);
             let iv = idx.as_view();
             gather_rows::gather_rows(&self.gpu, &tc.as_view(), half, n, &iv, &mut cos.as_view_mut(), half, t, half)?;
             gather_rows::gather_rows(&self.gpu, &ts.as_view(), half, n, &iv, &mut sin.as_view_mut(), half, t, half)?;
@@ -513,7 +512,7 @@ impl Backend for CudaBackend {
     fn rms_norm(&self, x: &CudaSlice<f32>, w: &CudaSlice<bf16>, eps: f32) -> CudaSlice<f32> {
         self.run("rms_norm", || {
             let d = w.len();
-            let mut y = self.new_f32(x.len())?;
+            let mut y = self.gpu.out::<f32>(x.len())?;
             act_f32::rms_norm_f32(&self.gpu, &x.as_view(), d, &w.as_view(), &mut y.as_view_mut(), d, x.len() / d.max(1), eps)?;
             Ok(y)
         })
@@ -524,7 +523,7 @@ impl Backend for CudaBackend {
     }
     fn silu_mul(&self, gate: &CudaSlice<f32>, up: &CudaSlice<f32>) -> CudaSlice<f32> {
         self.run("silu_mul", || {
-            let mut y = self.new_f32(gate.len())?;
+            let mut y = self.gpu.out::<f32>(gate.len())?;
             act_f32::silu_mul_f32(&self.gpu, &gate.as_view(), &up.as_view(), &mut y.as_view_mut())?;
             Ok(y)
         })
@@ -546,7 +545,7 @@ impl Backend for CudaBackend {
             }
             let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
             let ids = self.gpu.upload(&ids)?;
-            let mut e = self.gpu.zeros::<bf16>(tokens.len() * h)?;
+            let mut e = self.gpu.out::<bf16>(tokens.len() * h)?;
             embed::embed_gather(&self.gpu, &ids.as_view(), &shards[0].w.as_view(), &mut e.as_view_mut(), shards[0].rows, h)?;
             self.to_f32(&e)
         })
@@ -563,7 +562,7 @@ impl Backend for CudaBackend {
             let v = ids.slice(..n);
             // SAFETY: the token ids are below the vocabulary (< 2^31), so u32 and i32 hold the same values.
             let iv = unsafe { v.transmute::<i32>(n) }.expect("n ids");
-            let mut e = self.gpu.zeros::<bf16>(n * h)?;
+            let mut e = self.gpu.out::<bf16>(n * h)?;
             embed::embed_gather(&self.gpu, &iv, &shards[0].w.as_view(), &mut e.as_view_mut(), shards[0].rows, h)?;
             self.to_f32(&e)
         })
@@ -582,7 +581,7 @@ impl Backend for CudaBackend {
         let logits = self.lm_head(x, n, h, shards);
         let v = shards.iter().map(|m| m.rows).sum::<usize>();
         self.run("lm_head_argmax", || {
-            let mut ids = self.gpu.zeros::<u32>(n)?;
+            let mut ids = self.gpu.out::<u32>(n)?;
             argmax::argmax(&self.gpu, &logits.as_view(), n, v, v, &mut ids.as_view_mut())?;
             self.gpu.download(&ids)
         })
@@ -684,7 +683,7 @@ impl Backend for CudaBackend {
 
     fn moe_route(&self, logits: &CudaSlice<f32>, t: usize, r: &Router, bias: Option<&CudaSlice<f32>>) -> DRoutes {
         let res = self.run("moe_route", || {
-            let (mut ids, mut wts) = (self.gpu.zeros::<i32>(t * r.top_k)?, self.new_f32(t * r.top_k)?);
+            let (mut ids, mut wts) = (self.gpu.out::<i32>(t * r.top_k)?, self.gpu.out::<f32>(t * r.top_k)?);
             let c = *r;
             let bv = bias.map(|b| b.as_view());
             moe_router::moe_router(&self.gpu, &logits.as_view(), bv.as_ref(), t, c, &mut ids.as_view_mut(), &mut wts.as_view_mut())?;
@@ -841,6 +840,9 @@ impl Backend for CudaBackend {
             }
         };
         let after = self.gpu.stats.snapshot();
+        if let Ok(c) = super::GraphCensus::of(&g) {
+            self.gpu.set_last_graph(c);
+        }
         super::GpuStats::bump(&self.gpu.stats.graph_launches);
         g.launch().map_err(super::drv("graph launch"))?;
         *graph = Some(DGraph { key, graph: g, kernels: after[0] - before[0], blas_calls: after[1] - before[1] });

@@ -84,7 +84,79 @@ pub struct Gpu {
     /// What this GPU was asked to do so far (kernel launches, cuBLAS calls, copies): the round tests
     /// print these per round.
     pub stats: GpuStats,
+    /// Arrival counters of the W4A16 GEMMs' in-kernel split-K reduction (zero between launches: the last
+    /// block of each tile resets its counter).
+    pub(crate) gemm_counters: CudaSlice<u32>,
+    /// The node census of the last graph captured on this GPU (see [`Gpu::last_graph`]).
+    last_graph: std::sync::Mutex<Option<GraphCensus>>,
+    /// Fill [`Gpu::out`] buffers with NaN bytes (`KDTREE_CUDA_POISON=1`; test runs).
+    poison: bool,
+    /// Launch the W4A16 GEMMs with programmatic dependent launch (sm_90+; `KDTREE_PDL=0` turns it off).
+    pdl: std::sync::atomic::AtomicBool,
 }
+
+/// What a captured CUDA graph holds, by node type (cuBLAS calls appear as their kernels; stream-ordered
+/// allocations as alloc/free nodes, zero-filled buffers as memsets).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GraphCensus {
+    pub kernels: usize,
+    pub memsets: usize,
+    pub memcpys: usize,
+    pub allocs: usize,
+    pub frees: usize,
+    pub other: usize,
+}
+
+impl GraphCensus {
+    /// All nodes.
+    pub fn nodes(&self) -> usize {
+        self.kernels + self.memsets + self.memcpys + self.allocs + self.frees + self.other
+    }
+    /// The nodes of `g`, by type.
+    pub(crate) fn of(g: &cudarc::driver::CudaGraph) -> Result<GraphCensus> {
+        use cudarc::driver::sys::{self, CUgraphNodeType as T};
+        let mut n = 0usize;
+        // SAFETY: the graph is live (owned by `g`); the first call only asks for the count, the second fills
+        // a buffer of that many handles.
+        unsafe { sys::cuGraphGetNodes(g.cu_graph(), std::ptr::null_mut(), &mut n) }.result().map_err(drv("graph nodes"))?;
+        let mut nodes = vec![std::ptr::null_mut(); n];
+        unsafe { sys::cuGraphGetNodes(g.cu_graph(), nodes.as_mut_ptr(), &mut n) }.result().map_err(drv("graph nodes"))?;
+        let mut c = GraphCensus::default();
+        for &node in &nodes[..n] {
+            let mut t = T::CU_GRAPH_NODE_TYPE_EMPTY;
+            // SAFETY: `node` belongs to the live graph.
+            unsafe { sys::cuGraphNodeGetType(node, &mut t) }.result().map_err(drv("graph node type"))?;
+            match t {
+                T::CU_GRAPH_NODE_TYPE_KERNEL => c.kernels += 1,
+                T::CU_GRAPH_NODE_TYPE_MEMSET => c.memsets += 1,
+                T::CU_GRAPH_NODE_TYPE_MEMCPY => c.memcpys += 1,
+                T::CU_GRAPH_NODE_TYPE_MEM_ALLOC => c.allocs += 1,
+                T::CU_GRAPH_NODE_TYPE_MEM_FREE => c.frees += 1,
+                _ => c.other += 1,
+            }
+        }
+        Ok(c)
+    }
+}
+
+impl std::fmt::Display for GraphCensus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} nodes: {} kernels, {} memsets, {} copies, {} allocs, {} frees, {} other",
+            self.nodes(),
+            self.kernels,
+            self.memsets,
+            self.memcpys,
+            self.allocs,
+            self.frees,
+            self.other
+        )
+    }
+}
+
+/// Counters of the W4A16 GEMMs' split-K reduction: one per (row block, row tile) of a launch.
+pub(crate) const GEMM_COUNTERS: usize = 1 << 20;
 
 /// Bytes of the cuBLAS workspace (the size cuBLAS recommends for Hopper).
 const BLAS_WORKSPACE: usize = 32 << 20;
@@ -167,7 +239,10 @@ impl Gpu {
                 return Err(CudaError::NoDevice(format!("cublasSetWorkspace: {st:?}")));
             }
         }
-        let gpu = Gpu { ctx, stream, blas, sms, max_smem, smem_per_sm, _module: module, funcs, _blas_workspace: ws, graphs: std::sync::atomic::AtomicBool::new(std::env::var("KDTREE_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true)), capture_failure: std::sync::Mutex::new(None), load: std::sync::Mutex::new(None), stats: GpuStats::default() };
+        let gemm_counters = stream.alloc_zeros::<u32>(GEMM_COUNTERS).map_err(drv("gemm counters"))?;
+        let major = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR).map_err(drv("device attributes"))?;
+        let pdl = major >= 9 && std::env::var("KDTREE_PDL").map(|v| v != "0").unwrap_or(true);
+        let gpu = Gpu { ctx, stream, blas, sms, max_smem, smem_per_sm, _module: module, funcs, _blas_workspace: ws, graphs: std::sync::atomic::AtomicBool::new(std::env::var("KDTREE_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true)), capture_failure: std::sync::Mutex::new(None), load: std::sync::Mutex::new(None), stats: GpuStats::default(), gemm_counters, last_graph: std::sync::Mutex::new(None), poison: std::env::var("KDTREE_CUDA_POISON").is_ok_and(|v| v == "1"), pdl: std::sync::atomic::AtomicBool::new(pdl) };
         ops::w4a16_gemm::configure(&gpu)?;
         ops::gqa_attention::configure(&gpu)?;
         ops::ddtree_build::configure(&gpu)?;
@@ -178,6 +253,23 @@ impl Gpu {
     pub(crate) fn func(&self, name: &'static str) -> &CudaFunction {
         GpuStats::bump(&self.stats.launches);
         &self.funcs[name]
+    }
+
+    /// What the last CUDA graph captured on this GPU holds (a DDTree round, an AR step), by node type.
+    pub fn last_graph(&self) -> Option<GraphCensus> {
+        *self.last_graph.lock().unwrap_or_else(|p| p.into_inner())
+    }
+    pub(crate) fn set_last_graph(&self, c: GraphCensus) {
+        *self.last_graph.lock().unwrap_or_else(|p| p.into_inner()) = Some(c);
+    }
+
+    /// Whether the W4A16 GEMMs launch with programmatic dependent launch (on by default on sm_90+).
+    pub fn pdl(&self) -> bool {
+        self.pdl.load(std::sync::atomic::Ordering::Relaxed)
+    }
+    /// Turns programmatic dependent launch of the W4A16 GEMMs on or off (tests compare both).
+    pub fn set_pdl(&self, on: bool) {
+        self.pdl.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether device rounds are captured into CUDA graphs and replayed (on), or run eagerly.
@@ -247,6 +339,23 @@ impl Gpu {
     /// A zero-filled device buffer of `n` elements.
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
         self.stream.alloc_zeros(n).map_err(drv("alloc"))
+    }
+
+    /// A buffer of `n` elements that the op about to run writes in full: not zero-filled (a zero fill is one
+    /// more node per buffer in a captured round). With `KDTREE_CUDA_POISON=1` it is filled with 0xFF bytes
+    /// instead (NaN as f32 and bf16), so that a test run catches an op reading what nobody wrote.
+    pub fn out<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
+        // SAFETY: the caller's op writes every element before anything reads it (checked by the poisoned
+        // test runs); device memory holds plain bits, no drop glue.
+        let mut b = unsafe { self.stream.alloc::<T>(n) }.map_err(drv("alloc"))?;
+        if self.poison && n > 0 {
+            use cudarc::driver::DevicePtrMut;
+            let bytes = n * std::mem::size_of::<T>();
+            let (p, _sync) = b.device_ptr_mut(&self.stream);
+            // SAFETY: `p` addresses the `bytes` bytes of `b`, on this GPU's stream.
+            unsafe { cudarc::driver::result::memset_d8_async(p, 0xFF, bytes, self.stream.cu_stream()) }.map_err(drv("alloc"))?;
+        }
+        Ok(b)
     }
 
     /// (free, total) device memory in bytes (`cuMemGetInfo`).

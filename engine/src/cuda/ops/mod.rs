@@ -32,6 +32,49 @@ use cudarc::driver::{CudaView, LaunchConfig};
 
 use super::{ensure, Result};
 
+/// Launches kernel `name` with programmatic dependent launch when the GPU allows it ([`super::Gpu::pdl`]):
+/// the kernel may start while the one before it drains, so it must execute `griddepcontrol.wait` before it
+/// reads anything an earlier kernel writes (kernels/cuda/w4a16_gemm.cu `pdl_wait`). `params` point at the
+/// kernel's arguments in order (device addresses as `u64`, scalars as their C types).
+///
+/// # Safety
+/// As `cuLaunchKernel`: `params` must match the kernel's signature and every address must be valid for what
+/// the kernel reads and writes.
+pub(crate) unsafe fn launch_pdl(
+    gpu: &super::Gpu,
+    op: &'static str,
+    name: &'static str,
+    cfg: LaunchConfig,
+    params: &mut [*mut std::ffi::c_void],
+) -> Result<()> {
+    use cudarc::driver::sys;
+    let f = gpu.func(name);
+    let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let lc = sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: gpu.stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: u32::from(gpu.pdl()),
+    };
+    gpu.ctx.bind_to_thread().map_err(super::drv(op))?;
+    sys::cuLaunchKernelEx(&lc, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()).result().map_err(super::drv(op))
+}
+
+/// The device address of a mutable view (for [`launch_pdl`] arguments).
+pub(crate) fn addr_mut<T>(gpu: &super::Gpu, v: &mut cudarc::driver::CudaViewMut<'_, T>) -> u64 {
+    use cudarc::driver::DevicePtrMut;
+    let (p, _sync) = v.device_ptr_mut(&gpu.stream);
+    p
+}
+
 pub(crate) fn launch_cfg(grid: (u32, u32, u32), block: u32, smem: u32) -> LaunchConfig {
     LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem }
 }

@@ -5,13 +5,15 @@
 //! Plan: the grid is (N/128 row blocks) x (S k-splits) x (row tiles of 8, 16 or 32 rows). S is chosen so
 //! that there are about four blocks per SM (M = 1 decode on a 512-row TP slice still fills the GPU), and
 //! limited so that the shared memory holding the block's slice of x lets four blocks stay resident. Partials go to an f32 workspace
-//! `[S, rows, N]`, reduced in split order by a second kernel (deterministic; no atomics).
+//! `[S, rows, N]`, summed in split order inside the GEMM by the last split block of each tile to arrive
+//! (deterministic; one launch per GEMM). The GEMMs launch with programmatic dependent launch
+//! ([`super::launch_pdl`]) so that the dense form's weight loads overlap the previous kernel.
 
 use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{CudaView, CudaViewMut, PushKernelArg};
+use cudarc::driver::{CudaView, CudaViewMut};
 use half::bf16;
 
-use super::{addr, as_i32, launch_cfg, need_len, span};
+use super::{addr, addr_mut, as_i32, launch_cfg, launch_pdl, need_len, span};
 use crate::cuda::{drv, ensure, Gpu, Result};
 
 const OP: &str = "w4a16_gemm";
@@ -144,30 +146,15 @@ fn check_x(op: &'static str, gpu: &Gpu, x: &CudaView<'_, bf16>, rows: usize, ld_
     ensure(op, addr(gpu, x).is_multiple_of(16), || format!("x must be 16-byte aligned (address {:#x})", addr(gpu, x)))
 }
 
-/// Split-K reduce: `out[r, :n] = bf16(sum_s ws[s, r, :])`, rows `ld_out` apart.
-#[allow(clippy::too_many_arguments)]
-fn reduce(
-    gpu: &Gpu,
-    op: &'static str,
-    ws: &CudaView<'_, f32>,
-    splits: usize,
-    rows: usize,
-    n: usize,
-    out: &mut CudaViewMut<'_, bf16>,
-    ld_out: usize,
-) -> Result<()> {
-    let total = rows * n;
-    let (s, r, nn, l) = (as_i32(op, "splits", splits)?, as_i32(op, "rows", rows)?, as_i32(op, "N", n)?, as_i32(op, "ld_out", ld_out)?);
-    let mut b = gpu.stream.launch_builder(gpu.func("kdtree_w4a16_reduce_f32"));
-    b.arg(ws).arg(&s).arg(&r).arg(&nn).arg(out).arg(&l);
-    // SAFETY: ws holds splits x rows x n (checked by the callers), out holds rows rows of ld_out >= n.
-    unsafe { b.launch(launch_cfg((total.div_ceil(256) as u32, 1, 1), 256, 0)) }.map_err(drv(op))?;
-    Ok(())
+/// Checks that a launch's (row block, tile) counters fit [`crate::cuda::GEMM_COUNTERS`].
+fn check_counters(op: &'static str, grid: (u32, u32, u32)) -> Result<()> {
+    let need = grid.0 as usize * grid.2 as usize;
+    ensure(op, need <= crate::cuda::GEMM_COUNTERS, || format!("{need} (row block, tile) pairs exceed the {} split-K counters", crate::cuda::GEMM_COUNTERS))
 }
 
 /// Dense W4A16 GEMM: `out[m, :n] = bf16(x[m, :k] · dequant(packed, scales)^T)` for m < `m_rows`, x rows
 /// `ld_x` apart (16-byte aligned), out rows `ld_out` apart. `ws` is an f32 workspace of at least
-/// `plan_dense(gpu, m_rows, n, k).workspace_len(m_rows, n)` elements. Two launches (GEMM, split reduce).
+/// `plan_dense(gpu, m_rows, n, k).workspace_len(m_rows, n)` elements. One launch (split-K reduced inside).
 /// Launch contract: no allocation, no host sync, graph-capturable.
 #[allow(clippy::too_many_arguments)]
 pub fn w4a16_gemm(
@@ -197,13 +184,31 @@ pub fn w4a16_gemm(
     let (lx, mm, nn, kk, kb) =
         (as_i32(OP, "ld_x", ld_x)?, as_i32(OP, "M", m_rows)?, as_i32(OP, "N", n)?, as_i32(OP, "K", k)?, as_i32(OP, "kbps", p.kbps)?);
     let name = DENSE[p.mt.trailing_zeros() as usize];
-    let mut b = gpu.stream.launch_builder(gpu.func(name));
-    b.arg(x).arg(&lx).arg(&mm).arg(packed).arg(scales).arg(&nn).arg(&kk).arg(&kb).arg(&mut *ws);
     let grid = (n.div_ceil(ROWS_PER_CTA) as u32, p.splits as u32, tiles as u32);
-    // SAFETY: weights, x, workspace lengths checked above; the kernel reads x rows < M, k < K and writes
-    // ws[s, m < M, n < N].
-    unsafe { b.launch(launch_cfg(grid, 128, p.smem as u32)) }.map_err(drv(OP))?;
-    reduce(gpu, OP, &ws.as_view(), p.splits, m_rows, n, out, ld_out)
+    check_counters(OP, grid)?;
+    let lo = as_i32(OP, "ld_out", ld_out)?;
+    let (mut xp, mut wp, mut sp, mut wsp, mut op, mut cp) =
+        (addr(gpu, x), addr(gpu, packed), addr(gpu, scales), addr_mut(gpu, ws), addr_mut(gpu, out), counters(gpu));
+    let (mut lx, mut mm, mut nn, mut kk, mut kb, mut lo) = (lx, mm, nn, kk, kb, lo);
+    let mut params = [
+        arg(&mut xp), arg(&mut lx), arg(&mut mm), arg(&mut wp), arg(&mut sp), arg(&mut nn), arg(&mut kk), arg(&mut kb),
+        arg(&mut wsp), arg(&mut op), arg(&mut lo), arg(&mut cp),
+    ];
+    // SAFETY: weights, x, workspace and out lengths checked above, the counters cover the grid; the kernel
+    // reads x rows < M, k < K, writes ws[s, m < M, n < N] and out[m < M, n < N].
+    unsafe { launch_pdl(gpu, OP, name, launch_cfg(grid, 128, p.smem as u32), &mut params) }
+}
+
+/// A kernel argument for [`launch_pdl`].
+fn arg<T>(v: &mut T) -> *mut std::ffi::c_void {
+    (v as *mut T).cast()
+}
+
+/// The device address of the GPU's split-K counters.
+fn counters(gpu: &Gpu) -> u64 {
+    use cudarc::driver::DevicePtr;
+    let (p, _sync) = gpu.gemm_counters.device_ptr(&gpu.stream);
+    p
 }
 
 /// Device-side routing of the grouped form, from [`super::moe_align::moe_align`].
@@ -223,7 +228,7 @@ pub struct Routing<'a> {
 /// computed on the device), x row `p / x_row_div` (`top_k` when x is the tokens' hidden state, 1 when x is
 /// per pair), weights `packed [E, n, k/2]`, `scales [E, n, k/32]`. `out[p, :n]` rows `ld_out` apart; `ws`
 /// holds `plan_moe(gpu, pairs, E, n, k).workspace_len(pairs, n)` f32. Blocks beyond the device-side tile
-/// count exit at once. Launch contract: no allocation, no host sync, graph-capturable.
+/// count exit at once. Launch contract: no allocation, no host sync, graph-capturable; one launch.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_w4a16_gemm(
     gpu: &Gpu,
@@ -241,15 +246,98 @@ pub fn moe_w4a16_gemm(
     out: &mut CudaViewMut<'_, bf16>,
     ld_out: usize,
 ) -> Result<()> {
-    check_weights(OP_MOE, packed, scales, n_experts, n, k)?;
+    let xin = XIn { x, ld_x, x_row_div, silu: false };
+    grouped(gpu, xin, pairs, r, &[(packed, scales)], n_experts, n, k, ws, out, ld_out)
+}
+
+/// The gate and up projections of the routed experts in one launch: `out[p, :n]` = gate, `out[p, n..2n]` =
+/// up (the `[gate | up]` rows [`moe_w4a16_down_silu`] reads), rows `ld_out >= 2n` apart. `ws` holds
+/// `plan_moe(gpu, pairs, E, 2 n, k).workspace_len(pairs, 2 n)` f32. Otherwise as [`moe_w4a16_gemm`].
+#[allow(clippy::too_many_arguments)]
+pub fn moe_w4a16_gate_up(
+    gpu: &Gpu,
+    x: &CudaView<'_, bf16>,
+    ld_x: usize,
+    x_row_div: usize,
+    pairs: usize,
+    r: &Routing<'_>,
+    gate: (&CudaView<'_, u8>, &CudaView<'_, bf16>),
+    up: (&CudaView<'_, u8>, &CudaView<'_, bf16>),
+    n_experts: usize,
+    n: usize,
+    k: usize,
+    ws: &mut CudaViewMut<'_, f32>,
+    out: &mut CudaViewMut<'_, bf16>,
+    ld_out: usize,
+) -> Result<()> {
+    let xin = XIn { x, ld_x, x_row_div, silu: false };
+    grouped(gpu, xin, pairs, r, &[gate, up], n_experts, n, k, ws, out, ld_out)
+}
+
+/// The down projection over `silu(gate) * up` of `[gate | up]` rows `gu [pairs, ld_gu]` (gate `k` wide, up
+/// after it), the SwiGLU fused into the GEMM's x staging and rounded to bf16 exactly as
+/// [`super::silu_mul::silu_mul`] does. Otherwise as [`moe_w4a16_gemm`] with `x_row_div` 1.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_w4a16_down_silu(
+    gpu: &Gpu,
+    gu: &CudaView<'_, bf16>,
+    ld_gu: usize,
+    pairs: usize,
+    r: &Routing<'_>,
+    packed: &CudaView<'_, u8>,
+    scales: &CudaView<'_, bf16>,
+    n_experts: usize,
+    n: usize,
+    k: usize,
+    ws: &mut CudaViewMut<'_, f32>,
+    out: &mut CudaViewMut<'_, bf16>,
+    ld_out: usize,
+) -> Result<()> {
+    ensure(OP_MOE, ld_gu >= 2 * k, || format!("ld_gu={ld_gu} must hold gate and up ({} elements)", 2 * k))?;
+    let xin = XIn { x: gu, ld_x: ld_gu, x_row_div: 1, silu: true };
+    grouped(gpu, xin, pairs, r, &[(packed, scales)], n_experts, n, k, ws, out, ld_out)
+}
+
+/// The x operand of the grouped form.
+struct XIn<'a, 'b> {
+    x: &'a CudaView<'b, bf16>,
+    ld_x: usize,
+    x_row_div: usize,
+    /// x row = silu(first k) * (next k) of a `[gate | up]` row.
+    silu: bool,
+}
+
+/// One grouped launch over one or two weight matrices (written side by side, `n` columns each).
+#[allow(clippy::too_many_arguments)]
+fn grouped(
+    gpu: &Gpu,
+    xin: XIn<'_, '_>,
+    pairs: usize,
+    r: &Routing<'_>,
+    mats: &[(&CudaView<'_, u8>, &CudaView<'_, bf16>)],
+    n_experts: usize,
+    n: usize,
+    k: usize,
+    ws: &mut CudaViewMut<'_, f32>,
+    out: &mut CudaViewMut<'_, bf16>,
+    ld_out: usize,
+) -> Result<()> {
+    let nmat = mats.len();
+    ensure(OP_MOE, nmat == 1 || nmat == 2, || format!("{nmat} weight matrices (1 or 2)"))?;
+    for (packed, scales) in mats {
+        check_weights(OP_MOE, packed, scales, n_experts, n, k)?;
+    }
+    let XIn { x, ld_x, x_row_div, silu } = xin;
     ensure(OP_MOE, x_row_div >= 1, || "x_row_div must be >= 1".into())?;
-    check_x(OP_MOE, gpu, x, pairs.div_ceil(x_row_div), ld_x, k)?;
-    ensure(OP_MOE, ld_out >= n, || format!("ld_out={ld_out} must be >= N={n}"))?;
-    need_len(OP_MOE, "out", out.len(), span(pairs, ld_out, n))?;
+    let x_width = if silu { 2 * k } else { k };
+    check_x(OP_MOE, gpu, x, pairs.div_ceil(x_row_div), ld_x, x_width)?;
+    let width = nmat * n;
+    ensure(OP_MOE, ld_out >= width, || format!("ld_out={ld_out} must be >= {width}"))?;
+    need_len(OP_MOE, "out", out.len(), span(pairs, ld_out, width))?;
     if pairs == 0 {
         return Ok(());
     }
-    let p = plan_moe(gpu, pairs, n_experts, n, k);
+    let p = plan_moe(gpu, pairs, n_experts, width, k);
     ensure(OP_MOE, r.tile_rows == p.tile_rows(), || format!("routing tiles have {} rows, the plan needs {}", r.tile_rows, p.tile_rows()))?;
     ensure(OP_MOE, r.max_tiles == super::moe_align::max_tiles(pairs, n_experts, r.tile_rows), || {
         format!("max_tiles={} does not match P={pairs}, E={n_experts}", r.max_tiles)
@@ -257,25 +345,38 @@ pub fn moe_w4a16_gemm(
     need_len(OP_MOE, "sorted", r.sorted.len(), pairs)?;
     need_len(OP_MOE, "tiles", r.tiles.len(), 3 * r.max_tiles)?;
     need_len(OP_MOE, "n_tiles", r.n_tiles.len(), 1)?;
-    need_len(OP_MOE, "workspace", ws.len(), p.workspace_len(pairs, n))?;
+    need_len(OP_MOE, "workspace", ws.len(), p.workspace_len(pairs, width))?;
     ensure(OP_MOE, r.max_tiles <= 65535, || format!("max_tiles={} exceeds the grid limit 65535", r.max_tiles))?;
-    let (lx, div, pp, mt, nn, kk, kb) = (
+    let grid = ((nmat * n.div_ceil(ROWS_PER_CTA)) as u32, p.splits as u32, r.max_tiles as u32);
+    check_counters(OP_MOE, grid)?;
+    let (mut lx, mut div, mut silu_off, mut pp, mut mt, mut nm, mut nn, mut kk, mut kb, mut lo) = (
         as_i32(OP_MOE, "ld_x", ld_x)?,
         as_i32(OP_MOE, "x_row_div", x_row_div)?,
+        as_i32(OP_MOE, "k", if silu { k } else { 0 })?,
         as_i32(OP_MOE, "P", pairs)?,
         as_i32(OP_MOE, "max_tiles", r.max_tiles)?,
+        nmat as i32,
         as_i32(OP_MOE, "N", n)?,
         as_i32(OP_MOE, "K", k)?,
         as_i32(OP_MOE, "kbps", p.kbps)?,
+        as_i32(OP_MOE, "ld_out", ld_out)?,
     );
+    let (mut xp, mut sorted, mut tiles, mut n_tiles) = (addr(gpu, x), addr(gpu, r.sorted), addr(gpu, r.tiles), addr(gpu, r.n_tiles));
+    let (mut p0, mut s0) = (addr(gpu, mats[0].0), addr(gpu, mats[0].1));
+    let (mut p1, mut s1) = match mats.get(1) {
+        Some((pk, sc)) => (addr(gpu, pk), addr(gpu, sc)),
+        None => (p0, s0),
+    };
+    let (mut wsp, mut op, mut cp) = (addr_mut(gpu, ws), addr_mut(gpu, out), counters(gpu));
+    let mut params = [
+        arg(&mut xp), arg(&mut lx), arg(&mut div), arg(&mut silu_off), arg(&mut pp), arg(&mut sorted), arg(&mut tiles),
+        arg(&mut mt), arg(&mut n_tiles), arg(&mut p0), arg(&mut s0), arg(&mut p1), arg(&mut s1), arg(&mut nm),
+        arg(&mut nn), arg(&mut kk), arg(&mut kb), arg(&mut wsp), arg(&mut op), arg(&mut lo), arg(&mut cp),
+    ];
     let name = GROUPED[p.mt.trailing_zeros() as usize];
-    let mut b = gpu.stream.launch_builder(gpu.func(name));
-    b.arg(x).arg(&lx).arg(&div).arg(&pp).arg(r.sorted).arg(r.tiles).arg(&mt).arg(r.n_tiles);
-    b.arg(packed).arg(scales).arg(&nn).arg(&kk).arg(&kb).arg(&mut *ws);
-    let grid = (n.div_ceil(ROWS_PER_CTA) as u32, p.splits as u32, r.max_tiles as u32);
-    // SAFETY: as the dense form; expert ids come from moe_align, which drops ids outside [0, E).
-    unsafe { b.launch(launch_cfg(grid, 128, p.smem as u32)) }.map_err(drv(OP_MOE))?;
-    reduce(gpu, OP_MOE, &ws.as_view(), p.splits, pairs, n, out, ld_out)
+    // SAFETY: as the dense form; expert ids come from moe_align, which drops ids outside [0, E); with silu
+    // the x rows hold 2k elements (checked).
+    unsafe { launch_pdl(gpu, OP_MOE, name, launch_cfg(grid, 128, p.smem as u32), &mut params) }
 }
 
 #[cfg(test)]
