@@ -135,10 +135,10 @@ def build(rust, rust_copy, rust_notes, recs, errors, env, peer_notes, status, gp
             if t:
                 tcell = f"{tus:.2f}{' eager' if t_eager else ''} ({t.get('ikt')})" + (" check FAILED" if t.get("check") == "FAILED" else "")
             else:
-                tcell = "failed" if failed_for(errors, "torch_int4", n, k, m) else "—"
+                tcell = "failed" if failed_for(errors, "torch_int4", n, k, m) or status.get("peers_failed") else "—"
             b = by("cublas_bf16", n, k, m)
             bus = (b.get("us_graph") or b.get("us_median")) if b else None
-            bcell = (f"{bus:.2f}" + ("" if b.get("us_graph") else " eager")) if b and bus else ("failed" if failed_for(errors, "cublas_bf16", n, k, m) else "—")
+            bcell = (f"{bus:.2f}" + ("" if b.get("us_graph") else " eager")) if b and bus else ("failed" if failed_for(errors, "cublas_bf16", n, k, m) or status.get("peers_failed") else "—")
             # Like against like: graph against graph; where torch has only an eager figure, eager against eager.
             ours_like = (o.get("eager_us") if o else None) if t_eager else ous
             speed = tus / ours_like if tus and ours_like else None
@@ -231,6 +231,7 @@ def main(argv):
                 status["parts"].append((part, rc.strip()))
     # Our figures come from the cuda_bench binary alone: its failure is what an empty "ours" cell means.
     status["rust_failed"] = any(part == "cuda_bench" and rc != "0" for part, rc in status["parts"])
+    status["peers_failed"] = any(part == "peers.py" and rc != "0" for part, rc in status["parts"])
     commit = "unknown"
     if a.commit_file:
         commit = ((read(a.commit_file, "commit file") or "").strip().split() or ["unknown"])[0]

@@ -90,8 +90,15 @@ class Table(unittest.TestCase):
             self.assertIn("commit `abc1234+dirty`", out)
             self.assertIn("- failed: cuda_bench: exit 101", out)
             self.assertEqual(rows(out)[("4096 × 7168", "1")][2], "failed")  # ours: its binary failed
+            self.assertEqual(rows(out)[("4096 × 7168", "2")][5], "—")  # peers.py passed: not measured
             with open(md) as f:
                 self.assertEqual(f.read(), out)
+            with open(st, "w") as f:
+                f.write("cuda_bench\t0\npeers.py\t124\n")
+            rc, out = run("--rust", RUST, "--status", st, "--date", "2026-12-01")
+            self.assertEqual(rows(out)[("4096 × 7168", "1")][5], "failed")  # peers.py timed out
+            self.assertEqual(rows(out)[("4096 × 7168", "1")][7], "failed")
+            self.assertIn("- failed: peers.py: exit 124", out)
 
     def test_unreadable_inputs(self):
         self.assertEqual(run("--rust", "/nonexistent/log", "--peers", "/nonexistent/jsonl")[0], 2)
