@@ -97,9 +97,15 @@ class Cuda:
         t.cuda.current_stream().wait_stream(side)
         self.sync()
         g = t.cuda.CUDAGraph()
-        with t.cuda.graph(g):
-            for i in range(length):
-                fn(i % copies)
+        try:
+            # thread_local: as the Rust timings capture (CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            with t.cuda.graph(g, capture_error_mode="thread_local"):
+                for i in range(length):
+                    fn(i % copies)
+        except Exception:
+            del g
+            self.sync()  # a failed capture must not leave work in flight for the next part
+            raise
         g.replay()
         self.sync()
         ts = []

@@ -104,7 +104,7 @@ def build(rust, rust_copy, rust_notes, recs, errors, env, peer_notes, status, gp
     ref, ref_name = (copy, "torch copy_") if copy else (rust_copy, "Rust memcpy_dtod") if rust_copy else (None, None)
     keys = [(n, k) for n, k in SHAPES]
     extra = sorted(({(n, k) for n, k, _ in rust} | {(r["N"], r["K"]) for r in recs if "N" in r}) - set(keys))
-    ms = MS + sorted(({m for *_, m in rust} | {r["M"] for r in recs if "M" in r}) - set(MS))
+    ms = sorted(set(MS) | {m for *_, m in rust} | {r["M"] for r in recs if "M" in r})
     out = []
     title = f"## {date}, {gpu}: commit `{commit}` (bench/gpu-bench.sh)"
     out.append(title + (" — DRY RUN, not results" if dry else ""))
