@@ -19,6 +19,7 @@ mkdir -p "$out" || exit 2
 rust="$out/bench-rust.log" peers="$out/peers.jsonl" perr="$out/peers.stderr" status="$out/bench-status.tsv"
 : > "$rust"; : > "$peers"; : > "$perr"; : > "$status"
 budget="${KDTREE_BENCH_BUDGET:-540}"
+command -v timeout >/dev/null || timeout() { shift; "$@"; } # no coreutils timeout: run unbounded
 export KDTREE_REQUIRE_GPU=1
 # cudarc dlopens libcuda and libcublas by name: the library folders scripts/gpu-test.sh adds, when not found.
 if ! ldconfig -p 2>/dev/null | grep -q 'libcublas\.so'; then
@@ -63,9 +64,9 @@ timeout "$t" python3 "$root/bench/peers.py" > "$peers" 2> "$perr"
 rc=$?
 part peers.py "$rc"
 echo "peers.py: exit $rc$([ "$rc" -eq 124 ] && echo ' (timed out)'), $(grep -c . "$peers") lines, $(grep -c '"error"' "$peers") with an error"
-grep '^peers: .*Error' "$perr" | head -8
+grep '^peers: .*Error' "$perr" | head -8 | cut -c1-300
 for b in "${bins[@]}"; do run_bin "$b"; done
-grep -E 'panicked|^test .* FAILED' "$rust" | head -8
+grep -E 'panicked|^test .* FAILED' "$rust" | head -8 | cut -c1-300
 echo
 python3 "$root/bench/table.py" --rust "$rust" --peers "$peers" --status "$status" --commit-file "$dir/COMMIT" \
   ${gpu:+--gpu "$gpu"} --md-out "$out/w4a16-table.md"
