@@ -9,7 +9,8 @@
 # Usage: bench/gpu-bench.sh DIR (`make gpu-bench`). Full logs go to $OUT (or a temporary folder): bench-rust.log,
 # peers.jsonl, peers.stderr, bench-status.tsv, w4a16-table.md. Exit 0 every part passed, 1 a part failed,
 # 2 bad usage. KDTREE_BENCH_BUDGET (s, default 540): the whole run fits in it (each part's timeout shrinks to
-# what is left, 20 s kept for the table); KDTREE_BENCH_BINS (default 'cuda_bench*'): which binaries run.
+# what is left, 20 s kept for the table); KDTREE_BENCH_BINS (default 'cuda_bench*'): which binaries run;
+# KDTREE_BENCH_FILTER: only the timings whose test name contains it (e.g. w4a16_bandwidth).
 set -uo pipefail
 dir="${1:?usage: bench/gpu-bench.sh DIR-with-staged-binaries (make gpu-stage)}"
 dir="$(cd "$dir" 2>/dev/null && pwd)" || { echo "gpu-bench: $1 is not a folder (run make gpu-stage first)" >&2; exit 2; }
@@ -47,7 +48,7 @@ run_bin() { # one staged test binary, its ignored (timing) tests one at a time, 
   name="$(basename "$b")"
   t="$(left 300)"
   echo "== $name --ignored (timings, at most $t s)" | tee -a "$rust"
-  (cd "$root" && timeout "$t" "$b" --ignored --nocapture --test-threads=1) >> "$rust" 2>&1
+  (cd "$root" && timeout "$t" "$b" --ignored --nocapture --test-threads=1 ${KDTREE_BENCH_FILTER:-}) >> "$rust" 2>&1
   local rc=$?
   part "$name" "$rc"
   echo "$name: exit $rc$([ "$rc" -eq 124 ] && echo ' (timed out)'), $(grep -c '^BENCH' "$rust") BENCH lines in the log so far"
