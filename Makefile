@@ -1,6 +1,7 @@
 # kdtree: reproducible entry points. `make test` is what CI runs (.ci/run).
 # Everything builds with no CUDA toolkit. GPU work: `make gpu-stage` here (builds the CUDA test binaries
-# and tools into .dev-gpu/), then `make gpu-test` on the GPU machine (scripts/gpu-test.sh; builds nothing).
+# and tools into .dev-gpu/), then `make gpu-test` on the GPU machine (scripts/gpu-test.sh; builds nothing), or
+# `make gpu-bench` there (bench/gpu-bench.sh: the W4A16 timings against PyTorch's, one table last).
 
 CARGO      ?= cargo
 OUT        ?= out
@@ -11,7 +12,7 @@ RUN        := $(RELEASE)/kdtree-run
 SEED       ?= 0
 PAIR       ?= models/kdtree-tiny
 
-.PHONY: lint kernels-check cuda-check gpu-stage gpu-test build test demo demo-synth train bench-acceptance golden golden-check crosscheck fixtures bench-convert clean
+.PHONY: lint kernels-check cuda-check gpu-stage gpu-test gpu-bench bench-table-check build test demo demo-synth train bench-acceptance golden golden-check crosscheck fixtures bench-convert clean
 
 ## build: release binaries kdtree-convert, kdtree-golden, kdtree-run
 build:
@@ -42,6 +43,14 @@ gpu-stage:
 ## gpu-test: on the GPU machine (driver + CUDA 13 libraries only): the whole GPU suite from .dev-gpu/, a table last
 gpu-test:
 	bash .dev-gpu/gpu-test.sh .dev-gpu
+
+## gpu-bench: on the GPU machine (+ python3 with torch): every staged cuda_bench* timing and bench/peers.py, one W4A16 table last
+gpu-bench:
+	bash bench/gpu-bench.sh .dev-gpu
+
+## bench-table-check: bench/table.py on its committed fixtures (python3 standard library only; CI runs it)
+bench-table-check:
+	python3 -m unittest bench/test_table.py
 
 ## demo: the trained pair models/kdtree-tiny -> repack -> verify -> golden -> run example prompts -> verify against golden
 demo: build

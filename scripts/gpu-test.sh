@@ -5,7 +5,8 @@
 # prints a short table last. Needs only the NVIDIA driver and the CUDA 13 libraries (libcublas) on the
 # GPU machine; builds nothing. Usage: scripts/gpu-test.sh DIR [LOG]. Exit 0 all passed, 1 a test failed.
 # On the build machine, `scripts/gpu-test.sh --stage DIR` builds the binaries (nvcc from
-# tools/cuda/install-nvcc.sh), strips them and copies them, the fatbin and this script into DIR.
+# tools/cuda/install-nvcc.sh), strips them and copies them, the fatbin and this script into DIR, and writes
+# DIR/COMMIT (the commit they were built from).
 set -uo pipefail
 if [ "${1:-}" = "--stage" ]; then
   dest="${2:?usage: scripts/gpu-test.sh --stage DIR}"
@@ -24,6 +25,11 @@ for l in sys.stdin:
   (cd "$root" && cargo build --release --locked -p kdtree-convert && cargo build --release --locked --features cuda -p kdtree-run -p kdtree-golden) || exit 2
   for b in kdtree-convert kdtree-run kdtree-golden; do strip -o "$dest/$b" "$root/target/release/$b" || exit 2; done
   cp "$0" "$dest/gpu-test.sh"
+  # The commit these binaries were built from (+dirty: with uncommitted changes), for the results' records:
+  # the GPU machine's copy of the tree has no .git (bench/gpu-bench.sh and bench/table.py print it).
+  { git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown; } | tr -d '\n' > "$dest/COMMIT.tmp"
+  [ -z "$(git -C "$root" status --porcelain 2>/dev/null)" ] || printf '+dirty' >> "$dest/COMMIT.tmp"
+  echo >> "$dest/COMMIT.tmp" && mv "$dest/COMMIT.tmp" "$dest/COMMIT"
   cp "$(ls -t "$root"/target/release/build/kdtree-kernels-*/out/kdtree_kernels.fatbin | head -1)" "$dest/"
   ls -l "$dest" >&2
   exit 0

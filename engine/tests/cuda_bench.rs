@@ -4,7 +4,8 @@
 //! more than 200 MB so every call streams from HBM, not the 60 MB L2; CUDA events around many calls after a
 //! warm-up; GB/s counts the weight bytes (packed + scales, or bf16) once per call. W4A16 is timed eagerly
 //! and replayed from a CUDA graph (which also proves the launches capturable: no host sync, no allocation);
-//! cuBLAS eagerly only (its capture needs a workspace set first).
+//! cuBLAS eagerly only (its capture needs a workspace set first). Each W4A16 figure also prints one
+//! machine-readable `BENCH w4a16 n=.. k=.. m=..` line (bench/table.py reads it; bench/gpu-bench.sh runs it).
 #![cfg(feature = "cuda")]
 
 mod cuda_common;
@@ -47,6 +48,22 @@ fn time_graph_ms(g: &Gpu, iters: usize, mut f: impl FnMut(usize)) -> f64 {
     time_ms(g, 0, 1, |_| graph.launch().unwrap()) / iters as f64
 }
 
+/// Median ms per call of `f(i)`, i < iters, captured once into a CUDA graph and replayed `replays` times
+/// (each replay between its own CUDA events) after one warm-up replay: per-call time with no launch gaps.
+fn time_graph_median_ms(g: &Gpu, iters: usize, replays: usize, mut f: impl FnMut(usize)) -> f64 {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    g.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+    for i in 0..iters {
+        f(i);
+    }
+    let graph = g.stream.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("captured graph");
+    graph.upload().unwrap();
+    graph.launch().unwrap();
+    let mut v: Vec<f64> = (0..replays).map(|_| time_ms(g, 0, 1, |_| graph.launch().unwrap()) / iters as f64).collect();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 fn copy_gbps(g: &Gpu) -> f64 {
     let n = 1usize << 30;
     let src = g.zeros::<u8>(n).unwrap();
@@ -71,7 +88,7 @@ fn w4a16_bandwidth() {
         let dp = g.upload(&packed).unwrap();
         let ds = g.upload(&scales).unwrap();
         let wb = bf16_weights(&g, &mut r, n, k);
-        for &m in &[1usize, 8, 64] {
+        for &m in &[1usize, 2, 4, 8, 16, 32, 64] {
             let x = rand_bf16(&mut r, m * k, 0.01, 1.0);
             let dx = g.upload(&x).unwrap();
             let plan = ops::w4a16_gemm::plan_dense(&g, m, n, k);
@@ -96,7 +113,7 @@ fn w4a16_bandwidth() {
                 .unwrap();
             };
             let eager = time_ms(&g, copies, 4 * copies.max(10), &mut call);
-            let ms = time_graph_ms(&g, 4 * copies.max(10), &mut call);
+            let ms = time_graph_median_ms(&g, 4 * copies.max(10), 9, &mut call);
             let gbps = bytes as f64 / (ms * 1e-3) / 1e9;
             println!(
                 "BENCH w4a16_gemm N={n} K={k} M={m} splits={} graph {:.2} us {:.0} GB/s {:.0}% of copy (eager {:.2} us)",
@@ -105,6 +122,17 @@ fn w4a16_bandwidth() {
                 gbps,
                 100.0 * gbps / copy,
                 eager * 1e3
+            );
+            // The same figure for bench/table.py: w_bytes = packed + bf16 scales as stored, xy_bytes = bf16
+            // x [M, K] read + bf16 y [M, N] written (the split-K workspace is not counted); gbps over both.
+            let xy = 2 * (m * k + m * n);
+            println!(
+                "BENCH w4a16 n={n} k={k} m={m} splits={} graph_us={:.3} eager_us={:.3} w_bytes={bytes} xy_bytes={xy} gbps={:.1} copy_gbps={:.1}",
+                plan.splits,
+                ms * 1e3,
+                eager * 1e3,
+                (bytes + xy) as f64 / (ms * 1e-3) / 1e9,
+                copy
             );
             // cuBLAS bf16 on the same shape (4x the weight bytes), rotated the same way.
             let (wcopies, wsz) = (wb.len() / (n * k), n * k);
