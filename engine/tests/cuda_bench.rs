@@ -134,6 +134,23 @@ fn w4a16_bandwidth() {
                 (bytes + xy) as f64 / (ms * 1e-3) / 1e9,
                 copy
             );
+            // The plan's knobs, the same calls: blocks per SM the split count aims at, and PDL on or off.
+            let (bps0, pdl0) = (g.w4a16_blocks_per_sm(), g.pdl());
+            for (bps, pdl) in [(2usize, true), (1, true), (4, false)] {
+                g.set_w4a16_blocks_per_sm(bps);
+                g.set_pdl(pdl && pdl0);
+                let p = ops::w4a16_gemm::plan_dense(&g, m, n, k);
+                let ms = time_graph_median_ms(&g, 4 * copies.max(10), 5, &mut call);
+                println!(
+                    "BENCH w4a16_cfg n={n} k={k} m={m} blocks_per_sm={bps} pdl={} splits={} graph_us={:.3} gbps={:.1}",
+                    pdl && pdl0,
+                    p.splits,
+                    ms * 1e3,
+                    bytes as f64 / (ms * 1e-3) / 1e9
+                );
+            }
+            g.set_w4a16_blocks_per_sm(bps0);
+            g.set_pdl(pdl0);
             // cuBLAS bf16 on the same shape (4x the weight bytes), rotated the same way.
             let (wcopies, wsz) = (wb.len() / (n * k), n * k);
             let mut y = g.zeros::<bf16>(m * n).unwrap();

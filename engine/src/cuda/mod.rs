@@ -89,6 +89,8 @@ pub struct Gpu {
     pub(crate) gemm_counters: CudaSlice<u32>,
     /// The node census of the last graph captured on this GPU (see [`Gpu::last_graph`]).
     last_graph: std::sync::Mutex<Option<GraphCensus>>,
+    /// Blocks per SM the W4A16 split count aims at (1..=4; `KDTREE_W4A16_BLOCKS_PER_SM`, default 4).
+    w4a16_bps: std::sync::atomic::AtomicUsize,
     /// Fill [`Gpu::out`] buffers with NaN bytes (`KDTREE_CUDA_POISON=1`; test runs).
     poison: bool,
     /// Launch the W4A16 GEMMs with programmatic dependent launch (sm_90+; `KDTREE_PDL=0` turns it off).
@@ -242,7 +244,7 @@ impl Gpu {
         let gemm_counters = stream.alloc_zeros::<u32>(GEMM_COUNTERS).map_err(drv("gemm counters"))?;
         let major = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR).map_err(drv("device attributes"))?;
         let pdl = major >= 9 && std::env::var("KDTREE_PDL").map(|v| v != "0").unwrap_or(true);
-        let gpu = Gpu { ctx, stream, blas, sms, max_smem, smem_per_sm, _module: module, funcs, _blas_workspace: ws, graphs: std::sync::atomic::AtomicBool::new(std::env::var("KDTREE_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true)), capture_failure: std::sync::Mutex::new(None), load: std::sync::Mutex::new(None), stats: GpuStats::default(), gemm_counters, last_graph: std::sync::Mutex::new(None), poison: std::env::var("KDTREE_CUDA_POISON").is_ok_and(|v| v == "1"), pdl: std::sync::atomic::AtomicBool::new(pdl) };
+        let gpu = Gpu { ctx, stream, blas, sms, max_smem, smem_per_sm, _module: module, funcs, _blas_workspace: ws, graphs: std::sync::atomic::AtomicBool::new(std::env::var("KDTREE_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true)), capture_failure: std::sync::Mutex::new(None), load: std::sync::Mutex::new(None), stats: GpuStats::default(), gemm_counters, last_graph: std::sync::Mutex::new(None), w4a16_bps: std::sync::atomic::AtomicUsize::new(std::env::var("KDTREE_W4A16_BLOCKS_PER_SM").ok().and_then(|v| v.parse().ok()).unwrap_or(4)), poison: std::env::var("KDTREE_CUDA_POISON").is_ok_and(|v| v == "1"), pdl: std::sync::atomic::AtomicBool::new(pdl) };
         ops::w4a16_gemm::configure(&gpu)?;
         ops::gqa_attention::configure(&gpu)?;
         ops::ddtree_build::configure(&gpu)?;
@@ -261,6 +263,15 @@ impl Gpu {
     }
     pub(crate) fn set_last_graph(&self, c: GraphCensus) {
         *self.last_graph.lock().unwrap_or_else(|p| p.into_inner()) = Some(c);
+    }
+
+    /// Blocks per SM the W4A16 GEMMs' split-K plans aim at.
+    pub fn w4a16_blocks_per_sm(&self) -> usize {
+        self.w4a16_bps.load(std::sync::atomic::Ordering::Relaxed)
+    }
+    /// Sets [`Gpu::w4a16_blocks_per_sm`] (1..=4; the bench compares them).
+    pub fn set_w4a16_blocks_per_sm(&self, bps: usize) {
+        self.w4a16_bps.store(bps.clamp(1, 4), std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether the W4A16 GEMMs launch with programmatic dependent launch (on by default on sm_90+).

@@ -80,9 +80,10 @@ fn mt_for(rows: usize) -> usize {
     }
 }
 
-/// The plan for `row_tiles` tiles of `8 mt` rows over an `[n, k]` weight matrix.
-fn plan_for(gpu: &Gpu, mt: usize, row_tiles: usize, n: usize, k: usize) -> Plan {
-    plan_on(Device { sms: gpu.sms, smem_per_sm: gpu.smem_per_sm, max_smem: gpu.max_smem }, mt, row_tiles, n, k)
+/// The plan for `row_tiles` tiles of `8 mt` rows over an `[n, k]` weight matrix, `rows` rows of x in all.
+fn plan_for(gpu: &Gpu, mt: usize, row_tiles: usize, rows: usize, n: usize, k: usize) -> Plan {
+    let d = Device { sms: gpu.sms, smem_per_sm: gpu.smem_per_sm, max_smem: gpu.max_smem, blocks_per_sm: gpu.w4a16_blocks_per_sm() };
+    plan_on(d, mt, row_tiles, rows, n, k)
 }
 
 /// The device figures a plan depends on.
@@ -91,16 +92,22 @@ struct Device {
     sms: usize,
     smem_per_sm: usize,
     max_smem: usize,
+    /// Blocks per SM the split count aims at ([`crate::cuda::Gpu::w4a16_blocks_per_sm`]).
+    blocks_per_sm: usize,
 }
 
-fn plan_on(gpu: Device, mt: usize, row_tiles: usize, n: usize, k: usize) -> Plan {
+fn plan_on(gpu: Device, mt: usize, row_tiles: usize, rows: usize, n: usize, k: usize) -> Plan {
     let nkb = (k / K_STEP).max(1);
+    let bps = gpu.blocks_per_sm.clamp(1, BLOCKS_PER_SM);
     let blocks = n.div_ceil(ROWS_PER_CTA) * row_tiles.max(1);
-    let want = (BLOCKS_PER_SM * gpu.sms).div_ceil(blocks).clamp(1, nkb);
+    // Splits fill the GPU, but their f32 partials (written and read once: 8 bytes per row, output and split)
+    // stay under a quarter of the weight bytes (n k / 2 packed + n k / 16 scales).
+    let by_traffic = ((n * k * 9 / 16) / (4 * 8 * rows.max(1) * n)).max(1);
+    let want = (bps * gpu.sms).div_ceil(blocks).clamp(1, nkb).min(by_traffic);
     let mut kbps = nkb.div_ceil(want);
-    // Shared memory per block small enough for BLOCKS_PER_SM blocks to be resident (1 KB per block is
-    // reserved by the system, plus the static row maps).
-    let budget = (gpu.smem_per_sm / BLOCKS_PER_SM).saturating_sub(1024 + 512).min(gpu.max_smem.saturating_sub(1024));
+    // Shared memory per block small enough for `bps` blocks to be resident (1 KB per block is reserved by
+    // the system, plus the static row maps).
+    let budget = (gpu.smem_per_sm / bps).saturating_sub(1024 + 512).min(gpu.max_smem.saturating_sub(1024));
     while kbps > 1 && 8 * mt * smem_row_stride(kbps) > budget {
         kbps -= 1;
     }
@@ -110,7 +117,7 @@ fn plan_on(gpu: Device, mt: usize, row_tiles: usize, n: usize, k: usize) -> Plan
 /// Plan of the dense form for `m` rows of x over an `[n, k]` matrix.
 pub fn plan_dense(gpu: &Gpu, m: usize, n: usize, k: usize) -> Plan {
     let mt = mt_for(m);
-    plan_for(gpu, mt, m.div_ceil(8 * mt), n, k)
+    plan_for(gpu, mt, m.div_ceil(8 * mt), m, n, k)
 }
 
 /// Plan of the grouped form for `pairs` (token, slot) rows over `n_experts` experts of `[n, k]`: the row
@@ -118,7 +125,7 @@ pub fn plan_dense(gpu: &Gpu, m: usize, n: usize, k: usize) -> Plan {
 pub fn plan_moe(gpu: &Gpu, pairs: usize, n_experts: usize, n: usize, k: usize) -> Plan {
     let active = pairs.min(n_experts).max(1);
     let mt = mt_for(pairs.div_ceil(active));
-    plan_for(gpu, mt, active, n, k)
+    plan_for(gpu, mt, active, pairs, n, k)
 }
 
 fn check_weights(
@@ -384,7 +391,7 @@ mod tests {
     use super::*;
 
     /// H200 figures (132 SMs, 228 KB of shared memory per SM, 227 KB per block opt-in).
-    const H200: Device = Device { sms: 132, smem_per_sm: 233_472, max_smem: 232_448 };
+    const H200: Device = Device { sms: 132, smem_per_sm: 233_472, max_smem: 232_448, blocks_per_sm: BLOCKS_PER_SM };
 
     #[test]
     fn smem_row_stride_avoids_bank_conflicts_and_holds_the_slice() {
@@ -401,7 +408,7 @@ mod tests {
         for &(n, k) in &[(4096, 7168), (7168, 2048), (512, 7168), (7168, 256), (32, 128), (160, 384)] {
             for mt in [1, 2, 4] {
                 for tiles in [1, 2, 8, 40] {
-                    let p = plan_on(H200, mt, tiles, n, k);
+                    let p = plan_on(H200, mt, tiles, 8 * mt * tiles, n, k);
                     let nkb = k / K_STEP;
                     assert!(p.kbps >= 1 && p.splits * p.kbps >= nkb && (p.splits - 1) * p.kbps < nkb, "{p:?} for K={k}");
                     assert!(p.smem * BLOCKS_PER_SM <= H200.smem_per_sm || p.kbps == 1, "{p:?}: smem over a quarter SM");
