@@ -7,7 +7,7 @@
 # Needs the NVIDIA driver, the CUDA 13 libraries and python3 with torch; builds nothing (`make gpu-stage`
 # builds the binaries into DIR on a machine with Rust and writes DIR/COMMIT).
 # Usage: bench/gpu-bench.sh DIR (`make gpu-bench`). Full logs go to $OUT (or a temporary folder): bench-rust.log,
-# peers.jsonl, peers.stderr, bench-status.tsv, w4a16-table.md. Exit 0 every part passed, 1 a part failed,
+# peers.jsonl, peers.stderr, bench-status.tsv, w4a16-table.md, ncu-*. Exit 0 every part passed, 1 a part failed,
 # 2 bad usage. KDTREE_BENCH_BUDGET (s, default 540): the whole run fits in it (each part's timeout shrinks to
 # what is left, 20 s kept for the table); KDTREE_BENCH_BINS (default 'cuda_bench*'): which binaries run;
 # KDTREE_BENCH_FILTER: only the timings whose test name contains it (e.g. w4a16_bandwidth).
@@ -67,6 +67,10 @@ part peers.py "$rc"
 echo "peers.py: exit $rc$([ "$rc" -eq 124 ] && echo ' (timed out)'), $(grep -c . "$peers") lines, $(grep -c '"error"' "$peers") with an error"
 grep '^peers: .*Error' "$perr" | head -8 | cut -c1-300
 for b in "${bins[@]}"; do run_bin "$b"; done
+if [ -x "$dir/cuda_bench" ] && [ "$(left 300)" -gt 60 ]; then
+  echo "== bench/ncu.sh (busy fraction of a captured step and round; ddtree_build and W4A16 profiles)"
+  bash "$root/bench/ncu.sh" "$dir" "$out" "$rust" 2>> "$out/ncu.stderr" | tee -a "$rust"
+fi
 grep -E 'panicked|^test .* FAILED' "$rust" | head -8 | cut -c1-300
 echo
 python3 "$root/bench/table.py" --rust "$rust" --peers "$peers" --status "$status" --commit-file "$dir/COMMIT" \

@@ -428,3 +428,62 @@ fn ddtree_round_stages() {
         );
     }
 }
+
+/// The captured AR step and DDTree rounds (budgets 16, 64) of the trained pair: replay time (median of 30,
+/// host read included) next to what the graph holds, for the kernels-per-step figures of issue 10. With
+/// `KDTREE_PROFILE=ar|dd16|dd64` one replay of that graph runs between cuProfilerStart/Stop, so that
+/// `ncu --profile-from-start off --graph-profiling node` (bench/gpu-bench.sh) measures each of its kernels
+/// alone: their sum over the replay time is the GPU's busy fraction (the rest is launch gaps and idle).
+#[test]
+#[ignore = "timing; run by scripts/gpu-test.sh"]
+fn step_busy() {
+    use kdtree_engine::cuda::CudaBackend;
+    use kdtree_engine::drafter::DFlashDrafter;
+    use kdtree_engine::generate::Sampling;
+    use kdtree_engine::model::{AttnMode, TargetModel, TensorSource, Weights};
+    use kdtree_engine::{Mode, Session};
+    use std::sync::Arc;
+    let Some(g) = gpu() else { return };
+    let g = Arc::new(g);
+    let tmp = tempfile::tempdir().unwrap();
+    round_common::convert(&round_common::pair_dir(), &tmp.path().join("pair1"), 1);
+    let src: Arc<dyn TensorSource> = Arc::new(kdtree_formats::ModelDir::open(tmp.path().join("pair1")).unwrap());
+    let b = CudaBackend::new(g.clone());
+    let w = Arc::new(Weights::load_on(b.clone(), src.clone()).unwrap());
+    let taps = src.drafter_config().unwrap().dflash_config.target_layer_ids.clone();
+    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let profile = std::env::var("KDTREE_PROFILE").unwrap_or_default();
+    for (tag, mode) in [("ar", Mode::Ar), ("dd16", Mode::DDTree { budget: 16 }), ("dd64", Mode::DDTree { budget: 64 })] {
+        if !profile.is_empty() && profile != tag {
+            continue;
+        }
+        let mut t = TargetModel::new(w.clone(), taps.clone(), AttnMode::Absorbed).unwrap();
+        let mut d = DFlashDrafter::load_on(b.clone(), &*src, w.clone()).unwrap();
+        let mut s = Session::new(Box::new(&mut t), Some(Box::new(&mut d)), mode).unwrap();
+        s.reserve(4096).unwrap();
+        s.prefill(&[1, 17, 305, 42, 7, 900, 12, 3, 64, 5, 2000, 11], &Sampling::greedy()).unwrap();
+        for _ in 0..3 {
+            s.step().unwrap(); // the first one captures
+        }
+        let census = g.last_graph().map(|c| c.to_string()).unwrap_or_else(|| "no graph".into());
+        if !profile.is_empty() {
+            g.profiled(|| s.step().unwrap()).unwrap();
+            println!("BENCH step_busy {tag}: one replay profiled; the graph: {census}");
+            continue;
+        }
+        let (mut us, mut tokens) = (Vec::new(), 0usize);
+        for _ in 0..30 {
+            let e0 = g.stream.record_event(flags).unwrap();
+            tokens += s.step().unwrap().tokens.len();
+            let e1 = g.stream.record_event(flags).unwrap();
+            e1.synchronize().unwrap();
+            us.push(e0.elapsed_ms(&e1).unwrap() as f64 * 1e3);
+        }
+        us.sort_by(f64::total_cmp);
+        println!(
+            "BENCH step_busy {tag}: replay {:.1} us (median of 30, host read included), {:.2} tokens a step; the graph: {census}",
+            us[us.len() / 2],
+            tokens as f64 / 30.0
+        );
+    }
+}
