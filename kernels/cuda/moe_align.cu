@@ -11,8 +11,9 @@
 
 constexpr int ALIGN_MAX_E = 1024;
 
-// ids [P] i32 (experts, row-major [T, top_k]). An id outside [0, E) is dropped from every list.
-extern "C" __global__ void __launch_bounds__(1024) kdtree_moe_align_i32(const int* __restrict__ ids, int P, int E,
+// ids [P] i32 (experts, row-major [T, top_k]); this rank holds experts first .. first + E (expert parallel;
+// first = 0 otherwise) and the lists use local ids id - first. An id outside them is dropped from every list.
+extern "C" __global__ void __launch_bounds__(1024) kdtree_moe_align_i32(const int* __restrict__ ids, int first, int P, int E,
                                                                          int tile_rows, int max_tiles,
                                                                          int* __restrict__ sorted,
                                                                          int* __restrict__ tiles,
@@ -26,7 +27,7 @@ extern "C" __global__ void __launch_bounds__(1024) kdtree_moe_align_i32(const in
     for (int e = tid; e < ALIGN_MAX_E; e += blockDim.x) count[e] = 0;
     __syncthreads();
     for (int p = tid; p < P; p += blockDim.x) {
-        const int e = ids[p];
+        const int e = ids[p] - first;
         if (e >= 0 && e < E) atomicAdd(&count[e], 1);
     }
     __syncthreads();
@@ -84,7 +85,7 @@ extern "C" __global__ void __launch_bounds__(1024) kdtree_moe_align_i32(const in
     if (warp == 0) {
         for (int p0 = 0; p0 < P; p0 += 32) {
             const int p = p0 + lane;
-            const int e = p < P ? ids[p] : -1;
+            const int e = p < P ? ids[p] - first : -1;
             const bool ok = e >= 0 && e < E;
             const unsigned peers = __match_any_sync(kdtree::FULL_MASK, ok ? e : -1);
             const int rank = __popc(peers & ((1u << lane) - 1));

@@ -27,6 +27,7 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("ddtree_build.cu", "kdtree_ddtree_build"),
     ("ddtree_walk.cu", "kdtree_ddtree_walk"),
     ("embed.cu", "kdtree_embed_gather_bf16"),
+    ("embed.cu", "kdtree_embed_gather_shard_bf16"),
     ("gather_rows.cu", "kdtree_gather_rows_f32"),
     ("gqa_attention.cu", "kdtree_gqa_attention_split_f32"),
     ("gqa_attention.cu", "kdtree_gqa_attention_merge_f32"),

@@ -7,8 +7,11 @@
 //! Errors: the trait's ops are infallible (the CPU cannot fail), so a failed launch here is recorded (the
 //! first one wins) and reported by [`Backend::check`], which the model calls at the end of every forward;
 //! a failed op leaves an empty activation, and nothing panics.
-//! Scope of this version (checked at load, with a clear error): one rank (`--ranks 1` conversions; several
-//! ranks on one GPU and NCCL are issue 11), routed-expert shapes the W4A16 kernel takes (N % 32, K % 128).
+//! Ranks: a model converted for R ranks runs as R ranks on this one GPU, one after the other on its stream:
+//! each rank's own shards, its partial sums reduced on the device in rank order (`all_reduce`), vocab shards
+//! merged in global order (`embedding`, `lm_head`), expert-parallel ranks skipping the other ranks' experts.
+//! NCCL across GPUs is issue 11. Checked at load, with a clear error: routed-expert shapes the W4A16 kernel
+//! takes (N % 32, K % 128).
 //! The DFlash drafter's ops (per-head norm + NeoX RoPE, the non-causal block attention) run on the device
 //! too, so `DFlashDrafter<CudaBackend>` drafts on the GPU over the target's embed_tokens / lm_head.
 //! The device round's types: `Ids` / `Rope` / `Mask` are device buffers (a forward uploads its RoPE rows
@@ -203,6 +206,18 @@ impl CudaBackend {
         Ok(y)
     }
     /// `x[T, K] · W^T` in f32 (x rounded to bf16 for the GEMM).
+    /// Embedding rows `[n, h]` (f32) of the device ids over one or several vocab shards.
+    fn embed_rows(&self, shards: &[&DMat], h: usize, ids: &cudarc::driver::CudaView<'_, i32>) -> R<CudaSlice<f32>> {
+        let mut e = self.gpu.out::<bf16>(ids.len() * h)?;
+        if let [one] = shards {
+            embed::embed_gather(&self.gpu, ids, &one.w.as_view(), &mut e.as_view_mut(), one.rows, h)?;
+        } else {
+            let views: Vec<_> = shards.iter().map(|m| m.w.as_view()).collect();
+            let parts: Vec<_> = views.iter().zip(shards).map(|(v, m)| (v, m.rows)).collect();
+            embed::embed_gather_sharded(&self.gpu, ids, &parts, &mut e.as_view_mut(), h)?;
+        }
+        self.to_f32(&e)
+    }
     fn gemm_f32(&self, x: &CudaSlice<f32>, t: usize, w: &DMat) -> R<CudaSlice<f32>> {
         let xb = self.to_bf16(x)?;
         let mut y = self.gpu.out::<f32>(t * w.rows)?;
@@ -264,7 +279,9 @@ impl CudaBackend {
     #[allow(clippy::too_many_arguments)]
     fn experts(&self, x: &CudaSlice<f32>, t: usize, h: usize, r: &DRoutes, gate: &DI4, up: &DI4, down: &DI4) -> R<CudaSlice<f32>> {
         let g = &*self.gpu;
-        let (pairs, e, mi) = (t * r.k, r.experts, gate.n);
+        // This rank's experts: all of them (tensor parallel: each holds a slice of every expert), or
+        // first .. first + count (expert parallel: routes to other ranks' experts are skipped here).
+        let (pairs, e, mi) = (t * r.k, gate.count, gate.n);
         let xb = self.to_bf16(x)?;
         // gate and up in one launch into [gate | up] rows, the SwiGLU inside the down GEMM's x staging.
         let plan_gu = w4a16_gemm::plan_moe(g, pairs, e, 2 * mi, h);
@@ -272,7 +289,7 @@ impl CudaBackend {
         let tile = plan_gu.tile_rows();
         let mt = moe_align::max_tiles(pairs, e, tile);
         let (mut sorted, mut tiles, mut n_tiles) = (g.zeros::<i32>(pairs)?, g.zeros::<i32>(3 * mt)?, g.zeros::<i32>(1)?);
-        moe_align::moe_align(g, &r.ids.as_view(), e, tile, &mut sorted.as_view_mut(), &mut tiles.as_view_mut(), &mut n_tiles.as_view_mut())?;
+        moe_align::moe_align_rank(g, &r.ids.as_view(), gate.first, e, tile, &mut sorted.as_view_mut(), &mut tiles.as_view_mut(), &mut n_tiles.as_view_mut())?;
         let mut ws = g.out::<f32>(plan_gu.workspace_len(pairs, 2 * mi).max(plan_d.workspace_len(pairs, h)))?;
         let (sv, tv, nv) = (sorted.as_view(), tiles.as_view(), n_tiles.as_view());
         let routing = w4a16_gemm::Routing { sorted: &sv, tiles: &tv, max_tiles: mt, n_tiles: &nv, tile_rows: tile };
@@ -283,7 +300,7 @@ impl CudaBackend {
         let mut y = g.zeros::<bf16>(pairs * h)?;
         w4a16_gemm::moe_w4a16_down_silu(g, &gu.as_view(), 2 * mi, pairs, &routing, &down.packed.as_view(), &down.scales.as_view(), e, h, mi, &mut ws.as_view_mut(), &mut y.as_view_mut(), h)?;
         let mut out = g.out::<f32>(t * h)?;
-        moe_combine::moe_combine(g, &y.as_view(), h, &r.wts.as_view(), &r.ids.as_view(), &mut out.as_view_mut(), t, r.k, h)?;
+        moe_combine::moe_combine_rank(g, &y.as_view(), h, &r.wts.as_view(), &r.ids.as_view(), (gate.first, gate.count), &mut out.as_view_mut(), t, r.k, h)?;
         Ok(out)
     }
 }
@@ -540,40 +557,39 @@ impl Backend for CudaBackend {
 
     fn embedding(&self, shards: &[&DMat], h: usize, tokens: &[u32]) -> CudaSlice<f32> {
         self.run("embedding", || {
-            if shards.len() != 1 {
-                return Err(CudaError::Shape { op: "embedding", msg: format!("{} vocab shards: the CUDA backend runs one rank", shards.len()) });
-            }
             let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
             let ids = self.gpu.upload(&ids)?;
-            let mut e = self.gpu.out::<bf16>(tokens.len() * h)?;
-            embed::embed_gather(&self.gpu, &ids.as_view(), &shards[0].w.as_view(), &mut e.as_view_mut(), shards[0].rows, h)?;
-            self.to_f32(&e)
+            self.embed_rows(shards, h, &ids.as_view())
         })
         .unwrap_or_else(|| self.empty())
     }
     fn embedding_ids(&self, shards: &[&DMat], h: usize, ids: &CudaSlice<u32>, n: usize) -> CudaSlice<f32> {
         self.run("embedding", || {
-            if shards.len() != 1 {
-                return Err(CudaError::Shape { op: "embedding", msg: format!("{} vocab shards: the CUDA backend runs one rank", shards.len()) });
-            }
             if ids.len() < n {
                 return Err(CudaError::Shape { op: "embedding", msg: format!("{} ids for {n} rows", ids.len()) });
             }
             let v = ids.slice(..n);
             // SAFETY: the token ids are below the vocabulary (< 2^31), so u32 and i32 hold the same values.
             let iv = unsafe { v.transmute::<i32>(n) }.expect("n ids");
-            let mut e = self.gpu.out::<bf16>(n * h)?;
-            embed::embed_gather(&self.gpu, &iv, &shards[0].w.as_view(), &mut e.as_view_mut(), shards[0].rows, h)?;
-            self.to_f32(&e)
+            self.embed_rows(shards, h, &iv)
         })
         .unwrap_or_else(|| self.empty())
     }
     fn lm_head(&self, x: &CudaSlice<f32>, n: usize, _h: usize, shards: &[&DMat]) -> CudaSlice<f32> {
         self.run("lm_head", || {
-            if shards.len() != 1 {
-                return Err(CudaError::Shape { op: "lm_head", msg: format!("{} vocab shards: the CUDA backend runs one rank", shards.len()) });
+            if let [one] = shards {
+                return self.gemm_f32(x, n, one);
             }
-            self.gemm_f32(x, n, shards[0])
+            // Vocab-parallel shards: each writes its columns of the merged [n, V] (global vocab order).
+            let v: usize = shards.iter().map(|m| m.rows).sum();
+            let xb = self.to_bf16(x)?;
+            let mut y = self.gpu.out::<f32>(n * v)?;
+            let mut col = 0;
+            for m in shards {
+                gemm_bf16::gemm_bf16_ld(&self.gpu, &xb.as_view(), &m.w.as_view(), &mut y.slice_mut(col..), n, m.cols, m.rows, v)?;
+                col += m.rows;
+            }
+            Ok(y)
         })
         .unwrap_or_else(|| self.empty())
     }

@@ -129,15 +129,11 @@ pub fn open_cuda_with(dir: &Path, gpu: Arc<crate::cuda::Gpu>, progress: bool) ->
     use crate::cuda::CudaBackend;
     use crate::model::target::TargetModel;
     let md = ModelDir::open(dir).with_context(|| format!("opening model {}", dir.display()))?;
-    anyhow::ensure!(
-        md.ranks() == 1,
-        "{}: converted for {} ranks; this CUDA backend runs one rank (convert with --ranks 1; several ranks on one GPU: issue 11)",
-        dir.display(),
-        md.ranks()
-    );
     // The target's and the drafter's weights must fit the GPU, with room left for the caches and activations.
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-    let needed: u64 = md.manifest().tensors.iter().filter(|t| t.rank == 0).map(|t| t.nbytes).sum();
+    // Every rank's shards: a model converted for R ranks runs as R ranks side by side on this one GPU (their
+    // partial sums reduced on the device in rank order, as the CPU reference does).
+    let needed: u64 = md.manifest().tensors.iter().map(|t| t.nbytes).sum();
     let (free, total) = gpu.mem_info()?;
     anyhow::ensure!(
         needed + (1u64 << 30) <= free as u64,

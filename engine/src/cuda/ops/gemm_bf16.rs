@@ -33,13 +33,30 @@ pub fn gemm_bf16<O: GemmOut>(
     k: usize,
     n: usize,
 ) -> Result<()> {
+    gemm_bf16_ld(gpu, x, w, y, t, k, n, n)
+}
+
+/// [`gemm_bf16`] with the rows of y `ld_y >= n` apart (a vocab shard's logits written into its columns of the
+/// merged `[T, V]`).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_bf16_ld<O: GemmOut>(
+    gpu: &Gpu,
+    x: &CudaView<'_, bf16>,
+    w: &CudaView<'_, bf16>,
+    y: &mut CudaViewMut<'_, O>,
+    t: usize,
+    k: usize,
+    n: usize,
+    ld_y: usize,
+) -> Result<()> {
     ensure(OP, w.len() == n * k, || format!("W has {} elements, expected N={n} x K={k}", w.len()))?;
+    ensure(OP, ld_y >= n, || format!("ld_y={ld_y} must be >= N={n}"))?;
     need_len(OP, "x", x.len(), t * k)?;
-    need_len(OP, "y", y.len(), t * n)?;
+    need_len(OP, "y", y.len(), super::span(t, ld_y, n))?;
     if t == 0 || n == 0 {
         return Ok(());
     }
-    let (tt, kk, nn) = (as_i32(OP, "T", t)?, as_i32(OP, "K", k)?, as_i32(OP, "N", n)?);
+    let (tt, kk, nn, ly) = (as_i32(OP, "T", t)?, as_i32(OP, "K", k)?, as_i32(OP, "N", n)?, as_i32(OP, "ld_y", ld_y)?);
     // Column-major view: Y^T [N, T] = W^T... i.e. C(N x T) = op(A) B with A = W stored K x N (lda K),
     // transposed, and B = X stored K x T (ldb K).
     let (alpha, beta) = (1.0f32, 0.0f32);
@@ -66,7 +83,7 @@ pub fn gemm_bf16<O: GemmOut>(
             (&beta) as *const f32 as *const _,
             py as *mut _,
             O::TYPE,
-            nn,
+            ly,
             cublasComputeType_t::CUBLAS_COMPUTE_32F,
             cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )

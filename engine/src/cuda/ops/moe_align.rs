@@ -29,6 +29,22 @@ pub fn moe_align(
     tiles: &mut CudaViewMut<'_, i32>,
     n_tiles: &mut CudaViewMut<'_, i32>,
 ) -> Result<()> {
+    moe_align_rank(gpu, ids, 0, n_experts, tile_rows, sorted, tiles, n_tiles)
+}
+
+/// [`moe_align`] on a rank that holds experts `first .. first + n_experts` of the global ids (expert
+/// parallel): the tiles name local experts (`id - first`), other ids are dropped.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_align_rank(
+    gpu: &Gpu,
+    ids: &CudaView<'_, i32>,
+    first: usize,
+    n_experts: usize,
+    tile_rows: usize,
+    sorted: &mut CudaViewMut<'_, i32>,
+    tiles: &mut CudaViewMut<'_, i32>,
+    n_tiles: &mut CudaViewMut<'_, i32>,
+) -> Result<()> {
     let p = ids.len();
     ensure(OP, (1..=1024).contains(&n_experts), || format!("n_experts={n_experts} must be in 1..=1024"))?;
     ensure(OP, matches!(tile_rows, 8 | 16 | 32), || format!("tile_rows={tile_rows} must be 8, 16 or 32"))?;
@@ -38,8 +54,9 @@ pub fn moe_align(
     need_len(OP, "n_tiles", n_tiles.len(), 1)?;
     let (pp, e, tr, m) =
         (as_i32(OP, "pairs", p)?, as_i32(OP, "n_experts", n_experts)?, as_i32(OP, "tile_rows", tile_rows)?, as_i32(OP, "max_tiles", mt)?);
+    let f = as_i32(OP, "first", first)?;
     let mut b = gpu.stream.launch_builder(gpu.func("kdtree_moe_align_i32"));
-    b.arg(ids).arg(&pp).arg(&e).arg(&tr).arg(&m).arg(sorted).arg(tiles).arg(n_tiles);
+    b.arg(ids).arg(&f).arg(&pp).arg(&e).arg(&tr).arg(&m).arg(sorted).arg(tiles).arg(n_tiles);
     // SAFETY: lengths checked above; the kernel writes sorted[< P], tiles[< 3 max_tiles], n_tiles[0].
     unsafe { b.launch(launch_cfg((1, 1, 1), 1024, 0)) }.map_err(drv(OP))?;
     Ok(())
