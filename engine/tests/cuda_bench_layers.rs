@@ -263,7 +263,6 @@ fn moe_case(g: &Gpu, w: &[LayerW], plan: Plan, t: usize, correlated: bool, copy:
     let (launches, blas) = (after[0] - before[0], after[1] - before[1]);
     let eager = time_ms(g, 0, SETS, &mut call);
     let graph = capture(g, SETS, &mut call);
-    drop(call);
     let (kernels, nodes) = graph_nodes(&graph);
     let (ms, reps) = replay_median_ms(g, &graph, 150.0, 5);
     let us = ms * 1e3 / SETS as f64;
@@ -422,7 +421,6 @@ fn mla_verify() {
                 let by_time = ((50.0 / est.max(1e-4)) as usize).max(4);
                 let n = by_bytes.min(by_time).min(LAYERS);
                 let graph = capture(&g, n, &mut call);
-                drop(call);
                 let (kernels, _) = graph_nodes(&graph);
                 let (ms, reps) = replay_median_ms(&g, &graph, 100.0, 3);
                 let us = ms * 1e3 / n as f64;
