@@ -457,3 +457,57 @@ fn mla_verify() {
         g.sync().unwrap();
     }
 }
+
+/// No GPU needed: the forced routes come out of K2.6's router (logits from [`router_host`]'s bf16 weights
+/// for [`x_for`]'s inputs rounded to bf16, in f64, through the router kernel's CPU twin), the tree mask
+/// holds each node's diagonal and ancestors, and correlated routes touch fewer experts than uniform ones.
+#[test]
+fn forced_routes_and_tree_masks() {
+    use kdtree_engine::cpu::ops::moe_route;
+    let mut r = rng(2901);
+    let w = router_host(&mut r);
+    let bias = rand_f32(&mut r, E, -0.01, 0.01);
+    for correlated in [false, true] {
+        let t = 4;
+        let sets = route_sets(t, correlated);
+        for ids in &sets[..2] {
+            let x = x_for(&mut r, ids, t);
+            for tok in 0..t {
+                let xb: Vec<f64> = x[tok * H..(tok + 1) * H].iter().map(|&v| bf16::from_f32(v).to_f64()).collect();
+                let logits: Vec<f32> = (0..E).map(|e| w[e * H..(e + 1) * H].iter().zip(&xb).map(|(a, b)| a.to_f64() * b).sum::<f64>() as f32).collect();
+                let (mut got, wts) = moe_route(&ROUTER, &logits, Some(&bias));
+                let mut want = ids[tok * TOP_K..(tok + 1) * TOP_K].to_vec();
+                got.sort_unstable();
+                want.sort_unstable();
+                assert_eq!(got, want, "correlated={correlated} token {tok}");
+                assert!(wts.iter().all(|v| v.is_finite() && *v > 0.0));
+            }
+        }
+    }
+    for t in [1usize, 16, 64, 256] {
+        let (bits, words, vis) = tree_mask(&mut r, t);
+        for i in 0..t {
+            assert!(bits[i * words + i / 64] >> (i % 64) & 1 == 1, "T={t} node {i}: no diagonal bit");
+            let ones: u32 = bits[i * words..(i + 1) * words].iter().map(|b| b.count_ones()).sum();
+            assert_eq!(ones as usize, vis[i]);
+            assert!(bits[i * words] & 1 == 1, "T={t} node {i}: the root is not an ancestor");
+        }
+    }
+    for t in [1usize, 8, 32, 64] {
+        let mean = |c: bool| {
+            let sets = route_sets(t, c);
+            sets.iter()
+                .map(|ids| {
+                    let mut d = ids.clone();
+                    d.sort_unstable();
+                    d.dedup();
+                    d.len()
+                })
+                .sum::<usize>() as f64
+                / SETS as f64
+        };
+        let (u, c) = (mean(false), mean(true));
+        eprintln!("T={t}: distinct experts per call, uniform {u:.1}, correlated {c:.1}");
+        assert!(t == 1 || c < u, "T={t}: correlated routes touch {c} experts, uniform {u}");
+    }
+}
