@@ -2,7 +2,9 @@
 //! replayed (median replay), against its byte floor at the copy bandwidth measured in the same run.
 //! `moe_layer`: one layer's routed MoE as engine/src/cuda/backend.rs runs it (router GEMM + noaux_tc
 //! selection, align, grouped INT4 gate, up and down GEMMs, SwiGLU, combine, then the bf16 shared expert), in
-//! three per-rank plans (1 rank, the TP8 and the EP8 rank-0 slices) under uniform and correlated routing.
+//! three per-rank plans (1 rank, the TP8 and the EP8 rank-0 slices) under uniform and correlated routing;
+//! also with gate and up fused into one `[2I, H]` grouped GEMM per expert (`gate_up=fused`, not yet the
+//! engine's layout: it stores and runs them apart, `gate_up=split`).
 //! `mla_verify`: the latent tree-verify attention (split + merge kernels) at 4K-32K context, 64 and 8 heads.
 //! `#[ignore]`: run with `--ignored --nocapture --test-threads=1` (bench/gpu-bench.sh runs every cuda_bench*
 //! binary so). Each case prints a human line and a `BENCH <name> key=value ...` line.
@@ -109,11 +111,17 @@ struct I4 {
     scales: CudaSlice<bf16>,
 }
 
+/// Gate and up projections of the experts: two stacks `[held, I, H]` (the engine's), or one `[held, 2I, H]`
+/// (per expert its gate rows, then its up rows).
+enum GateUp {
+    Split(I4, I4),
+    Fused(I4),
+}
+
 /// One copy of a layer's MoE weights on rank 0: experts `[held, n, k]` per projection, router `[E, H]`
 /// bf16 + bias `[E]` f32, shared expert gate, up `[si, H]` and down `[H, si]` bf16.
 struct LayerW {
-    gate: I4,
-    up: I4,
+    gate_up: GateUp,
     down: I4,
     router: CudaSlice<bf16>,
     bias: CudaSlice<f32>,
@@ -130,12 +138,11 @@ fn router_host(r: &mut ChaCha8Rng) -> Vec<bf16> {
     w
 }
 
-fn layer_weights(g: &Gpu, p: &Pools, plan: Plan, router: &[bf16], bias: &[f32]) -> LayerW {
+fn layer_weights(g: &Gpu, p: &Pools, plan: Plan, fused: bool, router: &[bf16], bias: &[f32]) -> LayerW {
     let (held, mi, si) = plan.dims();
     let i4 = |n: usize, k: usize| I4 { packed: fill(g, &p.bytes, held * n * k / 2), scales: fill(g, &p.scales, held * n * k / 32) };
     LayerW {
-        gate: i4(mi, H),
-        up: i4(mi, H),
+        gate_up: if fused { GateUp::Fused(i4(2 * mi, H)) } else { GateUp::Split(i4(mi, H), i4(mi, H)) },
         down: i4(H, mi),
         router: g.upload(router).unwrap(),
         bias: g.upload(bias).unwrap(),
@@ -193,6 +200,7 @@ fn x_for(r: &mut ChaCha8Rng, ids: &[usize], t: usize) -> Vec<f32> {
 /// One timed MoE configuration (plan, T, routing) over the plan's weight copies.
 fn moe_case(g: &Gpu, w: &[LayerW], plan: Plan, t: usize, correlated: bool, copy: f64) {
     let (held, mi, si) = plan.dims();
+    let fused = matches!(w[0].gate_up, GateUp::Fused(_));
     let p = t * TOP_K;
     let sets = route_sets(t, correlated);
     let mut r = ChaCha8Rng::seed_from_u64(4000 + t as u64);
@@ -202,15 +210,17 @@ fn moe_case(g: &Gpu, w: &[LayerW], plan: Plan, t: usize, correlated: bool, copy:
     // router's global ids itself (ids outside [0, 48) are dropped there); no engine kernel maps ids yet.
     let local: Vec<i32> = sets.iter().flatten().map(|&e| if e < held { e as i32 } else { -1 }).collect();
     let cids = (plan == Plan::Ep8).then(|| g.upload(&local).unwrap());
-    let plan_gu = w4a16_gemm::plan_moe(g, p, held, mi, H);
+    let n_gu = if fused { 2 * mi } else { mi };
+    let plan_gu = w4a16_gemm::plan_moe(g, p, held, n_gu, H);
     let plan_d = w4a16_gemm::plan_moe(g, p, held, H, mi);
     let tile = plan_gu.tile_rows();
     let mt = moe_align::max_tiles(p, held, tile);
     let (mut xb, mut logits) = (g.zeros::<bf16>(t * H).unwrap(), g.zeros::<f32>(t * E).unwrap());
     let (mut ids, mut wts) = (g.zeros::<i32>(SETS * p).unwrap(), g.zeros::<f32>(SETS * p).unwrap());
     let (mut sorted, mut tiles, mut nt) = (g.zeros::<i32>(p).unwrap(), g.zeros::<i32>(3 * mt).unwrap(), g.zeros::<i32>(1).unwrap());
-    let mut ws = g.zeros::<f32>(plan_gu.workspace_len(p, mi).max(plan_d.workspace_len(p, H))).unwrap();
-    let (mut gb, mut ub, mut act) = (g.zeros::<bf16>(p * mi).unwrap(), g.zeros::<bf16>(p * mi).unwrap(), g.zeros::<bf16>(p * mi).unwrap());
+    let mut ws = g.zeros::<f32>(plan_gu.workspace_len(p, n_gu).max(plan_d.workspace_len(p, H))).unwrap();
+    // Split: gate rows in gb, up rows in ub ([P, I] each); fused: [P, 2I] in gb (gate | up per row).
+    let (mut gb, mut ub, mut act) = (g.zeros::<bf16>(p * n_gu).unwrap(), g.zeros::<bf16>(p * mi).unwrap(), g.zeros::<bf16>(p * mi).unwrap());
     let mut y = g.zeros::<bf16>(p * H).unwrap();
     let mut out = g.zeros::<f32>(SETS * t * H).unwrap();
     let (mut sg, mut su, mut sa) = (g.zeros::<f32>(t * si).unwrap(), g.zeros::<f32>(t * si).unwrap(), g.zeros::<f32>(t * si).unwrap());
@@ -230,10 +240,18 @@ fn moe_case(g: &Gpu, w: &[LayerW], plan: Plan, t: usize, correlated: bool, copy:
             let (sv, tv, nv) = (sorted.as_view(), tiles.as_view(), nt.as_view());
             let routing = w4a16_gemm::Routing { sorted: &sv, tiles: &tv, max_tiles: mt, n_tiles: &nv, tile_rows: tile };
             let xv = xb.as_view();
-            for (m, o) in [(&lw.gate, &mut gb), (&lw.up, &mut ub)] {
-                w4a16_gemm::moe_w4a16_gemm(g, &xv, H, TOP_K, p, &routing, &m.packed.as_view(), &m.scales.as_view(), held, mi, H, &mut ws.as_view_mut(), &mut o.as_view_mut(), mi).unwrap();
+            match &lw.gate_up {
+                GateUp::Split(gate, up) => {
+                    for (m, o) in [(gate, &mut gb), (up, &mut ub)] {
+                        w4a16_gemm::moe_w4a16_gemm(g, &xv, H, TOP_K, p, &routing, &m.packed.as_view(), &m.scales.as_view(), held, mi, H, &mut ws.as_view_mut(), &mut o.as_view_mut(), mi).unwrap();
+                    }
+                    silu_mul::silu_mul(g, &gb.as_view(), &ub.as_view(), &mut act.as_view_mut(), p, mi, mi).unwrap();
+                }
+                GateUp::Fused(m) => {
+                    w4a16_gemm::moe_w4a16_gemm(g, &xv, H, TOP_K, p, &routing, &m.packed.as_view(), &m.scales.as_view(), held, 2 * mi, H, &mut ws.as_view_mut(), &mut gb.as_view_mut(), 2 * mi).unwrap();
+                    silu_mul::silu_mul(g, &gb.as_view(), &gb.slice(mi..), &mut act.as_view_mut(), p, mi, 2 * mi).unwrap();
+                }
             }
-            silu_mul::silu_mul(g, &gb.as_view(), &ub.as_view(), &mut act.as_view_mut(), p, mi, mi).unwrap();
             let d = &lw.down;
             w4a16_gemm::moe_w4a16_gemm(g, &act.as_view(), mi, 1, p, &routing, &d.packed.as_view(), &d.scales.as_view(), held, H, mi, &mut ws.as_view_mut(), &mut y.as_view_mut(), H).unwrap();
         }
@@ -301,8 +319,9 @@ fn moe_case(g: &Gpu, w: &[LayerW], plan: Plan, t: usize, correlated: bool, copy:
     let floor_us = bytes / (copy * 1e9) * 1e6;
     let (dmin, dmax) = (distinct.iter().min().unwrap(), distinct.iter().max().unwrap());
     let routing = if correlated { "correlated" } else { "uniform" };
+    let gate_up = if fused { "fused" } else { "split" };
     println!(
-        "moe_layer plan={} routing={routing} T={t}: {us:.1} us per layer (graph of {SETS} layers over {} weight copies, median of {reps}; eager {:.1} us), floor {floor_us:.1} us ({:.1} MB at {copy:.0} GB/s), {:.2}x (goal <= 1.2x), distinct experts {mean_d:.1} (min {dmin} max {dmax}) of {held} held, {} kernels per layer ({launches} engine kernels + {blas} cuBLAS calls)",
+        "moe_layer plan={} gate_up={gate_up} routing={routing} T={t}: {us:.1} us per layer (graph of {SETS} layers over {} weight copies, median of {reps}; eager {:.1} us), floor {floor_us:.1} us ({:.1} MB at {copy:.0} GB/s), {:.2}x (goal <= 1.2x), distinct experts {mean_d:.1} (min {dmin} max {dmax}) of {held} held, {} kernels per layer ({launches} engine kernels + {blas} cuBLAS calls)",
         plan.name(),
         w.len(),
         eager * 1e3,
@@ -311,7 +330,7 @@ fn moe_case(g: &Gpu, w: &[LayerW], plan: Plan, t: usize, correlated: bool, copy:
         kernels / SETS
     );
     println!(
-        "BENCH moe_layer plan={} routing={routing} T={t} us={us:.2} floor_us={floor_us:.2} ratio={:.3} distinct={mean_d:.2} held={held} bytes={bytes:.0} kernels={} nodes={} engine_kernels={launches} cublas_calls={blas} eager_us={:.2} copies={} tile_rows={tile} splits_gu={} splits_down={}",
+        "BENCH moe_layer plan={} gate_up={gate_up} routing={routing} T={t} us={us:.2} floor_us={floor_us:.2} ratio={:.3} distinct={mean_d:.2} held={held} bytes={bytes:.0} kernels={} nodes={} engine_kernels={launches} cublas_calls={blas} eager_us={:.2} copies={} tile_rows={tile} splits_gu={} splits_down={}",
         plan.name(),
         us / floor_us,
         kernels / SETS,
@@ -323,7 +342,8 @@ fn moe_case(g: &Gpu, w: &[LayerW], plan: Plan, t: usize, correlated: bool, copy:
     );
 }
 
-/// The routed MoE of one K2.6 layer at full size, T = 1, 8, 32, 64 routed tokens, three plans, two routings.
+/// The routed MoE of one K2.6 layer at full size, T = 1, 8, 32, 64 routed tokens, three plans, two routings,
+/// gate and up split (the engine's) and fused.
 /// Weights: per plan as many layer copies as fit WEIGHT_BUDGET (full: 3 x 9.6 GB; TP8 and EP8 slices:
 /// 8 x 1.2 GB), call i of a graph on copy i % copies with route set i, so consecutive calls never read the
 /// same addresses (and a full-size call reads >= 290 MB, past the 60 MB L2).
@@ -342,16 +362,18 @@ fn moe_layer() {
         let (held, mi, si) = plan.dims();
         let layer = held * expert_bytes(mi) + 3 * si * H * 2 + E * H * 2;
         let copies = (WEIGHT_BUDGET / layer).clamp(1, SETS);
-        let w: Vec<LayerW> = (0..copies).map(|_| layer_weights(&g, &pools, plan, &router, &bias)).collect();
-        g.sync().unwrap();
-        eprintln!("moe_layer {}: {copies} weight copies of {:.2} GB", plan.name(), layer as f64 / 1e9);
-        for t in [1usize, 8, 32, 64] {
-            for correlated in [false, true] {
-                moe_case(&g, &w, plan, t, correlated, copy);
+        for fused in [false, true] {
+            let w: Vec<LayerW> = (0..copies).map(|_| layer_weights(&g, &pools, plan, fused, &router, &bias)).collect();
+            g.sync().unwrap();
+            eprintln!("moe_layer {} fused={fused}: {copies} weight copies of {:.2} GB", plan.name(), layer as f64 / 1e9);
+            for t in [1usize, 8, 32, 64] {
+                for correlated in [false, true] {
+                    moe_case(&g, &w, plan, t, correlated, copy);
+                }
             }
+            drop(w);
+            g.sync().unwrap();
         }
-        drop(w);
-        g.sync().unwrap();
     }
 }
 
