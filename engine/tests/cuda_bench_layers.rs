@@ -41,6 +41,10 @@ const P_HOT: f64 = 0.8;
 /// K2.6's router: 384 experts, one group, top-8, normalised, scaled by 2.827.
 const ROUTER: RouterCfg = RouterCfg { n_experts: E, n_group: 1, topk_group: 1, top_k: TOP_K, norm_topk_prob: true, routed_scaling: 2.827 };
 
+/// Held by each GPU test for its whole run: the two would otherwise share the device (memory, and one
+/// test's teardown can invalidate the other's graph capture) when run without `--test-threads=1`.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Random device data the large buffers are filled from by device copies: bytes (INT4 nibbles), group
 /// scales in ±[1/512, 1/64), bf16 weights in ±[2^-7, 2^-5).
 struct Pools {
@@ -422,6 +426,7 @@ fn moe_case(g: &Gpu, w: &[LayerW], plan: Plan, t: usize, correlated: bool, run: 
 #[test]
 #[ignore = "timing; run by bench/gpu-bench.sh"]
 fn moe_layer() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let Some(g) = gpu() else { return };
     let copy = copy_gbps(&g);
     println!("\nmoe_layer: device {}, copy {copy:.0} GB/s (read+write, 1 GiB memcpy_dtod)", g.describe());
@@ -481,6 +486,7 @@ fn tree_mask(r: &mut ChaCha8Rng, t: usize) -> (Vec<u64>, usize, Vec<usize>) {
 #[test]
 #[ignore = "timing; run by bench/gpu-bench.sh"]
 fn mla_verify() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let Some(g) = gpu() else { return };
     let copy = copy_gbps(&g);
     let mut r = rng(2950);
