@@ -12,15 +12,16 @@
 
 mod cuda_common;
 
+use cuda_common::fill::{fill, Pools};
 use cuda_common::timing::{capture, copy_gbps, graph_nodes, matmul_tflops, replay_median_ms, time_ms};
 use cuda_common::*;
-use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::CudaSlice;
 use half::bf16;
 use kdtree_engine::cuda::ops::mla_attention::{MlaShape, MlaSplit};
 use kdtree_engine::cuda::ops::moe_router::RouterCfg;
 use kdtree_engine::cuda::ops::{act_f32, gemm_bf16, mla_attention, moe_align, moe_combine, moe_router, silu_mul, w4a16_gemm};
 use kdtree_engine::cuda::Gpu;
-use rand::{Rng, RngCore, SeedableRng};
+use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 const H: usize = 7168;
@@ -44,40 +45,6 @@ const ROUTER: RouterCfg = RouterCfg { n_experts: E, n_group: 1, topk_group: 1, t
 /// Held by each GPU test for its whole run: the two would otherwise share the device (memory, and one
 /// test's teardown can invalidate the other's graph capture) when run without `--test-threads=1`.
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-/// Random device data the large buffers are filled from by device copies: bytes (INT4 nibbles), group
-/// scales in ±[1/512, 1/64), bf16 weights in ±[2^-7, 2^-5).
-struct Pools {
-    bytes: CudaSlice<u8>,
-    scales: CudaSlice<bf16>,
-    weights: CudaSlice<bf16>,
-}
-
-impl Pools {
-    fn new(g: &Gpu, r: &mut ChaCha8Rng) -> Pools {
-        let mut bytes = vec![0u8; 256 << 20];
-        r.fill_bytes(&mut bytes);
-        let scales = rand_bf16(r, 16 << 20, 1.0 / 512.0, 1.0 / 64.0);
-        let weights: Vec<bf16> = (0..64usize << 20).map(|_| bf16::from_bits(0x3c00 | (r.next_u32() as u16 & 0x80ff))).collect();
-        Pools { bytes: g.upload(&bytes).unwrap(), scales: g.upload(&scales).unwrap(), weights: g.upload(&weights).unwrap() }
-    }
-}
-
-/// A new device buffer of `n` elements, copied from `pool` in chunks of half the pool at shifting offsets
-/// (every address distinct; the contents repeat, which no kernel here can exploit).
-fn fill<T: DeviceRepr + ValidAsZeroBits>(g: &Gpu, pool: &CudaSlice<T>, n: usize) -> CudaSlice<T> {
-    let mut d = g.zeros::<T>(n).unwrap();
-    let chunk = pool.len() / 2;
-    let (mut at, mut i) = (0usize, 0usize);
-    while at < n {
-        let len = chunk.min(n - at);
-        let off = (i * 7919 * 16) % (pool.len() - chunk);
-        g.stream.memcpy_dtod(&pool.slice(off..off + len), &mut d.slice_mut(at..at + len)).unwrap();
-        at += len;
-        i += 1;
-    }
-    d
-}
 
 #[derive(Clone, Copy, PartialEq)]
 enum Plan {
