@@ -11,6 +11,7 @@
 mod cuda_common;
 mod round_common;
 
+use cuda_common::timing::{copy_gbps, time_graph_ms, time_ms};
 use cuda_common::*;
 use half::bf16;
 use kdtree_engine::cuda::ops;
@@ -18,35 +19,6 @@ use kdtree_engine::cuda::Gpu;
 use rand::RngCore;
 
 const ROTATE_BYTES: usize = 256 << 20;
-
-/// Mean ms per call of `f(i)` over `iters` calls after `warm` calls, timed with CUDA events.
-fn time_ms(g: &Gpu, warm: usize, iters: usize, mut f: impl FnMut(usize)) -> f64 {
-    for i in 0..warm {
-        f(i);
-    }
-    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let a = g.stream.record_event(flags).unwrap();
-    for i in 0..iters {
-        f(warm + i);
-    }
-    let b = g.stream.record_event(flags).unwrap();
-    b.synchronize().unwrap();
-    a.elapsed_ms(&b).unwrap() as f64 / iters as f64
-}
-
-/// Mean ms per call of `f(i)`, i < iters, captured once into a CUDA graph (so host launch cost is out of
-/// the figure, as in a captured forward) and replayed after one warm-up replay.
-fn time_graph_ms(g: &Gpu, iters: usize, mut f: impl FnMut(usize)) -> f64 {
-    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-    g.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
-    for i in 0..iters {
-        f(i);
-    }
-    let graph = g.stream.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("captured graph");
-    graph.upload().unwrap();
-    graph.launch().unwrap();
-    time_ms(g, 0, 1, |_| graph.launch().unwrap()) / iters as f64
-}
 
 /// Median ms per call of `f(i)`, i < iters, captured once into a CUDA graph and replayed `replays` times
 /// (each replay between its own CUDA events) after one warm-up replay: per-call time with no launch gaps.
@@ -62,14 +34,6 @@ fn time_graph_median_ms(g: &Gpu, iters: usize, replays: usize, mut f: impl FnMut
     let mut v: Vec<f64> = (0..replays).map(|_| time_ms(g, 0, 1, |_| graph.launch().unwrap()) / iters as f64).collect();
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
-}
-
-fn copy_gbps(g: &Gpu) -> f64 {
-    let n = 1usize << 30;
-    let src = g.zeros::<u8>(n).unwrap();
-    let mut dst = g.zeros::<u8>(n).unwrap();
-    let ms = time_ms(g, 2, 10, |_| g.stream.memcpy_dtod(&src, &mut dst).unwrap());
-    2.0 * n as f64 / (ms * 1e-3) / 1e9
 }
 
 #[test]

@@ -1,7 +1,11 @@
 //! Shared helpers of the CUDA parity tests (engine/tests/cuda_*.rs): opening the GPU (skip only when none
 //! exists; `KDTREE_REQUIRE_GPU=1` turns the skip into a failure), seeded random inputs, NaN-poisoned
-//! outputs and the error report every case prints.
+//! outputs and the error report every case prints; [`timing`]: the benches' CUDA-event and graph timing;
+//! [`fill`]: their random device data.
 #![allow(dead_code)]
+
+pub mod fill;
+pub mod timing;
 
 use half::bf16;
 use kdtree_engine::cuda::Gpu;
