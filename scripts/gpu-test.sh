@@ -103,6 +103,39 @@ PY
     done
   done
   tar -C "$e2e" -cf "$out/pair-runs.tar" $(cd "$e2e" && ls pair-*.json pair-*.jsonl) 2>/dev/null
+  # R ranks side by side on this one GPU (issue 11): the trained pair converted for 2 ranks (tensor parallel,
+  # experts split) and 2, 4, 8 ranks (expert parallel), greedy AR and DDTree, against the 1-rank GPU run.
+  for plan in tp2 ep2 ep4 ep8; do
+    "$dir/kdtree-convert" repack models/kdtree-tiny "$e2e/pair-$plan" --drafter models/kdtree-tiny/drafter \
+      --ranks "${plan#??}" --experts "${plan%?}" --quiet || { status=1; continue; }
+    for mode in ar ddtree16; do
+      case $mode in ddtree*) m="--mode ddtree --budget ${mode#ddtree}";; *) m="--mode $mode";; esac
+      "$dir/kdtree-run" "$e2e/pair-$plan" --prompts examples/heldout.jsonl --out "$e2e/ranks-$plan-$mode.jsonl" --device cuda $m \
+        --summary "$e2e/ranks-$plan-$mode.json" --quiet || status=1
+    done
+  done
+  python3 - "$e2e" <<'PY' | tee -a "$log"
+import json, sys
+e2e = sys.argv[1]
+load = lambda p: {x["id"]: x["token_ids"] for x in map(json.loads, open(p))}
+base = load(f"{e2e}/pair-ar-t0.jsonl")
+one = json.load(open(f"{e2e}/pair-ar-t0.json"))
+bad = 0
+for plan in ("tp2", "ep2", "ep4", "ep8"):
+    for mode in ("ar", "ddtree16"):
+        try:
+            got, summ = load(f"{e2e}/ranks-{plan}-{mode}.jsonl"), json.load(open(f"{e2e}/ranks-{plan}-{mode}.json"))
+        except (OSError, ValueError) as e:
+            print(f"E2E ranks {plan} {mode}: no output ({e})"); bad += 1; continue
+        same = sum(got.get(k) == v for k, v in base.items())
+        bad += same != len(base)
+        first = next((k for k, v in base.items() if got.get(k) != v), None)
+        print(f"E2E ranks {plan} {mode} greedy on one GPU: {same} of {len(base)} prompts == the 1-rank AR tokens"
+              + (f" (first differing: {first})" if first else "")
+              + f"; {summ.get('tokens_per_s', 0):.0f} tok/s (1 rank AR {one.get('tokens_per_s', 0):.0f})")
+sys.exit(1 if bad else 0)
+PY
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   if [ "${KDTREE_GPU_K26:-0}" = 1 ]; then
     # A k26-slice model (real K2.6 widths: hidden 7168, 64 heads, 384 experts top-8, vocab 163840; 1 dense + 2
     # MoE layers, ~25 GB) converted for one rank: greedy AR, CPU reference vs the GPU, first 8 tokens.
