@@ -76,4 +76,6 @@ echo
 python3 "$root/bench/table.py" --rust "$rust" --peers "$peers" --status "$status" --commit-file "$dir/COMMIT" \
   ${gpu:+--gpu "$gpu"} --md-out "$out/w4a16-table.md"
 [ $? -eq 0 ] || { echo "gpu-bench: bench/table.py failed (logs in $out)"; fail=1; }
+# The device tool returns at most 8 files: everything in one archive too.
+tar -C "$out" -czf "$out/bench-all.tgz" --exclude bench-all.tgz . 2>/dev/null
 exit $fail

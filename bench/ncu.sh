@@ -12,7 +12,9 @@ cd "$(dirname "$0")/.." || exit 0
 ncu="$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)"
 [ -n "$ncu" ] || { echo "BENCH ncu: not installed, skipped"; exit 0; }
 for tag in ar dd16 dd64; do
-  KDTREE_PROFILE=$tag timeout 240 "$ncu" --profile-from-start off --graph-profiling node --metrics gpu__time_duration.sum \
+  # Clocks and caches as in the unprofiled run (ncu would lock base clocks and flush caches per kernel).
+  KDTREE_PROFILE=$tag timeout 240 "$ncu" --profile-from-start off --graph-profiling node --clock-control none --cache-control none \
+    --metrics gpu__time_duration.sum \
     --csv --print-units base "$dir/cuda_bench" --ignored --nocapture --exact step_busy > "$out/ncu-busy-$tag.csv" 2> "$out/ncu-busy-$tag.err"
   echo "ncu step_busy $tag: exit $? ($(grep -c gpu__time_duration "$out/ncu-busy-$tag.csv") kernels)" >&2
 done
@@ -43,7 +45,7 @@ for tag in ("ar", "dd16", "dd64"):
     print(f"BENCH ncu step_busy {tag}: {len(ns)} kernels, {busy:.1f} us summed alone{frac}; largest: "
           + ", ".join(f"{n} {v:.1f} us" for n, v in top))
 PY
-sec="--section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats"
+sec="--clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats"
 timeout 120 "$ncu" --kernel-name regex:ddtree_build --launch-skip 2 --launch-count 1 $sec \
   "$dir/cuda_bench" --ignored --nocapture --exact ddtree_tree_stages > "$out/ncu-ddtree-build.txt" 2>&1
 echo "BENCH ncu ddtree_build: exit $?, report in ncu-ddtree-build.txt: $(grep -E 'Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per' "$out/ncu-ddtree-build.txt" | tr -s ' ' | tr '\n' ';' | cut -c1-400)"

@@ -104,20 +104,35 @@ PY
   done
   tar -C "$e2e" -cf "$out/pair-runs.tar" $(cd "$e2e" && ls pair-*.json pair-*.jsonl) 2>/dev/null
   # R ranks side by side on this one GPU (issue 11): the trained pair converted for 2 ranks (tensor parallel,
-  # experts split) and 2, 4, 8 ranks (expert parallel), greedy AR and DDTree, against the 1-rank GPU run.
+  # experts split) and 2, 4, 8 ranks (expert parallel), greedy AR and DDTree, against the 1-rank GPU run; a
+  # difference is accepted only at a near-tie of the 1-rank run (its top-2 logit margin there <= 0.15,
+  # recorded by kdtree-golden on the GPU), as in the k26-slice check below.
   for plan in tp2 ep2 ep4 ep8; do
     "$dir/kdtree-convert" repack models/kdtree-tiny "$e2e/pair-$plan" --drafter models/kdtree-tiny/drafter \
-      --ranks "${plan#??}" --experts "${plan%?}" --quiet || { status=1; continue; }
+      --ranks "${plan#??}" --experts "${plan%?}" --quiet 2>> "$e2e/ranks.err" || { status=1; continue; }
     for mode in ar ddtree16; do
       case $mode in ddtree*) m="--mode ddtree --budget ${mode#ddtree}";; *) m="--mode $mode";; esac
       "$dir/kdtree-run" "$e2e/pair-$plan" --prompts examples/heldout.jsonl --out "$e2e/ranks-$plan-$mode.jsonl" --device cuda $m \
-        --summary "$e2e/ranks-$plan-$mode.json" --quiet || status=1
+        --summary "$e2e/ranks-$plan-$mode.json" --quiet 2>> "$e2e/ranks.err" || status=1
     done
   done
+  sed 's/^/E2E ranks stderr: /' "$e2e/ranks.err" | head -20 | tee -a "$log"
+  "$dir/kdtree-golden" "$e2e/pair1" --prompts examples/heldout.jsonl --out "$e2e/gold-heldout" --device cuda --max-tokens 64 \
+    --full-logits-steps 0 --topk 2 --trace-step 0 --no-ddtree --quiet || status=1
   python3 - "$e2e" <<'PY' | tee -a "$log"
-import json, sys
+import json, struct, sys
 e2e = sys.argv[1]
-load = lambda p: {x["id"]: x["token_ids"] for x in map(json.loads, open(p))}
+def load(p):
+    return {x["id"]: x.get("token_ids") or x.get("error") for x in map(json.loads, open(p))}
+def top2(pid):
+    raw = open(f"{e2e}/gold-heldout/{pid}.safetensors", "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    h = json.loads(raw[8:8 + n])
+    def t(name, fmt):
+        a, b = h[name]["data_offsets"]
+        buf = raw[8 + n + a:8 + n + b]
+        return list(struct.unpack("<%d%s" % (len(buf) // 4, fmt), buf))
+    return t("ar.tokens", "i"), t("ar.topk_logits", "f")
 base = load(f"{e2e}/pair-ar-t0.jsonl")
 one = json.load(open(f"{e2e}/pair-ar-t0.json"))
 bad = 0
@@ -127,12 +142,25 @@ for plan in ("tp2", "ep2", "ep4", "ep8"):
             got, summ = load(f"{e2e}/ranks-{plan}-{mode}.jsonl"), json.load(open(f"{e2e}/ranks-{plan}-{mode}.json"))
         except (OSError, ValueError) as e:
             print(f"E2E ranks {plan} {mode}: no output ({e})"); bad += 1; continue
-        same = sum(got.get(k) == v for k, v in base.items())
-        bad += same != len(base)
-        first = next((k for k, v in base.items() if got.get(k) != v), None)
-        print(f"E2E ranks {plan} {mode} greedy on one GPU: {same} of {len(base)} prompts == the 1-rank AR tokens"
-              + (f" (first differing: {first})" if first else "")
-              + f"; {summ.get('tokens_per_s', 0):.0f} tok/s (1 rank AR {one.get('tokens_per_s', 0):.0f})")
+        same, ties, fails = 0, [], []
+        for k, a in base.items():
+            d = got.get(k)
+            if d == a:
+                same += 1
+                continue
+            if not isinstance(d, list):
+                fails.append(f"{k}: {d}"); continue
+            i = next((j for j, (p, q) in enumerate(zip(a, d)) if p != q), min(len(a), len(d)))
+            try:
+                toks, lg = top2(k)
+                margin = lg[2 * i] - lg[2 * i + 1] if toks[:len(a)] == a and 2 * i + 1 < len(lg) else float("inf")
+            except (OSError, KeyError, ValueError) as e:
+                margin = float("inf")
+            (ties if margin <= 0.15 else fails).append(f"{k} at token {i} (1-rank top-2 margin {margin:.3g})")
+        bad += len(fails)
+        print(f"E2E ranks {plan} {mode} greedy on one GPU: {same} of {len(base)} prompts == the 1-rank tokens"
+              + (f", near-ties {ties}" if ties else "") + (f", FAIL {fails}" if fails else "")
+              + f"; {summ.get('tokens_per_s') or 0:.0f} tok/s (1 rank AR {one.get('tokens_per_s') or 0:.0f})")
 sys.exit(1 if bad else 0)
 PY
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

@@ -230,11 +230,6 @@ fn moe_case(g: &Gpu, w: &[LayerW], plan: Plan, t: usize, correlated: bool, run: 
     let mut r = ChaCha8Rng::seed_from_u64(4000 + t as u64);
     let xs_host: Vec<f32> = sets.iter().flat_map(|ids| x_for(&mut r, ids, t)).collect();
     let xs = g.upload(&xs_host).unwrap();
-    // EP: the rank's local expert ids (-1 = held elsewhere), which the combine skips. Align reads the
-    // router's global ids itself (ids outside [0, 48) are dropped there): for rank 0 the same as the engine's
-    // moe_align_rank / moe_combine_rank with first = 0.
-    let local: Vec<i32> = sets.iter().flatten().map(|&e| if e < held { e as i32 } else { -1 }).collect();
-    let cids = (plan == Plan::Ep8).then(|| g.upload(&local).unwrap());
     let n_gu = 2 * mi;
     let plan_gu = w4a16_gemm::plan_moe(g, p, held, n_gu, H);
     let plan_d = w4a16_gemm::plan_moe(g, p, held, H, mi);
@@ -260,7 +255,7 @@ fn moe_case(g: &Gpu, w: &[LayerW], plan: Plan, t: usize, correlated: bool, run: 
         gemm_bf16::gemm_bf16(g, &xb.as_view(), &lw.router.as_view(), &mut logits.as_view_mut(), t, H, E).unwrap();
         moe_router::moe_router(g, &logits.as_view(), Some(&lw.bias.as_view()), t, ROUTER, &mut ids.slice_mut(pr.clone()), &mut wts.slice_mut(pr.clone())).unwrap();
         act_f32::f32_to_bf16(g, &x, &mut xb.as_view_mut()).unwrap();
-        moe_align::moe_align(g, &ids.slice(pr.clone()), held, tile, &mut sorted.as_view_mut(), &mut tiles.as_view_mut(), &mut nt.as_view_mut()).unwrap();
+        moe_align::moe_align_rank(g, &ids.slice(pr.clone()), 0, held, tile, &mut sorted.as_view_mut(), &mut tiles.as_view_mut(), &mut nt.as_view_mut()).unwrap();
         {
             let (sv, tv, nv) = (sorted.as_view(), tiles.as_view(), nt.as_view());
             let routing = w4a16_gemm::Routing { sorted: &sv, tiles: &tv, max_tiles: mt, n_tiles: &nv, tile_rows: tile };
@@ -279,12 +274,10 @@ fn moe_case(g: &Gpu, w: &[LayerW], plan: Plan, t: usize, correlated: bool, run: 
             let d = &lw.down;
             w4a16_gemm::moe_w4a16_down_silu(g, &gb.as_view(), 2 * mi, p, &routing, &d.packed.as_view(), &d.scales.as_view(), held, H, mi, &mut ws.as_view_mut(), &mut y.as_view_mut(), H).unwrap();
         }
-        let cv = match &cids {
-            Some(c) => c.slice(pr.clone()),
-            None => ids.slice(pr.clone()),
-        };
+        // As the engine: the rank's experts are 0 .. held (rank 0); pairs routed to other ranks' experts are
+        // dropped by align and skipped by the combine (the router's ids, in its slot order).
         let mut os = out.slice_mut(s * t * H..(s + 1) * t * H);
-        moe_combine::moe_combine(g, &y.as_view(), H, &wts.slice(pr.clone()), &cv, &mut os, t, TOP_K, H).unwrap();
+        moe_combine::moe_combine_rank(g, &y.as_view(), H, &wts.slice(pr.clone()), &ids.slice(pr.clone()), (0, held), &mut os, t, TOP_K, H).unwrap();
         // The shared expert (bf16, this rank's slice) through three linears, then added.
         act_f32::f32_to_bf16(g, &x, &mut xb.as_view_mut()).unwrap();
         gemm_bf16::gemm_bf16(g, &xb.as_view(), &lw.shared[0].as_view(), &mut sg.as_view_mut(), t, H, si).unwrap();

@@ -104,12 +104,17 @@ fn distance_to_interval(row: &[f32], s: &Sampling, tok: u32, u: f64) -> f64 {
     f64::INFINITY // not a survivor at all
 }
 
+/// How far (in probability) the AR row's uniform may lie from the DDTree token's interval at a divergence.
+const BOUNDARY: f64 = 5e-3;
+
 #[test]
 fn sampled_ddtree_equals_sampled_ar_on_the_gpu() {
     // Position-keyed uniforms: the sampled DDTree run (captured device rounds) emits the sampled AR run's
-    // tokens. A divergence is accepted only where the AR row's uniform lies within 1e-3 (probability) of the
-    // DDTree token's interval, i.e. bf16-level logit differences between a tree verify and a decode step move
-    // a boundary across it; it is printed, and the comparison stops there (the continuations differ).
+    // tokens. A divergence is accepted only where the AR row's uniform lies within BOUNDARY (probability) of
+    // the DDTree token's interval, i.e. bf16-level logit differences between a tree verify and a decode step
+    // (different GEMM shapes, split counts and roundings) move a boundary across it; it is printed, and the
+    // comparison stops there (the continuations differ). Measured on the H200: 1.34e-3 at most (seed 7,
+    // prompt 1, budget 256, 2026-12-01, after the W4A16 split plans changed); BOUNDARY is 4x that.
     let tmp = tempfile::tempdir().unwrap();
     let Some((g, mut m)) = pair_on_gpu(&tmp) else { return };
     let n = 24;
@@ -146,7 +151,7 @@ fn sampled_ddtree_equals_sampled_ar_on_the_gpu() {
                     Some(k) => {
                         let u = kdtree_engine::sampling::uniform(s.seed, p.len() + k);
                         let d = distance_to_interval(&rows[k], &s, toks[k], u);
-                        assert!(d <= 1e-3, "seed {seed} prompt {i} budget {budget}: token {k} is {} (AR {}); u = {u} lies {d:.2e} from its interval in the AR row: not a boundary case", toks[k], ar[k]);
+                        assert!(d <= BOUNDARY, "seed {seed} prompt {i} budget {budget}: token {k} is {} (AR {}); u = {u} lies {d:.2e} from its interval in the AR row: not a boundary case", toks[k], ar[k]);
                         println!("PARITY sampled_ddtree_vs_ar(cuda,T=1,top_p=0.95,seed={seed},prompt={i},budget={budget}) first {k} of {n} tokens identical, then a boundary case (u {d:.1e} from the DDTree token's interval)");
                     }
                 }
