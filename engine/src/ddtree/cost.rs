@@ -105,15 +105,16 @@ impl CostModel {
             Some(&(b1, t1)) => (t0 - b0 as f64 * (t1 - t0) / (b1 as f64 - b0 as f64)).clamp(0.0, t0),
             None => 0.0,
         };
+        let ns = |x: f64| (x * 1e3).round() / 1e3; // to the nanosecond: a readable file, no float residue
         let mut top = 0.0f64;
         let verify = rounds
             .iter()
             .map(|&(b, t)| {
-                top = top.max(t - draft);
+                top = top.max(ns(t - draft));
                 (b + 1, top)
             })
             .collect();
-        let m = CostModel { schema: COST_SCHEMA, device: device.to_string(), draft_us: draft, verify, note };
+        let m = CostModel { schema: COST_SCHEMA, device: device.to_string(), draft_us: ns(draft), verify, note };
         m.check()?;
         Ok(m)
     }

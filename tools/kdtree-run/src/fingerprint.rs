@@ -13,7 +13,6 @@
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use kdtree_engine::generate::Mode;
 use kdtree_text::prompts::PromptLine;
 use serde_json::json;
 use sha2::{Digest, Sha256};
@@ -66,7 +65,7 @@ pub fn line(line: &PromptLine, defaults: &Defaults, model: &str, model_name: &st
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kdtree_engine::generate::Sampling;
+    use kdtree_engine::generate::{Mode, Sampling};
     use kdtree_text::prompts::{parse_line, parse_prompts};
 
     fn defaults() -> Defaults {

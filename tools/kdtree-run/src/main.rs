@@ -131,7 +131,12 @@ fn prepare(args: &Args) -> Result<Job> {
     let model = if need_model { Some(open_model(args, &defaults, bundle.as_ref())?) } else { None };
     let backend = model.as_ref().map_or("none (nothing left to run)".into(), |m| m.loaded.backend.clone());
     let cost = match (&model, defaults.mode) {
-        (Some(m), Mode::DDTreeAuto { .. }) => Some(calibrate::load_cost(&args.model, &m.loaded)?),
+        (Some(m), Mode::DDTreeAuto { max }) => {
+            let cost = calibrate::load_cost(&args.model, &m.loaded)?;
+            let buckets = kdtree_engine::ddtree::cost::buckets(max);
+            log(args, format_args!("--budget auto: buckets {buckets:?}, cost model of {} ({})", cost.device, cost.note));
+            Some(cost)
+        }
         _ => None,
     };
     let golden = match bundle {
