@@ -328,3 +328,21 @@ impl DeviceTree {
         Ok(self.result_to_host(gpu)?.walk)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::DeviceTree;
+
+    #[test]
+    fn scores_sit_aligned_after_the_walk_as_word_pairs() {
+        for rows in 1..40 {
+            let at = DeviceTree::log_q_at_for(rows);
+            assert!(at % 2 == 0 && at >= 1 + 2 * (rows + 1) && at <= 2 + 2 * (rows + 1), "rows {rows}: scores at {at}");
+        }
+        // Little-endian pairs, as the device's f64 stores leave them in the i32 buffer.
+        let x = [0.0, -1.5, f64::NEG_INFINITY, -1e-300, -0.0];
+        let words: Vec<i32> = x.iter().flat_map(|v| v.to_bits().to_le_bytes().chunks(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect::<Vec<_>>()).collect();
+        let back: Vec<u64> = DeviceTree::f64s(&words).iter().map(|v| v.to_bits()).collect();
+        assert_eq!(back, x.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+    }
+}
