@@ -337,7 +337,8 @@ mod tests {
     fn scores_sit_aligned_after_the_walk_as_word_pairs() {
         for rows in 1..40 {
             let at = DeviceTree::log_q_at_for(rows);
-            assert!(at % 2 == 0 && at >= 1 + 2 * (rows + 1) && at <= 2 + 2 * (rows + 1), "rows {rows}: scores at {at}");
+            let walk = 1 + 2 * (rows + 1); // [len, path, decisions]
+            assert!(at.is_multiple_of(2) && (walk..=walk + 1).contains(&at), "rows {rows}: scores at {at}");
         }
         // Little-endian pairs, as the device's f64 stores leave them in the i32 buffer.
         let x = [0.0, -1.5, f64::NEG_INFINITY, -1e-300, -0.0];
