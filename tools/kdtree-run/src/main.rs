@@ -4,13 +4,13 @@
 //! nothing: flags, output paths against the inputs (paths.rs), the prompt file, the --verify bundle,
 //! --resume's records and their fingerprints, the model and its drafter. Only then is the output opened,
 //! [`answer`] answers the lines in order, [`report_verify`] prints --verify's table and the summary is
-//! written. `kdtree-run calibrate MODEL` ([`calibrate::run`]) instead measures the cost file `--budget auto`
-//! reads. Modules: `args` (flags), `calibrate` (the cost file), `paths` (output checks), `load` (model + tokenizer + template),
-//! `runner` (one line), `records` (output JSON), `fingerprint` (what made a record), `resume` (output
+//! written. `kdtree-run calibrate MODEL` ([`calibrate::run`]) instead measures the cost file `--budget
+//! auto` reads. Modules: `args` (flags), `calibrate` (the cost file), `paths` (output checks), `load` (model
+//! + tokenizer + template), `runner` (one line), `records` (output JSON), `fingerprint` (what made a record), `resume` (output
 //! file and --resume), `summary` (--summary), `verify` (--verify). Exit: 0 ok, 1 an error record was
 //! written or --verify found a mismatch, 2 error (printed once, each cause once); a closed stdout ends
 //! quietly with 0; a closed stderr loses messages, never the run. Tests: unit tests per module,
-//! tests/run_cli.rs, tests/hardening.rs, tests/verify_cli.rs, tests/openai_types.rs.
+//! tests/run_cli.rs, tests/hardening.rs, tests/verify_cli.rs, tests/openai_types.rs, tests/auto_cli.rs.
 
 mod args;
 mod calibrate;
@@ -114,7 +114,8 @@ struct Golden {
 
 /// Every check that can fail before a byte is written, cheapest first: flags; outputs are not inputs and
 /// can be written; the prompt file; the --verify bundle; --resume's records (ids in order, fingerprints);
-/// the model, its drafter for DDTree, and (--verify) its fit to the bundle.
+/// the model, its drafter for DDTree, `--budget auto`'s cost file for its device, and (--verify) its fit
+/// to the bundle.
 fn prepare(args: &Args) -> Result<Job> {
     args.validate()?;
     paths::check(args)?;
