@@ -5,8 +5,8 @@
 //! --resume's records and their fingerprints, the model and its drafter. Only then is the output opened,
 //! [`answer`] answers the lines in order, [`report_verify`] prints --verify's table and the summary is
 //! written. `kdtree-run calibrate MODEL` ([`calibrate::run`]) instead measures the cost file `--budget
-//! auto` reads. Modules: `args` (flags), `calibrate` (the cost file), `paths` (output checks), `load` (model
-//! + tokenizer + template), `runner` (one line), `records` (output JSON), `fingerprint` (what made a record), `resume` (output
+//! auto` reads. Modules: `args` (flags), `calibrate` (the cost file), `paths` (output checks), `load`
+//! (model, tokenizer, template), `runner` (one line), `records` (output JSON), `fingerprint` (what made a record), `resume` (output
 //! file and --resume), `summary` (--summary), `verify` (--verify). Exit: 0 ok, 1 an error record was
 //! written or --verify found a mismatch, 2 error (printed once, each cause once); a closed stdout ends
 //! quietly with 0; a closed stderr loses messages, never the run. Tests: unit tests per module,
