@@ -103,10 +103,12 @@ pub trait Target {
 }
 
 /// What a device round returns: the walk (accepted path, the target's decisions along it = the emitted
-/// tokens), the nodes drafted and the draft rows (depth limit). Everything is already committed.
+/// tokens), the popped nodes' scores (`log_q` of nodes 1..=drafted, pop order; read with the walk), the
+/// nodes drafted and the draft rows (depth limit). Everything is already committed.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DeviceRound {
     pub walk: crate::ddtree::Walk,
+    pub log_q: Vec<f64>,
     pub drafted: usize,
     pub draft_rows: usize,
 }

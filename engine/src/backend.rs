@@ -258,8 +258,9 @@ pub trait Backend: Clone + Send + Sync + 'static {
     fn tree_commit(&self, tree: &mut Self::Tree, kv: &mut Self::Kv, ctx: &mut Self::Pos) -> Result<()>;
     /// The host side of [`Backend::tree_commit`] for a walk of `n` nodes.
     fn tree_commit_host(&self, tree: &Self::Tree, kv: &mut Self::Kv, ctx: &mut Self::Pos, n: usize);
-    /// The last walk: the round's one read back to the host.
-    fn tree_result(&self, tree: &Self::Tree) -> Result<crate::ddtree::Walk>;
+    /// The last walk and the last build's popped-node scores (`log_q` of nodes 1..=budget, pop order): the
+    /// round's one read back to the host (one copy on a device).
+    fn tree_result(&self, tree: &Self::Tree) -> Result<crate::ddtree::TreeResult>;
 
     // ---- one captured round ----
     /// Runs `body` (a whole DDTree round of ops, no host reads): on a device, captured once into `graph` for

@@ -43,6 +43,8 @@ pub struct SpecStats {
     pub verify_steps: u64,
     /// Tree nodes drafted (root excluded), summed over rounds.
     pub drafted: u64,
+    /// Round budgets ([`crate::Emitted::budget`]: `--budget auto`'s bucket), summed over rounds.
+    pub budgets: u64,
     /// Tree nodes accepted (root excluded), summed over rounds.
     pub accepted: u64,
     /// [B−1]: entry d−1 = rounds whose accepted path reached depth d.
@@ -60,6 +62,14 @@ impl SpecStats {
             (self.accepted + self.verify_steps) as f64 / self.verify_steps as f64
         }
     }
+    /// Mean node budget per round (`--budget auto`: of the buckets it chose); 0 without rounds.
+    pub fn mean_budget(&self) -> f64 {
+        if self.verify_steps == 0 {
+            0.0
+        } else {
+            self.budgets as f64 / self.verify_steps as f64
+        }
+    }
     /// Fraction of drafted tree nodes that were accepted; 0 when nothing was drafted.
     pub fn acceptance_rate(&self) -> f64 {
         if self.drafted == 0 {
@@ -68,13 +78,14 @@ impl SpecStats {
             self.accepted as f64 / self.drafted as f64
         }
     }
-    fn record(&mut self, drafted: usize, accepted: usize, depths: usize) {
+    fn record(&mut self, drafted: usize, accepted: usize, budget: usize, depths: usize) {
         if self.accepted_per_depth.len() < depths {
             self.accepted_per_depth.resize(depths, 0);
             self.acceptance_histogram.resize(depths + 1, 0);
         }
         self.verify_steps += 1;
         self.drafted += drafted as u64;
+        self.budgets += budget as u64;
         self.accepted += accepted as u64;
         self.accepted_per_depth[..accepted].iter_mut().for_each(|c| *c += 1);
         self.acceptance_histogram[accepted] += 1;
@@ -142,7 +153,7 @@ pub fn generate(session: &mut Session<'_>, req: &GenRequest, on_tokens: &mut dyn
         }
         let step = session.step()?;
         if session.mode().drafts() {
-            out.spec.record(step.drafted, step.accepted, depths);
+            out.spec.record(step.drafted, step.accepted, step.budget, depths);
         }
         let mut kept = 0;
         for &tok in &step.tokens {

@@ -21,11 +21,14 @@
 //!   accepted path): the target and drafter are truncated to match, the n-th token becomes pending.
 //! * Mode and budget are fixed per session (on a GPU they fix a CUDA graph's shape); sampling settings
 //!   are per prompt. The depth of a tree is capped so no node reaches `TargetInfo::max_positions`.
+//! * `Mode::DDTreeAuto` (`--budget auto`) needs [`Session::set_cost_model`]: each round runs at the bucket
+//!   [`AutoBudget`] chose from the previous round's popped-node scores (ddtree/cost.rs; restarted at each
+//!   prefill), read back with the walk; [`Emitted::budget`] says which. The tokens are those of any budget.
 //!
 //! One sequence per session today; batching (issue 15) adds a batch of sequences behind the same calls.
 
 use crate::api::{Drafter, LogitRows, StepOut, Target, TargetInfo};
-use crate::ddtree::{build_tree, build_tree_from_top_k, top_k_log_probs, walk_sampled, DraftTree, Walk};
+use crate::ddtree::{build_tree, build_tree_from_top_k, top_k_log_probs, walk_sampled, AutoBudget, CostModel, DraftTree, Walk};
 use crate::model::Trace;
 use crate::sampling::{sample, Sampling};
 use anyhow::{bail, ensure, Context, Result};
@@ -36,6 +39,9 @@ pub enum Mode {
     Ar,
     /// DDTree with a node budget (root excluded).
     DDTree { budget: usize },
+    /// DDTree with the budget of each round chosen by the CaDDTree rule from a measured cost model
+    /// ([`Session::set_cost_model`]), among buckets of at most `max` nodes (ddtree/cost.rs).
+    DDTreeAuto { max: usize },
     /// The plain DFlash chain: one path of the drafter's argmax token at each of the B−1 block
     /// positions, verified and walked like a tree (the baseline DDTree is measured against).
     Chain,
@@ -105,6 +111,8 @@ pub struct Emitted {
     pub drafted: usize,
     pub accepted: usize,
     pub depth_limit: usize,
+    /// The round's node budget: the fixed one, the bucket `--budget auto` chose, the chain's length; 0 in AR.
+    pub budget: usize,
 }
 
 /// One sequence's generation state over a target (and, in DDTree mode, a drafter).
@@ -126,6 +134,8 @@ pub struct Session<'a> {
     device_rounds: usize,
     /// AR steps so far that ran where the target's ops run.
     device_steps: usize,
+    /// `Mode::DDTreeAuto`'s budget choice (None until [`Session::set_cost_model`]).
+    auto: Option<AutoBudget>,
 }
 
 impl<'a> Session<'a> {
@@ -136,7 +146,20 @@ impl<'a> Session<'a> {
             ensure!(!target.info().tap_layers.is_empty(), "DDTree mode needs a target with tap layers");
         }
         let sampling = Sampling::greedy();
-        Ok(Session { target, drafter, mode, sampling, pending: None, last: None, probes: ProbeSet::default(), captured: Probes::default(), device_round: true, device_rounds: 0, device_steps: 0 })
+        Ok(Session { target, drafter, mode, sampling, pending: None, last: None, probes: ProbeSet::default(), captured: Probes::default(), device_round: true, device_rounds: 0, device_steps: 0, auto: None })
+    }
+
+    /// The cost model `Mode::DDTreeAuto` chooses budgets with (an error in any other mode, or for a model
+    /// that fails [`CostModel::check`]).
+    pub fn set_cost_model(&mut self, cost: CostModel) -> Result<()> {
+        let Mode::DDTreeAuto { max } = self.mode else { bail!("a cost model is only for --budget auto (mode {:?})", self.mode) };
+        self.auto = Some(AutoBudget::new(max, cost)?);
+        Ok(())
+    }
+
+    /// `Mode::DDTreeAuto`'s budget state (its buckets, the next round's budget).
+    pub fn auto_budget(&self) -> Option<&AutoBudget> {
+        self.auto.as_ref()
     }
 
     pub fn info(&self) -> &TargetInfo {
@@ -194,6 +217,9 @@ impl<'a> Session<'a> {
         self.sampling = sampling.clone();
         self.pending = None;
         self.last = None;
+        if let Some(a) = self.auto.as_mut() {
+            a.restart();
+        }
         let ddtree = self.mode.drafts();
         let out = self.traced(|s| {
             let parents: Vec<i32> = (0..prompt.len() as i32).map(|i| i - 1).collect();
@@ -222,8 +248,14 @@ impl<'a> Session<'a> {
         ensure!(start < max, "KV cache full: {start} committed, max_positions {max}");
         let emitted = match self.mode {
             Mode::Ar => self.traced(|s| s.ar_step(root))?,
-            Mode::DDTree { budget } => self.traced(|s| s.ddtree_step(root, Some(budget)))?,
-            Mode::Chain => self.traced(|s| s.ddtree_step(root, None))?,
+            Mode::DDTree { budget } => self.traced(|s| s.ddtree_step(root, Some(budget)))?.0,
+            Mode::DDTreeAuto { .. } => {
+                let budget = self.auto.as_ref().context("--budget auto needs a cost model (Session::set_cost_model)")?.budget();
+                let (e, log_q) = self.traced(|s| s.ddtree_step(root, Some(budget)))?;
+                self.auto.as_mut().context("auto budget state lost")?.update(&log_q);
+                e
+            }
+            Mode::Chain => self.traced(|s| s.ddtree_step(root, None))?.0,
         };
         self.pending = emitted.tokens.last().copied();
         self.last = Some((start, emitted.tokens.clone()));
@@ -235,7 +267,7 @@ impl<'a> Session<'a> {
         if self.device_round && !self.probes.logits && !self.probes.layers {
             if let Some(tok) = self.target.device_step(root, &self.sampling) {
                 self.device_steps += 1;
-                return Ok(Emitted { tokens: vec![tok?], drafted: 0, accepted: 0, depth_limit: 0 });
+                return Ok(Emitted { tokens: vec![tok?], drafted: 0, accepted: 0, depth_limit: 0, budget: 0 });
             }
         }
         let v = self.target.info().vocab_size;
@@ -247,7 +279,7 @@ impl<'a> Session<'a> {
         if self.probes.logits {
             self.captured.logits.push(out.logits);
         }
-        Ok(Emitted { tokens: vec![tok], drafted: 0, accepted: 0, depth_limit: 0 })
+        Ok(Emitted { tokens: vec![tok], drafted: 0, accepted: 0, depth_limit: 0, budget: 0 })
     }
 
     /// Room for a generation of `positions` committed positions (prompt + new tokens): the target's cache with
@@ -256,7 +288,7 @@ impl<'a> Session<'a> {
         let max = self.target.info().max_positions;
         let p = positions.min(max);
         let scratch = match self.mode {
-            Mode::DDTree { budget } => budget.saturating_add(1),
+            Mode::DDTree { budget } | Mode::DDTreeAuto { max: budget } => budget.saturating_add(1),
             Mode::Chain => self.drafter.as_ref().map_or(1, |d| d.block_size()),
             Mode::Ar => 1,
         };
@@ -284,9 +316,10 @@ impl<'a> Session<'a> {
         self.device_steps
     }
 
-    /// One round; `budget` None = the chain.
-    fn ddtree_step(&mut self, root: u32, budget: Option<usize>) -> Result<Emitted> {
+    /// One round; `budget` None = the chain. Also returns the popped nodes' scores (pop order).
+    fn ddtree_step(&mut self, root: u32, budget: Option<usize>) -> Result<(Emitted, Vec<f64>)> {
         let d = self.drafter.as_deref_mut().context("DDTree session without a drafter")?;
+        let rows = d.block_size().saturating_sub(1);
         if let (true, false) = (self.device_round, self.probes.rounds) {
             let r = match budget {
                 Some(budget) => self.target.device_round(d, root, budget, &self.sampling),
@@ -296,7 +329,8 @@ impl<'a> Session<'a> {
                 let r = r?;
                 self.device_rounds += 1;
                 let accepted = r.walk.accepted();
-                return Ok(Emitted { tokens: r.walk.decisions, drafted: r.drafted, accepted, depth_limit: r.draft_rows });
+                let e = Emitted { tokens: r.walk.decisions, drafted: r.drafted, accepted, depth_limit: r.draft_rows, budget: budget.unwrap_or(rows) };
+                return Ok((e, r.log_q));
             }
         }
         let rec = ddtree_round(&mut *self.target, d, root, budget, &self.sampling)?;
@@ -307,11 +341,12 @@ impl<'a> Session<'a> {
         let w = rec.verify.taps.len() / nodes;
         let taps: Vec<f32> = path.iter().flat_map(|&n| rec.verify.taps[n * w..(n + 1) * w].iter().copied()).collect();
         d.extend_context(&taps, path.len())?;
-        let e = Emitted { tokens: rec.new_tokens(), drafted: rec.tree.drafted(), accepted: rec.walk.accepted(), depth_limit: rec.draft_rows };
+        let e = Emitted { tokens: rec.new_tokens(), drafted: rec.tree.drafted(), accepted: rec.walk.accepted(), depth_limit: rec.draft_rows, budget: budget.unwrap_or(rows) };
+        let log_q = rec.tree.log_q[1..].to_vec();
         if self.probes.rounds {
             self.captured.rounds.push(rec);
         }
-        Ok(e)
+        Ok((e, log_q))
     }
 
     /// Keep only the first `n` tokens of the last step (1 <= n <= its token count): the target and the

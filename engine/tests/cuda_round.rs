@@ -14,6 +14,10 @@
 //! * `one_read_back_per_round`: graph launches, kernel launches, cuBLAS calls, uploads and reads (host
 //!   syncs) per round, captured vs eager device round vs host round, from the GPU's counters; a device
 //!   round reads back exactly once, and a replayed one launches one graph and nothing else.
+//! * `device_round_scores_equal_the_cpu_tree`: the popped nodes' scores read back with the walk (one copy)
+//!   equal the CPU builder's `log_q` bit for bit on the same draft logits, budgets 4 to 256;
+//! * `auto_budget_on_the_gpu_equals_the_host_rounds`: `--budget auto` (rounds captured per bucket) gives
+//!   the host rounds' steps, budgets included, one read back per round.
 //!
 //! Needs a GPU: skips without one unless KDTREE_REQUIRE_GPU=1.
 #![cfg(feature = "cuda")]
@@ -259,4 +263,69 @@ fn one_read_back_per_round() {
     }
     no_capture_failure(&g);
     g.set_graphs(true);
+}
+
+#[test]
+fn device_round_scores_equal_the_cpu_tree() {
+    // The popped nodes' scores `--budget auto` reads come back in the round's one copy with the walk, and
+    // equal bit for bit the CPU builder's scores (`build_tree(..).log_q[1..]`) on the draft logits the drafter
+    // gives for the same root and context.
+    let tmp = tempfile::tempdir().unwrap();
+    let Some((g, mut m)) = pair_on_gpu(&tmp) else { return };
+    let (v, greedy) = (m.info().vocab_size, Sampling::greedy());
+    for budget in [4usize, 16, 64, 256] {
+        let (target, d) = (&mut m.target, m.drafter.as_mut().expect("the pair has a drafter"));
+        let mut root = {
+            let mut s = kdtree_engine::Session::new(Box::new(&mut **target), Some(Box::new(&mut **d)), Mode::DDTree { budget }).unwrap();
+            s.prefill(PROMPTS[0], &greedy).unwrap()
+        };
+        let rows = d.block_size() - 1;
+        for round in 0..4 {
+            let draft = d.draft(root, target.committed()).unwrap(); // [rows, V], the context unchanged
+            let want = kdtree_engine::ddtree::build_tree(root, &draft, rows, v, budget);
+            let reads = g.stats.snapshot()[3];
+            let r = target.device_round(&mut **d, root, budget, &greedy).expect("the round runs on the device").unwrap();
+            assert_eq!(g.stats.snapshot()[3] - reads, 1, "budget {budget} round {round}: the walk and the scores in one read");
+            assert_eq!(r.log_q.len(), budget, "budget {budget} round {round}: one score per drafted node");
+            let bits = |x: &[f64]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&r.log_q), bits(&want.log_q[1..]), "budget {budget} round {round}: device scores != CPU tree scores");
+            root = r.walk.bonus();
+        }
+        println!("PARITY device_round_scores(cuda,budget={budget}) bit-exact over 4 rounds");
+    }
+    no_capture_failure(&g);
+}
+
+#[test]
+fn auto_budget_on_the_gpu_equals_the_host_rounds() {
+    // Greedy `--budget auto` with rounds captured per bucket: the same steps (tokens, counters, budgets) as
+    // the host rounds on the same GPU, several buckets used, one read back per device round.
+    use kdtree_engine::ddtree::cost::{CostModel, COST_SCHEMA};
+    let tmp = tempfile::tempdir().unwrap();
+    let Some((g, mut m)) = pair_on_gpu(&tmp) else { return };
+    let cost = CostModel { schema: COST_SCHEMA, device: "test".into(), draft_us: 100.0, verify: vec![(1, 4.0), (257, 1028.0)], note: String::new() };
+    let mut runs = Vec::new();
+    for device in [true, false] {
+        let mut s = m.session(Mode::DDTreeAuto { max: 64 }).unwrap();
+        s.set_cost_model(cost.clone()).unwrap();
+        s.set_device_round(device);
+        let mut steps = vec![];
+        for p in PROMPTS {
+            s.prefill(p, &Sampling::greedy()).unwrap();
+            for _ in 0..12 {
+                let reads = g.stats.snapshot()[3];
+                steps.push(s.step().unwrap());
+                if device {
+                    assert_eq!(g.stats.snapshot()[3] - reads, 1, "an auto device round reads back once");
+                }
+            }
+        }
+        assert_eq!(s.device_rounds() > 0, device);
+        runs.push(steps);
+    }
+    assert_eq!(runs[0], runs[1], "auto on the device path differs from the host rounds");
+    let budgets: std::collections::BTreeSet<usize> = runs[0].iter().map(|e| e.budget).collect();
+    assert!(budgets.len() >= 2, "one bucket only: {budgets:?}");
+    no_capture_failure(&g);
+    println!("PARITY auto_budget(cuda, device == host rounds) exact over {} rounds, buckets {budgets:?}", runs[0].len());
 }

@@ -23,7 +23,7 @@ fn req(prompt: &[u32], max_tokens: usize, mode: Mode, sampling: Sampling) -> Gen
 fn run(t: &mut MockTarget, d: &mut MockDrafter, r: &GenRequest, cb: &mut dyn FnMut(&[u32]) -> bool) -> GenOutput {
     let out = match r.mode {
         Mode::Ar => generate(t, None, r, cb),
-        Mode::DDTree { .. } | Mode::Chain => generate(t, Some(d as &mut dyn Drafter), r, cb),
+        Mode::DDTree { .. } | Mode::DDTreeAuto { .. } | Mode::Chain => generate(t, Some(d as &mut dyn Drafter), r, cb),
     }
     .unwrap();
     if !out.tokens.is_empty() {

@@ -370,8 +370,9 @@ impl Backend for CpuBackend {
     fn tree_commit_host(&self, _t: &CpuTree, _kv: &mut LatentCache, _ctx: &mut usize, _n: usize) {
         // tree_commit already moved the host state: the CPU has no other copy.
     }
-    fn tree_result(&self, t: &CpuTree) -> Result<Walk> {
-        t.walk.clone().ok_or_else(|| anyhow::anyhow!("tree_result: no walk since the last build"))
+    fn tree_result(&self, t: &CpuTree) -> Result<crate::ddtree::TreeResult> {
+        let walk = t.walk.clone().ok_or_else(|| anyhow::anyhow!("tree_result: no walk since the last build"))?;
+        Ok(crate::ddtree::TreeResult { walk, log_q: t.tree.log_q[1..].to_vec() })
     }
     fn graph_run(&self, _graph: &mut Option<()>, _key: u64, body: &mut dyn FnMut() -> Result<()>) -> Result<()> {
         body()

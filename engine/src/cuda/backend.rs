@@ -34,7 +34,7 @@ use super::ops::{argmax, copy_rows, embed, gather_rows, gemm_bf16, kv_compact, m
 use super::{CudaError, Gpu};
 use crate::backend::{Backend, PosOf, RopeTable};
 use crate::cpu::ops::{MlaDims, Router};
-use crate::ddtree::{Visibility, Walk};
+use crate::ddtree::{TreeResult, Visibility};
 use super::tree::{DMask, DeviceTree};
 use crate::sampling::Sampling;
 use crate::model::source::Slab;
@@ -816,8 +816,8 @@ impl Backend for CudaBackend {
         kv.scratch = 0;
         ctx.host += n;
     }
-    fn tree_result(&self, tree: &DeviceTree) -> Result<Walk> {
-        Ok(tree.walk_to_host(&self.gpu)?)
+    fn tree_result(&self, tree: &DeviceTree) -> Result<TreeResult> {
+        Ok(tree.result_to_host(&self.gpu)?)
     }
     fn graph_run(&self, graph: &mut Option<DGraph>, key: u64, body: &mut dyn FnMut() -> Result<()>) -> Result<()> {
         use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};

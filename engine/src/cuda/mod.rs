@@ -316,6 +316,11 @@ impl Gpu {
         }
     }
 
+    /// The device's name, e.g. "NVIDIA H200".
+    pub fn name(&self) -> String {
+        self.ctx.name().unwrap_or_else(|_| "unknown GPU".into())
+    }
+
     /// Device name and compute capability, e.g. "NVIDIA H200 (sm_90)".
     pub fn describe(&self) -> String {
         let name = self.ctx.name().unwrap_or_else(|_| "?".into());

@@ -2,7 +2,8 @@
 //! best-first tree build, its ancestor bitmask (the target's tree-verify mask), and the walk over the
 //! target's per-node decisions. Buffers are sized once for a (budget, draft rows, vocab) and reused every
 //! round (no allocation per round); every step reads its sizes (tree size, bonus token) from device memory,
-//! so the chain is graph-capturable and needs no host read until the round's result.
+//! so the chain is graph-capturable and needs no host read until the round's result. That result (the walk
+//! and the popped nodes' scores, which `--budget auto` reads: ddtree/cost.rs) is one buffer, read in one copy.
 //!
 //! Launches: `build` = topk_logprobs + ddtree_build + visibility (3 kernels); `walk_greedy` = argmax over the
 //! tree's rows + ddtree_walk (2). CPU twins: `ddtree::{top_k_log_probs, build_tree_from_top_k, Visibility,
@@ -12,7 +13,7 @@ use cudarc::driver::CudaSlice;
 
 use super::ops::{argmax, ddtree_build, ddtree_walk, sample_rows, topk_logprobs, visibility};
 use super::{ensure, Gpu, Result};
-use crate::ddtree::{DraftTree, TopK, Visibility, Walk};
+use crate::ddtree::{DraftTree, TopK, TreeResult, Visibility, Walk};
 
 /// An ancestor bitmask on the device: `bits` `[rows, words]` u64, bit j of row i = node j is i or an
 /// ancestor of i (the CUDA backend's `Backend::Mask`).
@@ -40,7 +41,6 @@ pub struct DeviceTree {
     pub tokens: CudaSlice<u32>,
     pub depths: CudaSlice<u32>,
     pub parents: CudaSlice<i32>,
-    pub log_q: CudaSlice<f64>,
     pub first_child: CudaSlice<i32>,
     pub next_sibling: CudaSlice<i32>,
     pub n_nodes: CudaSlice<i32>,
@@ -49,8 +49,10 @@ pub struct DeviceTree {
     /// Per-node target decisions `[budget + 1]`, the accepted path and its decisions `[rows + 1]`, its
     /// length `[1]`.
     pub decisions: CudaSlice<u32>,
-    /// The walk's result in one buffer (so reading it back is one copy): `[len, path[rows + 1],
-    /// decisions[rows + 1]]` i32 (the decisions are u32 token ids).
+    /// The round's result in one buffer (so reading it back is one copy): `[len, path[rows + 1],
+    /// decisions[rows + 1]]` i32 (the decisions are u32 token ids), then from i32 index
+    /// [`DeviceTree::log_q_at`] (8-byte aligned) the tree's `log_q` `[budget + 1]` f64 as two i32 words
+    /// each, written there by the builder.
     pub walk_out: CudaSlice<i32>,
     /// The top-K's workspace.
     pub topk: topk_logprobs::TopkWork,
@@ -93,15 +95,23 @@ impl DeviceTree {
             tokens: gpu.zeros(n)?,
             depths: gpu.zeros(n)?,
             parents: gpu.zeros(n)?,
-            log_q: gpu.zeros(n)?,
             first_child: gpu.zeros(n)?,
             next_sibling: gpu.zeros(n)?,
             n_nodes: gpu.zeros(1)?,
             mask: DMask { bits: gpu.zeros(n * words)?, rows: n, words },
             decisions: gpu.zeros(n)?,
-            walk_out: gpu.zeros(1 + 2 * (rows + 1))?,
+            walk_out: gpu.zeros(Self::log_q_at_for(rows) + 2 * n)?,
             topk: topk_logprobs::TopkWork::new(gpu, rows, vocab, k)?,
         })
+    }
+
+    /// Where the f64 `log_q` starts in [`DeviceTree::walk_out`] (i32 index): after the walk, rounded up to
+    /// an even index so the f64 stores are aligned (the buffer itself is 256-byte aligned).
+    pub fn log_q_at(&self) -> usize {
+        Self::log_q_at_for(self.rows)
+    }
+    fn log_q_at_for(rows: usize) -> usize {
+        (1 + 2 * (rows + 1)).next_multiple_of(2)
     }
 
     /// Top-K of `draft_logits` (`[rows, ld]` f32, first `vocab` used), then [`DeviceTree::build_from_top_k`].
@@ -127,11 +137,16 @@ impl DeviceTree {
 
     /// Tree of root `bonus` from the top-K in `lp` / `tok`, and its ancestor bitmask.
     pub fn build_from_top_k(&mut self, gpu: &Gpu) -> Result<()> {
+        let (at, n) = (self.log_q_at(), self.budget + 1);
+        let mut tail = self.walk_out.slice_mut(at..);
+        // SAFETY: the tail holds 2n i32 words = n f64, starting 8-byte aligned (an even i32 index of a
+        // 256-byte aligned allocation); every bit pattern is a valid f64.
+        let mut log_q = unsafe { tail.transmute_mut::<f64>(n) }.expect("walk_out's tail holds budget + 1 f64");
         let out = ddtree_build::TreeOut {
             tokens: &mut self.tokens.as_view_mut(),
             depths: &mut self.depths.as_view_mut(),
             parents: &mut self.parents.as_view_mut(),
-            log_q: &mut self.log_q.as_view_mut(),
+            log_q: &mut log_q,
             first_child: &mut self.first_child.as_view_mut(),
             next_sibling: &mut self.next_sibling.as_view_mut(),
             n_nodes: &mut self.n_nodes.as_view_mut(),
@@ -277,7 +292,7 @@ impl DeviceTree {
             tokens: cut(gpu.download(&self.tokens)?, n),
             depths: cut(gpu.download(&self.depths)?, n),
             parents: cut(gpu.download(&self.parents)?, n),
-            log_q: cut(gpu.download(&self.log_q)?, n),
+            log_q: cut(Self::f64s(&gpu.download(&self.walk_out)?[self.log_q_at()..]), n),
             first_child: cut(gpu.download(&self.first_child)?, n),
             next_sibling: cut(gpu.download(&self.next_sibling)?, n),
             visibility: Visibility {
@@ -288,14 +303,47 @@ impl DeviceTree {
         })
     }
 
-    /// The last walk as the CPU type: one device-to-host copy (the round's one read back).
-    pub fn walk_to_host(&self, gpu: &Gpu) -> Result<Walk> {
+    /// The f64 values stored as pairs of i32 words (low word first: little-endian, as the device writes them).
+    fn f64s(words: &[i32]) -> Vec<f64> {
+        words.chunks_exact(2).map(|w| f64::from_bits((w[0] as u32 as u64) | ((w[1] as u32 as u64) << 32))).collect()
+    }
+
+    /// The last walk and the last build's popped-node scores (`log_q[1..=budget]`) as the CPU types: one
+    /// device-to-host copy (the round's one read back). The device round builds only full trees
+    /// (`ddtree::tree_is_full`), so all `budget` scores are this build's.
+    pub fn result_to_host(&self, gpu: &Gpu) -> Result<TreeResult> {
         let m = self.rows + 1;
         let out = gpu.download(&self.walk_out)?;
         let len = out[0] as usize;
         ensure("device_tree", (1..=m).contains(&len), || format!("walk length {len} outside 1..={m}"))?;
         let path = out[1..1 + len].iter().map(|&p| p as usize).collect();
         let decisions = out[1 + m..1 + m + len].iter().map(|&d| d as u32).collect();
-        Ok(Walk { path, decisions })
+        let mut log_q = Self::f64s(&out[self.log_q_at()..]);
+        log_q.remove(0); // the root's 0
+        Ok(TreeResult { walk: Walk { path, decisions }, log_q })
+    }
+
+    /// The walk of [`DeviceTree::result_to_host`] (tests).
+    pub fn walk_to_host(&self, gpu: &Gpu) -> Result<Walk> {
+        Ok(self.result_to_host(gpu)?.walk)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::DeviceTree;
+
+    #[test]
+    fn scores_sit_aligned_after_the_walk_as_word_pairs() {
+        for rows in 1..40 {
+            let at = DeviceTree::log_q_at_for(rows);
+            let walk = 1 + 2 * (rows + 1); // [len, path, decisions]
+            assert!(at.is_multiple_of(2) && (walk..=walk + 1).contains(&at), "rows {rows}: scores at {at}");
+        }
+        // Little-endian pairs, as the device's f64 stores leave them in the i32 buffer.
+        let x = [0.0, -1.5, f64::NEG_INFINITY, -1e-300, -0.0];
+        let words: Vec<i32> = x.iter().flat_map(|v| v.to_bits().to_le_bytes().chunks(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect::<Vec<_>>()).collect();
+        let back: Vec<u64> = DeviceTree::f64s(&words).iter().map(|v| v.to_bits()).collect();
+        assert_eq!(back, x.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
     }
 }

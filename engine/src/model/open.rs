@@ -33,9 +33,12 @@ pub enum Device {
     Cuda,
 }
 
-/// A loaded model: the backend's name, the target session, the drafter session (if any).
+/// A loaded model: the backend's name, the device it runs on, the target session, the drafter session (if
+/// any).
 pub struct Loaded {
     pub backend: String,
+    /// "cpu", or the GPU's name ("NVIDIA H200"): what a measured cost (`--budget auto`) is tied to.
+    pub device: String,
     pub target: Box<dyn Target>,
     pub drafter: Option<Box<dyn Drafter>>,
 }
@@ -84,6 +87,7 @@ pub fn open_with(dir: &Path, device: Device, opts: OpenOptions) -> Result<Loaded
     let m = open_cpu(dir, opts)?;
     Ok(Loaded {
         backend: "cpu".into(),
+        device: "cpu".into(),
         target: Box::new(m.target),
         drafter: m.drafter.map(|d| Box::new(d) as Box<dyn Drafter>),
     })
@@ -147,6 +151,7 @@ pub fn open_cuda_with(dir: &Path, gpu: Arc<crate::cuda::Gpu>, progress: bool) ->
     let src: Arc<dyn TensorSource> = Arc::new(md);
     let taps = src.drafter_config().map(|c| c.dflash_config.target_layer_ids.clone()).unwrap_or_default();
     let name = gpu.describe();
+    let device = gpu.name();
     let backend = CudaBackend::new(gpu.clone());
     // Through pinned staging buffers, with progress when asked (the staging ends even on an error).
     gpu.begin_load(needed, progress)?;
@@ -157,7 +162,7 @@ pub fn open_cuda_with(dir: &Path, gpu: Arc<crate::cuda::Gpu>, progress: bool) ->
             Some(_) => Some(Box::new(DFlashDrafter::load_on(backend, &*src, w).with_context(|| format!("uploading the drafter of {} to {name}", dir.display()))?) as Box<dyn Drafter>),
             None => None,
         };
-        Ok(Loaded { backend: "cuda".into(), target: Box::new(target), drafter })
+        Ok(Loaded { backend: "cuda".into(), device, target: Box::new(target), drafter })
     })();
     let ended = gpu.end_load();
     let loaded = loaded?;

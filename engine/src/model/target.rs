@@ -34,11 +34,12 @@ pub struct TargetModel<B: Backend> {
     trace: Option<Trace>,
     /// Parents of the last forward's nodes (commit checks the path against them).
     last_parents: Vec<i32>,
-    /// The device round's tree workspace, the budget it was made for and its captured round.
-    round: Option<RoundSlot<B>>,
-    /// The tree's root token where the ops read it, when known to be the last round's bonus (no other
-    /// target op since): the next round needs no upload.
-    dev_root: Option<u32>,
+    /// The device rounds' tree workspaces, one per tree shape (budget, top-K) used, with their captured
+    /// rounds (`--budget auto` moves between a few bucket shapes; each keeps its graph).
+    rounds: Vec<RoundSlot<B>>,
+    /// The (budget, top-K) of the slot whose root token, where the ops read it, is known to be the last
+    /// round's bonus (no other target op since), and that token: its next round needs no upload.
+    dev_root: Option<(usize, usize, u32)>,
     /// The device AR step's state (its token buffer, the one-node mask, its captured graph) and whether the
     /// token buffer holds the last step's token (no other target op since).
     step: Option<StepSlot<B>>,
@@ -82,7 +83,7 @@ impl<B: Backend> TargetModel<B> {
         let info =
             TargetInfo { vocab_size: c.vocab, hidden_size: c.hidden, num_layers: c.layers, max_positions: c.max_positions, tap_layers };
         let cache = w.backend.kv_new(c.layers, c.latent_width());
-        Ok(TargetModel { w, info, cache, mode, trace: None, last_parents: Vec::new(), round: None, dev_root: None, step: None, step_root: None })
+        Ok(TargetModel { w, info, cache, mode, trace: None, last_parents: Vec::new(), rounds: Vec::new(), dev_root: None, step: None, step_root: None })
     }
     pub fn weights(&self) -> &Arc<Weights<B>> {
         &self.w
@@ -148,7 +149,7 @@ impl<B: Backend> TargetModel<B> {
         // Outside the round: room for its rows (nothing grows inside), and the root where the ops read it.
         b.kv_reserve(&mut self.cache, start + t)?;
         d.reserve_context(rows + 1);
-        if self.dev_root != Some(root) {
+        if self.dev_root != Some((slot.budget, slot.k, root)) {
             b.tree_set_root(&mut slot.tree, root)?;
         }
         (self.dev_root, self.step_root) = (None, None);
@@ -161,8 +162,9 @@ impl<B: Backend> TargetModel<B> {
             self.walk_tree(tree, &logits, s)?;
             self.commit_walk(tree, d, &taps)
         })?;
-        let walk = self.read_walk(&mut slot.tree, d, t)?;
-        Ok(DeviceRound { walk, drafted: budget, draft_rows: rows })
+        let r = self.read_walk(&mut slot.tree, d, t)?;
+        self.dev_root = r.walk.decisions.last().map(|&tok| (slot.budget, slot.k, tok));
+        Ok(DeviceRound { walk: r.walk, log_q: r.log_q, drafted: budget, draft_rows: rows })
     }
 
     /// The device AR step (see [`Target::device_step`]) in `slot`: the forward of the root token at position
@@ -209,21 +211,22 @@ impl<B: Backend> TargetModel<B> {
         if self.trace.is_some() || rows == 0 || budget == 0 || start + rows >= max || self.info.tap_layers.is_empty() {
             return None;
         }
-        let mut slot = match self.round.take() {
-            Some(slot) if (slot.budget, slot.k) == (budget, k) => slot,
+        let i = match self.rounds.iter().position(|r| (r.budget, r.k) == (budget, k)) {
+            Some(i) => i,
             // A backend whose tree kernels cannot hold this shape (e.g. a budget over the device builder's
-            // 2048) leaves the round to the host.
-            _ => {
-                self.dev_root = None; // a new tree holds no root yet
-                RoundSlot { budget, k, tree: self.w.backend.tree_new(budget, rows, v, k).ok()?, graph: None }
+            // 2048) leaves the round to the host. A new tree holds no root yet (dev_root names its slot).
+            None => {
+                self.rounds.push(RoundSlot { budget, k, tree: self.w.backend.tree_new(budget, rows, v, k).ok()?, graph: None });
+                self.rounds.len() - 1
             }
         };
+        let mut slot = self.rounds.swap_remove(i);
         let r = self.run_round(&mut slot, d, root, budget, s);
         if r.is_err() {
             slot.graph = None;
             self.dev_root = None;
         }
-        self.round = Some(slot);
+        self.rounds.push(slot);
         Some(r)
     }
 
@@ -246,11 +249,13 @@ impl<B: Backend> TargetModel<B> {
         b.check()
     }
 
-    /// The round's one read back (the walk of a `t`-node tree), checked, then the host copies of the lengths
-    /// advance.
-    pub fn read_walk(&mut self, tree: &mut B::Tree, d: &mut DFlashDrafter<B>, t: usize) -> Result<crate::ddtree::Walk> {
+    /// The round's one read back (the walk of a `t`-node tree and its popped nodes' scores), checked, then
+    /// the host copies of the lengths advance.
+    pub fn read_walk(&mut self, tree: &mut B::Tree, d: &mut DFlashDrafter<B>, t: usize) -> Result<crate::ddtree::TreeResult> {
         let b = self.w.backend.clone();
-        let walk = b.tree_result(tree)?;
+        let r = b.tree_result(tree)?;
+        let walk = &r.walk;
+        ensure!(r.log_q.len() == t - 1, "device round: {} node scores for a tree of {} drafted nodes", r.log_q.len(), t - 1);
         let (p, rows) = (&walk.path, d.block_size() - 1);
         ensure!(
             !p.is_empty() && p[0] == 0 && p.len() <= rows + 1 && p.windows(2).all(|x| x[0] < x[1]) && p[p.len() - 1] < t && walk.decisions.len() == p.len(),
@@ -258,8 +263,7 @@ impl<B: Backend> TargetModel<B> {
             walk.decisions.len()
         );
         b.tree_commit_host(tree, &mut self.cache, d.context_pos_mut(), p.len());
-        self.dev_root = walk.decisions.last().copied();
-        Ok(walk)
+        Ok(r)
     }
 }
 

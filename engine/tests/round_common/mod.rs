@@ -44,7 +44,7 @@ pub fn run_mode(m: &mut Loaded, prompt: &[u32], mode: Mode, s: &Sampling, device
     let mut sess = m.session(mode).unwrap();
     sess.set_device_round(device);
     let first = sess.prefill(prompt, s).unwrap();
-    let mut out = vec![Emitted { tokens: vec![first], drafted: 0, accepted: 0, depth_limit: 0 }];
+    let mut out = vec![Emitted { tokens: vec![first], drafted: 0, accepted: 0, depth_limit: 0, budget: 0 }];
     for _ in 0..steps {
         out.push(sess.step().unwrap());
     }

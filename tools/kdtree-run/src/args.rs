@@ -17,6 +17,9 @@ use crate::runner::Defaults;
 /// in each record's `timing` (and OpenAI bodies' `created`), so `jq -c 'del(.timing, .response.body.created)'`
 /// compares runs.
 ///
+/// `--budget auto` chooses each round's budget from a cost model measured on this device by
+/// `kdtree-run calibrate MODEL` (see `kdtree-run calibrate --help`).
+///
 /// Exit status: 0 all lines ok; 1 some line got an error record or --verify found a mismatch; 2 error.
 #[derive(Parser, Debug, Clone)]
 #[command(name = "kdtree-run", version)]
@@ -38,9 +41,15 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = ModeArg::Ddtree)]
     pub mode: ModeArg,
 
-    /// DDTree tree budget: drafted nodes verified per step, root excluded.
-    #[arg(long, value_name = "N", default_value_t = 64)]
-    pub budget: usize,
+    /// DDTree tree budget: drafted nodes verified per step, root excluded; or `auto`: per round the bucket
+    /// (4, 8, ..., 256, at most --budget-max) that maximizes expected tokens per second (CaDDTree), from
+    /// the model's cost file for this device, `MODEL/kdtree-cost-<device>.json` (`kdtree-run calibrate`).
+    #[arg(long, value_name = "N|auto", default_value = "64", value_parser = parse_budget)]
+    pub budget: Budget,
+
+    /// Largest budget `--budget auto` may choose.
+    #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=2048))]
+    pub budget_max: u64,
 
     /// Default maximum completion tokens per line.
     #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
@@ -91,6 +100,20 @@ pub struct Args {
     pub quiet: bool,
 }
 
+/// `--budget`: a fixed node budget or `auto`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Budget {
+    Fixed(usize),
+    Auto,
+}
+
+fn parse_budget(s: &str) -> Result<Budget, String> {
+    match s {
+        "auto" => Ok(Budget::Auto),
+        n => n.parse().map(Budget::Fixed).map_err(|_| format!("{n:?} is neither a node count nor `auto`")),
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum ModeArg {
     Ddtree,
@@ -114,7 +137,10 @@ impl Args {
             sampling: Sampling { temperature: self.temperature, top_p: self.top_p, top_k: self.top_k, seed: self.seed },
             mode: match self.mode {
                 ModeArg::Ar => Mode::Ar,
-                ModeArg::Ddtree => Mode::DDTree { budget: self.budget },
+                ModeArg::Ddtree => match self.budget {
+                    Budget::Fixed(budget) => Mode::DDTree { budget },
+                    Budget::Auto => Mode::DDTreeAuto { max: self.budget_max as usize },
+                },
                 ModeArg::Chain => Mode::Chain,
             },
             thinking: self.thinking,
@@ -129,4 +155,36 @@ impl Args {
         anyhow::ensure!(!(self.resume && self.out.as_os_str() == "-"), "--resume needs --out to be a file");
         Ok(())
     }
+}
+
+/// `kdtree-run calibrate MODEL`: times real DDTree rounds at each `--budget auto` bucket on this device
+/// and writes the model's cost file for it, `MODEL/kdtree-cost-<device>.json` (through a temp file renamed
+/// into place). Each bucket: a built-in prompt (through the model's chat template when it has one), warm-up
+/// rounds (a GPU captures the round's graph there), then the median of the timed rounds.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "kdtree-run calibrate", version)]
+pub struct CalibrateArgs {
+    /// Converted model directory with a drafter.
+    #[arg(value_name = "MODEL")]
+    pub model: PathBuf,
+
+    /// Backend to measure (the cost file is per device).
+    #[arg(long, value_enum, default_value_t = DeviceArg::Auto)]
+    pub device: DeviceArg,
+
+    /// Largest bucket measured (the buckets are 4, 8, ..., 256 below it, then it).
+    #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=2048))]
+    pub budget_max: u64,
+
+    /// Untimed rounds per bucket first.
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    pub warmup: usize,
+
+    /// Timed rounds per bucket (their median is the bucket's cost).
+    #[arg(long, value_name = "N", default_value_t = 9, value_parser = clap::value_parser!(u64).range(1..))]
+    pub rounds: u64,
+
+    /// No progress lines on stderr.
+    #[arg(long)]
+    pub quiet: bool,
 }

@@ -4,7 +4,8 @@
 //! A line's fingerprint is the sha256 (hex) of a canonical JSON of: the line's text as read, its
 //! validation error (a `duplicate_id` error depends on other lines), the effective settings it runs
 //! with ([`SamplingUsed::resolve`]: defaults merged with its overrides: temperature, top_p, top_k, seed,
-//! max_tokens, stop, thinking), the decoding mode and DDTree budget, the hash of the model files that
+//! max_tokens, stop, thinking), the decoding mode and DDTree budget (`auto` and its `--budget-max`; not
+//! the cost file: a recalibration changes which budgets run, never the tokens), the hash of the model files that
 //! shape a record ([`model_files`]) and, for OpenAI lines without `body.model`, the model name their
 //! body echoes. Not in it: the backend (cpu/cuda) and timings. Tests: bottom of this file; resume with
 //! changed lines, flags and model in tests/run_cli.rs.
@@ -12,7 +13,6 @@
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use kdtree_engine::generate::Mode;
 use kdtree_text::prompts::PromptLine;
 use serde_json::json;
 use sha2::{Digest, Sha256};
@@ -43,14 +43,10 @@ pub fn model_files(dir: &Path) -> Result<String> {
 /// The fingerprint of `line` run with `defaults` on the model whose [`model_files`] hash is `model`
 /// and whose directory name is `model_name`.
 pub fn line(line: &PromptLine, defaults: &Defaults, model: &str, model_name: &str) -> String {
-    let (mode, budget) = match defaults.mode {
-        Mode::Ar => ("ar", None),
-        Mode::DDTree { budget } => ("ddtree", Some(budget)),
-        Mode::Chain => ("chain", None),
-    };
+    let (mode, budget, budget_max) = crate::records::mode_fields(defaults.mode);
     let request = line.request.as_ref();
     let echoed = (line.openai && request.is_ok_and(|r| r.model.is_none())).then(|| body_model(line, model_name));
-    let canonical = json!({
+    let mut canonical = json!({
         "v": 1,
         "line": line.raw,
         "error": request.err().map(|e| format!("{}: {e}", e.code)),
@@ -60,13 +56,16 @@ pub fn line(line: &PromptLine, defaults: &Defaults, model: &str, model_name: &st
         "model": model,
         "model_name": echoed,
     });
+    if let Some(m) = budget_max {
+        canonical["budget_max"] = m.into(); // only under auto: the other modes' fingerprints stay as they were
+    }
     hex::encode(Sha256::digest(canonical.to_string().as_bytes()))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kdtree_engine::generate::Sampling;
+    use kdtree_engine::generate::{Mode, Sampling};
     use kdtree_text::prompts::{parse_line, parse_prompts};
 
     fn defaults() -> Defaults {
@@ -93,10 +92,15 @@ mod tests {
             Defaults { sampling: Sampling { seed: 3, ..Sampling::greedy() }, ..defaults() },
             Defaults { mode: Mode::DDTree { budget: 5 }, ..defaults() },
             Defaults { mode: Mode::Ar, ..defaults() },
+            Defaults { mode: Mode::DDTreeAuto { max: 4 }, ..defaults() },
         ];
         for c in &changed {
             assert_ne!(base, fp(r#"{"id":"a","prompt":"x"}"#, c), "{c:?}");
         }
+        let auto = |max| fp(r#"{"id":"a","prompt":"x"}"#, &Defaults { mode: Mode::DDTreeAuto { max }, ..defaults() });
+        assert_ne!(auto(4), auto(8), "--budget-max counts under auto");
+        // The canonical form of a fixed budget is the one records carried before auto existed.
+        assert_eq!(base, "564e54507fee2041e9dc934d2a61a0416292e69ecd5ea06dd01cae968e5f2686", "pinned");
         // A setting the line overrides does not matter; thinking matters only for chat lines.
         let own = r#"{"id":"a","prompt":"x","max_tokens":3}"#;
         assert_eq!(fp(own, &d), fp(own, &Defaults { max_tokens: 99, ..defaults() }));

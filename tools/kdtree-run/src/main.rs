@@ -4,14 +4,16 @@
 //! nothing: flags, output paths against the inputs (paths.rs), the prompt file, the --verify bundle,
 //! --resume's records and their fingerprints, the model and its drafter. Only then is the output opened,
 //! [`answer`] answers the lines in order, [`report_verify`] prints --verify's table and the summary is
-//! written. Modules: `args` (flags), `paths` (output checks), `load` (model + tokenizer + template),
-//! `runner` (one line), `records` (output JSON), `fingerprint` (what made a record), `resume` (output
+//! written. `kdtree-run calibrate MODEL` ([`calibrate::run`]) instead measures the cost file `--budget
+//! auto` reads. Modules: `args` (flags), `calibrate` (the cost file), `paths` (output checks), `load`
+//! (model, tokenizer, template), `runner` (one line), `records` (output JSON), `fingerprint` (what made a record), `resume` (output
 //! file and --resume), `summary` (--summary), `verify` (--verify). Exit: 0 ok, 1 an error record was
 //! written or --verify found a mismatch, 2 error (printed once, each cause once); a closed stdout ends
 //! quietly with 0; a closed stderr loses messages, never the run. Tests: unit tests per module,
-//! tests/run_cli.rs, tests/hardening.rs, tests/verify_cli.rs, tests/openai_types.rs.
+//! tests/run_cli.rs, tests/hardening.rs, tests/verify_cli.rs, tests/openai_types.rs, tests/auto_cli.rs.
 
 mod args;
+mod calibrate;
 mod fingerprint;
 mod load;
 mod paths;
@@ -32,14 +34,21 @@ use kdtree_golden::bundle::{Bundle, PromptRecord};
 use kdtree_text::console;
 use kdtree_text::prompts::PromptLine;
 
-use crate::args::Args;
+use crate::args::{Args, CalibrateArgs};
 use crate::load::Model;
 use crate::resume::{Existing, Expected, Sink};
 use crate::runner::{Defaults, Runner};
 use crate::summary::{RunInfo, Totals};
 
 fn main() -> ExitCode {
-    match run(Args::parse()) {
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let result = if argv.get(1).is_some_and(|a| a == "calibrate") {
+        let rest = argv[2..].iter().cloned();
+        calibrate::run(&CalibrateArgs::parse_from(std::iter::once("kdtree-run calibrate".into()).chain(rest))).map(|()| true)
+    } else {
+        run(Args::parse_from(argv))
+    };
+    match result {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::from(1),
         Err(e) if console::is_broken_pipe(&e) => ExitCode::SUCCESS,
@@ -62,8 +71,7 @@ fn run(args: Args) -> Result<bool> {
         let info = RunInfo {
             model: &args.model,
             backend: &job.backend,
-            mode: match job.defaults.mode { Mode::Ar => "ar", Mode::DDTree { .. } => "ddtree", Mode::Chain => "chain" },
-            budget: match job.defaults.mode { Mode::DDTree { budget } => Some(budget), _ => None },
+            mode: job.defaults.mode,
             wall_s: t0.elapsed().as_secs_f64(),
         };
         summary::write_summary(path, &job.totals, &info)?;
@@ -93,6 +101,8 @@ struct Job {
     golden: Option<Golden>,
     /// Over the kept records so far; [`answer`] adds the new ones.
     totals: Totals,
+    /// `--budget auto`: the cost model of this model on this device (calibrate.rs).
+    cost: Option<kdtree_engine::ddtree::CostModel>,
 }
 
 /// --verify's bundle, its records by prompt id, and the backend's logit tolerance.
@@ -104,7 +114,8 @@ struct Golden {
 
 /// Every check that can fail before a byte is written, cheapest first: flags; outputs are not inputs and
 /// can be written; the prompt file; the --verify bundle; --resume's records (ids in order, fingerprints);
-/// the model, its drafter for DDTree, and (--verify) its fit to the bundle.
+/// the model, its drafter for DDTree, `--budget auto`'s cost file for its device, and (--verify) its fit
+/// to the bundle.
 fn prepare(args: &Args) -> Result<Job> {
     args.validate()?;
     paths::check(args)?;
@@ -120,11 +131,20 @@ fn prepare(args: &Args) -> Result<Job> {
     let need_model = kept.len() < lines.len() || bundle.is_some();
     let model = if need_model { Some(open_model(args, &defaults, bundle.as_ref())?) } else { None };
     let backend = model.as_ref().map_or("none (nothing left to run)".into(), |m| m.loaded.backend.clone());
+    let cost = match (&model, defaults.mode) {
+        (Some(m), Mode::DDTreeAuto { max }) => {
+            let cost = calibrate::load_cost(&args.model, &m.loaded)?;
+            let buckets = kdtree_engine::ddtree::cost::buckets(max);
+            log(args, format_args!("--budget auto: buckets {buckets:?}, cost model of {} ({})", cost.device, cost.note));
+            Some(cost)
+        }
+        _ => None,
+    };
     let golden = match bundle {
         Some((bundle, records)) => Some(Golden { tol: verify::tolerances(&backend)?, bundle, records }),
         None => None,
     };
-    Ok(Job { lines, fingerprints, existing, defaults, model, backend, golden, totals })
+    Ok(Job { lines, fingerprints, existing, defaults, model, backend, golden, totals, cost })
 }
 
 /// --resume: the records already in --out, checked against the prompt file's ids and this run's
@@ -189,8 +209,12 @@ fn answer(args: &Args, job: &mut Job, sink: &mut Sink) -> Result<Vec<verify::Pro
     let Some(model) = job.model.as_mut() else { return Ok(Vec::new()) };
     let mut to_verify = Vec::new();
     {
+        let mut session = model.loaded.session(job.defaults.mode)?;
+        if let Some(cost) = &job.cost {
+            session.set_cost_model(cost.clone())?;
+        }
         let mut runner = Runner {
-            session: model.loaded.session(job.defaults.mode)?,
+            session,
             tokenizer: model.tokenizer.as_ref(),
             chat: model.chat.as_ref(),
             stop_token_ids: model.stop_token_ids.clone(),

@@ -18,7 +18,8 @@
 //! (rounds whose accepted path reached depth d), `acceptance_histogram[k]` (rounds accepting exactly k),
 //! `acceptance_length` = (accepted + verify_steps) / verify_steps = tokens committed per verify step
 //! including the bonus token (SGLang's definition when every token comes from a verify step),
-//! `acceptance_rate` = accepted / drafted.
+//! `acceptance_rate` = accepted / drafted; `budget` = the fixed budget or "auto" (then `budget_max`),
+//! `budgets` = the rounds' budgets summed (auto: the buckets chosen), `mean_budget` = budgets / verify_steps.
 //! Tests: bottom of this file; shapes end to end in tests/run_cli.rs.
 
 use std::path::Path;
@@ -218,13 +219,26 @@ fn sampling(s: &SamplingUsed) -> Json {
     j
 }
 
+/// The mode as records, the summary and fingerprints name it: ("ar" | "ddtree" | "chain", the budget: a
+/// number, "auto" or null, and `--budget-max` under auto).
+pub fn mode_fields(mode: Mode) -> (&'static str, Json, Option<usize>) {
+    match mode {
+        Mode::Ar => ("ar", Json::Null, None),
+        Mode::DDTree { budget } => ("ddtree", budget.into(), None),
+        Mode::DDTreeAuto { max } => ("ddtree", "auto".into(), Some(max)),
+        Mode::Chain => ("chain", Json::Null, None),
+    }
+}
+
 /// `spec` object: `{mode: "ar"}` or the DDTree counters and derived rates.
 pub fn spec(mode: Mode, s: &SpecStats) -> Json {
+    let (name, budget, max) = mode_fields(mode);
     match mode {
         Mode::Ar => json!({"mode": "ar"}),
-        Mode::DDTree { .. } | Mode::Chain => json!({
-            "mode": if mode == Mode::Chain { "chain" } else { "ddtree" },
-            "budget": match mode { Mode::DDTree { budget } => Some(budget), _ => None },
+        Mode::DDTree { .. } | Mode::DDTreeAuto { .. } | Mode::Chain => {
+            let mut j = json!({
+            "mode": name,
+            "budget": budget,
             "verify_steps": s.verify_steps,
             "drafted": s.drafted,
             "accepted": s.accepted,
@@ -232,7 +246,14 @@ pub fn spec(mode: Mode, s: &SpecStats) -> Json {
             "acceptance_histogram": s.acceptance_histogram,
             "acceptance_length": round6(s.acceptance_length()),
             "acceptance_rate": round6(s.acceptance_rate()),
-        }),
+            "budgets": s.budgets,
+            "mean_budget": round6(s.mean_budget()),
+            });
+            if let Some(m) = max {
+                j["budget_max"] = m.into();
+            }
+            j
+        }
     }
 }
 
@@ -288,7 +309,7 @@ mod tests {
             },
             mode: Mode::DDTree { budget: 4 },
             spec: SpecStats {
-                verify_steps: 2, drafted: 8, accepted: 3,
+                verify_steps: 2, drafted: 8, budgets: 8, accepted: 3,
                 accepted_per_depth: vec![2, 1, 0], acceptance_histogram: vec![0, 1, 1, 0],
             },
             timing: Timing { ttft_ms: 1.23456, decode_ms: 2.0, e2e_ms: 3.5, decode_tok_s: 1000.0, created: 17 },
@@ -305,6 +326,10 @@ mod tests {
         assert_eq!(r["usage"], json!({"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}));
         assert_eq!(r["spec"]["acceptance_length"], json!(2.5));
         assert_eq!(r["spec"]["acceptance_rate"], json!(0.375));
+        assert_eq!((&r["spec"]["budget"], &r["spec"]["mean_budget"], r["spec"].get("budget_max")), (&json!(4), &json!(4.0), None));
+        let auto = Completion { mode: Mode::DDTreeAuto { max: 32 }, spec: SpecStats { budgets: 12, ..completion().spec }, ..completion() };
+        let s = spec(auto.mode, &auto.spec);
+        assert_eq!((&s["mode"], &s["budget"], &s["budget_max"], &s["mean_budget"]), (&json!("ddtree"), &json!("auto"), &json!(32), &json!(6.0)));
         assert_eq!(r["timing"]["ttft_ms"], json!(1.235));
         // Changing only timings changes only `timing`.
         let mut c2 = completion();

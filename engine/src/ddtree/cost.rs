@@ -1,0 +1,332 @@
+//! `--budget auto`: the cost-aware budget of CaDDTree (arXiv 2606.01813; shared reference ddtree.md §4.3).
+//! A [`CostModel`] gives the time of a round that drafts n nodes, `C_d + C_v(n + 1)` (µs, measured on one
+//! device by timing whole rounds: `kdtree-run calibrate`); [`best_nodes`] is CaDDTree's greedy stop over a
+//! tree's popped prefix probabilities; [`AutoBudget`] turns it into the budget of the next round, chosen
+//! from fixed buckets (each a captured graph shape on a GPU) one round late, the same on every backend.
+//!
+//! The rule: with p_1 >= p_2 >= ... the prefix probabilities of the popped nodes (exp of the builder's
+//! `log_q`, pop order), θ(n) = (1 + Σ_{i<=n} p_i) / (C_d + C_v(n + 1)) is the expected tokens committed per
+//! µs of a round of n nodes (the surrogate acceptance of DDTree Prop. 1 plus the bonus); n* is the first n
+//! with θ(n + 1) <= θ(n), or the tree's size when θ never stops rising. CaDDTree proves θ unimodal when
+//! C_v is convex, so the greedy stop is the maximum then.
+//! The JSON form (schema [`COST_SCHEMA`]) is parsed and checked here; the tools own its file.
+//! Tests: below; the session's use in engine/tests/generate_tiny_model.rs; the file in kdtree-run.
+
+use anyhow::{bail, ensure, Context, Result};
+use serde::{Deserialize, Serialize};
+
+/// Version of the JSON form; a file of another version is refused.
+pub const COST_SCHEMA: u32 = 1;
+
+/// The budgets `--budget auto` chooses from (each a captured round shape on a GPU), capped by its max.
+pub const BUCKETS: [usize; 7] = [4, 8, 16, 32, 64, 128, 256];
+
+/// The bucket of a sequence's first round (before any tree has been seen).
+pub const START_BUCKET: usize = 16;
+
+/// Measured round cost on one device.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CostModel {
+    /// [`COST_SCHEMA`].
+    pub schema: u32,
+    /// The device it was measured on (a slug: "cpu", "cuda-nvidia-h200").
+    pub device: String,
+    /// The budget-independent part of a round, µs: C_d (calibration: the measured round times extrapolated
+    /// to zero drafted nodes, so `C_d + C_v(B + 1)` is the measured round at every bucket B).
+    pub draft_us: f64,
+    /// (nodes verified, root included; µs) points of C_v, nodes strictly increasing, µs non-decreasing;
+    /// linear between points and beyond them (clamped at 0).
+    pub verify: Vec<(usize, f64)>,
+    /// How it was measured (free text: rounds per point, prompt, context).
+    #[serde(default)]
+    pub note: String,
+}
+
+impl CostModel {
+    /// Parse and [`CostModel::check`] the JSON form.
+    pub fn from_json(text: &str) -> Result<CostModel> {
+        let m: CostModel = serde_json::from_str(text).context("not a cost model (JSON)")?;
+        m.check()?;
+        Ok(m)
+    }
+
+    /// The JSON form (pretty, one point per line pair).
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("a cost model serializes")
+    }
+
+    /// The invariants the rule relies on; the message names the first broken one.
+    pub fn check(&self) -> Result<()> {
+        ensure!(self.schema == COST_SCHEMA, "cost model schema {} (this build reads schema {COST_SCHEMA}; recalibrate)", self.schema);
+        ensure!(!self.device.is_empty(), "cost model: empty device");
+        ensure!(self.draft_us.is_finite() && self.draft_us >= 0.0, "cost model: draft_us {} is not a finite time >= 0", self.draft_us);
+        ensure!(!self.verify.is_empty(), "cost model: no verify points");
+        for (i, &(n, us)) in self.verify.iter().enumerate() {
+            ensure!(n >= 1, "cost model: verify[{i}] has {n} nodes (at least the root)");
+            ensure!(us.is_finite() && us >= 0.0, "cost model: verify[{i}] = {us} µs is not a finite time >= 0");
+            if i > 0 {
+                let (pn, pus) = self.verify[i - 1];
+                ensure!(n > pn, "cost model: verify nodes must increase: {pn} then {n}");
+                ensure!(us >= pus, "cost model: verify cost must not fall: {pus} µs at {pn} nodes, {us} µs at {n}");
+            }
+        }
+        ensure!(self.round_us(0) > 0.0, "cost model: a round of 0 drafted nodes costs {} µs (must be > 0)", self.round_us(0));
+        Ok(())
+    }
+
+    /// C_v of a tree of `nodes` nodes (root included), µs: linear between the points, extended linearly past
+    /// both ends, never below 0; one point = flat.
+    pub fn verify_us(&self, nodes: usize) -> f64 {
+        let v = &self.verify;
+        let x = nodes as f64;
+        if v.len() == 1 {
+            return v[0].1;
+        }
+        // The segment [i, i+1] holding x, or the first / last one outside the points.
+        let i = v.windows(2).position(|w| x <= w[1].0 as f64).unwrap_or(v.len() - 2);
+        let ((x0, y0), (x1, y1)) = ((v[i].0 as f64, v[i].1), (v[i + 1].0 as f64, v[i + 1].1));
+        (y0 + (y1 - y0) * (x - x0) / (x1 - x0)).max(0.0)
+    }
+
+    /// A whole round that drafts `n` nodes: `C_d + C_v(n + 1)`, µs.
+    pub fn round_us(&self, n: usize) -> f64 {
+        self.draft_us + self.verify_us(n + 1)
+    }
+
+    /// The model of measured round times `(budget, µs)` (budgets strictly increasing): C_d = the round time
+    /// extrapolated to 0 drafted nodes through the first two points (clamped to [0, first]; with one point,
+    /// 0), C_v(B + 1) = round(B) − C_d made non-decreasing (a running max: timing noise must not make a
+    /// larger tree look cheaper).
+    pub fn from_rounds(device: &str, rounds: &[(usize, f64)], note: String) -> Result<CostModel> {
+        ensure!(!rounds.is_empty(), "no measured rounds");
+        let (b0, t0) = rounds[0];
+        let draft = match rounds.get(1) {
+            Some(&(b1, t1)) => (t0 - b0 as f64 * (t1 - t0) / (b1 as f64 - b0 as f64)).clamp(0.0, t0),
+            None => 0.0,
+        };
+        let ns = |x: f64| (x * 1e3).round() / 1e3; // to the nanosecond: a readable file, no float residue
+        let mut top = 0.0f64;
+        let verify = rounds
+            .iter()
+            .map(|&(b, t)| {
+                top = top.max(ns(t - draft));
+                (b + 1, top)
+            })
+            .collect();
+        let m = CostModel { schema: COST_SCHEMA, device: device.to_string(), draft_us: ns(draft), verify, note };
+        m.check()?;
+        Ok(m)
+    }
+}
+
+/// CaDDTree's greedy stop: the number of popped nodes (prefix log-probs `log_q`, pop order) that maximizes
+/// θ(n) = (1 + Σ_{i<=n} exp(log_q_i)) / round_us(n) under `cost`, found as the first n with θ(n + 1) <= θ(n)
+/// (at most `log_q.len()`). A NaN score counts as probability 0 (as the builder counts it as -inf).
+pub fn best_nodes(log_q: &[f64], cost: &CostModel) -> usize {
+    let mut phi = 1.0; // the bonus token always commits
+    let mut theta = phi / cost.round_us(0);
+    for (n, &lq) in log_q.iter().enumerate() {
+        let p = lq.exp();
+        let next_phi = phi + if p.is_nan() { 0.0 } else { p };
+        let next = next_phi / cost.round_us(n + 1);
+        if next <= theta || next.is_nan() {
+            return n;
+        }
+        (phi, theta) = (next_phi, next);
+    }
+    log_q.len()
+}
+
+/// The budgets [`AutoBudget`] chooses from under a cap `max` (>= 1): the [`BUCKETS`] below it, then `max`.
+pub fn buckets(max: usize) -> Vec<usize> {
+    let mut b: Vec<usize> = BUCKETS.iter().copied().filter(|&b| b < max).collect();
+    b.push(max);
+    b
+}
+
+/// The budget of each round of one session in auto mode, chosen one round late: round r runs at bucket
+/// B_r; from round r's popped-node scores, n* = [`best_nodes`]; B_{r+1} = the smallest bucket >= n* when the
+/// rule stopped inside the tree (n* < B_r), else the next larger bucket (the tree was too small to stop).
+/// Each sequence starts at [`START_BUCKET`] (or the largest bucket below it).
+#[derive(Debug, Clone)]
+pub struct AutoBudget {
+    cost: CostModel,
+    buckets: Vec<usize>,
+    /// Index of this round's bucket.
+    at: usize,
+}
+
+impl AutoBudget {
+    pub fn new(max: usize, cost: CostModel) -> Result<AutoBudget> {
+        if max == 0 {
+            bail!("--budget-max must be at least 1");
+        }
+        cost.check()?;
+        let buckets = buckets(max);
+        let mut a = AutoBudget { cost, buckets, at: 0 };
+        a.restart();
+        Ok(a)
+    }
+    /// A new sequence: back to the start bucket.
+    pub fn restart(&mut self) {
+        self.at = self.buckets.iter().rposition(|&b| b <= START_BUCKET).unwrap_or(0);
+    }
+    /// This round's budget.
+    pub fn budget(&self) -> usize {
+        self.buckets[self.at]
+    }
+    pub fn buckets(&self) -> &[usize] {
+        &self.buckets
+    }
+    pub fn cost(&self) -> &CostModel {
+        &self.cost
+    }
+    /// After a round at [`AutoBudget::budget`] whose popped nodes scored `log_q`: set the next round's
+    /// bucket; returns n*.
+    pub fn update(&mut self, log_q: &[f64]) -> usize {
+        let n = best_nodes(log_q, &self.cost);
+        self.at = if n < self.budget() {
+            self.buckets.iter().position(|&b| b >= n).unwrap_or(self.at)
+        } else {
+            (self.at + 1).min(self.buckets.len() - 1)
+        };
+        n
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Round time = `fixed` + `per_node` × nodes verified (root included).
+    fn linear(fixed: f64, per_node: f64) -> CostModel {
+        CostModel { schema: COST_SCHEMA, device: "test".into(), draft_us: fixed, verify: vec![(1, per_node), (257, 257.0 * per_node)], note: String::new() }
+    }
+
+    fn logs(p: &[f64]) -> Vec<f64> {
+        p.iter().map(|x| x.ln()).collect()
+    }
+
+    /// θ(n) over every n, by the definition (the slow form of the rule).
+    fn argmax_theta(p: &[f64], c: &CostModel) -> usize {
+        let theta = |n: usize| (1.0 + p[..n].iter().sum::<f64>()) / c.round_us(n);
+        (0..=p.len()).fold(0, |best, n| if theta(n) > theta(best) { n } else { best })
+    }
+
+    #[test]
+    fn unimodal_scores_stop_at_the_maximum_of_theta() {
+        // Fixed cost 100, 1 per node: a node pays off while p_i > θ·1, i.e. while p_i beats the tokens per µs
+        // so far. Geometric p_i = 0.8^i: θ rises then falls once.
+        let c = linear(100.0, 1.0);
+        let p: Vec<f64> = (1..=200).map(|i| 0.8f64.powi(i)).collect();
+        let n = best_nodes(&logs(&p), &c);
+        assert_eq!(n, argmax_theta(&p, &c));
+        // By hand: θ(n) = (1 + Σ) / (101 + n) rises while the next p beats it: p_14 = 0.8^14 = 0.0440 >
+        // θ(13) = 0.0419, p_15 = 0.0352 < θ(14) = 0.0419: the stop is inside, at 14.
+        assert_eq!(n, 14);
+    }
+
+    #[test]
+    fn flat_scores_and_flat_cost() {
+        // Every node equally likely: with a rising cost, θ = (1 + n p) / (a + n) rises forever when p > 1/a.
+        let c = linear(100.0, 1.0);
+        assert_eq!(best_nodes(&logs(&[0.5; 40]), &c), 40, "p = 0.5 > θ: take every node");
+        assert_eq!(best_nodes(&logs(&[0.001; 40]), &c), 0, "p = 0.001 < θ(0) = 1/101: take none");
+        // A free verify (flat cost) takes every node with p > 0, none with p = 0.
+        let flat = CostModel { verify: vec![(1, 5.0)], ..linear(100.0, 0.0) };
+        assert_eq!(best_nodes(&logs(&[0.3, 0.2, 0.1]), &flat), 3);
+        assert_eq!(best_nodes(&[f64::NEG_INFINITY, f64::NAN], &flat), 0);
+    }
+
+    #[test]
+    fn all_ones_take_the_whole_tree_and_the_cap_holds() {
+        // p = 1: each node adds one token for one µs on top of a 10 µs round, θ → 1 from below: never stops,
+        // so n* is the tree's size (the budget cap).
+        let c = linear(10.0, 1.0);
+        for n in [0usize, 1, 7, 256] {
+            assert_eq!(best_nodes(&vec![0.0; n], &c), n);
+        }
+    }
+
+    #[test]
+    fn verify_cost_interpolates_and_extrapolates() {
+        let c = CostModel { verify: vec![(5, 10.0), (9, 30.0), (17, 30.0), (33, 62.0)], ..linear(3.0, 0.0) };
+        assert_eq!(c.verify_us(5), 10.0);
+        assert_eq!(c.verify_us(7), 20.0);
+        assert_eq!(c.verify_us(12), 30.0);
+        assert_eq!(c.verify_us(65), 126.0, "past the last point: the last slope, 2 per node");
+        assert_eq!(c.verify_us(3), 0.0, "before the first: the first slope, clamped at 0");
+        assert_eq!(c.round_us(8), 33.0);
+        let mut last = 0.0;
+        for n in 1..100 {
+            assert!(c.verify_us(n) >= last, "monotone at {n}");
+            last = c.verify_us(n);
+        }
+    }
+
+    #[test]
+    fn from_rounds_reproduces_the_measured_rounds() {
+        let rounds = [(4, 120.0), (8, 140.0), (16, 130.0), (32, 260.0)];
+        let c = CostModel::from_rounds("cpu", &rounds, "t".into()).unwrap();
+        assert_eq!(c.draft_us, 100.0, "the line through (4, 120) and (8, 140) meets 0 nodes at 100");
+        assert_eq!(c.round_us(4), 120.0);
+        assert_eq!(c.round_us(8), 140.0);
+        assert_eq!(c.round_us(16), 140.0, "noise made 16 cheaper than 8: held at 8's cost");
+        assert_eq!(c.round_us(32), 260.0);
+        let back = CostModel::from_json(&c.to_json()).unwrap();
+        assert_eq!(back, c, "JSON round trip");
+    }
+
+    #[test]
+    fn bad_models_are_refused_with_the_reason() {
+        let good = linear(1.0, 1.0);
+        let bad = |f: &dyn Fn(&mut CostModel), want: &str| {
+            let mut m = good.clone();
+            f(&mut m);
+            let e = format!("{:#}", CostModel::from_json(&m.to_json()).unwrap_err());
+            assert!(e.contains(want), "{e}");
+        };
+        bad(&|m| m.schema = 2, "schema 2");
+        bad(&|m| m.verify = vec![], "no verify points");
+        bad(&|m| m.verify = vec![(3, 1.0), (3, 2.0)], "must increase");
+        bad(&|m| m.verify = vec![(3, 2.0), (5, 1.0)], "must not fall");
+        bad(&|m| m.draft_us = -1.0, "draft_us");
+        bad(&|m| (m.draft_us, m.verify) = (0.0, vec![(1, 0.0)]), "must be > 0");
+        for text in ["", "{", "[]", r#"{"schema":1}"#, &good.to_json().replace("\"note\"", "\"extra\": 1, \"note\"")] {
+            assert!(CostModel::from_json(text).is_err(), "{text}");
+        }
+    }
+
+    #[test]
+    fn buckets_follow_the_rule_one_round_late() {
+        assert_eq!(buckets(256), BUCKETS.to_vec());
+        assert_eq!(buckets(100), vec![4, 8, 16, 32, 64, 100]);
+        assert_eq!(buckets(3), vec![3]);
+        let c = linear(100.0, 1.0);
+        let mut a = AutoBudget::new(64, c.clone()).unwrap();
+        assert_eq!(a.budget(), 16);
+        // A tree that never stops: grow one bucket per round, up to the cap.
+        for want in [32, 64, 64] {
+            let b = a.budget();
+            assert_eq!(a.update(&vec![0.0; b]), b);
+            assert_eq!(a.budget(), want);
+        }
+        // Stops at 14 inside a 64 tree: the smallest bucket holding 14.
+        let p: Vec<f64> = (1..=64).map(|i| 0.8f64.powi(i).ln()).collect();
+        assert_eq!(a.update(&p), 14);
+        assert_eq!(a.budget(), 16);
+        // Hopeless scores: n* = 0 -> the smallest bucket; a tree smaller than its bucket that never stopped
+        // (n* = its size < the bucket) -> the smallest bucket holding it.
+        assert_eq!(a.update(&[-20.0; 16]), 0);
+        assert_eq!(a.budget(), 4);
+        a.update(&[0.0; 4]);
+        assert_eq!(a.budget(), 8);
+        a.update(&[0.0; 5]);
+        assert_eq!(a.budget(), 8);
+        a.restart();
+        assert_eq!(a.budget(), 16);
+        assert_eq!(AutoBudget::new(8, c.clone()).unwrap().budget(), 8);
+        assert!(AutoBudget::new(0, c).is_err());
+    }
+}

@@ -1,0 +1,169 @@
+//! `--budget auto`'s cost file: where it lives (`MODEL/kdtree-cost-<device>.json`, one per device), loading
+//! it with errors that name the file and the command that makes it, and `kdtree-run calibrate`, which makes
+//! it by timing real DDTree rounds at every bucket on this device (the engine's `ddtree::cost` turns the
+//! medians into the model: a round's whole cost, draft + tree + verify + walk, so on K2.6 the expert bytes a
+//! larger tree touches are in it). Tests: below; the CLI in tests/run_cli.rs.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, ensure, Context, Result};
+use kdtree_engine::ddtree::cost::{buckets, CostModel};
+use kdtree_engine::generate::{Mode, Sampling};
+use kdtree_engine::Loaded;
+
+use crate::args::CalibrateArgs;
+
+/// The text calibration generates from (when the model has a tokenizer): an ordinary request, so the rounds
+/// see the drafter's usual acceptance.
+const PROMPT: &str = "Explain step by step how binary search finds a number in a sorted list, then write a short \
+Python function that implements it, and test it on the list [1, 3, 5, 7, 9, 11, 13] for the numbers 7 and 8.";
+
+/// The device part of the cost file's name: "cpu", or the backend and GPU name as a slug
+/// ("cuda-nvidia-h200").
+pub fn device_slug(backend: &str, device: &str) -> String {
+    if backend == "cpu" {
+        return "cpu".into();
+    }
+    let raw = format!("{backend}-{device}").to_lowercase();
+    let mut slug = String::new();
+    for c in raw.chars() {
+        if c.is_ascii_alphanumeric() {
+            slug.push(c);
+        } else if !slug.ends_with('-') {
+            slug.push('-');
+        }
+    }
+    slug.trim_matches('-').to_string()
+}
+
+/// `MODEL/kdtree-cost-<slug>.json`.
+pub fn cost_path(model: &Path, slug: &str) -> PathBuf {
+    model.join(format!("kdtree-cost-{slug}.json"))
+}
+
+/// The `--device` flag that picks `backend` again.
+fn device_flag(backend: &str) -> &'static str {
+    if backend == "cpu" {
+        "cpu"
+    } else {
+        "cuda"
+    }
+}
+
+/// The cost model of `loaded`'s device for the model in `model`; an error naming the file (and, when it is
+/// missing, the calibrate command) otherwise.
+pub fn load_cost(model: &Path, loaded: &Loaded) -> Result<CostModel> {
+    let slug = device_slug(&loaded.backend, &loaded.device);
+    let path = cost_path(model, &slug);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => bail!(
+            "--budget auto: {} not found: no cost model of this model on this device ({slug}); make it with `kdtree-run calibrate {} --device {}`, or give a fixed --budget N",
+            path.display(),
+            model.display(),
+            device_flag(&loaded.backend)
+        ),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    };
+    let cost = CostModel::from_json(&text).with_context(|| format!("{}: a bad cost file (recalibrate: `kdtree-run calibrate {}`)", path.display(), model.display()))?;
+    ensure!(cost.device == slug, "{}: measured on {:?}, but this run is on {slug:?}", path.display(), cost.device);
+    Ok(cost)
+}
+
+/// One bucket's measurement: the round times (µs) and the tokens the timed rounds emitted.
+struct Bucket {
+    budget: usize,
+    times_us: Vec<f64>,
+    tokens: usize,
+}
+
+impl Bucket {
+    fn median(&self) -> f64 {
+        let mut t = self.times_us.clone();
+        t.sort_by(f64::total_cmp);
+        let n = t.len();
+        if n % 2 == 1 {
+            t[n / 2]
+        } else {
+            (t[n / 2 - 1] + t[n / 2]) / 2.0
+        }
+    }
+}
+
+/// `warmup` untimed then `rounds` timed DDTree rounds at `budget` from `prompt` (prefilling again, untimed,
+/// whenever the context is about to run out).
+fn measure(loaded: &mut Loaded, prompt: &[u32], budget: usize, warmup: usize, rounds: usize) -> Result<Bucket> {
+    let mut s = loaded.session(Mode::DDTree { budget })?;
+    let (block, max) = (s.block_size(), s.info().max_positions);
+    ensure!(prompt.len() + 2 * block < max, "the calibration prompt ({} tokens) leaves no room for a round under max_positions {max}", prompt.len());
+    let greedy = Sampling::greedy();
+    // Room for every round at once (a cache that grows midway would re-capture a GPU round inside the timing).
+    s.reserve(prompt.len() + (warmup + rounds + 1) * block)?;
+    s.prefill(prompt, &greedy)?;
+    let mut b = Bucket { budget, times_us: Vec::with_capacity(rounds), tokens: 0 };
+    for i in 0..warmup + rounds {
+        if !s.can_step() || s.committed() + 2 * block >= max {
+            s.prefill(prompt, &greedy)?;
+        }
+        let t = Instant::now();
+        let e = s.step()?; // a round ends with its one read back: its wall time is the round's
+        let us = t.elapsed().as_secs_f64() * 1e6;
+        if i >= warmup {
+            b.times_us.push(us);
+            b.tokens += e.tokens.len();
+        }
+    }
+    Ok(b)
+}
+
+/// `kdtree-run calibrate`: measure every bucket up to `--budget-max`, write the cost file, say what it holds.
+pub fn run(a: &CalibrateArgs) -> Result<()> {
+    let log = |m: std::fmt::Arguments| {
+        if !a.quiet {
+            kdtree_text::console::say(format_args!("kdtree-run calibrate: {m}"));
+        }
+    };
+    let mut model = crate::load::load(&a.model, a.device, !a.quiet)?;
+    ensure!(model.loaded.has_drafter(), "{} has no drafter: --budget auto is for DDTree", a.model.display());
+    let slug = device_slug(&model.loaded.backend, &model.loaded.device);
+    let path = cost_path(&a.model, &slug);
+    let prompt: Vec<u32> = match &model.tokenizer {
+        Some(t) => t.try_encode(PROMPT).with_context(|| "encoding the calibration prompt")?,
+        None => (0..48u32).map(|i| (i * 7919 + 13) % model.loaded.info().vocab_size as u32).collect(),
+    };
+    let rounds = a.rounds as usize;
+    log(format_args!("{} on {slug}: buckets {:?}, {} warm-up + {rounds} timed rounds each, prompt of {} tokens", a.model.display(), buckets(a.budget_max as usize), a.warmup, prompt.len()));
+    let mut measured = Vec::new();
+    for budget in buckets(a.budget_max as usize) {
+        let b = measure(&mut model.loaded, &prompt, budget, a.warmup, rounds)?;
+        let (med, tpr) = (b.median(), b.tokens as f64 / rounds as f64);
+        log(format_args!("budget {:>4}: {med:>10.1} µs a round (median of {rounds}), {tpr:.2} tokens a round, {:.1} tokens/s", b.budget, tpr * 1e6 / med));
+        measured.push((b.budget, med));
+    }
+    let note = format!("kdtree-run calibrate: median of {rounds} greedy rounds after {} warm-up, per bucket, on the built-in prompt ({} tokens) of {}", a.warmup, prompt.len(), a.model.display());
+    let cost = CostModel::from_rounds(&slug, &measured, note)?;
+    crate::paths::write_atomic(&path, cost.to_json().as_bytes()).with_context(|| format!("writing {}", path.display()))?;
+    log(format_args!("wrote {} (draft {:.1} µs, verify at {} points)", path.display(), cost.draft_us, cost.verify.len()));
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slugs_name_the_device() {
+        assert_eq!(device_slug("cpu", "cpu"), "cpu");
+        assert_eq!(device_slug("cuda", "NVIDIA H200"), "cuda-nvidia-h200");
+        assert_eq!(device_slug("cuda", "NVIDIA GeForce RTX 5090 (D)"), "cuda-nvidia-geforce-rtx-5090-d");
+        assert_eq!(cost_path(Path::new("m"), "cpu"), Path::new("m/kdtree-cost-cpu.json"));
+    }
+
+    #[test]
+    fn medians() {
+        let b = |t: &[f64]| Bucket { budget: 1, times_us: t.to_vec(), tokens: 0 }.median();
+        assert_eq!(b(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(b(&[4.0, 1.0, 2.0, 3.0]), 2.5);
+    }
+}
