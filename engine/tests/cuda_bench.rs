@@ -56,7 +56,11 @@ fn w4a16_bandwidth() {
             let x = rand_bf16(&mut r, m * k, 0.01, 1.0);
             let dx = g.upload(&x).unwrap();
             let plan = ops::w4a16_gemm::plan_dense(&g, m, n, k);
-            let mut ws = g.zeros::<f32>(plan.workspace_len(m, n)).unwrap();
+            let cap0 = g.w4a16_max_splits();
+            g.set_w4a16_max_splits(64);
+            let widest = ops::w4a16_gemm::plan_dense(&g, m, n, k);
+            g.set_w4a16_max_splits(cap0);
+            let mut ws = g.zeros::<f32>(plan.workspace_len(m, n).max(widest.workspace_len(m, n))).unwrap();
             let mut out = g.zeros::<bf16>(m * n).unwrap();
             let (eb, es) = (n * k / 2, n * k / 32);
             let mut call = |i: usize| {
@@ -98,15 +102,17 @@ fn w4a16_bandwidth() {
                 (bytes + xy) as f64 / (ms * 1e-3) / 1e9,
                 copy
             );
-            // The plan's knobs, the same calls: blocks per SM the split count aims at, and PDL on or off.
-            let (bps0, pdl0) = (g.w4a16_blocks_per_sm(), g.pdl());
-            for (bps, pdl) in [(2usize, true), (1, true), (4, false)] {
+            // The plan's knobs, the same calls: blocks per SM the split count aims at, the split cap, and PDL
+            // on or off (the workspace above holds the largest plan: 4 blocks per SM, up to 64 splits).
+            let (bps0, cap0, pdl0) = (g.w4a16_blocks_per_sm(), g.w4a16_max_splits(), g.pdl());
+            for (bps, cap, pdl) in [(4usize, 64usize, true), (4, 8, true), (2, 16, true), (4, 16, false)] {
                 g.set_w4a16_blocks_per_sm(bps);
+                g.set_w4a16_max_splits(cap);
                 g.set_pdl(pdl && pdl0);
                 let p = ops::w4a16_gemm::plan_dense(&g, m, n, k);
                 let ms = time_graph_median_ms(&g, 4 * copies.max(10), 5, &mut call);
                 println!(
-                    "BENCH w4a16_cfg n={n} k={k} m={m} blocks_per_sm={bps} pdl={} splits={} graph_us={:.3} gbps={:.1}",
+                    "BENCH w4a16_cfg n={n} k={k} m={m} blocks_per_sm={bps} max_splits={cap} pdl={} splits={} graph_us={:.3} gbps={:.1}",
                     pdl && pdl0,
                     p.splits,
                     ms * 1e3,
@@ -114,6 +120,7 @@ fn w4a16_bandwidth() {
                 );
             }
             g.set_w4a16_blocks_per_sm(bps0);
+            g.set_w4a16_max_splits(cap0);
             g.set_pdl(pdl0);
             // cuBLAS bf16 on the same shape (4x the weight bytes), rotated the same way.
             let (wcopies, wsz) = (wb.len() / (n * k), n * k);

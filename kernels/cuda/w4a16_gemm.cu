@@ -267,10 +267,12 @@ __device__ __forceinline__ void w4a16_cta(const bf16* __restrict__ x, int ld_x, 
     if (!is_last) return;
     __threadfence();
     if (threadIdx.x == 0) *o.counter = 0u;
-    // Four outputs per thread at a time, their S partials loaded ahead of the (in-order) sums.
+    // Up to four outputs per thread at a time (only real ones), their S partials loaded ahead of the
+    // (in-order) sums.
     const int cols = min(ROWS_PER_CTA, N - n0), total = tile.count * cols;
     const size_t split_stride = (size_t)o.ws_rows * o.ld_ws;
     for (int c0 = threadIdx.x; c0 < total; c0 += 4 * blockDim.x) {
+        const int nj = min(4, (total - c0 + (int)blockDim.x - 1) / (int)blockDim.x);
         size_t off[4];
         float a[4];
 #pragma unroll
@@ -279,15 +281,21 @@ __device__ __forceinline__ void w4a16_cta(const bf16* __restrict__ x, int ld_x, 
             off[j] = (size_t)tile.orow[c / cols] * o.ld_ws + o.col0 + n0 + c % cols;
             a[j] = 0.f;
         }
+        if (nj == 1) {
+#pragma unroll 8
+            for (int sp_ = 0; sp_ < o.splits; sp_++) a[0] += __ldcg(o.ws + sp_ * split_stride + off[0]);
+        } else {
 #pragma unroll 4
-        for (int sp_ = 0; sp_ < o.splits; sp_++) {
+            for (int sp_ = 0; sp_ < o.splits; sp_++) {
 #pragma unroll
-            for (int j = 0; j < 4; j++) a[j] += __ldcg(o.ws + sp_ * split_stride + off[j]);
+                for (int j = 0; j < 4; j++)
+                    if (j < nj) a[j] += __ldcg(o.ws + sp_ * split_stride + off[j]);
+            }
         }
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             const int c = c0 + j * (int)blockDim.x;
-            if (c < total) o.out[(size_t)tile.orow[c / cols] * o.ld_out + o.col0 + n0 + c % cols] = __float2bfloat16_rn(a[j]);
+            if (j < nj && c < total) o.out[(size_t)tile.orow[c / cols] * o.ld_out + o.col0 + n0 + c % cols] = __float2bfloat16_rn(a[j]);
         }
     }
 }

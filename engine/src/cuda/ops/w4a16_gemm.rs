@@ -82,7 +82,7 @@ fn mt_for(rows: usize) -> usize {
 
 /// The plan for `row_tiles` tiles of `8 mt` rows over an `[n, k]` weight matrix, `rows` rows of x in all.
 fn plan_for(gpu: &Gpu, mt: usize, row_tiles: usize, rows: usize, n: usize, k: usize) -> Plan {
-    let d = Device { sms: gpu.sms, smem_per_sm: gpu.smem_per_sm, max_smem: gpu.max_smem, blocks_per_sm: gpu.w4a16_blocks_per_sm() };
+    let d = Device { sms: gpu.sms, smem_per_sm: gpu.smem_per_sm, max_smem: gpu.max_smem, blocks_per_sm: gpu.w4a16_blocks_per_sm(), max_splits: gpu.w4a16_max_splits() };
     plan_on(d, mt, row_tiles, rows, n, k)
 }
 
@@ -94,6 +94,9 @@ struct Device {
     max_smem: usize,
     /// Blocks per SM the split count aims at ([`crate::cuda::Gpu::w4a16_blocks_per_sm`]).
     blocks_per_sm: usize,
+    /// At most this many k-splits: the last split block sums them one after another, so many splits make a
+    /// long tail ([`crate::cuda::Gpu::w4a16_max_splits`]).
+    max_splits: usize,
 }
 
 fn plan_on(gpu: Device, mt: usize, row_tiles: usize, rows: usize, n: usize, k: usize) -> Plan {
@@ -103,7 +106,7 @@ fn plan_on(gpu: Device, mt: usize, row_tiles: usize, rows: usize, n: usize, k: u
     // Splits fill the GPU, but their f32 partials (written and read once: 8 bytes per row, output and split)
     // stay under a quarter of the weight bytes (n k / 2 packed + n k / 16 scales).
     let by_traffic = ((n * k * 9 / 16) / (4 * 8 * rows.max(1) * n)).max(1);
-    let want = (bps * gpu.sms).div_ceil(blocks).clamp(1, nkb).min(by_traffic);
+    let want = (bps * gpu.sms).div_ceil(blocks).clamp(1, nkb).min(by_traffic).min(gpu.max_splits.max(1));
     let mut kbps = nkb.div_ceil(want);
     // Shared memory per block small enough for `bps` blocks to be resident (1 KB per block is reserved by
     // the system, plus the static row maps).
@@ -391,7 +394,7 @@ mod tests {
     use super::*;
 
     /// H200 figures (132 SMs, 228 KB of shared memory per SM, 227 KB per block opt-in).
-    const H200: Device = Device { sms: 132, smem_per_sm: 233_472, max_smem: 232_448, blocks_per_sm: BLOCKS_PER_SM };
+    const H200: Device = Device { sms: 132, smem_per_sm: 233_472, max_smem: 232_448, blocks_per_sm: BLOCKS_PER_SM, max_splits: 64 };
 
     #[test]
     fn smem_row_stride_avoids_bank_conflicts_and_holds_the_slice() {
