@@ -53,9 +53,11 @@ fn dummy_lists_exactly_the_converted_rank() {
     }
     assert_eq!(ds.bytes(), real.iter().map(|t| t.nbytes).sum::<u64>());
     assert_eq!((ds.ranks(), ds.slice_rank()), (2, Some(1)));
-    let e = ds.tensor(&real[0].name, 0).err().expect("rank 0 is not held").to_string();
+    let Err(e) = ds.tensor(&real[0].name, 0) else { panic!("rank 0 is not held") };
+    let e = e.to_string();
     assert!(e.contains(&real[0].name) && e.contains("rank 1 of 2"), "{e}");
-    let e = ds.tensor("nope.weight", 1).err().unwrap().to_string();
+    let Err(e) = ds.tensor("nope.weight", 1) else { panic!("not in the plan") };
+    let e = e.to_string();
     assert!(e.contains("nope.weight"), "{e}");
 }
 

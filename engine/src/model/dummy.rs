@@ -13,6 +13,7 @@
 //! * f32 (e_score_correction_bias): U(−0.01, 0.01);
 //! * INT4 nibble stacks: uniform bytes (q uniform over −8..7); their bf16 group scales U(0.5, 1.5)/(8√K),
 //!   K = the logical input width, so a dequantised weight is below 12/(8√K) = 1.5/√K in magnitude.
+//!
 //! Tensor seed = splitmix64 chain of (seed, rank, FNV-1a of the name): distinct per tensor and rank,
 //! stable across runs and builds. Tests: engine/tests/dummy_load.rs; GPU: engine/tests/cuda_target.rs.
 
