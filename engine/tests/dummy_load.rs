@@ -134,3 +134,24 @@ fn a_dummy_model_runs_whole_and_as_a_rank_slice() {
         assert_eq!(dd.tokens, ar.tokens, "greedy DDTree == AR on the slice, budget {budget}");
     }
 }
+
+/// The TP8 rank-0 slice of the full K2.6 (+ its DFlash drafter) is planned without allocating anything,
+/// and its bytes fit one H200 (139 GiB) with room for caches and activations.
+#[test]
+fn k26_rank0_slice_fits_one_h200() {
+    let p = resolve("k26", None).unwrap();
+    let (c, d) = (configs::model_config(&p).to_string(), configs::drafter_config(&p).to_string());
+    let ds = DummySource::from_json("k26/config.json", &c, Some(("k26/drafter/config.json", &d)), 8, 0, 0).unwrap();
+    let (all, drafter): (u64, u64) = ds.listing().iter().fold((0, 0), |(a, dr), (n, dt, s)| {
+        let b = kdtree_formats::dtype::byte_len(*dt, s).unwrap() as u64;
+        (a + b, dr + if n.starts_with("drafter.") { b } else { 0 })
+    });
+    println!("k26 rank 0 of 8: {:.2} GB ({:.2} GiB), drafter {:.2} GB", all as f64 / 1e9, all as f64 / (1u64 << 30) as f64, drafter as f64 / 1e9);
+    assert_eq!(all, ds.bytes());
+    assert!(all < 100 << 30, "{all} bytes do not leave room on a 139 GiB H200");
+    // The slice's routed experts: 60 MoE layers x 3 projections x 384 experts of 256 x 7168 INT4 + scales
+    // (k26-format §5.3: 66.45 GiB per rank under TP8).
+    let routed: u64 = ds.listing().iter().filter(|(n, _, _)| n.contains(".mlp.experts.")).map(|(_, dt, s)| kdtree_formats::dtype::byte_len(*dt, s).unwrap() as u64).sum();
+    assert_eq!(routed, 60 * 3 * 384 * (256 * 7168 / 2 + 256 * 7168 / 32 * 2));
+    assert!((routed as f64 / (1u64 << 30) as f64 - 66.45).abs() < 0.01, "{routed}");
+}
