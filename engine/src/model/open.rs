@@ -8,8 +8,10 @@
 //! target's per-rank embed_tokens / lm_head (vocab-parallel, merged in global id order) and gets the
 //! target taps it was trained on (`dflash_config.target_layer_ids`). The drafter's own `drafter.*` weights
 //! are gathered to logical tensors (its forward has no TP split yet). Interface:
-//! docs/design/interfaces.md "engine → tools". Tests: engine/tests/target_plans.rs
-//! (`open_loads_target_and_drafter`, `cuda_without_the_feature_is_a_typed_error`).
+//! docs/design/interfaces.md "engine → tools". [`open_dummy`] does the same from a [`DummySource`] (a rank
+//! slice of seeded dummy weights, filled where the model runs; the CUDA path takes a slice of any rank count).
+//! Tests: engine/tests/target_plans.rs (`open_loads_target_and_drafter`, `cuda_without_the_feature_is_a_typed_error`),
+//! engine/tests/dummy_load.rs, cuda_target.rs (dummy on the GPU).
 
 use super::attention::AttnMode;
 use super::dummy::DummySource;
