@@ -100,7 +100,8 @@ impl DummySource {
     }
 
     /// From config.json bodies (HF layout: nested `text_config` means K2.6 names, `language_model.`;
-    /// a drafter's config.json when given); `path` names them in errors.
+    /// a drafter's config.json when given); `path` names them in errors. Routed experts are split MoE-TP
+    /// (vLLM's default without expert parallelism; the CUDA backend runs only that split).
     pub fn from_json(path: &str, config: &str, drafter: Option<(&str, &str)>, ranks: usize, rank: usize, seed: u64) -> Result<DummySource> {
         let text = parse_text_config(path, config)?;
         let nested = kdtree_formats::config::has_text_config(config);
