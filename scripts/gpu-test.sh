@@ -51,7 +51,7 @@ status=0
 # context) invalidates a capture in flight. One process per GPU, as kdtree-run is, never meets that.
 for t in cuda_ddtree cuda_sample cuda_drafter cuda_round cuda_ops cuda_gemm cuda_mla cuda_target; do
   echo "== $t (parity)"
-  case $t in cuda_ddtree|cuda_round|cuda_ops) threads="--test-threads=1";; *) threads="";; esac
+  case $t in cuda_ddtree|cuda_round|cuda_ops|cuda_target) threads="--test-threads=1";; *) threads="";; esac
   # Poisoned: buffers an op should write in full start as NaN bytes (Gpu::out), so reading unwritten memory fails.
   KDTREE_CUDA_POISON=1 "$dir/$t" --nocapture $threads 2>&1 | tee -a "$log" | grep -E "^(PARITY|BOUNDARY|test |test result|thread|  left|  right|SKIP)|panicked"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
@@ -242,6 +242,13 @@ if [ "${KDTREE_GPU_BENCH:-1}" = 1 ]; then
   echo "== cuda_bench (timings)"
   # KDTREE_GPU_BENCH_FILTER: only the timings whose test name contains it (e.g. ddtree_tree_stages).
   "$dir/cuda_bench" --ignored --nocapture --test-threads=1 ${KDTREE_GPU_BENCH_FILTER:-} 2>&1 | tee -a "$log" | grep -E "^(BENCH|test result)|panicked"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if [ "${KDTREE_GPU_K26:-0}" = 1 ] && [ -x "$dir/cuda_k26_slice" ]; then
+  # The TP8 rank-0 slice of the full K2.6 from dummy weights (~78 GB filled on the GPU): fill, AR step,
+  # DDTree rounds at budgets 16, 64, 256 (engine/tests/cuda_k26_slice.rs). Off by default (KDTREE_GPU_K26=1).
+  echo "== cuda_k26_slice (timings)"
+  "$dir/cuda_k26_slice" --ignored --nocapture --test-threads=1 2>&1 | tee -a "$log" | grep -E "^(BENCH|test result)|panicked"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 echo

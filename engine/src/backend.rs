@@ -13,7 +13,7 @@
 //!
 //! Letters: T rows (tokens / tree nodes), H hidden, V vocab, R ranks, E experts.
 
-use crate::cpu::ops::{MlaDims, Router};
+use crate::cpu::ops::{Fill, MlaDims, Router};
 use crate::ddtree::Visibility;
 use crate::model::source::Slab;
 use crate::model::weights::{I4Stack, Mat};
@@ -108,6 +108,30 @@ pub trait Backend: Clone + Send + Sync + 'static {
     fn upload_vector_f32(&self, v: Slab<f32>) -> Result<Self::VectorF32>;
     /// Rows of a bf16 matrix (its output width).
     fn mat_rows(&self, m: &Self::Mat) -> usize;
+
+    // ---- dummy weights (`--load-format dummy`; fills of cpu::ops::fill, the spec) ----
+    // The defaults fill on the host and upload (the CPU backend); a device backend overrides all four and
+    // fills its buffers in place, so no weight byte exists on the host.
+    /// A bf16 matrix `[rows, cols]` filled by `f`.
+    fn fill_bf16(&self, rows: usize, cols: usize, f: &Fill) -> Result<Self::Mat> {
+        self.upload_bf16(Mat { w: Slab::Owned(crate::cpu::ops::fill_bf16(rows * cols, f)?), rows, cols })
+    }
+    /// A bf16 vector `[n]` filled by `f`.
+    fn fill_vector(&self, n: usize, f: &Fill) -> Result<Self::Vector> {
+        self.upload_vector(Slab::Owned(crate::cpu::ops::fill_bf16(n, f)?))
+    }
+    /// An f32 vector `[n]` filled by `f`.
+    fn fill_vector_f32(&self, n: usize, f: &Fill) -> Result<Self::VectorF32> {
+        self.upload_vector_f32(Slab::Owned(crate::cpu::ops::fill_f32(n, f)?))
+    }
+    /// An INT4 group-32 stack (global experts `first..first + count`, `[count, n, k]`): packed bytes
+    /// `[count, n, k/2]` filled by `packed`, bf16 scales `[count, n, k/32]` by `scales`.
+    #[allow(clippy::too_many_arguments)]
+    fn fill_i4g32(&self, first: usize, count: usize, n: usize, k: usize, packed: &Fill, scales: &Fill) -> Result<Self::I4> {
+        let p = crate::cpu::ops::fill_u8(count * n * k / 2, packed)?;
+        let s = crate::cpu::ops::fill_bf16(count * n * k / 32, scales)?;
+        self.upload_i4g32(I4Stack { packed: Slab::Owned(p), scales: Slab::Owned(s), first, count, n, k })
+    }
 
     // ---- positions, masks, ids ----
     /// The table where the ops read it.

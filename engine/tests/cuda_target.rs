@@ -141,3 +141,82 @@ fn cuda_target_matches_the_cpu_reference() {
         assert!(margin <= TARGET_LOGITS_TOL * scale, "greedy AR diverged at step {same} where the CPU's margin {margin} is no near-tie");
     }
 }
+
+/// `--load-format dummy`: the CUDA fills (kernels/cuda/fill.cu) equal the CPU spec (cpu::ops::fill) bit
+/// for bit, on odd lengths, lengths past one Philox block and a stack larger than one grid-stride pass.
+#[test]
+fn dummy_fill_matches_the_cpu() {
+    use kdtree_engine::backend::Backend;
+    use kdtree_engine::cpu::ops::{fill_bf16, fill_f32, fill_u8, Fill};
+    let Some(gpu) = gpu() else { return };
+    let b = CudaBackend::new(Arc::new(gpu));
+    let g = b.gpu();
+    for (rows, cols, seed) in [(1usize, 1usize, 0u64), (3, 7, 1), (61, 1537, 0xdead_beef_0123), (1024, 7168, 7)] {
+        let f = Fill::Uniform { seed, center: 0.0, half: 1.0 / (cols as f32).sqrt() };
+        let case = format!("fill_bf16(rows={rows},cols={cols},seed={seed})");
+        let m = b.fill_bf16(rows, cols, &f).unwrap();
+        assert_eq!(g.download(&m.w).unwrap(), fill_bf16(rows * cols, &f).unwrap(), "{case}");
+        let v = b.fill_vector(cols, &Fill::Uniform { seed, center: 1.0, half: 0.1 }).unwrap();
+        assert_eq!(g.download(&v).unwrap(), fill_bf16(cols, &Fill::Uniform { seed, center: 1.0, half: 0.1 }).unwrap(), "fill_vector({case})");
+        let fb = Fill::Uniform { seed, center: 0.0, half: 0.01 };
+        let v = b.fill_vector_f32(rows, &fb).unwrap();
+        assert_eq!(g.download(&v).unwrap(), fill_f32(rows, &fb).unwrap(), "fill_vector_f32({case})");
+        println!("PARITY {case}: bit-identical");
+    }
+    // An expert stack: [count, n, k/2] bytes (odd count of 16-byte blocks) and [count, n, k/32] scales.
+    for (count, n, k) in [(3usize, 32usize, 128usize), (384, 256, 7168)] {
+        let (fp, fs) = (Fill::Bytes { seed: 5 }, Fill::Uniform { seed: 6, center: 1.0 / 677.0, half: 0.5 / 677.0 });
+        let s = b.fill_i4g32(0, count, n, k, &fp, &fs).unwrap();
+        assert_eq!(g.download(&s.packed).unwrap(), fill_u8(count * n * k / 2, &fp).unwrap(), "fill_i4g32 packed [{count}, {n}, {k}/2]");
+        assert_eq!(g.download(&s.scales).unwrap(), fill_bf16(count * n * k / 32, &fs).unwrap(), "fill_i4g32 scales [{count}, {n}, {k}/32]");
+        println!("PARITY fill_i4g32(count={count},n={n},k={k}): bit-identical");
+    }
+}
+
+/// The tiny preset's dummy rank slice 1 of 2 (and the whole model) on CUDA and on the CPU: the same
+/// seeded weights, so greedy AR gives the same tokens until a step whose CPU top-2 margin is within the
+/// logits tolerance (a bf16 near-tie may flip it), and the CUDA slice drafts and runs device rounds.
+#[test]
+fn dummy_tiny_on_cuda_gives_the_cpu_greedy_tokens() {
+    use kdtree_engine::model::open::{open_dummy, open_dummy_cuda_on};
+    use kdtree_engine::model::DummySource;
+    use kdtree_engine::{Device, OpenOptions};
+    let Some(gpu) = gpu() else { return };
+    let gpu = Arc::new(gpu);
+    let p = kdtree_convert::synth::resolve("tiny", None).unwrap();
+    let (c, d) = (kdtree_convert::synth::configs::model_config(&p).to_string(), kdtree_convert::synth::configs::drafter_config(&p).to_string());
+    for (ranks, rank) in [(1usize, 0usize), (2, 1)] {
+        let src = || DummySource::from_json("tiny/config.json", &c, Some(("tiny/drafter/config.json", &d)), ranks, rank, 21).unwrap();
+        let opts = OpenOptions { attn_mode: AttnMode::Absorbed, progress: false };
+        let mut cpu = open_dummy(src(), Device::Cpu, opts).unwrap();
+        let mut cuda = open_dummy_cuda_on(src(), gpu.clone()).unwrap();
+        let v = cpu.target.info().vocab_size;
+        assert_eq!(cuda.target.info().vocab_size, v);
+        // Teacher-forced greedy: both see the CPU's tokens; each step's argmax is compared.
+        let mut toks: Vec<u32> = vec![1, 300 % v as u32, 5, 9];
+        let chain = |n: usize| (0..n as i32).map(|i| i - 1).collect::<Vec<_>>();
+        let (mut a, mut b) = (cpu.target.forward_rows(&toks, &chain(4), LogitRows::Last).unwrap(), cuda.target.forward_rows(&toks, &chain(4), LogitRows::Last).unwrap());
+        for step in 0..16 {
+            let argmax = |l: &[f32]| kdtree_engine::cpu::ops::argmax(l) as u32;
+            let (ta, tb) = (argmax(&a.logits), argmax(&b.logits));
+            if ta != tb {
+                let scale = a.logits.iter().fold(0f32, |m, x| m.max(x.abs())) as f64;
+                let margin = (a.logits[ta as usize] - a.logits[tb as usize]) as f64;
+                println!("PARITY dummy r{rank}/{ranks} greedy step {step}: cpu {ta} cuda {tb}, CPU margin {margin:.3e} (tolerance {:.3e})", TARGET_LOGITS_TOL * scale);
+                assert!(margin <= TARGET_LOGITS_TOL * scale, "dummy r{rank}/{ranks}: greedy differs at step {step} with no near-tie");
+            }
+            let n = if step == 0 { toks.len() } else { 1 };
+            cpu.target.commit(&(0..n).collect::<Vec<_>>()).unwrap();
+            cuda.target.commit(&(0..n).collect::<Vec<_>>()).unwrap();
+            toks.push(ta);
+            a = cpu.target.forward_rows(&[ta], &[-1], LogitRows::Last).unwrap();
+            b = cuda.target.forward_rows(&[ta], &[-1], LogitRows::Last).unwrap();
+        }
+        println!("PARITY dummy r{rank}/{ranks} greedy 16 steps: cpu tokens {:?}", &toks[4..]);
+        // The sliced drafter on the GPU: DDTree generation runs (device rounds) and stays in the vocabulary.
+        let mut s = cuda.session(Mode::DDTree { budget: 16 }).unwrap();
+        let req = GenRequest { prompt: vec![1, 2, 3], max_tokens: 12, stop_token_ids: vec![], sampling: Sampling::greedy(), mode: Mode::DDTree { budget: 16 } };
+        let out = kdtree_engine::generate::generate(&mut s, &req, &mut |_| false).unwrap();
+        assert!(out.tokens.len() == 12 && out.tokens.iter().all(|&t| (t as usize) < v), "{:?}", out.tokens);
+    }
+}

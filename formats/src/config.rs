@@ -176,6 +176,12 @@ pub fn parse_text_config(path: &str, body: &str) -> Result<TextConfig, ConfigErr
     })
 }
 
+/// Whether a `config.json` body nests its text config under `text_config` (K2.5/K2.6, whose tensors
+/// are named `language_model.*`); false for a flat DeepseekV3 config or a body that is not a JSON object.
+pub fn has_text_config(body: &str) -> bool {
+    serde_json::from_str::<serde_json::Value>(body).is_ok_and(|v| v.get("text_config").is_some())
+}
+
 /// Parse a DFlash drafter `config.json` body.
 pub fn parse_drafter_config(path: &str, body: &str) -> Result<DrafterConfig, ConfigError> {
     let cfg: DrafterConfig =

@@ -30,10 +30,10 @@ use super::ops::rope::RopeLayout;
 use super::ops::mla_absorb::{absorb_q, apply_uv, AbsorbDims};
 use super::ops::gqa_attention::{gqa_attention, GqaShape, GqaSplit};
 use super::ops::mla_attention::{mla_attention, MlaShape, MlaSplit};
-use super::ops::{argmax, copy_rows, embed, gather_rows, gemm_bf16, kv_compact, moe_align, moe_combine, moe_router, round_state, w4a16_gemm};
+use super::ops::{argmax, copy_rows, embed, fill, gather_rows, gemm_bf16, kv_compact, moe_align, moe_combine, moe_router, round_state, w4a16_gemm};
 use super::{CudaError, Gpu};
 use crate::backend::{Backend, PosOf, RopeTable};
-use crate::cpu::ops::{MlaDims, Router};
+use crate::cpu::ops::{Fill, MlaDims, Router};
 use crate::ddtree::{TreeResult, Visibility};
 use super::tree::{DMask, DeviceTree};
 use crate::sampling::Sampling;
@@ -305,6 +305,28 @@ impl CudaBackend {
     }
 }
 
+impl CudaBackend {
+    /// Routed-expert shard shapes the W4A16 kernel takes.
+    fn i4_shape_ok(&self, count: usize, n: usize, k: usize) -> Result<()> {
+        if !n.is_multiple_of(w4a16_gemm::N_STEP) || !k.is_multiple_of(w4a16_gemm::K_STEP) {
+            bail!(
+                "routed experts of shard shape [{count}, {n}, {k}]: the CUDA W4A16 kernel needs N % {} == 0 and K % {} == 0 \
+                 (convert with fewer ranks, e.g. --ranks 1)",
+                w4a16_gemm::N_STEP,
+                w4a16_gemm::K_STEP
+            );
+        }
+        Ok(())
+    }
+    /// A new bf16 buffer of `n` elements filled by `f`.
+    fn filled_bf16(&self, n: usize, f: &Fill) -> R<CudaSlice<bf16>> {
+        // SAFETY: every element is written by the fill before any read.
+        let mut v = unsafe { self.gpu.stream.alloc::<bf16>(n) }.map_err(super::drv("fill alloc"))?;
+        fill::fill_bf16(&self.gpu, &mut v.as_view_mut(), f)?;
+        Ok(v)
+    }
+}
+
 fn qb_view(x: &CudaSlice<bf16>) -> cudarc::driver::CudaView<'_, bf16> {
     x.as_view()
 }
@@ -339,17 +361,7 @@ impl Backend for CudaBackend {
         Ok(DMat { w: self.gpu.upload(&m.w[..])?, rows: m.rows, cols: m.cols })
     }
     fn upload_i4g32(&self, s: I4Stack) -> Result<DI4> {
-        if !s.n.is_multiple_of(w4a16_gemm::N_STEP) || !s.k.is_multiple_of(w4a16_gemm::K_STEP) {
-            bail!(
-                "routed experts of shard shape [{}, {}, {}]: the CUDA W4A16 kernel needs N % {} == 0 and K % {} == 0 \
-                 (convert with fewer ranks, e.g. --ranks 1)",
-                s.count,
-                s.n,
-                s.k,
-                w4a16_gemm::N_STEP,
-                w4a16_gemm::K_STEP
-            );
-        }
+        self.i4_shape_ok(s.count, s.n, s.k)?;
         Ok(DI4 { packed: self.gpu.upload(&s.packed[..])?, scales: self.gpu.upload(&s.scales[..])?, first: s.first, count: s.count, n: s.n, k: s.k })
     }
     fn upload_vector(&self, v: Slab<bf16>) -> Result<CudaSlice<bf16>> {
@@ -360,6 +372,26 @@ impl Backend for CudaBackend {
     }
     fn mat_rows(&self, m: &DMat) -> usize {
         m.rows
+    }
+    // Dummy weights: allocated and filled in place (cuda/ops/fill.rs), no host bytes.
+    fn fill_bf16(&self, rows: usize, cols: usize, f: &Fill) -> Result<DMat> {
+        Ok(DMat { w: self.filled_bf16(rows * cols, f)?, rows, cols })
+    }
+    fn fill_vector(&self, n: usize, f: &Fill) -> Result<CudaSlice<bf16>> {
+        Ok(self.filled_bf16(n, f)?)
+    }
+    fn fill_vector_f32(&self, n: usize, f: &Fill) -> Result<CudaSlice<f32>> {
+        // SAFETY: every element is written by the fill before any read.
+        let mut v = unsafe { self.gpu.stream.alloc::<f32>(n) }.map_err(super::drv("fill alloc"))?;
+        fill::fill_f32(&self.gpu, &mut v.as_view_mut(), f)?;
+        Ok(v)
+    }
+    fn fill_i4g32(&self, first: usize, count: usize, n: usize, k: usize, packed: &Fill, scales: &Fill) -> Result<DI4> {
+        self.i4_shape_ok(count, n, k)?;
+        // SAFETY: every byte is written by the fill before any read.
+        let mut p = unsafe { self.gpu.stream.alloc::<u8>(count * n * k / 2) }.map_err(super::drv("fill alloc"))?;
+        fill::fill_u8(&self.gpu, &mut p.as_view_mut(), packed)?;
+        Ok(DI4 { packed: p, scales: self.filled_bf16(count * n * k / 32, scales)?, first, count, n, k })
     }
 
     fn rope_upload(&self, r: RopeTable) -> DRope {

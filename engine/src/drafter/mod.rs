@@ -31,14 +31,14 @@
 
 mod weights;
 
-pub use weights::{DraftLayer, DrafterDims, DrafterWeights};
+pub use weights::{slice_config, DraftLayer, DrafterDims, DrafterWeights};
 
 use crate::api::Drafter;
 use crate::backend::{Backend, PosOf};
 use crate::cpu::{ops, CpuBackend};
 use crate::model::source::Slab;
 use crate::model::weights::Mat;
-use anyhow::{bail, ensure, Result};
+use anyhow::{bail, ensure, Context, Result};
 use half::bf16;
 use kdtree_formats::config::DrafterConfig;
 use std::sync::Arc;
@@ -163,9 +163,13 @@ impl DFlashDrafter<CpuBackend> {
 }
 
 impl<B: Backend> DFlashDrafter<B> {
-    /// [`DFlashDrafter::load`] on backend `b`.
+    /// [`DFlashDrafter::load`] on backend `b`. A rank slice (`TensorSource::slice_rank`) loads that rank's
+    /// own shards as a drafter of [`weights::slice_config`]'s dims ([`DFlashDrafter::load_slice`]).
     pub fn load_on(b: B, src: &dyn crate::model::TensorSource, tables: Arc<dyn TargetTables<B>>) -> Result<Self> {
         let cfg = src.drafter_config().ok_or_else(|| anyhow::anyhow!("model has no drafter (no drafter config)"))?.clone();
+        if let Some(rank) = src.slice_rank() {
+            return Self::load_slice(b, src, &cfg, rank, tables);
+        }
         let dims = DrafterDims::from_config(&cfg)?;
         let w = DrafterWeights::load_with(&dims, |name, shape| {
             let (v, logical) = crate::model::source::gather_bf16(src, name)?;
@@ -175,11 +179,55 @@ impl<B: Backend> DFlashDrafter<B> {
         Self::new_on(b, &cfg, w, tables)
     }
 
+    /// Rank `rank` of a rank slice: the rank's own `drafter.*` shards (heads, kv heads and intermediate
+    /// split by the plan, fc and norms replicated), each filled on the backend when the source says so
+    /// (dummy weights: no host copy) or uploaded, as the drafter of `weights::slice_config(cfg, R)`:
+    /// what one GPU of R computes, without the all-reduces.
+    pub fn load_slice(b: B, src: &dyn crate::model::TensorSource, cfg: &DrafterConfig, rank: usize, tables: Arc<dyn TargetTables<B>>) -> Result<Self> {
+        use crate::model::source::{expect, pod_vec};
+        let scfg = weights::slice_config(cfg, src.ranks())?;
+        let dims = DrafterDims::from_config(&scfg)?;
+        let get = |name: &str, shape: &[usize]| -> Result<(kdtree_formats::TensorRef<'_>, Option<ops::Fill>)> {
+            Ok((expect(src, name, rank, kdtree_formats::Dtype::BF16, shape)?, src.fill(name, rank)))
+        };
+        let mat = |name: String, rows: usize, cols: usize| -> Result<B::Mat> {
+            match get(&name, &[rows, cols])? {
+                (_, Some(f)) => b.fill_bf16(rows, cols, &f).with_context(|| format!("filling {name} (rank {rank})")),
+                (t, None) => b.upload_bf16(Mat { w: Slab::Owned(pod_vec(t.data)), rows, cols }),
+            }
+        };
+        let vector = |name: String, n: usize| -> Result<B::Vector> {
+            match get(&name, &[n])? {
+                (_, Some(f)) => b.fill_vector(n, &f).with_context(|| format!("filling {name} (rank {rank})")),
+                (t, None) => b.upload_vector(Slab::Owned(pod_vec(t.data))),
+            }
+        };
+        let (h, qd, kd, i, hd) = (dims.hidden, dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim, dims.intermediate, dims.head_dim);
+        let mut layers = Vec::with_capacity(dims.layers);
+        for l in 0..dims.layers {
+            let p = format!("drafter.layers.{l}.");
+            layers.push(Layer {
+                input_layernorm: vector(format!("{p}input_layernorm.weight"), h)?,
+                q_proj: mat(format!("{p}self_attn.q_proj.weight"), qd, h)?,
+                k_proj: mat(format!("{p}self_attn.k_proj.weight"), kd, h)?,
+                v_proj: mat(format!("{p}self_attn.v_proj.weight"), kd, h)?,
+                o_proj: mat(format!("{p}self_attn.o_proj.weight"), h, qd)?,
+                q_norm: vector(format!("{p}self_attn.q_norm.weight"), hd)?,
+                k_norm: vector(format!("{p}self_attn.k_norm.weight"), hd)?,
+                post_attention_layernorm: vector(format!("{p}post_attention_layernorm.weight"), h)?,
+                gate_proj: mat(format!("{p}mlp.gate_proj.weight"), i, h)?,
+                up_proj: mat(format!("{p}mlp.up_proj.weight"), i, h)?,
+                down_proj: mat(format!("{p}mlp.down_proj.weight"), h, i)?,
+            });
+        }
+        let fc = mat("drafter.fc.weight".into(), h, dims.n_taps * h)?;
+        let (hidden_norm, norm) = (vector("drafter.hidden_norm.weight".into(), h)?, vector("drafter.norm.weight".into(), h)?);
+        Self::assemble(b, &scfg, dims, (fc, hidden_norm, norm), layers, tables)
+    }
+
     /// Upload host weights `w` to `b` and start an empty session.
     pub fn new_on(b: B, cfg: &DrafterConfig, w: DrafterWeights, tables: Arc<dyn TargetTables<B>>) -> Result<Self> {
         let dims = DrafterDims::from_config(cfg)?;
-        ensure!(tables.hidden_size() == dims.hidden, "drafter hidden {} != target hidden {}", dims.hidden, tables.hidden_size());
-        ensure!(tables.vocab_size() == dims.vocab, "drafter vocab {} != target vocab {}", dims.vocab, tables.vocab_size());
         ensure!(w.layers.len() == dims.layers, "drafter: {} layers loaded, config says {}", w.layers.len(), dims.layers);
         let (h, qd, kd, i) = (dims.hidden, dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim, dims.intermediate);
         let mat = |v: Vec<bf16>, rows: usize, cols: usize| b.upload_bf16(Mat { w: Slab::Owned(v), rows, cols });
@@ -201,6 +249,14 @@ impl<B: Backend> DFlashDrafter<B> {
             });
         }
         let (fc, hidden_norm, norm) = (mat(w.fc, h, dims.n_taps * h)?, vector(w.hidden_norm)?, vector(w.norm)?);
+        Self::assemble(b, cfg, dims, (fc, hidden_norm, norm), layers, tables)
+    }
+
+    /// A session over uploaded weights: (fc, hidden_norm, norm) and the layers, checked against the tables.
+    fn assemble(b: B, cfg: &DrafterConfig, dims: DrafterDims, top: (B::Mat, B::Vector, B::Vector), layers: Vec<Layer<B>>, tables: Arc<dyn TargetTables<B>>) -> Result<Self> {
+        ensure!(tables.hidden_size() == dims.hidden, "drafter hidden {} != target hidden {}", dims.hidden, tables.hidden_size());
+        ensure!(tables.vocab_size() == dims.vocab, "drafter vocab {} != target vocab {}", dims.vocab, tables.vocab_size());
+        let (fc, hidden_norm, norm) = top;
         let inv_freq = b.upload_vector_f32(Slab::Owned(ops::yarn_inv_freq(dims.head_dim, cfg.rope_theta, cfg.rope_scaling.as_ref())))?;
         let attention_factor = ops::yarn_attention_factor(cfg.rope_scaling.as_ref());
         let cache = (0..dims.layers).map(|_| LayerCache { k: b.act_from_host(Vec::new()), v: b.act_from_host(Vec::new()) }).collect();

@@ -56,6 +56,24 @@ impl DrafterDims {
     }
 }
 
+/// The drafter one rank of `ranks` computes alone (a rank slice, model/dummy.rs): query heads, kv heads and
+/// the MLP's intermediate width divided by R (the plan's head and intermediate splits), the vocabulary the
+/// target slice's V/R ids, and the mask token that vocabulary's row `mask_token_id mod V/R` (rank r's table
+/// holds other ids than the full model's mask; any row costs the same).
+pub fn slice_config(cfg: &DrafterConfig, ranks: usize) -> Result<DrafterConfig> {
+    let div = |what: &str, n: usize| -> Result<usize> {
+        ensure!(ranks > 0 && n.is_multiple_of(ranks), "drafter rank slice: {what} {n} does not divide over {ranks} ranks");
+        Ok(n / ranks)
+    };
+    let mut c = cfg.clone();
+    c.num_attention_heads = div("num_attention_heads", cfg.num_attention_heads)?;
+    c.num_key_value_heads = div("num_key_value_heads", cfg.num_key_value_heads)?;
+    c.intermediate_size = div("intermediate_size", cfg.intermediate_size)?;
+    c.vocab_size = div("vocab_size", cfg.vocab_size)?;
+    c.dflash_config.mask_token_id %= c.vocab_size as u32;
+    Ok(c)
+}
+
 /// One draft decoder layer, checkpoint names under `drafter.layers.{i}.`.
 pub struct DraftLayer {
     pub input_layernorm: Vec<bf16>,          // [H]

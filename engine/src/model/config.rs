@@ -18,6 +18,7 @@ pub const LATENT_NORM_EPS: f32 = 1e-6;
 #[derive(Debug, Clone)]
 pub struct ModelConfig {
     pub hidden: usize,
+    /// Vocabulary V (V/R for a rank slice: see `slice_rank`).
     pub vocab: usize,
     pub layers: usize,
     pub heads: usize,
@@ -48,7 +49,11 @@ pub struct ModelConfig {
     pub softmax_scale: f32,
     /// Which layers are MoE.
     pub moe_layers: Vec<bool>,
+    /// Rank count R of the plan the weights were loaded under.
     pub ranks: usize,
+    /// Some(r) when only rank r of the R ranks was loaded (a rank slice, `Weights::load_on`); `vocab` is
+    /// then that rank's V/R ids.
+    pub slice_rank: Option<usize>,
 }
 
 impl ModelConfig {
@@ -106,6 +111,7 @@ impl ModelConfig {
             softmax_scale: (qk.powf(-0.5) * mscale * mscale) as f32,
             moe_layers: (0..t.num_hidden_layers).map(|l| t.is_moe_layer(l)).collect(),
             ranks,
+            slice_rank: None,
         })
     }
     pub fn qk_head_dim(&self) -> usize {

@@ -1,6 +1,7 @@
 //! The Kimi K2.6 target model (DeepSeek-V3 architecture) on the CPU reference backend.
 //!
-//! * `source`: where weights come from (`TensorSource`: `ModelDir` shards or in-memory `MemSource`).
+//! * `source`: where weights come from (`TensorSource`: `ModelDir` shards or in-memory `MemSource`);
+//!   `dummy`: `DummySource`, the plan with seeded fills instead of bytes (`--load-format dummy`).
 //! * `config`: `ModelConfig`; `weights`: rank-first weights under the TP plan, uploaded through the backend.
 //! * `attention` (MLA, naive and absorbed), `ffn` (dense SwiGLU, MoE), `cache` (latent KV, tree mask).
 //! * `target`: `TargetModel<B>` (`CpuTarget` on the CPU), the `api::Target` implementation written once
@@ -13,6 +14,7 @@
 pub mod attention;
 pub mod cache;
 pub mod config;
+pub mod dummy;
 pub mod ffn;
 pub mod open;
 pub mod source;
@@ -22,6 +24,7 @@ pub mod trace;
 pub mod weights;
 
 pub use attention::AttnMode;
+pub use dummy::DummySource;
 pub use source::{MemSource, MemTensor, TensorSource};
 pub use target::{CpuTarget, TargetModel};
 pub use trace::{Trace, TraceData, TraceTensor};

@@ -8,10 +8,13 @@
 //! target's per-rank embed_tokens / lm_head (vocab-parallel, merged in global id order) and gets the
 //! target taps it was trained on (`dflash_config.target_layer_ids`). The drafter's own `drafter.*` weights
 //! are gathered to logical tensors (its forward has no TP split yet). Interface:
-//! docs/design/interfaces.md "engine → tools". Tests: engine/tests/target_plans.rs
-//! (`open_loads_target_and_drafter`, `cuda_without_the_feature_is_a_typed_error`).
+//! docs/design/interfaces.md "engine → tools". [`open_dummy`] does the same from a [`DummySource`] (a rank
+//! slice of seeded dummy weights, filled where the model runs; the CUDA path takes a slice of any rank count).
+//! Tests: engine/tests/target_plans.rs (`open_loads_target_and_drafter`, `cuda_without_the_feature_is_a_typed_error`),
+//! engine/tests/dummy_load.rs, cuda_target.rs (dummy on the GPU).
 
 use super::attention::AttnMode;
+use super::dummy::DummySource;
 use super::source::TensorSource;
 use super::target::CpuTarget;
 use super::weights::Weights;
@@ -130,42 +133,94 @@ pub fn open_cuda_on(dir: &Path, gpu: Arc<crate::cuda::Gpu>) -> Result<Loaded> {
 /// [`open_cuda_on`], with progress lines while the weights load when `progress`.
 #[cfg(feature = "cuda")]
 pub fn open_cuda_with(dir: &Path, gpu: Arc<crate::cuda::Gpu>, progress: bool) -> Result<Loaded> {
-    use crate::cuda::CudaBackend;
-    use crate::model::target::TargetModel;
     let md = ModelDir::open(dir).with_context(|| format!("opening model {}", dir.display()))?;
-    // The target's and the drafter's weights must fit the GPU, with room left for the caches and activations.
-    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     // Every rank's shards: a model converted for R ranks runs as R ranks side by side on this one GPU (their
     // partial sums reduced on the device in rank order, as the CPU reference does).
     let needed: u64 = md.manifest().tensors.iter().map(|t| t.nbytes).sum();
+    open_cuda_source(Arc::new(md), needed, gpu, progress, true).with_context(|| format!("uploading {}", dir.display()))
+}
+
+/// `src` (target and drafter, `needed` bytes) onto `gpu` after checking the bytes fit; `staged`: through
+/// the pinned staging buffers of [`crate::cuda::Gpu::begin_load`] (host bytes), else filled in place
+/// (dummy weights). Every rank of the source loads (R ranks on one GPU), or one rank slice (`slice_rank`).
+#[cfg(feature = "cuda")]
+fn open_cuda_source(src: Arc<dyn TensorSource>, needed: u64, gpu: Arc<crate::cuda::Gpu>, progress: bool, staged: bool) -> Result<Loaded> {
+    use crate::cuda::CudaBackend;
+    use crate::model::target::TargetModel;
+    // The target's and the drafter's weights must fit the GPU, with room left for the caches and activations.
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     let (free, total) = gpu.mem_info()?;
     anyhow::ensure!(
         needed + (1u64 << 30) <= free as u64,
-        "{}: the weights (target and drafter) need {:.2} GiB on {} (+1 GiB for the caches and activations), but only {:.2} GiB of {:.2} GiB are free",
-        dir.display(),
+        "the weights (target and drafter) need {:.2} GiB on {} (+1 GiB for the caches and activations), but only {:.2} GiB of {:.2} GiB are free",
         gib(needed),
         gpu.describe(),
         gib(free as u64),
         gib(total as u64)
     );
-    let src: Arc<dyn TensorSource> = Arc::new(md);
     let taps = src.drafter_config().map(|c| c.dflash_config.target_layer_ids.clone()).unwrap_or_default();
     let name = gpu.describe();
     let device = gpu.name();
     let backend = CudaBackend::new(gpu.clone());
-    // Through pinned staging buffers, with progress when asked (the staging ends even on an error).
-    gpu.begin_load(needed, progress)?;
+    // Host bytes go through pinned staging buffers, with progress when asked (the staging ends even on an error).
+    if staged {
+        gpu.begin_load(needed, progress)?;
+    }
     let loaded = (|| -> Result<Loaded> {
-        let w = Arc::new(Weights::load_on(backend.clone(), src.clone()).with_context(|| format!("uploading {} to {name}", dir.display()))?);
+        let w = Arc::new(Weights::load_on(backend.clone(), src.clone()).with_context(|| format!("loading the target onto {name}"))?);
         let target = TargetModel::new(w.clone(), taps, AttnMode::Absorbed)?;
         let drafter = match src.drafter_config() {
-            Some(_) => Some(Box::new(DFlashDrafter::load_on(backend, &*src, w).with_context(|| format!("uploading the drafter of {} to {name}", dir.display()))?) as Box<dyn Drafter>),
+            Some(_) => Some(Box::new(DFlashDrafter::load_on(backend, &*src, w).with_context(|| format!("loading the drafter onto {name}"))?) as Box<dyn Drafter>),
             None => None,
         };
         Ok(Loaded { backend: "cuda".into(), device, target: Box::new(target), drafter })
     })();
-    let ended = gpu.end_load();
+    let ended = if staged { gpu.end_load().map(|_| ()) } else { gpu.sync() };
     let loaded = loaded?;
     ended?;
     Ok(loaded)
+}
+
+/// Open dummy weights (`--load-format dummy`): `src`'s rank slice, every tensor filled from its seed on
+/// `device` (on a GPU in place: no weight byte on the host). With `opts.progress`, one line on stderr with
+/// the bytes filled and the time.
+pub fn open_dummy(src: DummySource, device: Device, opts: OpenOptions) -> Result<Loaded> {
+    let (bytes, (rank, ranks), seed) = (src.bytes(), src.rank(), src.seed());
+    let t0 = std::time::Instant::now();
+    let loaded = open_dummy_inner(src, device, opts)?;
+    if opts.progress {
+        eprintln!(
+            "kdtree: filled {:.2} GB of dummy weights (rank {rank} of {ranks}, seed {seed}) on {} in {:.1} s",
+            bytes as f64 / 1e9,
+            loaded.backend,
+            t0.elapsed().as_secs_f64()
+        );
+    }
+    Ok(loaded)
+}
+
+fn open_dummy_inner(src: DummySource, device: Device, opts: OpenOptions) -> Result<Loaded> {
+    #[cfg(feature = "cuda")]
+    match device {
+        Device::Cuda => return open_dummy_cuda_on(src, Arc::new(crate::cuda::Gpu::new(0)?)),
+        Device::Auto => {
+            if let Ok(gpu) = crate::cuda::Gpu::new(0) {
+                return open_dummy_cuda_on(src, Arc::new(gpu));
+            }
+        }
+        Device::Cpu => {}
+    }
+    #[cfg(not(feature = "cuda"))]
+    if device == Device::Cuda {
+        return Err(BackendError::NoCuda.into());
+    }
+    let m = open_cpu_source(Arc::new(src), opts)?;
+    Ok(Loaded { backend: "cpu".into(), device: "cpu".into(), target: Box::new(m.target), drafter: m.drafter.map(|d| Box::new(d) as Box<dyn Drafter>) })
+}
+
+/// [`open_dummy`] on the CUDA device `gpu` the caller keeps (the GPU tests and the k26 slice timing).
+#[cfg(feature = "cuda")]
+pub fn open_dummy_cuda_on(src: DummySource, gpu: Arc<crate::cuda::Gpu>) -> Result<Loaded> {
+    let needed = src.bytes();
+    open_cuda_source(Arc::new(src), needed, gpu, false, false).context("filling dummy weights")
 }

@@ -6,6 +6,7 @@
 //! Must match: docs/design/interfaces.md (converted names, TP plan, `TensorRef`). Tested by the model
 //! tests (engine/tests/target_model.rs) and engine/tests/target_plans.rs (real shards).
 
+use crate::cpu::ops::Fill;
 use anyhow::{bail, ensure, Context, Result};
 use kdtree_formats::config::{DrafterConfig, TextConfig};
 use kdtree_formats::plan::{plan_model, ExpertsMode, Layout, SourceQuant};
@@ -26,6 +27,16 @@ pub unsafe trait TensorSource: Send + Sync + 'static {
     fn ranks(&self) -> usize;
     /// Tensor `name` of `rank` (error when absent).
     fn tensor(&self, name: &str, rank: usize) -> Result<TensorRef<'_>>;
+    /// Some(r): this source holds rank r of its `ranks()` only (a rank slice, run alone on one device:
+    /// model/dummy.rs); None (the default): every rank.
+    fn slice_rank(&self) -> Option<usize> {
+        None
+    }
+    /// Some(fill): `name` of `rank` has no bytes (its `TensorRef::data` is empty) and is filled on the
+    /// backend from this seeded distribution instead (`Backend::fill_*`, `--load-format dummy`).
+    fn fill(&self, _name: &str, _rank: usize) -> Option<Fill> {
+        None
+    }
 }
 
 // SAFETY: ModelDir maps its shards read-only once at open and never remaps or mutates them; the mmap

@@ -15,9 +15,10 @@ pub use super::config::{ModelConfig, LATENT_NORM_EPS};
 use super::source::{expect, expect_split, Slab, TensorSource};
 use crate::backend::Backend;
 use crate::cpu::{ops, CpuBackend};
-use anyhow::{bail, ensure, Result};
+use crate::cpu::ops::Fill;
+use anyhow::{bail, ensure, Context, Result};
 use half::bf16;
-use kdtree_formats::Dtype;
+use kdtree_formats::{Dtype, TensorRef};
 use std::sync::Arc;
 
 /// A host bf16 matrix `[rows, cols]` (torch Linear layout `[out, in]`): what `Backend::upload_bf16` takes,
@@ -135,7 +136,7 @@ impl<B: Backend> Ld<'_, B> {
         &**self.owner
     }
     /// A bf16 tensor of this rank with shard `shape`, split as `split` (axis, offset) or replicated.
-    fn bf16(&self, name: &str, shape: &[usize], split: Option<(usize, usize)>) -> Result<Slab<bf16>> {
+    fn bf16(&self, name: &str, shape: &[usize], split: Option<(usize, usize)>) -> Result<TensorRef<'_>> {
         let t = expect(self.src(), name, self.rank, Dtype::BF16, shape)?;
         match split {
             Some((a, off)) if self.r > 1 => expect_split(&t, name, self.rank, Some(a), off)?,
@@ -143,15 +144,28 @@ impl<B: Backend> Ld<'_, B> {
             Some(_) => ensure!(t.split_offset == 0, "{name}: single rank but split offset {}", t.split_offset),
             None => expect_split(&t, name, self.rank, None, 0)?,
         }
-        // SAFETY: `t` was just returned by `self.owner.tensor(..)` (through `expect`).
-        Ok(unsafe { Slab::new(self.owner, t.data) })
+        Ok(t)
+    }
+    /// The source's fill of `name` (a dummy source), naming the tensor when the backend's fill fails.
+    fn fill_of(&self, name: &str) -> Option<Fill> {
+        self.src().fill(name, self.rank)
     }
     fn mat(&self, name: &str, rows: usize, cols: usize, split: Option<(usize, usize)>) -> Result<B::Mat> {
-        self.b.upload_bf16(Mat { w: self.bf16(name, &[rows, cols], split)?, rows, cols })
+        let t = self.bf16(name, &[rows, cols], split)?;
+        match self.fill_of(name) {
+            Some(f) => self.b.fill_bf16(rows, cols, &f).with_context(|| format!("filling {name} (rank {})", self.rank)),
+            // SAFETY: `t` was just returned by `self.owner.tensor(..)` (through `expect`).
+            None => self.b.upload_bf16(Mat { w: unsafe { Slab::new(self.owner, t.data) }, rows, cols }),
+        }
     }
     /// Replicated vector `[n]`.
     fn vector(&self, name: &str, n: usize) -> Result<B::Vector> {
-        self.b.upload_vector(self.bf16(name, &[n], None)?)
+        let t = self.bf16(name, &[n], None)?;
+        match self.fill_of(name) {
+            Some(f) => self.b.fill_vector(n, &f).with_context(|| format!("filling {name} (rank {})", self.rank)),
+            // SAFETY: as in `mat`.
+            None => self.b.upload_vector(unsafe { Slab::new(self.owner, t.data) }),
+        }
     }
     /// This rank's SwiGLU slice, intermediate `i` split by rows (gate/up) and columns (down).
     fn mlp(&self, p: &str, h: usize, i: usize) -> Result<Mlp<B>> {
@@ -191,6 +205,9 @@ impl<B: Backend> Ld<'_, B> {
             _ => {}
         }
         ensure!(s.shape == [cnt, nr, kr / 32], "{sname} (rank {rank}): shape {:?}, expected [{cnt}, {nr}, {}]", s.shape, kr / 32);
+        if let (Some(fp), Some(fs)) = (self.fill_of(&pname), self.fill_of(&sname)) {
+            return self.b.fill_i4g32(first, cnt, nr, kr, &fp, &fs).with_context(|| format!("filling {pname} + weight_scale (rank {rank})"));
+        }
         // SAFETY: `p` and `s` were just returned by `self.owner.tensor(..)`.
         let (packed, scales) = unsafe { (Slab::new(self.owner, p.data), Slab::new(self.owner, s.data)) };
         self.b.upload_i4g32(I4Stack { packed, scales, first, count: cnt, n: nr, k: kr })
@@ -205,21 +222,37 @@ impl Weights<CpuBackend> {
 }
 
 impl<B: Backend> Weights<B> {
-    /// Load the target from `src` (any rank count of the plan) onto backend `b`, rank by rank.
+    /// Load the target from `src` (any rank count of the plan) onto backend `b`, rank by rank. A rank
+    /// slice (`TensorSource::slice_rank` = Some(r)) loads rank r only: `ranks` holds that one rank, so every
+    /// all-reduce sees one partial (what one GPU of R computes, without the communication), and the model's
+    /// vocabulary is that rank's V/R rows of embed_tokens / lm_head as ids 0..V/R (`cfg.vocab` = V/R).
+    /// Tensors the source marks with a fill are filled on the backend (`Backend::fill_*`), the rest uploaded.
     pub fn load_on(b: B, src: Arc<dyn TensorSource>) -> Result<Weights<B>> {
         let t = src.text_config().clone();
         let r = src.ranks();
-        let cfg = ModelConfig::from_text(&t, r)?;
+        let mut cfg = ModelConfig::from_text(&t, r)?;
         let (v, nh) = (cfg.vocab, cfg.heads);
         ensure!(r >= 1 && nh % r == 0, "{nh} heads do not divide over {r} ranks");
         ensure!(v % r == 0, "vocab {v} does not divide over {r} ranks");
+        let held: Vec<usize> = match src.slice_rank() {
+            Some(k) => {
+                ensure!(k < r, "rank slice {k} of a {r}-rank plan");
+                vec![k]
+            }
+            None => (0..r).collect(),
+        };
         let prefix = ["language_model.", ""]
             .into_iter()
-            .find(|p| src.tensor(&format!("{p}model.embed_tokens.weight"), 0).is_ok())
+            .find(|p| src.tensor(&format!("{p}model.embed_tokens.weight"), held[0]).is_ok())
             .ok_or_else(|| anyhow::anyhow!("no embed_tokens.weight (tried prefixes \"language_model.\" and \"\")"))?;
-        let ranks = (0..r)
-            .map(|rank| load_rank(&Ld { b: &b, owner: &src, r, rank }, &cfg, prefix, t.tie_word_embeddings, t.topk_method.as_deref()))
+        let ranks = held
+            .iter()
+            .map(|&rank| load_rank(&Ld { b: &b, owner: &src, r, rank }, &cfg, prefix, t.tie_word_embeddings, t.topk_method.as_deref()))
             .collect::<Result<Vec<_>>>()?;
+        if let Some(k) = src.slice_rank() {
+            cfg.vocab = v / r;
+            cfg.slice_rank = Some(k);
+        }
         let rope_inv = b.upload_vector_f32(Slab::Owned(cfg.inv_freq.clone()))?;
         Ok(Weights { backend: b, cfg, ranks, rope_inv })
     }
@@ -294,8 +327,11 @@ fn load_rank<B: Backend>(ld: &Ld<'_, B>, cfg: &ModelConfig, prefix: &str, tied: 
                 let name = format!("{mlp}gate.e_score_correction_bias");
                 let tb = expect(ld.src(), &name, k, Dtype::F32, &[e])?;
                 expect_split(&tb, &name, k, None, 0)?;
-                // SAFETY: `tb` was just returned by `ld.owner.tensor(..)` (through `expect`).
-                Some(ld.b.upload_vector_f32(unsafe { Slab::new(ld.owner, tb.data) })?)
+                match ld.fill_of(&name) {
+                    Some(f) => Some(ld.b.fill_vector_f32(e, &f).with_context(|| format!("filling {name} (rank {k})"))?),
+                    // SAFETY: `tb` was just returned by `ld.owner.tensor(..)` (through `expect`).
+                    None => Some(ld.b.upload_vector_f32(unsafe { Slab::new(ld.owner, tb.data) })?),
+                }
             } else {
                 None
             };

@@ -24,9 +24,31 @@ use crate::runner::Defaults;
 #[derive(Parser, Debug, Clone)]
 #[command(name = "kdtree-run", version)]
 pub struct Args {
-    /// Converted model directory (output of `kdtree-convert repack`).
+    /// Converted model directory (output of `kdtree-convert repack`); with `--load-format dummy`, a
+    /// directory holding config.json (and drafter/config.json for DDTree), e.g. from
+    /// `kdtree-convert synth k26 DIR --drafter --config-only`.
     #[arg(value_name = "MODEL")]
     pub model: PathBuf,
+
+    /// Weights: the converted shards (auto), or dummy: every tensor of the plan of MODEL's config filled
+    /// from --dummy-seed where the model runs (vLLM's `--load-format dummy`; timing only, the tokens are
+    /// noise and records say `"load_format": "dummy"`). Dummy runs take prompt_token_ids lines only, stop
+    /// at no token (each line decodes max_tokens) and refuse --verify and --resume.
+    #[arg(long, value_enum, default_value_t = LoadFormat::Auto)]
+    pub load_format: LoadFormat,
+
+    /// Dummy weights: the tensor-parallel plan's rank count R.
+    #[arg(long, value_name = "R", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    pub ranks: u64,
+
+    /// Dummy weights: the rank r (0-based) whose slice runs alone: its heads, expert and MLP slices and
+    /// V/R vocabulary rows (token ids then stay below V/R), without the all-reduces.
+    #[arg(long, value_name = "r", default_value_t = 0)]
+    pub rank: u64,
+
+    /// Dummy weights: the seed of the fills.
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    pub dummy_seed: u64,
 
     /// Prompt file (JSONL); the whole file is validated before any work starts.
     #[arg(long, value_name = "FILE")]
@@ -123,6 +145,14 @@ pub enum ModeArg {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LoadFormat {
+    /// The converted shards of MODEL.
+    Auto,
+    /// Seeded fills of MODEL's config's plan (no weight files).
+    Dummy,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum DeviceArg {
     Auto,
     Cuda,
@@ -130,6 +160,11 @@ pub enum DeviceArg {
 }
 
 impl Args {
+    /// `--load-format dummy`.
+    pub fn dummy(&self) -> bool {
+        self.load_format == LoadFormat::Dummy
+    }
+
     /// The run-wide settings a prompt line may override.
     pub fn defaults(&self) -> Defaults {
         Defaults {
@@ -153,6 +188,16 @@ impl Args {
         check_temperature(self.temperature).map_err(|e| anyhow::anyhow!("--temperature {e}"))?;
         check_top_p(self.top_p).map_err(|e| anyhow::anyhow!("--top-p {e}"))?;
         anyhow::ensure!(!(self.resume && self.out.as_os_str() == "-"), "--resume needs --out to be a file");
+        if self.dummy() {
+            anyhow::ensure!(self.rank < self.ranks, "--rank {} of --ranks {}: ranks count from 0", self.rank, self.ranks);
+            anyhow::ensure!(self.verify.is_none(), "--verify compares tokens with a golden bundle; dummy weights give noise tokens (use --load-format auto)");
+            anyhow::ensure!(!self.resume, "--resume is not supported with --load-format dummy (rerun the whole prompt file)");
+        } else {
+            anyhow::ensure!(
+                (self.ranks, self.rank, self.dummy_seed) == (1, 0, 0),
+                "--ranks, --rank and --dummy-seed choose dummy weights; add --load-format dummy (converted shards fix their own plan)"
+            );
+        }
         Ok(())
     }
 }

@@ -40,6 +40,23 @@ pub fn model_files(dir: &Path) -> Result<String> {
     Ok(hex::encode(all.finalize()))
 }
 
+/// [`model_files`] of a `--load-format dummy` model: sha256 over its config.json, drafter/config.json
+/// ("absent" when missing) and the dummy plan (ranks, rank, seed), which decide every weight.
+pub fn dummy_model(dir: &Path, ranks: u64, rank: u64, seed: u64) -> Result<String> {
+    let mut all = Sha256::new();
+    for name in ["config.json", "drafter/config.json"] {
+        let p = dir.join(name);
+        let digest = match std::fs::read(&p) {
+            Ok(bytes) => hex::encode(Sha256::digest(&bytes)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && name != "config.json" => "absent".into(),
+            Err(e) => return Err(e).with_context(|| format!("opening dummy model {}: reading {}", dir.display(), p.display())),
+        };
+        all.update(format!("{name} {digest}\n"));
+    }
+    all.update(format!("dummy ranks {ranks} rank {rank} seed {seed}\n"));
+    Ok(hex::encode(all.finalize()))
+}
+
 /// The fingerprint of `line` run with `defaults` on the model whose [`model_files`] hash is `model`
 /// and whose directory name is `model_name`.
 pub fn line(line: &PromptLine, defaults: &Defaults, model: &str, model_name: &str) -> String {

@@ -1,7 +1,8 @@
 //! Opening a converted model directory: the engine's target and drafter (`kdtree_engine::open`, which
 //! picks the backend), and the text side from the same directory (tiktoken.model, chat template),
 //! plus the stop token ids (config `eos_token_id`, and `<|im_end|>` / `[EOS]` when the tokenizer
-//! names them). Tested end to end by tests/run_cli.rs.
+//! names them); or, with `--load-format dummy`, seeded dummy weights from the config alone ([`load_dummy`]).
+//! Tested end to end by tests/run_cli.rs and tests/dummy_cli.rs.
 //!
 //! `--verify` uses the very same loader and configuration (kdtree-golden records its bundles through
 //! `engine::open` too), so what is verified is what runs.
@@ -24,13 +25,35 @@ pub struct Model {
     pub name: String,
 }
 
-/// Load everything `dir` holds.
-pub fn load(dir: &Path, device: DeviceArg, progress: bool) -> Result<Model> {
-    let device = match device {
+/// `--load-format dummy`: the plan of `dir`'s config.json (+ drafter/config.json when present) for
+/// `ranks` ranks, rank `rank` alone, every tensor filled from `seed` on the device (engine
+/// `open_dummy`). No tokenizer (the tokens are noise: prompt_token_ids lines only, `text` null) and no
+/// stop tokens (every line decodes max_tokens: a timing run).
+pub fn load_dummy(dir: &Path, device: DeviceArg, progress: bool, (ranks, rank, seed): (usize, usize, u64)) -> Result<Model> {
+    let read = |name: &str| {
+        let p = dir.join(name);
+        std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))
+    };
+    let config = read("config.json")?;
+    let drafter = if dir.join("drafter/config.json").exists() { Some(read("drafter/config.json")?) } else { None };
+    let (cpath, dpath) = (dir.join("config.json").display().to_string(), dir.join("drafter/config.json").display().to_string());
+    let src = kdtree_engine::model::DummySource::from_json(&cpath, &config, drafter.as_deref().map(|d| (dpath.as_str(), d)), ranks, rank, seed)?;
+    let opts = kdtree_engine::OpenOptions { attn_mode: kdtree_engine::model::AttnMode::Absorbed, progress };
+    let loaded = kdtree_engine::model::open::open_dummy(src, engine_device(device), opts).with_context(|| format!("loading dummy weights for {}", dir.display()))?;
+    Ok(Model { loaded, tokenizer: None, chat: None, stop_token_ids: Vec::new(), name: crate::records::model_name(dir) })
+}
+
+fn engine_device(device: DeviceArg) -> kdtree_engine::Device {
+    match device {
         DeviceArg::Auto => kdtree_engine::Device::Auto,
         DeviceArg::Cuda => kdtree_engine::Device::Cuda,
         DeviceArg::Cpu => kdtree_engine::Device::Cpu,
-    };
+    }
+}
+
+/// Load everything `dir` holds.
+pub fn load(dir: &Path, device: DeviceArg, progress: bool) -> Result<Model> {
+    let device = engine_device(device);
     let eos = kdtree_formats::ModelDir::open(dir)
         .with_context(|| format!("opening model {}", dir.display()))?
         .text_config()

@@ -73,6 +73,7 @@ fn run(args: Args) -> Result<bool> {
             backend: &job.backend,
             mode: job.defaults.mode,
             wall_s: t0.elapsed().as_secs_f64(),
+            dummy: job.dummy.as_ref(),
         };
         summary::write_summary(path, &job.totals, &info)?;
     }
@@ -103,6 +104,8 @@ struct Job {
     totals: Totals,
     /// `--budget auto`: the cost model of this model on this device (calibrate.rs).
     cost: Option<kdtree_engine::ddtree::CostModel>,
+    /// `--load-format dummy`: `{"seed", "rank", "ranks"}`, put in every record and the summary.
+    dummy: Option<serde_json::Value>,
 }
 
 /// --verify's bundle, its records by prompt id, and the backend's logit tolerance.
@@ -122,7 +125,11 @@ fn prepare(args: &Args) -> Result<Job> {
     let lines = kdtree_text::prompts::read_prompt_file(&args.prompts)?;
     let bundle = open_bundle(args, &lines)?;
     let defaults = args.defaults();
-    let (model_hash, name) = (fingerprint::model_files(&args.model)?, records::model_name(&args.model));
+    let model_hash = match args.dummy() {
+        true => fingerprint::dummy_model(&args.model, args.ranks, args.rank, args.dummy_seed)?,
+        false => fingerprint::model_files(&args.model)?,
+    };
+    let name = records::model_name(&args.model);
     let fingerprints: Vec<String> = lines.iter().map(|l| fingerprint::line(l, &defaults, &model_hash, &name)).collect();
     let existing = read_existing(args, &lines, &fingerprints)?;
     let mut totals = Totals::default();
@@ -144,7 +151,8 @@ fn prepare(args: &Args) -> Result<Job> {
         Some((bundle, records)) => Some(Golden { tol: verify::tolerances(&backend)?, bundle, records }),
         None => None,
     };
-    Ok(Job { lines, fingerprints, existing, defaults, model, backend, golden, totals, cost })
+    let dummy = args.dummy().then(|| serde_json::json!({"seed": args.dummy_seed, "rank": args.rank, "ranks": args.ranks}));
+    Ok(Job { lines, fingerprints, existing, defaults, model, backend, golden, totals, cost, dummy })
 }
 
 /// --resume: the records already in --out, checked against the prompt file's ids and this run's
@@ -183,12 +191,19 @@ fn open_bundle(args: &Args, lines: &[PromptLine]) -> Result<Option<(Bundle, Hash
 fn open_model(args: &Args, d: &Defaults, bundle: Option<&(Bundle, HashMap<String, PromptRecord>)>) -> Result<Model> {
     let no_drafter = || anyhow::anyhow!("{} has no drafter; --mode {:?} needs one (use --mode ar)", args.model.display(), d.mode);
     let ddtree = d.mode.drafts();
-    let dir = kdtree_formats::ModelDir::open(&args.model).with_context(|| format!("opening model {}", args.model.display()))?;
-    if ddtree && dir.drafter_config().is_none() {
-        return Err(no_drafter());
-    }
-    drop(dir);
-    let model = load::load(&args.model, args.device, !args.quiet)?;
+    let model = if args.dummy() {
+        if ddtree && !args.model.join("drafter/config.json").exists() {
+            return Err(anyhow::anyhow!("{} has no drafter/config.json; --mode {:?} needs one (use --mode ar)", args.model.display(), d.mode));
+        }
+        load::load_dummy(&args.model, args.device, !args.quiet, (args.ranks as usize, args.rank as usize, args.dummy_seed))?
+    } else {
+        let dir = kdtree_formats::ModelDir::open(&args.model).with_context(|| format!("opening model {}", args.model.display()))?;
+        if ddtree && dir.drafter_config().is_none() {
+            return Err(no_drafter());
+        }
+        drop(dir);
+        load::load(&args.model, args.device, !args.quiet)?
+    };
     if ddtree && !model.loaded.has_drafter() {
         return Err(no_drafter());
     }
@@ -229,7 +244,16 @@ fn answer(args: &Args, job: &mut Job, sink: &mut Sink) -> Result<Vec<verify::Pro
                 }
                 None => {
                     let outcome = runner.run_line(line);
-                    let record = records::record(line, &outcome, &model.name, &job.fingerprints[i]);
+                    let mut record = records::record(line, &outcome, &model.name, &job.fingerprints[i]);
+                    if let Some(w) = &job.dummy {
+                        // Before `timing` (kept last): the tokens of dummy weights are noise.
+                        let timing = record.as_object_mut().and_then(|o| o.remove("timing"));
+                        record["load_format"] = "dummy".into();
+                        record["dummy"] = w.clone();
+                        if let Some(t) = timing {
+                            record["timing"] = t;
+                        }
+                    }
                     sink.write_record(&record)?;
                     job.totals.add(&record, false);
                     log(args, format_args!("{}", progress(i + 1, job.lines.len(), &line.id, &outcome)));

@@ -81,6 +81,8 @@ pub struct RunInfo<'a> {
     pub backend: &'a str,
     pub mode: kdtree_engine::generate::Mode,
     pub wall_s: f64,
+    /// `--load-format dummy`: what the records' `dummy` field says (None: converted shards).
+    pub dummy: Option<&'a Json>,
 }
 
 /// sha256 (hex) of `model/manifest.toml`, None when the directory has none.
@@ -101,6 +103,8 @@ pub fn summary_json(t: &Totals, info: &RunInfo) -> Result<Json> {
         "backend": info.backend,
         "mode": mode,
         "budget": budget,
+        "load_format": if info.dummy.is_some() { "dummy" } else { "auto" },
+        "dummy": info.dummy,
         "kdtree_run_version": env!("CARGO_PKG_VERSION"),
         "lines": t.lines,
         "ok": t.ok,
@@ -158,7 +162,7 @@ mod tests {
         assert_eq!(t.acceptance_histogram, vec![1, 1, 1, 1, 1]);
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("manifest.toml"), "abc").unwrap();
-        let info = RunInfo { model: dir.path(), backend: "cpu", mode: kdtree_engine::generate::Mode::DDTreeAuto { max: 64 }, wall_s: 1.0 };
+        let info = RunInfo { model: dir.path(), backend: "cpu", mode: kdtree_engine::generate::Mode::DDTreeAuto { max: 64 }, wall_s: 1.0, dummy: None };
         let s = summary_json(&t, &info).unwrap();
         assert_eq!(s["tokens_per_s"], json!(100.0));
         assert_eq!(s["acceptance_length"], json!(3.0)); // (10 accepted + 5 steps) / 5

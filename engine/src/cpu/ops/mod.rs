@@ -2,7 +2,7 @@
 //!
 //! Each file opens with what it computes, the reference it must match and where its test lives. Element
 //! ops: matmul_bf16 / matmul_f32 / matmul_i4g32 (shared driver in `matmul`), rms_norm, rope (interleaved,
-//! NeoX), yarn, softmax, silu (argmax and top-K are sampling.rs's, the engine's one of each). Model-level ops: mla_attention (latent cache with
+//! NeoX), yarn, softmax, silu (argmax and top-K are sampling.rs's, the engine's one of each). Model-level ops: fill (seeded dummy weights), mla_attention (latent cache with
 //! an ancestor mask), gqa_attention (the drafter's block), moe_route, moe_experts, embedding and lm_head over vocab-parallel shards, residual
 //! (add, fixed-order rank sum), kv_compact. The backend seam (engine/src/backend.rs) calls these.
 //!
@@ -12,6 +12,7 @@
 use half::bf16;
 
 mod embedding;
+mod fill;
 mod gqa_attention;
 mod kv_compact;
 mod lm_head;
@@ -29,6 +30,7 @@ mod softmax;
 mod yarn;
 
 pub use embedding::embedding_bf16;
+pub use fill::{fill_bf16, fill_f32, fill_u8, fill_uniform_f32, fill_word, Fill};
 pub use gqa_attention::gqa_attention;
 pub use kv_compact::kv_compact;
 pub use lm_head::{lm_head_argmax_bf16, lm_head_bf16};

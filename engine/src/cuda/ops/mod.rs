@@ -9,6 +9,7 @@ pub mod copy_rows;
 pub mod ddtree_build;
 pub mod ddtree_walk;
 pub mod embed;
+pub mod fill;
 pub mod gather_rows;
 pub mod gemm_bf16;
 pub mod gqa_attention;

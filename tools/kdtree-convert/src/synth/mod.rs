@@ -1,4 +1,4 @@
-//! `kdtree-convert synth <PRESET> <OUT> [--seed N] [--drafter] [--layers N]`: write a synthetic checkpoint in
+//! `kdtree-convert synth <PRESET> <OUT> [--seed N] [--drafter] [--layers N] [--config-only]`: write a synthetic checkpoint in
 //! exactly the Kimi K2.6 Hugging Face layout (shared k26-format.md §1-§2, §6; drafter per §7 / ddtree.md §1.1):
 //! config.json (+ generation_config.json), model.safetensors.index.json, `model-000NN-of-0000MM.safetensors`
 //! shards (one decoder layer each, then embed/lm_head/norm, mm_projector, vision_tower), tiktoken.model,
@@ -42,6 +42,10 @@ pub struct SynthArgs {
     /// Override the number of target layers (first_k_dense_replace dense layers, the rest MoE).
     #[arg(long)]
     pub layers: Option<usize>,
+    /// Write only config.json and generation_config.json (and drafter/config.json with --drafter): no
+    /// weights, no tokenizer. What `kdtree-run --load-format dummy` reads (any preset, k26 included).
+    #[arg(long)]
+    pub config_only: bool,
 }
 
 /// What a synth run wrote.
@@ -56,6 +60,13 @@ pub struct Written {
 
 /// CLI entry point.
 pub fn run_synth(args: &SynthArgs, quiet: bool) -> Result<()> {
+    if args.config_only {
+        let p = write_configs(&args.preset, &args.out, args.drafter, args.layers)?;
+        if !quiet {
+            crate::elog!("synth {}: configs only ({} layers{}) -> {}", p.name, p.text.num_hidden_layers, if args.drafter { ", drafter" } else { "" }, args.out.display());
+        }
+        return Ok(());
+    }
     let w = write_opts(&args.preset, &args.out, args.seed, args.drafter, args.layers, quiet)?;
     if !quiet {
         crate::elog!(
@@ -83,6 +94,20 @@ pub fn resolve(preset: &str, layers: Option<usize>) -> Result<Preset> {
         Some(n) => p.with_layers(n),
         None => Ok(p),
     }
+}
+
+/// `--config-only`: config.json, generation_config.json and, with `drafter`, drafter/config.json.
+pub fn write_configs(preset: &str, out: &Path, drafter: bool, layers: Option<usize>) -> Result<Preset> {
+    let p = resolve(preset, layers)?;
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    write_json(&out.join("config.json"), &configs::model_config(&p))?;
+    write_json(&out.join("generation_config.json"), &configs::generation_config(&p))?;
+    if drafter {
+        let d = out.join("drafter");
+        std::fs::create_dir_all(&d).with_context(|| format!("creating {}", d.display()))?;
+        write_json(&d.join("config.json"), &configs::drafter_config(&p))?;
+    }
+    Ok(p)
 }
 
 fn write_opts(preset: &str, out: &Path, seed: u64, drafter: bool, layers: Option<usize>, quiet: bool) -> Result<Written> {
