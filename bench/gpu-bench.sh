@@ -9,7 +9,7 @@
 # Usage: bench/gpu-bench.sh DIR (`make gpu-bench`). Full logs go to $OUT (or a temporary folder): bench-rust.log,
 # peers.jsonl, peers.stderr, bench-status.tsv, w4a16-table.md, ncu-*. Exit 0 every part passed, 1 a part failed,
 # 2 bad usage. KDTREE_BENCH_BUDGET (s, default 540): the whole run fits in it (each part's timeout shrinks to
-# what is left, 20 s kept for the table); KDTREE_BENCH_BINS (default 'cuda_bench*'): which binaries run;
+# what is left, 20 s kept for the table); KDTREE_BENCH_BINS (default 'cuda_bench* cuda_k26_slice'): which binaries run;
 # KDTREE_BENCH_FILTER: only the timings whose test name contains it (e.g. w4a16_bandwidth).
 set -uo pipefail
 dir="${1:?usage: bench/gpu-bench.sh DIR-with-staged-binaries (make gpu-stage)}"
@@ -55,8 +55,11 @@ run_bin() { # one staged test binary, its ignored (timing) tests one at a time, 
 }
 shopt -s nullglob
 bins=()
-for b in "$dir"/${KDTREE_BENCH_BINS:-cuda_bench*}; do
-  [ -f "$b" ] && [ -x "$b" ] && [ "$(basename "$b")" != cuda_bench ] && bins+=("$b")
+read -r -a pats <<< "${KDTREE_BENCH_BINS:-cuda_bench* cuda_k26_slice}" # no globbing here: the patterns are for $dir
+for pat in "${pats[@]}"; do
+  for b in "$dir"/$pat; do
+    [ -f "$b" ] && [ -x "$b" ] && [ "$(basename "$b")" != cuda_bench ] && bins+=("$b")
+  done
 done
 if [ -x "$dir/cuda_bench" ]; then run_bin "$dir/cuda_bench"; else echo "gpu-bench: no $dir/cuda_bench" | tee -a "$rust"; part cuda_bench 2; fi
 t="$(left 300)"
@@ -67,6 +70,11 @@ part peers.py "$rc"
 echo "peers.py: exit $rc$([ "$rc" -eq 124 ] && echo ' (timed out)'), $(grep -c . "$peers") lines, $(grep -c '"error"' "$peers") with an error"
 grep '^peers: .*Error' "$perr" | head -8 | cut -c1-300
 for b in "${bins[@]}"; do run_bin "$b"; done
+if [ -x "$dir/kdtree-run" ] && [ "$(left 300)" -gt 60 ]; then
+  echo "== bench/auto.sh (--budget auto against fixed budgets, trained pair)"
+  timeout "$(left 200)" bash "$root/bench/auto.sh" "$dir" "$out" 2>> "$out/auto.stderr" | tee -a "$rust"
+  part auto.sh "${PIPESTATUS[0]}"
+fi
 if [ -x "$dir/cuda_bench" ] && [ "$(left 300)" -gt 60 ]; then
   echo "== bench/ncu.sh (busy fraction of a captured step and round; ddtree_build and W4A16 profiles)"
   bash "$root/bench/ncu.sh" "$dir" "$out" "$rust" 2>> "$out/ncu.stderr" | tee -a "$rust"
