@@ -192,18 +192,27 @@ fn dummy_tiny_on_cuda_gives_the_cpu_greedy_tokens() {
         let mut cuda = open_dummy_cuda_on(src(), gpu.clone()).unwrap();
         let v = cpu.target.info().vocab_size;
         assert_eq!(cuda.target.info().vocab_size, v);
-        // Teacher-forced greedy: both see the CPU's tokens; each step's argmax is compared.
-        let mut toks: Vec<u32> = vec![1, 300 % v as u32, 5, 9];
+        // Teacher-forced greedy: both see the CPU's tokens; each step's logits and argmax are compared. The
+        // random router of dummy weights has near-tied experts: a step whose route flips on the GPU moves its
+        // logits past the bf16 tolerance (as --verify's route-flip rule allows); at most 2 of 16 such steps,
+        // and an argmax may differ only at such a step or at a near-tie of the CPU logits.
         let chain = |n: usize| (0..n as i32).map(|i| i - 1).collect::<Vec<_>>();
         let (mut a, mut b) = (cpu.target.forward_rows(&toks, &chain(4), LogitRows::Last).unwrap(), cuda.target.forward_rows(&toks, &chain(4), LogitRows::Last).unwrap());
+        let mut off_steps = 0;
         for step in 0..16 {
             let argmax = |l: &[f32]| kdtree_engine::cpu::ops::argmax(l) as u32;
             let (ta, tb) = (argmax(&a.logits), argmax(&b.logits));
-            if ta != tb {
-                let scale = a.logits.iter().fold(0f32, |m, x| m.max(x.abs())) as f64;
+            let scale = a.logits.iter().fold(0f32, |m, x| m.max(x.abs())) as f64;
+            let diff = a.logits.iter().zip(&b.logits).fold(0f64, |m, (x, y)| m.max((x - y).abs() as f64));
+            let off = diff > TARGET_LOGITS_TOL * scale;
+            off_steps += off as usize;
+            if off || ta != tb {
                 let margin = (a.logits[ta as usize] - a.logits[tb as usize]) as f64;
-                println!("PARITY dummy r{rank}/{ranks} greedy step {step}: cpu {ta} cuda {tb}, CPU margin {margin:.3e} (tolerance {:.3e})", TARGET_LOGITS_TOL * scale);
-                assert!(margin <= TARGET_LOGITS_TOL * scale, "dummy r{rank}/{ranks}: greedy differs at step {step} with no near-tie");
+                println!(
+                    "PARITY dummy r{rank}/{ranks} step {step}: cpu {ta} cuda {tb}, rel {:.3e} (tolerance {TARGET_LOGITS_TOL:.1e}; above it: a route flip), CPU margin {margin:.3e}",
+                    diff / scale
+                );
+                assert!(ta == tb || off || margin <= TARGET_LOGITS_TOL * scale, "dummy r{rank}/{ranks}: greedy differs at step {step} with no near-tie");
             }
             let n = if step == 0 { toks.len() } else { 1 };
             cpu.target.commit(&(0..n).collect::<Vec<_>>()).unwrap();
@@ -212,6 +221,7 @@ fn dummy_tiny_on_cuda_gives_the_cpu_greedy_tokens() {
             a = cpu.target.forward_rows(&[ta], &[-1], LogitRows::Last).unwrap();
             b = cuda.target.forward_rows(&[ta], &[-1], LogitRows::Last).unwrap();
         }
+        assert!(off_steps <= 2, "dummy r{rank}/{ranks}: {off_steps} of 16 steps past the logits tolerance");
         println!("PARITY dummy r{rank}/{ranks} greedy 16 steps: cpu tokens {:?}", &toks[4..]);
         // The sliced drafter on the GPU: DDTree generation runs (device rounds) and stays in the vocabulary.
         let mut s = cuda.session(Mode::DDTree { budget: 16 }).unwrap();

@@ -748,8 +748,9 @@ impl Backend for CudaBackend {
     }
     fn moe_experts(&self, x: &CudaSlice<f32>, t: usize, h: usize, routes: &DRoutes, gate: &DI4, up: &DI4, down: &DI4) -> CudaSlice<f32> {
         self.run("moe_experts", || {
-            if gate.first != 0 || gate.count != routes.experts {
-                return Err(CudaError::Shape { op: "moe_experts", msg: format!("the rank holds experts {}..{} of {}: expert-parallel shards run on the CUDA backend from issue 11 on", gate.first, gate.first + gate.count, routes.experts) });
+            // Tensor parallel: every expert, sliced; expert parallel: experts first .. first + count, whole.
+            if gate.first + gate.count > routes.experts {
+                return Err(CudaError::Shape { op: "moe_experts", msg: format!("the rank holds experts {}..{} of {}", gate.first, gate.first + gate.count, routes.experts) });
             }
             if routes.t != t || routes.ids.len() != t * routes.k {
                 return Err(CudaError::Shape { op: "moe_experts", msg: format!("routes of {} tokens for {t}", routes.t) });
