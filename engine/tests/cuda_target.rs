@@ -196,6 +196,7 @@ fn dummy_tiny_on_cuda_gives_the_cpu_greedy_tokens() {
         // random router of dummy weights has near-tied experts: a step whose route flips on the GPU moves its
         // logits past the bf16 tolerance (as --verify's route-flip rule allows); at most 2 of 16 such steps,
         // and an argmax may differ only at such a step or at a near-tie of the CPU logits.
+        let mut toks: Vec<u32> = vec![1, 300 % v as u32, 5, 9];
         let chain = |n: usize| (0..n as i32).map(|i| i - 1).collect::<Vec<_>>();
         let (mut a, mut b) = (cpu.target.forward_rows(&toks, &chain(4), LogitRows::Last).unwrap(), cuda.target.forward_rows(&toks, &chain(4), LogitRows::Last).unwrap());
         let mut off_steps = 0;
