@@ -18,6 +18,14 @@ for tag in ar dd16 dd64; do
     --csv --print-units base "$dir/cuda_bench" --ignored --nocapture --exact step_busy > "$out/ncu-busy-$tag.csv" 2> "$out/ncu-busy-$tag.err"
   echo "ncu step_busy $tag: exit $? ($(grep -c gpu__time_duration "$out/ncu-busy-$tag.csv") kernels)" >&2
 done
+# The k26 rank-0 slice: one AR step and one budget-16 round, every kernel node alone (cuda_k26_slice).
+if [ -x "$dir/cuda_k26_slice" ]; then
+  for tag in k26ar k26dd16; do
+    KDTREE_PROFILE=$tag timeout 300 "$ncu" --profile-from-start off --graph-profiling node --clock-control none --cache-control none \
+      --metrics gpu__time_duration.sum --csv --print-units base "$dir/cuda_k26_slice" --ignored --nocapture > "$out/ncu-busy-$tag.csv" 2> "$out/ncu-busy-$tag.err"
+    echo "ncu k26 $tag: exit $? ($(grep -c gpu__time_duration "$out/ncu-busy-$tag.csv") kernels)" >&2
+  done
+fi
 python3 - "$out" "$rust" <<'PY'
 import csv, re, sys
 out, rust = sys.argv[1:3]
@@ -26,8 +34,15 @@ for l in open(rust, errors="replace"):
     m = re.match(r"BENCH step_busy (\w+): replay ([\d.]+) us", l)
     if m:
         replay[m.group(1)] = float(m.group(2))
-for tag in ("ar", "dd16", "dd64"):
-    rows = [r for r in csv.reader(l for l in open(f"{out}/ncu-busy-{tag}.csv", errors="replace") if l.startswith('"'))
+    m = re.match(r"BENCH k26r0 (ar_step|ddtree_round budget=16): median ([\d.]+) ms", l)
+    if m:
+        replay["k26ar" if m.group(1) == "ar_step" else "k26dd16"] = float(m.group(2)) * 1e3
+for tag in ("ar", "dd16", "dd64", "k26ar", "k26dd16"):
+    try:
+        lines = open(f"{out}/ncu-busy-{tag}.csv", errors="replace").readlines()
+    except OSError:
+        continue
+    rows = [r for r in csv.reader(l for l in lines if l.startswith('"'))
             if len(r) > 3 and r[-3] == "gpu__time_duration.sum"]
     if not rows:
         err = open(f"{out}/ncu-busy-{tag}.err", errors="replace").read().strip().splitlines()
@@ -35,11 +50,12 @@ for tag in ("ar", "dd16", "dd64"):
         continue
     ns = [float(r[-1].replace(",", "")) for r in rows]
     busy = sum(ns) / 1e3
-    top = {}
+    top, count = {}, {}
     for r, v in zip(rows, ns):
         name = re.sub(r"\(.*", "", r[4])[:48]
         top[name] = top.get(name, 0.0) + v / 1e3
-    top = sorted(top.items(), key=lambda x: -x[1])[:6]
+        count[name] = count.get(name, 0) + 1
+    top = [(f"{n} x{count[n]}", v) for n, v in sorted(top.items(), key=lambda x: -x[1])[:12 if tag.startswith("k26") else 6]]
     rep = replay.get(tag)
     frac = f", busy {100 * busy / rep:.0f}% of the {rep:.1f} us replay (idle or launch gaps {100 * (1 - busy / rep):.0f}%)" if rep else ""
     print(f"BENCH ncu step_busy {tag}: {len(ns)} kernels, {busy:.1f} us summed alone{frac}; largest: "

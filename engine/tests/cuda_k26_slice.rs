@@ -65,12 +65,24 @@ fn k26_rank0_slice_timing() {
     let v = m.target.info().vocab_size as u32;
     assert_eq!(v, 20480, "the rank slice's vocabulary is V/8");
     let prompt: Vec<u32> = (0..64u32).map(|i| (i * 7919 + 11) % v).collect();
-    for (name, mode) in [("ar_step", Mode::Ar), ("ddtree_round budget=16", Mode::DDTree { budget: 16 }), ("ddtree_round budget=64", Mode::DDTree { budget: 64 }), ("ddtree_round budget=256", Mode::DDTree { budget: 256 })] {
+    // KDTREE_PROFILE=k26ar|k26dd16: one replay of that graph between cuProfilerStart/Stop (bench/ncu.sh times
+    // each of its kernels alone), instead of the timings.
+    let profile = std::env::var("KDTREE_PROFILE").unwrap_or_default();
+    for (name, tag, mode) in [("ar_step", "k26ar", Mode::Ar), ("ddtree_round budget=16", "k26dd16", Mode::DDTree { budget: 16 }), ("ddtree_round budget=64", "k26dd64", Mode::DDTree { budget: 64 }), ("ddtree_round budget=256", "k26dd256", Mode::DDTree { budget: 256 })] {
+        if !profile.is_empty() && profile != tag {
+            continue;
+        }
         let mut s = m.session(mode).unwrap();
         s.reserve(prompt.len() + 8 * (WARM + STEPS) + 300).unwrap();
         s.prefill(&prompt, &Sampling::greedy()).unwrap();
         for _ in 0..WARM {
             s.step().unwrap();
+        }
+        let census = gpu.last_graph().map(|c| c.to_string()).unwrap_or_else(|| "no graph".into());
+        if !profile.is_empty() {
+            gpu.profiled(|| s.step().unwrap()).unwrap();
+            println!("BENCH k26r0 {name}: one replay profiled; the graph: {census}");
+            continue;
         }
         let (before, graphs0) = (gpu.stats.snapshot(), gpu.stats.graph_launches.load(std::sync::atomic::Ordering::Relaxed));
         let mut ms = Vec::with_capacity(STEPS);
@@ -93,7 +105,7 @@ fn k26_rank0_slice_timing() {
         println!(
             "BENCH k26r0 {name}: median {med:.3} ms (p10 {p10:.3}, p90 {p90:.3}; {STEPS} steps after {WARM}), {:.2} tokens/step, \
              uniform-routing byte floor {floor:.3} ms ({:.2}x), per step: {:.2} graph launches, {:.1} eager kernels, {:.1} cuBLAS, {:.1} reads; \
-             {device} of {} steps on the device",
+             {device} of {} steps on the device; the graph: {census}",
             tokens as f64 / STEPS as f64,
             med / floor,
             graphs as f64 / STEPS as f64,

@@ -153,25 +153,45 @@ extern "C" __global__ void __launch_bounds__(256) kdtree_mla_attention_split_bf1
 
 // Merge the splits: o_lat[t, h, :] = Σ_i e^{m_i − M} o_i / Σ_i e^{m_i − M} l_i (M = max_i m_i).
 // part_o [T, splits, Hr, C] f32, part_ml [T, splits, Hr, 2] f32 -> out [T, Hr, C] bf16.
-// grid (T, Hr), blockDim.x multiple of 32.
+// grid (T, Hr), blockDim.x a multiple of 32 (<= 1024), splits <= MLA_MERGE_MAX_SPLITS. The split weights
+// e^{m_i − M} are computed once per (node, head) into shared memory by the whole block, then every column
+// sums its splits in split order (the same sums, in the same order, as one thread per column would).
+constexpr int MLA_MERGE_MAX_SPLITS = 1024;
 extern "C" __global__ void kdtree_mla_attention_merge_bf16(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                                            bf16* __restrict__ out, int splits, int Hr, int C) {
-    const int t = blockIdx.x, h = blockIdx.y;
+    __shared__ float ws[MLA_MERGE_MAX_SPLITS];  // e^{m_i − M}; 0 for an empty split (m_i = -inf)
+    __shared__ float ls[MLA_MERGE_MAX_SPLITS];  // l_i
+    __shared__ float red[32];
+    __shared__ float inv_s;
+    const int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const auto row = [&](int i) { return ((size_t)t * splits + i) * Hr + h; };
+    float mx = -INFINITY;
+    for (int i = threadIdx.x; i < splits; i += blockDim.x) mx = fmaxf(mx, part_ml[row(i) * 2]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kdtree::FULL_MASK, mx, o));
+    if (lane == 0) red[warp] = mx;
+    __syncthreads();
     float M = -INFINITY;
-    for (int i = 0; i < splits; i++) M = fmaxf(M, part_ml[(((size_t)t * splits + i) * Hr + h) * 2]);
-    float L = 0.f;
-    for (int i = 0; i < splits; i++) {
-        const float mi = part_ml[(((size_t)t * splits + i) * Hr + h) * 2];
-        if (mi != -INFINITY) L += __expf(mi - M) * part_ml[(((size_t)t * splits + i) * Hr + h) * 2 + 1];
+    for (int i = 0; i < (int)(blockDim.x >> 5); i++) M = fmaxf(M, red[i]);
+    for (int i = threadIdx.x; i < splits; i += blockDim.x) {
+        const float mi = part_ml[row(i) * 2];
+        ws[i] = mi != -INFINITY ? __expf(mi - M) : 0.f;
+        ls[i] = mi != -INFINITY ? part_ml[row(i) * 2 + 1] : 0.f;
     }
-    const float inv = 1.f / L;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float L = 0.f;
+        for (int i = 0; i < splits; i++)
+            if (ws[i] != 0.f || ls[i] != 0.f) L += ws[i] * ls[i];
+        inv_s = 1.f / L;
+    }
+    __syncthreads();
+    const float inv = inv_s;
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
         float acc = 0.f;
-        for (int i = 0; i < splits; i++) {
-            const size_t row = ((size_t)t * splits + i) * Hr + h;
-            const float mi = part_ml[row * 2];
-            if (mi != -INFINITY) acc += __expf(mi - M) * part_o[row * C + c];
-        }
+#pragma unroll 8
+        for (int i = 0; i < splits; i++)
+            if (ws[i] != 0.f || ls[i] != 0.f) acc += ws[i] * part_o[row(i) * C + c];
         out[((size_t)t * Hr + h) * C + c] = __float2bfloat16_rn(acc * inv);
     }
 }

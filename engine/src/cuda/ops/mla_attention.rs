@@ -50,6 +50,9 @@ impl MlaSplit {
     }
 }
 
+/// Splits the merge kernel holds in shared memory (`MLA_MERGE_MAX_SPLITS` in mla_attention.cu).
+const MERGE_MAX_SPLITS: usize = 1024;
+
 /// `out[t, h, :C] = Σ_s softmax_s(scale · q[t, h, :] · lat[s, :]) · lat[s, :C]` over the rows node t sees:
 /// the committed prefix `[0, committed)` and `committed + j` for each node j set in `mask` row t (`words`
 /// u64 per node; bit j of row i = node j is i or an ancestor of i), or, with no mask, `j <= t` (causal
@@ -80,6 +83,7 @@ pub fn mla_attention(
     ensure(OP, !even || committed_dev.is_some(), || "rows_per_split = 0 (even split in the kernel) needs the device committed length".into())?;
     ensure(OP, split.rows_per_split.is_multiple_of(ROWS_PER_CHUNK) && split.splits > 0, || format!("rows_per_split={} is not a multiple of {ROWS_PER_CHUNK}", split.rows_per_split))?;
     let rows = s.committed + s.t;
+    ensure(OP, split.splits <= MERGE_MAX_SPLITS, || format!("{} splits: the merge takes at most {MERGE_MAX_SPLITS}", split.splits))?;
     ensure(OP, even || split.splits * split.rows_per_split >= rows, || format!("{} splits x {} rows do not cover {rows} rows", split.splits, split.rows_per_split))?;
     if let Some(c) = committed_dev {
         need_len(OP, "committed_dev", c.len(), 1)?;
