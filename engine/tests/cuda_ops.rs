@@ -48,6 +48,32 @@ fn rms_norm_parity() {
     }
 }
 
+/// The f32 RMSNorm of the forward (`act_f32::rms_norm_f32`): the register path (D % 4 == 0, aligned rows,
+/// one round of loads: decode's single row) and the strided fallback, against the CPU twin in f32 (only the
+/// sum-of-squares order differs: a few ulp).
+#[test]
+fn rms_norm_f32_parity() {
+    let Some(g) = gpu() else { return };
+    // (rows, h, ld_x, ld_y): K2.6 hidden at decode (1 row) and a tree, the 512-of-576 latent, q_lora 1536, a
+    // width past the register path (32768: 1024 threads x 8 float4), an odd width and an odd stride (fallback).
+    for (i, &(rows, h, ld, ldy)) in [(1, 7168, 7168, 7168), (17, 7168, 7168, 7168), (33, 512, 576, 512), (1, 1536, 1536, 1536), (2, 40000, 40000, 40000), (3, 100, 100, 100), (2, 64, 66, 64)]
+        .iter()
+        .enumerate()
+    {
+        let case = format!("rms_norm_f32(rows={rows},h={h},ld_x={ld},ld_y={ldy})");
+        let mut r = rng(150 + i as u64);
+        let x = rand_f32(&mut r, rows * ld, -2.0, 2.0);
+        let w = rand_bf16(&mut r, h, 0.5, 1.5);
+        let dx = g.upload(&x).unwrap();
+        let dw = g.upload(&w).unwrap();
+        let mut dy = g.upload(&nan_f32(rows * ldy)).unwrap();
+        ops::act_f32::rms_norm_f32(&g, &dx.as_view(), ld, &dw.as_view(), &mut dy.as_view_mut(), ldy, rows, 1e-5).unwrap();
+        let got: Vec<f32> = g.download(&dy).unwrap().chunks(ldy).flat_map(|c| c[..h].to_vec()).collect();
+        let xs: Vec<f32> = (0..rows).flat_map(|t| x[t * ld..t * ld + h].to_vec()).collect();
+        check(&case, &got, &rms_norm(&xs, &w, 1e-5), 1e-5);
+    }
+}
+
 #[test]
 fn rope_parity() {
     let Some(g) = gpu() else { return };

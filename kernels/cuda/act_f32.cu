@@ -33,12 +33,40 @@ extern "C" __global__ void kdtree_silu_mul_f32(const float* __restrict__ gate, c
 }
 
 // y[r, :D] = w * (x[r, :D] * rsqrt(mean(x²) + eps)) for each row r; rows ld_x / ld_y apart; w [D] bf16.
-// One block per row, blockDim.x a multiple of 32.
+// One block per row, blockDim.x a multiple of 32 (the wrapper sizes it to the row). When D % 4 == 0, the rows
+// are 16-byte aligned and D / 4 <= RMS_VEC * blockDim.x, each thread loads its float4s at once and keeps
+// them in registers for the scaling (one read of x, every load in flight together: a decode step's single
+// row is one block, so the loads must not wait on each other); otherwise the plain strided loop.
+constexpr int RMS_VEC = 8;
 extern "C" __global__ void kdtree_rms_norm_f32(const float* __restrict__ x, int ld_x, const bf16* __restrict__ w, float* __restrict__ y,
                                                int ld_y, int D, float eps) {
     __shared__ float scratch[32];
     const float* xr = x + (size_t)blockIdx.x * ld_x;
     float* yr = y + (size_t)blockIdx.x * ld_y;
+    const int n4 = D / 4;
+    if (D % 4 == 0 && kdtree::aligned16(xr) && kdtree::aligned16(yr) && kdtree::aligned16(w) && n4 <= RMS_VEC * (int)blockDim.x) {
+        float4 v[RMS_VEC];
+#pragma unroll
+        for (int j = 0; j < RMS_VEC; j++) {
+            const int i = threadIdx.x + j * blockDim.x;
+            v[j] = i < n4 ? reinterpret_cast<const float4*>(xr)[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+        float ss = 0.f;
+#pragma unroll
+        for (int j = 0; j < RMS_VEC; j++) ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+        ss = kdtree::block_sum(ss, scratch);
+        const float r = 1.0f / sqrtf(ss / (float)D + eps);
+#pragma unroll
+        for (int j = 0; j < RMS_VEC; j++) {
+            const int i = threadIdx.x + j * blockDim.x;
+            if (i >= n4) continue;
+            const uint2 wb = reinterpret_cast<const uint2*>(w)[i];
+            const float2 w01 = __bfloat1622float2(*reinterpret_cast<const bf162*>(&wb.x));
+            const float2 w23 = __bfloat1622float2(*reinterpret_cast<const bf162*>(&wb.y));
+            reinterpret_cast<float4*>(yr)[i] = make_float4(w01.x * (v[j].x * r), w01.y * (v[j].y * r), w23.x * (v[j].z * r), w23.y * (v[j].w * r));
+        }
+        return;
+    }
     float ss = 0.f;
     for (int i = threadIdx.x; i < D; i += blockDim.x) ss += xr[i] * xr[i];
     ss = kdtree::block_sum(ss, scratch);

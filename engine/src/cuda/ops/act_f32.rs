@@ -90,7 +90,9 @@ pub fn rms_norm_f32(gpu: &Gpu, x: &CudaView<'_, f32>, ld_x: usize, w: &CudaView<
     let mut b = gpu.stream.launch_builder(gpu.func("kdtree_rms_norm_f32"));
     b.arg(x).arg(&lx).arg(w).arg(y).arg(&ly).arg(&dd).arg(&eps);
     // SAFETY: spans checked above.
-    unsafe { b.launch(launch_cfg((rows as u32, 1, 1), 128, 0)) }.map_err(drv(OP))?;
+    // Enough threads that a row's float4s fit RMS_VEC (8) per thread: one round of loads per row.
+    let threads = d.div_ceil(4 * 8).next_multiple_of(32).clamp(128, 1024) as u32;
+    unsafe { b.launch(launch_cfg((rows as u32, 1, 1), threads, 0)) }.map_err(drv(OP))?;
     Ok(())
 }
 
