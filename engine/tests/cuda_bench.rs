@@ -105,7 +105,7 @@ fn w4a16_bandwidth() {
             // The plan's knobs, the same calls: blocks per SM the split count aims at, the split cap, and PDL
             // on or off (the workspace above holds the largest plan: 4 blocks per SM, up to 64 splits).
             let (bps0, cap0, pdl0) = (g.w4a16_blocks_per_sm(), g.w4a16_max_splits(), g.pdl());
-            for (bps, cap, pdl) in [(4usize, 64usize, true), (4, 8, true), (2, 16, true), (4, 16, false)] {
+            for (bps, cap, pdl) in [(4usize, 16usize, true), (4, 8, true), (2, 64, true), (4, 64, false)] {
                 g.set_w4a16_blocks_per_sm(bps);
                 g.set_w4a16_max_splits(cap);
                 g.set_pdl(pdl && pdl0);

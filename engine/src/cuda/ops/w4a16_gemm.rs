@@ -94,8 +94,8 @@ struct Device {
     max_smem: usize,
     /// Blocks per SM the split count aims at ([`crate::cuda::Gpu::w4a16_blocks_per_sm`]).
     blocks_per_sm: usize,
-    /// At most this many k-splits: the last split block sums them one after another, so many splits make a
-    /// long tail ([`crate::cuda::Gpu::w4a16_max_splits`]).
+    /// At most this many k-splits ([`crate::cuda::Gpu::w4a16_max_splits`]; the last split block sums them in
+    /// order, but on the H200 the extra blocks of more splits win over that tail).
     max_splits: usize,
 }
 
