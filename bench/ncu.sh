@@ -31,10 +31,10 @@ import csv, re, sys
 out, rust = sys.argv[1:3]
 replay = {}
 for l in open(rust, errors="replace"):
-    m = re.match(r"BENCH step_busy (\w+): replay ([\d.]+) us", l)
+    m = re.search(r"BENCH step_busy (\w+): replay ([\d.]+) us", l)
     if m:
         replay[m.group(1)] = float(m.group(2))
-    m = re.match(r"BENCH k26r0 (ar_step|ddtree_round budget=16): median ([\d.]+) ms", l)
+    m = re.search(r"BENCH k26r0 (ar_step|ddtree_round budget=16): median ([\d.]+) ms", l)
     if m:
         replay["k26ar" if m.group(1) == "ar_step" else "k26dd16"] = float(m.group(2)) * 1e3
 for tag in ("ar", "dd16", "dd64", "k26ar", "k26dd16"):
