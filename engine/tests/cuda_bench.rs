@@ -4,7 +4,7 @@
 //! more than 200 MB so every call streams from HBM, not the 60 MB L2; CUDA events around many calls after a
 //! warm-up; GB/s counts the weight bytes (packed + scales, or bf16) once per call. W4A16 is timed eagerly
 //! and replayed from a CUDA graph (which also proves the launches capturable: no host sync, no allocation);
-//! cuBLAS eagerly only (its capture needs a workspace set first). Each W4A16 figure also prints one
+//! the bf16 GEMM replayed from a graph too (cuBLAS, and the GEMV kernel it takes for M <= 4). Each W4A16 figure also prints one
 //! machine-readable `BENCH w4a16 n=.. k=.. m=..` line (bench/table.py reads it; bench/gpu-bench.sh runs it).
 #![cfg(feature = "cuda")]
 
@@ -122,15 +122,24 @@ fn w4a16_bandwidth() {
             g.set_w4a16_blocks_per_sm(bps0);
             g.set_w4a16_max_splits(cap0);
             g.set_pdl(pdl0);
-            // cuBLAS bf16 on the same shape (4x the weight bytes), rotated the same way.
+            // The bf16 GEMM on the same shape (4x the weight bytes), rotated the same way: cuBLAS, and for
+            // M <= 4 also the GEMV kernel that gemm_bf16 takes there (graph replays, launch-free).
             let (wcopies, wsz) = (wb.len() / (n * k), n * k);
             let mut y = g.zeros::<bf16>(m * n).unwrap();
-            let ms = time_ms(&g, wcopies, 4 * wcopies.max(10), |i| {
-                let c = i % wcopies;
-                ops::gemm_bf16::gemm_bf16(&g, &dx.as_view(), &wb.slice(c * wsz..(c + 1) * wsz), &mut y.as_view_mut(), m, k, n).unwrap();
-            });
-            let gbps = (2 * n * k) as f64 / (ms * 1e-3) / 1e9;
-            println!("BENCH gemm_bf16 N={n} K={k} M={m} eager {:.2} us {:.0} GB/s {:.0}% of copy", ms * 1e3, gbps, 100.0 * gbps / copy);
+            for gemv in [false, true] {
+                if gemv && m > ops::gemm_bf16::GEMV_MAX_ROWS {
+                    continue;
+                }
+                g.set_gemv(gemv);
+                let ms = time_graph_median_ms(&g, 4 * wcopies.max(10), 5, |i| {
+                    let c = i % wcopies;
+                    ops::gemm_bf16::gemm_bf16(&g, &dx.as_view(), &wb.slice(c * wsz..(c + 1) * wsz), &mut y.as_view_mut(), m, k, n).unwrap();
+                });
+                let gbps = (2 * n * k) as f64 / (ms * 1e-3) / 1e9;
+                let what = if gemv { "gemv" } else { "cublas" };
+                println!("BENCH gemm_bf16 N={n} K={k} M={m} {what} graph {:.2} us {:.0} GB/s {:.0}% of copy", ms * 1e3, gbps, 100.0 * gbps / copy);
+            }
+            g.set_gemv(true);
         }
     }
     // Grouped MoE decode: 1 token x top-8 of 32 distinct experts of the fused gate+up 4096x7168 (rotated over

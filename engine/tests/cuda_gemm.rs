@@ -252,24 +252,39 @@ fn gemm_bf16_parity() {
         (1, 7168, 163_840, true),
         (7, 100, 33, true),
     ];
+    // T <= 4 with K % 8 == 0 runs the GEMV kernel (kernels/cuda/gemv_bf16.cu); each case also runs through
+    // cuBLAS (`set_gemv(false)`) where that differs. Extra GEMV shapes: every row count 1..4, short N (8 warps
+    // a row), bf16 out at M=4, a K that is not a multiple of 256 (tail chunks).
+    let cases: Vec<(usize, usize, usize, bool)> =
+        cases.iter().copied().chain([(2, 7168, 384, true), (4, 7168, 1536, false), (1, 2048, 7168, false), (3, 1032, 96, true), (4, 256, 4352, true)]).collect();
     for (i, &(t, k, n, f32_out)) in cases.iter().enumerate() {
-        let case = format!("gemm_bf16(T={t},K={k},N={n},out={})", if f32_out { "f32" } else { "bf16" });
-        let mut r = rng(1300 + i as u64);
-        let x = rand_bf16(&mut r, t * k, 0.01, 1.0);
-        let w = fast_bf16(&mut r, n * k);
-        let dx = g.upload(&x).unwrap();
-        let dw = g.upload(&w).unwrap();
-        let want = matmul_bf16(&widen(&x), &w, t, k, n);
-        if f32_out {
-            let mut dy = g.upload(&nan_f32(t * n)).unwrap();
-            ops::gemm_bf16::gemm_bf16(&g, &dx.as_view(), &dw.as_view(), &mut dy.as_view_mut(), t, k, n).unwrap();
-            check(&case, &g.download(&dy).unwrap(), &want, GEMM_F32_TOL);
-        } else {
-            let mut dy = g.upload(&nan_bf16(t * n)).unwrap();
-            ops::gemm_bf16::gemm_bf16(&g, &dx.as_view(), &dw.as_view(), &mut dy.as_view_mut(), t, k, n).unwrap();
-            check_bf16(&case, &g.download(&dy).unwrap(), &want, GEMM_BF16_TOL);
+        for gemv in [true, false] {
+            let gemv_shape = t <= ops::gemm_bf16::GEMV_MAX_ROWS && k % 8 == 0;
+            let uses_gemv = gemv && gemv_shape;
+            if !gemv && !gemv_shape {
+                continue; // the cuBLAS path already ran
+            }
+            g.set_gemv(gemv);
+            let path = if uses_gemv { "gemv" } else { "cublas" };
+            let case = format!("gemm_bf16(T={t},K={k},N={n},out={},{path})", if f32_out { "f32" } else { "bf16" });
+            let mut r = rng(1300 + i as u64);
+            let x = rand_bf16(&mut r, t * k, 0.01, 1.0);
+            let w = fast_bf16(&mut r, n * k);
+            let dx = g.upload(&x).unwrap();
+            let dw = g.upload(&w).unwrap();
+            let want = matmul_bf16(&widen(&x), &w, t, k, n);
+            if f32_out {
+                let mut dy = g.upload(&nan_f32(t * n)).unwrap();
+                ops::gemm_bf16::gemm_bf16(&g, &dx.as_view(), &dw.as_view(), &mut dy.as_view_mut(), t, k, n).unwrap();
+                check(&case, &g.download(&dy).unwrap(), &want, GEMM_F32_TOL);
+            } else {
+                let mut dy = g.upload(&nan_bf16(t * n)).unwrap();
+                ops::gemm_bf16::gemm_bf16(&g, &dx.as_view(), &dw.as_view(), &mut dy.as_view_mut(), t, k, n).unwrap();
+                check_bf16(&case, &g.download(&dy).unwrap(), &want, GEMM_BF16_TOL);
+            }
         }
     }
+    g.set_gemv(true);
 }
 
 /// A decode-step-shaped chain of every custom op (embed → rms_norm → W4A16 gate+up → silu_mul → W4A16
