@@ -139,7 +139,7 @@ fn w4a16_bandwidth() {
                 let what = if gemv { "gemv" } else { "cublas" };
                 println!("BENCH gemm_bf16 N={n} K={k} M={m} {what} graph {:.2} us {:.0} GB/s {:.0}% of copy", ms * 1e3, gbps, 100.0 * gbps / copy);
             }
-            g.set_gemv(true);
+            g.set_gemv(false);
         }
     }
     // Grouped MoE decode: 1 token x top-8 of 32 distinct experts of the fused gate+up 4096x7168 (rotated over

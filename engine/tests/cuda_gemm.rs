@@ -284,7 +284,7 @@ fn gemm_bf16_parity() {
             }
         }
     }
-    g.set_gemv(true);
+    g.set_gemv(false);
 }
 
 /// A decode-step-shaped chain of every custom op (embed → rms_norm → W4A16 gate+up → silu_mul → W4A16

@@ -5,7 +5,7 @@
 // and the row's partial sums stay in the block.
 // CPU twin: engine cpu::ops::matmul_bf16 (same products, f32 sums in another order). Test:
 // engine/tests/cuda_gemm.rs (gemv cases through gemm_bf16). Wrapper: engine/src/cuda/ops/gemm_bf16.rs (taken
-// for M <= 4, K % 8 == 0 and 16-byte aligned x and W).
+// for M <= 4, K % 8 == 0 and 16-byte aligned x and W when the GPU's GEMV switch is on: opt in, KDTREE_GEMV=1).
 // Layout: WPR warps per row (1, 2, 4 or 8; more for short N so that the GPU has enough loads in flight), 8
 // warps per block (8 / WPR rows). Warp j of a row takes the 16-byte chunks c = lane + 32 (j + WPR i); each lane
 // sums its chunks in order, the warp by a fixed butterfly, the row's warps in warp order: deterministic.

@@ -94,7 +94,10 @@ pub struct Gpu {
     /// At most this many W4A16 k-splits (`KDTREE_W4A16_MAX_SPLITS`, default 64: measured on the H200, a cap of
     /// 16 or 8 made the TP8 slices slower, 512x7168 M=1 9.3 / 11.3 us against 6.9 us).
     w4a16_max_splits: std::sync::atomic::AtomicUsize,
-    /// bf16 GEMMs of <= 4 rows through the GEMV kernel instead of cuBLAS (`KDTREE_GEMV=0` turns it off).
+    /// bf16 GEMMs of <= 4 rows through the GEMV kernel instead of cuBLAS (opt in: `KDTREE_GEMV=1`). Off by
+    /// default: on the H200 it made the k26 slice's AR step 10% faster (10.74 -> 9.64 ms), but its sums differ
+    /// from the tree verify's cuBLAS ones more often at bf16 rounding boundaries (sampled DDTree == sampled AR
+    /// exactly on 0 of 8 runs instead of >= 4, every difference a boundary case within 2e-3).
     gemv: std::sync::atomic::AtomicBool,
     /// Fill [`Gpu::out`] buffers with NaN bytes (`KDTREE_CUDA_POISON=1`; test runs).
     poison: bool,
@@ -249,7 +252,7 @@ impl Gpu {
         let gemm_counters = stream.alloc_zeros::<u32>(GEMM_COUNTERS).map_err(drv("gemm counters"))?;
         let major = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR).map_err(drv("device attributes"))?;
         let pdl = major >= 9 && std::env::var("KDTREE_PDL").map(|v| v != "0").unwrap_or(true);
-        let gpu = Gpu { ctx, stream, blas, sms, max_smem, smem_per_sm, _module: module, funcs, _blas_workspace: ws, graphs: std::sync::atomic::AtomicBool::new(std::env::var("KDTREE_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true)), capture_failure: std::sync::Mutex::new(None), load: std::sync::Mutex::new(None), stats: GpuStats::default(), gemm_counters, last_graph: std::sync::Mutex::new(None), w4a16_bps: std::sync::atomic::AtomicUsize::new(std::env::var("KDTREE_W4A16_BLOCKS_PER_SM").ok().and_then(|v| v.parse().ok()).unwrap_or(4)), w4a16_max_splits: std::sync::atomic::AtomicUsize::new(std::env::var("KDTREE_W4A16_MAX_SPLITS").ok().and_then(|v| v.parse().ok()).unwrap_or(64)), gemv: std::sync::atomic::AtomicBool::new(std::env::var("KDTREE_GEMV").map(|v| v != "0").unwrap_or(true)), poison: std::env::var("KDTREE_CUDA_POISON").is_ok_and(|v| v == "1"), pdl: std::sync::atomic::AtomicBool::new(pdl) };
+        let gpu = Gpu { ctx, stream, blas, sms, max_smem, smem_per_sm, _module: module, funcs, _blas_workspace: ws, graphs: std::sync::atomic::AtomicBool::new(std::env::var("KDTREE_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true)), capture_failure: std::sync::Mutex::new(None), load: std::sync::Mutex::new(None), stats: GpuStats::default(), gemm_counters, last_graph: std::sync::Mutex::new(None), w4a16_bps: std::sync::atomic::AtomicUsize::new(std::env::var("KDTREE_W4A16_BLOCKS_PER_SM").ok().and_then(|v| v.parse().ok()).unwrap_or(4)), w4a16_max_splits: std::sync::atomic::AtomicUsize::new(std::env::var("KDTREE_W4A16_MAX_SPLITS").ok().and_then(|v| v.parse().ok()).unwrap_or(64)), gemv: std::sync::atomic::AtomicBool::new(std::env::var("KDTREE_GEMV").is_ok_and(|v| v == "1")), poison: std::env::var("KDTREE_CUDA_POISON").is_ok_and(|v| v == "1"), pdl: std::sync::atomic::AtomicBool::new(pdl) };
         ops::w4a16_gemm::configure(&gpu)?;
         ops::gqa_attention::configure(&gpu)?;
         ops::ddtree_build::configure(&gpu)?;
@@ -301,7 +304,7 @@ impl Gpu {
         self.w4a16_max_splits.store(s.max(1), std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Whether bf16 GEMMs of <= 4 rows use the GEMV kernel (on by default).
+    /// Whether bf16 GEMMs of <= 4 rows use the GEMV kernel (off by default; `KDTREE_GEMV=1`).
     pub fn gemv(&self) -> bool {
         self.gemv.load(std::sync::atomic::Ordering::Relaxed)
     }

@@ -25,7 +25,7 @@ impl GemmOut for f32 {
     const GEMV: [&'static str; 4] = ["kdtree_gemv_bf16_f32_m1", "kdtree_gemv_bf16_f32_m2", "kdtree_gemv_bf16_f32_m3", "kdtree_gemv_bf16_f32_m4"];
 }
 
-/// Rows of x up to which the GEMV kernel replaces cuBLAS (`KDTREE_GEMV=0` keeps cuBLAS everywhere).
+/// Rows of x up to which the GEMV kernel replaces cuBLAS when it is on ([`crate::cuda::Gpu::gemv`], opt in).
 pub const GEMV_MAX_ROWS: usize = 4;
 
 /// Warps per output row of the GEMV: enough rows x warps to fill the GPU (~24 warps per SM) on short N.
