@@ -214,8 +214,28 @@ fn open_dummy_inner(src: DummySource, device: Device, opts: OpenOptions) -> Resu
     if device == Device::Cuda {
         return Err(BackendError::NoCuda.into());
     }
+    // The CPU fills every tensor in host memory: refuse what cannot fit rather than being killed mid-fill.
+    let needed = src.bytes();
+    if let Some(avail) = mem_available() {
+        anyhow::ensure!(
+            needed + (1u64 << 30) <= avail,
+            "dummy weights of {:.2} GiB (rank {} of {}) do not fit the {:.2} GiB of host memory available (+1 GiB kept); use --device cuda or a smaller preset",
+            needed as f64 / (1u64 << 30) as f64,
+            src.rank().0,
+            src.rank().1,
+            avail as f64 / (1u64 << 30) as f64
+        );
+    }
     let m = open_cpu_source(Arc::new(src), opts)?;
     Ok(Loaded { backend: "cpu".into(), device: "cpu".into(), target: Box::new(m.target), drafter: m.drafter.map(|d| Box::new(d) as Box<dyn Drafter>) })
+}
+
+/// Host memory available for new allocations (Linux `MemAvailable`), None where it cannot be read.
+fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 /// [`open_dummy`] on the CUDA device `gpu` the caller keeps (the GPU tests and the k26 slice timing).

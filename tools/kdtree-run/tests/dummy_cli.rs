@@ -97,3 +97,29 @@ fn dummy_refuses_what_it_cannot_do() {
     let r = &records(&out)[0];
     assert!(r["error"]["message"].as_str().unwrap().contains("vocabulary of 512"), "{r}");
 }
+
+/// A dummy rank slice bigger than the host's memory is refused on the CPU with exit 2, naming the sizes,
+/// before anything is filled or written (the k26 rank-0 slice: 72 GiB). Skipped where the host has room
+/// for it (the run would then fill 72 GiB).
+#[test]
+fn dummy_too_big_for_the_host_is_refused() {
+    let avail_gib = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|t| t.lines().find(|l| l.starts_with("MemAvailable:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()))
+        .map(|kib| kib as f64 / (1u64 << 20) as f64);
+    let Some(avail) = avail_gib.filter(|&a| a < 70.0) else {
+        eprintln!("SKIP: this host has room for the k26 rank-0 slice (or no /proc/meminfo)");
+        return;
+    };
+    let d = dir("too-big");
+    let cfg = d.join("k26");
+    kdtree_convert::synth::write_configs("k26", &cfg, true, None).unwrap();
+    let prompts = d.join("p.jsonl");
+    std::fs::write(&prompts, "{\"id\":\"a\",\"prompt_token_ids\":[1,2,3]}\n").unwrap();
+    let out = d.join("o.jsonl");
+    let o = run(&[cfg.to_str().unwrap(), "--load-format", "dummy", "--ranks", "8", "--rank", "0", "--device", "cpu", "--mode", "ar", "--prompts", prompts.to_str().unwrap(), "--out", out.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("do not fit") && err.contains("GiB"), "the error names the sizes ({avail:.1} GiB available): {err}");
+    assert!(!out.exists(), "nothing written");
+}
