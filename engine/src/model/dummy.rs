@@ -17,7 +17,7 @@
 //! Tensor seed = splitmix64 chain of (seed, rank, FNV-1a of the name): distinct per tensor and rank,
 //! stable across runs and builds. Tests: engine/tests/dummy_load.rs; GPU: engine/tests/cuda_target.rs.
 
-use super::source::TensorSource;
+use super::source::{ShardFacts, TensorSource};
 use crate::cpu::ops::Fill;
 use anyhow::{ensure, Context, Result};
 use kdtree_formats::config::{parse_drafter_config, parse_text_config, DrafterConfig, TextConfig};
@@ -27,12 +27,7 @@ use std::collections::HashMap;
 
 /// One planned tensor of the held rank, with its fill.
 struct DummyTensor {
-    dtype: Dtype,
-    shape: Vec<usize>,
-    logical_shape: Vec<usize>,
-    layout: Layout,
-    split_axis: Option<usize>,
-    split_offset: usize,
+    facts: ShardFacts,
     fill: Fill,
     nbytes: u64,
 }
@@ -93,7 +88,7 @@ impl DummySource {
         for o in plan.tensors.into_iter().filter(|o| o.rank == rank) {
             let fill = fill_for(&o.name, o.dtype, o.layout, &o.logical_shape, tensor_seed(seed, rank, &o.name))?;
             let nbytes = o.nbytes();
-            let t = DummyTensor { dtype: o.dtype, shape: o.shape, logical_shape: o.logical_shape, layout: o.layout, split_axis: o.split_axis, split_offset: o.split_offset, fill, nbytes };
+            let t = DummyTensor { facts: ShardFacts::of(&o), fill, nbytes };
             tensors.insert(o.name, t);
         }
         Ok(DummySource { text, drafter, ranks, rank, seed, tensors })
@@ -126,7 +121,7 @@ impl DummySource {
     }
     /// Names of the held rank's tensors with their dtype and shard shape, sorted by name.
     pub fn listing(&self) -> Vec<(String, Dtype, Vec<usize>)> {
-        let mut v: Vec<_> = self.tensors.iter().map(|(n, t)| (n.clone(), t.dtype, t.shape.clone())).collect();
+        let mut v: Vec<_> = self.tensors.iter().map(|(n, t)| (n.clone(), t.facts.dtype(), t.facts.shape().to_vec())).collect();
         v.sort_by(|a, b| a.0.cmp(&b.0));
         v
     }
@@ -147,15 +142,7 @@ unsafe impl TensorSource for DummySource {
     fn tensor(&self, name: &str, rank: usize) -> Result<TensorRef<'_>> {
         ensure!(rank == self.rank, "dummy weights: {name} asked for rank {rank}, this source holds rank {} of {} only", self.rank, self.ranks);
         let t = self.tensors.get(name).with_context(|| format!("dummy weights: no tensor {name} in the plan (rank {rank})"))?;
-        Ok(TensorRef {
-            dtype: t.dtype,
-            shape: &t.shape,
-            logical_shape: &t.logical_shape,
-            layout: t.layout,
-            split_axis: t.split_axis,
-            split_offset: t.split_offset,
-            data: &[],
-        })
+        Ok(t.facts.tensor_ref(&[]))
     }
     fn slice_rank(&self) -> Option<usize> {
         Some(self.rank)

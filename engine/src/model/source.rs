@@ -164,14 +164,44 @@ pub struct MemSource {
     shards: HashMap<(String, usize), MemShard>,
 }
 
-/// One rank's slice of a [`MemTensor`], with the manifest facts a `TensorRef` carries.
-struct MemShard {
+/// The manifest facts a `TensorRef` carries about one planned shard (what in-memory sources keep per tensor).
+pub(crate) struct ShardFacts {
     dtype: Dtype,
     shape: Vec<usize>,
     logical_shape: Vec<usize>,
     layout: Layout,
     split_axis: Option<usize>,
     split_offset: usize,
+}
+
+impl ShardFacts {
+    /// The facts of a planned tensor.
+    pub(crate) fn of(o: &kdtree_formats::plan::OutTensor) -> ShardFacts {
+        ShardFacts { dtype: o.dtype, shape: o.shape.clone(), logical_shape: o.logical_shape.clone(), layout: o.layout, split_axis: o.split_axis, split_offset: o.split_offset }
+    }
+    pub(crate) fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    pub(crate) fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    /// A `TensorRef` of these facts over `data`.
+    pub(crate) fn tensor_ref<'a>(&'a self, data: &'a [u8]) -> TensorRef<'a> {
+        TensorRef {
+            dtype: self.dtype,
+            shape: &self.shape,
+            logical_shape: &self.logical_shape,
+            layout: self.layout,
+            split_axis: self.split_axis,
+            split_offset: self.split_offset,
+            data,
+        }
+    }
+}
+
+/// One rank's slice of a [`MemTensor`].
+struct MemShard {
+    facts: ShardFacts,
     data: Vec<u8>,
 }
 
@@ -196,15 +226,7 @@ impl MemSource {
                 o.logical_shape
             );
             let bytes = slice_bytes(whole, o.split_axis, o.split_offset, &o.shape)?;
-            let shard = MemShard {
-                dtype: o.dtype,
-                shape: o.shape.clone(),
-                logical_shape: o.logical_shape.clone(),
-                layout: o.layout,
-                split_axis: o.split_axis,
-                split_offset: o.split_offset,
-                data: bytes,
-            };
+            let shard = MemShard { facts: ShardFacts::of(o), data: bytes };
             shards.insert((o.name.clone(), o.rank), shard);
         }
         Ok(MemSource { text, ranks, shards })
@@ -255,15 +277,7 @@ unsafe impl TensorSource for MemSource {
     }
     fn tensor(&self, name: &str, rank: usize) -> Result<TensorRef<'_>> {
         let s = self.shards.get(&(name.to_string(), rank)).with_context(|| format!("MemSource: no tensor {name} for rank {rank}"))?;
-        Ok(TensorRef {
-            dtype: s.dtype,
-            shape: &s.shape,
-            logical_shape: &s.logical_shape,
-            layout: s.layout,
-            split_axis: s.split_axis,
-            split_offset: s.split_offset,
-            data: &s.data,
-        })
+        Ok(s.facts.tensor_ref(&s.data))
     }
 }
 
