@@ -93,6 +93,16 @@ def best_torch(recs, n, k, m):
     return None, None, False
 
 
+def goal(tally, value, target, shown):
+    """One goal cell: "n/a" without a value, else met / not met (`shown`), counted in tally [met, rows]."""
+    if value is None:
+        return "n/a"
+    ok = value >= target
+    tally[0] += ok
+    tally[1] += 1
+    return f"{'met' if ok else 'not met'} ({shown})"
+
+
 def failed_for(errors, op, n, k, m):
     return [e for e in errors if e.get("op") == op and e.get("N") == n and e.get("K") == k and e.get("M") in (None, m)]
 
@@ -142,23 +152,8 @@ def build(rust, rust_copy, rust_notes, recs, errors, env, peer_notes, status, gp
             # Like against like: graph against graph; where torch has only an eager figure, eager against eager.
             ours_like = (o.get("eager_us") if o else None) if t_eager else ous
             speed = tus / ours_like if tus and ours_like else None
-            g1 = g2 = "—"
-            if m <= GOAL_PCT_MAX_M:
-                if opct is None:
-                    g1 = "n/a"
-                else:
-                    ok = opct >= GOAL_PCT
-                    met["pct"][0] += ok
-                    met["pct"][1] += 1
-                    g1 = f"{'met' if ok else 'not met'} ({opct:.0f} %)"
-            if m == GOAL_SPEEDUP_M:
-                if speed is None:
-                    g2 = "n/a"
-                else:
-                    ok = speed >= GOAL_SPEEDUP
-                    met["speed"][0] += ok
-                    met["speed"][1] += 1
-                    g2 = f"{'met' if ok else 'not met'} ({speed:.2f}×{', eager' if t_eager else ''})"
+            g1 = goal(met["pct"], opct, GOAL_PCT, f"{opct:.0f} %" if opct is not None else "") if m <= GOAL_PCT_MAX_M else "—"
+            g2 = goal(met["speed"], speed, GOAL_SPEEDUP, f"{speed:.2f}×{', eager' if t_eager else ''}" if speed is not None else "") if m == GOAL_SPEEDUP_M else "—"
             ocell = fmt(ous, ".2f", "failed" if status.get("rust_failed") else "—")
             out.append(f"| {n} × {k} | {m} | {ocell} | {fmt(ogb, '.0f')} | {fmt(opct, '.0f')} | {tcell} | {fmt(speed, '.2f')}{' eager' if speed and t_eager else ''} | {bcell} | {g1} | {g2} |")
     out.append("")
