@@ -306,6 +306,22 @@ fn ddtree_tree_stages() {
     }
 }
 
+/// The trained pair converted for one rank (in a temporary folder kept alive by the first field), its weights
+/// on `g`, and the target layers the drafter taps.
+#[allow(clippy::type_complexity)]
+fn pair_on(
+    g: &std::sync::Arc<Gpu>,
+) -> (tempfile::TempDir, std::sync::Arc<dyn kdtree_engine::model::TensorSource>, kdtree_engine::cuda::CudaBackend, std::sync::Arc<kdtree_engine::model::Weights<kdtree_engine::cuda::CudaBackend>>, Vec<usize>) {
+    use kdtree_engine::model::{TensorSource, Weights};
+    let tmp = tempfile::tempdir().unwrap();
+    round_common::convert(&round_common::pair_dir(), &tmp.path().join("pair1"), 1);
+    let src: std::sync::Arc<dyn TensorSource> = std::sync::Arc::new(kdtree_formats::ModelDir::open(tmp.path().join("pair1")).unwrap());
+    let b = kdtree_engine::cuda::CudaBackend::new(g.clone());
+    let w = std::sync::Arc::new(Weights::load_on(b.clone(), src.clone()).unwrap());
+    let taps = src.drafter_config().unwrap().dflash_config.target_layer_ids.clone();
+    (tmp, src, b, w, taps)
+}
+
 /// The device round's stages on the trained pair (models/kdtree-tiny, one rank), each between CUDA events
 /// over 20 rounds from the same state (median): draft (the drafter's block), top-K + tree + mask, the verify
 /// forward over budget + 1 nodes, decisions + walk, the read back, and the commit (latent compaction and the
@@ -316,20 +332,14 @@ fn ddtree_tree_stages() {
 fn ddtree_round_stages() {
     use kdtree_engine::api::{Drafter, Target};
     use kdtree_engine::backend::Backend;
-    use kdtree_engine::cuda::CudaBackend;
     use kdtree_engine::drafter::DFlashDrafter;
     use kdtree_engine::generate::Sampling;
-    use kdtree_engine::model::{AttnMode, TargetModel, TensorSource, Weights};
+    use kdtree_engine::model::{AttnMode, TargetModel};
     use kdtree_engine::{Mode, Session};
     use std::sync::Arc;
     let Some(g) = gpu() else { return };
     let g = Arc::new(g);
-    let tmp = tempfile::tempdir().unwrap();
-    round_common::convert(&round_common::pair_dir(), &tmp.path().join("pair1"), 1);
-    let src: Arc<dyn TensorSource> = Arc::new(kdtree_formats::ModelDir::open(tmp.path().join("pair1")).unwrap());
-    let b = CudaBackend::new(g.clone());
-    let w = Arc::new(Weights::load_on(b.clone(), src.clone()).unwrap());
-    let taps = src.drafter_config().unwrap().dflash_config.target_layer_ids.clone();
+    let (_tmp, src, b, w, taps) = pair_on(&g);
     let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
     for budget in [16usize, 64, 256] {
         let mut t = TargetModel::new(w.clone(), taps.clone(), AttnMode::Absorbed).unwrap();
@@ -417,20 +427,14 @@ fn ddtree_round_stages() {
 #[test]
 #[ignore = "timing; run by scripts/gpu-test.sh"]
 fn step_busy() {
-    use kdtree_engine::cuda::CudaBackend;
     use kdtree_engine::drafter::DFlashDrafter;
     use kdtree_engine::generate::Sampling;
-    use kdtree_engine::model::{AttnMode, TargetModel, TensorSource, Weights};
+    use kdtree_engine::model::{AttnMode, TargetModel};
     use kdtree_engine::{Mode, Session};
     use std::sync::Arc;
     let Some(g) = gpu() else { return };
     let g = Arc::new(g);
-    let tmp = tempfile::tempdir().unwrap();
-    round_common::convert(&round_common::pair_dir(), &tmp.path().join("pair1"), 1);
-    let src: Arc<dyn TensorSource> = Arc::new(kdtree_formats::ModelDir::open(tmp.path().join("pair1")).unwrap());
-    let b = CudaBackend::new(g.clone());
-    let w = Arc::new(Weights::load_on(b.clone(), src.clone()).unwrap());
-    let taps = src.drafter_config().unwrap().dflash_config.target_layer_ids.clone();
+    let (_tmp, src, b, w, taps) = pair_on(&g);
     let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
     let profile = std::env::var("KDTREE_PROFILE").unwrap_or_default();
     for (tag, mode) in [("ar", Mode::Ar), ("dd16", Mode::DDTree { budget: 16 }), ("dd64", Mode::DDTree { budget: 64 })] {
