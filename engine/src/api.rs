@@ -100,6 +100,70 @@ pub trait Target {
     fn device_step(&mut self, _root: u32, _s: &crate::sampling::Sampling) -> Option<Result<u32>> {
         None
     }
+    /// A new, empty session over the same weights (no copy): one per sequence of a [`crate::Batch`]. None
+    /// when this target cannot fork (a batch then cannot be built over it).
+    fn fork(&self) -> Option<Box<dyn Target>> {
+        None
+    }
+    /// The batched step over sessions forked from this target ([`BatchOps`]); None when it has none (a
+    /// batch then steps its sequences one by one: the same tokens).
+    fn batch_ops(&self) -> Option<Box<dyn BatchOps>> {
+        None
+    }
+    /// The concrete target, for [`BatchOps`] (None by default).
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        None
+    }
+    /// Bytes one position of this session's KV cache takes (0: not accounted).
+    fn kv_row_bytes(&self) -> usize {
+        0
+    }
+    /// Drop the sequence and give the cache's storage back.
+    fn release(&mut self) {
+        self.reset()
+    }
+    /// Free memory where the ops run (None: not measured, the host).
+    fn mem_free(&self) -> Option<usize> {
+        None
+    }
+}
+
+/// What kind of step a sequence of a batch takes next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepKind {
+    Ar,
+    /// A DDTree round of this node budget.
+    Tree(usize),
+    /// The chain round.
+    Chain,
+}
+
+/// One sequence of a batched step: its target and drafter (forked from one model), the token going in (at
+/// position `target.committed()`), the step, its sampling.
+pub struct BatchItem<'x> {
+    pub target: &'x mut dyn Target,
+    pub drafter: Option<&'x mut dyn Drafter>,
+    pub root: u32,
+    pub kind: StepKind,
+    pub sampling: &'x crate::sampling::Sampling,
+}
+
+/// What a batched step gave one sequence (everything already committed, as the single-sequence device
+/// step and round leave it).
+#[derive(Debug, Clone, PartialEq)]
+pub enum BatchOut {
+    Token(u32),
+    Round(DeviceRound),
+}
+
+/// Batched steps over sessions forked from one target: every sequence's step in one target forward (the
+/// projections and the MoE over all their rows, attention per sequence over its own cache), one captured
+/// graph and one read back for the whole batch.
+pub trait BatchOps {
+    /// Whether `item` can join a batched step now (otherwise it steps alone: same tokens).
+    fn can_batch(&mut self, item: &mut BatchItem<'_>) -> bool;
+    /// One step of every item (all of one kind: all AR, or all rounds), in one forward.
+    fn step(&mut self, items: &mut [BatchItem<'_>]) -> Result<Vec<BatchOut>>;
 }
 
 /// What a device round returns: the walk (accepted path, the target's decisions along it = the emitted
@@ -135,6 +199,18 @@ pub trait Drafter {
     /// ([`Target::device_round`]); None by default.
     fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         None
+    }
+    /// A new, empty session over the same weights ([`Target::fork`]).
+    fn fork(&self) -> Option<Box<dyn Drafter>> {
+        None
+    }
+    /// Bytes one context position takes (0: not accounted).
+    fn ctx_row_bytes(&self) -> usize {
+        0
+    }
+    /// Drop the context and give its storage back.
+    fn release(&mut self) {
+        self.reset()
     }
 }
 
@@ -176,6 +252,24 @@ impl<T: Target + ?Sized> Target for &mut T {
     fn device_step(&mut self, root: u32, s: &crate::sampling::Sampling) -> Option<Result<u32>> {
         (**self).device_step(root, s)
     }
+    fn fork(&self) -> Option<Box<dyn Target>> {
+        (**self).fork()
+    }
+    fn batch_ops(&self) -> Option<Box<dyn BatchOps>> {
+        (**self).batch_ops()
+    }
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        (**self).as_any_mut()
+    }
+    fn kv_row_bytes(&self) -> usize {
+        (**self).kv_row_bytes()
+    }
+    fn release(&mut self) {
+        (**self).release()
+    }
+    fn mem_free(&self) -> Option<usize> {
+        (**self).mem_free()
+    }
 }
 
 /// A borrowed drafter is a drafter.
@@ -203,5 +297,14 @@ impl<D: Drafter + ?Sized> Drafter for &mut D {
     }
     fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         (**self).as_any_mut()
+    }
+    fn fork(&self) -> Option<Box<dyn Drafter>> {
+        (**self).fork()
+    }
+    fn ctx_row_bytes(&self) -> usize {
+        (**self).ctx_row_bytes()
+    }
+    fn release(&mut self) {
+        (**self).release()
     }
 }

@@ -146,10 +146,11 @@ pub trait Backend: Clone + Send + Sync + 'static {
     fn ids_write(&self, dst: &mut Self::Ids, at: usize, host: &[u32]) -> Result<()>;
     /// The ids on the host (a read back).
     fn ids_to_host(&self, ids: &Self::Ids) -> Result<Vec<u32>>;
-    /// The target's decision for each of `rows` rows of `logits` `[rows, vocab]` into `out[..rows]`: greedy,
-    /// or `sampling::sample` at position `base + offset + row` (`base` read where the ops run).
+    /// The target's decision for each of `rows` rows `[row0, row0 + rows)` of `logits` `[>= row0 + rows, vocab]`
+    /// into `out[row0..row0 + rows]`: greedy, or `sampling::sample` of row `row0 + i` at position
+    /// `base + offset + i` (`base` read where the ops run). A batch decides each sequence's rows in place.
     #[allow(clippy::too_many_arguments)]
-    fn decide_rows(&self, logits: &Self::Act, rows: usize, vocab: usize, s: &crate::sampling::Sampling, base: PosOf<'_, Self>, offset: usize, out: &mut Self::Ids) -> Result<()>;
+    fn decide_rows(&self, logits: &Self::Act, row0: usize, rows: usize, vocab: usize, s: &crate::sampling::Sampling, base: PosOf<'_, Self>, offset: usize, out: &mut Self::Ids) -> Result<()>;
     /// cos/sin of positions `base + offsets[i]` (or `base + i`) for i < t, as [`RopeTable::new`] computes them,
     /// with the base read where the ops run.
     fn rope_at(&self, inv_freq: &Self::VectorF32, factor: f64, base: PosOf<'_, Self>, offsets: Option<&Self::Ids>, t: usize) -> Self::Rope;
@@ -171,6 +172,9 @@ pub trait Backend: Clone + Send + Sync + 'static {
     fn append_rows(&self, acc: &mut Self::Act, x: &Self::Act);
     /// Keep the first `n` values of `x`.
     fn truncate(&self, x: &mut Self::Act, n: usize);
+    /// Rows `[at, at + n)` of `dst` `[>= at + n, cols]` = `src` `[n, cols]` (a batch's per-sequence results
+    /// into one activation).
+    fn set_rows(&self, dst: &mut Self::Act, cols: usize, at: usize, src: &Self::Act, n: usize);
     /// Columns `[at, at + src_cols)` of `dst` `[t, dst_cols]` = `src` `[t, src_cols]`.
     fn set_cols(&self, dst: &mut Self::Act, dst_cols: usize, at: usize, src: &Self::Act, src_cols: usize, t: usize);
     /// A zero activation of `n` values.
@@ -229,6 +233,14 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// Keep committed rows `[0, len)`.
     fn kv_truncate(&self, kv: &mut Self::Kv, len: usize) -> Result<()>;
     fn kv_reset(&self, kv: &mut Self::Kv);
+    /// Bytes one cache row takes (all layers).
+    fn kv_row_bytes(&self, kv: &Self::Kv) -> usize;
+    /// Drop everything and give the cache's storage back (a batch's admission control frees an idle slot).
+    fn kv_release(&self, kv: &mut Self::Kv);
+    /// Free memory where the ops run, in bytes (None: the host, not measured).
+    fn mem_free(&self) -> Option<usize> {
+        None
+    }
     /// Interleaved RoPE on the `q_pe` part (after `nope` dims) of every head of `q` `[T, heads·(nope+P)]`.
     fn rope_q(&self, q: &mut Self::Act, heads: usize, nope: usize, rope: &Self::Rope);
     /// MLA attention of one rank's roped queries `[T, Hr·(Dn+P)]` over layer `l` of the cache (committed
@@ -269,13 +281,14 @@ pub trait Backend: Clone + Send + Sync + 'static {
     fn tree_tokens<'t>(&self, tree: &'t Self::Tree) -> &'t Self::Ids;
     fn tree_depths<'t>(&self, tree: &'t Self::Tree) -> &'t Self::Ids;
     fn tree_mask<'t>(&self, tree: &'t Self::Tree) -> &'t Self::Mask;
-    /// The target's decision at every node from `logits` `[budget + 1, vocab]` (greedy, or sampled with the
-    /// uniform of position `start + depth + 1`, `start` = the committed rows of `kv`), then the walk
-    /// (`ddtree::walk_sampled`).
-    fn tree_walk(&self, tree: &mut Self::Tree, logits: &Self::Act, s: &crate::sampling::Sampling, kv: &Self::Kv) -> Result<()>;
-    /// `[rows_out, cols]`: row i = row `path[i]` of `x` (`[budget + 1, cols]`) for i < the walk's length,
-    /// zeros after (the accepted nodes' taps for the drafter, padded to a fixed shape).
-    fn tree_path_rows(&self, tree: &Self::Tree, x: &Self::Act, cols: usize, rows_out: usize) -> Self::Act;
+    /// The target's decision at every node from rows `[row0, row0 + budget + 1)` of `logits` `[.., vocab]`
+    /// (greedy, or sampled with the uniform of position `start + depth + 1`, `start` = the committed rows of
+    /// `kv`), then the walk (`ddtree::walk_sampled`). `row0` is the tree's first row in a batched verify.
+    fn tree_walk(&self, tree: &mut Self::Tree, logits: &Self::Act, row0: usize, s: &crate::sampling::Sampling, kv: &Self::Kv) -> Result<()>;
+    /// `[rows_out, cols]`: row i = row `row0 + path[i]` of `x` (`[.., cols]`, the tree's nodes from `row0`)
+    /// for i < the walk's length, zeros after (the accepted nodes' taps for the drafter, padded to a fixed
+    /// shape).
+    fn tree_path_rows(&self, tree: &Self::Tree, x: &Self::Act, row0: usize, cols: usize, rows_out: usize) -> Self::Act;
     /// The round's commit where the ops run: `kv` keeps the walked path's scratch rows (`kv_compact`), `kv`'s
     /// committed length and `ctx` advance by the walk's length, and the root becomes the walk's bonus. The
     /// host copies follow in [`Backend::tree_commit_host`], once the walk has been read.
@@ -285,6 +298,13 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// The last walk and the last build's popped-node scores (`log_q` of nodes 1..=budget, pop order): the
     /// round's one read back to the host (one copy on a device).
     fn tree_result(&self, tree: &Self::Tree) -> Result<crate::ddtree::TreeResult>;
+    /// Words of the tree's result buffer: a batch copies every tree's result into one buffer
+    /// ([`Backend::tree_result_into`]) and reads that once ([`Backend::tree_result_from`]).
+    fn tree_result_words(&self, tree: &Self::Tree) -> usize;
+    /// `stage[at..at + tree_result_words]` = the tree's result buffer, where the ops run.
+    fn tree_result_into(&self, tree: &Self::Tree, stage: &mut Self::Ids, at: usize);
+    /// [`Backend::tree_result`] from `words` (the staged copy, read back with the batch's one read).
+    fn tree_result_from(&self, tree: &Self::Tree, words: &[u32]) -> Result<crate::ddtree::TreeResult>;
 
     // ---- one captured round ----
     /// Runs `body` (a whole DDTree round of ops, no host reads): on a device, captured once into `graph` for

@@ -9,6 +9,7 @@
 //! Tests: engine/tests/generate_loops.rs (mock target and drafter) and generate_tiny_model.rs.
 
 use crate::api::{Drafter, Target};
+use crate::batch::Batch;
 use crate::session::Session;
 use anyhow::{ensure, Result};
 use std::time::Instant;
@@ -120,54 +121,187 @@ fn emit(out: &mut Vec<u32>, tok: u32, req: &GenRequest, on_tokens: &mut dyn FnMu
     }
 }
 
-/// Generate from `req.prompt` in the session's mode. See the module comment for the contract.
-pub fn generate(session: &mut Session<'_>, req: &GenRequest, on_tokens: &mut dyn FnMut(&[u32]) -> bool) -> Result<GenOutput> {
-    let t0 = Instant::now();
-    ensure!(req.mode == session.mode(), "request mode {:?} but the session runs {:?}", req.mode, session.mode());
-    let mut out = GenOutput {
-        tokens: Vec::new(),
-        finish_reason: FinishReason::Length,
-        spec: SpecStats::default(),
-        prefill_ms: 0.0,
-        decode_ms: 0.0,
-        ttft_ms: 0.0,
-    };
-    if req.max_tokens == 0 {
-        ensure!(!req.prompt.is_empty(), "empty prompt");
-        return Ok(out);
-    }
-    // Room for the whole generation up front (the caches never grow, nor a captured round re-captures, midway).
-    // Best effort: when the device cannot hold that much (a max_tokens far beyond what a stop will allow), the
-    // caches still grow on demand, as far as they can.
-    let _ = session.reserve(req.prompt.len().saturating_add(req.max_tokens));
-    let first = session.prefill(&req.prompt, &req.sampling)?;
-    out.prefill_ms = ms(t0);
-    out.ttft_ms = out.prefill_ms;
-    let t_dec = Instant::now();
-    let mut finish = emit(&mut out.tokens, first, req, on_tokens);
-    let depths = session.block_size().saturating_sub(1);
-    while finish.is_none() {
-        if !session.can_step() {
-            finish = Some(FinishReason::Length);
-            break;
+/// One request's generation in progress: its tokens so far, its counters and clocks, and whether it has
+/// finished. [`generate`] drives one over a session; [`generate_batch`] drives many over a [`Batch`].
+pub struct Progress {
+    out: GenOutput,
+    finish: Option<FinishReason>,
+    t_dec: Instant,
+    depths: usize,
+    drafts: bool,
+}
+
+impl Progress {
+    /// Prefill `req.prompt` on `session` (room for the whole generation first) and take the first token.
+    pub fn start(session: &mut Session<'_>, req: &GenRequest, on_tokens: &mut dyn FnMut(&[u32]) -> bool) -> Result<Progress> {
+        let t0 = Instant::now();
+        ensure!(req.mode == session.mode(), "request mode {:?} but the session runs {:?}", req.mode, session.mode());
+        let out = GenOutput { tokens: Vec::new(), finish_reason: FinishReason::Length, spec: SpecStats::default(), prefill_ms: 0.0, decode_ms: 0.0, ttft_ms: 0.0 };
+        let (depths, drafts) = (session.block_size().saturating_sub(1), session.mode().drafts());
+        let mut p = Progress { out, finish: None, t_dec: t0, depths, drafts };
+        if req.max_tokens == 0 {
+            ensure!(!req.prompt.is_empty(), "empty prompt");
+            p.finish = Some(FinishReason::Length);
+            return Ok(p);
         }
-        let step = session.step()?;
-        if session.mode().drafts() {
-            out.spec.record(step.drafted, step.accepted, step.budget, depths);
+        // Room for the whole generation up front (the caches never grow, nor a captured round re-captures,
+        // midway). Best effort: when the device cannot hold that much (a max_tokens far beyond what a stop will
+        // allow), the caches still grow on demand, as far as they can.
+        let _ = session.reserve(req.prompt.len().saturating_add(req.max_tokens));
+        let first = session.prefill(&req.prompt, &req.sampling)?;
+        p.out.prefill_ms = ms(t0);
+        p.out.ttft_ms = p.out.prefill_ms;
+        p.t_dec = Instant::now();
+        p.finish = emit(&mut p.out.tokens, first, req, on_tokens);
+        Ok(p)
+    }
+
+    pub fn finished(&self) -> bool {
+        self.finish.is_some()
+    }
+
+    /// The session cannot step again (its cache is full): the generation ends with `Length`.
+    pub fn cut(&mut self) {
+        self.finish.get_or_insert(FinishReason::Length);
+    }
+
+    /// Take one step's tokens in order until the generation ends; returns how many the session keeps
+    /// (`Session::keep`).
+    pub fn absorb(&mut self, step: &crate::session::Emitted, req: &GenRequest, on_tokens: &mut dyn FnMut(&[u32]) -> bool) -> usize {
+        if self.drafts {
+            self.out.spec.record(step.drafted, step.accepted, step.budget, self.depths);
         }
         let mut kept = 0;
         for &tok in &step.tokens {
             kept += 1;
-            finish = emit(&mut out.tokens, tok, req, on_tokens);
-            if finish.is_some() {
+            self.finish = emit(&mut self.out.tokens, tok, req, on_tokens);
+            if self.finish.is_some() {
                 break;
             }
         }
+        kept
+    }
+
+    /// The finished generation.
+    pub fn end(mut self) -> GenOutput {
+        self.out.finish_reason = self.finish.unwrap_or(FinishReason::Length);
+        if !self.out.tokens.is_empty() {
+            self.out.decode_ms = ms(self.t_dec);
+        }
+        self.out
+    }
+}
+
+/// Generate from `req.prompt` in the session's mode. See the module comment for the contract.
+pub fn generate(session: &mut Session<'_>, req: &GenRequest, on_tokens: &mut dyn FnMut(&[u32]) -> bool) -> Result<GenOutput> {
+    let mut p = Progress::start(session, req, on_tokens)?;
+    while !p.finished() {
+        if !session.can_step() {
+            p.cut();
+            break;
+        }
+        let step = session.step()?;
+        let kept = p.absorb(&step, req, on_tokens);
         session.keep(kept)?;
     }
-    out.finish_reason = finish.unwrap_or(FinishReason::Length);
-    out.decode_ms = ms(t_dec);
-    Ok(out)
+    Ok(p.end())
+}
+
+/// One request of [`generate_batch`]: the request and its per-token callback (stop strings).
+pub struct Job<'c> {
+    pub req: GenRequest,
+    pub on_tokens: Box<dyn FnMut(&[u32]) -> bool + 'c>,
+}
+
+/// Continuous batching over `batch`: `next()` gives the requests in order (with the caller's index), each
+/// starts in a free slot as soon as one is free (and its KV fits: [`Batch::admit`]; otherwise it waits for
+/// a running one to finish), every tick steps all running sequences together ([`Batch::step`]), and each
+/// finished generation goes to `done(index, result)` at once (in finishing order; the caller restores input
+/// order). A request that fails (prefill, a KV cache it can never fit) gets its error and the others go on;
+/// an error of a batched step fails the sequences of that step. Every sequence's tokens are those
+/// [`generate`] gives it alone (the stops are checked the same way, token by token).
+pub fn generate_batch<'c>(
+    batch: &mut Batch,
+    next: &mut dyn FnMut() -> Option<(usize, Job<'c>)>,
+    done: &mut dyn FnMut(usize, Result<GenOutput>) -> Result<()>,
+) -> Result<()> {
+    struct Running<'c> {
+        index: usize,
+        job: Job<'c>,
+        p: Progress,
+    }
+    let n = batch.len();
+    let mut slots: Vec<Option<Running<'c>>> = (0..n).map(|_| None).collect();
+    let mut waiting: Option<(usize, Job<'c>)> = None;
+    let mut exhausted = false;
+    loop {
+        // Admit: fill free slots in order while requests fit.
+        while let Some(slot) = slots.iter().position(Option::is_none) {
+            let Some((index, mut job)) = waiting.take().or_else(|| if exhausted { None } else { next() }) else {
+                exhausted = true;
+                break;
+            };
+            let running: Vec<usize> = (0..n).filter(|&i| slots[i].is_some()).collect();
+            let positions = job.req.prompt.len().saturating_add(job.req.max_tokens);
+            match batch.admit(slot, positions, &running) {
+                Err(e) => done(index, Err(e))?,
+                Ok(crate::batch::Admit::Wait) => {
+                    waiting = Some((index, job));
+                    break;
+                }
+                Ok(crate::batch::Admit::Yes) => match Progress::start(batch.session(slot), &job.req, &mut job.on_tokens) {
+                    Err(e) => done(index, Err(e))?,
+                    Ok(p) if p.finished() => done(index, Ok(p.end()))?,
+                    Ok(p) => slots[slot] = Some(Running { index, job, p }),
+                },
+            }
+        }
+        // Sequences at the cache's end finish with Length; the rest step together.
+        for i in 0..n {
+            if slots[i].is_some() && !batch.session(i).can_step() {
+                let mut r = slots[i].take().expect("checked");
+                r.p.cut();
+                done(r.index, Ok(r.p.end()))?;
+            }
+        }
+        let active: Vec<usize> = (0..n).filter(|&i| slots[i].is_some()).collect();
+        if active.is_empty() {
+            if waiting.is_none() && exhausted {
+                return Ok(());
+            }
+            continue;
+        }
+        match batch.step(&active) {
+            Err(e) => {
+                let msg = crate::generate::chain(&e);
+                for &i in &active {
+                    let r = slots[i].take().expect("active");
+                    done(r.index, Err(anyhow::anyhow!("{msg}")))?;
+                }
+            }
+            Ok(steps) => {
+                for (&i, step) in active.iter().zip(steps) {
+                    let r = slots[i].as_mut().expect("active");
+                    let kept = r.p.absorb(&step, &r.job.req, &mut r.job.on_tokens);
+                    let kept = batch.session(i).keep(kept);
+                    if let Err(e) = kept {
+                        let r = slots[i].take().expect("active");
+                        done(r.index, Err(e))?;
+                        continue;
+                    }
+                    if r.p.finished() {
+                        let r = slots[i].take().expect("active");
+                        done(r.index, Ok(r.p.end()))?;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// An error and its causes on one line.
+fn chain(e: &anyhow::Error) -> String {
+    e.chain().map(|c| c.to_string()).collect::<Vec<_>>().join(": ")
 }
 
 /// One request on a target (and drafter) the caller keeps: a fresh [`Session`] in `req.mode` over the

@@ -9,6 +9,7 @@
 
 pub mod api;
 pub mod backend;
+pub mod batch;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -22,5 +23,6 @@ pub mod session;
 pub use model::open::{open, open_cpu, open_with, CpuModel, Device, Loaded, OpenOptions};
 #[cfg(feature = "cuda")]
 pub use model::open::{open_cuda_on, open_cuda_with};
+pub use batch::{Admit, Batch, KvBudget};
 pub use model::AttnMode;
 pub use session::{Emitted, Mode, ProbeSet, Probes, RoundRecord, Session};

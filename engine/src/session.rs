@@ -27,7 +27,7 @@
 //!
 //! One sequence per session today; batching (issue 15) adds a batch of sequences behind the same calls.
 
-use crate::api::{Drafter, LogitRows, StepOut, Target, TargetInfo};
+use crate::api::{BatchItem, BatchOut, DeviceRound, Drafter, LogitRows, StepKind, StepOut, Target, TargetInfo};
 use crate::ddtree::{build_tree, build_tree_from_top_k, top_k_log_probs, walk_sampled, AutoBudget, CostModel, DraftTree, Walk};
 use crate::model::Trace;
 use crate::sampling::{sample, Sampling};
@@ -262,6 +262,83 @@ impl<'a> Session<'a> {
         Ok(emitted)
     }
 
+    /// End the sequence and give its caches' storage back (a batch frees an idle slot's memory with it).
+    pub fn release(&mut self) {
+        self.target.release();
+        if let Some(d) = self.drafter.as_mut() {
+            d.release();
+        }
+        (self.pending, self.last) = (None, None);
+    }
+
+    /// Bytes one position of this session's caches takes: the target's latent row and, when it drafts, the
+    /// drafter's context row.
+    pub fn row_bytes(&self) -> usize {
+        self.target.kv_row_bytes() + if self.mode.drafts() { self.drafter.as_ref().map_or(0, |d| d.ctx_row_bytes()) } else { 0 }
+    }
+
+    /// Cache rows (positions plus a step's scratch) a generation of `positions` committed positions reserves
+    /// ([`Session::reserve`]).
+    pub fn rows_for(&self, positions: usize) -> usize {
+        let p = positions.min(self.target.info().max_positions);
+        let scratch = match self.mode {
+            Mode::DDTree { budget } | Mode::DDTreeAuto { max: budget } => budget.saturating_add(1),
+            Mode::Chain => self.drafter.as_ref().map_or(1, |d| d.block_size()),
+            Mode::Ar => 1,
+        };
+        p.saturating_add(scratch)
+    }
+
+    /// This session's next step as one sequence of a batched step ([`crate::Batch`]); None when it must step
+    /// alone ([`Session::step`]): before prefill, at the cache's end, with probes recording, with device
+    /// rounds off, or `--budget auto` without its cost model.
+    pub(crate) fn batch_item(&mut self) -> Option<BatchItem<'_>> {
+        let root = self.pending?;
+        if !self.device_round || self.probes != ProbeSet::default() || self.target.committed() >= self.target.info().max_positions {
+            return None;
+        }
+        let kind = match self.mode {
+            Mode::Ar => StepKind::Ar,
+            Mode::DDTree { budget } => StepKind::Tree(budget),
+            Mode::DDTreeAuto { .. } => StepKind::Tree(self.auto.as_ref()?.budget()),
+            Mode::Chain => StepKind::Chain,
+        };
+        let drafter = match self.mode.drafts() {
+            true => Some(self.drafter.as_deref_mut()? as &mut dyn Drafter),
+            false => None,
+        };
+        Some(BatchItem { target: &mut *self.target, drafter, root, kind, sampling: &self.sampling })
+    }
+
+    /// The step a batched step ran for this session (from committed length `start`, the [`Session::batch_item`]
+    /// it was given), with [`Session::step`]'s bookkeeping.
+    pub(crate) fn batched(&mut self, start: usize, out: BatchOut) -> Result<Emitted> {
+        let emitted = match out {
+            BatchOut::Token(tok) => {
+                ensure!(self.mode == Mode::Ar, "a batched AR token for a {:?} session", self.mode);
+                self.device_steps += 1;
+                Emitted { tokens: vec![tok], drafted: 0, accepted: 0, depth_limit: 0, budget: 0 }
+            }
+            BatchOut::Round(r) => {
+                ensure!(self.mode.drafts(), "a batched round for an AR session");
+                let budget = match self.mode {
+                    Mode::DDTree { budget } => Some(budget),
+                    Mode::DDTreeAuto { .. } => Some(self.auto.as_ref().context("auto budget state lost")?.budget()),
+                    _ => None,
+                };
+                self.device_rounds += 1;
+                let (e, log_q) = round_emitted(r, budget);
+                if let Some(a) = self.auto.as_mut() {
+                    a.update(&log_q);
+                }
+                e
+            }
+        };
+        self.pending = emitted.tokens.last().copied();
+        self.last = Some((start, emitted.tokens.clone()));
+        Ok(emitted)
+    }
+
     fn ar_step(&mut self, root: u32) -> Result<Emitted> {
         // Where the target's ops run when it can (the same token; no logits come back, so not with probes).
         if self.device_round && !self.probes.logits && !self.probes.layers {
@@ -285,14 +362,8 @@ impl<'a> Session<'a> {
     /// Room for a generation of `positions` committed positions (prompt + new tokens): the target's cache with
     /// a round's scratch rows on top, the drafter's context with a block, so nothing grows midway.
     pub fn reserve(&mut self, positions: usize) -> Result<()> {
-        let max = self.target.info().max_positions;
-        let p = positions.min(max);
-        let scratch = match self.mode {
-            Mode::DDTree { budget } | Mode::DDTreeAuto { max: budget } => budget.saturating_add(1),
-            Mode::Chain => self.drafter.as_ref().map_or(1, |d| d.block_size()),
-            Mode::Ar => 1,
-        };
-        self.target.reserve(p.saturating_add(scratch))?;
+        let p = positions.min(self.target.info().max_positions);
+        self.target.reserve(self.rows_for(positions))?;
         if let Some(d) = self.drafter.as_deref_mut() {
             let block = d.block_size();
             d.reserve(p.saturating_add(block));
@@ -326,11 +397,8 @@ impl<'a> Session<'a> {
                 None => self.target.device_chain(d, root, &self.sampling),
             };
             if let Some(r) = r {
-                let r = r?;
                 self.device_rounds += 1;
-                let accepted = r.walk.accepted();
-                let e = Emitted { tokens: r.walk.decisions, drafted: r.drafted, accepted, depth_limit: r.draft_rows, budget: budget.unwrap_or(rows) };
-                return Ok((e, r.log_q));
+                return Ok(round_emitted(r?, budget));
             }
         }
         let rec = ddtree_round(&mut *self.target, d, root, budget, &self.sampling)?;
@@ -367,6 +435,14 @@ impl<'a> Session<'a> {
         self.last = Some((*start, toks[..n].to_vec()));
         Ok(())
     }
+}
+
+/// What a device round (alone or batched) emitted, and its popped nodes' scores; `budget` None = the chain (its
+/// budget is its rows).
+fn round_emitted(r: DeviceRound, budget: Option<usize>) -> (Emitted, Vec<f64>) {
+    let accepted = r.walk.accepted();
+    let e = Emitted { tokens: r.walk.decisions, drafted: r.drafted, accepted, depth_limit: r.draft_rows, budget: budget.unwrap_or(r.draft_rows) };
+    (e, r.log_q)
 }
 
 /// One DDTree round from root token `root` (at position `target.committed()`): draft, build the tree,

@@ -105,14 +105,16 @@ impl Backend for CpuBackend {
     fn ids_to_host(&self, ids: &Vec<u32>) -> Result<Vec<u32>> {
         Ok(ids.clone())
     }
-    fn decide_rows(&self, logits: &Vec<f32>, rows: usize, vocab: usize, s: &crate::sampling::Sampling, base: PosOf<'_, Self>, offset: usize, out: &mut Vec<u32>) -> Result<()> {
-        anyhow::ensure!(logits.len() >= rows * vocab && out.len() >= rows, "decide_rows: {} logits / {} outputs for {rows} rows of {vocab}", logits.len(), out.len());
+    fn decide_rows(&self, logits: &Vec<f32>, row0: usize, rows: usize, vocab: usize, s: &crate::sampling::Sampling, base: PosOf<'_, Self>, offset: usize, out: &mut Vec<u32>) -> Result<()> {
+        let end = row0 + rows;
+        anyhow::ensure!(logits.len() >= end * vocab && out.len() >= end, "decide_rows: {} logits / {} outputs for rows {row0}..{end} of {vocab}", logits.len(), out.len());
         let b = match base {
             PosOf::Kv(kv) => kv.committed,
             PosOf::Pos(p) => *p,
         };
-        for (i, o) in out.iter_mut().enumerate().take(rows) {
-            *o = crate::sampling::sample(&logits[i * vocab..(i + 1) * vocab], s, b + offset + i);
+        for i in 0..rows {
+            let r = row0 + i;
+            out[r] = crate::sampling::sample(&logits[r * vocab..(r + 1) * vocab], s, b + offset + i);
         }
         Ok(())
     }
@@ -154,6 +156,9 @@ impl Backend for CpuBackend {
     }
     fn truncate(&self, x: &mut Vec<f32>, n: usize) {
         x.truncate(n);
+    }
+    fn set_rows(&self, dst: &mut Vec<f32>, cols: usize, at: usize, src: &Vec<f32>, n: usize) {
+        dst[at * cols..(at + n) * cols].copy_from_slice(&src[..n * cols]);
     }
     fn set_cols(&self, dst: &mut Vec<f32>, dst_cols: usize, at: usize, src: &Vec<f32>, src_cols: usize, t: usize) {
         for i in 0..t {
@@ -254,6 +259,13 @@ impl Backend for CpuBackend {
     fn kv_reset(&self, kv: &mut LatentCache) {
         kv.reset();
     }
+    fn kv_row_bytes(&self, kv: &LatentCache) -> usize {
+        kv.rows.len() * kv.width * std::mem::size_of::<f32>()
+    }
+    fn kv_release(&self, kv: &mut LatentCache) {
+        kv.reset();
+        kv.rows.iter_mut().for_each(|r| *r = Vec::new());
+    }
     fn rope_q(&self, q: &mut Vec<f32>, heads: usize, nope: usize, rope: &RopeTable) {
         let (p, t) = (2 * rope.half, rope.cos.len() / rope.half.max(1));
         let qk = nope + p;
@@ -345,17 +357,18 @@ impl Backend for CpuBackend {
     fn tree_mask<'t>(&self, t: &'t CpuTree) -> &'t Visibility {
         &t.mask
     }
-    fn tree_walk(&self, t: &mut CpuTree, logits: &Vec<f32>, s: &crate::sampling::Sampling, kv: &LatentCache) -> Result<()> {
-        let n = t.tree.len();
-        anyhow::ensure!(logits.len() >= n * t.vocab, "tree_walk: {} logits for {n} nodes x {}", logits.len(), t.vocab);
-        t.walk = Some(walk_sampled(&t.tree, &logits[..n * t.vocab], t.vocab, s, kv.committed));
+    fn tree_walk(&self, t: &mut CpuTree, logits: &Vec<f32>, row0: usize, s: &crate::sampling::Sampling, kv: &LatentCache) -> Result<()> {
+        let (n, v) = (t.tree.len(), t.vocab);
+        anyhow::ensure!(logits.len() >= (row0 + n) * v, "tree_walk: {} logits for {n} nodes from row {row0} x {v}", logits.len());
+        t.walk = Some(walk_sampled(&t.tree, &logits[row0 * v..(row0 + n) * v], v, s, kv.committed));
         Ok(())
     }
-    fn tree_path_rows(&self, t: &CpuTree, x: &Vec<f32>, cols: usize, rows_out: usize) -> Vec<f32> {
+    fn tree_path_rows(&self, t: &CpuTree, x: &Vec<f32>, row0: usize, cols: usize, rows_out: usize) -> Vec<f32> {
         let mut out = vec![0.0; rows_out * cols];
         if let Some(w) = &t.walk {
             for (i, &p) in w.path.iter().enumerate().take(rows_out) {
-                out[i * cols..(i + 1) * cols].copy_from_slice(&x[p * cols..(p + 1) * cols]);
+                let r = row0 + p;
+                out[i * cols..(i + 1) * cols].copy_from_slice(&x[r * cols..(r + 1) * cols]);
             }
         }
         out
@@ -373,6 +386,13 @@ impl Backend for CpuBackend {
     fn tree_result(&self, t: &CpuTree) -> Result<crate::ddtree::TreeResult> {
         let walk = t.walk.clone().ok_or_else(|| anyhow::anyhow!("tree_result: no walk since the last build"))?;
         Ok(crate::ddtree::TreeResult { walk, log_q: t.tree.log_q[1..].to_vec() })
+    }
+    fn tree_result_words(&self, _t: &CpuTree) -> usize {
+        0 // the walk is on the host already: nothing to stage
+    }
+    fn tree_result_into(&self, _t: &CpuTree, _stage: &mut Vec<u32>, _at: usize) {}
+    fn tree_result_from(&self, t: &CpuTree, _words: &[u32]) -> Result<crate::ddtree::TreeResult> {
+        self.tree_result(t)
     }
     fn graph_run(&self, _graph: &mut Option<()>, _key: u64, body: &mut dyn FnMut() -> Result<()>) -> Result<()> {
         body()

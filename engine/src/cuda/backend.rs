@@ -437,15 +437,20 @@ impl Backend for CudaBackend {
     fn ids_to_host(&self, ids: &CudaSlice<u32>) -> Result<Vec<u32>> {
         Ok(self.gpu.download(ids)?)
     }
-    fn decide_rows(&self, logits: &CudaSlice<f32>, rows: usize, vocab: usize, s: &Sampling, base: PosOf<'_, Self>, offset: usize, out: &mut CudaSlice<u32>) -> Result<()> {
+    fn decide_rows(&self, logits: &CudaSlice<f32>, row0: usize, rows: usize, vocab: usize, s: &Sampling, base: PosOf<'_, Self>, offset: usize, out: &mut CudaSlice<u32>) -> Result<()> {
+        let end = row0 + rows;
+        if logits.len() < end * vocab || out.len() < end {
+            bail!("decide_rows: {} logits / {} outputs for rows {row0}..{end} of {vocab}", logits.len(), out.len());
+        }
         let bv = match base {
             PosOf::Kv(kv) => kv.pos.as_view(),
             PosOf::Pos(p) => p.dev.as_view(),
         };
+        let (lv, mut ov) = (logits.slice(row0 * vocab..end * vocab), out.slice_mut(row0..end));
         if s.is_greedy() {
-            argmax::argmax(&self.gpu, &logits.as_view(), rows, vocab, vocab, &mut out.as_view_mut())?;
+            argmax::argmax(&self.gpu, &lv, rows, vocab, vocab, &mut ov)?;
         } else {
-            super::ops::sample_rows::sample_rows(&self.gpu, &logits.as_view(), rows, vocab, vocab, s, offset as u64, Some(&bv), None, &mut out.as_view_mut())?;
+            super::ops::sample_rows::sample_rows(&self.gpu, &lv, rows, vocab, vocab, s, offset as u64, Some(&bv), None, &mut ov)?;
         }
         self.check()
     }
@@ -520,6 +525,17 @@ impl Backend for CudaBackend {
                 *x = y;
             }
         }
+    }
+    fn set_rows(&self, dst: &mut CudaSlice<f32>, cols: usize, at: usize, src: &CudaSlice<f32>, n: usize) {
+        self.run("set_rows", || {
+            if (at + n) * cols > dst.len() || n * cols > src.len() {
+                return Err(CudaError::Shape { op: "set_rows", msg: format!("rows {at}..{} of {cols} into {} values from {}", at + n, dst.len(), src.len()) });
+            }
+            if n > 0 {
+                self.gpu.stream.memcpy_dtod(&src.slice(..n * cols), &mut dst.slice_mut(at * cols..(at + n) * cols)).map_err(super::drv("set_rows"))?;
+            }
+            Ok(())
+        });
     }
     fn set_cols(&self, dst: &mut CudaSlice<f32>, dst_cols: usize, at: usize, src: &CudaSlice<f32>, src_cols: usize, t: usize) {
         self.run("set_cols", || {
@@ -715,6 +731,20 @@ impl Backend for CudaBackend {
         kv.committed = 0;
         kv.scratch = 0;
     }
+    fn kv_row_bytes(&self, kv: &DKv) -> usize {
+        kv.layers * kv.width * std::mem::size_of::<bf16>()
+    }
+    fn kv_release(&self, kv: &mut DKv) {
+        self.kv_reset(kv);
+        if kv.cap > 0 {
+            kv.buf = self.run("kv_release", || self.gpu.zeros::<bf16>(0)).unwrap_or_else(|| self.empty_of::<bf16>());
+            kv.cap = 0;
+            kv.id = storage_id();
+        }
+    }
+    fn mem_free(&self) -> Option<usize> {
+        self.gpu.mem_info().ok().map(|(free, _)| free)
+    }
     fn rope_q(&self, q: &mut CudaSlice<f32>, heads: usize, nope: usize, rope: &DRope) {
         self.run("rope_q", || {
             let p = 2 * rope.half;
@@ -816,19 +846,24 @@ impl Backend for CudaBackend {
     fn tree_mask<'t>(&self, tree: &'t DeviceTree) -> &'t DMask {
         &tree.mask
     }
-    fn tree_walk(&self, tree: &mut DeviceTree, logits: &CudaSlice<f32>, s: &Sampling, kv: &DKv) -> Result<()> {
-        tree.walk_sampled(&self.gpu, &logits.as_view(), tree.vocab, s, 0, Some(&kv.pos.as_view()))?;
+    fn tree_walk(&self, tree: &mut DeviceTree, logits: &CudaSlice<f32>, row0: usize, s: &Sampling, kv: &DKv) -> Result<()> {
+        let (n, v) = (tree.budget + 1, tree.vocab);
+        if logits.len() < (row0 + n) * v {
+            bail!("tree_walk: {} logits for {n} nodes from row {row0} x {v}", logits.len());
+        }
+        tree.walk_sampled(&self.gpu, &logits.slice(row0 * v..(row0 + n) * v), v, s, 0, Some(&kv.pos.as_view()))?;
         self.check()
     }
-    fn tree_path_rows(&self, tree: &DeviceTree, x: &CudaSlice<f32>, cols: usize, rows_out: usize) -> CudaSlice<f32> {
+    fn tree_path_rows(&self, tree: &DeviceTree, x: &CudaSlice<f32>, row0: usize, cols: usize, rows_out: usize) -> CudaSlice<f32> {
         self.run("tree_path_rows", || {
             let mut out = self.new_f32(rows_out * cols)?;
-            let nodes = x.len().checked_div(cols).unwrap_or(0);
+            let nodes = (x.len().checked_div(cols).unwrap_or(0)).saturating_sub(row0).min(tree.budget + 1);
+            let x = x.slice((row0 * cols).min(x.len())..);
             let wv = tree.walk_out.slice(..1 + rows_out.min(tree.rows + 1));
             if rows_out > tree.rows + 1 {
                 return Err(CudaError::Shape { op: "tree_path_rows", msg: format!("{rows_out} rows for walks of up to {}", tree.rows + 1) });
             }
-            round_state::path_rows(&self.gpu, &x.as_view(), nodes, cols, &wv, rows_out, &mut out.as_view_mut())?;
+            round_state::path_rows(&self.gpu, &x, nodes, cols, &wv, rows_out, &mut out.as_view_mut())?;
             Ok(out)
         })
         .unwrap_or_else(|| self.empty())
@@ -851,6 +886,25 @@ impl Backend for CudaBackend {
     }
     fn tree_result(&self, tree: &DeviceTree) -> Result<TreeResult> {
         Ok(tree.result_to_host(&self.gpu)?)
+    }
+    fn tree_result_words(&self, tree: &DeviceTree) -> usize {
+        tree.walk_out.len()
+    }
+    fn tree_result_into(&self, tree: &DeviceTree, stage: &mut CudaSlice<u32>, at: usize) {
+        self.run("tree_result_into", || {
+            let n = tree.walk_out.len();
+            if at + n > stage.len() {
+                return Err(CudaError::Shape { op: "tree_result_into", msg: format!("{n} words at {at} of a stage of {}", stage.len()) });
+            }
+            let mut dst = stage.slice_mut(at..at + n);
+            // SAFETY: i32 and u32 have the same size and every bit pattern is valid for both.
+            let mut dst = unsafe { dst.transmute_mut::<i32>(n) }.expect("the stage slice holds n words");
+            self.gpu.stream.memcpy_dtod(&tree.walk_out, &mut dst).map_err(super::drv("tree_result_into"))
+        });
+    }
+    fn tree_result_from(&self, tree: &DeviceTree, words: &[u32]) -> Result<TreeResult> {
+        let w: Vec<i32> = words.iter().map(|&x| x as i32).collect();
+        Ok(tree.result_from(&w)?)
     }
     fn graph_run(&self, graph: &mut Option<DGraph>, key: u64, body: &mut dyn FnMut() -> Result<()>) -> Result<()> {
         use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};

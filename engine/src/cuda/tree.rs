@@ -312,8 +312,13 @@ impl DeviceTree {
     /// device-to-host copy (the round's one read back). The device round builds only full trees
     /// (`ddtree::tree_is_full`), so all `budget` scores are this build's.
     pub fn result_to_host(&self, gpu: &Gpu) -> Result<TreeResult> {
+        self.result_from(&gpu.download(&self.walk_out)?)
+    }
+
+    /// [`DeviceTree::result_to_host`] of the result buffer's words already on the host (a batch's one read).
+    pub fn result_from(&self, out: &[i32]) -> Result<TreeResult> {
         let m = self.rows + 1;
-        let out = gpu.download(&self.walk_out)?;
+        ensure("device_tree", out.len() == self.walk_out.len(), || format!("{} result words, expected {}", out.len(), self.walk_out.len()))?;
         let len = out[0] as usize;
         ensure("device_tree", (1..=m).contains(&len), || format!("walk length {len} outside 1..={m}"))?;
         let path = out[1..1 + len].iter().map(|&p| p as usize).collect();

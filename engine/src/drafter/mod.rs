@@ -126,6 +126,15 @@ struct LayerCache<B: Backend> {
     v: B::Act, // [>= C, Hk*D]
 }
 
+/// A drafter's uploaded weights (shared between sessions).
+struct Params<B: Backend> {
+    fc: B::Mat,             // [H, n_tap*H]
+    hidden_norm: B::Vector, // [H]
+    norm: B::Vector,        // [H]
+    layers: Vec<Layer<B>>,
+    inv_freq: B::VectorF32, // [D/2], where the ops read it
+}
+
 /// Distinct drafters (a captured round is keyed by the drafter it drafted with).
 static NEXT_UID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
@@ -133,12 +142,9 @@ static NEXT_UID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::ne
 pub struct DFlashDrafter<B: Backend = CpuBackend> {
     b: B,
     dims: DrafterDims,
-    fc: B::Mat,              // [H, n_tap*H]
-    hidden_norm: B::Vector,  // [H]
-    norm: B::Vector,         // [H]
-    layers: Vec<Layer<B>>,
+    /// The uploaded weights, shared by every session forked from this one ([`DFlashDrafter::fork`]).
+    p: Arc<Params<B>>,
     tables: Arc<dyn TargetTables<B>>,
-    inv_freq: B::VectorF32, // [D/2], where the ops read it
     attention_factor: f64,
     cache: Vec<LayerCache<B>>,
     /// Committed context rows, where the ops read it and on the host.
@@ -259,12 +265,23 @@ impl<B: Backend> DFlashDrafter<B> {
         let (fc, hidden_norm, norm) = top;
         let inv_freq = b.upload_vector_f32(Slab::Owned(ops::yarn_inv_freq(dims.head_dim, cfg.rope_theta, cfg.rope_scaling.as_ref())))?;
         let attention_factor = ops::yarn_attention_factor(cfg.rope_scaling.as_ref());
+        let p = Arc::new(Params { fc, hidden_norm, norm, layers, inv_freq });
+        Ok(Self::session(b, dims, p, tables, attention_factor))
+    }
+
+    /// An empty session over shared weights.
+    fn session(b: B, dims: DrafterDims, p: Arc<Params<B>>, tables: Arc<dyn TargetTables<B>>, attention_factor: f64) -> Self {
         let cache = (0..dims.layers).map(|_| LayerCache { k: b.act_from_host(Vec::new()), v: b.act_from_host(Vec::new()) }).collect();
         let mut ids = vec![dims.mask_token_id; dims.block];
         ids[0] = 0;
         let (ctx_pos, block_ids) = (b.pos_new(0), b.ids_from_host(&ids));
         let uid = NEXT_UID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(DFlashDrafter { b, dims, fc, hidden_norm, norm, layers, tables, inv_freq, attention_factor, cache, ctx_pos, block_ids, uid, moves: 0 })
+        DFlashDrafter { b, dims, p, tables, attention_factor, cache, ctx_pos, block_ids, uid, moves: 0 }
+    }
+
+    /// A new, empty session over the same weights (no copy): one per sequence of a batch.
+    pub fn fork(&self) -> Self {
+        Self::session(self.b.clone(), self.dims.clone(), self.p.clone(), self.tables.clone(), self.attention_factor)
     }
     pub fn dims(&self) -> &DrafterDims {
         &self.dims
@@ -311,9 +328,9 @@ impl<B: Backend> DFlashDrafter<B> {
     pub fn write_context(&mut self, taps: &B::Act, rows: usize) {
         let DrafterDims { kv_heads, head_dim, eps, .. } = self.dims;
         let b = &self.b;
-        let ctx = b.rms_norm(&b.linear(taps, rows, &self.fc), &self.hidden_norm, eps); // [rows, H]
-        let rope = b.rope_at(&self.inv_freq, self.attention_factor, PosOf::Pos(&self.ctx_pos), None, rows);
-        for (lw, c) in self.layers.iter().zip(self.cache.iter_mut()) {
+        let ctx = b.rms_norm(&b.linear(taps, rows, &self.p.fc), &self.p.hidden_norm, eps); // [rows, H]
+        let rope = b.rope_at(&self.p.inv_freq, self.attention_factor, PosOf::Pos(&self.ctx_pos), None, rows);
+        for (lw, c) in self.p.layers.iter().zip(self.cache.iter_mut()) {
             let k = b.head_norm_rope_neox(&b.linear(&ctx, rows, &lw.k_proj), &lw.k_norm, eps, kv_heads, &rope); // [rows, Hk*D]
             let v = b.linear(&ctx, rows, &lw.v_proj); // [rows, Hk*D]
             b.write_rows_at(&mut c.k, kv_heads * head_dim, &self.ctx_pos, &k, rows);
@@ -343,9 +360,9 @@ impl<B: Backend> DFlashDrafter<B> {
     fn draft_ids(&self, ids: &B::Ids) -> Result<B::Act> {
         let DrafterDims { hidden: h, heads, kv_heads, head_dim, block: bl, eps, .. } = self.dims;
         let b = &self.b;
-        let rope = b.rope_at(&self.inv_freq, self.attention_factor, PosOf::Pos(&self.ctx_pos), None, bl);
+        let rope = b.rope_at(&self.p.inv_freq, self.attention_factor, PosOf::Pos(&self.ctx_pos), None, bl);
         let mut x = self.tables.embed_ids(ids, bl); // [B, H]
-        for (lw, c) in self.layers.iter().zip(&self.cache) {
+        for (lw, c) in self.p.layers.iter().zip(&self.cache) {
             let hn = b.rms_norm(&x, &lw.input_layernorm, eps); // [B, H]
             let q = b.head_norm_rope_neox(&b.linear(&hn, bl, &lw.q_proj), &lw.q_norm, eps, heads, &rope); // [B, Hq*D]
             let kb = b.head_norm_rope_neox(&b.linear(&hn, bl, &lw.k_proj), &lw.k_norm, eps, kv_heads, &rope); // [B, Hk*D]
@@ -357,7 +374,7 @@ impl<B: Backend> DFlashDrafter<B> {
             let u = b.linear(&hn, bl, &lw.up_proj); // [B, I]
             b.add(&mut x, &b.linear(&b.silu_mul(&g, &u), bl, &lw.down_proj));
         }
-        let xn = b.rms_norm(&b.rows(&x, h, 1, bl), &self.norm, eps); // [B-1, H]: block positions 1..B-1
+        let xn = b.rms_norm(&b.rows(&x, h, 1, bl), &self.p.norm, eps); // [B-1, H]: block positions 1..B-1
         let logits = self.tables.lm_head(&xn, bl - 1);
         b.check()?;
         Ok(logits)
@@ -420,5 +437,19 @@ impl<B: Backend> Drafter for DFlashDrafter<B> {
     }
     fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         Some(self)
+    }
+    fn fork(&self) -> Option<Box<dyn Drafter>> {
+        Some(Box::new(DFlashDrafter::fork(self)))
+    }
+    fn ctx_row_bytes(&self) -> usize {
+        // K and V of every layer, f32.
+        self.dims.layers * 2 * self.dims.kv_heads * self.dims.head_dim * std::mem::size_of::<f32>()
+    }
+    fn release(&mut self) {
+        self.b.pos_set(&mut self.ctx_pos, 0);
+        for c in &mut self.cache {
+            (c.k, c.v) = (self.b.act_from_host(Vec::new()), self.b.act_from_host(Vec::new()));
+        }
+        self.moves += 1;
     }
 }

@@ -27,11 +27,21 @@ pub enum AttnMode {
     Absorbed,
 }
 
-/// Attention output `[T, H]` (after o_proj, ranks reduced) for normed input `x` `[T, H]` of layer `l`;
-/// appends the T nodes' latent rows to the cache as scratch. `rope` holds the nodes' positions, `mask` their
-/// ancestor bitmask.
-#[allow(clippy::too_many_arguments)]
-pub fn mla<B: Backend>(w: &Weights<B>, l: usize, x: &B::Act, t: usize, mask: &B::Mask, rope: &B::Rope, kv: &mut B::Kv, mode: AttnMode) -> B::Act {
+/// One sequence's part of a forward: its latent cache, its `t` nodes (consecutive rows of the forward, in
+/// segment order), their ancestor mask and positions. A forward over several segments is a batch: every
+/// projection and the MoE see all rows at once, the attention runs per segment over its own cache (the mask
+/// is block-diagonal by construction: a node never sees another sequence's nodes).
+pub struct Seg<'s, B: Backend> {
+    pub kv: &'s mut B::Kv,
+    pub t: usize,
+    pub mask: &'s B::Mask,
+    pub rope: &'s B::Rope,
+}
+
+/// Attention output `[T, H]` (after o_proj, ranks reduced) for normed input `x` `[T, H]` of layer `l`,
+/// `T` = the segments' nodes; appends each segment's latent rows to its cache as scratch. With one segment
+/// no row is copied (the single-sequence forward).
+pub fn mla<B: Backend>(w: &Weights<B>, l: usize, x: &B::Act, t: usize, segs: &mut [Seg<'_, B>], mode: AttnMode) -> B::Act {
     let (b, cfg) = (&w.backend, &w.cfg);
     let a0 = &w.ranks[0].layers[l].attn;
     // Query input: normed q_a latent [T, q_lora], or x itself when q_lora_rank is None.
@@ -43,9 +53,9 @@ pub fn mla<B: Backend>(w: &Weights<B>, l: usize, x: &B::Act, t: usize, mask: &B:
         }
         None => x,
     };
-    // New latent rows [T, C + P]: rms_norm(c_kv) | rope(k_pe).
+    // New latent rows [T, C + P]: rms_norm(c_kv) | rope(k_pe), each segment's into its own cache.
     let ckv = b.linear(x, t, &a0.kv_a); // [T, C + P]
-    b.kv_append_latent(kv, l, &ckv, &a0.kv_a_norm, cfg.latent_eps, rope);
+    for_segments(b, segs, &ckv, cfg.latent_width(), |seg, rows, _| b.kv_append_latent(seg.kv, l, rows, &a0.kv_a_norm, cfg.latent_eps, seg.rope));
 
     let qk = cfg.qk_head_dim();
     let partials: Vec<B::Act> = w
@@ -54,12 +64,38 @@ pub fn mla<B: Backend>(w: &Weights<B>, l: usize, x: &B::Act, t: usize, mask: &B:
         .map(|rw| {
             let at = &rw.layers[l].attn;
             let hr = b.mat_rows(&at.q) / qk;
-            let mut q = b.linear(q_in, t, &at.q); // [T, Hr * qk]: per head q_nope (Dn) | q_pe (P)
-            b.rope_q(&mut q, hr, cfg.nope, rope);
             let d = MlaDims { heads: hr, nope: cfg.nope, rope: cfg.rope, v: cfg.v_dim, kv_lora: cfg.kv_lora, scale: cfg.softmax_scale };
-            let heads_out = b.mla_attention(&q, t, kv, l, mask, &at.kv_b, &d, mode); // [T, Hr * Dv]
+            let mut q = b.linear(q_in, t, &at.q); // [T, Hr * qk]: per head q_nope (Dn) | q_pe (P)
+            let heads_out = if let [seg] = segs {
+                b.rope_q(&mut q, hr, cfg.nope, seg.rope);
+                b.mla_attention(&q, t, seg.kv, l, seg.mask, &at.kv_b, &d, mode) // [T, Hr * Dv]
+            } else {
+                let (mut out, mut at_row) = (b.zeros(t * hr * cfg.v_dim), 0);
+                for seg in segs.iter_mut() {
+                    let mut q_s = b.rows(&q, hr * qk, at_row, at_row + seg.t);
+                    b.rope_q(&mut q_s, hr, cfg.nope, seg.rope);
+                    let o = b.mla_attention(&q_s, seg.t, seg.kv, l, seg.mask, &at.kv_b, &d, mode);
+                    b.set_rows(&mut out, hr * cfg.v_dim, at_row, &o, seg.t);
+                    at_row += seg.t;
+                }
+                out
+            };
             b.linear(&heads_out, t, &at.o_proj) // [T, H]
         })
         .collect();
     b.all_reduce(partials)
+}
+
+/// `f(segment, its rows of x [T, cols], its first row)` for every segment: `x` itself for a single segment,
+/// a copy of the segment's rows otherwise.
+pub fn for_segments<B: Backend>(b: &B, segs: &mut [Seg<'_, B>], x: &B::Act, cols: usize, mut f: impl FnMut(&mut Seg<'_, B>, &B::Act, usize)) {
+    if let [seg] = segs {
+        return f(seg, x, 0);
+    }
+    let mut at = 0;
+    for seg in segs.iter_mut() {
+        let rows = b.rows(x, cols, at, at + seg.t);
+        f(seg, &rows, at);
+        at += seg.t;
+    }
 }

@@ -12,6 +12,7 @@
 //! Precision and determinism choices are in target.rs and docs/design/cpu-reference.md.
 
 pub mod attention;
+pub mod batch;
 pub mod cache;
 pub mod config;
 pub mod dummy;

@@ -11,7 +11,7 @@
 //! transformers run in f32 on the same (bf16-valued) weights up to f32 summation-order noise.
 //! Tests: engine/tests/target_*.rs.
 
-use super::attention::{mla, AttnMode};
+use super::attention::{mla, AttnMode, Seg};
 use crate::ddtree::Visibility;
 use super::ffn::ffn;
 use super::trace::Trace;
@@ -27,23 +27,23 @@ use std::sync::Arc;
 
 /// A target session on backend `B`.
 pub struct TargetModel<B: Backend> {
-    w: Arc<Weights<B>>,
-    info: TargetInfo,
-    cache: B::Kv,
-    mode: AttnMode,
-    trace: Option<Trace>,
+    pub(crate) w: Arc<Weights<B>>,
+    pub(crate) info: TargetInfo,
+    pub(crate) cache: B::Kv,
+    pub(crate) mode: AttnMode,
+    pub(crate) trace: Option<Trace>,
     /// Parents of the last forward's nodes (commit checks the path against them).
-    last_parents: Vec<i32>,
+    pub(crate) last_parents: Vec<i32>,
     /// The device rounds' tree workspaces, one per tree shape (budget, top-K) used, with their captured
     /// rounds (`--budget auto` moves between a few bucket shapes; each keeps its graph).
-    rounds: Vec<RoundSlot<B>>,
+    pub(crate) rounds: Vec<RoundSlot<B>>,
     /// The (budget, top-K) of the slot whose root token, where the ops read it, is known to be the last
     /// round's bonus (no other target op since), and that token: its next round needs no upload.
-    dev_root: Option<(usize, usize, u32)>,
+    pub(crate) dev_root: Option<(usize, usize, u32)>,
     /// The device AR step's state (its token buffer, the one-node mask, its captured graph) and whether the
     /// token buffer holds the last step's token (no other target op since).
     step: Option<StepSlot<B>>,
-    step_root: Option<u32>,
+    pub(crate) step_root: Option<u32>,
 }
 
 /// The device AR step's buffers: the token `[1]` (the root going in, the decision coming out), the mask of
@@ -55,16 +55,16 @@ struct StepSlot<B: Backend> {
 }
 
 /// One tree shape's device-round state: the tree workspace and the round captured over it (with its key).
-struct RoundSlot<B: Backend> {
-    budget: usize,
-    k: usize,
-    tree: B::Tree,
-    graph: Option<B::Graph>,
+pub(crate) struct RoundSlot<B: Backend> {
+    pub(crate) budget: usize,
+    pub(crate) k: usize,
+    pub(crate) tree: B::Tree,
+    pub(crate) graph: Option<B::Graph>,
 }
 
 /// A captured round replays only for the same tree shape (budget, top-K), sampling parameters and storage of every buffer it
 /// reads (the latent cache, the drafter and its caches): their hash.
-fn round_key(budget: usize, k: usize, s: &Sampling, kv: u64, drafter: (u64, u64)) -> u64 {
+pub(crate) fn round_key(budget: usize, k: usize, s: &Sampling, kv: u64, drafter: (u64, u64)) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
     (budget, k, s.temperature.to_bits(), s.top_p.to_bits(), s.top_k, s.seed, kv, drafter).hash(&mut h);
@@ -94,30 +94,10 @@ impl<B: Backend> TargetModel<B> {
 
     /// The decoder layers over embedded rows `x` `[T, H]` (their latent rows go to the cache as scratch):
     /// the residual stream after the last layer and the taps `[T, n_taps·H]` (None without tap layers).
-    fn layers(&mut self, mut x: B::Act, t: usize, mask: &B::Mask, rope: &B::Rope) -> (B::Act, Option<B::Act>) {
+    fn layers(&mut self, x: B::Act, t: usize, mask: &B::Mask, rope: &B::Rope) -> (B::Act, Option<B::Act>) {
         let w = self.w.clone();
-        let (b, c) = (&w.backend, &w.cfg);
-        let (h, taps_n) = (c.hidden, self.info.tap_layers.len());
-        let mut taps = (taps_n > 0).then(|| b.zeros(t * taps_n * h));
-        b.kv_drop_scratch(&mut self.cache);
-        for (l, layer) in w.ranks[0].layers.iter().enumerate() {
-            let a = mla(&w, l, &b.rms_norm(&x, &layer.input_norm, c.eps), t, mask, rope, &mut self.cache, self.mode);
-            b.add(&mut x, &a);
-            let m = ffn(&w, l, &b.rms_norm(&x, &layer.post_norm, c.eps), t, self.trace.as_mut());
-            b.add(&mut x, &m);
-            if let Some(tr) = self.trace.as_mut() {
-                tr.f32(format!("layers.{l}.attn_out"), &[t, h], &b.to_host(&a));
-                tr.f32(format!("layers.{l}.mlp_out"), &[t, h], &b.to_host(&m));
-                tr.f32(format!("layers.{l}.residual"), &[t, h], &b.to_host(&x));
-            }
-            if let Some(acc) = taps.as_mut() {
-                for (k, _) in self.info.tap_layers.iter().enumerate().filter(|(_, &tl)| tl == l) {
-                    b.set_cols(acc, taps_n * h, k * h, &x, h, t);
-                }
-            }
-        }
-        b.kv_set_scratch(&mut self.cache, t);
-        (x, taps)
+        let mut segs = [Seg { kv: &mut self.cache, t, mask, rope }];
+        decoder_layers(&w, &mut segs, x, &self.info.tap_layers, self.mode, self.trace.as_mut())
     }
 
     /// The verify forward of the device round: the `t` nodes of `tree` (tokens, depths and mask where the
@@ -190,7 +170,7 @@ impl<B: Backend> TargetModel<B> {
             let (x, _taps) = self.layers(w.embed_ids(token, 1), 1, mask, &rope);
             let logits = w.lm_head(&w.final_norm(&x), 1);
             // The token goes to position committed + 1 (sampling.rs: draws keyed by position).
-            b.decide_rows(&logits, 1, c.vocab, s, PosOf::Kv(&self.cache), 1, token)?;
+            b.decide_rows(&logits, 0, 1, c.vocab, s, PosOf::Kv(&self.cache), 1, token)?;
             b.kv_commit_rows(&mut self.cache, 1)?;
             b.check()
         })?;
@@ -233,7 +213,7 @@ impl<B: Backend> TargetModel<B> {
     /// The device round's decisions and walk over the verify `logits` (sampling positions from the committed
     /// length where the ops run).
     pub fn walk_tree(&mut self, tree: &mut B::Tree, logits: &B::Act, s: &Sampling) -> Result<()> {
-        self.w.backend.tree_walk(tree, logits, s, &self.cache)
+        self.w.backend.tree_walk(tree, logits, 0, s, &self.cache)
     }
 
     /// The device round's commit, where the ops run: the drafter's context gets the accepted nodes' taps (the
@@ -243,7 +223,7 @@ impl<B: Backend> TargetModel<B> {
     pub fn commit_walk(&mut self, tree: &mut B::Tree, d: &mut DFlashDrafter<B>, taps: &B::Act) -> Result<()> {
         let b = &self.w.backend;
         let (m, tw) = (d.block_size(), self.info.tap_layers.len() * self.info.hidden_size);
-        let acc = b.tree_path_rows(tree, taps, tw, m);
+        let acc = b.tree_path_rows(tree, taps, 0, tw, m);
         d.write_context(&acc, m);
         b.tree_commit(tree, &mut self.cache, d.context_pos_mut())?;
         b.check()
@@ -252,19 +232,54 @@ impl<B: Backend> TargetModel<B> {
     /// The round's one read back (the walk of a `t`-node tree and its popped nodes' scores), checked, then
     /// the host copies of the lengths advance.
     pub fn read_walk(&mut self, tree: &mut B::Tree, d: &mut DFlashDrafter<B>, t: usize) -> Result<crate::ddtree::TreeResult> {
-        let b = self.w.backend.clone();
-        let r = b.tree_result(tree)?;
-        let walk = &r.walk;
-        ensure!(r.log_q.len() == t - 1, "device round: {} node scores for a tree of {} drafted nodes", r.log_q.len(), t - 1);
-        let (p, rows) = (&walk.path, d.block_size() - 1);
-        ensure!(
-            !p.is_empty() && p[0] == 0 && p.len() <= rows + 1 && p.windows(2).all(|x| x[0] < x[1]) && p[p.len() - 1] < t && walk.decisions.len() == p.len(),
-            "device walk: path {p:?} with {} decisions is not a root-to-node path of a {t}-node tree",
-            walk.decisions.len()
-        );
-        b.tree_commit_host(tree, &mut self.cache, d.context_pos_mut(), p.len());
-        Ok(r)
+        let r = self.w.backend.tree_result(tree)?;
+        accept_walk(&self.w.backend, &mut self.cache, tree, d, t, r)
     }
+}
+
+/// A device round's result `r` (read back) for a `t`-node tree, checked, then the host copies of the lengths
+/// advance (the cache's and the drafter context's).
+pub(crate) fn accept_walk<B: Backend>(b: &B, cache: &mut B::Kv, tree: &mut B::Tree, d: &mut DFlashDrafter<B>, t: usize, r: crate::ddtree::TreeResult) -> Result<crate::ddtree::TreeResult> {
+    let walk = &r.walk;
+    ensure!(r.log_q.len() == t - 1, "device round: {} node scores for a tree of {} drafted nodes", r.log_q.len(), t - 1);
+    let (p, rows) = (&walk.path, d.block_size() - 1);
+    ensure!(
+        !p.is_empty() && p[0] == 0 && p.len() <= rows + 1 && p.windows(2).all(|x| x[0] < x[1]) && p[p.len() - 1] < t && walk.decisions.len() == p.len(),
+        "device walk: path {p:?} with {} decisions is not a root-to-node path of a {t}-node tree",
+        walk.decisions.len()
+    );
+    b.tree_commit_host(tree, cache, d.context_pos_mut(), p.len());
+    Ok(r)
+}
+
+/// The decoder layers over embedded rows `x` `[T, H]` of one or several sequences (`segs`, consecutive
+/// rows, T = their nodes; each segment's latent rows go to its own cache as scratch): the residual stream
+/// after the last layer and the taps `[T, n_taps·H]` (None without tap layers). Probes (`trace`) record a
+/// single-sequence forward.
+pub(crate) fn decoder_layers<B: Backend>(w: &Weights<B>, segs: &mut [Seg<'_, B>], mut x: B::Act, tap_layers: &[usize], mode: AttnMode, mut trace: Option<&mut Trace>) -> (B::Act, Option<B::Act>) {
+    let (b, c) = (&w.backend, &w.cfg);
+    let t: usize = segs.iter().map(|s| s.t).sum();
+    let (h, taps_n) = (c.hidden, tap_layers.len());
+    let mut taps = (taps_n > 0).then(|| b.zeros(t * taps_n * h));
+    segs.iter_mut().for_each(|s| b.kv_drop_scratch(s.kv));
+    for (l, layer) in w.ranks[0].layers.iter().enumerate() {
+        let a = mla(w, l, &b.rms_norm(&x, &layer.input_norm, c.eps), t, segs, mode);
+        b.add(&mut x, &a);
+        let m = ffn(w, l, &b.rms_norm(&x, &layer.post_norm, c.eps), t, trace.as_deref_mut());
+        b.add(&mut x, &m);
+        if let Some(tr) = trace.as_deref_mut() {
+            tr.f32(format!("layers.{l}.attn_out"), &[t, h], &b.to_host(&a));
+            tr.f32(format!("layers.{l}.mlp_out"), &[t, h], &b.to_host(&m));
+            tr.f32(format!("layers.{l}.residual"), &[t, h], &b.to_host(&x));
+        }
+        if let Some(acc) = taps.as_mut() {
+            for (k, _) in tap_layers.iter().enumerate().filter(|(_, &tl)| tl == l) {
+                b.set_cols(acc, taps_n * h, k * h, &x, h, t);
+            }
+        }
+    }
+    segs.iter_mut().for_each(|s| b.kv_set_scratch(s.kv, s.t));
+    (x, taps)
 }
 
 impl<B: Backend> Target for TargetModel<B> {
@@ -394,5 +409,31 @@ impl<B: Backend> Target for TargetModel<B> {
         }
         self.step = Some(slot);
         Some(r)
+    }
+
+    fn fork(&self) -> Option<Box<dyn Target>> {
+        Some(Box::new(TargetModel::new(self.w.clone(), self.info.tap_layers.clone(), self.mode).ok()?))
+    }
+
+    fn batch_ops(&self) -> Option<Box<dyn crate::api::BatchOps>> {
+        Some(Box::new(super::batch::BatchEngine::new(self.w.clone())))
+    }
+
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        Some(self)
+    }
+
+    fn kv_row_bytes(&self) -> usize {
+        self.w.backend.kv_row_bytes(&self.cache)
+    }
+
+    fn release(&mut self) {
+        (self.dev_root, self.step_root) = (None, None);
+        self.w.backend.kv_release(&mut self.cache);
+        self.last_parents.clear();
+    }
+
+    fn mem_free(&self) -> Option<usize> {
+        self.w.backend.mem_free()
     }
 }

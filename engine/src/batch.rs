@@ -1,0 +1,206 @@
+//! A batch of sequences over one model (issue 15): `slots` [`Session`]s forked from the model (shared
+//! weights; each slot its own latent KV cache, drafter context and tree workspaces), stepped together.
+//!
+//! [`Batch::step`] advances the given slots by one step each — an AR token or a whole DDTree round — in one
+//! batched step of the model's backend (`api::BatchOps`, model/batch.rs: one target forward over every
+//! slot's nodes, one captured graph and one read back for the whole batch). A slot that cannot join (probes
+//! recording, the end of the cache, a tree that might not fill its budget) steps alone with
+//! [`Session::step`], which gives the same tokens. Everything else — prefill, `keep`, sampling settings, the
+//! auto budget — is the slot's own session, so a sequence's bookkeeping is the same alone and in a batch.
+//!
+//! KV memory ([`KvBudget`]): the bytes the slots' caches may hold are fixed when the batch is made (the
+//! device's free memory after the weights, less room for a step's activations, or a given cap); a slot's
+//! account is the rows its caches were sized for (the backends' growth rule: a power of two, at least 256),
+//! and [`Batch::admit`] refuses a sequence that would take the total past the budget — the caller waits for
+//! a slot to finish, or, when no sequence is running, gets the error that names both numbers. Idle slots'
+//! storage is given back before a sequence is refused.
+//!
+//! Tests: engine/tests/batch_generate.rs (CPU: batched == one by one, every line).
+
+use crate::api::{BatchItem, BatchOps};
+use crate::session::{Emitted, Mode, Session};
+use anyhow::{bail, ensure, Context, Result};
+
+/// The rows a cache allocates for `rows` rows (both backends grow by powers of two from 256 rows; the CPU's
+/// exact growth is below it, so the account is an upper bound).
+pub fn alloc_rows(rows: usize) -> usize {
+    rows.checked_next_power_of_two().unwrap_or(usize::MAX).max(256)
+}
+
+/// The KV memory a batch may hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvBudget {
+    /// Bytes the slots' caches may hold in all (None: not limited, the CPU without a cap).
+    pub bytes: Option<usize>,
+}
+
+/// Why a sequence was not admitted now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admit {
+    Yes,
+    /// Not now: wait for a running sequence to finish.
+    Wait,
+}
+
+/// `slots` sequences over one model, stepped together.
+pub struct Batch {
+    slots: Vec<Session<'static>>,
+    ops: Option<Box<dyn BatchOps>>,
+    mode: Mode,
+    kv: KvBudget,
+    /// Rows each slot's caches are accounted for (0 after a release).
+    rows: Vec<usize>,
+    /// Batched steps run, slot-steps inside them, slot-steps run alone.
+    pub batched_steps: usize,
+    pub batched_slot_steps: usize,
+    pub alone_steps: usize,
+}
+
+impl crate::Loaded {
+    /// A batch of `slots` sequences in `mode` over this model (sessions forked from it: no weight is copied).
+    /// `kv_bytes`: a cap on the KV memory (None: what the device has free now, less `act_bytes` for a step's
+    /// activations; unlimited on the host).
+    pub fn batch(&self, mode: Mode, slots: usize, kv_bytes: Option<usize>, act_bytes: usize) -> Result<Batch> {
+        ensure!(slots >= 1, "a batch needs at least one slot");
+        let mut sessions = Vec::with_capacity(slots);
+        for _ in 0..slots {
+            let t = self.target.fork().context("this model's target cannot fork sessions for a batch")?;
+            let d = match mode.drafts() {
+                true => Some(self.drafter.as_ref().context("this mode needs a drafter")?.fork().context("this model's drafter cannot fork sessions for a batch")?),
+                false => None,
+            };
+            sessions.push(Session::new(t, d, mode)?);
+        }
+        let free = self.target.mem_free().map(|f| f.saturating_sub(act_bytes));
+        let kv = KvBudget { bytes: match (kv_bytes, free) {
+            (Some(cap), Some(free)) => Some(cap.min(free)),
+            (cap, free) => cap.or(free),
+        } };
+        Ok(Batch { ops: self.target.batch_ops(), slots: sessions, mode, kv, rows: vec![0; slots], batched_steps: 0, batched_slot_steps: 0, alone_steps: 0 })
+    }
+}
+
+impl Batch {
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+    pub fn kv_budget(&self) -> KvBudget {
+        self.kv
+    }
+    /// Slot `i`'s session (prefill, keep, sampling, the auto budget's cost model).
+    pub fn session(&mut self, i: usize) -> &mut Session<'static> {
+        &mut self.slots[i]
+    }
+    pub fn sessions(&self) -> &[Session<'static>] {
+        &self.slots
+    }
+
+    /// Bytes slot `slot`'s caches take when sized for `rows` rows.
+    fn bytes(&self, slot: usize, rows: usize) -> usize {
+        if rows == 0 {
+            return 0;
+        }
+        self.slots[slot].row_bytes().saturating_mul(alloc_rows(rows))
+    }
+
+    /// Whether a generation of `positions` positions (prompt + max_tokens) may start in free slot `slot` now;
+    /// `running`: the slots with a sequence in flight. Gives idle slots' storage back when that makes room.
+    /// Err when it cannot fit even with nothing else running (the message names both sizes).
+    pub fn admit(&mut self, slot: usize, positions: usize, running: &[usize]) -> Result<Admit> {
+        let Some(budget) = self.kv.bytes else { return Ok(Admit::Yes) };
+        let need_rows = self.slots[slot].rows_for(positions).max(self.rows[slot]);
+        let need = self.bytes(slot, need_rows);
+        if need > budget {
+            bail!(
+                "a sequence of {positions} positions needs {:.2} GiB of KV cache ({} rows); the batch's KV memory is {:.2} GiB",
+                need as f64 / GIB,
+                alloc_rows(need_rows),
+                budget as f64 / GIB
+            );
+        }
+        let others = |b: &Batch| (0..b.slots.len()).filter(|&i| i != slot).map(|i| b.bytes(i, b.rows[i])).sum::<usize>();
+        if others(self) + need > budget {
+            // Give idle slots' storage back, largest first, until it fits.
+            let mut idle: Vec<usize> = (0..self.slots.len()).filter(|&i| i != slot && !running.contains(&i) && self.rows[i] > 0).collect();
+            idle.sort_by_key(|&i| std::cmp::Reverse(self.bytes(i, self.rows[i])));
+            for i in idle {
+                if others(self) + need <= budget {
+                    break;
+                }
+                self.slots[i].release();
+                self.rows[i] = 0;
+            }
+            if others(self) + need > budget {
+                return Ok(Admit::Wait);
+            }
+        }
+        self.rows[slot] = need_rows;
+        Ok(Admit::Yes)
+    }
+
+    /// One step of each slot in `active` (distinct; each prefilled and able to step), in one batched step where
+    /// the model can; the results in `active`'s order.
+    pub fn step(&mut self, active: &[usize]) -> Result<Vec<Emitted>> {
+        for (k, &i) in active.iter().enumerate() {
+            ensure!(i < self.slots.len(), "slot {i} of a batch of {}", self.slots.len());
+            ensure!(!active[..k].contains(&i), "slot {i} twice in one step");
+        }
+        let mut out: Vec<Option<Emitted>> = vec![None; active.len()];
+        let mut alone = Vec::new();
+        if let Some(ops) = self.ops.as_mut() {
+            // Borrow the active slots' sessions, each once.
+            let mut refs: Vec<(usize, &mut Session<'static>)> = self.slots.iter_mut().enumerate().filter(|(i, _)| active.contains(i)).collect();
+            refs.sort_by_key(|(i, _)| active.iter().position(|a| a == i));
+            let mut items: Vec<BatchItem<'_>> = Vec::new();
+            let mut starts = Vec::new();
+            let mut joined = Vec::new();
+            for (k, (_, s)) in refs.iter_mut().enumerate() {
+                let start = s.committed();
+                match s.batch_item() {
+                    Some(mut it) => {
+                        if ops.can_batch(&mut it) {
+                            items.push(it);
+                            starts.push(start);
+                            joined.push(k);
+                        } else {
+                            alone.push(k);
+                        }
+                    }
+                    None => alone.push(k),
+                }
+            }
+            if !items.is_empty() {
+                // A lone sequence gains nothing from the batched forward: it steps as a session would.
+                if items.len() == 1 {
+                    alone.push(joined[0]);
+                    drop(items);
+                } else {
+                    let results = ops.step(&mut items)?;
+                    drop(items);
+                    ensure!(results.len() == joined.len(), "a batched step gave {} results for {} sequences", results.len(), joined.len());
+                    self.batched_steps += 1;
+                    self.batched_slot_steps += joined.len();
+                    for ((&k, r), start) in joined.iter().zip(results).zip(starts) {
+                        out[k] = Some(refs[k].1.batched(start, r)?);
+                    }
+                }
+            }
+        } else {
+            alone = (0..active.len()).collect();
+        }
+        alone.sort_unstable();
+        for k in alone {
+            out[k] = Some(self.slots[active[k]].step()?);
+            self.alone_steps += 1;
+        }
+        out.into_iter().map(|e| e.context("a slot got no step")).collect()
+    }
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
