@@ -19,7 +19,7 @@
 
 use crate::api::{BatchItem, BatchOps};
 use crate::session::{Emitted, Mode, Session};
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{ensure, Context, Result};
 
 /// The rows a cache allocates for `rows` rows (both backends grow by powers of two from 256 rows; the CPU's
 /// exact growth is below it, so the account is an upper bound).
@@ -27,11 +27,44 @@ pub fn alloc_rows(rows: usize) -> usize {
     rows.checked_next_power_of_two().unwrap_or(usize::MAX).max(256)
 }
 
+/// Room kept free for the activations of a batch's largest step: its rows (every slot's tree, or one row per
+/// slot in AR) times the widest per-row buffers a forward holds at once (the f32 logits and their bf16 copy
+/// and top-K scratch, about 3 vocab rows; some 48 hidden-wide f32 buffers of the layers, the taps and the
+/// MoE), plus 1 GiB for the captured graphs and the library workspaces. An estimate, not a measurement.
+pub fn act_bytes(mode: Mode, slots: usize, vocab: usize, hidden: usize) -> usize {
+    let per_slot = match mode {
+        Mode::DDTree { budget } | Mode::DDTreeAuto { max: budget } => budget + 1,
+        Mode::Chain => 16,
+        Mode::Ar => 1,
+    };
+    let rows = slots.saturating_mul(per_slot);
+    rows.saturating_mul(3 * vocab + 48 * hidden).saturating_mul(4).saturating_add(1 << 30)
+}
+
 /// The KV memory a batch may hold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvBudget {
     /// Bytes the slots' caches may hold in all (None: not limited, the CPU without a cap).
     pub bytes: Option<usize>,
+}
+
+/// A sequence whose caches cannot fit in the batch's KV memory even alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("a sequence of {positions} positions needs {} ({need} bytes, {rows} cache rows) of KV cache; the batch's KV memory is {} ({budget} bytes)", size(*need), size(*budget))]
+pub struct KvTooLarge {
+    pub positions: usize,
+    pub rows: usize,
+    pub need: usize,
+    pub budget: usize,
+}
+
+/// Bytes in MiB or GiB, two decimals.
+fn size(b: usize) -> String {
+    if b >= 1 << 30 {
+        format!("{:.2} GiB", b as f64 / GIB)
+    } else {
+        format!("{:.2} MiB", b as f64 / (1u64 << 20) as f64)
+    }
 }
 
 /// Why a sequence was not admitted now.
@@ -58,9 +91,9 @@ pub struct Batch {
 
 impl crate::Loaded {
     /// A batch of `slots` sequences in `mode` over this model (sessions forked from it: no weight is copied).
-    /// `kv_bytes`: a cap on the KV memory (None: what the device has free now, less `act_bytes` for a step's
-    /// activations; unlimited on the host).
-    pub fn batch(&self, mode: Mode, slots: usize, kv_bytes: Option<usize>, act_bytes: usize) -> Result<Batch> {
+    /// KV memory: what the device has free now, less room for the activations of the batch's largest step
+    /// ([`act_bytes`]), at most `kv_cap` bytes when given (on the host: `kv_cap`, or not limited).
+    pub fn batch(&self, mode: Mode, slots: usize, kv_cap: Option<usize>) -> Result<Batch> {
         ensure!(slots >= 1, "a batch needs at least one slot");
         let mut sessions = Vec::with_capacity(slots);
         for _ in 0..slots {
@@ -71,8 +104,9 @@ impl crate::Loaded {
             };
             sessions.push(Session::new(t, d, mode)?);
         }
-        let free = self.target.mem_free().map(|f| f.saturating_sub(act_bytes));
-        let kv = KvBudget { bytes: match (kv_bytes, free) {
+        let info = self.target.info();
+        let free = self.target.mem_free().map(|f| f.saturating_sub(act_bytes(mode, slots, info.vocab_size, info.hidden_size)));
+        let kv = KvBudget { bytes: match (kv_cap, free) {
             (Some(cap), Some(free)) => Some(cap.min(free)),
             (cap, free) => cap.or(free),
         } };
@@ -117,12 +151,7 @@ impl Batch {
         let need_rows = self.slots[slot].rows_for(positions).max(self.rows[slot]);
         let need = self.bytes(slot, need_rows);
         if need > budget {
-            bail!(
-                "a sequence of {positions} positions needs {:.2} GiB of KV cache ({} rows); the batch's KV memory is {:.2} GiB",
-                need as f64 / GIB,
-                alloc_rows(need_rows),
-                budget as f64 / GIB
-            );
+            return Err(KvTooLarge { positions, rows: alloc_rows(need_rows), need, budget }.into());
         }
         let others = |b: &Batch| (0..b.slots.len()).filter(|&i| i != slot).map(|i| b.bytes(i, b.rows[i])).sum::<usize>();
         if others(self) + need > budget {

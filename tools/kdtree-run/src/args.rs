@@ -73,6 +73,18 @@ pub struct Args {
     #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=2048))]
     pub budget_max: u64,
 
+    /// Sequences in flight at once (continuous batching: a finished line's slot is refilled from the file at
+    /// once; every step runs all of them in one batched forward). Output stays in input order and each line's
+    /// tokens do not depend on the batch (on the CPU bit for bit; on a GPU up to near-ties, see README).
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub max_batch: u64,
+
+    /// Cap on the KV cache memory of the sequences in flight, in GiB (default: the GPU's free memory after
+    /// the weights, less room for a step's activations; not limited on the CPU). A line whose cache cannot
+    /// fit gets an error record; lines that fit wait for room.
+    #[arg(long, value_name = "GIB")]
+    pub kv_memory: Option<f64>,
+
     /// Default maximum completion tokens per line.
     #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_tokens: u64,
@@ -188,6 +200,9 @@ impl Args {
         check_temperature(self.temperature).map_err(|e| anyhow::anyhow!("--temperature {e}"))?;
         check_top_p(self.top_p).map_err(|e| anyhow::anyhow!("--top-p {e}"))?;
         anyhow::ensure!(!(self.resume && self.out.as_os_str() == "-"), "--resume needs --out to be a file");
+        if let Some(g) = self.kv_memory {
+            anyhow::ensure!(g.is_finite() && g > 0.0, "--kv-memory {g}: a size in GiB above 0");
+        }
         if self.dummy() {
             anyhow::ensure!(self.rank < self.ranks, "--rank {} of --ranks {}: ranks count from 0", self.rank, self.ranks);
             anyhow::ensure!(self.verify.is_none(), "--verify compares tokens with a golden bundle; dummy weights give noise tokens (use --load-format auto)");

@@ -23,13 +23,14 @@ mod runner;
 mod summary;
 mod verify;
 
-use std::collections::HashMap;
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap};
 use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use kdtree_engine::generate::Mode;
+use kdtree_engine::generate::{Job as GenJob, Mode};
 use kdtree_golden::bundle::{Bundle, PromptRecord};
 use kdtree_text::console;
 use kdtree_text::prompts::PromptLine;
@@ -217,63 +218,104 @@ fn open_model(args: &Args, d: &Defaults, bundle: Option<&(Bundle, HashMap<String
     Ok(model)
 }
 
-/// Answer each line in order into `sink` on one session: records kept by --resume stay or are copied,
-/// the rest are run. Then, under --verify, each line is re-checked against its bundle record on the same
-/// model (kdtree_golden::reference's sessions: the recording code itself).
+/// Answer the lines into `sink` in input order, up to `--max-batch` sequences in flight on one batch
+/// (engine::generate::generate_batch: a finished sequence's slot is refilled from the file at once): records
+/// kept by --resume stay or are copied, lines that fail before generation get their error record, the rest
+/// generate. A finished record waits until every line before it is written (at most --max-batch are held).
+/// Then, under --verify, each line is re-checked against its bundle record on the same model
+/// (kdtree_golden::reference's sessions: the recording code itself).
 fn answer(args: &Args, job: &mut Job, sink: &mut Sink) -> Result<Vec<verify::PromptCheck>> {
     let Some(model) = job.model.as_mut() else { return Ok(Vec::new()) };
-    let mut to_verify = Vec::new();
-    {
-        let mut session = model.loaded.session(job.defaults.mode)?;
-        if let Some(cost) = &job.cost {
-            session.set_cost_model(cost.clone())?;
-        }
-        let mut runner = Runner {
-            session,
-            tokenizer: model.tokenizer.as_ref(),
-            chat: model.chat.as_ref(),
-            stop_token_ids: model.stop_token_ids.clone(),
-            defaults: job.defaults.clone(),
-        };
-        for (i, line) in job.lines.iter().enumerate() {
-            let outcome = match job.existing.kept(i) {
-                Some(_) if i < job.existing.prefix => None,
-                Some((_, bytes)) => {
-                    sink.write_line(bytes)?;
-                    None
-                }
-                None => {
-                    let outcome = runner.run_line(line);
-                    let mut record = records::record(line, &outcome, &model.name, &job.fingerprints[i]);
-                    if let Some(w) = &job.dummy {
-                        // Before `timing` (kept last): the tokens of dummy weights are noise.
-                        let timing = record.as_object_mut().and_then(|o| o.remove("timing"));
-                        record["load_format"] = "dummy".into();
-                        record["dummy"] = w.clone();
-                        if let Some(t) = timing {
-                            record["timing"] = t;
-                        }
-                    }
-                    sink.write_record(&record)?;
-                    job.totals.add(&record, false);
-                    log(args, format_args!("{}", progress(i + 1, job.lines.len(), &line.id, &outcome)));
-                    Some(outcome)
-                }
-            };
-            if job.golden.is_none() {
-                continue;
-            }
-            let prompt = match &line.request {
-                Err(e) => Err(format!("the line is invalid: {e}")),
-                Ok(req) => runner.prompt_ids(req).map(|(ids, _)| ids).map_err(|(code, msg)| format!("{code}: {msg}")),
-            };
-            let greedy = match &outcome {
-                Some(records::Outcome::Done(c)) if c.sampling.temperature <= 0.0 => Some(c.token_ids.clone()),
-                _ => None,
-            };
-            to_verify.push((line.id.clone(), prompt, greedy));
+    let runner = Runner {
+        info: model.loaded.info().clone(),
+        tokenizer: model.tokenizer.as_ref(),
+        chat: model.chat.as_ref(),
+        stop_token_ids: model.stop_token_ids.clone(),
+        defaults: job.defaults.clone(),
+    };
+    let slots = args.max_batch as usize;
+    let kv_cap = args.kv_memory.map(|g| (g * (1u64 << 30) as f64) as usize);
+    let mut batch = model.loaded.batch(job.defaults.mode, slots, kv_cap)?;
+    if let Some(cost) = &job.cost {
+        for i in 0..batch.len() {
+            batch.session(i).set_cost_model(cost.clone())?;
         }
     }
+    if slots > 1 {
+        let kv = batch.kv_budget().bytes.map_or("not limited".into(), |b| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64));
+        log(args, format_args!("batch: up to {slots} sequences in flight; KV memory {kv}"));
+    }
+    let state = RefCell::new(Answering { next_line: 0, ready: BTreeMap::new(), next_write: 0, prepared: HashMap::new(), to_verify: Vec::new(), sink, written: 0, error: None });
+    let (lines, existing, fingerprints) = (&job.lines, &job.existing, &job.fingerprints);
+    let (golden, dummy, name) = (job.golden.is_some(), &job.dummy, &model.name);
+    let totals = RefCell::new(&mut job.totals);
+    // A line's record, ready to write in order.
+    let finish = |st: &mut Answering<'_>, i: usize, outcome: records::Outcome| -> Result<()> {
+        let line = &lines[i];
+        let mut record = records::record(line, &outcome, name, &fingerprints[i]);
+        if let Some(w) = dummy {
+            // Before `timing` (kept last): the tokens of dummy weights are noise.
+            let timing = record.as_object_mut().and_then(|o| o.remove("timing"));
+            record["load_format"] = "dummy".into();
+            record["dummy"] = w.clone();
+            if let Some(t) = timing {
+                record["timing"] = t;
+            }
+        }
+        totals.borrow_mut().add(&record, false);
+        st.written += 1;
+        log(args, format_args!("{}", progress(st.written, lines.len(), &line.id, &outcome)));
+        st.ready.insert(i, Ready::Record(record, Some(outcome)));
+        st.flush(lines, &runner, golden)
+    };
+    // The next line to generate, in order; kept and failing lines are settled on the way.
+    let mut next = || -> Option<(usize, GenJob<'_>)> {
+        let mut st = state.borrow_mut();
+        while st.next_line < lines.len() {
+            let i = st.next_line;
+            st.next_line += 1;
+            let settled = match existing.kept(i) {
+                Some(_) if i < existing.prefix => Ok(Ready::Kept),
+                Some((_, bytes)) => Ok(Ready::Copy(bytes.to_vec())),
+                None => match runner.prepare_line(&lines[i]) {
+                    Err(outcome) => Err(outcome),
+                    Ok(p) => {
+                        let on_tokens = Box::new(runner.on_tokens(&p));
+                        let req = p.req.clone();
+                        st.prepared.insert(i, p);
+                        return Some((i, GenJob { req, on_tokens }));
+                    }
+                },
+            };
+            let r = match settled {
+                Ok(ready) => {
+                    st.ready.insert(i, ready);
+                    st.flush(lines, &runner, golden)
+                }
+                Err(outcome) => finish(&mut st, i, outcome),
+            };
+            if let Err(e) = r {
+                st.error = Some(e);
+                return None;
+            }
+        }
+        None
+    };
+    let mut done = |i: usize, out: anyhow::Result<kdtree_engine::generate::GenOutput>| -> Result<()> {
+        let mut st = state.borrow_mut();
+        let p = st.prepared.remove(&i).context("a finished line that was never started")?;
+        let outcome = runner.finish(p, out);
+        finish(&mut st, i, outcome)
+    };
+    kdtree_engine::generate::generate_batch(&mut batch, &mut next, &mut done)?;
+    let mut st = state.into_inner();
+    if let Some(e) = st.error.take() {
+        return Err(e);
+    }
+    anyhow::ensure!(st.next_write == lines.len(), "{} of {} lines written", st.next_write, lines.len());
+    let to_verify = std::mem::take(&mut st.to_verify);
+    drop(st);
+    drop(batch);
     let Some(g) = &job.golden else { return Ok(Vec::new()) };
     let mut checks = Vec::new();
     for (id, prompt, greedy) in to_verify {
@@ -284,6 +326,65 @@ fn answer(args: &Args, job: &mut Job, sink: &mut Sink) -> Result<Vec<verify::Pro
         checks.push(verify::check_prompt(&id, &mut model.loaded, prompt, run, &g.records[&id], &g.tol)?);
     }
     Ok(checks)
+}
+
+/// A line's settled output, waiting for its turn.
+enum Ready {
+    /// Kept by --resume inside the file's intact prefix: nothing to write.
+    Kept,
+    /// Kept by --resume after a line answered again: its bytes are copied.
+    Copy(Vec<u8>),
+    /// A new record (and its outcome, for --verify).
+    Record(serde_json::Value, Option<records::Outcome>),
+}
+
+/// The in-order writer's state of [`answer`].
+struct Answering<'s> {
+    next_line: usize,
+    ready: BTreeMap<usize, Ready>,
+    next_write: usize,
+    prepared: HashMap<usize, runner::Prepared>,
+    to_verify: Vec<(String, std::result::Result<Vec<u32>, String>, Option<Vec<u32>>)>,
+    sink: &'s mut Sink,
+    /// Records made so far (progress lines).
+    written: usize,
+    /// A write that failed while settling lines (the run stops with it).
+    error: Option<anyhow::Error>,
+}
+
+impl Answering<'_> {
+    /// Write every ready line whose predecessors are written, in order.
+    fn flush(&mut self, lines: &[PromptLine], runner: &Runner<'_>, golden: bool) -> Result<()> {
+        while let Some(r) = self.ready.remove(&self.next_write) {
+            let i = self.next_write;
+            let outcome = match r {
+                Ready::Kept => None,
+                Ready::Copy(bytes) => {
+                    self.sink.write_line(&bytes)?;
+                    None
+                }
+                Ready::Record(record, outcome) => {
+                    self.sink.write_record(&record)?;
+                    outcome
+                }
+            };
+            self.next_write += 1;
+            if !golden {
+                continue;
+            }
+            let line = &lines[i];
+            let prompt = match &line.request {
+                Err(e) => Err(format!("the line is invalid: {e}")),
+                Ok(req) => runner.prompt_ids(req).map(|(ids, _)| ids).map_err(|(code, msg)| format!("{code}: {msg}")),
+            };
+            let greedy = match &outcome {
+                Some(records::Outcome::Done(c)) if c.sampling.temperature <= 0.0 => Some(c.token_ids.clone()),
+                _ => None,
+            };
+            self.to_verify.push((line.id.clone(), prompt, greedy));
+        }
+        Ok(())
+    }
 }
 
 /// --verify's per-prompt table and verdict on stderr (printed with --quiet too); true when all match.

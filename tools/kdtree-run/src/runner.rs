@@ -7,9 +7,11 @@
 //! `text` is cut before it (`token_ids` keep every generated token, up to the one that completed it).
 //! Tests: bottom of this file (a scripted mock target), end to end in tests/run_cli.rs.
 
+use std::cell::RefCell;
+use std::rc::Rc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use kdtree_engine::generate::{generate, FinishReason, GenRequest, Mode, Sampling};
+use kdtree_engine::generate::{generate, FinishReason, GenOutput, GenRequest, Mode, Sampling};
 use kdtree_engine::Session;
 use kdtree_text::chat::{ChatOptions, ChatTemplate};
 use kdtree_text::detok::{Detokenizer, StopMatcher};
@@ -27,15 +29,33 @@ pub struct Defaults {
     pub thinking: bool,
 }
 
-/// Everything needed to answer lines.
+/// Everything needed to answer lines (the session or batch that generates them is the caller's).
 pub struct Runner<'a> {
-    /// The run's session (its mode is `defaults.mode`).
-    pub session: Session<'a>,
+    /// The model's static facts (vocabulary, context) the lines are checked against.
+    pub info: kdtree_engine::api::TargetInfo,
     /// None: the model dir has no tokenizer; only `prompt_token_ids` lines can run and `text` is null.
     pub tokenizer: Option<&'a Tokenizer>,
     pub chat: Option<&'a ChatTemplate>,
     pub stop_token_ids: Vec<u32>,
     pub defaults: Defaults,
+}
+
+/// A line ready to generate: its engine request, the text state its per-token callback feeds (stop
+/// strings), and what its record needs afterwards.
+pub struct Prepared {
+    t0: Instant,
+    pre_ms: f64,
+    prompt_tokens: usize,
+    used: SamplingUsed,
+    pub req: GenRequest,
+    text: Rc<RefCell<TextState>>,
+}
+
+/// The incremental detokenizer and stop matcher of one line.
+struct TextState {
+    detok: Detokenizer,
+    matcher: StopMatcher,
+    seen: usize,
 }
 
 /// A line's failure before generation: (code, message).
@@ -49,12 +69,25 @@ fn failed(code: &str, message: impl Into<String>) -> Outcome {
     Outcome::Failed { code: code.to_string(), message: message.into() }
 }
 
-impl Runner<'_> {
-    /// Answer one prompt line (a line that failed validation just reports its error).
-    pub fn run_line(&mut self, line: &PromptLine) -> Outcome {
+impl<'a> Runner<'a> {
+    /// Answer one prompt line on `session` (a line that failed validation just reports its error): the
+    /// three steps kdtree-run's batch takes per line (main.rs `answer`), on one session.
+    #[cfg(test)]
+    pub fn run_line(&self, session: &mut Session<'_>, line: &PromptLine) -> Outcome {
+        let p = match self.prepare_line(line) {
+            Ok(p) => p,
+            Err(o) => return o,
+        };
+        let mut on_tokens = self.on_tokens(&p);
+        let out = generate(session, &p.req, &mut on_tokens);
+        self.finish(p, out)
+    }
+
+    /// The line's request, ready to generate; Err = the record of a line that fails before generation.
+    pub fn prepare_line(&self, line: &PromptLine) -> Result<Prepared, Outcome> {
         match &line.request {
-            Err(e) => failed(e.code, e.to_string()),
-            Ok(req) => self.run_request(req),
+            Err(e) => Err(failed(e.code, e.to_string())),
+            Ok(req) => self.prepare(req),
         }
     }
 
@@ -83,29 +116,26 @@ impl Runner<'_> {
         }
     }
 
-    fn run_request(&mut self, req: &Request) -> Outcome {
+    fn prepare(&self, req: &Request) -> Result<Prepared, Outcome> {
         let t0 = Instant::now();
-        let (prompt, _) = match self.prompt_ids(req) {
-            Ok(p) => p,
-            Err((code, message)) => return failed(code, message),
-        };
-        let info = self.session.info().clone();
+        let (prompt, _) = self.prompt_ids(req).map_err(|(code, message)| failed(code, message))?;
+        let info = &self.info;
         if prompt.is_empty() {
-            return failed("empty_prompt", "the prompt encodes to no tokens");
+            return Err(failed("empty_prompt", "the prompt encodes to no tokens"));
         }
         if let Some(bad) = prompt.iter().find(|&&t| t as usize >= info.vocab_size) {
-            return failed("invalid_request", format!("token id {bad} is outside the model's vocabulary of {}", info.vocab_size));
+            return Err(failed("invalid_request", format!("token id {bad} is outside the model's vocabulary of {}", info.vocab_size)));
         }
         if prompt.len() >= info.max_positions {
-            return failed(
+            return Err(failed(
                 "context_length_exceeded",
                 format!("the prompt has {} tokens; the model's context holds {} positions", prompt.len(), info.max_positions),
-            );
+            ));
         }
         let d = &self.defaults;
         let used = SamplingUsed::resolve(d, req);
         if self.tokenizer.is_none() && !used.stop.is_empty() {
-            return failed("invalid_request", "stop strings need a tokenizer (tiktoken.model) in the model directory");
+            return Err(failed("invalid_request", "stop strings need a tokenizer (tiktoken.model) in the model directory"));
         }
         let gen_req = GenRequest {
             prompt: prompt.clone(),
@@ -114,14 +144,19 @@ impl Runner<'_> {
             sampling: Sampling { temperature: used.temperature, top_p: used.top_p, top_k: used.top_k, seed: used.seed },
             mode: d.mode,
         };
-        let mut detok = Detokenizer::new();
-        let mut matcher = StopMatcher::new(&used.stop);
-        let mut seen = 0;
-        let (tokenizer, stop_ids) = (self.tokenizer, &self.stop_token_ids);
-        let mut on_tokens = |toks: &[u32]| -> bool {
+        let text = Rc::new(RefCell::new(TextState { detok: Detokenizer::new(), matcher: StopMatcher::new(&used.stop), seen: 0 }));
+        Ok(Prepared { t0, pre_ms: t0.elapsed().as_secs_f64() * 1e3, prompt_tokens: prompt.len(), used, req: gen_req, text })
+    }
+
+    /// The per-token callback of a prepared line: renders new tokens and reports a completed stop string.
+    pub fn on_tokens(&self, p: &Prepared) -> impl FnMut(&[u32]) -> bool + 'a {
+        let (tokenizer, stop_ids, text) = (self.tokenizer, self.stop_token_ids.clone(), p.text.clone());
+        move |toks: &[u32]| -> bool {
             let Some(tok) = tokenizer else { return false };
-            for &t in &toks[seen..] {
-                seen += 1;
+            let mut st = text.borrow_mut();
+            let TextState { detok, matcher, seen } = &mut *st;
+            for &t in &toks[*seen..] {
+                *seen += 1;
                 if stop_ids.contains(&t) {
                     continue;
                 }
@@ -132,13 +167,19 @@ impl Runner<'_> {
                 }
             }
             false
-        };
-        let pre_ms = t0.elapsed().as_secs_f64() * 1e3;
-        let out = match generate(&mut self.session, &gen_req, &mut on_tokens) {
+        }
+    }
+
+    /// The record's outcome of a prepared line from its generation.
+    pub fn finish(&self, p: Prepared, out: anyhow::Result<GenOutput>) -> Outcome {
+        let out = match out {
             Ok(out) => out,
+            Err(e) if e.is::<kdtree_engine::KvTooLarge>() => return failed("kv_cache_exceeded", kdtree_text::console::error_chain(&e)),
             Err(e) => return failed("engine_error", kdtree_text::console::error_chain(&e)),
         };
-        let text = tokenizer.map(|_| {
+        let text = self.tokenizer.map(|_| {
+            let mut st = p.text.borrow_mut();
+            let TextState { detok, matcher, .. } = &mut *st;
             if !matcher.stopped() {
                 matcher.push(&detok.finish());
             }
@@ -146,9 +187,9 @@ impl Runner<'_> {
         });
         let n = out.tokens.len();
         let timing = Timing {
-            ttft_ms: pre_ms + out.ttft_ms,
+            ttft_ms: p.pre_ms + out.ttft_ms,
             decode_ms: out.decode_ms,
-            e2e_ms: t0.elapsed().as_secs_f64() * 1e3,
+            e2e_ms: p.t0.elapsed().as_secs_f64() * 1e3,
             decode_tok_s: if n > 1 && out.decode_ms > 0.0 { (n - 1) as f64 * 1e3 / out.decode_ms } else { 0.0 },
             created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
         };
@@ -159,9 +200,9 @@ impl Runner<'_> {
                 FinishReason::Stop | FinishReason::Callback => "stop",
                 FinishReason::Length => "length",
             },
-            prompt_tokens: prompt.len(),
-            sampling: used,
-            mode: d.mode,
+            prompt_tokens: p.prompt_tokens,
+            sampling: p.used,
+            mode: self.defaults.mode,
             spec: out.spec,
             timing,
         })
@@ -242,14 +283,15 @@ mod tests {
         let tok = byte_tokenizer();
         let chat = ChatTemplate::builtin();
         let mut target = ScriptTarget::new(script.as_bytes(), max_positions);
-        let mut runner = Runner {
-            session: Session::new(Box::new(&mut target), None, Mode::Ar).unwrap(),
+        let runner = Runner {
+            info: target.info.clone(),
             tokenizer: Some(&tok),
             chat: Some(&chat),
             stop_token_ids: vec![257],
             defaults: Defaults { max_tokens: 64, sampling: Sampling::greedy(), mode: Mode::Ar, thinking: true },
         };
-        runner.run_line(&parse_line(1, line))
+        let mut session = Session::new(Box::new(&mut target), None, Mode::Ar).unwrap();
+        runner.run_line(&mut session, &parse_line(1, line))
     }
 
     fn done(o: Outcome) -> Completion {
@@ -262,17 +304,18 @@ mod tests {
     #[test]
     fn without_a_tokenizer_only_plain_token_id_lines_run() {
         let mut target = ScriptTarget::new(b"ab", 100);
-        let mut runner = Runner {
-            session: Session::new(Box::new(&mut target), None, Mode::Ar).unwrap(),
+        let runner = Runner {
+            info: target.info.clone(),
             tokenizer: None,
             chat: None,
             stop_token_ids: vec![257],
             defaults: Defaults { max_tokens: 8, sampling: Sampling::greedy(), mode: Mode::Ar, thinking: true },
         };
-        let c = done(runner.run_line(&parse_line(1, r#"{"id":"a","prompt_token_ids":[1,2]}"#)));
+        let mut session = Session::new(Box::new(&mut target), None, Mode::Ar).unwrap();
+        let c = done(runner.run_line(&mut session, &parse_line(1, r#"{"id":"a","prompt_token_ids":[1,2]}"#)));
         assert_eq!((c.text, c.token_ids), (None, vec![b'a' as u32, b'b' as u32, 257]));
         for line in [r#"{"id":"a","prompt":"x"}"#, r#"{"id":"a","prompt_token_ids":[1],"stop":"b"}"#] {
-            let Outcome::Failed { code, message } = runner.run_line(&parse_line(1, line)) else { panic!("{line}") };
+            let Outcome::Failed { code, message } = runner.run_line(&mut session, &parse_line(1, line)) else { panic!("{line}") };
             assert_eq!(code, "invalid_request", "{line}");
             assert!(message.contains("tokenizer"), "{message}");
         }
