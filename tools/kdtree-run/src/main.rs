@@ -65,7 +65,7 @@ fn run(args: Args) -> Result<bool> {
     let t0 = Instant::now();
     let mut job = prepare(&args)?;
     let mut sink = resume::open_output(&args.out, &job.existing)?;
-    let checks = answer(&args, &mut job, &mut sink)?;
+    let (checks, gen_s) = answer(&args, &mut job, &mut sink)?;
     drop(sink);
     let verified = report_verify(&job, &checks);
     if let Some(path) = &args.summary {
@@ -74,6 +74,8 @@ fn run(args: Args) -> Result<bool> {
             backend: &job.backend,
             mode: job.defaults.mode,
             wall_s: t0.elapsed().as_secs_f64(),
+            gen_s,
+            max_batch: args.max_batch as usize,
             dummy: job.dummy.as_ref(),
         };
         summary::write_summary(path, &job.totals, &info)?;
@@ -224,8 +226,9 @@ fn open_model(args: &Args, d: &Defaults, bundle: Option<&(Bundle, HashMap<String
 /// generate. A finished record waits until every line before it is written (at most --max-batch are held).
 /// Then, under --verify, each line is re-checked against its bundle record on the same model
 /// (kdtree_golden::reference's sessions: the recording code itself).
-fn answer(args: &Args, job: &mut Job, sink: &mut Sink) -> Result<Vec<verify::PromptCheck>> {
-    let Some(model) = job.model.as_mut() else { return Ok(Vec::new()) };
+fn answer(args: &Args, job: &mut Job, sink: &mut Sink) -> Result<(Vec<verify::PromptCheck>, f64)> {
+    let t_gen = Instant::now();
+    let Some(model) = job.model.as_mut() else { return Ok((Vec::new(), 0.0)) };
     let runner = Runner {
         info: model.loaded.info().clone(),
         tokenizer: model.tokenizer.as_ref(),
@@ -316,7 +319,8 @@ fn answer(args: &Args, job: &mut Job, sink: &mut Sink) -> Result<Vec<verify::Pro
     let to_verify = std::mem::take(&mut st.to_verify);
     drop(st);
     drop(batch);
-    let Some(g) = &job.golden else { return Ok(Vec::new()) };
+    let gen_s = t_gen.elapsed().as_secs_f64();
+    let Some(g) = &job.golden else { return Ok((Vec::new(), gen_s)) };
     let mut checks = Vec::new();
     for (id, prompt, greedy) in to_verify {
         let run = match &greedy {
@@ -325,7 +329,7 @@ fn answer(args: &Args, job: &mut Job, sink: &mut Sink) -> Result<Vec<verify::Pro
         };
         checks.push(verify::check_prompt(&id, &mut model.loaded, prompt, run, &g.records[&id], &g.tol)?);
     }
-    Ok(checks)
+    Ok((checks, gen_s))
 }
 
 /// A line's settled output, waiting for its turn.

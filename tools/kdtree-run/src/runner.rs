@@ -11,8 +11,9 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use kdtree_engine::generate::{generate, FinishReason, GenOutput, GenRequest, Mode, Sampling};
-use kdtree_engine::Session;
+use kdtree_engine::generate::{FinishReason, GenOutput, GenRequest, Mode, Sampling};
+#[cfg(test)]
+use kdtree_engine::{generate::generate, Session};
 use kdtree_text::chat::{ChatOptions, ChatTemplate};
 use kdtree_text::detok::{Detokenizer, StopMatcher};
 use kdtree_text::prompts::{Input, PromptLine, Request};
