@@ -12,7 +12,7 @@ RUN        := $(RELEASE)/kdtree-run
 SEED       ?= 0
 PAIR       ?= models/kdtree-tiny
 
-.PHONY: lint kernels-check cuda-check gpu-stage gpu-test gpu-bench bench-table-check build test demo demo-synth train bench-acceptance golden golden-check crosscheck fixtures bench-convert clean
+.PHONY: lint kernels-check cuda-check gpu-stage gpu-test gpu-bench bench-batch bench-table-check build test demo demo-synth train bench-acceptance golden golden-check crosscheck fixtures bench-convert clean
 
 ## build: release binaries kdtree-convert, kdtree-golden, kdtree-run
 build:
@@ -43,6 +43,10 @@ gpu-stage:
 ## gpu-test: on the GPU machine (driver + CUDA 13 libraries only): the whole GPU suite from .dev-gpu/, a table last
 gpu-test:
 	bash .dev-gpu/gpu-test.sh .dev-gpu
+
+## bench-batch: on the GPU machine: the batched-generation throughput table (bench/batch.sh, from .dev-gpu/)
+bench-batch:
+	bash bench/batch.sh .dev-gpu
 
 ## gpu-bench: on the GPU machine (+ python3 with torch): every staged cuda_bench* timing and bench/peers.py, one W4A16 table last
 gpu-bench:

@@ -117,6 +117,16 @@ PY
     done
   done
   sed 's/^/E2E ranks stderr: /' "$e2e/ranks.err" | head -20 | tee -a "$log"
+  # Batched generation (issue 15): the same runs as the trained pair's above with 8 sequences in flight
+  # (--max-batch 8: one batched forward per step), compared line by line with the batch-1 files below.
+  for temp in 0 1; do
+    for mode in ar ddtree16 ddtree64; do
+      case $mode in ddtree*) m="--mode ddtree --budget ${mode#ddtree}";; *) m="--mode $mode";; esac
+      "$dir/kdtree-run" "$e2e/pair1" --prompts examples/heldout.jsonl --out "$e2e/batch8-$mode-t$temp.jsonl" --device cuda $m \
+        --temperature $temp --seed 1 --max-batch 8 --summary "$e2e/batch8-$mode-t$temp.json" --quiet 2>> "$e2e/batch.err" || status=1
+    done
+  done
+  sed 's/^/E2E batch stderr: /' "$e2e/batch.err" | head -20 | tee -a "$log"
   "$dir/kdtree-golden" "$e2e/pair1" --prompts examples/heldout.jsonl --out "$e2e/gold-heldout" --device cuda --max-tokens 64 \
     --full-logits-steps 0 --topk 2 --trace-step 0 --no-ddtree --quiet || status=1
   python3 - "$e2e" <<'PY' | tee -a "$log"
@@ -161,6 +171,34 @@ for plan in ("tp2", "ep2", "ep4", "ep8"):
         print(f"E2E ranks {plan} {mode} greedy on one GPU: {same} of {len(base)} prompts == the 1-rank tokens"
               + (f", near-ties {ties}" if ties else "") + (f", FAIL {fails}" if fails else "")
               + f"; {summ.get('tokens_per_s') or 0:.0f} tok/s (1 rank AR {one.get('tokens_per_s') or 0:.0f})")
+# --max-batch 8 against --max-batch 1 (the same prompts and settings): greedy lines must be equal up to
+# near-ties of the 1-rank AR run (a batched GEMM may sum in another order); sampled lines are counted.
+for temp in (0, 1):
+    for mode in ("ar", "ddtree16", "ddtree64"):
+        try:
+            one_b, got = load(f"{e2e}/pair-{mode}-t{temp}.jsonl"), load(f"{e2e}/batch8-{mode}-t{temp}.jsonl")
+            s1, s8 = json.load(open(f"{e2e}/pair-{mode}-t{temp}.json")), json.load(open(f"{e2e}/batch8-{mode}-t{temp}.json"))
+        except (OSError, ValueError) as e:
+            print(f"E2E batch {mode} T={temp}: no output ({e})"); bad += 1; continue
+        same, ties, fails = 0, [], []
+        for k, a in one_b.items():
+            d = got.get(k)
+            if d == a:
+                same += 1; continue
+            if temp or not isinstance(d, list) or not isinstance(a, list):
+                fails.append(f"{k}"); continue
+            i = next((j for j, (p, q) in enumerate(zip(a, d)) if p != q), min(len(a), len(d)))
+            try:
+                toks, lg = top2(k)
+                margin = lg[2 * i] - lg[2 * i + 1] if toks[:len(a)] == a and 2 * i + 1 < len(lg) else float("inf")
+            except (OSError, KeyError, ValueError):
+                margin = float("inf")
+            (ties if margin <= 0.15 else fails).append(f"{k} at token {i} (top-2 margin {margin:.3g})")
+        if temp == 0:
+            bad += len(fails)
+        print(f"E2E batch {mode} T={temp} --max-batch 8 vs 1: {same} of {len(one_b)} lines identical"
+              + (f", near-ties {ties}" if ties else "") + (f", {'FAIL' if temp == 0 else 'differ'} {fails}" if fails else "")
+              + f"; throughput {s8.get('throughput_tok_s') or 0:.0f} vs {s1.get('throughput_tok_s') or 0:.0f} tok/s")
 sys.exit(1 if bad else 0)
 PY
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Issue 15's throughput table in one device call, from the repository root on the GPU machine: kdtree-run over
+# one prompt file at --max-batch 1, 4, 16, 64, in AR and DDTree (budgets 16 and 64), greedy, on
+#   * the trained pair (models/kdtree-tiny, converted here for one rank): 128 lines cycling examples/heldout.jsonl,
+#     64 tokens each (a line may stop earlier at its end-of-text token);
+#   * a k26-slice model (real K2.6 widths: hidden 7168, 64 heads, 384 experts top-8, vocab 163840; 3 layers) from
+#     dummy weights filled on the GPU (timing only: the tokens are noise, every line decodes max_tokens): 64
+#     lines of 8..64 token ids, 32 tokens each.
+# Each run's --summary gives the whole file's output tokens per wall second of generation (`throughput_tok_s`)
+# and the per-line latency; the table prints last (markdown, for bench/RESULTS.md), with the goals: AR
+# throughput at batch 64 >= 10x batch 1; DDTree at batch 16 above AR at batch 16.
+# Usage: bench/batch.sh DIR (binaries staged by `make gpu-stage`; `make bench-batch` on the GPU machine).
+# Logs and summaries go to $OUT (or a temporary folder). KDTREE_BENCH_BUDGET (s, default 300): runs that would
+# start past it are skipped (and named). Exit 0 all runs done, 1 a run failed or was skipped.
+set -uo pipefail
+dir="${1:?usage: bench/batch.sh DIR-with-staged-binaries (make gpu-stage)}"
+dir="$(cd "$dir" 2>/dev/null && pwd)" || { echo "bench-batch: $1 is not a folder (run make gpu-stage first)" >&2; exit 2; }
+root="$(cd "$(dirname "$0")/.." && pwd)"
+out="${OUT:-$(mktemp -d)}"
+mkdir -p "$out" || exit 2
+budget="${KDTREE_BENCH_BUDGET:-300}"
+if ! ldconfig -p 2>/dev/null | grep -q 'libcublas\.so'; then
+  for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+      $(python3 -c 'import nvidia, os; print(" ".join(os.path.join(p, s, "lib") for p in nvidia.__path__ for s in ("cu13", "cublas")))' 2>/dev/null); do
+    [ -d "$d" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  done
+fi
+gpu="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
+echo "gpu: ${gpu:-unknown}; commit: $(cat "$dir/COMMIT" 2>/dev/null || echo unknown); logs: $out"
+work="$(mktemp -d)"
+fail=0
+cd "$root" || exit 2
+"$dir/kdtree-convert" repack models/kdtree-tiny "$work/pair" --drafter models/kdtree-tiny/drafter --ranks 1 --quiet || fail=1
+"$dir/kdtree-convert" synth k26-slice "$work/k26" --layers 3 --drafter --config-only --quiet || fail=1
+python3 - "$work" <<'PY'
+import json, random, sys
+w = sys.argv[1]
+held = [json.loads(l) for l in open("examples/heldout.jsonl")]
+with open(f"{w}/pair.jsonl", "w") as f:
+    for i in range(128):
+        x = dict(held[i % len(held)]); x["id"] = f"p{i:03d}"; x["max_tokens"] = 64
+        f.write(json.dumps(x) + "\n")
+r = random.Random(0)
+with open(f"{w}/k26.jsonl", "w") as f:
+    for i in range(64):
+        ids = [r.randrange(1, 160000) for _ in range(r.randrange(8, 65))]
+        f.write(json.dumps({"id": f"k{i:02d}", "prompt_token_ids": ids, "max_tokens": 32}) + "\n")
+PY
+run() { # MODEL MODE BATCH
+  local name="$1-$2-b$3" m
+  case $2 in ar) m="--mode ar";; dd*) m="--mode ddtree --budget ${2#dd}";; esac
+  if [ "$SECONDS" -ge "$budget" ]; then echo "SKIP $name (past the ${budget} s budget)"; echo "$name skipped" >> "$out/skipped"; fail=1; return; fi
+  local extra=""
+  [ "$1" = k26 ] && extra="--load-format dummy"
+  local s=$SECONDS
+  timeout $((budget - SECONDS + 30)) "$dir/kdtree-run" "$work/$1" --prompts "$work/$1.jsonl" --out "$out/$name.jsonl" --device cuda $m \
+    --max-batch "$3" $extra --summary "$out/$name.json" 2> "$out/$name.err" || { echo "FAIL $name: $(tail -2 "$out/$name.err")"; fail=1; }
+  echo "$name: $((SECONDS - s)) s"
+}
+for model in pair k26; do
+  for mode in ar dd16 dd64; do
+    for b in 1 4 16 64; do run $model $mode $b; done
+  done
+done
+python3 - "$out" "${gpu:-unknown}" "$(cat "$dir/COMMIT" 2>/dev/null || echo unknown)" <<'PY' | tee "$out/batch-table.md"
+import json, os, sys, datetime
+out, gpu, commit = sys.argv[1:4]
+def get(name):
+    try:
+        return json.load(open(f"{out}/{name}.json"))
+    except (OSError, ValueError):
+        return None
+print(f"Batched generation, {gpu}, commit {commit}, {datetime.date.today()} (bench/batch.sh): output tokens per second of"
+      " generation wall time for the whole prompt file (`throughput_tok_s`), greedy; per-line latency p50 / p90 (ms);"
+      " tokens per round (acceptance length) for DDTree.\n")
+print("| model | mode | batch | tok/s | vs batch 1 | latency p50 / p90 ms | tokens | τ |")
+print("|---|---|---|---|---|---|---|---|")
+tp = {}
+for model in ("pair", "k26"):
+    for mode in ("ar", "dd16", "dd64"):
+        for b in (1, 4, 16, 64):
+            s = get(f"{model}-{mode}-b{b}")
+            if not s:
+                print(f"| {model} | {mode} | {b} | — (no run) | | | | |"); continue
+            t = s.get("throughput_tok_s") or 0.0
+            tp[(model, mode, b)] = t
+            base = tp.get((model, mode, 1))
+            lat = s.get("latency_ms") or {}
+            tau = s.get("acceptance_length") or 0
+            print(f"| {model} | {mode} | {b} | {t:.0f} | {t / base:.1f}x | {lat.get('p50', 0):.0f} / {lat.get('p90', 0):.0f} | {s.get('completion_tokens')} | {tau:.2f} |"
+                  if base else f"| {model} | {mode} | {b} | {t:.0f} | | | {s.get('completion_tokens')} | {tau:.2f} |")
+print()
+for model in ("pair", "k26"):
+    a1, a64 = tp.get((model, "ar", 1)), tp.get((model, "ar", 64))
+    if a1 and a64:
+        print(f"- goal {model}: AR batch 64 >= 10x batch 1: {a64 / a1:.1f}x — {'met' if a64 >= 10 * a1 else 'NOT met'}")
+    a16, d16 = tp.get((model, "ar", 16)), max(tp.get((model, "dd16", 16), 0), tp.get((model, "dd64", 16), 0))
+    if a16 and d16:
+        print(f"- goal {model}: DDTree batch 16 above AR batch 16: {d16:.0f} vs {a16:.0f} tok/s — {'met' if d16 > a16 else 'NOT met'}")
+PY
+rm -rf "$work"
+exit $fail
