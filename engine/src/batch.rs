@@ -83,9 +83,12 @@ pub struct Batch {
     kv: KvBudget,
     /// Rows each slot's caches are accounted for (0 after a release).
     rows: Vec<usize>,
-    /// Batched steps run, slot-steps inside them, slot-steps run alone.
+    /// Idle slots' marks (their committed length and pending token), rewound to before each step they join.
+    ghosts: Vec<Option<(usize, u32)>>,
+    /// Batched steps run, active slot-steps inside them, ghost slot-steps inside them, slot-steps run alone.
     pub batched_steps: usize,
     pub batched_slot_steps: usize,
+    pub ghost_slot_steps: usize,
     pub alone_steps: usize,
 }
 
@@ -110,7 +113,7 @@ impl crate::Loaded {
             (Some(cap), Some(free)) => Some(cap.min(free)),
             (cap, free) => cap.or(free),
         } };
-        Ok(Batch { ops: self.target.batch_ops(), slots: sessions, mode, kv, rows: vec![0; slots], batched_steps: 0, batched_slot_steps: 0, alone_steps: 0 })
+        Ok(Batch { ops: self.target.batch_ops(), slots: sessions, mode, kv, rows: vec![0; slots], ghosts: vec![None; slots], batched_steps: 0, batched_slot_steps: 0, ghost_slot_steps: 0, alone_steps: 0 })
     }
 }
 
@@ -163,7 +166,7 @@ impl Batch {
                     break;
                 }
                 self.slots[i].release();
-                self.rows[i] = 0;
+                (self.rows[i], self.ghosts[i]) = (0, None);
             }
             if others(self) + need > budget {
                 return Ok(Admit::Wait);
@@ -175,6 +178,11 @@ impl Batch {
 
     /// One step of each slot in `active` (distinct; each prefilled and able to step), in one batched step where
     /// the model can; the results in `active`'s order.
+    ///
+    /// Idle slots that have held a sequence join the batched step as ghosts: rewound to where their sequence
+    /// ended before each step, their results dropped. So the batch's composition, and with it the captured
+    /// graph of the step, stays the same while sequences finish and start (a new composition would capture
+    /// again); the price is the ghosts' rows, at the end of a prompt file only.
     pub fn step(&mut self, active: &[usize]) -> Result<Vec<Emitted>> {
         for (k, &i) in active.iter().enumerate() {
             ensure!(i < self.slots.len(), "slot {i} of a batch of {}", self.slots.len());
@@ -182,46 +190,59 @@ impl Batch {
         }
         let mut out: Vec<Option<Emitted>> = vec![None; active.len()];
         let mut alone = Vec::new();
-        if let Some(ops) = self.ops.as_mut() {
-            // Borrow the active slots' sessions, each once.
-            let mut refs: Vec<(usize, &mut Session<'static>)> = self.slots.iter_mut().enumerate().filter(|(i, _)| active.contains(i)).collect();
-            refs.sort_by_key(|(i, _)| active.iter().position(|a| a == i));
-            let mut items: Vec<BatchItem<'_>> = Vec::new();
-            let mut starts = Vec::new();
-            let mut joined = Vec::new();
-            for (k, (_, s)) in refs.iter_mut().enumerate() {
-                let start = s.committed();
-                match s.batch_item() {
-                    Some(mut it) => {
-                        if ops.can_batch(&mut it) {
-                            items.push(it);
-                            starts.push(start);
-                            joined.push(k);
-                        } else {
-                            alone.push(k);
+        match self.ops.as_mut() {
+            None => alone = (0..active.len()).collect(),
+            Some(ops) => {
+                // Every slot in index order: the active ones, then idle ones as ghosts.
+                let mut items: Vec<BatchItem<'_>> = Vec::new();
+                let mut joined: Vec<(usize, Option<usize>, usize)> = Vec::new(); // (slot, position in `active` or None = ghost, start)
+                for (i, s) in self.slots.iter_mut().enumerate() {
+                    let k = active.iter().position(|&a| a == i);
+                    if k.is_some() {
+                        self.ghosts[i] = None;
+                    } else {
+                        match self.ghosts[i] {
+                            Some(m) => s.rewind(m)?,
+                            None => match s.mark() {
+                                Some(m) => self.ghosts[i] = Some(m),
+                                None => continue,
+                            },
                         }
                     }
-                    None => alone.push(k),
+                    let start = s.committed();
+                    let Some(mut it) = s.batch_item() else {
+                        if let Some(k) = k {
+                            alone.push(k);
+                        }
+                        continue;
+                    };
+                    if ops.can_batch(&mut it) {
+                        items.push(it);
+                        joined.push((i, k, start));
+                    } else if let Some(k) = k {
+                        alone.push(k);
+                    }
                 }
-            }
-            if !items.is_empty() {
-                // A lone sequence gains nothing from the batched forward: it steps as a session would.
-                if items.len() == 1 {
-                    alone.push(joined[0]);
-                    drop(items);
-                } else {
+                let real = joined.iter().filter(|(_, k, _)| k.is_some()).count();
+                if real >= 2 {
                     let results = ops.step(&mut items)?;
                     drop(items);
                     ensure!(results.len() == joined.len(), "a batched step gave {} results for {} sequences", results.len(), joined.len());
                     self.batched_steps += 1;
-                    self.batched_slot_steps += joined.len();
-                    for ((&k, r), start) in joined.iter().zip(results).zip(starts) {
-                        out[k] = Some(refs[k].1.batched(start, r)?);
+                    self.batched_slot_steps += real;
+                    self.ghost_slot_steps += joined.len() - real;
+                    for ((i, k, start), r) in joined.into_iter().zip(results) {
+                        let e = self.slots[i].batched(start, r)?;
+                        if let Some(k) = k {
+                            out[k] = Some(e);
+                        }
                     }
+                } else {
+                    // One sequence gains nothing from a batched forward: it steps as a session would.
+                    drop(items);
+                    alone.extend(joined.iter().filter_map(|(_, k, _)| *k));
                 }
             }
-        } else {
-            alone = (0..active.len()).collect();
         }
         alone.sort_unstable();
         for k in alone {

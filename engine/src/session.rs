@@ -289,6 +289,25 @@ impl<'a> Session<'a> {
         p.saturating_add(scratch)
     }
 
+    /// The committed length and the pending token (a batch's snapshot of an idle slot, see
+    /// [`Session::rewind`]); None before prefill.
+    pub(crate) fn mark(&self) -> Option<(usize, u32)> {
+        Some((self.target.committed(), self.pending?))
+    }
+
+    /// Back to a [`Session::mark`]: the caches keep `len` committed rows and `root` is pending again (a batch
+    /// steps an idle slot as a ghost, results dropped, and rewinds it before the next step).
+    pub(crate) fn rewind(&mut self, (len, root): (usize, u32)) -> Result<()> {
+        if self.target.committed() != len {
+            self.target.truncate(len)?;
+            if let (true, Some(d)) = (self.mode.drafts(), self.drafter.as_mut()) {
+                d.truncate_context(len)?;
+            }
+        }
+        (self.pending, self.last) = (Some(root), None);
+        Ok(())
+    }
+
     /// This session's next step as one sequence of a batched step ([`crate::Batch`]); None when it must step
     /// alone ([`Session::step`]): before prefill, at the cache's end, with probes recording, with device
     /// rounds off, or `--budget auto` without its cost model.
