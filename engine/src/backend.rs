@@ -247,6 +247,33 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// prefix + scratch) with the ancestor mask of the T nodes; `kv_b` `[Hr·(Dn+Dv), C]`. Returns `[T, Hr·Dv]`.
     #[allow(clippy::too_many_arguments)]
     fn mla_attention(&self, q: &Self::Act, t: usize, kv: &Self::Kv, l: usize, mask: &Self::Mask, kv_b: &Self::Mat, d: &MlaDims, mode: AttnMode) -> Self::Act;
+    /// [`Backend::mla_attention`] of a batch: segment s = (its cache, its mask, its t_s rows), the segments'
+    /// rows consecutive in `q` `[T, Hr·(Dn+P)]` (roped); `[T, Hr·Dv]`, each segment over its own cache. The
+    /// default copies each segment's rows out and back; a device backend runs the per-row parts once.
+    #[allow(clippy::too_many_arguments)]
+    fn mla_attention_segs(&self, q: &Self::Act, segs: &[(&Self::Kv, &Self::Mask, usize)], l: usize, kv_b: &Self::Mat, d: &MlaDims, mode: AttnMode) -> Self::Act {
+        let (qk, t) = (d.heads * (d.nope + d.rope), segs.iter().map(|s| s.2).sum::<usize>());
+        let (mut out, mut at) = (self.zeros(t * d.heads * d.v), 0);
+        for &(kv, mask, ts) in segs {
+            let q_s = self.rows(q, qk, at, at + ts);
+            let o = self.mla_attention(&q_s, ts, kv, l, mask, kv_b, d, mode);
+            self.set_rows(&mut out, d.heads * d.v, at, &o, ts);
+            at += ts;
+        }
+        out
+    }
+    /// [`Backend::kv_append_latent`] of a batch: segment s's rows of `ckv` (consecutive, in order) into its
+    /// cache, roped with its own table.
+    fn kv_append_latent_segs(&self, segs: &mut [(&mut Self::Kv, &Self::Rope, usize)], l: usize, ckv: &Self::Act, norm: &Self::Vector, eps: f32, width: usize) {
+        let mut at = 0;
+        for (kv, rope, ts) in segs.iter_mut() {
+            let rows = self.rows(ckv, width, at, at + *ts);
+            self.kv_append_latent(kv, l, &rows, norm, eps, rope);
+            at += *ts;
+        }
+    }
+    /// Several tables stacked in row order (a batch's segments: one RoPE op over all their rows).
+    fn rope_cat(&self, ropes: &[&Self::Rope]) -> Self::Rope;
 
     // ---- MoE ----
     /// Router decisions of every row of `logits` `[T, E]`.
@@ -269,10 +296,10 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// A tree workspace for `budget` nodes (root excluded), `rows` draft rows, `vocab`, and the top-`k` of each
     /// draft row (`min(budget, vocab)` for DDTree; 1 for the chain: one path of `rows` nodes).
     fn tree_new(&self, budget: usize, rows: usize, vocab: usize, k: usize) -> Result<Self::Tree>;
-    /// Top-K log-probs of `draft` `[rows, vocab]`, the tree of the root token ([`Backend::tree_root`]) and
+    /// Top-K log-probs of `draft`'s rows `[row0, row0 + rows)` (`[.., vocab]`: a batch's drafts stacked), the tree of the root token ([`Backend::tree_root`]) and
     /// its ancestor mask (`ddtree::build_tree`). The tree has `budget + 1` nodes when
     /// [`crate::ddtree::tree_is_full`] holds.
-    fn tree_build(&self, tree: &mut Self::Tree, draft: &Self::Act) -> Result<()>;
+    fn tree_build(&self, tree: &mut Self::Tree, draft: &Self::Act, row0: usize) -> Result<()>;
     /// Sets the root token (the next round's is the last walk's bonus, set by [`Backend::tree_commit`]).
     fn tree_set_root(&self, tree: &mut Self::Tree, root: u32) -> Result<()>;
     /// The root token `[1]` where the ops read it.

@@ -364,7 +364,7 @@ fn ddtree_round_stages() {
             let mut e = vec![g.stream.record_event(flags).unwrap()];
             let draft = d.draft_from_root(b.tree_root(&tree)).unwrap();
             e.push(g.stream.record_event(flags).unwrap());
-            b.tree_build(&mut tree, &draft).unwrap();
+            b.tree_build(&mut tree, &draft, 0).unwrap();
             e.push(g.stream.record_event(flags).unwrap());
             let (logits, taps_act) = t.forward_tree(&tree, budget + 1, rows).unwrap();
             e.push(g.stream.record_event(flags).unwrap());

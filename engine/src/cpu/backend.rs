@@ -266,6 +266,10 @@ impl Backend for CpuBackend {
         kv.reset();
         kv.rows.iter_mut().for_each(|r| *r = Vec::new());
     }
+    fn rope_cat(&self, ropes: &[&RopeTable]) -> RopeTable {
+        let half = ropes.first().map_or(0, |r| r.half);
+        RopeTable { half, cos: ropes.iter().flat_map(|r| r.cos.iter().copied()).collect(), sin: ropes.iter().flat_map(|r| r.sin.iter().copied()).collect() }
+    }
     fn rope_q(&self, q: &mut Vec<f32>, heads: usize, nope: usize, rope: &RopeTable) {
         let (p, t) = (2 * rope.half, rope.cos.len() / rope.half.max(1));
         let qk = nope + p;
@@ -329,12 +333,14 @@ impl Backend for CpuBackend {
         anyhow::ensure!((1..=vocab).contains(&k), "tree_new: top-{k} of a vocabulary of {vocab}");
         Ok(CpuTree { budget, k, rows, vocab, depths: vec![0], mask: tree.visibility.clone(), tree, walk: None, root: vec![0] })
     }
-    fn tree_build(&self, t: &mut CpuTree, draft: &Vec<f32>) -> Result<()> {
+    fn tree_build(&self, t: &mut CpuTree, draft: &Vec<f32>, row0: usize) -> Result<()> {
         // build_tree is this with k = min(budget, vocab); the chain takes k = 1.
         t.tree = if t.budget == 0 || t.rows == 0 {
             DraftTree::root_only(t.root[0])
         } else {
-            build_tree_from_top_k(t.root[0], &top_k_log_probs(draft, t.rows, t.vocab, t.k), t.budget)
+            let (from, to) = (row0 * t.vocab, (row0 + t.rows) * t.vocab);
+            anyhow::ensure!(draft.len() >= to, "tree_build: {} draft logits for rows {row0}..{} of {}", draft.len(), row0 + t.rows, t.vocab);
+            build_tree_from_top_k(t.root[0], &top_k_log_probs(&draft[from..to], t.rows, t.vocab, t.k), t.budget)
         };
         t.depths = t.tree.depths.clone();
         t.mask = t.tree.visibility.clone();

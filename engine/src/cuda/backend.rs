@@ -244,12 +244,12 @@ impl CudaBackend {
         kv.id = storage_id();
         Ok(())
     }
-    #[allow(clippy::too_many_arguments)]
-    fn mla(&self, q: &CudaSlice<f32>, t: usize, kv: &DKv, l: usize, mask: &DMask, kv_b: &DMat, d: &MlaDims) -> R<CudaSlice<f32>> {
+    /// The absorbed MLA of one or several segments (each its cache, mask and rows; rows consecutive in `q`):
+    /// the per-row parts (bf16 q, the W_UK absorb, q_pe, W_UV, back to f32) once over all rows, the attention
+    /// itself per segment over its own cache.
+    fn mla_segs(&self, q: &CudaSlice<f32>, segs: &[(&DKv, &DMask, usize)], l: usize, kv_b: &DMat, d: &MlaDims) -> R<CudaSlice<f32>> {
         let (hr, c, p, dn, dv) = (d.heads, d.kv_lora, d.rope, d.nope, d.v);
-        if mask.rows < t {
-            return Err(CudaError::Shape { op: "mla_attention", msg: format!("a mask of {} rows for {t} nodes", mask.rows) });
-        }
+        let t: usize = segs.iter().map(|s| s.2).sum();
         let qb = self.to_bf16(q)?; // [T, Hr·(Dn+P)]
         let lw = c + p;
         let mut qcat = self.gpu.out::<bf16>(t * hr * lw)?; // [T, Hr, C+P]
@@ -257,21 +257,30 @@ impl CudaBackend {
         absorb_q(&self.gpu, &qb.as_view(), p, &kv_b.w.as_view(), &mut qcat.as_view_mut(), ad)?;
         // q_pe (already roped) next to q_lat: rows (t, h) of width P, from offset Dn (stride Dn+P) to C.
         copy_rows::copy_rows(&self.gpu, &qb.slice(dn..), dn + p, &mut qcat.slice_mut(c..), lw, t * hr, p)?;
-        if kv.committed + t > kv.cap {
-            return Err(CudaError::Shape { op: "mla_attention", msg: format!("{} committed + {t} rows exceed the cache's {}", kv.committed, kv.cap) });
-        }
-        let s = MlaShape { t, heads: hr, kv_lora: c, rope: p, committed: kv.committed };
-        // The split depends on the cache's room, not on the committed length (read on the device), so a
-        // captured round and an eager forward at any length split alike.
-        let room = MlaShape { committed: kv.cap - t, ..s };
-        let split = MlaSplit { splits: MlaSplit::choose(&self.gpu, &room).splits, rows_per_split: 0 };
-        let (wo, wml) = split.workspace(&s);
-        let (mut po, mut pml) = (self.new_f32(wo)?, self.new_f32(wml)?);
         let mut olat = self.gpu.out::<bf16>(t * hr * c)?;
-        let base = l * kv.cap * kv.width;
-        let lat = kv.buf.slice(base..base + kv.cap * kv.width);
-        let (mview, pview) = (mask.bits.as_view(), kv.pos.as_view());
-        mla_attention(&self.gpu, &qb_view(&qcat), &lat, Some((&mview, mask.words)), Some(&pview), &s, &split, d.scale, &mut po.as_view_mut(), &mut pml.as_view_mut(), &mut olat.as_view_mut())?;
+        let mut at = 0;
+        for &(kv, mask, ts) in segs {
+            if mask.rows < ts {
+                return Err(CudaError::Shape { op: "mla_attention", msg: format!("a mask of {} rows for {ts} nodes", mask.rows) });
+            }
+            if kv.committed + ts > kv.cap {
+                return Err(CudaError::Shape { op: "mla_attention", msg: format!("{} committed + {ts} rows exceed the cache's {}", kv.committed, kv.cap) });
+            }
+            let s = MlaShape { t: ts, heads: hr, kv_lora: c, rope: p, committed: kv.committed };
+            // The split depends on the cache's room, not on the committed length (read on the device), so a
+            // captured round and an eager forward at any length split alike.
+            let room = MlaShape { committed: kv.cap - ts, ..s };
+            let split = MlaSplit { splits: MlaSplit::choose(&self.gpu, &room).splits, rows_per_split: 0 };
+            let (wo, wml) = split.workspace(&s);
+            let (mut po, mut pml) = (self.new_f32(wo)?, self.new_f32(wml)?);
+            let base = l * kv.cap * kv.width;
+            let lat = kv.buf.slice(base..base + kv.cap * kv.width);
+            let (mview, pview) = (mask.bits.as_view(), kv.pos.as_view());
+            let qs = qcat.slice(at * hr * lw..(at + ts) * hr * lw);
+            let mut os = olat.slice_mut(at * hr * c..(at + ts) * hr * c);
+            mla_attention(&self.gpu, &qs, &lat, Some((&mview, mask.words)), Some(&pview), &s, &split, d.scale, &mut po.as_view_mut(), &mut pml.as_view_mut(), &mut os)?;
+            at += ts;
+        }
         let mut o = self.gpu.out::<bf16>(t * hr * dv)?;
         apply_uv(&self.gpu, &olat.as_view(), &kv_b.w.as_view(), &mut o.as_view_mut(), ad)?;
         self.to_f32(&o)
@@ -756,7 +765,52 @@ impl Backend for CudaBackend {
     fn mla_attention(&self, q: &CudaSlice<f32>, t: usize, kv: &DKv, l: usize, mask: &DMask, kv_b: &DMat, d: &MlaDims, _mode: AttnMode) -> CudaSlice<f32> {
         // Both forms compute the same attention; the GPU runs the absorbed one (the naive form would
         // expand every cached latent through kv_b at each step).
-        self.run("mla_attention", || self.mla(q, t, kv, l, mask, kv_b, d)).unwrap_or_else(|| self.empty())
+        self.run("mla_attention", || self.mla_segs(q, &[(kv, mask, t)], l, kv_b, d)).unwrap_or_else(|| self.empty())
+    }
+    fn mla_attention_segs(&self, q: &CudaSlice<f32>, segs: &[(&DKv, &DMask, usize)], l: usize, kv_b: &DMat, d: &MlaDims, _mode: AttnMode) -> CudaSlice<f32> {
+        self.run("mla_attention", || self.mla_segs(q, segs, l, kv_b, d)).unwrap_or_else(|| self.empty())
+    }
+    fn kv_append_latent_segs(&self, segs: &mut [(&mut DKv, &DRope, usize)], l: usize, ckv: &CudaSlice<f32>, norm: &CudaSlice<bf16>, eps: f32, w: usize) {
+        self.run("kv_append_latent", || {
+            let c = norm.len();
+            let t = ckv.len() / w;
+            // [T, C+P] f32 of every segment: rms_norm of the c_kv part, k_pe copied; then per segment RoPE with
+            // its positions and the store into its cache at its committed length (read on the device).
+            let mut rows = self.copy(ckv, 0, ckv.len())?;
+            act_f32::rms_norm_f32(&self.gpu, &ckv.as_view(), w, &norm.as_view(), &mut rows.as_view_mut(), w, t, eps)?;
+            let mut at = 0;
+            for (kv, rope, ts) in segs.iter_mut() {
+                let ts = *ts;
+                self.grow(kv, kv.committed + ts)?;
+                let r = RopeLayout { tokens: ts, heads: 1, ld_token: w, ld_head: w, offset: c, dim: w - c };
+                let mut seg = rows.slice_mut(at * w..(at + ts) * w);
+                act_f32::rope_table_f32(&self.gpu, &mut seg, &rope.cos.as_view(), &rope.sin.as_view(), r, false)?;
+                let base = l * kv.cap * w;
+                let (cap, committed) = (kv.cap, kv.committed);
+                let (buf, pos) = (&mut kv.buf, &kv.pos);
+                round_state::store_rows_bf16(&self.gpu, &mut buf.slice_mut(base..base + cap * w), w, &pos.as_view(), committed, &rows.slice(at * w..(at + ts) * w), ts)?;
+                at += ts;
+            }
+            Ok(())
+        });
+    }
+    fn rope_cat(&self, ropes: &[&DRope]) -> DRope {
+        let half = ropes.first().map_or(0, |r| r.half);
+        self.run("rope_cat", || {
+            let rows: usize = ropes.iter().map(|r| r.rows).sum();
+            let (mut cos, mut sin) = (self.new_f32(rows * half)?, self.new_f32(rows * half)?);
+            let mut at = 0;
+            for r in ropes {
+                let n = r.rows * half;
+                if n > 0 {
+                    self.gpu.stream.memcpy_dtod(&r.cos.slice(..n), &mut cos.slice_mut(at..at + n)).map_err(super::drv("rope_cat"))?;
+                    self.gpu.stream.memcpy_dtod(&r.sin.slice(..n), &mut sin.slice_mut(at..at + n)).map_err(super::drv("rope_cat"))?;
+                }
+                at += n;
+            }
+            Ok(DRope { cos, sin, half, rows })
+        })
+        .unwrap_or_else(|| self.empty_rope(half))
     }
 
     fn moe_route(&self, logits: &CudaSlice<f32>, t: usize, r: &Router, bias: Option<&CudaSlice<f32>>) -> DRoutes {
@@ -827,8 +881,12 @@ impl Backend for CudaBackend {
     fn tree_new(&self, budget: usize, rows: usize, vocab: usize, k: usize) -> Result<DeviceTree> {
         Ok(DeviceTree::with_k(&self.gpu, budget, rows, vocab, k)?)
     }
-    fn tree_build(&self, tree: &mut DeviceTree, draft: &CudaSlice<f32>) -> Result<()> {
-        tree.build(&self.gpu, &draft.as_view(), tree.vocab)?;
+    fn tree_build(&self, tree: &mut DeviceTree, draft: &CudaSlice<f32>, row0: usize) -> Result<()> {
+        let (from, to) = (row0 * tree.vocab, (row0 + tree.rows) * tree.vocab);
+        if draft.len() < to {
+            bail!("tree_build: {} draft logits for rows {row0}..{} of {}", draft.len(), row0 + tree.rows, tree.vocab);
+        }
+        tree.build(&self.gpu, &draft.slice(from..to), tree.vocab)?;
         self.check()
     }
     fn tree_set_root(&self, tree: &mut DeviceTree, root: u32) -> Result<()> {

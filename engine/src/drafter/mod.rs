@@ -380,6 +380,81 @@ impl<B: Backend> DFlashDrafter<B> {
         Ok(logits)
     }
 
+    /// The drafts of several sessions of this drafter's weights (a batch) in one forward: session s drafts
+    /// the block `[roots[s], mask × (B−1)]` at its own positions over its own context; every projection, the
+    /// norms and lm_head run over all N·B rows at once, the block attention per session. `ids`: room for N·B
+    /// ids. Returns logits `[N·(B−1), V]`, session s's rows from s·(B−1) (what [`DFlashDrafter::draft_from_root`]
+    /// gives each alone, up to the GEMMs' summation order on a device).
+    pub fn draft_batch(ds: &mut [&mut DFlashDrafter<B>], roots: &[&B::Ids], ids: &mut B::Ids) -> Result<B::Act> {
+        let Some(d0) = ds.first() else { bail!("draft_batch: no sessions") };
+        ensure!(roots.len() == ds.len(), "draft_batch: {} roots for {} sessions", roots.len(), ds.len());
+        ensure!(ds.iter().all(|d| Arc::ptr_eq(&d.p, &d0.p)), "draft_batch: sessions of different drafters");
+        let (b, p, dims, factor, tables) = (d0.b.clone(), d0.p.clone(), d0.dims.clone(), d0.attention_factor, d0.tables.clone());
+        let DrafterDims { hidden: h, heads, kv_heads, head_dim, block: bl, eps, .. } = dims;
+        let n = ds.len();
+        let mut ropes = Vec::with_capacity(n);
+        for (s, (d, root)) in ds.iter_mut().zip(roots).enumerate() {
+            b.ids_copy(&mut d.block_ids, 0, root, 1);
+            b.ids_copy(ids, s * bl, &d.block_ids, bl);
+            ropes.push(b.rope_at(&p.inv_freq, factor, PosOf::Pos(&d.ctx_pos), None, bl));
+        }
+        let rope = b.rope_cat(&ropes.iter().collect::<Vec<_>>());
+        let rows = n * bl;
+        let (qw, kw) = (heads * head_dim, kv_heads * head_dim);
+        let mut x = tables.embed_ids(ids, rows); // [N·B, H]
+        for (l, lw) in p.layers.iter().enumerate() {
+            let hn = b.rms_norm(&x, &lw.input_layernorm, eps);
+            let q = b.head_norm_rope_neox(&b.linear(&hn, rows, &lw.q_proj), &lw.q_norm, eps, heads, &rope); // [N·B, Hq*D]
+            let kb = b.head_norm_rope_neox(&b.linear(&hn, rows, &lw.k_proj), &lw.k_norm, eps, kv_heads, &rope); // [N·B, Hk*D]
+            let vb = b.linear(&hn, rows, &lw.v_proj);
+            let mut att = b.zeros(rows * qw);
+            for (s, d) in ds.iter().enumerate() {
+                let (r0, r1) = (s * bl, (s + 1) * bl);
+                let (qs, ks, vs) = (b.rows(&q, qw, r0, r1), b.rows(&kb, kw, r0, r1), b.rows(&vb, kw, r0, r1));
+                let c = &d.cache[l];
+                let a = b.gqa_attention(&qs, bl, (&c.k, &c.v), &d.ctx_pos, (&ks, &vs), heads, kv_heads, head_dim);
+                b.set_rows(&mut att, qw, r0, &a, bl);
+            }
+            b.add(&mut x, &b.linear(&att, rows, &lw.o_proj));
+            let hn = b.rms_norm(&x, &lw.post_attention_layernorm, eps);
+            let g = b.linear(&hn, rows, &lw.gate_proj);
+            let u = b.linear(&hn, rows, &lw.up_proj);
+            b.add(&mut x, &b.linear(&b.silu_mul(&g, &u), rows, &lw.down_proj));
+        }
+        // Block positions 1..B−1 of every session, stacked.
+        let mut tail = b.zeros(n * (bl - 1) * h);
+        for s in 0..n {
+            b.set_rows(&mut tail, h, s * (bl - 1), &b.rows(&x, h, s * bl + 1, (s + 1) * bl), bl - 1);
+        }
+        let logits = tables.lm_head(&b.rms_norm(&tail, &p.norm, eps), n * (bl - 1));
+        b.check()?;
+        Ok(logits)
+    }
+
+    /// [`DFlashDrafter::write_context`] of several sessions of this drafter's weights in one forward: session
+    /// s's `rows` taps are rows `[s·rows, (s+1)·rows)` of `taps`, written after its committed context.
+    pub fn write_context_batch(ds: &mut [&mut DFlashDrafter<B>], taps: &B::Act, rows: usize) -> Result<()> {
+        let Some(d0) = ds.first() else { return Ok(()) };
+        ensure!(ds.iter().all(|d| Arc::ptr_eq(&d.p, &d0.p)), "write_context_batch: sessions of different drafters");
+        let (b, p, dims, factor) = (d0.b.clone(), d0.p.clone(), d0.dims.clone(), d0.attention_factor);
+        let DrafterDims { kv_heads, head_dim, eps, .. } = dims;
+        let (n, kw) = (ds.len(), kv_heads * head_dim);
+        let ctx = b.rms_norm(&b.linear(taps, n * rows, &p.fc), &p.hidden_norm, eps); // [N·rows, H]
+        let ropes: Vec<B::Rope> = ds.iter().map(|d| b.rope_at(&p.inv_freq, factor, PosOf::Pos(&d.ctx_pos), None, rows)).collect();
+        let rope = b.rope_cat(&ropes.iter().collect::<Vec<_>>());
+        for (l, lw) in p.layers.iter().enumerate() {
+            let k = b.head_norm_rope_neox(&b.linear(&ctx, n * rows, &lw.k_proj), &lw.k_norm, eps, kv_heads, &rope);
+            let v = b.linear(&ctx, n * rows, &lw.v_proj);
+            for (s, d) in ds.iter_mut().enumerate() {
+                let (r0, r1) = (s * rows, (s + 1) * rows);
+                let c = &mut d.cache[l];
+                b.write_rows_at(&mut c.k, kw, &d.ctx_pos, &b.rows(&k, kw, r0, r1), rows);
+                b.write_rows_at(&mut c.v, kw, &d.ctx_pos, &b.rows(&v, kw, r0, r1), rows);
+            }
+        }
+        b.check()
+    }
+
     /// The committed context length where the ops read it (the device round's commit advances it).
     pub fn context_pos_mut(&mut self) -> &mut B::Pos {
         &mut self.ctx_pos

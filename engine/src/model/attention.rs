@@ -41,7 +41,8 @@ pub struct Seg<'s, B: Backend> {
 /// Attention output `[T, H]` (after o_proj, ranks reduced) for normed input `x` `[T, H]` of layer `l`,
 /// `T` = the segments' nodes; appends each segment's latent rows to its cache as scratch. With one segment
 /// no row is copied (the single-sequence forward).
-pub fn mla<B: Backend>(w: &Weights<B>, l: usize, x: &B::Act, t: usize, segs: &mut [Seg<'_, B>], mode: AttnMode) -> B::Act {
+/// `rope_all`: the segments' tables stacked ([`Backend::rope_cat`]), for a batch of several segments.
+pub fn mla<B: Backend>(w: &Weights<B>, l: usize, x: &B::Act, t: usize, segs: &mut [Seg<'_, B>], rope_all: Option<&B::Rope>, mode: AttnMode) -> B::Act {
     let (b, cfg) = (&w.backend, &w.cfg);
     let a0 = &w.ranks[0].layers[l].attn;
     // Query input: normed q_a latent [T, q_lora], or x itself when q_lora_rank is None.
@@ -55,7 +56,13 @@ pub fn mla<B: Backend>(w: &Weights<B>, l: usize, x: &B::Act, t: usize, segs: &mu
     };
     // New latent rows [T, C + P]: rms_norm(c_kv) | rope(k_pe), each segment's into its own cache.
     let ckv = b.linear(x, t, &a0.kv_a); // [T, C + P]
-    for_segments(b, segs, &ckv, cfg.latent_width(), |seg, rows, _| b.kv_append_latent(seg.kv, l, rows, &a0.kv_a_norm, cfg.latent_eps, seg.rope));
+    match &mut *segs {
+        [seg] => b.kv_append_latent(seg.kv, l, &ckv, &a0.kv_a_norm, cfg.latent_eps, seg.rope),
+        many => {
+            let mut parts: Vec<(&mut B::Kv, &B::Rope, usize)> = many.iter_mut().map(|s| (&mut *s.kv, s.rope, s.t)).collect();
+            b.kv_append_latent_segs(&mut parts, l, &ckv, &a0.kv_a_norm, cfg.latent_eps, cfg.latent_width());
+        }
+    }
 
     let qk = cfg.qk_head_dim();
     let partials: Vec<B::Act> = w
@@ -66,19 +73,24 @@ pub fn mla<B: Backend>(w: &Weights<B>, l: usize, x: &B::Act, t: usize, segs: &mu
             let hr = b.mat_rows(&at.q) / qk;
             let d = MlaDims { heads: hr, nope: cfg.nope, rope: cfg.rope, v: cfg.v_dim, kv_lora: cfg.kv_lora, scale: cfg.softmax_scale };
             let mut q = b.linear(q_in, t, &at.q); // [T, Hr * qk]: per head q_nope (Dn) | q_pe (P)
-            let heads_out = if let [seg] = segs {
-                b.rope_q(&mut q, hr, cfg.nope, seg.rope);
-                b.mla_attention(&q, t, seg.kv, l, seg.mask, &at.kv_b, &d, mode) // [T, Hr * Dv]
-            } else {
-                let (mut out, mut at_row) = (b.zeros(t * hr * cfg.v_dim), 0);
-                for seg in segs.iter_mut() {
-                    let mut q_s = b.rows(&q, hr * qk, at_row, at_row + seg.t);
-                    b.rope_q(&mut q_s, hr, cfg.nope, seg.rope);
-                    let o = b.mla_attention(&q_s, seg.t, seg.kv, l, seg.mask, &at.kv_b, &d, mode);
-                    b.set_rows(&mut out, hr * cfg.v_dim, at_row, &o, seg.t);
-                    at_row += seg.t;
+            let heads_out = match (&*segs, rope_all) {
+                ([seg], _) => {
+                    b.rope_q(&mut q, hr, cfg.nope, seg.rope);
+                    b.mla_attention(&q, t, seg.kv, l, seg.mask, &at.kv_b, &d, mode) // [T, Hr * Dv]
                 }
-                out
+                (many, rope) => {
+                    let cat;
+                    let rope = match rope {
+                        Some(r) => r,
+                        None => {
+                            cat = b.rope_cat(&many.iter().map(|s| s.rope).collect::<Vec<_>>());
+                            &cat
+                        }
+                    };
+                    b.rope_q(&mut q, hr, cfg.nope, rope);
+                    let parts: Vec<(&B::Kv, &B::Mask, usize)> = many.iter().map(|s| (&*s.kv, s.mask, s.t)).collect();
+                    b.mla_attention_segs(&q, &parts, l, &at.kv_b, &d, mode)
+                }
             };
             b.linear(&heads_out, t, &at.o_proj) // [T, H]
         })
@@ -86,16 +98,3 @@ pub fn mla<B: Backend>(w: &Weights<B>, l: usize, x: &B::Act, t: usize, segs: &mu
     b.all_reduce(partials)
 }
 
-/// `f(segment, its rows of x [T, cols], its first row)` for every segment: `x` itself for a single segment,
-/// a copy of the segment's rows otherwise.
-pub fn for_segments<B: Backend>(b: &B, segs: &mut [Seg<'_, B>], x: &B::Act, cols: usize, mut f: impl FnMut(&mut Seg<'_, B>, &B::Act, usize)) {
-    if let [seg] = segs {
-        return f(seg, x, 0);
-    }
-    let mut at = 0;
-    for seg in segs.iter_mut() {
-        let rows = b.rows(x, cols, at, at + seg.t);
-        f(seg, &rows, at);
-        at += seg.t;
-    }
-}

@@ -186,9 +186,12 @@ impl<B: Backend> BatchEngine<B> {
             parts.push(Part { t, d, slot, nodes, s: it.sampling });
         }
         let total: usize = parts.iter().map(|p| p.nodes).sum();
+        let block = parts[0].d.block_size();
+        ensure!(parts.iter().all(|p| p.d.block_size() == block), "a batched round over drafters of different block sizes");
         let words: Vec<usize> = parts.iter().map(|p| b.tree_result_words(&p.t.rounds[p.slot].tree)).collect();
         let stage_len: usize = words.iter().sum();
-        self.room(0, total);
+        // The token buffer holds the drafts' blocks first, then every tree's nodes.
+        self.room(0, total.max(parts.len() * block));
         self.room(2, stage_len);
         (total, self.gen).hash(&mut key);
         let (tw, m) = (parts[0].t.info.tap_layers.len() * c.hidden, parts[0].d.block_size());
@@ -199,12 +202,19 @@ impl<B: Backend> BatchEngine<B> {
         let (tokens, stage) = (&mut self.tokens, &mut self.stage);
         let graph = &mut self.graphs[gi].1;
         let r = b.graph_run(graph, gkey, &mut || {
-            // Draft and build every tree, then gather their nodes into one forward.
+            // Every block drafted in one forward, every tree built from its rows, then their nodes gathered.
+            let draft = {
+                let (mut roots, mut ds): (Vec<&B::Ids>, Vec<&mut DFlashDrafter<B>>) = (Vec::new(), Vec::new());
+                for p in parts.iter_mut() {
+                    roots.push(b.tree_root(&p.t.rounds[p.slot].tree));
+                    ds.push(&mut *p.d);
+                }
+                DFlashDrafter::draft_batch(&mut ds, &roots, tokens)? // [N·(B−1), V]
+            };
             let mut at = 0;
-            for p in parts.iter_mut() {
+            for (s, p) in parts.iter_mut().enumerate() {
                 let tree = &mut p.t.rounds[p.slot].tree;
-                let draft = p.d.draft_from_root(b.tree_root(tree))?; // [rows, V]
-                b.tree_build(tree, &draft)?;
+                b.tree_build(tree, &draft, s * (block - 1))?;
                 b.ids_copy(tokens, at, b.tree_tokens(tree), p.nodes);
                 at += p.nodes;
             }
@@ -224,16 +234,27 @@ impl<B: Backend> BatchEngine<B> {
             drop(segs);
             let taps = taps.context("a batched round needs the target's taps")?;
             let logits = w.lm_head(&w.final_norm(&x), total);
-            let (mut row, mut word) = (0, 0);
-            for (p, &nw) in parts.iter_mut().zip(&words) {
+            // Walks, then every accepted path's taps into the drafters' contexts in one forward, then commits.
+            let (mut row, n) = (0, parts.len());
+            let mut acc = b.zeros(n * m * tw);
+            for (s, p) in parts.iter_mut().enumerate() {
                 let TargetModel { cache, rounds, .. } = &mut *p.t;
                 let tree = &mut rounds[p.slot].tree;
                 b.tree_walk(tree, &logits, row, p.s, cache)?;
-                let acc = b.tree_path_rows(tree, &taps, row, tw, m);
-                p.d.write_context(&acc, m);
+                b.set_rows(&mut acc, tw, s * m, &b.tree_path_rows(tree, &taps, row, tw, m), m);
+                row += p.nodes;
+            }
+            {
+                let mut ds: Vec<&mut DFlashDrafter<B>> = parts.iter_mut().map(|p| &mut *p.d).collect();
+                DFlashDrafter::write_context_batch(&mut ds, &acc, m)?;
+            }
+            let mut word = 0;
+            for (p, &nw) in parts.iter_mut().zip(&words) {
+                let TargetModel { cache, rounds, .. } = &mut *p.t;
+                let tree = &mut rounds[p.slot].tree;
                 b.tree_commit(tree, cache, p.d.context_pos_mut())?;
                 b.tree_result_into(tree, stage, word);
-                (row, word) = (row + p.nodes, word + nw);
+                word += nw;
             }
             b.check()
         });

@@ -137,7 +137,7 @@ impl<B: Backend> TargetModel<B> {
         let tree = &mut slot.tree;
         b.graph_run(&mut slot.graph, key, &mut || {
             let draft = d.draft_from_root(b.tree_root(tree))?; // [rows, V]
-            b.tree_build(tree, &draft)?;
+            b.tree_build(tree, &draft, 0)?;
             let (logits, taps) = self.forward_tree(tree, t, rows)?;
             self.walk_tree(tree, &logits, s)?;
             self.commit_walk(tree, d, &taps)
@@ -262,8 +262,9 @@ pub(crate) fn decoder_layers<B: Backend>(w: &Weights<B>, segs: &mut [Seg<'_, B>]
     let (h, taps_n) = (c.hidden, tap_layers.len());
     let mut taps = (taps_n > 0).then(|| b.zeros(t * taps_n * h));
     segs.iter_mut().for_each(|s| b.kv_drop_scratch(s.kv));
+    let rope_all = (segs.len() > 1).then(|| b.rope_cat(&segs.iter().map(|s| s.rope).collect::<Vec<_>>()));
     for (l, layer) in w.ranks[0].layers.iter().enumerate() {
-        let a = mla(w, l, &b.rms_norm(&x, &layer.input_norm, c.eps), t, segs, mode);
+        let a = mla(w, l, &b.rms_norm(&x, &layer.input_norm, c.eps), t, segs, rope_all.as_ref(), mode);
         b.add(&mut x, &a);
         let m = ffn(w, l, &b.rms_norm(&x, &layer.post_norm, c.eps), t, trace.as_deref_mut());
         b.add(&mut x, &m);
