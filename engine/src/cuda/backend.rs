@@ -258,27 +258,35 @@ impl CudaBackend {
         // q_pe (already roped) next to q_lat: rows (t, h) of width P, from offset Dn (stride Dn+P) to C.
         copy_rows::copy_rows(&self.gpu, &qb.slice(dn..), dn + p, &mut qcat.slice_mut(c..), lw, t * hr, p)?;
         let mut olat = self.gpu.out::<bf16>(t * hr * c)?;
+        // Each segment's split (by its cache's room), and one workspace for the largest (the segments run in
+        // stream order, one after another).
+        let shapes: Vec<(MlaShape, MlaSplit)> = segs
+            .iter()
+            .map(|&(kv, _, ts)| {
+                let s = MlaShape { t: ts, heads: hr, kv_lora: c, rope: p, committed: kv.committed };
+                // The split depends on the cache's room, not on the committed length (read on the device), so
+                // a captured round and an eager forward at any length split alike.
+                let room = MlaShape { committed: kv.cap.saturating_sub(ts), ..s };
+                (s, MlaSplit { splits: MlaSplit::choose(&self.gpu, &room).splits, rows_per_split: 0 })
+            })
+            .collect();
+        let (wo, wml) = shapes.iter().map(|(s, sp)| sp.workspace(s)).fold((0, 0), |a, w| (a.0.max(w.0), a.1.max(w.1)));
+        let (mut po, mut pml) = (self.new_f32(wo)?, self.new_f32(wml)?);
         let mut at = 0;
-        for &(kv, mask, ts) in segs {
+        for (&(kv, mask, ts), (s, split)) in segs.iter().zip(&shapes) {
             if mask.rows < ts {
                 return Err(CudaError::Shape { op: "mla_attention", msg: format!("a mask of {} rows for {ts} nodes", mask.rows) });
             }
             if kv.committed + ts > kv.cap {
                 return Err(CudaError::Shape { op: "mla_attention", msg: format!("{} committed + {ts} rows exceed the cache's {}", kv.committed, kv.cap) });
             }
-            let s = MlaShape { t: ts, heads: hr, kv_lora: c, rope: p, committed: kv.committed };
-            // The split depends on the cache's room, not on the committed length (read on the device), so a
-            // captured round and an eager forward at any length split alike.
-            let room = MlaShape { committed: kv.cap - ts, ..s };
-            let split = MlaSplit { splits: MlaSplit::choose(&self.gpu, &room).splits, rows_per_split: 0 };
-            let (wo, wml) = split.workspace(&s);
-            let (mut po, mut pml) = (self.new_f32(wo)?, self.new_f32(wml)?);
+            let (wo, wml) = split.workspace(s);
             let base = l * kv.cap * kv.width;
             let lat = kv.buf.slice(base..base + kv.cap * kv.width);
             let (mview, pview) = (mask.bits.as_view(), kv.pos.as_view());
             let qs = qcat.slice(at * hr * lw..(at + ts) * hr * lw);
             let mut os = olat.slice_mut(at * hr * c..(at + ts) * hr * c);
-            mla_attention(&self.gpu, &qs, &lat, Some((&mview, mask.words)), Some(&pview), &s, &split, d.scale, &mut po.as_view_mut(), &mut pml.as_view_mut(), &mut os)?;
+            mla_attention(&self.gpu, &qs, &lat, Some((&mview, mask.words)), Some(&pview), s, split, d.scale, &mut po.slice_mut(..wo), &mut pml.slice_mut(..wml), &mut os)?;
             at += ts;
         }
         let mut o = self.gpu.out::<bf16>(t * hr * dv)?;
@@ -336,9 +344,6 @@ impl CudaBackend {
     }
 }
 
-fn qb_view(x: &CudaSlice<bf16>) -> cudarc::driver::CudaView<'_, bf16> {
-    x.as_view()
-}
 
 impl Backend for CudaBackend {
     type Act = CudaSlice<f32>;

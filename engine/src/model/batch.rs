@@ -124,9 +124,16 @@ impl<B: Backend> BatchEngine<B> {
             let (x, _taps) = decoder_layers(&w, &mut segs, w.embed_ids(tokens, n), &[], mode, None);
             drop(segs);
             let logits = w.lm_head(&w.final_norm(&x), n);
+            // Greedy decisions do not depend on the position: one argmax over every row when all are greedy.
+            let all_greedy = parts.iter().all(|(_, s)| s.is_greedy());
+            if all_greedy {
+                b.decide_rows(&logits, 0, n, c.vocab, &Sampling::greedy(), PosOf::Kv(&parts[0].0.cache), 1, out)?;
+            }
             for (i, (t, s)) in parts.iter_mut().enumerate() {
                 // The token goes to position committed + 1 (sampling.rs: draws keyed by position).
-                b.decide_rows(&logits, i, 1, c.vocab, s, PosOf::Kv(&t.cache), 1, out)?;
+                if !all_greedy {
+                    b.decide_rows(&logits, i, 1, c.vocab, s, PosOf::Kv(&t.cache), 1, out)?;
+                }
                 b.kv_commit_rows(&mut t.cache, 1)?;
             }
             b.check()
