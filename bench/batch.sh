@@ -57,11 +57,43 @@ run() { # MODEL MODE BATCH
     --max-batch "$3" $extra --summary "$out/$name.json" 2> "$out/$name.err" || { echo "FAIL $name: $(tail -2 "$out/$name.err")"; fail=1; }
   echo "$name: $((SECONDS - s)) s"
 }
-for model in pair k26; do
-  for mode in ar dd16 dd64; do
-    for b in 1 4 16 64; do run $model $mode $b; done
-  done
+# The batched step alone (engine/tests/cuda_bench_batch.rs): ms a step at N = 1, 4, 16, 64, the graph's nodes.
+if [ "${KDTREE_BATCH_STEPS:-1}" = 1 ] && [ -x "$dir/cuda_bench_batch" ]; then
+  timeout $((budget - SECONDS > 30 ? budget - SECONDS : 30)) "$dir/cuda_bench_batch" --ignored --nocapture --test-threads=1 2>&1 | tee "$out/batch-steps.log" | grep -E "^BENCH|panicked"
+fi
+# KDTREE_BATCH_NCU="pair-ar-64 k26-ar-64 ...": Nsight Compute times every kernel of one such step; the 12
+# kernels (by name) that take the most GPU time, with their share.
+ncu="$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)"
+for tag in ${KDTREE_BATCH_NCU:-}; do
+  [ -n "$ncu" ] || { echo "ncu: not installed"; break; }
+  case $tag in pair-*) t=batch_steps_pair;; *) t=batch_steps_k26_slice;; esac
+  KDTREE_PROFILE=$tag timeout 200 "$ncu" --profile-from-start off --graph-profiling node --clock-control none --cache-control none \
+    --metrics gpu__time_duration.sum --csv --print-units base "$dir/cuda_bench_batch" --ignored --nocapture --exact $t > "$out/ncu-$tag.csv" 2> "$out/ncu-$tag.err"
+  python3 - "$out/ncu-$tag.csv" "$tag" <<'PY'
+import csv, sys, collections
+rows = [r for r in csv.reader(l for l in open(sys.argv[1], errors="replace") if l.startswith('"'))]
+if not rows:
+    print(f"BENCH ncu {sys.argv[2]}: no kernels"); sys.exit(0)
+h = rows[0]; ki, vi = h.index("Kernel Name"), h.index("Metric Value")
+tot, cnt = collections.Counter(), collections.Counter()
+for r in rows[1:]:
+    try:
+        tot[r[ki][:60]] += float(r[vi].replace(",", "")); cnt[r[ki][:60]] += 1
+    except (ValueError, IndexError):
+        pass
+s = sum(tot.values())
+print(f"BENCH ncu {sys.argv[2]}: {sum(cnt.values())} kernels, {s / 1e3:.1f} us summed")
+for k, v in tot.most_common(12):
+    print(f"BENCH ncu {sys.argv[2]}:   {v / 1e3:9.1f} us {100 * v / s:5.1f}% x{cnt[k]:5d} {k}")
+PY
 done
+if [ "${KDTREE_BATCH_CLI:-1}" = 1 ]; then
+  for model in pair k26; do
+    for mode in ar dd16 dd64; do
+      for b in 1 4 16 64; do run $model $mode $b; done
+    done
+  done
+fi
 python3 - "$out" "${gpu:-unknown}" "$(cat "$dir/COMMIT" 2>/dev/null || echo unknown)" <<'PY' | tee "$out/batch-table.md"
 import json, os, sys, datetime
 out, gpu, commit = sys.argv[1:4]
