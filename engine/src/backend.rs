@@ -263,8 +263,9 @@ pub trait Backend: Clone + Send + Sync + 'static {
         out
     }
     /// [`Backend::kv_append_latent`] of a batch: segment s's rows of `ckv` (consecutive, in order) into its
-    /// cache, roped with its own table.
-    fn kv_append_latent_segs(&self, segs: &mut [(&mut Self::Kv, &Self::Rope, usize)], l: usize, ckv: &Self::Act, norm: &Self::Vector, eps: f32, width: usize) {
+    /// cache, roped with its own table (`rope_all`: the tables stacked, [`Backend::rope_cat`]).
+    #[allow(clippy::too_many_arguments)]
+    fn kv_append_latent_segs(&self, segs: &mut [(&mut Self::Kv, &Self::Rope, usize)], l: usize, ckv: &Self::Act, norm: &Self::Vector, eps: f32, width: usize, _rope_all: &Self::Rope) {
         let mut at = 0;
         for (kv, rope, ts) in segs.iter_mut() {
             let rows = self.rows(ckv, width, at, at + *ts);
@@ -312,6 +313,9 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// (greedy, or sampled with the uniform of position `start + depth + 1`, `start` = the committed rows of
     /// `kv`), then the walk (`ddtree::walk_sampled`). `row0` is the tree's first row in a batched verify.
     fn tree_walk(&self, tree: &mut Self::Tree, logits: &Self::Act, row0: usize, s: &crate::sampling::Sampling, kv: &Self::Kv) -> Result<()>;
+    /// The walk over decisions already made: `decisions[row0 + i]` is node i's (a batch decides every
+    /// tree's greedy rows in one argmax).
+    fn tree_walk_decided(&self, tree: &mut Self::Tree, decisions: &Self::Ids, row0: usize) -> Result<()>;
     /// `[rows_out, cols]`: row i = row `row0 + path[i]` of `x` (`[.., cols]`, the tree's nodes from `row0`)
     /// for i < the walk's length, zeros after (the accepted nodes' taps for the drafter, padded to a fixed
     /// shape).

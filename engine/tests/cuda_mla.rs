@@ -97,3 +97,74 @@ fn mla_attention_parity() {
         case(&g, t, hr, committed, 512, 64, true, 950 + i as u64, Some(room));
     }
 }
+
+/// A batch's MLA in one launch (`mla_attention_seg`: each sequence its own cache, mask, committed length on
+/// the device and split) gives every node the bits its own sequence's launch gives; and the batch's latent
+/// store (`store_rows_seg_bf16`) writes each sequence's rows where `store_rows_bf16` does.
+#[test]
+fn mla_attention_segments_equal_their_own_launches() {
+    use kdtree_engine::cuda::ops::mla_attention::{mla_attention_seg, MlaSeg};
+    use kdtree_engine::cuda::ops::round_state::{store_rows_bf16, store_rows_seg_bf16, StoreSeg};
+    let Some(g) = gpu() else { return };
+    let (heads, c, p) = (8usize, 512usize, 64usize);
+    let lw = c + p;
+    // (T, committed, room)
+    let segs = [(1usize, 1000usize, 4096usize), (17, 300, 1024), (1, 0, 256), (65, 40, 512), (3, 7, 256)];
+    let mut r = rng(4242);
+    let (mut qs, mut want, mut bufs) = (Vec::new(), Vec::new(), Vec::new());
+    for &(t, committed, room) in &segs {
+        let q = rand_bf16(&mut r, t * heads * lw, 0.01, 0.12);
+        let lat = rand_bf16(&mut r, room * lw, 0.05, 1.5);
+        let mask = Visibility::from_parents(&parents(&mut r, t, false)).unwrap();
+        let s = MlaShape { t, heads, kv_lora: c, rope: p, committed };
+        let split = MlaSplit { splits: MlaSplit::choose(&g, &MlaShape { committed: room - t, ..s }).splits, rows_per_split: 0 };
+        let (wo, wml) = split.workspace(&s);
+        let (dq, dl, dm, dc) = (g.upload(&q).unwrap(), g.upload(&lat).unwrap(), g.upload(&mask.bits).unwrap(), g.upload(&[committed as i32]).unwrap());
+        let (mut po, mut pml, mut out) = (g.upload(&nan_f32(wo)).unwrap(), g.upload(&nan_f32(wml)).unwrap(), g.upload(&nan_bf16(t * heads * c)).unwrap());
+        let (mv, cv) = (dm.as_view(), dc.as_view());
+        gpu_mla(&g, &dq.as_view(), &dl.as_view(), Some((&mv, mask.words)), Some(&cv), &s, &split, 0.0723, &mut po.as_view_mut(), &mut pml.as_view_mut(), &mut out.as_view_mut()).unwrap();
+        want.extend(g.download(&out).unwrap());
+        qs.extend(q);
+        bufs.push((dl, dm, dc, mask.words, split.splits));
+    }
+    let t: usize = segs.iter().map(|s| s.0).sum();
+    let sp = bufs.iter().map(|b| b.4).max().unwrap();
+    let dq = g.upload(&qs).unwrap();
+    let parts: Vec<MlaSeg<'_>> = segs
+        .iter()
+        .zip(&bufs)
+        .map(|(&(t, committed, _), (dl, dm, dc, words, splits))| MlaSeg { lat: dl.as_view(), mask: dm.as_view(), words: *words, pos: dc.as_view(), committed, t, splits: *splits })
+        .collect();
+    let (mut po, mut pml, mut out) = (g.upload(&nan_f32(t * sp * heads * c)).unwrap(), g.upload(&nan_f32(t * sp * heads * 2)).unwrap(), g.upload(&nan_bf16(t * heads * c)).unwrap());
+    mla_attention_seg(&g, &dq.as_view(), &parts, heads, c, p, 0.0723, &mut po.as_view_mut(), &mut pml.as_view_mut(), &mut out.as_view_mut()).unwrap();
+    let got = g.download(&out).unwrap();
+    let diff = got.iter().zip(&want).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+    println!("PARITY mla_attention_seg({} sequences, T={t}, splits up to {sp}) vs each sequence's own launch: {}", segs.len(), if diff == 0 { "bit-identical".to_string() } else { format!("mismatches {diff} of {}", got.len()) });
+    assert_eq!(diff, 0, "the batched MLA launch differs from the per-sequence launches");
+
+    // The store: three caches, rows at their committed lengths.
+    let w = 576;
+    let rows = [(5usize, 3usize), (0, 1), (100, 17)]; // (committed, n)
+    let n: usize = rows.iter().map(|r| r.1).sum();
+    let src: Vec<f32> = (0..n * w).map(|i| (i as f32 * 0.37).sin()).collect();
+    let dsrc = g.upload(&src).unwrap();
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    let mut at = 0;
+    for &(committed, k) in &rows {
+        let (mut d1, d2) = (g.upload(&nan_bf16(256 * w)).unwrap(), g.upload(&nan_bf16(256 * w)).unwrap());
+        let pos = g.upload(&[committed as i32]).unwrap();
+        store_rows_bf16(&g, &mut d1.as_view_mut(), w, &pos.as_view(), committed, &dsrc.slice(at * w..(at + k) * w), k).unwrap();
+        a.push(d1);
+        b.push((d2, pos));
+        at += k;
+    }
+    {
+        let mut parts: Vec<StoreSeg<'_>> = b.iter_mut().zip(&rows).map(|((d, pos), &(committed, k))| StoreSeg { dst: d.as_view_mut(), pos: pos.as_view(), committed, n: k }).collect();
+        store_rows_seg_bf16(&g, &mut parts, w, &dsrc.as_view()).unwrap();
+    }
+    for (i, (x, (y, _))) in a.iter().zip(&b).enumerate() {
+        let (x, y) = (g.download(x).unwrap(), g.download(y).unwrap());
+        assert!(x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()), "cache {i}: the batched store differs");
+    }
+    println!("PARITY store_rows_seg_bf16(3 caches) vs store_rows_bf16 each: bit-identical");
+}

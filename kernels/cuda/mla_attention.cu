@@ -21,34 +21,31 @@ constexpr int LDS = LW_MAX + 8;  // padded smem row (bf16): spreads 16-byte load
 constexpr int THREADS = 256;  // = the __launch_bounds__ below
 }  // namespace
 
-// q [T, Hr, C+P] bf16 (q_lat | q_pe per node and head); lat [S, C+P] bf16 (c_kv | k_pe), rows
-// [committed, committed + T) are the nodes' own; mask [T, W] u64 or null (causal over the T nodes).
-// committed_dev [1] or null: when set, the committed length is read from it (and `committed` ignored);
-// rows_per_split <= 0: ceil(S / splits) rounded up to the chunk (empty splits write m = -inf, l = 0).
-// part_o [T, splits, Hr, C] f32; part_ml [T, splits, Hr, 2] f32. grid (splits, T, ceil(Hr/16)), 256 threads.
-extern "C" __global__ void __launch_bounds__(256) kdtree_mla_attention_split_bf16(const bf16* __restrict__ q, const bf16* __restrict__ lat,
-                                const unsigned long long* __restrict__ mask, float* __restrict__ part_o,
-                                float* __restrict__ part_ml, int T, int Hr, int C, int P, int committed,
-                                const int* __restrict__ committed_dev, int W, int rows_per_split, float scale) {
+// One (node, split, head group) of the split kernel. qn: this node's queries [Hr, C+P]; lat [S, C+P] of its
+// sequence (rows [committed, committed + T) are its nodes'); mrow: its mask row [W] u64, or null (causal over
+// the T nodes: node t sees tree rows 0..=t); the split covers rows [split * rps, +rps) of S = committed + T
+// (rps <= 0: ceil(S / splits) rounded up to the chunk; a split >= splits is empty); po / pml: this node's and
+// split's partials [Hr, C] / [Hr, 2] (empty: m = -inf, l = 0, o = 0).
+static __device__ __forceinline__ void mla_split(const bf16* __restrict__ qn, const bf16* __restrict__ lat,
+                                                 const unsigned long long* __restrict__ mrow, int T, int t, int committed,
+                                                 int rows_per_split, int split, int splits, int h0, int Hr, int C, int P,
+                                                 float scale, float* __restrict__ po, float* __restrict__ pml) {
     __shared__ __align__(16) bf16 qs[HG * LDS];
     __shared__ __align__(16) bf16 ks[R * LDS];
     __shared__ float ps[HG * R];
     __shared__ float alpha_s[HG];
-    const int split = blockIdx.x, t = blockIdx.y, h0 = blockIdx.z * HG, splits = gridDim.x;
     const int LW = C + P, tid = threadIdx.x;
     const int nh = min(HG, Hr - h0);
     // queries of this node and head group -> smem (16-byte chunks)
     for (int i = tid; i < HG * (LW / 8); i += THREADS) {
         const int h = i / (LW / 8), c = (i % (LW / 8)) * 8;
         uint4 v = make_uint4(0, 0, 0, 0);
-        if (h < nh) v = *reinterpret_cast<const uint4*>(q + ((size_t)t * Hr + h0 + h) * LW + c);
+        if (h < nh) v = *reinterpret_cast<const uint4*>(qn + (size_t)(h0 + h) * LW + c);
         *reinterpret_cast<uint4*>(qs + h * LDS + c) = v;
     }
-    // A captured round reads the committed length from the device, and splits its rows evenly.
-    if (committed_dev) committed = committed_dev[0];
     const int S = committed + T;
     if (rows_per_split <= 0) rows_per_split = ((S + splits - 1) / splits + R - 1) / R * R;
-    const int s_begin = split * rows_per_split, s_end = min(S, s_begin + rows_per_split);
+    const int s_begin = split * rows_per_split, s_end = split < splits ? min(S, s_begin + rows_per_split) : s_begin;
     // score thread: head sh, row sr of the chunk; accumulate thread: heads 4*ah.., columns ac..ac+8
     const int sh = tid / R, sr = tid % R;
     const int ah = tid / 64, ac = (tid % 64) * 8;
@@ -58,7 +55,6 @@ extern "C" __global__ void __launch_bounds__(256) kdtree_mla_attention_split_bf1
     for (int j = 0; j < 4; j++)
 #pragma unroll
         for (int k = 0; k < 8; k++) o[j][k] = 0.f;
-    const unsigned long long* mrow = mask ? mask + (size_t)t * W : nullptr;
     for (int s0 = s_begin; s0 < s_end; s0 += R) {
         __syncthreads();  // previous chunk fully consumed (and queries stored, first time)
         for (int i = tid; i < R * (LW / 8); i += THREADS) {
@@ -134,21 +130,62 @@ extern "C" __global__ void __launch_bounds__(256) kdtree_mla_attention_split_bf1
             }
         }
     }
-    const size_t base = ((size_t)t * splits + split) * Hr;
     if (sr == 0 && sh < nh) {
-        part_ml[(base + h0 + sh) * 2] = m;
-        part_ml[(base + h0 + sh) * 2 + 1] = l;
+        pml[(h0 + sh) * 2] = m;
+        pml[(h0 + sh) * 2 + 1] = l;
     }
     if (ac < C) {
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             const int h = 4 * ah + j;
             if (h >= nh) continue;
-            float* dst = part_o + (base + h0 + h) * C + ac;
+            float* dst = po + (size_t)(h0 + h) * C + ac;
             *reinterpret_cast<float4*>(dst) = make_float4(o[j][0], o[j][1], o[j][2], o[j][3]);
             *reinterpret_cast<float4*>(dst + 4) = make_float4(o[j][4], o[j][5], o[j][6], o[j][7]);
         }
     }
+}
+
+// q [T, Hr, C+P] bf16 (q_lat | q_pe per node and head); lat [S, C+P] bf16 (c_kv | k_pe), rows
+// [committed, committed + T) are the nodes' own; mask [T, W] u64 or null (causal over the T nodes).
+// committed_dev [1] or null: when set, the committed length is read from it (and `committed` ignored);
+// rows_per_split <= 0: ceil(S / splits) rounded up to the chunk (empty splits write m = -inf, l = 0).
+// part_o [T, splits, Hr, C] f32; part_ml [T, splits, Hr, 2] f32. grid (splits, T, ceil(Hr/16)), 256 threads.
+extern "C" __global__ void __launch_bounds__(256) kdtree_mla_attention_split_bf16(const bf16* __restrict__ q, const bf16* __restrict__ lat,
+                                const unsigned long long* __restrict__ mask, float* __restrict__ part_o,
+                                float* __restrict__ part_ml, int T, int Hr, int C, int P, int committed,
+                                const int* __restrict__ committed_dev, int W, int rows_per_split, float scale) {
+    const int split = blockIdx.x, t = blockIdx.y, splits = gridDim.x;
+    // A captured round reads the committed length from the device, and splits its rows evenly.
+    if (committed_dev) committed = committed_dev[0];
+    const size_t base = ((size_t)t * splits + split) * Hr;
+    mla_split(q + (size_t)t * Hr * (C + P), lat, mask ? mask + (size_t)t * W : nullptr, T, t, committed, rows_per_split, split,
+              splits, blockIdx.z * HG, Hr, C, P, scale, part_o + base * C, part_ml + base * 2);
+}
+
+// A batch's segments (sequences) in one launch, by value: segment s owns rows [row0[s], row0[s + 1]) of the
+// launch (q, part_o, part_ml rows), its latent cache lat[s] (this layer's [cap, C+P] bf16), its tree mask
+// mask[s] ([T_s, words[s]] u64), its committed length at pos[s] (an i32 on the device) and its own split
+// count splits[s] <= gridDim.x (its rows split evenly; the launch's extra splits are empty for it), so every
+// node's partials and their merge are those of the segment's own launch of the kernel above.
+constexpr int MLA_SEGS = 64;
+struct MlaSegs {
+    unsigned long long lat[MLA_SEGS], mask[MLA_SEGS], pos[MLA_SEGS];
+    int row0[MLA_SEGS + 1], words[MLA_SEGS], splits[MLA_SEGS];
+    int nseg;
+};
+// grid (max splits, rows, ceil(Hr/16)), 256 threads; part_o [rows, gridDim.x, Hr, C], part_ml [rows, gridDim.x, Hr, 2].
+extern "C" __global__ void __launch_bounds__(256) kdtree_mla_attention_split_seg_bf16(const bf16* __restrict__ q, const MlaSegs segs,
+                                float* __restrict__ part_o, float* __restrict__ part_ml, int Hr, int C, int P, float scale) {
+    const int split = blockIdx.x, g = blockIdx.y;
+    int s = 0;
+    while (s + 1 < segs.nseg && segs.row0[s + 1] <= g) s++;
+    const int t = g - segs.row0[s], T = segs.row0[s + 1] - segs.row0[s];
+    const int committed = reinterpret_cast<const int*>(segs.pos[s])[0];
+    const auto* mask = reinterpret_cast<const unsigned long long*>(segs.mask[s]);
+    const size_t base = ((size_t)g * gridDim.x + split) * Hr;
+    mla_split(q + (size_t)g * Hr * (C + P), reinterpret_cast<const bf16*>(segs.lat[s]), mask ? mask + (size_t)t * segs.words[s] : nullptr,
+              T, t, committed, 0, split, segs.splits[s], blockIdx.z * HG, Hr, C, P, scale, part_o + base * C, part_ml + base * 2);
 }
 
 // Merge the splits: o_lat[t, h, :] = Σ_i e^{m_i − M} o_i / Σ_i e^{m_i − M} l_i (M = max_i m_i).

@@ -51,6 +51,24 @@ extern "C" __global__ void kdtree_store_rows_bf16(bf16* __restrict__ dst, int w,
         dst[at + k] = __float2bfloat16_rn(src[k]);
 }
 
+// A batch's stores in one launch, by value: segment s writes src rows [row0[s], row0[s + 1]) (f32, [.., w]) to
+// rows [*pos[s], ...) of its cache layer dst[s] ([cap, w] bf16), rounded. grid (x, nseg), grid-stride in x.
+constexpr int STORE_SEGS = 64;
+struct StoreSegs {
+    unsigned long long dst[STORE_SEGS], pos[STORE_SEGS];
+    int row0[STORE_SEGS + 1];
+    int nseg;
+};
+extern "C" __global__ void kdtree_store_rows_seg_bf16(const StoreSegs segs, int w, const float* __restrict__ src) {
+    const int s = blockIdx.y;
+    if (s >= segs.nseg) return;
+    bf16* dst = reinterpret_cast<bf16*>(segs.dst[s]);
+    const size_t at = (size_t)reinterpret_cast<const int*>(segs.pos[s])[0] * w, from = (size_t)segs.row0[s] * w;
+    const size_t total = (size_t)(segs.row0[s + 1] - segs.row0[s]) * w;
+    for (size_t k = (size_t)blockIdx.x * blockDim.x + threadIdx.x; k < total; k += (size_t)gridDim.x * blockDim.x)
+        dst[at + k] = __float2bfloat16_rn(src[from + k]);
+}
+
 // dst [cap, w] f32; rows [*row0, *row0 + n) = src [n, w]. grid-stride.
 extern "C" __global__ void kdtree_store_rows_f32(float* __restrict__ dst, int w, const int* __restrict__ row0,
                                                  const float* __restrict__ src, int n) {

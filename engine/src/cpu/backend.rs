@@ -369,6 +369,12 @@ impl Backend for CpuBackend {
         t.walk = Some(walk_sampled(&t.tree, &logits[row0 * v..(row0 + n) * v], v, s, kv.committed));
         Ok(())
     }
+    fn tree_walk_decided(&self, t: &mut CpuTree, decisions: &Vec<u32>, row0: usize) -> Result<()> {
+        let n = t.tree.len();
+        anyhow::ensure!(decisions.len() >= row0 + n, "tree_walk_decided: {} decisions for {n} nodes from row {row0}", decisions.len());
+        t.walk = Some(crate::ddtree::walk(&t.tree, |i| decisions[row0 + i]));
+        Ok(())
+    }
     fn tree_path_rows(&self, t: &CpuTree, x: &Vec<f32>, row0: usize, cols: usize, rows_out: usize) -> Vec<f32> {
         let mut out = vec![0.0; rows_out * cols];
         if let Some(w) = &t.walk {

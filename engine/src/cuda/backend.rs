@@ -29,7 +29,7 @@ use super::ops::act_f32;
 use super::ops::rope::RopeLayout;
 use super::ops::mla_absorb::{absorb_q, apply_uv, AbsorbDims};
 use super::ops::gqa_attention::{gqa_attention, GqaShape, GqaSplit};
-use super::ops::mla_attention::{mla_attention, MlaShape, MlaSplit};
+use super::ops::mla_attention::{self as seg_op, mla_attention, MlaShape, MlaSplit};
 use super::ops::{argmax, copy_rows, embed, fill, gather_rows, gemm_bf16, kv_compact, moe_align, moe_combine, moe_router, round_state, w4a16_gemm};
 use super::{CudaError, Gpu};
 use crate::backend::{Backend, PosOf, RopeTable};
@@ -270,6 +270,36 @@ impl CudaBackend {
                 (s, MlaSplit { splits: MlaSplit::choose(&self.gpu, &room).splits, rows_per_split: 0 })
             })
             .collect();
+        if segs.len() > 1 {
+            // One launch per MAX_SEGS segments, each node over its own sequence's cache with its own split.
+            let max_sp = shapes.iter().map(|(_, sp)| sp.splits).max().unwrap_or(1);
+            let (mut po, mut pml) = (self.gpu.out::<f32>(t * max_sp * hr * c)?, self.gpu.out::<f32>(t * max_sp * hr * 2)?);
+            let mut at = 0;
+            for (chunk, sh) in segs.chunks(seg_op::MAX_SEGS).zip(shapes.chunks(seg_op::MAX_SEGS)) {
+                let rows: usize = chunk.iter().map(|s| s.2).sum();
+                let sp = sh.iter().map(|(_, sp)| sp.splits).max().unwrap_or(1);
+                let parts: Vec<seg_op::MlaSeg<'_>> = chunk
+                    .iter()
+                    .zip(sh)
+                    .map(|(&(kv, mask, ts), (_, split))| {
+                        let base = l * kv.cap * kv.width;
+                        seg_op::MlaSeg { lat: kv.buf.slice(base..base + kv.cap * kv.width), mask: mask.bits.as_view(), words: mask.words, pos: kv.pos.as_view(), committed: kv.committed, t: ts, splits: split.splits }
+                    })
+                    .collect();
+                for (&(kv, mask, ts), _) in chunk.iter().zip(sh) {
+                    if mask.rows < ts || kv.committed + ts > kv.cap {
+                        return Err(CudaError::Shape { op: "mla_attention", msg: format!("a mask of {} rows / a cache of {} rows for {} committed + {ts} nodes", mask.rows, kv.cap, kv.committed) });
+                    }
+                }
+                let qs = qcat.slice(at * hr * lw..(at + rows) * hr * lw);
+                let mut os = olat.slice_mut(at * hr * c..(at + rows) * hr * c);
+                seg_op::mla_attention_seg(&self.gpu, &qs, &parts, hr, c, p, d.scale, &mut po.slice_mut(..rows * sp * hr * c), &mut pml.slice_mut(..rows * sp * hr * 2), &mut os)?;
+                at += rows;
+            }
+            let mut o = self.gpu.out::<bf16>(t * hr * dv)?;
+            apply_uv(&self.gpu, &olat.as_view(), &kv_b.w.as_view(), &mut o.as_view_mut(), ad)?;
+            return self.to_f32(&o);
+        }
         let (wo, wml) = shapes.iter().map(|(s, sp)| sp.workspace(s)).fold((0, 0), |a, w| (a.0.max(w.0), a.1.max(w.1)));
         let (mut po, mut pml) = (self.new_f32(wo)?, self.new_f32(wml)?);
         let mut at = 0;
@@ -775,26 +805,33 @@ impl Backend for CudaBackend {
     fn mla_attention_segs(&self, q: &CudaSlice<f32>, segs: &[(&DKv, &DMask, usize)], l: usize, kv_b: &DMat, d: &MlaDims, _mode: AttnMode) -> CudaSlice<f32> {
         self.run("mla_attention", || self.mla_segs(q, segs, l, kv_b, d)).unwrap_or_else(|| self.empty())
     }
-    fn kv_append_latent_segs(&self, segs: &mut [(&mut DKv, &DRope, usize)], l: usize, ckv: &CudaSlice<f32>, norm: &CudaSlice<bf16>, eps: f32, w: usize) {
+    fn kv_append_latent_segs(&self, segs: &mut [(&mut DKv, &DRope, usize)], l: usize, ckv: &CudaSlice<f32>, norm: &CudaSlice<bf16>, eps: f32, w: usize, rope_all: &DRope) {
         self.run("kv_append_latent", || {
             let c = norm.len();
             let t = ckv.len() / w;
-            // [T, C+P] f32 of every segment: rms_norm of the c_kv part, k_pe copied; then per segment RoPE with
-            // its positions and the store into its cache at its committed length (read on the device).
+            // [T, C+P] f32 of every segment: rms_norm of the c_kv part, k_pe copied, RoPE at each row's own
+            // position (the stacked table), then every segment's rows into its cache at its committed length
+            // (read on the device): three launches per layer, and one more per MAX_SEGS segments.
             let mut rows = self.copy(ckv, 0, ckv.len())?;
             act_f32::rms_norm_f32(&self.gpu, &ckv.as_view(), w, &norm.as_view(), &mut rows.as_view_mut(), w, t, eps)?;
+            let r = RopeLayout { tokens: t, heads: 1, ld_token: w, ld_head: w, offset: c, dim: w - c };
+            act_f32::rope_table_f32(&self.gpu, &mut rows.as_view_mut(), &rope_all.cos.as_view(), &rope_all.sin.as_view(), r, false)?;
+            for (kv, _, ts) in segs.iter_mut() {
+                self.grow(kv, kv.committed + *ts)?;
+            }
             let mut at = 0;
-            for (kv, rope, ts) in segs.iter_mut() {
-                let ts = *ts;
-                self.grow(kv, kv.committed + ts)?;
-                let r = RopeLayout { tokens: ts, heads: 1, ld_token: w, ld_head: w, offset: c, dim: w - c };
-                let mut seg = rows.slice_mut(at * w..(at + ts) * w);
-                act_f32::rope_table_f32(&self.gpu, &mut seg, &rope.cos.as_view(), &rope.sin.as_view(), r, false)?;
-                let base = l * kv.cap * w;
-                let (cap, committed) = (kv.cap, kv.committed);
-                let (buf, pos) = (&mut kv.buf, &kv.pos);
-                round_state::store_rows_bf16(&self.gpu, &mut buf.slice_mut(base..base + cap * w), w, &pos.as_view(), committed, &rows.slice(at * w..(at + ts) * w), ts)?;
-                at += ts;
+            for chunk in segs.chunks_mut(round_state::MAX_SEGS) {
+                let rows_n: usize = chunk.iter().map(|s| s.2).sum();
+                let mut parts: Vec<round_state::StoreSeg<'_>> = chunk
+                    .iter_mut()
+                    .map(|(kv, _, ts)| {
+                        let (base, cap, committed) = (l * kv.cap * w, kv.cap, kv.committed);
+                        let DKv { buf, pos, .. } = &mut **kv;
+                        round_state::StoreSeg { dst: buf.slice_mut(base..base + cap * w), pos: pos.as_view(), committed, n: *ts }
+                    })
+                    .collect();
+                round_state::store_rows_seg_bf16(&self.gpu, &mut parts, w, &rows.slice(at * w..(at + rows_n) * w))?;
+                at += rows_n;
             }
             Ok(())
         });
@@ -915,6 +952,15 @@ impl Backend for CudaBackend {
             bail!("tree_walk: {} logits for {n} nodes from row {row0} x {v}", logits.len());
         }
         tree.walk_sampled(&self.gpu, &logits.slice(row0 * v..(row0 + n) * v), v, s, 0, Some(&kv.pos.as_view()))?;
+        self.check()
+    }
+    fn tree_walk_decided(&self, tree: &mut DeviceTree, decisions: &CudaSlice<u32>, row0: usize) -> Result<()> {
+        let n = tree.budget + 1;
+        if decisions.len() < row0 + n {
+            bail!("tree_walk_decided: {} decisions for {n} nodes from row {row0}", decisions.len());
+        }
+        self.gpu.stream.memcpy_dtod(&decisions.slice(row0..row0 + n), &mut tree.decisions).map_err(super::drv("tree_walk_decided"))?;
+        tree.walk(&self.gpu)?;
         self.check()
     }
     fn tree_path_rows(&self, tree: &DeviceTree, x: &CudaSlice<f32>, row0: usize, cols: usize, rows_out: usize) -> CudaSlice<f32> {

@@ -56,11 +56,21 @@ pub fn mla<B: Backend>(w: &Weights<B>, l: usize, x: &B::Act, t: usize, segs: &mu
     };
     // New latent rows [T, C + P]: rms_norm(c_kv) | rope(k_pe), each segment's into its own cache.
     let ckv = b.linear(x, t, &a0.kv_a); // [T, C + P]
-    match &mut *segs {
-        [seg] => b.kv_append_latent(seg.kv, l, &ckv, &a0.kv_a_norm, cfg.latent_eps, seg.rope),
-        many => {
+    let cat;
+    let rope_all = match (&*segs, rope_all) {
+        ([_], _) => None,
+        (_, Some(r)) => Some(r),
+        (many, None) => {
+            cat = b.rope_cat(&many.iter().map(|s| s.rope).collect::<Vec<_>>());
+            Some(&cat)
+        }
+    };
+    match (&mut *segs, rope_all) {
+        ([seg], _) => b.kv_append_latent(seg.kv, l, &ckv, &a0.kv_a_norm, cfg.latent_eps, seg.rope),
+        (many, rope) => {
+            let rope = rope.expect("several segments have their stacked table");
             let mut parts: Vec<(&mut B::Kv, &B::Rope, usize)> = many.iter_mut().map(|s| (&mut *s.kv, s.rope, s.t)).collect();
-            b.kv_append_latent_segs(&mut parts, l, &ckv, &a0.kv_a_norm, cfg.latent_eps, cfg.latent_width());
+            b.kv_append_latent_segs(&mut parts, l, &ckv, &a0.kv_a_norm, cfg.latent_eps, cfg.latent_width(), rope);
         }
     }
 
@@ -79,14 +89,7 @@ pub fn mla<B: Backend>(w: &Weights<B>, l: usize, x: &B::Act, t: usize, segs: &mu
                     b.mla_attention(&q, t, seg.kv, l, seg.mask, &at.kv_b, &d, mode) // [T, Hr * Dv]
                 }
                 (many, rope) => {
-                    let cat;
-                    let rope = match rope {
-                        Some(r) => r,
-                        None => {
-                            cat = b.rope_cat(&many.iter().map(|s| s.rope).collect::<Vec<_>>());
-                            &cat
-                        }
-                    };
+                    let rope = rope.expect("several segments have their stacked table");
                     b.rope_q(&mut q, hr, cfg.nope, rope);
                     let parts: Vec<(&B::Kv, &B::Mask, usize)> = many.iter().map(|s| (&*s.kv, s.mask, s.t)).collect();
                     b.mla_attention_segs(&q, &parts, l, &at.kv_b, &d, mode)

@@ -244,10 +244,20 @@ impl<B: Backend> BatchEngine<B> {
             // Walks, then every accepted path's taps into the drafters' contexts in one forward, then commits.
             let (mut row, n) = (0, parts.len());
             let mut acc = b.zeros(n * m * tw);
+            // Greedy decisions do not depend on positions: every tree's rows in one argmax when all are greedy
+            // (into the token buffer: the verify has read it).
+            let all_greedy = parts.iter().all(|p| p.s.is_greedy());
+            if all_greedy {
+                b.decide_rows(&logits, 0, total, c.vocab, &Sampling::greedy(), PosOf::Kv(&parts[0].t.cache), 1, tokens)?;
+            }
             for (s, p) in parts.iter_mut().enumerate() {
                 let TargetModel { cache, rounds, .. } = &mut *p.t;
                 let tree = &mut rounds[p.slot].tree;
-                b.tree_walk(tree, &logits, row, p.s, cache)?;
+                if all_greedy {
+                    b.tree_walk_decided(tree, tokens, row)?;
+                } else {
+                    b.tree_walk(tree, &logits, row, p.s, cache)?;
+                }
                 b.set_rows(&mut acc, tw, s * m, &b.tree_path_rows(tree, &taps, row, tw, m), m);
                 row += p.nodes;
             }

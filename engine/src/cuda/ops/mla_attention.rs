@@ -106,8 +106,7 @@ pub fn mla_attention(
         return Ok(());
     }
     let (t, hr, c, p) = (as_i32(OP, "t", s.t)?, as_i32(OP, "heads", s.heads)?, as_i32(OP, "kv_lora", s.kv_lora)?, as_i32(OP, "rope", s.rope)?);
-    let (committed, w, rps, sp) =
-        (as_i32(OP, "committed", s.committed)?, as_i32(OP, "words", words)?, as_i32(OP, "rows_per_split", split.rows_per_split)?, as_i32(OP, "splits", split.splits)?);
+    let (committed, w, rps) = (as_i32(OP, "committed", s.committed)?, as_i32(OP, "words", words)?, as_i32(OP, "rows_per_split", split.rows_per_split)?);
     let grid = (split.splits as u32, s.t as u32, s.heads.div_ceil(HEADS_PER_CTA) as u32);
     let null: u64 = 0;
     let mut b = gpu.stream.launch_builder(gpu.func("kdtree_mla_attention_split_bf16"));
@@ -125,10 +124,98 @@ pub fn mla_attention(
     // SAFETY: every buffer the kernel reads or writes was length-checked above for these shapes; the mask
     // argument is a device pointer or 0 (the kernel's causal case).
     unsafe { b.launch(launch_cfg(grid, 256, 0)) }.map_err(drv(OP))?;
+    merge(gpu, part_o, part_ml, out, (s.t, split.splits, s.heads), hr, c)
+}
+
+/// The log-sum-exp merge of `splits` partials of `(t, heads)` nodes into `out` `[t, Hr, C]` bf16 (the
+/// partials' lengths were checked by the caller).
+fn merge(gpu: &Gpu, part_o: &CudaViewMut<'_, f32>, part_ml: &CudaViewMut<'_, f32>, out: &mut CudaViewMut<'_, bf16>, (t, splits, heads): (usize, usize, usize), hr: i32, c: i32) -> Result<()> {
+    let sp = as_i32(OP, "splits", splits)?;
     let mut b = gpu.stream.launch_builder(gpu.func("kdtree_mla_attention_merge_bf16"));
     let (po, pml) = (part_o.as_view(), part_ml.as_view());
     b.arg(&po).arg(&pml).arg(&mut *out).arg(&sp).arg(&hr).arg(&c);
-    // SAFETY: as above; the merge reads the partials the first kernel wrote and writes out [T, Hr, C].
-    unsafe { b.launch(launch_cfg((s.t as u32, s.heads as u32, 1), 128, 0)) }.map_err(drv(OP))?;
+    // SAFETY: the merge reads the partials the split kernel wrote and writes out [T, Hr, C].
+    unsafe { b.launch(launch_cfg((t as u32, heads as u32, 1), 128, 0)) }.map_err(drv(OP))?;
     Ok(())
+}
+
+/// Segments one [`mla_attention_seg`] launch takes (`MLA_SEGS` in mla_attention.cu).
+pub const MAX_SEGS: usize = 64;
+
+/// One sequence of a batched MLA launch: its cache layer (`[cap, C+P]` bf16, rows `[0, committed + t)` in use),
+/// its tree mask (`[t, words]` u64) and committed length where the ops read it, its node count and the split
+/// count its own launch would use ([`MlaSplit::choose`] of its room).
+pub struct MlaSeg<'a> {
+    pub lat: CudaView<'a, bf16>,
+    pub mask: CudaView<'a, u64>,
+    pub words: usize,
+    pub pos: CudaView<'a, i32>,
+    /// Host mirror of the committed length (the checks use it).
+    pub committed: usize,
+    pub t: usize,
+    pub splits: usize,
+}
+
+/// The kernel's by-value segment table (`struct MlaSegs`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MlaSegsArg {
+    lat: [u64; MAX_SEGS],
+    mask: [u64; MAX_SEGS],
+    pos: [u64; MAX_SEGS],
+    row0: [i32; MAX_SEGS + 1],
+    words: [i32; MAX_SEGS],
+    splits: [i32; MAX_SEGS],
+    nseg: i32,
+}
+// SAFETY: plain old data with the C layout of `struct MlaSegs`, passed by value as a kernel parameter.
+unsafe impl cudarc::driver::DeviceRepr for MlaSegsArg {}
+
+/// [`mla_attention`] of up to [`MAX_SEGS`] sequences in two launches: segment s's nodes are rows
+/// `[Σ_{r<s} t_r, +t_s)` of `q` (`[T, Hr, C+P]` bf16) and of `out` (`[T, Hr, C]` bf16), each over its own cache
+/// and mask with its own split, so each node's result is the one its sequence's own launch gives (the merge
+/// skips the splits a segment does not use). `part_o` / `part_ml`: `[T, max splits, Hr, C]` / `[.., 2]` f32.
+/// Launch contract: two kernels, no allocation, no host sync, graph-capturable.
+#[allow(clippy::too_many_arguments)]
+pub fn mla_attention_seg(gpu: &Gpu, q: &CudaView<'_, bf16>, segs: &[MlaSeg<'_>], heads: usize, kv_lora: usize, rope: usize, scale: f32, part_o: &mut CudaViewMut<'_, f32>, part_ml: &mut CudaViewMut<'_, f32>, out: &mut CudaViewMut<'_, bf16>) -> Result<()> {
+    let lw = kv_lora + rope;
+    ensure(OP, (1..=MAX_SEGS).contains(&segs.len()), || format!("{} segments in one launch (1..={MAX_SEGS})", segs.len()))?;
+    ensure(OP, kv_lora.is_multiple_of(8) && rope.is_multiple_of(8) && kv_lora > 0 && kv_lora <= 512 && lw <= 576, || format!("kv_lora={kv_lora} and rope={rope}: multiples of 8, at most 512 + 64"))?;
+    let t: usize = segs.iter().map(|s| s.t).sum();
+    let splits = segs.iter().map(|s| s.splits).max().unwrap_or(1);
+    ensure(OP, splits >= 1 && splits <= MERGE_MAX_SPLITS, || format!("{splits} splits: the merge takes 1..={MERGE_MAX_SPLITS}"))?;
+    need_len(OP, "q", q.len(), t * heads * lw)?;
+    need_len(OP, "part_o", part_o.len(), t * splits * heads * kv_lora)?;
+    need_len(OP, "part_ml", part_ml.len(), t * splits * heads * 2)?;
+    need_len(OP, "out", out.len(), t * heads * kv_lora)?;
+    if t == 0 || heads == 0 {
+        return Ok(());
+    }
+    let mut arg = MlaSegsArg { lat: [0; MAX_SEGS], mask: [0; MAX_SEGS], pos: [0; MAX_SEGS], row0: [0; MAX_SEGS + 1], words: [0; MAX_SEGS], splits: [0; MAX_SEGS], nseg: segs.len() as i32 };
+    let mut guards = Vec::with_capacity(3 * segs.len());
+    let mut row = 0;
+    for (i, s) in segs.iter().enumerate() {
+        ensure(OP, s.splits >= 1 && s.words * 64 >= s.t, || format!("segment {i}: {} splits, {} mask words for {} nodes", s.splits, s.words, s.t))?;
+        need_len(OP, "lat", s.lat.len(), (s.committed + s.t) * lw)?;
+        need_len(OP, "mask", s.mask.len(), s.t * s.words)?;
+        need_len(OP, "pos", s.pos.len(), 1)?;
+        use cudarc::driver::DevicePtr;
+        let (pl, gl) = s.lat.device_ptr(&gpu.stream);
+        let (pm, gm) = s.mask.device_ptr(&gpu.stream);
+        let (pp, gp) = s.pos.device_ptr(&gpu.stream);
+        guards.extend([gl, gm, gp]);
+        (arg.lat[i], arg.mask[i], arg.pos[i]) = (pl, pm, pp);
+        (arg.row0[i], arg.words[i], arg.splits[i]) = (as_i32(OP, "row", row)?, as_i32(OP, "words", s.words)?, as_i32(OP, "splits", s.splits)?);
+        row += s.t;
+    }
+    arg.row0[segs.len()] = as_i32(OP, "rows", row)?;
+    let (hr, c, p) = (as_i32(OP, "heads", heads)?, as_i32(OP, "kv_lora", kv_lora)?, as_i32(OP, "rope", rope)?);
+    let grid = (splits as u32, t as u32, heads.div_ceil(HEADS_PER_CTA) as u32);
+    let mut b = gpu.stream.launch_builder(gpu.func("kdtree_mla_attention_split_seg_bf16"));
+    b.arg(q).arg(&arg).arg(&mut *part_o).arg(&mut *part_ml).arg(&hr).arg(&c).arg(&p).arg(&scale);
+    // SAFETY: every segment's buffers were length-checked above; the table holds their device addresses,
+    // alive (guards) until the launch is queued; q, part_o, part_ml were checked for the launch's rows.
+    unsafe { b.launch(launch_cfg(grid, 256, 0)) }.map_err(drv(OP))?;
+    drop(guards);
+    merge(gpu, part_o, part_ml, out, (t, splits, heads), hr, c)
 }

@@ -145,3 +145,62 @@ pub fn path_rows(gpu: &Gpu, x: &CudaView<'_, f32>, nodes: usize, cols: usize, wa
     unsafe { b.launch(launch_cfg((rows_out as u32, 1, 1), 256, 0)) }.map_err(drv(OP))?;
     Ok(())
 }
+
+/// Segments one [`store_rows_seg_bf16`] launch takes (`STORE_SEGS` in round_state.cu).
+pub const MAX_SEGS: usize = 64;
+
+/// One sequence of a batched store: its cache layer (`[cap, w]` bf16), its committed length where the ops
+/// read it (host mirror `committed`, checked), its row count.
+pub struct StoreSeg<'a> {
+    pub dst: CudaViewMut<'a, bf16>,
+    pub pos: CudaView<'a, i32>,
+    pub committed: usize,
+    pub n: usize,
+}
+
+/// The kernel's by-value table (`struct StoreSegs`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct StoreSegsArg {
+    dst: [u64; MAX_SEGS],
+    pos: [u64; MAX_SEGS],
+    row0: [i32; MAX_SEGS + 1],
+    nseg: i32,
+}
+// SAFETY: plain old data with the C layout of `struct StoreSegs`, passed by value as a kernel parameter.
+unsafe impl cudarc::driver::DeviceRepr for StoreSegsArg {}
+
+/// [`store_rows_bf16`] of up to [`MAX_SEGS`] sequences in one launch: segment s's rows of `src` (`[Σ n, w]`
+/// f32, in segment order) into rows `[pos_s, pos_s + n_s)` of its `dst`, rounded to bf16 (the kernel writes
+/// through the table's device addresses).
+pub fn store_rows_seg_bf16(gpu: &Gpu, segs: &mut [StoreSeg<'_>], w: usize, src: &CudaView<'_, f32>) -> Result<()> {
+    ensure(OP, segs.len() <= MAX_SEGS, || format!("{} segments in one launch (at most {MAX_SEGS})", segs.len()))?;
+    let n: usize = segs.iter().map(|s| s.n).sum();
+    need_len(OP, "src", src.len(), n * w)?;
+    if n == 0 || w == 0 {
+        return Ok(());
+    }
+    let nseg = segs.len();
+    let mut arg = StoreSegsArg { dst: [0; MAX_SEGS], pos: [0; MAX_SEGS], row0: [0; MAX_SEGS + 1], nseg: nseg as i32 };
+    let mut guards = Vec::with_capacity(2 * segs.len());
+    let (mut row, mut most) = (0, 0);
+    for (i, s) in segs.iter_mut().enumerate() {
+        need_len(OP, "pos", s.pos.len(), 1)?;
+        need_len(OP, "dst", s.dst.len(), (s.committed + s.n) * w)?;
+        use cudarc::driver::{DevicePtr, DevicePtrMut};
+        let (pd, gd) = s.dst.device_ptr_mut(&gpu.stream);
+        let (pp, gp) = s.pos.device_ptr(&gpu.stream);
+        guards.extend([gd, gp]);
+        (arg.dst[i], arg.pos[i], arg.row0[i]) = (pd, pp, as_i32(OP, "row", row)?);
+        row += s.n;
+        most = most.max(s.n);
+    }
+    arg.row0[nseg] = as_i32(OP, "rows", row)?;
+    let wi = as_i32(OP, "w", w)?;
+    let mut b = gpu.stream.launch_builder(gpu.func("kdtree_store_rows_seg_bf16"));
+    b.arg(&arg).arg(&wi).arg(src);
+    // SAFETY: each dst holds its committed + n rows of w (checked against the host mirrors), src all rows.
+    unsafe { b.launch(launch_cfg((grid_for(most * w), nseg as u32, 1), 256, 0)) }.map_err(drv(OP))?;
+    drop(guards);
+    Ok(())
+}
