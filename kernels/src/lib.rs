@@ -45,6 +45,7 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("kv_compact.cu", "kdtree_kv_compact_bf16"),
     ("mla_attention.cu", "kdtree_mla_attention_split_bf16"),
     ("mla_attention.cu", "kdtree_mla_attention_merge_bf16"),
+    ("mla_attention.cu", "kdtree_mla_attention_split_seg_bf16"),
     ("moe_align.cu", "kdtree_moe_align_i32"),
     ("moe_combine.cu", "kdtree_moe_combine_f32"),
     ("moe_router.cu", "kdtree_moe_router_f32"),
@@ -56,6 +57,7 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("round_state.cu", "kdtree_rope_at_f32"),
     ("round_state.cu", "kdtree_store_rows_bf16"),
     ("round_state.cu", "kdtree_store_rows_f32"),
+    ("round_state.cu", "kdtree_store_rows_seg_bf16"),
     ("round_state.cu", "kdtree_path_rows_f32"),
     ("sample_rows.cu", "kdtree_sample_rows_f32"),
     ("silu_mul.cu", "kdtree_silu_mul_bf16"),
@@ -105,5 +107,36 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Every kernel the engine looks up by name (`gpu.func("kdtree_...")` in engine/src/cuda) is listed: the
+    /// loader resolves only the listed ones.
+    #[test]
+    fn every_kernel_the_engine_launches_is_listed() {
+        fn walk(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+            for e in std::fs::read_dir(dir).unwrap() {
+                let p = e.unwrap().path();
+                if p.is_dir() {
+                    walk(&p, out);
+                } else if p.extension().and_then(|x| x.to_str()) == Some("rs") {
+                    out.push(p);
+                }
+            }
+        }
+        let mut files = Vec::new();
+        walk(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../engine/src/cuda"), &mut files);
+        let mut seen = 0;
+        for f in files {
+            let src = std::fs::read_to_string(&f).unwrap();
+            for part in src.split("func(\"").skip(1) {
+                let name = part.split('"').next().unwrap();
+                if !name.starts_with("kdtree_") {
+                    continue;
+                }
+                seen += 1;
+                assert!(KERNELS.iter().any(|(_, n)| *n == name), "{} launches {name}, which is not in KERNELS", f.display());
+            }
+        }
+        assert!(seen > 20, "found only {seen} kernel lookups under engine/src/cuda");
     }
 }
