@@ -164,6 +164,17 @@ pub trait BatchOps {
     fn can_batch(&mut self, item: &mut BatchItem<'_>) -> bool;
     /// One step of every item (all of one kind: all AR, or all rounds), in one forward.
     fn step(&mut self, items: &mut [BatchItem<'_>]) -> Result<Vec<BatchOut>>;
+    /// The prefills of several sequences in one forward: each prompt, a chain at positions `0..len`, into its
+    /// reset target (committed) and, when it drafts, its drafter's context; returns each prompt's last-row
+    /// logits `[V]` (the session samples its first token from them).
+    fn prefill(&mut self, items: &mut [PrefillItem<'_>]) -> Result<Vec<Vec<f32>>>;
+}
+
+/// One sequence of a batched prefill (see [`BatchOps::prefill`]).
+pub struct PrefillItem<'x> {
+    pub target: &'x mut dyn Target,
+    pub drafter: Option<&'x mut dyn Drafter>,
+    pub prompt: &'x [u32],
 }
 
 /// What a device round returns: the walk (accepted path, the target's decisions along it = the emitted

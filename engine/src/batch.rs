@@ -176,6 +176,84 @@ impl Batch {
         Ok(Admit::Yes)
     }
 
+    /// Prefill several free slots at once: `(slot, prompt, sampling)` each (distinct slots); each result is
+    /// what [`Session::prefill`] gives that slot alone (the first token), the prompts run together in
+    /// forwards of up to [`PREFILL_ROWS`] rows where the model can batch them.
+    pub fn prefill_many(&mut self, items: &[(usize, &[u32], &crate::sampling::Sampling)]) -> Vec<Result<u32>> {
+        let mut out: Vec<Option<Result<u32>>> = items.iter().map(|_| None).collect();
+        let mut ready = Vec::new();
+        for (k, &(slot, prompt, s)) in items.iter().enumerate() {
+            if slot >= self.slots.len() || items[..k].iter().any(|x| x.0 == slot) {
+                out[k] = Some(Err(anyhow::anyhow!("slot {slot} is not a distinct slot of a batch of {}", self.slots.len())));
+                continue;
+            }
+            match self.slots[slot].prefill_begin(prompt, s) {
+                Ok(()) => ready.push(k),
+                Err(e) => out[k] = Some(Err(e)),
+            }
+            self.ghosts[slot] = None;
+        }
+        // Chunks of up to PREFILL_ROWS prompt rows (at least one prompt each).
+        let mut chunks: Vec<Vec<usize>> = Vec::new();
+        let mut rows = 0;
+        for k in ready {
+            let n = items[k].1.len();
+            match chunks.last_mut() {
+                Some(c) if rows + n <= PREFILL_ROWS => c.push(k),
+                _ => {
+                    chunks.push(vec![k]);
+                    rows = 0;
+                }
+            }
+            rows += n;
+        }
+        for chunk in chunks {
+            let mut alone = Vec::new();
+            if let (Some(ops), true) = (self.ops.as_mut(), chunk.len() >= 2) {
+                let mut refs: Vec<(usize, &mut Session<'static>)> = self.slots.iter_mut().enumerate().filter(|(i, _)| chunk.iter().any(|&k| items[k].0 == *i)).collect();
+                refs.sort_by_key(|(i, _)| chunk.iter().position(|&k| items[k].0 == *i));
+                let mut batch_items = Vec::new();
+                let mut joined = Vec::new();
+                for (&k, (_, sess)) in chunk.iter().zip(refs.iter_mut()) {
+                    match sess.prefill_item(items[k].1) {
+                        Some(it) => {
+                            batch_items.push(it);
+                            joined.push(k);
+                        }
+                        None => alone.push(k),
+                    }
+                }
+                if joined.len() >= 2 {
+                    let r = ops.prefill(&mut batch_items);
+                    drop(batch_items);
+                    match r {
+                        Ok(logits) => {
+                            for (k, l) in joined.iter().zip(logits) {
+                                out[*k] = Some(self.slots[items[*k].0].prefill_end(l));
+                            }
+                        }
+                        Err(e) => {
+                            let msg = format!("{e:#}");
+                            for k in joined {
+                                out[k] = Some(Err(anyhow::anyhow!("batched prefill: {msg}")));
+                            }
+                        }
+                    }
+                } else {
+                    drop(batch_items);
+                    alone.extend(joined);
+                }
+            } else {
+                alone = chunk;
+            }
+            for k in alone {
+                let (slot, prompt, s) = items[k];
+                out[k] = Some(self.slots[slot].prefill(prompt, s));
+            }
+        }
+        out.into_iter().map(|r| r.unwrap_or_else(|| Err(anyhow::anyhow!("a prefill that never ran")))).collect()
+    }
+
     /// One step of each slot in `active` (distinct; each prefilled and able to step), in one batched step where
     /// the model can; the results in `active`'s order.
     ///
@@ -254,3 +332,6 @@ impl Batch {
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
+
+/// Prompt rows one batched prefill forward takes at most (its activations grow with them).
+pub const PREFILL_ROWS: usize = 4096;

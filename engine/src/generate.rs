@@ -126,6 +126,7 @@ fn emit(out: &mut Vec<u32>, tok: u32, req: &GenRequest, on_tokens: &mut dyn FnMu
 pub struct Progress {
     out: GenOutput,
     finish: Option<FinishReason>,
+    t0: Instant,
     t_dec: Instant,
     depths: usize,
     drafts: bool,
@@ -134,26 +135,39 @@ pub struct Progress {
 impl Progress {
     /// Prefill `req.prompt` on `session` (room for the whole generation first) and take the first token.
     pub fn start(session: &mut Session<'_>, req: &GenRequest, on_tokens: &mut dyn FnMut(&[u32]) -> bool) -> Result<Progress> {
+        let mut p = Progress::begin(session, req)?;
+        if !p.finished() {
+            let first = session.prefill(&req.prompt, &req.sampling)?;
+            p.first(first, req, on_tokens);
+        }
+        Ok(p)
+    }
+
+    /// Everything before the prefill: the mode check, `max_tokens` 0 (finished at once), room for the whole
+    /// generation up front (the caches never grow, nor a captured round re-captures, midway; best effort:
+    /// when the device cannot hold that much, a max_tokens far beyond what a stop will allow, the caches still
+    /// grow on demand, as far as they can).
+    pub fn begin(session: &mut Session<'_>, req: &GenRequest) -> Result<Progress> {
         let t0 = Instant::now();
         ensure!(req.mode == session.mode(), "request mode {:?} but the session runs {:?}", req.mode, session.mode());
         let out = GenOutput { tokens: Vec::new(), finish_reason: FinishReason::Length, spec: SpecStats::default(), prefill_ms: 0.0, decode_ms: 0.0, ttft_ms: 0.0 };
         let (depths, drafts) = (session.block_size().saturating_sub(1), session.mode().drafts());
-        let mut p = Progress { out, finish: None, t_dec: t0, depths, drafts };
+        let mut p = Progress { out, finish: None, t0, t_dec: t0, depths, drafts };
         if req.max_tokens == 0 {
             ensure!(!req.prompt.is_empty(), "empty prompt");
             p.finish = Some(FinishReason::Length);
             return Ok(p);
         }
-        // Room for the whole generation up front (the caches never grow, nor a captured round re-captures,
-        // midway). Best effort: when the device cannot hold that much (a max_tokens far beyond what a stop will
-        // allow), the caches still grow on demand, as far as they can.
         let _ = session.reserve(req.prompt.len().saturating_add(req.max_tokens));
-        let first = session.prefill(&req.prompt, &req.sampling)?;
-        p.out.prefill_ms = ms(t0);
-        p.out.ttft_ms = p.out.prefill_ms;
-        p.t_dec = Instant::now();
-        p.finish = emit(&mut p.out.tokens, first, req, on_tokens);
         Ok(p)
+    }
+
+    /// The prefill's first token.
+    pub fn first(&mut self, tok: u32, req: &GenRequest, on_tokens: &mut dyn FnMut(&[u32]) -> bool) {
+        self.out.prefill_ms = ms(self.t0);
+        self.out.ttft_ms = self.out.prefill_ms;
+        self.t_dec = Instant::now();
+        self.finish = emit(&mut self.out.tokens, tok, req, on_tokens);
     }
 
     pub fn finished(&self) -> bool {
@@ -235,13 +249,14 @@ pub fn generate_batch<'c>(
     let mut waiting: Option<(usize, Job<'c>)> = None;
     let mut exhausted = false;
     loop {
-        // Admit: fill free slots in order while requests fit.
-        while let Some(slot) = slots.iter().position(Option::is_none) {
-            let Some((index, mut job)) = waiting.take().or_else(|| if exhausted { None } else { next() }) else {
+        // Admit: fill free slots in order while requests fit, then prefill the admitted ones together.
+        let mut admitted: Vec<(usize, usize, Job<'c>, Progress)> = Vec::new();
+        while let Some(slot) = (0..n).find(|&i| slots[i].is_none() && !admitted.iter().any(|a| a.0 == i)) {
+            let Some((index, job)) = waiting.take().or_else(|| if exhausted { None } else { next() }) else {
                 exhausted = true;
                 break;
             };
-            let running: Vec<usize> = (0..n).filter(|&i| slots[i].is_some()).collect();
+            let running: Vec<usize> = (0..n).filter(|&i| slots[i].is_some()).chain(admitted.iter().map(|a| a.0)).collect();
             let positions = job.req.prompt.len().saturating_add(job.req.max_tokens);
             match batch.admit(slot, positions, &running) {
                 Err(e) => done(index, Err(e))?,
@@ -249,11 +264,30 @@ pub fn generate_batch<'c>(
                     waiting = Some((index, job));
                     break;
                 }
-                Ok(crate::batch::Admit::Yes) => match Progress::start(batch.session(slot), &job.req, &mut job.on_tokens) {
+                Ok(crate::batch::Admit::Yes) => match Progress::begin(batch.session(slot), &job.req) {
                     Err(e) => done(index, Err(e))?,
                     Ok(p) if p.finished() => done(index, Ok(p.end()))?,
-                    Ok(p) => slots[slot] = Some(Running { index, job, p }),
+                    Ok(p) => admitted.push((slot, index, job, p)),
                 },
+            }
+        }
+        if !admitted.is_empty() {
+            let firsts = {
+                let items: Vec<(usize, &[u32], &Sampling)> = admitted.iter().map(|(slot, _, job, _)| (*slot, &job.req.prompt[..], &job.req.sampling)).collect();
+                batch.prefill_many(&items)
+            };
+            for ((slot, index, mut job, mut p), first) in admitted.into_iter().zip(firsts) {
+                match first {
+                    Err(e) => done(index, Err(e))?,
+                    Ok(tok) => {
+                        p.first(tok, &job.req, &mut job.on_tokens);
+                        if p.finished() {
+                            done(index, Ok(p.end()))?;
+                        } else {
+                            slots[slot] = Some(Running { index, job, p });
+                        }
+                    }
+                }
             }
         }
         // Sequences at the cache's end finish with Length; the rest step together.

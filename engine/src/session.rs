@@ -27,7 +27,7 @@
 //!
 //! One sequence per session today; batching (issue 15) adds a batch of sequences behind the same calls.
 
-use crate::api::{BatchItem, BatchOut, DeviceRound, Drafter, LogitRows, StepKind, StepOut, Target, TargetInfo};
+use crate::api::{BatchItem, BatchOut, DeviceRound, Drafter, LogitRows, PrefillItem, StepKind, StepOut, Target, TargetInfo};
 use crate::ddtree::{build_tree, build_tree_from_top_k, top_k_log_probs, walk_sampled, AutoBudget, CostModel, DraftTree, Walk};
 use crate::model::Trace;
 use crate::sampling::{sample, Sampling};
@@ -204,8 +204,26 @@ impl<'a> Session<'a> {
 
     /// Start a new sequence: reset, run `prompt`, commit it, return the first generated token.
     pub fn prefill(&mut self, prompt: &[u32], sampling: &Sampling) -> Result<u32> {
+        self.prefill_begin(prompt, sampling)?;
+        let v = self.target.info().vocab_size;
+        let out = self.traced(|s| {
+            let parents: Vec<i32> = (0..prompt.len() as i32).map(|i| i - 1).collect();
+            s.target.forward_rows(prompt, &parents, LogitRows::Last)
+        })?;
+        ensure!(out.logits.len() == v, "target returned {} logits for the last prompt row, vocab {v}", out.logits.len());
+        let path: Vec<usize> = (0..prompt.len()).collect();
+        self.target.commit(&path)?;
+        if self.mode.drafts() {
+            let d = self.drafter.as_mut().context("DDTree session without a drafter")?;
+            d.extend_context(&out.taps, prompt.len())?;
+        }
+        self.prefill_end(out.logits)
+    }
+
+    /// [`Session::prefill`]'s checks and reset: a new sequence of `prompt` with `sampling` (nothing runs).
+    pub(crate) fn prefill_begin(&mut self, prompt: &[u32], sampling: &Sampling) -> Result<()> {
         ensure!(!prompt.is_empty(), "empty prompt");
-        let info = self.target.info().clone();
+        let info = self.target.info();
         ensure!(prompt.len() <= info.max_positions, "prompt of {} tokens exceeds max_positions {}", prompt.len(), info.max_positions);
         if let Some(bad) = prompt.iter().find(|&&t| t as usize >= info.vocab_size) {
             bail!("prompt token {bad} is outside the vocabulary of {}", info.vocab_size);
@@ -220,22 +238,31 @@ impl<'a> Session<'a> {
         if let Some(a) = self.auto.as_mut() {
             a.restart();
         }
-        let ddtree = self.mode.drafts();
-        let out = self.traced(|s| {
-            let parents: Vec<i32> = (0..prompt.len() as i32).map(|i| i - 1).collect();
-            s.target.forward_rows(prompt, &parents, LogitRows::Last)
-        })?;
-        ensure!(out.logits.len() == info.vocab_size, "target returned {} logits for the last prompt row, vocab {}", out.logits.len(), info.vocab_size);
-        let path: Vec<usize> = (0..prompt.len()).collect();
-        self.target.commit(&path)?;
-        if ddtree {
-            let d = self.drafter.as_mut().context("DDTree session without a drafter")?;
-            d.extend_context(&out.taps, prompt.len())?;
+        Ok(())
+    }
+
+    /// This session's prompt as one sequence of a batched prefill (after [`Session::prefill_begin`]); None
+    /// when it must prefill alone (probes recording).
+    pub(crate) fn prefill_item<'x>(&'x mut self, prompt: &'x [u32]) -> Option<PrefillItem<'x>> {
+        if self.probes != ProbeSet::default() {
+            return None;
         }
+        let drafter = match self.mode.drafts() {
+            true => Some(self.drafter.as_deref_mut()? as &mut dyn Drafter),
+            false => None,
+        };
+        Some(PrefillItem { target: &mut *self.target, drafter, prompt })
+    }
+
+    /// The end of a prefill (the prompt committed, the drafter's context extended): the first token from the
+    /// prompt's last-row logits.
+    pub(crate) fn prefill_end(&mut self, logits: Vec<f32>) -> Result<u32> {
+        let v = self.target.info().vocab_size;
+        ensure!(logits.len() == v, "{} logits for the last prompt row, vocab {v}", logits.len());
         // The first generated token sits right after the prompt (sampling.rs: draws keyed by position).
-        let tok = sample(&out.logits, &self.sampling, self.target.committed());
+        let tok = sample(&logits, &self.sampling, self.target.committed());
         if self.probes.logits {
-            self.captured.logits.push(out.logits);
+            self.captured.logits.push(logits);
         }
         self.pending = Some(tok);
         Ok(tok)

@@ -5,6 +5,7 @@
 //! graph's node census and the launches, uploads and reads per step (a replayed step is one graph launch and
 //! one read). `KDTREE_PROFILE=<model>-<mode>-<N>` (e.g. `pair-ar-64`): one step between cuProfilerStart/Stop
 //! instead (Nsight Compute times its kernels; bench/batch.sh). Ignored: run by bench/batch.sh.
+#![cfg(feature = "cuda")]
 
 mod cuda_common;
 mod round_common;

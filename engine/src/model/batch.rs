@@ -27,8 +27,8 @@
 use super::attention::Seg;
 use super::target::{accept_walk, decoder_layers, round_key, RoundSlot, TargetModel};
 use super::weights::Weights;
-use crate::api::{BatchItem, BatchOps, BatchOut, DeviceRound, Drafter, StepKind, Target};
-use crate::backend::{Backend, PosOf};
+use crate::api::{BatchItem, BatchOps, BatchOut, DeviceRound, Drafter, PrefillItem, StepKind, Target};
+use crate::backend::{Backend, PosOf, RopeTable};
 use crate::ddtree::{tree_is_full, Visibility};
 use crate::drafter::DFlashDrafter;
 use crate::sampling::Sampling;
@@ -314,7 +314,69 @@ fn shape(it: &mut BatchItem<'_>, v: usize) -> Result<(usize, usize)> {
     }
 }
 
+impl<B: Backend> BatchEngine<B> {
+    fn prefill_all(&mut self, items: &mut [PrefillItem<'_>]) -> Result<Vec<Vec<f32>>> {
+        let w = self.w.clone();
+        let (b, c) = (&w.backend, &w.cfg);
+        let mut tokens = Vec::new();
+        let mut parts: Vec<(&mut TargetModel<B>, Option<&mut DFlashDrafter<B>>, usize)> = Vec::with_capacity(items.len());
+        for it in items.iter_mut() {
+            let t = concrete_target::<B>(&mut *it.target)?;
+            let d = match it.drafter.as_deref_mut() {
+                Some(d) => Some(concrete_drafter::<B>(Some(d))?),
+                None => None,
+            };
+            let n = it.prompt.len();
+            ensure!(n > 0 && b.kv_committed(&t.cache) == 0, "a batched prefill needs a reset session and a prompt");
+            ensure!(n < c.max_positions, "prompt of {n} tokens: the cache holds {} positions", c.max_positions);
+            for (i, &tok) in it.prompt.iter().enumerate() {
+                ensure!((tok as usize) < c.vocab, "prompt token {i} = {tok} >= vocab {}", c.vocab);
+            }
+            (t.dev_root, t.step_root) = (None, None);
+            t.last_parents.clear();
+            tokens.extend_from_slice(it.prompt);
+            parts.push((t, d, n));
+        }
+        let drafts = parts.iter().any(|p| p.1.is_some());
+        let (mode, tap_layers) = (parts[0].0.mode, if drafts { parts[0].0.info.tap_layers.clone() } else { Vec::new() });
+        // Each prompt a chain at positions 0..len over its own (empty) cache.
+        let masks: Vec<B::Mask> = parts.iter().map(|p| Visibility::from_parents(&(0..p.2 as i32).map(|i| i - 1).collect::<Vec<_>>()).map(|v| b.mask_upload(&v))).collect::<Result<_>>()?;
+        let ropes: Vec<B::Rope> = parts.iter().map(|p| b.rope_upload(RopeTable::new(&c.inv_freq, 0..p.2, c.rope_attention_factor))).collect();
+        let mut segs: Vec<Seg<'_, B>> = parts.iter_mut().zip(masks.iter().zip(&ropes)).map(|(p, (mask, rope))| Seg { kv: &mut p.0.cache, t: p.2, mask, rope }).collect();
+        let (x, taps) = decoder_layers(&w, &mut segs, w.embed(&tokens), &tap_layers, mode, None);
+        drop(segs);
+        // Each prompt's last row through the final norm and lm_head (rows are independent: the values of a
+        // prefill alone, which computes only that row).
+        let (n, h) = (parts.len(), c.hidden);
+        let mut last = b.zeros(n * h);
+        let mut end = 0;
+        for (i, p) in parts.iter().enumerate() {
+            end += p.2;
+            b.set_rows(&mut last, h, i, &b.rows(&x, h, end - 1, end), 1);
+        }
+        let logits = b.to_host(&w.lm_head(&w.final_norm(&last), n));
+        let tw = tap_layers.len() * h;
+        let mut at = 0;
+        for (t, d, len) in parts.iter_mut() {
+            b.kv_set_scratch(&mut t.cache, *len);
+            b.kv_commit_rows(&mut t.cache, *len)?;
+            b.kv_commit_rows_host(&mut t.cache, *len);
+            if let (Some(d), Some(taps)) = (d.as_deref_mut(), taps.as_ref()) {
+                d.extend_context_act(&b.rows(taps, tw, at, at + *len), *len)?;
+            }
+            at += *len;
+        }
+        b.check()?;
+        ensure!(logits.len() == n * c.vocab, "batched prefill: {} logits for {n} prompts x vocab {}", logits.len(), c.vocab);
+        Ok(logits.chunks(c.vocab).map(<[f32]>::to_vec).collect())
+    }
+}
+
 impl<B: Backend> BatchOps for BatchEngine<B> {
+    fn prefill(&mut self, items: &mut [PrefillItem<'_>]) -> Result<Vec<Vec<f32>>> {
+        self.prefill_all(items)
+    }
+
     fn can_batch(&mut self, it: &mut BatchItem<'_>) -> bool {
         let v = self.w.cfg.vocab;
         let rows = it.drafter.as_ref().map(|d| d.block_size()).unwrap_or(0).saturating_sub(1);
