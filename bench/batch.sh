@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 15's throughput table in one device call, from the repository root on the GPU machine: kdtree-run over
-# one prompt file at --max-batch 1, 4, 16, 64, in AR and DDTree (budgets 16 and 64), greedy, on
+# one prompt file at --max-batch 1, 4, 16, 64, in AR and DDTree (budgets 16, 64 and auto: the pair only), greedy, on
 #   * the trained pair (models/kdtree-tiny, converted here for one rank): 128 lines cycling examples/heldout.jsonl,
 #     64 tokens each (a line may stop earlier at its end-of-text token);
 #   * a k26-slice model (real K2.6 widths: hidden 7168, 64 heads, 384 experts top-8, vocab 163840; 3 layers) from
@@ -11,7 +11,10 @@
 # throughput at batch 64 >= 10x batch 1; DDTree at batch 16 above AR at batch 16.
 # Usage: bench/batch.sh DIR (binaries staged by `make gpu-stage`; `make bench-batch` on the GPU machine).
 # Logs and summaries go to $OUT (or a temporary folder). KDTREE_BENCH_BUDGET (s, default 300): runs that would
-# start past it are skipped (and named). Exit 0 all runs done, 1 a run failed or was skipped.
+# start past it are skipped (and named). KDTREE_BATCH_MODELS / KDTREE_BATCH_MODES narrow the CLI runs
+# (default "pair k26" / "ar dd16 dd64 auto"); KDTREE_BATCH_CLI=0 skips them, KDTREE_BATCH_STEPS=0 skips the
+# step timings, KDTREE_BATCH_NCU="pair-ar-64 ..." adds Nsight Compute kernel shares of such steps.
+# Exit 0 all runs done, 1 a run failed or was skipped.
 set -uo pipefail
 dir="${1:?usage: bench/batch.sh DIR-with-staged-binaries (make gpu-stage)}"
 dir="$(cd "$dir" 2>/dev/null && pwd)" || { echo "bench-batch: $1 is not a folder (run make gpu-stage first)" >&2; exit 2; }
@@ -48,7 +51,7 @@ with open(f"{w}/k26.jsonl", "w") as f:
 PY
 run() { # MODEL MODE BATCH
   local name="$1-$2-b$3" m
-  case $2 in ar) m="--mode ar";; dd*) m="--mode ddtree --budget ${2#dd}";; esac
+  case $2 in ar) m="--mode ar";; auto) m="--mode ddtree --budget auto";; dd*) m="--mode ddtree --budget ${2#dd}";; esac
   if [ "$SECONDS" -ge "$budget" ]; then echo "SKIP $name (past the ${budget} s budget)"; echo "$name skipped" >> "$out/skipped"; fail=1; return; fi
   local extra=""
   [ "$1" = k26 ] && extra="--load-format dummy"
@@ -87,9 +90,14 @@ for k, v in tot.most_common(12):
     print(f"BENCH ncu {sys.argv[2]}:   {v / 1e3:9.1f} us {100 * v / s:5.1f}% x{cnt[k]:5d} {k}")
 PY
 done
+# `--budget auto` on the trained pair: its cost file measured here first (kdtree-run calibrate).
 if [ "${KDTREE_BATCH_CLI:-1}" = 1 ]; then
-  for model in pair k26; do
-    for mode in ar dd16 dd64; do
+  for model in ${KDTREE_BATCH_MODELS:-pair k26}; do
+    for mode in ${KDTREE_BATCH_MODES:-ar dd16 dd64 auto}; do
+      [ "$mode" = auto ] && [ "$model" != pair ] && continue
+      if [ "$mode" = auto ] && [ ! -f "$out/calibrated" ]; then
+        "$dir/kdtree-run" calibrate "$work/pair" --device cuda --quiet 2> "$out/calibrate.err" && touch "$out/calibrated" || { echo "FAIL calibrate: $(tail -2 "$out/calibrate.err")"; fail=1; }
+      fi
       for b in 1 4 16 64; do run $model $mode $b; done
     done
   done
@@ -109,9 +117,11 @@ print("| model | mode | batch | tok/s | vs batch 1 | latency p50 / p90 ms | toke
 print("|---|---|---|---|---|---|---|---|")
 tp = {}
 for model in ("pair", "k26"):
-    for mode in ("ar", "dd16", "dd64"):
+    for mode in ("ar", "dd16", "dd64", "auto"):
         for b in (1, 4, 16, 64):
             s = get(f"{model}-{mode}-b{b}")
+            if not s and mode == "auto" and model != "pair":
+                continue
             if not s:
                 print(f"| {model} | {mode} | {b} | — (no run) | | | | |"); continue
             t = s.get("throughput_tok_s") or 0.0
@@ -126,7 +136,7 @@ for model in ("pair", "k26"):
     a1, a64 = tp.get((model, "ar", 1)), tp.get((model, "ar", 64))
     if a1 and a64:
         print(f"- goal {model}: AR batch 64 >= 10x batch 1: {a64 / a1:.1f}x — {'met' if a64 >= 10 * a1 else 'NOT met'}")
-    a16, d16 = tp.get((model, "ar", 16)), max(tp.get((model, "dd16", 16), 0), tp.get((model, "dd64", 16), 0))
+    a16, d16 = tp.get((model, "ar", 16)), max(tp.get((model, m, 16), 0) for m in ("dd16", "dd64", "auto"))
     if a16 and d16:
         print(f"- goal {model}: DDTree batch 16 above AR batch 16: {d16:.0f} vs {a16:.0f} tok/s — {'met' if d16 > a16 else 'NOT met'}")
 PY

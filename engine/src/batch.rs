@@ -271,6 +271,18 @@ impl Batch {
         match self.ops.as_mut() {
             None => alone = (0..active.len()).collect(),
             Some(ops) => {
+                // `--budget auto`: the bucket most of the active sequences chose (ties: the larger), for all.
+                let auto = {
+                    let mut votes: Vec<usize> = active.iter().filter_map(|&i| self.slots[i].auto_budget().map(|a| a.budget())).collect();
+                    votes.sort_unstable();
+                    let mut best: Option<(usize, usize)> = None; // (count, budget)
+                    for c in votes.chunk_by(|a, b| a == b) {
+                        if best.is_none_or(|(n, _)| c.len() >= n) {
+                            best = Some((c.len(), c[0]));
+                        }
+                    }
+                    best.map(|(_, b)| b)
+                };
                 // Every slot in index order: the active ones, then idle ones as ghosts.
                 let mut items: Vec<BatchItem<'_>> = Vec::new();
                 let mut joined: Vec<(usize, Option<usize>, usize)> = Vec::new(); // (slot, position in `active` or None = ghost, start)
@@ -288,7 +300,7 @@ impl Batch {
                         }
                     }
                     let start = s.committed();
-                    let Some(mut it) = s.batch_item() else {
+                    let Some(mut it) = s.batch_item(auto) else {
                         if let Some(k) = k {
                             alone.push(k);
                         }

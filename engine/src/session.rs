@@ -338,7 +338,9 @@ impl<'a> Session<'a> {
     /// This session's next step as one sequence of a batched step ([`crate::Batch`]); None when it must step
     /// alone ([`Session::step`]): before prefill, at the cache's end, with probes recording, with device
     /// rounds off, or `--budget auto` without its cost model.
-    pub(crate) fn batch_item(&mut self) -> Option<BatchItem<'_>> {
+    /// `auto`: the batch's common budget for a `--budget auto` session (the batch picks one bucket for all its
+    /// sequences, so the round keeps one shape; the tokens do not depend on the budget).
+    pub(crate) fn batch_item(&mut self, auto: Option<usize>) -> Option<BatchItem<'_>> {
         let root = self.pending?;
         if !self.device_round || self.probes != ProbeSet::default() || self.target.committed() >= self.target.info().max_positions {
             return None;
@@ -346,7 +348,7 @@ impl<'a> Session<'a> {
         let kind = match self.mode {
             Mode::Ar => StepKind::Ar,
             Mode::DDTree { budget } => StepKind::Tree(budget),
-            Mode::DDTreeAuto { .. } => StepKind::Tree(self.auto.as_ref()?.budget()),
+            Mode::DDTreeAuto { .. } => StepKind::Tree(auto.or_else(|| self.auto.as_ref().map(AutoBudget::budget))?),
             Mode::Chain => StepKind::Chain,
         };
         let drafter = match self.mode.drafts() {
@@ -369,7 +371,8 @@ impl<'a> Session<'a> {
                 ensure!(self.mode.drafts(), "a batched round for an AR session");
                 let budget = match self.mode {
                     Mode::DDTree { budget } => Some(budget),
-                    Mode::DDTreeAuto { .. } => Some(self.auto.as_ref().context("auto budget state lost")?.budget()),
+                    // The batch's budget (the round drafted that many nodes).
+                    Mode::DDTreeAuto { .. } => Some(r.drafted),
                     _ => None,
                 };
                 self.device_rounds += 1;

@@ -168,3 +168,45 @@ fn kv_admission_serialises_what_does_not_fit_and_refuses_what_never_fits() {
         assert!(same(g.as_ref().unwrap(), w), "request {i} differs next to a refused one");
     }
 }
+
+/// `--budget auto` in a batch: each round takes one bucket for every sequence (the one most of them chose),
+/// so the budgets — and the speculation counters — may differ from a run alone, never the tokens.
+#[test]
+fn batched_auto_budget_gives_the_alone_tokens() {
+    use kdtree_engine::ddtree::cost::{CostModel, COST_SCHEMA};
+    let tmp = tempfile::tempdir().unwrap();
+    convert(&pair_dir(), &tmp.path().join("pair1"), 1);
+    let mut m = open(&tmp.path().join("pair1"), Device::Cpu).unwrap();
+    let cost = CostModel { schema: COST_SCHEMA, device: "test".into(), draft_us: 100.0, verify: vec![(1, 4.0), (257, 1028.0)], note: String::new() };
+    let mode = Mode::DDTreeAuto { max: 64 };
+    let cases: Vec<Case> = cases(&mut m, Mode::DDTree { budget: 8 })
+        .into_iter()
+        .map(|mut c| {
+            c.req.mode = mode;
+            c
+        })
+        .collect();
+    let want: Vec<GenOutput> = cases
+        .iter()
+        .map(|c| {
+            let mut s = m.session(mode).unwrap();
+            s.set_cost_model(cost.clone()).unwrap();
+            generate(&mut s, &c.req, &mut callback(c.callback_stop)).unwrap()
+        })
+        .collect();
+    let mut batch = m.batch(mode, 4, None).unwrap();
+    for i in 0..4 {
+        batch.session(i).set_cost_model(cost.clone()).unwrap();
+    }
+    let mut it = cases.iter().cloned().enumerate();
+    let mut got: BTreeMap<usize, GenOutput> = BTreeMap::new();
+    generate_batch(&mut batch, &mut || it.next().map(|(i, c)| (i, Job { req: c.req, on_tokens: Box::new(callback(c.callback_stop)) })), &mut |i, out| {
+        got.insert(i, out?);
+        Ok(())
+    })
+    .unwrap();
+    assert!(batch.batched_steps > 0);
+    for (i, w) in want.iter().enumerate() {
+        assert_eq!((&got[&i].tokens, got[&i].finish_reason), (&w.tokens, w.finish_reason), "request {i}: batched auto differs from alone");
+    }
+}
