@@ -221,10 +221,13 @@ pub fn generate(session: &mut Session<'_>, req: &GenRequest, on_tokens: &mut dyn
     Ok(p.end())
 }
 
+/// A per-token callback (all tokens so far; true = stop), boxed for a [`Job`].
+pub type OnTokens<'c> = Box<dyn FnMut(&[u32]) -> bool + 'c>;
+
 /// One request of [`generate_batch`]: the request and its per-token callback (stop strings).
 pub struct Job<'c> {
     pub req: GenRequest,
-    pub on_tokens: Box<dyn FnMut(&[u32]) -> bool + 'c>,
+    pub on_tokens: OnTokens<'c>,
 }
 
 /// Continuous batching over `batch`: `next()` gives the requests in order (with the caller's index), each
@@ -291,9 +294,9 @@ pub fn generate_batch<'c>(
             }
         }
         // Sequences at the cache's end finish with Length; the rest step together.
-        for i in 0..n {
-            if slots[i].is_some() && !batch.session(i).can_step() {
-                let mut r = slots[i].take().expect("checked");
+        for (i, slot) in slots.iter_mut().enumerate() {
+            if slot.is_some() && !batch.session(i).can_step() {
+                let mut r = slot.take().expect("checked");
                 r.p.cut();
                 done(r.index, Ok(r.p.end()))?;
             }

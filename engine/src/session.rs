@@ -25,7 +25,9 @@
 //!   [`AutoBudget`] chose from the previous round's popped-node scores (ddtree/cost.rs; restarted at each
 //!   prefill), read back with the walk; [`Emitted::budget`] says which. The tokens are those of any budget.
 //!
-//! One sequence per session today; batching (issue 15) adds a batch of sequences behind the same calls.
+//! One sequence per session; [`crate::Batch`] (batch.rs) steps many sessions forked from one model together, through
+//! `Session::batch_item` / `Session::batched` (and `prefill_begin` / `prefill_item` / `prefill_end` for their
+//! prompts), so a batched sequence keeps this bookkeeping.
 
 use crate::api::{BatchItem, BatchOut, DeviceRound, Drafter, LogitRows, PrefillItem, StepKind, StepOut, Target, TargetInfo};
 use crate::ddtree::{build_tree, build_tree_from_top_k, top_k_log_probs, walk_sampled, AutoBudget, CostModel, DraftTree, Walk};

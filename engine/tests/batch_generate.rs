@@ -36,9 +36,12 @@ fn alone(m: &mut Loaded, cases: &[Case]) -> Vec<GenOutput> {
         .collect()
 }
 
-/// Runs `cases` through a batch of `slots`; the outputs in input order, the batch's counters and the most
-/// sequences that were running at once.
-fn batched(m: &Loaded, cases: &[Case], slots: usize, kv_bytes: Option<usize>) -> (Vec<Result<GenOutput, String>>, (usize, usize, usize), usize) {
+/// What [`batched`] returns: the outputs in input order, the batch's counters (batched steps, slot-steps in
+/// them, steps alone) and the most sequences that were running at once.
+type Batched = (Vec<Result<GenOutput, String>>, (usize, usize, usize), usize);
+
+/// Runs `cases` through a batch of `slots` (see [`Batched`]).
+fn batched(m: &Loaded, cases: &[Case], slots: usize, kv_bytes: Option<usize>) -> Batched {
     let mode = cases[0].req.mode;
     let mut batch = m.batch(mode, slots, kv_bytes).unwrap();
     let mut it = cases.iter().cloned().enumerate();

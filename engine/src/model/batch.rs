@@ -314,12 +314,15 @@ fn shape(it: &mut BatchItem<'_>, v: usize) -> Result<(usize, usize)> {
     }
 }
 
+/// One prompt of a batched prefill: its target, its drafter (when it drafts), its length.
+type PrefillPart<'p, B> = (&'p mut TargetModel<B>, Option<&'p mut DFlashDrafter<B>>, usize);
+
 impl<B: Backend> BatchEngine<B> {
     fn prefill_all(&mut self, items: &mut [PrefillItem<'_>]) -> Result<Vec<Vec<f32>>> {
         let w = self.w.clone();
         let (b, c) = (&w.backend, &w.cfg);
         let mut tokens = Vec::new();
-        let mut parts: Vec<(&mut TargetModel<B>, Option<&mut DFlashDrafter<B>>, usize)> = Vec::with_capacity(items.len());
+        let mut parts: Vec<PrefillPart<'_, B>> = Vec::with_capacity(items.len());
         for it in items.iter_mut() {
             let t = concrete_target::<B>(&mut *it.target)?;
             let d = match it.drafter.as_deref_mut() {

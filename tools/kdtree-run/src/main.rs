@@ -268,7 +268,7 @@ fn answer(args: &Args, job: &mut Job, sink: &mut Sink) -> Result<(Vec<verify::Pr
         totals.borrow_mut().add(&record, false);
         st.written += 1;
         log(args, format_args!("{}", progress(st.written, lines.len(), &line.id, &outcome)));
-        st.ready.insert(i, Ready::Record(record, Some(outcome)));
+        st.ready.insert(i, Ready::Record(Box::new(record), Some(Box::new(outcome))));
         st.flush(lines, &runner, golden)
     };
     // The next line to generate, in order; kept and failing lines are settled on the way.
@@ -295,7 +295,7 @@ fn answer(args: &Args, job: &mut Job, sink: &mut Sink) -> Result<(Vec<verify::Pr
                     st.ready.insert(i, ready);
                     st.flush(lines, &runner, golden)
                 }
-                Err(outcome) => finish(&mut st, i, outcome),
+                Err(outcome) => finish(&mut st, i, *outcome),
             };
             if let Err(e) = r {
                 st.error = Some(e);
@@ -339,8 +339,11 @@ enum Ready {
     /// Kept by --resume after a line answered again: its bytes are copied.
     Copy(Vec<u8>),
     /// A new record (and its outcome, for --verify).
-    Record(serde_json::Value, Option<records::Outcome>),
+    Record(Box<serde_json::Value>, Option<Box<records::Outcome>>),
 }
+
+/// A line to re-check under --verify: its id, its prompt ids (or why it has none), its greedy tokens.
+type VerifyLine = (String, std::result::Result<Vec<u32>, String>, Option<Vec<u32>>);
 
 /// The in-order writer's state of [`answer`].
 struct Answering<'s> {
@@ -348,7 +351,7 @@ struct Answering<'s> {
     ready: BTreeMap<usize, Ready>,
     next_write: usize,
     prepared: HashMap<usize, runner::Prepared>,
-    to_verify: Vec<(String, std::result::Result<Vec<u32>, String>, Option<Vec<u32>>)>,
+    to_verify: Vec<VerifyLine>,
     sink: &'s mut Sink,
     /// Records made so far (progress lines).
     written: usize,
@@ -381,7 +384,7 @@ impl Answering<'_> {
                 Err(e) => Err(format!("the line is invalid: {e}")),
                 Ok(req) => runner.prompt_ids(req).map(|(ids, _)| ids).map_err(|(code, msg)| format!("{code}: {msg}")),
             };
-            let greedy = match &outcome {
+            let greedy = match outcome.as_deref() {
                 Some(records::Outcome::Done(c)) if c.sampling.temperature <= 0.0 => Some(c.token_ids.clone()),
                 _ => None,
             };

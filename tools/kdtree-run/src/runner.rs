@@ -66,6 +66,11 @@ fn encode(tok: &Tokenizer, text: &str) -> Result<Vec<u32>, Refusal> {
     tok.try_encode(text).map_err(|e| ("tokenizer_error", kdtree_text::console::error_chain(&e)))
 }
 
+/// [`failed`], boxed (a line refused before generation).
+fn refused(code: &str, message: impl Into<String>) -> Box<Outcome> {
+    Box::new(failed(code, message))
+}
+
 fn failed(code: &str, message: impl Into<String>) -> Outcome {
     Outcome::Failed { code: code.to_string(), message: message.into() }
 }
@@ -77,7 +82,7 @@ impl<'a> Runner<'a> {
     pub fn run_line(&self, session: &mut Session<'_>, line: &PromptLine) -> Outcome {
         let p = match self.prepare_line(line) {
             Ok(p) => p,
-            Err(o) => return o,
+            Err(o) => return *o,
         };
         let mut on_tokens = self.on_tokens(&p);
         let out = generate(session, &p.req, &mut on_tokens);
@@ -85,9 +90,9 @@ impl<'a> Runner<'a> {
     }
 
     /// The line's request, ready to generate; Err = the record of a line that fails before generation.
-    pub fn prepare_line(&self, line: &PromptLine) -> Result<Prepared, Outcome> {
+    pub fn prepare_line(&self, line: &PromptLine) -> Result<Prepared, Box<Outcome>> {
         match &line.request {
-            Err(e) => Err(failed(e.code, e.to_string())),
+            Err(e) => Err(Box::new(failed(e.code, e.to_string()))),
             Ok(req) => self.prepare(req),
         }
     }
@@ -117,18 +122,18 @@ impl<'a> Runner<'a> {
         }
     }
 
-    fn prepare(&self, req: &Request) -> Result<Prepared, Outcome> {
+    fn prepare(&self, req: &Request) -> Result<Prepared, Box<Outcome>> {
         let t0 = Instant::now();
-        let (prompt, _) = self.prompt_ids(req).map_err(|(code, message)| failed(code, message))?;
+        let (prompt, _) = self.prompt_ids(req).map_err(|(code, message)| refused(code, message))?;
         let info = &self.info;
         if prompt.is_empty() {
-            return Err(failed("empty_prompt", "the prompt encodes to no tokens"));
+            return Err(refused("empty_prompt", "the prompt encodes to no tokens"));
         }
         if let Some(bad) = prompt.iter().find(|&&t| t as usize >= info.vocab_size) {
-            return Err(failed("invalid_request", format!("token id {bad} is outside the model's vocabulary of {}", info.vocab_size)));
+            return Err(refused("invalid_request", format!("token id {bad} is outside the model's vocabulary of {}", info.vocab_size)));
         }
         if prompt.len() >= info.max_positions {
-            return Err(failed(
+            return Err(refused(
                 "context_length_exceeded",
                 format!("the prompt has {} tokens; the model's context holds {} positions", prompt.len(), info.max_positions),
             ));
@@ -136,7 +141,7 @@ impl<'a> Runner<'a> {
         let d = &self.defaults;
         let used = SamplingUsed::resolve(d, req);
         if self.tokenizer.is_none() && !used.stop.is_empty() {
-            return Err(failed("invalid_request", "stop strings need a tokenizer (tiktoken.model) in the model directory"));
+            return Err(refused("invalid_request", "stop strings need a tokenizer (tiktoken.model) in the model directory"));
         }
         let gen_req = GenRequest {
             prompt: prompt.clone(),

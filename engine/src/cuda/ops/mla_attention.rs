@@ -183,7 +183,7 @@ pub fn mla_attention_seg(gpu: &Gpu, q: &CudaView<'_, bf16>, segs: &[MlaSeg<'_>],
     ensure(OP, kv_lora.is_multiple_of(8) && rope.is_multiple_of(8) && kv_lora > 0 && kv_lora <= 512 && lw <= 576, || format!("kv_lora={kv_lora} and rope={rope}: multiples of 8, at most 512 + 64"))?;
     let t: usize = segs.iter().map(|s| s.t).sum();
     let splits = segs.iter().map(|s| s.splits).max().unwrap_or(1);
-    ensure(OP, splits >= 1 && splits <= MERGE_MAX_SPLITS, || format!("{splits} splits: the merge takes 1..={MERGE_MAX_SPLITS}"))?;
+    ensure(OP, (1..=MERGE_MAX_SPLITS).contains(&splits), || format!("{splits} splits: the merge takes 1..={MERGE_MAX_SPLITS}"))?;
     need_len(OP, "q", q.len(), t * heads * lw)?;
     need_len(OP, "part_o", part_o.len(), t * splits * heads * kv_lora)?;
     need_len(OP, "part_ml", part_ml.len(), t * splits * heads * 2)?;
