@@ -126,6 +126,20 @@ PY
         --temperature $temp --seed 1 --max-batch 8 --summary "$e2e/batch8-$mode-t$temp.json" --quiet 2>> "$e2e/batch.err" || status=1
     done
   done
+  # Mixed per-line overrides (greedy, nucleus, top-k, stop strings, max_tokens), the same ids: batch 8 vs 1.
+  python3 - "$e2e/mixed.jsonl" <<'PY'
+import json, sys
+with open(sys.argv[1], "w") as f:
+    for i, l in enumerate(open("examples/heldout.jsonl")):
+        x = json.loads(l)
+        x.update([{}, {"temperature": 0.8, "top_p": 0.9, "seed": i}, {"temperature": 1.0, "top_k": 20, "seed": 7 * i},
+                  {"stop": ["return", "\n\n"], "max_tokens": 20 + i}][i % 4])
+        f.write(json.dumps(x) + "\n")
+PY
+  for b in 1 8; do
+    "$dir/kdtree-run" "$e2e/pair1" --prompts "$e2e/mixed.jsonl" --out "$e2e/mixed-b$b.jsonl" --device cuda --mode ddtree --budget 16 \
+      --max-batch $b --summary "$e2e/mixed-b$b.json" --quiet 2>> "$e2e/batch.err" || status=1
+  done
   sed 's/^/E2E batch stderr: /' "$e2e/batch.err" | head -20 | tee -a "$log"
   "$dir/kdtree-golden" "$e2e/pair1" --prompts examples/heldout.jsonl --out "$e2e/gold-heldout" --device cuda --max-tokens 64 \
     --full-logits-steps 0 --topk 2 --trace-step 0 --no-ddtree --quiet || status=1
@@ -199,6 +213,16 @@ for temp in (0, 1):
         print(f"E2E batch {mode} T={temp} --max-batch 8 vs 1: {same} of {len(one_b)} lines identical"
               + (f", near-ties {ties}" if ties else "") + (f", {'FAIL' if temp == 0 else 'differ'} {fails}" if fails else "")
               + f"; throughput {s8.get('throughput_tok_s') or 0:.0f} vs {s1.get('throughput_tok_s') or 0:.0f} tok/s")
+try:
+    m1, m8 = load(f"{e2e}/mixed-b1.jsonl"), load(f"{e2e}/mixed-b8.jsonl")
+    greedy = {json.loads(l)["id"] for i, l in enumerate(open(f"{e2e}/mixed.jsonl")) if i % 4 in (0, 3)}
+    diff = [k for k in m1 if m1[k] != m8.get(k)]
+    hard = [k for k in diff if k in greedy]
+    bad += len(hard)
+    print(f"E2E batch mixed overrides (greedy, top-p, top-k, stop strings, max_tokens) DDTree b16 --max-batch 8 vs 1: "
+          f"{len(m1) - len(diff)} of {len(m1)} lines identical" + (f", differ {diff}" if diff else "") + (" FAIL (greedy)" if hard else ""))
+except (OSError, ValueError) as e:
+    print(f"E2E batch mixed overrides: no output ({e})"); bad += 1
 sys.exit(1 if bad else 0)
 PY
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

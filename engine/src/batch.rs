@@ -138,6 +138,15 @@ impl Batch {
         &self.slots
     }
 
+    /// End slot `slot`'s sequence and give its caches' storage back (after a failed step: the slot's state is
+    /// not trusted again, not even as a ghost).
+    pub fn release(&mut self, slot: usize) {
+        if let Some(s) = self.slots.get_mut(slot) {
+            s.release();
+            (self.rows[slot], self.ghosts[slot]) = (0, None);
+        }
+    }
+
     /// Bytes slot `slot`'s caches take when sized for `rows` rows.
     fn bytes(&self, slot: usize, rows: usize) -> usize {
         if rows == 0 {

@@ -310,9 +310,11 @@ pub fn generate_batch<'c>(
         }
         match batch.step(&active) {
             Err(e) => {
+                // Every sequence of the failed step fails; their slots start afresh.
                 let msg = crate::generate::chain(&e);
                 for &i in &active {
                     let r = slots[i].take().expect("active");
+                    batch.release(i);
                     done(r.index, Err(anyhow::anyhow!("{msg}")))?;
                 }
             }
@@ -323,6 +325,7 @@ pub fn generate_batch<'c>(
                     let kept = batch.session(i).keep(kept);
                     if let Err(e) = kept {
                         let r = slots[i].take().expect("active");
+                        batch.release(i);
                         done(r.index, Err(e))?;
                         continue;
                     }

@@ -236,7 +236,9 @@ fn answer(args: &Args, job: &mut Job, sink: &mut Sink) -> Result<(Vec<verify::Pr
         stop_token_ids: model.stop_token_ids.clone(),
         defaults: job.defaults.clone(),
     };
-    let slots = args.max_batch as usize;
+    // No more slots than lines left to generate (each slot is a forked session).
+    let to_run = (0..job.lines.len()).filter(|&i| job.existing.kept(i).is_none()).count();
+    let slots = (args.max_batch as usize).min(to_run.max(1));
     let kv_cap = args.kv_memory.map(|g| (g * (1u64 << 30) as f64) as usize);
     let mut batch = model.loaded.batch(job.defaults.mode, slots, kv_cap)?;
     if let Some(cost) = &job.cost {
@@ -244,7 +246,7 @@ fn answer(args: &Args, job: &mut Job, sink: &mut Sink) -> Result<(Vec<verify::Pr
             batch.session(i).set_cost_model(cost.clone())?;
         }
     }
-    if slots > 1 {
+    if args.max_batch > 1 {
         let kv = batch.kv_budget().bytes.map_or("not limited".into(), |b| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64));
         log(args, format_args!("batch: up to {slots} sequences in flight; KV memory {kv}"));
     }
