@@ -17,11 +17,15 @@ use kdtree_engine::{Loaded, Mode};
 use std::sync::Arc;
 
 fn steps(g: &Arc<kdtree_engine::cuda::Gpu>, m: &Loaded, model: &str) {
+    steps_at(g, m, model, &[1, 4, 16, 64], &[("ar", Mode::Ar), ("dd16", Mode::DDTree { budget: 16 })]);
+}
+
+fn steps_at(g: &Arc<kdtree_engine::cuda::Gpu>, m: &Loaded, model: &str, sizes: &[usize], modes: &[(&str, Mode)]) {
     let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
     let profile = std::env::var("KDTREE_PROFILE").unwrap_or_default();
     let v = m.info().vocab_size as u32;
-    for (tag, mode) in [("ar", Mode::Ar), ("dd16", Mode::DDTree { budget: 16 })] {
-        for n in [1usize, 4, 16, 64] {
+    for &(tag, mode) in modes {
+        for &n in sizes {
             let name = format!("{model}-{tag}-{n}");
             if !profile.is_empty() && profile != name {
                 continue;
@@ -92,4 +96,21 @@ fn batch_steps_k26_slice() {
     let src = DummySource::from_json("k26-slice/config.json", &c, Some(("k26-slice/drafter/config.json", &d)), 1, 0, 0).unwrap();
     let m = open_dummy_cuda_on(src, g.clone()).unwrap();
     steps(&g, &m, "k26");
+}
+
+/// The TP8 rank-0 slice of the full 61-layer K2.6 (dummy weights, ~78 GB filled on the GPU): what one GPU of
+/// eight computes for a batch, without the all-reduces. `KDTREE_BATCH_K26R0=1` (a long fill; bench/batch.sh).
+#[test]
+#[ignore = "timing; run by bench/batch.sh with KDTREE_BATCH_K26R0=1"]
+fn batch_steps_k26_rank0() {
+    if std::env::var("KDTREE_BATCH_K26R0").as_deref() != Ok("1") {
+        return;
+    }
+    let Some(g) = cuda_common::gpu() else { return };
+    let g = Arc::new(g);
+    let p = kdtree_convert::synth::resolve("k26", None).unwrap();
+    let (c, d) = (kdtree_convert::synth::configs::model_config(&p).to_string(), kdtree_convert::synth::configs::drafter_config(&p).to_string());
+    let src = DummySource::from_json("k26/config.json", &c, Some(("k26/drafter/config.json", &d)), 8, 0, 0).unwrap();
+    let m = open_dummy_cuda_on(src, g.clone()).unwrap();
+    steps_at(&g, &m, "k26r0", &[1, 16, 64], &[("ar", Mode::Ar), ("dd16", Mode::DDTree { budget: 16 })]);
 }
