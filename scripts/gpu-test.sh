@@ -45,13 +45,18 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libcublas\.so'; then
   done
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/gpu: /'
+# cudarc loads libnccl by the names libnccl.so / libnccl.so.<CUDA major>; pip's nvidia-nccl-cu13 ships libnccl.so.2.
+ncclso="$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null)"
+if [ -f "$ncclso" ] && ! ldconfig -p 2>/dev/null | grep -q 'libnccl\.so '; then
+  nccl_dir="$(mktemp -d)" && ln -s "$ncclso" "$nccl_dir/libnccl.so" && export LD_LIBRARY_PATH="$nccl_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
 status=0
 # Suites that capture CUDA graphs run their tests one at a time: the tests of one binary share the device's
 # primary context, and another test's teardown (cuBLAS handle, module unload, pinned frees synchronise the
 # context) invalidates a capture in flight. One process per GPU, as kdtree-run is, never meets that.
-for t in cuda_ddtree cuda_sample cuda_drafter cuda_round cuda_ops cuda_gemm cuda_mla cuda_target; do
+for t in cuda_ddtree cuda_sample cuda_drafter cuda_round cuda_ops cuda_gemm cuda_mla cuda_target cuda_comm; do
   echo "== $t (parity)"
-  case $t in cuda_ddtree|cuda_round|cuda_ops|cuda_target) threads="--test-threads=1";; *) threads="";; esac
+  case $t in cuda_ddtree|cuda_round|cuda_ops|cuda_target|cuda_comm) threads="--test-threads=1";; *) threads="";; esac
   # Poisoned: buffers an op should write in full start as NaN bytes (Gpu::out), so reading unwritten memory fails.
   KDTREE_CUDA_POISON=1 "$dir/$t" --nocapture $threads 2>&1 | tee -a "$log" | grep -E "^(PARITY|BOUNDARY|test |test result|thread|  left|  right|SKIP)|panicked"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

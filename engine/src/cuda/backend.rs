@@ -644,6 +644,9 @@ impl Backend for CudaBackend {
         for p in it {
             self.add(&mut acc, &p);
         }
+        // The ranks on this GPU summed in rank order; then the other GPUs' sums (cuda/comm.rs).
+        let comm = self.gpu.comm();
+        self.run("all_reduce", || comm.all_reduce_sum(&self.gpu, &mut acc));
         acc
     }
 

@@ -8,6 +8,7 @@
 //! to [`CudaError`] naming the op. Parity tests: engine/tests/cuda_ops.rs.
 
 pub mod backend;
+pub mod comm;
 mod load;
 pub mod ops;
 pub mod tree;
@@ -103,6 +104,8 @@ pub struct Gpu {
     poison: bool,
     /// Launch the W4A16 GEMMs with programmatic dependent launch (sm_90+; `KDTREE_PDL=0` turns it off).
     pdl: std::sync::atomic::AtomicBool,
+    /// How this GPU's rank sums meet those of the other GPUs of a run ([`comm::Communicator`]; `OneGpu` by default).
+    comm: std::sync::RwLock<Arc<dyn comm::Communicator>>,
 }
 
 /// What a captured CUDA graph holds, by node type (cuBLAS calls appear as their kernels; stream-ordered
@@ -252,7 +255,7 @@ impl Gpu {
         let gemm_counters = stream.alloc_zeros::<u32>(GEMM_COUNTERS).map_err(drv("gemm counters"))?;
         let major = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR).map_err(drv("device attributes"))?;
         let pdl = major >= 9 && std::env::var("KDTREE_PDL").map(|v| v != "0").unwrap_or(true);
-        let gpu = Gpu { ctx, stream, blas, sms, max_smem, smem_per_sm, _module: module, funcs, _blas_workspace: ws, graphs: std::sync::atomic::AtomicBool::new(std::env::var("KDTREE_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true)), capture_failure: std::sync::Mutex::new(None), load: std::sync::Mutex::new(None), stats: GpuStats::default(), gemm_counters, last_graph: std::sync::Mutex::new(None), w4a16_bps: std::sync::atomic::AtomicUsize::new(std::env::var("KDTREE_W4A16_BLOCKS_PER_SM").ok().and_then(|v| v.parse().ok()).unwrap_or(4)), w4a16_max_splits: std::sync::atomic::AtomicUsize::new(std::env::var("KDTREE_W4A16_MAX_SPLITS").ok().and_then(|v| v.parse().ok()).unwrap_or(64)), gemv: std::sync::atomic::AtomicBool::new(std::env::var("KDTREE_GEMV").is_ok_and(|v| v == "1")), poison: std::env::var("KDTREE_CUDA_POISON").is_ok_and(|v| v == "1"), pdl: std::sync::atomic::AtomicBool::new(pdl) };
+        let gpu = Gpu { ctx, stream, blas, sms, max_smem, smem_per_sm, _module: module, funcs, _blas_workspace: ws, graphs: std::sync::atomic::AtomicBool::new(std::env::var("KDTREE_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true)), capture_failure: std::sync::Mutex::new(None), load: std::sync::Mutex::new(None), stats: GpuStats::default(), gemm_counters, last_graph: std::sync::Mutex::new(None), w4a16_bps: std::sync::atomic::AtomicUsize::new(std::env::var("KDTREE_W4A16_BLOCKS_PER_SM").ok().and_then(|v| v.parse().ok()).unwrap_or(4)), w4a16_max_splits: std::sync::atomic::AtomicUsize::new(std::env::var("KDTREE_W4A16_MAX_SPLITS").ok().and_then(|v| v.parse().ok()).unwrap_or(64)), gemv: std::sync::atomic::AtomicBool::new(std::env::var("KDTREE_GEMV").is_ok_and(|v| v == "1")), poison: std::env::var("KDTREE_CUDA_POISON").is_ok_and(|v| v == "1"), pdl: std::sync::atomic::AtomicBool::new(pdl), comm: std::sync::RwLock::new(Arc::new(comm::OneGpu)) };
         ops::w4a16_gemm::configure(&gpu)?;
         ops::gqa_attention::configure(&gpu)?;
         ops::ddtree_build::configure(&gpu)?;
@@ -263,6 +266,15 @@ impl Gpu {
     pub(crate) fn func(&self, name: &'static str) -> &CudaFunction {
         GpuStats::bump(&self.stats.launches);
         &self.funcs[name]
+    }
+
+    /// The communicator the all-reduces of this GPU's forwards go through.
+    pub fn comm(&self) -> Arc<dyn comm::Communicator> {
+        self.comm.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+    /// Use `c` from the next forward on (a captured round keeps the one it was captured with: set it before).
+    pub fn set_comm(&self, c: Arc<dyn comm::Communicator>) {
+        *self.comm.write().unwrap_or_else(|p| p.into_inner()) = c;
     }
 
     /// What the last CUDA graph captured on this GPU holds (a DDTree round, an AR step), by node type.
