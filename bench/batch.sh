@@ -22,12 +22,7 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 out="${OUT:-$(mktemp -d)}"
 mkdir -p "$out" || exit 2
 budget="${KDTREE_BENCH_BUDGET:-300}"
-if ! ldconfig -p 2>/dev/null | grep -q 'libcublas\.so'; then
-  for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
-      $(python3 -c 'import nvidia, os; print(" ".join(os.path.join(p, s, "lib") for p in nvidia.__path__ for s in ("cu13", "cublas")))' 2>/dev/null); do
-    [ -d "$d" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  done
-fi
+. "$root/bench/cuda-libs.sh" # the CUDA 13 library folders, when the loader does not find libcublas
 gpu="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
 echo "gpu: ${gpu:-unknown}; commit: $(cat "$dir/COMMIT" 2>/dev/null || echo unknown); logs: $out"
 work="$(mktemp -d)"

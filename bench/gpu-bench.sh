@@ -22,13 +22,7 @@ rust="$out/bench-rust.log" peers="$out/peers.jsonl" perr="$out/peers.stderr" sta
 budget="${KDTREE_BENCH_BUDGET:-540}"
 command -v timeout >/dev/null || timeout() { shift; "$@"; } # no coreutils timeout: run unbounded
 export KDTREE_REQUIRE_GPU=1
-# cudarc dlopens libcuda and libcublas by name: the library folders scripts/gpu-test.sh adds, when not found.
-if ! ldconfig -p 2>/dev/null | grep -q 'libcublas\.so'; then
-  for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
-      $(python3 -c 'import nvidia, os; print(" ".join(os.path.join(p, s, "lib") for p in nvidia.__path__ for s in ("cu13", "cublas")))' 2>/dev/null); do
-    [ -d "$d" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  done
-fi
+. "$root/bench/cuda-libs.sh" # the CUDA 13 library folders, when the loader does not find libcublas
 gpu="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
 echo "gpu: ${gpu:-unknown} ($(nvidia-smi --query-gpu=driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1))"
 echo "commit: $(cat "$dir/COMMIT" 2>/dev/null || echo "unknown (no $dir/COMMIT: stage with make gpu-stage)")"
