@@ -55,6 +55,24 @@ impl RopeTable {
     }
 }
 
+/// The vocab-parallel shards of embed_tokens / lm_head a backend holds: `mats` in rank order, the first at
+/// global row `first` of a `vocab`-row table. All of them here (`first` 0, rows summing to `vocab`: one GPU) is
+/// the merge done locally. Otherwise (tensor parallelism over several GPUs, `crate::tp`) the rows / logit
+/// columns of the other GPUs' shards come out zero and go through the backend's communicator sum: every id's
+/// row and every logit column has exactly one non-zero part, so the merge is exact (x + 0 = x).
+pub struct VocabShards<'a, M> {
+    pub mats: Vec<&'a M>,
+    pub first: usize,
+    pub vocab: usize,
+}
+
+impl<M> VocabShards<'_, M> {
+    /// Whether every shard is here (no merge through the communicator).
+    pub fn whole(&self, rows: impl Fn(&M) -> usize) -> bool {
+        self.first == 0 && self.mats.iter().map(|m| rows(m)).sum::<usize>() == self.vocab
+    }
+}
+
 /// Where a forward's positions start: the target's committed rows or another position counter (the
 /// drafter's context). A device backend reads it where the ops run, so a captured round replays at any
 /// position.
@@ -199,15 +217,17 @@ pub trait Backend: Clone + Send + Sync + 'static {
     fn all_reduce(&self, partials: Vec<Self::Act>) -> Self::Act;
 
     // ---- vocabulary ----
-    /// `embed_tokens` rows `[n, H]` from vocab-parallel shards `[V/R, H]` (rank order).
-    fn embedding(&self, shards: &[&Self::Mat], h: usize, tokens: &[u32]) -> Self::Act;
+    /// `embed_tokens` rows `[n, H]` of the vocab-parallel shards `v` holds; rows of ids another GPU holds are
+    /// zero here until the GPU's communicator sums them in (see [`VocabShards`]).
+    fn embedding(&self, v: &VocabShards<'_, Self::Mat>, h: usize, tokens: &[u32]) -> Self::Act;
     /// [`Backend::embedding`] of `n` ids already where the ops run.
-    fn embedding_ids(&self, shards: &[&Self::Mat], h: usize, ids: &Self::Ids, n: usize) -> Self::Act;
-    /// lm_head `[n, V]` over vocab-parallel shards, merged in global vocab order.
-    fn lm_head(&self, x: &Self::Act, n: usize, h: usize, shards: &[&Self::Mat]) -> Self::Act;
+    fn embedding_ids(&self, v: &VocabShards<'_, Self::Mat>, h: usize, ids: &Self::Ids, n: usize) -> Self::Act;
+    /// lm_head `[n, V]` over vocab-parallel shards, merged in global vocab order (other GPUs' columns summed in
+    /// by the communicator).
+    fn lm_head(&self, x: &Self::Act, n: usize, h: usize, v: &VocabShards<'_, Self::Mat>) -> Self::Act;
     /// Greedy token of each row of lm_head(x) `[n]`: per-shard argmax merged in global vocab order
-    /// (lowest global id wins ties), without forming the `[n, V]` logits.
-    fn lm_head_argmax(&self, x: &Self::Act, n: usize, h: usize, shards: &[&Self::Mat]) -> Vec<u32>;
+    /// (lowest global id wins ties), without forming the `[n, V]` logits when every shard is here.
+    fn lm_head_argmax(&self, x: &Self::Act, n: usize, h: usize, v: &VocabShards<'_, Self::Mat>) -> Vec<u32>;
 
     // ---- MLA ----
     fn kv_new(&self, layers: usize, width: usize) -> Self::Kv;

@@ -19,6 +19,7 @@ pub mod generate;
 pub mod model;
 pub mod sampling;
 pub mod session;
+pub mod tp;
 
 pub use model::open::{open, open_cpu, open_with, CpuModel, Device, Loaded, OpenOptions};
 #[cfg(feature = "cuda")]

@@ -42,6 +42,7 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("gather_rows.cu", "kdtree_gather_rows_f32"),
     ("gqa_attention.cu", "kdtree_gqa_attention_split_f32"),
     ("gqa_attention.cu", "kdtree_gqa_attention_merge_f32"),
+    ("group_all_reduce.cu", "kdtree_group_all_reduce_f32"),
     ("kv_compact.cu", "kdtree_kv_compact_bf16"),
     ("mla_attention.cu", "kdtree_mla_attention_split_bf16"),
     ("mla_attention.cu", "kdtree_mla_attention_merge_bf16"),

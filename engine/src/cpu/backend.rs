@@ -6,7 +6,7 @@
 //! ops (bit for bit: golden/regen.sh --check). Tests: engine/tests/target_*.rs, ddtree_drafter.rs.
 
 use super::ops;
-use crate::backend::{Backend, PosOf, RopeTable};
+use crate::backend::{Backend, PosOf, RopeTable, VocabShards};
 use crate::ddtree::{build_tree_from_top_k, top_k_log_probs, walk_sampled, DraftTree, Visibility, Walk};
 use crate::model::cache::LatentCache;
 use crate::model::source::Slab;
@@ -15,9 +15,27 @@ use crate::model::AttnMode;
 use anyhow::Result;
 use half::bf16;
 
-/// The CPU reference backend (rayon, f32 accumulation, fixed reduction order).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct CpuBackend;
+/// The CPU reference backend (rayon, f32 accumulation, fixed reduction order). `comm`: this rank's group
+/// when the ranks of a run are threads of their own (`crate::tp`), None when one backend holds them all.
+#[derive(Debug, Clone, Default)]
+pub struct CpuBackend {
+    pub comm: Option<super::comm::HostRank>,
+}
+
+impl CpuBackend {
+    /// The backend of rank `c.rank` of a group of rank threads.
+    pub fn with_comm(c: super::comm::HostRank) -> CpuBackend {
+        CpuBackend { comm: Some(c) }
+    }
+    /// `x` summed over the group (identity without one). A failed group (a rank died) is a panic here, which
+    /// the rank thread turns into that rank's error (ops are infallible on the CPU).
+    fn group_sum(&self, x: Vec<f32>) -> Vec<f32> {
+        match &self.comm {
+            None => x,
+            Some(c) => c.group.all_reduce(c.rank, x).unwrap_or_else(|why| panic!("tensor-parallel group: {why}")),
+        }
+    }
+}
 
 /// The CPU tree workspace: the last build's tree, depths and mask and the last walk (`ddtree`). The device
 /// round uses it only for trees that fill the budget (`ddtree::tree_is_full`: budget + 1 nodes).
@@ -192,23 +210,57 @@ impl Backend for CpuBackend {
         ops::silu_mul(gate, up)
     }
     fn all_reduce(&self, partials: Vec<Vec<f32>>) -> Vec<f32> {
-        let n = partials.first().map_or(0, Vec::len);
-        ops::all_reduce_sum(&partials, n)
+        // With a group, `0 + p0 + p1 + …` over the group's ranks is the same chain of adds as here, when each
+        // rank thread holds one rank.
+        match (&self.comm, partials.as_slice()) {
+            (Some(_), [one]) => self.group_sum(one.clone()),
+            _ => {
+                let n = partials.first().map_or(0, Vec::len);
+                self.group_sum(ops::all_reduce_sum(&partials, n))
+            }
+        }
     }
 
-    fn embedding(&self, shards: &[&Mat], h: usize, tokens: &[u32]) -> Vec<f32> {
-        let s: Vec<&[bf16]> = shards.iter().map(|m| &m.w[..]).collect();
-        ops::embedding_bf16(&s, h, tokens)
+    fn embedding(&self, v: &VocabShards<'_, Mat>, h: usize, tokens: &[u32]) -> Vec<f32> {
+        let s: Vec<&[bf16]> = v.mats.iter().map(|m| &m.w[..]).collect();
+        if v.whole(|m| m.rows) {
+            return ops::embedding_bf16(&s, h, tokens);
+        }
+        // This group's rows; the other groups' ids stay zero until the sum.
+        let (lo, hi) = (v.first, v.first + v.mats.iter().map(|m| m.rows).sum::<usize>());
+        let mut out = vec![0f32; tokens.len() * h];
+        for (i, &t) in tokens.iter().enumerate() {
+            let t = t as usize;
+            assert!(t < v.vocab, "embedding_bf16: token {t} >= vocab {}", v.vocab);
+            if (lo..hi).contains(&t) {
+                out[i * h..(i + 1) * h].copy_from_slice(&ops::embedding_bf16(&s, h, &[(t - lo) as u32]));
+            }
+        }
+        self.group_sum(out)
     }
-    fn embedding_ids(&self, shards: &[&Mat], h: usize, ids: &Vec<u32>, n: usize) -> Vec<f32> {
-        self.embedding(shards, h, &ids[..n])
+    fn embedding_ids(&self, v: &VocabShards<'_, Mat>, h: usize, ids: &Vec<u32>, n: usize) -> Vec<f32> {
+        self.embedding(v, h, &ids[..n])
     }
-    fn lm_head(&self, x: &Vec<f32>, n: usize, h: usize, shards: &[&Mat]) -> Vec<f32> {
-        let s: Vec<&[bf16]> = shards.iter().map(|m| &m.w[..]).collect();
-        ops::lm_head_bf16(x, n, h, &s)
+    fn lm_head(&self, x: &Vec<f32>, n: usize, h: usize, v: &VocabShards<'_, Mat>) -> Vec<f32> {
+        let s: Vec<&[bf16]> = v.mats.iter().map(|m| &m.w[..]).collect();
+        let local = ops::lm_head_bf16(x, n, h, &s);
+        if v.whole(|m| m.rows) {
+            return local;
+        }
+        // This group's columns of the global [n, V]; the other groups' columns are summed in.
+        let w = local.len() / n.max(1);
+        let mut out = vec![0f32; n * v.vocab];
+        for i in 0..n {
+            out[i * v.vocab + v.first..i * v.vocab + v.first + w].copy_from_slice(&local[i * w..(i + 1) * w]);
+        }
+        self.group_sum(out)
     }
-    fn lm_head_argmax(&self, x: &Vec<f32>, n: usize, h: usize, shards: &[&Mat]) -> Vec<u32> {
-        let s: Vec<&[bf16]> = shards.iter().map(|m| &m.w[..]).collect();
+    fn lm_head_argmax(&self, x: &Vec<f32>, n: usize, h: usize, v: &VocabShards<'_, Mat>) -> Vec<u32> {
+        if !v.whole(|m| m.rows) {
+            let logits = self.lm_head(x, n, h, v);
+            return (0..n).map(|i| crate::sampling::argmax(&logits[i * v.vocab..(i + 1) * v.vocab])).collect();
+        }
+        let s: Vec<&[bf16]> = v.mats.iter().map(|m| &m.w[..]).collect();
         ops::lm_head_argmax_bf16(x, n, h, &s)
     }
 

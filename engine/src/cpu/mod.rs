@@ -3,6 +3,7 @@
 //! against; `backend` implements `backend::Backend` with them.
 
 pub mod backend;
+pub mod comm;
 pub mod ops;
 
 pub use backend::CpuBackend;

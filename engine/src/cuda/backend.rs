@@ -32,7 +32,7 @@ use super::ops::gqa_attention::{gqa_attention, GqaShape, GqaSplit};
 use super::ops::mla_attention::{self as seg_op, mla_attention, MlaShape, MlaSplit};
 use super::ops::{argmax, copy_rows, embed, fill, gather_rows, gemm_bf16, kv_compact, moe_align, moe_combine, moe_router, round_state, w4a16_gemm};
 use super::{CudaError, Gpu};
-use crate::backend::{Backend, PosOf, RopeTable};
+use crate::backend::{Backend, PosOf, RopeTable, VocabShards};
 use crate::cpu::ops::{Fill, MlaDims, Router};
 use crate::ddtree::{TreeResult, Visibility};
 use super::tree::{DMask, DeviceTree};
@@ -207,16 +207,23 @@ impl CudaBackend {
     }
     /// `x[T, K] · W^T` in f32 (x rounded to bf16 for the GEMM).
     /// Embedding rows `[n, h]` (f32) of the device ids over one or several vocab shards.
-    fn embed_rows(&self, shards: &[&DMat], h: usize, ids: &cudarc::driver::CudaView<'_, i32>) -> R<CudaSlice<f32>> {
-        let mut e = self.gpu.out::<bf16>(ids.len() * h)?;
-        if let [one] = shards {
+    /// The embedding rows of `ids` from the shards `v` holds (other GPUs' rows zero, then the communicator's
+    /// sum: [`VocabShards`]).
+    fn embed_rows(&self, v: &VocabShards<'_, DMat>, h: usize, ids: &cudarc::driver::CudaView<'_, i32>) -> R<CudaSlice<f32>> {
+        let whole = v.whole(|m| m.rows);
+        let mut e = if whole { self.gpu.out::<bf16>(ids.len() * h)? } else { self.gpu.zeros::<bf16>(ids.len() * h)? };
+        if let ([one], true) = (v.mats.as_slice(), whole) {
             embed::embed_gather(&self.gpu, ids, &one.w.as_view(), &mut e.as_view_mut(), one.rows, h)?;
         } else {
-            let views: Vec<_> = shards.iter().map(|m| m.w.as_view()).collect();
-            let parts: Vec<_> = views.iter().zip(shards).map(|(v, m)| (v, m.rows)).collect();
-            embed::embed_gather_sharded(&self.gpu, ids, &parts, &mut e.as_view_mut(), h)?;
+            let views: Vec<_> = v.mats.iter().map(|m| m.w.as_view()).collect();
+            let parts: Vec<_> = views.iter().zip(&v.mats).map(|(w, m)| (w, m.rows)).collect();
+            embed::embed_gather_sharded(&self.gpu, ids, &parts, &mut e.as_view_mut(), h, v.first, v.vocab)?;
         }
-        self.to_f32(&e)
+        let mut x = self.to_f32(&e)?;
+        if !whole {
+            self.gpu.comm().all_reduce_sum(&self.gpu, &mut x)?;
+        }
+        Ok(x)
     }
     fn gemm_f32(&self, x: &CudaSlice<f32>, t: usize, w: &DMat) -> R<CudaSlice<f32>> {
         let xb = self.to_bf16(x)?;
@@ -650,50 +657,55 @@ impl Backend for CudaBackend {
         acc
     }
 
-    fn embedding(&self, shards: &[&DMat], h: usize, tokens: &[u32]) -> CudaSlice<f32> {
+    fn embedding(&self, v: &VocabShards<'_, DMat>, h: usize, tokens: &[u32]) -> CudaSlice<f32> {
         self.run("embedding", || {
             let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
             let ids = self.gpu.upload(&ids)?;
-            self.embed_rows(shards, h, &ids.as_view())
+            self.embed_rows(v, h, &ids.as_view())
         })
         .unwrap_or_else(|| self.empty())
     }
-    fn embedding_ids(&self, shards: &[&DMat], h: usize, ids: &CudaSlice<u32>, n: usize) -> CudaSlice<f32> {
+    fn embedding_ids(&self, v: &VocabShards<'_, DMat>, h: usize, ids: &CudaSlice<u32>, n: usize) -> CudaSlice<f32> {
         self.run("embedding", || {
             if ids.len() < n {
                 return Err(CudaError::Shape { op: "embedding", msg: format!("{} ids for {n} rows", ids.len()) });
             }
-            let v = ids.slice(..n);
+            let iv = ids.slice(..n);
             // SAFETY: the token ids are below the vocabulary (< 2^31), so u32 and i32 hold the same values.
-            let iv = unsafe { v.transmute::<i32>(n) }.expect("n ids");
-            self.embed_rows(shards, h, &iv)
+            let iv = unsafe { iv.transmute::<i32>(n) }.expect("n ids");
+            self.embed_rows(v, h, &iv)
         })
         .unwrap_or_else(|| self.empty())
     }
-    fn lm_head(&self, x: &CudaSlice<f32>, n: usize, _h: usize, shards: &[&DMat]) -> CudaSlice<f32> {
+    fn lm_head(&self, x: &CudaSlice<f32>, n: usize, _h: usize, v: &VocabShards<'_, DMat>) -> CudaSlice<f32> {
         self.run("lm_head", || {
-            if let [one] = shards {
+            let whole = v.whole(|m| m.rows);
+            if let ([one], true) = (v.mats.as_slice(), whole) {
                 return self.gemm_f32(x, n, one);
             }
-            // Vocab-parallel shards: each writes its columns of the merged [n, V] (global vocab order).
-            let v: usize = shards.iter().map(|m| m.rows).sum();
+            // Vocab-parallel shards: each writes its columns of the merged [n, V] (global vocab order); the other
+            // GPUs' columns are zero here and summed in by the communicator.
+            let vt = v.vocab;
             let xb = self.to_bf16(x)?;
-            let mut y = self.gpu.out::<f32>(n * v)?;
-            let mut col = 0;
-            for m in shards {
-                gemm_bf16::gemm_bf16_ld(&self.gpu, &xb.as_view(), &m.w.as_view(), &mut y.slice_mut(col..), n, m.cols, m.rows, v)?;
+            let mut y = if whole { self.gpu.out::<f32>(n * vt)? } else { self.gpu.zeros::<f32>(n * vt)? };
+            let mut col = v.first;
+            for m in &v.mats {
+                gemm_bf16::gemm_bf16_ld(&self.gpu, &xb.as_view(), &m.w.as_view(), &mut y.slice_mut(col..), n, m.cols, m.rows, vt)?;
                 col += m.rows;
+            }
+            if !whole {
+                self.gpu.comm().all_reduce_sum(&self.gpu, &mut y)?;
             }
             Ok(y)
         })
         .unwrap_or_else(|| self.empty())
     }
-    fn lm_head_argmax(&self, x: &CudaSlice<f32>, n: usize, h: usize, shards: &[&DMat]) -> Vec<u32> {
-        let logits = self.lm_head(x, n, h, shards);
-        let v = shards.iter().map(|m| m.rows).sum::<usize>();
+    fn lm_head_argmax(&self, x: &CudaSlice<f32>, n: usize, h: usize, v: &VocabShards<'_, DMat>) -> Vec<u32> {
+        let logits = self.lm_head(x, n, h, v);
+        let vt = v.vocab;
         self.run("lm_head_argmax", || {
             let mut ids = self.gpu.out::<u32>(n)?;
-            argmax::argmax(&self.gpu, &logits.as_view(), n, v, v, &mut ids.as_view_mut())?;
+            argmax::argmax(&self.gpu, &logits.as_view(), n, vt, vt, &mut ids.as_view_mut())?;
             self.gpu.download(&ids)
         })
         .unwrap_or_default()

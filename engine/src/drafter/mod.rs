@@ -160,11 +160,11 @@ impl DFlashDrafter<CpuBackend> {
     /// Load the drafter of a converted model (`drafter.*` tensors, gathered over ranks) with the target's
     /// tables, on the CPU. Errors when the model has no drafter.
     pub fn load(src: &dyn crate::model::TensorSource, tables: Arc<dyn TargetTables>) -> Result<Self> {
-        Self::load_on(CpuBackend, src, tables)
+        Self::load_on(CpuBackend::default(), src, tables)
     }
     /// A CPU drafter from host weights.
     pub fn new(cfg: &DrafterConfig, w: DrafterWeights, tables: Arc<dyn TargetTables>) -> Result<Self> {
-        Self::new_on(CpuBackend, cfg, w, tables)
+        Self::new_on(CpuBackend::default(), cfg, w, tables)
     }
 }
 

@@ -13,7 +13,7 @@
 
 pub use super::config::{ModelConfig, LATENT_NORM_EPS};
 use super::source::{expect, expect_split, Slab, TensorSource};
-use crate::backend::Backend;
+use crate::backend::{Backend, VocabShards};
 use crate::cpu::{ops, CpuBackend};
 use crate::cpu::ops::Fill;
 use anyhow::{bail, ensure, Context, Result};
@@ -120,6 +120,9 @@ pub struct Weights<B: Backend = CpuBackend> {
     pub ranks: Vec<RankWeights<B>>,
     /// `cfg.inv_freq` where the ops read it (`Backend::rope_at` of the device round).
     pub rope_inv: B::VectorF32,
+    /// Global vocab row of `ranks[0]`'s embed_tokens / lm_head shard (0 unless this is one GPU's group of
+    /// ranks of a run over several: [`Weights::load_group`]).
+    pub vocab_first: usize,
 }
 
 /// Loader context of one rank: the source and helpers that check shape and split, then upload.
@@ -217,7 +220,7 @@ impl<B: Backend> Ld<'_, B> {
 impl Weights<CpuBackend> {
     /// Load the target from `src` on the CPU backend.
     pub fn load(src: Arc<dyn TensorSource>) -> Result<Weights<CpuBackend>> {
-        Weights::load_on(CpuBackend, src)
+        Weights::load_on(CpuBackend::default(), src)
     }
 }
 
@@ -228,18 +231,34 @@ impl<B: Backend> Weights<B> {
     /// vocabulary is that rank's V/R rows of embed_tokens / lm_head as ids 0..V/R (`cfg.vocab` = V/R).
     /// Tensors the source marks with a fill are filled on the backend (`Backend::fill_*`), the rest uploaded.
     pub fn load_on(b: B, src: Arc<dyn TensorSource>) -> Result<Weights<B>> {
+        Self::load_held(b, src, None)
+    }
+
+    /// Ranks `group` of `src`'s plan only (one GPU's share of a run over several, `crate::tp`): `ranks` holds
+    /// them, every all-reduce sums their partials and then goes through the backend's communicator, and the
+    /// vocabulary stays global (`cfg.vocab` = V; the group's embed_tokens / lm_head rows start at
+    /// [`Weights::vocab_first`], the other GPUs' rows are summed in by the communicator). Only the group's own
+    /// shard files are read.
+    pub fn load_group(b: B, src: Arc<dyn TensorSource>, group: std::ops::Range<usize>) -> Result<Weights<B>> {
+        ensure!(src.slice_rank().is_none(), "a rank slice cannot be loaded as a group of ranks");
+        ensure!(!group.is_empty() && group.end <= src.ranks(), "ranks {group:?} of a {}-rank plan", src.ranks());
+        Self::load_held(b, src, Some(group))
+    }
+
+    fn load_held(b: B, src: Arc<dyn TensorSource>, group: Option<std::ops::Range<usize>>) -> Result<Weights<B>> {
         let t = src.text_config().clone();
         let r = src.ranks();
         let mut cfg = ModelConfig::from_text(&t, r)?;
         let (v, nh) = (cfg.vocab, cfg.heads);
         ensure!(r >= 1 && nh % r == 0, "{nh} heads do not divide over {r} ranks");
         ensure!(v % r == 0, "vocab {v} does not divide over {r} ranks");
-        let held: Vec<usize> = match src.slice_rank() {
-            Some(k) => {
+        let held: Vec<usize> = match (src.slice_rank(), &group) {
+            (Some(k), _) => {
                 ensure!(k < r, "rank slice {k} of a {r}-rank plan");
                 vec![k]
             }
-            None => (0..r).collect(),
+            (None, Some(g)) => g.clone().collect(),
+            (None, None) => (0..r).collect(),
         };
         let prefix = ["language_model.", ""]
             .into_iter()
@@ -254,19 +273,26 @@ impl<B: Backend> Weights<B> {
             cfg.slice_rank = Some(k);
         }
         let rope_inv = b.upload_vector_f32(Slab::Owned(cfg.inv_freq.clone()))?;
-        Ok(Weights { backend: b, cfg, ranks, rope_inv })
+        let vocab_first = match (src.slice_rank(), &group) {
+            (None, Some(g)) => g.start * (v / r),
+            _ => 0,
+        };
+        Ok(Weights { backend: b, cfg, ranks, rope_inv, vocab_first })
     }
 
     /// `embed_tokens` rows of `tokens`: `[n, H]`, each looked up on the rank owning its vocab slice.
     pub fn embed(&self, tokens: &[u32]) -> B::Act {
-        let shards: Vec<&B::Mat> = self.ranks.iter().map(|r| &r.embed).collect();
-        self.backend.embedding(&shards, self.cfg.hidden, tokens)
+        self.backend.embedding(&self.vocab(|r| &r.embed), self.cfg.hidden, tokens)
+    }
+
+    /// The vocab-parallel shards of `which` (embed_tokens or lm_head) this backend holds, placed in the vocab.
+    fn vocab<'a>(&'a self, which: impl Fn(&'a RankWeights<B>) -> &'a B::Mat) -> VocabShards<'a, B::Mat> {
+        VocabShards { mats: self.ranks.iter().map(which).collect(), first: self.vocab_first, vocab: self.cfg.vocab }
     }
 
     /// [`Weights::embed`] of `n` ids already where the ops run.
     pub fn embed_ids(&self, ids: &B::Ids, n: usize) -> B::Act {
-        let shards: Vec<&B::Mat> = self.ranks.iter().map(|r| &r.embed).collect();
-        self.backend.embedding_ids(&shards, self.cfg.hidden, ids, n)
+        self.backend.embedding_ids(&self.vocab(|r| &r.embed), self.cfg.hidden, ids, n)
     }
 
     /// Final RMSNorm (`model.norm`, eps = rms_norm_eps) of `x` `[n, H]`.
@@ -277,14 +303,12 @@ impl<B: Backend> Weights<B> {
     /// `lm_head(x)` for `x` `[n, H]` (already normed): `[n, V]` logits, the vocab-parallel rank slices
     /// merged in global id order.
     pub fn lm_head(&self, x: &B::Act, n: usize) -> B::Act {
-        let shards: Vec<&B::Mat> = self.ranks.iter().map(|r| &r.lm_head).collect();
-        self.backend.lm_head(x, n, self.cfg.hidden, &shards)
+        self.backend.lm_head(x, n, self.cfg.hidden, &self.vocab(|r| &r.lm_head))
     }
 
     /// Greedy token of each row of `lm_head(x)` (vocab-parallel argmax, merged in global id order).
     pub fn lm_head_argmax(&self, x: &B::Act, n: usize) -> Vec<u32> {
-        let shards: Vec<&B::Mat> = self.ranks.iter().map(|r| &r.lm_head).collect();
-        self.backend.lm_head_argmax(x, n, self.cfg.hidden, &shards)
+        self.backend.lm_head_argmax(x, n, self.cfg.hidden, &self.vocab(|r| &r.lm_head))
     }
 }
 
