@@ -200,6 +200,15 @@ impl GpuStats {
     }
 }
 
+/// GPUs the driver can see (0 when libcuda is absent or fails to initialise).
+pub fn device_count() -> usize {
+    // SAFETY: only probes whether the shared library can be dlopened.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return 0;
+    }
+    CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
+}
+
 impl Gpu {
     /// Opens device `ordinal`, loads the embedded fatbin and resolves every kernel in
     /// `kdtree_kernels::KERNELS` (a missing one is an error naming it). Fails with

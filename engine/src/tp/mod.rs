@@ -685,13 +685,31 @@ pub fn group_ranks(ranks: usize, groups: usize) -> Result<Vec<std::ops::Range<us
 /// Open the converted model `dir` as `groups` groups placed by `place` (each loads only its ranks' shards and
 /// the drafter; see the module doc). `progress`: group 0's load progress on stderr.
 pub fn open_tp(dir: &Path, groups: usize, place: Placement, progress: bool) -> Result<Loaded> {
+    let (src, needed) = model_source(dir, groups)?;
+    open_tp_source(src, groups, place, Some(needed), progress).with_context(|| format!("loading {} as {groups} tensor-parallel groups", dir.display()))
+}
+
+/// `dir`'s tensors and each of `groups` groups' upload bytes.
+fn model_source(dir: &Path, groups: usize) -> Result<(Arc<dyn TensorSource>, Vec<u64>)> {
     let md = kdtree_formats::ModelDir::open(dir).with_context(|| format!("opening model {}", dir.display()))?;
     // The bytes each group uploads: its ranks' target tensors, and the whole drafter (every group runs it).
     let ranges = group_ranks(md.manifest().plan.ranks, groups)?;
     let drafter: u64 = md.manifest().tensors.iter().filter(|t| t.name.starts_with("drafter.") && (t.split_axis.is_some() || t.rank == 0)).map(|t| t.nbytes).sum();
     let needed = ranges.iter().map(|r| drafter + md.manifest().tensors.iter().filter(|t| !t.name.starts_with("drafter.") && r.contains(&t.rank)).map(|t| t.nbytes).sum::<u64>()).collect();
-    let src: Arc<dyn TensorSource> = Arc::new(md);
-    open_tp_source(src, groups, place, Some(needed), progress).with_context(|| format!("loading {} as {groups} tensor-parallel groups", dir.display()))
+    Ok((Arc::new(md), needed))
+}
+
+/// [`open_tp`] on GPUs, with each group's [`crate::cuda::Gpu`] (tests and benches read their counters).
+#[cfg(feature = "cuda")]
+pub fn open_tp_gpus(dir: &Path, groups: usize, place: Placement, progress: bool) -> Result<(Loaded, Vec<Arc<crate::cuda::Gpu>>)> {
+    let (src, needed) = model_source(dir, groups)?;
+    let ranges = group_ranks(src.ranks(), groups)?;
+    let r = match place {
+        Placement::SharedGpu(o) => cuda_groups(src, ranges, o, None, Some(needed), progress),
+        Placement::Gpus(o) => cuda_groups(src, ranges, o[0], Some(o), Some(needed), progress),
+        Placement::Cpu => bail!("open_tp_gpus: the CPU placement has no GPUs"),
+    };
+    r.with_context(|| format!("loading {} as {groups} tensor-parallel groups", dir.display()))
 }
 
 /// [`open_tp`] over any tensor source (tests: in-memory models); `needed`: each group's upload bytes where
@@ -717,12 +735,9 @@ pub fn open_tp_source(src: Arc<dyn TensorSource>, groups: usize, place: Placemen
             start(inits, 1, Box::new(move |why| g2.abort(why)), "cpu", "cpu".into())
         }
         #[cfg(feature = "cuda")]
-        Placement::SharedGpu(ordinal) => cuda_groups(src, ranges, ordinal, None, needed, progress),
+        Placement::SharedGpu(ordinal) => cuda_groups(src, ranges, ordinal, None, needed, progress).map(|r| r.0),
         #[cfg(feature = "cuda")]
-        Placement::Gpus(ordinals) => {
-            ensure!(ordinals.len() == groups, "{} GPUs for {groups} groups", ordinals.len());
-            cuda_groups(src, ranges, ordinals[0], Some(ordinals), needed, progress)
-        }
+        Placement::Gpus(ordinals) => cuda_groups(src, ranges, ordinals[0], Some(ordinals), needed, progress).map(|r| r.0),
         #[cfg(not(feature = "cuda"))]
         _ => {
             let _ = (progress, needed);
@@ -750,10 +765,13 @@ where
 
 /// CUDA groups: all on GPU `ordinal` (the one-GPU communicator) or group g on `gpus[g]` (NCCL).
 #[cfg(feature = "cuda")]
-fn cuda_groups(src: Arc<dyn TensorSource>, ranges: Vec<std::ops::Range<usize>>, ordinal: usize, gpus: Option<Vec<usize>>, needed: Option<Vec<u64>>, progress: bool) -> Result<Loaded> {
+fn cuda_groups(src: Arc<dyn TensorSource>, ranges: Vec<std::ops::Range<usize>>, ordinal: usize, gpus: Option<Vec<usize>>, needed: Option<Vec<u64>>, progress: bool) -> Result<(Loaded, Vec<Arc<crate::cuda::Gpu>>)> {
     use crate::cuda::comm::{Communicator, Nccl, SharedGpu};
     use crate::cuda::{CudaBackend, Gpu};
     let groups = ranges.len();
+    if let Some(o) = &gpus {
+        ensure!(o.len() == groups, "{} GPUs for {groups} groups", o.len());
+    }
     // Each group's GPU and communicator first (NCCL is initialised over all of them at once), then the loads in
     // parallel on the groups' threads.
     let devs: Vec<Arc<Gpu>> = match &gpus {
@@ -785,6 +803,7 @@ fn cuda_groups(src: Arc<dyn TensorSource>, ranges: Vec<std::ops::Range<usize>>, 
         devs[0].describe(),
         free as f64 / (1u64 << 30) as f64
     );
+    let keep = devs.clone();
     let inits = ranges
         .into_iter()
         .zip(devs)
@@ -802,5 +821,5 @@ fn cuda_groups(src: Arc<dyn TensorSource>, ranges: Vec<std::ops::Range<usize>>, 
             }) as GroupInit
         })
         .collect();
-    start(inits, per_device, Box::new(|_| {}), "cuda", name)
+    Ok((start(inits, per_device, Box::new(|_| {}), "cuda", name)?, keep))
 }

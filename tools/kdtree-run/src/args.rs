@@ -85,6 +85,17 @@ pub struct Args {
     #[arg(long, value_name = "GIB")]
     pub kv_memory: Option<f64>,
 
+    /// GPUs to spread the model's tensor-parallel ranks over (R ranks as N groups of R/N, each GPU loading only
+    /// its own ranks' shards; NCCL between them). Default: the largest divisor of R that the visible GPUs
+    /// hold; 1 runs every rank on one GPU. On the CPU backend, N threads stand in for the GPUs.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=64))]
+    pub gpus: Option<u64>,
+
+    /// Run the --gpus N groups side by side on GPU 0, each with its own stream, weights and graphs, meeting
+    /// through the one-GPU communicator (what N GPUs would run, on one; for checks and measurement).
+    #[arg(long, requires = "gpus")]
+    pub share_gpu: bool,
+
     /// Default maximum completion tokens per line.
     #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_tokens: u64,

@@ -51,15 +51,56 @@ fn engine_device(device: DeviceArg) -> kdtree_engine::Device {
     }
 }
 
+/// How the model's ranks are spread (`--gpus`, `--share-gpu`): None = every rank on one device (one
+/// controller), Some((groups, placement)) = rank groups on threads of their own (`kdtree_engine::tp`).
+pub fn placement(dir: &Path, device: DeviceArg, gpus: Option<u64>, share: bool) -> Result<Option<(usize, kdtree_engine::tp::Placement)>> {
+    use kdtree_engine::tp::Placement;
+    let ranks = kdtree_formats::ModelDir::open(dir).with_context(|| format!("opening model {}", dir.display()))?.manifest().plan.ranks;
+    let visible = gpu_count(device);
+    let n = match gpus {
+        Some(n) => n as usize,
+        // The largest divisor of the ranks the visible GPUs hold.
+        None => (1..=ranks.min(visible.max(1))).rev().find(|n| ranks.is_multiple_of(*n)).unwrap_or(1),
+    };
+    kdtree_engine::tp::group_ranks(ranks, n)?;
+    if n == 1 && !share {
+        return Ok(None);
+    }
+    if visible == 0 {
+        anyhow::ensure!(device != DeviceArg::Cuda, "--device cuda: no GPU is visible");
+        return Ok(Some((n, Placement::Cpu)));
+    }
+    if share {
+        return Ok(Some((n, Placement::SharedGpu(0))));
+    }
+    anyhow::ensure!(n <= visible, "--gpus {n}: only {visible} GPU{} visible (add --share-gpu to run the {n} groups side by side on GPU 0)", if visible == 1 { " is" } else { "s are" });
+    Ok(Some((n, Placement::Gpus((0..n).collect()))))
+}
+
+/// GPUs this run may use: none on the CPU backend or in a build without CUDA.
+fn gpu_count(device: DeviceArg) -> usize {
+    if device == DeviceArg::Cpu {
+        return 0;
+    }
+    #[cfg(feature = "cuda")]
+    return kdtree_engine::cuda::device_count();
+    #[cfg(not(feature = "cuda"))]
+    0
+}
+
 /// Load everything `dir` holds.
-pub fn load(dir: &Path, device: DeviceArg, progress: bool) -> Result<Model> {
+pub fn load(dir: &Path, device: DeviceArg, progress: bool, place: Option<(usize, kdtree_engine::tp::Placement)>) -> Result<Model> {
     let device = engine_device(device);
     let eos = kdtree_formats::ModelDir::open(dir)
         .with_context(|| format!("opening model {}", dir.display()))?
         .text_config()
         .eos_token_id;
     let opts = kdtree_engine::OpenOptions { attn_mode: kdtree_engine::model::AttnMode::Absorbed, progress };
-    let loaded = kdtree_engine::open_with(dir, device, opts).with_context(|| format!("loading model {}", dir.display()))?;
+    let loaded = match place {
+        None => kdtree_engine::open_with(dir, device, opts),
+        Some((groups, place)) => kdtree_engine::tp::open_tp(dir, groups, place, progress),
+    }
+    .with_context(|| format!("loading model {}", dir.display()))?;
     let tokenizer = if dir.join("tiktoken.model").exists() { Some(Tokenizer::from_dir(dir)?) } else { None };
     let has_template = dir.join("chat_template.jinja").exists() || {
         let cfg = dir.join("tokenizer_config.json");

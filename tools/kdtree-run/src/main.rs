@@ -43,6 +43,12 @@ use crate::summary::{RunInfo, Totals};
 
 fn main() -> ExitCode {
     let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    // More hardware queues than streams: the rank groups of --gpus N --share-gpu each run on their own stream
+    // and meet inside their kernels, so no group's kernel may queue behind another's (read when the first CUDA
+    // context is made).
+    if std::env::var_os("CUDA_DEVICE_MAX_CONNECTIONS").is_none() {
+        std::env::set_var("CUDA_DEVICE_MAX_CONNECTIONS", "32");
+    }
     let result = if argv.get(1).is_some_and(|a| a == "calibrate") {
         let rest = argv[2..].iter().cloned();
         calibrate::run(&CalibrateArgs::parse_from(std::iter::once("kdtree-run calibrate".into()).chain(rest))).map(|()| true)
@@ -198,6 +204,7 @@ fn open_model(args: &Args, d: &Defaults, bundle: Option<&(Bundle, HashMap<String
         if ddtree && !args.model.join("drafter/config.json").exists() {
             return Err(anyhow::anyhow!("{} has no drafter/config.json; --mode {:?} needs one (use --mode ar)", args.model.display(), d.mode));
         }
+        anyhow::ensure!(args.gpus.is_none_or(|n| n == 1) && !args.share_gpu, "--gpus / --share-gpu: dummy weights load one rank slice (--rank); use a converted model");
         load::load_dummy(&args.model, args.device, !args.quiet, (args.ranks as usize, args.rank as usize, args.dummy_seed))?
     } else {
         let dir = kdtree_formats::ModelDir::open(&args.model).with_context(|| format!("opening model {}", args.model.display()))?;
@@ -205,7 +212,11 @@ fn open_model(args: &Args, d: &Defaults, bundle: Option<&(Bundle, HashMap<String
             return Err(no_drafter());
         }
         drop(dir);
-        load::load(&args.model, args.device, !args.quiet)?
+        let place = load::placement(&args.model, args.device, args.gpus, args.share_gpu)?;
+        if let Some((n, p)) = &place {
+            log(args, format_args!("tensor parallel: {n} rank groups, {p:?}"));
+        }
+        load::load(&args.model, args.device, !args.quiet, place)?
     };
     if ddtree && !model.loaded.has_drafter() {
         return Err(no_drafter());
