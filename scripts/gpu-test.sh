@@ -54,9 +54,12 @@ status=0
 # Suites that capture CUDA graphs run their tests one at a time: the tests of one binary share the device's
 # primary context, and another test's teardown (cuBLAS handle, module unload, pinned frees synchronise the
 # context) invalidates a capture in flight. One process per GPU, as kdtree-run is, never meets that.
-for t in cuda_ddtree cuda_sample cuda_drafter cuda_round cuda_ops cuda_gemm cuda_mla cuda_target cuda_comm; do
+# Rank groups on one GPU (cuda_tp, kdtree-run --share-gpu) each run on their own stream and meet inside their
+# kernels: more hardware queues than streams, so no group's kernel waits behind another's.
+export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-32}"
+for t in cuda_ddtree cuda_sample cuda_drafter cuda_round cuda_ops cuda_gemm cuda_mla cuda_target cuda_comm cuda_tp; do
   echo "== $t (parity)"
-  case $t in cuda_ddtree|cuda_round|cuda_ops|cuda_target|cuda_comm) threads="--test-threads=1";; *) threads="";; esac
+  case $t in cuda_ddtree|cuda_round|cuda_ops|cuda_target|cuda_comm|cuda_tp) threads="--test-threads=1";; *) threads="";; esac
   # Poisoned: buffers an op should write in full start as NaN bytes (Gpu::out), so reading unwritten memory fails.
   KDTREE_CUDA_POISON=1 "$dir/$t" --nocapture $threads 2>&1 | tee -a "$log" | grep -E "^(PARITY|BOUNDARY|test |test result|thread|  left|  right|SKIP)|panicked"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
@@ -93,6 +96,12 @@ PY
   }
   verify_gate tiny1 golden/prompts.jsonl golden synth
   verify_gate pair1 golden/kdtree-tiny/prompts.jsonl golden/kdtree-tiny pair
+  # The same bundle through the rank-group driver (one group on its own thread and stream, the one-GPU
+  # communicator inside its graphs): what --gpus N runs, against the CPU golden.
+  "$dir/kdtree-run" "$e2e/pair1" --prompts golden/kdtree-tiny/prompts.jsonl --out "$e2e/verify-group.jsonl" --device cuda \
+    --gpus 1 --share-gpu --verify golden/kdtree-tiny --quiet 2>&1 | tee -a "$log" | tail -20
+  if [ "${PIPESTATUS[0]}" -eq 0 ]; then echo "E2E kdtree-run --gpus 1 --share-gpu --verify golden/kdtree-tiny: match" | tee -a "$log"
+  else echo "E2E kdtree-run --gpus 1 --share-gpu --verify golden/kdtree-tiny: MISMATCH" | tee -a "$log"; status=1; fi
   "$dir/kdtree-golden" "$e2e/tiny1" --prompts golden/prompts.jsonl --out "$e2e/gold-cuda-synth" --device cuda --quiet \
     --max-tokens 16 --full-logits-steps 4 --topk 8 --budget 8 --trace-step 1 || status=1
   "$dir/kdtree-golden" "$e2e/pair1" --prompts golden/kdtree-tiny/prompts.jsonl --out "$e2e/gold-cuda-pair" --device cuda --quiet \
@@ -119,6 +128,9 @@ PY
       case $mode in ddtree*) m="--mode ddtree --budget ${mode#ddtree}";; *) m="--mode $mode";; esac
       "$dir/kdtree-run" "$e2e/pair-$plan" --prompts examples/heldout.jsonl --out "$e2e/ranks-$plan-$mode.jsonl" --device cuda $m \
         --summary "$e2e/ranks-$plan-$mode.json" --quiet 2>> "$e2e/ranks.err" || status=1
+      # The same ranks as R groups side by side (each its own thread, stream, weights and graphs; --gpus R).
+      "$dir/kdtree-run" "$e2e/pair-$plan" --prompts examples/heldout.jsonl --out "$e2e/groups-$plan-$mode.jsonl" --device cuda $m \
+        --gpus "${plan#??}" --share-gpu --summary "$e2e/groups-$plan-$mode.json" --quiet 2>> "$e2e/ranks.err" || status=1
     done
   done
   sed 's/^/E2E ranks stderr: /' "$e2e/ranks.err" | head -20 | tee -a "$log"
@@ -190,6 +202,16 @@ for plan in ("tp2", "ep2", "ep4", "ep8"):
         print(f"E2E ranks {plan} {mode} greedy on one GPU: {same} of {len(base)} prompts == the 1-rank tokens"
               + (f", near-ties {ties}" if ties else "") + (f", FAIL {fails}" if fails else "")
               + f"; {summ.get('tokens_per_s') or 0:.0f} tok/s (1 rank AR {one.get('tokens_per_s') or 0:.0f})")
+        # R rank groups (--gpus R --share-gpu) against one controller of the same R ranks: the same sums in the
+        # same order, so every line must be equal.
+        try:
+            grp, gs = load(f"{e2e}/groups-{plan}-{mode}.jsonl"), json.load(open(f"{e2e}/groups-{plan}-{mode}.json"))
+        except (OSError, ValueError) as e:
+            print(f"E2E groups {plan} {mode}: no output ({e})"); bad += 1; continue
+        eq = sum(grp.get(k) == v for k, v in got.items())
+        bad += eq != len(got) or len(grp) != len(got)
+        print(f"E2E groups {plan} {mode}: {plan[2:]} rank groups (own threads, streams, graphs) == one controller on {eq} of {len(got)} prompts"
+              + f"; {gs.get('tokens_per_s') or 0:.0f} tok/s (one controller {summ.get('tokens_per_s') or 0:.0f})")
 # --max-batch 8 against --max-batch 1 (the same prompts and settings): greedy lines must be equal up to
 # near-ties of the 1-rank AR run (a batched GEMM may sum in another order); sampled lines are counted.
 for temp in (0, 1):

@@ -482,7 +482,7 @@ mod tests {
         let positions = [7usize, 3, 12];
         let rope = RopeTable::new(&inv, positions, 1.0);
         let cs: Vec<(Vec<f32>, Vec<f32>)> = positions.iter().map(|&q| ops::rope_cos_sin(&inv, q, 1.0)).collect();
-        let b = CpuBackend;
+        let b = CpuBackend::default();
 
         let q0 = rand_vec(&mut rng, t * heads * (nope + p));
         let mut q = q0.clone();
