@@ -3,7 +3,7 @@
 //! (engine/src/cuda/comm.rs `SharedGpu`, kernels/cuda/group_all_reduce.cu).
 //! * the communicator alone: R streams' partials summed in rank order (acc = p0; acc += p1; …), bit for bit
 //!   with the host, for a buffer of several chunks and for a short one, many times over;
-//! * the trained pair converted for R = 2 (tp), 4 (ep), 8 (ep) and run as R groups gives one controller's
+//! * the trained pair converted for R = 2, 4, 8 (tp) and 4, 8 (ep) and run as R groups gives one controller's
 //!   R-rank tokens (same sums in the same order: bit for bit): greedy AR, greedy and sampled DDTree b16,
 //!   alone and batched; every group's rounds and steps ran as captured graphs with the sums inside;
 //! * NCCL through the same driver: one group on NCCL gives the one-GPU tokens (skips without libnccl unless
@@ -46,7 +46,7 @@ fn shared_gpu_sum_is_the_rank_order_sum() {
     let Some(_g) = cuda_common::gpu() else { return };
     for world in [2usize, 4, 8] {
         let gpus: Vec<Gpu> = (0..world).map(|_| Gpu::new(0).unwrap()).collect();
-        let comms = SharedGpu::new(&gpus[0], world).unwrap();
+        let comms = SharedGpu::ranks(&gpus[0], world).unwrap();
         for n in [1_100_003usize, 7] {
             // Partials where the order matters: large terms that cancel and small ones.
             let parts: Vec<Vec<Vec<f32>>> = (0..world)
@@ -123,8 +123,8 @@ fn rank_groups_on_one_gpu_equal_one_controller() {
     let g = Arc::new(g);
     let tmp = tempfile::tempdir().unwrap();
     let prompts = [vec![1u32, 17, 305, 42, 7, 900, 12, 3, 64, 5, 2000, 11], vec![400, 401, 402, 9], vec![5, 6, 7]];
-    for (ranks, experts) in [(2, ExpertsMode::Tp), (4, ExpertsMode::Ep), (8, ExpertsMode::Ep)] {
-        let dir = tmp.path().join(format!("pair-{ranks}"));
+    for (ranks, experts) in [(2, ExpertsMode::Tp), (4, ExpertsMode::Tp), (8, ExpertsMode::Tp), (4, ExpertsMode::Ep), (8, ExpertsMode::Ep)] {
+        let dir = tmp.path().join(format!("pair-{ranks}-{experts:?}"));
         convert(&dir, ranks, experts);
         let want = {
             let mut one = open_cuda_on(&dir, g.clone()).unwrap();
@@ -211,7 +211,7 @@ fn tp_step_timings() {
     // One all-reduce of one K2.6 row (7168 f32) over 8 streams, eager, back to back.
     for world in [2usize, 8] {
         let gpus: Vec<Gpu> = (0..world).map(|_| Gpu::new(0).unwrap()).collect();
-        let comms = SharedGpu::new(&gpus[0], world).unwrap();
+        let comms = SharedGpu::ranks(&gpus[0], world).unwrap();
         let reps = 2000;
         let us = std::thread::scope(|s| {
             let hs: Vec<_> = gpus.iter().zip(&comms).map(|(g, c)| {

@@ -105,7 +105,13 @@ mod tests {
         let outs: Vec<Vec<f32>> = std::thread::scope(|s| {
             let hs: Vec<_> = parts.iter().enumerate().map(|(r, p)| {
                 let g = g.clone();
-                s.spawn(move || (0..50).map(|_| g.all_reduce(r, p.clone()).unwrap()).last().unwrap())
+                s.spawn(move || {
+                    let mut last = Vec::new();
+                    for _ in 0..50 {
+                        last = g.all_reduce(r, p.clone()).unwrap();
+                    }
+                    last
+                })
             }).collect();
             hs.into_iter().map(|h| h.join().unwrap()).collect()
         });

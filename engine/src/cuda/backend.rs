@@ -336,27 +336,54 @@ impl CudaBackend {
         // This rank's experts: all of them (tensor parallel: each holds a slice of every expert), or
         // first .. first + count (expert parallel: routes to other ranks' experts are skipped here).
         let (pairs, e, mi) = (t * r.k, gate.count, gate.n);
+        // The down projection's K: the intermediate slice, or that padded with zero weights to the kernel's K
+        // step at upload (tp4 / tp8 of small models, `pad_k`); gate and up then go to a [gate | up] row of the
+        // padded width, their padded columns zero (silu(0) * 0 = 0 meets the zero weights).
+        let kp = down.k;
         let xb = self.to_bf16(x)?;
         // gate and up in one launch into [gate | up] rows, the SwiGLU inside the down GEMM's x staging.
         let plan_gu = w4a16_gemm::plan_moe(g, pairs, e, 2 * mi, h);
-        let plan_d = w4a16_gemm::plan_moe(g, pairs, e, h, mi);
+        let plan_one = w4a16_gemm::plan_moe(g, pairs, e, mi, h);
+        let plan_d = w4a16_gemm::plan_moe(g, pairs, e, h, kp);
         let tile = plan_gu.tile_rows();
         let mt = moe_align::max_tiles(pairs, e, tile);
         let (mut sorted, mut tiles, mut n_tiles) = (g.zeros::<i32>(pairs)?, g.zeros::<i32>(3 * mt)?, g.zeros::<i32>(1)?);
         moe_align::moe_align_rank(g, &r.ids.as_view(), gate.first, e, tile, &mut sorted.as_view_mut(), &mut tiles.as_view_mut(), &mut n_tiles.as_view_mut())?;
-        let mut ws = g.out::<f32>(plan_gu.workspace_len(pairs, 2 * mi).max(plan_d.workspace_len(pairs, h)))?;
+        let ws_len = plan_gu.workspace_len(pairs, 2 * mi).max(plan_one.workspace_len(pairs, mi)).max(plan_d.workspace_len(pairs, h));
+        let mut ws = g.out::<f32>(ws_len)?;
         let (sv, tv, nv) = (sorted.as_view(), tiles.as_view(), n_tiles.as_view());
         let routing = w4a16_gemm::Routing { sorted: &sv, tiles: &tv, max_tiles: mt, n_tiles: &nv, tile_rows: tile };
-        let mut gu = g.out::<bf16>(pairs * 2 * mi)?;
         let xv = xb.as_view();
-        let (gw, uw) = ((&gate.packed.as_view(), &gate.scales.as_view()), (&up.packed.as_view(), &up.scales.as_view()));
-        w4a16_gemm::moe_w4a16_gate_up(g, &xv, h, r.k, pairs, &routing, gw, uw, e, mi, h, &mut ws.as_view_mut(), &mut gu.as_view_mut(), 2 * mi)?;
+        let gu = if kp == mi {
+            let mut gu = g.out::<bf16>(pairs * 2 * mi)?;
+            let (gw, uw) = ((&gate.packed.as_view(), &gate.scales.as_view()), (&up.packed.as_view(), &up.scales.as_view()));
+            w4a16_gemm::moe_w4a16_gate_up(g, &xv, h, r.k, pairs, &routing, gw, uw, e, mi, h, &mut ws.as_view_mut(), &mut gu.as_view_mut(), 2 * mi)?;
+            gu
+        } else {
+            let mut gu = g.zeros::<bf16>(pairs * 2 * kp)?;
+            for (m, at) in [(gate, 0), (up, kp)] {
+                w4a16_gemm::moe_w4a16_gemm(g, &xv, h, r.k, pairs, &routing, &m.packed.as_view(), &m.scales.as_view(), e, mi, h, &mut ws.as_view_mut(), &mut gu.slice_mut(at..), 2 * kp)?;
+            }
+            gu
+        };
         let mut y = g.zeros::<bf16>(pairs * h)?;
-        w4a16_gemm::moe_w4a16_down_silu(g, &gu.as_view(), 2 * mi, pairs, &routing, &down.packed.as_view(), &down.scales.as_view(), e, h, mi, &mut ws.as_view_mut(), &mut y.as_view_mut(), h)?;
+        w4a16_gemm::moe_w4a16_down_silu(g, &gu.as_view(), 2 * kp, pairs, &routing, &down.packed.as_view(), &down.scales.as_view(), e, h, kp, &mut ws.as_view_mut(), &mut y.as_view_mut(), h)?;
         let mut out = g.out::<f32>(t * h)?;
         moe_combine::moe_combine_rank(g, &y.as_view(), h, &r.wts.as_view(), &r.ids.as_view(), (gate.first, gate.count), &mut out.as_view_mut(), t, r.k, h)?;
         Ok(out)
     }
+}
+
+/// INT4 group-32 rows of `k` (`rows` of them: packed `k/2` bytes and `k/32` scales each) widened to the next
+/// multiple of `step` with zero nibbles and zero scales (dequantised: exact zeros); the new width too.
+fn pad_k(packed: &[u8], scales: &[bf16], rows: usize, k: usize, step: usize) -> (Vec<u8>, Vec<bf16>, usize) {
+    let kp = k.div_ceil(step) * step;
+    let (mut p, mut s) = (vec![0u8; rows * kp / 2], vec![bf16::ZERO; rows * kp / 32]);
+    for r in 0..rows {
+        p[r * kp / 2..r * kp / 2 + k / 2].copy_from_slice(&packed[r * k / 2..(r + 1) * k / 2]);
+        s[r * kp / 32..r * kp / 32 + k / 32].copy_from_slice(&scales[r * k / 32..(r + 1) * k / 32]);
+    }
+    (p, s, kp)
 }
 
 impl CudaBackend {
@@ -365,7 +392,7 @@ impl CudaBackend {
         if !n.is_multiple_of(w4a16_gemm::N_STEP) || !k.is_multiple_of(w4a16_gemm::K_STEP) {
             bail!(
                 "routed experts of shard shape [{count}, {n}, {k}]: the CUDA W4A16 kernel needs N % {} == 0 and K % {} == 0 \
-                 (convert with fewer ranks, e.g. --ranks 1)",
+                 (K is padded to it when a multiple of 32; convert with fewer ranks, e.g. --ranks 1)",
                 w4a16_gemm::N_STEP,
                 w4a16_gemm::K_STEP
             );
@@ -412,6 +439,13 @@ impl Backend for CudaBackend {
         Ok(DMat { w: self.gpu.upload(&m.w[..])?, rows: m.rows, cols: m.cols })
     }
     fn upload_i4g32(&self, s: I4Stack) -> Result<DI4> {
+        if !s.k.is_multiple_of(w4a16_gemm::K_STEP) && s.k.is_multiple_of(32) {
+            // A rank's slice narrower than the kernel's K step (the down projection of tp4 / tp8 small models):
+            // zero weights (zero scales) to the next step; `experts` widens the [gate | up] rows to match.
+            let (packed, scales, kp) = pad_k(&s.packed, &s.scales, s.count * s.n, s.k, w4a16_gemm::K_STEP);
+            self.i4_shape_ok(s.count, s.n, kp)?;
+            return Ok(DI4 { packed: self.gpu.upload(&packed)?, scales: self.gpu.upload(&scales)?, first: s.first, count: s.count, n: s.n, k: kp });
+        }
         self.i4_shape_ok(s.count, s.n, s.k)?;
         Ok(DI4 { packed: self.gpu.upload(&s.packed[..])?, scales: self.gpu.upload(&s.scales[..])?, first: s.first, count: s.count, n: s.n, k: s.k })
     }

@@ -119,7 +119,7 @@ pub struct SharedGpu {
 
 impl SharedGpu {
     /// The group's device memory on `gpu` (the GPU every rank runs on), zeroed, then one handle per rank.
-    pub fn new(gpu: &Gpu, world: usize) -> Result<Vec<SharedRank>> {
+    pub fn ranks(gpu: &Gpu, world: usize) -> Result<Vec<SharedRank>> {
         super::ensure("shared-gpu group", (1..=64).contains(&world), || format!("{world} ranks (1..=64)"))?;
         let staging = gpu.zeros::<f32>(2 * world * GROUP_BLOCKS * GROUP_CAP)?;
         let (flags, epochs) = (gpu.zeros::<u32>(world * GROUP_BLOCKS)?, gpu.zeros::<u32>(world * GROUP_BLOCKS)?);

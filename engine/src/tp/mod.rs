@@ -66,6 +66,10 @@ impl GroupState {
 }
 
 type Job = Box<dyn FnOnce(&mut GroupState) + Send>;
+/// A group's root sessions.
+pub type Sessions = (Box<dyn Target>, Option<Box<dyn Drafter>>);
+/// Prefill logits and the items' lengths after it.
+type Prefilled = (Vec<Vec<f32>>, Vec<(usize, Option<usize>)>);
 
 /// The groups' threads.
 struct Pool {
@@ -158,7 +162,7 @@ fn same_out(a: &StepOut, b: &StepOut) -> bool {
 }
 
 /// What a group thread builds at start: its root target and drafter.
-pub type GroupInit = Box<dyn FnOnce() -> Result<(Box<dyn Target>, Option<Box<dyn Drafter>>)> + Send>;
+pub type GroupInit = Box<dyn FnOnce() -> Result<Sessions> + Send>;
 
 /// Start one thread per group (each runs its `init`, then serves calls), then the run's target and drafter.
 /// `per_device`: groups sharing one device. `abort`: wakes groups stuck in a collective when one fails.
@@ -651,7 +655,7 @@ impl BatchOps for TpBatchOps {
             specs.push((target, drafter, it.prompt.to_vec()));
         }
         let ops = self.id;
-        let same = |a: &(Vec<Vec<f32>>, Vec<(usize, Option<usize>)>), b: &(Vec<Vec<f32>>, Vec<(usize, Option<usize>)>)| a.1 == b.1 && a.0.len() == b.0.len() && a.0.iter().zip(&b.0).all(|(x, y)| same_f32(x, y));
+        let same = |a: &Prefilled, b: &Prefilled| a.1 == b.1 && a.0.len() == b.0.len() && a.0.iter().zip(&b.0).all(|(x, y)| same_f32(x, y));
         let (out, lens) = self.pool.agreed("batched prefill", same, move |st| {
             // The prefill items as batch specs (their step fields unused), then back as prefill items.
             let bs: Vec<ItemSpec> = specs.iter().map(|(t, d, _)| ItemSpec { target: *t, drafter: *d, root: 0, kind: StepKind::Ar, sampling: Sampling::default() }).collect();
@@ -747,7 +751,7 @@ pub fn open_tp_source(src: Arc<dyn TensorSource>, groups: usize, place: Placemen
 }
 
 /// The target (and drafter, when the source has one) of ranks `range` on backend `b`.
-fn group_models<B: crate::backend::Backend>(b: B, src: Arc<dyn TensorSource>, range: std::ops::Range<usize>) -> Result<(Box<dyn Target>, Option<Box<dyn Drafter>>)>
+fn group_models<B: crate::backend::Backend>(b: B, src: Arc<dyn TensorSource>, range: std::ops::Range<usize>) -> Result<Sessions>
 where
     crate::model::target::TargetModel<B>: Target,
     crate::drafter::DFlashDrafter<B>: Drafter,
@@ -785,7 +789,7 @@ fn cuda_groups(src: Arc<dyn TensorSource>, ranges: Vec<std::ops::Range<usize>>, 
         }
     };
     let comms: Vec<Arc<dyn Communicator>> = match &gpus {
-        None => SharedGpu::new(&devs[0], groups)?.into_iter().map(|c| Arc::new(c) as Arc<dyn Communicator>).collect(),
+        None => SharedGpu::ranks(&devs[0], groups)?.into_iter().map(|c| Arc::new(c) as Arc<dyn Communicator>).collect(),
         Some(_) => Nccl::group(&devs.iter().map(|g| &**g).collect::<Vec<_>>())?.into_iter().map(|c| Arc::new(c) as Arc<dyn Communicator>).collect(),
     };
     for (g, c) in devs.iter().zip(comms) {
