@@ -124,3 +124,21 @@ fn rank_counts_that_do_not_divide_are_refused() {
     let e = open_tp(&dir, 8, Placement::Cpu, false).err().expect("more groups than ranks");
     assert!(format!("{e:#}").contains("do not divide"), "{e:#}");
 }
+
+#[test]
+fn a_trace_through_the_group_driver_is_the_controllers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("pair2");
+    convert(&dir, 2, ExpertsMode::Tp);
+    let mut one = open(&dir, Device::Cpu).unwrap();
+    let mut tp = open_tp(&dir, 2, Placement::Cpu, false).unwrap();
+    let mut traces = Vec::new();
+    for m in [&mut one, &mut tp] {
+        m.target.reset();
+        m.target.start_trace();
+        m.target.forward(&[5, 6, 7], &[-1, 0, 1]).unwrap();
+        traces.push(m.target.take_trace().expect("a recording"));
+    }
+    assert!(!traces[0].tensors.is_empty());
+    assert_eq!(traces[0], traces[1], "the probes recorded through 2 rank groups");
+}

@@ -150,6 +150,7 @@ impl CudaBackend {
     fn set_dev(&self, dev: &mut CudaSlice<i32>, v: usize) -> R<()> {
         let v = i32::try_from(v).map_err(|_| CudaError::Shape { op: "position", msg: format!("{v} exceeds i32") })?;
         super::GpuStats::bump(&self.gpu.stats.uploads);
+        self.gpu.drain()?;
         self.gpu.stream.memcpy_htod(&[v], dev).map_err(super::drv("position upload"))
     }
     pub fn gpu(&self) -> &Gpu {
@@ -516,6 +517,7 @@ impl Backend for CudaBackend {
             bail!("ids_write: {} ids at {at} of {}", host.len(), dst.len());
         }
         super::GpuStats::bump(&self.gpu.stats.uploads);
+        self.gpu.drain()?;
         self.gpu.stream.memcpy_htod(host, &mut dst.slice_mut(at..at + host.len())).map_err(super::drv("ids_write"))?;
         Ok(())
     }

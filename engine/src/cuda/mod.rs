@@ -106,6 +106,8 @@ pub struct Gpu {
     pdl: std::sync::atomic::AtomicBool,
     /// How this GPU's rank sums meet those of the other GPUs of a run ([`comm::Communicator`]; `OneGpu` by default).
     comm: std::sync::RwLock<Arc<dyn comm::Communicator>>,
+    /// Drain the stream before every pageable host copy ([`Gpu::set_drain_copies`]).
+    drain_copies: std::sync::atomic::AtomicBool,
 }
 
 /// What a captured CUDA graph holds, by node type (cuBLAS calls appear as their kernels; stream-ordered
@@ -264,7 +266,7 @@ impl Gpu {
         let gemm_counters = stream.alloc_zeros::<u32>(GEMM_COUNTERS).map_err(drv("gemm counters"))?;
         let major = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR).map_err(drv("device attributes"))?;
         let pdl = major >= 9 && std::env::var("KDTREE_PDL").map(|v| v != "0").unwrap_or(true);
-        let gpu = Gpu { ctx, stream, blas, sms, max_smem, smem_per_sm, _module: module, funcs, _blas_workspace: ws, graphs: std::sync::atomic::AtomicBool::new(std::env::var("KDTREE_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true)), capture_failure: std::sync::Mutex::new(None), load: std::sync::Mutex::new(None), stats: GpuStats::default(), gemm_counters, last_graph: std::sync::Mutex::new(None), w4a16_bps: std::sync::atomic::AtomicUsize::new(std::env::var("KDTREE_W4A16_BLOCKS_PER_SM").ok().and_then(|v| v.parse().ok()).unwrap_or(4)), w4a16_max_splits: std::sync::atomic::AtomicUsize::new(std::env::var("KDTREE_W4A16_MAX_SPLITS").ok().and_then(|v| v.parse().ok()).unwrap_or(64)), gemv: std::sync::atomic::AtomicBool::new(std::env::var("KDTREE_GEMV").is_ok_and(|v| v == "1")), poison: std::env::var("KDTREE_CUDA_POISON").is_ok_and(|v| v == "1"), pdl: std::sync::atomic::AtomicBool::new(pdl), comm: std::sync::RwLock::new(Arc::new(comm::OneGpu)) };
+        let gpu = Gpu { ctx, stream, blas, sms, max_smem, smem_per_sm, _module: module, funcs, _blas_workspace: ws, graphs: std::sync::atomic::AtomicBool::new(std::env::var("KDTREE_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true)), capture_failure: std::sync::Mutex::new(None), load: std::sync::Mutex::new(None), stats: GpuStats::default(), gemm_counters, last_graph: std::sync::Mutex::new(None), w4a16_bps: std::sync::atomic::AtomicUsize::new(std::env::var("KDTREE_W4A16_BLOCKS_PER_SM").ok().and_then(|v| v.parse().ok()).unwrap_or(4)), w4a16_max_splits: std::sync::atomic::AtomicUsize::new(std::env::var("KDTREE_W4A16_MAX_SPLITS").ok().and_then(|v| v.parse().ok()).unwrap_or(64)), gemv: std::sync::atomic::AtomicBool::new(std::env::var("KDTREE_GEMV").is_ok_and(|v| v == "1")), poison: std::env::var("KDTREE_CUDA_POISON").is_ok_and(|v| v == "1"), pdl: std::sync::atomic::AtomicBool::new(pdl), comm: std::sync::RwLock::new(Arc::new(comm::OneGpu)), drain_copies: std::sync::atomic::AtomicBool::new(false) };
         ops::w4a16_gemm::configure(&gpu)?;
         ops::gqa_attention::configure(&gpu)?;
         ops::ddtree_build::configure(&gpu)?;
@@ -284,6 +286,23 @@ impl Gpu {
     /// Use `c` from the next forward on (a captured round keeps the one it was captured with: set it before).
     pub fn set_comm(&self, c: Arc<dyn comm::Communicator>) {
         *self.comm.write().unwrap_or_else(|p| p.into_inner()) = c;
+    }
+
+    /// Wait for this GPU's stream before every copy from or to pageable host memory (on for the rank groups of a
+    /// tensor-parallel run, `crate::tp`). The driver stages such copies through memory it shares among the
+    /// streams of a context, and a copy may wait for its stream first: a group blocked there, its stream inside
+    /// a sum that waits for another group, would keep that group's own copy (before it joins the sum) from
+    /// ever running. With the stream drained first, a copy never waits for another group.
+    pub fn set_drain_copies(&self, on: bool) {
+        self.drain_copies.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+    /// [`Gpu::set_drain_copies`]'s wait (nothing while the stream is capturing: no copy runs inside a capture).
+    pub(crate) fn drain(&self) -> Result<()> {
+        use cudarc::driver::sys::CUstreamCaptureStatus as S;
+        if self.drain_copies.load(std::sync::atomic::Ordering::Relaxed) && self.stream.capture_status().map_err(drv("capture status"))? == S::CU_STREAM_CAPTURE_STATUS_NONE {
+            self.stream.synchronize().map_err(drv("synchronize"))?;
+        }
+        Ok(())
     }
 
     /// What the last CUDA graph captured on this GPU holds (a DDTree round, an AR step), by node type.
@@ -383,7 +402,10 @@ impl Gpu {
         let mut g = self.load.lock().unwrap_or_else(|p| p.into_inner());
         match g.as_mut() {
             Some(l) => l.upload(self, host),
-            None => self.stream.clone_htod(host).map_err(drv("upload")),
+            None => {
+                self.drain()?;
+                self.stream.clone_htod(host).map_err(drv("upload"))
+            }
         }
     }
 
@@ -409,6 +431,7 @@ impl Gpu {
     /// Device → host copy (synchronises the stream; tests and final outputs only).
     pub fn download<T: DeviceRepr>(&self, dev: &CudaSlice<T>) -> Result<Vec<T>> {
         GpuStats::bump(&self.stats.downloads);
+        self.drain()?;
         self.stream.clone_dtoh(dev).map_err(drv("download"))
     }
 

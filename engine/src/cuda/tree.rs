@@ -247,6 +247,7 @@ impl DeviceTree {
                 )
             },
         )?;
+        gpu.drain()?;
         gpu.stream
             .memcpy_htod(&top.log_probs, &mut self.lp)
             .map_err(super::drv("device_tree upload"))?;
@@ -259,6 +260,7 @@ impl DeviceTree {
     /// Sets the root token.
     pub fn set_bonus(&mut self, gpu: &Gpu, bonus: u32) -> Result<()> {
         super::GpuStats::bump(&gpu.stats.uploads);
+        gpu.drain()?;
         gpu.stream
             .memcpy_htod(&[bonus], &mut self.bonus)
             .map_err(super::drv("device_tree upload"))

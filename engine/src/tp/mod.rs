@@ -314,6 +314,18 @@ impl Target for TpTarget {
     fn reserve(&mut self, rows: usize) -> Result<()> {
         self.call("reserve", eq, move |t| t.reserve(rows))
     }
+    fn start_trace(&mut self) {
+        let id = self.id;
+        self.pool.all_or_poison("start a trace", move |st| {
+            st.target(id)?.start_trace();
+            Ok(())
+        });
+    }
+    /// Group 0's recording (every group records the same replicated values; rank-split tensors are its own).
+    fn take_trace(&mut self) -> Option<crate::model::Trace> {
+        let id = self.id;
+        self.pool.all("take a trace", move |st| Ok(st.target(id)?.take_trace())).ok()?.into_iter().next().flatten()
+    }
     fn device_round(&mut self, drafter: &mut dyn Drafter, root: u32, budget: usize, s: &Sampling) -> Option<Result<DeviceRound>> {
         let d = drafter.as_any_mut()?.downcast_mut::<TpDrafter>()?;
         let (tid, did, s) = (self.id, d.id, s.clone());
@@ -794,6 +806,7 @@ fn cuda_groups(src: Arc<dyn TensorSource>, ranges: Vec<std::ops::Range<usize>>, 
     };
     for (g, c) in devs.iter().zip(comms) {
         g.set_comm(c);
+        g.set_drain_copies(groups > 1);
     }
     let name = devs[0].name();
     let per_device = if gpus.is_none() { groups } else { 1 };
