@@ -296,6 +296,23 @@ impl Gpu {
     pub fn set_drain_copies(&self, on: bool) {
         self.drain_copies.store(on, std::sync::atomic::Ordering::Relaxed);
     }
+    /// Keep the device's memory pool from making one stream wait for another: by default a stream-ordered
+    /// allocation may reuse memory another stream freed and wait for that stream to reach the free (the pool's
+    /// "internal dependencies"). Rank groups side by side on one GPU must never wait for each other outside
+    /// their sums (a group waiting on a stream that sits in a sum waiting for it would hang), so a tensor-parallel
+    /// run on one GPU turns that off; memory freed by a stream whose work is done is still reused.
+    pub fn no_cross_stream_reuse(&self) -> Result<()> {
+        use cudarc::driver::sys;
+        let mut pool = std::ptr::null_mut();
+        // SAFETY: the device handle is this context's; the pool handle is written by the call.
+        unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device()) }.result().map_err(drv("memory pool"))?;
+        let mut off: i32 = 0;
+        // SAFETY: the attribute takes an int flag; `pool` is the device's default pool.
+        unsafe { sys::cuMemPoolSetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES, (&mut off as *mut i32).cast()) }
+            .result()
+            .map_err(drv("memory pool"))?;
+        Ok(())
+    }
     /// [`Gpu::set_drain_copies`]'s wait (nothing while the stream is capturing: no copy runs inside a capture).
     pub(crate) fn drain(&self) -> Result<()> {
         use cudarc::driver::sys::CUstreamCaptureStatus as S;
