@@ -100,13 +100,20 @@ impl Pool {
         }
         let f = Arc::new(f);
         let (tx, rx) = mpsc::channel::<(usize, Result<T>)>();
+        let trace = std::env::var("KDTREE_TP_TRACE").is_ok_and(|v| v == "1");
         for (g, s) in self.senders.iter().enumerate() {
-            let (f, tx) = (f.clone(), tx.clone());
+            let (f, tx, what) = (f.clone(), tx.clone(), what.to_string());
             let job: Job = Box::new(move |st| {
+                if trace {
+                    eprintln!("kdtree tp: group {g}: {what} ...");
+                }
                 let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(st))).unwrap_or_else(|p| {
                     let msg = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
                     Err(anyhow!("panicked: {msg}"))
                 });
+                if trace {
+                    eprintln!("kdtree tp: group {g}: {what} done ({})", if r.is_ok() { "ok" } else { "error" });
+                }
                 let _ = tx.send((g, r));
             });
             s.lock().unwrap_or_else(|p| p.into_inner()).send(job).map_err(|_| anyhow!("group {g}'s thread has ended"))?;
@@ -120,7 +127,17 @@ impl Pool {
             }
             out[g] = Some(r);
         }
-        out.into_iter().enumerate().map(|(g, r)| r.unwrap_or_else(|| Err(anyhow!("no result"))).with_context(|| format!("group {g} of {}: {what}", self.groups()))).collect()
+        // Every group's error, not only the first: the group that failed first is the cause, the others may
+        // only have waited for it.
+        let errs: Vec<String> = out.iter().enumerate().filter_map(|(g, r)| match r {
+            Some(Err(e)) => Some(format!("group {g}: {e:#}")),
+            None => Some(format!("group {g}: no result")),
+            _ => None,
+        }).collect();
+        if !errs.is_empty() {
+            bail!("{what} failed on {} of {} groups: {}", errs.len(), self.groups(), errs.join("; "));
+        }
+        Ok(out.into_iter().map(|r| r.and_then(|r| r.ok()).expect("checked above")).collect())
     }
 
     /// [`Pool::all`] where every group must give the same result (compared with `same`): group 0's.
