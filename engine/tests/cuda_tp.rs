@@ -27,11 +27,13 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 /// More hardware queues than rank streams (a kernel of one rank waiting in the queue of another's spinning
-/// sum would never start); must be set before the first CUDA context.
+/// sum would never start) and eager module loading (a lazy load synchronises the device); both must be set
+/// before CUDA starts (engine/src/tp `cuda_groups` refuses lazy loading).
 fn connections() {
     if std::env::var_os("CUDA_DEVICE_MAX_CONNECTIONS").is_none() {
         std::env::set_var("CUDA_DEVICE_MAX_CONNECTIONS", "32");
     }
+    std::env::set_var("CUDA_MODULE_LOADING", "EAGER");
 }
 
 fn convert(out: &Path, ranks: usize, experts: ExpertsMode) {

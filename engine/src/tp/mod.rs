@@ -805,6 +805,13 @@ fn cuda_groups(src: Arc<dyn TensorSource>, ranges: Vec<std::ops::Range<usize>>, 
     if let Some(o) = &gpus {
         ensure!(o.len() == groups, "{} GPUs for {groups} groups", o.len());
     }
+    // Lazy module loading (CUDA's default) loads a kernel on its first launch and synchronises the device to do
+    // so: a group waiting inside a sum for another group that is loading a kernel would never finish. The
+    // variable is read when CUDA starts, so it must be set before (kdtree-run sets it for runs of several groups).
+    ensure!(
+        groups == 1 || std::env::var("CUDA_MODULE_LOADING").as_deref() == Ok("EAGER"),
+        "{groups} rank groups need CUDA_MODULE_LOADING=EAGER set before the first CUDA call (lazy loading synchronises the device when a kernel first runs, which deadlocks groups that meet inside their kernels)"
+    );
     // Each group's GPU and communicator first (NCCL is initialised over all of them at once), then the loads in
     // parallel on the groups' threads.
     let devs: Vec<Arc<Gpu>> = match &gpus {

@@ -77,6 +77,25 @@ pub fn placement(dir: &Path, device: DeviceArg, gpus: Option<u64>, share: bool) 
     Ok(Some((n, Placement::Gpus((0..n).collect()))))
 }
 
+/// Whether this run may spread its ranks over several groups on GPUs ([`placement`] > 1 group), decided before
+/// CUDA starts: the GPUs counted from CUDA_VISIBLE_DEVICES or the driver's /proc entries.
+pub fn may_run_groups(dir: &Path, device: DeviceArg, gpus: Option<u64>, share: bool) -> bool {
+    if device == DeviceArg::Cpu || !cfg!(feature = "cuda") {
+        return false;
+    }
+    match gpus {
+        Some(n) => n > 1 || share,
+        None => {
+            let visible = match std::env::var("CUDA_VISIBLE_DEVICES") {
+                Ok(v) => v.split(',').filter(|s| !s.trim().is_empty()).count(),
+                Err(_) => std::fs::read_dir("/proc/driver/nvidia/gpus").map_or(0, |d| d.count()),
+            };
+            let ranks = kdtree_formats::ModelDir::open(dir).map_or(1, |m| m.manifest().plan.ranks);
+            visible > 1 && ranks > 1
+        }
+    }
+}
+
 /// GPUs this run may use: none on the CPU backend or in a build without CUDA.
 fn gpu_count(device: DeviceArg) -> usize {
     if device == DeviceArg::Cpu {

@@ -43,12 +43,6 @@ use crate::summary::{RunInfo, Totals};
 
 fn main() -> ExitCode {
     let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
-    // More hardware queues than streams: the rank groups of --gpus N --share-gpu each run on their own stream
-    // and meet inside their kernels, so no group's kernel may queue behind another's (read when the first CUDA
-    // context is made).
-    if std::env::var_os("CUDA_DEVICE_MAX_CONNECTIONS").is_none() {
-        std::env::set_var("CUDA_DEVICE_MAX_CONNECTIONS", "32");
-    }
     let result = if argv.get(1).is_some_and(|a| a == "calibrate") {
         let rest = argv[2..].iter().cloned();
         calibrate::run(&CalibrateArgs::parse_from(std::iter::once("kdtree-run calibrate".into()).chain(rest))).map(|()| true)
@@ -69,6 +63,15 @@ fn main() -> ExitCode {
 /// Answer every prompt line; Ok(true) when every record is a success and --verify matched.
 fn run(args: Args) -> Result<bool> {
     let t0 = Instant::now();
+    if load::may_run_groups(&args.model, args.device, args.gpus, args.share_gpu) {
+        // Rank groups on their own streams meet inside their kernels: more hardware queues than streams (no
+        // group's kernel queued behind another's), and every kernel loaded up front (a lazy load synchronises
+        // the device). Both are read when CUDA starts, so they are set before anything touches it.
+        if std::env::var_os("CUDA_DEVICE_MAX_CONNECTIONS").is_none() {
+            std::env::set_var("CUDA_DEVICE_MAX_CONNECTIONS", "32");
+        }
+        std::env::set_var("CUDA_MODULE_LOADING", "EAGER");
+    }
     let mut job = prepare(&args)?;
     let mut sink = resume::open_output(&args.out, &job.existing)?;
     let (checks, gen_s) = answer(&args, &mut job, &mut sink)?;
