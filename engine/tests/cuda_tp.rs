@@ -48,7 +48,7 @@ fn shared_gpu_sum_is_the_rank_order_sum() {
     let Some(_g) = cuda_common::gpu() else { return };
     for world in [2usize, 4, 8] {
         let gpus: Vec<Gpu> = (0..world).map(|_| Gpu::new(0).unwrap()).collect();
-        gpus[0].no_cross_stream_reuse().unwrap();
+        gpus[0].pool_for_groups().unwrap();
         gpus.iter().for_each(|g| g.set_drain_copies(true));
         let comms = SharedGpu::ranks(&gpus[0], world).unwrap();
         for n in [1_100_003usize, 7] {
@@ -215,7 +215,7 @@ fn tp_step_timings() {
     // One all-reduce of one K2.6 row (7168 f32) over 8 streams, eager, back to back.
     for world in [2usize, 8] {
         let gpus: Vec<Gpu> = (0..world).map(|_| Gpu::new(0).unwrap()).collect();
-        gpus[0].no_cross_stream_reuse().unwrap();
+        gpus[0].pool_for_groups().unwrap();
         gpus.iter().for_each(|g| g.set_drain_copies(true));
         let comms = SharedGpu::ranks(&gpus[0], world).unwrap();
         let reps = 2000;

@@ -99,9 +99,9 @@ impl Communicator for Nccl {
 }
 
 /// Blocks of a group all-reduce launch (`GROUP_BLOCKS` in kernels/cuda/group_all_reduce.cu).
-const GROUP_BLOCKS: usize = 32;
+const GROUP_BLOCKS: usize = 16;
 /// Floats one block stages per launch; a larger buffer is summed in several launches.
-const GROUP_CAP: usize = 16384;
+const GROUP_CAP: usize = 32768;
 /// How long a rank waits for the others inside a sum before the kernel traps (an error, not a hang).
 const GROUP_TIMEOUT_NS: u64 = 20_000_000_000;
 
@@ -166,7 +166,7 @@ impl Communicator for SharedRank {
             b.arg(&mut part).arg(&nn).arg(&g.staging).arg(&g.flags).arg(&g.epochs).arg(&rank).arg(&world).arg(&cap).arg(&timeout);
             // SAFETY: `part` holds n <= GROUP_BLOCKS * GROUP_CAP floats; staging, flags and epochs are the group's
             // (sized for `world` ranks); only this rank's staging slots, flags and epochs are written by it.
-            unsafe { b.launch(super::ops::launch_cfg((GROUP_BLOCKS as u32, 1, 1), 256, 0)) }.map_err(super::drv(OP))?;
+            unsafe { b.launch(super::ops::launch_cfg((GROUP_BLOCKS as u32, 1, 1), 128, 0)) }.map_err(super::drv(OP))?;
             at += n;
         }
         Ok(())

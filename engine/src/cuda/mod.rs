@@ -296,19 +296,26 @@ impl Gpu {
     pub fn set_drain_copies(&self, on: bool) {
         self.drain_copies.store(on, std::sync::atomic::Ordering::Relaxed);
     }
-    /// Keep the device's memory pool from making one stream wait for another: by default a stream-ordered
-    /// allocation may reuse memory another stream freed and wait for that stream to reach the free (the pool's
-    /// "internal dependencies"). Rank groups side by side on one GPU must never wait for each other outside
-    /// their sums (a group waiting on a stream that sits in a sum waiting for it would hang), so a tensor-parallel
-    /// run on one GPU turns that off; memory freed by a stream whose work is done is still reused.
-    pub fn no_cross_stream_reuse(&self) -> Result<()> {
-        use cudarc::driver::sys;
+    /// Set the device's memory pool up for rank groups side by side on one GPU, which must never wait for each
+    /// other outside their sums (a group waiting on a stream that sits in a sum waiting for it would hang):
+    /// * no reuse that makes one stream wait for another: by default a stream-ordered allocation may take
+    ///   memory another stream freed and wait for that stream to reach the free (the pool's "internal
+    ///   dependencies"); memory whose free has completed is still reused;
+    /// * no trimming: by default the pool gives its unused memory back at every synchronisation (a release
+    ///   threshold of 0), unmapping memory while other groups' kernels run; it keeps what it holds instead.
+    pub fn pool_for_groups(&self) -> Result<()> {
+        use cudarc::driver::sys::{self, CUmemPool_attribute as A};
         let mut pool = std::ptr::null_mut();
         // SAFETY: the device handle is this context's; the pool handle is written by the call.
         unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device()) }.result().map_err(drv("memory pool"))?;
         let mut off: i32 = 0;
         // SAFETY: the attribute takes an int flag; `pool` is the device's default pool.
-        unsafe { sys::cuMemPoolSetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES, (&mut off as *mut i32).cast()) }
+        unsafe { sys::cuMemPoolSetAttribute(pool, A::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES, (&mut off as *mut i32).cast()) }
+            .result()
+            .map_err(drv("memory pool"))?;
+        let mut keep: u64 = u64::MAX;
+        // SAFETY: the release threshold is a u64 byte count.
+        unsafe { sys::cuMemPoolSetAttribute(pool, A::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, (&mut keep as *mut u64).cast()) }
             .result()
             .map_err(drv("memory pool"))?;
         Ok(())
@@ -317,7 +324,15 @@ impl Gpu {
     pub(crate) fn drain(&self) -> Result<()> {
         use cudarc::driver::sys::CUstreamCaptureStatus as S;
         if self.drain_copies.load(std::sync::atomic::Ordering::Relaxed) && self.stream.capture_status().map_err(drv("capture status"))? == S::CU_STREAM_CAPTURE_STATUS_NONE {
+            let trace = std::env::var("KDTREE_TP_TRACE").is_ok_and(|v| v == "1");
+            let who = std::thread::current().name().unwrap_or("?").to_string();
+            if trace {
+                eprintln!("kdtree tp: {who}: drain ...");
+            }
             self.stream.synchronize().map_err(drv("synchronize"))?;
+            if trace {
+                eprintln!("kdtree tp: {who}: drain done");
+            }
         }
         Ok(())
     }

@@ -833,7 +833,7 @@ fn cuda_groups(src: Arc<dyn TensorSource>, ranges: Vec<std::ops::Range<usize>>, 
         g.set_drain_copies(groups > 1);
     }
     if gpus.is_none() && groups > 1 {
-        devs[0].no_cross_stream_reuse()?;
+        devs[0].pool_for_groups()?;
     }
     let name = devs[0].name();
     let per_device = if gpus.is_none() { groups } else { 1 };
