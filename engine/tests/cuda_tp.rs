@@ -50,6 +50,7 @@ fn shared_gpu_sum_is_the_rank_order_sum() {
         let gpus: Vec<Gpu> = (0..world).map(|_| Gpu::new(0).unwrap()).collect();
         gpus[0].pool_for_groups().unwrap();
         gpus.iter().for_each(|g| g.set_drain_copies(true));
+        gpus.iter().for_each(|g| g.set_blas_sms(g.sms - world * kdtree_engine::cuda::comm::GROUP_BLOCKS).unwrap());
         let comms = SharedGpu::ranks(&gpus[0], world).unwrap();
         for n in [1_100_003usize, 7] {
             // Partials where the order matters: large terms that cancel and small ones.
@@ -217,6 +218,7 @@ fn tp_step_timings() {
         let gpus: Vec<Gpu> = (0..world).map(|_| Gpu::new(0).unwrap()).collect();
         gpus[0].pool_for_groups().unwrap();
         gpus.iter().for_each(|g| g.set_drain_copies(true));
+        gpus.iter().for_each(|g| g.set_blas_sms(g.sms - world * kdtree_engine::cuda::comm::GROUP_BLOCKS).unwrap());
         let comms = SharedGpu::ranks(&gpus[0], world).unwrap();
         let reps = 2000;
         let us = std::thread::scope(|s| {

@@ -14,7 +14,7 @@
 // and each of them finished reading epoch e - 2 (parity p) before arriving at e - 1.
 #include "common.cuh"
 
-#define GROUP_BLOCKS 16
+#define GROUP_BLOCKS 4
 
 __device__ __forceinline__ unsigned long long global_ns() {
     unsigned long long t;

@@ -98,10 +98,11 @@ impl Communicator for Nccl {
     }
 }
 
-/// Blocks of a group all-reduce launch (`GROUP_BLOCKS` in kernels/cuda/group_all_reduce.cu).
-const GROUP_BLOCKS: usize = 16;
+/// Blocks of a group all-reduce launch (`GROUP_BLOCKS` in kernels/cuda/group_all_reduce.cu): few, since while
+/// they wait for the other groups they hold part of an SM each.
+pub const GROUP_BLOCKS: usize = 4;
 /// Floats one block stages per launch; a larger buffer is summed in several launches.
-const GROUP_CAP: usize = 32768;
+const GROUP_CAP: usize = 131072;
 /// How long a rank waits for the others inside a sum before the kernel traps (an error, not a hang).
 const GROUP_TIMEOUT_NS: u64 = 20_000_000_000;
 

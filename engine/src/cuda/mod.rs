@@ -320,6 +320,18 @@ impl Gpu {
             .map_err(drv("memory pool"))?;
         Ok(())
     }
+    /// Have cuBLAS size its kernels for `sms` SMs instead of all of them (`cublasSetSmCountTarget`): rank groups
+    /// side by side on one GPU keep some SMs partly taken by their sums' waiting blocks, and a GEMM whose blocks
+    /// rely on all being resident at once (persistent and stream-K kernels) must not wait for those SMs.
+    pub fn set_blas_sms(&self, sms: usize) -> Result<()> {
+        let n = sms.clamp(1, self.sms) as i32;
+        // SAFETY: the handle is this GPU's live cuBLAS handle.
+        let st = unsafe { cudarc::cublas::sys::cublasSetSmCountTarget(*self.blas.handle(), n) };
+        if st != cudarc::cublas::sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return Err(CudaError::Shape { op: "cublasSetSmCountTarget", msg: format!("{st:?}") });
+        }
+        Ok(())
+    }
     /// [`Gpu::set_drain_copies`]'s wait (nothing while the stream is capturing: no copy runs inside a capture).
     pub(crate) fn drain(&self) -> Result<()> {
         use cudarc::driver::sys::CUstreamCaptureStatus as S;

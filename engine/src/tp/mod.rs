@@ -834,6 +834,10 @@ fn cuda_groups(src: Arc<dyn TensorSource>, ranges: Vec<std::ops::Range<usize>>, 
     }
     if gpus.is_none() && groups > 1 {
         devs[0].pool_for_groups()?;
+        // Up to GROUP_BLOCKS SMs per group partly held by a waiting sum: cuBLAS plans for the rest.
+        for g in &devs {
+            g.set_blas_sms(g.sms.saturating_sub(groups * crate::cuda::comm::GROUP_BLOCKS))?;
+        }
     }
     let name = devs[0].name();
     let per_device = if gpus.is_none() { groups } else { 1 };
