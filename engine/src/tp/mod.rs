@@ -837,6 +837,11 @@ fn cuda_groups(src: Arc<dyn TensorSource>, ranges: Vec<std::ops::Range<usize>>, 
         // Up to GROUP_BLOCKS SMs per group partly held by a waiting sum: cuBLAS plans for the rest.
         for g in &devs {
             g.set_blas_sms(g.sms.saturating_sub(groups * crate::cuda::comm::GROUP_BLOCKS))?;
+            // Rounds and steps run eagerly here: graphs of different streams on one device share the graph memory
+            // pool, and a group's graph capture or launch waiting on another group's graph (which waits in a sum
+            // for it) hung a DDTree round of 8 groups (run 42, bench/GPU-RESULTS.md). On separate GPUs (NCCL)
+            // every group captures its rounds and steps, the collectives inside.
+            g.set_graphs(false);
         }
     }
     let name = devs[0].name();
