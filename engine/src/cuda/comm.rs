@@ -6,9 +6,10 @@
 //! * [`Nccl`]: NCCL through cudarc (libnccl loaded at run time), an in-place sum on the GPU's stream, so it is
 //!   captured into the round's CUDA graph with the rest (NCCL collectives are graph-capturable since 2.9).
 //!   One communicator per GPU of a run ([`Nccl::group`]), each driven by its own thread (`crate::tp`).
-//! * [`SharedGpu`]: the ranks of a run side by side on one GPU, each with its own thread, stream, weights and
-//!   graphs, as if each had a GPU: the sum is a device-side rendezvous in a fixed rank order
-//!   (kernels/cuda/group_all_reduce.cu), so it runs inside every rank's captured graph like NCCL's.
+//! * [`SharedGpu`]: the ranks of a run side by side on one GPU, each with its own thread, stream and weights,
+//!   as if each had a GPU: the sum is a device-side rendezvous in a fixed rank order
+//!   (kernels/cuda/group_all_reduce.cu), capturable like NCCL's (groups sharing a GPU run eagerly for now:
+//!   docs/design/tensor-parallel.md "still open").
 //!
 //! Tests: engine/tests/cuda_comm.rs (one NCCL rank: the all-reduce, whole rounds and AR steps with the `OneGpu`
 //! tokens), engine/tests/cuda_tp.rs (`SharedGpu`: the rank-order sum over R streams; R rank threads on one GPU
