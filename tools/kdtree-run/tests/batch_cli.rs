@@ -40,21 +40,7 @@ fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
-/// The records with their run-dependent parts removed (`timing`; OpenAI bodies' `created`).
-fn stable(path: &Path) -> Vec<Json> {
-    std::fs::read_to_string(path)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let mut r: Json = serde_json::from_str(l).unwrap();
-            r.as_object_mut().unwrap().remove("timing");
-            if let Some(b) = r.pointer_mut("/response/body").and_then(Json::as_object_mut) {
-                b.remove("created");
-            }
-            r
-        })
-        .collect()
-}
+use common::stable;
 
 /// Runs the prompt file with `extra` flags into `out`; asserts the exit status.
 fn answer(prompts: &Path, out: &Path, extra: &[&str], code: i32) -> Vec<Json> {

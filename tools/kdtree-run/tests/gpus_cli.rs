@@ -6,42 +6,18 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use serde_json::Value as Json;
 
 const BIN: &str = env!("CARGO_BIN_EXE_kdtree-run");
 
+mod common;
+use common::stable;
+
 fn model(root: &Path) -> PathBuf {
-    let hf = root.join("hf");
-    let out = root.join("tiny-r2");
-    kdtree_convert::synth::write("tiny", &hf, 5, true, None).expect("synth tiny");
-    kdtree_convert::repack::repack(&kdtree_convert::repack::RepackOptions {
-        src: hf.clone(),
-        out: out.clone(),
-        drafter: Some(hf.join("drafter")),
-        ranks: 2,
-        experts: kdtree_formats::plan::ExpertsMode::Tp,
-        max_file_size: 1 << 30,
-        quiet: true,
-    })
-    .expect("repack tiny");
-    out
+    common::convert_tiny_ranks(root, 5, true, 2)
 }
 
 fn run(args: &[&str]) -> Output {
     Command::new(BIN).args(args).output().expect("spawn kdtree-run")
-}
-
-/// Records without `timing`.
-fn stable(path: &Path) -> Vec<Json> {
-    std::fs::read_to_string(path)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let mut r: Json = serde_json::from_str(l).unwrap();
-            r.as_object_mut().unwrap().remove("timing");
-            r
-        })
-        .collect()
 }
 
 #[test]
