@@ -336,7 +336,8 @@ impl Gpu {
     pub(crate) fn drain(&self) -> Result<()> {
         use cudarc::driver::sys::CUstreamCaptureStatus as S;
         if self.drain_copies.load(std::sync::atomic::Ordering::Relaxed) && self.stream.capture_status().map_err(drv("capture status"))? == S::CU_STREAM_CAPTURE_STATUS_NONE {
-            let trace = std::env::var("KDTREE_TP_TRACE").is_ok_and(|v| v == "1");
+            static TRACE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+            let trace = *TRACE.get_or_init(|| std::env::var("KDTREE_TP_TRACE").is_ok_and(|v| v == "1"));
             let who = std::thread::current().name().unwrap_or("?").to_string();
             if trace {
                 eprintln!("kdtree tp: {who}: drain ...");

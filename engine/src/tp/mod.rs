@@ -84,6 +84,8 @@ struct Pool {
     poisoned: Mutex<Option<String>>,
     /// Groups sharing one device (its free memory is theirs together).
     per_device: usize,
+    /// Log each group's calls (`KDTREE_TP_TRACE=1`, read once).
+    trace: bool,
 }
 
 impl Pool {
@@ -101,7 +103,7 @@ impl Pool {
         }
         let f = Arc::new(f);
         let (tx, rx) = mpsc::channel::<(usize, Result<T>)>();
-        let trace = std::env::var("KDTREE_TP_TRACE").is_ok_and(|v| v == "1");
+        let trace = self.trace;
         for (g, s) in self.senders.iter().enumerate() {
             let (f, tx, what) = (f.clone(), tx.clone(), what.to_string());
             let job: Job = Box::new(move |st| {
@@ -237,7 +239,7 @@ pub fn start(inits: Vec<GroupInit>, per_device: usize, abort: Box<dyn Fn(&str) +
             }
         }
     }
-    let pool = Arc::new(Pool { senders, threads: Mutex::new(threads), next_id: AtomicUsize::new(1), abort, poisoned: Mutex::new(None), per_device: per_device.max(1) });
+    let pool = Arc::new(Pool { senders, threads: Mutex::new(threads), next_id: AtomicUsize::new(1), abort, poisoned: Mutex::new(None), per_device: per_device.max(1), trace: std::env::var("KDTREE_TP_TRACE").is_ok_and(|v| v == "1") });
     if let Some(e) = first_err {
         return Err(e);
     }
