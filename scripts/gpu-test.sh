@@ -55,7 +55,8 @@ status=0
 # primary context, and another test's teardown (cuBLAS handle, module unload, pinned frees synchronise the
 # context) invalidates a capture in flight. One process per GPU, as kdtree-run is, never meets that.
 # Rank groups on one GPU (cuda_tp, kdtree-run --share-gpu) each run on their own stream and meet inside their
-# kernels: more hardware queues than streams, so no group's kernel waits behind another's.
+# kernels: more hardware queues than streams, so no group's kernel waits behind another's. (Their threads pace
+# their launches at launch gates, engine/src/cuda/comm.rs, so that none fills the launch queues.)
 export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-32}"
 for t in cuda_ddtree cuda_sample cuda_drafter cuda_round cuda_ops cuda_gemm cuda_mla cuda_target cuda_comm cuda_tp; do
   echo "== $t (parity)"
@@ -64,6 +65,9 @@ for t in cuda_ddtree cuda_sample cuda_drafter cuda_round cuda_ops cuda_gemm cuda
   KDTREE_CUDA_POISON=1 "$dir/$t" --nocapture $threads 2>&1 | tee -a "$log" | grep -E "^(PARITY|BOUNDARY|test |test result|thread|  left|  right|SKIP)|panicked"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
+echo "== cuda_tp (parity, eager: the launches paced by the gates alone)"
+KDTREE_CUDA_GRAPHS=0 KDTREE_CUDA_POISON=1 "$dir/cuda_tp" --nocapture --test-threads=1 rank_groups 2>&1 | tee -a "$log" | sed -n 's/^.*\(PARITY\)/\1 eager:/p; /panicked\|test result/p'
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 if [ -x "$dir/kdtree-run" ]; then
   # End to end, from the repository root: models converted for one rank here, CPU vs CUDA greedy tokens,
   # --verify against the committed CPU bundles, bundles recorded on the GPU (for measuring |Δ| against
@@ -134,6 +138,9 @@ PY
         --gpus "${plan#??}" --share-gpu --summary "$e2e/groups-$plan-$mode.json" --quiet 2>> "$e2e/ranks.err" || status=1
     done
   done
+  # 8 groups eagerly (no graphs: every sum's launch paced by the gates) in a fresh process.
+  KDTREE_CUDA_GRAPHS=0 "$dir/kdtree-run" "$e2e/pair-tp8" --prompts examples/heldout.jsonl --out "$e2e/groups-eager-tp8-ddtree16.jsonl" --device cuda \
+    --mode ddtree --budget 16 --gpus 8 --share-gpu --summary "$e2e/groups-eager-tp8-ddtree16.json" --quiet 2>> "$e2e/ranks.err" || status=1
   sed 's/^/E2E ranks stderr: /' "$e2e/ranks.err" | head -20 | tee -a "$log"
   # Batched generation (issue 15): the same runs as the trained pair's above with 8 sequences in flight
   # (--max-batch 8: one batched forward per step), compared line by line with the batch-1 files below.
@@ -213,6 +220,14 @@ for plan in ("tp2", "tp4", "tp8", "ep2", "ep4", "ep8"):
         bad += eq != len(got) or len(grp) != len(got)
         print(f"E2E groups {plan} {mode}: {plan[2:]} rank groups (own threads, streams, graphs) == one controller on {eq} of {len(got)} prompts"
               + f"; {gs.get('tokens_per_s') or 0:.0f} tok/s (one controller {summ.get('tokens_per_s') or 0:.0f})")
+        if (plan, mode) == ("tp8", "ddtree16"):
+            try:
+                ge, es = load(f"{e2e}/groups-eager-{plan}-{mode}.jsonl"), json.load(open(f"{e2e}/groups-eager-{plan}-{mode}.json"))
+            except (OSError, ValueError) as e:
+                print(f"E2E groups {plan} {mode} eager: no output ({e})"); bad += 1; continue
+            eq = sum(ge.get(k) == v for k, v in got.items())
+            bad += eq != len(got) or len(ge) != len(got)
+            print(f"E2E groups {plan} {mode} eager: {plan[2:]} rank groups without graphs == one controller on {eq} of {len(got)} prompts; {es.get('tokens_per_s') or 0:.0f} tok/s")
 # --max-batch 8 against --max-batch 1 (the same prompts and settings): greedy lines must be equal up to
 # near-ties of the 1-rank AR run (a batched GEMM may sum in another order); sampled lines are counted.
 for temp in (0, 1):

@@ -1091,6 +1091,9 @@ impl Backend for CudaBackend {
             (Ok(()), Ok(()), Ok(Some(g))) => Ok(g),
             (r, c, g) => Err(r.err().or(c.err()).map(|e| format!("{e:#}")).or(g.err().map(|e| format!("end capture: {e}"))).unwrap_or_else(|| "the capture recorded nothing".into())),
         };
+        // Every rank of the run captures the same round here: none launches its graph (whose collectives wait for
+        // the others) before all have captured and instantiated theirs (comm::LaunchGate).
+        let gated = self.gpu.comm().gate();
         let g = match captured {
             Ok(g) => g,
             Err(why) => {
@@ -1106,6 +1109,7 @@ impl Backend for CudaBackend {
         if let Ok(c) = super::GraphCensus::of(&g) {
             self.gpu.set_last_graph(c);
         }
+        gated?;
         super::GpuStats::bump(&self.gpu.stats.graph_launches);
         g.launch().map_err(super::drv("graph launch"))?;
         *graph = Some(DGraph { key, graph: g, kernels: after[0] - before[0], blas_calls: after[1] - before[1] });

@@ -8,8 +8,10 @@
 //!   One communicator per GPU of a run ([`Nccl::group`]), each driven by its own thread (`crate::tp`).
 //! * [`SharedGpu`]: the ranks of a run side by side on one GPU, each with its own thread, stream and weights,
 //!   as if each had a GPU: the sum is a device-side rendezvous in a fixed rank order
-//!   (kernels/cuda/group_all_reduce.cu), capturable like NCCL's (groups sharing a GPU run eagerly for now:
-//!   docs/design/tensor-parallel.md "still open").
+//!   (kernels/cuda/group_all_reduce.cu), captured into every group's graphs like NCCL's.
+//!
+//! The ranks of one process (NCCL's group and the shared GPU's) also pace their launches at a [`LaunchGate`], so
+//! that no rank's queued work can keep another from launching the work that leads to a collective.
 //!
 //! Tests: engine/tests/cuda_comm.rs (one NCCL rank: the all-reduce, whole rounds and AR steps with the `OneGpu`
 //! tokens), engine/tests/cuda_tp.rs (`SharedGpu`: the rank-order sum over R streams; R rank threads on one GPU
@@ -29,6 +31,98 @@ pub trait Communicator: Send + Sync {
     fn world(&self) -> usize;
     /// `x` = the sum of every GPU's `x`, in place, on this GPU's stream (no host sync).
     fn all_reduce_sum(&self, gpu: &Gpu, x: &mut CudaSlice<f32>) -> Result<()>;
+    /// Wait until every rank of the run has reached the same point of its launches ([`LaunchGate`]); nothing
+    /// for a communicator whose ranks do not share a process. Called after a CUDA graph is captured and before
+    /// it is first launched.
+    fn gate(&self) -> Result<()> {
+        Ok(())
+    }
+    /// Wake the ranks waiting in [`Communicator::gate`] with an error (a rank failed).
+    fn abort(&self, _why: &str) {}
+}
+
+/// The ranks of one process pacing their launches so that none can keep another from launching.
+///
+/// CUDA queues the work of a process's streams in launch queues of bounded size: when they are full, a launch
+/// blocks the launching thread until queued work has run. A rank whose stream waits inside a collective for
+/// another rank keeps its queued work there, and a rank that had run ahead (launched the work of several
+/// layers eagerly, or a round's graph) can fill the queues with work that waits, so that the rank it waits for
+/// blocks in a launch before it reaches the collective: a deadlock (the fresh-process hangs of runs 42-43,
+/// bench/GPU-RESULTS.md). With a gate after every collective it launches eagerly, a rank never launches past
+/// collective k before every rank has launched collective k: the work the ranks have queued beyond the slowest
+/// one's is at most one stretch between two collectives each, and the slowest one's launches always go in.
+///
+/// Every rank passes the same gates in the same order, so gate g is open once `g x world` arrivals were counted;
+/// a rank never waits for a gate that its own arrival cannot help open. A wait longer than `timeout` (a rank
+/// stopped, or runs a different sequence) is an error naming the gates each rank has passed.
+pub struct LaunchGate {
+    arrivals: std::sync::atomic::AtomicU64,
+    passed: Vec<std::sync::atomic::AtomicU64>,
+    aborted: std::sync::Mutex<Option<String>>,
+    is_aborted: std::sync::atomic::AtomicBool,
+    timeout: std::time::Duration,
+}
+
+impl LaunchGate {
+    pub fn new(world: usize, timeout: std::time::Duration) -> Arc<LaunchGate> {
+        Arc::new(LaunchGate {
+            arrivals: 0.into(),
+            passed: (0..world).map(|_| 0.into()).collect(),
+            aborted: std::sync::Mutex::new(None),
+            is_aborted: false.into(),
+            timeout,
+        })
+    }
+    /// Rank `rank` arrives at its next gate and waits until every rank has (spinning briefly, then yielding).
+    pub fn pass(&self, rank: usize) -> Result<()> {
+        use std::sync::atomic::Ordering::{Acquire, Relaxed, SeqCst};
+        let world = self.passed.len() as u64;
+        if world <= 1 {
+            return Ok(());
+        }
+        let aborted = || {
+            let why = self.aborted.lock().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or_default();
+            Err(CudaError::Shape { op: "launch gate", msg: format!("rank {rank}: the group was aborted: {why}") })
+        };
+        if self.is_aborted.load(Acquire) {
+            return aborted();
+        }
+        let g = self.passed[rank].fetch_add(1, Relaxed) + 1;
+        self.arrivals.fetch_add(1, SeqCst);
+        let t0 = std::time::Instant::now();
+        let mut spins = 0u32;
+        while self.arrivals.load(Acquire) < g * world {
+            if self.is_aborted.load(Acquire) {
+                return aborted();
+            }
+            spins += 1;
+            if spins < 4096 {
+                std::hint::spin_loop();
+            } else if t0.elapsed() < std::time::Duration::from_millis(2) {
+                std::thread::yield_now();
+            } else if t0.elapsed() > self.timeout {
+                let at: Vec<u64> = self.passed.iter().map(|p| p.load(Relaxed)).collect();
+                return Err(CudaError::Shape {
+                    op: "launch gate",
+                    msg: format!("rank {rank} waited {:.0} s at gate {g} for the other ranks (gates reached per rank: {at:?}): a rank stopped or ran different launches", self.timeout.as_secs_f64()),
+                });
+            } else {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            }
+        }
+        Ok(())
+    }
+    /// Every waiting rank (and every later arrival) fails with `why`.
+    pub fn abort(&self, why: &str) {
+        self.aborted.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert_with(|| why.to_string());
+        self.is_aborted.store(true, std::sync::atomic::Ordering::Release);
+    }
+}
+
+/// Whether `gpu`'s stream is capturing a graph (a capture queues nothing, so it needs no gate).
+fn capturing(gpu: &Gpu) -> Result<bool> {
+    use cudarc::driver::sys::CUstreamCaptureStatus as S;
+    Ok(gpu.stream.capture_status().map_err(super::drv("capture status"))? != S::CU_STREAM_CAPTURE_STATUS_NONE)
 }
 
 /// All ranks on one GPU: the backend's own rank-order sum is the whole sum.
@@ -49,6 +143,7 @@ impl Communicator for OneGpu {
 /// An NCCL communicator of this GPU's rank.
 pub struct Nccl {
     comm: cudarc::nccl::safe::Comm,
+    gate: Arc<LaunchGate>,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread as long as calls on it are not concurrent; the engine
@@ -80,7 +175,8 @@ impl Nccl {
         }
         let streams = gpus.iter().map(|g| g.stream.clone()).collect();
         let comms = cudarc::nccl::safe::Comm::from_devices(streams).map_err(|e| CudaError::Shape { op: "nccl", msg: format!("ncclCommInitAll over {} GPUs: {e:?}", gpus.len()) })?;
-        Ok(comms.into_iter().map(|comm| Nccl { comm }).collect())
+        let gate = LaunchGate::new(gpus.len(), gate_timeout());
+        Ok(comms.into_iter().map(|comm| Nccl { comm, gate: gate.clone() }).collect())
     }
 }
 
@@ -91,11 +187,21 @@ impl Communicator for Nccl {
     fn world(&self) -> usize {
         self.comm.world_size()
     }
-    fn all_reduce_sum(&self, _gpu: &Gpu, x: &mut CudaSlice<f32>) -> Result<()> {
+    fn all_reduce_sum(&self, gpu: &Gpu, x: &mut CudaSlice<f32>) -> Result<()> {
         if x.is_empty() {
             return Ok(());
         }
-        self.comm.all_reduce_in_place(x, &cudarc::nccl::safe::ReduceOp::Sum).map(|_| ()).map_err(|e| CudaError::Shape { op: "nccl all_reduce", msg: format!("{e:?}") })
+        self.comm.all_reduce_in_place(x, &cudarc::nccl::safe::ReduceOp::Sum).map(|_| ()).map_err(|e| CudaError::Shape { op: "nccl all_reduce", msg: format!("{e:?}") })?;
+        if !capturing(gpu)? {
+            self.gate.pass(self.comm.rank())?;
+        }
+        Ok(())
+    }
+    fn gate(&self) -> Result<()> {
+        self.gate.pass(self.comm.rank())
+    }
+    fn abort(&self, why: &str) {
+        self.gate.abort(why)
     }
 }
 
@@ -107,6 +213,17 @@ const GROUP_CAP: usize = 131072;
 /// How long a rank waits for the others inside a sum before the kernel traps (an error, not a hang).
 const GROUP_TIMEOUT_NS: u64 = 20_000_000_000;
 
+/// [`GROUP_TIMEOUT_NS`], or `KDTREE_GROUP_TIMEOUT_S` seconds.
+fn sum_timeout_ns() -> u64 {
+    std::env::var("KDTREE_GROUP_TIMEOUT_S").ok().and_then(|v| v.parse::<f64>().ok()).filter(|s| *s > 0.0).map_or(GROUP_TIMEOUT_NS, |s| (s * 1e9) as u64)
+}
+
+/// How long a rank waits at a [`LaunchGate`] for the others (`KDTREE_GATE_TIMEOUT_S`, default 60).
+fn gate_timeout() -> std::time::Duration {
+    let s = std::env::var("KDTREE_GATE_TIMEOUT_S").ok().and_then(|v| v.parse::<f64>().ok()).filter(|s| *s > 0.0).unwrap_or(60.0);
+    std::time::Duration::from_secs_f64(s)
+}
+
 /// The one-GPU communicator: `world` ranks on one GPU, each its own [`Gpu`] (stream, graphs) and thread, meeting
 /// in device memory: two staging buffers of `world` x [`GROUP_BLOCKS`] x [`GROUP_CAP`] floats, and per rank and
 /// block an arrival flag and an epoch counter (protocol: kernels/cuda/group_all_reduce.cu). Every rank must run
@@ -117,6 +234,8 @@ pub struct SharedGpu {
     staging: CudaSlice<f32>,
     flags: CudaSlice<u32>,
     epochs: CudaSlice<u32>,
+    gate: Arc<LaunchGate>,
+    timeout_ns: u64,
 }
 
 impl SharedGpu {
@@ -126,7 +245,7 @@ impl SharedGpu {
         let staging = gpu.zeros::<f32>(2 * world * GROUP_BLOCKS * GROUP_CAP)?;
         let (flags, epochs) = (gpu.zeros::<u32>(world * GROUP_BLOCKS)?, gpu.zeros::<u32>(world * GROUP_BLOCKS)?);
         gpu.sync()?;
-        let g = Arc::new(SharedGpu { world, staging, flags, epochs });
+        let g = Arc::new(SharedGpu { world, staging, flags, epochs, gate: LaunchGate::new(world, gate_timeout()), timeout_ns: sum_timeout_ns() });
         Ok((0..world).map(|rank| SharedRank { group: g.clone(), rank }).collect())
     }
 }
@@ -156,7 +275,7 @@ impl Communicator for SharedRank {
         if g.world == 1 {
             return Ok(());
         }
-        let (rank, world, cap, timeout) = (self.rank as i32, g.world as i32, GROUP_CAP as i32, GROUP_TIMEOUT_NS);
+        let (rank, world, cap, timeout) = (self.rank as i32, g.world as i32, GROUP_CAP as i32, g.timeout_ns);
         let chunk = GROUP_BLOCKS * GROUP_CAP;
         let mut at = 0;
         // Every rank cuts the same buffer length into the same chunks, so their launches pair up.
@@ -171,6 +290,67 @@ impl Communicator for SharedRank {
             unsafe { b.launch(super::ops::launch_cfg((GROUP_BLOCKS as u32, 1, 1), 128, 0)) }.map_err(super::drv(OP))?;
             at += n;
         }
+        if !capturing(gpu)? {
+            g.gate.pass(self.rank)?;
+        }
         Ok(())
+    }
+    fn gate(&self) -> Result<()> {
+        self.group.gate.pass(self.rank)
+    }
+    fn abort(&self, why: &str) {
+        self.group.gate.abort(why)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::LaunchGate;
+    use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+    use std::time::Duration;
+
+    #[test]
+    fn no_rank_passes_a_gate_before_every_rank_reached_it() {
+        // Each rank records how many gates every other rank had reached when it passed one: never fewer than its own.
+        let world = 4;
+        let gate = LaunchGate::new(world, Duration::from_secs(30));
+        let reached: Vec<AtomicU64> = (0..world).map(|_| AtomicU64::new(0)).collect();
+        std::thread::scope(|s| {
+            for r in 0..world {
+                let (gate, reached) = (&gate, &reached);
+                s.spawn(move || {
+                    for g in 1..=200u64 {
+                        if (g as usize + r).is_multiple_of(7) {
+                            std::thread::sleep(Duration::from_micros(200)); // ranks arrive out of step
+                        }
+                        reached[r].store(g, SeqCst);
+                        gate.pass(r).unwrap();
+                        for (o, x) in reached.iter().enumerate() {
+                            assert!(x.load(SeqCst) >= g, "rank {r} passed gate {g} before rank {o} reached it");
+                        }
+                    }
+                });
+            }
+        });
+    }
+
+    #[test]
+    fn a_missing_rank_is_an_error_naming_the_gates_not_a_hang() {
+        let gate = LaunchGate::new(2, Duration::from_millis(50));
+        let e = gate.pass(0).unwrap_err().to_string();
+        assert!(e.contains("gate 1") && e.contains("[1, 0]"), "{e}");
+    }
+
+    #[test]
+    fn an_abort_wakes_a_waiting_rank() {
+        let gate = LaunchGate::new(2, Duration::from_secs(30));
+        std::thread::scope(|s| {
+            let w = s.spawn(|| gate.pass(1));
+            std::thread::sleep(Duration::from_millis(20));
+            gate.abort("group 0 failed: test");
+            let e = w.join().unwrap().unwrap_err().to_string();
+            assert!(e.contains("group 0 failed: test"), "{e}");
+        });
+        assert!(gate.pass(0).is_err(), "a later arrival fails at once");
     }
 }

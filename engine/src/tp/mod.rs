@@ -10,9 +10,9 @@
 //!
 //! Driving: [`TpTarget`] / [`TpDrafter`] / [`TpBatchOps`] are the engine's `Target` / `Drafter` / `BatchOps`
 //! for the whole run. Each call goes to every group's thread, which makes the same call on its own session;
-//! the groups then run it in lock-step with no host round trip between them (on separate GPUs a DDTree round or
-//! AR step is one graph launch per group with the collectives inside; groups sharing one GPU run them eagerly for
-//! now, see `cuda_groups` and docs/design/tensor-parallel.md). Every group computes the replicated parts itself (norms,
+//! the groups then run it in lock-step with no host round trip between them (a DDTree round or AR step is one
+//! graph launch per group with the collectives inside; the groups' threads only pace their launches at
+//! `cuda::comm::LaunchGate`s, see docs/design/tensor-parallel.md). Every group computes the replicated parts itself (norms,
 //! q_a / kv_a, the router, the tree, the walk) from the same summed values, so the host decisions agree; the
 //! results of each call are compared across groups (a difference is an error naming the group), then group
 //! 0's are returned. Sessions, batches and `generate` above are unchanged.
@@ -831,6 +831,7 @@ fn cuda_groups(src: Arc<dyn TensorSource>, ranges: Vec<std::ops::Range<usize>>, 
         None => SharedGpu::ranks(&devs[0], groups)?.into_iter().map(|c| Arc::new(c) as Arc<dyn Communicator>).collect(),
         Some(_) => Nccl::group(&devs.iter().map(|g| &**g).collect::<Vec<_>>())?.into_iter().map(|c| Arc::new(c) as Arc<dyn Communicator>).collect(),
     };
+    let aborts = comms.clone();
     for (g, c) in devs.iter().zip(comms) {
         g.set_comm(c);
         g.set_drain_copies(groups > 1);
@@ -840,11 +841,6 @@ fn cuda_groups(src: Arc<dyn TensorSource>, ranges: Vec<std::ops::Range<usize>>, 
         // Up to GROUP_BLOCKS SMs per group partly held by a waiting sum: cuBLAS plans for the rest.
         for g in &devs {
             g.set_blas_sms(g.sms.saturating_sub(groups * crate::cuda::comm::GROUP_BLOCKS))?;
-            // Rounds and steps run eagerly here: graphs of different streams on one device share the graph memory
-            // pool, and a group's graph capture or launch waiting on another group's graph (which waits in a sum
-            // for it) hung a DDTree round of 8 groups (run 42, bench/GPU-RESULTS.md). On separate GPUs (NCCL)
-            // every group captures its rounds and steps, the collectives inside.
-            g.set_graphs(false);
         }
     }
     let name = devs[0].name();
@@ -877,5 +873,8 @@ fn cuda_groups(src: Arc<dyn TensorSource>, ranges: Vec<std::ops::Range<usize>>, 
             }) as GroupInit
         })
         .collect();
-    Ok((start(inits, per_device, Box::new(|_| {}), "cuda", name)?, keep))
+    // A failed group wakes the others waiting at a launch gate (those waiting inside a device-side sum trap on
+    // its timeout).
+    let abort = Box::new(move |why: &str| aborts.iter().for_each(|c| c.abort(why)));
+    Ok((start(inits, per_device, abort, "cuda", name)?, keep))
 }
