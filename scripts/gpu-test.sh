@@ -141,6 +141,22 @@ PY
   # 8 groups eagerly (no graphs: every sum's launch paced by the gates) in a fresh process.
   KDTREE_CUDA_GRAPHS=0 "$dir/kdtree-run" "$e2e/pair-tp8" --prompts examples/heldout.jsonl --out "$e2e/groups-eager-tp8-ddtree16.jsonl" --device cuda \
     --mode ddtree --budget 16 --gpus 8 --share-gpu --summary "$e2e/groups-eager-tp8-ddtree16.json" --quiet 2>> "$e2e/ranks.err" || status=1
+  # The rank groups against the CPU reference: --verify (tokens, logits, the DDTree rounds) against kdtree-golden's
+  # CPU bundle of the same R-rank conversion, and against the committed 1-rank bundle golden/kdtree-tiny.
+  for plan in tp2 tp4 tp8 ep2 ep4 ep8; do
+    [ -d "$e2e/pair-$plan" ] || continue
+    "$dir/kdtree-golden" "$e2e/pair-$plan" --prompts golden/kdtree-tiny/prompts.jsonl --out "$e2e/golden-$plan" --quiet 2>> "$e2e/ranks.err" || { status=1; continue; }
+    for g in "$e2e/golden-$plan" golden/kdtree-tiny; do
+      case $g in golden/*) what="the 1-rank CPU bundle $g";; *) what="kdtree-golden's CPU bundle of the $plan conversion";; esac
+      if "$dir/kdtree-run" "$e2e/pair-$plan" --prompts golden/kdtree-tiny/prompts.jsonl --out "$e2e/verify-groups-$plan.jsonl" --device cuda \
+          --gpus "${plan#??}" --share-gpu --verify "$g" --quiet >> "$e2e/verify-groups.log" 2>&1; then
+        echo "E2E groups $plan --gpus ${plan#??} --share-gpu --verify against $what: match" | tee -a "$log"
+      else
+        echo "E2E groups $plan --gpus ${plan#??} --share-gpu --verify against $what: MISMATCH" | tee -a "$log"; status=1
+        tail -30 "$e2e/verify-groups.log" | tee -a "$log"
+      fi
+    done
+  done
   sed 's/^/E2E ranks stderr: /' "$e2e/ranks.err" | head -20 | tee -a "$log"
   # Batched generation (issue 15): the same runs as the trained pair's above with 8 sequences in flight
   # (--max-batch 8: one batched forward per step), compared line by line with the batch-1 files below.

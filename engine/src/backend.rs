@@ -71,6 +71,16 @@ impl<M> VocabShards<'_, M> {
     pub fn whole(&self, rows: impl Fn(&M) -> usize) -> bool {
         self.first == 0 && self.mats.iter().map(|m| rows(m)).sum::<usize>() == self.vocab
     }
+    /// The vocab's shards in all (the run's ranks) and the global index of this GPU's first, for the
+    /// vocab-parallel argmax's slots; shards split the vocab evenly (`weights::load_rank`).
+    pub fn slots(&self, rows: impl Fn(&M) -> usize) -> std::result::Result<(usize, usize), String> {
+        let r = self.mats.first().map(|m| rows(m)).unwrap_or(0);
+        if r == 0 || !self.vocab.is_multiple_of(r) || !self.first.is_multiple_of(r) || self.mats.iter().any(|m| rows(m) != r) {
+            let sizes: Vec<usize> = self.mats.iter().map(|m| rows(m)).collect();
+            return Err(format!("vocab shards of {sizes:?} rows from {} do not split a vocab of {} evenly", self.first, self.vocab));
+        }
+        Ok((self.vocab / r, self.first / r))
+    }
 }
 
 /// Where a forward's positions start: the target's committed rows or another position counter (the
@@ -225,9 +235,11 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// lm_head `[n, V]` over vocab-parallel shards, merged in global vocab order (other GPUs' columns summed in
     /// by the communicator).
     fn lm_head(&self, x: &Self::Act, n: usize, h: usize, v: &VocabShards<'_, Self::Mat>) -> Self::Act;
-    /// Greedy token of each row of lm_head(x) `[n]`: per-shard argmax merged in global vocab order
-    /// (lowest global id wins ties), without forming the `[n, V]` logits when every shard is here.
-    fn lm_head_argmax(&self, x: &Self::Act, n: usize, h: usize, v: &VocabShards<'_, Self::Mat>) -> Vec<u32>;
+    /// Greedy token of each row of lm_head(x) into `out[row0..row0 + n]`, where the ops run: when every shard is
+    /// here, the argmax of the merged logits; otherwise each shard's argmax as a (value, global id) pair, the
+    /// pairs of every GPU gathered through the communicator (`n x R` pairs instead of `n x V` logits) and merged
+    /// in global vocab order (lowest global id wins ties, NaN never wins): the same token either way.
+    fn lm_head_argmax_into(&self, x: &Self::Act, n: usize, h: usize, v: &VocabShards<'_, Self::Mat>, out: &mut Self::Ids, row0: usize) -> Result<()>;
 
     // ---- MLA ----
     fn kv_new(&self, layers: usize, width: usize) -> Self::Kv;

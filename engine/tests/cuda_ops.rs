@@ -213,6 +213,35 @@ fn argmax_parity() {
     }
 }
 
+#[test]
+fn vocab_parallel_argmax_pairs_merge_to_the_row_argmax() {
+    let Some(g) = gpu() else { return };
+    // Rows split in `shards` even shards (the pairs of every shard written on this one GPU, as the communicator's
+    // sum would leave them), merged: the argmax of the whole row, ties across shards and NaNs included.
+    for (n, &(rows, v, shards)) in [(5, 163_840, 8), (3, 1024, 2), (4, 96, 4)].iter().enumerate() {
+        let mut r = rng(700 + n as u64);
+        let mut x = rand_f32(&mut r, rows * v, -20.0, 20.0);
+        let vr = v / shards;
+        x[vr + 3] = 100.0; // row 0: a tie of shards 1 and the last; the lower id wins
+        x[v - 2] = 100.0;
+        x[v + 1] = f32::NAN; // row 1: NaNs never win, and shard 0 of row 2 is all NaN
+        x[2 * v..2 * v + vr].iter_mut().for_each(|e| *e = f32::NAN);
+        let want: Vec<u32> = (0..rows).map(|t| argmax(&x[t * v..(t + 1) * v])).collect();
+        let dx = g.upload(&x).unwrap();
+        let mut pairs = g.upload(&vec![0f32; rows * shards * 2]).unwrap();
+        for s in 0..shards {
+            ops::argmax::argmax_pairs(&g, &dx.slice(s * vr..), rows, vr, v, s * vr, &mut pairs.as_view_mut(), s, shards).unwrap();
+        }
+        let host_pairs = g.download(&pairs).unwrap();
+        let cpu: Vec<u32> = host_pairs.chunks(shards * 2).map(kdtree_engine::cpu::ops::merge_argmax_pairs).collect();
+        let mut dout = g.upload(&vec![u32::MAX; rows]).unwrap();
+        ops::argmax::merge_pairs(&g, &pairs.as_view(), rows, shards, &mut dout.as_view_mut()).unwrap();
+        assert_eq!(g.download(&dout).unwrap(), want, "vocab-parallel argmax (rows={rows}, V={v}, {shards} shards)");
+        assert_eq!(cpu, want, "the CPU merge of the GPU's pairs");
+        println!("PARITY vocab-parallel argmax pairs + merge (rows={rows},V={v},{shards} shards) == row argmax exact");
+    }
+}
+
 fn router_cfg(e: usize, n_group: usize, topk_group: usize, top_k: usize) -> Router {
     Router { n_experts: e, n_group, topk_group, top_k, norm_topk_prob: true, routed_scaling: 2.827 }
 }

@@ -23,6 +23,8 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("act_f32.cu", "kdtree_copy_rows_f32"),
     ("argmax.cu", "kdtree_argmax_f32"),
     ("argmax.cu", "kdtree_argmax_bf16"),
+    ("argmax.cu", "kdtree_argmax_pair_f32"),
+    ("argmax.cu", "kdtree_argmax_merge_pairs"),
     ("copy_rows.cu", "kdtree_copy_rows_bf16"),
     ("ddtree_build.cu", "kdtree_ddtree_build"),
     ("ddtree_walk.cu", "kdtree_ddtree_walk"),

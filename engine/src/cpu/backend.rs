@@ -255,13 +255,33 @@ impl Backend for CpuBackend {
         }
         self.group_sum(out)
     }
-    fn lm_head_argmax(&self, x: &Vec<f32>, n: usize, h: usize, v: &VocabShards<'_, Mat>) -> Vec<u32> {
-        if !v.whole(|m| m.rows) {
-            let logits = self.lm_head(x, n, h, v);
-            return (0..n).map(|i| crate::sampling::argmax(&logits[i * v.vocab..(i + 1) * v.vocab])).collect();
-        }
+    fn lm_head_argmax_into(&self, x: &Vec<f32>, n: usize, h: usize, v: &VocabShards<'_, Mat>, out: &mut Vec<u32>, row0: usize) -> Result<()> {
+        anyhow::ensure!(out.len() >= row0 + n, "lm_head_argmax: {} outputs for rows {row0}..{}", out.len(), row0 + n);
         let s: Vec<&[bf16]> = v.mats.iter().map(|m| &m.w[..]).collect();
-        ops::lm_head_argmax_bf16(x, n, h, &s)
+        if v.whole(|m| m.rows) {
+            out[row0..row0 + n].copy_from_slice(&ops::lm_head_argmax_bf16(x, n, h, &s));
+            return Ok(());
+        }
+        // Each local shard's (value, global id) in its slot of [n, slots, 2], the other groups' slots summed in
+        // (exact: each slot is nonzero on one group only), then the merge in slot (global vocab) order.
+        let (slots, slot0) = v.slots(|m| m.rows).map_err(anyhow::Error::msg)?;
+        let mut pairs = vec![0f32; n * slots * 2];
+        for (j, w) in s.iter().enumerate() {
+            let vr = w.len() / h;
+            let part = ops::matmul_bf16(x, w, n, h, vr); // [n, V_r]
+            for i in 0..n {
+                let row = &part[i * vr..(i + 1) * vr];
+                let k = crate::sampling::argmax(row) as usize;
+                let best = row.get(k).copied().filter(|b| !b.is_nan());
+                let p = &mut pairs[(i * slots + slot0 + j) * 2..][..2];
+                (p[0], p[1]) = best.map_or((f32::NAN, 0.0), |b| (b, (v.first + j * vr + k) as f32));
+            }
+        }
+        let pairs = self.group_sum(pairs);
+        for i in 0..n {
+            out[row0 + i] = ops::merge_argmax_pairs(&pairs[i * slots * 2..(i + 1) * slots * 2]);
+        }
+        Ok(())
     }
 
     fn kv_new(&self, layers: usize, width: usize) -> LatentCache {

@@ -736,15 +736,34 @@ impl Backend for CudaBackend {
         })
         .unwrap_or_else(|| self.empty())
     }
-    fn lm_head_argmax(&self, x: &CudaSlice<f32>, n: usize, h: usize, v: &VocabShards<'_, DMat>) -> Vec<u32> {
-        let logits = self.lm_head(x, n, h, v);
+    fn lm_head_argmax_into(&self, x: &CudaSlice<f32>, n: usize, _h: usize, v: &VocabShards<'_, DMat>, out: &mut CudaSlice<u32>, row0: usize) -> Result<()> {
+        if out.len() < row0 + n {
+            bail!("lm_head_argmax: {} outputs for rows {row0}..{}", out.len(), row0 + n);
+        }
         let vt = v.vocab;
+        if v.whole(|m| m.rows) {
+            let logits = self.lm_head(x, n, _h, v);
+            self.run("lm_head_argmax", || argmax::argmax(&self.gpu, &logits.as_view(), n, vt, vt, &mut out.slice_mut(row0..row0 + n)));
+            return self.check();
+        }
+        let (slots, slot0) = v.slots(|m| m.rows).map_err(anyhow::Error::msg)?;
         self.run("lm_head_argmax", || {
-            let mut ids = self.gpu.out::<u32>(n)?;
-            argmax::argmax(&self.gpu, &logits.as_view(), n, vt, vt, &mut ids.as_view_mut())?;
-            self.gpu.download(&ids)
-        })
-        .unwrap_or_default()
+            // The local shards' logits by the same GEMMs as lm_head's (same columns of an [n, V] buffer, so the
+            // same bits), each shard's (value, global id) into its slot of the zeroed pairs, the pairs summed over
+            // the GPUs (each slot is nonzero on one GPU: exact), then merged in slot (= global vocab) order.
+            let xb = self.to_bf16(x)?;
+            let mut y = self.gpu.out::<f32>(n * vt)?;
+            let mut pairs = self.gpu.zeros::<f32>(n * slots * 2)?;
+            let mut col = v.first;
+            for (j, m) in v.mats.iter().enumerate() {
+                gemm_bf16::gemm_bf16_ld(&self.gpu, &xb.as_view(), &m.w.as_view(), &mut y.slice_mut(col..), n, m.cols, m.rows, vt)?;
+                argmax::argmax_pairs(&self.gpu, &y.slice(col..), n, m.rows, vt, col, &mut pairs.as_view_mut(), slot0 + j, slots)?;
+                col += m.rows;
+            }
+            self.gpu.comm().all_reduce_sum(&self.gpu, &mut pairs)?;
+            argmax::merge_pairs(&self.gpu, &pairs.as_view(), n, slots, &mut out.slice_mut(row0..row0 + n))
+        });
+        self.check()
     }
 
     fn kv_new(&self, layers: usize, width: usize) -> DKv {

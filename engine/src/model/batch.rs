@@ -177,7 +177,7 @@ impl<B: Backend> BatchEngine<B> {
             let slot = match t.rounds.iter().position(|r| (r.budget, r.k) == (budget, k)) {
                 Some(i) => i,
                 None => {
-                    t.rounds.push(RoundSlot { budget, k, tree: b.tree_new(budget, rows, v, k)?, graph: None });
+                    t.rounds.push(RoundSlot { budget, k, tree: b.tree_new(budget, rows, v, k)?, graph: None, decisions: b.ids_from_host(&vec![0; budget + 1]) });
                     t.rounds.len() - 1
                 }
             };

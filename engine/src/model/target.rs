@@ -60,6 +60,9 @@ pub(crate) struct RoundSlot<B: Backend> {
     pub(crate) k: usize,
     pub(crate) tree: B::Tree,
     pub(crate) graph: Option<B::Graph>,
+    /// The target's greedy decision per node, where the ops run, when they come from the vocab-parallel argmax
+    /// (a GPU holding only some vocab shards: `Weights::vocab_split`); allocated with the slot.
+    pub(crate) decisions: B::Ids,
 }
 
 /// A captured round replays only for the same tree shape (budget, top-K), sampling parameters and storage of every buffer it
@@ -102,8 +105,8 @@ impl<B: Backend> TargetModel<B> {
 
     /// The verify forward of the device round: the `t` nodes of `tree` (tokens, depths and mask where the
     /// ops run; nothing read back), at positions `committed + depth` (committed read where the ops run).
-    /// Returns the logits `[t, V]` and the taps `[t, n_taps·H]` (empty without tap layers), both where the
-    /// ops run.
+    /// Returns the final-normed rows `[t, H]` (lm_head's input) and the taps `[t, n_taps·H]` (empty without tap
+    /// layers), both where the ops run.
     pub fn forward_tree(&mut self, tree: &B::Tree, t: usize, depth_limit: usize) -> Result<(B::Act, B::Act)> {
         let w = self.w.clone();
         let (b, c) = (&w.backend, &w.cfg);
@@ -112,9 +115,9 @@ impl<B: Backend> TargetModel<B> {
         let rope = b.rope_at(&w.rope_inv, c.rope_attention_factor, PosOf::Kv(&self.cache), Some(b.tree_depths(tree)), t);
         let (x, taps) = self.layers(w.embed_ids(b.tree_tokens(tree), t), t, b.tree_mask(tree), &rope);
         self.last_parents.clear();
-        let logits = w.lm_head(&w.final_norm(&x), t);
+        let xn = w.final_norm(&x);
         b.check()?;
-        Ok((logits, taps.unwrap_or_else(|| b.zeros(0))))
+        Ok((xn, taps.unwrap_or_else(|| b.zeros(0))))
     }
 
     /// The device round (see [`Target::device_round`]) in `slot` (budget `budget`): the round's ops run as
@@ -134,12 +137,20 @@ impl<B: Backend> TargetModel<B> {
         }
         (self.dev_root, self.step_root) = (None, None);
         let key = round_key(budget, slot.k, s, b.kv_id(&self.cache), d.capture_key());
-        let tree = &mut slot.tree;
+        let (tree, decisions) = (&mut slot.tree, &mut slot.decisions);
+        // Greedy on a GPU holding only some vocab shards: the decisions by the vocab-parallel argmax (`t x R` pairs
+        // through the communicator instead of the `[t, V]` logits); otherwise the walk reads the merged logits.
+        let pairs = s.is_greedy() && w.vocab_split();
         b.graph_run(&mut slot.graph, key, &mut || {
             let draft = d.draft_from_root(b.tree_root(tree))?; // [rows, V]
             b.tree_build(tree, &draft, 0)?;
-            let (logits, taps) = self.forward_tree(tree, t, rows)?;
-            self.walk_tree(tree, &logits, s)?;
+            let (xn, taps) = self.forward_tree(tree, t, rows)?;
+            if pairs {
+                w.lm_head_argmax_into(&xn, t, decisions, 0)?;
+                b.tree_walk_decided(tree, decisions, 0)?;
+            } else {
+                self.walk_tree(tree, &w.lm_head(&xn, t), s)?;
+            }
             self.commit_walk(tree, d, &taps)
         })?;
         let r = self.read_walk(&mut slot.tree, d, t)?;
@@ -168,9 +179,14 @@ impl<B: Backend> TargetModel<B> {
         b.graph_run(&mut slot.graph, key, &mut || {
             let rope = b.rope_at(&w.rope_inv, c.rope_attention_factor, PosOf::Kv(&self.cache), None, 1);
             let (x, _taps) = self.layers(w.embed_ids(token, 1), 1, mask, &rope);
-            let logits = w.lm_head(&w.final_norm(&x), 1);
-            // The token goes to position committed + 1 (sampling.rs: draws keyed by position).
-            b.decide_rows(&logits, 0, 1, c.vocab, s, PosOf::Kv(&self.cache), 1, token)?;
+            let xn = w.final_norm(&x);
+            if s.is_greedy() && w.vocab_split() {
+                // The vocab-parallel argmax: R pairs through the communicator instead of V logits.
+                w.lm_head_argmax_into(&xn, 1, token, 0)?;
+            } else {
+                // The token goes to position committed + 1 (sampling.rs: draws keyed by position).
+                b.decide_rows(&w.lm_head(&xn, 1), 0, 1, c.vocab, s, PosOf::Kv(&self.cache), 1, token)?;
+            }
             b.kv_commit_rows(&mut self.cache, 1)?;
             b.check()
         })?;
@@ -196,7 +212,9 @@ impl<B: Backend> TargetModel<B> {
             // A backend whose tree kernels cannot hold this shape (e.g. a budget over the device builder's
             // 2048) leaves the round to the host. A new tree holds no root yet (dev_root names its slot).
             None => {
-                self.rounds.push(RoundSlot { budget, k, tree: self.w.backend.tree_new(budget, rows, v, k).ok()?, graph: None });
+                let tree = self.w.backend.tree_new(budget, rows, v, k).ok()?;
+                let decisions = self.w.backend.ids_from_host(&vec![0; budget + 1]);
+                self.rounds.push(RoundSlot { budget, k, tree, graph: None, decisions });
                 self.rounds.len() - 1
             }
         };

@@ -306,9 +306,19 @@ impl<B: Backend> Weights<B> {
         self.backend.lm_head(x, n, self.cfg.hidden, &self.vocab(|r| &r.lm_head))
     }
 
-    /// Greedy token of each row of `lm_head(x)` (vocab-parallel argmax, merged in global id order).
-    pub fn lm_head_argmax(&self, x: &B::Act, n: usize) -> Vec<u32> {
-        self.backend.lm_head_argmax(x, n, self.cfg.hidden, &self.vocab(|r| &r.lm_head))
+    /// Greedy token of each row of `lm_head(x)` (vocab-parallel argmax, merged in global id order), read back.
+    pub fn lm_head_argmax(&self, x: &B::Act, n: usize) -> Result<Vec<u32>> {
+        let mut ids = self.backend.ids_from_host(&vec![0; n]);
+        self.lm_head_argmax_into(x, n, &mut ids, 0)?;
+        self.backend.ids_to_host(&ids)
+    }
+    /// [`Weights::lm_head_argmax`] into `out[row0..row0 + n]` where the ops run (`Backend::lm_head_argmax_into`).
+    pub fn lm_head_argmax_into(&self, x: &B::Act, n: usize, out: &mut B::Ids, row0: usize) -> Result<()> {
+        self.backend.lm_head_argmax_into(x, n, self.cfg.hidden, &self.vocab(|r| &r.lm_head), out, row0)
+    }
+    /// Whether this GPU holds only some of the vocab's shards (its lm_head rows merge through the communicator).
+    pub fn vocab_split(&self) -> bool {
+        !self.vocab(|r| &r.lm_head).whole(|m| self.backend.mat_rows(m))
     }
 }
 

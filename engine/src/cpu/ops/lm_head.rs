@@ -26,30 +26,44 @@ pub fn lm_head_bf16(x: &[f32], n: usize, h: usize, shards: &[&[bf16]]) -> Vec<f3
     out
 }
 
-/// Greedy token of each row of `lm_head(x)`: per-shard argmax (lowest id on ties, NaN never wins), merged
-/// across shards in global vocab order. Returns `[n]` token ids.
+/// Greedy token of each row of `lm_head(x)`: per-shard argmax (lowest id on ties, NaN never wins) as a
+/// (value, global id) pair, merged across shards in global vocab order ([`merge_argmax_pairs`]). Returns `[n]`
+/// token ids.
 pub fn lm_head_argmax_bf16(x: &[f32], n: usize, h: usize, shards: &[&[bf16]]) -> Vec<u32> {
-    let mut best: Vec<Option<(f32, u32)>> = vec![None; n];
-    let mut off = 0u32;
-    for w in shards {
+    let mut pairs = vec![0f32; n * shards.len() * 2]; // [n, shards, 2]
+    let mut off = 0usize;
+    for (j, w) in shards.iter().enumerate() {
         let vr = w.len() / h;
         let part = matmul_bf16(x, w, n, h, vr); // [n, V_r]
-        for (i, b) in best.iter_mut().enumerate() {
+        for i in 0..n {
             let row = &part[i * vr..(i + 1) * vr];
-            let j = argmax(row) as usize;
-            let v = row.get(j).copied().unwrap_or(f32::NAN);
-            // Strictly greater replaces: ties keep the earlier shard (lower global id).
-            let better = match *b {
-                None => true,
-                Some((bv, _)) => v > bv || (bv.is_nan() && !v.is_nan()),
+            let k = argmax(row) as usize;
+            let p = &mut pairs[(i * shards.len() + j) * 2..][..2];
+            (p[0], p[1]) = match row.get(k) {
+                Some(&b) if !b.is_nan() => (b, (off + k) as f32),
+                _ => (f32::NAN, 0.0),
             };
-            if better {
-                *b = Some((v, off + j as u32));
-            }
         }
-        off += vr as u32;
+        off += vr;
     }
-    best.into_iter().map(|b| b.map_or(0, |(_, id)| id)).collect()
+    (0..n).map(|i| merge_argmax_pairs(&pairs[i * shards.len() * 2..(i + 1) * shards.len() * 2])).collect()
+}
+
+/// The merge of a row's per-shard argmax pairs `[(value, global id as f32); shards]` in shard (global vocab)
+/// order: the larger value wins, NaN never, the earlier shard on ties (so the lower global id: each shard's own
+/// argmax is its lowest); 0 when every value is NaN. Ids must be below 2^24 (exact as f32).
+/// CUDA twin: kernels/cuda/argmax.cu `kdtree_argmax_merge_pairs`.
+pub fn merge_argmax_pairs(pairs: &[f32]) -> u32 {
+    let mut best: Option<(f32, u32)> = None;
+    for p in pairs.chunks_exact(2) {
+        if p[0].is_nan() {
+            continue;
+        }
+        if best.is_none_or(|(b, _)| p[0] > b) {
+            best = Some((p[0], p[1] as u32));
+        }
+    }
+    best.map_or(0, |(_, id)| id)
 }
 
 #[cfg(test)]
@@ -90,6 +104,16 @@ mod tests {
         let xt: Vec<f32> = bf16_row_as_query(&row5);
         let ids = lm_head_argmax_bf16(&xt, 1, h, &w.chunks(v / 4 * h).collect::<Vec<_>>());
         assert_eq!(ids, vec![argmax(&lm_head_bf16(&xt, 1, h, &[&w]))]);
+    }
+
+    #[test]
+    fn the_merge_skips_nan_and_keeps_the_earlier_shard_on_ties() {
+        let nan = f32::NAN;
+        assert_eq!(merge_argmax_pairs(&[1.0, 3.0, 2.0, 9.0, 2.0, 12.0]), 9, "larger value; tie keeps the earlier");
+        assert_eq!(merge_argmax_pairs(&[nan, 0.0, -5.0, 7.0, nan, 0.0]), 7, "NaN never wins");
+        assert_eq!(merge_argmax_pairs(&[nan, 0.0, nan, 0.0]), 0, "all NaN gives 0");
+        assert_eq!(merge_argmax_pairs(&[f32::NEG_INFINITY, 4.0, f32::NEG_INFINITY, 8.0]), 4);
+        assert_eq!(merge_argmax_pairs(&[-0.0, 1.0, 0.0, 2.0]), 1, "+0 and -0 are a tie");
     }
 
     /// A query aligned with a weight row (so that row very likely wins).
