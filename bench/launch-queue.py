@@ -85,4 +85,18 @@ with G:
 cp.cuda.Device().synchronize(); block(A)
 c = fill(A, 20000, lambda s: g.launch(s))
 print(f"graph of 50 kernels + 50 memsets: launches pending before one blocks: {c}")
+# kernel + stream-ordered alloc / free graph (alloc and free nodes)
+try:
+    with G:
+        G.begin_capture()
+        for i in range(50):
+            tiny((1,), (32,), (buf,))
+            p = rt.mallocAsync(256, G.ptr)
+            rt.freeAsync(p, G.ptr)
+        g = G.end_capture()
+    cp.cuda.Device().synchronize(); block(A)
+    c = fill(A, 20000, lambda s: g.launch(s))
+    print(f"graph of 50 kernels + 50 allocs + 50 frees: launches pending before one blocks: {c}")
+except Exception as ex:
+    print(f"graph with alloc / free nodes: not measured ({ex})")
 print("CUDA_SCALE_LAUNCH_QUEUES =", os.environ.get("CUDA_SCALE_LAUNCH_QUEUES"))

@@ -366,7 +366,8 @@ fn ddtree_round_stages() {
             e.push(g.stream.record_event(flags).unwrap());
             b.tree_build(&mut tree, &draft, 0).unwrap();
             e.push(g.stream.record_event(flags).unwrap());
-            let (logits, taps_act) = t.forward_tree(&tree, budget + 1, rows).unwrap();
+            let (xn, taps_act) = t.forward_tree(&tree, budget + 1, rows).unwrap();
+            let logits = w.lm_head(&xn, budget + 1);
             e.push(g.stream.record_event(flags).unwrap());
             t.walk_tree(&mut tree, &logits, &Sampling::greedy()).unwrap();
             e.push(g.stream.record_event(flags).unwrap());

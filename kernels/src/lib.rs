@@ -33,6 +33,7 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("fill.cu", "kdtree_fill_uniform_bf16"),
     ("fill.cu", "kdtree_fill_uniform_f32"),
     ("fill.cu", "kdtree_fill_bytes_u8"),
+    ("fill.cu", "kdtree_zero_bytes"),
     ("gemv_bf16.cu", "kdtree_gemv_bf16_f32_m1"),
     ("gemv_bf16.cu", "kdtree_gemv_bf16_f32_m2"),
     ("gemv_bf16.cu", "kdtree_gemv_bf16_f32_m3"),

@@ -69,3 +69,18 @@ pub fn fill_u8(gpu: &Gpu, out: &mut CudaViewMut<'_, u8>, f: &Fill) -> Result<()>
     unsafe { b.launch(launch_cfg((grid(gpu, n, 16), 1, 1), 256, 0)) }.map_err(drv(OP))?;
     Ok(())
 }
+
+/// Every byte of `out` = 0, by a kernel (`Gpu::zeros` inside a captured round: no memset node).
+/// Launch contract: no allocation, no host sync, graph-capturable.
+pub fn zero<T: cudarc::driver::DeviceRepr>(gpu: &Gpu, out: &mut cudarc::driver::CudaSlice<T>) -> Result<()> {
+    let n = out.len() * std::mem::size_of::<T>();
+    if n == 0 {
+        return Ok(());
+    }
+    let n64 = n as u64;
+    let mut b = gpu.stream.launch_builder(gpu.func("kdtree_zero_bytes"));
+    b.arg(out).arg(&n64);
+    // SAFETY: the kernel writes the n bytes of `out`, which holds them.
+    unsafe { b.launch(launch_cfg((grid(gpu, n, 16), 1, 1), 256, 0)) }.map_err(drv(OP))?;
+    Ok(())
+}
