@@ -102,8 +102,6 @@ pub struct Gpu {
     gemv: std::sync::atomic::AtomicBool,
     /// Fill [`Gpu::out`] buffers with NaN bytes (`KDTREE_CUDA_POISON=1`; test runs).
     poison: bool,
-    /// Zero fills by a kernel instead of a memset (`KDTREE_ZERO_KERNEL=1`): no memset nodes in captured rounds.
-    zero_kernel: bool,
     /// Launch the W4A16 GEMMs with programmatic dependent launch (sm_90+; `KDTREE_PDL=0` turns it off).
     pdl: std::sync::atomic::AtomicBool,
     /// How this GPU's rank sums meet those of the other GPUs of a run ([`comm::Communicator`]; `OneGpu` by default).
@@ -268,7 +266,7 @@ impl Gpu {
         let gemm_counters = stream.alloc_zeros::<u32>(GEMM_COUNTERS).map_err(drv("gemm counters"))?;
         let major = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR).map_err(drv("device attributes"))?;
         let pdl = major >= 9 && std::env::var("KDTREE_PDL").map(|v| v != "0").unwrap_or(true);
-        let gpu = Gpu { ctx, stream, blas, sms, max_smem, smem_per_sm, _module: module, funcs, _blas_workspace: ws, graphs: std::sync::atomic::AtomicBool::new(std::env::var("KDTREE_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true)), capture_failure: std::sync::Mutex::new(None), load: std::sync::Mutex::new(None), stats: GpuStats::default(), gemm_counters, last_graph: std::sync::Mutex::new(None), w4a16_bps: std::sync::atomic::AtomicUsize::new(std::env::var("KDTREE_W4A16_BLOCKS_PER_SM").ok().and_then(|v| v.parse().ok()).unwrap_or(4)), w4a16_max_splits: std::sync::atomic::AtomicUsize::new(std::env::var("KDTREE_W4A16_MAX_SPLITS").ok().and_then(|v| v.parse().ok()).unwrap_or(64)), gemv: std::sync::atomic::AtomicBool::new(std::env::var("KDTREE_GEMV").is_ok_and(|v| v == "1")), poison: std::env::var("KDTREE_CUDA_POISON").is_ok_and(|v| v == "1"), zero_kernel: std::env::var("KDTREE_ZERO_KERNEL").is_ok_and(|v| v == "1"), pdl: std::sync::atomic::AtomicBool::new(pdl), comm: std::sync::RwLock::new(Arc::new(comm::OneGpu)), drain_copies: std::sync::atomic::AtomicBool::new(false) };
+        let gpu = Gpu { ctx, stream, blas, sms, max_smem, smem_per_sm, _module: module, funcs, _blas_workspace: ws, graphs: std::sync::atomic::AtomicBool::new(std::env::var("KDTREE_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true)), capture_failure: std::sync::Mutex::new(None), load: std::sync::Mutex::new(None), stats: GpuStats::default(), gemm_counters, last_graph: std::sync::Mutex::new(None), w4a16_bps: std::sync::atomic::AtomicUsize::new(std::env::var("KDTREE_W4A16_BLOCKS_PER_SM").ok().and_then(|v| v.parse().ok()).unwrap_or(4)), w4a16_max_splits: std::sync::atomic::AtomicUsize::new(std::env::var("KDTREE_W4A16_MAX_SPLITS").ok().and_then(|v| v.parse().ok()).unwrap_or(64)), gemv: std::sync::atomic::AtomicBool::new(std::env::var("KDTREE_GEMV").is_ok_and(|v| v == "1")), poison: std::env::var("KDTREE_CUDA_POISON").is_ok_and(|v| v == "1"), pdl: std::sync::atomic::AtomicBool::new(pdl), comm: std::sync::RwLock::new(Arc::new(comm::OneGpu)), drain_copies: std::sync::atomic::AtomicBool::new(false) };
         ops::w4a16_gemm::configure(&gpu)?;
         ops::gqa_attention::configure(&gpu)?;
         ops::ddtree_build::configure(&gpu)?;
@@ -484,13 +482,13 @@ impl Gpu {
 
     /// A zero-filled device buffer of `n` elements.
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
-        if self.zero_kernel {
-            // SAFETY: every byte is zeroed by the kernel before anything reads it (zero bits are a valid T).
-            let mut b = unsafe { self.stream.alloc::<T>(n) }.map_err(drv("alloc"))?;
-            ops::fill::zero(self, &mut b)?;
-            return Ok(b);
-        }
-        self.stream.alloc_zeros(n).map_err(drv("alloc"))
+        // Zeroed by a kernel, not a memset: in a captured round a memset node makes the graph's launch take a
+        // launch-queue entry per node (a graph of kernels takes one), and the rounds ran 1.5-2.6 % faster
+        // without them (bench/launch-queue.py, bench/GPU-RESULTS.md run 47).
+        // SAFETY: every byte is zeroed by the kernel before anything reads it (zero bits are a valid T).
+        let mut b = unsafe { self.stream.alloc::<T>(n) }.map_err(drv("alloc"))?;
+        ops::fill::zero(self, &mut b)?;
+        Ok(b)
     }
 
     /// A buffer of `n` elements that the op about to run writes in full: not zero-filled (a zero fill is one
