@@ -198,6 +198,17 @@ def top2(pid):
         buf = raw[8 + n + a:8 + n + b]
         return list(struct.unpack("<%d%s" % (len(buf) // 4, fmt), buf))
     return t("ar.tokens", "i"), t("ar.topk_logits", "f")
+def same_lines(stem, label, got, extra=""):
+    """The E2E line of the run whose output is {stem}.jsonl / .json against one controller's lines `got`: every
+    line must be equal. 1 when not (or no output), else 0."""
+    try:
+        lines, summ = load(f"{e2e}/{stem}.jsonl"), json.load(open(f"{e2e}/{stem}.json"))
+    except (OSError, ValueError) as e:
+        print(f"E2E {label}: no output ({e})")
+        return 1
+    eq = sum(lines.get(k) == v for k, v in got.items())
+    print(f"E2E {label} == one controller on {eq} of {len(got)} prompts; {summ.get('tokens_per_s') or 0:.0f} tok/s{extra}")
+    return int(eq != len(got) or len(lines) != len(got))
 base = load(f"{e2e}/pair-ar-t0.jsonl")
 one = json.load(open(f"{e2e}/pair-ar-t0.json"))
 bad = 0
@@ -228,22 +239,10 @@ for plan in ("tp2", "tp4", "tp8", "ep2", "ep4", "ep8"):
               + f"; {summ.get('tokens_per_s') or 0:.0f} tok/s (1 rank AR {one.get('tokens_per_s') or 0:.0f})")
         # R rank groups (--gpus R --share-gpu) against one controller of the same R ranks: the same sums in the
         # same order, so every line must be equal.
-        try:
-            grp, gs = load(f"{e2e}/groups-{plan}-{mode}.jsonl"), json.load(open(f"{e2e}/groups-{plan}-{mode}.json"))
-        except (OSError, ValueError) as e:
-            print(f"E2E groups {plan} {mode}: no output ({e})"); bad += 1; continue
-        eq = sum(grp.get(k) == v for k, v in got.items())
-        bad += eq != len(got) or len(grp) != len(got)
-        print(f"E2E groups {plan} {mode}: {plan[2:]} rank groups (own threads, streams, graphs) == one controller on {eq} of {len(got)} prompts"
-              + f"; {gs.get('tokens_per_s') or 0:.0f} tok/s (one controller {summ.get('tokens_per_s') or 0:.0f})")
+        bad += same_lines(f"groups-{plan}-{mode}", f"groups {plan} {mode}: {plan[2:]} rank groups (own threads, streams, graphs)", got,
+                          f" (one controller {summ.get('tokens_per_s') or 0:.0f})")
         if (plan, mode) == ("tp8", "ddtree16"):
-            try:
-                ge, es = load(f"{e2e}/groups-eager-{plan}-{mode}.jsonl"), json.load(open(f"{e2e}/groups-eager-{plan}-{mode}.json"))
-            except (OSError, ValueError) as e:
-                print(f"E2E groups {plan} {mode} eager: no output ({e})"); bad += 1; continue
-            eq = sum(ge.get(k) == v for k, v in got.items())
-            bad += eq != len(got) or len(ge) != len(got)
-            print(f"E2E groups {plan} {mode} eager: {plan[2:]} rank groups without graphs == one controller on {eq} of {len(got)} prompts; {es.get('tokens_per_s') or 0:.0f} tok/s")
+            bad += same_lines(f"groups-eager-{plan}-{mode}", f"groups {plan} {mode} eager: {plan[2:]} rank groups without graphs", got)
 # --max-batch 8 against --max-batch 1 (the same prompts and settings): greedy lines must be equal up to
 # near-ties of the 1-rank AR run (a batched GEMM may sum in another order); sampled lines are counted.
 for temp in (0, 1):
