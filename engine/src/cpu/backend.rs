@@ -268,14 +268,7 @@ impl Backend for CpuBackend {
         let mut pairs = vec![0f32; n * slots * 2];
         for (j, w) in s.iter().enumerate() {
             let vr = w.len() / h;
-            let part = ops::matmul_bf16(x, w, n, h, vr); // [n, V_r]
-            for i in 0..n {
-                let row = &part[i * vr..(i + 1) * vr];
-                let k = crate::sampling::argmax(row) as usize;
-                let best = row.get(k).copied().filter(|b| !b.is_nan());
-                let p = &mut pairs[(i * slots + slot0 + j) * 2..][..2];
-                (p[0], p[1]) = best.map_or((f32::NAN, 0.0), |b| (b, (v.first + j * vr + k) as f32));
-            }
+            ops::argmax_pairs(&ops::matmul_bf16(x, w, n, h, vr), n, v.first + j * vr, &mut pairs, slot0 + j, slots);
         }
         let pairs = self.group_sum(pairs);
         for i in 0..n {

@@ -34,19 +34,26 @@ pub fn lm_head_argmax_bf16(x: &[f32], n: usize, h: usize, shards: &[&[bf16]]) ->
     let mut off = 0usize;
     for (j, w) in shards.iter().enumerate() {
         let vr = w.len() / h;
-        let part = matmul_bf16(x, w, n, h, vr); // [n, V_r]
-        for i in 0..n {
-            let row = &part[i * vr..(i + 1) * vr];
-            let k = argmax(row) as usize;
-            let p = &mut pairs[(i * shards.len() + j) * 2..][..2];
-            (p[0], p[1]) = match row.get(k) {
-                Some(&b) if !b.is_nan() => (b, (off + k) as f32),
-                _ => (f32::NAN, 0.0),
-            };
-        }
+        argmax_pairs(&matmul_bf16(x, w, n, h, vr), n, off, &mut pairs, j, shards.len());
         off += vr;
     }
     (0..n).map(|i| merge_argmax_pairs(&pairs[i * shards.len() * 2..(i + 1) * shards.len() * 2])).collect()
+}
+
+/// One vocab shard's argmax pairs: for each of the `n` rows of `part` (`[n, V_r]` logits, global ids
+/// `id0..id0 + V_r`), its best (value, global id as f32) into slot `slot` of `pairs` (`[n, slots, 2]`), or
+/// (NaN, 0) for an all-NaN row. CUDA twin: kernels/cuda/argmax.cu `kdtree_argmax_pair_f32`.
+pub fn argmax_pairs(part: &[f32], n: usize, id0: usize, pairs: &mut [f32], slot: usize, slots: usize) {
+    let vr = part.len() / n.max(1);
+    for i in 0..n {
+        let row = &part[i * vr..(i + 1) * vr];
+        let k = argmax(row) as usize;
+        let p = &mut pairs[(i * slots + slot) * 2..][..2];
+        (p[0], p[1]) = match row.get(k) {
+            Some(&b) if !b.is_nan() => (b, (id0 + k) as f32),
+            _ => (f32::NAN, 0.0),
+        };
+    }
 }
 
 /// The merge of a row's per-shard argmax pairs `[(value, global id as f32); shards]` in shard (global vocab)

@@ -33,7 +33,7 @@ pub use embedding::embedding_bf16;
 pub use fill::{fill_bf16, fill_f32, fill_u8, fill_uniform_f32, fill_word, Fill};
 pub use gqa_attention::gqa_attention;
 pub use kv_compact::kv_compact;
-pub use lm_head::{lm_head_argmax_bf16, lm_head_bf16, merge_argmax_pairs};
+pub use lm_head::{argmax_pairs, lm_head_argmax_bf16, lm_head_bf16, merge_argmax_pairs};
 pub use matmul_bf16::{matmul_bf16, matmul_f32};
 pub use matmul_i4g32::{dequant_i4g32_matrix, matmul_i4g32};
 pub use mla_attention::{mla_attention, MlaDims, MlaKv};
