@@ -83,6 +83,14 @@ impl<M> VocabShards<'_, M> {
     }
 }
 
+/// An uploaded weight, for [`Backend::weight_xxh3`].
+pub enum WeightRef<'a, B: Backend + ?Sized> {
+    Mat(&'a B::Mat),
+    Vector(&'a B::Vector),
+    VectorF32(&'a B::VectorF32),
+    I4(&'a B::I4),
+}
+
 /// Where a forward's positions start: the target's committed rows or another position counter (the
 /// drafter's context). A device backend reads it where the ops run, so a captured round replays at any
 /// position.
@@ -136,6 +144,15 @@ pub trait Backend: Clone + Send + Sync + 'static {
     fn upload_vector_f32(&self, v: Slab<f32>) -> Result<Self::VectorF32>;
     /// Rows of a bf16 matrix (its output width).
     fn mat_rows(&self, m: &Self::Mat) -> usize;
+    /// Whether the loader checks every uploaded weight against its checksum (`weights::Ld`; `kdtree-run
+    /// --check-weights`, always in the GPU suite).
+    fn checks_weights(&self) -> bool {
+        false
+    }
+    /// xxh3-64 of an uploaded weight's bytes where the ops read them, in the converter's layout (the manifest's
+    /// per-tensor checksum): one value for a matrix or vector, `[packed, scales]` for an INT4 stack. A device
+    /// backend hashes its own copy (a GPU: kernels/cuda/xxh3.cu) and leaves out any padding it added.
+    fn weight_xxh3(&self, w: WeightRef<'_, Self>) -> Result<Vec<u64>>;
 
     // ---- dummy weights (`--load-format dummy`; fills of cpu::ops::fill, the spec) ----
     // The defaults fill on the host and upload (the CPU backend); a device backend overrides all four and

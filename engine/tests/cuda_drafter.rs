@@ -154,7 +154,7 @@ fn compare_draft(case: &str, got: &[f32], want: &[f32], vocab: usize) {
 /// The CUDA drafter (as `open_with(Device::Cuda)` loads it) against the CPU drafter of `open_cpu` on the
 /// converted model `dir`, fed the same taps; `prompt` and `more` are token ids of that model's vocab.
 fn drafter_case(label: &str, dir: &Path, prompt: &[u32], more: &[u32]) {
-    let opts = OpenOptions { attn_mode: AttnMode::Absorbed, progress: false };
+    let opts = OpenOptions { attn_mode: AttnMode::Absorbed, ..OpenOptions::default() };
     let mut cpu = open_cpu(dir, opts).unwrap();
     let gpu = open_with(dir, Device::Cuda, opts).unwrap();
     assert_eq!(gpu.backend, "cuda");

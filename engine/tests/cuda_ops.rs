@@ -408,20 +408,69 @@ fn copy_rows_beyond_the_grid_limit() {
     println!("PARITY copy_rows(rows={rows},width={width}) exact");
 }
 
-/// Weights upload through the pinned staging buffers (Gpu::begin_load .. end_load): a buffer of two full
-/// 32 MiB chunks plus a remainder, and a small one, arrive byte for byte; the load counts every byte.
+/// Weights upload through the pinned staging buffers (Gpu::begin_load .. end_load): buffers of many 32 MiB
+/// chunks (each staging buffer refilled 20 times, from memory already resident, so the host copy outruns the
+/// DMA) plus a remainder, three times over, and a small one, arrive byte for byte; the load counts every byte.
+/// Before the fix of issue 24 the host refilled a buffer whose DMA had not run yet (its event was never
+/// recorded with event tracking off) and these uploads came back with other chunks' bytes.
 #[test]
 fn staged_uploads_equal_the_host_bytes() {
     let Some(g) = gpu() else { return };
-    let mut r = rng(4300);
-    let big = rand_bf16(&mut r, (2 * (32 << 20) + 12_345) / 2, 0.01, 3.0);
+    let n = 40 * (32 << 20) + 12_345;
     let small: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5 - 7.0).collect();
-    g.begin_load((big.len() * 2 + small.len() * 4) as u64, false).unwrap();
-    let (db, ds) = (g.upload(&big).unwrap(), g.upload(&small).unwrap());
-    let (bytes, secs) = g.end_load().unwrap();
-    assert_eq!(bytes as usize, big.len() * 2 + small.len() * 4, "the load counted {bytes} bytes");
-    let (hb, hs) = (g.download(&db).unwrap(), g.download(&ds).unwrap());
-    assert!(hb.iter().zip(&big).all(|(a, b)| a.to_bits() == b.to_bits()) && hb.len() == big.len(), "the staged bf16 upload differs");
-    assert_eq!(hs, small, "the small upload differs");
-    println!("PARITY staged upload ({} MB in 3 pinned chunks + a direct tail, {:.2} GB/s) exact", big.len() * 2 / 1_000_000, bytes as f64 / secs / 1e9);
+    for rep in 0..3u64 {
+        let big = rand_bytes(4300 + rep, n);
+        g.begin_load((n + small.len() * 4) as u64, false).unwrap();
+        let (db, ds) = (g.upload(&big).unwrap(), g.upload(&small).unwrap());
+        let (bytes, secs) = g.end_load().unwrap();
+        assert_eq!(bytes as usize, n + small.len() * 4, "the load counted {bytes} bytes");
+        let (hb, hs) = (g.download(&db).unwrap(), g.download(&ds).unwrap());
+        assert_eq!(hb.len(), n);
+        let chunks_bad = (0..n.div_ceil(32 << 20)).filter(|c| {
+            let r = c * (32 << 20)..((c + 1) * (32 << 20)).min(n);
+            hb[r.clone()] != big[r]
+        });
+        let bad: Vec<usize> = chunks_bad.collect();
+        assert!(bad.is_empty(), "rep {rep}: staged upload chunks {bad:?} of {} differ from the host bytes", n.div_ceil(32 << 20));
+        assert_eq!(hs, small, "the small upload differs");
+        println!("PARITY staged upload rep {rep} ({} MB in 40 pinned chunks + a direct tail, {:.2} GB/s) exact", n / 1_000_000, bytes as f64 / secs / 1e9);
+    }
+}
+
+/// XXH3-64 of device bytes (the load check's hash, kernels/cuda/xxh3.cu) == xxhash_rust's: every short-input
+/// path (0..=240 bytes), the block and stripe boundaries of the long form, several 64 MiB segments, views that
+/// start unaligned, and a buffer past 2^32 bytes (offsets into it are 64-bit; its deltas span segments).
+#[test]
+fn xxh3_of_device_bytes_equals_the_cpu() {
+    let Some(g) = gpu() else { return };
+    let cpu = kdtree_formats::manifest::xxh3_64;
+    let host = rand_bytes(4400, (2 << 26) + 70_000);
+    let dev = g.upload(&host).unwrap();
+    let mut lens: Vec<usize> = (0..=260).collect();
+    lens.extend([511, 512, 1023, 1024, 1025, 1087, 1088, 1089, 2047, 2048, 2049, 65_536, 100_003, (1 << 26) - 1, 1 << 26, (1 << 26) + 1025]);
+    lens.push(host.len() - 8);
+    let mut cases = 0;
+    for &off in &[0usize, 1, 3, 8] {
+        for &len in &lens {
+            if off + len > host.len() || (off != 0 && len > 1 << 20 && len != host.len() - 8) {
+                continue;
+            }
+            let view = dev.slice(off..off + len);
+            let got = ops::xxh3::xxh3_64(&g, &view).unwrap();
+            let want = cpu(&host[off..off + len]);
+            assert_eq!(got, want, "xxh3 of {len} bytes at offset {off}: device {got:016x}, cpu {want:016x}");
+            cases += 1;
+        }
+    }
+    println!("PARITY xxh3_64 ({cases} lengths and offsets, 0 .. {} bytes) exact", host.len());
+    // Past 2^32 bytes: filled on the device, read back once for the CPU's hash.
+    let n = (1usize << 32) + 3 * 1024 + 17;
+    let mut big = g.out::<u8>(n).unwrap();
+    ops::fill::fill_u8(&g, &mut big.as_view_mut(), &kdtree_engine::cpu::ops::Fill::Bytes { seed: 77 }).unwrap();
+    let t = std::time::Instant::now();
+    let got = ops::xxh3::xxh3_of(&g, &big).unwrap();
+    let secs = t.elapsed().as_secs_f64();
+    let want = cpu(&g.download(&big).unwrap());
+    assert_eq!(got, want, "xxh3 of {n} bytes: device {got:016x}, cpu {want:016x}");
+    println!("PARITY xxh3_64 of {n} bytes (past 2^32) exact, {:.1} GB/s on the device", n as f64 / secs / 1e9);
 }

@@ -187,7 +187,7 @@ fn dummy_tiny_on_cuda_gives_the_cpu_greedy_tokens() {
     let (c, d) = (kdtree_convert::synth::configs::model_config(&p).to_string(), kdtree_convert::synth::configs::drafter_config(&p).to_string());
     for (ranks, rank) in [(1usize, 0usize), (2, 1)] {
         let src = || DummySource::from_json("tiny/config.json", &c, Some(("tiny/drafter/config.json", &d)), ranks, rank, 21).unwrap();
-        let opts = OpenOptions { attn_mode: AttnMode::Absorbed, progress: false };
+        let opts = OpenOptions { attn_mode: AttnMode::Absorbed, ..OpenOptions::default() };
         let mut cpu = open_dummy(src(), Device::Cpu, opts).unwrap();
         let mut cuda = open_dummy_cuda_on(src(), gpu.clone()).unwrap();
         let v = cpu.target.info().vocab_size;

@@ -136,7 +136,7 @@ fn rank_groups_on_one_gpu_equal_one_controller() {
             let mut one = open_cuda_on(&dir, g.clone()).unwrap();
             runs(&mut one, &prompts)
         };
-        let (mut tp, gpus) = open_tp_gpus(&dir, ranks, Placement::SharedGpu(0), false).unwrap();
+        let (mut tp, gpus) = open_tp_gpus(&dir, ranks, Placement::SharedGpu(0), Default::default()).unwrap();
         let got = runs(&mut tp, &prompts);
         drop(tp);
         let failures: u64 = gpus.iter().map(|g| g.stats.capture_failures.load(Relaxed)).sum();
@@ -169,7 +169,7 @@ fn nccl_through_the_group_driver() {
         let mut one = open_cuda_on(&dir, Arc::new(Gpu::new(0).unwrap())).unwrap();
         runs(&mut one, &prompts)
     };
-    let (mut m, gpus) = open_tp_gpus(&dir, 1, Placement::Gpus(vec![0]), false).unwrap();
+    let (mut m, gpus) = open_tp_gpus(&dir, 1, Placement::Gpus(vec![0]), Default::default()).unwrap();
     assert_eq!(gpus[0].comm().name(), "nccl");
     let got = runs(&mut m, &prompts);
     drop(m);
@@ -211,7 +211,7 @@ fn tp_step_timings() {
         let (ar1, _) = time(&mut one, Mode::Ar);
         let (dd1, t1) = time(&mut one, Mode::DDTree { budget: 16 });
         drop(one);
-        let (mut tp, _gpus) = open_tp_gpus(&dir, ranks, Placement::SharedGpu(0), false).unwrap();
+        let (mut tp, _gpus) = open_tp_gpus(&dir, ranks, Placement::SharedGpu(0), Default::default()).unwrap();
         let (arg, _) = time(&mut tp, Mode::Ar);
         let (ddg, tg) = time(&mut tp, Mode::DDTree { budget: 16 });
         drop(tp);

@@ -27,7 +27,7 @@ fn dummy(ranks: usize, rank: usize, seed: u64) -> DummySource {
 }
 
 fn open(ranks: usize, rank: usize, seed: u64) -> Loaded {
-    let opts = OpenOptions { attn_mode: kdtree_engine::AttnMode::Absorbed, progress: false };
+    let opts = OpenOptions { attn_mode: kdtree_engine::AttnMode::Absorbed, ..Default::default() };
     open_dummy(dummy(ranks, rank, seed), Device::Cpu, opts).unwrap()
 }
 

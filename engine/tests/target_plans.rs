@@ -92,7 +92,7 @@ fn synth_repack_open_greedy_agrees_across_plans() {
         }
         // Naive MLA on the same files agrees with the absorbed default.
         if ranks == 8 && experts == ExpertsMode::Ep {
-            let mut naive = open_with(&dir, Device::Cpu, OpenOptions { attn_mode: AttnMode::Naive, progress: false }).unwrap();
+            let mut naive = open_with(&dir, Device::Cpu, OpenOptions { attn_mode: AttnMode::Naive, ..OpenOptions::default() }).unwrap();
             let (nt, nl) = greedy(naive.target.as_mut());
             assert_eq!(&nt, &reference.as_ref().unwrap().0);
             let err = max_rel(&nl, &reference.as_ref().unwrap().1);
@@ -126,7 +126,7 @@ fn open_loads_target_and_drafter() {
 
     // Weights are zero-copy views of the mmapped shards (aligned data), not copies.
     let src: Arc<dyn TensorSource> = Arc::new(md);
-    let m = open_cpu_source(src, OpenOptions { attn_mode: AttnMode::Absorbed, progress: false }).unwrap();
+    let m = open_cpu_source(src, OpenOptions { attn_mode: AttnMode::Absorbed, ..OpenOptions::default() }).unwrap();
     assert!(m.drafter.is_some());
     let w = m.target.weights().clone();
     // Rank-first: every weight of every rank (replicated ones included) is a view of that rank's own

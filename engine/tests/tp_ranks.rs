@@ -70,7 +70,7 @@ fn rank_groups_on_threads_equal_one_controller_bit_for_bit() {
         let dir = tmp.path().join(format!("pair-{ranks}-{experts:?}"));
         convert(&dir, ranks, experts);
         let mut one = open(&dir, Device::Cpu).unwrap();
-        let mut tp = open_tp(&dir, ranks, Placement::Cpu, false).unwrap();
+        let mut tp = open_tp(&dir, ranks, Placement::Cpu, Default::default()).unwrap();
         let v = one.info().vocab_size;
         assert_eq!(tp.info().vocab_size, v, "the groups keep the global vocabulary");
         let prompt: Vec<u32> = [3u32, 1000, 77, 4000, 5, 12].iter().map(|t| t % v as u32).collect();
@@ -100,7 +100,7 @@ fn groups_of_several_ranks_run_and_stay_close() {
     let dir = tmp.path().join("pair4");
     convert(&dir, 4, ExpertsMode::Tp);
     let mut one = open(&dir, Device::Cpu).unwrap();
-    let mut tp = open_tp(&dir, 2, Placement::Cpu, false).unwrap();
+    let mut tp = open_tp(&dir, 2, Placement::Cpu, Default::default()).unwrap();
     let v = one.info().vocab_size;
     let prompt: Vec<u32> = [9u32, 8, 7, 600, 5].iter().map(|t| t % v as u32).collect();
     let (a, b) = (prefill_logits(&mut one, &prompt), prefill_logits(&mut tp, &prompt));
@@ -116,12 +116,12 @@ fn rank_counts_that_do_not_divide_are_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("pair4");
     convert(&dir, 4, ExpertsMode::Tp);
-    let e = open_tp(&dir, 3, Placement::Cpu, false).err().expect("4 ranks over 3 groups");
+    let e = open_tp(&dir, 3, Placement::Cpu, Default::default()).err().expect("4 ranks over 3 groups");
     let msg = format!("{e:#}");
     assert!(msg.contains("4 ranks") && msg.contains("3 GPUs"), "{msg}");
-    let e = open_tp(&dir, 0, Placement::Cpu, false).err().expect("0 groups");
+    let e = open_tp(&dir, 0, Placement::Cpu, Default::default()).err().expect("0 groups");
     assert!(format!("{e:#}").contains("at least 1"), "{e:#}");
-    let e = open_tp(&dir, 8, Placement::Cpu, false).err().expect("more groups than ranks");
+    let e = open_tp(&dir, 8, Placement::Cpu, Default::default()).err().expect("more groups than ranks");
     assert!(format!("{e:#}").contains("do not divide"), "{e:#}");
 }
 
@@ -131,7 +131,7 @@ fn a_trace_through_the_group_driver_is_the_controllers() {
     let dir = tmp.path().join("pair2");
     convert(&dir, 2, ExpertsMode::Tp);
     let mut one = open(&dir, Device::Cpu).unwrap();
-    let mut tp = open_tp(&dir, 2, Placement::Cpu, false).unwrap();
+    let mut tp = open_tp(&dir, 2, Placement::Cpu, Default::default()).unwrap();
     let mut traces = Vec::new();
     for m in [&mut one, &mut tp] {
         m.target.reset();

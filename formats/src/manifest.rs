@@ -155,6 +155,21 @@ pub fn xxh3_hex(h: u64) -> String {
     format!("{h:016x}")
 }
 
+/// The manifest's per-tensor checksum of `bytes`: XXH3-64, seed 0 (what the writer computes as bytes go out,
+/// and what a loader compares the uploaded bytes with).
+pub fn xxh3_64(bytes: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(bytes)
+}
+
+/// [`xxh3_hex`] read back (None: empty, a format-1 entry, or not 16 hex digits).
+pub fn parse_xxh3_hex(s: &str) -> Option<u64> {
+    if is_hex(s, 16) {
+        u64::from_str_radix(s, 16).ok()
+    } else {
+        None
+    }
+}
+
 fn is_hex(s: &str, len: usize) -> bool {
     s.len() == len && s.bytes().all(|b| b.is_ascii_hexdigit())
 }

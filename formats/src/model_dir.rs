@@ -30,6 +30,8 @@ pub struct TensorRef<'a> {
     pub split_axis: Option<usize>,
     pub split_offset: usize,
     pub data: &'a [u8],
+    /// The manifest's xxh3-64 of `data` (format 2; None in format 1 or a source without checksums).
+    pub xxh3: Option<u64>,
 }
 
 /// A converted model directory, opened and mapped read-only.
@@ -112,6 +114,7 @@ impl ModelDir {
             split_axis: t.split_axis,
             split_offset: t.split_offset,
             data,
+            xxh3: crate::manifest::parse_xxh3_hex(&t.xxh3),
         })
     }
 }

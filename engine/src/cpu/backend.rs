@@ -6,7 +6,7 @@
 //! ops (bit for bit: golden/regen.sh --check). Tests: engine/tests/target_*.rs, ddtree_drafter.rs.
 
 use super::ops;
-use crate::backend::{Backend, PosOf, RopeTable, VocabShards};
+use crate::backend::{Backend, PosOf, RopeTable, VocabShards, WeightRef};
 use crate::ddtree::{build_tree_from_top_k, top_k_log_probs, walk_sampled, DraftTree, Visibility, Walk};
 use crate::model::cache::LatentCache;
 use crate::model::source::Slab;
@@ -20,12 +20,15 @@ use half::bf16;
 #[derive(Debug, Clone, Default)]
 pub struct CpuBackend {
     pub comm: Option<super::comm::HostRank>,
+    /// Check every weight's bytes against the manifest's checksum at load ([`Backend::checks_weights`]): on
+    /// the CPU the weights are the mmapped shard bytes, so this finds a damaged shard file.
+    pub check_weights: bool,
 }
 
 impl CpuBackend {
     /// The backend of rank `c.rank` of a group of rank threads.
     pub fn with_comm(c: super::comm::HostRank) -> CpuBackend {
-        CpuBackend { comm: Some(c) }
+        CpuBackend { comm: Some(c), check_weights: false }
     }
     /// `x` summed over the group (identity without one). A failed group (a rank died) is a panic here, which
     /// the rank thread turns into that rank's error (ops are infallible on the CPU).
@@ -92,6 +95,18 @@ impl Backend for CpuBackend {
     }
     fn mat_rows(&self, m: &Mat) -> usize {
         m.rows
+    }
+    fn checks_weights(&self) -> bool {
+        self.check_weights
+    }
+    fn weight_xxh3(&self, w: WeightRef<'_, Self>) -> Result<Vec<u64>> {
+        use kdtree_formats::manifest::xxh3_64;
+        Ok(match w {
+            WeightRef::Mat(m) => vec![xxh3_64(bytemuck::cast_slice(&m.w[..]))],
+            WeightRef::Vector(v) => vec![xxh3_64(bytemuck::cast_slice(&v[..]))],
+            WeightRef::VectorF32(v) => vec![xxh3_64(bytemuck::cast_slice(&v[..]))],
+            WeightRef::I4(s) => vec![xxh3_64(&s.packed[..]), xxh3_64(bytemuck::cast_slice(&s.scales[..]))],
+        })
     }
 
     fn rope_upload(&self, r: RopeTable) -> RopeTable {

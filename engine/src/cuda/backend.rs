@@ -32,7 +32,7 @@ use super::ops::gqa_attention::{gqa_attention, GqaShape, GqaSplit};
 use super::ops::mla_attention::{self as seg_op, mla_attention, MlaShape, MlaSplit};
 use super::ops::{argmax, copy_rows, embed, fill, gather_rows, gemm_bf16, kv_compact, moe_align, moe_combine, moe_router, round_state, w4a16_gemm};
 use super::{CudaError, Gpu};
-use crate::backend::{Backend, PosOf, RopeTable, VocabShards};
+use crate::backend::{Backend, PosOf, RopeTable, VocabShards, WeightRef};
 use crate::cpu::ops::{Fill, MlaDims, Router};
 use crate::ddtree::{TreeResult, Visibility};
 use super::tree::{DMask, DeviceTree};
@@ -58,6 +58,8 @@ pub struct DI4 {
     pub count: usize,
     pub n: usize,
     pub k: usize,
+    /// K of the converter's layout: `k` unless the upload zero-padded K to the kernel's step (`pad_k`).
+    pub k_src: usize,
 }
 
 /// The latent KV cache of all layers: `[layers, cap, width]` bf16; rows `[0, committed)` committed, then
@@ -445,10 +447,10 @@ impl Backend for CudaBackend {
             // zero weights (zero scales) to the next step; `experts` widens the [gate | up] rows to match.
             let (packed, scales, kp) = pad_k(&s.packed, &s.scales, s.count * s.n, s.k, w4a16_gemm::K_STEP);
             self.i4_shape_ok(s.count, s.n, kp)?;
-            return Ok(DI4 { packed: self.gpu.upload(&packed)?, scales: self.gpu.upload(&scales)?, first: s.first, count: s.count, n: s.n, k: kp });
+            return Ok(DI4 { packed: self.gpu.upload(&packed)?, scales: self.gpu.upload(&scales)?, first: s.first, count: s.count, n: s.n, k: kp, k_src: s.k });
         }
         self.i4_shape_ok(s.count, s.n, s.k)?;
-        Ok(DI4 { packed: self.gpu.upload(&s.packed[..])?, scales: self.gpu.upload(&s.scales[..])?, first: s.first, count: s.count, n: s.n, k: s.k })
+        Ok(DI4 { packed: self.gpu.upload(&s.packed[..])?, scales: self.gpu.upload(&s.scales[..])?, first: s.first, count: s.count, n: s.n, k: s.k, k_src: s.k })
     }
     fn upload_vector(&self, v: Slab<bf16>) -> Result<CudaSlice<bf16>> {
         Ok(self.gpu.upload(&v[..])?)
@@ -458,6 +460,28 @@ impl Backend for CudaBackend {
     }
     fn mat_rows(&self, m: &DMat) -> usize {
         m.rows
+    }
+    fn checks_weights(&self) -> bool {
+        self.gpu.check_weights()
+    }
+    fn weight_xxh3(&self, w: WeightRef<'_, Self>) -> Result<Vec<u64>> {
+        use super::ops::xxh3::xxh3_of;
+        let g = &*self.gpu;
+        Ok(match w {
+            WeightRef::Mat(m) => vec![xxh3_of(g, &m.w)?],
+            WeightRef::Vector(v) => vec![xxh3_of(g, v)?],
+            WeightRef::VectorF32(v) => vec![xxh3_of(g, v)?],
+            WeightRef::I4(s) if s.k == s.k_src => vec![xxh3_of(g, &s.packed)?, xxh3_of(g, &s.scales)?],
+            WeightRef::I4(s) => {
+                // Padded at upload (tp4 / tp8 of a small model): the device rows, read back, without the padding.
+                let (rows, k, kp) = (s.count * s.n, s.k_src, s.k);
+                let (p, sc) = (g.download(&s.packed)?, g.download(&s.scales)?);
+                let p: Vec<u8> = (0..rows).flat_map(|r| p[r * kp / 2..r * kp / 2 + k / 2].iter().copied()).collect();
+                let sc: Vec<bf16> = (0..rows).flat_map(|r| sc[r * kp / 32..r * kp / 32 + k / 32].iter().copied()).collect();
+                use kdtree_formats::manifest::xxh3_64;
+                vec![xxh3_64(&p), xxh3_64(bytemuck::cast_slice(&sc))]
+            }
+        })
     }
     // Dummy weights: allocated and filled in place (cuda/ops/fill.rs), no host bytes.
     fn fill_bf16(&self, rows: usize, cols: usize, f: &Fill) -> Result<DMat> {
@@ -477,7 +501,7 @@ impl Backend for CudaBackend {
         // SAFETY: every byte is written by the fill before any read.
         let mut p = unsafe { self.gpu.stream.alloc::<u8>(count * n * k / 2) }.map_err(super::drv("fill alloc"))?;
         fill::fill_u8(&self.gpu, &mut p.as_view_mut(), packed)?;
-        Ok(DI4 { packed: p, scales: self.filled_bf16(count * n * k / 32, scales)?, first, count, n, k })
+        Ok(DI4 { packed: p, scales: self.filled_bf16(count * n * k / 32, scales)?, first, count, n, k, k_src: k })
     }
 
     fn rope_upload(&self, r: RopeTable) -> DRope {

@@ -1,14 +1,20 @@
 //! Weight loading onto the GPU through pinned staging buffers (issue 8, loading): a large host slice (a
 //! zero-copy view of an mmapped shard) is copied in chunks into one of two page-locked buffers while the
-//! other one's DMA runs (cudarc's `PinnedHostSlice` records an event after each copy and waits on it before
-//! the host writes that buffer again), so the shard is never copied whole on the host and the copy engine
-//! streams from pinned memory. Progress (GB, GB/s, ETA) goes to stderr about once a second when asked.
+//! other one's DMA runs, so the shard is never copied whole on the host and the copy engine streams from
+//! pinned memory. Progress (GB, GB/s, ETA) goes to stderr about once a second when asked.
+//!
+//! The host may refill a staging buffer only once the DMA out of it has finished: each buffer has its own
+//! event, recorded on the stream right after the copy out of it and waited for before the host writes it
+//! again. (cudarc's `PinnedHostSlice` keeps such an event, but records it only while the context tracks
+//! events, and [`super::Gpu::new`] turns event tracking off: without events of its own the host overwrote a
+//! buffer whose DMA had not run yet, corrupting every weight tensor of more than two chunks whenever the
+//! host copy outran the DMA, issue 24.)
 //! Used by [`super::Gpu::upload`] between `begin_load` and `end_load` (engine model/open.rs `open_cuda_on`).
-//! Test: engine/tests/cuda_target.rs (staged uploads equal the host bytes).
+//! Test: engine/tests/cuda_ops.rs (`staged_uploads_equal_the_host_bytes`: many chunks through each buffer).
 
 use std::time::Instant;
 
-use cudarc::driver::{CudaSlice, DeviceRepr, PinnedHostSlice, ValidAsZeroBits};
+use cudarc::driver::{CudaEvent, CudaSlice, DeviceRepr, PinnedHostSlice, ValidAsZeroBits};
 
 use super::{drv, Gpu, Result};
 
@@ -17,6 +23,8 @@ pub(crate) const CHUNK: usize = 32 << 20;
 
 pub(crate) struct Load {
     stage: [PinnedHostSlice<u8>; 2],
+    /// Recorded on the stream after the DMA out of `stage[i]`; the host waits for it before refilling.
+    copied: [Option<CudaEvent>; 2],
     next: usize,
     total: u64,
     done: u64,
@@ -31,7 +39,7 @@ impl Load {
         // SAFETY: the staging buffers are written by the host before every copy out of them.
         let alloc = || unsafe { gpu.ctx.alloc_pinned::<u8>(CHUNK) }.map_err(drv("pinned staging buffer"));
         let now = Instant::now();
-        Ok(Load { stage: [alloc()?, alloc()?], next: 0, total, done: 0, start: now, last_print: now, progress, name: gpu.describe() })
+        Ok(Load { stage: [alloc()?, alloc()?], copied: [None, None], next: 0, total, done: 0, start: now, last_print: now, progress, name: gpu.describe() })
     }
 
     pub(crate) fn upload<T: DeviceRepr + bytemuck::Pod + ValidAsZeroBits>(&mut self, gpu: &Gpu, host: &[T]) -> Result<CudaSlice<T>> {
@@ -50,14 +58,22 @@ impl Load {
             let mut dst = unsafe { view.transmute_mut::<u8>(n) }.expect("a Pod buffer of n bytes");
             let mut off = 0;
             while off + CHUNK <= n {
-                let buf = &mut self.stage[self.next];
+                let i = self.next;
                 self.next ^= 1;
                 // Waits for this buffer's previous DMA, then fills it from the mmapped shard.
+                if let Some(e) = &self.copied[i] {
+                    e.synchronize().map_err(drv("staging buffer"))?;
+                }
+                let buf = &mut self.stage[i];
                 // Several threads: the copy out of a cold mmap is page-fault bound.
                 let dst_host = buf.as_mut_slice().map_err(drv("staging buffer"))?;
                 use rayon::prelude::*;
                 dst_host.par_chunks_mut(1 << 20).zip(bytes[off..off + CHUNK].par_chunks(1 << 20)).for_each(|(d, s)| d.copy_from_slice(s));
                 s.memcpy_htod(&*buf, &mut dst.slice_mut(off..off + CHUNK)).map_err(drv("upload"))?;
+                match &self.copied[i] {
+                    Some(e) => e.record(s).map_err(drv("staging event"))?,
+                    None => self.copied[i] = Some(s.record_event(None).map_err(drv("staging event"))?),
+                }
                 off += CHUNK;
                 self.count(CHUNK);
             }
@@ -87,6 +103,16 @@ impl Load {
             eprintln!("kdtree: loaded {:.2} GB of weights onto {} in {:.1} s ({:.2} GB/s)", gb(self.done), self.name, t, self.done as f64 / t.max(1e-9) / 1e9);
         }
         Ok((self.done, t))
+    }
+}
+
+impl Drop for Load {
+    /// The pinned buffers are freed after this: no DMA may still read them (an error path that never reached
+    /// [`Load::finish`]).
+    fn drop(&mut self) {
+        for e in self.copied.iter().flatten() {
+            let _ = e.synchronize();
+        }
     }
 }
 

@@ -108,6 +108,8 @@ pub struct Gpu {
     comm: std::sync::RwLock<Arc<dyn comm::Communicator>>,
     /// Drain the stream before every pageable host copy ([`Gpu::set_drain_copies`]).
     drain_copies: std::sync::atomic::AtomicBool,
+    /// Hash every uploaded weight on the device and compare it with the manifest ([`Gpu::set_check_weights`]).
+    check_weights: std::sync::atomic::AtomicBool,
 }
 
 /// What a captured CUDA graph holds, by node type (cuBLAS calls appear as their kernels; stream-ordered
@@ -266,7 +268,7 @@ impl Gpu {
         let gemm_counters = stream.alloc_zeros::<u32>(GEMM_COUNTERS).map_err(drv("gemm counters"))?;
         let major = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR).map_err(drv("device attributes"))?;
         let pdl = major >= 9 && std::env::var("KDTREE_PDL").map(|v| v != "0").unwrap_or(true);
-        let gpu = Gpu { ctx, stream, blas, sms, max_smem, smem_per_sm, _module: module, funcs, _blas_workspace: ws, graphs: std::sync::atomic::AtomicBool::new(std::env::var("KDTREE_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true)), capture_failure: std::sync::Mutex::new(None), load: std::sync::Mutex::new(None), stats: GpuStats::default(), gemm_counters, last_graph: std::sync::Mutex::new(None), w4a16_bps: std::sync::atomic::AtomicUsize::new(std::env::var("KDTREE_W4A16_BLOCKS_PER_SM").ok().and_then(|v| v.parse().ok()).unwrap_or(4)), w4a16_max_splits: std::sync::atomic::AtomicUsize::new(std::env::var("KDTREE_W4A16_MAX_SPLITS").ok().and_then(|v| v.parse().ok()).unwrap_or(64)), gemv: std::sync::atomic::AtomicBool::new(std::env::var("KDTREE_GEMV").is_ok_and(|v| v == "1")), poison: std::env::var("KDTREE_CUDA_POISON").is_ok_and(|v| v == "1"), pdl: std::sync::atomic::AtomicBool::new(pdl), comm: std::sync::RwLock::new(Arc::new(comm::OneGpu)), drain_copies: std::sync::atomic::AtomicBool::new(false) };
+        let gpu = Gpu { ctx, stream, blas, sms, max_smem, smem_per_sm, _module: module, funcs, _blas_workspace: ws, graphs: std::sync::atomic::AtomicBool::new(std::env::var("KDTREE_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true)), capture_failure: std::sync::Mutex::new(None), load: std::sync::Mutex::new(None), stats: GpuStats::default(), gemm_counters, last_graph: std::sync::Mutex::new(None), w4a16_bps: std::sync::atomic::AtomicUsize::new(std::env::var("KDTREE_W4A16_BLOCKS_PER_SM").ok().and_then(|v| v.parse().ok()).unwrap_or(4)), w4a16_max_splits: std::sync::atomic::AtomicUsize::new(std::env::var("KDTREE_W4A16_MAX_SPLITS").ok().and_then(|v| v.parse().ok()).unwrap_or(64)), gemv: std::sync::atomic::AtomicBool::new(std::env::var("KDTREE_GEMV").is_ok_and(|v| v == "1")), poison: std::env::var("KDTREE_CUDA_POISON").is_ok_and(|v| v == "1"), pdl: std::sync::atomic::AtomicBool::new(pdl), comm: std::sync::RwLock::new(Arc::new(comm::OneGpu)), drain_copies: std::sync::atomic::AtomicBool::new(false), check_weights: std::sync::atomic::AtomicBool::new(false) };
         ops::w4a16_gemm::configure(&gpu)?;
         ops::gqa_attention::configure(&gpu)?;
         ops::ddtree_build::configure(&gpu)?;
@@ -348,6 +350,17 @@ impl Gpu {
             }
         }
         Ok(())
+    }
+
+    /// Check the weights loaded onto this GPU from now on: after each upload its device bytes are hashed
+    /// (XXH3-64, kernels/cuda/xxh3.cu) and compared with the manifest's checksum; a difference fails the load
+    /// naming the tensor (`kdtree-run --check-weights`; the GPU suite always).
+    pub fn set_check_weights(&self, on: bool) {
+        self.check_weights.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+    /// [`Gpu::set_check_weights`].
+    pub fn check_weights(&self) -> bool {
+        self.check_weights.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// What the last CUDA graph captured on this GPU holds (a DDTree round, an AR step), by node type.

@@ -34,7 +34,7 @@ mod weights;
 pub use weights::{slice_config, DraftLayer, DrafterDims, DrafterWeights};
 
 use crate::api::Drafter;
-use crate::backend::{Backend, PosOf};
+use crate::backend::{Backend, PosOf, WeightRef};
 use crate::cpu::{ops, CpuBackend};
 use crate::model::source::Slab;
 use crate::model::weights::Mat;
@@ -177,7 +177,11 @@ impl<B: Backend> DFlashDrafter<B> {
             return Self::load_slice(b, src, &cfg, rank, tables);
         }
         let dims = DrafterDims::from_config(&cfg)?;
+        let check = b.checks_weights();
         let w = DrafterWeights::load_with(&dims, |name, shape| {
+            if check {
+                crate::model::source::check_shards(src, name)?;
+            }
             let (v, logical) = crate::model::source::gather_bf16(src, name)?;
             ensure!(logical == shape, "{name}: logical shape {logical:?}, expected {shape:?}");
             Ok(v)
@@ -196,16 +200,33 @@ impl<B: Backend> DFlashDrafter<B> {
         let get = |name: &str, shape: &[usize]| -> Result<(kdtree_formats::TensorRef<'_>, Option<ops::Fill>)> {
             Ok((expect(src, name, rank, kdtree_formats::Dtype::BF16, shape)?, src.fill(name, rank)))
         };
+        // The load check: an uploaded shard's bytes where the ops read them against the manifest's xxh3.
+        let check = |name: &str, t: &kdtree_formats::TensorRef<'_>, w: WeightRef<'_, B>| -> Result<()> {
+            if b.checks_weights() {
+                let want = t.xxh3.unwrap_or_else(|| kdtree_formats::manifest::xxh3_64(t.data));
+                let got = b.weight_xxh3(w)?;
+                ensure!(got == [want], "{name} (rank {rank}): the uploaded bytes hash to {got:016x?} where the manifest's xxh3 is {want:016x}");
+            }
+            Ok(())
+        };
         let mat = |name: String, rows: usize, cols: usize| -> Result<B::Mat> {
             match get(&name, &[rows, cols])? {
                 (_, Some(f)) => b.fill_bf16(rows, cols, &f).with_context(|| format!("filling {name} (rank {rank})")),
-                (t, None) => b.upload_bf16(Mat { w: Slab::Owned(pod_vec(t.data)), rows, cols }),
+                (t, None) => {
+                    let m = b.upload_bf16(Mat { w: Slab::Owned(pod_vec(t.data)), rows, cols })?;
+                    check(&name, &t, WeightRef::Mat(&m))?;
+                    Ok(m)
+                }
             }
         };
         let vector = |name: String, n: usize| -> Result<B::Vector> {
             match get(&name, &[n])? {
                 (_, Some(f)) => b.fill_vector(n, &f).with_context(|| format!("filling {name} (rank {rank})")),
-                (t, None) => b.upload_vector(Slab::Owned(pod_vec(t.data))),
+                (t, None) => {
+                    let v = b.upload_vector(Slab::Owned(pod_vec(t.data)))?;
+                    check(&name, &t, WeightRef::Vector(&v))?;
+                    Ok(v)
+                }
             }
         };
         let (h, qd, kd, i, hd) = (dims.hidden, dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim, dims.intermediate, dims.head_dim);
@@ -236,25 +257,49 @@ impl<B: Backend> DFlashDrafter<B> {
         let dims = DrafterDims::from_config(cfg)?;
         ensure!(w.layers.len() == dims.layers, "drafter: {} layers loaded, config says {}", w.layers.len(), dims.layers);
         let (h, qd, kd, i) = (dims.hidden, dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim, dims.intermediate);
-        let mat = |v: Vec<bf16>, rows: usize, cols: usize| b.upload_bf16(Mat { w: Slab::Owned(v), rows, cols });
-        let vector = |v: Vec<bf16>| b.upload_vector(Slab::Owned(v));
+        // With the load check on, every upload's bytes where the ops read them are compared with the host
+        // bytes they came from (`load_on` checked those against the manifest, shard by shard).
+        let checked = |what: &str, host: u64, w: WeightRef<'_, B>| -> Result<()> {
+            let got = b.weight_xxh3(w)?;
+            ensure!(got == [host], "drafter {what}: the uploaded bytes hash to {got:016x?} where the host bytes hash to {host:016x}");
+            Ok(())
+        };
+        let hash = |v: &[bf16]| b.checks_weights().then(|| kdtree_formats::manifest::xxh3_64(bytemuck::cast_slice(v)));
+        let mat = |what: String, v: Vec<bf16>, rows: usize, cols: usize| -> Result<B::Mat> {
+            let host = hash(&v);
+            let m = b.upload_bf16(Mat { w: Slab::Owned(v), rows, cols })?;
+            if let Some(hh) = host {
+                checked(&what, hh, WeightRef::Mat(&m))?;
+            }
+            Ok(m)
+        };
+        let vector = |what: String, v: Vec<bf16>| -> Result<B::Vector> {
+            let host = hash(&v);
+            let x = b.upload_vector(Slab::Owned(v))?;
+            if let Some(hh) = host {
+                checked(&what, hh, WeightRef::Vector(&x))?;
+            }
+            Ok(x)
+        };
         let mut layers = Vec::with_capacity(dims.layers);
-        for l in w.layers {
+        for (j, l) in w.layers.into_iter().enumerate() {
+            let p = format!("layers.{j}.");
             layers.push(Layer {
-                input_layernorm: vector(l.input_layernorm)?,
-                q_proj: mat(l.q_proj, qd, h)?,
-                k_proj: mat(l.k_proj, kd, h)?,
-                v_proj: mat(l.v_proj, kd, h)?,
-                o_proj: mat(l.o_proj, h, qd)?,
-                q_norm: vector(l.q_norm)?,
-                k_norm: vector(l.k_norm)?,
-                post_attention_layernorm: vector(l.post_attention_layernorm)?,
-                gate_proj: mat(l.gate_proj, i, h)?,
-                up_proj: mat(l.up_proj, i, h)?,
-                down_proj: mat(l.down_proj, h, i)?,
+                input_layernorm: vector(format!("{p}input_layernorm"), l.input_layernorm)?,
+                q_proj: mat(format!("{p}q_proj"), l.q_proj, qd, h)?,
+                k_proj: mat(format!("{p}k_proj"), l.k_proj, kd, h)?,
+                v_proj: mat(format!("{p}v_proj"), l.v_proj, kd, h)?,
+                o_proj: mat(format!("{p}o_proj"), l.o_proj, h, qd)?,
+                q_norm: vector(format!("{p}q_norm"), l.q_norm)?,
+                k_norm: vector(format!("{p}k_norm"), l.k_norm)?,
+                post_attention_layernorm: vector(format!("{p}post_attention_layernorm"), l.post_attention_layernorm)?,
+                gate_proj: mat(format!("{p}gate_proj"), l.gate_proj, i, h)?,
+                up_proj: mat(format!("{p}up_proj"), l.up_proj, i, h)?,
+                down_proj: mat(format!("{p}down_proj"), l.down_proj, h, i)?,
             });
         }
-        let (fc, hidden_norm, norm) = (mat(w.fc, h, dims.n_taps * h)?, vector(w.hidden_norm)?, vector(w.norm)?);
+        let (fc, hidden_norm, norm) =
+            (mat("fc".into(), w.fc, h, dims.n_taps * h)?, vector("hidden_norm".into(), w.hidden_norm)?, vector("norm".into(), w.norm)?);
         Self::assemble(b, cfg, dims, (fc, hidden_norm, norm), layers, tables)
     }
 

@@ -54,6 +54,9 @@ pub struct OpenOptions {
     /// Progress lines on stderr while the weights load onto a GPU (GB, GB/s, ETA); a library stays quiet
     /// unless asked.
     pub progress: bool,
+    /// The load check: every weight's bytes, where the ops read them (hashed on the device on a GPU), against
+    /// the manifest's xxh3-64; a difference fails the load naming the tensor (`kdtree-run --check-weights`).
+    pub check_weights: bool,
 }
 
 /// A converted model on the CPU reference backend, with its concrete types (the golden tool needs
@@ -66,7 +69,7 @@ pub struct CpuModel {
 /// Open `dir` on `device` with default options (CPU target uses the absorbed MLA form: it does not
 /// re-expand every cached latent through kv_b at each step).
 pub fn open(dir: &Path, device: Device) -> Result<Loaded> {
-    open_with(dir, device, OpenOptions { attn_mode: AttnMode::Absorbed, progress: false })
+    open_with(dir, device, OpenOptions { attn_mode: AttnMode::Absorbed, ..OpenOptions::default() })
 }
 
 /// Open `dir` on `device`. `Device::Cuda` in a build without the `cuda` feature is
@@ -75,10 +78,10 @@ pub fn open(dir: &Path, device: Device) -> Result<Loaded> {
 pub fn open_with(dir: &Path, device: Device, opts: OpenOptions) -> Result<Loaded> {
     #[cfg(feature = "cuda")]
     match device {
-        Device::Cuda => return open_cuda(dir, crate::cuda::Gpu::new(0)?, opts.progress),
+        Device::Cuda => return open_cuda(dir, crate::cuda::Gpu::new(0)?, opts),
         Device::Auto => {
             if let Ok(gpu) = crate::cuda::Gpu::new(0) {
-                return open_cuda(dir, gpu, opts.progress);
+                return open_cuda(dir, gpu, opts);
             }
         }
         Device::Cpu => {}
@@ -106,10 +109,11 @@ pub fn open_cpu(dir: &Path, opts: OpenOptions) -> Result<CpuModel> {
 /// [`open_cpu`] over any [`TensorSource`] (a `ModelDir`, or an in-memory `MemSource` in tests).
 pub fn open_cpu_source(src: Arc<dyn TensorSource>, opts: OpenOptions) -> Result<CpuModel> {
     let taps = src.drafter_config().map(|c| c.dflash_config.target_layer_ids.clone()).unwrap_or_default();
-    let w = Arc::new(Weights::load(src.clone())?);
+    let b = crate::cpu::CpuBackend { check_weights: opts.check_weights, ..Default::default() };
+    let w = Arc::new(Weights::load_on(b.clone(), src.clone())?);
     let target = CpuTarget::new(w.clone(), taps, opts.attn_mode)?;
     let drafter = match src.drafter_config() {
-        Some(_) => Some(DFlashDrafter::load(&*src, w)?),
+        Some(_) => Some(DFlashDrafter::load_on(b, &*src, w)?),
         None => None,
     };
     Ok(CpuModel { target, drafter })
@@ -120,8 +124,9 @@ pub fn open_cpu_source(src: Arc<dyn TensorSource>, opts: OpenOptions) -> Result<
 /// lm_head (one copy of each on the device). DDTree rounds then run on the device (`Target::device_round`:
 /// draft, top-K, tree, mask, verify, walk and commit on the GPU, one read back per round).
 #[cfg(feature = "cuda")]
-fn open_cuda(dir: &Path, gpu: crate::cuda::Gpu, progress: bool) -> Result<Loaded> {
-    open_cuda_with(dir, Arc::new(gpu), progress)
+fn open_cuda(dir: &Path, gpu: crate::cuda::Gpu, opts: OpenOptions) -> Result<Loaded> {
+    gpu.set_check_weights(opts.check_weights);
+    open_cuda_with(dir, Arc::new(gpu), opts.progress)
 }
 
 /// [`open_with`] on the CUDA device `gpu` the caller keeps (tests read its [`crate::cuda::GpuStats`]).

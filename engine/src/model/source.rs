@@ -195,6 +195,7 @@ impl ShardFacts {
             split_axis: self.split_axis,
             split_offset: self.split_offset,
             data,
+            xxh3: None,
         }
     }
 }
@@ -279,6 +280,22 @@ unsafe impl TensorSource for MemSource {
         let s = self.shards.get(&(name.to_string(), rank)).with_context(|| format!("MemSource: no tensor {name} for rank {rank}"))?;
         Ok(s.facts.tensor_ref(&s.data))
     }
+}
+
+/// The load check of a tensor read on the host (the drafter's gathered weights): every rank's shard bytes
+/// against the manifest's xxh3-64 (shards without one are skipped: a source without checksums).
+pub fn check_shards(src: &dyn TensorSource, name: &str) -> Result<()> {
+    for r in 0..src.ranks() {
+        let t = src.tensor(name, r)?;
+        if let Some(want) = t.xxh3 {
+            let got = kdtree_formats::manifest::xxh3_64(t.data);
+            ensure!(got == want, "{name} (rank {r}): the shard's bytes hash to {got:016x} where the manifest's xxh3 is {want:016x}");
+        }
+        if t.split_axis.is_none() {
+            break;
+        }
+    }
+    Ok(())
 }
 
 /// Gather a whole bf16 tensor from all ranks (concatenating along its split axis in rank order, or rank 0's

@@ -13,7 +13,7 @@
 
 pub use super::config::{ModelConfig, LATENT_NORM_EPS};
 use super::source::{expect, expect_split, Slab, TensorSource};
-use crate::backend::{Backend, VocabShards};
+use crate::backend::{Backend, VocabShards, WeightRef};
 use crate::cpu::{ops, CpuBackend};
 use crate::cpu::ops::Fill;
 use anyhow::{bail, ensure, Context, Result};
@@ -157,8 +157,12 @@ impl<B: Backend> Ld<'_, B> {
         let t = self.bf16(name, &[rows, cols], split)?;
         match self.fill_of(name) {
             Some(f) => self.b.fill_bf16(rows, cols, &f).with_context(|| format!("filling {name} (rank {})", self.rank)),
-            // SAFETY: `t` was just returned by `self.owner.tensor(..)` (through `expect`).
-            None => self.b.upload_bf16(Mat { w: unsafe { Slab::new(self.owner, t.data) }, rows, cols }),
+            None => {
+                // SAFETY: `t` was just returned by `self.owner.tensor(..)` (through `expect`).
+                let m = self.b.upload_bf16(Mat { w: unsafe { Slab::new(self.owner, t.data) }, rows, cols })?;
+                self.check(name, &t, WeightRef::Mat(&m), 0)?;
+                Ok(m)
+            }
         }
     }
     /// Replicated vector `[n]`.
@@ -166,9 +170,34 @@ impl<B: Backend> Ld<'_, B> {
         let t = self.bf16(name, &[n], None)?;
         match self.fill_of(name) {
             Some(f) => self.b.fill_vector(n, &f).with_context(|| format!("filling {name} (rank {})", self.rank)),
-            // SAFETY: as in `mat`.
-            None => self.b.upload_vector(unsafe { Slab::new(self.owner, t.data) }),
+            None => {
+                // SAFETY: as in `mat`.
+                let v = self.b.upload_vector(unsafe { Slab::new(self.owner, t.data) })?;
+                self.check(name, &t, WeightRef::Vector(&v), 0)?;
+                Ok(v)
+            }
         }
+    }
+    /// The load check ([`Backend::checks_weights`]): part `part` of the uploaded `w`'s bytes, hashed where the
+    /// ops read them, against the manifest's xxh3-64 of `t` (a source without checksums: the host bytes' own).
+    /// A difference names the tensor, the rank and both values.
+    fn check(&self, name: &str, t: &TensorRef<'_>, w: WeightRef<'_, B>, part: usize) -> Result<()> {
+        if !self.b.checks_weights() {
+            return Ok(());
+        }
+        let got = self.b.weight_xxh3(w).with_context(|| format!("hashing {name} (rank {}) where it was uploaded", self.rank))?;
+        let (want, of) = match t.xxh3 {
+            Some(h) => (h, "the manifest's xxh3"),
+            None => (kdtree_formats::manifest::xxh3_64(t.data), "the xxh3 of the host bytes"),
+        };
+        ensure!(
+            got.get(part) == Some(&want),
+            "{name} (rank {}): the uploaded bytes hash to {} where {of} is {want:016x}: the weights on the {} backend are not the file's",
+            self.rank,
+            got.get(part).map_or("nothing".into(), |h| format!("{h:016x}")),
+            self.b.name()
+        );
+        Ok(())
     }
     /// This rank's SwiGLU slice, intermediate `i` split by rows (gate/up) and columns (down).
     fn mlp(&self, p: &str, h: usize, i: usize) -> Result<Mlp<B>> {
@@ -213,7 +242,10 @@ impl<B: Backend> Ld<'_, B> {
         }
         // SAFETY: `p` and `s` were just returned by `self.owner.tensor(..)`.
         let (packed, scales) = unsafe { (Slab::new(self.owner, p.data), Slab::new(self.owner, s.data)) };
-        self.b.upload_i4g32(I4Stack { packed, scales, first, count: cnt, n: nr, k: kr })
+        let w = self.b.upload_i4g32(I4Stack { packed, scales, first, count: cnt, n: nr, k: kr })?;
+        self.check(&pname, &p, WeightRef::I4(&w), 0)?;
+        self.check(&sname, &s, WeightRef::I4(&w), 1)?;
+        Ok(w)
     }
 }
 
@@ -363,8 +395,12 @@ fn load_rank<B: Backend>(ld: &Ld<'_, B>, cfg: &ModelConfig, prefix: &str, tied: 
                 expect_split(&tb, &name, k, None, 0)?;
                 match ld.fill_of(&name) {
                     Some(f) => Some(ld.b.fill_vector_f32(e, &f).with_context(|| format!("filling {name} (rank {k})"))?),
-                    // SAFETY: `tb` was just returned by `ld.owner.tensor(..)` (through `expect`).
-                    None => Some(ld.b.upload_vector_f32(unsafe { Slab::new(ld.owner, tb.data) })?),
+                    None => {
+                        // SAFETY: `tb` was just returned by `ld.owner.tensor(..)` (through `expect`).
+                        let v = ld.b.upload_vector_f32(unsafe { Slab::new(ld.owner, tb.data) })?;
+                        ld.check(&name, &tb, WeightRef::VectorF32(&v), 0)?;
+                        Some(v)
+                    }
                 }
             } else {
                 None

@@ -22,7 +22,7 @@
 //! Tests: engine/tests/tp_ranks.rs (CPU), engine/tests/cuda_tp.rs (one GPU), scripts/gpu-test.sh.
 
 use crate::api::{BatchItem, BatchOps, BatchOut, DeviceRound, Drafter, LogitRows, PrefillItem, StepKind, StepOut, Target, TargetInfo};
-use crate::model::open::Loaded;
+use crate::model::open::{Loaded, OpenOptions};
 use crate::model::source::TensorSource;
 use crate::sampling::Sampling;
 use anyhow::{anyhow, bail, ensure, Context, Result};
@@ -719,10 +719,10 @@ pub fn group_ranks(ranks: usize, groups: usize) -> Result<Vec<std::ops::Range<us
 }
 
 /// Open the converted model `dir` as `groups` groups placed by `place` (each loads only its ranks' shards and
-/// the drafter; see the module doc). `progress`: group 0's load progress on stderr.
-pub fn open_tp(dir: &Path, groups: usize, place: Placement, progress: bool) -> Result<Loaded> {
+/// the drafter; see the module doc). `opts.progress`: group 0's load progress on stderr; `opts.check_weights`: every group's load check.
+pub fn open_tp(dir: &Path, groups: usize, place: Placement, opts: OpenOptions) -> Result<Loaded> {
     let (src, needed) = model_source(dir, groups)?;
-    open_tp_source(src, groups, place, Some(needed), progress).with_context(|| format!("loading {} as {groups} tensor-parallel groups", dir.display()))
+    open_tp_source(src, groups, place, Some(needed), opts).with_context(|| format!("loading {} as {groups} tensor-parallel groups", dir.display()))
 }
 
 /// `dir`'s tensors and each of `groups` groups' upload bytes.
@@ -737,12 +737,12 @@ fn model_source(dir: &Path, groups: usize) -> Result<(Arc<dyn TensorSource>, Vec
 
 /// [`open_tp`] on GPUs, with each group's [`crate::cuda::Gpu`] (tests and benches read their counters).
 #[cfg(feature = "cuda")]
-pub fn open_tp_gpus(dir: &Path, groups: usize, place: Placement, progress: bool) -> Result<(Loaded, Vec<Arc<crate::cuda::Gpu>>)> {
+pub fn open_tp_gpus(dir: &Path, groups: usize, place: Placement, opts: OpenOptions) -> Result<(Loaded, Vec<Arc<crate::cuda::Gpu>>)> {
     let (src, needed) = model_source(dir, groups)?;
     let ranges = group_ranks(src.ranks(), groups)?;
     let r = match place {
-        Placement::SharedGpu(o) => cuda_groups(src, ranges, o, None, Some(needed), progress),
-        Placement::Gpus(o) => cuda_groups(src, ranges, o[0], Some(o), Some(needed), progress),
+        Placement::SharedGpu(o) => cuda_groups(src, ranges, o, None, Some(needed), opts),
+        Placement::Gpus(o) => cuda_groups(src, ranges, o[0], Some(o), Some(needed), opts),
         Placement::Cpu => bail!("open_tp_gpus: the CPU placement has no GPUs"),
     };
     r.with_context(|| format!("loading {} as {groups} tensor-parallel groups", dir.display()))
@@ -750,7 +750,7 @@ pub fn open_tp_gpus(dir: &Path, groups: usize, place: Placement, progress: bool)
 
 /// [`open_tp`] over any tensor source (tests: in-memory models); `needed`: each group's upload bytes where
 /// known (checked against the GPU's free memory first).
-pub fn open_tp_source(src: Arc<dyn TensorSource>, groups: usize, place: Placement, needed: Option<Vec<u64>>, progress: bool) -> Result<Loaded> {
+pub fn open_tp_source(src: Arc<dyn TensorSource>, groups: usize, place: Placement, needed: Option<Vec<u64>>, opts: OpenOptions) -> Result<Loaded> {
     let ranges = group_ranks(src.ranks(), groups)?;
     match place {
         Placement::Cpu => {
@@ -762,7 +762,8 @@ pub fn open_tp_source(src: Arc<dyn TensorSource>, groups: usize, place: Placemen
                 .map(|(g, range)| {
                     let (src, group) = (src.clone(), group.clone());
                     Box::new(move || {
-                        let b = crate::cpu::CpuBackend::with_comm(HostRank { group, rank: g });
+                        let mut b = crate::cpu::CpuBackend::with_comm(HostRank { group, rank: g });
+                        b.check_weights = opts.check_weights;
                         group_models(b, src, range)
                     }) as GroupInit
                 })
@@ -771,12 +772,12 @@ pub fn open_tp_source(src: Arc<dyn TensorSource>, groups: usize, place: Placemen
             start(inits, 1, Box::new(move |why| g2.abort(why)), "cpu", "cpu".into())
         }
         #[cfg(feature = "cuda")]
-        Placement::SharedGpu(ordinal) => cuda_groups(src, ranges, ordinal, None, needed, progress).map(|r| r.0),
+        Placement::SharedGpu(ordinal) => cuda_groups(src, ranges, ordinal, None, needed, opts).map(|r| r.0),
         #[cfg(feature = "cuda")]
-        Placement::Gpus(ordinals) => cuda_groups(src, ranges, ordinals[0], Some(ordinals), needed, progress).map(|r| r.0),
+        Placement::Gpus(ordinals) => cuda_groups(src, ranges, ordinals[0], Some(ordinals), needed, opts).map(|r| r.0),
         #[cfg(not(feature = "cuda"))]
         _ => {
-            let _ = (progress, needed);
+            let _ = (opts, needed);
             Err(crate::backend::BackendError::NoCuda.into())
         }
     }
@@ -801,7 +802,7 @@ where
 
 /// CUDA groups: all on GPU `ordinal` (the one-GPU communicator) or group g on `gpus[g]` (NCCL).
 #[cfg(feature = "cuda")]
-fn cuda_groups(src: Arc<dyn TensorSource>, ranges: Vec<std::ops::Range<usize>>, ordinal: usize, gpus: Option<Vec<usize>>, needed: Option<Vec<u64>>, progress: bool) -> Result<(Loaded, Vec<Arc<crate::cuda::Gpu>>)> {
+fn cuda_groups(src: Arc<dyn TensorSource>, ranges: Vec<std::ops::Range<usize>>, ordinal: usize, gpus: Option<Vec<usize>>, needed: Option<Vec<u64>>, opts: OpenOptions) -> Result<(Loaded, Vec<Arc<crate::cuda::Gpu>>)> {
     use crate::cuda::comm::{Communicator, Nccl, SharedGpu};
     use crate::cuda::{CudaBackend, Gpu};
     let groups = ranges.len();
@@ -864,7 +865,8 @@ fn cuda_groups(src: Arc<dyn TensorSource>, ranges: Vec<std::ops::Range<usize>>, 
         .map(|(g, ((range, gpu), needed))| {
             let src = src.clone();
             Box::new(move || {
-                gpu.begin_load(needed, progress && g == 0)?;
+                gpu.set_check_weights(opts.check_weights);
+                gpu.begin_load(needed, opts.progress && g == 0)?;
                 let r = group_models(CudaBackend::new(gpu.clone()), src, range);
                 let ended = gpu.end_load().map(|_| ());
                 let r = r?;

@@ -13,9 +13,14 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 /// The GPU, or None (test skipped, reason printed) when none is usable and KDTREE_REQUIRE_GPU is not 1.
+/// Models loaded onto it check every weight's device bytes against the manifest (the load check is always on
+/// in the suite).
 pub fn gpu() -> Option<Gpu> {
     match Gpu::new(0) {
-        Ok(g) => Some(g),
+        Ok(g) => {
+            g.set_check_weights(true);
+            Some(g)
+        }
         Err(e) => {
             if std::env::var("KDTREE_REQUIRE_GPU").as_deref() == Ok("1") {
                 panic!("KDTREE_REQUIRE_GPU=1 but no GPU: {e}");
@@ -39,6 +44,25 @@ pub fn rand_bf16(r: &mut ChaCha8Rng, n: usize, lo: f32, hi: f32) -> Vec<bf16> {
             bf16::from_f32(if r.random::<bool>() { v } else { -v })
         })
         .collect()
+}
+
+/// `n` pseudo-random bytes from `seed` (splitmix64 words, 8 MiB pieces in parallel): fast enough for the
+/// multi-GB buffers of the large-buffer cases.
+pub fn rand_bytes(seed: u64, n: usize) -> Vec<u8> {
+    use rayon::prelude::*;
+    let mut v = vec![0u8; n];
+    v.par_chunks_mut(8 << 20).enumerate().for_each(|(c, piece)| {
+        let mut x = seed ^ (c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        for w in piece.chunks_mut(8) {
+            x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            w.copy_from_slice(&z.to_le_bytes()[..w.len()]);
+        }
+    });
+    v
 }
 
 pub fn rand_f32(r: &mut ChaCha8Rng, n: usize, lo: f32, hi: f32) -> Vec<f32> {

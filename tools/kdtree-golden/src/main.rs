@@ -12,7 +12,7 @@
 //! may overwrite an input.
 //! Tests: tests/determinism.rs, tests/cli.rs (exit codes, messages, closed stderr).
 
-use anyhow::{bail, Result};
+use anyhow::{bail, ensure, Context, Result};
 use clap::Parser;
 use kdtree_golden::bundle::{file_name_for, INDEX_FILE};
 use kdtree_golden::make::{make_bundle_on, Options};
@@ -30,9 +30,18 @@ struct Args {
     /// Prompt JSONL: {"id", "prompt_token_ids": [...]}, {"id", "prompt": "..."} or {"id", "messages": [...]}.
     #[arg(long)]
     prompts: PathBuf,
-    /// Output directory (created; existing bundle files are overwritten).
+    /// Output directory (created; existing bundle files are overwritten). With --score: the report file
+    /// (JSON, written through a temp file renamed into place; "-" = stdout).
     #[arg(long)]
     out: PathBuf,
+    /// Score other engines' tokens instead of writing a bundle: kdtree-run records (JSONL) or bundles recorded
+    /// on another device, teacher-forced through the CPU reference (each generated token's gap: the CPU's
+    /// largest logit minus its logit of that token; with a bundle's full logits also their max |Δ|).
+    #[arg(long, value_name = "RUN", num_args = 1..)]
+    score: Vec<PathBuf>,
+    /// With --score: exit 1 when any gap exceeds this many logits.
+    #[arg(long, value_name = "LOGITS", requires = "score")]
+    bound: Option<f32>,
     /// Greedy tokens generated per prompt.
     #[arg(long, default_value_t = 16)]
     max_tokens: usize,
@@ -68,7 +77,19 @@ enum DeviceArg {
 }
 
 fn main() -> ExitCode {
-    match run(Args::parse()) {
+    let a = Args::parse();
+    if !a.score.is_empty() {
+        return match score(&a) {
+            Ok(true) => ExitCode::SUCCESS,
+            Ok(false) => ExitCode::from(1),
+            Err(e) if console::is_broken_pipe(&e) => ExitCode::SUCCESS,
+            Err(e) => {
+                console::say(format_args!("kdtree-golden: error: {}", console::error_chain(&e)));
+                ExitCode::from(2)
+            }
+        };
+    }
+    match run(a) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             console::say(format_args!("kdtree-golden: error: {}", console::error_chain(&e)));
@@ -95,6 +116,34 @@ fn run(a: Args) -> Result<()> {
     };
     make_bundle_on(&a.model, &a.prompts, &a.out, &opts, device)?;
     Ok(())
+}
+
+/// `--score`: the report, written whole (temp file, then rename) or to stdout; Ok(false) when a gap exceeds
+/// `--bound`.
+fn score(a: &Args) -> Result<bool> {
+    ensure!(a.device == DeviceArg::Cpu, "--score runs the CPU reference (leave out --device)");
+    ensure!(a.bound.is_none_or(|b| b.is_finite() && b >= 0.0), "--bound must be a finite number >= 0");
+    let r = kdtree_golden::score::score(&a.model, &a.prompts, &a.score, a.bound, !a.quiet)?;
+    let mut text = serde_json::to_string_pretty(&r)?;
+    text.push('\n');
+    if a.out.as_os_str() == "-" {
+        use std::io::Write;
+        std::io::stdout().lock().write_all(text.as_bytes()).context("writing the report to stdout")?;
+    } else {
+        let tmp = a.out.with_extension("json.partial");
+        std::fs::write(&tmp, &text).with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::rename(&tmp, &a.out).with_context(|| format!("renaming {} to {}", tmp.display(), a.out.display()))?;
+    }
+    let at = r.max_gap_at.as_ref().map(|(f, id, j)| format!(" at {f} {id} position {j}")).unwrap_or_default();
+    console::say(format_args!(
+        "kdtree-golden: scored {} sequences ({} tokens): max gap {:.4}{at}{}{}",
+        r.sequences,
+        r.tokens,
+        r.max_gap,
+        r.max_abs_delta.map(|d| format!(", max |Δ| {d:.4}")).unwrap_or_default(),
+        a.bound.map(|b| format!(", {} positions over the bound {b}", r.over_bound)).unwrap_or_default()
+    ));
+    Ok(r.over_bound == 0)
 }
 
 /// Before any work: `--out` must be (or be creatable as) a directory, and none of the files the bundle

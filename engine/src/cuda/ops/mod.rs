@@ -28,6 +28,7 @@ pub mod silu_mul;
 pub mod topk_logprobs;
 pub mod visibility;
 pub mod w4a16_gemm;
+pub mod xxh3;
 
 use cudarc::driver::{CudaView, LaunchConfig};
 
