@@ -12,7 +12,7 @@ RUN        := $(RELEASE)/kdtree-run
 SEED       ?= 0
 PAIR       ?= models/kdtree-tiny
 
-.PHONY: lint kernels-check cuda-check gpu-stage gpu-test gpu-bench bench-batch bench-table-check build test demo demo-synth train bench-acceptance golden golden-check crosscheck fixtures bench-convert clean
+.PHONY: lint kernels-check cuda-check gpu-stage gpu-test gpu-test-k26 gpu-bench bench-batch bench-table-check build test demo demo-synth train bench-acceptance golden golden-check crosscheck fixtures bench-convert clean
 
 ## build: release binaries kdtree-convert, kdtree-golden, kdtree-run
 build:
@@ -43,6 +43,12 @@ gpu-stage:
 ## gpu-test: on the GPU machine (driver + CUDA 13 libraries only): the whole GPU suite from .dev-gpu/, a table last
 gpu-test:
 	bash .dev-gpu/gpu-test.sh .dev-gpu
+
+## gpu-test-k26: on the GPU machine: the real-width gate (scripts/gpu-test-k26.sh: the k26-gate model converted for
+## 1 and 8 ranks, five configurations x AR / DDTree 16 / 256 x 3 runs, identical records, teacher-forced gaps
+## against the CPU reference within the measured bf16 bound, --verify golden/k26-gate, memcheck); ~55 GB of disk
+gpu-test-k26:
+	bash .dev-gpu/gpu-test-k26.sh .dev-gpu
 
 ## bench-batch: on the GPU machine: the batched-generation throughput table (bench/batch.sh, from .dev-gpu/)
 bench-batch:

@@ -2,6 +2,9 @@
 # Regenerate the committed golden bundles, or check them byte for byte. Two sets:
 #   golden/              synthetic tiny preset + drafter (synth tiny --drafter --seed 0), prompts golden/prompts.jsonl
 #   golden/kdtree-tiny/  the trained pair models/kdtree-tiny (+ drafter/), prompts golden/kdtree-tiny/prompts.jsonl
+#   golden/k26-gate/     with KDTREE_GOLDEN_K26=1 only (~35 GB of disk, minutes of CPU): the real-width model
+#                        manifests/presets/k26-gate.toml (synth --seed 1 --drafter, --ranks 1), flags in its FLAGS file;
+#                        scripts/gpu-test-k26.sh rebuilds and compares it on every run of the real-width gate
 #
 #   golden/regen.sh           convert -> kdtree-golden -> replace each set's index.json + *.safetensors
 #   golden/regen.sh --check   the same into a temp dir, twice (RAYON_NUM_THREADS=1 and =2); fail (exit 1) on
@@ -71,4 +74,11 @@ run_set() {
 
 run_set synth-tiny "$work/model" golden "${SYNTH_ARGS[@]}"
 run_set kdtree-tiny "$work/pair" golden/kdtree-tiny "${PAIR_ARGS[@]}"
+if [ "${KDTREE_GOLDEN_K26:-0}" = 1 ]; then
+    "$BIN/kdtree-convert" synth manifests/presets/k26-gate.toml "$work/k26-hf" --drafter --seed 1 --quiet
+    "$BIN/kdtree-convert" repack "$work/k26-hf" "$work/k26" --drafter "$work/k26-hf/drafter" --ranks 1 --quiet
+    rm -rf "$work/k26-hf"
+    # shellcheck disable=SC2046 # the flags file holds several words
+    run_set k26-gate "$work/k26" golden/k26-gate $(cat golden/k26-gate/FLAGS)
+fi
 exit $status

@@ -57,6 +57,9 @@ pub struct OpenOptions {
     /// The load check: every weight's bytes, where the ops read them (hashed on the device on a GPU), against
     /// the manifest's xxh3-64; a difference fails the load naming the tensor (`kdtree-run --check-weights`).
     pub check_weights: bool,
+    /// Leave the drafter out even when the directory holds one (an autoregressive run never drafts: its
+    /// weights need neither the load time nor the memory).
+    pub no_drafter: bool,
 }
 
 /// A converted model on the CPU reference backend, with its concrete types (the golden tool needs
@@ -108,15 +111,23 @@ pub fn open_cpu(dir: &Path, opts: OpenOptions) -> Result<CpuModel> {
 
 /// [`open_cpu`] over any [`TensorSource`] (a `ModelDir`, or an in-memory `MemSource` in tests).
 pub fn open_cpu_source(src: Arc<dyn TensorSource>, opts: OpenOptions) -> Result<CpuModel> {
-    let taps = src.drafter_config().map(|c| c.dflash_config.target_layer_ids.clone()).unwrap_or_default();
+    let taps = drafter_taps(&*src, opts);
     let b = crate::cpu::CpuBackend { check_weights: opts.check_weights, ..Default::default() };
     let w = Arc::new(Weights::load_on(b.clone(), src.clone())?);
     let target = CpuTarget::new(w.clone(), taps, opts.attn_mode)?;
     let drafter = match src.drafter_config() {
-        Some(_) => Some(DFlashDrafter::load_on(b, &*src, w)?),
-        None => None,
+        Some(_) if !opts.no_drafter => Some(DFlashDrafter::load_on(b, &*src, w)?),
+        _ => None,
     };
     Ok(CpuModel { target, drafter })
+}
+
+/// The target layers the drafter reads (none when no drafter loads).
+fn drafter_taps(src: &dyn TensorSource, opts: OpenOptions) -> Vec<usize> {
+    match src.drafter_config() {
+        Some(c) if !opts.no_drafter => c.dflash_config.target_layer_ids.clone(),
+        _ => Vec::new(),
+    }
 }
 
 /// The CUDA target on `gpu` (weights uploaded through the CUDA backend, absorbed MLA) and, when the
@@ -126,7 +137,7 @@ pub fn open_cpu_source(src: Arc<dyn TensorSource>, opts: OpenOptions) -> Result<
 #[cfg(feature = "cuda")]
 fn open_cuda(dir: &Path, gpu: crate::cuda::Gpu, opts: OpenOptions) -> Result<Loaded> {
     gpu.set_check_weights(opts.check_weights);
-    open_cuda_with(dir, Arc::new(gpu), opts.progress)
+    open_cuda_opts(dir, Arc::new(gpu), opts)
 }
 
 /// [`open_with`] on the CUDA device `gpu` the caller keeps (tests read its [`crate::cuda::GpuStats`]).
@@ -138,18 +149,23 @@ pub fn open_cuda_on(dir: &Path, gpu: Arc<crate::cuda::Gpu>) -> Result<Loaded> {
 /// [`open_cuda_on`], with progress lines while the weights load when `progress`.
 #[cfg(feature = "cuda")]
 pub fn open_cuda_with(dir: &Path, gpu: Arc<crate::cuda::Gpu>, progress: bool) -> Result<Loaded> {
+    open_cuda_opts(dir, gpu, OpenOptions { progress, ..OpenOptions::default() })
+}
+
+#[cfg(feature = "cuda")]
+fn open_cuda_opts(dir: &Path, gpu: Arc<crate::cuda::Gpu>, opts: OpenOptions) -> Result<Loaded> {
     let md = ModelDir::open(dir).with_context(|| format!("opening model {}", dir.display()))?;
     // Every rank's shards: a model converted for R ranks runs as R ranks side by side on this one GPU (their
     // partial sums reduced on the device in rank order, as the CPU reference does).
-    let needed: u64 = md.manifest().tensors.iter().map(|t| t.nbytes).sum();
-    open_cuda_source(Arc::new(md), needed, gpu, progress, true).with_context(|| format!("uploading {}", dir.display()))
+    let needed: u64 = md.manifest().tensors.iter().filter(|t| !(opts.no_drafter && t.name.starts_with("drafter."))).map(|t| t.nbytes).sum();
+    open_cuda_source(Arc::new(md), needed, gpu, opts, true).with_context(|| format!("uploading {}", dir.display()))
 }
 
 /// `src` (target and drafter, `needed` bytes) onto `gpu` after checking the bytes fit; `staged`: through
 /// the pinned staging buffers of [`crate::cuda::Gpu::begin_load`] (host bytes), else filled in place
 /// (dummy weights). Every rank of the source loads (R ranks on one GPU), or one rank slice (`slice_rank`).
 #[cfg(feature = "cuda")]
-fn open_cuda_source(src: Arc<dyn TensorSource>, needed: u64, gpu: Arc<crate::cuda::Gpu>, progress: bool, staged: bool) -> Result<Loaded> {
+fn open_cuda_source(src: Arc<dyn TensorSource>, needed: u64, gpu: Arc<crate::cuda::Gpu>, opts: OpenOptions, staged: bool) -> Result<Loaded> {
     use crate::cuda::CudaBackend;
     use crate::model::target::TargetModel;
     // The target's and the drafter's weights must fit the GPU, with room left for the caches and activations.
@@ -163,20 +179,22 @@ fn open_cuda_source(src: Arc<dyn TensorSource>, needed: u64, gpu: Arc<crate::cud
         gib(free as u64),
         gib(total as u64)
     );
-    let taps = src.drafter_config().map(|c| c.dflash_config.target_layer_ids.clone()).unwrap_or_default();
+    let taps = drafter_taps(&*src, opts);
     let name = gpu.describe();
     let device = gpu.name();
     let backend = CudaBackend::new(gpu.clone());
     // Host bytes go through pinned staging buffers, with progress when asked (the staging ends even on an error).
     if staged {
-        gpu.begin_load(needed, progress)?;
+        gpu.begin_load(needed, opts.progress)?;
     }
     let loaded = (|| -> Result<Loaded> {
         let w = Arc::new(Weights::load_on(backend.clone(), src.clone()).with_context(|| format!("loading the target onto {name}"))?);
         let target = TargetModel::new(w.clone(), taps, AttnMode::Absorbed)?;
         let drafter = match src.drafter_config() {
-            Some(_) => Some(Box::new(DFlashDrafter::load_on(backend, &*src, w).with_context(|| format!("loading the drafter onto {name}"))?) as Box<dyn Drafter>),
-            None => None,
+            Some(_) if !opts.no_drafter => {
+                Some(Box::new(DFlashDrafter::load_on(backend, &*src, w).with_context(|| format!("loading the drafter onto {name}"))?) as Box<dyn Drafter>)
+            }
+            _ => None,
         };
         Ok(Loaded { backend: "cuda".into(), device, target: Box::new(target), drafter })
     })();
@@ -247,5 +265,5 @@ fn mem_available() -> Option<u64> {
 #[cfg(feature = "cuda")]
 pub fn open_dummy_cuda_on(src: DummySource, gpu: Arc<crate::cuda::Gpu>) -> Result<Loaded> {
     let needed = src.bytes();
-    open_cuda_source(Arc::new(src), needed, gpu, false, false).context("filling dummy weights")
+    open_cuda_source(Arc::new(src), needed, gpu, OpenOptions::default(), false).context("filling dummy weights")
 }

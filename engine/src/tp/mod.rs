@@ -721,16 +721,16 @@ pub fn group_ranks(ranks: usize, groups: usize) -> Result<Vec<std::ops::Range<us
 /// Open the converted model `dir` as `groups` groups placed by `place` (each loads only its ranks' shards and
 /// the drafter; see the module doc). `opts.progress`: group 0's load progress on stderr; `opts.check_weights`: every group's load check.
 pub fn open_tp(dir: &Path, groups: usize, place: Placement, opts: OpenOptions) -> Result<Loaded> {
-    let (src, needed) = model_source(dir, groups)?;
+    let (src, needed) = model_source(dir, groups, opts.no_drafter)?;
     open_tp_source(src, groups, place, Some(needed), opts).with_context(|| format!("loading {} as {groups} tensor-parallel groups", dir.display()))
 }
 
 /// `dir`'s tensors and each of `groups` groups' upload bytes.
-fn model_source(dir: &Path, groups: usize) -> Result<(Arc<dyn TensorSource>, Vec<u64>)> {
+fn model_source(dir: &Path, groups: usize, no_drafter: bool) -> Result<(Arc<dyn TensorSource>, Vec<u64>)> {
     let md = kdtree_formats::ModelDir::open(dir).with_context(|| format!("opening model {}", dir.display()))?;
     // The bytes each group uploads: its ranks' target tensors, and the whole drafter (every group runs it).
     let ranges = group_ranks(md.manifest().plan.ranks, groups)?;
-    let drafter: u64 = md.manifest().tensors.iter().filter(|t| t.name.starts_with("drafter.") && (t.split_axis.is_some() || t.rank == 0)).map(|t| t.nbytes).sum();
+    let drafter: u64 = if no_drafter { 0 } else { md.manifest().tensors.iter().filter(|t| t.name.starts_with("drafter.") && (t.split_axis.is_some() || t.rank == 0)).map(|t| t.nbytes).sum() };
     let needed = ranges.iter().map(|r| drafter + md.manifest().tensors.iter().filter(|t| !t.name.starts_with("drafter.") && r.contains(&t.rank)).map(|t| t.nbytes).sum::<u64>()).collect();
     Ok((Arc::new(md), needed))
 }
@@ -738,7 +738,7 @@ fn model_source(dir: &Path, groups: usize) -> Result<(Arc<dyn TensorSource>, Vec
 /// [`open_tp`] on GPUs, with each group's [`crate::cuda::Gpu`] (tests and benches read their counters).
 #[cfg(feature = "cuda")]
 pub fn open_tp_gpus(dir: &Path, groups: usize, place: Placement, opts: OpenOptions) -> Result<(Loaded, Vec<Arc<crate::cuda::Gpu>>)> {
-    let (src, needed) = model_source(dir, groups)?;
+    let (src, needed) = model_source(dir, groups, opts.no_drafter)?;
     let ranges = group_ranks(src.ranks(), groups)?;
     let r = match place {
         Placement::SharedGpu(o) => cuda_groups(src, ranges, o, None, Some(needed), opts),
@@ -764,7 +764,7 @@ pub fn open_tp_source(src: Arc<dyn TensorSource>, groups: usize, place: Placemen
                     Box::new(move || {
                         let mut b = crate::cpu::CpuBackend::with_comm(HostRank { group, rank: g });
                         b.check_weights = opts.check_weights;
-                        group_models(b, src, range)
+                        group_models(b, src, range, opts.no_drafter)
                     }) as GroupInit
                 })
                 .collect();
@@ -784,18 +784,21 @@ pub fn open_tp_source(src: Arc<dyn TensorSource>, groups: usize, place: Placemen
 }
 
 /// The target (and drafter, when the source has one) of ranks `range` on backend `b`.
-fn group_models<B: crate::backend::Backend>(b: B, src: Arc<dyn TensorSource>, range: std::ops::Range<usize>) -> Result<Sessions>
+fn group_models<B: crate::backend::Backend>(b: B, src: Arc<dyn TensorSource>, range: std::ops::Range<usize>, no_drafter: bool) -> Result<Sessions>
 where
     crate::model::target::TargetModel<B>: Target,
     crate::drafter::DFlashDrafter<B>: Drafter,
 {
     use crate::model::weights::Weights;
-    let taps = src.drafter_config().map(|c| c.dflash_config.target_layer_ids.clone()).unwrap_or_default();
+    let taps = match src.drafter_config() {
+        Some(c) if !no_drafter => c.dflash_config.target_layer_ids.clone(),
+        _ => Vec::new(),
+    };
     let w = Arc::new(Weights::load_group(b.clone(), src.clone(), range.clone()).with_context(|| format!("ranks {range:?}"))?);
     let target = crate::model::target::TargetModel::new(w.clone(), taps, crate::model::AttnMode::Absorbed)?;
     let drafter = match src.drafter_config() {
-        Some(_) => Some(Box::new(crate::drafter::DFlashDrafter::load_on(b, &*src, w)?) as Box<dyn Drafter>),
-        None => None,
+        Some(_) if !no_drafter => Some(Box::new(crate::drafter::DFlashDrafter::load_on(b, &*src, w)?) as Box<dyn Drafter>),
+        _ => None,
     };
     Ok((Box::new(target), drafter))
 }
@@ -867,7 +870,7 @@ fn cuda_groups(src: Arc<dyn TensorSource>, ranges: Vec<std::ops::Range<usize>>, 
             Box::new(move || {
                 gpu.set_check_weights(opts.check_weights);
                 gpu.begin_load(needed, opts.progress && g == 0)?;
-                let r = group_models(CudaBackend::new(gpu.clone()), src, range);
+                let r = group_models(CudaBackend::new(gpu.clone()), src, range, opts.no_drafter);
                 let ended = gpu.end_load().map(|_| ());
                 let r = r?;
                 ended?;

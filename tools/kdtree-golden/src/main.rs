@@ -42,6 +42,10 @@ struct Args {
     /// With --score: exit 1 when any gap exceeds this many logits.
     #[arg(long, value_name = "LOGITS", requires = "score")]
     bound: Option<f32>,
+    /// With --bound: accept a larger gap, up to GAP, only where the CPU router's decision margin at that token
+    /// is below MARGIN (a route flip at a router near-tie); both measured (see the README).
+    #[arg(long, value_name = "MARGIN,GAP", requires = "bound", value_parser = parse_flip)]
+    route_flip: Option<(f32, f32)>,
     /// Greedy tokens generated per prompt.
     #[arg(long, default_value_t = 16)]
     max_tokens: usize,
@@ -123,7 +127,7 @@ fn run(a: Args) -> Result<()> {
 fn score(a: &Args) -> Result<bool> {
     ensure!(a.device == DeviceArg::Cpu, "--score runs the CPU reference (leave out --device)");
     ensure!(a.bound.is_none_or(|b| b.is_finite() && b >= 0.0), "--bound must be a finite number >= 0");
-    let r = kdtree_golden::score::score(&a.model, &a.prompts, &a.score, a.bound, !a.quiet)?;
+    let r = kdtree_golden::score::score(&a.model, &a.prompts, &a.score, a.bound, a.route_flip, !a.quiet)?;
     let mut text = serde_json::to_string_pretty(&r)?;
     text.push('\n');
     if a.out.as_os_str() == "-" {
@@ -136,14 +140,23 @@ fn score(a: &Args) -> Result<bool> {
     }
     let at = r.max_gap_at.as_ref().map(|(f, id, j)| format!(" at {f} {id} position {j}")).unwrap_or_default();
     console::say(format_args!(
-        "kdtree-golden: scored {} sequences ({} tokens): max gap {:.4}{at}{}{}",
+        "kdtree-golden: scored {} sequences ({} tokens): max gap {:.4}{at}{}{}{}{}",
         r.sequences,
         r.tokens,
         r.max_gap,
         r.max_abs_delta.map(|d| format!(", max |Δ| {d:.4}")).unwrap_or_default(),
-        a.bound.map(|b| format!(", {} positions over the bound {b}", r.over_bound)).unwrap_or_default()
+        a.bound.map(|b| format!(", {} positions over the bound {b}", r.over_bound)).unwrap_or_default(),
+        if r.route_flips.is_empty() { String::new() } else { format!(" (+{} accepted as route flips: {:?})", r.route_flips.len(), r.route_flips) },
+        if r.sampled_positions > 0 { format!("; sampled positions: the CPU samples another token at {} of {}", r.sampled_disagree, r.sampled_positions) } else { String::new() }
     ));
     Ok(r.over_bound == 0)
+}
+
+/// `--route-flip MARGIN,GAP`: two finite numbers >= 0.
+fn parse_flip(s: &str) -> std::result::Result<(f32, f32), String> {
+    let (a, b) = s.split_once(',').ok_or_else(|| format!("{s:?}: expected MARGIN,GAP (e.g. 2e-4,4.0)"))?;
+    let num = |x: &str| x.trim().parse::<f32>().ok().filter(|v| v.is_finite() && *v >= 0.0).ok_or_else(|| format!("{x:?} is not a finite number >= 0"));
+    Ok((num(a)?, num(b)?))
 }
 
 /// Before any work: `--out` must be (or be creatable as) a directory, and none of the files the bundle

@@ -124,7 +124,7 @@ pub fn run(a: &CalibrateArgs) -> Result<()> {
             kdtree_text::console::say(format_args!("kdtree-run calibrate: {m}"));
         }
     };
-    let mut model = crate::load::load(&a.model, a.device, (!a.quiet, false), None)?;
+    let mut model = crate::load::load(&a.model, a.device, (!a.quiet, false, true), None)?;
     ensure!(model.loaded.has_drafter(), "{} has no drafter: --budget auto is for DDTree", a.model.display());
     let slug = device_slug(&model.loaded.backend, &model.loaded.device);
     let path = cost_path(&a.model, &slug);

@@ -38,7 +38,7 @@ pub fn load_dummy(dir: &Path, device: DeviceArg, progress: bool, (ranks, rank, s
     let drafter = if dir.join("drafter/config.json").exists() { Some(read("drafter/config.json")?) } else { None };
     let (cpath, dpath) = (dir.join("config.json").display().to_string(), dir.join("drafter/config.json").display().to_string());
     let src = kdtree_engine::model::DummySource::from_json(&cpath, &config, drafter.as_deref().map(|d| (dpath.as_str(), d)), ranks, rank, seed)?;
-    let opts = kdtree_engine::OpenOptions { attn_mode: kdtree_engine::model::AttnMode::Absorbed, progress, check_weights: false };
+    let opts = kdtree_engine::OpenOptions { attn_mode: kdtree_engine::model::AttnMode::Absorbed, progress, ..Default::default() };
     let loaded = kdtree_engine::model::open::open_dummy(src, engine_device(device), opts).with_context(|| format!("loading dummy weights for {}", dir.display()))?;
     Ok(Model { loaded, tokenizer: None, chat: None, stop_token_ids: Vec::new(), name: crate::records::model_name(dir) })
 }
@@ -108,13 +108,15 @@ fn gpu_count(device: DeviceArg) -> usize {
 }
 
 /// Load everything `dir` holds.
-pub fn load(dir: &Path, device: DeviceArg, (progress, check_weights): (bool, bool), place: Option<(usize, kdtree_engine::tp::Placement)>) -> Result<Model> {
+/// `(progress, check_weights, drafter)`: load progress on stderr, the load check, and whether the drafter
+/// loads (a run that never drafts leaves it out).
+pub fn load(dir: &Path, device: DeviceArg, (progress, check_weights, drafter): (bool, bool, bool), place: Option<(usize, kdtree_engine::tp::Placement)>) -> Result<Model> {
     let device = engine_device(device);
     let eos = kdtree_formats::ModelDir::open(dir)
         .with_context(|| format!("opening model {}", dir.display()))?
         .text_config()
         .eos_token_id;
-    let opts = kdtree_engine::OpenOptions { attn_mode: kdtree_engine::model::AttnMode::Absorbed, progress, check_weights };
+    let opts = kdtree_engine::OpenOptions { attn_mode: kdtree_engine::model::AttnMode::Absorbed, progress, check_weights, no_drafter: !drafter };
     let loaded = match place {
         None => kdtree_engine::open_with(dir, device, opts),
         Some((groups, place)) => kdtree_engine::tp::open_tp(dir, groups, place, opts),

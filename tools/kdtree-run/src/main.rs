@@ -219,7 +219,7 @@ fn open_model(args: &Args, d: &Defaults, bundle: Option<&(Bundle, HashMap<String
         if let Some((n, p)) = &place {
             log(args, format_args!("tensor parallel: {n} rank groups, {p:?}"));
         }
-        load::load(&args.model, args.device, (!args.quiet, args.check_weights), place)?
+        load::load(&args.model, args.device, (!args.quiet, args.check_weights, ddtree || args.verify.is_some()), place)?
     };
     if ddtree && !model.loaded.has_drafter() {
         return Err(no_drafter());

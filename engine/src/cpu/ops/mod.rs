@@ -38,7 +38,7 @@ pub use matmul_bf16::{matmul_bf16, matmul_f32};
 pub use matmul_i4g32::{dequant_i4g32_matrix, matmul_i4g32};
 pub use mla_attention::{mla_attention, MlaDims, MlaKv};
 pub use moe_experts::{moe_experts_i4g32, tokens_per_expert, ExpertI4};
-pub use moe_route::{moe_route, Router};
+pub use moe_route::{moe_route, route_margin, Router};
 pub use residual::{add_assign, all_reduce_sum};
 pub use rms_norm::rms_norm;
 pub use rope::{rope_cos_sin, rope_interleaved, rope_neox};

@@ -30,6 +30,40 @@ pub struct Router {
 /// Selected experts (selection order) and their final weights for one token's router `logits` `[E]`
 /// (f32, bf16 gate weights widened exactly, as `weight.float()`); `bias` `[E]` when noaux_tc.
 pub fn moe_route(r: &Router, logits: &[f32], bias: Option<&[f32]>) -> (Vec<usize>, Vec<f32>) {
+    let (s, sel, _) = selection(r, logits, bias);
+    let idx = best(&sel, r.top_k);
+    let mut wts: Vec<f32> = idx.iter().map(|&i| s[i]).collect();
+    if r.norm_topk_prob {
+        let den = wts.iter().fold(0f32, |a, &v| a + v) + 1e-20;
+        wts.iter_mut().for_each(|v| *v /= den);
+    }
+    wts.iter_mut().for_each(|v| *v *= r.routed_scaling);
+    (idx, wts)
+}
+
+/// How far one token's decision is from changing: the smallest score difference that decides it, i.e.
+/// the last selected expert's selection score minus the best unselected one's and, with group-limited
+/// selection, the last kept group's score minus the best dropped group's. A decision whose margin is below
+/// the router's logit error (another engine's bf16 forward) may come out with another expert set there: a
+/// route flip (`kdtree-golden --score` reports it per position). Infinite when nothing competes.
+pub fn route_margin(r: &Router, logits: &[f32], bias: Option<&[f32]>) -> f32 {
+    let (_, sel, groups) = selection(r, logits, bias);
+    let idx = best(&sel, r.top_k);
+    let last = idx.last().map_or(f32::INFINITY, |&i| sel[i]);
+    let rest = (0..sel.len()).filter(|i| !idx.contains(i)).map(|i| sel[i]).fold(f32::NEG_INFINITY, f32::max);
+    let mut m = last - rest;
+    if let Some(g) = groups {
+        let keep = best(&g, r.topk_group);
+        let lastg = keep.last().map_or(f32::INFINITY, |&i| g[i]);
+        let restg = (0..g.len()).filter(|i| !keep.contains(i)).map(|i| g[i]).fold(f32::NEG_INFINITY, f32::max);
+        m = m.min(lastg - restg);
+    }
+    m
+}
+
+/// (sigmoid scores, selection scores after the bias and the group mask, group scores when groups limit
+/// the selection) of one token.
+fn selection(r: &Router, logits: &[f32], bias: Option<&[f32]>) -> (Vec<f32>, Vec<f32>, Option<Vec<f32>>) {
     let e = r.n_experts;
     assert_eq!(logits.len(), e, "moe_route: {} logits for {e} experts", logits.len());
     let s: Vec<f32> = logits.iter().map(|&z| sigmoid(z)).collect(); // [E]
@@ -37,6 +71,7 @@ pub fn moe_route(r: &Router, logits: &[f32], bias: Option<&[f32]>) -> (Vec<usize
         Some(b) => s.iter().zip(b).map(|(&a, &b)| a + b).collect(),
         None => s.clone(),
     };
+    let mut groups = None;
     if r.n_group > 1 || r.topk_group < r.n_group {
         let gs = e / r.n_group;
         let group_scores: Vec<f32> = (0..r.n_group)
@@ -51,15 +86,9 @@ pub fn moe_route(r: &Router, logits: &[f32], bias: Option<&[f32]>) -> (Vec<usize
                 sel[g * gs..(g + 1) * gs].iter_mut().for_each(|v| *v = 0.0);
             }
         }
+        groups = Some(group_scores);
     }
-    let idx = best(&sel, r.top_k);
-    let mut wts: Vec<f32> = idx.iter().map(|&i| s[i]).collect();
-    if r.norm_topk_prob {
-        let den = wts.iter().fold(0f32, |a, &v| a + v) + 1e-20;
-        wts.iter_mut().for_each(|v| *v /= den);
-    }
-    wts.iter_mut().for_each(|v| *v *= r.routed_scaling);
-    (idx, wts)
+    (s, sel, groups)
 }
 
 #[cfg(test)]
@@ -72,6 +101,21 @@ mod tests {
     }
     fn logit(p: f32) -> f32 {
         (p / (1.0 - p)).ln()
+    }
+
+    #[test]
+    fn route_margin_is_the_deciding_difference() {
+        // Selection 0.9, 0.8 | 0.3, 0.1 with top-2 from one group of 4: margin 0.8 - 0.3; a tie is margin 0.
+        let r = Router { n_experts: 4, n_group: 1, topk_group: 1, top_k: 2, norm_topk_prob: true, routed_scaling: 1.0 };
+        let lg: Vec<f32> = [0.9f32, 0.8, 0.3, 0.1].iter().map(|&p| logit(p)).collect();
+        assert!((route_margin(&r, &lg, None) - 0.5).abs() < 1e-5);
+        let tie: Vec<f32> = [0.9f32, 0.8, 0.8, 0.1].iter().map(|&p| logit(p)).collect();
+        assert_eq!(route_margin(&r, &tie, None), 0.0);
+        // Groups: group 0's top-2 sum 1.6 vs group 1's 1.1 decide by 0.5 unless experts do by less.
+        let g = router(2);
+        let lg8: Vec<f32> = [0.8f32, 0.8, 0.1, 0.1, 0.9, 0.2, 0.2, 0.2].iter().map(|&p| logit(p)).collect();
+        let m = route_margin(&g, &lg8, None);
+        assert!((m - 0.5).abs() < 1e-5, "{m}");
     }
 
     #[test]
