@@ -94,7 +94,7 @@ for conv in m1 tp8 ep8; do
     grep -E "note|route|near-tie|match|MISMATCH" "$k/verify.log" | head -12 | sed 's/^/K26 verify: /' | tee -a "$log"
     "$dir/kdtree-golden" "$k/m1" --prompts "$prompts" --out "$k/gold-cpu" $(cat golden/k26-gate/FLAGS) --quiet 2>> "$k/m1.err" \
       || fail "kdtree-golden (CPU)"
-    if diff -r "$k/gold-cpu" golden/k26-gate --exclude prompts.jsonl --exclude README.md > "$k/gold.diff"; then
+    if diff -r "$k/gold-cpu" golden/k26-gate --exclude prompts.jsonl --exclude README.md --exclude FLAGS > "$k/gold.diff"; then
       say "CPU bundle rebuilt from the seed-$seed conversion == golden/k26-gate byte for byte"
     else
       fail "CPU bundle rebuilt here differs from golden/k26-gate: $(head -3 "$k/gold.diff")"
@@ -104,8 +104,9 @@ for conv in m1 tp8 ep8; do
       for m in "--mode ar"; do
         s=$(date +%s)
         if timeout 200 "$sanitizer" --tool memcheck --error-exitcode 99 --print-limit 20 "$dir/kdtree-run" "$k/m1" --prompts "$k/p1.jsonl" \
-            --out "$k/memcheck.jsonl" --device cuda $m --quiet > "$k/memcheck.log" 2>&1; then
-          say "compute-sanitizer memcheck, real width, $m: $(grep -h 'ERROR SUMMARY' "$k/memcheck.log" | tail -1) ($(( $(date +%s) - s )) s)"
+            --out "$k/memcheck.jsonl" --device cuda $m --quiet > "$k/memcheck.log" 2>&1 &&
+            python3 -c 'import json, sys; x = json.loads(open(sys.argv[1]).readline()); sys.exit(len(x.get("token_ids") or []) != 4)' "$k/memcheck.jsonl"; then
+          say "compute-sanitizer memcheck, real width, $m, 4 tokens: $(grep -h 'ERROR SUMMARY' "$k/memcheck.log" | tail -1) ($(( $(date +%s) - s )) s)"
         else
           fail "compute-sanitizer memcheck, real width, $m: $(grep -h 'ERROR SUMMARY' "$k/memcheck.log" | tail -1)"; grep -m 20 -E "=========" "$k/memcheck.log" | tee -a "$log"
         fi

@@ -40,6 +40,7 @@ log="${2:-$(mktemp)}"
 source "$(dirname "$0")/gpu-env.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/gpu: /'
 status=0
+suite_start=$(date +%s)
 # Suites that capture CUDA graphs run their tests one at a time: the tests of one binary share the device's
 # primary context, and another test's teardown (cuBLAS handle, module unload, pinned frees synchronise the
 # context) invalidates a capture in flight. One process per GPU, as kdtree-run is, never meets that.
@@ -108,6 +109,12 @@ PY
     done
   done
   tar -C "$e2e" -cf "$out/pair-runs.tar" $(cd "$e2e" && ls pair-*.json pair-*.jsonl) 2>/dev/null
+  # The same runs teacher-forced through the CPU reference (measured, not gated): greedy lines' gaps (the CPU's
+  # largest logit minus its logit of the GPU's token), and at T = 1 how often the CPU, with the same settings and
+  # the same position-keyed uniform, would sample another token (README "Sampling on two devices").
+  "$dir/kdtree-golden" "$e2e/pair1" --prompts examples/heldout.jsonl --score "$e2e"/pair-*-t0.jsonl "$e2e"/pair-*-t1.jsonl \
+    --out "$e2e/pair-score.json" --quiet 2>&1 | sed 's/^kdtree-golden: /E2E trained pair heldout teacher-forced: /' | tee -a "$log"
+  cp "$e2e/pair-score.json" "$out/" 2>/dev/null
   # R ranks side by side on this one GPU (issue 11): the trained pair converted for 2, 4, 8 ranks (tensor
   # parallel, experts split; at 4 and 8 the down projections' K is padded to the W4A16 step) and 2, 4, 8 ranks
   # (expert parallel), greedy AR and DDTree, against the 1-rank GPU run; a
@@ -271,29 +278,7 @@ except (OSError, ValueError) as e:
 sys.exit(1 if bad else 0)
 PY
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  # compute-sanitizer on the trained pair (issue 24): racecheck, synccheck and initcheck over the captured AR step,
-  # the captured DDTree round and the batched step (--max-batch 3); zero errors is the gate. (memcheck runs at
-  # real width in scripts/gpu-test-k26.sh.)
-  if [ -n "$sanitizer" ]; then
-    head -3 examples/heldout.jsonl | python3 -c 'import json, sys
-for l in sys.stdin:
-    x = json.loads(l); x["max_tokens"] = 5; print(json.dumps(x))' > "$e2e/san.jsonl"
-    for tool in racecheck synccheck initcheck; do
-      for run in "ar:--mode ar" "ddtree16:--mode ddtree --budget 16" "batch3:--mode ddtree --budget 16 --max-batch 3"; do
-        s=$(date +%s)
-        if timeout 90 "$sanitizer" --tool "$tool" --error-exitcode 99 --print-limit 20 "$dir/kdtree-run" "$e2e/pair1" --prompts "$e2e/san.jsonl" \
-            --out "$e2e/san.out.jsonl" --device cuda ${run#*:} --quiet > "$e2e/san.log" 2>&1; then
-          echo "E2E compute-sanitizer $tool trained pair ${run%%:*}: $(grep -h 'ERROR SUMMARY' "$e2e/san.log" | tail -1) ($(( $(date +%s) - s )) s)" | tee -a "$log"
-        else
-          echo "E2E compute-sanitizer $tool trained pair ${run%%:*}: FAIL $(grep -h 'ERROR SUMMARY' "$e2e/san.log" | tail -1) ($(( $(date +%s) - s )) s)" | tee -a "$log"
-          grep -m 12 "=========" "$e2e/san.log" | tee -a "$log"
-          status=1
-        fi
-      done
-    done
-  else
-    echo "E2E compute-sanitizer: not found: FAIL" | tee -a "$log"; status=1
-  fi
+  san_pair="$e2e/pair1"
 fi
 if [ "${KDTREE_GPU_BENCH:-1}" = 1 ]; then
   echo "== cuda_bench (timings)"
@@ -307,6 +292,32 @@ if [ "${KDTREE_GPU_K26:-0}" = 1 ] && [ -x "$dir/cuda_k26_slice" ]; then
   echo "== cuda_k26_slice (timings)"
   "$dir/cuda_k26_slice" --ignored --nocapture --test-threads=1 2>&1 | tee -a "$log" | grep -E "^(BENCH|test result)|panicked"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+# compute-sanitizer on the trained pair (issue 24): racecheck, synccheck and initcheck over the captured AR step,
+# the captured DDTree round and the batched step (--max-batch 3); zero errors is the gate. (memcheck runs at
+# real width in scripts/gpu-test-k26.sh.)
+if [ -n "$sanitizer" ] && [ -n "${san_pair:-}" ]; then
+  head -3 examples/heldout.jsonl | python3 -c 'import json, sys
+for l in sys.stdin:
+  x = json.loads(l); x["max_tokens"] = 5; print(json.dumps(x))' > "$e2e/san.jsonl"
+  for tool in racecheck synccheck initcheck; do
+    for run in "ar:--mode ar" "ddtree16:--mode ddtree --budget 16" "batch3:--mode ddtree --budget 16 --max-batch 3"; do
+      s=$(date +%s)
+      if [ $(( s - suite_start )) -gt "${KDTREE_GPU_DEADLINE_S:-520}" ]; then
+        echo "E2E compute-sanitizer $tool trained pair ${run%%:*}: NOT RUN (the suite passed its ${KDTREE_GPU_DEADLINE_S:-520} s deadline): FAIL" | tee -a "$log"; status=1; continue
+      fi
+      if timeout 60 "$sanitizer" --tool "$tool" --error-exitcode 99 --print-limit 20 "$dir/kdtree-run" "$san_pair" --prompts "$e2e/san.jsonl" \
+          --out "$e2e/san.out.jsonl" --device cuda ${run#*:} --quiet > "$e2e/san.log" 2>&1; then
+        echo "E2E compute-sanitizer $tool trained pair ${run%%:*}: $(grep -h 'ERROR SUMMARY' "$e2e/san.log" | tail -1) ($(( $(date +%s) - s )) s)" | tee -a "$log"
+      else
+        echo "E2E compute-sanitizer $tool trained pair ${run%%:*}: FAIL $(grep -h 'ERROR SUMMARY' "$e2e/san.log" | tail -1) ($(( $(date +%s) - s )) s)" | tee -a "$log"
+        grep -m 12 "=========" "$e2e/san.log" | tee -a "$log"
+        status=1
+      fi
+    done
+  done
+else
+  echo "E2E compute-sanitizer: not found: FAIL" | tee -a "$log"; status=1
 fi
 echo
 echo "== summary"
