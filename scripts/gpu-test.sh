@@ -69,16 +69,23 @@ if [ -x "$dir/kdtree-run" ]; then
   for dev in cpu cuda; do
     "$dir/kdtree-run" "$e2e/tiny1" --prompts golden/prompts.jsonl --out "$e2e/ar-$dev.jsonl" --device $dev --mode ar --max-tokens 16 --quiet || status=1
   done
+  # The GPU's greedy tokens teacher-forced through the CPU reference (kdtree-golden --score): at every position the
+  # CPU's logit of the GPU's token within 0.15 of the CPU's largest (2 x the measured bf16 logit error of this
+  # model, 5.7e-2: tools/kdtree-run/src/verify.rs CUDA_TOLERANCES). Exact equality of the two runs is printed but
+  # not required: g-mid's step 7 is a measured near-tie (top-2 margin 3.8e-3), either token is a correct bf16 pick.
   python3 - "$e2e/ar-cpu.jsonl" "$e2e/ar-cuda.jsonl" <<'PY' | tee -a "$log"
 import json, sys
 a, b = ([json.loads(l) for l in open(p)] for p in sys.argv[1:3])
-bad = 0
 for x, y in zip(a, b):
     same = x["token_ids"] == y["token_ids"]
-    bad += not same
     print(f"E2E greedy AR tokens {x['id']}: cpu == cuda: {same}" + ("" if same else f" cpu {x['token_ids']} cuda {y['token_ids']}"))
-sys.exit(1 if bad else 0)
 PY
+  if "$dir/kdtree-golden" "$e2e/tiny1" --prompts golden/prompts.jsonl --score "$e2e/ar-cuda.jsonl" --bound 0.15 --out "$e2e/tiny-score.json" --quiet \
+      > "$e2e/tiny-score.log" 2>&1; then
+    sed 's/^kdtree-golden: /E2E synthetic tiny greedy AR on cuda, teacher-forced: /' "$e2e/tiny-score.log" | tee -a "$log"
+  else
+    sed 's/^kdtree-golden: /E2E synthetic tiny greedy AR on cuda, teacher-forced: FAIL /' "$e2e/tiny-score.log" | tee -a "$log"; status=1
+  fi
   # --verify against the committed CPU bundles, a gate: the cuda rules are measured tolerances plus the
   # near-tie and route-flip rules of tools/kdtree-run/src/verify/rules.rs; each acceptance is printed.
   verify_gate() { # MODEL PROMPTS BUNDLE TAG
@@ -294,23 +301,26 @@ if [ "${KDTREE_GPU_K26:-0}" = 1 ] && [ -x "$dir/cuda_k26_slice" ]; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 # compute-sanitizer on the trained pair (issue 24): racecheck, synccheck and initcheck over the captured AR step,
-# the captured DDTree round and the batched step (--max-batch 3); zero errors is the gate. (memcheck runs at
+# the captured DDTree round and the batched step (--max-batch 2; the one line and a ghost slot), one held-out line
+# of 5 tokens (racecheck instruments every shared-memory access: minutes for three lines); zero errors is the gate. (memcheck runs at
 # real width in scripts/gpu-test-k26.sh.)
 if [ -n "$sanitizer" ] && [ -n "${san_pair:-}" ]; then
-  head -3 examples/heldout.jsonl | python3 -c 'import json, sys
+  head -2 examples/heldout.jsonl | python3 -c 'import json, sys
 for l in sys.stdin:
-  x = json.loads(l); x["max_tokens"] = 5; print(json.dumps(x))' > "$e2e/san.jsonl"
+  x = json.loads(l); x["max_tokens"] = 5; print(json.dumps(x))' > "$e2e/san2.jsonl"
+  head -1 "$e2e/san2.jsonl" > "$e2e/san.jsonl"
   for tool in racecheck synccheck initcheck; do
-    for run in "ar:--mode ar" "ddtree16:--mode ddtree --budget 16" "batch3:--mode ddtree --budget 16 --max-batch 3"; do
+    for run in "ar:--mode ar" "ddtree16:--mode ddtree --budget 16" "batch2:--mode ddtree --budget 16 --max-batch 2"; do
       s=$(date +%s)
-      if [ $(( s - suite_start )) -gt "${KDTREE_GPU_DEADLINE_S:-520}" ]; then
-        echo "E2E compute-sanitizer $tool trained pair ${run%%:*}: NOT RUN (the suite passed its ${KDTREE_GPU_DEADLINE_S:-520} s deadline): FAIL" | tee -a "$log"; status=1; continue
+      if [ $(( s - suite_start )) -gt "${KDTREE_GPU_DEADLINE_S:-900}" ]; then
+        echo "E2E compute-sanitizer $tool trained pair ${run%%:*}: NOT RUN (the suite passed its ${KDTREE_GPU_DEADLINE_S:-900} s deadline): FAIL" | tee -a "$log"; status=1; continue
       fi
-      if timeout 60 "$sanitizer" --tool "$tool" --error-exitcode 99 --print-limit 20 "$dir/kdtree-run" "$san_pair" --prompts "$e2e/san.jsonl" \
-          --out "$e2e/san.out.jsonl" --device cuda ${run#*:} --quiet > "$e2e/san.log" 2>&1; then
-        echo "E2E compute-sanitizer $tool trained pair ${run%%:*}: $(grep -h 'ERROR SUMMARY' "$e2e/san.log" | tail -1) ($(( $(date +%s) - s )) s)" | tee -a "$log"
+      case $run in batch*) sp="$e2e/san2.jsonl";; *) sp="$e2e/san.jsonl";; esac
+      if timeout 240 "$sanitizer" --tool "$tool" --error-exitcode 99 --print-limit 20 "$dir/kdtree-run" "$san_pair" --prompts "$sp" \
+          --out "$e2e/san.out.jsonl" --device cuda ${run#*:} --quiet > "$e2e/san.log" 2>&1 && grep -q '"token_ids"' "$e2e/san.out.jsonl"; then
+        echo "E2E compute-sanitizer $tool trained pair ${run%%:*}: $(grep -hE '(ERROR|RACECHECK) SUMMARY' "$e2e/san.log" | tail -1) ($(( $(date +%s) - s )) s)" | tee -a "$log"
       else
-        echo "E2E compute-sanitizer $tool trained pair ${run%%:*}: FAIL $(grep -h 'ERROR SUMMARY' "$e2e/san.log" | tail -1) ($(( $(date +%s) - s )) s)" | tee -a "$log"
+        echo "E2E compute-sanitizer $tool trained pair ${run%%:*}: FAIL $(grep -hE '(ERROR|RACECHECK) SUMMARY' "$e2e/san.log" | tail -1) ($(( $(date +%s) - s )) s)" | tee -a "$log"
         grep -m 12 "=========" "$e2e/san.log" | tee -a "$log"
         status=1
       fi

@@ -283,3 +283,46 @@ fn resume_redoes_records_whose_line_or_settings_changed() {
     let err = stderr(&o);
     assert!(err.contains("answering them again") && err.contains("(first: line 2, id \"q1\")"), "{err}");
 }
+
+/// `--check-weights` (issue 24): one byte of a converted model's tensor flipped in place (the shard's size and
+/// header untouched, so the load itself succeeds) is found at load: exit 2, the tensor named, no records; the
+/// intact copy passes the same check, and without the flag the damaged copy still runs (the check is what finds it).
+#[test]
+fn check_weights_names_a_damaged_tensor() {
+    let dir = scratch("check-weights");
+    let src = &models().1;
+    let damaged = dir.join("model");
+    std::fs::create_dir_all(&damaged).unwrap();
+    for e in std::fs::read_dir(src).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_file() {
+            std::fs::copy(e.path(), damaged.join(e.file_name())).unwrap();
+        }
+    }
+    let md = kdtree_formats::ModelDir::open(&damaged).unwrap();
+    let t = md.manifest().tensors.iter().find(|t| t.name.ends_with("mlp.experts.3.down_proj.weight_packed") || t.name.contains("down_proj.weight_packed")).expect("an expert stack").clone();
+    drop(md);
+    let path = damaged.join(&t.file);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let at = (t.offset + t.nbytes / 2) as usize;
+    bytes[at] ^= 0x10;
+    std::fs::write(&path, &bytes).unwrap();
+    let prompts = dir.join("p.jsonl");
+    std::fs::write(&prompts, "{\"id\":\"a\",\"prompt_token_ids\":[1,2,3],\"max_tokens\":2}\n").unwrap();
+    let out = dir.join("o.jsonl");
+    let run = |m: &Path, check: bool| {
+        let mut a = vec![s(m), "--prompts", s(&prompts), "--out", s(&out), "--device", "cpu", "--mode", "ar", "--quiet"];
+        if check {
+            a.push("--check-weights");
+        }
+        kdtree_run(&a)
+    };
+    let o = run(&damaged, true);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains(&t.name) && stderr(&o).contains("manifest's xxh3"), "{}", stderr(&o));
+    assert!(!out.exists() || std::fs::read_to_string(&out).unwrap().is_empty(), "no records after a failed check");
+    let o = run(src, true);
+    assert_eq!(o.status.code(), Some(0), "the intact model passes the check: {}", stderr(&o));
+    let o = run(&damaged, false);
+    assert_eq!(o.status.code(), Some(0), "without the check the damaged bytes load: {}", stderr(&o));
+}
