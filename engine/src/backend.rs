@@ -84,7 +84,7 @@ impl<M> VocabShards<'_, M> {
 }
 
 /// An uploaded weight, for [`Backend::weight_xxh3`].
-pub enum WeightRef<'a, B: Backend + ?Sized> {
+pub enum WeightRef<'a, B: Backend> {
     Mat(&'a B::Mat),
     Vector(&'a B::Vector),
     VectorF32(&'a B::VectorF32),
