@@ -37,7 +37,7 @@ use crate::api::Drafter;
 use crate::backend::{Backend, PosOf, WeightRef};
 use crate::cpu::{ops, CpuBackend};
 use crate::model::source::Slab;
-use crate::model::weights::Mat;
+use crate::model::weights::{check_upload, expected_xxh3, Mat};
 use anyhow::{bail, ensure, Context, Result};
 use half::bf16;
 use kdtree_formats::config::DrafterConfig;
@@ -201,13 +201,8 @@ impl<B: Backend> DFlashDrafter<B> {
             Ok((expect(src, name, rank, kdtree_formats::Dtype::BF16, shape)?, src.fill(name, rank)))
         };
         // The load check: an uploaded shard's bytes where the ops read them against the manifest's xxh3.
-        let check = |name: &str, t: &kdtree_formats::TensorRef<'_>, w: WeightRef<'_, B>| -> Result<()> {
-            if b.checks_weights() {
-                let want = t.xxh3.unwrap_or_else(|| kdtree_formats::manifest::xxh3_64(t.data));
-                let got = b.weight_xxh3(w)?;
-                ensure!(got == [want], "{name} (rank {rank}): the uploaded bytes hash to {got:016x?} where the manifest's xxh3 is {want:016x}");
-            }
-            Ok(())
+        let check = |name: &str, t: &kdtree_formats::TensorRef<'_>, w: WeightRef<'_, B>| {
+            check_upload(&b, &format!("{name} (rank {rank})"), expected_xxh3(t), w, 0)
         };
         let mat = |name: String, rows: usize, cols: usize| -> Result<B::Mat> {
             match get(&name, &[rows, cols])? {
@@ -259,25 +254,20 @@ impl<B: Backend> DFlashDrafter<B> {
         let (h, qd, kd, i) = (dims.hidden, dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim, dims.intermediate);
         // With the load check on, every upload's bytes where the ops read them are compared with the host
         // bytes they came from (`load_on` checked those against the manifest, shard by shard).
-        let checked = |what: &str, host: u64, w: WeightRef<'_, B>| -> Result<()> {
-            let got = b.weight_xxh3(w)?;
-            ensure!(got == [host], "drafter {what}: the uploaded bytes hash to {got:016x?} where the host bytes hash to {host:016x}");
-            Ok(())
-        };
-        let hash = |v: &[bf16]| b.checks_weights().then(|| kdtree_formats::manifest::xxh3_64(bytemuck::cast_slice(v)));
+        let hash = |v: &[bf16]| b.checks_weights().then(|| (kdtree_formats::manifest::xxh3_64(bytemuck::cast_slice(v)), "the xxh3 of the host bytes"));
         let mat = |what: String, v: Vec<bf16>, rows: usize, cols: usize| -> Result<B::Mat> {
             let host = hash(&v);
             let m = b.upload_bf16(Mat { w: Slab::Owned(v), rows, cols })?;
-            if let Some(hh) = host {
-                checked(&what, hh, WeightRef::Mat(&m))?;
+            if let Some(want) = host {
+                check_upload(&b, &format!("drafter {what}"), want, WeightRef::Mat(&m), 0)?;
             }
             Ok(m)
         };
         let vector = |what: String, v: Vec<bf16>| -> Result<B::Vector> {
             let host = hash(&v);
             let x = b.upload_vector(Slab::Owned(v))?;
-            if let Some(hh) = host {
-                checked(&what, hh, WeightRef::Vector(&x))?;
+            if let Some(want) = host {
+                check_upload(&b, &format!("drafter {what}"), want, WeightRef::Vector(&x), 0)?;
             }
             Ok(x)
         };

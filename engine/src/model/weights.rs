@@ -182,22 +182,7 @@ impl<B: Backend> Ld<'_, B> {
     /// ops read them, against the manifest's xxh3-64 of `t` (a source without checksums: the host bytes' own).
     /// A difference names the tensor, the rank and both values.
     fn check(&self, name: &str, t: &TensorRef<'_>, w: WeightRef<'_, B>, part: usize) -> Result<()> {
-        if !self.b.checks_weights() {
-            return Ok(());
-        }
-        let got = self.b.weight_xxh3(w).with_context(|| format!("hashing {name} (rank {}) where it was uploaded", self.rank))?;
-        let (want, of) = match t.xxh3 {
-            Some(h) => (h, "the manifest's xxh3"),
-            None => (kdtree_formats::manifest::xxh3_64(t.data), "the xxh3 of the host bytes"),
-        };
-        ensure!(
-            got.get(part) == Some(&want),
-            "{name} (rank {}): the uploaded bytes hash to {} where {of} is {want:016x}: the weights on the {} backend are not the file's",
-            self.rank,
-            got.get(part).map_or("nothing".into(), |h| format!("{h:016x}")),
-            self.b.name()
-        );
-        Ok(())
+        check_upload(self.b, &format!("{name} (rank {})", self.rank), expected_xxh3(t), w, part)
     }
     /// This rank's SwiGLU slice, intermediate `i` split by rows (gate/up) and columns (down).
     fn mlp(&self, p: &str, h: usize, i: usize) -> Result<Mlp<B>> {
@@ -247,6 +232,32 @@ impl<B: Backend> Ld<'_, B> {
         self.check(&sname, &s, WeightRef::I4(&w), 1)?;
         Ok(w)
     }
+}
+
+/// What an upload of `t` must hash to: the manifest's xxh3-64, or (a source without checksums) the host bytes'
+/// own, with the name of which it is.
+pub(crate) fn expected_xxh3(t: &TensorRef<'_>) -> (u64, &'static str) {
+    match t.xxh3 {
+        Some(h) => (h, "the manifest's xxh3"),
+        None => (kdtree_formats::manifest::xxh3_64(t.data), "the xxh3 of the host bytes"),
+    }
+}
+
+/// The load check ([`Backend::checks_weights`]; off: nothing): part `part` of the uploaded `w`'s bytes, hashed
+/// where the ops read them, against `want` (`of` says what it is). A difference names `what` and both values.
+/// The one check of every loader (the target's `Ld`, the drafter's shards and gathered tensors).
+pub(crate) fn check_upload<B: Backend>(b: &B, what: &str, (want, of): (u64, &str), w: WeightRef<'_, B>, part: usize) -> Result<()> {
+    if !b.checks_weights() {
+        return Ok(());
+    }
+    let got = b.weight_xxh3(w).with_context(|| format!("hashing {what} where it was uploaded"))?;
+    ensure!(
+        got.get(part) == Some(&want),
+        "{what}: the uploaded bytes hash to {} where {of} is {want:016x}: the weights on the {} backend are not the file's",
+        got.get(part).map_or("nothing".into(), |h| format!("{h:016x}")),
+        b.name()
+    );
+    Ok(())
 }
 
 impl Weights<CpuBackend> {

@@ -44,6 +44,15 @@ fn run(args: &[&std::ffi::OsStr]) -> (Option<i32>, String) {
     (o.status.code(), String::from_utf8_lossy(&o.stderr).into_owned())
 }
 
+/// `kdtree-golden MODEL --prompts PROMPTS --score INPUTS... [extra] --out OUT`.
+fn score(m: &Path, prompts: &Path, inputs: &[&Path], extra: &[&str], out: &Path) -> (Option<i32>, String) {
+    let mut a: Vec<&std::ffi::OsStr> = vec![m.as_os_str(), "--prompts".as_ref(), prompts.as_os_str(), "--score".as_ref()];
+    a.extend(inputs.iter().map(|p| p.as_os_str()));
+    a.extend(extra.iter().map(|x| std::ffi::OsStr::new(*x)));
+    a.extend(["--out".as_ref(), out.as_os_str()]);
+    run(&a)
+}
+
 fn report(p: &Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
 }
@@ -77,18 +86,7 @@ fn the_cpu_scores_its_own_tokens_zero_and_a_changed_token_fails() {
     let lines: String = recs.iter().map(|(id, r)| format!("{{\"id\":{id:?},\"token_ids\":{:?}}}\n", r.ar.tokens)).collect();
     std::fs::write(&jsonl, &lines).unwrap();
     let out = dir.join("r.json");
-    let (code, err) = run(&[
-        m.as_os_str(),
-        "--prompts".as_ref(),
-        prompts.as_os_str(),
-        "--score".as_ref(),
-        gold.as_os_str(),
-        jsonl.as_os_str(),
-        "--bound".as_ref(),
-        "0".as_ref(),
-        "--out".as_ref(),
-        out.as_os_str(),
-    ]);
+    let (code, err) = score(&m, &prompts, &[&gold, &jsonl], &["--bound", "0"], &out);
     assert_eq!(code, Some(0), "{err}");
     let r = report(&out);
     assert_eq!(r["max_gap"].as_f64(), Some(0.0), "{r}");
@@ -107,17 +105,7 @@ fn the_cpu_scores_its_own_tokens_zero_and_a_changed_token_fails() {
     let tampered = dir.join("bad.jsonl");
     std::fs::write(&tampered, format!("{{\"id\":{:?},\"token_ids\":{bad:?}}}\n", recs[0].0)).unwrap();
     let out2 = dir.join("r2.json");
-    let (code, err) = run(&[
-        m.as_os_str(),
-        "--prompts".as_ref(),
-        prompts.as_os_str(),
-        "--score".as_ref(),
-        tampered.as_os_str(),
-        "--bound".as_ref(),
-        "0.01".as_ref(),
-        "--out".as_ref(),
-        out2.as_os_str(),
-    ]);
+    let (code, err) = score(&m, &prompts, &[&tampered], &["--bound", "0.01"], &out2);
     assert_eq!(code, Some(1), "{err}");
     let r = report(&out2);
     let gaps = r["records"][0]["gaps"].as_array().unwrap();
@@ -127,19 +115,7 @@ fn the_cpu_scores_its_own_tokens_zero_and_a_changed_token_fails() {
     assert!(r["over_bound"].as_u64().unwrap() >= 1);
     // The route-flip rule: with a margin of 0 nothing is a flip (exit 1 still); a huge margin and gap accept it.
     for (flip, want) in [("0,100", 1), ("1e9,1e9", 0)] {
-        let (code, err) = run(&[
-            m.as_os_str(),
-            "--prompts".as_ref(),
-            prompts.as_os_str(),
-            "--score".as_ref(),
-            tampered.as_os_str(),
-            "--bound".as_ref(),
-            "0.01".as_ref(),
-            "--route-flip".as_ref(),
-            flip.as_ref(),
-            "--out".as_ref(),
-            out2.as_os_str(),
-        ]);
+        let (code, err) = score(&m, &prompts, &[&tampered], &["--bound", "0.01", "--route-flip", flip], &out2);
         assert_eq!(code, Some(want), "--route-flip {flip}: {err}");
     }
 }
@@ -158,15 +134,7 @@ fn bad_inputs_are_one_line_errors_with_exit_2() {
     ] {
         let f = dir.join(name);
         std::fs::write(&f, body).unwrap();
-        let (code, err) = run(&[
-            m.as_os_str(),
-            "--prompts".as_ref(),
-            prompts.as_os_str(),
-            "--score".as_ref(),
-            f.as_os_str(),
-            "--out".as_ref(),
-            dir.join("r.json").as_os_str(),
-        ]);
+        let (code, err) = score(&m, &prompts, &[&f], &[], &dir.join("r.json"));
         assert_eq!(code, Some(2), "{name}: {err}");
         assert_eq!(err.lines().count(), 1, "{name}: {err}");
         assert!(err.contains(want), "{name}: {err}");
