@@ -22,8 +22,9 @@ build:
 test:
 	$(CARGO) test --workspace --locked
 
-## lint: clippy with warnings as errors on the whole workspace, and on the engine with the CUDA backend
+## lint: rustfmt (rustfmt.toml: width 120) and clippy with warnings as errors on the whole workspace, and on the engine with the CUDA backend
 lint:
+	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 	KDTREE_NVCC="$$(bash tools/cuda/install-nvcc.sh)" $(CARGO) clippy -p kdtree-engine --features cuda --all-targets --locked -- -D warnings
 

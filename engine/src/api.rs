@@ -84,12 +84,23 @@ pub trait Target {
     /// host (the walk). None when this target cannot run it with `drafter` (another backend, a recording
     /// trace, a depth limit cut by max_positions, a tree that might not fill `budget`): the caller runs the
     /// host round, which gives the same tokens.
-    fn device_round(&mut self, _drafter: &mut dyn Drafter, _root: u32, _budget: usize, _s: &crate::sampling::Sampling) -> Option<Result<DeviceRound>> {
+    fn device_round(
+        &mut self,
+        _drafter: &mut dyn Drafter,
+        _root: u32,
+        _budget: usize,
+        _s: &crate::sampling::Sampling,
+    ) -> Option<Result<DeviceRound>> {
         None
     }
     /// The chain round (the top-1 of each draft row as one path) where the target's ops run, as
     /// [`Target::device_round`]; None when this target cannot: the caller runs the host chain round.
-    fn device_chain(&mut self, _drafter: &mut dyn Drafter, _root: u32, _s: &crate::sampling::Sampling) -> Option<Result<DeviceRound>> {
+    fn device_chain(
+        &mut self,
+        _drafter: &mut dyn Drafter,
+        _root: u32,
+        _s: &crate::sampling::Sampling,
+    ) -> Option<Result<DeviceRound>> {
         None
     }
     /// One AR step from root token `root` (at position `committed()`) where the target's ops run: the forward
@@ -254,10 +265,21 @@ impl<T: Target + ?Sized> Target for &mut T {
     fn take_trace(&mut self) -> Option<crate::model::Trace> {
         (**self).take_trace()
     }
-    fn device_round(&mut self, drafter: &mut dyn Drafter, root: u32, budget: usize, s: &crate::sampling::Sampling) -> Option<Result<DeviceRound>> {
+    fn device_round(
+        &mut self,
+        drafter: &mut dyn Drafter,
+        root: u32,
+        budget: usize,
+        s: &crate::sampling::Sampling,
+    ) -> Option<Result<DeviceRound>> {
         (**self).device_round(drafter, root, budget, s)
     }
-    fn device_chain(&mut self, drafter: &mut dyn Drafter, root: u32, s: &crate::sampling::Sampling) -> Option<Result<DeviceRound>> {
+    fn device_chain(
+        &mut self,
+        drafter: &mut dyn Drafter,
+        root: u32,
+        s: &crate::sampling::Sampling,
+    ) -> Option<Result<DeviceRound>> {
         (**self).device_chain(drafter, root, s)
     }
     fn device_step(&mut self, root: u32, s: &crate::sampling::Sampling) -> Option<Result<u32>> {

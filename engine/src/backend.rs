@@ -47,11 +47,18 @@ impl RopeTable {
             cos.extend(c);
             sin.extend(s);
         }
-        RopeTable { half: inv_freq.len(), cos, sin }
+        RopeTable {
+            half: inv_freq.len(),
+            cos,
+            sin,
+        }
     }
     /// Row `i`'s (cos, sin), `[D/2]` each.
     pub fn row(&self, i: usize) -> (&[f32], &[f32]) {
-        (&self.cos[i * self.half..(i + 1) * self.half], &self.sin[i * self.half..(i + 1) * self.half])
+        (
+            &self.cos[i * self.half..(i + 1) * self.half],
+            &self.sin[i * self.half..(i + 1) * self.half],
+        )
     }
 }
 
@@ -75,9 +82,16 @@ impl<M> VocabShards<'_, M> {
     /// vocab-parallel argmax's slots; shards split the vocab evenly (`weights::load_rank`).
     pub fn slots(&self, rows: impl Fn(&M) -> usize) -> std::result::Result<(usize, usize), String> {
         let r = self.mats.first().map(|m| rows(m)).unwrap_or(0);
-        if r == 0 || !self.vocab.is_multiple_of(r) || !self.first.is_multiple_of(r) || self.mats.iter().any(|m| rows(m) != r) {
+        if r == 0
+            || !self.vocab.is_multiple_of(r)
+            || !self.first.is_multiple_of(r)
+            || self.mats.iter().any(|m| rows(m) != r)
+        {
             let sizes: Vec<usize> = self.mats.iter().map(|m| rows(m)).collect();
-            return Err(format!("vocab shards of {sizes:?} rows from {} do not split a vocab of {} evenly", self.first, self.vocab));
+            return Err(format!(
+                "vocab shards of {sizes:?} rows from {} do not split a vocab of {} evenly",
+                self.first, self.vocab
+            ));
         }
         Ok((self.vocab / r, self.first / r))
     }
@@ -159,7 +173,11 @@ pub trait Backend: Clone + Send + Sync + 'static {
     // fills its buffers in place, so no weight byte exists on the host.
     /// A bf16 matrix `[rows, cols]` filled by `f`.
     fn fill_bf16(&self, rows: usize, cols: usize, f: &Fill) -> Result<Self::Mat> {
-        self.upload_bf16(Mat { w: Slab::Owned(crate::cpu::ops::fill_bf16(rows * cols, f)?), rows, cols })
+        self.upload_bf16(Mat {
+            w: Slab::Owned(crate::cpu::ops::fill_bf16(rows * cols, f)?),
+            rows,
+            cols,
+        })
     }
     /// A bf16 vector `[n]` filled by `f`.
     fn fill_vector(&self, n: usize, f: &Fill) -> Result<Self::Vector> {
@@ -172,10 +190,25 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// An INT4 group-32 stack (global experts `first..first + count`, `[count, n, k]`): packed bytes
     /// `[count, n, k/2]` filled by `packed`, bf16 scales `[count, n, k/32]` by `scales`.
     #[allow(clippy::too_many_arguments)]
-    fn fill_i4g32(&self, first: usize, count: usize, n: usize, k: usize, packed: &Fill, scales: &Fill) -> Result<Self::I4> {
+    fn fill_i4g32(
+        &self,
+        first: usize,
+        count: usize,
+        n: usize,
+        k: usize,
+        packed: &Fill,
+        scales: &Fill,
+    ) -> Result<Self::I4> {
         let p = crate::cpu::ops::fill_u8(count * n * k / 2, packed)?;
         let s = crate::cpu::ops::fill_bf16(count * n * k / 32, scales)?;
-        self.upload_i4g32(I4Stack { packed: Slab::Owned(p), scales: Slab::Owned(s), first, count, n, k })
+        self.upload_i4g32(I4Stack {
+            packed: Slab::Owned(p),
+            scales: Slab::Owned(s),
+            first,
+            count,
+            n,
+            k,
+        })
     }
 
     // ---- positions, masks, ids ----
@@ -195,10 +228,27 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// into `out[row0..row0 + rows]`: greedy, or `sampling::sample` of row `row0 + i` at position
     /// `base + offset + i` (`base` read where the ops run). A batch decides each sequence's rows in place.
     #[allow(clippy::too_many_arguments)]
-    fn decide_rows(&self, logits: &Self::Act, row0: usize, rows: usize, vocab: usize, s: &crate::sampling::Sampling, base: PosOf<'_, Self>, offset: usize, out: &mut Self::Ids) -> Result<()>;
+    fn decide_rows(
+        &self,
+        logits: &Self::Act,
+        row0: usize,
+        rows: usize,
+        vocab: usize,
+        s: &crate::sampling::Sampling,
+        base: PosOf<'_, Self>,
+        offset: usize,
+        out: &mut Self::Ids,
+    ) -> Result<()>;
     /// cos/sin of positions `base + offsets[i]` (or `base + i`) for i < t, as [`RopeTable::new`] computes them,
     /// with the base read where the ops run.
-    fn rope_at(&self, inv_freq: &Self::VectorF32, factor: f64, base: PosOf<'_, Self>, offsets: Option<&Self::Ids>, t: usize) -> Self::Rope;
+    fn rope_at(
+        &self,
+        inv_freq: &Self::VectorF32,
+        factor: f64,
+        base: PosOf<'_, Self>,
+        offsets: Option<&Self::Ids>,
+        t: usize,
+    ) -> Self::Rope;
 
     // ---- position counters ----
     fn pos_new(&self, v: usize) -> Self::Pos;
@@ -256,7 +306,15 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// here, the argmax of the merged logits; otherwise each shard's argmax as a (value, global id) pair, the
     /// pairs of every GPU gathered through the communicator (`n x R` pairs instead of `n x V` logits) and merged
     /// in global vocab order (lowest global id wins ties, NaN never wins): the same token either way.
-    fn lm_head_argmax_into(&self, x: &Self::Act, n: usize, h: usize, v: &VocabShards<'_, Self::Mat>, out: &mut Self::Ids, row0: usize) -> Result<()>;
+    fn lm_head_argmax_into(
+        &self,
+        x: &Self::Act,
+        n: usize,
+        h: usize,
+        v: &VocabShards<'_, Self::Mat>,
+        out: &mut Self::Ids,
+        row0: usize,
+    ) -> Result<()>;
 
     // ---- MLA ----
     fn kv_new(&self, layers: usize, width: usize) -> Self::Kv;
@@ -270,7 +328,15 @@ pub trait Backend: Clone + Send + Sync + 'static {
     fn kv_drop_scratch(&self, kv: &mut Self::Kv);
     /// New latent rows `[T, C + P]` = `rms_norm(c_kv) | rope_interleaved(k_pe)` from `kv_a` output `ckv`,
     /// appended to layer `l` as scratch.
-    fn kv_append_latent(&self, kv: &mut Self::Kv, l: usize, ckv: &Self::Act, norm: &Self::Vector, eps: f32, rope: &Self::Rope);
+    fn kv_append_latent(
+        &self,
+        kv: &mut Self::Kv,
+        l: usize,
+        ckv: &Self::Act,
+        norm: &Self::Vector,
+        eps: f32,
+        rope: &Self::Rope,
+    );
     /// Mark the last forward's `t` rows as scratch (after every layer appended them).
     fn kv_set_scratch(&self, kv: &mut Self::Kv, t: usize);
     /// Keep scratch rows `path` (root-to-node, in order) as the next committed rows; drop the rest.
@@ -295,12 +361,30 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// MLA attention of one rank's roped queries `[T, Hr·(Dn+P)]` over layer `l` of the cache (committed
     /// prefix + scratch) with the ancestor mask of the T nodes; `kv_b` `[Hr·(Dn+Dv), C]`. Returns `[T, Hr·Dv]`.
     #[allow(clippy::too_many_arguments)]
-    fn mla_attention(&self, q: &Self::Act, t: usize, kv: &Self::Kv, l: usize, mask: &Self::Mask, kv_b: &Self::Mat, d: &MlaDims, mode: AttnMode) -> Self::Act;
+    fn mla_attention(
+        &self,
+        q: &Self::Act,
+        t: usize,
+        kv: &Self::Kv,
+        l: usize,
+        mask: &Self::Mask,
+        kv_b: &Self::Mat,
+        d: &MlaDims,
+        mode: AttnMode,
+    ) -> Self::Act;
     /// [`Backend::mla_attention`] of a batch: segment s = (its cache, its mask, its t_s rows), the segments'
     /// rows consecutive in `q` `[T, Hr·(Dn+P)]` (roped); `[T, Hr·Dv]`, each segment over its own cache. The
     /// default copies each segment's rows out and back; a device backend runs the per-row parts once.
     #[allow(clippy::too_many_arguments)]
-    fn mla_attention_segs(&self, q: &Self::Act, segs: &[(&Self::Kv, &Self::Mask, usize)], l: usize, kv_b: &Self::Mat, d: &MlaDims, mode: AttnMode) -> Self::Act {
+    fn mla_attention_segs(
+        &self,
+        q: &Self::Act,
+        segs: &[(&Self::Kv, &Self::Mask, usize)],
+        l: usize,
+        kv_b: &Self::Mat,
+        d: &MlaDims,
+        mode: AttnMode,
+    ) -> Self::Act {
         let (qk, t) = (d.heads * (d.nope + d.rope), segs.iter().map(|s| s.2).sum::<usize>());
         let (mut out, mut at) = (self.zeros(t * d.heads * d.v), 0);
         for &(kv, mask, ts) in segs {
@@ -314,7 +398,16 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// [`Backend::kv_append_latent`] of a batch: segment s's rows of `ckv` (consecutive, in order) into its
     /// cache, roped with its own table (`rope_all`: the tables stacked, [`Backend::rope_cat`]).
     #[allow(clippy::too_many_arguments)]
-    fn kv_append_latent_segs(&self, segs: &mut [(&mut Self::Kv, &Self::Rope, usize)], l: usize, ckv: &Self::Act, norm: &Self::Vector, eps: f32, width: usize, _rope_all: &Self::Rope) {
+    fn kv_append_latent_segs(
+        &self,
+        segs: &mut [(&mut Self::Kv, &Self::Rope, usize)],
+        l: usize,
+        ckv: &Self::Act,
+        norm: &Self::Vector,
+        eps: f32,
+        width: usize,
+        _rope_all: &Self::Rope,
+    ) {
         let mut at = 0;
         for (kv, rope, ts) in segs.iter_mut() {
             let rows = self.rows(ckv, width, at, at + *ts);
@@ -332,15 +425,41 @@ pub trait Backend: Clone + Send + Sync + 'static {
     fn routes_to_host(&self, routes: &Self::Routes) -> (Vec<i32>, Vec<f32>);
     /// One rank's routed-expert partial `[T, H]` (experts it holds, ascending id per token).
     #[allow(clippy::too_many_arguments)]
-    fn moe_experts(&self, x: &Self::Act, t: usize, h: usize, routes: &Self::Routes, gate: &Self::I4, up: &Self::I4, down: &Self::I4) -> Self::Act;
+    fn moe_experts(
+        &self,
+        x: &Self::Act,
+        t: usize,
+        h: usize,
+        routes: &Self::Routes,
+        gate: &Self::I4,
+        up: &Self::I4,
+        down: &Self::I4,
+    ) -> Self::Act;
 
     // ---- drafter ----
     /// Per-head RMSNorm (weight `[D]`) then NeoX RoPE of `x` `[T, heads·D]`, row i at rope row i.
-    fn head_norm_rope_neox(&self, x: &Self::Act, w: &Self::Vector, eps: f32, heads: usize, rope: &Self::Rope) -> Self::Act;
+    fn head_norm_rope_neox(
+        &self,
+        x: &Self::Act,
+        w: &Self::Vector,
+        eps: f32,
+        heads: usize,
+        rope: &Self::Rope,
+    ) -> Self::Act;
     /// Non-causal GQA of `q` `[B, Hq·D]` over `[context ; block]` keys/values: the first `ctx_len` rows of the
     /// row caches `ctx` (`[>= C, Hk·D]`), then `block` (`[B, Hk·D]`).
     #[allow(clippy::too_many_arguments)]
-    fn gqa_attention(&self, q: &Self::Act, b: usize, ctx: (&Self::Act, &Self::Act), ctx_len: &Self::Pos, block: (&Self::Act, &Self::Act), heads: usize, kv_heads: usize, head_dim: usize) -> Self::Act;
+    fn gqa_attention(
+        &self,
+        q: &Self::Act,
+        b: usize,
+        ctx: (&Self::Act, &Self::Act),
+        ctx_len: &Self::Pos,
+        block: (&Self::Act, &Self::Act),
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Self::Act;
 
     // ---- the DDTree round's tree (ddtree/; the device kernels are cuda/tree.rs) ----
     /// A tree workspace for `budget` nodes (root excluded), `rows` draft rows, `vocab`, and the top-`k` of each
@@ -361,7 +480,14 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// The target's decision at every node from rows `[row0, row0 + budget + 1)` of `logits` `[.., vocab]`
     /// (greedy, or sampled with the uniform of position `start + depth + 1`, `start` = the committed rows of
     /// `kv`), then the walk (`ddtree::walk_sampled`). `row0` is the tree's first row in a batched verify.
-    fn tree_walk(&self, tree: &mut Self::Tree, logits: &Self::Act, row0: usize, s: &crate::sampling::Sampling, kv: &Self::Kv) -> Result<()>;
+    fn tree_walk(
+        &self,
+        tree: &mut Self::Tree,
+        logits: &Self::Act,
+        row0: usize,
+        s: &crate::sampling::Sampling,
+        kv: &Self::Kv,
+    ) -> Result<()>;
     /// The walk over decisions already made: `decisions[row0 + i]` is node i's (a batch decides every
     /// tree's greedy rows in one argmax).
     fn tree_walk_decided(&self, tree: &mut Self::Tree, decisions: &Self::Ids, row0: usize) -> Result<()>;

@@ -38,7 +38,9 @@ pub fn act_bytes(mode: Mode, slots: usize, vocab: usize, hidden: usize) -> usize
         Mode::Ar => 1,
     };
     let rows = slots.saturating_mul(per_slot);
-    rows.saturating_mul(3 * vocab + 48 * hidden).saturating_mul(4).saturating_add(1 << 30)
+    rows.saturating_mul(3 * vocab + 48 * hidden)
+        .saturating_mul(4)
+        .saturating_add(1 << 30)
 }
 
 /// The KV memory a batch may hold.
@@ -100,20 +102,45 @@ impl crate::Loaded {
         ensure!(slots >= 1, "a batch needs at least one slot");
         let mut sessions = Vec::with_capacity(slots);
         for _ in 0..slots {
-            let t = self.target.fork().context("this model's target cannot fork sessions for a batch")?;
+            let t = self
+                .target
+                .fork()
+                .context("this model's target cannot fork sessions for a batch")?;
             let d = match mode.drafts() {
-                true => Some(self.drafter.as_ref().context("this mode needs a drafter")?.fork().context("this model's drafter cannot fork sessions for a batch")?),
+                true => Some(
+                    self.drafter
+                        .as_ref()
+                        .context("this mode needs a drafter")?
+                        .fork()
+                        .context("this model's drafter cannot fork sessions for a batch")?,
+                ),
                 false => None,
             };
             sessions.push(Session::new(t, d, mode)?);
         }
         let info = self.target.info();
-        let free = self.target.mem_free().map(|f| f.saturating_sub(act_bytes(mode, slots, info.vocab_size, info.hidden_size)));
-        let kv = KvBudget { bytes: match (kv_cap, free) {
-            (Some(cap), Some(free)) => Some(cap.min(free)),
-            (cap, free) => cap.or(free),
-        } };
-        Ok(Batch { ops: self.target.batch_ops(), slots: sessions, mode, kv, rows: vec![0; slots], ghosts: vec![None; slots], batched_steps: 0, batched_slot_steps: 0, ghost_slot_steps: 0, alone_steps: 0 })
+        let free = self
+            .target
+            .mem_free()
+            .map(|f| f.saturating_sub(act_bytes(mode, slots, info.vocab_size, info.hidden_size)));
+        let kv = KvBudget {
+            bytes: match (kv_cap, free) {
+                (Some(cap), Some(free)) => Some(cap.min(free)),
+                (cap, free) => cap.or(free),
+            },
+        };
+        Ok(Batch {
+            ops: self.target.batch_ops(),
+            slots: sessions,
+            mode,
+            kv,
+            rows: vec![0; slots],
+            ghosts: vec![None; slots],
+            batched_steps: 0,
+            batched_slot_steps: 0,
+            ghost_slot_steps: 0,
+            alone_steps: 0,
+        })
     }
 }
 
@@ -159,16 +186,31 @@ impl Batch {
     /// `running`: the slots with a sequence in flight. Gives idle slots' storage back when that makes room.
     /// Err when it cannot fit even with nothing else running (the message names both sizes).
     pub fn admit(&mut self, slot: usize, positions: usize, running: &[usize]) -> Result<Admit> {
-        let Some(budget) = self.kv.bytes else { return Ok(Admit::Yes) };
+        let Some(budget) = self.kv.bytes else {
+            return Ok(Admit::Yes);
+        };
         let need_rows = self.slots[slot].rows_for(positions).max(self.rows[slot]);
         let need = self.bytes(slot, need_rows);
         if need > budget {
-            return Err(KvTooLarge { positions, rows: alloc_rows(need_rows), need, budget }.into());
+            return Err(KvTooLarge {
+                positions,
+                rows: alloc_rows(need_rows),
+                need,
+                budget,
+            }
+            .into());
         }
-        let others = |b: &Batch| (0..b.slots.len()).filter(|&i| i != slot).map(|i| b.bytes(i, b.rows[i])).sum::<usize>();
+        let others = |b: &Batch| {
+            (0..b.slots.len())
+                .filter(|&i| i != slot)
+                .map(|i| b.bytes(i, b.rows[i]))
+                .sum::<usize>()
+        };
         if others(self) + need > budget {
             // Give idle slots' storage back, largest first, until it fits.
-            let mut idle: Vec<usize> = (0..self.slots.len()).filter(|&i| i != slot && !running.contains(&i) && self.rows[i] > 0).collect();
+            let mut idle: Vec<usize> = (0..self.slots.len())
+                .filter(|&i| i != slot && !running.contains(&i) && self.rows[i] > 0)
+                .collect();
             idle.sort_by_key(|&i| std::cmp::Reverse(self.bytes(i, self.rows[i])));
             for i in idle {
                 if others(self) + need <= budget {
@@ -193,7 +235,10 @@ impl Batch {
         let mut ready = Vec::new();
         for (k, &(slot, prompt, s)) in items.iter().enumerate() {
             if slot >= self.slots.len() || items[..k].iter().any(|x| x.0 == slot) {
-                out[k] = Some(Err(anyhow::anyhow!("slot {slot} is not a distinct slot of a batch of {}", self.slots.len())));
+                out[k] = Some(Err(anyhow::anyhow!(
+                    "slot {slot} is not a distinct slot of a batch of {}",
+                    self.slots.len()
+                )));
                 continue;
             }
             match self.slots[slot].prefill_begin(prompt, s) {
@@ -219,7 +264,12 @@ impl Batch {
         for chunk in chunks {
             let mut alone = Vec::new();
             if let (Some(ops), true) = (self.ops.as_mut(), chunk.len() >= 2) {
-                let mut refs: Vec<(usize, &mut Session<'static>)> = self.slots.iter_mut().enumerate().filter(|(i, _)| chunk.iter().any(|&k| items[k].0 == *i)).collect();
+                let mut refs: Vec<(usize, &mut Session<'static>)> = self
+                    .slots
+                    .iter_mut()
+                    .enumerate()
+                    .filter(|(i, _)| chunk.iter().any(|&k| items[k].0 == *i))
+                    .collect();
                 refs.sort_by_key(|(i, _)| chunk.iter().position(|&k| items[k].0 == *i));
                 let mut batch_items = Vec::new();
                 let mut joined = Vec::new();
@@ -260,7 +310,9 @@ impl Batch {
                 out[k] = Some(self.slots[slot].prefill(prompt, s));
             }
         }
-        out.into_iter().map(|r| r.unwrap_or_else(|| Err(anyhow::anyhow!("a prefill that never ran")))).collect()
+        out.into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(anyhow::anyhow!("a prefill that never ran"))))
+            .collect()
     }
 
     /// One step of each slot in `active` (distinct; each prefilled and able to step), in one batched step where
@@ -282,7 +334,10 @@ impl Batch {
             Some(ops) => {
                 // `--budget auto`: the bucket most of the active sequences chose (ties: the larger), for all.
                 let auto = {
-                    let mut votes: Vec<usize> = active.iter().filter_map(|&i| self.slots[i].auto_budget().map(|a| a.budget())).collect();
+                    let mut votes: Vec<usize> = active
+                        .iter()
+                        .filter_map(|&i| self.slots[i].auto_budget().map(|a| a.budget()))
+                        .collect();
                     votes.sort_unstable();
                     let mut best: Option<(usize, usize)> = None; // (count, budget)
                     for c in votes.chunk_by(|a, b| a == b) {
@@ -326,7 +381,12 @@ impl Batch {
                 if real >= 2 {
                     let results = ops.step(&mut items)?;
                     drop(items);
-                    ensure!(results.len() == joined.len(), "a batched step gave {} results for {} sequences", results.len(), joined.len());
+                    ensure!(
+                        results.len() == joined.len(),
+                        "a batched step gave {} results for {} sequences",
+                        results.len(),
+                        joined.len()
+                    );
                     self.batched_steps += 1;
                     self.batched_slot_steps += real;
                     self.ghost_slot_steps += joined.len() - real;

@@ -108,7 +108,12 @@ fn ms(t: Instant) -> f64 {
 }
 
 /// Append `tok` and decide whether generation ends with it.
-fn emit(out: &mut Vec<u32>, tok: u32, req: &GenRequest, on_tokens: &mut dyn FnMut(&[u32]) -> bool) -> Option<FinishReason> {
+fn emit(
+    out: &mut Vec<u32>,
+    tok: u32,
+    req: &GenRequest,
+    on_tokens: &mut dyn FnMut(&[u32]) -> bool,
+) -> Option<FinishReason> {
     out.push(tok);
     if req.stop_token_ids.contains(&tok) {
         Some(FinishReason::Stop)
@@ -134,7 +139,11 @@ pub struct Progress {
 
 impl Progress {
     /// Prefill `req.prompt` on `session` (room for the whole generation first) and take the first token.
-    pub fn start(session: &mut Session<'_>, req: &GenRequest, on_tokens: &mut dyn FnMut(&[u32]) -> bool) -> Result<Progress> {
+    pub fn start(
+        session: &mut Session<'_>,
+        req: &GenRequest,
+        on_tokens: &mut dyn FnMut(&[u32]) -> bool,
+    ) -> Result<Progress> {
         let mut p = Progress::begin(session, req)?;
         if !p.finished() {
             let first = session.prefill(&req.prompt, &req.sampling)?;
@@ -149,10 +158,29 @@ impl Progress {
     /// grow on demand, as far as they can).
     pub fn begin(session: &mut Session<'_>, req: &GenRequest) -> Result<Progress> {
         let t0 = Instant::now();
-        ensure!(req.mode == session.mode(), "request mode {:?} but the session runs {:?}", req.mode, session.mode());
-        let out = GenOutput { tokens: Vec::new(), finish_reason: FinishReason::Length, spec: SpecStats::default(), prefill_ms: 0.0, decode_ms: 0.0, ttft_ms: 0.0 };
+        ensure!(
+            req.mode == session.mode(),
+            "request mode {:?} but the session runs {:?}",
+            req.mode,
+            session.mode()
+        );
+        let out = GenOutput {
+            tokens: Vec::new(),
+            finish_reason: FinishReason::Length,
+            spec: SpecStats::default(),
+            prefill_ms: 0.0,
+            decode_ms: 0.0,
+            ttft_ms: 0.0,
+        };
         let (depths, drafts) = (session.block_size().saturating_sub(1), session.mode().drafts());
-        let mut p = Progress { out, finish: None, t0, t_dec: t0, depths, drafts };
+        let mut p = Progress {
+            out,
+            finish: None,
+            t0,
+            t_dec: t0,
+            depths,
+            drafts,
+        };
         if req.max_tokens == 0 {
             ensure!(!req.prompt.is_empty(), "empty prompt");
             p.finish = Some(FinishReason::Length);
@@ -181,9 +209,16 @@ impl Progress {
 
     /// Take one step's tokens in order until the generation ends; returns how many the session keeps
     /// (`Session::keep`).
-    pub fn absorb(&mut self, step: &crate::session::Emitted, req: &GenRequest, on_tokens: &mut dyn FnMut(&[u32]) -> bool) -> usize {
+    pub fn absorb(
+        &mut self,
+        step: &crate::session::Emitted,
+        req: &GenRequest,
+        on_tokens: &mut dyn FnMut(&[u32]) -> bool,
+    ) -> usize {
         if self.drafts {
-            self.out.spec.record(step.drafted, step.accepted, step.budget, self.depths);
+            self.out
+                .spec
+                .record(step.drafted, step.accepted, step.budget, self.depths);
         }
         let mut kept = 0;
         for &tok in &step.tokens {
@@ -207,7 +242,11 @@ impl Progress {
 }
 
 /// Generate from `req.prompt` in the session's mode. See the module comment for the contract.
-pub fn generate(session: &mut Session<'_>, req: &GenRequest, on_tokens: &mut dyn FnMut(&[u32]) -> bool) -> Result<GenOutput> {
+pub fn generate(
+    session: &mut Session<'_>,
+    req: &GenRequest,
+    on_tokens: &mut dyn FnMut(&[u32]) -> bool,
+) -> Result<GenOutput> {
     let mut p = Progress::start(session, req, on_tokens)?;
     while !p.finished() {
         if !session.can_step() {
@@ -259,7 +298,10 @@ pub fn generate_batch<'c>(
                 exhausted = true;
                 break;
             };
-            let running: Vec<usize> = (0..n).filter(|&i| slots[i].is_some()).chain(admitted.iter().map(|a| a.0)).collect();
+            let running: Vec<usize> = (0..n)
+                .filter(|&i| slots[i].is_some())
+                .chain(admitted.iter().map(|a| a.0))
+                .collect();
             let positions = job.req.prompt.len().saturating_add(job.req.max_tokens);
             match batch.admit(slot, positions, &running) {
                 Err(e) => done(index, Err(e))?,
@@ -276,7 +318,10 @@ pub fn generate_batch<'c>(
         }
         if !admitted.is_empty() {
             let firsts = {
-                let items: Vec<(usize, &[u32], &Sampling)> = admitted.iter().map(|(slot, _, job, _)| (*slot, &job.req.prompt[..], &job.req.sampling)).collect();
+                let items: Vec<(usize, &[u32], &Sampling)> = admitted
+                    .iter()
+                    .map(|(slot, _, job, _)| (*slot, &job.req.prompt[..], &job.req.sampling))
+                    .collect();
                 batch.prefill_many(&items)
             };
             for ((slot, index, mut job, mut p), first) in admitted.into_iter().zip(firsts) {
@@ -352,7 +397,11 @@ pub fn generate_on(
     req: &GenRequest,
     on_tokens: &mut dyn FnMut(&[u32]) -> bool,
 ) -> Result<GenOutput> {
-    let d = if req.mode.drafts() { drafter.map(|d| Box::new(d) as Box<dyn Drafter + '_>) } else { None };
+    let d = if req.mode.drafts() {
+        drafter.map(|d| Box::new(d) as Box<dyn Drafter + '_>)
+    } else {
+        None
+    };
     let mut session = Session::new(Box::new(target), d, req.mode)?;
     generate(&mut session, req, on_tokens)
 }

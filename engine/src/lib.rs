@@ -21,9 +21,9 @@ pub mod sampling;
 pub mod session;
 pub mod tp;
 
+pub use batch::{Admit, Batch, KvBudget, KvTooLarge};
 pub use model::open::{open, open_cpu, open_with, CpuModel, Device, Loaded, OpenOptions};
 #[cfg(feature = "cuda")]
 pub use model::open::{open_cuda_on, open_cuda_with};
-pub use batch::{Admit, Batch, KvBudget, KvTooLarge};
 pub use model::AttnMode;
 pub use session::{Emitted, Mode, ProbeSet, Probes, RoundRecord, Session};

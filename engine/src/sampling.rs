@@ -53,7 +53,12 @@ pub struct Sampling {
 
 impl Default for Sampling {
     fn default() -> Self {
-        Sampling { temperature: 0.0, top_p: 1.0, top_k: 0, seed: 0 }
+        Sampling {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: 0,
+        }
     }
 }
 
@@ -80,7 +85,12 @@ pub fn philox4x32_10(ctr: [u32; 4], key: [u32; 2]) -> [u32; 4] {
         }
         let p0 = PHILOX_M[0] as u64 * c[0] as u64;
         let p1 = PHILOX_M[1] as u64 * c[2] as u64;
-        c = [(p1 >> 32) as u32 ^ c[1] ^ k[0], p1 as u32, (p0 >> 32) as u32 ^ c[3] ^ k[1], p0 as u32];
+        c = [
+            (p1 >> 32) as u32 ^ c[1] ^ k[0],
+            p1 as u32,
+            (p0 >> 32) as u32 ^ c[3] ^ k[1],
+            p0 as u32,
+        ];
     }
     c
 }
@@ -123,7 +133,11 @@ pub fn top_k(row: &[f32], k: usize) -> Vec<u32> {
 /// is `row[id]`): `keys` ends as the `min(k, len)` best keys, descending. One selection over V keys
 /// (measured faster than a k-entry heap scan on a 163,840-vocab row for every k), then a sort of k.
 pub fn top_k_into(row: &[f32], k: usize, keys: &mut Vec<u64>) {
-    assert!(row.len() <= u32::MAX as usize, "top_k: row of {} elements exceeds u32 ids", row.len());
+    assert!(
+        row.len() <= u32::MAX as usize,
+        "top_k: row of {} elements exceeds u32 ids",
+        row.len()
+    );
     keys.clear();
     let k = k.min(row.len());
     if k == 0 {
@@ -209,7 +223,12 @@ impl Survivors<'_> {
         if n == 0 {
             return None;
         }
-        let mut sv = Survivors { row, t, m: max as f64 / t, kept };
+        let mut sv = Survivors {
+            row,
+            t,
+            m: max as f64 / t,
+            kept,
+        };
         if s.top_p < 1.0 {
             if let Some(len) = sv.nucleus(s.top_p as f64, n, &mut keys) {
                 let mut ids: Vec<u32> = keys[..len].iter().map(|&key| u32::MAX - key as u32).collect();
@@ -231,7 +250,10 @@ impl Survivors<'_> {
     fn total(&self) -> f64 {
         match &self.kept {
             Some(k) => k.iter().map(|&j| self.weight(j as usize)).sum(),
-            None => (0..self.row.len()).filter(|&j| !self.row[j].is_nan()).map(|j| self.weight(j)).sum(),
+            None => (0..self.row.len())
+                .filter(|&j| !self.row[j].is_nan())
+                .map(|j| self.weight(j))
+                .sum(),
         }
     }
     /// The survivors, id ascending.
@@ -280,8 +302,14 @@ pub fn adjusted_distribution(row: &[f32], s: &Sampling) -> Vec<(u32, f64)> {
     if s.is_greedy() {
         return vec![(argmax(row), 1.0)];
     }
-    let Some(sv) = Survivors::new(row, s) else { return vec![(0, 1.0)] };
-    let kept: Vec<(u32, f64)> = sv.ids().map(|j| (j as u32, sv.weight(j))).filter(|x| x.1 > 0.0).collect();
+    let Some(sv) = Survivors::new(row, s) else {
+        return vec![(0, 1.0)];
+    };
+    let kept: Vec<(u32, f64)> = sv
+        .ids()
+        .map(|j| (j as u32, sv.weight(j)))
+        .filter(|x| x.1 > 0.0)
+        .collect();
     let z: f64 = kept.iter().map(|x| x.1).sum();
     kept.into_iter().map(|(j, w)| (j, w / z)).collect()
 }
@@ -322,7 +350,11 @@ mod tests {
         // Random123 kat_vectors, the three "philox4x32 10" lines: counter, key -> output.
         let kat: [([u32; 4], [u32; 2], [u32; 4]); 3] = [
             ([0; 4], [0; 2], [0x6627_e8d5, 0xe169_c58d, 0xbc57_ac4c, 0x9b00_dbd8]),
-            ([u32::MAX; 4], [u32::MAX; 2], [0x408f_276d, 0x41c8_3b0e, 0xa20b_c7c6, 0x6d54_51fd]),
+            (
+                [u32::MAX; 4],
+                [u32::MAX; 2],
+                [0x408f_276d, 0x41c8_3b0e, 0xa20b_c7c6, 0x6d54_51fd],
+            ),
             (
                 [0x243f_6a88, 0x85a3_08d3, 0x1319_8a2e, 0x0370_7344],
                 [0xa409_3822, 0x299f_31d0],
@@ -342,7 +374,10 @@ mod tests {
         // Key = (seed lo, seed hi), counter = (position lo, position hi, 0, 0).
         let (seed, pos) = (0x299f_31d0_a409_3822u64, 0x0000_0001_243f_6a88usize);
         let x = philox4x32_10([0x243f_6a88, 1, 0, 0], [0xa409_3822, 0x299f_31d0]);
-        assert_eq!(uniform(seed, pos), (((x[1] as u64) << 32 | x[0] as u64) >> 11) as f64 / (1u64 << 53) as f64);
+        assert_eq!(
+            uniform(seed, pos),
+            (((x[1] as u64) << 32 | x[0] as u64) >> 11) as f64 / (1u64 << 53) as f64
+        );
         // Range and a coarse uniformity check: 16 bins over 64k positions.
         let mut bins = [0usize; 16];
         for p in 0..65536 {
@@ -376,7 +411,12 @@ mod tests {
     #[test]
     fn top_k_keeps_ties_with_the_kth_and_top_p_cuts_by_rank() {
         let row = [0.0f32, 3.0, 1.0, 2.0, 3.0, 2.0];
-        let s = Sampling { temperature: 1.0, top_p: 1.0, top_k: 3, seed: 0 };
+        let s = Sampling {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 3,
+            seed: 0,
+        };
         // The 3rd value is 2.0: both 2.0 tokens survive (transformers keeps ties with the k-th value).
         let d = adjusted_distribution(&row, &s);
         assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 3, 4, 5]);
@@ -386,20 +426,35 @@ mod tests {
         assert!((d[0].1 - 0.5).abs() < 1e-12);
         // probs of [3,3,2,2,1,0] at T=1: .3222 .3222 .1185 .1185 .0436 .0160: top_p .7 reaches at rank 3
         // (token 3, the lower id of the two 2.0s).
-        let s = Sampling { temperature: 1.0, top_p: 0.7, top_k: 0, seed: 0 };
+        let s = Sampling {
+            temperature: 1.0,
+            top_p: 0.7,
+            top_k: 0,
+            seed: 0,
+        };
         let d = adjusted_distribution(&row, &s);
         assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 3, 4]);
         let total: f64 = d.iter().map(|x| x.1).sum();
         assert!((total - 1.0).abs() < 1e-12);
         // top_p so small that only the best token survives.
-        let s = Sampling { temperature: 1.0, top_p: 1e-6, top_k: 0, seed: 0 };
+        let s = Sampling {
+            temperature: 1.0,
+            top_p: 1e-6,
+            top_k: 0,
+            seed: 0,
+        };
         assert_eq!(adjusted_distribution(&row, &s), vec![(1, 1.0)]);
     }
 
     #[test]
     fn decide_is_the_inverse_cdf_in_id_order() {
         let row = [0.0f32, (3.0f32).ln(), f32::NEG_INFINITY, f32::NAN];
-        let s = Sampling { temperature: 1.0, top_p: 1.0, top_k: 0, seed: 0 };
+        let s = Sampling {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: 0,
+        };
         // Weights 1 and 3: u < 0.25 -> token 0, else token 1; -inf and NaN are never drawn.
         assert_eq!(decide(&row, &s, 0.0), 0);
         assert_eq!(decide(&row, &s, 0.2499), 0);
@@ -416,8 +471,17 @@ mod tests {
     #[test]
     fn sampling_follows_the_distribution_per_position() {
         let row = [0.0f32, (3.0f32).ln(), f32::NEG_INFINITY];
-        let s = Sampling { temperature: 1.0, top_p: 1.0, top_k: 0, seed: 7 };
-        let draw = |seed| (0..4000).map(|p| sample(&row, &Sampling { seed, ..s.clone() }, p)).collect::<Vec<_>>();
+        let s = Sampling {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: 7,
+        };
+        let draw = |seed| {
+            (0..4000)
+                .map(|p| sample(&row, &Sampling { seed, ..s.clone() }, p))
+                .collect::<Vec<_>>()
+        };
         let a = draw(7);
         assert_eq!(a, draw(7));
         assert_ne!(a, draw(8));

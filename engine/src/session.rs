@@ -29,8 +29,12 @@
 //! `Session::batch_item` / `Session::batched` (and `prefill_begin` / `prefill_item` / `prefill_end` for their
 //! prompts), so a batched sequence keeps this bookkeeping.
 
-use crate::api::{BatchItem, BatchOut, DeviceRound, Drafter, LogitRows, PrefillItem, StepKind, StepOut, Target, TargetInfo};
-use crate::ddtree::{build_tree, build_tree_from_top_k, top_k_log_probs, walk_sampled, AutoBudget, CostModel, DraftTree, Walk};
+use crate::api::{
+    BatchItem, BatchOut, DeviceRound, Drafter, LogitRows, PrefillItem, StepKind, StepOut, Target, TargetInfo,
+};
+use crate::ddtree::{
+    build_tree, build_tree_from_top_k, top_k_log_probs, walk_sampled, AutoBudget, CostModel, DraftTree, Walk,
+};
 use crate::model::Trace;
 use crate::sampling::{sample, Sampling};
 use anyhow::{bail, ensure, Context, Result};
@@ -40,10 +44,14 @@ use anyhow::{bail, ensure, Context, Result};
 pub enum Mode {
     Ar,
     /// DDTree with a node budget (root excluded).
-    DDTree { budget: usize },
+    DDTree {
+        budget: usize,
+    },
     /// DDTree with the budget of each round chosen by the CaDDTree rule from a measured cost model
     /// ([`Session::set_cost_model`]), among buckets of at most `max` nodes (ddtree/cost.rs).
-    DDTreeAuto { max: usize },
+    DDTreeAuto {
+        max: usize,
+    },
     /// The plain DFlash chain: one path of the drafter's argmax token at each of the B−1 block
     /// positions, verified and walked like a tree (the baseline DDTree is measured against).
     Chain,
@@ -99,7 +107,11 @@ pub struct RoundRecord {
 impl RoundRecord {
     /// Tokens this round emits, in order: the accepted nodes' tokens after the root, then the bonus.
     pub fn new_tokens(&self) -> Vec<u32> {
-        self.walk.path[1..].iter().map(|&n| self.tree.tokens[n]).chain([self.walk.bonus()]).collect()
+        self.walk.path[1..]
+            .iter()
+            .map(|&n| self.tree.tokens[n])
+            .chain([self.walk.bonus()])
+            .collect()
     }
 }
 
@@ -142,19 +154,44 @@ pub struct Session<'a> {
 
 impl<'a> Session<'a> {
     /// A session in `mode`. DDTree needs a drafter and a target with tap layers.
-    pub fn new(target: Box<dyn Target + 'a>, drafter: Option<Box<dyn Drafter + 'a>>, mode: Mode) -> Result<Session<'a>> {
+    pub fn new(
+        target: Box<dyn Target + 'a>,
+        drafter: Option<Box<dyn Drafter + 'a>>,
+        mode: Mode,
+    ) -> Result<Session<'a>> {
         if mode.drafts() {
-            ensure!(drafter.is_some(), "{mode:?} mode needs a drafter (the model directory has none; use --mode ar)");
-            ensure!(!target.info().tap_layers.is_empty(), "DDTree mode needs a target with tap layers");
+            ensure!(
+                drafter.is_some(),
+                "{mode:?} mode needs a drafter (the model directory has none; use --mode ar)"
+            );
+            ensure!(
+                !target.info().tap_layers.is_empty(),
+                "DDTree mode needs a target with tap layers"
+            );
         }
         let sampling = Sampling::greedy();
-        Ok(Session { target, drafter, mode, sampling, pending: None, last: None, probes: ProbeSet::default(), captured: Probes::default(), device_round: true, device_rounds: 0, device_steps: 0, auto: None })
+        Ok(Session {
+            target,
+            drafter,
+            mode,
+            sampling,
+            pending: None,
+            last: None,
+            probes: ProbeSet::default(),
+            captured: Probes::default(),
+            device_round: true,
+            device_rounds: 0,
+            device_steps: 0,
+            auto: None,
+        })
     }
 
     /// The cost model `Mode::DDTreeAuto` chooses budgets with (an error in any other mode, or for a model
     /// that fails [`CostModel::check`]).
     pub fn set_cost_model(&mut self, cost: CostModel) -> Result<()> {
-        let Mode::DDTreeAuto { max } = self.mode else { bail!("a cost model is only for --budget auto (mode {:?})", self.mode) };
+        let Mode::DDTreeAuto { max } = self.mode else {
+            bail!("a cost model is only for --budget auto (mode {:?})", self.mode)
+        };
         self.auto = Some(AutoBudget::new(max, cost)?);
         Ok(())
     }
@@ -212,7 +249,11 @@ impl<'a> Session<'a> {
             let parents: Vec<i32> = (0..prompt.len() as i32).map(|i| i - 1).collect();
             s.target.forward_rows(prompt, &parents, LogitRows::Last)
         })?;
-        ensure!(out.logits.len() == v, "target returned {} logits for the last prompt row, vocab {v}", out.logits.len());
+        ensure!(
+            out.logits.len() == v,
+            "target returned {} logits for the last prompt row, vocab {v}",
+            out.logits.len()
+        );
         let path: Vec<usize> = (0..prompt.len()).collect();
         self.target.commit(&path)?;
         if self.mode.drafts() {
@@ -226,7 +267,12 @@ impl<'a> Session<'a> {
     pub(crate) fn prefill_begin(&mut self, prompt: &[u32], sampling: &Sampling) -> Result<()> {
         ensure!(!prompt.is_empty(), "empty prompt");
         let info = self.target.info();
-        ensure!(prompt.len() <= info.max_positions, "prompt of {} tokens exceeds max_positions {}", prompt.len(), info.max_positions);
+        ensure!(
+            prompt.len() <= info.max_positions,
+            "prompt of {} tokens exceeds max_positions {}",
+            prompt.len(),
+            info.max_positions
+        );
         if let Some(bad) = prompt.iter().find(|&&t| t as usize >= info.vocab_size) {
             bail!("prompt token {bad} is outside the vocabulary of {}", info.vocab_size);
         }
@@ -253,14 +299,22 @@ impl<'a> Session<'a> {
             true => Some(self.drafter.as_deref_mut()? as &mut dyn Drafter),
             false => None,
         };
-        Some(PrefillItem { target: &mut *self.target, drafter, prompt })
+        Some(PrefillItem {
+            target: &mut *self.target,
+            drafter,
+            prompt,
+        })
     }
 
     /// The end of a prefill (the prompt committed, the drafter's context extended): the first token from the
     /// prompt's last-row logits.
     pub(crate) fn prefill_end(&mut self, logits: Vec<f32>) -> Result<u32> {
         let v = self.target.info().vocab_size;
-        ensure!(logits.len() == v, "{} logits for the last prompt row, vocab {v}", logits.len());
+        ensure!(
+            logits.len() == v,
+            "{} logits for the last prompt row, vocab {v}",
+            logits.len()
+        );
         // The first generated token sits right after the prompt (sampling.rs: draws keyed by position).
         let tok = sample(&logits, &self.sampling, self.target.committed());
         if self.probes.logits {
@@ -279,7 +333,11 @@ impl<'a> Session<'a> {
             Mode::Ar => self.traced(|s| s.ar_step(root))?,
             Mode::DDTree { budget } => self.traced(|s| s.ddtree_step(root, Some(budget)))?.0,
             Mode::DDTreeAuto { .. } => {
-                let budget = self.auto.as_ref().context("--budget auto needs a cost model (Session::set_cost_model)")?.budget();
+                let budget = self
+                    .auto
+                    .as_ref()
+                    .context("--budget auto needs a cost model (Session::set_cost_model)")?
+                    .budget();
                 let (e, log_q) = self.traced(|s| s.ddtree_step(root, Some(budget)))?;
                 self.auto.as_mut().context("auto budget state lost")?.update(&log_q);
                 e
@@ -303,7 +361,12 @@ impl<'a> Session<'a> {
     /// Bytes one position of this session's caches takes: the target's latent row and, when it drafts, the
     /// drafter's context row.
     pub fn row_bytes(&self) -> usize {
-        self.target.kv_row_bytes() + if self.mode.drafts() { self.drafter.as_ref().map_or(0, |d| d.ctx_row_bytes()) } else { 0 }
+        self.target.kv_row_bytes()
+            + if self.mode.drafts() {
+                self.drafter.as_ref().map_or(0, |d| d.ctx_row_bytes())
+            } else {
+                0
+            }
     }
 
     /// Cache rows (positions plus a step's scratch) a generation of `positions` committed positions reserves
@@ -344,7 +407,10 @@ impl<'a> Session<'a> {
     /// sequences, so the round keeps one shape; the tokens do not depend on the budget).
     pub(crate) fn batch_item(&mut self, auto: Option<usize>) -> Option<BatchItem<'_>> {
         let root = self.pending?;
-        if !self.device_round || self.probes != ProbeSet::default() || self.target.committed() >= self.target.info().max_positions {
+        if !self.device_round
+            || self.probes != ProbeSet::default()
+            || self.target.committed() >= self.target.info().max_positions
+        {
             return None;
         }
         let kind = match self.mode {
@@ -357,7 +423,13 @@ impl<'a> Session<'a> {
             true => Some(self.drafter.as_deref_mut()? as &mut dyn Drafter),
             false => None,
         };
-        Some(BatchItem { target: &mut *self.target, drafter, root, kind, sampling: &self.sampling })
+        Some(BatchItem {
+            target: &mut *self.target,
+            drafter,
+            root,
+            kind,
+            sampling: &self.sampling,
+        })
     }
 
     /// The step a batched step ran for this session (from committed length `start`, the [`Session::batch_item`]
@@ -365,9 +437,19 @@ impl<'a> Session<'a> {
     pub(crate) fn batched(&mut self, start: usize, out: BatchOut) -> Result<Emitted> {
         let emitted = match out {
             BatchOut::Token(tok) => {
-                ensure!(self.mode == Mode::Ar, "a batched AR token for a {:?} session", self.mode);
+                ensure!(
+                    self.mode == Mode::Ar,
+                    "a batched AR token for a {:?} session",
+                    self.mode
+                );
                 self.device_steps += 1;
-                Emitted { tokens: vec![tok], drafted: 0, accepted: 0, depth_limit: 0, budget: 0 }
+                Emitted {
+                    tokens: vec![tok],
+                    drafted: 0,
+                    accepted: 0,
+                    depth_limit: 0,
+                    budget: 0,
+                }
             }
             BatchOut::Round(r) => {
                 ensure!(self.mode.drafts(), "a batched round for an AR session");
@@ -395,19 +477,35 @@ impl<'a> Session<'a> {
         if self.device_round && !self.probes.logits && !self.probes.layers {
             if let Some(tok) = self.target.device_step(root, &self.sampling) {
                 self.device_steps += 1;
-                return Ok(Emitted { tokens: vec![tok?], drafted: 0, accepted: 0, depth_limit: 0, budget: 0 });
+                return Ok(Emitted {
+                    tokens: vec![tok?],
+                    drafted: 0,
+                    accepted: 0,
+                    depth_limit: 0,
+                    budget: 0,
+                });
             }
         }
         let v = self.target.info().vocab_size;
         let out = self.target.forward_rows(&[root], &[-1], LogitRows::All)?;
-        ensure!(out.logits.len() == v, "target returned {} logits for 1 token x vocab {v}", out.logits.len());
+        ensure!(
+            out.logits.len() == v,
+            "target returned {} logits for 1 token x vocab {v}",
+            out.logits.len()
+        );
         self.target.commit(&[0])?;
         // `root` now sits at committed − 1; the new token goes to position committed.
         let tok = sample(&out.logits, &self.sampling, self.target.committed());
         if self.probes.logits {
             self.captured.logits.push(out.logits);
         }
-        Ok(Emitted { tokens: vec![tok], drafted: 0, accepted: 0, depth_limit: 0, budget: 0 })
+        Ok(Emitted {
+            tokens: vec![tok],
+            drafted: 0,
+            accepted: 0,
+            depth_limit: 0,
+            budget: 0,
+        })
     }
 
     /// Room for a generation of `positions` committed positions (prompt + new tokens): the target's cache with
@@ -440,7 +538,10 @@ impl<'a> Session<'a> {
 
     /// One round; `budget` None = the chain. Also returns the popped nodes' scores (pop order).
     fn ddtree_step(&mut self, root: u32, budget: Option<usize>) -> Result<(Emitted, Vec<f64>)> {
-        let d = self.drafter.as_deref_mut().context("DDTree session without a drafter")?;
+        let d = self
+            .drafter
+            .as_deref_mut()
+            .context("DDTree session without a drafter")?;
         let rows = d.block_size().saturating_sub(1);
         if let (true, false) = (self.device_round, self.probes.rounds) {
             let r = match budget {
@@ -456,11 +557,23 @@ impl<'a> Session<'a> {
         let path = &rec.walk.path;
         self.target.commit(path)?;
         let nodes = rec.tree.len();
-        ensure!(!rec.verify.taps.is_empty() && rec.verify.taps.len().is_multiple_of(nodes), "target produced no drafter taps");
+        ensure!(
+            !rec.verify.taps.is_empty() && rec.verify.taps.len().is_multiple_of(nodes),
+            "target produced no drafter taps"
+        );
         let w = rec.verify.taps.len() / nodes;
-        let taps: Vec<f32> = path.iter().flat_map(|&n| rec.verify.taps[n * w..(n + 1) * w].iter().copied()).collect();
+        let taps: Vec<f32> = path
+            .iter()
+            .flat_map(|&n| rec.verify.taps[n * w..(n + 1) * w].iter().copied())
+            .collect();
         d.extend_context(&taps, path.len())?;
-        let e = Emitted { tokens: rec.new_tokens(), drafted: rec.tree.drafted(), accepted: rec.walk.accepted(), depth_limit: rec.draft_rows, budget: budget.unwrap_or(rows) };
+        let e = Emitted {
+            tokens: rec.new_tokens(),
+            drafted: rec.tree.drafted(),
+            accepted: rec.walk.accepted(),
+            depth_limit: rec.draft_rows,
+            budget: budget.unwrap_or(rows),
+        };
         let log_q = rec.tree.log_q[1..].to_vec();
         if self.probes.rounds {
             self.captured.rounds.push(rec);
@@ -492,7 +605,13 @@ impl<'a> Session<'a> {
 /// budget is its rows).
 fn round_emitted(r: DeviceRound, budget: Option<usize>) -> (Emitted, Vec<f64>) {
     let accepted = r.walk.accepted();
-    let e = Emitted { tokens: r.walk.decisions, drafted: r.drafted, accepted, depth_limit: r.draft_rows, budget: budget.unwrap_or(r.draft_rows) };
+    let e = Emitted {
+        tokens: r.walk.decisions,
+        drafted: r.drafted,
+        accepted,
+        depth_limit: r.draft_rows,
+        budget: budget.unwrap_or(r.draft_rows),
+    };
     (e, r.log_q)
 }
 
@@ -500,13 +619,27 @@ fn round_emitted(r: DeviceRound, budget: Option<usize>) -> (Emitted, Vec<f64>) {
 /// verify, walk (the decision at depth d draws the uniform of position committed + d + 1). Commits
 /// nothing. The tree depth is min(B−1, max_positions − 1 − committed).
 /// `budget` None: the chain (top-1 of each draft row, one path of the rows' length).
-fn ddtree_round(target: &mut dyn Target, drafter: &mut dyn Drafter, root: u32, budget: Option<usize>, sampling: &Sampling) -> Result<RoundRecord> {
+fn ddtree_round(
+    target: &mut dyn Target,
+    drafter: &mut dyn Drafter,
+    root: u32,
+    budget: Option<usize>,
+    sampling: &Sampling,
+) -> Result<RoundRecord> {
     let start = target.committed();
     let (v, max) = (target.info().vocab_size, target.info().max_positions);
-    ensure!(drafter.context_len() == start, "drafter context {} != target committed {start}", drafter.context_len());
+    ensure!(
+        drafter.context_len() == start,
+        "drafter context {} != target committed {start}",
+        drafter.context_len()
+    );
     let l = drafter.block_size() - 1;
     let draft = drafter.draft(root, start)?;
-    ensure!(draft.len() == l * v, "drafter returned {} logits, expected {l} rows x vocab {v}", draft.len());
+    ensure!(
+        draft.len() == l * v,
+        "drafter returned {} logits, expected {l} rows x vocab {v}",
+        draft.len()
+    );
     let rows = l.min(max - 1 - start);
     let draft_logits = draft[..rows * v].to_vec();
     let tree = match budget {
@@ -514,16 +647,31 @@ fn ddtree_round(target: &mut dyn Target, drafter: &mut dyn Drafter, root: u32, b
         None => build_tree_from_top_k(root, &top_k_log_probs(&draft_logits, rows, v, 1), rows),
     };
     let verify = target.forward_rows(&tree.tokens, &tree.parents, LogitRows::All)?;
-    ensure!(verify.logits.len() == tree.len() * v, "target returned {} logits for {} nodes x vocab {v}", verify.logits.len(), tree.len());
+    ensure!(
+        verify.logits.len() == tree.len() * v,
+        "target returned {} logits for {} nodes x vocab {v}",
+        verify.logits.len(),
+        tree.len()
+    );
     let walk = walk_sampled(&tree, &verify.logits, v, sampling, start);
-    Ok(RoundRecord { start, draft_rows: rows, draft_logits, tree, verify, walk })
+    Ok(RoundRecord {
+        start,
+        draft_rows: rows,
+        draft_logits,
+        tree,
+        verify,
+        walk,
+    })
 }
 
 impl crate::Loaded {
     /// A session over this model in `mode` (borrows the model; one session at a time).
     pub fn session(&mut self, mode: Mode) -> Result<Session<'_>> {
         let d = match mode.drafts() {
-            true => self.drafter.as_deref_mut().map(|d| Box::new(d) as Box<dyn Drafter + '_>),
+            true => self
+                .drafter
+                .as_deref_mut()
+                .map(|d| Box::new(d) as Box<dyn Drafter + '_>),
             false => None,
         };
         Session::new(Box::new(&mut *self.target), d, mode)

@@ -54,20 +54,33 @@ fn batched(m: &Loaded, cases: &[Case], slots: usize, kv_bytes: Option<usize>) ->
         let peak_now = *r.borrow();
         let mut p = p.borrow_mut();
         *p = (*p).max(peak_now);
-        Some((i, Job { req: c.req, on_tokens: Box::new(callback(c.callback_stop)) }))
+        Some((
+            i,
+            Job {
+                req: c.req,
+                on_tokens: Box::new(callback(c.callback_stop)),
+            },
+        ))
     };
     let o = outs.clone();
     let r = running.clone();
     let mut done = |i: usize, out: anyhow::Result<GenOutput>| {
         *r.borrow_mut() -= 1;
-        assert!(o.borrow_mut().insert(i, out.map_err(|e| format!("{e:#}"))).is_none(), "request {i} finished twice");
+        assert!(
+            o.borrow_mut().insert(i, out.map_err(|e| format!("{e:#}"))).is_none(),
+            "request {i} finished twice"
+        );
         Ok(())
     };
     generate_batch(&mut batch, &mut next, &mut done).unwrap();
     let outs = std::mem::take(&mut *outs.borrow_mut());
     assert_eq!(outs.len(), cases.len(), "every request finishes once");
     let peak = *peak.borrow();
-    (outs.into_values().collect(), (batch.batched_steps, batch.batched_slot_steps, batch.alone_steps), peak)
+    (
+        outs.into_values().collect(),
+        (batch.batched_steps, batch.batched_slot_steps, batch.alone_steps),
+        peak,
+    )
 }
 
 fn same(a: &GenOutput, b: &GenOutput) -> bool {
@@ -77,13 +90,43 @@ fn same(a: &GenOutput, b: &GenOutput) -> bool {
 /// The requests of one mode: prompts of 1..12 tokens, greedy and two sampled settings, max_tokens 1..40, a
 /// stop token that the alone run emits mid-way (inside an accepted path in DDTree mode), a callback stop.
 fn cases(m: &mut Loaded, mode: Mode) -> Vec<Case> {
-    let prompts: [&[u32]; 6] = [&[1, 17, 305, 42, 7, 900, 12, 3, 64, 5, 2000, 11], &[400, 401, 402, 9], &[5], &[88, 99, 1000, 3, 3, 3, 77], &[2, 4, 6, 8, 10], &[1234, 17]];
-    let settings = [Sampling::greedy(), Sampling { temperature: 1.0, top_p: 1.0, top_k: 0, seed: 5 }, Sampling { temperature: 0.7, top_p: 0.9, top_k: 40, seed: 9 }];
+    let prompts: [&[u32]; 6] = [
+        &[1, 17, 305, 42, 7, 900, 12, 3, 64, 5, 2000, 11],
+        &[400, 401, 402, 9],
+        &[5],
+        &[88, 99, 1000, 3, 3, 3, 77],
+        &[2, 4, 6, 8, 10],
+        &[1234, 17],
+    ];
+    let settings = [
+        Sampling::greedy(),
+        Sampling {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: 5,
+        },
+        Sampling {
+            temperature: 0.7,
+            top_p: 0.9,
+            top_k: 40,
+            seed: 9,
+        },
+    ];
     let mut out = Vec::new();
     for (i, p) in prompts.iter().enumerate() {
         let v = m.info().vocab_size as u32;
-        let req = GenRequest { prompt: p.iter().map(|&t| t % v).collect(), max_tokens: [40, 24, 1, 33, 17, 40][i], stop_token_ids: vec![], sampling: settings[i % 3].clone(), mode };
-        out.push(Case { req, callback_stop: None });
+        let req = GenRequest {
+            prompt: p.iter().map(|&t| t % v).collect(),
+            max_tokens: [40, 24, 1, 33, 17, 40][i],
+            stop_token_ids: vec![],
+            sampling: settings[i % 3].clone(),
+            mode,
+        };
+        out.push(Case {
+            req,
+            callback_stop: None,
+        });
     }
     // A stop token taken from the middle of an alone run (greedy): the batched run must cut at the same place.
     let probe = alone(m, &out[..1]);
@@ -104,21 +147,42 @@ fn batched_generation_equals_one_by_one_on_the_cpu() {
     let tmp = tempfile::tempdir().unwrap();
     convert(&pair_dir(), &tmp.path().join("pair1"), 1);
     let mut m = open(&tmp.path().join("pair1"), Device::Cpu).unwrap();
-    for mode in [Mode::Ar, Mode::DDTree { budget: 8 }, Mode::DDTree { budget: 32 }, Mode::Chain] {
+    for mode in [
+        Mode::Ar,
+        Mode::DDTree { budget: 8 },
+        Mode::DDTree { budget: 32 },
+        Mode::Chain,
+    ] {
         let cases = cases(&mut m, mode);
         let want = alone(&mut m, &cases);
-        assert_eq!(want[6].finish_reason, FinishReason::Stop, "{mode:?}: the stop-token case stops");
-        assert_eq!(want[7].finish_reason, FinishReason::Callback, "{mode:?}: the callback case stops");
+        assert_eq!(
+            want[6].finish_reason,
+            FinishReason::Stop,
+            "{mode:?}: the stop-token case stops"
+        );
+        assert_eq!(
+            want[7].finish_reason,
+            FinishReason::Callback,
+            "{mode:?}: the callback case stops"
+        );
         for slots in [1, 3, 8] {
             let (got, (steps, slot_steps, alone_steps), peak) = batched(&m, &cases, slots, None);
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                let g = g.as_ref().unwrap_or_else(|e| panic!("{mode:?} batch {slots}: request {i} failed: {e}"));
+                let g = g
+                    .as_ref()
+                    .unwrap_or_else(|e| panic!("{mode:?} batch {slots}: request {i} failed: {e}"));
                 assert!(same(g, w), "{mode:?} batch {slots}: request {i} differs from its run alone:\n batched {:?} {:?}\n alone   {:?} {:?}", g.tokens, g.finish_reason, w.tokens, w.finish_reason);
             }
             // (One request has max_tokens 1: it ends at its prefill, so it may never run beside all the others.)
-            assert!(peak <= slots && peak >= slots.min(cases.len() - 1), "{mode:?} batch {slots}: {peak} sequences at once: slots refilled as sequences finish");
+            assert!(
+                peak <= slots && peak >= slots.min(cases.len() - 1),
+                "{mode:?} batch {slots}: {peak} sequences at once: slots refilled as sequences finish"
+            );
             if slots > 1 {
-                assert!(steps > 0 && slot_steps >= 2 * steps, "{mode:?} batch {slots}: {steps} batched steps over {slot_steps} slot-steps ({alone_steps} alone)");
+                assert!(
+                    steps > 0 && slot_steps >= 2 * steps,
+                    "{mode:?} batch {slots}: {steps} batched steps over {slot_steps} slot-steps ({alone_steps} alone)"
+                );
             }
             eprintln!("{mode:?} batch {slots}: {} requests equal; {steps} batched steps ({slot_steps} slot-steps), {alone_steps} alone", cases.len());
         }
@@ -137,7 +201,10 @@ fn batched_generation_equals_one_by_one_over_two_ranks() {
         let (got, (steps, ..), _) = batched(&m, &cases, 4, None);
         assert!(steps > 0);
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert!(same(g.as_ref().unwrap(), w), "{mode:?}: request {i} differs from its run alone");
+            assert!(
+                same(g.as_ref().unwrap(), w),
+                "{mode:?}: request {i} differs from its run alone"
+            );
         }
     }
 }
@@ -156,19 +223,30 @@ fn kv_admission_serialises_what_does_not_fit_and_refuses_what_never_fits() {
     let one = row * kdtree_engine::batch::alloc_rows(64);
     let (got, _, _) = batched(&m, &cases, 4, Some(one));
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-        assert!(same(g.as_ref().unwrap(), w), "request {i} differs under a one-sequence KV budget");
+        assert!(
+            same(g.as_ref().unwrap(), w),
+            "request {i} differs under a one-sequence KV budget"
+        );
     }
     // Two sequences' worth: at most two run at once, and the outputs are still the same.
     let (got, _, peak) = batched(&m, &cases, 4, Some(2 * one));
     assert!(got.iter().zip(&want).all(|(g, w)| same(g.as_ref().unwrap(), w)));
-    assert!(peak <= 2 + 1, "admission lets at most two sequences hold KV (peak {peak} counts the one waiting)");
+    assert!(
+        peak <= 2 + 1,
+        "admission lets at most two sequences hold KV (peak {peak} counts the one waiting)"
+    );
     // A request that can never fit fails alone, with both sizes named; the others still run.
     cases[2].req.max_tokens = 100_000;
     let (got, _, _) = batched(&m, &cases, 4, Some(2 * one));
-    let err = got[2].as_ref().expect_err("a sequence larger than the KV budget is refused");
+    let err = got[2]
+        .as_ref()
+        .expect_err("a sequence larger than the KV budget is refused");
     assert!(err.contains("of KV cache") && err.contains("KV memory is"), "{err}");
     for (i, (g, w)) in got.iter().zip(&want).enumerate().filter(|(i, _)| *i != 2) {
-        assert!(same(g.as_ref().unwrap(), w), "request {i} differs next to a refused one");
+        assert!(
+            same(g.as_ref().unwrap(), w),
+            "request {i} differs next to a refused one"
+        );
     }
 }
 
@@ -180,7 +258,13 @@ fn batched_auto_budget_gives_the_alone_tokens() {
     let tmp = tempfile::tempdir().unwrap();
     convert(&pair_dir(), &tmp.path().join("pair1"), 1);
     let mut m = open(&tmp.path().join("pair1"), Device::Cpu).unwrap();
-    let cost = CostModel { schema: COST_SCHEMA, device: "test".into(), draft_us: 100.0, verify: vec![(1, 4.0), (257, 1028.0)], note: String::new() };
+    let cost = CostModel {
+        schema: COST_SCHEMA,
+        device: "test".into(),
+        draft_us: 100.0,
+        verify: vec![(1, 4.0), (257, 1028.0)],
+        note: String::new(),
+    };
     let mode = Mode::DDTreeAuto { max: 64 };
     let cases: Vec<Case> = cases(&mut m, Mode::DDTree { budget: 8 })
         .into_iter()
@@ -203,13 +287,31 @@ fn batched_auto_budget_gives_the_alone_tokens() {
     }
     let mut it = cases.iter().cloned().enumerate();
     let mut got: BTreeMap<usize, GenOutput> = BTreeMap::new();
-    generate_batch(&mut batch, &mut || it.next().map(|(i, c)| (i, Job { req: c.req, on_tokens: Box::new(callback(c.callback_stop)) })), &mut |i, out| {
-        got.insert(i, out?);
-        Ok(())
-    })
+    generate_batch(
+        &mut batch,
+        &mut || {
+            it.next().map(|(i, c)| {
+                (
+                    i,
+                    Job {
+                        req: c.req,
+                        on_tokens: Box::new(callback(c.callback_stop)),
+                    },
+                )
+            })
+        },
+        &mut |i, out| {
+            got.insert(i, out?);
+            Ok(())
+        },
+    )
     .unwrap();
     assert!(batch.batched_steps > 0);
     for (i, w) in want.iter().enumerate() {
-        assert_eq!((&got[&i].tokens, got[&i].finish_reason), (&w.tokens, w.finish_reason), "request {i}: batched auto differs from alone");
+        assert_eq!(
+            (&got[&i].tokens, got[&i].finish_reason),
+            (&w.tokens, w.finish_reason),
+            "request {i}: batched auto differs from alone"
+        );
     }
 }

@@ -24,14 +24,22 @@ const ROTATE_BYTES: usize = 256 << 20;
 /// (each replay between its own CUDA events) after one warm-up replay: per-call time with no launch gaps.
 fn time_graph_median_ms(g: &Gpu, iters: usize, replays: usize, mut f: impl FnMut(usize)) -> f64 {
     use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-    g.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+    g.stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .unwrap();
     for i in 0..iters {
         f(i);
     }
-    let graph = g.stream.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("captured graph");
+    let graph = g
+        .stream
+        .end_capture(CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("captured graph");
     graph.upload().unwrap();
     graph.launch().unwrap();
-    let mut v: Vec<f64> = (0..replays).map(|_| time_ms(g, 0, 1, |_| graph.launch().unwrap()) / iters as f64).collect();
+    let mut v: Vec<f64> = (0..replays)
+        .map(|_| time_ms(g, 0, 1, |_| graph.launch().unwrap()) / iters as f64)
+        .collect();
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
@@ -41,7 +49,11 @@ fn time_graph_median_ms(g: &Gpu, iters: usize, replays: usize, mut f: impl FnMut
 fn w4a16_bandwidth() {
     let Some(g) = gpu() else { return };
     let copy = copy_gbps(&g);
-    println!("\nBENCH device {} copy {:.0} GB/s (read+write, 1 GiB memcpy_dtod)", g.describe(), copy);
+    println!(
+        "\nBENCH device {} copy {:.0} GB/s (read+write, 1 GiB memcpy_dtod)",
+        g.describe(),
+        copy
+    );
     let mut r = rng(2000);
     for &(n, k) in &[(4096usize, 7168usize), (7168, 2048), (512, 7168), (7168, 256)] {
         let bytes = n * k / 2 + n * k / 32 * 2;
@@ -60,7 +72,9 @@ fn w4a16_bandwidth() {
             g.set_w4a16_max_splits(64);
             let widest = ops::w4a16_gemm::plan_dense(&g, m, n, k);
             g.set_w4a16_max_splits(cap0);
-            let mut ws = g.zeros::<f32>(plan.workspace_len(m, n).max(widest.workspace_len(m, n))).unwrap();
+            let mut ws = g
+                .zeros::<f32>(plan.workspace_len(m, n).max(widest.workspace_len(m, n)))
+                .unwrap();
             let mut out = g.zeros::<bf16>(m * n).unwrap();
             let (eb, es) = (n * k / 2, n * k / 32);
             let mut call = |i: usize| {
@@ -133,11 +147,25 @@ fn w4a16_bandwidth() {
                 g.set_gemv(gemv);
                 let ms = time_graph_median_ms(&g, 4 * wcopies.max(10), 5, |i| {
                     let c = i % wcopies;
-                    ops::gemm_bf16::gemm_bf16(&g, &dx.as_view(), &wb.slice(c * wsz..(c + 1) * wsz), &mut y.as_view_mut(), m, k, n).unwrap();
+                    ops::gemm_bf16::gemm_bf16(
+                        &g,
+                        &dx.as_view(),
+                        &wb.slice(c * wsz..(c + 1) * wsz),
+                        &mut y.as_view_mut(),
+                        m,
+                        k,
+                        n,
+                    )
+                    .unwrap();
                 });
                 let gbps = (2 * n * k) as f64 / (ms * 1e-3) / 1e9;
                 let what = if gemv { "gemv" } else { "cublas" };
-                println!("BENCH gemm_bf16 N={n} K={k} M={m} {what} graph {:.2} us {:.0} GB/s {:.0}% of copy", ms * 1e3, gbps, 100.0 * gbps / copy);
+                println!(
+                    "BENCH gemm_bf16 N={n} K={k} M={m} {what} graph {:.2} us {:.0} GB/s {:.0}% of copy",
+                    ms * 1e3,
+                    gbps,
+                    100.0 * gbps / copy
+                );
             }
             g.set_gemv(false);
         }
@@ -154,7 +182,9 @@ fn w4a16_bandwidth() {
         let p = t * top_k;
         let sets: Vec<_> = (0..4)
             .map(|s| {
-                let ids: Vec<i32> = (0..p).map(|q| ((s * 8 + q % 8) as i32 + (q / 8) as i32) % e as i32).collect();
+                let ids: Vec<i32> = (0..p)
+                    .map(|q| ((s * 8 + q % 8) as i32 + (q / 8) as i32) % e as i32)
+                    .collect();
                 g.upload(&ids).unwrap()
             })
             .collect();
@@ -178,7 +208,13 @@ fn w4a16_bandwidth() {
             )
             .unwrap();
             let (sv, tv, nv) = (sorted.as_view(), tiles.as_view(), nt.as_view());
-            let routing = ops::w4a16_gemm::Routing { sorted: &sv, tiles: &tv, max_tiles: mt, n_tiles: &nv, tile_rows: plan.tile_rows() };
+            let routing = ops::w4a16_gemm::Routing {
+                sorted: &sv,
+                tiles: &tv,
+                max_tiles: mt,
+                n_tiles: &nv,
+                tile_rows: plan.tile_rows(),
+            };
             ops::w4a16_gemm::moe_w4a16_gemm(
                 &g,
                 &x.as_view(),
@@ -216,21 +252,56 @@ fn sample_rows_time() {
     let mut r = rng(2100);
     for &rows in &[65usize, 257] {
         let dx = g.upload(&rand_f32(&mut r, rows * v, -8.0, 8.0)).unwrap();
-        let dd = g.upload(&(0..rows as u32).map(|i| i % 8).collect::<Vec<u32>>()).unwrap();
+        let dd = g
+            .upload(&(0..rows as u32).map(|i| i % 8).collect::<Vec<u32>>())
+            .unwrap();
         let mut out = g.zeros::<u32>(rows).unwrap();
         let settings = [
-            ("T=1,top_p=0.9", Sampling { temperature: 1.0, top_p: 0.9, top_k: 0, seed: 1 }),
-            ("T=1,top_k=50", Sampling { temperature: 1.0, top_p: 1.0, top_k: 50, seed: 1 }),
+            (
+                "T=1,top_p=0.9",
+                Sampling {
+                    temperature: 1.0,
+                    top_p: 0.9,
+                    top_k: 0,
+                    seed: 1,
+                },
+            ),
+            (
+                "T=1,top_k=50",
+                Sampling {
+                    temperature: 1.0,
+                    top_p: 1.0,
+                    top_k: 50,
+                    seed: 1,
+                },
+            ),
             ("greedy", Sampling::greedy()),
         ];
         for (name, s) in settings {
             let mut call = |_: usize| {
-                ops::sample_rows::sample_rows(&g, &dx.as_view(), rows, v, v, &s, 1000, None, Some(&dd.as_view()), &mut out.as_view_mut()).unwrap()
+                ops::sample_rows::sample_rows(
+                    &g,
+                    &dx.as_view(),
+                    rows,
+                    v,
+                    v,
+                    &s,
+                    1000,
+                    None,
+                    Some(&dd.as_view()),
+                    &mut out.as_view_mut(),
+                )
+                .unwrap()
             };
             let eager = time_ms(&g, 3, 20, &mut call);
             let ms = time_graph_ms(&g, 20, &mut call);
             let gbps = (rows * v * 4) as f64 / (ms * 1e-3) / 1e9;
-            println!("BENCH sample_rows rows={rows} V={v} {name} graph {:.2} us {:.0} GB/s of logits (eager {:.2} us)", ms * 1e3, gbps, eager * 1e3);
+            println!(
+                "BENCH sample_rows rows={rows} V={v} {name} graph {:.2} us {:.0} GB/s of logits (eager {:.2} us)",
+                ms * 1e3,
+                gbps,
+                eager * 1e3
+            );
         }
     }
 }
@@ -238,7 +309,9 @@ fn sample_rows_time() {
 /// bf16 weights `[copies, n, k]` rotated over >= ROTATE_BYTES.
 fn bf16_weights(g: &Gpu, r: &mut rand_chacha::ChaCha8Rng, n: usize, k: usize) -> cudarc::driver::CudaSlice<bf16> {
     let copies = ROTATE_BYTES.div_ceil(2 * n * k).max(2);
-    let w: Vec<bf16> = (0..copies * n * k).map(|_| bf16::from_bits(0x3c00 | (r.next_u32() as u16 & 0x80ff))).collect();
+    let w: Vec<bf16> = (0..copies * n * k)
+        .map(|_| bf16::from_bits(0x3c00 | (r.next_u32() as u16 & 0x80ff)))
+        .collect();
     g.upload(&w).unwrap()
 }
 
@@ -258,42 +331,37 @@ fn ddtree_tree_stages() {
     // "exact ties": two dominant tokens of equal logit per row (every node has a tied score: the builder's
     // tie order decides each pop); "distinct": the second dominant token half a nat lower (no ties).
     for (data, second) in [("exact ties", 14.0f32), ("distinct", 13.5)] {
-    let mut logits: Vec<f32> = (0..rows * v)
-        .map(|_| r.random_range(-4.0f32..4.0))
-        .collect();
-    for d in 0..rows {
-        let a = r.random_range(0..v);
-        logits[d * v + a] = 14.0;
-        logits[d * v + (a + 1 + r.random_range(0..v - 1)) % v] = second;
-    }
-    let dl = g.upload(&logits).unwrap();
-    for budget in [64usize, 256, 1024] {
-        let mut dt = DeviceTree::new(&g, budget, rows, v).unwrap();
-        dt.set_bonus(&g, 11).unwrap();
-        let verify: Vec<f32> = (0..(budget + 1) * v)
-            .map(|_| r.random_range(-4.0f32..4.0))
-            .collect();
-        let dv = g.upload(&verify).unwrap();
-        let (k, n) = (dt.k, budget + 1);
-        let topk = time_ms(&g, 3, 20, |_| {
-            let (mut lp, mut tok) = (dt.lp.as_view_mut(), dt.tok.as_view_mut());
-            ops::topk_logprobs::topk_logprobs(&g, &dl.as_view(), rows, v, v, k, &mut lp, &mut tok, &mut dt.topk)
-                .unwrap()
-        });
-        let build = time_ms(&g, 3, 20, |_| dt.build_from_top_k(&g).unwrap());
-        let mask = time_ms(&g, 3, 20, |_| {
-            let (p, nn) = (dt.parents.as_view(), dt.n_nodes.as_view());
-            ops::visibility::visibility(&g, &p, Some(&nn), n, dt.words, &mut dt.mask.bits.as_view_mut())
-                .unwrap()
-        });
-        let walk = time_ms(&g, 3, 20, |_| dt.walk_greedy(&g, &dv.as_view(), v).unwrap());
-        let chain = time_graph_ms(&g, 10, |_| {
-            dt.build(&g, &dl.as_view(), v).unwrap();
-            dt.walk_greedy(&g, &dv.as_view(), v).unwrap();
-        });
-        let t = dt.to_host(&g).unwrap();
-        let depth = t.depths.iter().max().copied().unwrap_or(0);
-        println!(
+        let mut logits: Vec<f32> = (0..rows * v).map(|_| r.random_range(-4.0f32..4.0)).collect();
+        for d in 0..rows {
+            let a = r.random_range(0..v);
+            logits[d * v + a] = 14.0;
+            logits[d * v + (a + 1 + r.random_range(0..v - 1)) % v] = second;
+        }
+        let dl = g.upload(&logits).unwrap();
+        for budget in [64usize, 256, 1024] {
+            let mut dt = DeviceTree::new(&g, budget, rows, v).unwrap();
+            dt.set_bonus(&g, 11).unwrap();
+            let verify: Vec<f32> = (0..(budget + 1) * v).map(|_| r.random_range(-4.0f32..4.0)).collect();
+            let dv = g.upload(&verify).unwrap();
+            let (k, n) = (dt.k, budget + 1);
+            let topk = time_ms(&g, 3, 20, |_| {
+                let (mut lp, mut tok) = (dt.lp.as_view_mut(), dt.tok.as_view_mut());
+                ops::topk_logprobs::topk_logprobs(&g, &dl.as_view(), rows, v, v, k, &mut lp, &mut tok, &mut dt.topk)
+                    .unwrap()
+            });
+            let build = time_ms(&g, 3, 20, |_| dt.build_from_top_k(&g).unwrap());
+            let mask = time_ms(&g, 3, 20, |_| {
+                let (p, nn) = (dt.parents.as_view(), dt.n_nodes.as_view());
+                ops::visibility::visibility(&g, &p, Some(&nn), n, dt.words, &mut dt.mask.bits.as_view_mut()).unwrap()
+            });
+            let walk = time_ms(&g, 3, 20, |_| dt.walk_greedy(&g, &dv.as_view(), v).unwrap());
+            let chain = time_graph_ms(&g, 10, |_| {
+                dt.build(&g, &dl.as_view(), v).unwrap();
+                dt.walk_greedy(&g, &dv.as_view(), v).unwrap();
+            });
+            let t = dt.to_host(&g).unwrap();
+            let depth = t.depths.iter().max().copied().unwrap_or(0);
+            println!(
             "BENCH ddtree_tree ({data}) budget={budget} rows={rows} V={v}: topk {:.1} us ({} blocks per row), build(+mask) {:.1} us, mask {:.1} us, walk(argmax {n} rows + walk) {:.1} us; graph(topk+build+mask+argmax+walk, 7 kernels) {:.1} us; tree depth {depth}",
             topk * 1e3,
             dt.topk.splits,
@@ -302,7 +370,7 @@ fn ddtree_tree_stages() {
             walk * 1e3,
             chain * 1e3
         );
-    }
+        }
     }
 }
 
@@ -311,11 +379,18 @@ fn ddtree_tree_stages() {
 #[allow(clippy::type_complexity)]
 fn pair_on(
     g: &std::sync::Arc<Gpu>,
-) -> (tempfile::TempDir, std::sync::Arc<dyn kdtree_engine::model::TensorSource>, kdtree_engine::cuda::CudaBackend, std::sync::Arc<kdtree_engine::model::Weights<kdtree_engine::cuda::CudaBackend>>, Vec<usize>) {
+) -> (
+    tempfile::TempDir,
+    std::sync::Arc<dyn kdtree_engine::model::TensorSource>,
+    kdtree_engine::cuda::CudaBackend,
+    std::sync::Arc<kdtree_engine::model::Weights<kdtree_engine::cuda::CudaBackend>>,
+    Vec<usize>,
+) {
     use kdtree_engine::model::{TensorSource, Weights};
     let tmp = tempfile::tempdir().unwrap();
     round_common::convert(&round_common::pair_dir(), &tmp.path().join("pair1"), 1);
-    let src: std::sync::Arc<dyn TensorSource> = std::sync::Arc::new(kdtree_formats::ModelDir::open(tmp.path().join("pair1")).unwrap());
+    let src: std::sync::Arc<dyn TensorSource> =
+        std::sync::Arc::new(kdtree_formats::ModelDir::open(tmp.path().join("pair1")).unwrap());
     let b = kdtree_engine::cuda::CudaBackend::new(g.clone());
     let w = std::sync::Arc::new(Weights::load_on(b.clone(), src.clone()).unwrap());
     let taps = src.drafter_config().unwrap().dflash_config.target_layer_ids.clone();
@@ -347,7 +422,8 @@ fn ddtree_round_stages() {
         // A prompt and three rounds, through a session over the borrowed parts; then the stages by hand.
         let root = {
             let mut s = Session::new(Box::new(&mut t), Some(Box::new(&mut d)), Mode::DDTree { budget }).unwrap();
-            s.prefill(&[1, 17, 305, 42, 7, 900, 12, 3, 64, 5, 2000, 11], &Sampling::greedy()).unwrap();
+            s.prefill(&[1, 17, 305, 42, 7, 900, 12, 3, 64, 5, 2000, 11], &Sampling::greedy())
+                .unwrap();
             let mut last = 0;
             for _ in 0..3 {
                 last = *s.step().unwrap().tokens.last().unwrap();
@@ -355,8 +431,17 @@ fn ddtree_round_stages() {
             last
         };
         let rows = d.block_size() - 1;
-        let mut tree = b.tree_new(budget, rows, t.info().vocab_size, budget.min(t.info().vocab_size)).unwrap();
-        let names = ["draft", "top-K+tree+mask", "verify", "decide+walk", "commit", "read back"];
+        let mut tree = b
+            .tree_new(budget, rows, t.info().vocab_size, budget.min(t.info().vocab_size))
+            .unwrap();
+        let names = [
+            "draft",
+            "top-K+tree+mask",
+            "verify",
+            "decide+walk",
+            "commit",
+            "read back",
+        ];
         let mut ms: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
         for _ in 0..20 {
             let start = t.committed();
@@ -391,7 +476,9 @@ fn ddtree_round_stages() {
             for i in 0..21 {
                 let start = t.committed();
                 let e0 = g.stream.record_event(flags).unwrap();
-                t.device_round(&mut d, root, budget, &Sampling::greedy()).unwrap().unwrap();
+                t.device_round(&mut d, root, budget, &Sampling::greedy())
+                    .unwrap()
+                    .unwrap();
                 let e1 = g.stream.record_event(flags).unwrap();
                 e1.synchronize().unwrap();
                 if i > 0 {
@@ -403,15 +490,26 @@ fn ddtree_round_stages() {
             v
         };
         let (mut eager, mut captured) = (whole(false), whole(true));
-        let census = g.last_graph().map(|c| c.to_string()).unwrap_or_else(|| "no graph captured".into());
+        let census = g
+            .last_graph()
+            .map(|c| c.to_string())
+            .unwrap_or_else(|| "no graph captured".into());
         b.set_graphs(true);
         let med = |v: &mut Vec<f64>| {
             v.sort_by(f64::total_cmp);
             v[v.len() / 2]
         };
-        let parts: Vec<String> = names.iter().zip(ms.iter_mut()).map(|(n, v)| format!("{n} {:.1} us", med(v) * 1e3)).collect();
+        let parts: Vec<String> = names
+            .iter()
+            .zip(ms.iter_mut())
+            .map(|(n, v)| format!("{n} {:.1} us", med(v) * 1e3))
+            .collect();
         let total: f64 = ms.iter_mut().map(med).sum();
-        println!("BENCH ddtree_round_stages kdtree-tiny pair budget={budget}: {}; sum {:.1} us", parts.join(", "), total * 1e3);
+        println!(
+            "BENCH ddtree_round_stages kdtree-tiny pair budget={budget}: {}; sum {:.1} us",
+            parts.join(", "),
+            total * 1e3
+        );
         println!(
             "BENCH ddtree_round kdtree-tiny pair budget={budget}: whole round eager {:.1} us, one CUDA graph {:.1} us (median of 20, host read included); the graph: {census}",
             med(&mut eager) * 1e3,
@@ -438,7 +536,11 @@ fn step_busy() {
     let (_tmp, src, b, w, taps) = pair_on(&g);
     let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
     let profile = std::env::var("KDTREE_PROFILE").unwrap_or_default();
-    for (tag, mode) in [("ar", Mode::Ar), ("dd16", Mode::DDTree { budget: 16 }), ("dd64", Mode::DDTree { budget: 64 })] {
+    for (tag, mode) in [
+        ("ar", Mode::Ar),
+        ("dd16", Mode::DDTree { budget: 16 }),
+        ("dd64", Mode::DDTree { budget: 64 }),
+    ] {
         if !profile.is_empty() && profile != tag {
             continue;
         }
@@ -446,11 +548,15 @@ fn step_busy() {
         let mut d = DFlashDrafter::load_on(b.clone(), &*src, w.clone()).unwrap();
         let mut s = Session::new(Box::new(&mut t), Some(Box::new(&mut d)), mode).unwrap();
         s.reserve(4096).unwrap();
-        s.prefill(&[1, 17, 305, 42, 7, 900, 12, 3, 64, 5, 2000, 11], &Sampling::greedy()).unwrap();
+        s.prefill(&[1, 17, 305, 42, 7, 900, 12, 3, 64, 5, 2000, 11], &Sampling::greedy())
+            .unwrap();
         for _ in 0..3 {
             s.step().unwrap(); // the first one captures
         }
-        let census = g.last_graph().map(|c| c.to_string()).unwrap_or_else(|| "no graph".into());
+        let census = g
+            .last_graph()
+            .map(|c| c.to_string())
+            .unwrap_or_else(|| "no graph".into());
         if !profile.is_empty() {
             g.profiled(|| s.step().unwrap()).unwrap();
             println!("BENCH step_busy {tag}: one replay profiled; the graph: {census}");

@@ -17,7 +17,13 @@ use kdtree_engine::{Loaded, Mode};
 use std::sync::Arc;
 
 fn steps(g: &Arc<kdtree_engine::cuda::Gpu>, m: &Loaded, model: &str) {
-    steps_at(g, m, model, &[1, 4, 16, 64], &[("ar", Mode::Ar), ("dd16", Mode::DDTree { budget: 16 })]);
+    steps_at(
+        g,
+        m,
+        model,
+        &[1, 4, 16, 64],
+        &[("ar", Mode::Ar), ("dd16", Mode::DDTree { budget: 16 })],
+    );
 }
 
 fn steps_at(g: &Arc<kdtree_engine::cuda::Gpu>, m: &Loaded, model: &str, sizes: &[usize], modes: &[(&str, Mode)]) {
@@ -32,7 +38,9 @@ fn steps_at(g: &Arc<kdtree_engine::cuda::Gpu>, m: &Loaded, model: &str, sizes: &
             }
             let mut batch = m.batch(mode, n, None).unwrap();
             for i in 0..n {
-                let prompt: Vec<u32> = (0..16 + (i % 5) as u32 * 6).map(|j| (j * 7919 + 11 * i as u32 + 1) % v).collect();
+                let prompt: Vec<u32> = (0..16 + (i % 5) as u32 * 6)
+                    .map(|j| (j * 7919 + 11 * i as u32 + 1) % v)
+                    .collect();
                 let s = batch.session(i);
                 s.reserve(prompt.len() + 64).unwrap();
                 s.prefill(&prompt, &Sampling::greedy()).unwrap();
@@ -41,7 +49,10 @@ fn steps_at(g: &Arc<kdtree_engine::cuda::Gpu>, m: &Loaded, model: &str, sizes: &
             for _ in 0..3 {
                 batch.step(&all).unwrap();
             }
-            let census = g.last_graph().map(|c| c.to_string()).unwrap_or_else(|| "no graph".into());
+            let census = g
+                .last_graph()
+                .map(|c| c.to_string())
+                .unwrap_or_else(|| "no graph".into());
             if !profile.is_empty() {
                 g.profiled(|| batch.step(&all).unwrap()).unwrap();
                 println!("BENCH batch_step {name}: one step profiled; the graph: {census}");
@@ -92,8 +103,19 @@ fn batch_steps_k26_slice() {
     let Some(g) = cuda_common::gpu() else { return };
     let g = Arc::new(g);
     let p = kdtree_convert::synth::resolve("k26-slice", Some(3)).unwrap();
-    let (c, d) = (kdtree_convert::synth::configs::model_config(&p).to_string(), kdtree_convert::synth::configs::drafter_config(&p).to_string());
-    let src = DummySource::from_json("k26-slice/config.json", &c, Some(("k26-slice/drafter/config.json", &d)), 1, 0, 0).unwrap();
+    let (c, d) = (
+        kdtree_convert::synth::configs::model_config(&p).to_string(),
+        kdtree_convert::synth::configs::drafter_config(&p).to_string(),
+    );
+    let src = DummySource::from_json(
+        "k26-slice/config.json",
+        &c,
+        Some(("k26-slice/drafter/config.json", &d)),
+        1,
+        0,
+        0,
+    )
+    .unwrap();
     let m = open_dummy_cuda_on(src, g.clone()).unwrap();
     steps(&g, &m, "k26");
 }
@@ -109,8 +131,17 @@ fn batch_steps_k26_rank0() {
     let Some(g) = cuda_common::gpu() else { return };
     let g = Arc::new(g);
     let p = kdtree_convert::synth::resolve("k26", None).unwrap();
-    let (c, d) = (kdtree_convert::synth::configs::model_config(&p).to_string(), kdtree_convert::synth::configs::drafter_config(&p).to_string());
+    let (c, d) = (
+        kdtree_convert::synth::configs::model_config(&p).to_string(),
+        kdtree_convert::synth::configs::drafter_config(&p).to_string(),
+    );
     let src = DummySource::from_json("k26/config.json", &c, Some(("k26/drafter/config.json", &d)), 8, 0, 0).unwrap();
     let m = open_dummy_cuda_on(src, g.clone()).unwrap();
-    steps_at(&g, &m, "k26r0", &[1, 16, 64], &[("ar", Mode::Ar), ("dd16", Mode::DDTree { budget: 16 })]);
+    steps_at(
+        &g,
+        &m,
+        "k26r0",
+        &[1, 16, 64],
+        &[("ar", Mode::Ar), ("dd16", Mode::DDTree { budget: 16 })],
+    );
 }

@@ -41,7 +41,14 @@ const WEIGHT_BUDGET: usize = 30 << 30;
 const HOT: usize = 20;
 const P_HOT: f64 = 0.8;
 /// K2.6's router: 384 experts, one group, top-8, normalised, scaled by 2.827.
-const ROUTER: RouterCfg = RouterCfg { n_experts: E, n_group: 1, topk_group: 1, top_k: TOP_K, norm_topk_prob: true, routed_scaling: 2.827 };
+const ROUTER: RouterCfg = RouterCfg {
+    n_experts: E,
+    n_group: 1,
+    topk_group: 1,
+    top_k: TOP_K,
+    norm_topk_prob: true,
+    routed_scaling: 2.827,
+};
 
 /// Held by each GPU test for its whole run: the two would otherwise share the device (memory, and one
 /// test's teardown can invalidate the other's graph capture) when run without `--test-threads=1`.
@@ -112,13 +119,24 @@ fn router_host(r: &mut ChaCha8Rng) -> Vec<bf16> {
 
 fn layer_weights(g: &Gpu, p: &Pools, plan: Plan, fused: bool, router: &[bf16], bias: &[f32]) -> LayerW {
     let (held, mi, si) = plan.dims();
-    let i4 = |n: usize, k: usize| I4 { packed: fill(g, &p.bytes, held * n * k / 2), scales: fill(g, &p.scales, held * n * k / 32) };
+    let i4 = |n: usize, k: usize| I4 {
+        packed: fill(g, &p.bytes, held * n * k / 2),
+        scales: fill(g, &p.scales, held * n * k / 32),
+    };
     LayerW {
-        gate_up: if fused { GateUp::Fused(i4(2 * mi, H)) } else { GateUp::Split(i4(mi, H), i4(mi, H)) },
+        gate_up: if fused {
+            GateUp::Fused(i4(2 * mi, H))
+        } else {
+            GateUp::Split(i4(mi, H), i4(mi, H))
+        },
         down: i4(H, mi),
         router: g.upload(router).unwrap(),
         bias: g.upload(bias).unwrap(),
-        shared: [fill(g, &p.weights, si * H), fill(g, &p.weights, si * H), fill(g, &p.weights, H * si)],
+        shared: [
+            fill(g, &p.weights, si * H),
+            fill(g, &p.weights, si * H),
+            fill(g, &p.weights, H * si),
+        ],
     }
 }
 
@@ -141,7 +159,11 @@ fn route_sets(t: usize, correlated: bool) -> Vec<Vec<usize>> {
             for _ in 0..t {
                 let mut tok: Vec<usize> = Vec::new();
                 while tok.len() < TOP_K {
-                    let e = if correlated && r.random_bool(P_HOT) { hot[r.random_range(0..HOT)] } else { r.random_range(0..E) };
+                    let e = if correlated && r.random_bool(P_HOT) {
+                        hot[r.random_range(0..HOT)]
+                    } else {
+                        r.random_range(0..E)
+                    };
                     if !tok.contains(&e) {
                         tok.push(e);
                     }
@@ -160,7 +182,11 @@ fn x_for(r: &mut ChaCha8Rng, ids: &[usize], t: usize) -> Vec<f32> {
     for tok in 0..t {
         let row = &mut x[tok * H..(tok + 1) * H];
         for (j, v) in row.iter_mut().enumerate() {
-            *v = if j < E { -1.0 } else { r.random_range(0.01f32..0.1) * if r.random::<bool>() { 1.0 } else { -1.0 } };
+            *v = if j < E {
+                -1.0
+            } else {
+                r.random_range(0.01f32..0.1) * if r.random::<bool>() { 1.0 } else { -1.0 }
+            };
         }
         for &e in &ids[tok * TOP_K..(tok + 1) * TOP_K] {
             row[e] = 1.0;
@@ -190,7 +216,10 @@ fn reference(g: &Gpu, lw: &LayerW, plan: Plan, run: &MoeRun, x: &[f32]) -> Vec<f
     // Rows [r0, r1) of expert e of a stack of `rows`-row experts: (packed, scales) on the host.
     let rows_of = |m: &I4, rows: usize, e: usize, r0: usize, r1: usize| {
         let (a, b) = ((e * rows + r0) * H / 2, (e * rows + r1) * H / 2);
-        (g.stream.clone_dtoh(&m.packed.slice(a..b)).unwrap(), g.stream.clone_dtoh(&m.scales.slice(a / 16..b / 16)).unwrap())
+        (
+            g.stream.clone_dtoh(&m.packed.slice(a..b)).unwrap(),
+            g.stream.clone_dtoh(&m.scales.slice(a / 16..b / 16)).unwrap(),
+        )
     };
     let mut out = vec![0f32; H];
     for (&e, &wt) in ids.iter().zip(&wts) {
@@ -205,7 +234,10 @@ fn reference(g: &Gpu, lw: &LayerW, plan: Plan, run: &MoeRun, x: &[f32]) -> Vec<f
         let up = rb(matmul_i4g32(&xb, &upk, &ups, 1, H, mi));
         let a = rb(kdtree_engine::cpu::ops::silu_mul(&gate, &up));
         let (da, db) = (e * H * mi / 2, (e + 1) * H * mi / 2);
-        let (dp, ds) = (g.stream.clone_dtoh(&lw.down.packed.slice(da..db)).unwrap(), g.stream.clone_dtoh(&lw.down.scales.slice(da / 16..db / 16)).unwrap());
+        let (dp, ds) = (
+            g.stream.clone_dtoh(&lw.down.packed.slice(da..db)).unwrap(),
+            g.stream.clone_dtoh(&lw.down.scales.slice(da / 16..db / 16)).unwrap(),
+        );
         let y = rb(matmul_i4g32(&a, &dp, &ds, 1, mi, H));
         for (o, v) in out.iter_mut().zip(&y) {
             *o += wt * v;
@@ -237,13 +269,23 @@ fn moe_case(g: &Gpu, w: &[LayerW], plan: Plan, t: usize, correlated: bool, run: 
     let mt = moe_align::max_tiles(p, held, tile);
     let (mut xb, mut logits) = (g.zeros::<bf16>(t * H).unwrap(), g.zeros::<f32>(t * E).unwrap());
     let (mut ids, mut wts) = (g.zeros::<i32>(SETS * p).unwrap(), g.zeros::<f32>(SETS * p).unwrap());
-    let (mut sorted, mut tiles, mut nt) = (g.zeros::<i32>(p).unwrap(), g.zeros::<i32>(3 * mt).unwrap(), g.zeros::<i32>(1).unwrap());
-    let mut ws = g.zeros::<f32>(plan_gu.workspace_len(p, n_gu).max(plan_d.workspace_len(p, H))).unwrap();
+    let (mut sorted, mut tiles, mut nt) = (
+        g.zeros::<i32>(p).unwrap(),
+        g.zeros::<i32>(3 * mt).unwrap(),
+        g.zeros::<i32>(1).unwrap(),
+    );
+    let mut ws = g
+        .zeros::<f32>(plan_gu.workspace_len(p, n_gu).max(plan_d.workspace_len(p, H)))
+        .unwrap();
     // [P, 2I] in gb (gate | up per row), both layouts.
     let mut gb = g.zeros::<bf16>(p * n_gu).unwrap();
     let mut y = g.zeros::<bf16>(p * H).unwrap();
     let mut out = g.zeros::<f32>(SETS * t * H).unwrap();
-    let (mut sg, mut su, mut sa) = (g.zeros::<f32>(t * si).unwrap(), g.zeros::<f32>(t * si).unwrap(), g.zeros::<f32>(t * si).unwrap());
+    let (mut sg, mut su, mut sa) = (
+        g.zeros::<f32>(t * si).unwrap(),
+        g.zeros::<f32>(t * si).unwrap(),
+        g.zeros::<f32>(t * si).unwrap(),
+    );
     let (mut sab, mut so) = (g.zeros::<bf16>(t * si).unwrap(), g.zeros::<f32>(t * H).unwrap());
     // The layer, op for op as CudaBackend runs model::ffn::ffn for one rank (x converted to bf16 by each
     // linear, as the engine's gemm_f32 does), into preallocated buffers (the engine allocates them per call).
@@ -252,40 +294,163 @@ fn moe_case(g: &Gpu, w: &[LayerW], plan: Plan, t: usize, correlated: bool, run: 
         let x = xs.slice(s * t * H..(s + 1) * t * H);
         let pr = s * p..(s + 1) * p;
         act_f32::f32_to_bf16(g, &x, &mut xb.as_view_mut()).unwrap();
-        gemm_bf16::gemm_bf16(g, &xb.as_view(), &lw.router.as_view(), &mut logits.as_view_mut(), t, H, E).unwrap();
-        moe_router::moe_router(g, &logits.as_view(), Some(&lw.bias.as_view()), t, ROUTER, &mut ids.slice_mut(pr.clone()), &mut wts.slice_mut(pr.clone())).unwrap();
+        gemm_bf16::gemm_bf16(
+            g,
+            &xb.as_view(),
+            &lw.router.as_view(),
+            &mut logits.as_view_mut(),
+            t,
+            H,
+            E,
+        )
+        .unwrap();
+        moe_router::moe_router(
+            g,
+            &logits.as_view(),
+            Some(&lw.bias.as_view()),
+            t,
+            ROUTER,
+            &mut ids.slice_mut(pr.clone()),
+            &mut wts.slice_mut(pr.clone()),
+        )
+        .unwrap();
         act_f32::f32_to_bf16(g, &x, &mut xb.as_view_mut()).unwrap();
-        moe_align::moe_align_rank(g, &ids.slice(pr.clone()), 0, held, tile, &mut sorted.as_view_mut(), &mut tiles.as_view_mut(), &mut nt.as_view_mut()).unwrap();
+        moe_align::moe_align_rank(
+            g,
+            &ids.slice(pr.clone()),
+            0,
+            held,
+            tile,
+            &mut sorted.as_view_mut(),
+            &mut tiles.as_view_mut(),
+            &mut nt.as_view_mut(),
+        )
+        .unwrap();
         {
             let (sv, tv, nv) = (sorted.as_view(), tiles.as_view(), nt.as_view());
-            let routing = w4a16_gemm::Routing { sorted: &sv, tiles: &tv, max_tiles: mt, n_tiles: &nv, tile_rows: tile };
+            let routing = w4a16_gemm::Routing {
+                sorted: &sv,
+                tiles: &tv,
+                max_tiles: mt,
+                n_tiles: &nv,
+                tile_rows: tile,
+            };
             let xv = xb.as_view();
             // As the engine: gate and up in one launch into [gate | up] rows, the SwiGLU fused into the down
             // GEMM's x staging (split: two weight tensors; fused: one [2I, H] tensor per expert).
             match &lw.gate_up {
                 GateUp::Split(gate, up) => {
-                    let (gw, uw) = ((&gate.packed.as_view(), &gate.scales.as_view()), (&up.packed.as_view(), &up.scales.as_view()));
-                    w4a16_gemm::moe_w4a16_gate_up(g, &xv, H, TOP_K, p, &routing, gw, uw, held, mi, H, &mut ws.as_view_mut(), &mut gb.as_view_mut(), 2 * mi).unwrap();
+                    let (gw, uw) = (
+                        (&gate.packed.as_view(), &gate.scales.as_view()),
+                        (&up.packed.as_view(), &up.scales.as_view()),
+                    );
+                    w4a16_gemm::moe_w4a16_gate_up(
+                        g,
+                        &xv,
+                        H,
+                        TOP_K,
+                        p,
+                        &routing,
+                        gw,
+                        uw,
+                        held,
+                        mi,
+                        H,
+                        &mut ws.as_view_mut(),
+                        &mut gb.as_view_mut(),
+                        2 * mi,
+                    )
+                    .unwrap();
                 }
                 GateUp::Fused(m) => {
-                    w4a16_gemm::moe_w4a16_gemm(g, &xv, H, TOP_K, p, &routing, &m.packed.as_view(), &m.scales.as_view(), held, 2 * mi, H, &mut ws.as_view_mut(), &mut gb.as_view_mut(), 2 * mi).unwrap();
+                    w4a16_gemm::moe_w4a16_gemm(
+                        g,
+                        &xv,
+                        H,
+                        TOP_K,
+                        p,
+                        &routing,
+                        &m.packed.as_view(),
+                        &m.scales.as_view(),
+                        held,
+                        2 * mi,
+                        H,
+                        &mut ws.as_view_mut(),
+                        &mut gb.as_view_mut(),
+                        2 * mi,
+                    )
+                    .unwrap();
                 }
             }
             let d = &lw.down;
-            w4a16_gemm::moe_w4a16_down_silu(g, &gb.as_view(), 2 * mi, p, &routing, &d.packed.as_view(), &d.scales.as_view(), held, H, mi, &mut ws.as_view_mut(), &mut y.as_view_mut(), H).unwrap();
+            w4a16_gemm::moe_w4a16_down_silu(
+                g,
+                &gb.as_view(),
+                2 * mi,
+                p,
+                &routing,
+                &d.packed.as_view(),
+                &d.scales.as_view(),
+                held,
+                H,
+                mi,
+                &mut ws.as_view_mut(),
+                &mut y.as_view_mut(),
+                H,
+            )
+            .unwrap();
         }
         // As the engine: the rank's experts are 0 .. held (rank 0); pairs routed to other ranks' experts are
         // dropped by align and skipped by the combine (the router's ids, in its slot order).
         let mut os = out.slice_mut(s * t * H..(s + 1) * t * H);
-        moe_combine::moe_combine_rank(g, &y.as_view(), H, &wts.slice(pr.clone()), &ids.slice(pr.clone()), (0, held), &mut os, t, TOP_K, H).unwrap();
+        moe_combine::moe_combine_rank(
+            g,
+            &y.as_view(),
+            H,
+            &wts.slice(pr.clone()),
+            &ids.slice(pr.clone()),
+            (0, held),
+            &mut os,
+            t,
+            TOP_K,
+            H,
+        )
+        .unwrap();
         // The shared expert (bf16, this rank's slice) through three linears, then added.
         act_f32::f32_to_bf16(g, &x, &mut xb.as_view_mut()).unwrap();
-        gemm_bf16::gemm_bf16(g, &xb.as_view(), &lw.shared[0].as_view(), &mut sg.as_view_mut(), t, H, si).unwrap();
+        gemm_bf16::gemm_bf16(
+            g,
+            &xb.as_view(),
+            &lw.shared[0].as_view(),
+            &mut sg.as_view_mut(),
+            t,
+            H,
+            si,
+        )
+        .unwrap();
         act_f32::f32_to_bf16(g, &x, &mut xb.as_view_mut()).unwrap();
-        gemm_bf16::gemm_bf16(g, &xb.as_view(), &lw.shared[1].as_view(), &mut su.as_view_mut(), t, H, si).unwrap();
+        gemm_bf16::gemm_bf16(
+            g,
+            &xb.as_view(),
+            &lw.shared[1].as_view(),
+            &mut su.as_view_mut(),
+            t,
+            H,
+            si,
+        )
+        .unwrap();
         act_f32::silu_mul_f32(g, &sg.as_view(), &su.as_view(), &mut sa.as_view_mut()).unwrap();
         act_f32::f32_to_bf16(g, &sa.as_view(), &mut sab.as_view_mut()).unwrap();
-        gemm_bf16::gemm_bf16(g, &sab.as_view(), &lw.shared[2].as_view(), &mut so.as_view_mut(), t, si, H).unwrap();
+        gemm_bf16::gemm_bf16(
+            g,
+            &sab.as_view(),
+            &lw.shared[2].as_view(),
+            &mut so.as_view_mut(),
+            t,
+            si,
+            H,
+        )
+        .unwrap();
         act_f32::add_f32(g, &mut os, &so.as_view()).unwrap();
     };
     for i in 0..SETS {
@@ -308,10 +473,19 @@ fn moe_case(g: &Gpu, w: &[LayerW], plan: Plan, t: usize, correlated: bool, run: 
     g.stream.memcpy_htod(&vec![-7i32; SETS * p][..], &mut ids).unwrap();
     graph.launch().unwrap();
     let (got_ids, got_out) = (g.download(&ids).unwrap(), g.download(&out).unwrap());
-    let case = format!("moe_layer plan={} gate_up={} routing={} T={t}", plan.name(), if fused { "fused" } else { "split" }, if correlated { "correlated" } else { "uniform" });
+    let case = format!(
+        "moe_layer plan={} gate_up={} routing={} T={t}",
+        plan.name(),
+        if fused { "fused" } else { "split" },
+        if correlated { "correlated" } else { "uniform" }
+    );
     let mut failures = Vec::new();
     if let Some(at) = got_out.iter().position(|v| !v.is_finite()) {
-        failures.push(format!("{case}: output {at} of {} not written or not finite ({})", got_out.len(), got_out[at]));
+        failures.push(format!(
+            "{case}: output {at} of {} not written or not finite ({})",
+            got_out.len(),
+            got_out[at]
+        ));
     }
     for (s, want) in sets.iter().enumerate() {
         for tok in 0..t {
@@ -321,7 +495,9 @@ fn moe_case(g: &Gpu, w: &[LayerW], plan: Plan, t: usize, correlated: bool, run: 
             a.sort_unstable();
             b.sort_unstable();
             if a != b {
-                failures.push(format!("{case} set {s} token {tok}: the router chose {a:?}, forced {b:?}"));
+                failures.push(format!(
+                    "{case} set {s} token {tok}: the router chose {a:?}, forced {b:?}"
+                ));
             }
         }
     }
@@ -329,9 +505,15 @@ fn moe_case(g: &Gpu, w: &[LayerW], plan: Plan, t: usize, correlated: bool, run: 
         for tok in [0, t - 1] {
             let want = reference(g, &w[0], plan, run, &xs_host[tok * H..(tok + 1) * H]);
             let e = error(&case, &got_out[tok * H..(tok + 1) * H], &want);
-            println!("PARITY {case} token {tok} vs host reference: max_abs={:.3e} rel={:.3e} tol=2.0e-2", e.max_abs, e.rel);
+            println!(
+                "PARITY {case} token {tok} vs host reference: max_abs={:.3e} rel={:.3e} tol=2.0e-2",
+                e.max_abs, e.rel
+            );
             if e.rel > 2e-2 {
-                failures.push(format!("{case} token {tok}: rel error {:.3e} against the host reference (max_abs {:.3e} at {})", e.rel, e.max_abs, e.at));
+                failures.push(format!(
+                    "{case} token {tok}: rel error {:.3e} against the host reference (max_abs {:.3e} at {})",
+                    e.rel, e.max_abs, e.at
+                ));
             }
         }
     }
@@ -390,21 +572,35 @@ fn moe_layer() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let Some(g) = gpu() else { return };
     let copy = copy_gbps(&g);
-    println!("\nmoe_layer: device {}, copy {copy:.0} GB/s (read+write, 1 GiB memcpy_dtod)", g.describe());
+    println!(
+        "\nmoe_layer: device {}, copy {copy:.0} GB/s (read+write, 1 GiB memcpy_dtod)",
+        g.describe()
+    );
     println!("BENCH moe_layer_device copy_gbps={copy:.1} hot={HOT} p_hot={P_HOT} sets={SETS}");
     let mut r = rng(2900);
     let pools = Pools::new(&g, &mut r);
     let router = router_host(&mut r);
     let bias = rand_f32(&mut r, E, -0.01, 0.01);
-    let mut run = MoeRun { router, bias, copy, failures: Vec::new() };
+    let mut run = MoeRun {
+        router,
+        bias,
+        copy,
+        failures: Vec::new(),
+    };
     for plan in [Plan::Full, Plan::Tp8, Plan::Ep8] {
         let (held, mi, si) = plan.dims();
         let layer = held * expert_bytes(mi) + 3 * si * H * 2 + E * H * 2;
         let copies = (WEIGHT_BUDGET / layer).clamp(1, SETS);
         for fused in [false, true] {
-            let w: Vec<LayerW> = (0..copies).map(|_| layer_weights(&g, &pools, plan, fused, &run.router, &run.bias)).collect();
+            let w: Vec<LayerW> = (0..copies)
+                .map(|_| layer_weights(&g, &pools, plan, fused, &run.router, &run.bias))
+                .collect();
             g.sync().unwrap();
-            eprintln!("moe_layer {} fused={fused}: {copies} weight copies of {:.2} GB", plan.name(), layer as f64 / 1e9);
+            eprintln!(
+                "moe_layer {} fused={fused}: {copies} weight copies of {:.2} GB",
+                plan.name(),
+                layer as f64 / 1e9
+            );
             for t in [1usize, 8, 32, 64] {
                 for correlated in [false, true] {
                     moe_case(&g, &w, plan, t, correlated, &mut run);
@@ -414,14 +610,21 @@ fn moe_layer() {
             g.sync().unwrap();
         }
     }
-    assert!(run.failures.is_empty(), "{} moe_layer checks failed:\n{}", run.failures.len(), run.failures.join("\n"));
+    assert!(
+        run.failures.is_empty(),
+        "{} moe_layer checks failed:\n{}",
+        run.failures.len(),
+        run.failures.join("\n")
+    );
 }
 
 /// Ancestor mask `[t, words]` of a random recursive tree (node i's parent uniform in 0..i; node 0 the
 /// root, under the committed prefix) and each node's visible tree rows (itself and its ancestors).
 fn tree_mask(r: &mut ChaCha8Rng, t: usize) -> (Vec<u64>, usize, Vec<usize>) {
     let words = t.div_ceil(64);
-    let parent: Vec<usize> = (0..t).map(|i| if i == 0 { usize::MAX } else { r.random_range(0..i) }).collect();
+    let parent: Vec<usize> = (0..t)
+        .map(|i| if i == 0 { usize::MAX } else { r.random_range(0..i) })
+        .collect();
     let mut bits = vec![0u64; t * words];
     let mut vis = vec![0usize; t];
     for i in 0..t {
@@ -453,7 +656,10 @@ fn mla_verify() {
     let mut r = rng(2950);
     let pools = Pools::new(&g, &mut r);
     let tflops = matmul_tflops(&g, &pools.weights);
-    println!("\nmla_verify: device {}, copy {copy:.0} GB/s, cuBLAS bf16 8192^3 {tflops:.0} TFLOP/s", g.describe());
+    println!(
+        "\nmla_verify: device {}, copy {copy:.0} GB/s, cuBLAS bf16 8192^3 {tflops:.0} TFLOP/s",
+        g.describe()
+    );
     println!("BENCH mla_verify_device copy_gbps={copy:.1} bf16_tflops={tflops:.1}");
     let scale = 1.0 / (192f32).sqrt();
     for ctx in [4096usize, 16384, 32768] {
@@ -465,9 +671,21 @@ fn mla_verify() {
                 let q = fill(&g, &pools.weights, t * heads * LAT);
                 let (bits, words, vis) = tree_mask(&mut r, t);
                 let mask = g.upload(&bits).unwrap();
-                let s = MlaShape { t, heads, kv_lora: KV_LORA, rope: LAT - KV_LORA, committed: ctx };
-                let room = MlaShape { committed: cap - t, ..s };
-                let split = MlaSplit { splits: MlaSplit::choose(&g, &room).splits, rows_per_split: 0 };
+                let s = MlaShape {
+                    t,
+                    heads,
+                    kv_lora: KV_LORA,
+                    rope: LAT - KV_LORA,
+                    committed: ctx,
+                };
+                let room = MlaShape {
+                    committed: cap - t,
+                    ..s
+                };
+                let split = MlaSplit {
+                    splits: MlaSplit::choose(&g, &room).splits,
+                    rows_per_split: 0,
+                };
                 let (wo, wml) = split.workspace(&s);
                 let (mut po, mut pml) = (g.zeros::<f32>(wo).unwrap(), g.zeros::<f32>(wml).unwrap());
                 let mut out = g.zeros::<bf16>(t * heads * KV_LORA).unwrap();
@@ -476,7 +694,20 @@ fn mla_verify() {
                     let l = i % LAYERS;
                     let lat = cache.slice(l * cap * LAT..(l + 1) * cap * LAT);
                     let (mv, cv) = (mask.as_view(), committed.as_view());
-                    mla_attention::mla_attention(&g, &q.as_view(), &lat, Some((&mv, words)), Some(&cv), &s, &split, scale, &mut po.as_view_mut(), &mut pml.as_view_mut(), &mut out.as_view_mut()).unwrap();
+                    mla_attention::mla_attention(
+                        &g,
+                        &q.as_view(),
+                        &lat,
+                        Some((&mv, words)),
+                        Some(&cv),
+                        &s,
+                        &split,
+                        scale,
+                        &mut po.as_view_mut(),
+                        &mut pml.as_view_mut(),
+                        &mut out.as_view_mut(),
+                    )
+                    .unwrap();
                 };
                 call(0);
                 let est = time_ms(&g, 1, 3, &mut call);
@@ -487,14 +718,17 @@ fn mla_verify() {
                 let (kernels, _) = graph_nodes(&graph);
                 let (ms, reps) = replay_median_ms(&g, &graph, 100.0, 3);
                 let us = ms * 1e3 / n as f64;
-                g.stream.memcpy_htod(&nan_bf16(t * heads * KV_LORA)[..], &mut out).unwrap();
+                g.stream
+                    .memcpy_htod(&nan_bf16(t * heads * KV_LORA)[..], &mut out)
+                    .unwrap();
                 graph.launch().unwrap();
                 let got = g.download(&out).unwrap();
                 if let Some(at) = got.iter().position(|v| !v.to_f32().is_finite()) {
                     panic!("mla_verify ctx={ctx} heads={heads} T={t}: output {at} not written or not finite");
                 }
                 let floor_us = bytes as f64 / (copy * 1e9) * 1e6;
-                let flops = 2.0 * heads as f64 * vis.iter().map(|&v| (ctx + v) as f64).sum::<f64>() * (LAT + KV_LORA) as f64;
+                let flops =
+                    2.0 * heads as f64 * vis.iter().map(|&v| (ctx + v) as f64).sum::<f64>() * (LAT + KV_LORA) as f64;
                 let mma_us = flops / (tflops * 1e12) * 1e6;
                 println!(
                     "mla_verify ctx={ctx} heads={heads} T={t} (random tree, depth <= {}): {us:.1} us per layer (graph of {n} layers, median of {reps}), byte floor {floor_us:.1} us ({:.2} MB), {:.2}x (goal <= 1.3x); {:.1} TFLOP/s ({:.2} GFLOP; at the bf16 matrix rate {mma_us:.1} us); {} kernels per call, {} splits",
@@ -536,8 +770,19 @@ fn forced_routes_and_tree_masks() {
         for ids in &sets[..2] {
             let x = x_for(&mut r, ids, t);
             for tok in 0..t {
-                let xb: Vec<f64> = x[tok * H..(tok + 1) * H].iter().map(|&v| bf16::from_f32(v).to_f64()).collect();
-                let logits: Vec<f32> = (0..E).map(|e| w[e * H..(e + 1) * H].iter().zip(&xb).map(|(a, b)| a.to_f64() * b).sum::<f64>() as f32).collect();
+                let xb: Vec<f64> = x[tok * H..(tok + 1) * H]
+                    .iter()
+                    .map(|&v| bf16::from_f32(v).to_f64())
+                    .collect();
+                let logits: Vec<f32> = (0..E)
+                    .map(|e| {
+                        w[e * H..(e + 1) * H]
+                            .iter()
+                            .zip(&xb)
+                            .map(|(a, b)| a.to_f64() * b)
+                            .sum::<f64>() as f32
+                    })
+                    .collect();
                 let (mut got, wts) = moe_route(&ROUTER, &logits, Some(&bias));
                 let mut want = ids[tok * TOP_K..(tok + 1) * TOP_K].to_vec();
                 got.sort_unstable();
@@ -550,7 +795,10 @@ fn forced_routes_and_tree_masks() {
     for t in [1usize, 16, 64, 256] {
         let (bits, words, vis) = tree_mask(&mut r, t);
         for i in 0..t {
-            assert!(bits[i * words + i / 64] >> (i % 64) & 1 == 1, "T={t} node {i}: no diagonal bit");
+            assert!(
+                bits[i * words + i / 64] >> (i % 64) & 1 == 1,
+                "T={t} node {i}: no diagonal bit"
+            );
             let ones: u32 = bits[i * words..(i + 1) * words].iter().map(|b| b.count_ones()).sum();
             assert_eq!(ones as usize, vis[i]);
             assert!(bits[i * words] & 1 == 1, "T={t} node {i}: the root is not an ancestor");
@@ -571,6 +819,9 @@ fn forced_routes_and_tree_masks() {
         };
         let (u, c) = (mean(false), mean(true));
         eprintln!("T={t}: distinct experts per call, uniform {u:.1}, correlated {c:.1}");
-        assert!(t == 1 || c < u, "T={t}: correlated routes touch {c} experts, uniform {u}");
+        assert!(
+            t == 1 || c < u,
+            "T={t}: correlated routes touch {c} experts, uniform {u}"
+        );
     }
 }

@@ -18,7 +18,10 @@ use std::sync::Arc;
 fn nccl_one_rank_all_reduce_and_rounds() {
     let Some(g) = cuda_common::gpu() else { return };
     if !Nccl::available() {
-        assert!(std::env::var("KDTREE_REQUIRE_NCCL").as_deref() != Ok("1"), "KDTREE_REQUIRE_NCCL=1 but libnccl cannot be loaded");
+        assert!(
+            std::env::var("KDTREE_REQUIRE_NCCL").as_deref() != Ok("1"),
+            "KDTREE_REQUIRE_NCCL=1 but libnccl cannot be loaded"
+        );
         println!("SKIP nccl: libnccl is not on the library path");
         return;
     }
@@ -30,12 +33,19 @@ fn nccl_one_rank_all_reduce_and_rounds() {
     nccl.all_reduce_sum(&g, &mut d).unwrap();
     let y = g.download(&d).unwrap();
     let same = x.iter().zip(&y).all(|(a, b)| a.to_bits() == b.to_bits());
-    println!("PARITY nccl one-rank all_reduce (100003 f32): {}", if same { "bit-identical" } else { "DIFFERS" });
+    println!(
+        "PARITY nccl one-rank all_reduce (100003 f32): {}",
+        if same { "bit-identical" } else { "DIFFERS" }
+    );
     assert!(same);
 
     let tmp = tempfile::tempdir().unwrap();
     round_common::convert(&round_common::pair_dir(), &tmp.path().join("pair1"), 1);
-    let prompts = [vec![1u32, 17, 305, 42, 7, 900, 12, 3, 64, 5, 2000, 11], vec![400, 401, 402, 9], vec![5, 6, 7]];
+    let prompts = [
+        vec![1u32, 17, 305, 42, 7, 900, 12, 3, 64, 5, 2000, 11],
+        vec![400, 401, 402, 9],
+        vec![5, 6, 7],
+    ];
     let mut runs = Vec::new();
     for comm in [Arc::new(OneGpu) as Arc<dyn Communicator>, nccl.clone()] {
         g.set_comm(comm.clone());
@@ -43,7 +53,13 @@ fn nccl_one_rank_all_reduce_and_rounds() {
         let mut toks = Vec::new();
         for mode in [Mode::Ar, Mode::DDTree { budget: 16 }] {
             for p in &prompts {
-                let req = GenRequest { prompt: p.clone(), max_tokens: 24, stop_token_ids: vec![], sampling: Sampling::greedy(), mode };
+                let req = GenRequest {
+                    prompt: p.clone(),
+                    max_tokens: 24,
+                    stop_token_ids: vec![],
+                    sampling: Sampling::greedy(),
+                    mode,
+                };
                 let mut s = m.session(mode).unwrap();
                 toks.push(generate(&mut s, &req, &mut |_| false).unwrap().tokens);
             }

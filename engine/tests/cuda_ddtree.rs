@@ -39,17 +39,13 @@ fn draft_logits(r: &mut ChaCha8Rng, kind: Logits, rows: usize, v: usize) -> Vec<
     for d in 0..rows {
         let row = &mut x[d * v..(d + 1) * v];
         match kind {
-            Logits::Random => row
-                .iter_mut()
-                .for_each(|l| *l = r.random_range(-4.0f32..4.0)),
+            Logits::Random => row.iter_mut().for_each(|l| *l = r.random_range(-4.0f32..4.0)),
             Logits::Peaked => {
-                row.iter_mut()
-                    .for_each(|l| *l = r.random_range(-2.0f32..2.0));
+                row.iter_mut().for_each(|l| *l = r.random_range(-2.0f32..2.0));
                 row[r.random_range(0..v)] = 9.0;
             }
             Logits::PeakedTies => {
-                row.iter_mut()
-                    .for_each(|l| *l = r.random_range(0..3) as f32 - 2.0);
+                row.iter_mut().for_each(|l| *l = r.random_range(0..3) as f32 - 2.0);
                 let a = r.random_range(0..v);
                 let b = (a + 1 + r.random_range(0..v - 1)) % v;
                 row[a] = 14.0;
@@ -75,7 +71,13 @@ fn same_tree(case: &str, got: &DraftTree, want: &DraftTree) {
         ("depths", &got.depths, &want.depths),
     ] {
         if let Some(i) = g.iter().zip(w).position(|(a, b)| a != b) {
-            panic!("{case}: {what} differ first at node {i}: gpu {} cpu {} (parents gpu {:?} cpu {:?})", g[i], w[i], &got.parents[..=i], &want.parents[..=i]);
+            panic!(
+                "{case}: {what} differ first at node {i}: gpu {} cpu {} (parents gpu {:?} cpu {:?})",
+                g[i],
+                w[i],
+                &got.parents[..=i],
+                &want.parents[..=i]
+            );
         }
     }
     for (what, g, w) in [
@@ -84,10 +86,7 @@ fn same_tree(case: &str, got: &DraftTree, want: &DraftTree) {
         ("next_sibling", &got.next_sibling, &want.next_sibling),
     ] {
         if let Some(i) = g.iter().zip(w).position(|(a, b)| a != b) {
-            panic!(
-                "{case}: {what} differ first at node {i}: gpu {} cpu {}",
-                g[i], w[i]
-            );
+            panic!("{case}: {what} differ first at node {i}: gpu {} cpu {}", g[i], w[i]);
         }
     }
     if let Some(i) = got
@@ -132,10 +131,7 @@ struct Case {
 }
 
 fn run_case(g: &Gpu, seed: u64, c: &Case) -> (usize, u32) {
-    let case = format!(
-        "ddtree({:?},rows={},V={},budget={})",
-        c.kind, c.rows, c.v, c.budget
-    );
+    let case = format!("ddtree({:?},rows={},V={},budget={})", c.kind, c.rows, c.v, c.budget);
     let mut r = rng(seed);
     let logits = draft_logits(&mut r, c.kind, c.rows, c.v);
     let bonus = r.random_range(0..c.v as u32);
@@ -148,12 +144,7 @@ fn run_case(g: &Gpu, seed: u64, c: &Case) -> (usize, u32) {
     dt.set_bonus(g, bonus).unwrap();
     dt.build(g, &dl.as_view(), c.v).unwrap();
     let gtop = dt.top_k_to_host(g).unwrap();
-    if let Some(i) = gtop
-        .tokens
-        .iter()
-        .zip(&top.tokens)
-        .position(|(a, b)| a != b)
-    {
+    if let Some(i) = gtop.tokens.iter().zip(&top.tokens).position(|(a, b)| a != b) {
         panic!(
             "{case}: top-K tokens differ first at {i} (row {}, rank {}): gpu {} cpu {}",
             i / top.k,
@@ -178,11 +169,7 @@ fn run_case(g: &Gpu, seed: u64, c: &Case) -> (usize, u32) {
     // The builder alone on the CPU's top-K (uploaded), into buffers the last build filled.
     dt.set_top_k(g, &top).unwrap();
     dt.build_from_top_k(g).unwrap();
-    same_tree(
-        &format!("{case} from the CPU top-K"),
-        &dt.to_host(g).unwrap(),
-        &want,
-    );
+    same_tree(&format!("{case} from the CPU top-K"), &dt.to_host(g).unwrap(), &want);
     // Walks over three decision sets.
     let mut deepest = 0;
     for p in [0.5, 0.9, 1.0] {
@@ -200,7 +187,10 @@ fn run_case(g: &Gpu, seed: u64, c: &Case) -> (usize, u32) {
     let ties = (1..want.len())
         .filter(|&i| (1..want.len()).any(|j| j != i && want.log_q[j] == want.log_q[i]))
         .count();
-    println!("PARITY {case} exact (nodes {}, max depth {max_depth}, nodes with a tied score {ties}, deepest walk {deepest})", want.len());
+    println!(
+        "PARITY {case} exact (nodes {}, max depth {max_depth}, nodes with a tied score {ties}, deepest walk {deepest})",
+        want.len()
+    );
     (ties, max_depth)
 }
 
@@ -320,10 +310,16 @@ fn captured_tree_stages_replay_over_new_inputs() {
     let mut dt = DeviceTree::new(&g, budget, rows, v).unwrap();
     let mut dl = g.zeros::<f32>(rows * v).unwrap();
     let mut dv = g.zeros::<f32>((budget + 1) * v).unwrap();
-    g.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+    g.stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .unwrap();
     dt.build(&g, &dl.as_view(), v).unwrap();
     dt.walk_greedy(&g, &dv.as_view(), v).unwrap();
-    let graph = g.stream.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("captured graph");
+    let graph = g
+        .stream
+        .end_capture(CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("captured graph");
     for round in 0..3u64 {
         let mut r = rng(9200 + round);
         let kind = [Logits::PeakedTies, Logits::Peaked, Logits::Random][round as usize];

@@ -18,7 +18,6 @@ mod round_common;
 use std::path::Path;
 
 use cuda_common::*;
-use round_common::{convert, pair_dir};
 use kdtree_engine::api::{Drafter, LogitRows, Target};
 use kdtree_engine::cpu::ops::gqa_attention as cpu_gqa;
 use kdtree_engine::cuda::ops::gqa_attention::{gqa_attention as gpu_gqa, GqaShape, GqaSplit};
@@ -26,6 +25,7 @@ use kdtree_engine::cuda::Gpu;
 use kdtree_engine::sampling::argmax;
 use kdtree_engine::{open_cpu, open_with, AttnMode, Device, OpenOptions};
 use rand::Rng;
+use round_common::{convert, pair_dir};
 
 /// GPU kernel vs CPU twin, both f32 end to end (no bf16 anywhere), relative to max |out|. The two differ
 /// only in summation order (the twin: one sequential f32 pass over the C + B rows for the softmax sum and
@@ -53,7 +53,10 @@ fn rand_pm(r: &mut rand_chacha::ChaCha8Rng, n: usize, a: f32) -> Vec<f32> {
 /// round's form: context caches of `rows` rows (random rows past C), C read from the device, the split
 /// chosen for the room and the rows divided evenly in the kernel.
 fn gqa_case(g: &Gpu, (b, hq, hk, d, c): (usize, usize, usize, usize, usize), seed: u64, room: Option<usize>) {
-    let name = format!("gqa_attention(B={b},Hq={hq},Hk={hk},D={d},C={c},f32{})", room.map(|r| format!(",C on the device,room {r}")).unwrap_or_default());
+    let name = format!(
+        "gqa_attention(B={b},Hq={hq},Hk={hk},D={d},C={c},f32{})",
+        room.map(|r| format!(",C on the device,room {r}")).unwrap_or_default()
+    );
     let mut r = rng(seed);
     let (qw, kw) = (hq * d, hk * d);
     let rows = room.unwrap_or(c);
@@ -62,18 +65,45 @@ fn gqa_case(g: &Gpu, (b, hq, hk, d, c): (usize, usize, usize, usize, usize), see
     let (kc, vc) = (rand_pm(&mut r, rows * kw, 2.0), rand_pm(&mut r, rows * kw, 1.0));
     let (kb, vb) = (rand_pm(&mut r, b * kw, 2.0), rand_pm(&mut r, b * kw, 1.0));
     let want = cpu_gqa(&q, b, (&kc[..c * kw], &vc[..c * kw]), (&kb, &vb), hq, hk, d);
-    let s = GqaShape { b, ctx: c, heads: hq, kv_heads: hk, head_dim: d };
+    let s = GqaShape {
+        b,
+        ctx: c,
+        heads: hq,
+        kv_heads: hk,
+        head_dim: d,
+    };
     let split = match room {
         None => GqaSplit::choose(g, &s),
-        Some(rows) => GqaSplit { splits: GqaSplit::choose(g, &GqaShape { ctx: rows, ..s }).splits, rows_per_split: 0 },
+        Some(rows) => GqaSplit {
+            splits: GqaSplit::choose(g, &GqaShape { ctx: rows, ..s }).splits,
+            rows_per_split: 0,
+        },
     };
     let dc = g.upload(&[c as i32]).unwrap();
     let dcv = dc.as_view();
     let (wo, wml) = split.workspace(&s);
-    let up = |v: &[f32]| if v.is_empty() { g.zeros::<f32>(0).unwrap() } else { g.upload(v).unwrap() };
+    let up = |v: &[f32]| {
+        if v.is_empty() {
+            g.zeros::<f32>(0).unwrap()
+        } else {
+            g.upload(v).unwrap()
+        }
+    };
     let (dq, dkc, dvc, dkb, dvb) = (up(&q), up(&kc), up(&vc), up(&kb), up(&vb));
     let (mut po, mut pml, mut out) = (up(&nan_f32(wo)), up(&nan_f32(wml)), up(&nan_f32(b * qw)));
-    gpu_gqa(g, &dq.as_view(), (&dkc.as_view(), &dvc.as_view()), room.map(|_| &dcv), (&dkb.as_view(), &dvb.as_view()), &s, &split, &mut po.as_view_mut(), &mut pml.as_view_mut(), &mut out.as_view_mut()).unwrap();
+    gpu_gqa(
+        g,
+        &dq.as_view(),
+        (&dkc.as_view(), &dvc.as_view()),
+        room.map(|_| &dcv),
+        (&dkb.as_view(), &dvb.as_view()),
+        &s,
+        &split,
+        &mut po.as_view_mut(),
+        &mut pml.as_view_mut(),
+        &mut out.as_view_mut(),
+    )
+    .unwrap();
     let got = g.download(&out).unwrap();
     eprintln!("{name}: {} splits x {} rows", split.splits, split.rows_per_split);
     check(&name, &got, &want, GQA_TOL);
@@ -102,7 +132,14 @@ fn gqa_attention_parity() {
         gqa_case(&g, cs, 1300 + i as u64, None);
     }
     // The device round's form (C on the device, split for the room).
-    for (i, &(cs, room)) in [((8, 64, 8, 128, 0), 256), ((8, 64, 8, 128, 300), 4096), ((8, 16, 8, 32, 257), 512)].iter().enumerate() {
+    for (i, &(cs, room)) in [
+        ((8, 64, 8, 128, 0), 256),
+        ((8, 64, 8, 128, 300), 4096),
+        ((8, 16, 8, 32, 257), 512),
+    ]
+    .iter()
+    .enumerate()
+    {
         gqa_case(&g, cs, 1350 + i as u64, Some(room));
     }
 }
@@ -112,23 +149,62 @@ fn gqa_attention_rejects_bad_shapes() {
     let Some(g) = gpu() else { return };
     let buf = g.upload(&vec![0f32; 4096]).unwrap();
     let mut w = g.upload(&vec![0f32; 4096]).unwrap();
-    let (mut w2, mut w3) = (g.upload(&vec![0f32; 4096]).unwrap(), g.upload(&vec![0f32; 4096]).unwrap());
+    let (mut w2, mut w3) = (
+        g.upload(&vec![0f32; 4096]).unwrap(),
+        g.upload(&vec![0f32; 4096]).unwrap(),
+    );
     let v = buf.as_view();
     let mut err = |s: GqaShape| {
         let split = GqaSplit::choose(&g, &s);
-        let e = gpu_gqa(&g, &v, (&v, &v), None, (&v, &v), &s, &split, &mut w.as_view_mut(), &mut w2.as_view_mut(), &mut w3.as_view_mut()).unwrap_err().to_string();
+        let e = gpu_gqa(
+            &g,
+            &v,
+            (&v, &v),
+            None,
+            (&v, &v),
+            &s,
+            &split,
+            &mut w.as_view_mut(),
+            &mut w2.as_view_mut(),
+            &mut w3.as_view_mut(),
+        )
+        .unwrap_err()
+        .to_string();
         eprintln!("{s:?}: {e}");
         e
     };
-    let e = err(GqaShape { b: 1, ctx: 0, heads: 2, kv_heads: 1, head_dim: 258 });
+    let e = err(GqaShape {
+        b: 1,
+        ctx: 0,
+        heads: 2,
+        kv_heads: 1,
+        head_dim: 258,
+    });
     assert!(e.contains("gqa_attention") && e.contains("head_dim=258"), "{e}");
-    let e = err(GqaShape { b: 1, ctx: 0, heads: 6, kv_heads: 4, head_dim: 8 });
-    assert!(e.contains("gqa_attention") && e.contains("heads=6") && e.contains("kv_heads=4"), "{e}");
-    let e = err(GqaShape { b: 2, ctx: 100, heads: 4, kv_heads: 2, head_dim: 32 }); // kc needs 6400 > 4096
-    assert!(e.contains("gqa_attention") && e.contains("kc has 4096 elements, needs at least 6400"), "{e}");
+    let e = err(GqaShape {
+        b: 1,
+        ctx: 0,
+        heads: 6,
+        kv_heads: 4,
+        head_dim: 8,
+    });
+    assert!(
+        e.contains("gqa_attention") && e.contains("heads=6") && e.contains("kv_heads=4"),
+        "{e}"
+    );
+    let e = err(GqaShape {
+        b: 2,
+        ctx: 100,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 32,
+    }); // kc needs 6400 > 4096
+    assert!(
+        e.contains("gqa_attention") && e.contains("kc has 4096 elements, needs at least 6400"),
+        "{e}"
+    );
     println!("PARITY gqa_attention shape errors exact (head_dim 258, heads 6 / kv 4, short kc)");
 }
-
 
 /// One draft compared: logits within the tolerance, argmax equal per row except where the CPU's own
 /// margin between the two tokens is within the tolerance (a near-tie bf16 may flip).
@@ -145,8 +221,14 @@ fn compare_draft(case: &str, got: &[f32], want: &[f32], vocab: usize) {
             continue;
         }
         let margin = (a[ta] - a[tb]) as f64;
-        println!("PARITY {case} row {i}: argmax cpu {ta} cuda {tb}, CPU margin {margin:.3e} (near-tie bound {:.3e})", DRAFT_LOGITS_TOL * scale);
-        assert!(margin <= DRAFT_LOGITS_TOL * scale, "{case} row {i}: argmax cpu {ta} cuda {tb} where the CPU's margin {margin} is no near-tie");
+        println!(
+            "PARITY {case} row {i}: argmax cpu {ta} cuda {tb}, CPU margin {margin:.3e} (near-tie bound {:.3e})",
+            DRAFT_LOGITS_TOL * scale
+        );
+        assert!(
+            margin <= DRAFT_LOGITS_TOL * scale,
+            "{case} row {i}: argmax cpu {ta} cuda {tb} where the CPU's margin {margin} is no near-tie"
+        );
     }
     println!("PARITY {case} argmax: {same} of {rows} rows identical, the rest near-ties");
 }
@@ -154,34 +236,56 @@ fn compare_draft(case: &str, got: &[f32], want: &[f32], vocab: usize) {
 /// The CUDA drafter (as `open_with(Device::Cuda)` loads it) against the CPU drafter of `open_cpu` on the
 /// converted model `dir`, fed the same taps; `prompt` and `more` are token ids of that model's vocab.
 fn drafter_case(label: &str, dir: &Path, prompt: &[u32], more: &[u32]) {
-    let opts = OpenOptions { attn_mode: AttnMode::Absorbed, ..OpenOptions::default() };
+    let opts = OpenOptions {
+        attn_mode: AttnMode::Absorbed,
+        ..OpenOptions::default()
+    };
     let mut cpu = open_cpu(dir, opts).unwrap();
     let gpu = open_with(dir, Device::Cuda, opts).unwrap();
     assert_eq!(gpu.backend, "cuda");
-    let (mut dc, mut dg) = (cpu.drafter.take().expect("model has a drafter"), gpu.drafter.expect("cuda drafter loaded"));
+    let (mut dc, mut dg) = (
+        cpu.drafter.take().expect("model has a drafter"),
+        gpu.drafter.expect("cuda drafter loaded"),
+    );
     let v = cpu.target.info().vocab_size;
     let bl = dc.block_size();
     assert_eq!(dg.block_size(), bl);
     // Round 1: taps of the CPU target's prefill of the prompt.
     let chain = |n: usize| (0..n as i32).map(|i| i - 1).collect::<Vec<i32>>();
-    let out = cpu.target.forward_rows(prompt, &chain(prompt.len()), LogitRows::Last).unwrap();
+    let out = cpu
+        .target
+        .forward_rows(prompt, &chain(prompt.len()), LogitRows::Last)
+        .unwrap();
     let n = prompt.len();
     dc.extend_context(&out.taps, n).unwrap();
     dg.extend_context(&out.taps, n).unwrap();
     let bonus = argmax(&out.logits);
     let (a, b) = (dc.draft(bonus, n).unwrap(), dg.draft(bonus, n).unwrap());
     assert_eq!((a.len(), b.len()), ((bl - 1) * v, (bl - 1) * v));
-    compare_draft(&format!("{label} draft after a {n}-token prefill (B={bl}, V={v})"), &b, &a, v);
+    compare_draft(
+        &format!("{label} draft after a {n}-token prefill (B={bl}, V={v})"),
+        &b,
+        &a,
+        v,
+    );
     // Round 2: three more committed tokens (a chain after the prompt), drafted from the new end.
     cpu.target.commit(&(0..n).collect::<Vec<_>>()).unwrap();
-    let out = cpu.target.forward_rows(more, &chain(more.len()), LogitRows::Last).unwrap();
+    let out = cpu
+        .target
+        .forward_rows(more, &chain(more.len()), LogitRows::Last)
+        .unwrap();
     dc.extend_context(&out.taps, more.len()).unwrap();
     dg.extend_context(&out.taps, more.len()).unwrap();
     let at = n + more.len();
     assert_eq!((dc.context_len(), dg.context_len()), (at, at));
     let bonus = argmax(&out.logits);
     let (a, b) = (dc.draft(bonus, at).unwrap(), dg.draft(bonus, at).unwrap());
-    compare_draft(&format!("{label} draft after {} more tokens (C={at})", more.len()), &b, &a, v);
+    compare_draft(
+        &format!("{label} draft after {} more tokens (C={at})", more.len()),
+        &b,
+        &a,
+        v,
+    );
     // A long context: 3,000 random tap rows (appended in two chunks) after a reset; the attention splits.
     dc.reset();
     dg.reset();
@@ -206,8 +310,18 @@ fn cuda_drafter_matches_the_cpu_drafter() {
     let hf = tmp.path().join("hf");
     kdtree_convert::synth::write("tiny", &hf, 0, true, None).unwrap();
     convert(&hf, &tmp.path().join("tiny1"), 1);
-    drafter_case("drafter(tiny synth)", &tmp.path().join("tiny1"), &[1, 17, 305, 42, 7, 900, 12, 3, 64, 5], &[8, 99, 21]);
+    drafter_case(
+        "drafter(tiny synth)",
+        &tmp.path().join("tiny1"),
+        &[1, 17, 305, 42, 7, 900, 12, 3, 64, 5],
+        &[8, 99, 21],
+    );
     // The trained pair (drafter 16/8 heads, head_dim 32, vocab 4352): peaked logits, real acceptance.
     convert(&pair_dir(), &tmp.path().join("pair1"), 1);
-    drafter_case("drafter(kdtree-tiny pair)", &tmp.path().join("pair1"), &[1, 17, 305, 42, 7, 900, 12, 3, 64, 5, 2000, 11], &[8, 99, 21]);
+    drafter_case(
+        "drafter(kdtree-tiny pair)",
+        &tmp.path().join("pair1"),
+        &[1, 17, 305, 42, 7, 900, 12, 3, 64, 5, 2000, 11],
+        &[8, 99, 21],
+    );
 }

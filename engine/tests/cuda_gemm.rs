@@ -95,7 +95,11 @@ fn w4a16_gemm_parity() {
     ];
     for (i, &(m, n, k)) in cases.iter().enumerate() {
         let plan = ops::w4a16_gemm::plan_dense(&g, m, n, k);
-        let case = format!("w4a16_gemm(M={m},N={n},K={k},i4g32) [tile {} rows, {} splits]", plan.tile_rows(), plan.splits);
+        let case = format!(
+            "w4a16_gemm(M={m},N={n},K={k},i4g32) [tile {} rows, {} splits]",
+            plan.tile_rows(),
+            plan.splits
+        );
         let mut r = rng(1000 + i as u64);
         let x = rand_bf16(&mut r, m * k, 0.01, 1.0);
         let (packed, scales) = int4_weights(&mut r, 1, n, k);
@@ -128,7 +132,10 @@ fn w4a16_gemm_rejects_bad_shapes() {
     )
     .unwrap_err()
     .to_string();
-    assert!(e.contains("w4a16_gemm") && e.contains("114687") && e.contains("224"), "{e}");
+    assert!(
+        e.contains("w4a16_gemm") && e.contains("114687") && e.contains("224"),
+        "{e}"
+    );
 }
 
 /// Grouped MoE GEMM: ids (token, slot) -> expert; the ids go through moe_align on the device.
@@ -152,7 +159,9 @@ fn moe_case(
         let mut pool: Vec<i32> = (0..e as i32).collect();
         pool.shuffle(r);
         pool.truncate(used);
-        (0..t).flat_map(|_| pool.choose_multiple(r, top_k).copied().collect::<Vec<_>>()).collect()
+        (0..t)
+            .flat_map(|_| pool.choose_multiple(r, top_k).copied().collect::<Vec<_>>())
+            .collect()
     });
     let xrows = if per_pair_x { p } else { t };
     let x = rand_bf16(r, xrows * k, 0.01, 1.0);
@@ -164,15 +173,29 @@ fn moe_case(
     let mut sorted = g.upload(&vec![-1i32; p]).unwrap();
     let mut tiles = g.upload(&vec![-1i32; 3 * mt]).unwrap();
     let mut nt = g.upload(&[-1i32]).unwrap();
-    ops::moe_align::moe_align(g, &di.as_view(), e, tile, &mut sorted.as_view_mut(), &mut tiles.as_view_mut(), &mut nt.as_view_mut())
-        .unwrap();
+    ops::moe_align::moe_align(
+        g,
+        &di.as_view(),
+        e,
+        tile,
+        &mut sorted.as_view_mut(),
+        &mut tiles.as_view_mut(),
+        &mut nt.as_view_mut(),
+    )
+    .unwrap();
     let dx = g.upload(&x).unwrap();
     let dp = g.upload(&packed).unwrap();
     let ds = g.upload(&scales).unwrap();
     let mut ws = g.upload(&nan_f32(plan.workspace_len(p, n))).unwrap();
     let mut out = g.upload(&nan_bf16(p * n)).unwrap();
     let (sv, tv, nv) = (sorted.as_view(), tiles.as_view(), nt.as_view());
-    let routing = ops::w4a16_gemm::Routing { sorted: &sv, tiles: &tv, max_tiles: mt, n_tiles: &nv, tile_rows: tile };
+    let routing = ops::w4a16_gemm::Routing {
+        sorted: &sv,
+        tiles: &tv,
+        max_tiles: mt,
+        n_tiles: &nv,
+        tile_rows: tile,
+    };
     let div = if per_pair_x { 1 } else { top_k };
     ops::w4a16_gemm::moe_w4a16_gemm(
         g,
@@ -198,9 +221,21 @@ fn moe_case(
     for (q, &ex) in ids.iter().enumerate() {
         let xr = if per_pair_x { q } else { q / top_k };
         let ex = ex as usize;
-        want.extend(matmul_i4g32(&xf[xr * k..(xr + 1) * k], &packed[ex * eb..(ex + 1) * eb], &scales[ex * es..(ex + 1) * es], 1, k, n));
+        want.extend(matmul_i4g32(
+            &xf[xr * k..(xr + 1) * k],
+            &packed[ex * eb..(ex + 1) * eb],
+            &scales[ex * es..(ex + 1) * es],
+            1,
+            k,
+            n,
+        ));
     }
-    check_bf16(&format!("{case} [tile {tile} rows, {} splits]", plan.splits), &got, &want, W4A16_TOL);
+    check_bf16(
+        &format!("{case} [tile {tile} rows, {} splits]", plan.splits),
+        &got,
+        &want,
+        W4A16_TOL,
+    );
 }
 
 #[test]
@@ -229,13 +264,41 @@ fn moe_chain_ids_stay_on_device() {
     let (t, e, top_k, n, k) = (4, 384, 8, 256, 7168);
     let mut r = rng(1200);
     let logits = rand_f32(&mut r, t * e, -6.0, 6.0);
-    let rc = ops::moe_router::RouterCfg { n_experts: e, n_group: 1, topk_group: 1, top_k, norm_topk_prob: true, routed_scaling: 2.827 };
+    let rc = ops::moe_router::RouterCfg {
+        n_experts: e,
+        n_group: 1,
+        topk_group: 1,
+        top_k,
+        norm_topk_prob: true,
+        routed_scaling: 2.827,
+    };
     let dl = g.upload(&logits).unwrap();
     let mut di = g.upload(&vec![-1i32; t * top_k]).unwrap();
     let mut dw = g.upload(&nan_f32(t * top_k)).unwrap();
-    ops::moe_router::moe_router(&g, &dl.as_view(), None, t, rc, &mut di.as_view_mut(), &mut dw.as_view_mut()).unwrap();
+    ops::moe_router::moe_router(
+        &g,
+        &dl.as_view(),
+        None,
+        t,
+        rc,
+        &mut di.as_view_mut(),
+        &mut dw.as_view_mut(),
+    )
+    .unwrap();
     let ids = g.download(&di).unwrap();
-    moe_case(&g, "moe_chain(router->align->moe_w4a16_gemm,T=4,E=384,N=256,K=7168)", &mut r, t, top_k, e, e, n, k, false, Some(ids));
+    moe_case(
+        &g,
+        "moe_chain(router->align->moe_w4a16_gemm,T=4,E=384,N=256,K=7168)",
+        &mut r,
+        t,
+        top_k,
+        e,
+        e,
+        n,
+        k,
+        false,
+        Some(ids),
+    );
 }
 
 #[test]
@@ -255,8 +318,17 @@ fn gemm_bf16_parity() {
     // T <= 4 with K % 8 == 0 runs the GEMV kernel (kernels/cuda/gemv_bf16.cu); each case also runs through
     // cuBLAS (`set_gemv(false)`) where that differs. Extra GEMV shapes: every row count 1..4, short N (8 warps
     // a row), bf16 out at M=4, a K that is not a multiple of 256 (tail chunks).
-    let cases: Vec<(usize, usize, usize, bool)> =
-        cases.iter().copied().chain([(2, 7168, 384, true), (4, 7168, 1536, false), (1, 2048, 7168, false), (3, 1032, 96, true), (4, 256, 4352, true)]).collect();
+    let cases: Vec<(usize, usize, usize, bool)> = cases
+        .iter()
+        .copied()
+        .chain([
+            (2, 7168, 384, true),
+            (4, 7168, 1536, false),
+            (1, 2048, 7168, false),
+            (3, 1032, 96, true),
+            (4, 256, 4352, true),
+        ])
+        .collect();
     for (i, &(t, k, n, f32_out)) in cases.iter().enumerate() {
         for gemv in [true, false] {
             let gemv_shape = t <= ops::gemm_bf16::GEMV_MAX_ROWS && k % 8 == 0;
@@ -266,7 +338,10 @@ fn gemm_bf16_parity() {
             }
             g.set_gemv(gemv);
             let path = if uses_gemv { "gemv" } else { "cublas" };
-            let case = format!("gemm_bf16(T={t},K={k},N={n},out={},{path})", if f32_out { "f32" } else { "bf16" });
+            let case = format!(
+                "gemm_bf16(T={t},K={k},N={n},out={},{path})",
+                if f32_out { "f32" } else { "bf16" }
+            );
             let mut r = rng(1300 + i as u64);
             let x = rand_bf16(&mut r, t * k, 0.01, 1.0);
             let w = fast_bf16(&mut r, n * k);
@@ -312,8 +387,17 @@ fn op_chain_is_graph_capturable() {
     );
     let logits = g.upload(&rand_f32(&mut r, t * e, -4.0, 4.0)).unwrap();
     let pos = g.upload(&[3i32, 70_000]).unwrap();
-    let inv = g.upload(&kdtree_engine::cpu::ops::yarn_inv_freq(64, 50000.0, None)).unwrap();
-    let rc = ops::moe_router::RouterCfg { n_experts: e, n_group: 1, topk_group: 1, top_k, norm_topk_prob: true, routed_scaling: 2.827 };
+    let inv = g
+        .upload(&kdtree_engine::cpu::ops::yarn_inv_freq(64, 50000.0, None))
+        .unwrap();
+    let rc = ops::moe_router::RouterCfg {
+        n_experts: e,
+        n_group: 1,
+        topk_group: 1,
+        top_k,
+        norm_topk_prob: true,
+        routed_scaling: 2.827,
+    };
     let p = t * top_k;
     let plan13 = ops::w4a16_gemm::plan_dense(&g, t, 2 * i, h);
     let plan2 = ops::w4a16_gemm::plan_dense(&g, t, h, i);
@@ -325,7 +409,16 @@ fn op_chain_is_graph_capturable() {
     let mut act = g.zeros::<bf16>(t * i).unwrap();
     let mut down = g.zeros::<bf16>(t * h).unwrap();
     let mut ws = g
-        .zeros::<f32>([plan13.workspace_len(t, 2 * i), plan2.workspace_len(t, h), plane.workspace_len(p, ni)].into_iter().max().unwrap())
+        .zeros::<f32>(
+            [
+                plan13.workspace_len(t, 2 * i),
+                plan2.workspace_len(t, h),
+                plane.workspace_len(p, ni),
+            ]
+            .into_iter()
+            .max()
+            .unwrap(),
+        )
         .unwrap();
     let mut rid = g.zeros::<i32>(p).unwrap();
     let mut rw = g.zeros::<f32>(p).unwrap();
@@ -336,7 +429,18 @@ fn op_chain_is_graph_capturable() {
     let mut am = g.zeros::<u32>(p).unwrap(); // argmax of each of the P expert-output rows
     let mut step = || {
         ops::embed::embed_gather(&g, &ids.as_view(), &table.as_view(), &mut hid.as_view_mut(), v, h).unwrap();
-        ops::rms_norm::rms_norm(&g, &hid.as_view(), &norm_w.as_view(), &mut xn.as_view_mut(), t, h, h, h, 1e-5).unwrap();
+        ops::rms_norm::rms_norm(
+            &g,
+            &hid.as_view(),
+            &norm_w.as_view(),
+            &mut xn.as_view_mut(),
+            t,
+            h,
+            h,
+            h,
+            1e-5,
+        )
+        .unwrap();
         ops::w4a16_gemm::w4a16_gemm(
             &g,
             &xn.as_view(),
@@ -367,9 +471,25 @@ fn op_chain_is_graph_capturable() {
         )
         .unwrap();
         ops::residual_add::residual_add(&g, &mut hid.as_view_mut(), &down.as_view()).unwrap();
-        let l = ops::rope::RopeLayout { tokens: t, heads: 1, ld_token: h, ld_head: h, offset: h - 64, dim: 64 };
+        let l = ops::rope::RopeLayout {
+            tokens: t,
+            heads: 1,
+            ld_token: h,
+            ld_head: h,
+            offset: h - 64,
+            dim: 64,
+        };
         ops::rope::rope_interleaved(&g, &mut hid.as_view_mut(), &pos.as_view(), &inv.as_view(), l, 1.0).unwrap();
-        ops::moe_router::moe_router(&g, &logits.as_view(), None, t, rc, &mut rid.as_view_mut(), &mut rw.as_view_mut()).unwrap();
+        ops::moe_router::moe_router(
+            &g,
+            &logits.as_view(),
+            None,
+            t,
+            rc,
+            &mut rid.as_view_mut(),
+            &mut rw.as_view_mut(),
+        )
+        .unwrap();
         ops::moe_align::moe_align(
             &g,
             &rid.as_view(),
@@ -381,7 +501,13 @@ fn op_chain_is_graph_capturable() {
         )
         .unwrap();
         let (sv, tv, nv) = (sorted.as_view(), tiles.as_view(), nt.as_view());
-        let routing = ops::w4a16_gemm::Routing { sorted: &sv, tiles: &tv, max_tiles: mt, n_tiles: &nv, tile_rows: plane.tile_rows() };
+        let routing = ops::w4a16_gemm::Routing {
+            sorted: &sv,
+            tiles: &tv,
+            max_tiles: mt,
+            n_tiles: &nv,
+            tile_rows: plane.tile_rows(),
+        };
         ops::w4a16_gemm::moe_w4a16_gemm(
             &g,
             &hid.as_view(),
@@ -403,20 +529,51 @@ fn op_chain_is_graph_capturable() {
     };
     step();
     g.sync().unwrap();
-    g.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+    g.stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .unwrap();
     step();
-    let graph = g.stream.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("captured graph");
-    let eager = (g.download(&hid).unwrap(), g.download(&eo).unwrap(), g.download(&am).unwrap(), g.download(&rid).unwrap());
-    assert!(eager.0.iter().chain(&eager.1).all(|x| !x.is_nan()), "eager chain produced NaN");
+    let graph = g
+        .stream
+        .end_capture(CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("captured graph");
+    let eager = (
+        g.download(&hid).unwrap(),
+        g.download(&eo).unwrap(),
+        g.download(&am).unwrap(),
+        g.download(&rid).unwrap(),
+    );
+    assert!(
+        eager.0.iter().chain(&eager.1).all(|x| !x.is_nan()),
+        "eager chain produced NaN"
+    );
     // Poison the outputs, replay the graph, and demand the same bits.
     g.stream.memcpy_htod(&nan_bf16(t * h), &mut hid).unwrap();
     g.stream.memcpy_htod(&nan_bf16(p * ni), &mut eo).unwrap();
     graph.launch().unwrap();
-    let replay = (g.download(&hid).unwrap(), g.download(&eo).unwrap(), g.download(&am).unwrap(), g.download(&rid).unwrap());
+    let replay = (
+        g.download(&hid).unwrap(),
+        g.download(&eo).unwrap(),
+        g.download(&am).unwrap(),
+        g.download(&rid).unwrap(),
+    );
     let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    assert_eq!(bits(&eager.0), bits(&replay.0), "hidden state differs between eager and graph replay");
-    assert_eq!(bits(&eager.1), bits(&replay.1), "expert outputs differ between eager and graph replay");
-    assert_eq!((eager.2, eager.3), (replay.2, replay.3), "argmax / router ids differ between eager and graph replay");
+    assert_eq!(
+        bits(&eager.0),
+        bits(&replay.0),
+        "hidden state differs between eager and graph replay"
+    );
+    assert_eq!(
+        bits(&eager.1),
+        bits(&replay.1),
+        "expert outputs differ between eager and graph replay"
+    );
+    assert_eq!(
+        (eager.2, eager.3),
+        (replay.2, replay.3),
+        "argmax / router ids differ between eager and graph replay"
+    );
     println!("PARITY op_chain(graph replay == eager) exact");
 }
 
@@ -427,23 +584,57 @@ fn op_chain_is_graph_capturable() {
 fn moe_fused_gate_up_and_silu_down() {
     let Some(g) = gpu() else { return };
     // (T, top_k, E, mi, h)
-    for (ci, &(t, top_k, e, mi, h)) in [(5usize, 4usize, 16usize, 256usize, 512usize), (1, 8, 384, 256, 7168), (33, 8, 64, 512, 1024)].iter().enumerate() {
+    for (ci, &(t, top_k, e, mi, h)) in [
+        (5usize, 4usize, 16usize, 256usize, 512usize),
+        (1, 8, 384, 256, 7168),
+        (33, 8, 64, 512, 1024),
+    ]
+    .iter()
+    .enumerate()
+    {
         let case = format!("moe_fused(T={t},top_k={top_k},E={e},mi={mi},h={h})");
         let mut r = rng(1500 + ci as u64);
         let p = t * top_k;
         let ids: Vec<i32> = (0..p).map(|_| (r.next_u32() % e as u32) as i32).collect();
         let x = rand_bf16(&mut r, t * h, 0.01, 1.0);
-        let ((pg, sg), (pu, su), (pd, sd)) = (int4_weights(&mut r, e, mi, h), int4_weights(&mut r, e, mi, h), int4_weights(&mut r, e, h, mi));
+        let ((pg, sg), (pu, su), (pd, sd)) = (
+            int4_weights(&mut r, e, mi, h),
+            int4_weights(&mut r, e, mi, h),
+            int4_weights(&mut r, e, h, mi),
+        );
         let plan_gu = ops::w4a16_gemm::plan_moe(&g, p, e, 2 * mi, h);
         let plan_d = ops::w4a16_gemm::plan_moe(&g, p, e, h, mi);
-        assert_eq!(plan_gu.tile_rows(), plan_d.tile_rows(), "{case}: one routing serves both");
+        assert_eq!(
+            plan_gu.tile_rows(),
+            plan_d.tile_rows(),
+            "{case}: one routing serves both"
+        );
         let tile = plan_gu.tile_rows();
         let mt = ops::moe_align::max_tiles(p, e, tile);
         let di = g.upload(&ids).unwrap();
-        let (mut sorted, mut tiles, mut nt) = (g.upload(&vec![-1i32; p]).unwrap(), g.upload(&vec![-1i32; 3 * mt]).unwrap(), g.upload(&[-1i32]).unwrap());
-        ops::moe_align::moe_align(&g, &di.as_view(), e, tile, &mut sorted.as_view_mut(), &mut tiles.as_view_mut(), &mut nt.as_view_mut()).unwrap();
+        let (mut sorted, mut tiles, mut nt) = (
+            g.upload(&vec![-1i32; p]).unwrap(),
+            g.upload(&vec![-1i32; 3 * mt]).unwrap(),
+            g.upload(&[-1i32]).unwrap(),
+        );
+        ops::moe_align::moe_align(
+            &g,
+            &di.as_view(),
+            e,
+            tile,
+            &mut sorted.as_view_mut(),
+            &mut tiles.as_view_mut(),
+            &mut nt.as_view_mut(),
+        )
+        .unwrap();
         let (sv, tv, nv) = (sorted.as_view(), tiles.as_view(), nt.as_view());
-        let routing = ops::w4a16_gemm::Routing { sorted: &sv, tiles: &tv, max_tiles: mt, n_tiles: &nv, tile_rows: tile };
+        let routing = ops::w4a16_gemm::Routing {
+            sorted: &sv,
+            tiles: &tv,
+            max_tiles: mt,
+            n_tiles: &nv,
+            tile_rows: tile,
+        };
         let up = |v: &[u8]| g.upload(v).unwrap();
         let ub = |v: &[bf16]| g.upload(v).unwrap();
         let (dpg, dsg, dpu, dsu, dpd, dsd) = (up(&pg), ub(&sg), up(&pu), ub(&su), up(&pd), ub(&sd));
@@ -451,28 +642,107 @@ fn moe_fused_gate_up_and_silu_down() {
         let wsl = plan_gu.workspace_len(p, 2 * mi).max(plan_d.workspace_len(p, h));
         let mut ws = g.upload(&nan_f32(wsl)).unwrap();
         let mut gu = g.upload(&nan_bf16(p * 2 * mi)).unwrap();
-        ops::w4a16_gemm::moe_w4a16_gate_up(&g, &dx.as_view(), h, top_k, p, &routing, (&dpg.as_view(), &dsg.as_view()), (&dpu.as_view(), &dsu.as_view()), e, mi, h, &mut ws.as_view_mut(), &mut gu.as_view_mut(), 2 * mi).unwrap();
+        ops::w4a16_gemm::moe_w4a16_gate_up(
+            &g,
+            &dx.as_view(),
+            h,
+            top_k,
+            p,
+            &routing,
+            (&dpg.as_view(), &dsg.as_view()),
+            (&dpu.as_view(), &dsu.as_view()),
+            e,
+            mi,
+            h,
+            &mut ws.as_view_mut(),
+            &mut gu.as_view_mut(),
+            2 * mi,
+        )
+        .unwrap();
         let gu_host = g.download(&gu).unwrap();
         let xf = widen(&x);
         let (eb, es) = (mi * h / 2, mi * h / 32);
         let (mut want_g, mut want_u, mut got_g, mut got_u) = (vec![], vec![], vec![], vec![]);
         for (q, &ex) in ids.iter().enumerate() {
             let (xr, ex) = (q / top_k, ex as usize);
-            want_g.extend(matmul_i4g32(&xf[xr * h..(xr + 1) * h], &pg[ex * eb..(ex + 1) * eb], &sg[ex * es..(ex + 1) * es], 1, h, mi));
-            want_u.extend(matmul_i4g32(&xf[xr * h..(xr + 1) * h], &pu[ex * eb..(ex + 1) * eb], &su[ex * es..(ex + 1) * es], 1, h, mi));
+            want_g.extend(matmul_i4g32(
+                &xf[xr * h..(xr + 1) * h],
+                &pg[ex * eb..(ex + 1) * eb],
+                &sg[ex * es..(ex + 1) * es],
+                1,
+                h,
+                mi,
+            ));
+            want_u.extend(matmul_i4g32(
+                &xf[xr * h..(xr + 1) * h],
+                &pu[ex * eb..(ex + 1) * eb],
+                &su[ex * es..(ex + 1) * es],
+                1,
+                h,
+                mi,
+            ));
             got_g.extend_from_slice(&gu_host[q * 2 * mi..q * 2 * mi + mi]);
             got_u.extend_from_slice(&gu_host[q * 2 * mi + mi..(q + 1) * 2 * mi]);
         }
-        check_bf16(&format!("{case} gate [{} splits]", plan_gu.splits), &got_g, &want_g, W4A16_TOL);
+        check_bf16(
+            &format!("{case} gate [{} splits]", plan_gu.splits),
+            &got_g,
+            &want_g,
+            W4A16_TOL,
+        );
         check_bf16(&format!("{case} up"), &got_u, &want_u, W4A16_TOL);
         // Down with the fused SwiGLU vs silu_mul + the plain grouped GEMM: the same bits.
         let mut fused = g.upload(&nan_bf16(p * h)).unwrap();
-        ops::w4a16_gemm::moe_w4a16_down_silu(&g, &gu.as_view(), 2 * mi, p, &routing, &dpd.as_view(), &dsd.as_view(), e, h, mi, &mut ws.as_view_mut(), &mut fused.as_view_mut(), h).unwrap();
+        ops::w4a16_gemm::moe_w4a16_down_silu(
+            &g,
+            &gu.as_view(),
+            2 * mi,
+            p,
+            &routing,
+            &dpd.as_view(),
+            &dsd.as_view(),
+            e,
+            h,
+            mi,
+            &mut ws.as_view_mut(),
+            &mut fused.as_view_mut(),
+            h,
+        )
+        .unwrap();
         let mut act = g.upload(&nan_bf16(p * mi)).unwrap();
-        ops::silu_mul::silu_mul(&g, &gu.as_view(), &gu.slice(mi..), &mut act.as_view_mut(), p, mi, 2 * mi).unwrap();
+        ops::silu_mul::silu_mul(
+            &g,
+            &gu.as_view(),
+            &gu.slice(mi..),
+            &mut act.as_view_mut(),
+            p,
+            mi,
+            2 * mi,
+        )
+        .unwrap();
         let mut twostep = g.upload(&nan_bf16(p * h)).unwrap();
-        ops::w4a16_gemm::moe_w4a16_gemm(&g, &act.as_view(), mi, 1, p, &routing, &dpd.as_view(), &dsd.as_view(), e, h, mi, &mut ws.as_view_mut(), &mut twostep.as_view_mut(), h).unwrap();
-        let (fused, twostep, act) = (g.download(&fused).unwrap(), g.download(&twostep).unwrap(), g.download(&act).unwrap());
+        ops::w4a16_gemm::moe_w4a16_gemm(
+            &g,
+            &act.as_view(),
+            mi,
+            1,
+            p,
+            &routing,
+            &dpd.as_view(),
+            &dsd.as_view(),
+            e,
+            h,
+            mi,
+            &mut ws.as_view_mut(),
+            &mut twostep.as_view_mut(),
+            h,
+        )
+        .unwrap();
+        let (fused, twostep, act) = (
+            g.download(&fused).unwrap(),
+            g.download(&twostep).unwrap(),
+            g.download(&act).unwrap(),
+        );
         let same = fused.iter().zip(&twostep).all(|(a, b)| a.to_bits() == b.to_bits());
         println!("PARITY {case} down_silu == silu_mul + moe_w4a16_gemm bit for bit: {same}");
         assert!(same, "{case}: fused SwiGLU down differs from the two-step path");
@@ -481,9 +751,21 @@ fn moe_fused_gate_up_and_silu_down() {
         let mut want_d = Vec::with_capacity(p * h);
         for (q, &ex) in ids.iter().enumerate() {
             let ex = ex as usize;
-            want_d.extend(matmul_i4g32(&af[q * mi..(q + 1) * mi], &pd[ex * db..(ex + 1) * db], &sd[ex * ds..(ex + 1) * ds], 1, mi, h));
+            want_d.extend(matmul_i4g32(
+                &af[q * mi..(q + 1) * mi],
+                &pd[ex * db..(ex + 1) * db],
+                &sd[ex * ds..(ex + 1) * ds],
+                1,
+                mi,
+                h,
+            ));
         }
-        check_bf16(&format!("{case} down_silu [{} splits]", plan_d.splits), &fused, &want_d, W4A16_TOL);
+        check_bf16(
+            &format!("{case} down_silu [{} splits]", plan_d.splits),
+            &fused,
+            &want_d,
+            W4A16_TOL,
+        );
     }
 }
 
@@ -497,7 +779,10 @@ fn w4a16_chain_same_with_and_without_pdl() {
     let (h, layers) = (2048usize, 6usize);
     let was = g.pdl();
     let mut r = rng(1600);
-    let weights: Vec<_> = (0..layers).map(|_| int4_weights(&mut r, 1, h, h)).map(|(p, s)| (g.upload(&p).unwrap(), g.upload(&s).unwrap())).collect();
+    let weights: Vec<_> = (0..layers)
+        .map(|_| int4_weights(&mut r, 1, h, h))
+        .map(|(p, s)| (g.upload(&p).unwrap(), g.upload(&s).unwrap()))
+        .collect();
     for m in [1usize, 5, 16, 40] {
         let x = rand_bf16(&mut r, m * h, 0.01, 1.0);
         let plan = ops::w4a16_gemm::plan_dense(&g, m, h, h);
@@ -509,13 +794,32 @@ fn w4a16_chain_same_with_and_without_pdl() {
             let mut chain = |bufs: &mut Vec<cudarc::driver::CudaSlice<bf16>>| {
                 for (l, (p, s)) in weights.iter().enumerate() {
                     let (a, b) = bufs.split_at_mut(l + 1);
-                    ops::w4a16_gemm::w4a16_gemm(&g, &a[l].as_view(), h, m, &p.as_view(), &s.as_view(), h, h, &mut ws.as_view_mut(), &mut b[0].as_view_mut(), h).unwrap();
+                    ops::w4a16_gemm::w4a16_gemm(
+                        &g,
+                        &a[l].as_view(),
+                        h,
+                        m,
+                        &p.as_view(),
+                        &s.as_view(),
+                        h,
+                        h,
+                        &mut ws.as_view_mut(),
+                        &mut b[0].as_view_mut(),
+                        h,
+                    )
+                    .unwrap();
                 }
             };
             if graph {
-                g.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+                g.stream
+                    .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                    .unwrap();
                 chain(&mut bufs);
-                let gr = g.stream.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("a graph");
+                let gr = g
+                    .stream
+                    .end_capture(CUgraphInstantiate_flags(0))
+                    .unwrap()
+                    .expect("a graph");
                 for _ in 0..3 {
                     gr.launch().unwrap();
                 }
@@ -527,7 +831,10 @@ fn w4a16_chain_same_with_and_without_pdl() {
             g.download(&bufs[layers]).unwrap()
         };
         let base = run(false, false);
-        assert!(base.iter().all(|v| v.to_f32().is_finite()), "m={m}: chain output not finite");
+        assert!(
+            base.iter().all(|v| v.to_f32().is_finite()),
+            "m={m}: chain output not finite"
+        );
         for (pdl, graph) in [(true, false), (true, true), (false, true)] {
             let got = run(pdl, graph);
             let same = got.iter().zip(&base).all(|(a, b)| a.to_bits() == b.to_bits());

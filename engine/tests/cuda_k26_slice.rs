@@ -36,7 +36,10 @@ fn k26_rank0_slice_timing() {
     let Some(gpu) = cuda_common::gpu() else { return };
     let gpu = Arc::new(gpu);
     let p = kdtree_convert::synth::resolve("k26", None).unwrap();
-    let (c, d) = (kdtree_convert::synth::configs::model_config(&p).to_string(), kdtree_convert::synth::configs::drafter_config(&p).to_string());
+    let (c, d) = (
+        kdtree_convert::synth::configs::model_config(&p).to_string(),
+        kdtree_convert::synth::configs::drafter_config(&p).to_string(),
+    );
     let src = DummySource::from_json("k26/config.json", &c, Some(("k26/drafter/config.json", &d)), 8, 0, 0).unwrap();
     // Bytes a step reads: routed experts (per expert), the rest of the target (embed_tokens is a row gather,
     // not read whole), the drafter.
@@ -55,20 +58,36 @@ fn k26_rank0_slice_timing() {
     let per_expert = routed as f64 / e; // all MoE layers together
     let floor_ms = |nodes: usize, with_drafter: bool| {
         let touched = e * (1.0 - (1.0 - k / e).powi(nodes as i32));
-        (dense as f64 + touched * per_expert + if with_drafter { drafter as f64 } else { 0.0 }) / (COPY_TB_S * 1e12) * 1e3
+        (dense as f64 + touched * per_expert + if with_drafter { drafter as f64 } else { 0.0 }) / (COPY_TB_S * 1e12)
+            * 1e3
     };
     let total = src.bytes();
     let t0 = Instant::now();
     let mut m = open_dummy_cuda_on(src, gpu.clone()).unwrap();
-    println!("BENCH k26r0 fill {:.2} GB (target + drafter, rank 0 of 8) in {:.2} s on {}", total as f64 / 1e9, t0.elapsed().as_secs_f64(), gpu.describe());
-    println!("BENCH k26r0 bytes: routed experts {:.2} GB ({moe_layers} MoE layers), other target {:.2} GB, drafter {:.2} GB", routed as f64 / 1e9, dense as f64 / 1e9, drafter as f64 / 1e9);
+    println!(
+        "BENCH k26r0 fill {:.2} GB (target + drafter, rank 0 of 8) in {:.2} s on {}",
+        total as f64 / 1e9,
+        t0.elapsed().as_secs_f64(),
+        gpu.describe()
+    );
+    println!(
+        "BENCH k26r0 bytes: routed experts {:.2} GB ({moe_layers} MoE layers), other target {:.2} GB, drafter {:.2} GB",
+        routed as f64 / 1e9,
+        dense as f64 / 1e9,
+        drafter as f64 / 1e9
+    );
     let v = m.target.info().vocab_size as u32;
     assert_eq!(v, 20480, "the rank slice's vocabulary is V/8");
     let prompt: Vec<u32> = (0..64u32).map(|i| (i * 7919 + 11) % v).collect();
     // KDTREE_PROFILE=k26ar|k26dd16: one replay of that graph between cuProfilerStart/Stop (bench/ncu.sh times
     // each of its kernels alone), instead of the timings.
     let profile = std::env::var("KDTREE_PROFILE").unwrap_or_default();
-    for (name, tag, mode) in [("ar_step", "k26ar", Mode::Ar), ("ddtree_round budget=16", "k26dd16", Mode::DDTree { budget: 16 }), ("ddtree_round budget=64", "k26dd64", Mode::DDTree { budget: 64 }), ("ddtree_round budget=256", "k26dd256", Mode::DDTree { budget: 256 })] {
+    for (name, tag, mode) in [
+        ("ar_step", "k26ar", Mode::Ar),
+        ("ddtree_round budget=16", "k26dd16", Mode::DDTree { budget: 16 }),
+        ("ddtree_round budget=64", "k26dd64", Mode::DDTree { budget: 64 }),
+        ("ddtree_round budget=256", "k26dd256", Mode::DDTree { budget: 256 }),
+    ] {
         if !profile.is_empty() && profile != tag {
             continue;
         }
@@ -78,13 +97,19 @@ fn k26_rank0_slice_timing() {
         for _ in 0..WARM {
             s.step().unwrap();
         }
-        let census = gpu.last_graph().map(|c| c.to_string()).unwrap_or_else(|| "no graph".into());
+        let census = gpu
+            .last_graph()
+            .map(|c| c.to_string())
+            .unwrap_or_else(|| "no graph".into());
         if !profile.is_empty() {
             gpu.profiled(|| s.step().unwrap()).unwrap();
             println!("BENCH k26r0 {name}: one replay profiled; the graph: {census}");
             continue;
         }
-        let (before, graphs0) = (gpu.stats.snapshot(), gpu.stats.graph_launches.load(std::sync::atomic::Ordering::Relaxed));
+        let (before, graphs0) = (
+            gpu.stats.snapshot(),
+            gpu.stats.graph_launches.load(std::sync::atomic::Ordering::Relaxed),
+        );
         let mut ms = Vec::with_capacity(STEPS);
         let mut tokens = 0;
         for _ in 0..STEPS {
@@ -95,7 +120,11 @@ fn k26_rank0_slice_timing() {
         let after = gpu.stats.snapshot();
         let graphs = gpu.stats.graph_launches.load(std::sync::atomic::Ordering::Relaxed) - graphs0;
         let per = |i: usize| (after[i] - before[i]) as f64 / STEPS as f64;
-        let device = if mode == Mode::Ar { s.device_steps() } else { s.device_rounds() };
+        let device = if mode == Mode::Ar {
+            s.device_steps()
+        } else {
+            s.device_rounds()
+        };
         let nodes = match mode {
             Mode::DDTree { budget } => budget + 1,
             _ => 1,

@@ -24,18 +24,39 @@ const MLA_TOL: f64 = 5.0e-3;
 
 /// Random parents: node 0 a root, later nodes a root with probability 1/8, else a child of an earlier node.
 fn parents(r: &mut rand_chacha::ChaCha8Rng, t: usize, chain: bool) -> Vec<i32> {
-    (0..t as i32).map(|i| if chain { i - 1 } else if i == 0 || r.random_range(0..8) == 0 { -1 } else { r.random_range(0..i) }).collect()
+    (0..t as i32)
+        .map(|i| {
+            if chain {
+                i - 1
+            } else if i == 0 || r.random_range(0..8) == 0 {
+                -1
+            } else {
+                r.random_range(0..i)
+            }
+        })
+        .collect()
 }
 
 /// `room`: None = the host's committed length and split; Some(rows) = the device round's form: a cache of
 /// `rows` rows (random rows past the nodes' own), the committed length read from the device, the split
 /// chosen for the room and the rows divided evenly in the kernel.
 #[allow(clippy::too_many_arguments)]
-fn case(g: &kdtree_engine::cuda::Gpu, t: usize, heads: usize, committed: usize, c: usize, p: usize, masked: bool, seed: u64, room: Option<usize>) {
+fn case(
+    g: &kdtree_engine::cuda::Gpu,
+    t: usize,
+    heads: usize,
+    committed: usize,
+    c: usize,
+    p: usize,
+    masked: bool,
+    seed: u64,
+    room: Option<usize>,
+) {
     let name = format!(
         "mla_attention(T={t},Hr={heads},committed={committed},C={c},P={p},{}{})",
         if masked { "tree" } else { "causal" },
-        room.map(|r| format!(",committed on the device,room {r}")).unwrap_or_default()
+        room.map(|r| format!(",committed on the device,room {r}"))
+            .unwrap_or_default()
     );
     let mut r = rng(seed);
     let lw = c + p;
@@ -51,12 +72,42 @@ fn case(g: &kdtree_engine::cuda::Gpu, t: usize, heads: usize, committed: usize, 
             kvb[(h * 2 * c + c + k) * c + k] = bf16::ONE;
         }
     }
-    let dims = MlaDims { heads, nope: c, rope: p, v: c, kv_lora: c, scale: 0.0723 };
-    let want = mla_attention(&dims, &widen(&q), &widen(&lat[..(committed + t) * lw]), committed, &mask, MlaKv::Absorbed(&kvb));
-    let s = MlaShape { t, heads, kv_lora: c, rope: p, committed };
+    let dims = MlaDims {
+        heads,
+        nope: c,
+        rope: p,
+        v: c,
+        kv_lora: c,
+        scale: 0.0723,
+    };
+    let want = mla_attention(
+        &dims,
+        &widen(&q),
+        &widen(&lat[..(committed + t) * lw]),
+        committed,
+        &mask,
+        MlaKv::Absorbed(&kvb),
+    );
+    let s = MlaShape {
+        t,
+        heads,
+        kv_lora: c,
+        rope: p,
+        committed,
+    };
     let split = match room {
         None => MlaSplit::choose(g, &s),
-        Some(rows) => MlaSplit { splits: MlaSplit::choose(g, &MlaShape { committed: rows - t, ..s }).splits, rows_per_split: 0 },
+        Some(rows) => MlaSplit {
+            splits: MlaSplit::choose(
+                g,
+                &MlaShape {
+                    committed: rows - t,
+                    ..s
+                },
+            )
+            .splits,
+            rows_per_split: 0,
+        },
     };
     let dc = g.upload(&[committed as i32]).unwrap();
     let dcv = dc.as_view();
@@ -68,7 +119,20 @@ fn case(g: &kdtree_engine::cuda::Gpu, t: usize, heads: usize, committed: usize, 
     let mut pml = g.upload(&nan_f32(wml)).unwrap();
     let mut out = g.upload(&nan_bf16(t * heads * c)).unwrap();
     let m = masked.then(|| (dm.as_view(), mask.words));
-    gpu_mla(g, &dq.as_view(), &dl.as_view(), m.as_ref().map(|(v, w)| (v, *w)), room.map(|_| &dcv), &s, &split, 0.0723, &mut po.as_view_mut(), &mut pml.as_view_mut(), &mut out.as_view_mut()).unwrap();
+    gpu_mla(
+        g,
+        &dq.as_view(),
+        &dl.as_view(),
+        m.as_ref().map(|(v, w)| (v, *w)),
+        room.map(|_| &dcv),
+        &s,
+        &split,
+        0.0723,
+        &mut po.as_view_mut(),
+        &mut pml.as_view_mut(),
+        &mut out.as_view_mut(),
+    )
+    .unwrap();
     let got = g.download(&out).unwrap();
     eprintln!("{name}: {} splits x {} rows", split.splits, split.rows_per_split);
     check_bf16(&name, &got, &want, MLA_TOL);
@@ -93,7 +157,15 @@ fn mla_attention_parity() {
         case(&g, t, hr, committed, c, p, masked, 900 + i as u64, None);
     }
     // The device round's form: committed read on the device, split for a larger room.
-    for (i, &(t, hr, committed, room)) in [(1, 64, 1000, 4096), (65, 8, 300, 1024), (257, 8, 3, 512), (9, 8, 0, 256)].iter().enumerate() {
+    for (i, &(t, hr, committed, room)) in [
+        (1, 64, 1000, 4096),
+        (65, 8, 300, 1024),
+        (257, 8, 3, 512),
+        (9, 8, 0, 256),
+    ]
+    .iter()
+    .enumerate()
+    {
         case(&g, t, hr, committed, 512, 64, true, 950 + i as u64, Some(room));
     }
 }
@@ -109,20 +181,64 @@ fn mla_attention_segments_equal_their_own_launches() {
     let (heads, c, p) = (8usize, 512usize, 64usize);
     let lw = c + p;
     // (T, committed, room)
-    let segs = [(1usize, 1000usize, 4096usize), (17, 300, 1024), (1, 0, 256), (65, 40, 512), (3, 7, 256)];
+    let segs = [
+        (1usize, 1000usize, 4096usize),
+        (17, 300, 1024),
+        (1, 0, 256),
+        (65, 40, 512),
+        (3, 7, 256),
+    ];
     let mut r = rng(4242);
     let (mut qs, mut want, mut bufs) = (Vec::new(), Vec::new(), Vec::new());
     for &(t, committed, room) in &segs {
         let q = rand_bf16(&mut r, t * heads * lw, 0.01, 0.12);
         let lat = rand_bf16(&mut r, room * lw, 0.05, 1.5);
         let mask = Visibility::from_parents(&parents(&mut r, t, false)).unwrap();
-        let s = MlaShape { t, heads, kv_lora: c, rope: p, committed };
-        let split = MlaSplit { splits: MlaSplit::choose(&g, &MlaShape { committed: room - t, ..s }).splits, rows_per_split: 0 };
+        let s = MlaShape {
+            t,
+            heads,
+            kv_lora: c,
+            rope: p,
+            committed,
+        };
+        let split = MlaSplit {
+            splits: MlaSplit::choose(
+                &g,
+                &MlaShape {
+                    committed: room - t,
+                    ..s
+                },
+            )
+            .splits,
+            rows_per_split: 0,
+        };
         let (wo, wml) = split.workspace(&s);
-        let (dq, dl, dm, dc) = (g.upload(&q).unwrap(), g.upload(&lat).unwrap(), g.upload(&mask.bits).unwrap(), g.upload(&[committed as i32]).unwrap());
-        let (mut po, mut pml, mut out) = (g.upload(&nan_f32(wo)).unwrap(), g.upload(&nan_f32(wml)).unwrap(), g.upload(&nan_bf16(t * heads * c)).unwrap());
+        let (dq, dl, dm, dc) = (
+            g.upload(&q).unwrap(),
+            g.upload(&lat).unwrap(),
+            g.upload(&mask.bits).unwrap(),
+            g.upload(&[committed as i32]).unwrap(),
+        );
+        let (mut po, mut pml, mut out) = (
+            g.upload(&nan_f32(wo)).unwrap(),
+            g.upload(&nan_f32(wml)).unwrap(),
+            g.upload(&nan_bf16(t * heads * c)).unwrap(),
+        );
         let (mv, cv) = (dm.as_view(), dc.as_view());
-        gpu_mla(&g, &dq.as_view(), &dl.as_view(), Some((&mv, mask.words)), Some(&cv), &s, &split, 0.0723, &mut po.as_view_mut(), &mut pml.as_view_mut(), &mut out.as_view_mut()).unwrap();
+        gpu_mla(
+            &g,
+            &dq.as_view(),
+            &dl.as_view(),
+            Some((&mv, mask.words)),
+            Some(&cv),
+            &s,
+            &split,
+            0.0723,
+            &mut po.as_view_mut(),
+            &mut pml.as_view_mut(),
+            &mut out.as_view_mut(),
+        )
+        .unwrap();
         want.extend(g.download(&out).unwrap());
         qs.extend(q);
         bufs.push((dl, dm, dc, mask.words, split.splits));
@@ -133,13 +249,49 @@ fn mla_attention_segments_equal_their_own_launches() {
     let parts: Vec<MlaSeg<'_>> = segs
         .iter()
         .zip(&bufs)
-        .map(|(&(t, committed, _), (dl, dm, dc, words, splits))| MlaSeg { lat: dl.as_view(), mask: dm.as_view(), words: *words, pos: dc.as_view(), committed, t, splits: *splits })
+        .map(|(&(t, committed, _), (dl, dm, dc, words, splits))| MlaSeg {
+            lat: dl.as_view(),
+            mask: dm.as_view(),
+            words: *words,
+            pos: dc.as_view(),
+            committed,
+            t,
+            splits: *splits,
+        })
         .collect();
-    let (mut po, mut pml, mut out) = (g.upload(&nan_f32(t * sp * heads * c)).unwrap(), g.upload(&nan_f32(t * sp * heads * 2)).unwrap(), g.upload(&nan_bf16(t * heads * c)).unwrap());
-    mla_attention_seg(&g, &dq.as_view(), &parts, heads, c, p, 0.0723, &mut po.as_view_mut(), &mut pml.as_view_mut(), &mut out.as_view_mut()).unwrap();
+    let (mut po, mut pml, mut out) = (
+        g.upload(&nan_f32(t * sp * heads * c)).unwrap(),
+        g.upload(&nan_f32(t * sp * heads * 2)).unwrap(),
+        g.upload(&nan_bf16(t * heads * c)).unwrap(),
+    );
+    mla_attention_seg(
+        &g,
+        &dq.as_view(),
+        &parts,
+        heads,
+        c,
+        p,
+        0.0723,
+        &mut po.as_view_mut(),
+        &mut pml.as_view_mut(),
+        &mut out.as_view_mut(),
+    )
+    .unwrap();
     let got = g.download(&out).unwrap();
-    let diff = got.iter().zip(&want).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
-    println!("PARITY mla_attention_seg({} sequences, T={t}, splits up to {sp}) vs each sequence's own launch: {}", segs.len(), if diff == 0 { "bit-identical".to_string() } else { format!("mismatches {diff} of {}", got.len()) });
+    let diff = got
+        .iter()
+        .zip(&want)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    println!(
+        "PARITY mla_attention_seg({} sequences, T={t}, splits up to {sp}) vs each sequence's own launch: {}",
+        segs.len(),
+        if diff == 0 {
+            "bit-identical".to_string()
+        } else {
+            format!("mismatches {diff} of {}", got.len())
+        }
+    );
     assert_eq!(diff, 0, "the batched MLA launch differs from the per-sequence launches");
 
     // The store: three caches, rows at their committed lengths.
@@ -151,20 +303,44 @@ fn mla_attention_segments_equal_their_own_launches() {
     let (mut a, mut b) = (Vec::new(), Vec::new());
     let mut at = 0;
     for &(committed, k) in &rows {
-        let (mut d1, d2) = (g.upload(&nan_bf16(256 * w)).unwrap(), g.upload(&nan_bf16(256 * w)).unwrap());
+        let (mut d1, d2) = (
+            g.upload(&nan_bf16(256 * w)).unwrap(),
+            g.upload(&nan_bf16(256 * w)).unwrap(),
+        );
         let pos = g.upload(&[committed as i32]).unwrap();
-        store_rows_bf16(&g, &mut d1.as_view_mut(), w, &pos.as_view(), committed, &dsrc.slice(at * w..(at + k) * w), k).unwrap();
+        store_rows_bf16(
+            &g,
+            &mut d1.as_view_mut(),
+            w,
+            &pos.as_view(),
+            committed,
+            &dsrc.slice(at * w..(at + k) * w),
+            k,
+        )
+        .unwrap();
         a.push(d1);
         b.push((d2, pos));
         at += k;
     }
     {
-        let mut parts: Vec<StoreSeg<'_>> = b.iter_mut().zip(&rows).map(|((d, pos), &(committed, k))| StoreSeg { dst: d.as_view_mut(), pos: pos.as_view(), committed, n: k }).collect();
+        let mut parts: Vec<StoreSeg<'_>> = b
+            .iter_mut()
+            .zip(&rows)
+            .map(|((d, pos), &(committed, k))| StoreSeg {
+                dst: d.as_view_mut(),
+                pos: pos.as_view(),
+                committed,
+                n: k,
+            })
+            .collect();
         store_rows_seg_bf16(&g, &mut parts, w, &dsrc.as_view()).unwrap();
     }
     for (i, (x, (y, _))) in a.iter().zip(&b).enumerate() {
         let (x, y) = (g.download(x).unwrap(), g.download(y).unwrap());
-        assert!(x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()), "cache {i}: the batched store differs");
+        assert!(
+            x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()),
+            "cache {i}: the batched store differs"
+        );
     }
     println!("PARITY store_rows_seg_bf16(3 caches) vs store_rows_bf16 each: bit-identical");
 }

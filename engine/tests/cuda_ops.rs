@@ -8,8 +8,8 @@
 mod cuda_common;
 
 // CPU twins (one block, so the paths are easy to fix when engine/src/cpu/ops splits one op per file).
-use kdtree_engine::cpu::ops::{rms_norm, rope_cos_sin, rope_interleaved, silu_mul, yarn_inv_freq};
 use kdtree_engine::cpu::ops::{moe_route, Router};
+use kdtree_engine::cpu::ops::{rms_norm, rope_cos_sin, rope_interleaved, silu_mul, yarn_inv_freq};
 use kdtree_engine::sampling::argmax;
 
 use cuda_common::*;
@@ -32,7 +32,16 @@ const ROUTER_WEIGHT_TOL: f64 = 1.0e-6;
 fn rms_norm_parity() {
     let Some(g) = gpu() else { return };
     // (rows, h, ld_x): 576-wide rows with the 512 latent normalised (kv_a_layernorm) and K2.6 hidden 7168.
-    for (i, &(rows, h, ld)) in [(1, 64, 64), (7, 7168, 7168), (33, 512, 576), (3, 1536, 1536), (2, 100, 100)].iter().enumerate() {
+    for (i, &(rows, h, ld)) in [
+        (1, 64, 64),
+        (7, 7168, 7168),
+        (33, 512, 576),
+        (3, 1536, 1536),
+        (2, 100, 100),
+    ]
+    .iter()
+    .enumerate()
+    {
         let case = format!("rms_norm(rows={rows},h={h},ld_x={ld},bf16)");
         let mut r = rng(100 + i as u64);
         let x = rand_bf16(&mut r, rows * ld, 0.01, 2.0);
@@ -40,7 +49,18 @@ fn rms_norm_parity() {
         let dx = g.upload(&x).unwrap();
         let dw = g.upload(&w).unwrap();
         let mut dy = g.upload(&nan_bf16(rows * h)).unwrap();
-        ops::rms_norm::rms_norm(&g, &dx.as_view(), &dw.as_view(), &mut dy.as_view_mut(), rows, h, ld, h, 1e-5).unwrap();
+        ops::rms_norm::rms_norm(
+            &g,
+            &dx.as_view(),
+            &dw.as_view(),
+            &mut dy.as_view_mut(),
+            rows,
+            h,
+            ld,
+            h,
+            1e-5,
+        )
+        .unwrap();
         let got = g.download(&dy).unwrap();
         let xs: Vec<f32> = (0..rows).flat_map(|t| widen(&x[t * ld..t * ld + h])).collect();
         let want = rms_norm(&xs, &w, 1e-5);
@@ -56,9 +76,17 @@ fn rms_norm_f32_parity() {
     let Some(g) = gpu() else { return };
     // (rows, h, ld_x, ld_y): K2.6 hidden at decode (1 row) and a tree, the 512-of-576 latent, q_lora 1536, a
     // width past the register path (32768: 1024 threads x 8 float4), an odd width and an odd stride (fallback).
-    for (i, &(rows, h, ld, ldy)) in [(1, 7168, 7168, 7168), (17, 7168, 7168, 7168), (33, 512, 576, 512), (1, 1536, 1536, 1536), (2, 40000, 40000, 40000), (3, 100, 100, 100), (2, 64, 66, 64)]
-        .iter()
-        .enumerate()
+    for (i, &(rows, h, ld, ldy)) in [
+        (1, 7168, 7168, 7168),
+        (17, 7168, 7168, 7168),
+        (33, 512, 576, 512),
+        (1, 1536, 1536, 1536),
+        (2, 40000, 40000, 40000),
+        (3, 100, 100, 100),
+        (2, 64, 66, 64),
+    ]
+    .iter()
+    .enumerate()
     {
         let case = format!("rms_norm_f32(rows={rows},h={h},ld_x={ld},ld_y={ldy})");
         let mut r = rng(150 + i as u64);
@@ -67,8 +95,23 @@ fn rms_norm_f32_parity() {
         let dx = g.upload(&x).unwrap();
         let dw = g.upload(&w).unwrap();
         let mut dy = g.upload(&nan_f32(rows * ldy)).unwrap();
-        ops::act_f32::rms_norm_f32(&g, &dx.as_view(), ld, &dw.as_view(), &mut dy.as_view_mut(), ldy, rows, 1e-5).unwrap();
-        let got: Vec<f32> = g.download(&dy).unwrap().chunks(ldy).flat_map(|c| c[..h].to_vec()).collect();
+        ops::act_f32::rms_norm_f32(
+            &g,
+            &dx.as_view(),
+            ld,
+            &dw.as_view(),
+            &mut dy.as_view_mut(),
+            ldy,
+            rows,
+            1e-5,
+        )
+        .unwrap();
+        let got: Vec<f32> = g
+            .download(&dy)
+            .unwrap()
+            .chunks(ldy)
+            .flat_map(|c| c[..h].to_vec())
+            .collect();
         let xs: Vec<f32> = (0..rows).flat_map(|t| x[t * ld..t * ld + h].to_vec()).collect();
         check(&case, &got, &rms_norm(&xs, &w, 1e-5), 1e-5);
     }
@@ -88,7 +131,11 @@ fn rope_parity() {
     };
     let inv = yarn_inv_freq(64, 50000.0, Some(&k26));
     // (tokens, heads, ld_head, offset, ld_token): q [T, 64, 192] rope at 128; k_rope [T, 576] at 512.
-    let layouts = [(5, 64, 192, 128, 64 * 192), (9, 1, 576, 512, 576), (3, 8, 192, 128, 8 * 192)];
+    let layouts = [
+        (5, 64, 192, 128, 64 * 192),
+        (9, 1, 576, 512, 576),
+        (3, 8, 192, 128, 8 * 192),
+    ];
     for (i, &(t, heads, ld_head, offset, ld_token)) in layouts.iter().enumerate() {
         let case = format!("rope_interleaved(tokens={t},heads={heads},ld_head={ld_head},offset={offset},D=64,bf16)");
         let mut r = rng(200 + i as u64);
@@ -97,7 +144,14 @@ fn rope_parity() {
         let mut dx = g.upload(&x).unwrap();
         let dpos = g.upload(&pos).unwrap();
         let dinv = g.upload(&inv).unwrap();
-        let l = ops::rope::RopeLayout { tokens: t, heads, ld_token, ld_head, offset, dim: 64 };
+        let l = ops::rope::RopeLayout {
+            tokens: t,
+            heads,
+            ld_token,
+            ld_head,
+            offset,
+            dim: 64,
+        };
         ops::rope::rope_interleaved(&g, &mut dx.as_view_mut(), &dpos.as_view(), &dinv.as_view(), l, 1.0).unwrap();
         let got = g.download(&dx).unwrap();
         let mut want = widen(&x);
@@ -116,19 +170,30 @@ fn rope_parity() {
 fn silu_mul_parity() {
     let Some(g) = gpu() else { return };
     // (rows, i, fused): fused = gate and up halves of one [rows, 2i] buffer.
-    for (n, &(rows, i, fused)) in [(1, 2048, true), (8, 256, false), (64, 18432 / 8, true), (3, 100, false)].iter().enumerate() {
+    for (n, &(rows, i, fused)) in [(1, 2048, true), (8, 256, false), (64, 18432 / 8, true), (3, 100, false)]
+        .iter()
+        .enumerate()
+    {
         let case = format!("silu_mul(rows={rows},i={i},fused={fused},bf16)");
         let mut r = rng(300 + n as u64);
         let ld = if fused { 2 * i } else { i };
         let gu = rand_bf16(&mut r, rows * ld + if fused { 0 } else { rows * i }, 0.01, 6.0);
         let dgu = g.upload(&gu).unwrap();
         let mut dout = g.upload(&nan_bf16(rows * i)).unwrap();
-        let (gate, up) = if fused { (dgu.slice(0..), dgu.slice(i..)) } else { (dgu.slice(0..rows * i), dgu.slice(rows * i..)) };
+        let (gate, up) = if fused {
+            (dgu.slice(0..), dgu.slice(i..))
+        } else {
+            (dgu.slice(0..rows * i), dgu.slice(rows * i..))
+        };
         ops::silu_mul::silu_mul(&g, &gate, &up, &mut dout.as_view_mut(), rows, i, ld).unwrap();
         let got = g.download(&dout).unwrap();
         let (mut gv, mut uv) = (Vec::new(), Vec::new());
         for t in 0..rows {
-            let (go, uo) = if fused { (t * ld, t * ld + i) } else { (t * i, rows * i + t * i) };
+            let (go, uo) = if fused {
+                (t * ld, t * ld + i)
+            } else {
+                (t * i, rows * i + t * i)
+            };
             gv.extend(widen(&gu[go..go + i]));
             uv.extend(widen(&gu[uo..uo + i]));
         }
@@ -150,14 +215,23 @@ fn embed_gather_parity() {
         let mut dout = g.upload(&nan_bf16(t * h)).unwrap();
         ops::embed::embed_gather(&g, &di.as_view(), &dt.as_view(), &mut dout.as_view_mut(), v, h).unwrap();
         let got = g.download(&dout).unwrap();
-        let want: Vec<bf16> = ids.iter().flat_map(|&id| table[id as usize * h..(id as usize + 1) * h].to_vec()).collect();
-        assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{case}: rows differ");
+        let want: Vec<bf16> = ids
+            .iter()
+            .flat_map(|&id| table[id as usize * h..(id as usize + 1) * h].to_vec())
+            .collect();
+        assert!(
+            got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{case}: rows differ"
+        );
         println!("PARITY {case} exact");
         // An out-of-range id gives a NaN row, never another row.
         let bad = g.upload(&[v as i32, -1]).unwrap();
         let mut dout = g.upload(&vec![bf16::ZERO; 2 * h]).unwrap();
         ops::embed::embed_gather(&g, &bad.as_view(), &dt.as_view(), &mut dout.as_view_mut(), v, h).unwrap();
-        assert!(g.download(&dout).unwrap().iter().all(|x| x.is_nan()), "{case}: out-of-range id must give NaN rows");
+        assert!(
+            g.download(&dout).unwrap().iter().all(|x| x.is_nan()),
+            "{case}: out-of-range id must give NaN rows"
+        );
     }
 }
 
@@ -230,13 +304,31 @@ fn vocab_parallel_argmax_pairs_merge_to_the_row_argmax() {
         let dx = g.upload(&x).unwrap();
         let mut pairs = g.upload(&vec![0f32; rows * shards * 2]).unwrap();
         for s in 0..shards {
-            ops::argmax::argmax_pairs(&g, &dx.slice(s * vr..), rows, vr, v, s * vr, &mut pairs.as_view_mut(), s, shards).unwrap();
+            ops::argmax::argmax_pairs(
+                &g,
+                &dx.slice(s * vr..),
+                rows,
+                vr,
+                v,
+                s * vr,
+                &mut pairs.as_view_mut(),
+                s,
+                shards,
+            )
+            .unwrap();
         }
         let host_pairs = g.download(&pairs).unwrap();
-        let cpu: Vec<u32> = host_pairs.chunks(shards * 2).map(kdtree_engine::cpu::ops::merge_argmax_pairs).collect();
+        let cpu: Vec<u32> = host_pairs
+            .chunks(shards * 2)
+            .map(kdtree_engine::cpu::ops::merge_argmax_pairs)
+            .collect();
         let mut dout = g.upload(&vec![u32::MAX; rows]).unwrap();
         ops::argmax::merge_pairs(&g, &pairs.as_view(), rows, shards, &mut dout.as_view_mut()).unwrap();
-        assert_eq!(g.download(&dout).unwrap(), want, "vocab-parallel argmax (rows={rows}, V={v}, {shards} shards)");
+        assert_eq!(
+            g.download(&dout).unwrap(),
+            want,
+            "vocab-parallel argmax (rows={rows}, V={v}, {shards} shards)"
+        );
         assert_eq!(cpu, want, "the CPU merge of the GPU's pairs");
         println!("PARITY vocab-parallel argmax pairs + merge (rows={rows},V={v},{shards} shards) == row argmax exact");
     }
@@ -252,13 +344,23 @@ fn zero_fill_kernel_clears_every_byte() {
         assert!(h.iter().all(|&b| b == 0), "zero fill of {n} bytes left a byte set");
         let mut f = g.upload(&vec![f32::NAN; n]).unwrap();
         ops::fill::zero(&g, &mut f).unwrap();
-        assert!(g.download(&f).unwrap().iter().all(|&x| x.to_bits() == 0), "zero fill of {n} f32");
+        assert!(
+            g.download(&f).unwrap().iter().all(|&x| x.to_bits() == 0),
+            "zero fill of {n} f32"
+        );
     }
     println!("PARITY zero fill kernel (1 .. 1000003 bytes, u8 and f32) exact");
 }
 
 fn router_cfg(e: usize, n_group: usize, topk_group: usize, top_k: usize) -> Router {
-    Router { n_experts: e, n_group, topk_group, top_k, norm_topk_prob: true, routed_scaling: 2.827 }
+    Router {
+        n_experts: e,
+        n_group,
+        topk_group,
+        top_k,
+        norm_topk_prob: true,
+        routed_scaling: 2.827,
+    }
 }
 
 #[test]
@@ -266,22 +368,42 @@ fn moe_router_parity() {
     let Some(g) = gpu() else { return };
     // (tokens, E, n_group, topk_group, top_k, bias): K2.6 (384, 1 group, top-8), DeepSeek-V3-style groups,
     // the tiny test model's shape.
-    let cases =
-        [(1, 384, 1, 1, 8, true), (64, 384, 1, 1, 8, true), (7, 256, 8, 4, 8, true), (5, 8, 2, 1, 2, false), (33, 384, 1, 1, 8, false)];
+    let cases = [
+        (1, 384, 1, 1, 8, true),
+        (64, 384, 1, 1, 8, true),
+        (7, 256, 8, 4, 8, true),
+        (5, 8, 2, 1, 2, false),
+        (33, 384, 1, 1, 8, false),
+    ];
     for (n, &(t, e, ng, tg, k, with_bias)) in cases.iter().enumerate() {
         let case = format!("moe_router(T={t},E={e},n_group={ng},topk_group={tg},top_k={k},bias={with_bias})");
         let mut r = rng(700 + n as u64);
         let logits = rand_f32(&mut r, t * e, -6.0, 6.0);
         let bias = with_bias.then(|| rand_f32(&mut r, e, -0.1, 0.1));
         let cfg = router_cfg(e, ng, tg, k);
-        let rc =
-            ops::moe_router::RouterCfg { n_experts: e, n_group: ng, topk_group: tg, top_k: k, norm_topk_prob: true, routed_scaling: 2.827 };
+        let rc = ops::moe_router::RouterCfg {
+            n_experts: e,
+            n_group: ng,
+            topk_group: tg,
+            top_k: k,
+            norm_topk_prob: true,
+            routed_scaling: 2.827,
+        };
         let dl = g.upload(&logits).unwrap();
         let db = bias.as_ref().map(|b| g.upload(b).unwrap());
         let mut di = g.upload(&vec![-1i32; t * k]).unwrap();
         let mut dw = g.upload(&nan_f32(t * k)).unwrap();
         let bv = db.as_ref().map(|b| b.as_view());
-        ops::moe_router::moe_router(&g, &dl.as_view(), bv.as_ref(), t, rc, &mut di.as_view_mut(), &mut dw.as_view_mut()).unwrap();
+        ops::moe_router::moe_router(
+            &g,
+            &dl.as_view(),
+            bv.as_ref(),
+            t,
+            rc,
+            &mut di.as_view_mut(),
+            &mut dw.as_view_mut(),
+        )
+        .unwrap();
         let (ids, wts) = (g.download(&di).unwrap(), g.download(&dw).unwrap());
         let (mut want_ids, mut want_w) = (Vec::new(), Vec::new());
         for tt in 0..t {
@@ -298,22 +420,39 @@ fn moe_router_parity() {
 fn moe_align_parity() {
     let Some(g) = gpu() else { return };
     // (tokens, top_k, E, experts actually used, tile_rows)
-    for (n, &(t, k, e, used, tile)) in
-        [(1, 8, 384, 384, 8), (40, 8, 384, 24, 16), (256, 8, 384, 384, 32), (5, 2, 8, 8, 8)].iter().enumerate()
+    for (n, &(t, k, e, used, tile)) in [
+        (1, 8, 384, 384, 8),
+        (40, 8, 384, 24, 16),
+        (256, 8, 384, 384, 32),
+        (5, 2, 8, 8, 8),
+    ]
+    .iter()
+    .enumerate()
     {
         let case = format!("moe_align(T={t},top_k={k},E={e},used={used},tile_rows={tile})");
         let mut r = rng(800 + n as u64);
         let mut pool: Vec<i32> = (0..e as i32).collect();
         pool.shuffle(&mut r);
         pool.truncate(used);
-        let ids: Vec<i32> = (0..t).flat_map(|_| pool.choose_multiple(&mut r, k).copied().collect::<Vec<_>>()).collect();
+        let ids: Vec<i32> = (0..t)
+            .flat_map(|_| pool.choose_multiple(&mut r, k).copied().collect::<Vec<_>>())
+            .collect();
         let p = t * k;
         let mt = ops::moe_align::max_tiles(p, e, tile);
         let di = g.upload(&ids).unwrap();
         let mut ds = g.upload(&vec![-1i32; p]).unwrap();
         let mut dt = g.upload(&vec![-1i32; 3 * mt]).unwrap();
         let mut dn = g.upload(&[-1i32]).unwrap();
-        ops::moe_align::moe_align(&g, &di.as_view(), e, tile, &mut ds.as_view_mut(), &mut dt.as_view_mut(), &mut dn.as_view_mut()).unwrap();
+        ops::moe_align::moe_align(
+            &g,
+            &di.as_view(),
+            e,
+            tile,
+            &mut ds.as_view_mut(),
+            &mut dt.as_view_mut(),
+            &mut dn.as_view_mut(),
+        )
+        .unwrap();
         // Reference: the per-expert lists of model::ffn::moe (ascending expert, pairs in order), cut in tiles.
         let mut want_sorted = Vec::new();
         let mut want_tiles = (Vec::new(), Vec::new(), Vec::new());
@@ -344,14 +483,42 @@ fn wrappers_reject_bad_shapes_naming_both_numbers() {
     let x = g.upload(&[bf16::ONE; 64]).unwrap();
     let w = g.upload(&[bf16::ONE; 63]).unwrap();
     let mut y = g.upload(&[bf16::ZERO; 64]).unwrap();
-    let e = ops::rms_norm::rms_norm(&g, &x.as_view(), &w.as_view(), &mut y.as_view_mut(), 1, 64, 64, 64, 1e-5).unwrap_err().to_string();
+    let e = ops::rms_norm::rms_norm(
+        &g,
+        &x.as_view(),
+        &w.as_view(),
+        &mut y.as_view_mut(),
+        1,
+        64,
+        64,
+        64,
+        1e-5,
+    )
+    .unwrap_err()
+    .to_string();
     assert!(e.contains("rms_norm") && e.contains("63") && e.contains("64"), "{e}");
     let l = g.upload(&[0f32; 16]).unwrap();
     let mut i = g.upload(&[0i32; 8]).unwrap();
     let mut wt = g.upload(&[0f32; 8]).unwrap();
-    let rc = ops::moe_router::RouterCfg { n_experts: 16, n_group: 1, topk_group: 1, top_k: 40, norm_topk_prob: true, routed_scaling: 1.0 };
-    let e =
-        ops::moe_router::moe_router(&g, &l.as_view(), None, 1, rc, &mut i.as_view_mut(), &mut wt.as_view_mut()).unwrap_err().to_string();
+    let rc = ops::moe_router::RouterCfg {
+        n_experts: 16,
+        n_group: 1,
+        topk_group: 1,
+        top_k: 40,
+        norm_topk_prob: true,
+        routed_scaling: 1.0,
+    };
+    let e = ops::moe_router::moe_router(
+        &g,
+        &l.as_view(),
+        None,
+        1,
+        rc,
+        &mut i.as_view_mut(),
+        &mut wt.as_view_mut(),
+    )
+    .unwrap_err()
+    .to_string();
     assert!(e.contains("moe_router") && e.contains("40"), "{e}");
 }
 
@@ -364,31 +531,74 @@ fn rope_at_equals_the_host_table() {
     use kdtree_engine::backend::RopeTable;
     use kdtree_formats::config::RopeScaling;
     let Some(g) = gpu() else { return };
-    let yarn = RopeScaling { kind: "yarn".into(), factor: 40.0, original_max_position_embeddings: 4096, beta_fast: 1.0, beta_slow: 1.0, mscale: 1.0, mscale_all_dim: 1.0 };
+    let yarn = RopeScaling {
+        kind: "yarn".into(),
+        factor: 40.0,
+        original_max_position_embeddings: 4096,
+        beta_fast: 1.0,
+        beta_slow: 1.0,
+        mscale: 1.0,
+        mscale_all_dim: 1.0,
+    };
     let mut r = rng(4100);
     let mut total = 0;
     for (name, inv, factor) in [
-        ("k26 (64, theta 5e4, yarn 40)", yarn_inv_freq(64, 50_000.0, Some(&yarn)), 1.0f64 + 0.1 * 40f64.ln()),
+        (
+            "k26 (64, theta 5e4, yarn 40)",
+            yarn_inv_freq(64, 50_000.0, Some(&yarn)),
+            1.0f64 + 0.1 * 40f64.ln(),
+        ),
         ("drafter (128, theta 1e6)", yarn_inv_freq(128, 1_000_000.0, None), 1.0),
     ] {
         let dinv = g.upload(&inv).unwrap();
         for base in [0usize, 4095, 131_072, 262_000] {
             for with_depths in [false, true] {
                 let t = if with_depths { 257 } else { 1024 };
-                let depths: Vec<u32> = (0..t).map(|i| if i == 0 { 0 } else { r.random_range(1..8u32) }).collect();
-                let want = RopeTable::new(&inv, (0..t).map(|i| base + if with_depths { depths[i] as usize } else { i }), factor);
+                let depths: Vec<u32> = (0..t)
+                    .map(|i| if i == 0 { 0 } else { r.random_range(1..8u32) })
+                    .collect();
+                let want = RopeTable::new(
+                    &inv,
+                    (0..t).map(|i| base + if with_depths { depths[i] as usize } else { i }),
+                    factor,
+                );
                 let (db, dd) = (g.upload(&[base as i32]).unwrap(), g.upload(&depths).unwrap());
-                let (mut c, mut s) = (g.upload(&nan_f32(t * inv.len())).unwrap(), g.upload(&nan_f32(t * inv.len())).unwrap());
+                let (mut c, mut s) = (
+                    g.upload(&nan_f32(t * inv.len())).unwrap(),
+                    g.upload(&nan_f32(t * inv.len())).unwrap(),
+                );
                 let ddv = dd.as_view();
-                ops::round_state::rope_at(&g, &dinv.as_view(), factor, &db.as_view(), with_depths.then_some(&ddv), t, &mut c.as_view_mut(), &mut s.as_view_mut()).unwrap();
+                ops::round_state::rope_at(
+                    &g,
+                    &dinv.as_view(),
+                    factor,
+                    &db.as_view(),
+                    with_depths.then_some(&ddv),
+                    t,
+                    &mut c.as_view_mut(),
+                    &mut s.as_view_mut(),
+                )
+                .unwrap();
                 let (gc, gs) = (g.download(&c).unwrap(), g.download(&s).unwrap());
-                let bad = gc.iter().zip(&want.cos).chain(gs.iter().zip(&want.sin)).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
-                assert_eq!(bad, 0, "rope_at {name} base {base} depths {with_depths}: {bad} of {} values differ from the host table", 2 * gc.len());
+                let bad = gc
+                    .iter()
+                    .zip(&want.cos)
+                    .chain(gs.iter().zip(&want.sin))
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
+                assert_eq!(
+                    bad,
+                    0,
+                    "rope_at {name} base {base} depths {with_depths}: {bad} of {} values differ from the host table",
+                    2 * gc.len()
+                );
                 total += 2 * gc.len();
             }
         }
     }
-    println!("PARITY rope_at(device positions) exact ({total} cos/sin values, positions 0..262k, k26 and drafter ropes)");
+    println!(
+        "PARITY rope_at(device positions) exact ({total} cos/sin values, positions 0..262k, k26 and drafter ropes)"
+    );
 }
 
 /// Strided row copies past the grid's 65,535 y limit (a K2.6 tree verify of 1025 nodes x 64 heads places
@@ -401,9 +611,25 @@ fn copy_rows_beyond_the_grid_limit() {
     let src = rand_bf16(&mut r, rows * ld_src, 0.01, 2.0);
     let dsrc = g.upload(&src).unwrap();
     let mut ddst = g.upload(&nan_bf16(rows * ld_dst)).unwrap();
-    ops::copy_rows::copy_rows(&g, &dsrc.as_view(), ld_src, &mut ddst.as_view_mut(), ld_dst, rows, width).unwrap();
+    ops::copy_rows::copy_rows(
+        &g,
+        &dsrc.as_view(),
+        ld_src,
+        &mut ddst.as_view_mut(),
+        ld_dst,
+        rows,
+        width,
+    )
+    .unwrap();
     let got = g.download(&ddst).unwrap();
-    let bad = (0..rows).filter(|&i| got[i * ld_dst..i * ld_dst + width].iter().zip(&src[i * ld_src..i * ld_src + width]).any(|(a, b)| a.to_bits() != b.to_bits())).count();
+    let bad = (0..rows)
+        .filter(|&i| {
+            got[i * ld_dst..i * ld_dst + width]
+                .iter()
+                .zip(&src[i * ld_src..i * ld_src + width])
+                .any(|(a, b)| a.to_bits() != b.to_bits())
+        })
+        .count();
     assert_eq!(bad, 0, "copy_rows: {bad} of {rows} rows differ");
     println!("PARITY copy_rows(rows={rows},width={width}) exact");
 }
@@ -431,9 +657,17 @@ fn staged_uploads_equal_the_host_bytes() {
             hb[r.clone()] != big[r]
         });
         let bad: Vec<usize> = chunks_bad.collect();
-        assert!(bad.is_empty(), "rep {rep}: staged upload chunks {bad:?} of {} differ from the host bytes", n.div_ceil(32 << 20));
+        assert!(
+            bad.is_empty(),
+            "rep {rep}: staged upload chunks {bad:?} of {} differ from the host bytes",
+            n.div_ceil(32 << 20)
+        );
         assert_eq!(hs, small, "the small upload differs");
-        println!("PARITY staged upload rep {rep} ({} MB in 40 pinned chunks + a direct tail, {:.2} GB/s) exact", n / 1_000_000, bytes as f64 / secs / 1e9);
+        println!(
+            "PARITY staged upload rep {rep} ({} MB in 40 pinned chunks + a direct tail, {:.2} GB/s) exact",
+            n / 1_000_000,
+            bytes as f64 / secs / 1e9
+        );
     }
 }
 
@@ -447,7 +681,24 @@ fn xxh3_of_device_bytes_equals_the_cpu() {
     let host = rand_bytes(4400, (2 << 26) + 70_000);
     let dev = g.upload(&host).unwrap();
     let mut lens: Vec<usize> = (0..=260).collect();
-    lens.extend([511, 512, 1023, 1024, 1025, 1087, 1088, 1089, 2047, 2048, 2049, 65_536, 100_003, (1 << 26) - 1, 1 << 26, (1 << 26) + 1025]);
+    lens.extend([
+        511,
+        512,
+        1023,
+        1024,
+        1025,
+        1087,
+        1088,
+        1089,
+        2047,
+        2048,
+        2049,
+        65_536,
+        100_003,
+        (1 << 26) - 1,
+        1 << 26,
+        (1 << 26) + 1025,
+    ]);
     lens.push(host.len() - 8);
     let mut cases = 0;
     for &off in &[0usize, 1, 3, 8] {
@@ -458,19 +709,33 @@ fn xxh3_of_device_bytes_equals_the_cpu() {
             let view = dev.slice(off..off + len);
             let got = ops::xxh3::xxh3_64(&g, &view).unwrap();
             let want = cpu(&host[off..off + len]);
-            assert_eq!(got, want, "xxh3 of {len} bytes at offset {off}: device {got:016x}, cpu {want:016x}");
+            assert_eq!(
+                got, want,
+                "xxh3 of {len} bytes at offset {off}: device {got:016x}, cpu {want:016x}"
+            );
             cases += 1;
         }
     }
-    println!("PARITY xxh3_64 ({cases} lengths and offsets, 0 .. {} bytes) exact", host.len());
+    println!(
+        "PARITY xxh3_64 ({cases} lengths and offsets, 0 .. {} bytes) exact",
+        host.len()
+    );
     // Past 2^32 bytes: filled on the device, read back once for the CPU's hash.
     let n = (1usize << 32) + 3 * 1024 + 17;
     let mut big = g.out::<u8>(n).unwrap();
-    ops::fill::fill_u8(&g, &mut big.as_view_mut(), &kdtree_engine::cpu::ops::Fill::Bytes { seed: 77 }).unwrap();
+    ops::fill::fill_u8(
+        &g,
+        &mut big.as_view_mut(),
+        &kdtree_engine::cpu::ops::Fill::Bytes { seed: 77 },
+    )
+    .unwrap();
     let t = std::time::Instant::now();
     let got = ops::xxh3::xxh3_of(&g, &big).unwrap();
     let secs = t.elapsed().as_secs_f64();
     let want = cpu(&g.download(&big).unwrap());
     assert_eq!(got, want, "xxh3 of {n} bytes: device {got:016x}, cpu {want:016x}");
-    println!("PARITY xxh3_64 of {n} bytes (past 2^32) exact, {:.1} GB/s on the device", n as f64 / secs / 1e9);
+    println!(
+        "PARITY xxh3_64 of {n} bytes (past 2^32) exact, {:.1} GB/s on the device",
+        n as f64 / secs / 1e9
+    );
 }

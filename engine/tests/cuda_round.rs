@@ -33,7 +33,11 @@ use std::sync::Arc;
 
 /// Every capture of a round worked (a failed one falls back to eager rounds, which these tests must see).
 fn no_capture_failure(g: &Gpu) {
-    assert_eq!(g.capture_failure(), None, "a DDTree round could not be captured as a CUDA graph");
+    assert_eq!(
+        g.capture_failure(),
+        None,
+        "a DDTree round could not be captured as a CUDA graph"
+    );
 }
 
 fn pair_on_gpu(tmp: &tempfile::TempDir) -> Option<(Arc<Gpu>, Loaded)> {
@@ -66,7 +70,10 @@ fn ddtree_equals_ar_on_the_gpu() {
         // AR with the logit row behind every token (for the tie check).
         let (ar, rows) = {
             let mut s = m.session(Mode::Ar).unwrap();
-            s.set_probes(ProbeSet { logits: true, ..ProbeSet::default() });
+            s.set_probes(ProbeSet {
+                logits: true,
+                ..ProbeSet::default()
+            });
             let mut toks = vec![s.prefill(p, &Sampling::greedy()).unwrap()];
             while toks.len() < n {
                 toks.extend(s.step().unwrap().tokens);
@@ -82,11 +89,19 @@ fn ddtree_equals_ar_on_the_gpu() {
             assert!(s.device_rounds() > 0, "budget {budget}: no round ran on the device");
             toks.truncate(n);
             match toks.iter().zip(&ar).position(|(a, b)| a != b) {
-                None => println!("PARITY ddtree_vs_ar(cuda,prompt={i},budget={budget}) exact ({n} tokens, {} device rounds)", s.device_rounds()),
+                None => println!(
+                    "PARITY ddtree_vs_ar(cuda,prompt={i},budget={budget}) exact ({n} tokens, {} device rounds)",
+                    s.device_rounds()
+                ),
                 Some(k) => {
                     let row = &rows[k];
                     let (a, b) = (row[ar[k] as usize], row[toks[k] as usize]);
-                    assert!((a - b).abs() <= 5e-2 * a.abs().max(1.0), "prompt {i} budget {budget}: token {k} is {} (AR {}), AR logits {a} vs {b}: not a near-tie", toks[k], ar[k]);
+                    assert!(
+                        (a - b).abs() <= 5e-2 * a.abs().max(1.0),
+                        "prompt {i} budget {budget}: token {k} is {} (AR {}), AR logits {a} vs {b}: not a near-tie",
+                        toks[k],
+                        ar[k]
+                    );
                     println!("PARITY ddtree_vs_ar(cuda,prompt={i},budget={budget}) first {k} of {n} tokens identical, then a near-tie (AR logits {a} vs {b})");
                 }
             }
@@ -101,7 +116,13 @@ fn distance_to_interval(row: &[f32], s: &Sampling, tok: u32, u: f64) -> f64 {
     let mut cum = 0.0;
     for (t, p) in kdtree_engine::sampling::adjusted_distribution(row, s) {
         if t == tok {
-            return if u < cum { cum - u } else if u >= cum + p { u - (cum + p) } else { 0.0 };
+            return if u < cum {
+                cum - u
+            } else if u >= cum + p {
+                u - (cum + p)
+            } else {
+                0.0
+            };
         }
         cum += p;
     }
@@ -124,11 +145,19 @@ fn sampled_ddtree_equals_sampled_ar_on_the_gpu() {
     let n = 24;
     let mut exact = 0;
     for seed in [1u64, 7] {
-        let s = Sampling { temperature: 1.0, top_p: 0.95, top_k: 0, seed };
+        let s = Sampling {
+            temperature: 1.0,
+            top_p: 0.95,
+            top_k: 0,
+            seed,
+        };
         for (i, p) in PROMPTS.iter().enumerate() {
             let (ar, rows) = {
                 let mut sess = m.session(Mode::Ar).unwrap();
-                sess.set_probes(ProbeSet { logits: true, ..ProbeSet::default() });
+                sess.set_probes(ProbeSet {
+                    logits: true,
+                    ..ProbeSet::default()
+                });
                 let mut toks = vec![sess.prefill(p, &s).unwrap()];
                 while toks.len() < n {
                     toks.extend(sess.step().unwrap().tokens);
@@ -137,7 +166,12 @@ fn sampled_ddtree_equals_sampled_ar_on_the_gpu() {
             };
             // The AR run's own uniforms reproduce its tokens (token k sits at position len(prompt) + k).
             for k in 0..n {
-                assert_eq!(kdtree_engine::sampling::sample(&rows[k], &s, p.len() + k), ar[k], "seed {seed} prompt {i}: AR token {k} is not its row's sample at position {}", p.len() + k);
+                assert_eq!(
+                    kdtree_engine::sampling::sample(&rows[k], &s, p.len() + k),
+                    ar[k],
+                    "seed {seed} prompt {i}: AR token {k} is not its row's sample at position {}",
+                    p.len() + k
+                );
             }
             for budget in [16usize, 256] {
                 let mut sess = m.session(Mode::DDTree { budget }).unwrap();
@@ -177,12 +211,18 @@ fn device_ar_step_equals_the_host_step_on_the_gpu() {
     let mut s = m.session(Mode::Ar).unwrap();
     s.prefill(PROMPTS[0], &Sampling::greedy()).unwrap();
     s.step().unwrap(); // captures
-    let (before, gl) = (g.stats.snapshot(), g.stats.graph_launches.load(std::sync::atomic::Ordering::Relaxed));
+    let (before, gl) = (
+        g.stats.snapshot(),
+        g.stats.graph_launches.load(std::sync::atomic::Ordering::Relaxed),
+    );
     let steps = 8u64;
     for _ in 0..steps {
         s.step().unwrap();
     }
-    let (after, gl) = (g.stats.snapshot(), g.stats.graph_launches.load(std::sync::atomic::Ordering::Relaxed) - gl);
+    let (after, gl) = (
+        g.stats.snapshot(),
+        g.stats.graph_launches.load(std::sync::atomic::Ordering::Relaxed) - gl,
+    );
     println!(
         "BENCH step_counts AR step as one CUDA graph: per step {:.1} graph launches, {:.1} kernel launches, {:.1} uploads, {:.1} reads back; the graph: {}",
         gl as f64 / steps as f64,
@@ -191,7 +231,11 @@ fn device_ar_step_equals_the_host_step_on_the_gpu() {
         (after[3] - before[3]) as f64 / steps as f64,
         g.last_graph().map(|c| c.to_string()).unwrap_or_default()
     );
-    assert_eq!((gl, after[0] - before[0], after[2] - before[2], after[3] - before[3]), (steps, 0, 0, steps), "a replayed AR step: one graph launch, nothing else, one read");
+    assert_eq!(
+        (gl, after[0] - before[0], after[2] - before[2], after[3] - before[3]),
+        (steps, 0, 0, steps),
+        "a replayed AR step: one graph launch, nothing else, one read"
+    );
     no_capture_failure(&g);
     println!("PARITY device_step(cuda, one CUDA graph per step == host step) exact over {n} steps");
 }
@@ -201,7 +245,15 @@ fn captured_round_equals_the_eager_round() {
     // The captured round (one CUDA graph, replayed) against the same ops run eagerly, step for step.
     let tmp = tempfile::tempdir().unwrap();
     let Some((g, mut m)) = pair_on_gpu(&tmp) else { return };
-    let settings = [Sampling::greedy(), Sampling { temperature: 1.0, top_p: 0.9, top_k: 0, seed: 3 }];
+    let settings = [
+        Sampling::greedy(),
+        Sampling {
+            temperature: 1.0,
+            top_p: 0.9,
+            top_k: 0,
+            seed: 3,
+        },
+    ];
     let (mut rounds, steps) = (0, 8);
     for s in &settings {
         for budget in [1usize, 16, 256] {
@@ -213,8 +265,14 @@ fn captured_round_equals_the_eager_round() {
                 let (captured, n) = run(&mut m, p, budget, s, true, steps);
                 let graphs = g.stats.graph_launches.load(std::sync::atomic::Ordering::Relaxed) - graphs_before;
                 assert_eq!(n, steps, "budget {budget}: rounds fell back to the host");
-                assert_eq!(graphs as usize, steps, "budget {budget}: {graphs} graph launches for {steps} rounds");
-                assert_eq!(captured, eager, "budget {budget} {s:?}: the captured round differs from the eager one");
+                assert_eq!(
+                    graphs as usize, steps,
+                    "budget {budget}: {graphs} graph launches for {steps} rounds"
+                );
+                assert_eq!(
+                    captured, eager,
+                    "budget {budget} {s:?}: the captured round differs from the eager one"
+                );
                 rounds += steps;
             }
         }
@@ -229,7 +287,11 @@ fn one_read_back_per_round() {
     let Some((g, mut m)) = pair_on_gpu(&tmp) else { return };
     let graph_launches = || g.stats.graph_launches.load(std::sync::atomic::Ordering::Relaxed);
     for budget in [8usize, 64, 256] {
-        for (what, device, graphs) in [("one CUDA graph", true, true), ("device round, eager", true, false), ("host round", false, false)] {
+        for (what, device, graphs) in [
+            ("one CUDA graph", true, true),
+            ("device round, eager", true, false),
+            ("host round", false, false),
+        ] {
             g.set_graphs(graphs);
             let mut s = m.session(Mode::DDTree { budget }).unwrap();
             s.set_device_round(device);
@@ -244,20 +306,44 @@ fn one_read_back_per_round() {
                 s.step().unwrap();
             }
             let (after, gl) = (g.stats.snapshot(), graph_launches() - gl);
-            let per: Vec<f64> = before.iter().zip(&after).map(|(a, b)| (b - a) as f64 / rounds as f64).collect();
+            let per: Vec<f64> = before
+                .iter()
+                .zip(&after)
+                .map(|(a, b)| (b - a) as f64 / rounds as f64)
+                .collect();
             let census = g.last_graph().map(|c| c.to_string()).unwrap_or_default();
-            let in_graph = if graphs { format!(" (the graph holds {} kernel launches and {} cuBLAS calls; {census})", captured[0] - warm[0], captured[1] - warm[1]) } else { String::new() };
+            let in_graph = if graphs {
+                format!(
+                    " (the graph holds {} kernel launches and {} cuBLAS calls; {census})",
+                    captured[0] - warm[0],
+                    captured[1] - warm[1]
+                )
+            } else {
+                String::new()
+            };
             println!(
                 "BENCH round_counts budget={budget} {what}: per round {:.1} graph launches, {:.1} kernel launches, {:.1} cuBLAS calls, {:.1} uploads, {:.1} reads back (host syncs){in_graph}",
                 gl as f64 / rounds as f64, per[0], per[1], per[2], per[3]
             );
             if device {
-                assert_eq!(s.device_rounds() as u64, rounds + 1, "budget {budget}: rounds fell back to the host");
-                assert_eq!(after[3] - before[3], rounds, "budget {budget}: a device round must read back exactly once");
+                assert_eq!(
+                    s.device_rounds() as u64,
+                    rounds + 1,
+                    "budget {budget}: rounds fell back to the host"
+                );
+                assert_eq!(
+                    after[3] - before[3],
+                    rounds,
+                    "budget {budget}: a device round must read back exactly once"
+                );
             }
             if graphs {
                 assert_eq!(gl, rounds, "budget {budget}: one graph launch per round");
-                assert_eq!((after[0] - before[0], after[1] - before[1], after[2] - before[2]), (0, 0, 0), "budget {budget}: a replayed round launches nothing else and uploads nothing");
+                assert_eq!(
+                    (after[0] - before[0], after[1] - before[1], after[2] - before[2]),
+                    (0, 0, 0),
+                    "budget {budget}: a replayed round launches nothing else and uploads nothing"
+                );
             }
         }
     }
@@ -276,7 +362,12 @@ fn device_round_scores_equal_the_cpu_tree() {
     for budget in [4usize, 16, 64, 256] {
         let (target, d) = (&mut m.target, m.drafter.as_mut().expect("the pair has a drafter"));
         let mut root = {
-            let mut s = kdtree_engine::Session::new(Box::new(&mut **target), Some(Box::new(&mut **d)), Mode::DDTree { budget }).unwrap();
+            let mut s = kdtree_engine::Session::new(
+                Box::new(&mut **target),
+                Some(Box::new(&mut **d)),
+                Mode::DDTree { budget },
+            )
+            .unwrap();
             s.prefill(PROMPTS[0], &greedy).unwrap()
         };
         let rows = d.block_size() - 1;
@@ -284,11 +375,26 @@ fn device_round_scores_equal_the_cpu_tree() {
             let draft = d.draft(root, target.committed()).unwrap(); // [rows, V], the context unchanged
             let want = kdtree_engine::ddtree::build_tree(root, &draft, rows, v, budget);
             let reads = g.stats.snapshot()[3];
-            let r = target.device_round(&mut **d, root, budget, &greedy).expect("the round runs on the device").unwrap();
-            assert_eq!(g.stats.snapshot()[3] - reads, 1, "budget {budget} round {round}: the walk and the scores in one read");
-            assert_eq!(r.log_q.len(), budget, "budget {budget} round {round}: one score per drafted node");
+            let r = target
+                .device_round(&mut **d, root, budget, &greedy)
+                .expect("the round runs on the device")
+                .unwrap();
+            assert_eq!(
+                g.stats.snapshot()[3] - reads,
+                1,
+                "budget {budget} round {round}: the walk and the scores in one read"
+            );
+            assert_eq!(
+                r.log_q.len(),
+                budget,
+                "budget {budget} round {round}: one score per drafted node"
+            );
             let bits = |x: &[f64]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&r.log_q), bits(&want.log_q[1..]), "budget {budget} round {round}: device scores != CPU tree scores");
+            assert_eq!(
+                bits(&r.log_q),
+                bits(&want.log_q[1..]),
+                "budget {budget} round {round}: device scores != CPU tree scores"
+            );
             root = r.walk.bonus();
         }
         println!("PARITY device_round_scores(cuda,budget={budget}) bit-exact over 4 rounds");
@@ -303,7 +409,13 @@ fn auto_budget_on_the_gpu_equals_the_host_rounds() {
     use kdtree_engine::ddtree::cost::{CostModel, COST_SCHEMA};
     let tmp = tempfile::tempdir().unwrap();
     let Some((g, mut m)) = pair_on_gpu(&tmp) else { return };
-    let cost = CostModel { schema: COST_SCHEMA, device: "test".into(), draft_us: 100.0, verify: vec![(1, 4.0), (257, 1028.0)], note: String::new() };
+    let cost = CostModel {
+        schema: COST_SCHEMA,
+        device: "test".into(),
+        draft_us: 100.0,
+        verify: vec![(1, 4.0), (257, 1028.0)],
+        note: String::new(),
+    };
     let mut runs = Vec::new();
     for device in [true, false] {
         let mut s = m.session(Mode::DDTreeAuto { max: 64 }).unwrap();
@@ -327,5 +439,8 @@ fn auto_budget_on_the_gpu_equals_the_host_rounds() {
     let budgets: std::collections::BTreeSet<usize> = runs[0].iter().map(|e| e.budget).collect();
     assert!(budgets.len() >= 2, "one bucket only: {budgets:?}");
     no_capture_failure(&g);
-    println!("PARITY auto_budget(cuda, device == host rounds) exact over {} rounds, buckets {budgets:?}", runs[0].len());
+    println!(
+        "PARITY auto_budget(cuda, device == host rounds) exact over {} rounds, buckets {budgets:?}",
+        runs[0].len()
+    );
 }

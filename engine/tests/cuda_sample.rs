@@ -82,18 +82,28 @@ fn make_row(kind: &str, v: usize, r: &mut ChaCha8Rng) -> Vec<f32> {
                 }
             }
         }
-        "neg-inf" => x.iter_mut().filter(|_| r.random_range(0..4) == 0).for_each(|l| *l = f32::NEG_INFINITY),
-        "nan" => x.iter_mut().filter(|_| r.random_range(0..8) == 0).for_each(|l| *l = f32::NAN),
+        "neg-inf" => x
+            .iter_mut()
+            .filter(|_| r.random_range(0..4) == 0)
+            .for_each(|l| *l = f32::NEG_INFINITY),
+        "nan" => x
+            .iter_mut()
+            .filter(|_| r.random_range(0..8) == 0)
+            .for_each(|l| *l = f32::NAN),
         "all-nan" => x.iter_mut().for_each(|l| *l = f32::NAN),
         "all-neg-inf" => x.iter_mut().for_each(|l| *l = f32::NEG_INFINITY),
         "pos-inf" => {
             let (a, b) = (pick(r), pick(r));
             (x[a], x[b]) = (f32::INFINITY, f32::INFINITY);
         }
-        "quantized-signed-zeros" => x.iter_mut().for_each(|l| *l = (*l * 0.2).round() * 0.5 * if r.random::<bool>() { 1.0 } else { -1.0 }),
+        "quantized-signed-zeros" => x
+            .iter_mut()
+            .for_each(|l| *l = (*l * 0.2).round() * 0.5 * if r.random::<bool>() { 1.0 } else { -1.0 }),
         "bf16-rounded" => x.iter_mut().for_each(|l| *l = half::bf16::from_f32(*l * 0.25).to_f32()),
         "one-finite" => {
-            x.iter_mut().enumerate().for_each(|(j, l)| *l = if j % 2 == 0 { f32::NAN } else { f32::NEG_INFINITY });
+            x.iter_mut()
+                .enumerate()
+                .for_each(|(j, l)| *l = if j % 2 == 0 { f32::NAN } else { f32::NEG_INFINITY });
             let j = pick(r);
             x[j] = 1.5;
         }
@@ -115,7 +125,10 @@ fn boundary_distance(row: &[f32], s: &Sampling, u: f64) -> f64 {
         let vk = row[*top_k(row, s.top_k).last().unwrap() as usize];
         kept.retain(|&j| row[j as usize] >= vk);
     }
-    let m = kept.iter().map(|&j| row[j as usize] as f64 / t).fold(f64::NEG_INFINITY, f64::max);
+    let m = kept
+        .iter()
+        .map(|&j| row[j as usize] as f64 / t)
+        .fold(f64::NEG_INFINITY, f64::max);
     let w = |j: u32| {
         let x = row[j as usize] as f64 / t;
         if x == m {
@@ -170,7 +183,13 @@ impl Rows {
             host[i * ld..i * ld + v].copy_from_slice(&make_row(kind, v, &mut r));
         }
         let dev = g.upload(&host).unwrap();
-        Rows { v, ld, host, names, dev }
+        Rows {
+            v,
+            ld,
+            host,
+            names,
+            dev,
+        }
     }
     fn rows(&self) -> usize {
         self.names.len()
@@ -201,12 +220,26 @@ fn check_group(g: &Gpu, group: &str, rows: &Rows, settings: &[Sampling], seed: u
     let (mut total, mut bad, mut boundary) = (0usize, Vec::new(), 0usize);
     for (si, s) in settings.iter().enumerate() {
         let (start, depth, seed) = &lay[si % lay.len()];
-        let s = Sampling { seed: *seed, ..s.clone() };
+        let s = Sampling {
+            seed: *seed,
+            ..s.clone()
+        };
         let ddev = depth.as_ref().map(|d| g.upload(d).unwrap());
         let mut dout = g.upload(&vec![u32::MAX; n]).unwrap();
         let dview = ddev.as_ref().map(|d| d.as_view());
-        ops::sample_rows::sample_rows(g, &rows.dev.as_view(), n, rows.v, rows.ld, &s, *start, None, dview.as_ref(), &mut dout.as_view_mut())
-            .unwrap();
+        ops::sample_rows::sample_rows(
+            g,
+            &rows.dev.as_view(),
+            n,
+            rows.v,
+            rows.ld,
+            &s,
+            *start,
+            None,
+            dview.as_ref(),
+            &mut dout.as_view_mut(),
+        )
+        .unwrap();
         let got = g.download(&dout).unwrap();
         for (ri, &tok) in got.iter().enumerate() {
             let pos = position(*start, depth.as_deref(), ri);
@@ -219,7 +252,11 @@ fn check_group(g: &Gpu, group: &str, rows: &Rows, settings: &[Sampling], seed: u
                 "row {ri} ({}) position {pos} {s:?}: gpu {tok} cpu {want}",
                 rows.names[ri]
             );
-            let d = if s.is_greedy() { f64::INFINITY } else { boundary_distance(rows.row(ri), &s, uniform(s.seed, pos as usize)) };
+            let d = if s.is_greedy() {
+                f64::INFINITY
+            } else {
+                boundary_distance(rows.row(ri), &s, uniform(s.seed, pos as usize))
+            };
             if d <= BOUNDARY_TOL {
                 boundary += 1;
                 println!("BOUNDARY sample_rows({group}) {what}: u·Z or P within {d:.2e} of a boundary (allowed)");
@@ -228,15 +265,33 @@ fn check_group(g: &Gpu, group: &str, rows: &Rows, settings: &[Sampling], seed: u
             }
         }
     }
-    println!("PARITY sample_rows({group}) mismatches {} of {total} (tol 0){}", bad.len(), if boundary > 0 { format!(", {boundary} boundary cases allowed") } else { String::new() });
-    assert!(bad.is_empty(), "sample_rows({group}): {} mismatches of {total}:\n{}", bad.len(), bad.join("\n"));
+    println!(
+        "PARITY sample_rows({group}) mismatches {} of {total} (tol 0){}",
+        bad.len(),
+        if boundary > 0 {
+            format!(", {boundary} boundary cases allowed")
+        } else {
+            String::new()
+        }
+    );
+    assert!(
+        bad.is_empty(),
+        "sample_rows({group}): {} mismatches of {total}:\n{}",
+        bad.len(),
+        bad.join("\n")
+    );
 }
 
 fn grid(v: usize, t: f32) -> Vec<Sampling> {
     let mut out = Vec::new();
     for k in [0, 1, 2, 50, v - 1] {
         for p in [1.0f32, 0.9, 0.5, 1e-6] {
-            out.push(Sampling { temperature: t, top_p: p, top_k: k, seed: 0 });
+            out.push(Sampling {
+                temperature: t,
+                top_p: p,
+                top_k: k,
+                seed: 0,
+            });
         }
     }
     out
@@ -246,25 +301,87 @@ fn grid(v: usize, t: f32) -> Vec<Sampling> {
 fn sample_rows_parity() {
     let Some(g) = gpu() else { return };
     // (V, ld, extra random rows): tiny, strided (ld > V, NaN padding), K2.6 vocab.
-    for (i, &(v, ld, extra)) in [(3usize, 3usize, 19usize), (1000, 1003, 19), (163_840, 163_840, 3)].iter().enumerate() {
+    for (i, &(v, ld, extra)) in [(3usize, 3usize, 19usize), (1000, 1003, 19), (163_840, 163_840, 3)]
+        .iter()
+        .enumerate()
+    {
         let rows = Rows::new(&g, v, ld, extra, 3000 + i as u64);
-        let greedy = [Sampling::greedy(), Sampling { temperature: 0.0, top_p: 0.5, top_k: 2, seed: 9 }, Sampling { temperature: f32::NAN, ..Sampling::greedy() }];
+        let greedy = [
+            Sampling::greedy(),
+            Sampling {
+                temperature: 0.0,
+                top_p: 0.5,
+                top_k: 2,
+                seed: 9,
+            },
+            Sampling {
+                temperature: f32::NAN,
+                ..Sampling::greedy()
+            },
+        ];
         check_group(&g, &format!("V={v},ld={ld},greedy"), &rows, &greedy, 3100 + i as u64);
         for (j, t) in [0.5f32, 1.0, 2.0].into_iter().enumerate() {
-            check_group(&g, &format!("V={v},ld={ld},T={t},top_k={{0,1,2,50,V-1}},top_p={{1,0.9,0.5,1e-6}}"), &rows, &grid(v, t), 3200 + 10 * i as u64 + j as u64);
+            check_group(
+                &g,
+                &format!("V={v},ld={ld},T={t},top_k={{0,1,2,50,V-1}},top_p={{1,0.9,0.5,1e-6}}"),
+                &rows,
+                &grid(v, t),
+                3200 + 10 * i as u64 + j as u64,
+            );
         }
         // Out-of-range settings: top_k >= V (disabled), top_p > 1 / NaN (disabled), top_p <= 0 (the first
         // in rank order only), tiny and huge temperatures.
         let odd = [
-            Sampling { temperature: 1.0, top_p: 1.5, top_k: v + 7, seed: 0 },
-            Sampling { temperature: 1.0, top_p: f32::NAN, top_k: v, seed: 0 },
-            Sampling { temperature: 1.0, top_p: 0.0, top_k: 0, seed: 0 },
-            Sampling { temperature: 1.0, top_p: -0.5, top_k: 3, seed: 0 },
-            Sampling { temperature: 1e-3, top_p: 0.95, top_k: 0, seed: 0 },
-            Sampling { temperature: 1e4, top_p: 0.7, top_k: 0, seed: 0 },
-            Sampling { temperature: 0.7, top_p: 0.999_999, top_k: 0, seed: 0 },
+            Sampling {
+                temperature: 1.0,
+                top_p: 1.5,
+                top_k: v + 7,
+                seed: 0,
+            },
+            Sampling {
+                temperature: 1.0,
+                top_p: f32::NAN,
+                top_k: v,
+                seed: 0,
+            },
+            Sampling {
+                temperature: 1.0,
+                top_p: 0.0,
+                top_k: 0,
+                seed: 0,
+            },
+            Sampling {
+                temperature: 1.0,
+                top_p: -0.5,
+                top_k: 3,
+                seed: 0,
+            },
+            Sampling {
+                temperature: 1e-3,
+                top_p: 0.95,
+                top_k: 0,
+                seed: 0,
+            },
+            Sampling {
+                temperature: 1e4,
+                top_p: 0.7,
+                top_k: 0,
+                seed: 0,
+            },
+            Sampling {
+                temperature: 0.7,
+                top_p: 0.999_999,
+                top_k: 0,
+                seed: 0,
+            },
         ];
-        check_group(&g, &format!("V={v},ld={ld},edge-settings"), &rows, &odd, 3300 + i as u64);
+        check_group(
+            &g,
+            &format!("V={v},ld={ld},edge-settings"),
+            &rows,
+            &odd,
+            3300 + i as u64,
+        );
     }
 }
 
@@ -275,7 +392,12 @@ fn sample_rows_replay_is_deterministic_and_matches_positions() {
     let mut r = rng(3400);
     let host: Vec<f32> = (0..n * v).map(|_| signed(&mut r, 0.01, 20.0) * 0.25).collect();
     let dx = g.upload(&host).unwrap();
-    let s = Sampling { temperature: 1.0, top_p: 0.9, top_k: 0, seed: 0xF00D_0000_0000_0007 };
+    let s = Sampling {
+        temperature: 1.0,
+        top_p: 0.9,
+        top_k: 0,
+        seed: 0xF00D_0000_0000_0007,
+    };
     let depth: Vec<u32> = (0..n as u32).map(|i| i % 9).collect();
     let dd = g.upload(&depth).unwrap();
     let start = (1u64 << 32) - 4;
@@ -283,14 +405,35 @@ fn sample_rows_replay_is_deterministic_and_matches_positions() {
     let dstart = g.upload(&[1000i32]).unwrap();
     let run = |dev: bool| {
         let mut o = g.upload(&vec![u32::MAX; n]).unwrap();
-        let (host_start, sv) = if dev { (start - 1000, Some(dstart.as_view())) } else { (start, None) };
-        ops::sample_rows::sample_rows(&g, &dx.as_view(), n, v, v, &s, host_start, sv.as_ref(), Some(&dd.as_view()), &mut o.as_view_mut()).unwrap();
+        let (host_start, sv) = if dev {
+            (start - 1000, Some(dstart.as_view()))
+        } else {
+            (start, None)
+        };
+        ops::sample_rows::sample_rows(
+            &g,
+            &dx.as_view(),
+            n,
+            v,
+            v,
+            &s,
+            host_start,
+            sv.as_ref(),
+            Some(&dd.as_view()),
+            &mut o.as_view_mut(),
+        )
+        .unwrap();
         g.download(&o).unwrap()
     };
     let a = run(false);
     let b = run(true);
-    assert_eq!(a, b, "two launches on the same logits differ (start on the host, start partly on the device)");
-    let want: Vec<u32> = (0..n).map(|i| sample(&host[i * v..(i + 1) * v], &s, (start + depth[i] as u64 + 1) as usize)).collect();
+    assert_eq!(
+        a, b,
+        "two launches on the same logits differ (start on the host, start partly on the device)"
+    );
+    let want: Vec<u32> = (0..n)
+        .map(|i| sample(&host[i * v..(i + 1) * v], &s, (start + depth[i] as u64 + 1) as usize))
+        .collect();
     let bad = a.iter().zip(&want).filter(|(x, y)| x != y).count();
     println!("PARITY sample_rows(replay,rows={n},V={v},T=1,top_p=0.9) mismatches {bad} of {n} (tol 0)");
     assert_eq!(a, want, "sample_rows(replay): GPU tokens differ from the CPU's");
@@ -302,15 +445,40 @@ fn sample_rows_rejects_bad_shapes() {
     let x = g.upload(&[0.5f32; 10]).unwrap();
     let d = g.upload(&[0u32; 1]).unwrap();
     let mut o = g.upload(&[0u32; 2]).unwrap();
-    let s = Sampling { temperature: 1.0, ..Sampling::greedy() };
+    let s = Sampling {
+        temperature: 1.0,
+        ..Sampling::greedy()
+    };
     let err = |e: kdtree_engine::cuda::CudaError| e.to_string();
-    let e = ops::sample_rows::sample_rows(&g, &x.as_view(), 2, 6, 6, &s, 0, None, None, &mut o.as_view_mut()).map_err(err).unwrap_err();
-    assert!(e.contains("sample_rows") && e.contains("logits has 10 elements, needs at least 12"), "{e}");
-    let e = ops::sample_rows::sample_rows(&g, &x.as_view(), 2, 5, 4, &s, 0, None, None, &mut o.as_view_mut()).map_err(err).unwrap_err();
+    let e = ops::sample_rows::sample_rows(&g, &x.as_view(), 2, 6, 6, &s, 0, None, None, &mut o.as_view_mut())
+        .map_err(err)
+        .unwrap_err();
+    assert!(
+        e.contains("sample_rows") && e.contains("logits has 10 elements, needs at least 12"),
+        "{e}"
+    );
+    let e = ops::sample_rows::sample_rows(&g, &x.as_view(), 2, 5, 4, &s, 0, None, None, &mut o.as_view_mut())
+        .map_err(err)
+        .unwrap_err();
     assert!(e.contains("v=5") && e.contains("ld=4"), "{e}");
-    let e = ops::sample_rows::sample_rows(&g, &x.as_view(), 2, 5, 5, &s, 0, None, Some(&d.as_view()), &mut o.as_view_mut()).map_err(err).unwrap_err();
+    let e = ops::sample_rows::sample_rows(
+        &g,
+        &x.as_view(),
+        2,
+        5,
+        5,
+        &s,
+        0,
+        None,
+        Some(&d.as_view()),
+        &mut o.as_view_mut(),
+    )
+    .map_err(err)
+    .unwrap_err();
     assert!(e.contains("depth has 1 elements, needs at least 2"), "{e}");
-    let e = ops::sample_rows::sample_rows(&g, &x.as_view(), 3, 3, 3, &s, 0, None, None, &mut o.as_view_mut()).map_err(err).unwrap_err();
+    let e = ops::sample_rows::sample_rows(&g, &x.as_view(), 3, 3, 3, &s, 0, None, None, &mut o.as_view_mut())
+        .map_err(err)
+        .unwrap_err();
     assert!(e.contains("out has 2 elements, needs at least 3"), "{e}");
     println!("PARITY sample_rows(shape checks) exact");
 }

@@ -13,11 +13,11 @@ use cuda_common::*;
 use kdtree_engine::api::{LogitRows, Target};
 use kdtree_engine::cuda::CudaBackend;
 use kdtree_engine::generate::{generate_on, GenRequest, Mode, Sampling};
-use kdtree_engine::{ProbeSet, Session};
 use kdtree_engine::model::source::MemSource;
 use kdtree_engine::model::target::TargetModel;
 use kdtree_engine::model::testing::{random_tensors, tiny_config, PREFIX};
 use kdtree_engine::model::{AttnMode, CpuTarget, TensorSource, Weights};
+use kdtree_engine::{ProbeSet, Session};
 use kdtree_formats::plan::ExpertsMode;
 
 /// Logits of the bf16 GPU path against the f32 CPU reference, relative to max |logit| of the row set:
@@ -34,8 +34,14 @@ fn models() -> Option<(CpuTarget, TargetModel<CudaBackend>)> {
     t.hidden_size = 256;
     t.moe_intermediate_size = 128;
     t.intermediate_size = 256;
-    let src: Arc<dyn TensorSource> = Arc::new(MemSource::new(t.clone(), PREFIX, &random_tensors(&t, 17), 1, ExpertsMode::Tp).unwrap());
-    let cpu = CpuTarget::new(Arc::new(Weights::load(src.clone()).unwrap()), vec![1, 2], AttnMode::Absorbed).unwrap();
+    let src: Arc<dyn TensorSource> =
+        Arc::new(MemSource::new(t.clone(), PREFIX, &random_tensors(&t, 17), 1, ExpertsMode::Tp).unwrap());
+    let cpu = CpuTarget::new(
+        Arc::new(Weights::load(src.clone()).unwrap()),
+        vec![1, 2],
+        AttnMode::Absorbed,
+    )
+    .unwrap();
     let cw = Weights::load_on(CudaBackend::new(Arc::new(gpu)), src).unwrap();
     let cuda = TargetModel::new(Arc::new(cw), vec![1, 2], AttnMode::Absorbed).unwrap();
     Some((cpu, cuda))
@@ -53,7 +59,14 @@ fn diagnose(a: &kdtree_engine::model::Trace, b: &kdtree_engine::model::Trace, t:
         match (&ta.data, &tb.data) {
             (TraceData::F32(x), TraceData::F32(y)) if x.len() == y.len() && x.len() % t == 0 => {
                 let w = x.len() / t;
-                let per: Vec<String> = (0..t).map(|i| format!("{:.0e}", error(&ta.name, &y[i * w..(i + 1) * w], &x[i * w..(i + 1) * w]).rel)).collect();
+                let per: Vec<String> = (0..t)
+                    .map(|i| {
+                        format!(
+                            "{:.0e}",
+                            error(&ta.name, &y[i * w..(i + 1) * w], &x[i * w..(i + 1) * w]).rel
+                        )
+                    })
+                    .collect();
                 println!("DIAG {} per node rel: {}", ta.name, per.join(" "));
             }
             (TraceData::I32(x), TraceData::I32(y)) => println!("DIAG {} ids equal: {}", ta.name, x == y),
@@ -67,7 +80,9 @@ fn same_routes(a: &kdtree_engine::model::Trace, b: &kdtree_engine::model::Trace,
     use kdtree_engine::model::TraceData;
     let mut same = vec![true; t];
     for ta in a.tensors.iter().filter(|x| x.name.ends_with("router.topk_ids")) {
-        let (TraceData::I32(x), Some(TraceData::I32(y))) = (&ta.data, b.get(&ta.name).map(|v| &v.data)) else { continue };
+        let (TraceData::I32(x), Some(TraceData::I32(y))) = (&ta.data, b.get(&ta.name).map(|v| &v.data)) else {
+            continue;
+        };
         let k = x.len() / t;
         for (i, s) in same.iter_mut().enumerate() {
             let (mut p, mut q) = (x[i * k..(i + 1) * k].to_vec(), y[i * k..(i + 1) * k].to_vec());
@@ -102,10 +117,24 @@ fn cuda_target_matches_the_cpu_reference() {
     diagnose(&ta, &tb, tokens.len());
     let same = same_routes(&ta, &tb, tokens.len());
     let kept: Vec<usize> = (0..tokens.len()).filter(|&i| same[i]).collect();
-    println!("PARITY tree nodes with the CPU's routed experts in every layer: {} of {}", kept.len(), tokens.len());
-    assert!(kept.len() * 3 >= tokens.len() * 2, "routing differs at {} of {} nodes: more than bf16 near-ties", tokens.len() - kept.len(), tokens.len());
+    println!(
+        "PARITY tree nodes with the CPU's routed experts in every layer: {} of {}",
+        kept.len(),
+        tokens.len()
+    );
+    assert!(
+        kept.len() * 3 >= tokens.len() * 2,
+        "routing differs at {} of {} nodes: more than bf16 near-ties",
+        tokens.len() - kept.len(),
+        tokens.len()
+    );
     let rows = |l: &[f32]| -> Vec<f32> { kept.iter().flat_map(|&i| l[i * 96..(i + 1) * 96].to_vec()).collect() };
-    compare("target tree verify logits (12 nodes, ancestor mask; same-route nodes)", &rows(&b.logits), &rows(&a.logits), TARGET_LOGITS_TOL);
+    compare(
+        "target tree verify logits (12 nodes, ancestor mask; same-route nodes)",
+        &rows(&b.logits),
+        &rows(&a.logits),
+        TARGET_LOGITS_TOL,
+    );
     cpu.commit(&[0, 1, 3, 8]).unwrap();
     cuda.commit(&[0, 1, 3, 8]).unwrap();
     assert_eq!((cpu.committed(), cuda.committed()), (27, 27));
@@ -114,7 +143,12 @@ fn cuda_target_matches_the_cpu_reference() {
     let a = cpu.forward_rows(&[5], &[-1], LogitRows::All).unwrap();
     let b = cuda.forward_rows(&[5], &[-1], LogitRows::All).unwrap();
     if same_routes(&cpu.take_trace().unwrap(), &cuda.take_trace().unwrap(), 1)[0] {
-        compare("target decode after a compacted path", &b.logits, &a.logits, TARGET_LOGITS_TOL);
+        compare(
+            "target decode after a compacted path",
+            &b.logits,
+            &a.logits,
+            TARGET_LOGITS_TOL,
+        );
     } else {
         println!("PARITY target decode after a compacted path: routed experts differ (near-tie), not compared");
     }
@@ -122,10 +156,19 @@ fn cuda_target_matches_the_cpu_reference() {
     assert_eq!(last.logits.len(), 96, "LogitRows::Last gives one row");
     // Greedy AR: the tokens must agree until a step where the CPU's own top-2 margin is within the
     // logits tolerance (a near-tie bf16 may flip); the CPU's rows come from the session's logits probe.
-    let req = GenRequest { prompt: prompt.clone(), max_tokens: 24, stop_token_ids: vec![], sampling: Sampling::greedy(), mode: Mode::Ar };
+    let req = GenRequest {
+        prompt: prompt.clone(),
+        max_tokens: 24,
+        stop_token_ids: vec![],
+        sampling: Sampling::greedy(),
+        mode: Mode::Ar,
+    };
     let tb = generate_on(&mut cuda, None, &req, &mut |_| false).unwrap().tokens;
     let mut s = Session::new(Box::new(&mut cpu), None, Mode::Ar).unwrap();
-    s.set_probes(ProbeSet { logits: true, ..Default::default() });
+    s.set_probes(ProbeSet {
+        logits: true,
+        ..Default::default()
+    });
     let mut ta = vec![s.prefill(&prompt, &Sampling::greedy()).unwrap()];
     while ta.len() < 24 {
         ta.extend(s.step().unwrap().tokens);
@@ -137,8 +180,14 @@ fn cuda_target_matches_the_cpu_reference() {
         let row = &rows[same];
         let scale = row.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
         let margin = (row[ta[same] as usize] - row[tb[same] as usize]) as f64;
-        println!("PARITY greedy AR diverges at step {same}: CPU margin {margin:.3e}, tolerance {:.3e}", TARGET_LOGITS_TOL * scale);
-        assert!(margin <= TARGET_LOGITS_TOL * scale, "greedy AR diverged at step {same} where the CPU's margin {margin} is no near-tie");
+        println!(
+            "PARITY greedy AR diverges at step {same}: CPU margin {margin:.3e}, tolerance {:.3e}",
+            TARGET_LOGITS_TOL * scale
+        );
+        assert!(
+            margin <= TARGET_LOGITS_TOL * scale,
+            "greedy AR diverged at step {same} where the CPU's margin {margin} is no near-tie"
+        );
     }
 }
 
@@ -151,24 +200,77 @@ fn dummy_fill_matches_the_cpu() {
     let Some(gpu) = gpu() else { return };
     let b = CudaBackend::new(Arc::new(gpu));
     let g = b.gpu();
-    for (rows, cols, seed) in [(1usize, 1usize, 0u64), (3, 7, 1), (61, 1537, 0xdead_beef_0123), (1024, 7168, 7)] {
-        let f = Fill::Uniform { seed, center: 0.0, half: 1.0 / (cols as f32).sqrt() };
+    for (rows, cols, seed) in [
+        (1usize, 1usize, 0u64),
+        (3, 7, 1),
+        (61, 1537, 0xdead_beef_0123),
+        (1024, 7168, 7),
+    ] {
+        let f = Fill::Uniform {
+            seed,
+            center: 0.0,
+            half: 1.0 / (cols as f32).sqrt(),
+        };
         let case = format!("fill_bf16(rows={rows},cols={cols},seed={seed})");
         let m = b.fill_bf16(rows, cols, &f).unwrap();
         assert_eq!(g.download(&m.w).unwrap(), fill_bf16(rows * cols, &f).unwrap(), "{case}");
-        let v = b.fill_vector(cols, &Fill::Uniform { seed, center: 1.0, half: 0.1 }).unwrap();
-        assert_eq!(g.download(&v).unwrap(), fill_bf16(cols, &Fill::Uniform { seed, center: 1.0, half: 0.1 }).unwrap(), "fill_vector({case})");
-        let fb = Fill::Uniform { seed, center: 0.0, half: 0.01 };
+        let v = b
+            .fill_vector(
+                cols,
+                &Fill::Uniform {
+                    seed,
+                    center: 1.0,
+                    half: 0.1,
+                },
+            )
+            .unwrap();
+        assert_eq!(
+            g.download(&v).unwrap(),
+            fill_bf16(
+                cols,
+                &Fill::Uniform {
+                    seed,
+                    center: 1.0,
+                    half: 0.1
+                }
+            )
+            .unwrap(),
+            "fill_vector({case})"
+        );
+        let fb = Fill::Uniform {
+            seed,
+            center: 0.0,
+            half: 0.01,
+        };
         let v = b.fill_vector_f32(rows, &fb).unwrap();
-        assert_eq!(g.download(&v).unwrap(), fill_f32(rows, &fb).unwrap(), "fill_vector_f32({case})");
+        assert_eq!(
+            g.download(&v).unwrap(),
+            fill_f32(rows, &fb).unwrap(),
+            "fill_vector_f32({case})"
+        );
         println!("PARITY {case}: bit-identical");
     }
     // An expert stack: [count, n, k/2] bytes (odd count of 16-byte blocks) and [count, n, k/32] scales.
     for (count, n, k) in [(3usize, 32usize, 128usize), (384, 256, 7168)] {
-        let (fp, fs) = (Fill::Bytes { seed: 5 }, Fill::Uniform { seed: 6, center: 1.0 / 677.0, half: 0.5 / 677.0 });
+        let (fp, fs) = (
+            Fill::Bytes { seed: 5 },
+            Fill::Uniform {
+                seed: 6,
+                center: 1.0 / 677.0,
+                half: 0.5 / 677.0,
+            },
+        );
         let s = b.fill_i4g32(0, count, n, k, &fp, &fs).unwrap();
-        assert_eq!(g.download(&s.packed).unwrap(), fill_u8(count * n * k / 2, &fp).unwrap(), "fill_i4g32 packed [{count}, {n}, {k}/2]");
-        assert_eq!(g.download(&s.scales).unwrap(), fill_bf16(count * n * k / 32, &fs).unwrap(), "fill_i4g32 scales [{count}, {n}, {k}/32]");
+        assert_eq!(
+            g.download(&s.packed).unwrap(),
+            fill_u8(count * n * k / 2, &fp).unwrap(),
+            "fill_i4g32 packed [{count}, {n}, {k}/2]"
+        );
+        assert_eq!(
+            g.download(&s.scales).unwrap(),
+            fill_bf16(count * n * k / 32, &fs).unwrap(),
+            "fill_i4g32 scales [{count}, {n}, {k}/32]"
+        );
         println!("PARITY fill_i4g32(count={count},n={n},k={k}): bit-identical");
     }
 }
@@ -184,10 +286,26 @@ fn dummy_tiny_on_cuda_gives_the_cpu_greedy_tokens() {
     let Some(gpu) = gpu() else { return };
     let gpu = Arc::new(gpu);
     let p = kdtree_convert::synth::resolve("tiny", None).unwrap();
-    let (c, d) = (kdtree_convert::synth::configs::model_config(&p).to_string(), kdtree_convert::synth::configs::drafter_config(&p).to_string());
+    let (c, d) = (
+        kdtree_convert::synth::configs::model_config(&p).to_string(),
+        kdtree_convert::synth::configs::drafter_config(&p).to_string(),
+    );
     for (ranks, rank) in [(1usize, 0usize), (2, 1)] {
-        let src = || DummySource::from_json("tiny/config.json", &c, Some(("tiny/drafter/config.json", &d)), ranks, rank, 21).unwrap();
-        let opts = OpenOptions { attn_mode: AttnMode::Absorbed, ..OpenOptions::default() };
+        let src = || {
+            DummySource::from_json(
+                "tiny/config.json",
+                &c,
+                Some(("tiny/drafter/config.json", &d)),
+                ranks,
+                rank,
+                21,
+            )
+            .unwrap()
+        };
+        let opts = OpenOptions {
+            attn_mode: AttnMode::Absorbed,
+            ..OpenOptions::default()
+        };
         let mut cpu = open_dummy(src(), Device::Cpu, opts).unwrap();
         let mut cuda = open_dummy_cuda_on(src(), gpu.clone()).unwrap();
         let v = cpu.target.info().vocab_size;
@@ -198,13 +316,20 @@ fn dummy_tiny_on_cuda_gives_the_cpu_greedy_tokens() {
         // and an argmax may differ only at such a step or at a near-tie of the CPU logits.
         let mut toks: Vec<u32> = vec![1, 300 % v as u32, 5, 9];
         let chain = |n: usize| (0..n as i32).map(|i| i - 1).collect::<Vec<_>>();
-        let (mut a, mut b) = (cpu.target.forward_rows(&toks, &chain(4), LogitRows::Last).unwrap(), cuda.target.forward_rows(&toks, &chain(4), LogitRows::Last).unwrap());
+        let (mut a, mut b) = (
+            cpu.target.forward_rows(&toks, &chain(4), LogitRows::Last).unwrap(),
+            cuda.target.forward_rows(&toks, &chain(4), LogitRows::Last).unwrap(),
+        );
         let mut off_steps = 0;
         for step in 0..16 {
             let argmax = |l: &[f32]| kdtree_engine::cpu::ops::argmax(l) as u32;
             let (ta, tb) = (argmax(&a.logits), argmax(&b.logits));
             let scale = a.logits.iter().fold(0f32, |m, x| m.max(x.abs())) as f64;
-            let diff = a.logits.iter().zip(&b.logits).fold(0f64, |m, (x, y)| m.max((x - y).abs() as f64));
+            let diff = a
+                .logits
+                .iter()
+                .zip(&b.logits)
+                .fold(0f64, |m, (x, y)| m.max((x - y).abs() as f64));
             let off = diff > TARGET_LOGITS_TOL * scale;
             off_steps += off as usize;
             if off || ta != tb {
@@ -213,7 +338,10 @@ fn dummy_tiny_on_cuda_gives_the_cpu_greedy_tokens() {
                     "PARITY dummy r{rank}/{ranks} step {step}: cpu {ta} cuda {tb}, rel {:.3e} (tolerance {TARGET_LOGITS_TOL:.1e}; above it: a route flip), CPU margin {margin:.3e}",
                     diff / scale
                 );
-                assert!(ta == tb || off || margin <= TARGET_LOGITS_TOL * scale, "dummy r{rank}/{ranks}: greedy differs at step {step} with no near-tie");
+                assert!(
+                    ta == tb || off || margin <= TARGET_LOGITS_TOL * scale,
+                    "dummy r{rank}/{ranks}: greedy differs at step {step} with no near-tie"
+                );
             }
             let n = if step == 0 { toks.len() } else { 1 };
             cpu.target.commit(&(0..n).collect::<Vec<_>>()).unwrap();
@@ -222,12 +350,28 @@ fn dummy_tiny_on_cuda_gives_the_cpu_greedy_tokens() {
             a = cpu.target.forward_rows(&[ta], &[-1], LogitRows::Last).unwrap();
             b = cuda.target.forward_rows(&[ta], &[-1], LogitRows::Last).unwrap();
         }
-        assert!(off_steps <= 2, "dummy r{rank}/{ranks}: {off_steps} of 16 steps past the logits tolerance");
-        println!("PARITY dummy r{rank}/{ranks} greedy 16 steps: cpu tokens {:?}", &toks[4..]);
+        assert!(
+            off_steps <= 2,
+            "dummy r{rank}/{ranks}: {off_steps} of 16 steps past the logits tolerance"
+        );
+        println!(
+            "PARITY dummy r{rank}/{ranks} greedy 16 steps: cpu tokens {:?}",
+            &toks[4..]
+        );
         // The sliced drafter on the GPU: DDTree generation runs (device rounds) and stays in the vocabulary.
         let mut s = cuda.session(Mode::DDTree { budget: 16 }).unwrap();
-        let req = GenRequest { prompt: vec![1, 2, 3], max_tokens: 12, stop_token_ids: vec![], sampling: Sampling::greedy(), mode: Mode::DDTree { budget: 16 } };
+        let req = GenRequest {
+            prompt: vec![1, 2, 3],
+            max_tokens: 12,
+            stop_token_ids: vec![],
+            sampling: Sampling::greedy(),
+            mode: Mode::DDTree { budget: 16 },
+        };
         let out = kdtree_engine::generate::generate(&mut s, &req, &mut |_| false).unwrap();
-        assert!(out.tokens.len() == 12 && out.tokens.iter().all(|&t| (t as usize) < v), "{:?}", out.tokens);
+        assert!(
+            out.tokens.len() == 12 && out.tokens.iter().all(|&t| (t as usize) < v),
+            "{:?}",
+            out.tokens
+        );
     }
 }

@@ -39,7 +39,15 @@ fn connections() {
 
 fn convert(out: &Path, ranks: usize, experts: ExpertsMode) {
     let src = round_common::pair_dir();
-    let o = kdtree_convert::repack::RepackOptions { src: src.clone(), out: out.to_path_buf(), drafter: Some(src.join("drafter")), ranks, experts, max_file_size: kdtree_convert::repack::DEFAULT_MAX_FILE_SIZE, quiet: true };
+    let o = kdtree_convert::repack::RepackOptions {
+        src: src.clone(),
+        out: out.to_path_buf(),
+        drafter: Some(src.join("drafter")),
+        ranks,
+        experts,
+        max_file_size: kdtree_convert::repack::DEFAULT_MAX_FILE_SIZE,
+        quiet: true,
+    };
     kdtree_convert::repack::repack(&o).unwrap();
 }
 
@@ -51,23 +59,43 @@ fn shared_gpu_sum_is_the_rank_order_sum() {
         let gpus: Vec<Gpu> = (0..world).map(|_| Gpu::new(0).unwrap()).collect();
         gpus[0].pool_for_groups().unwrap();
         gpus.iter().for_each(|g| g.set_drain_copies(true));
-        gpus.iter().for_each(|g| g.set_blas_sms(g.sms - world * kdtree_engine::cuda::comm::GROUP_BLOCKS).unwrap());
+        gpus.iter().for_each(|g| {
+            g.set_blas_sms(g.sms - world * kdtree_engine::cuda::comm::GROUP_BLOCKS)
+                .unwrap()
+        });
         let comms = SharedGpu::ranks(&gpus[0], world).unwrap();
         for n in [1_100_003usize, 7] {
             // Partials where the order matters: large terms that cancel and small ones.
             let parts: Vec<Vec<Vec<f32>>> = (0..world)
-                .map(|r| (0..6).map(|rep| (0..n).map(|i| (((i * 31 + r * 7 + rep * 13) as f32) * 0.37).sin() * 10f32.powi((r % 3) as i32 * 3)).collect()).collect())
+                .map(|r| {
+                    (0..6)
+                        .map(|rep| {
+                            (0..n)
+                                .map(|i| {
+                                    (((i * 31 + r * 7 + rep * 13) as f32) * 0.37).sin() * 10f32.powi((r % 3) as i32 * 3)
+                                })
+                                .collect()
+                        })
+                        .collect()
+                })
                 .collect();
             let outs: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
-                let hs: Vec<_> = gpus.iter().zip(&comms).zip(&parts).map(|((g, c), p)| {
-                    s.spawn(move || {
-                        p.iter().map(|x| {
-                            let mut d = g.upload(x).unwrap();
-                            c.all_reduce_sum(g, &mut d).unwrap();
-                            g.download(&d).unwrap()
-                        }).collect::<Vec<_>>()
+                let hs: Vec<_> = gpus
+                    .iter()
+                    .zip(&comms)
+                    .zip(&parts)
+                    .map(|((g, c), p)| {
+                        s.spawn(move || {
+                            p.iter()
+                                .map(|x| {
+                                    let mut d = g.upload(x).unwrap();
+                                    c.all_reduce_sum(g, &mut d).unwrap();
+                                    g.download(&d).unwrap()
+                                })
+                                .collect::<Vec<_>>()
+                        })
                     })
-                }).collect();
+                    .collect();
                 hs.into_iter().map(|h| h.join().unwrap()).collect()
             });
             for rep in 0..6 {
@@ -78,7 +106,10 @@ fn shared_gpu_sum_is_the_rank_order_sum() {
                     }
                 }
                 for (r, o) in outs.iter().enumerate() {
-                    assert!(o[rep].iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "world {world}, n {n}, rep {rep}: rank {r}'s sum differs from the rank-order sum");
+                    assert!(
+                        o[rep].iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "world {world}, n {n}, rep {rep}: rank {r}'s sum differs from the rank-order sum"
+                    );
                 }
             }
             println!("PARITY shared-gpu all-reduce: {world} streams, {n} f32, 6 sums: every rank == rank-order host sum (bit-identical)");
@@ -90,7 +121,13 @@ fn gen(m: &mut Loaded, mode: Mode, s: &Sampling, prompts: &[Vec<u32>]) -> Vec<Ve
     prompts
         .iter()
         .map(|p| {
-            let req = GenRequest { prompt: p.clone(), max_tokens: 24, stop_token_ids: vec![], sampling: s.clone(), mode };
+            let req = GenRequest {
+                prompt: p.clone(),
+                max_tokens: 24,
+                stop_token_ids: vec![],
+                sampling: s.clone(),
+                mode,
+            };
             let mut sess = m.session(mode).unwrap();
             generate(&mut sess, &req, &mut |_| false).unwrap().tokens
         })
@@ -100,7 +137,23 @@ fn gen(m: &mut Loaded, mode: Mode, s: &Sampling, prompts: &[Vec<u32>]) -> Vec<Ve
 fn gen_batch(m: &Loaded, mode: Mode, prompts: &[Vec<u32>]) -> Vec<Vec<u32>> {
     let mut batch = m.batch(mode, prompts.len(), None).unwrap();
     let mut it = prompts.iter().cloned().enumerate();
-    let mut next = || it.next().map(|(i, prompt)| (i, Job { req: GenRequest { prompt, max_tokens: 24, stop_token_ids: vec![], sampling: Sampling::greedy(), mode }, on_tokens: Box::new(|_: &[u32]| false) }));
+    let mut next = || {
+        it.next().map(|(i, prompt)| {
+            (
+                i,
+                Job {
+                    req: GenRequest {
+                        prompt,
+                        max_tokens: 24,
+                        stop_token_ids: vec![],
+                        sampling: Sampling::greedy(),
+                        mode,
+                    },
+                    on_tokens: Box::new(|_: &[u32]| false),
+                },
+            )
+        })
+    };
     let mut outs = std::collections::BTreeMap::new();
     let mut done = |i: usize, o: anyhow::Result<kdtree_engine::generate::GenOutput>| {
         outs.insert(i, o.unwrap().tokens);
@@ -113,7 +166,12 @@ fn gen_batch(m: &Loaded, mode: Mode, prompts: &[Vec<u32>]) -> Vec<Vec<u32>> {
 
 /// Every run of the comparison: greedy AR, greedy b16, sampled b16, batched AR.
 fn runs(m: &mut Loaded, prompts: &[Vec<u32>]) -> Vec<Vec<Vec<u32>>> {
-    let t1 = Sampling { temperature: 1.0, top_p: 1.0, top_k: 0, seed: 7 };
+    let t1 = Sampling {
+        temperature: 1.0,
+        top_p: 1.0,
+        top_k: 0,
+        seed: 7,
+    };
     vec![
         gen(m, Mode::Ar, &Sampling::greedy(), prompts),
         gen(m, Mode::DDTree { budget: 16 }, &Sampling::greedy(), prompts),
@@ -128,8 +186,18 @@ fn rank_groups_on_one_gpu_equal_one_controller() {
     let Some(g) = cuda_common::gpu() else { return };
     let g = Arc::new(g);
     let tmp = tempfile::tempdir().unwrap();
-    let prompts = [vec![1u32, 17, 305, 42, 7, 900, 12, 3, 64, 5, 2000, 11], vec![400, 401, 402, 9], vec![5, 6, 7]];
-    for (ranks, experts) in [(2, ExpertsMode::Tp), (4, ExpertsMode::Tp), (8, ExpertsMode::Tp), (4, ExpertsMode::Ep), (8, ExpertsMode::Ep)] {
+    let prompts = [
+        vec![1u32, 17, 305, 42, 7, 900, 12, 3, 64, 5, 2000, 11],
+        vec![400, 401, 402, 9],
+        vec![5, 6, 7],
+    ];
+    for (ranks, experts) in [
+        (2, ExpertsMode::Tp),
+        (4, ExpertsMode::Tp),
+        (8, ExpertsMode::Tp),
+        (4, ExpertsMode::Ep),
+        (8, ExpertsMode::Ep),
+    ] {
         let dir = tmp.path().join(format!("pair-{ranks}-{experts:?}"));
         convert(&dir, ranks, experts);
         let want = {
@@ -146,8 +214,14 @@ fn rank_groups_on_one_gpu_equal_one_controller() {
         assert_eq!(failures, 0, "a group's capture failed");
         // Every group captures its rounds and steps, the sums inside (unless KDTREE_CUDA_GRAPHS=0 runs them eagerly).
         let graphs_on = std::env::var("KDTREE_CUDA_GRAPHS").map_or(true, |v| v != "0");
-        assert!(graphs.iter().all(|&n| (n > 0) == graphs_on), "graphs {graphs_on}: graph launches per group {graphs:?}");
-        assert!(graphs.iter().all(|&n| n == graphs[0]), "the groups launched different numbers of graphs: {graphs:?}");
+        assert!(
+            graphs.iter().all(|&n| (n > 0) == graphs_on),
+            "graphs {graphs_on}: graph launches per group {graphs:?}"
+        );
+        assert!(
+            graphs.iter().all(|&n| n == graphs[0]),
+            "the groups launched different numbers of graphs: {graphs:?}"
+        );
         assert_eq!(want, got, "R = {ranks}: rank groups differ from one controller");
     }
 }
@@ -157,7 +231,10 @@ fn nccl_through_the_group_driver() {
     connections();
     let Some(_g) = cuda_common::gpu() else { return };
     if !Nccl::available() {
-        assert!(std::env::var("KDTREE_REQUIRE_NCCL").as_deref() != Ok("1"), "KDTREE_REQUIRE_NCCL=1 but libnccl cannot be loaded");
+        assert!(
+            std::env::var("KDTREE_REQUIRE_NCCL").as_deref() != Ok("1"),
+            "KDTREE_REQUIRE_NCCL=1 but libnccl cannot be loaded"
+        );
         println!("SKIP nccl: libnccl is not on the library path");
         return;
     }
@@ -174,7 +251,10 @@ fn nccl_through_the_group_driver() {
     let got = runs(&mut m, &prompts);
     drop(m);
     let failures = gpus[0].stats.capture_failures.load(Relaxed);
-    println!("PARITY nccl group driver (1 GPU): == one-gpu {}; {failures} capture failures", want == got);
+    println!(
+        "PARITY nccl group driver (1 GPU): == one-gpu {}; {failures} capture failures",
+        want == got
+    );
     assert_eq!(failures, 0);
     assert_eq!(want, got);
 }
@@ -204,7 +284,12 @@ fn tp_step_timings() {
         }
         (t0.elapsed().as_secs_f64() * 1e3 / steps as f64, toks)
     };
-    for (ranks, experts) in [(1, ExpertsMode::Tp), (2, ExpertsMode::Tp), (4, ExpertsMode::Ep), (8, ExpertsMode::Ep)] {
+    for (ranks, experts) in [
+        (1, ExpertsMode::Tp),
+        (2, ExpertsMode::Tp),
+        (4, ExpertsMode::Ep),
+        (8, ExpertsMode::Ep),
+    ] {
         let dir = tmp.path().join(format!("pair-{ranks}"));
         convert(&dir, ranks, experts);
         let mut one = open_cuda_on(&dir, g.clone()).unwrap();
@@ -222,25 +307,32 @@ fn tp_step_timings() {
         let gpus: Vec<Gpu> = (0..world).map(|_| Gpu::new(0).unwrap()).collect();
         gpus[0].pool_for_groups().unwrap();
         gpus.iter().for_each(|g| g.set_drain_copies(true));
-        gpus.iter().for_each(|g| g.set_blas_sms(g.sms - world * kdtree_engine::cuda::comm::GROUP_BLOCKS).unwrap());
+        gpus.iter().for_each(|g| {
+            g.set_blas_sms(g.sms - world * kdtree_engine::cuda::comm::GROUP_BLOCKS)
+                .unwrap()
+        });
         let comms = SharedGpu::ranks(&gpus[0], world).unwrap();
         let reps = 2000;
         let us = std::thread::scope(|s| {
-            let hs: Vec<_> = gpus.iter().zip(&comms).map(|(g, c)| {
-                s.spawn(move || {
-                    let mut d = g.upload(&vec![1f32; 7168]).unwrap();
-                    for _ in 0..50 {
-                        c.all_reduce_sum(g, &mut d).unwrap();
-                    }
-                    g.sync().unwrap();
-                    let t0 = std::time::Instant::now();
-                    for _ in 0..reps {
-                        c.all_reduce_sum(g, &mut d).unwrap();
-                    }
-                    g.sync().unwrap();
-                    t0.elapsed().as_secs_f64() * 1e6 / reps as f64
+            let hs: Vec<_> = gpus
+                .iter()
+                .zip(&comms)
+                .map(|(g, c)| {
+                    s.spawn(move || {
+                        let mut d = g.upload(&vec![1f32; 7168]).unwrap();
+                        for _ in 0..50 {
+                            c.all_reduce_sum(g, &mut d).unwrap();
+                        }
+                        g.sync().unwrap();
+                        let t0 = std::time::Instant::now();
+                        for _ in 0..reps {
+                            c.all_reduce_sum(g, &mut d).unwrap();
+                        }
+                        g.sync().unwrap();
+                        t0.elapsed().as_secs_f64() * 1e6 / reps as f64
+                    })
                 })
-            }).collect();
+                .collect();
             hs.into_iter().map(|h| h.join().unwrap()).fold(0f64, f64::max)
         });
         println!("TIMING shared-gpu all-reduce of 7168 f32 over {world} streams: {us:.2} us each (eager launches, back to back)");

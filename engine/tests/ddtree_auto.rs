@@ -17,7 +17,13 @@ use round_common::*;
 
 /// Rounds cost 100 µs plus 4 µs a node: large trees only where the drafter is sure.
 fn cost() -> CostModel {
-    CostModel { schema: COST_SCHEMA, device: "test".into(), draft_us: 100.0, verify: vec![(1, 4.0), (257, 1028.0)], note: String::new() }
+    CostModel {
+        schema: COST_SCHEMA,
+        device: "test".into(),
+        draft_us: 100.0,
+        verify: vec![(1, 4.0), (257, 1028.0)],
+        note: String::new(),
+    }
 }
 
 const MAX: usize = 64;
@@ -32,7 +38,10 @@ fn auto_run(m: &mut Loaded, device: bool, probes: bool, n: usize) -> Vec<PromptR
     let mut s = m.session(Mode::DDTreeAuto { max: MAX }).unwrap();
     s.set_cost_model(cost()).unwrap();
     s.set_device_round(device);
-    s.set_probes(ProbeSet { rounds: probes, ..ProbeSet::default() });
+    s.set_probes(ProbeSet {
+        rounds: probes,
+        ..ProbeSet::default()
+    });
     let mut out = Vec::new();
     for p in PROMPTS {
         let mut toks = vec![s.prefill(p, &Sampling::greedy()).unwrap()];
@@ -43,7 +52,12 @@ fn auto_run(m: &mut Loaded, device: bool, probes: bool, n: usize) -> Vec<PromptR
             steps.push(e);
         }
         toks.truncate(n);
-        let scores = s.take_probes().rounds.iter().map(|r| r.tree.log_q[1..].to_vec()).collect();
+        let scores = s
+            .take_probes()
+            .rounds
+            .iter()
+            .map(|r| r.tree.log_q[1..].to_vec())
+            .collect();
         out.push((toks, steps, scores));
     }
     if device {
@@ -65,11 +79,17 @@ fn greedy_auto_equals_ar_and_follows_the_lagged_rule() {
         let (ar, _) = run_ar(&mut m, p, &Sampling::greedy(), false, n - 1);
         let ((dt, ds, _), (ht, hs, scores)) = (&dev[i], &host[i]);
         assert_eq!(dt, &ar, "prompt {i}: greedy auto (device path) differs from AR");
-        assert_eq!(ds, hs, "prompt {i}: device-path auto rounds differ from host rounds (tokens, counters or budgets)");
+        assert_eq!(
+            ds, hs,
+            "prompt {i}: device-path auto rounds differ from host rounds (tokens, counters or budgets)"
+        );
         assert_eq!(ht, &ar, "prompt {i}: greedy auto (host rounds) differs from AR");
         // The lagged rule, replayed from the recorded trees.
         let mut a = AutoBudget::new(MAX, cost()).unwrap();
-        assert_eq!(hs[0].budget, START_BUCKET, "prompt {i}: the first round runs at the start bucket");
+        assert_eq!(
+            hs[0].budget, START_BUCKET,
+            "prompt {i}: the first round runs at the start bucket"
+        );
         for (r, (e, lq)) in hs.iter().zip(scores).enumerate() {
             assert_eq!(e.budget, a.budget(), "prompt {i} round {r}: budget");
             assert_eq!(lq.len(), e.drafted, "prompt {i} round {r}: one score per drafted node");
@@ -77,10 +97,19 @@ fn greedy_auto_equals_ar_and_follows_the_lagged_rule() {
             seen.insert(e.budget);
         }
         let budgets: Vec<usize> = hs.iter().map(|e| e.budget).collect();
-        println!("PARITY ddtree_auto_vs_ar(cpu,prompt={i},max={MAX}) exact ({n} tokens, {} rounds, budgets {budgets:?})", hs.len());
+        println!(
+            "PARITY ddtree_auto_vs_ar(cpu,prompt={i},max={MAX}) exact ({n} tokens, {} rounds, budgets {budgets:?})",
+            hs.len()
+        );
     }
-    assert!(seen.len() >= 2, "the rule never left one bucket ({seen:?}): the test's cost model does not exercise it");
-    assert!(seen.iter().all(|b| [4, 8, 16, 32, 64].contains(b)), "budgets off the bucket set: {seen:?}");
+    assert!(
+        seen.len() >= 2,
+        "the rule never left one bucket ({seen:?}): the test's cost model does not exercise it"
+    );
+    assert!(
+        seen.iter().all(|b| [4, 8, 16, 32, 64].contains(b)),
+        "budgets off the bucket set: {seen:?}"
+    );
 }
 
 #[test]
@@ -93,7 +122,10 @@ fn auto_needs_a_cost_model_and_only_auto_takes_one() {
         s.prefill(PROMPTS[1], &Sampling::greedy()).unwrap();
         let e = format!("{:#}", s.step().unwrap_err());
         assert!(e.contains("cost model"), "{e}");
-        assert!(s.set_cost_model(CostModel { schema: 9, ..cost() }).is_err(), "a bad model is refused");
+        assert!(
+            s.set_cost_model(CostModel { schema: 9, ..cost() }).is_err(),
+            "a bad model is refused"
+        );
     }
     let mut s = m.session(Mode::DDTree { budget: 8 }).unwrap();
     assert!(s.set_cost_model(cost()).is_err(), "a fixed budget takes no cost model");

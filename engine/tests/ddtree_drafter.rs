@@ -33,22 +33,35 @@ fn config(block: usize) -> DrafterConfig {
 }
 
 fn seeded(name: &str, n: usize, center: f32, spread: f32) -> Vec<bf16> {
-    let seed = name.bytes().fold(1469598103934665603u64, |h, b| (h ^ b as u64).wrapping_mul(1099511628211));
+    let seed = name.bytes().fold(1469598103934665603u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(1099511628211)
+    });
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    (0..n).map(|_| bf16::from_f32(center + rng.random_range(-spread..spread))).collect()
+    (0..n)
+        .map(|_| bf16::from_f32(center + rng.random_range(-spread..spread)))
+        .collect()
 }
 
 /// Random weights keyed by tensor name (independent of load order); norms near 1, linears ~ 1/sqrt(in).
 fn weights(d: &DrafterDims) -> DrafterWeights {
     DrafterWeights::load_with(d, |name, shape| {
         let n = shape.iter().product();
-        Ok(if shape.len() == 1 { seeded(name, n, 1.0, 0.2) } else { seeded(name, n, 0.0, 1.7 / (shape[1] as f32).sqrt()) })
+        Ok(if shape.len() == 1 {
+            seeded(name, n, 1.0, 0.2)
+        } else {
+            seeded(name, n, 0.0, 1.7 / (shape[1] as f32).sqrt())
+        })
     })
     .unwrap()
 }
 
 fn tables() -> DenseTables {
-    DenseTables { hidden: H, vocab: V, embed_tokens: seeded("embed", V * H, 0.0, 1.0), lm_head: seeded("lm_head", V * H, 0.0, 0.3) }
+    DenseTables {
+        hidden: H,
+        vocab: V,
+        embed_tokens: seeded("embed", V * H, 0.0, 1.0),
+        lm_head: seeded("lm_head", V * H, 0.0, 0.3),
+    }
 }
 
 fn drafter(block: usize) -> DFlashDrafter {
@@ -110,7 +123,11 @@ fn block_attention_is_non_causal() {
     b6.extend_context(&t, 6).unwrap();
     let (r4, r6) = (b4.draft(3, 6).unwrap(), b6.draft(3, 6).unwrap());
     assert_eq!((r4.len(), r6.len()), (3 * V, 5 * V));
-    let diff = r4[..V].iter().zip(&r6[..V]).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    let diff = r4[..V]
+        .iter()
+        .zip(&r6[..V])
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
     assert!(diff > 1e-3, "row 1 must see later block positions (max diff {diff})");
 }
 
@@ -154,19 +171,63 @@ fn rope(x: &mut [f64], pos: usize, freq: &[f64]) {
     }
 }
 
-fn reference(cfg: &DrafterConfig, w: &DrafterWeights, t: &DenseTables, taps: &[f32], ctx: usize, bonus: u32) -> Vec<f64> {
-    let (nh, nkv, hd, inter, eps) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps);
+fn reference(
+    cfg: &DrafterConfig,
+    w: &DrafterWeights,
+    t: &DenseTables,
+    taps: &[f32],
+    ctx: usize,
+    bonus: u32,
+) -> Vec<f64> {
+    let (nh, nkv, hd, inter, eps) = (
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+        cfg.rms_norm_eps,
+    );
     let b = cfg.block_size().unwrap();
     let rs = cfg.rope_scaling.as_ref().unwrap();
-    let freq = inv_freq(hd, cfg.rope_theta, rs.factor, rs.original_max_position_embeddings as f64, rs.beta_fast, rs.beta_slow);
+    let freq = inv_freq(
+        hd,
+        cfg.rope_theta,
+        rs.factor,
+        rs.original_max_position_embeddings as f64,
+        rs.beta_fast,
+        rs.beta_slow,
+    );
     let w_taps = N_TAPS * H;
     let c: Vec<Vec<f64>> = (0..ctx)
-        .map(|i| rms(&lin(&w.fc, &taps[i * w_taps..(i + 1) * w_taps].iter().map(|&v| v as f64).collect::<Vec<_>>(), H), &w.hidden_norm, eps))
+        .map(|i| {
+            rms(
+                &lin(
+                    &w.fc,
+                    &taps[i * w_taps..(i + 1) * w_taps]
+                        .iter()
+                        .map(|&v| v as f64)
+                        .collect::<Vec<_>>(),
+                    H,
+                ),
+                &w.hidden_norm,
+                eps,
+            )
+        })
         .collect();
-    let ids: Vec<u32> = (0..b).map(|j| if j == 0 { bonus } else { cfg.dflash_config.mask_token_id }).collect();
-    let mut x: Vec<Vec<f64>> = ids.iter().map(|&id| (0..H).map(|i| f(t.embed_tokens[id as usize * H + i])).collect()).collect();
+    let ids: Vec<u32> = (0..b)
+        .map(|j| if j == 0 { bonus } else { cfg.dflash_config.mask_token_id })
+        .collect();
+    let mut x: Vec<Vec<f64>> = ids
+        .iter()
+        .map(|&id| (0..H).map(|i| f(t.embed_tokens[id as usize * H + i])).collect())
+        .collect();
     let heads = |v: Vec<f64>, n: usize, norm: &[bf16], pos: usize| -> Vec<Vec<f64>> {
-        (0..n).map(|h| { let mut e = rms(&v[h * hd..(h + 1) * hd], norm, eps); rope(&mut e, pos, &freq); e }).collect()
+        (0..n)
+            .map(|h| {
+                let mut e = rms(&v[h * hd..(h + 1) * hd], norm, eps);
+                rope(&mut e, pos, &freq);
+                e
+            })
+            .collect()
     };
     for l in &w.layers {
         let hn: Vec<Vec<f64>> = x.iter().map(|r| rms(r, &l.input_layernorm, eps)).collect();
@@ -182,7 +243,10 @@ fn reference(cfg: &DrafterConfig, w: &DrafterWeights, t: &DenseTables, taps: &[f
             let mut att = vec![0.0; nh * hd];
             for h in 0..nh {
                 let g = h / (nh / nkv);
-                let s: Vec<f64> = keys.iter().map(|k| q[h].iter().zip(&k[g]).map(|(a, b)| a * b).sum::<f64>() / (hd as f64).sqrt()).collect();
+                let s: Vec<f64> = keys
+                    .iter()
+                    .map(|k| q[h].iter().zip(&k[g]).map(|(a, b)| a * b).sum::<f64>() / (hd as f64).sqrt())
+                    .collect();
                 let m = s.iter().cloned().fold(f64::MIN, f64::max);
                 let z: f64 = s.iter().map(|v| (v - m).exp()).sum();
                 for (p, sv) in s.iter().enumerate() {
@@ -201,7 +265,10 @@ fn reference(cfg: &DrafterConfig, w: &DrafterWeights, t: &DenseTables, taps: &[f
             r.iter_mut().zip(lin(&l.down_proj, &a, H)).for_each(|(a, d)| *a += d);
         }
     }
-    x[1..].iter().flat_map(|r| lin(&t.lm_head, &rms(r, &w.norm, eps), V)).collect()
+    x[1..]
+        .iter()
+        .flat_map(|r| lin(&t.lm_head, &rms(r, &w.norm, eps), V))
+        .collect()
 }
 
 #[test]
@@ -215,15 +282,23 @@ fn draft_matches_a_naive_from_scratch_reference() {
     let mut ctx = 0;
     // Grow the context over several rounds, as the generation loop does, and compare every draft.
     for (step, add) in [7usize, 1, 4, 0, 11].into_iter().enumerate() {
-        d.extend_context(&all[ctx * N_TAPS * H..(ctx + add) * N_TAPS * H], add).unwrap();
+        d.extend_context(&all[ctx * N_TAPS * H..(ctx + add) * N_TAPS * H], add)
+            .unwrap();
         ctx += add;
         let bonus = (step * 7 % V) as u32;
         let got = d.draft(bonus, ctx).unwrap();
         let want = reference(&cfg, &w, &t, &all, ctx, bonus);
         assert_eq!(got.len(), want.len());
-        let err = got.iter().zip(&want).map(|(a, b)| (*a as f64 - b).abs()).fold(0.0, f64::max);
+        let err = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (*a as f64 - b).abs())
+            .fold(0.0, f64::max);
         eprintln!("step {step} ctx {ctx}: max |dlogit| {err:e}");
-        assert!(err < REF_TOL, "step {step} (ctx {ctx}): max |Δlogit| {err:e} > {REF_TOL:e}");
+        assert!(
+            err < REF_TOL,
+            "step {step} (ctx {ctx}): max |Δlogit| {err:e} > {REF_TOL:e}"
+        );
         let spread = want.iter().cloned().fold(f64::MIN, f64::max) - want.iter().cloned().fold(f64::MAX, f64::min);
         assert!(spread > 0.1, "logits too flat to be a meaningful comparison: {spread}");
     }
@@ -236,8 +311,13 @@ fn mask_token_outside_the_vocabulary_is_a_config_error() {
     for bad in [V as u32, 1000] {
         let mut cfg = config(4);
         cfg.dflash_config.mask_token_id = bad;
-        let err = DrafterDims::from_config(&cfg).expect_err("out-of-vocab mask_token_id must be refused").to_string();
-        assert!(err.contains(&format!("mask_token_id {bad}")) && err.contains(&format!("vocab_size {V}")), "{err}");
+        let err = DrafterDims::from_config(&cfg)
+            .expect_err("out-of-vocab mask_token_id must be refused")
+            .to_string();
+        assert!(
+            err.contains(&format!("mask_token_id {bad}")) && err.contains(&format!("vocab_size {V}")),
+            "{err}"
+        );
     }
     let mut cfg = config(4);
     cfg.dflash_config.mask_token_id = V as u32 - 1;

@@ -61,10 +61,23 @@ mod ddtree_reference {
     pub fn build(top: &TopK, budget: usize) -> Tree {
         let (topk, depth_limit) = (top.k, top.rows);
         let lp = |d: usize, r: usize| top.log_probs[d * topk + r] as f64; // [depth - 1, rank]
-        let mut t = Tree { tokens: vec![], depths: vec![], parents: vec![-1], log_w: vec![], child_maps: vec![vec![]] };
+        let mut t = Tree {
+            tokens: vec![],
+            depths: vec![],
+            parents: vec![-1],
+            log_w: vec![],
+            child_maps: vec![vec![]],
+        };
         let first = lp(0, 0);
         let mut heap = BinaryHeap::new();
-        heap.push(Reverse(Entry { neg_logw: -first, ranks: vec![0], parent: 0, depth: 1, rank: 0, logw: first }));
+        heap.push(Reverse(Entry {
+            neg_logw: -first,
+            ranks: vec![0],
+            parent: 0,
+            depth: 1,
+            rank: 0,
+            logw: first,
+        }));
         while t.tokens.len() < budget {
             let Some(Reverse(e)) = heap.pop() else { break };
             let token = top.tokens[(e.depth - 1) * topk + e.rank];
@@ -79,13 +92,27 @@ mod ddtree_reference {
                 let mut ranks = e.ranks[..e.ranks.len() - 1].to_vec();
                 ranks.push(e.rank as u32 + 1);
                 let logw = e.logw - lp(e.depth - 1, e.rank) + lp(e.depth - 1, e.rank + 1);
-                heap.push(Reverse(Entry { neg_logw: -logw, ranks, parent: e.parent, depth: e.depth, rank: e.rank + 1, logw }));
+                heap.push(Reverse(Entry {
+                    neg_logw: -logw,
+                    ranks,
+                    parent: e.parent,
+                    depth: e.depth,
+                    rank: e.rank + 1,
+                    logw,
+                }));
             }
             if e.depth < depth_limit {
                 let mut ranks = e.ranks.clone();
                 ranks.push(0);
                 let logw = e.logw + lp(e.depth, 0);
-                heap.push(Reverse(Entry { neg_logw: -logw, ranks, parent: current, depth: e.depth + 1, rank: 0, logw }));
+                heap.push(Reverse(Entry {
+                    neg_logw: -logw,
+                    ranks,
+                    parent: current,
+                    depth: e.depth + 1,
+                    rank: 0,
+                    logw,
+                }));
             }
         }
         t
@@ -164,7 +191,10 @@ fn tree_arrays_are_consistent() {
             let p = t.parents[i] as usize;
             assert!(p < i);
             assert_eq!(t.depths[i], t.depths[p] + 1);
-            assert!(t.log_q[i] <= t.log_q[i - 1] + 1e-12, "pop order must be non-increasing in q");
+            assert!(
+                t.log_q[i] <= t.log_q[i - 1] + 1e-12,
+                "pop order must be non-increasing in q"
+            );
             assert_eq!(t.child(p, t.tokens[i]), Some(i));
             for j in 0..n {
                 let mut a = i;
@@ -191,9 +221,11 @@ fn greedy_walk_follows_argmax_children() {
     // lowest-numbered child, and something absent at leaves.
     let mut verify = vec![0f32; t.len() * vocab];
     for i in 0..t.len() {
-        let want = t.children(i).next().map(|c| c.0).unwrap_or_else(|| {
-            (0..vocab as u32).find(|v| t.child(i, *v).is_none()).unwrap()
-        });
+        let want = t
+            .children(i)
+            .next()
+            .map(|c| c.0)
+            .unwrap_or_else(|| (0..vocab as u32).find(|v| t.child(i, *v).is_none()).unwrap());
         verify[i * vocab + want as usize] = 1.0;
     }
     let w = walk_greedy(&t, &verify, vocab);
@@ -214,7 +246,11 @@ fn assert_same_as_reference(top: &TopK, budget: usize, what: &str) {
     assert_eq!(&t.depths[1..], &r.depths[..], "{what}: depths");
     assert_eq!(t.parents, r.parents, "{what}: parents");
     let lq: Vec<u64> = t.log_q[1..].iter().map(|x| x.to_bits()).collect();
-    assert_eq!(lq, r.log_w.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), "{what}: prefix scores");
+    assert_eq!(
+        lq,
+        r.log_w.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        "{what}: prefix scores"
+    );
     for (n, kids) in r.child_maps.iter().enumerate() {
         assert_eq!(&t.children(n).collect::<Vec<_>>(), kids, "{what}: children of {n}");
     }
@@ -223,7 +259,9 @@ fn assert_same_as_reference(top: &TopK, budget: usize, what: &str) {
 /// [rows, vocab] logits drawn from `levels` distinct values: many exact ties within and across rows.
 fn tied_logits(rows: usize, vocab: usize, levels: u32, seed: u64) -> Vec<f32> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    (0..rows * vocab).map(|_| -(rng.random_range(0..levels) as f32) * 0.5).collect()
+    (0..rows * vocab)
+        .map(|_| -(rng.random_range(0..levels) as f32) * 0.5)
+        .collect()
 }
 
 #[test]
@@ -235,7 +273,11 @@ fn equals_the_reference_builder_up_to_budget_2048() {
         for budget in [1usize, 2, 16, 64, 255, 256, 1024, 2048] {
             for (name, logits) in [("random", &random), ("tied", &tied), ("flat", &flat)] {
                 let top = top_k_log_probs(logits, rows, vocab, budget.min(vocab));
-                assert_same_as_reference(&top, budget, &format!("{name} seed {seed} rows {rows} vocab {vocab} budget {budget}"));
+                assert_same_as_reference(
+                    &top,
+                    budget,
+                    &format!("{name} seed {seed} rows {rows} vocab {vocab} budget {budget}"),
+                );
             }
         }
     }
@@ -250,14 +292,25 @@ fn equals_the_reference_builder_on_handmade_tied_log_probs() {
         for steps in [1u32, 2, 3] {
             let mut log_probs = Vec::with_capacity(rows * k);
             for _ in 0..rows {
-                let mut row: Vec<f32> = (0..k).map(|_| -(rng.random_range(0..steps) as f32) * 0.25 - 1.0).collect();
+                let mut row: Vec<f32> = (0..k)
+                    .map(|_| -(rng.random_range(0..steps) as f32) * 0.25 - 1.0)
+                    .collect();
                 row.sort_by(|a, b| b.total_cmp(a));
                 log_probs.extend(row);
             }
             let tokens = (0..rows * k).map(|i| (i % k) as u32 * 3 + 1).collect();
-            let top = TopK { rows, k, log_probs, tokens };
+            let top = TopK {
+                rows,
+                k,
+                log_probs,
+                tokens,
+            };
             for budget in [5usize, 100, 1000, 2048] {
-                assert_same_as_reference(&top, budget, &format!("rows {rows} k {k} steps {steps} budget {budget}"));
+                assert_same_as_reference(
+                    &top,
+                    budget,
+                    &format!("rows {rows} k {k} steps {steps} budget {budget}"),
+                );
             }
         }
     }

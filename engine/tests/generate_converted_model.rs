@@ -28,21 +28,42 @@ fn greedy_ddtree_equals_ar_on_a_converted_tiny_model() {
     })
     .unwrap();
     let dir: Arc<dyn TensorSource> = Arc::new(ModelDir::open(&out).unwrap());
-    let taps = dir.drafter_config().expect("drafter config in the manifest").dflash_config.target_layer_ids.clone();
+    let taps = dir
+        .drafter_config()
+        .expect("drafter config in the manifest")
+        .dflash_config
+        .target_layer_ids
+        .clone();
     let w = Arc::new(Weights::load(dir.clone()).unwrap());
     let mut d = DFlashDrafter::load(&*dir, w.clone() as Arc<dyn TargetTables>).unwrap();
     let mut t = CpuTarget::new(w.clone(), taps, AttnMode::Absorbed).unwrap();
     let v = w.vocab_size() as u32;
     eprintln!("synth + repack + load: {:.1}s", t0.elapsed().as_secs_f64());
     for prompt in [vec![1u32, 2, 3, 4], vec![700, 5, 99, 512, 3, 3, 3]] {
-        let r = |mode| GenRequest { prompt: prompt.clone(), max_tokens: 12, stop_token_ids: vec![], sampling: Sampling::greedy(), mode };
+        let r = |mode| GenRequest {
+            prompt: prompt.clone(),
+            max_tokens: 12,
+            stop_token_ids: vec![],
+            sampling: Sampling::greedy(),
+            mode,
+        };
         let ar = generate(&mut t, None, &r(Mode::Ar), &mut |_| false).unwrap();
         assert!(ar.tokens.iter().all(|&x| x < v));
         for budget in [1, 8, 70] {
-            let dd = generate(&mut t, Some(&mut d as &mut dyn Drafter), &r(Mode::DDTree { budget }), &mut |_| false).unwrap();
+            let dd = generate(
+                &mut t,
+                Some(&mut d as &mut dyn Drafter),
+                &r(Mode::DDTree { budget }),
+                &mut |_| false,
+            )
+            .unwrap();
             assert_eq!(dd.tokens, ar.tokens, "prompt {prompt:?} budget {budget}");
             assert_eq!(d.context_len(), t.committed());
-            eprintln!("budget {budget}: tau {:.2}, {:.1}s", dd.spec.acceptance_length(), t0.elapsed().as_secs_f64());
+            eprintln!(
+                "budget {budget}: tau {:.2}, {:.1}s",
+                dd.spec.acceptance_length(),
+                t0.elapsed().as_secs_f64()
+            );
         }
         // A stop token from the middle of the AR output cuts both modes at its first occurrence.
         let stop = ar.tokens[6];

@@ -46,10 +46,18 @@ fn dflash(tables: Arc<dyn TargetTables>) -> DFlashDrafter {
     let cfg = drafter_config();
     let dims = DrafterDims::from_config(&cfg).unwrap();
     let w = DrafterWeights::load_with(&dims, |name, shape| {
-        let seed = name.bytes().fold(7u64, |h, b| h.wrapping_mul(31).wrapping_add(b as u64));
+        let seed = name
+            .bytes()
+            .fold(7u64, |h, b| h.wrapping_mul(31).wrapping_add(b as u64));
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let (c, s) = if shape.len() == 1 { (1.0, 0.2) } else { (0.0, 1.7 / (shape[1] as f32).sqrt()) };
-        Ok((0..shape.iter().product()).map(|_| bf16::from_f32(c + rng.random_range(-s..s))).collect())
+        let (c, s) = if shape.len() == 1 {
+            (1.0, 0.2)
+        } else {
+            (0.0, 1.7 / (shape[1] as f32).sqrt())
+        };
+        Ok((0..shape.iter().product())
+            .map(|_| bf16::from_f32(c + rng.random_range(-s..s)))
+            .collect())
     })
     .unwrap();
     DFlashDrafter::new(&cfg, w, tables).unwrap()
@@ -99,7 +107,13 @@ impl Drafter for Oracle {
 }
 
 fn req(prompt: &[u32], max_tokens: usize, mode: Mode, sampling: Sampling) -> GenRequest {
-    GenRequest { prompt: prompt.to_vec(), max_tokens, stop_token_ids: vec![], sampling, mode }
+    GenRequest {
+        prompt: prompt.to_vec(),
+        max_tokens,
+        stop_token_ids: vec![],
+        sampling,
+        mode,
+    }
 }
 
 fn run(t: &mut CpuTarget, d: Option<&mut dyn Drafter>, r: &GenRequest) -> GenOutput {
@@ -120,7 +134,11 @@ fn greedy_ddtree_equals_ar_with_the_dflash_drafter() {
     for p in prompts() {
         let ar = run(&mut t, None, &req(&p, 20, Mode::Ar, Sampling::greedy()));
         for budget in [1, 2, 4, 8, 32, 70] {
-            let dd = run(&mut t, Some(&mut d), &req(&p, 20, Mode::DDTree { budget }, Sampling::greedy()));
+            let dd = run(
+                &mut t,
+                Some(&mut d),
+                &req(&p, 20, Mode::DDTree { budget }, Sampling::greedy()),
+            );
             assert_eq!(dd.tokens, ar.tokens, "prompt {p:?} budget {budget}");
             assert_eq!(dd.finish_reason, FinishReason::Length);
             assert_eq!(d.context_len(), t.committed());
@@ -135,8 +153,17 @@ fn greedy_ddtree_equals_ar_with_deep_non_chain_acceptance() {
     for p in prompts() {
         let ar = run(&mut t, None, &req(&p, 30, Mode::Ar, Sampling::greedy()));
         for budget in [1, 2, 4, 8, 32, 70] {
-            let mut o = Oracle { prompt_len: p.len(), ar: ar.tokens.clone(), ctx: 0, vocab: 96 };
-            let dd = run(&mut t, Some(&mut o), &req(&p, 30, Mode::DDTree { budget }, Sampling::greedy()));
+            let mut o = Oracle {
+                prompt_len: p.len(),
+                ar: ar.tokens.clone(),
+                ctx: 0,
+                vocab: 96,
+            };
+            let dd = run(
+                &mut t,
+                Some(&mut o),
+                &req(&p, 30, Mode::DDTree { budget }, Sampling::greedy()),
+            );
             assert_eq!(dd.tokens, ar.tokens, "prompt {p:?} budget {budget}");
             // Every true token is first or second (p ≈ .73 / .27) in its row: budget 32 holds all 30
             // top-2 paths of depth <= 4, so rounds accept whole blocks (tau -> B = 5) except at the end.
@@ -173,7 +200,12 @@ fn sampled_ddtree_is_seeded_and_equals_sampled_ar_on_the_tiny_model() {
     let w = weights(1);
     let mut t = target(&w);
     let mut d = dflash(w.clone());
-    let s = |seed| Sampling { temperature: 1.0, top_p: 0.9, top_k: 20, seed };
+    let s = |seed| Sampling {
+        temperature: 1.0,
+        top_p: 0.9,
+        top_k: 20,
+        seed,
+    };
     let p = &prompts()[1];
     let a = run(&mut t, Some(&mut d), &req(p, 16, Mode::DDTree { budget: 8 }, s(3)));
     let b = run(&mut t, Some(&mut d), &req(p, 16, Mode::DDTree { budget: 8 }, s(3)));
@@ -184,8 +216,17 @@ fn sampled_ddtree_is_seeded_and_equals_sampled_ar_on_the_tiny_model() {
     // so the sampled DDTree run is the sampled AR run.
     let ar = run(&mut t, None, &req(p, 16, Mode::Ar, s(3)));
     assert_eq!(a.tokens, ar.tokens);
-    let mut o = Oracle { prompt_len: p.len(), ar: ar.tokens.clone(), ctx: 0, vocab: 96 };
+    let mut o = Oracle {
+        prompt_len: p.len(),
+        ar: ar.tokens.clone(),
+        ctx: 0,
+        vocab: 96,
+    };
     let deep = run(&mut t, Some(&mut o), &req(p, 16, Mode::DDTree { budget: 32 }, s(3)));
     assert_eq!(deep.tokens, ar.tokens);
-    assert!(deep.spec.acceptance_length() > 2.0, "tau {}", deep.spec.acceptance_length());
+    assert!(
+        deep.spec.acceptance_length() > 2.0,
+        "tau {}",
+        deep.spec.acceptance_length()
+    );
 }

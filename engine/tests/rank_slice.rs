@@ -41,7 +41,10 @@ fn logits(src: Arc<dyn TensorSource>, prompt: &[u32]) -> (usize, Vec<f32>) {
     let w = Arc::new(Weights::load(src).unwrap());
     let mut t = CpuTarget::new(w, vec![], AttnMode::Absorbed).unwrap();
     let parents: Vec<i32> = (0..prompt.len() as i32).map(|i| i - 1).collect();
-    (t.info().vocab_size, t.forward_rows(prompt, &parents, LogitRows::All).unwrap().logits)
+    (
+        t.info().vocab_size,
+        t.forward_rows(prompt, &parents, LogitRows::All).unwrap().logits,
+    )
 }
 
 #[test]
@@ -62,8 +65,20 @@ fn a_rank_slice_is_that_ranks_share() {
         for o in plan.tensors.iter().filter(|o| o.rank == rank) {
             let s = full.tensor(&o.name, rank).unwrap();
             // INT4 stacks are recorded by their element shape [E, N, K] (bytes [E, N, K/2]).
-            let shape = if s.layout == Layout::Int4G32 { vec![s.shape[0], s.shape[1], s.shape[2] * 2] } else { s.shape.to_vec() };
-            shards.insert(o.name.clone(), MemTensor { dtype: s.dtype, shape, layout: s.layout, data: s.data.to_vec() });
+            let shape = if s.layout == Layout::Int4G32 {
+                vec![s.shape[0], s.shape[1], s.shape[2] * 2]
+            } else {
+                s.shape.to_vec()
+            };
+            shards.insert(
+                o.name.clone(),
+                MemTensor {
+                    dtype: s.dtype,
+                    shape,
+                    layout: s.layout,
+                    data: s.data.to_vec(),
+                },
+            );
         }
         let reduced = MemSource::new(half, PREFIX, &shards, 1, ExpertsMode::Tp).unwrap();
         let (v_slice, a) = logits(Arc::new(Slice(full, rank)), &prompt);
@@ -74,7 +89,10 @@ fn a_rank_slice_is_that_ranks_share() {
         // And it is not the whole model's computation (the other rank's heads and experts are absent).
         let whole_src = MemSource::new(t.clone(), PREFIX, &whole, 1, ExpertsMode::Tp).unwrap();
         let (_, c) = logits(Arc::new(whole_src), &prompt);
-        let c_rows: Vec<f32> = c.chunks(96).flat_map(|r| r[rank * 48..(rank + 1) * 48].to_vec()).collect();
+        let c_rows: Vec<f32> = c
+            .chunks(96)
+            .flat_map(|r| r[rank * 48..(rank + 1) * 48].to_vec())
+            .collect();
         assert_ne!(a, c_rows, "a slice is not the full model");
     }
 }

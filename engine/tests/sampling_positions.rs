@@ -27,7 +27,10 @@ impl Target for BlindTarget {
     fn forward_rows(&mut self, tokens: &[u32], parents: &[i32], rows: LogitRows) -> Result<StepOut> {
         let out = self.0.forward_rows(tokens, parents, rows)?;
         let n = out.logits.len() / VOCAB;
-        Ok(StepOut { logits: fixed_row().repeat(n), taps: out.taps })
+        Ok(StepOut {
+            logits: fixed_row().repeat(n),
+            taps: out.taps,
+        })
     }
     fn commit(&mut self, path: &[usize]) -> Result<()> {
         self.0.commit(path)
@@ -43,7 +46,13 @@ impl Target for BlindTarget {
 fn run(prompt: &[u32], mode: Mode, s: &Sampling) -> Vec<u32> {
     let mut t = BlindTarget(MockTarget::new(4096));
     let mut d = MockDrafter::new(8);
-    let r = GenRequest { prompt: prompt.to_vec(), max_tokens: 40, stop_token_ids: vec![], sampling: s.clone(), mode };
+    let r = GenRequest {
+        prompt: prompt.to_vec(),
+        max_tokens: 40,
+        stop_token_ids: vec![],
+        sampling: s.clone(),
+        mode,
+    };
     let d = matches!(mode, Mode::DDTree { .. }).then_some(&mut d as &mut dyn Drafter);
     generate(&mut t, d, &r, &mut |_| false).unwrap().tokens
 }
@@ -52,7 +61,12 @@ fn run(prompt: &[u32], mode: Mode, s: &Sampling) -> Vec<u32> {
 fn the_token_at_position_p_depends_only_on_seed_and_p() {
     let row = fixed_row();
     for seed in [0u64, 1, 99, u64::MAX] {
-        let s = Sampling { temperature: 1.0, top_p: 0.95, top_k: 0, seed };
+        let s = Sampling {
+            temperature: 1.0,
+            top_p: 0.95,
+            top_k: 0,
+            seed,
+        };
         let prompts: [&[u32]; 3] = [&[1], &[3, 9, 27], &[5, 5, 5, 5, 5, 5]];
         for mode in [Mode::Ar, Mode::DDTree { budget: 6 }] {
             let outs: Vec<Vec<u32>> = prompts.iter().map(|p| run(p, mode, &s)).collect();

@@ -84,11 +84,20 @@ fn survivors_and_probabilities_match_the_full_sort_spec() {
         for temperature in [0.3f32, 1.0, 2.5] {
             for top_k in [0, 1, 2, 5, 17, v.saturating_sub(1), v, v + 3] {
                 for top_p in [1.0f32, 0.99, 0.9, 0.5, 0.1, 1e-9] {
-                    let s = Sampling { temperature, top_p, top_k, seed: 0 };
+                    let s = Sampling {
+                        temperature,
+                        top_p,
+                        top_k,
+                        seed: 0,
+                    };
                     let got = adjusted_distribution(&row, &s);
                     let want = spec(&row, &s);
                     let what = format!("v {v} T {temperature} k {top_k} p {top_p} row {:?}", &row[..v.min(8)]);
-                    assert_eq!(got.iter().map(|x| x.0).collect::<Vec<_>>(), want.iter().map(|x| x.0).collect::<Vec<_>>(), "{what}");
+                    assert_eq!(
+                        got.iter().map(|x| x.0).collect::<Vec<_>>(),
+                        want.iter().map(|x| x.0).collect::<Vec<_>>(),
+                        "{what}"
+                    );
                     for (g, w) in got.iter().zip(&want) {
                         assert!((g.1 - w.1).abs() < 1e-12, "{what}: p({}) {} vs {}", g.0, g.1, w.1);
                     }
@@ -107,7 +116,11 @@ fn survivors_and_probabilities_match_the_full_sort_spec() {
                         if near.into_iter().any(|c| (c - u).abs() < 1e-9) {
                             continue;
                         }
-                        assert_eq!(decide(&row, &s, u), pick.unwrap_or(want.last().unwrap()).0, "{what}: u {u}");
+                        assert_eq!(
+                            decide(&row, &s, u),
+                            pick.unwrap_or(want.last().unwrap()).0,
+                            "{what}: u {u}"
+                        );
                     }
                     checked += 1;
                 }
@@ -124,7 +137,12 @@ fn greedy_and_top_k_one_are_the_argmax() {
         let a = argmax(&row);
         assert_eq!(decide(&row, &Sampling::greedy(), 0.7), a);
         if row.iter().any(|x| !x.is_nan()) {
-            let s = Sampling { temperature: 1.0, top_p: 1.0, top_k: 1, seed: 0 };
+            let s = Sampling {
+                temperature: 1.0,
+                top_p: 1.0,
+                top_k: 1,
+                seed: 0,
+            };
             // Ties with the best value all survive top_k = 1 (transformers); the argmax is the lowest id.
             assert_eq!(adjusted_distribution(&row, &s)[0].0, a);
         }
@@ -142,7 +160,12 @@ fn top_k_is_a_prefix_of_the_full_rank_sort() {
         };
         full.sort_by(|&a, &b| key(a).partial_cmp(&key(b)).unwrap());
         for k in [0, 1, 3, 32, row.len(), row.len() + 5] {
-            assert_eq!(top_k(&row, k), full[..k.min(row.len())].to_vec(), "k {k} len {}", row.len());
+            assert_eq!(
+                top_k(&row, k),
+                full[..k.min(row.len())].to_vec(),
+                "k {k} len {}",
+                row.len()
+            );
         }
         assert_eq!(argmax(&row), full[0]);
     }

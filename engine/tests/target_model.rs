@@ -57,7 +57,10 @@ fn naive_equals_absorbed() {
         a.commit(&[0, 1, 2, 3]).unwrap();
         b.commit(&[0, 1, 2, 3]).unwrap();
         let (tok, par) = ([9u32, 10, 11, 12], [-1, 0, 0, 1]);
-        let err = max_rel(&b.forward(&tok, &par).unwrap().logits, &a.forward(&tok, &par).unwrap().logits);
+        let err = max_rel(
+            &b.forward(&tok, &par).unwrap().logits,
+            &a.forward(&tok, &par).unwrap().logits,
+        );
         println!("MEASURE naive vs absorbed tree after commit: {err:e}");
         assert!(err < MLA_FORMS_REL, "tree after commit: naive vs absorbed rel {err}");
     }
@@ -75,7 +78,11 @@ fn prefill_equals_incremental_decode() {
             let o = d.forward(&[tok], &[-1]).unwrap();
             // Same rows, same reduction order: bit-identical, not just close.
             assert_eq!(o.logits, full.logits[i * v..(i + 1) * v], "{mode:?}: token {i}");
-            assert_eq!(o.taps, full.taps[i * 2 * 64..(i + 1) * 2 * 64], "{mode:?}: taps of token {i}");
+            assert_eq!(
+                o.taps,
+                full.taps[i * 2 * 64..(i + 1) * 2 * 64],
+                "{mode:?}: taps of token {i}"
+            );
             d.commit(&[0]).unwrap();
         }
         assert_eq!(d.committed(), PROMPT.len());
@@ -107,12 +114,24 @@ fn tree_node_equals_chain_along_its_path() {
         let tree = t.forward(&TREE_TOK, &TREE_PAR).unwrap();
         for node in 0..TREE_TOK.len() {
             let path = root_path(&TREE_PAR, node);
-            let toks: Vec<u32> = PROMPT[..4].iter().copied().chain(path.iter().map(|&i| TREE_TOK[i])).collect();
+            let toks: Vec<u32> = PROMPT[..4]
+                .iter()
+                .copied()
+                .chain(path.iter().map(|&i| TREE_TOK[i]))
+                .collect();
             let mut c = target(&w, mode);
             let o = c.forward(&toks, &chain(toks.len())).unwrap();
             let last = toks.len() - 1;
-            assert_eq!(tree.logits[node * v..(node + 1) * v], o.logits[last * v..(last + 1) * v], "{mode:?}: node {node} path {path:?}");
-            assert_eq!(tree.taps[node * 128..(node + 1) * 128], o.taps[last * 128..(last + 1) * 128], "{mode:?}: taps of node {node}");
+            assert_eq!(
+                tree.logits[node * v..(node + 1) * v],
+                o.logits[last * v..(last + 1) * v],
+                "{mode:?}: node {node} path {path:?}"
+            );
+            assert_eq!(
+                tree.taps[node * 128..(node + 1) * 128],
+                o.taps[last * 128..(last + 1) * 128],
+                "{mode:?}: taps of node {node}"
+            );
         }
     }
 }
@@ -140,10 +159,21 @@ fn wide_tree_over_several_mask_words() {
     let tree = t.forward(&tokens, &parents).unwrap();
     for node in [63usize, 64, 65, 127, 128, 149] {
         let path = root_path(&parents, node);
-        let toks: Vec<u32> = PROMPT[..2].iter().copied().chain(path.iter().map(|&i| tokens[i])).collect();
-        let o = target(&w, AttnMode::Absorbed).forward(&toks, &chain(toks.len())).unwrap();
+        let toks: Vec<u32> = PROMPT[..2]
+            .iter()
+            .copied()
+            .chain(path.iter().map(|&i| tokens[i]))
+            .collect();
+        let o = target(&w, AttnMode::Absorbed)
+            .forward(&toks, &chain(toks.len()))
+            .unwrap();
         let last = toks.len() - 1;
-        assert_eq!(tree.logits[node * v..(node + 1) * v], o.logits[last * v..(last + 1) * v], "node {node} (depth {})", path.len() - 1);
+        assert_eq!(
+            tree.logits[node * v..(node + 1) * v],
+            o.logits[last * v..(last + 1) * v],
+            "node {node} (depth {})",
+            path.len() - 1
+        );
     }
     // Commit a deep path that is not a prefix chain and continue.
     let path = root_path(&parents, 149);
@@ -165,7 +195,9 @@ fn commit_compaction_then_continue_equals_chain() {
     assert_eq!(t.committed(), 7);
     let next = t.forward(&[1, 2], &[-1, 0]).unwrap();
     let toks = [PROMPT[0], PROMPT[1], PROMPT[2], 12, 34, 51, 70, 1, 2];
-    let c = target(&w, AttnMode::Absorbed).forward(&toks, &chain(toks.len())).unwrap();
+    let c = target(&w, AttnMode::Absorbed)
+        .forward(&toks, &chain(toks.len()))
+        .unwrap();
     assert_eq!(next.logits, c.logits[7 * v..9 * v]);
     // Committing nothing keeps the prefix; the scratch is dropped.
     t.commit(&[]).unwrap();
@@ -215,19 +247,30 @@ fn greedy(w: &Arc<Weights>, n: usize) -> (Vec<u32>, Vec<f32>) {
 #[test]
 fn tp_and_ep_plans_agree() {
     let (ref_toks, ref_logits) = greedy(&weights(1, ExpertsMode::Tp), 8);
-    for (ranks, mode) in [(2, ExpertsMode::Tp), (4, ExpertsMode::Tp), (1, ExpertsMode::Ep), (2, ExpertsMode::Ep), (8, ExpertsMode::Ep)] {
+    for (ranks, mode) in [
+        (2, ExpertsMode::Tp),
+        (4, ExpertsMode::Tp),
+        (1, ExpertsMode::Ep),
+        (2, ExpertsMode::Ep),
+        (8, ExpertsMode::Ep),
+    ] {
         let (toks, logits) = greedy(&weights(ranks, mode), 8);
         let err = max_rel(&logits, &ref_logits);
         println!("R={ranks} {mode:?}: max rel {err:e} vs R=1");
         if ranks == 1 {
-            assert_eq!(logits, ref_logits, "one rank: EP and TP hold the same bytes, results must be bit-identical");
+            assert_eq!(
+                logits, ref_logits,
+                "one rank: EP and TP hold the same bytes, results must be bit-identical"
+            );
         }
         println!("MEASURE plan R={ranks} {mode:?}: {err:e}");
         assert!(err < PLAN_REL, "R={ranks} {mode:?}: logits rel {err} vs R=1");
         assert_eq!(toks, ref_toks, "R={ranks} {mode:?}: greedy tokens differ");
     }
     // TP experts over 8 ranks would cut a 32-wide scale group (moe width 128 / 8 = 16): refused.
-    let e = tiny_weights(&tiny_config(Some(32)), SEED, 8, ExpertsMode::Tp).err().expect("group-32 violation must be refused");
+    let e = tiny_weights(&tiny_config(Some(32)), SEED, 8, ExpertsMode::Tp)
+        .err()
+        .expect("group-32 violation must be refused");
     assert!(format!("{e:#}").contains("group"), "{e:#}");
 }
 
@@ -243,7 +286,9 @@ fn trace_records_every_layer() {
     let h = w.cfg.hidden;
     for l in 0..w.cfg.layers {
         for name in ["attn_out", "mlp_out", "residual"] {
-            let x = tr.get(&format!("layers.{l}.{name}")).unwrap_or_else(|| panic!("layers.{l}.{name} missing"));
+            let x = tr
+                .get(&format!("layers.{l}.{name}"))
+                .unwrap_or_else(|| panic!("layers.{l}.{name} missing"));
             assert_eq!(x.shape, vec![1, h]);
         }
         let ids = tr.get(&format!("layers.{l}.router.topk_ids"));
@@ -251,14 +296,23 @@ fn trace_records_every_layer() {
         if let Some(TraceData::I32(ids)) = ids.map(|t| &t.data) {
             // n_group 2, topk_group 1: both experts come from one group of 4.
             assert_eq!(ids[0] / 4, ids[1] / 4, "layer {l}: {ids:?}");
-            let TraceData::F32(wts) = &tr.get(&format!("layers.{l}.router.topk_weights")).unwrap().data else { panic!() };
-            assert!((wts[0] + wts[1] - 2.827).abs() < 1e-5, "normalised weights times 2.827: {wts:?}");
+            let TraceData::F32(wts) = &tr.get(&format!("layers.{l}.router.topk_weights")).unwrap().data else {
+                panic!()
+            };
+            assert!(
+                (wts[0] + wts[1] - 2.827).abs() < 1e-5,
+                "normalised weights times 2.827: {wts:?}"
+            );
         }
     }
     // Residual of the last layer = tap 2 (taps are [0, 2]).
-    let TraceData::F32(res) = &tr.get("layers.2.residual").unwrap().data else { panic!() };
+    let TraceData::F32(res) = &tr.get("layers.2.residual").unwrap().data else {
+        panic!()
+    };
     assert_eq!(res[..], o.taps[h..2 * h]);
-    let TraceData::F32(lg) = &tr.get("logits").unwrap().data else { panic!() };
+    let TraceData::F32(lg) = &tr.get("logits").unwrap().data else {
+        panic!()
+    };
     assert_eq!(lg, &o.logits);
 }
 

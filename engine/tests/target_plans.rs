@@ -5,8 +5,8 @@
 
 use kdtree_convert::repack::{repack, RepackOptions, DEFAULT_MAX_FILE_SIZE};
 use kdtree_engine::api::Target;
-use kdtree_engine::cpu::ops;
 use kdtree_engine::backend::BackendError;
+use kdtree_engine::cpu::ops;
 use kdtree_engine::model::open::open_cpu_source;
 use kdtree_engine::model::source::Slab;
 use kdtree_engine::model::weights::Ffn;
@@ -42,7 +42,9 @@ fn convert(src: &Path, root: &Path, ranks: usize, experts: ExpertsMode) -> PathB
 fn greedy(target: &mut dyn Target) -> (Vec<u32>, Vec<f32>) {
     let v = target.info().vocab_size;
     let n = PROMPT.len();
-    let o = target.forward(&PROMPT, &(0..n as i32).map(|i| i - 1).collect::<Vec<_>>()).unwrap();
+    let o = target
+        .forward(&PROMPT, &(0..n as i32).map(|i| i - 1).collect::<Vec<_>>())
+        .unwrap();
     target.commit(&(0..n).collect::<Vec<_>>()).unwrap();
     let mut row = o.logits[(n - 1) * v..].to_vec();
     let mut all = o.logits.clone();
@@ -69,7 +71,12 @@ fn synth_repack_open_greedy_agrees_across_plans() {
     let src = tmp.path().join("synth");
     kdtree_convert::synth::write("tiny", &src, 3, true, None).expect("synth tiny");
     let mut reference: Option<(Vec<u32>, Vec<f32>)> = None;
-    for (ranks, experts) in [(1, ExpertsMode::Tp), (8, ExpertsMode::Tp), (8, ExpertsMode::Ep), (2, ExpertsMode::Tp)] {
+    for (ranks, experts) in [
+        (1, ExpertsMode::Tp),
+        (8, ExpertsMode::Tp),
+        (8, ExpertsMode::Ep),
+        (2, ExpertsMode::Tp),
+    ] {
         let dir = convert(&src, tmp.path(), ranks, experts);
         let mut loaded = open(&dir, Device::Cpu).unwrap_or_else(|e| panic!("open r={ranks} {experts:?}: {e:#}"));
         assert_eq!(loaded.backend, "cpu");
@@ -92,7 +99,15 @@ fn synth_repack_open_greedy_agrees_across_plans() {
         }
         // Naive MLA on the same files agrees with the absorbed default.
         if ranks == 8 && experts == ExpertsMode::Ep {
-            let mut naive = open_with(&dir, Device::Cpu, OpenOptions { attn_mode: AttnMode::Naive, ..OpenOptions::default() }).unwrap();
+            let mut naive = open_with(
+                &dir,
+                Device::Cpu,
+                OpenOptions {
+                    attn_mode: AttnMode::Naive,
+                    ..OpenOptions::default()
+                },
+            )
+            .unwrap();
             let (nt, nl) = greedy(naive.target.as_mut());
             assert_eq!(&nt, &reference.as_ref().unwrap().0);
             let err = max_rel(&nl, &reference.as_ref().unwrap().1);
@@ -116,7 +131,10 @@ fn open_loads_target_and_drafter() {
     assert_eq!(info.vocab_size, md.text_config().vocab_size);
     let drafter = loaded.drafter.as_mut().expect("drafter loaded");
     let n = PROMPT.len();
-    let o = loaded.target.forward(&PROMPT, &(0..n as i32).map(|i| i - 1).collect::<Vec<_>>()).unwrap();
+    let o = loaded
+        .target
+        .forward(&PROMPT, &(0..n as i32).map(|i| i - 1).collect::<Vec<_>>())
+        .unwrap();
     assert_eq!(o.taps.len(), n * info.tap_layers.len() * info.hidden_size);
     drafter.extend_context(&o.taps, n).unwrap();
     let b = drafter.block_size();
@@ -126,7 +144,14 @@ fn open_loads_target_and_drafter() {
 
     // Weights are zero-copy views of the mmapped shards (aligned data), not copies.
     let src: Arc<dyn TensorSource> = Arc::new(md);
-    let m = open_cpu_source(src, OpenOptions { attn_mode: AttnMode::Absorbed, ..OpenOptions::default() }).unwrap();
+    let m = open_cpu_source(
+        src,
+        OpenOptions {
+            attn_mode: AttnMode::Absorbed,
+            ..OpenOptions::default()
+        },
+    )
+    .unwrap();
     assert!(m.drafter.is_some());
     let w = m.target.weights().clone();
     // Rank-first: every weight of every rank (replicated ones included) is a view of that rank's own
@@ -138,13 +163,28 @@ fn open_loads_target_and_drafter() {
         assert!(mapped(&rw.embed.w) && mapped(&rw.lm_head.w) && mapped(&rw.norm));
         for layer in &rw.layers {
             let at = &layer.attn;
-            assert!([&at.q.w, &at.kv_b.w, &at.o_proj.w, &at.kv_a.w, &at.kv_a_norm, &layer.input_norm, &layer.post_norm].into_iter().all(mapped));
+            assert!([
+                &at.q.w,
+                &at.kv_b.w,
+                &at.o_proj.w,
+                &at.kv_a.w,
+                &at.kv_a_norm,
+                &layer.input_norm,
+                &layer.post_norm
+            ]
+            .into_iter()
+            .all(mapped));
             assert!(at.q_a.as_ref().is_none_or(|(m, n)| mapped(&m.w) && mapped(n)));
             match &layer.ffn {
                 Ffn::Moe(m) => {
-                    assert!([&m.gate, &m.up, &m.down].iter().all(|e| matches!(e.packed, Slab::Mapped { .. }) && mapped(&e.scales)));
+                    assert!([&m.gate, &m.up, &m.down]
+                        .iter()
+                        .all(|e| matches!(e.packed, Slab::Mapped { .. }) && mapped(&e.scales)));
                     assert!(mapped(&m.router.w));
-                    assert!(matches!(m.bias, Some(Slab::Mapped { .. })), "e_score_correction_bias mapped");
+                    assert!(
+                        matches!(m.bias, Some(Slab::Mapped { .. })),
+                        "e_score_correction_bias mapped"
+                    );
                 }
                 Ffn::Dense(d) => assert!(mapped(&d.gate.w) && mapped(&d.up.w) && mapped(&d.down.w)),
             }
@@ -163,8 +203,13 @@ fn cuda_without_the_feature_is_a_typed_error() {
     if cfg!(feature = "cuda") {
         return;
     }
-    let err = open(Path::new("/nonexistent/model"), Device::Cuda).err().expect("cuda must be refused");
+    let err = open(Path::new("/nonexistent/model"), Device::Cuda)
+        .err()
+        .expect("cuda must be refused");
     let typed = err.downcast_ref::<BackendError>().expect("a BackendError");
     assert_eq!(*typed, BackendError::NoCuda);
-    assert_eq!(err.to_string(), "this kdtree build has no CUDA backend: rebuild with --features cuda");
+    assert_eq!(
+        err.to_string(),
+        "this kdtree build has no CUDA backend: rebuild with --features cuda"
+    );
 }

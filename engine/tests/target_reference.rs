@@ -50,8 +50,16 @@ impl Ref<'_> {
     fn get(&self, name: &str) -> Vec<f64> {
         let t = &self.m[&format!("{PREFIX}{name}")];
         match t.dtype {
-            kdtree_formats::Dtype::BF16 => t.data.chunks(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f64()).collect(),
-            kdtree_formats::Dtype::F32 => t.data.chunks(4).map(|b| f32::from_le_bytes(b.try_into().unwrap()) as f64).collect(),
+            kdtree_formats::Dtype::BF16 => t
+                .data
+                .chunks(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f64())
+                .collect(),
+            kdtree_formats::Dtype::F32 => t
+                .data
+                .chunks(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()) as f64)
+                .collect(),
             d => panic!("{name}: dtype {d}"),
         }
     }
@@ -86,13 +94,21 @@ impl Ref<'_> {
         let (dn, dr, dv, c) = (t.qk_nope_head_dim, t.qk_rope_head_dim, t.v_head_dim, t.kv_lora_rank);
         let qk = dn + dr;
         let emb = self.get("model.embed_tokens.weight");
-        let mut x: Vec<f64> = ids.iter().flat_map(|&i| emb[i as usize * h..(i as usize + 1) * h].to_vec()).collect();
+        let mut x: Vec<f64> = ids
+            .iter()
+            .flat_map(|&i| emb[i as usize * h..(i as usize + 1) * h].to_vec())
+            .collect();
         // YaRN inv_freq, k26-format §4.4.
         let s = t.rope_scaling.as_ref().unwrap();
         let base = t.rope_theta;
-        let corr =
-            |r: f64| dr as f64 * (s.original_max_position_embeddings as f64 / (r * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln());
-        let (low, high) = (corr(s.beta_fast).floor().max(0.0), corr(s.beta_slow).ceil().min(dr as f64 - 1.0));
+        let corr = |r: f64| {
+            dr as f64 * (s.original_max_position_embeddings as f64 / (r * 2.0 * std::f64::consts::PI)).ln()
+                / (2.0 * base.ln())
+        };
+        let (low, high) = (
+            corr(s.beta_fast).floor().max(0.0),
+            corr(s.beta_slow).ceil().min(dr as f64 - 1.0),
+        );
         let inv: Vec<f64> = (0..dr / 2)
             .map(|i| {
                 let extra = base.powf(-2.0 * i as f64 / dr as f64);
@@ -102,7 +118,10 @@ impl Ref<'_> {
             .collect();
         // HF rope: permute [x0,x2,..,x1,x3,..], then x*cos + rotate_half(x)*sin with cos = cat(f, f).
         let rope = |v: &[f64], pos: usize| -> Vec<f64> {
-            let p: Vec<f64> = (0..dr / 2).map(|i| v[2 * i]).chain((0..dr / 2).map(|i| v[2 * i + 1])).collect();
+            let p: Vec<f64> = (0..dr / 2)
+                .map(|i| v[2 * i])
+                .chain((0..dr / 2).map(|i| v[2 * i + 1]))
+                .collect();
             (0..dr)
                 .map(|j| {
                     let f = inv[j % (dr / 2)] * pos as f64;
@@ -119,18 +138,29 @@ impl Ref<'_> {
             let xn = rms(&x, &self.get(&format!("{p}input_layernorm.weight")), t.rms_norm_eps);
             let q = match t.q_lora_rank {
                 Some(ql) => {
-                    let cq =
-                        rms(&mm(&xn, &self.get(&format!("{a}q_a_proj.weight")), h), &self.get(&format!("{a}q_a_layernorm.weight")), 1e-6);
+                    let cq = rms(
+                        &mm(&xn, &self.get(&format!("{a}q_a_proj.weight")), h),
+                        &self.get(&format!("{a}q_a_layernorm.weight")),
+                        1e-6,
+                    );
                     mm(&cq, &self.get(&format!("{a}q_b_proj.weight")), ql)
                 }
                 None => mm(&xn, &self.get(&format!("{a}q_proj.weight")), h),
             };
             let ckv = mm(&xn, &self.get(&format!("{a}kv_a_proj_with_mqa.weight")), h); // [n, c + dr]
             let lat: Vec<f64> = (0..n)
-                .flat_map(|i| rms(&ckv[i * (c + dr)..i * (c + dr) + c], &self.get(&format!("{a}kv_a_layernorm.weight")), 1e-6))
+                .flat_map(|i| {
+                    rms(
+                        &ckv[i * (c + dr)..i * (c + dr) + c],
+                        &self.get(&format!("{a}kv_a_layernorm.weight")),
+                        1e-6,
+                    )
+                })
                 .collect();
             let kv = mm(&lat, &self.get(&format!("{a}kv_b_proj.weight")), c); // [n, nh*(dn+dv)]
-            let kpe: Vec<Vec<f64>> = (0..n).map(|i| rope(&ckv[i * (c + dr) + c..(i + 1) * (c + dr)], i)).collect();
+            let kpe: Vec<Vec<f64>> = (0..n)
+                .map(|i| rope(&ckv[i * (c + dr) + c..(i + 1) * (c + dr)], i))
+                .collect();
             let mut heads = vec![0.0; n * nh * dv];
             for i in 0..n {
                 for hh in 0..nh {
@@ -139,21 +169,28 @@ impl Ref<'_> {
                     let sc: Vec<f64> = (0..=i)
                         .map(|j| {
                             let kh = &kv[(j * nh + hh) * (dn + dv)..];
-                            ((0..dn).map(|d| qh[d] * kh[d]).sum::<f64>() + (0..dr).map(|d| qpe[d] * kpe[j][d]).sum::<f64>()) * scale
+                            ((0..dn).map(|d| qh[d] * kh[d]).sum::<f64>()
+                                + (0..dr).map(|d| qpe[d] * kpe[j][d]).sum::<f64>())
+                                * scale
                         })
                         .collect();
                     let m = sc.iter().cloned().fold(f64::MIN, f64::max);
                     let z: f64 = sc.iter().map(|v| (v - m).exp()).sum();
                     for (j, sj) in sc.iter().enumerate() {
                         for d in 0..dv {
-                            heads[(i * nh + hh) * dv + d] += (sj - m).exp() / z * kv[(j * nh + hh) * (dn + dv) + dn + d];
+                            heads[(i * nh + hh) * dv + d] +=
+                                (sj - m).exp() / z * kv[(j * nh + hh) * (dn + dv) + dn + d];
                         }
                     }
                 }
             }
             let o = mm(&heads, &self.get(&format!("{a}o_proj.weight")), nh * dv);
             x.iter_mut().zip(&o).for_each(|(r, v)| *r += v);
-            let xn = rms(&x, &self.get(&format!("{p}post_attention_layernorm.weight")), t.rms_norm_eps);
+            let xn = rms(
+                &x,
+                &self.get(&format!("{p}post_attention_layernorm.weight")),
+                t.rms_norm_eps,
+            );
             let mlp = format!("{p}mlp.");
             let out = if !t.is_moe_layer(l) {
                 self.swiglu(&mlp, &xn)
@@ -163,7 +200,10 @@ impl Ref<'_> {
                 let bias = self.get(&format!("{mlp}gate.e_score_correction_bias"));
                 let mut out = vec![0.0; n * h];
                 for i in 0..n {
-                    let sg: Vec<f64> = logits[i * e..(i + 1) * e].iter().map(|z| 1.0 / (1.0 + (-z).exp())).collect();
+                    let sg: Vec<f64> = logits[i * e..(i + 1) * e]
+                        .iter()
+                        .map(|z| 1.0 / (1.0 + (-z).exp()))
+                        .collect();
                     let mut sel: Vec<f64> = sg.iter().zip(&bias).map(|(a, b)| a + b).collect();
                     let gs = e / t.n_group;
                     let mut gscore: Vec<(f64, usize)> = (0..t.n_group)
@@ -191,7 +231,11 @@ impl Ref<'_> {
                         let (g, k) = self.expert(&format!("{stem}.gate_proj"), ex);
                         let (u, _) = self.expert(&format!("{stem}.up_proj"), ex);
                         let (d, kd) = self.expert(&format!("{stem}.down_proj"), ex);
-                        let a: Vec<f64> = mm(xi, &g, k).iter().zip(mm(xi, &u, k)).map(|(g, u)| silu(*g) * u).collect();
+                        let a: Vec<f64> = mm(xi, &g, k)
+                            .iter()
+                            .zip(mm(xi, &u, k))
+                            .map(|(g, u)| silu(*g) * u)
+                            .collect();
                         let y = mm(&a, &d, kd);
                         (0..h).for_each(|dd| out[i * h + dd] += wt * y[dd]);
                     }
@@ -214,12 +258,20 @@ fn cpu_target_matches_f64_spec_transcription() {
         let tensors = random_tensors(&cfg, 11);
         let want = Ref { t: &cfg, m: &tensors }.forward(&ids);
         let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
-        let src: Arc<dyn TensorSource> = Arc::new(MemSource::new(cfg.clone(), PREFIX, &tensors, 1, ExpertsMode::Tp).unwrap());
+        let src: Arc<dyn TensorSource> =
+            Arc::new(MemSource::new(cfg.clone(), PREFIX, &tensors, 1, ExpertsMode::Tp).unwrap());
         let w = Arc::new(Weights::load(src).unwrap());
         for mode in [AttnMode::Naive, AttnMode::Absorbed] {
             let mut t = CpuTarget::new(w.clone(), vec![], mode).unwrap();
-            let got = t.forward(&ids, &(0..ids.len() as i32).map(|i| i - 1).collect::<Vec<_>>()).unwrap().logits;
-            let err = got.iter().zip(&want).fold(0f64, |m, (g, w)| m.max((*g as f64 - w).abs())) / scale;
+            let got = t
+                .forward(&ids, &(0..ids.len() as i32).map(|i| i - 1).collect::<Vec<_>>())
+                .unwrap()
+                .logits;
+            let err = got
+                .iter()
+                .zip(&want)
+                .fold(0f64, |m, (g, w)| m.max((*g as f64 - w).abs()))
+                / scale;
             println!("q_lora={q_lora:?} {mode:?}: max rel vs f64 reference {err:e} (max |logit| {scale:.3})");
             assert!(err < REF_REL, "q_lora={q_lora:?} {mode:?}: rel {err} vs f64 reference");
         }

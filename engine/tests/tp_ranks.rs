@@ -17,16 +17,56 @@ use std::path::Path;
 
 fn convert(out: &Path, ranks: usize, experts: ExpertsMode) {
     let src = pair_dir();
-    repack(&RepackOptions { src: src.clone(), out: out.to_path_buf(), drafter: Some(src.join("drafter")), ranks, experts, max_file_size: DEFAULT_MAX_FILE_SIZE, quiet: true }).unwrap();
+    repack(&RepackOptions {
+        src: src.clone(),
+        out: out.to_path_buf(),
+        drafter: Some(src.join("drafter")),
+        ranks,
+        experts,
+        max_file_size: DEFAULT_MAX_FILE_SIZE,
+        quiet: true,
+    })
+    .unwrap();
 }
 
 fn requests(vocab: u32) -> Vec<GenRequest> {
-    let prompts: [&[u32]; 4] = [&[1, 17, 305, 42, 7, 900, 12, 3], &[400, 401, 402, 9], &[5, 6], &[88, 99, 1000, 3, 3, 3, 77]];
-    let settings = [Sampling::greedy(), Sampling { temperature: 1.0, top_p: 1.0, top_k: 0, seed: 5 }, Sampling { temperature: 0.7, top_p: 0.9, top_k: 40, seed: 9 }, Sampling::greedy()];
-    let modes = [Mode::Ar, Mode::DDTree { budget: 16 }, Mode::Chain, Mode::DDTree { budget: 6 }];
+    let prompts: [&[u32]; 4] = [
+        &[1, 17, 305, 42, 7, 900, 12, 3],
+        &[400, 401, 402, 9],
+        &[5, 6],
+        &[88, 99, 1000, 3, 3, 3, 77],
+    ];
+    let settings = [
+        Sampling::greedy(),
+        Sampling {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: 5,
+        },
+        Sampling {
+            temperature: 0.7,
+            top_p: 0.9,
+            top_k: 40,
+            seed: 9,
+        },
+        Sampling::greedy(),
+    ];
+    let modes = [
+        Mode::Ar,
+        Mode::DDTree { budget: 16 },
+        Mode::Chain,
+        Mode::DDTree { budget: 6 },
+    ];
     let mut out = Vec::new();
     for (i, p) in prompts.iter().enumerate() {
-        out.push(GenRequest { prompt: p.iter().map(|&t| t % vocab).collect(), max_tokens: 20, stop_token_ids: vec![], sampling: settings[i].clone(), mode: modes[i] });
+        out.push(GenRequest {
+            prompt: p.iter().map(|&t| t % vocab).collect(),
+            max_tokens: 20,
+            stop_token_ids: vec![],
+            sampling: settings[i].clone(),
+            mode: modes[i],
+        });
     }
     out
 }
@@ -44,7 +84,17 @@ fn alone(m: &mut Loaded, reqs: &[GenRequest]) -> Vec<GenOutput> {
 fn batched(m: &Loaded, reqs: &[GenRequest], slots: usize) -> Vec<Vec<u32>> {
     let mut batch = m.batch(reqs[0].mode, slots, None).unwrap();
     let mut it = reqs.iter().cloned().enumerate();
-    let mut next = || it.next().map(|(i, req)| (i, Job { req, on_tokens: Box::new(|_: &[u32]| false) }));
+    let mut next = || {
+        it.next().map(|(i, req)| {
+            (
+                i,
+                Job {
+                    req,
+                    on_tokens: Box::new(|_: &[u32]| false),
+                },
+            )
+        })
+    };
     let mut outs = std::collections::BTreeMap::new();
     let mut done = |i: usize, o: anyhow::Result<GenOutput>| {
         outs.insert(i, o.unwrap().tokens);
@@ -76,21 +126,40 @@ fn rank_groups_on_threads_equal_one_controller_bit_for_bit() {
         let prompt: Vec<u32> = [3u32, 1000, 77, 4000, 5, 12].iter().map(|t| t % v as u32).collect();
         let (a, b) = (prefill_logits(&mut one, &prompt), prefill_logits(&mut tp, &prompt));
         assert_eq!(a.len(), prompt.len() * v);
-        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "R = {ranks} {experts:?}: prefill logits differ");
+        assert!(
+            a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "R = {ranks} {experts:?}: prefill logits differ"
+        );
         let reqs = requests(v as u32);
         let (want, got) = (alone(&mut one, &reqs), alone(&mut tp, &reqs));
         for (i, (w, g)) in want.iter().zip(&got).enumerate() {
-            assert_eq!((&w.tokens, &w.spec), (&g.tokens, &g.spec), "R = {ranks} {experts:?}: request {i} ({:?}) differs", reqs[i].mode);
+            assert_eq!(
+                (&w.tokens, &w.spec),
+                (&g.tokens, &g.spec),
+                "R = {ranks} {experts:?}: request {i} ({:?}) differs",
+                reqs[i].mode
+            );
         }
         // Batched: every request of one mode in one batch.
         for mode in [Mode::Ar, Mode::DDTree { budget: 16 }] {
-            let rs: Vec<GenRequest> = reqs.iter().cloned().map(|mut r| {
-                r.mode = mode;
-                r
-            }).collect();
-            assert_eq!(batched(&one, &rs, 3), batched(&tp, &rs, 3), "R = {ranks} {experts:?}: batched {mode:?} differs");
+            let rs: Vec<GenRequest> = reqs
+                .iter()
+                .cloned()
+                .map(|mut r| {
+                    r.mode = mode;
+                    r
+                })
+                .collect();
+            assert_eq!(
+                batched(&one, &rs, 3),
+                batched(&tp, &rs, 3),
+                "R = {ranks} {experts:?}: batched {mode:?} differs"
+            );
         }
-        eprintln!("R = {ranks} {experts:?}: {ranks} rank threads == one controller ({} requests, batched AR and b16)", reqs.len());
+        eprintln!(
+            "R = {ranks} {experts:?}: {ranks} rank threads == one controller ({} requests, batched AR and b16)",
+            reqs.len()
+        );
     }
 }
 
@@ -105,7 +174,10 @@ fn groups_of_several_ranks_run_and_stay_close() {
     let prompt: Vec<u32> = [9u32, 8, 7, 600, 5].iter().map(|t| t % v as u32).collect();
     let (a, b) = (prefill_logits(&mut one, &prompt), prefill_logits(&mut tp, &prompt));
     let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
-    assert!(worst < 1e-3, "2 groups of 2 ranks: logits within 1e-3 of one controller (worst {worst})");
+    assert!(
+        worst < 1e-3,
+        "2 groups of 2 ranks: logits within 1e-3 of one controller (worst {worst})"
+    );
     let r = &requests(v as u32)[1];
     let g = alone(&mut tp, std::slice::from_ref(r));
     assert_eq!(g[0].tokens.len(), r.max_tokens, "2 groups of 2 ranks generate");
@@ -116,12 +188,18 @@ fn rank_counts_that_do_not_divide_are_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("pair4");
     convert(&dir, 4, ExpertsMode::Tp);
-    let e = open_tp(&dir, 3, Placement::Cpu, Default::default()).err().expect("4 ranks over 3 groups");
+    let e = open_tp(&dir, 3, Placement::Cpu, Default::default())
+        .err()
+        .expect("4 ranks over 3 groups");
     let msg = format!("{e:#}");
     assert!(msg.contains("4 ranks") && msg.contains("3 GPUs"), "{msg}");
-    let e = open_tp(&dir, 0, Placement::Cpu, Default::default()).err().expect("0 groups");
+    let e = open_tp(&dir, 0, Placement::Cpu, Default::default())
+        .err()
+        .expect("0 groups");
     assert!(format!("{e:#}").contains("at least 1"), "{e:#}");
-    let e = open_tp(&dir, 8, Placement::Cpu, Default::default()).err().expect("more groups than ranks");
+    let e = open_tp(&dir, 8, Placement::Cpu, Default::default())
+        .err()
+        .expect("more groups than ranks");
     assert!(format!("{e:#}").contains("do not divide"), "{e:#}");
 }
 

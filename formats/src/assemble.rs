@@ -3,10 +3,10 @@
 //! converter keeps (size, sha256 of the file, xxh3-64 of each tensor). Used by kdtree-convert repack, and by
 //! formats/tests/manifest_k26.rs to build the full K2.6 manifest without any weights.
 
+use crate::error::Result;
 use crate::manifest::{FileEntry, Manifest, Model, PlanInfo, Source, SplitRule, TensorEntry, FORMAT_VERSION};
 use crate::plan::{split_rules, Plan, PlannedFile, GROUP};
 use crate::writer::{header_bytes, TensorSpec};
-use crate::error::Result;
 use serde::{Deserialize, Serialize};
 
 /// What one finished shard file holds (also the converter's per-file completion record).
@@ -33,7 +33,11 @@ pub fn file_specs(plan: &Plan, f: &PlannedFile) -> Vec<TensorSpec> {
         .iter()
         .map(|&i| {
             let t = &plan.tensors[i];
-            TensorSpec { name: t.name.clone(), dtype: t.dtype, shape: t.shape.clone() }
+            TensorSpec {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+            }
         })
         .collect()
 }
@@ -47,9 +51,19 @@ pub fn planned_record(plan: &Plan, f: &PlannedFile) -> Result<FileRecord> {
     let tensors = specs
         .iter()
         .zip(offs)
-        .map(|(s, (b, e))| TensorRecord { name: s.name.clone(), offset: start + b as u64, nbytes: (e - b) as u64, xxh3: String::new() })
+        .map(|(s, (b, e))| TensorRecord {
+            name: s.name.clone(),
+            offset: start + b as u64,
+            nbytes: (e - b) as u64,
+            xxh3: String::new(),
+        })
         .collect();
-    Ok(FileRecord { name: f.name.clone(), size, sha256: String::new(), tensors })
+    Ok(FileRecord {
+        name: f.name.clone(),
+        size,
+        sha256: String::new(),
+        tensors,
+    })
 }
 
 /// Everything the manifest needs besides the plan and the records.
@@ -67,7 +81,13 @@ pub fn build_manifest(plan: &Plan, files: &[PlannedFile], records: &[FileRecord]
     let mut fentries = Vec::with_capacity(files.len());
     let mut tentries = Vec::with_capacity(plan.tensors.len());
     for (f, r) in files.iter().zip(records) {
-        fentries.push(FileEntry { name: f.name.clone(), rank: f.rank, part: f.part, size: r.size, sha256: r.sha256.clone() });
+        fentries.push(FileEntry {
+            name: f.name.clone(),
+            rank: f.rank,
+            part: f.part,
+            size: r.size,
+            sha256: r.sha256.clone(),
+        });
         for (&i, tr) in f.tensors.iter().zip(&r.tensors) {
             let t = &plan.tensors[i];
             debug_assert_eq!(t.name, tr.name);
@@ -100,7 +120,13 @@ pub fn build_manifest(plan: &Plan, files: &[PlannedFile], records: &[FileRecord]
             group_size: GROUP,
             max_file_size: inputs.max_file_size,
             experts_source: inputs.experts_source,
-            splits: split_rules(plan.experts).into_iter().map(|(c, s)| SplitRule { class: c.into(), split: s.into() }).collect(),
+            splits: split_rules(plan.experts)
+                .into_iter()
+                .map(|(c, s)| SplitRule {
+                    class: c.into(),
+                    split: s.into(),
+                })
+                .collect(),
         },
         files: fentries,
         // Filled in by the converter once the carried files are copied (they are not part of the plan).

@@ -160,9 +160,10 @@ pub enum ConfigError {
 pub fn parse_text_config(path: &str, body: &str) -> Result<TextConfig, ConfigError> {
     let root: serde_json::Value =
         serde_json::from_str(body).map_err(|err| ConfigError::Json { path: path.into(), err })?;
-    let obj = root
-        .as_object()
-        .ok_or_else(|| ConfigError::Invalid { path: path.into(), msg: "top level is not a JSON object".into() })?;
+    let obj = root.as_object().ok_or_else(|| ConfigError::Invalid {
+        path: path.into(),
+        msg: "top level is not a JSON object".into(),
+    })?;
     let mut text = match obj.get("text_config") {
         Some(t) => t.clone(),
         None => root.clone(),
@@ -184,8 +185,7 @@ pub fn has_text_config(body: &str) -> bool {
 
 /// Parse a DFlash drafter `config.json` body.
 pub fn parse_drafter_config(path: &str, body: &str) -> Result<DrafterConfig, ConfigError> {
-    let cfg: DrafterConfig =
-        serde_json::from_str(body).map_err(|err| ConfigError::Json { path: path.into(), err })?;
+    let cfg: DrafterConfig = serde_json::from_str(body).map_err(|err| ConfigError::Json { path: path.into(), err })?;
     if cfg.block_size().is_none() {
         return Err(ConfigError::Invalid {
             path: path.into(),

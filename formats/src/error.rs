@@ -30,16 +30,29 @@ pub type Result<T, E = FormatError> = std::result::Result<T, E>;
 
 impl FormatError {
     pub fn io(path: &Path, err: std::io::Error) -> Self {
-        FormatError::Io { file: path.display().to_string(), err }
+        FormatError::Io {
+            file: path.display().to_string(),
+            err,
+        }
     }
     pub fn file(file: impl ToString, msg: impl ToString) -> Self {
-        FormatError::File { file: file.to_string(), msg: msg.to_string() }
+        FormatError::File {
+            file: file.to_string(),
+            msg: msg.to_string(),
+        }
     }
     pub fn tensor(file: impl ToString, tensor: impl ToString, msg: impl ToString) -> Self {
-        FormatError::Tensor { file: file.to_string(), tensor: tensor.to_string(), msg: msg.to_string() }
+        FormatError::Tensor {
+            file: file.to_string(),
+            tensor: tensor.to_string(),
+            msg: msg.to_string(),
+        }
     }
     pub fn plan(tensor: impl ToString, msg: impl ToString) -> Self {
-        FormatError::Plan { tensor: tensor.to_string(), msg: msg.to_string() }
+        FormatError::Plan {
+            tensor: tensor.to_string(),
+            msg: msg.to_string(),
+        }
     }
 }
 
@@ -50,10 +63,16 @@ mod tests {
 
     #[test]
     fn causes_are_in_the_message_not_the_chain() {
-        let e = FormatError::io(Path::new("x.safetensors"), std::io::Error::from(std::io::ErrorKind::NotFound));
+        let e = FormatError::io(
+            Path::new("x.safetensors"),
+            std::io::Error::from(std::io::ErrorKind::NotFound),
+        );
         assert!(e.source().is_none(), "a chain printer would repeat the cause of {e}");
         assert!(e.to_string().starts_with("x.safetensors: "), "{e}");
         let c = crate::config::parse_text_config("c.json", "{").unwrap_err();
-        assert!(c.source().is_none() && c.to_string().contains("c.json: invalid JSON: "), "{c}");
+        assert!(
+            c.source().is_none() && c.to_string().contains("c.json: invalid JSON: "),
+            "{c}"
+        );
     }
 }

@@ -50,7 +50,10 @@ pub fn word_lane(word: u32, j: usize) -> i8 {
 
 /// Unpack a whole row of `q.len()` elements (must be even) into signed values.
 pub fn unpack_row(packed_row: &[u8], q: &mut [i8]) {
-    assert!(q.len().is_multiple_of(2) && packed_row.len() * 2 >= q.len(), "unpack_row: length mismatch");
+    assert!(
+        q.len().is_multiple_of(2) && packed_row.len() * 2 >= q.len(),
+        "unpack_row: length mismatch"
+    );
     for (m, pair) in q.chunks_exact_mut(2).enumerate() {
         let b = packed_row[m];
         pair[0] = (b & 0xF) as i8 - OFFSET;
@@ -63,8 +66,15 @@ pub fn unpack_row(packed_row: &[u8], q: &mut [i8]) {
 pub fn dequant_row_f32(packed_row: &[u8], scales: &[bf16], out: &mut [f32]) {
     let k = out.len();
     assert!(k.is_multiple_of(GROUP), "K={k} not a multiple of {GROUP}");
-    assert!(packed_row.len() * 2 == k && scales.len() == k / GROUP, "dequant_row_f32: shape mismatch");
-    for (g, (dst, src)) in out.chunks_exact_mut(GROUP).zip(packed_row.chunks_exact(GROUP / 2)).enumerate() {
+    assert!(
+        packed_row.len() * 2 == k && scales.len() == k / GROUP,
+        "dequant_row_f32: shape mismatch"
+    );
+    for (g, (dst, src)) in out
+        .chunks_exact_mut(GROUP)
+        .zip(packed_row.chunks_exact(GROUP / 2))
+        .enumerate()
+    {
         let s = scales[g].to_f32();
         for (pair, &b) in dst.chunks_exact_mut(2).zip(src) {
             pair[0] = ((b & 0xF) as i8 - OFFSET) as f32 * s;
@@ -96,13 +106,20 @@ pub fn pack_word(q: &[i8]) -> u32 {
 
 /// Pack a row of signed values (length a multiple of 8) into I32 words, as compressed-tensors `pack_to_int32`.
 pub fn pack_row_words(q: &[i8]) -> Vec<i32> {
-    assert!(q.len().is_multiple_of(PER_WORD), "row length {} not a multiple of 8", q.len());
+    assert!(
+        q.len().is_multiple_of(PER_WORD),
+        "row length {} not a multiple of 8",
+        q.len()
+    );
     q.chunks_exact(PER_WORD).map(|c| pack_word(c) as i32).collect()
 }
 
 /// Pack a row into its on-disk bytes (little-endian words; byte `m` = `u[2m] | u[2m+1] << 4`).
 pub fn pack_row_bytes(q: &[i8], out: &mut [u8]) {
-    assert!(q.len().is_multiple_of(2) && out.len() * 2 == q.len(), "pack_row_bytes: length mismatch");
+    assert!(
+        q.len().is_multiple_of(2) && out.len() * 2 == q.len(),
+        "pack_row_bytes: length mismatch"
+    );
     for (o, pair) in out.iter_mut().zip(q.chunks_exact(2)) {
         debug_assert!(pair.iter().all(|v| (Q_MIN..=Q_MAX).contains(v)));
         *o = ((pair[0] + OFFSET) as u8 & 0xF) | (((pair[1] + OFFSET) as u8 & 0xF) << 4);
@@ -138,9 +155,16 @@ pub fn quantize_value(x: bf16, s: bf16) -> i8 {
 pub fn quantize_row(row: &[bf16], scales: &mut [bf16], packed: &mut [u8]) {
     let k = row.len();
     assert!(k.is_multiple_of(GROUP), "K={k} not a multiple of {GROUP}");
-    assert!(scales.len() == k / GROUP && packed.len() == k / 2, "quantize_row: shape mismatch");
+    assert!(
+        scales.len() == k / GROUP && packed.len() == k / 2,
+        "quantize_row: shape mismatch"
+    );
     let mut q = [0i8; GROUP];
-    for ((grp, s_out), p_out) in row.chunks_exact(GROUP).zip(scales.iter_mut()).zip(packed.chunks_exact_mut(GROUP / 2)) {
+    for ((grp, s_out), p_out) in row
+        .chunks_exact(GROUP)
+        .zip(scales.iter_mut())
+        .zip(packed.chunks_exact_mut(GROUP / 2))
+    {
         let s = group_scale(grp);
         *s_out = s;
         for (qv, &x) in q.iter_mut().zip(grp) {
@@ -163,11 +187,20 @@ pub struct Quantized {
 
 /// Quantize a BF16 weight `[N, K]` (row-major) exactly as compressed-tensors' int4 group-32 symmetric compressor.
 pub fn quantize(weight: &[bf16], n: usize, k: usize) -> Quantized {
-    assert_eq!(weight.len(), n * k, "quantize: weight has {} values, expected {n}x{k}", weight.len());
+    assert_eq!(
+        weight.len(),
+        n * k,
+        "quantize: weight has {} values, expected {n}x{k}",
+        weight.len()
+    );
     let mut packed = vec![0u8; n * k / 2];
     let mut scale = vec![bf16::ZERO; n * k / GROUP];
     if k > 0 {
-        for ((row, s), p) in weight.chunks_exact(k).zip(scale.chunks_exact_mut(k / GROUP)).zip(packed.chunks_exact_mut(k / 2)) {
+        for ((row, s), p) in weight
+            .chunks_exact(k)
+            .zip(scale.chunks_exact_mut(k / GROUP))
+            .zip(packed.chunks_exact_mut(k / 2))
+        {
             quantize_row(row, s, p);
         }
     }
@@ -271,12 +304,18 @@ mod tests {
     #[test]
     fn quantize_dequantize_error_is_bounded_by_half_a_step() {
         let (n, k) = (4, 96);
-        let w: Vec<bf16> = (0..n * k).map(|i| bf16::from_f32(((i * 7919) % 263) as f32 / 131.0 - 1.0)).collect();
+        let w: Vec<bf16> = (0..n * k)
+            .map(|i| bf16::from_f32(((i * 7919) % 263) as f32 / 131.0 - 1.0))
+            .collect();
         let qz = quantize(&w, n, k);
         assert_eq!(qz.packed.len(), n * k / 2);
         let mut out = vec![0f32; k];
         for r in 0..n {
-            dequant_row_f32(&qz.packed[r * k / 2..(r + 1) * k / 2], &qz.scale[r * 3..(r + 1) * 3], &mut out);
+            dequant_row_f32(
+                &qz.packed[r * k / 2..(r + 1) * k / 2],
+                &qz.scale[r * 3..(r + 1) * 3],
+                &mut out,
+            );
             for c in 0..k {
                 let s = qz.scale[r * 3 + c / 32].to_f32();
                 let err = (out[c] - w[r * k + c].to_f32()).abs();

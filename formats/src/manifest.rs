@@ -24,7 +24,12 @@ pub const MANIFEST: &str = "manifest.toml";
 pub const SHA256SUMS: &str = "SHA256SUMS";
 /// Source files `kdtree-convert repack` carries into OUT byte-exactly when SRC has them (each optional),
 /// in manifest / SHA256SUMS order: what the runtime needs for text (tokenizer, chat template, defaults).
-pub const AUX_FILES: [&str; 4] = ["tiktoken.model", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"];
+pub const AUX_FILES: [&str; 4] = [
+    "tiktoken.model",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+];
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -186,7 +191,11 @@ pub fn json_to_toml(v: &serde_json::Value) -> Option<toml::Value> {
         },
         J::String(s) => toml::Value::String(s.clone()),
         J::Array(a) => toml::Value::Array(a.iter().filter_map(json_to_toml).collect()),
-        J::Object(o) => toml::Value::Table(o.iter().filter_map(|(k, v)| Some((k.clone(), json_to_toml(v)?))).collect()),
+        J::Object(o) => toml::Value::Table(
+            o.iter()
+                .filter_map(|(k, v)| Some((k.clone(), json_to_toml(v)?)))
+                .collect(),
+        ),
     })
 }
 
@@ -206,10 +215,16 @@ impl Manifest {
             .and_then(|v| v.trim().parse::<u32>().ok());
         match version {
             Some(v) if READ_VERSIONS.contains(&v) => {}
-            Some(v) => return Err(FormatError::file(file, format!("format_version {v} is not supported (this build reads {READ_VERSIONS:?})"))),
+            Some(v) => {
+                return Err(FormatError::file(
+                    file,
+                    format!("format_version {v} is not supported (this build reads {READ_VERSIONS:?})"),
+                ))
+            }
             None => return Err(FormatError::file(file, "no format_version line: not a kdtree manifest")),
         }
-        let m: Manifest = toml::from_str(text).map_err(|e| FormatError::file(file, format!("invalid manifest: {e}")))?;
+        let m: Manifest =
+            toml::from_str(text).map_err(|e| FormatError::file(file, format!("invalid manifest: {e}")))?;
         m.check(file)?;
         Ok(m)
     }
@@ -220,16 +235,25 @@ impl Manifest {
         let mut names = HashSet::new();
         for f in &self.files {
             if !is_plain_file_name(&f.name) || f.name == MANIFEST || f.name == SHA256SUMS {
-                return Err(FormatError::file(file, format!("file name {:?} is not a plain shard name", f.name)));
+                return Err(FormatError::file(
+                    file,
+                    format!("file name {:?} is not a plain shard name", f.name),
+                ));
             }
             if !names.insert(f.name.as_str()) || f.rank >= self.plan.ranks {
-                return Err(FormatError::file(file, format!("file {:?} listed twice or rank {} out of range", f.name, f.rank)));
+                return Err(FormatError::file(
+                    file,
+                    format!("file {:?} listed twice or rank {} out of range", f.name, f.rank),
+                ));
             }
         }
         let mut all = names.clone();
         for a in &self.aux_files {
             if !is_plain_file_name(&a.name) || a.name == MANIFEST || a.name == SHA256SUMS {
-                return Err(FormatError::file(file, format!("aux file name {:?} is not a plain file name", a.name)));
+                return Err(FormatError::file(
+                    file,
+                    format!("aux file name {:?} is not a plain file name", a.name),
+                ));
             }
             if !all.insert(a.name.as_str()) {
                 return Err(FormatError::file(file, format!("aux file {:?} listed twice", a.name)));
@@ -238,10 +262,18 @@ impl Manifest {
         let mut seen = HashSet::new();
         for t in &self.tensors {
             if !names.contains(t.file.as_str()) {
-                return Err(FormatError::tensor(file, &t.name, format!("in unlisted file {:?}", t.file)));
+                return Err(FormatError::tensor(
+                    file,
+                    &t.name,
+                    format!("in unlisted file {:?}", t.file),
+                ));
             }
             if t.rank >= self.plan.ranks || !seen.insert((t.name.as_str(), t.rank)) {
-                return Err(FormatError::tensor(file, &t.name, format!("rank {} out of range or listed twice", t.rank)));
+                return Err(FormatError::tensor(
+                    file,
+                    &t.name,
+                    format!("rank {} out of range or listed twice", t.rank),
+                ));
             }
             // One checksum per tensor, the one of this version.
             let ok = match self.format_version {
@@ -249,8 +281,19 @@ impl Manifest {
                 _ => is_hex(&t.xxh3, 16) && t.sha256.is_empty(),
             };
             if !ok {
-                let want = if self.format_version == 1 { "sha256 (64 hex digits)" } else { "xxh3 (16 hex digits)" };
-                return Err(FormatError::tensor(file, &t.name, format!("rank {}: format_version {} needs {want} and no other checksum", t.rank, self.format_version)));
+                let want = if self.format_version == 1 {
+                    "sha256 (64 hex digits)"
+                } else {
+                    "xxh3 (16 hex digits)"
+                };
+                return Err(FormatError::tensor(
+                    file,
+                    &t.name,
+                    format!(
+                        "rank {}: format_version {} needs {want} and no other checksum",
+                        t.rank, self.format_version
+                    ),
+                ));
             }
         }
         Ok(())
@@ -280,7 +323,9 @@ pub fn parse_sha256sums(file: &str, text: &str) -> Result<Vec<(String, String)>>
     text.lines()
         .enumerate()
         .map(|(i, l)| {
-            let (h, n) = l.split_once("  ").ok_or_else(|| FormatError::file(file, format!("line {}: expected '<sha256>  <name>'", i + 1)))?;
+            let (h, n) = l
+                .split_once("  ")
+                .ok_or_else(|| FormatError::file(file, format!("line {}: expected '<sha256>  <name>'", i + 1)))?;
             if h.len() != 64 || !h.bytes().all(|b| b.is_ascii_hexdigit()) {
                 return Err(FormatError::file(file, format!("line {}: bad sha256 {h:?}", i + 1)));
             }
@@ -298,16 +343,45 @@ mod tests {
             format_version: FORMAT_VERSION,
             generator: "test".into(),
             skipped: vec!["vision_tower.x".into()],
-            source: Source { config_sha256: "00".into(), index_sha256: None, files: vec![SourceFile { name: "model.safetensors".into(), size: 9 }], drafter: None },
+            source: Source {
+                config_sha256: "00".into(),
+                index_sha256: None,
+                files: vec![SourceFile {
+                    name: "model.safetensors".into(),
+                    size: 9,
+                }],
+                drafter: None,
+            },
             model: Model {
                 text_config_json: r#"{"a":null,"b":1}"#.into(),
                 drafter_config_json: None,
-                text_config: json_to_toml(&serde_json::json!({"a": null, "b": 1})).unwrap().as_table().unwrap().clone(),
+                text_config: json_to_toml(&serde_json::json!({"a": null, "b": 1}))
+                    .unwrap()
+                    .as_table()
+                    .unwrap()
+                    .clone(),
                 drafter_config: None,
             },
-            plan: PlanInfo { ranks: 1, experts: ExpertsMode::Tp, group_size: 32, max_file_size: 10, experts_source: "int4".into(), splits: vec![] },
-            files: vec![FileEntry { name: "rank-00-of-01.part-0000.safetensors".into(), rank: 0, part: 0, size: 1, sha256: "ab".into() }],
-            aux_files: vec![AuxFile { name: "tiktoken.model".into(), size: 3, sha256: "ef".into() }],
+            plan: PlanInfo {
+                ranks: 1,
+                experts: ExpertsMode::Tp,
+                group_size: 32,
+                max_file_size: 10,
+                experts_source: "int4".into(),
+                splits: vec![],
+            },
+            files: vec![FileEntry {
+                name: "rank-00-of-01.part-0000.safetensors".into(),
+                rank: 0,
+                part: 0,
+                size: 1,
+                sha256: "ab".into(),
+            }],
+            aux_files: vec![AuxFile {
+                name: "tiktoken.model".into(),
+                size: 3,
+                sha256: "ef".into(),
+            }],
             tensors: vec![TensorEntry {
                 name: "w".into(),
                 rank: 0,
@@ -338,7 +412,12 @@ mod tests {
     #[test]
     fn refuses_bad_version_unsafe_names_and_unknown_fields() {
         let s = tiny().to_toml().unwrap();
-        assert!(Manifest::parse("m", &s.replace("format_version = 2", "format_version = 9")).unwrap_err().to_string().contains("format_version 9"));
+        assert!(
+            Manifest::parse("m", &s.replace("format_version = 2", "format_version = 9"))
+                .unwrap_err()
+                .to_string()
+                .contains("format_version 9")
+        );
         let e = Manifest::parse("m", &s.replace("\"rank-00-of-01.part-0000.safetensors\"", "\"../x\"")).unwrap_err();
         assert!(e.to_string().contains("../x"), "{e}");
         let mut m = tiny();
@@ -354,14 +433,24 @@ mod tests {
         // Without aux files the section is not written, and a manifest without it still parses.
         let mut m = tiny();
         let s = m.to_toml().unwrap();
-        assert!(s.contains("[[aux_files]]\nname = \"tiktoken.model\"\nsize = 3\n"), "{s}");
+        assert!(
+            s.contains("[[aux_files]]\nname = \"tiktoken.model\"\nsize = 3\n"),
+            "{s}"
+        );
         assert!(s.find("[[aux_files]]").unwrap() < s.find("[[tensors]]").unwrap(), "{s}");
         m.aux_files.clear();
         let s = m.to_toml().unwrap();
         assert!(!s.contains("aux_files"), "{s}");
         assert_eq!(Manifest::parse("m", &s).unwrap(), m);
         // Unsafe, reserved, duplicate or shard-colliding names are refused.
-        for bad in ["../tiktoken.model", "/etc/passwd", "a/b", MANIFEST, SHA256SUMS, "rank-00-of-01.part-0000.safetensors"] {
+        for bad in [
+            "../tiktoken.model",
+            "/etc/passwd",
+            "a/b",
+            MANIFEST,
+            SHA256SUMS,
+            "rank-00-of-01.part-0000.safetensors",
+        ] {
             let mut m = tiny();
             m.aux_files[0].name = bad.into();
             assert!(m.check("m").is_err(), "{bad} accepted");
@@ -369,7 +458,11 @@ mod tests {
         let mut m = tiny();
         m.aux_files.push(m.aux_files[0].clone());
         assert!(m.check("m").unwrap_err().to_string().contains("listed twice"));
-        let e = Manifest::parse("m", &tiny().to_toml().unwrap().replace("size = 3\n", "size = 3\nmode = 1\n")).unwrap_err();
+        let e = Manifest::parse(
+            "m",
+            &tiny().to_toml().unwrap().replace("size = 3\n", "size = 3\nmode = 1\n"),
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("mode"), "{e}");
     }
 
@@ -381,14 +474,28 @@ mod tests {
         m.tensors[0].xxh3.clear();
         m.tensors[0].sha256 = "cd".repeat(32);
         let s = m.to_toml().unwrap();
-        assert!(s.starts_with("format_version = 1\n") && s.contains("sha256 = \"cdcd") && !s.contains("xxh3"), "{s}");
+        assert!(
+            s.starts_with("format_version = 1\n") && s.contains("sha256 = \"cdcd") && !s.contains("xxh3"),
+            "{s}"
+        );
         assert_eq!(Manifest::parse("m", &s).unwrap(), m);
         // Each version's checksum only: v1 with an xxh3, v2 with a sha256, a short or missing one: refused.
-        let e = Manifest::parse("m", &s.replace("format_version = 1", "format_version = 2")).unwrap_err().to_string();
+        let e = Manifest::parse("m", &s.replace("format_version = 1", "format_version = 2"))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("\"w\"") && e.contains("needs xxh3"), "{e}");
         let v2 = tiny().to_toml().unwrap();
-        for bad in [v2.replace("xxh3 = \"00000000000000cd\"", "xxh3 = \"cd\""), v2.replace("xxh3 = \"00000000000000cd\"\n", "")] {
-            assert!(Manifest::parse("m", &bad).unwrap_err().to_string().contains("needs xxh3"), "{bad}");
+        for bad in [
+            v2.replace("xxh3 = \"00000000000000cd\"", "xxh3 = \"cd\""),
+            v2.replace("xxh3 = \"00000000000000cd\"\n", ""),
+        ] {
+            assert!(
+                Manifest::parse("m", &bad)
+                    .unwrap_err()
+                    .to_string()
+                    .contains("needs xxh3"),
+                "{bad}"
+            );
         }
     }
 

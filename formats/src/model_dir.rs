@@ -54,14 +54,25 @@ impl ModelDir {
         let mname = mpath.display().to_string();
         let text = std::fs::read_to_string(&mpath).map_err(|e| FormatError::io(&mpath, e))?;
         let manifest = Manifest::parse(&mname, &text)?;
-        let tc = parse_text_config(&format!("{mname} [model.text_config_json]"), &manifest.model.text_config_json)
-            .map_err(|e| FormatError::file(&mname, e))?;
+        let tc = parse_text_config(
+            &format!("{mname} [model.text_config_json]"),
+            &manifest.model.text_config_json,
+        )
+        .map_err(|e| FormatError::file(&mname, e))?;
         let dc = match &manifest.model.drafter_config_json {
-            Some(j) => Some(parse_drafter_config(&format!("{mname} [model.drafter_config_json]"), j).map_err(|e| FormatError::file(&mname, e))?),
+            Some(j) => Some(
+                parse_drafter_config(&format!("{mname} [model.drafter_config_json]"), j)
+                    .map_err(|e| FormatError::file(&mname, e))?,
+            ),
             None => None,
         };
         let dname = format!("{mname} [model.drafter_config_json]");
-        check_model(&format!("{mname} [model.text_config_json]"), &tc, dc.as_ref().map(|d| (dname.as_str(), d))).map_err(|e| FormatError::file(&mname, e))?;
+        check_model(
+            &format!("{mname} [model.text_config_json]"),
+            &tc,
+            dc.as_ref().map(|d| (dname.as_str(), d)),
+        )
+        .map_err(|e| FormatError::file(&mname, e))?;
         check_against_plan(&mname, &manifest, &tc, dc.as_ref())?;
         let mut files = Vec::with_capacity(manifest.files.len());
         let mut by_name = HashMap::new();
@@ -69,7 +80,10 @@ impl ModelDir {
             let p = root.join(&f.name);
             let len = std::fs::metadata(&p).map_err(|e| FormatError::io(&p, e))?.len();
             if len != f.size {
-                return Err(FormatError::file(p.display(), format!("size {len} but the manifest says {} (truncated or replaced?)", f.size)));
+                return Err(FormatError::file(
+                    p.display(),
+                    format!("size {len} but the manifest says {} (truncated or replaced?)", f.size),
+                ));
             }
             by_name.insert(f.name.clone(), files.len());
             files.push(SafeFile::open(&p)?);
@@ -80,7 +94,14 @@ impl ModelDir {
             check_entry(&files[fi], t)?;
             index.insert((t.name.clone(), t.rank), (i, fi));
         }
-        Ok(ModelDir { root, manifest, text: tc, drafter: dc, files, index })
+        Ok(ModelDir {
+            root,
+            manifest,
+            text: tc,
+            drafter: dc,
+            files,
+            index,
+        })
     }
 
     pub fn root(&self) -> &Path {
@@ -102,7 +123,11 @@ impl ModelDir {
     /// Tensor `name` (converted name, see interfaces.md) of `rank`.
     pub fn tensor(&self, name: &str, rank: usize) -> Result<TensorRef<'_>> {
         let &(ti, fi) = self.index.get(&(name.to_string(), rank)).ok_or_else(|| {
-            FormatError::tensor(self.root.join(MANIFEST).display(), name, format!("no such tensor for rank {rank} (ranks = {})", self.ranks()))
+            FormatError::tensor(
+                self.root.join(MANIFEST).display(),
+                name,
+                format!("no such tensor for rank {rank} (ranks = {})", self.ranks()),
+            )
         })?;
         let t = &self.manifest.tensors[ti];
         let data = &self.files[fi].bytes()[t.offset as usize..(t.offset + t.nbytes) as usize];
@@ -121,13 +146,25 @@ impl ModelDir {
 
 /// The manifest entry must match the shard header exactly.
 fn check_entry(f: &SafeFile, t: &TensorEntry) -> Result<()> {
-    let h = f.header.get(&t.name).ok_or_else(|| FormatError::tensor(f.name(), &t.name, "listed in the manifest but not in the shard header"))?;
+    let h = f
+        .header
+        .get(&t.name)
+        .ok_or_else(|| FormatError::tensor(f.name(), &t.name, "listed in the manifest but not in the shard header"))?;
     let off = (f.header.data_start() + h.begin) as u64;
     if h.dtype != t.dtype || h.shape != t.shape || off != t.offset || h.nbytes() as u64 != t.nbytes {
         return Err(FormatError::tensor(
             f.name(),
             &t.name,
-            format!("manifest says {} {:?} at {} ({} bytes), header says {} {:?} at {off} ({} bytes)", t.dtype, t.shape, t.offset, t.nbytes, h.dtype, h.shape, h.nbytes()),
+            format!(
+                "manifest says {} {:?} at {} ({} bytes), header says {} {:?} at {off} ({} bytes)",
+                t.dtype,
+                t.shape,
+                t.offset,
+                t.nbytes,
+                h.dtype,
+                h.shape,
+                h.nbytes()
+            ),
         ));
     }
     Ok(())
@@ -138,17 +175,40 @@ fn check_entry(f: &SafeFile, t: &TensorEntry) -> Result<()> {
 /// only changes where bytes come from, not the output entries.
 fn check_against_plan(mname: &str, m: &Manifest, text: &TextConfig, drafter: Option<&DrafterConfig>) -> Result<()> {
     if m.plan.group_size != GROUP {
-        return Err(FormatError::file(mname, format!("plan.group_size = {}, this build reads {GROUP}", m.plan.group_size)));
+        return Err(FormatError::file(
+            mname,
+            format!("plan.group_size = {}, this build reads {GROUP}", m.plan.group_size),
+        ));
     }
-    let prefix = if m.tensors.iter().any(|t| t.name.starts_with("language_model.")) { "language_model." } else { "" };
-    let plan = plan_model(text, drafter, prefix, SourceQuant::Bf16, m.plan.ranks, m.plan.experts).map_err(|e| FormatError::file(mname, e))?;
-    let mut want: HashMap<(&str, usize), &OutTensor> = plan.tensors.iter().map(|t| ((t.name.as_str(), t.rank), t)).collect();
+    let prefix = if m.tensors.iter().any(|t| t.name.starts_with("language_model.")) {
+        "language_model."
+    } else {
+        ""
+    };
+    let plan = plan_model(text, drafter, prefix, SourceQuant::Bf16, m.plan.ranks, m.plan.experts)
+        .map_err(|e| FormatError::file(mname, e))?;
+    let mut want: HashMap<(&str, usize), &OutTensor> =
+        plan.tensors.iter().map(|t| ((t.name.as_str(), t.rank), t)).collect();
     for t in &m.tensors {
         let Some(p) = want.remove(&(t.name.as_str(), t.rank)) else {
-            return Err(FormatError::tensor(mname, &t.name, format!("rank {}: not a tensor of the model the manifest's config describes", t.rank)));
+            return Err(FormatError::tensor(
+                mname,
+                &t.name,
+                format!(
+                    "rank {}: not a tensor of the model the manifest's config describes",
+                    t.rank
+                ),
+            ));
         };
         let differs = |what: &str, found: String, planned: String| {
-            FormatError::tensor(mname, &t.name, format!("rank {}: {what} is {found} in the manifest, the plan says {planned}", t.rank))
+            FormatError::tensor(
+                mname,
+                &t.name,
+                format!(
+                    "rank {}: {what} is {found} in the manifest, the plan says {planned}",
+                    t.rank
+                ),
+            )
         };
         if t.dtype != p.dtype {
             return Err(differs("dtype", t.dtype.to_string(), p.dtype.to_string()));
@@ -157,20 +217,36 @@ fn check_against_plan(mname: &str, m: &Manifest, text: &TextConfig, drafter: Opt
             return Err(differs("layout", format!("{:?}", t.layout), format!("{:?}", p.layout)));
         }
         if t.logical_shape != p.logical_shape {
-            return Err(differs("logical_shape", format!("{:?}", t.logical_shape), format!("{:?}", p.logical_shape)));
+            return Err(differs(
+                "logical_shape",
+                format!("{:?}", t.logical_shape),
+                format!("{:?}", p.logical_shape),
+            ));
         }
         if t.shape != p.shape {
             return Err(differs("shape", format!("{:?}", t.shape), format!("{:?}", p.shape)));
         }
         if t.split_axis != p.split_axis {
-            return Err(differs("split_axis", format!("{:?}", t.split_axis), format!("{:?}", p.split_axis)));
+            return Err(differs(
+                "split_axis",
+                format!("{:?}", t.split_axis),
+                format!("{:?}", p.split_axis),
+            ));
         }
         if t.split_offset != p.split_offset {
-            return Err(differs("split_offset", t.split_offset.to_string(), p.split_offset.to_string()));
+            return Err(differs(
+                "split_offset",
+                t.split_offset.to_string(),
+                p.split_offset.to_string(),
+            ));
         }
     }
     if let Some(((name, rank), _)) = want.into_iter().min_by_key(|(k, _)| *k) {
-        return Err(FormatError::tensor(mname, name, format!("rank {rank}: planned but not listed in the manifest")));
+        return Err(FormatError::tensor(
+            mname,
+            name,
+            format!("rank {rank}: planned but not listed in the manifest"),
+        ));
     }
     Ok(())
 }

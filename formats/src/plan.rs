@@ -45,10 +45,26 @@ pub enum ExpertPart {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SourceSpec {
     /// `len` rows (axis 0) or columns (axis 1) of a 2-D source from `start`; whole tensor when `axis` is None.
-    Dense { src: String, axis: Option<usize>, start: usize, len: usize },
+    Dense {
+        src: String,
+        axis: Option<usize>,
+        start: usize,
+        len: usize,
+    },
     /// Experts `first..first+count` of `{stem}.{e}.{proj}`, each an `[n, k]` logical matrix, cut to
     /// rows (axis 0) or columns (axis 1) `start..start+len`, or whole when `axis` is None.
-    Experts { stem: String, proj: String, part: ExpertPart, first: usize, count: usize, n: usize, k: usize, axis: Option<usize>, start: usize, len: usize },
+    Experts {
+        stem: String,
+        proj: String,
+        part: ExpertPart,
+        first: usize,
+        count: usize,
+        n: usize,
+        k: usize,
+        axis: Option<usize>,
+        start: usize,
+        len: usize,
+    },
 }
 
 /// One tensor of one rank in the output.
@@ -120,14 +136,21 @@ enum Split {
 
 impl Builder<'_> {
     fn dense(&mut self, name: String, dtype: Dtype, shape: Vec<usize>, split: Split) -> Result<()> {
-        self.src.push(ExpectedSource { name: name.clone(), dtypes: vec![dtype], shape: shape.clone() });
+        self.src.push(ExpectedSource {
+            name: name.clone(),
+            dtypes: vec![dtype],
+            shape: shape.clone(),
+        });
         let out_name = name.clone();
         for rank in 0..self.r {
             let (axis, start, len) = match split {
                 Split::Rep => (None, 0, 0),
                 Split::By(axis, units, what) => {
                     if !units.is_multiple_of(self.r) {
-                        return Err(FormatError::plan(&name, format!("{units} {what} do not divide over {} ranks", self.r)));
+                        return Err(FormatError::plan(
+                            &name,
+                            format!("{units} {what} do not divide over {} ranks", self.r),
+                        ));
                     }
                     let len = shape[axis] / self.r;
                     (Some(axis), rank * len, len)
@@ -146,7 +169,12 @@ impl Builder<'_> {
                 layout: Layout::Plain,
                 split_axis: axis,
                 split_offset: start,
-                source: SourceSpec::Dense { src: name.clone(), axis, start, len },
+                source: SourceSpec::Dense {
+                    src: name.clone(),
+                    axis,
+                    start,
+                    len,
+                },
             });
         }
         Ok(())
@@ -157,19 +185,36 @@ impl Builder<'_> {
         let r = self.r;
         let packed_name = format!("{stem}.{proj}.weight_packed");
         if !k.is_multiple_of(GROUP) {
-            return Err(FormatError::plan(&packed_name, format!("K = {k} is not a multiple of the group size {GROUP}")));
+            return Err(FormatError::plan(
+                &packed_name,
+                format!("K = {k} is not a multiple of the group size {GROUP}"),
+            ));
         }
         for ex in 0..e {
             let base = format!("{stem}.{ex}.{proj}");
             match self.quant {
                 SourceQuant::Int4 => {
-                    self.src.push(ExpectedSource { name: format!("{base}.weight_packed"), dtypes: vec![Dtype::I32], shape: vec![n, k / 8] });
-                    self.src.push(ExpectedSource { name: format!("{base}.weight_scale"), dtypes: vec![Dtype::BF16], shape: vec![n, k / GROUP] });
-                    self.src.push(ExpectedSource { name: format!("{base}.weight_shape"), dtypes: vec![Dtype::I32, Dtype::I64], shape: vec![2] });
+                    self.src.push(ExpectedSource {
+                        name: format!("{base}.weight_packed"),
+                        dtypes: vec![Dtype::I32],
+                        shape: vec![n, k / 8],
+                    });
+                    self.src.push(ExpectedSource {
+                        name: format!("{base}.weight_scale"),
+                        dtypes: vec![Dtype::BF16],
+                        shape: vec![n, k / GROUP],
+                    });
+                    self.src.push(ExpectedSource {
+                        name: format!("{base}.weight_shape"),
+                        dtypes: vec![Dtype::I32, Dtype::I64],
+                        shape: vec![2],
+                    });
                 }
-                SourceQuant::Bf16 => {
-                    self.src.push(ExpectedSource { name: format!("{base}.weight"), dtypes: vec![Dtype::BF16], shape: vec![n, k] })
-                }
+                SourceQuant::Bf16 => self.src.push(ExpectedSource {
+                    name: format!("{base}.weight"),
+                    dtypes: vec![Dtype::BF16],
+                    shape: vec![n, k],
+                }),
             }
         }
         for rank in 0..r {
@@ -177,14 +222,20 @@ impl Builder<'_> {
             let (first, count, axis, start, len) = match self.mode {
                 ExpertsMode::Ep => {
                     if !e.is_multiple_of(r) {
-                        return Err(FormatError::plan(&packed_name, format!("{e} experts do not divide over {r} ranks (--experts ep)")));
+                        return Err(FormatError::plan(
+                            &packed_name,
+                            format!("{e} experts do not divide over {r} ranks (--experts ep)"),
+                        ));
                     }
                     (rank * e / r, e / r, None, 0, 0)
                 }
                 ExpertsMode::Tp => {
                     let dim = if k_split { k } else { n };
                     if !dim.is_multiple_of(r) {
-                        return Err(FormatError::plan(&packed_name, format!("intermediate size {dim} does not divide over {r} ranks (--experts tp)")));
+                        return Err(FormatError::plan(
+                            &packed_name,
+                            format!("intermediate size {dim} does not divide over {r} ranks (--experts tp)"),
+                        ));
                     }
                     let len = dim / r;
                     if k_split && !len.is_multiple_of(GROUP) {
@@ -211,10 +262,24 @@ impl Builder<'_> {
             };
             for part in [ExpertPart::Packed, ExpertPart::Scale] {
                 let (suffix, dtype, layout, shape, logical, off) = match part {
-                    ExpertPart::Packed => ("weight_packed", Dtype::U8, Layout::Int4G32, vec![count, nr, kr / 2], vec![e, n, k], offset),
+                    ExpertPart::Packed => (
+                        "weight_packed",
+                        Dtype::U8,
+                        Layout::Int4G32,
+                        vec![count, nr, kr / 2],
+                        vec![e, n, k],
+                        offset,
+                    ),
                     ExpertPart::Scale => {
                         let off = if stacked_axis == 2 { offset / GROUP } else { offset };
-                        ("weight_scale", Dtype::BF16, Layout::Int4G32Scale, vec![count, nr, kr / GROUP], vec![e, n, k / GROUP], off)
+                        (
+                            "weight_scale",
+                            Dtype::BF16,
+                            Layout::Int4G32Scale,
+                            vec![count, nr, kr / GROUP],
+                            vec![e, n, k / GROUP],
+                            off,
+                        )
                     }
                 };
                 self.out.push(OutTensor {
@@ -224,9 +289,24 @@ impl Builder<'_> {
                     shape,
                     logical_shape: logical,
                     layout,
-                    split_axis: if r == 1 && self.mode == ExpertsMode::Tp { None } else { Some(stacked_axis) },
+                    split_axis: if r == 1 && self.mode == ExpertsMode::Tp {
+                        None
+                    } else {
+                        Some(stacked_axis)
+                    },
                     split_offset: if r == 1 && self.mode == ExpertsMode::Tp { 0 } else { off },
-                    source: SourceSpec::Experts { stem: stem.into(), proj: proj.into(), part, first, count, n, k, axis, start, len },
+                    source: SourceSpec::Experts {
+                        stem: stem.into(),
+                        proj: proj.into(),
+                        part,
+                        first,
+                        count,
+                        n,
+                        k,
+                        axis,
+                        start,
+                        len,
+                    },
                 });
             }
         }
@@ -235,20 +315,44 @@ impl Builder<'_> {
 }
 
 /// Plan the target model (names under `prefix`, `"language_model."` on K2.6) and, when given, the drafter.
-pub fn plan_model(text: &TextConfig, drafter: Option<&DrafterConfig>, prefix: &str, quant: SourceQuant, ranks: usize, experts: ExpertsMode) -> Result<Plan> {
+pub fn plan_model(
+    text: &TextConfig,
+    drafter: Option<&DrafterConfig>,
+    prefix: &str,
+    quant: SourceQuant,
+    ranks: usize,
+    experts: ExpertsMode,
+) -> Result<Plan> {
     if ranks == 0 {
         return Err(FormatError::plan("(all)", "rank count must be at least 1"));
     }
-    let mut b = Builder { r: ranks, mode: experts, quant, out: Vec::new(), src: Vec::new(), _t: Default::default() };
+    let mut b = Builder {
+        r: ranks,
+        mode: experts,
+        quant,
+        out: Vec::new(),
+        src: Vec::new(),
+        _t: Default::default(),
+    };
     let t = text;
     let (h, nh, bf) = (t.hidden_size, t.num_attention_heads, Dtype::BF16);
     let qk = t.qk_head_dim();
     let heads = |a| Split::By(a, nh, "attention heads");
     let m = format!("{prefix}model.");
-    b.dense(format!("{m}embed_tokens.weight"), bf, vec![t.vocab_size, h], Split::By(0, t.vocab_size, "vocab rows"))?;
+    b.dense(
+        format!("{m}embed_tokens.weight"),
+        bf,
+        vec![t.vocab_size, h],
+        Split::By(0, t.vocab_size, "vocab rows"),
+    )?;
     b.dense(format!("{m}norm.weight"), bf, vec![h], Split::Rep)?;
     if !t.tie_word_embeddings {
-        b.dense(format!("{prefix}lm_head.weight"), bf, vec![t.vocab_size, h], Split::By(0, t.vocab_size, "vocab rows"))?;
+        b.dense(
+            format!("{prefix}lm_head.weight"),
+            bf,
+            vec![t.vocab_size, h],
+            Split::By(0, t.vocab_size, "vocab rows"),
+        )?;
     }
     for l in 0..t.num_hidden_layers {
         let p = format!("{m}layers.{l}.");
@@ -263,9 +367,24 @@ pub fn plan_model(text: &TextConfig, drafter: Option<&DrafterConfig>, prefix: &s
             }
             None => b.dense(format!("{a}q_proj.weight"), bf, vec![nh * qk, h], heads(0))?,
         }
-        b.dense(format!("{a}kv_a_proj_with_mqa.weight"), bf, vec![t.kv_lora_rank + t.qk_rope_head_dim, h], Split::Rep)?;
-        b.dense(format!("{a}kv_a_layernorm.weight"), bf, vec![t.kv_lora_rank], Split::Rep)?;
-        b.dense(format!("{a}kv_b_proj.weight"), bf, vec![nh * (t.qk_nope_head_dim + t.v_head_dim), t.kv_lora_rank], heads(0))?;
+        b.dense(
+            format!("{a}kv_a_proj_with_mqa.weight"),
+            bf,
+            vec![t.kv_lora_rank + t.qk_rope_head_dim, h],
+            Split::Rep,
+        )?;
+        b.dense(
+            format!("{a}kv_a_layernorm.weight"),
+            bf,
+            vec![t.kv_lora_rank],
+            Split::Rep,
+        )?;
+        b.dense(
+            format!("{a}kv_b_proj.weight"),
+            bf,
+            vec![nh * (t.qk_nope_head_dim + t.v_head_dim), t.kv_lora_rank],
+            heads(0),
+        )?;
         b.dense(format!("{a}o_proj.weight"), bf, vec![h, nh * t.v_head_dim], heads(1))?;
         let mlp = format!("{p}mlp.");
         if !t.is_moe_layer(l) {
@@ -275,10 +394,20 @@ pub fn plan_model(text: &TextConfig, drafter: Option<&DrafterConfig>, prefix: &s
         let e = t.n_routed_experts;
         b.dense(format!("{mlp}gate.weight"), bf, vec![e, h], Split::Rep)?;
         if t.topk_method.as_deref() == Some("noaux_tc") {
-            b.dense(format!("{mlp}gate.e_score_correction_bias"), Dtype::F32, vec![e], Split::Rep)?;
+            b.dense(
+                format!("{mlp}gate.e_score_correction_bias"),
+                Dtype::F32,
+                vec![e],
+                Split::Rep,
+            )?;
         }
         if t.n_shared_experts > 0 {
-            mlp_dense(&mut b, &format!("{mlp}shared_experts."), h, t.moe_intermediate_size * t.n_shared_experts)?;
+            mlp_dense(
+                &mut b,
+                &format!("{mlp}shared_experts."),
+                h,
+                t.moe_intermediate_size * t.n_shared_experts,
+            )?;
         }
         let stem = format!("{mlp}experts");
         let mi = t.moe_intermediate_size;
@@ -289,7 +418,12 @@ pub fn plan_model(text: &TextConfig, drafter: Option<&DrafterConfig>, prefix: &s
     if let Some(d) = drafter {
         plan_drafter(&mut b, d)?;
     }
-    Ok(Plan { ranks, experts, tensors: b.out, sources: b.src })
+    Ok(Plan {
+        ranks,
+        experts,
+        tensors: b.out,
+        sources: b.src,
+    })
 }
 
 /// gate/up split by rows, down by columns, `i` = intermediate width.
@@ -298,12 +432,23 @@ fn mlp_dense(b: &mut Builder, p: &str, h: usize, i: usize) -> Result<()> {
     let what = "intermediate rows";
     b.dense(format!("{p}gate_proj.weight"), bf, vec![i, h], Split::By(0, i, what))?;
     b.dense(format!("{p}up_proj.weight"), bf, vec![i, h], Split::By(0, i, what))?;
-    b.dense(format!("{p}down_proj.weight"), bf, vec![h, i], Split::By(1, i, "intermediate columns"))
+    b.dense(
+        format!("{p}down_proj.weight"),
+        bf,
+        vec![h, i],
+        Split::By(1, i, "intermediate columns"),
+    )
 }
 
 /// DFlash drafter (Qwen3-style layers, no embedding / lm_head); every name gets the `drafter.` prefix.
 fn plan_drafter(b: &mut Builder, d: &DrafterConfig) -> Result<()> {
-    let (h, hd, nh, kv, bf) = (d.hidden_size, d.head_dim, d.num_attention_heads, d.num_key_value_heads, Dtype::BF16);
+    let (h, hd, nh, kv, bf) = (
+        d.hidden_size,
+        d.head_dim,
+        d.num_attention_heads,
+        d.num_key_value_heads,
+        Dtype::BF16,
+    );
     let nt = d.dflash_config.target_layer_ids.len();
     b.dense("drafter.fc.weight".into(), bf, vec![h, nt * h], Split::Rep)?;
     b.dense("drafter.hidden_norm.weight".into(), bf, vec![h], Split::Rep)?;
@@ -313,10 +458,30 @@ fn plan_drafter(b: &mut Builder, d: &DrafterConfig) -> Result<()> {
         b.dense(format!("{p}input_layernorm.weight"), bf, vec![h], Split::Rep)?;
         b.dense(format!("{p}post_attention_layernorm.weight"), bf, vec![h], Split::Rep)?;
         let a = format!("{p}self_attn.");
-        b.dense(format!("{a}q_proj.weight"), bf, vec![nh * hd, h], Split::By(0, nh, "attention heads"))?;
-        b.dense(format!("{a}k_proj.weight"), bf, vec![kv * hd, h], Split::By(0, kv, "kv heads"))?;
-        b.dense(format!("{a}v_proj.weight"), bf, vec![kv * hd, h], Split::By(0, kv, "kv heads"))?;
-        b.dense(format!("{a}o_proj.weight"), bf, vec![h, nh * hd], Split::By(1, nh, "attention heads"))?;
+        b.dense(
+            format!("{a}q_proj.weight"),
+            bf,
+            vec![nh * hd, h],
+            Split::By(0, nh, "attention heads"),
+        )?;
+        b.dense(
+            format!("{a}k_proj.weight"),
+            bf,
+            vec![kv * hd, h],
+            Split::By(0, kv, "kv heads"),
+        )?;
+        b.dense(
+            format!("{a}v_proj.weight"),
+            bf,
+            vec![kv * hd, h],
+            Split::By(0, kv, "kv heads"),
+        )?;
+        b.dense(
+            format!("{a}o_proj.weight"),
+            bf,
+            vec![h, nh * hd],
+            Split::By(1, nh, "attention heads"),
+        )?;
         b.dense(format!("{a}q_norm.weight"), bf, vec![hd], Split::Rep)?;
         b.dense(format!("{a}k_norm.weight"), bf, vec![hd], Split::Rep)?;
         mlp_dense(b, &format!("{p}mlp."), h, d.intermediate_size)?;
@@ -366,14 +531,31 @@ pub fn shard_file_name(rank: usize, ranks: usize, part: usize) -> String {
 pub fn assign_files(plan: &Plan, max_file_size: u64) -> Vec<PlannedFile> {
     let mut files = Vec::new();
     for rank in 0..plan.ranks {
-        let mut idx: Vec<usize> = (0..plan.tensors.len()).filter(|&i| plan.tensors[i].rank == rank).collect();
+        let mut idx: Vec<usize> = (0..plan.tensors.len())
+            .filter(|&i| plan.tensors[i].rank == rank)
+            .collect();
         idx.sort_by(|&a, &b| plan.tensors[a].name.cmp(&plan.tensors[b].name));
-        let mut cur = PlannedFile { name: String::new(), rank, part: 0, tensors: Vec::new(), data_bytes: 0 };
+        let mut cur = PlannedFile {
+            name: String::new(),
+            rank,
+            part: 0,
+            tensors: Vec::new(),
+            data_bytes: 0,
+        };
         for i in idx {
             let n = plan.tensors[i].nbytes();
             if !cur.tensors.is_empty() && cur.data_bytes + n > max_file_size {
                 let part = cur.part + 1;
-                files.push(std::mem::replace(&mut cur, PlannedFile { name: String::new(), rank, part, tensors: Vec::new(), data_bytes: 0 }));
+                files.push(std::mem::replace(
+                    &mut cur,
+                    PlannedFile {
+                        name: String::new(),
+                        rank,
+                        part,
+                        tensors: Vec::new(),
+                        data_bytes: 0,
+                    },
+                ));
             }
             cur.tensors.push(i);
             cur.data_bytes += n;

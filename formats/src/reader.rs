@@ -81,9 +81,10 @@ impl ShardHeader {
         if json.first() != Some(&b'{') {
             return Err(FormatError::file(file, "header does not start with '{'"));
         }
-        let text = std::str::from_utf8(json).map_err(|e| FormatError::file(file, format!("header is not UTF-8: {e}")))?;
-        let raw: RawEntries =
-            serde_json::from_str(text).map_err(|e| FormatError::file(file, format!("header is not valid JSON: {e}")))?;
+        let text =
+            std::str::from_utf8(json).map_err(|e| FormatError::file(file, format!("header is not UTF-8: {e}")))?;
+        let raw: RawEntries = serde_json::from_str(text)
+            .map_err(|e| FormatError::file(file, format!("header is not valid JSON: {e}")))?;
         let mut metadata = BTreeMap::new();
         let mut tensors = Vec::with_capacity(raw.0.len());
         let mut index = HashMap::with_capacity(raw.0.len());
@@ -91,7 +92,10 @@ impl ShardHeader {
         for (name, val) in raw.0 {
             if name == "__metadata__" {
                 if seen_meta {
-                    return Err(FormatError::Duplicate { file: file.into(), tensor: name });
+                    return Err(FormatError::Duplicate {
+                        file: file.into(),
+                        tensor: name,
+                    });
                 }
                 seen_meta = true;
                 metadata = serde_json::from_value(val)
@@ -99,15 +103,22 @@ impl ShardHeader {
                 continue;
             }
             if index.contains_key(&name) {
-                return Err(FormatError::Duplicate { file: file.into(), tensor: name });
+                return Err(FormatError::Duplicate {
+                    file: file.into(),
+                    tensor: name,
+                });
             }
-            let t: RawTensor =
-                serde_json::from_value(val).map_err(|e| FormatError::tensor(file, &name, format!("bad header entry: {e}")))?;
+            let t: RawTensor = serde_json::from_value(val)
+                .map_err(|e| FormatError::tensor(file, &name, format!("bad header entry: {e}")))?;
             let dtype = Dtype::parse(&t.dtype)
                 .ok_or_else(|| FormatError::tensor(file, &name, format!("unsupported dtype {:?}", t.dtype)))?;
             let (begin, end) = t.data_offsets;
             if end < begin {
-                return Err(FormatError::tensor(file, &name, format!("data_offsets [{begin}, {end}] end before begin")));
+                return Err(FormatError::tensor(
+                    file,
+                    &name,
+                    format!("data_offsets [{begin}, {end}] end before begin"),
+                ));
             }
             let want = byte_len(dtype, &t.shape)
                 .ok_or_else(|| FormatError::tensor(file, &name, format!("shape {:?} overflows", t.shape)))?;
@@ -115,19 +126,37 @@ impl ShardHeader {
                 return Err(FormatError::tensor(
                     file,
                     &name,
-                    format!("{dtype} {:?} needs {want} bytes but data_offsets [{begin}, {end}] hold {}", t.shape, end - begin),
+                    format!(
+                        "{dtype} {:?} needs {want} bytes but data_offsets [{begin}, {end}] hold {}",
+                        t.shape,
+                        end - begin
+                    ),
                 ));
             }
             index.insert(name.clone(), tensors.len());
-            tensors.push(TensorInfo { name, dtype, shape: t.shape, begin, end });
+            tensors.push(TensorInfo {
+                name,
+                dtype,
+                shape: t.shape,
+                begin,
+                end,
+            });
         }
         // Contiguous, non-overlapping, covering the whole buffer (the reference crate's rule).
         tensors.sort_by(|a, b| (a.begin, a.end, &a.name).cmp(&(b.begin, b.end, &b.name)));
         let mut pos = 0usize;
         for t in &tensors {
             if t.begin != pos {
-                let what = if t.begin < pos { "overlaps the previous tensor" } else { "leaves a gap after the previous tensor" };
-                return Err(FormatError::tensor(file, &t.name, format!("data_offsets start at {} but previous ends at {pos}: {what}", t.begin)));
+                let what = if t.begin < pos {
+                    "overlaps the previous tensor"
+                } else {
+                    "leaves a gap after the previous tensor"
+                };
+                return Err(FormatError::tensor(
+                    file,
+                    &t.name,
+                    format!("data_offsets start at {} but previous ends at {pos}: {what}", t.begin),
+                ));
             }
             pos = t.end;
         }
@@ -147,7 +176,12 @@ impl ShardHeader {
         for (i, t) in tensors.iter().enumerate() {
             index.insert(t.name.clone(), i);
         }
-        Ok(ShardHeader { header_len: json.len(), metadata, tensors, index })
+        Ok(ShardHeader {
+            header_len: json.len(),
+            metadata,
+            tensors,
+            index,
+        })
     }
 
     /// Byte offset of the data buffer in the file.
@@ -167,16 +201,25 @@ pub fn read_header(path: &Path) -> Result<(ShardHeader, u64)> {
     let mut f = File::open(path).map_err(|e| FormatError::io(path, e))?;
     let file_len = f.metadata().map_err(|e| FormatError::io(path, e))?.len();
     if file_len < 8 {
-        return Err(FormatError::file(&name, format!("file is {file_len} bytes, shorter than the 8-byte header length")));
+        return Err(FormatError::file(
+            &name,
+            format!("file is {file_len} bytes, shorter than the 8-byte header length"),
+        ));
     }
     let mut prefix = [0u8; 8];
     f.read_exact(&mut prefix).map_err(|e| FormatError::io(path, e))?;
     let n = u64::from_le_bytes(prefix);
     if n > MAX_HEADER_SIZE {
-        return Err(FormatError::file(&name, format!("header length {n} exceeds the {MAX_HEADER_SIZE}-byte limit")));
+        return Err(FormatError::file(
+            &name,
+            format!("header length {n} exceeds the {MAX_HEADER_SIZE}-byte limit"),
+        ));
     }
     let end = 8u64.checked_add(n).filter(|&e| e <= file_len).ok_or_else(|| {
-        FormatError::file(&name, format!("header length {n} runs past the end of the {file_len}-byte file"))
+        FormatError::file(
+            &name,
+            format!("header length {n} runs past the end of the {file_len}-byte file"),
+        )
     })?;
     let mut json = vec![0u8; n as usize];
     f.read_exact(&mut json).map_err(|e| FormatError::io(path, e))?;
@@ -208,7 +251,11 @@ impl SafeFile {
             }
             Some(m)
         };
-        Ok(SafeFile { path: path.to_path_buf(), header, map })
+        Ok(SafeFile {
+            path: path.to_path_buf(),
+            header,
+            map,
+        })
     }
 
     pub fn name(&self) -> String {
@@ -238,11 +285,15 @@ impl SafeFile {
             return Ok(None);
         }
         if start.checked_add(len).is_none_or(|e| e > self.bytes().len()) {
-            return Err(FormatError::file(self.name(), format!("range {start}+{len} is past the end of the file")));
+            return Err(FormatError::file(
+                self.name(),
+                format!("range {start}+{len} is past the end of the file"),
+            ));
         }
         let f = File::open(&self.path).map_err(|e| FormatError::io(&self.path, e))?;
         // SAFETY: read-only map of a range inside the validated file; same contract as `open`.
-        let m = unsafe { memmap2::MmapOptions::new().offset(start as u64).len(len).map(&f) }.map_err(|e| FormatError::io(&self.path, e))?;
+        let m = unsafe { memmap2::MmapOptions::new().offset(start as u64).len(len).map(&f) }
+            .map_err(|e| FormatError::io(&self.path, e))?;
         Ok(Some(m))
     }
 
@@ -251,7 +302,8 @@ impl SafeFile {
         use std::os::unix::fs::FileExt;
         let f = File::open(&self.path).map_err(|e| FormatError::io(&self.path, e))?;
         let mut v = vec![0u8; len];
-        f.read_exact_at(&mut v, start as u64).map_err(|e| FormatError::io(&self.path, e))?;
+        f.read_exact_at(&mut v, start as u64)
+            .map_err(|e| FormatError::io(&self.path, e))?;
         Ok(v)
     }
 }
@@ -281,22 +333,35 @@ mod tests {
     #[test]
     fn rejects_duplicate_names_by_name() {
         let e = check(r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#, 4).unwrap_err();
-        assert!(matches!(&e, FormatError::Duplicate { tensor, .. } if tensor == "a"), "{e}");
+        assert!(
+            matches!(&e, FormatError::Duplicate { tensor, .. } if tensor == "a"),
+            "{e}"
+        );
     }
 
     #[test]
     fn rejects_overlap_gap_and_length_mismatch_naming_tensor() {
         let e = check(r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[4],"data_offsets":[2,6]}}"#, 6).unwrap_err();
-        assert!(e.to_string().contains("\"b\"") && e.to_string().contains("overlaps"), "{e}");
+        assert!(
+            e.to_string().contains("\"b\"") && e.to_string().contains("overlaps"),
+            "{e}"
+        );
         let e = check(r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[1,5]}}"#, 5).unwrap_err();
         assert!(e.to_string().contains("gap"), "{e}");
         let e = check(r#"{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,4]}}"#, 4).unwrap_err();
-        assert!(e.to_string().contains("\"a\"") && e.to_string().contains("needs 16 bytes"), "{e}");
+        assert!(
+            e.to_string().contains("\"a\"") && e.to_string().contains("needs 16 bytes"),
+            "{e}"
+        );
         let e = check(r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#, 3).unwrap_err();
         assert!(e.to_string().contains("truncated"), "{e}");
         let e = check(r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#, 5).unwrap_err();
         assert!(e.to_string().contains("trailing"), "{e}");
-        let e = check(r#"{"a":{"dtype":"U8","shape":[18446744073709551615, 2],"data_offsets":[0,4]}}"#, 4).unwrap_err();
+        let e = check(
+            r#"{"a":{"dtype":"U8","shape":[18446744073709551615, 2],"data_offsets":[0,4]}}"#,
+            4,
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("overflows"), "{e}");
         let e = check(r#"{"a":{"dtype":"F4","shape":[4],"data_offsets":[0,2]}}"#, 2).unwrap_err();
         assert!(e.to_string().contains("unsupported dtype"), "{e}");
@@ -317,7 +382,10 @@ mod tests {
         let json = r#"{"w":{"dtype":"U8","shape":[8],"data_offsets":[0,8]}}"#;
         std::fs::write(&p, file_bytes(json, &[1, 2, 3])).unwrap();
         let e = SafeFile::open(&p).err().unwrap().to_string();
-        assert!(e.contains("x.safetensors") && e.contains("\"w\"") && e.contains("truncated"), "{e}");
+        assert!(
+            e.contains("x.safetensors") && e.contains("\"w\"") && e.contains("truncated"),
+            "{e}"
+        );
         std::fs::write(&p, file_bytes(json, &[7; 8])).unwrap();
         let f = SafeFile::open(&p).unwrap();
         assert_eq!(f.tensor("w").unwrap().1, &[7; 8]);

@@ -45,7 +45,10 @@ struct Check<'a> {
 
 impl Check<'_> {
     fn fail(&self, msg: String) -> ConfigError {
-        ConfigError::Invalid { path: self.path.to_string(), msg }
+        ConfigError::Invalid {
+            path: self.path.to_string(),
+            msg,
+        }
     }
     /// `lo <= v <= hi`, naming the key.
     fn range(&self, key: &str, v: usize, lo: usize, hi: usize) -> Result<(), ConfigError> {
@@ -57,7 +60,10 @@ impl Check<'_> {
     /// Finite and, when `positive`, > 0.
     fn real(&self, key: &str, v: f64, positive: bool) -> Result<(), ConfigError> {
         if !v.is_finite() || (positive && v <= 0.0) {
-            return Err(self.fail(format!("{key} = {v} must be a finite{} number", if positive { " positive" } else { "" })));
+            return Err(self.fail(format!(
+                "{key} = {v} must be a finite{} number",
+                if positive { " positive" } else { "" }
+            )));
         }
         Ok(())
     }
@@ -70,7 +76,12 @@ impl Check<'_> {
     }
     fn rope(&self, prefix: &str, r: &RopeScaling) -> Result<(), ConfigError> {
         self.real(&format!("{prefix}rope_scaling.factor"), r.factor, true)?;
-        self.range(&format!("{prefix}rope_scaling.original_max_position_embeddings"), r.original_max_position_embeddings.min(usize::MAX as u64) as usize, 1, limits::POSITIONS)?;
+        self.range(
+            &format!("{prefix}rope_scaling.original_max_position_embeddings"),
+            r.original_max_position_embeddings.min(usize::MAX as u64) as usize,
+            1,
+            limits::POSITIONS,
+        )?;
         self.real(&format!("{prefix}rope_scaling.beta_fast"), r.beta_fast, false)?;
         self.real(&format!("{prefix}rope_scaling.beta_slow"), r.beta_slow, false)?;
         self.real(&format!("{prefix}rope_scaling.mscale"), r.mscale, false)?;
@@ -96,7 +107,12 @@ pub fn check_text(path: &str, t: &TextConfig) -> Result<(), ConfigError> {
     c.range("kv_lora_rank", t.kv_lora_rank, 1, LORA_RANK)?;
     c.range("qk_nope_head_dim", t.qk_nope_head_dim, 1, HEAD_DIM)?;
     c.range("qk_rope_head_dim", t.qk_rope_head_dim, 2, HEAD_DIM)?;
-    c.rule(t.qk_rope_head_dim.is_multiple_of(2), || format!("qk_rope_head_dim = {} must be even (RoPE rotates pairs)", t.qk_rope_head_dim))?;
+    c.rule(t.qk_rope_head_dim.is_multiple_of(2), || {
+        format!(
+            "qk_rope_head_dim = {} must be even (RoPE rotates pairs)",
+            t.qk_rope_head_dim
+        )
+    })?;
     c.range("v_head_dim", t.v_head_dim, 1, HEAD_DIM)?;
     c.range("n_routed_experts", t.n_routed_experts, 0, EXPERTS)?;
     c.range("n_shared_experts", t.n_shared_experts, 0, SHARED_EXPERTS)?;
@@ -106,10 +122,14 @@ pub fn check_text(path: &str, t: &TextConfig) -> Result<(), ConfigError> {
         let e = t.n_routed_experts;
         c.range("num_experts_per_tok", t.num_experts_per_tok, 1, e)?;
         c.range("n_group", t.n_group, 1, e)?;
-        c.rule(e.is_multiple_of(t.n_group), || format!("n_group = {} does not divide n_routed_experts = {e}", t.n_group))?;
+        c.rule(e.is_multiple_of(t.n_group), || {
+            format!("n_group = {} does not divide n_routed_experts = {e}", t.n_group)
+        })?;
         c.range("topk_group", t.topk_group, 1, t.n_group)?;
         let pairs = t.num_hidden_layers.saturating_mul(e);
-        c.rule(pairs <= LAYER_EXPERTS, || format!("num_hidden_layers × n_routed_experts = {pairs} exceeds {LAYER_EXPERTS}"))?;
+        c.rule(pairs <= LAYER_EXPERTS, || {
+            format!("num_hidden_layers × n_routed_experts = {pairs} exceeds {LAYER_EXPERTS}")
+        })?;
         c.real("routed_scaling_factor", t.routed_scaling_factor, true)?;
     }
     c.range("vocab_size", t.vocab_size, 1, VOCAB)?;
@@ -119,9 +139,15 @@ pub fn check_text(path: &str, t: &TextConfig) -> Result<(), ConfigError> {
     if let Some(r) = &t.rope_scaling {
         c.rope("", r)?;
     }
-    for (key, id) in [("bos_token_id", t.bos_token_id), ("eos_token_id", t.eos_token_id), ("pad_token_id", t.pad_token_id)] {
+    for (key, id) in [
+        ("bos_token_id", t.bos_token_id),
+        ("eos_token_id", t.eos_token_id),
+        ("pad_token_id", t.pad_token_id),
+    ] {
         if let Some(id) = id {
-            c.rule((id as usize) < t.vocab_size, || format!("{key} = {id} is not below vocab_size = {}", t.vocab_size))?;
+            c.rule((id as usize) < t.vocab_size, || {
+                format!("{key} = {id} is not below vocab_size = {}", t.vocab_size)
+            })?;
         }
     }
     Ok(())
@@ -131,16 +157,31 @@ pub fn check_text(path: &str, t: &TextConfig) -> Result<(), ConfigError> {
 pub fn check_drafter(path: &str, d: &DrafterConfig, target: &TextConfig) -> Result<(), ConfigError> {
     use limits::*;
     let c = Check { path };
-    c.rule(d.hidden_size == target.hidden_size, || format!("hidden_size = {} differs from the target's {} (fc maps target hidden states)", d.hidden_size, target.hidden_size))?;
-    c.rule(d.vocab_size == target.vocab_size, || format!("vocab_size = {} differs from the target's {} (the drafter uses the target's embedding and lm_head)", d.vocab_size, target.vocab_size))?;
+    c.rule(d.hidden_size == target.hidden_size, || {
+        format!(
+            "hidden_size = {} differs from the target's {} (fc maps target hidden states)",
+            d.hidden_size, target.hidden_size
+        )
+    })?;
+    c.rule(d.vocab_size == target.vocab_size, || {
+        format!(
+            "vocab_size = {} differs from the target's {} (the drafter uses the target's embedding and lm_head)",
+            d.vocab_size, target.vocab_size
+        )
+    })?;
     c.range("num_hidden_layers", d.num_hidden_layers, 1, DRAFTER_LAYERS)?;
     c.range("num_attention_heads", d.num_attention_heads, 1, HEADS)?;
     c.range("num_key_value_heads", d.num_key_value_heads, 1, d.num_attention_heads)?;
     c.rule(d.num_attention_heads.is_multiple_of(d.num_key_value_heads), || {
-        format!("num_attention_heads = {} is not a multiple of num_key_value_heads = {}", d.num_attention_heads, d.num_key_value_heads)
+        format!(
+            "num_attention_heads = {} is not a multiple of num_key_value_heads = {}",
+            d.num_attention_heads, d.num_key_value_heads
+        )
     })?;
     c.range("head_dim", d.head_dim, 2, HEAD_DIM)?;
-    c.rule(d.head_dim.is_multiple_of(2), || format!("head_dim = {} must be even (RoPE rotates pairs)", d.head_dim))?;
+    c.rule(d.head_dim.is_multiple_of(2), || {
+        format!("head_dim = {} must be even (RoPE rotates pairs)", d.head_dim)
+    })?;
     c.range("intermediate_size", d.intermediate_size, 1, INTERMEDIATE)?;
     c.range("max_position_embeddings", d.max_position_embeddings, 1, POSITIONS)?;
     c.real("rms_norm_eps", d.rms_norm_eps, true)?;
@@ -151,11 +192,19 @@ pub fn check_drafter(path: &str, d: &DrafterConfig, target: &TextConfig) -> Resu
     let block = d.block_size().unwrap_or(0);
     c.range("block_size", block, 2, BLOCK)?;
     let m = d.dflash_config.mask_token_id;
-    c.rule((m as usize) < d.vocab_size, || format!("dflash_config.mask_token_id = {m} is not below vocab_size = {}", d.vocab_size))?;
+    c.rule((m as usize) < d.vocab_size, || {
+        format!(
+            "dflash_config.mask_token_id = {m} is not below vocab_size = {}",
+            d.vocab_size
+        )
+    })?;
     let ids = &d.dflash_config.target_layer_ids;
     c.range("len(dflash_config.target_layer_ids)", ids.len(), 1, DRAFTER_LAYERS)?;
     if let Some(&l) = ids.iter().find(|&&l| l >= target.num_hidden_layers) {
-        return Err(c.fail(format!("dflash_config.target_layer_ids holds {l}, but the target has num_hidden_layers = {}", target.num_hidden_layers)));
+        return Err(c.fail(format!(
+            "dflash_config.target_layer_ids holds {l}, but the target has num_hidden_layers = {}",
+            target.num_hidden_layers
+        )));
     }
     Ok(())
 }
@@ -199,7 +248,11 @@ mod tests {
     fn each_bad_value_is_refused_naming_its_key() {
         let big = 1usize << 31;
         let text_cases: Vec<(&str, serde_json::Value, &str)> = vec![
-            ("num_hidden_layers", big.into(), "num_hidden_layers = 2147483648 is out of range"),
+            (
+                "num_hidden_layers",
+                big.into(),
+                "num_hidden_layers = 2147483648 is out of range",
+            ),
             ("n_routed_experts", big.into(), "n_routed_experts = 2147483648"),
             ("hidden_size", 0.into(), "hidden_size = 0"),
             ("vocab_size", big.into(), "vocab_size"),
@@ -207,12 +260,20 @@ mod tests {
             ("q_lora_rank", big.into(), "q_lora_rank"),
             ("kv_lora_rank", 0.into(), "kv_lora_rank"),
             ("moe_intermediate_size", big.into(), "moe_intermediate_size"),
-            ("n_group", 5.into(), "n_group = 5 does not divide n_routed_experts = 384"),
+            (
+                "n_group",
+                5.into(),
+                "n_group = 5 does not divide n_routed_experts = 384",
+            ),
             ("topk_group", 2.into(), "topk_group = 2 is out of range (must be 1..=1)"),
             ("num_experts_per_tok", 385.into(), "num_experts_per_tok = 385"),
             ("first_k_dense_replace", 62.into(), "first_k_dense_replace"),
             ("qk_rope_head_dim", 63.into(), "must be even"),
-            ("eos_token_id", 163840.into(), "eos_token_id = 163840 is not below vocab_size"),
+            (
+                "eos_token_id",
+                163840.into(),
+                "eos_token_id = 163840 is not below vocab_size",
+            ),
             ("max_position_embeddings", big.into(), "max_position_embeddings"),
         ];
         for (key, v, want) in text_cases {
@@ -224,11 +285,22 @@ mod tests {
         let mut c = k26();
         c["text_config"]["num_hidden_layers"] = 1024.into();
         c["text_config"]["n_routed_experts"] = 4096.into();
-        assert!(check(&c, &drafter()).unwrap_err().to_string().contains("num_hidden_layers × n_routed_experts"));
+        assert!(check(&c, &drafter())
+            .unwrap_err()
+            .to_string()
+            .contains("num_hidden_layers × n_routed_experts"));
         let drafter_cases: Vec<(&str, serde_json::Value, &str)> = vec![
-            ("vocab_size", 163841.into(), "vocab_size = 163841 differs from the target's 163840"),
+            (
+                "vocab_size",
+                163841.into(),
+                "vocab_size = 163841 differs from the target's 163840",
+            ),
             ("hidden_size", 4096.into(), "hidden_size = 4096 differs"),
-            ("num_key_value_heads", 7.into(), "not a multiple of num_key_value_heads = 7"),
+            (
+                "num_key_value_heads",
+                7.into(),
+                "not a multiple of num_key_value_heads = 7",
+            ),
             ("num_hidden_layers", big.into(), "num_hidden_layers"),
             ("head_dim", 127.into(), "must be even"),
         ];
@@ -239,9 +311,21 @@ mod tests {
             assert!(e.starts_with("drafter/config.json: ") && e.contains(want), "{key}: {e}");
         }
         for (key, v, want) in [
-            ("mask_token_id", serde_json::json!(163840), "mask_token_id = 163840 is not below vocab_size"),
-            ("target_layer_ids", serde_json::json!([1, 61]), "target_layer_ids holds 61"),
-            ("target_layer_ids", serde_json::json!([]), "len(dflash_config.target_layer_ids) = 0"),
+            (
+                "mask_token_id",
+                serde_json::json!(163840),
+                "mask_token_id = 163840 is not below vocab_size",
+            ),
+            (
+                "target_layer_ids",
+                serde_json::json!([1, 61]),
+                "target_layer_ids holds 61",
+            ),
+            (
+                "target_layer_ids",
+                serde_json::json!([]),
+                "len(dflash_config.target_layer_ids) = 0",
+            ),
             ("block_size", serde_json::json!(1), "block_size = 1"),
         ] {
             let mut d = drafter();

@@ -8,10 +8,10 @@
 use crate::dtype::{byte_len, Dtype};
 use crate::error::{FormatError, Result};
 use sha2::{Digest, Sha256};
-use xxhash_rust::xxh3::Xxh3;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
+use xxhash_rust::xxh3::Xxh3;
 
 /// Size of the write buffer: bounded, whatever the tensor size.
 const WRITE_BUF: usize = 4 << 20;
@@ -57,7 +57,11 @@ pub fn header_bytes(file: &str, specs: &[TensorSpec]) -> Result<(Vec<u8>, DataOf
     let mut pos = 0usize;
     for (i, s) in specs.iter().enumerate() {
         if i > 0 && specs[i - 1].name >= s.name {
-            return Err(FormatError::tensor(file, &s.name, "tensors must be sorted by name and unique"));
+            return Err(FormatError::tensor(
+                file,
+                &s.name,
+                "tensors must be sorted by name and unique",
+            ));
         }
         if s.name == "__metadata__" {
             return Err(FormatError::tensor(file, &s.name, "reserved name"));
@@ -172,7 +176,10 @@ impl ShardWriter {
     pub fn write(&mut self, mut b: &[u8]) -> Result<()> {
         while !b.is_empty() {
             let Some(t) = self.tensors.get(self.cur) else {
-                return Err(FormatError::file(self.final_path.display(), "more data written than the header declares"));
+                return Err(FormatError::file(
+                    self.final_path.display(),
+                    "more data written than the header declares",
+                ));
             };
             let take = ((t.nbytes - self.cur_done) as usize).min(b.len());
             self.cur_hash.update(&b[..take]);
@@ -194,7 +201,10 @@ impl ShardWriter {
             ));
         }
         self.out.flush().map_err(|e| FormatError::io(&self.partial, e))?;
-        let f = self.out.into_inner().map_err(|e| FormatError::io(&self.partial, e.into_error()))?;
+        let f = self
+            .out
+            .into_inner()
+            .map_err(|e| FormatError::io(&self.partial, e.into_error()))?;
         f.sync_all().map_err(|e| FormatError::io(&self.partial, e))?;
         drop(f);
         std::fs::rename(&self.partial, &self.final_path).map_err(|e| FormatError::io(&self.final_path, e))?;
@@ -211,7 +221,9 @@ impl ShardWriter {
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = partial_path(path);
     let mut f = File::create(&tmp).map_err(|e| FormatError::io(&tmp, e))?;
-    f.write_all(bytes).and_then(|_| f.sync_all()).map_err(|e| FormatError::io(&tmp, e))?;
+    f.write_all(bytes)
+        .and_then(|_| f.sync_all())
+        .map_err(|e| FormatError::io(&tmp, e))?;
     std::fs::rename(&tmp, path).map_err(|e| FormatError::io(path, e))
 }
 
@@ -225,9 +237,21 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("a.safetensors");
         let specs = vec![
-            TensorSpec { name: "z".into(), dtype: Dtype::U8, shape: vec![3] },
-            TensorSpec { name: "a".into(), dtype: Dtype::BF16, shape: vec![2, 2] },
-            TensorSpec { name: "m".into(), dtype: Dtype::F32, shape: vec![0] },
+            TensorSpec {
+                name: "z".into(),
+                dtype: Dtype::U8,
+                shape: vec![3],
+            },
+            TensorSpec {
+                name: "a".into(),
+                dtype: Dtype::BF16,
+                shape: vec![2, 2],
+            },
+            TensorSpec {
+                name: "m".into(),
+                dtype: Dtype::F32,
+                shape: vec![0],
+            },
         ];
         let mut w = ShardWriter::create(&p, specs).unwrap();
         assert_eq!(w.current(), Some("a"));
@@ -247,7 +271,10 @@ mod tests {
         let z = &done.tensors[2];
         assert_eq!(&bytes[z.offset as usize..][..3], &[9, 10, 11]);
         assert_eq!(z.xxh3, format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&[9u8, 10, 11])));
-        assert_eq!(done.tensors[1].xxh3, format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&[])));
+        assert_eq!(
+            done.tensors[1].xxh3,
+            format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&[]))
+        );
         let f = SafeFile::open(&p).unwrap();
         assert_eq!(f.tensor("a").unwrap().1, &[1, 2, 3, 4, 5, 6, 7, 8]);
         assert_eq!(f.header.metadata.get("format").map(String::as_str), Some("pt"));
@@ -257,7 +284,15 @@ mod tests {
     fn finish_refuses_incomplete_tensor() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("b.safetensors");
-        let mut w = ShardWriter::create(&p, vec![TensorSpec { name: "t".into(), dtype: Dtype::U8, shape: vec![4] }]).unwrap();
+        let mut w = ShardWriter::create(
+            &p,
+            vec![TensorSpec {
+                name: "t".into(),
+                dtype: Dtype::U8,
+                shape: vec![4],
+            }],
+        )
+        .unwrap();
         w.write(&[1]).unwrap();
         let e = w.finish().unwrap_err().to_string();
         assert!(e.contains("\"t\"") && e.contains("1 of 4"), "{e}");

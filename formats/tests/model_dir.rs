@@ -33,15 +33,39 @@ fn build(dir: &Path) {
             w.write(&fill(&t.name, t.rank, t.nbytes())).unwrap();
         }
         let d = w.finish().unwrap();
-        let tensors = d.tensors.into_iter().map(|t| TensorRecord { name: t.name, offset: t.offset, nbytes: t.nbytes, xxh3: t.xxh3 }).collect();
-        records.push(FileRecord { name: f.name.clone(), size: d.size, sha256: d.sha256, tensors });
+        let tensors = d
+            .tensors
+            .into_iter()
+            .map(|t| TensorRecord {
+                name: t.name,
+                offset: t.offset,
+                nbytes: t.nbytes,
+                xxh3: t.xxh3,
+            })
+            .collect();
+        records.push(FileRecord {
+            name: f.name.clone(),
+            size: d.size,
+            sha256: d.sha256,
+            tensors,
+        });
     }
     let json: serde_json::Value = serde_json::from_str(TEXT).unwrap();
     let inputs = ManifestInputs {
         generator: "test".into(),
         skipped: vec![],
-        source: Source { config_sha256: "0".repeat(64), index_sha256: None, files: vec![], drafter: None },
-        model: Model { text_config_json: json.to_string(), drafter_config_json: None, text_config: json_to_toml(&json).unwrap().as_table().unwrap().clone(), drafter_config: None },
+        source: Source {
+            config_sha256: "0".repeat(64),
+            index_sha256: None,
+            files: vec![],
+            drafter: None,
+        },
+        model: Model {
+            text_config_json: json.to_string(),
+            drafter_config_json: None,
+            text_config: json_to_toml(&json).unwrap().as_table().unwrap().clone(),
+            drafter_config: None,
+        },
         max_file_size: 4096,
         experts_source: "int4".into(),
     };
@@ -54,10 +78,16 @@ fn open_returns_planned_tensors() {
     let d = tempfile::tempdir().unwrap();
     build(d.path());
     let m = ModelDir::open(d.path()).unwrap();
-    assert_eq!((m.ranks(), m.text_config().hidden_size, m.drafter_config().is_none()), (2, 64, true));
+    assert_eq!(
+        (m.ranks(), m.text_config().hidden_size, m.drafter_config().is_none()),
+        (2, 64, true)
+    );
     let name = "language_model.model.layers.1.mlp.experts.down_proj.weight_packed";
     let t = m.tensor(name, 1).unwrap();
-    assert_eq!((t.layout, t.shape, t.logical_shape, t.split_axis, t.split_offset), (Layout::Int4G32, &[4, 64, 16][..], &[4, 64, 64][..], Some(2), 32));
+    assert_eq!(
+        (t.layout, t.shape, t.logical_shape, t.split_axis, t.split_offset),
+        (Layout::Int4G32, &[4, 64, 16][..], &[4, 64, 64][..], Some(2), 32)
+    );
     assert_eq!(t.data, fill(name, 1, 4 * 64 * 16).as_slice());
     let n = m.tensor("language_model.model.norm.weight", 0).unwrap();
     assert_eq!((n.split_axis, n.data.len()), (None, 128));
@@ -79,7 +109,11 @@ fn open_refuses_truncated_shard_and_manifest_header_mismatch() {
     assert!(e.contains(&f.name) && e.contains("manifest says"), "{e}");
     std::fs::write(&p, &orig).unwrap();
     let t = &m.tensors[3];
-    let bad = text.replacen(&format!("offset = {}\n", t.offset), &format!("offset = {}\n", t.offset + 2), 1);
+    let bad = text.replacen(
+        &format!("offset = {}\n", t.offset),
+        &format!("offset = {}\n", t.offset + 2),
+        1,
+    );
     assert_ne!(bad, text);
     std::fs::write(d.path().join(MANIFEST), bad).unwrap();
     let e = ModelDir::open(d.path()).err().unwrap().to_string();
@@ -101,23 +135,44 @@ fn open_refuses_entries_that_disagree_with_the_plan_naming_the_tensor() {
     let q = "language_model.model.layers.0.self_attn.q_b_proj.weight";
     type Edit = Box<dyn Fn(&mut kdtree_formats::manifest::TensorEntry)>;
     let cases: Vec<(&str, usize, Edit, &str)> = vec![
-        (packed, 1, Box::new(|t| t.split_offset = 999), "split_offset is 999 in the manifest, the plan says 32"),
+        (
+            packed,
+            1,
+            Box::new(|t| t.split_offset = 999),
+            "split_offset is 999 in the manifest, the plan says 32",
+        ),
         (packed, 1, Box::new(|t| t.split_offset = 0), "split_offset is 0"),
-        (packed, 0, Box::new(|t| t.logical_shape = vec![4, 64, 640]), "logical_shape is [4, 64, 640]"),
+        (
+            packed,
+            0,
+            Box::new(|t| t.logical_shape = vec![4, 64, 640]),
+            "logical_shape is [4, 64, 640]",
+        ),
         (packed, 0, Box::new(|t| t.split_axis = Some(1)), "split_axis is Some(1)"),
         (packed, 0, Box::new(|t| t.layout = Layout::Plain), "layout is Plain"),
         (q, 1, Box::new(|t| t.split_offset = 4), "split_offset is 4"),
         (q, 1, Box::new(|t| t.logical_shape = vec![96, 31]), "logical_shape"),
         (q, 0, Box::new(|t| t.split_axis = None), "split_axis is None"),
-        (q, 0, Box::new(|t| t.name = "language_model.model.layers.0.self_attn.q_b_proj.weightx".into()), "not a tensor of the model"),
+        (
+            q,
+            0,
+            Box::new(|t| t.name = "language_model.model.layers.0.self_attn.q_b_proj.weightx".into()),
+            "not a tensor of the model",
+        ),
     ];
     for (name, rank, edit, want) in cases {
         let d = tempfile::tempdir().unwrap();
         build(d.path());
         edit_entry(d.path(), name, rank, edit);
         let e = ModelDir::open(d.path()).err().unwrap().to_string();
-        assert!(e.contains(&format!("rank {rank}: ")) && e.contains(want), "{name} (rank {rank}): {e}");
-        assert!(e.contains("q_b_proj") || e.contains("down_proj"), "tensor not named: {e}");
+        assert!(
+            e.contains(&format!("rank {rank}: ")) && e.contains(want),
+            "{name} (rank {rank}): {e}"
+        );
+        assert!(
+            e.contains("q_b_proj") || e.contains("down_proj"),
+            "tensor not named: {e}"
+        );
     }
     // An entry removed: the planned tensor is named as missing.
     let d = tempfile::tempdir().unwrap();

@@ -92,8 +92,13 @@ mod tests {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("cuda");
         for (file, name) in KERNELS {
             let src = std::fs::read_to_string(dir.join(file)).unwrap();
-            let stem = name.trim_end_matches(|c: char| c.is_ascii_digit()).trim_end_matches("_m");
-            assert!(src.contains(name) || src.contains(&format!("{stem}_m##MT")), "{name} not defined in {file}");
+            let stem = name
+                .trim_end_matches(|c: char| c.is_ascii_digit())
+                .trim_end_matches("_m");
+            assert!(
+                src.contains(name) || src.contains(&format!("{stem}_m##MT")),
+                "{name} not defined in {file}"
+            );
         }
         for entry in std::fs::read_dir(&dir).unwrap() {
             let path = entry.unwrap().path();
@@ -110,7 +115,9 @@ mod tests {
                         None => rest,
                     };
                     let name = rest.split('(').next().unwrap().trim();
-                    let listed = KERNELS.iter().any(|(f, n)| *f == file && (n == &name || n.starts_with(name.trim_end_matches("##MT"))));
+                    let listed = KERNELS
+                        .iter()
+                        .any(|(f, n)| *f == file && (n == &name || n.starts_with(name.trim_end_matches("##MT"))));
                     assert!(listed, "kernel {name} in {file} is missing from KERNELS");
                 }
             }
@@ -132,7 +139,10 @@ mod tests {
             }
         }
         let mut files = Vec::new();
-        walk(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../engine/src/cuda"), &mut files);
+        walk(
+            &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../engine/src/cuda"),
+            &mut files,
+        );
         let mut seen = 0;
         for f in files {
             let src = std::fs::read_to_string(&f).unwrap();
@@ -142,7 +152,11 @@ mod tests {
                     continue;
                 }
                 seen += 1;
-                assert!(KERNELS.iter().any(|(_, n)| *n == name), "{} launches {name}, which is not in KERNELS", f.display());
+                assert!(
+                    KERNELS.iter().any(|(_, n)| *n == name),
+                    "{} launches {name}, which is not in KERNELS",
+                    f.display()
+                );
             }
         }
         assert!(seen > 20, "found only {seen} kernel lookups under engine/src/cuda");

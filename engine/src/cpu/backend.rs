@@ -28,14 +28,20 @@ pub struct CpuBackend {
 impl CpuBackend {
     /// The backend of rank `c.rank` of a group of rank threads.
     pub fn with_comm(c: super::comm::HostRank) -> CpuBackend {
-        CpuBackend { comm: Some(c), check_weights: false }
+        CpuBackend {
+            comm: Some(c),
+            check_weights: false,
+        }
     }
     /// `x` summed over the group (identity without one). A failed group (a rank died) is a panic here, which
     /// the rank thread turns into that rank's error (ops are infallible on the CPU).
     fn group_sum(&self, x: Vec<f32>) -> Vec<f32> {
         match &self.comm {
             None => x,
-            Some(c) => c.group.all_reduce(c.rank, x).unwrap_or_else(|why| panic!("tensor-parallel group: {why}")),
+            Some(c) => c
+                .group
+                .all_reduce(c.rank, x)
+                .unwrap_or_else(|why| panic!("tensor-parallel group: {why}")),
         }
     }
 }
@@ -131,16 +137,36 @@ impl Backend for CpuBackend {
         dst[at..at + n].copy_from_slice(&src[..n]);
     }
     fn ids_write(&self, dst: &mut Vec<u32>, at: usize, host: &[u32]) -> Result<()> {
-        anyhow::ensure!(at + host.len() <= dst.len(), "ids_write: {} ids at {at} of {}", host.len(), dst.len());
+        anyhow::ensure!(
+            at + host.len() <= dst.len(),
+            "ids_write: {} ids at {at} of {}",
+            host.len(),
+            dst.len()
+        );
         dst[at..at + host.len()].copy_from_slice(host);
         Ok(())
     }
     fn ids_to_host(&self, ids: &Vec<u32>) -> Result<Vec<u32>> {
         Ok(ids.clone())
     }
-    fn decide_rows(&self, logits: &Vec<f32>, row0: usize, rows: usize, vocab: usize, s: &crate::sampling::Sampling, base: PosOf<'_, Self>, offset: usize, out: &mut Vec<u32>) -> Result<()> {
+    fn decide_rows(
+        &self,
+        logits: &Vec<f32>,
+        row0: usize,
+        rows: usize,
+        vocab: usize,
+        s: &crate::sampling::Sampling,
+        base: PosOf<'_, Self>,
+        offset: usize,
+        out: &mut Vec<u32>,
+    ) -> Result<()> {
         let end = row0 + rows;
-        anyhow::ensure!(logits.len() >= end * vocab && out.len() >= end, "decide_rows: {} logits / {} outputs for rows {row0}..{end} of {vocab}", logits.len(), out.len());
+        anyhow::ensure!(
+            logits.len() >= end * vocab && out.len() >= end,
+            "decide_rows: {} logits / {} outputs for rows {row0}..{end} of {vocab}",
+            logits.len(),
+            out.len()
+        );
         let b = match base {
             PosOf::Kv(kv) => kv.committed,
             PosOf::Pos(p) => *p,
@@ -151,7 +177,14 @@ impl Backend for CpuBackend {
         }
         Ok(())
     }
-    fn rope_at(&self, inv_freq: &Slab<f32>, factor: f64, base: PosOf<'_, Self>, offsets: Option<&Vec<u32>>, t: usize) -> RopeTable {
+    fn rope_at(
+        &self,
+        inv_freq: &Slab<f32>,
+        factor: f64,
+        base: PosOf<'_, Self>,
+        offsets: Option<&Vec<u32>>,
+        t: usize,
+    ) -> RopeTable {
         let b = match base {
             PosOf::Kv(kv) => kv.committed,
             PosOf::Pos(p) => *p,
@@ -195,7 +228,8 @@ impl Backend for CpuBackend {
     }
     fn set_cols(&self, dst: &mut Vec<f32>, dst_cols: usize, at: usize, src: &Vec<f32>, src_cols: usize, t: usize) {
         for i in 0..t {
-            dst[i * dst_cols + at..i * dst_cols + at + src_cols].copy_from_slice(&src[i * src_cols..(i + 1) * src_cols]);
+            dst[i * dst_cols + at..i * dst_cols + at + src_cols]
+                .copy_from_slice(&src[i * src_cols..(i + 1) * src_cols]);
         }
     }
     fn zeros(&self, n: usize) -> Vec<f32> {
@@ -270,8 +304,21 @@ impl Backend for CpuBackend {
         }
         self.group_sum(out)
     }
-    fn lm_head_argmax_into(&self, x: &Vec<f32>, n: usize, h: usize, v: &VocabShards<'_, Mat>, out: &mut Vec<u32>, row0: usize) -> Result<()> {
-        anyhow::ensure!(out.len() >= row0 + n, "lm_head_argmax: {} outputs for rows {row0}..{}", out.len(), row0 + n);
+    fn lm_head_argmax_into(
+        &self,
+        x: &Vec<f32>,
+        n: usize,
+        h: usize,
+        v: &VocabShards<'_, Mat>,
+        out: &mut Vec<u32>,
+        row0: usize,
+    ) -> Result<()> {
+        anyhow::ensure!(
+            out.len() >= row0 + n,
+            "lm_head_argmax: {} outputs for rows {row0}..{}",
+            out.len(),
+            row0 + n
+        );
         let s: Vec<&[bf16]> = v.mats.iter().map(|m| &m.w[..]).collect();
         if v.whole(|m| m.rows) {
             out[row0..row0 + n].copy_from_slice(&ops::lm_head_argmax_bf16(x, n, h, &s));
@@ -283,7 +330,14 @@ impl Backend for CpuBackend {
         let mut pairs = vec![0f32; n * slots * 2];
         for (j, w) in s.iter().enumerate() {
             let vr = w.len() / h;
-            ops::argmax_pairs(&ops::matmul_bf16(x, w, n, h, vr), n, v.first + j * vr, &mut pairs, slot0 + j, slots);
+            ops::argmax_pairs(
+                &ops::matmul_bf16(x, w, n, h, vr),
+                n,
+                v.first + j * vr,
+                &mut pairs,
+                slot0 + j,
+                slots,
+            );
         }
         let pairs = self.group_sum(pairs);
         for i in 0..n {
@@ -307,7 +361,15 @@ impl Backend for CpuBackend {
     fn kv_drop_scratch(&self, kv: &mut LatentCache) {
         kv.drop_scratch();
     }
-    fn kv_append_latent(&self, kv: &mut LatentCache, l: usize, ckv: &Vec<f32>, norm: &Slab<bf16>, eps: f32, rope: &RopeTable) {
+    fn kv_append_latent(
+        &self,
+        kv: &mut LatentCache,
+        l: usize,
+        ckv: &Vec<f32>,
+        norm: &Slab<bf16>,
+        eps: f32,
+        rope: &RopeTable,
+    ) {
         let (c, w) = (norm.len(), kv.width);
         let t = ckv.len() / w;
         let mut rows = vec![0f32; t * w]; // [T, C + P]
@@ -348,7 +410,11 @@ impl Backend for CpuBackend {
     }
     fn rope_cat(&self, ropes: &[&RopeTable]) -> RopeTable {
         let half = ropes.first().map_or(0, |r| r.half);
-        RopeTable { half, cos: ropes.iter().flat_map(|r| r.cos.iter().copied()).collect(), sin: ropes.iter().flat_map(|r| r.sin.iter().copied()).collect() }
+        RopeTable {
+            half,
+            cos: ropes.iter().flat_map(|r| r.cos.iter().copied()).collect(),
+            sin: ropes.iter().flat_map(|r| r.sin.iter().copied()).collect(),
+        }
     }
     fn rope_q(&self, q: &mut Vec<f32>, heads: usize, nope: usize, rope: &RopeTable) {
         let (p, t) = (2 * rope.half, rope.cos.len() / rope.half.max(1));
@@ -361,13 +427,27 @@ impl Backend for CpuBackend {
             }
         }
     }
-    fn mla_attention(&self, q: &Vec<f32>, _t: usize, kv: &LatentCache, l: usize, mask: &Visibility, kv_b: &Mat, d: &ops::MlaDims, mode: AttnMode) -> Vec<f32> {
+    fn mla_attention(
+        &self,
+        q: &Vec<f32>,
+        _t: usize,
+        kv: &LatentCache,
+        l: usize,
+        mask: &Visibility,
+        kv_b: &Mat,
+        d: &ops::MlaDims,
+        mode: AttnMode,
+    ) -> Vec<f32> {
         let (committed, lat) = (kv.committed, &kv.rows[l]); // [committed + T, C + P]
         match mode {
             AttnMode::Naive => {
                 // k_nope | v of every cached row, [S_all, Hr * (Dn + Dv)].
                 let n_all = committed + mask.rows;
-                let latents: Vec<f32> = lat.chunks(kv.width).take(n_all).flat_map(|r| r[..d.kv_lora].to_vec()).collect();
+                let latents: Vec<f32> = lat
+                    .chunks(kv.width)
+                    .take(n_all)
+                    .flat_map(|r| r[..d.kv_lora].to_vec())
+                    .collect();
                 let expanded = self.linear(&latents, n_all, kv_b);
                 ops::mla_attention(d, q, lat, committed, mask, ops::MlaKv::Expanded(&expanded))
             }
@@ -378,17 +458,35 @@ impl Backend for CpuBackend {
     fn moe_route(&self, logits: &Vec<f32>, t: usize, r: &ops::Router, bias: Option<&Slab<f32>>) -> CpuRoutes {
         let e = r.n_experts;
         let bias = bias.map(|b| &b[..]);
-        let per_token: Vec<(Vec<usize>, Vec<f32>)> = (0..t).map(|i| ops::moe_route(r, &logits[i * e..(i + 1) * e], bias)).collect();
+        let per_token: Vec<(Vec<usize>, Vec<f32>)> = (0..t)
+            .map(|i| ops::moe_route(r, &logits[i * e..(i + 1) * e], bias))
+            .collect();
         let per_expert = ops::tokens_per_expert(&per_token, e);
         CpuRoutes { per_token, per_expert }
     }
     fn routes_to_host(&self, routes: &CpuRoutes) -> (Vec<i32>, Vec<f32>) {
-        let ids = routes.per_token.iter().flat_map(|(ids, _)| ids.iter().map(|&i| i as i32)).collect();
+        let ids = routes
+            .per_token
+            .iter()
+            .flat_map(|(ids, _)| ids.iter().map(|&i| i as i32))
+            .collect();
         let wts = routes.per_token.iter().flat_map(|(_, w)| w.iter().copied()).collect();
         (ids, wts)
     }
-    fn moe_experts(&self, x: &Vec<f32>, t: usize, h: usize, routes: &CpuRoutes, gate: &I4Stack, up: &I4Stack, down: &I4Stack) -> Vec<f32> {
-        ops::moe_experts_i4g32(x, t, h, &routes.per_expert, |ex| gate.holds(ex).then(|| [gate.expert(ex), up.expert(ex), down.expert(ex)]))
+    fn moe_experts(
+        &self,
+        x: &Vec<f32>,
+        t: usize,
+        h: usize,
+        routes: &CpuRoutes,
+        gate: &I4Stack,
+        up: &I4Stack,
+        down: &I4Stack,
+    ) -> Vec<f32> {
+        ops::moe_experts_i4g32(x, t, h, &routes.per_expert, |ex| {
+            gate.holds(ex)
+                .then(|| [gate.expert(ex), up.expert(ex), down.expert(ex)])
+        })
     }
 
     fn head_norm_rope_neox(&self, x: &Vec<f32>, w: &Slab<bf16>, eps: f32, heads: usize, rope: &RopeTable) -> Vec<f32> {
@@ -403,15 +501,43 @@ impl Backend for CpuBackend {
         y
     }
     #[allow(clippy::too_many_arguments)]
-    fn gqa_attention(&self, q: &Vec<f32>, b: usize, ctx: (&Vec<f32>, &Vec<f32>), ctx_len: &usize, block: (&Vec<f32>, &Vec<f32>), heads: usize, kv_heads: usize, head_dim: usize) -> Vec<f32> {
+    fn gqa_attention(
+        &self,
+        q: &Vec<f32>,
+        b: usize,
+        ctx: (&Vec<f32>, &Vec<f32>),
+        ctx_len: &usize,
+        block: (&Vec<f32>, &Vec<f32>),
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Vec<f32> {
         let n = ctx_len * kv_heads * head_dim;
-        ops::gqa_attention(q, b, (&ctx.0[..n], &ctx.1[..n]), (block.0, block.1), heads, kv_heads, head_dim)
+        ops::gqa_attention(
+            q,
+            b,
+            (&ctx.0[..n], &ctx.1[..n]),
+            (block.0, block.1),
+            heads,
+            kv_heads,
+            head_dim,
+        )
     }
 
     fn tree_new(&self, budget: usize, rows: usize, vocab: usize, k: usize) -> Result<CpuTree> {
         let tree = DraftTree::root_only(0);
         anyhow::ensure!((1..=vocab).contains(&k), "tree_new: top-{k} of a vocabulary of {vocab}");
-        Ok(CpuTree { budget, k, rows, vocab, depths: vec![0], mask: tree.visibility.clone(), tree, walk: None, root: vec![0] })
+        Ok(CpuTree {
+            budget,
+            k,
+            rows,
+            vocab,
+            depths: vec![0],
+            mask: tree.visibility.clone(),
+            tree,
+            walk: None,
+            root: vec![0],
+        })
     }
     fn tree_build(&self, t: &mut CpuTree, draft: &Vec<f32>, row0: usize) -> Result<()> {
         // build_tree is this with k = min(budget, vocab); the chain takes k = 1.
@@ -419,8 +545,18 @@ impl Backend for CpuBackend {
             DraftTree::root_only(t.root[0])
         } else {
             let (from, to) = (row0 * t.vocab, (row0 + t.rows) * t.vocab);
-            anyhow::ensure!(draft.len() >= to, "tree_build: {} draft logits for rows {row0}..{} of {}", draft.len(), row0 + t.rows, t.vocab);
-            build_tree_from_top_k(t.root[0], &top_k_log_probs(&draft[from..to], t.rows, t.vocab, t.k), t.budget)
+            anyhow::ensure!(
+                draft.len() >= to,
+                "tree_build: {} draft logits for rows {row0}..{} of {}",
+                draft.len(),
+                row0 + t.rows,
+                t.vocab
+            );
+            build_tree_from_top_k(
+                t.root[0],
+                &top_k_log_probs(&draft[from..to], t.rows, t.vocab, t.k),
+                t.budget,
+            )
         };
         t.depths = t.tree.depths.clone();
         t.mask = t.tree.visibility.clone();
@@ -443,15 +579,36 @@ impl Backend for CpuBackend {
     fn tree_mask<'t>(&self, t: &'t CpuTree) -> &'t Visibility {
         &t.mask
     }
-    fn tree_walk(&self, t: &mut CpuTree, logits: &Vec<f32>, row0: usize, s: &crate::sampling::Sampling, kv: &LatentCache) -> Result<()> {
+    fn tree_walk(
+        &self,
+        t: &mut CpuTree,
+        logits: &Vec<f32>,
+        row0: usize,
+        s: &crate::sampling::Sampling,
+        kv: &LatentCache,
+    ) -> Result<()> {
         let (n, v) = (t.tree.len(), t.vocab);
-        anyhow::ensure!(logits.len() >= (row0 + n) * v, "tree_walk: {} logits for {n} nodes from row {row0} x {v}", logits.len());
-        t.walk = Some(walk_sampled(&t.tree, &logits[row0 * v..(row0 + n) * v], v, s, kv.committed));
+        anyhow::ensure!(
+            logits.len() >= (row0 + n) * v,
+            "tree_walk: {} logits for {n} nodes from row {row0} x {v}",
+            logits.len()
+        );
+        t.walk = Some(walk_sampled(
+            &t.tree,
+            &logits[row0 * v..(row0 + n) * v],
+            v,
+            s,
+            kv.committed,
+        ));
         Ok(())
     }
     fn tree_walk_decided(&self, t: &mut CpuTree, decisions: &Vec<u32>, row0: usize) -> Result<()> {
         let n = t.tree.len();
-        anyhow::ensure!(decisions.len() >= row0 + n, "tree_walk_decided: {} decisions for {n} nodes from row {row0}", decisions.len());
+        anyhow::ensure!(
+            decisions.len() >= row0 + n,
+            "tree_walk_decided: {} decisions for {n} nodes from row {row0}",
+            decisions.len()
+        );
         t.walk = Some(crate::ddtree::walk(&t.tree, |i| decisions[row0 + i]));
         Ok(())
     }
@@ -466,18 +623,30 @@ impl Backend for CpuBackend {
         out
     }
     fn tree_commit(&self, t: &mut CpuTree, kv: &mut LatentCache, ctx: &mut usize) -> Result<()> {
-        let w = t.walk.as_ref().ok_or_else(|| anyhow::anyhow!("tree_commit: no walk since the last build"))?;
+        let w = t
+            .walk
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("tree_commit: no walk since the last build"))?;
         kv.commit(&w.path)?;
         *ctx += w.path.len();
-        t.root[0] = *w.decisions.last().ok_or_else(|| anyhow::anyhow!("tree_commit: an empty walk"))?;
+        t.root[0] = *w
+            .decisions
+            .last()
+            .ok_or_else(|| anyhow::anyhow!("tree_commit: an empty walk"))?;
         Ok(())
     }
     fn tree_commit_host(&self, _t: &CpuTree, _kv: &mut LatentCache, _ctx: &mut usize, _n: usize) {
         // tree_commit already moved the host state: the CPU has no other copy.
     }
     fn tree_result(&self, t: &CpuTree) -> Result<crate::ddtree::TreeResult> {
-        let walk = t.walk.clone().ok_or_else(|| anyhow::anyhow!("tree_result: no walk since the last build"))?;
-        Ok(crate::ddtree::TreeResult { walk, log_q: t.tree.log_q[1..].to_vec() })
+        let walk = t
+            .walk
+            .clone()
+            .ok_or_else(|| anyhow::anyhow!("tree_result: no walk since the last build"))?;
+        Ok(crate::ddtree::TreeResult {
+            walk,
+            log_q: t.tree.log_q[1..].to_vec(),
+        })
     }
     fn tree_result_words(&self, _t: &CpuTree) -> usize {
         0 // the walk is on the host already: nothing to stage

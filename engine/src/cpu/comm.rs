@@ -27,8 +27,18 @@ struct State {
 
 impl HostGroup {
     pub fn new(world: usize) -> Arc<HostGroup> {
-        let state = State { parts: vec![None; world], arrived: 0, generation: 0, sum: Arc::new(Vec::new()), aborted: None };
-        Arc::new(HostGroup { world, state: Mutex::new(state), cv: Condvar::new() })
+        let state = State {
+            parts: vec![None; world],
+            arrived: 0,
+            generation: 0,
+            sum: Arc::new(Vec::new()),
+            aborted: None,
+        };
+        Arc::new(HostGroup {
+            world,
+            state: Mutex::new(state),
+            cv: Condvar::new(),
+        })
     }
     pub fn world(&self) -> usize {
         self.world
@@ -103,16 +113,20 @@ mod tests {
         let g = HostGroup::new(3);
         let parts = [vec![1e8f32, 1.0], vec![1.0, 2.0], vec![-1e8, 3.0]];
         let outs: Vec<Vec<f32>> = std::thread::scope(|s| {
-            let hs: Vec<_> = parts.iter().enumerate().map(|(r, p)| {
-                let g = g.clone();
-                s.spawn(move || {
-                    let mut last = Vec::new();
-                    for _ in 0..50 {
-                        last = g.all_reduce(r, p.clone()).unwrap();
-                    }
-                    last
+            let hs: Vec<_> = parts
+                .iter()
+                .enumerate()
+                .map(|(r, p)| {
+                    let g = g.clone();
+                    s.spawn(move || {
+                        let mut last = Vec::new();
+                        for _ in 0..50 {
+                            last = g.all_reduce(r, p.clone()).unwrap();
+                        }
+                        last
+                    })
                 })
-            }).collect();
+                .collect();
             hs.into_iter().map(|h| h.join().unwrap()).collect()
         });
         for o in outs {

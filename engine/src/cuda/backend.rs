@@ -26,20 +26,23 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use super::ops::act_f32;
-use super::ops::rope::RopeLayout;
-use super::ops::mla_absorb::{absorb_q, apply_uv, AbsorbDims};
 use super::ops::gqa_attention::{gqa_attention, GqaShape, GqaSplit};
+use super::ops::mla_absorb::{absorb_q, apply_uv, AbsorbDims};
 use super::ops::mla_attention::{self as seg_op, mla_attention, MlaShape, MlaSplit};
-use super::ops::{argmax, copy_rows, embed, fill, gather_rows, gemm_bf16, kv_compact, moe_align, moe_combine, moe_router, round_state, w4a16_gemm};
+use super::ops::rope::RopeLayout;
+use super::ops::{
+    argmax, copy_rows, embed, fill, gather_rows, gemm_bf16, kv_compact, moe_align, moe_combine, moe_router,
+    round_state, w4a16_gemm,
+};
+use super::tree::{DMask, DeviceTree};
 use super::{CudaError, Gpu};
 use crate::backend::{Backend, PosOf, RopeTable, VocabShards, WeightRef};
 use crate::cpu::ops::{Fill, MlaDims, Router};
 use crate::ddtree::{TreeResult, Visibility};
-use super::tree::{DMask, DeviceTree};
-use crate::sampling::Sampling;
 use crate::model::source::Slab;
 use crate::model::weights::{I4Stack, Mat};
 use crate::model::AttnMode;
+use crate::sampling::Sampling;
 
 type R<T> = std::result::Result<T, CudaError>;
 
@@ -131,7 +134,10 @@ pub struct CudaBackend {
 
 impl CudaBackend {
     pub fn new(gpu: Arc<Gpu>) -> CudaBackend {
-        CudaBackend { gpu, err: Arc::new(Mutex::new(None)) }
+        CudaBackend {
+            gpu,
+            err: Arc::new(Mutex::new(None)),
+        }
     }
     /// [`Gpu::set_graphs`].
     pub fn set_graphs(&self, on: bool) {
@@ -145,15 +151,24 @@ impl CudaBackend {
         use cudarc::driver::sys::CUstreamCaptureStatus as S;
         match self.gpu.stream.capture_status().map_err(super::drv("capture status"))? {
             S::CU_STREAM_CAPTURE_STATUS_NONE => Ok(()),
-            _ => Err(CudaError::Shape { op: "graph capture", msg: what.to_string() }),
+            _ => Err(CudaError::Shape {
+                op: "graph capture",
+                msg: what.to_string(),
+            }),
         }
     }
     /// Writes `v` into a device counter (a host-side change of a length).
     fn set_dev(&self, dev: &mut CudaSlice<i32>, v: usize) -> R<()> {
-        let v = i32::try_from(v).map_err(|_| CudaError::Shape { op: "position", msg: format!("{v} exceeds i32") })?;
+        let v = i32::try_from(v).map_err(|_| CudaError::Shape {
+            op: "position",
+            msg: format!("{v} exceeds i32"),
+        })?;
         super::GpuStats::bump(&self.gpu.stats.uploads);
         self.gpu.drain()?;
-        self.gpu.stream.memcpy_htod(&[v], dev).map_err(super::drv("position upload"))
+        self.gpu
+            .stream
+            .memcpy_htod(&[v], dev)
+            .map_err(super::drv("position upload"))
     }
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
@@ -199,12 +214,20 @@ impl CudaBackend {
     }
     fn empty_rope(&self, half: usize) -> DRope {
         let z = || self.empty_of::<f32>();
-        DRope { cos: z(), sin: z(), half, rows: 0 }
+        DRope {
+            cos: z(),
+            sin: z(),
+            half,
+            rows: 0,
+        }
     }
     fn copy(&self, src: &CudaSlice<f32>, from: usize, to: usize) -> R<CudaSlice<f32>> {
         let mut y = self.new_f32(to - from)?;
         if to > from {
-            self.gpu.stream.memcpy_dtod(&src.slice(from..to), &mut y).map_err(super::drv("copy"))?;
+            self.gpu
+                .stream
+                .memcpy_dtod(&src.slice(from..to), &mut y)
+                .map_err(super::drv("copy"))?;
         }
         Ok(y)
     }
@@ -212,9 +235,18 @@ impl CudaBackend {
     /// Embedding rows `[n, h]` (f32) of the device ids over one or several vocab shards.
     /// The embedding rows of `ids` from the shards `v` holds (other GPUs' rows zero, then the communicator's
     /// sum: [`VocabShards`]).
-    fn embed_rows(&self, v: &VocabShards<'_, DMat>, h: usize, ids: &cudarc::driver::CudaView<'_, i32>) -> R<CudaSlice<f32>> {
+    fn embed_rows(
+        &self,
+        v: &VocabShards<'_, DMat>,
+        h: usize,
+        ids: &cudarc::driver::CudaView<'_, i32>,
+    ) -> R<CudaSlice<f32>> {
         let whole = v.whole(|m| m.rows);
-        let mut e = if whole { self.gpu.out::<bf16>(ids.len() * h)? } else { self.gpu.zeros::<bf16>(ids.len() * h)? };
+        let mut e = if whole {
+            self.gpu.out::<bf16>(ids.len() * h)?
+        } else {
+            self.gpu.zeros::<bf16>(ids.len() * h)?
+        };
         if let ([one], true) = (v.mats.as_slice(), whole) {
             embed::embed_gather(&self.gpu, ids, &one.w.as_view(), &mut e.as_view_mut(), one.rows, h)?;
         } else {
@@ -231,7 +263,15 @@ impl CudaBackend {
     fn gemm_f32(&self, x: &CudaSlice<f32>, t: usize, w: &DMat) -> R<CudaSlice<f32>> {
         let xb = self.to_bf16(x)?;
         let mut y = self.gpu.out::<f32>(t * w.rows)?;
-        gemm_bf16::gemm_bf16(&self.gpu, &xb.as_view(), &w.w.as_view(), &mut y.as_view_mut(), t, w.cols, w.rows)?;
+        gemm_bf16::gemm_bf16(
+            &self.gpu,
+            &xb.as_view(),
+            &w.w.as_view(),
+            &mut y.as_view_mut(),
+            t,
+            w.cols,
+            w.rows,
+        )?;
         Ok(y)
     }
     fn grow(&self, kv: &mut DKv, rows: usize) -> R<()> {
@@ -246,7 +286,10 @@ impl CudaBackend {
             if keep > 0 {
                 let src = kv.buf.slice(l * kv.cap * kv.width..l * kv.cap * kv.width + keep);
                 let mut dst = buf.slice_mut(l * cap * kv.width..l * cap * kv.width + keep);
-                self.gpu.stream.memcpy_dtod(&src, &mut dst).map_err(super::drv("kv grow"))?;
+                self.gpu
+                    .stream
+                    .memcpy_dtod(&src, &mut dst)
+                    .map_err(super::drv("kv grow"))?;
             }
         }
         kv.buf = buf;
@@ -257,33 +300,79 @@ impl CudaBackend {
     /// The absorbed MLA of one or several segments (each its cache, mask and rows; rows consecutive in `q`):
     /// the per-row parts (bf16 q, the W_UK absorb, q_pe, W_UV, back to f32) once over all rows, the attention
     /// itself per segment over its own cache.
-    fn mla_segs(&self, q: &CudaSlice<f32>, segs: &[(&DKv, &DMask, usize)], l: usize, kv_b: &DMat, d: &MlaDims) -> R<CudaSlice<f32>> {
+    fn mla_segs(
+        &self,
+        q: &CudaSlice<f32>,
+        segs: &[(&DKv, &DMask, usize)],
+        l: usize,
+        kv_b: &DMat,
+        d: &MlaDims,
+    ) -> R<CudaSlice<f32>> {
         let (hr, c, p, dn, dv) = (d.heads, d.kv_lora, d.rope, d.nope, d.v);
         let t: usize = segs.iter().map(|s| s.2).sum();
         let qb = self.to_bf16(q)?; // [T, Hr·(Dn+P)]
         let lw = c + p;
         let mut qcat = self.gpu.out::<bf16>(t * hr * lw)?; // [T, Hr, C+P]
-        let ad = AbsorbDims { t, heads: hr, nope: dn, v: dv, kv_lora: c };
-        absorb_q(&self.gpu, &qb.as_view(), p, &kv_b.w.as_view(), &mut qcat.as_view_mut(), ad)?;
+        let ad = AbsorbDims {
+            t,
+            heads: hr,
+            nope: dn,
+            v: dv,
+            kv_lora: c,
+        };
+        absorb_q(
+            &self.gpu,
+            &qb.as_view(),
+            p,
+            &kv_b.w.as_view(),
+            &mut qcat.as_view_mut(),
+            ad,
+        )?;
         // q_pe (already roped) next to q_lat: rows (t, h) of width P, from offset Dn (stride Dn+P) to C.
-        copy_rows::copy_rows(&self.gpu, &qb.slice(dn..), dn + p, &mut qcat.slice_mut(c..), lw, t * hr, p)?;
+        copy_rows::copy_rows(
+            &self.gpu,
+            &qb.slice(dn..),
+            dn + p,
+            &mut qcat.slice_mut(c..),
+            lw,
+            t * hr,
+            p,
+        )?;
         let mut olat = self.gpu.out::<bf16>(t * hr * c)?;
         // Each segment's split (by its cache's room), and one workspace for the largest (the segments run in
         // stream order, one after another).
         let shapes: Vec<(MlaShape, MlaSplit)> = segs
             .iter()
             .map(|&(kv, _, ts)| {
-                let s = MlaShape { t: ts, heads: hr, kv_lora: c, rope: p, committed: kv.committed };
+                let s = MlaShape {
+                    t: ts,
+                    heads: hr,
+                    kv_lora: c,
+                    rope: p,
+                    committed: kv.committed,
+                };
                 // The split depends on the cache's room, not on the committed length (read on the device), so
                 // a captured round and an eager forward at any length split alike.
-                let room = MlaShape { committed: kv.cap.saturating_sub(ts), ..s };
-                (s, MlaSplit { splits: MlaSplit::choose(&self.gpu, &room).splits, rows_per_split: 0 })
+                let room = MlaShape {
+                    committed: kv.cap.saturating_sub(ts),
+                    ..s
+                };
+                (
+                    s,
+                    MlaSplit {
+                        splits: MlaSplit::choose(&self.gpu, &room).splits,
+                        rows_per_split: 0,
+                    },
+                )
             })
             .collect();
         if segs.len() > 1 {
             // One launch per MAX_SEGS segments, each node over its own sequence's cache with its own split.
             let max_sp = shapes.iter().map(|(_, sp)| sp.splits).max().unwrap_or(1);
-            let (mut po, mut pml) = (self.gpu.out::<f32>(t * max_sp * hr * c)?, self.gpu.out::<f32>(t * max_sp * hr * 2)?);
+            let (mut po, mut pml) = (
+                self.gpu.out::<f32>(t * max_sp * hr * c)?,
+                self.gpu.out::<f32>(t * max_sp * hr * 2)?,
+            );
             let mut at = 0;
             for (chunk, sh) in segs.chunks(seg_op::MAX_SEGS).zip(shapes.chunks(seg_op::MAX_SEGS)) {
                 let rows: usize = chunk.iter().map(|s| s.2).sum();
@@ -293,32 +382,66 @@ impl CudaBackend {
                     .zip(sh)
                     .map(|(&(kv, mask, ts), (_, split))| {
                         let base = l * kv.cap * kv.width;
-                        seg_op::MlaSeg { lat: kv.buf.slice(base..base + kv.cap * kv.width), mask: mask.bits.as_view(), words: mask.words, pos: kv.pos.as_view(), committed: kv.committed, t: ts, splits: split.splits }
+                        seg_op::MlaSeg {
+                            lat: kv.buf.slice(base..base + kv.cap * kv.width),
+                            mask: mask.bits.as_view(),
+                            words: mask.words,
+                            pos: kv.pos.as_view(),
+                            committed: kv.committed,
+                            t: ts,
+                            splits: split.splits,
+                        }
                     })
                     .collect();
                 for (&(kv, mask, ts), _) in chunk.iter().zip(sh) {
                     if mask.rows < ts || kv.committed + ts > kv.cap {
-                        return Err(CudaError::Shape { op: "mla_attention", msg: format!("a mask of {} rows / a cache of {} rows for {} committed + {ts} nodes", mask.rows, kv.cap, kv.committed) });
+                        return Err(CudaError::Shape {
+                            op: "mla_attention",
+                            msg: format!(
+                                "a mask of {} rows / a cache of {} rows for {} committed + {ts} nodes",
+                                mask.rows, kv.cap, kv.committed
+                            ),
+                        });
                     }
                 }
                 let qs = qcat.slice(at * hr * lw..(at + rows) * hr * lw);
                 let mut os = olat.slice_mut(at * hr * c..(at + rows) * hr * c);
-                seg_op::mla_attention_seg(&self.gpu, &qs, &parts, hr, c, p, d.scale, &mut po.slice_mut(..rows * sp * hr * c), &mut pml.slice_mut(..rows * sp * hr * 2), &mut os)?;
+                seg_op::mla_attention_seg(
+                    &self.gpu,
+                    &qs,
+                    &parts,
+                    hr,
+                    c,
+                    p,
+                    d.scale,
+                    &mut po.slice_mut(..rows * sp * hr * c),
+                    &mut pml.slice_mut(..rows * sp * hr * 2),
+                    &mut os,
+                )?;
                 at += rows;
             }
             let mut o = self.gpu.out::<bf16>(t * hr * dv)?;
             apply_uv(&self.gpu, &olat.as_view(), &kv_b.w.as_view(), &mut o.as_view_mut(), ad)?;
             return self.to_f32(&o);
         }
-        let (wo, wml) = shapes.iter().map(|(s, sp)| sp.workspace(s)).fold((0, 0), |a, w| (a.0.max(w.0), a.1.max(w.1)));
+        let (wo, wml) = shapes
+            .iter()
+            .map(|(s, sp)| sp.workspace(s))
+            .fold((0, 0), |a, w| (a.0.max(w.0), a.1.max(w.1)));
         let (mut po, mut pml) = (self.new_f32(wo)?, self.new_f32(wml)?);
         let mut at = 0;
         for (&(kv, mask, ts), (s, split)) in segs.iter().zip(&shapes) {
             if mask.rows < ts {
-                return Err(CudaError::Shape { op: "mla_attention", msg: format!("a mask of {} rows for {ts} nodes", mask.rows) });
+                return Err(CudaError::Shape {
+                    op: "mla_attention",
+                    msg: format!("a mask of {} rows for {ts} nodes", mask.rows),
+                });
             }
             if kv.committed + ts > kv.cap {
-                return Err(CudaError::Shape { op: "mla_attention", msg: format!("{} committed + {ts} rows exceed the cache's {}", kv.committed, kv.cap) });
+                return Err(CudaError::Shape {
+                    op: "mla_attention",
+                    msg: format!("{} committed + {ts} rows exceed the cache's {}", kv.committed, kv.cap),
+                });
             }
             let (wo, wml) = split.workspace(s);
             let base = l * kv.cap * kv.width;
@@ -326,7 +449,19 @@ impl CudaBackend {
             let (mview, pview) = (mask.bits.as_view(), kv.pos.as_view());
             let qs = qcat.slice(at * hr * lw..(at + ts) * hr * lw);
             let mut os = olat.slice_mut(at * hr * c..(at + ts) * hr * c);
-            mla_attention(&self.gpu, &qs, &lat, Some((&mview, mask.words)), Some(&pview), s, split, d.scale, &mut po.slice_mut(..wo), &mut pml.slice_mut(..wml), &mut os)?;
+            mla_attention(
+                &self.gpu,
+                &qs,
+                &lat,
+                Some((&mview, mask.words)),
+                Some(&pview),
+                s,
+                split,
+                d.scale,
+                &mut po.slice_mut(..wo),
+                &mut pml.slice_mut(..wml),
+                &mut os,
+            )?;
             at += ts;
         }
         let mut o = self.gpu.out::<bf16>(t * hr * dv)?;
@@ -334,7 +469,16 @@ impl CudaBackend {
         self.to_f32(&o)
     }
     #[allow(clippy::too_many_arguments)]
-    fn experts(&self, x: &CudaSlice<f32>, t: usize, h: usize, r: &DRoutes, gate: &DI4, up: &DI4, down: &DI4) -> R<CudaSlice<f32>> {
+    fn experts(
+        &self,
+        x: &CudaSlice<f32>,
+        t: usize,
+        h: usize,
+        r: &DRoutes,
+        gate: &DI4,
+        up: &DI4,
+        down: &DI4,
+    ) -> R<CudaSlice<f32>> {
         let g = &*self.gpu;
         // This rank's experts: all of them (tensor parallel: each holds a slice of every expert), or
         // first .. first + count (expert parallel: routes to other ranks' experts are skipped here).
@@ -350,29 +494,106 @@ impl CudaBackend {
         let plan_d = w4a16_gemm::plan_moe(g, pairs, e, h, kp);
         let tile = plan_gu.tile_rows();
         let mt = moe_align::max_tiles(pairs, e, tile);
-        let (mut sorted, mut tiles, mut n_tiles) = (g.zeros::<i32>(pairs)?, g.zeros::<i32>(3 * mt)?, g.zeros::<i32>(1)?);
-        moe_align::moe_align_rank(g, &r.ids.as_view(), gate.first, e, tile, &mut sorted.as_view_mut(), &mut tiles.as_view_mut(), &mut n_tiles.as_view_mut())?;
-        let ws_len = plan_gu.workspace_len(pairs, 2 * mi).max(plan_one.workspace_len(pairs, mi)).max(plan_d.workspace_len(pairs, h));
+        let (mut sorted, mut tiles, mut n_tiles) =
+            (g.zeros::<i32>(pairs)?, g.zeros::<i32>(3 * mt)?, g.zeros::<i32>(1)?);
+        moe_align::moe_align_rank(
+            g,
+            &r.ids.as_view(),
+            gate.first,
+            e,
+            tile,
+            &mut sorted.as_view_mut(),
+            &mut tiles.as_view_mut(),
+            &mut n_tiles.as_view_mut(),
+        )?;
+        let ws_len = plan_gu
+            .workspace_len(pairs, 2 * mi)
+            .max(plan_one.workspace_len(pairs, mi))
+            .max(plan_d.workspace_len(pairs, h));
         let mut ws = g.out::<f32>(ws_len)?;
         let (sv, tv, nv) = (sorted.as_view(), tiles.as_view(), n_tiles.as_view());
-        let routing = w4a16_gemm::Routing { sorted: &sv, tiles: &tv, max_tiles: mt, n_tiles: &nv, tile_rows: tile };
+        let routing = w4a16_gemm::Routing {
+            sorted: &sv,
+            tiles: &tv,
+            max_tiles: mt,
+            n_tiles: &nv,
+            tile_rows: tile,
+        };
         let xv = xb.as_view();
         let gu = if kp == mi {
             let mut gu = g.out::<bf16>(pairs * 2 * mi)?;
-            let (gw, uw) = ((&gate.packed.as_view(), &gate.scales.as_view()), (&up.packed.as_view(), &up.scales.as_view()));
-            w4a16_gemm::moe_w4a16_gate_up(g, &xv, h, r.k, pairs, &routing, gw, uw, e, mi, h, &mut ws.as_view_mut(), &mut gu.as_view_mut(), 2 * mi)?;
+            let (gw, uw) = (
+                (&gate.packed.as_view(), &gate.scales.as_view()),
+                (&up.packed.as_view(), &up.scales.as_view()),
+            );
+            w4a16_gemm::moe_w4a16_gate_up(
+                g,
+                &xv,
+                h,
+                r.k,
+                pairs,
+                &routing,
+                gw,
+                uw,
+                e,
+                mi,
+                h,
+                &mut ws.as_view_mut(),
+                &mut gu.as_view_mut(),
+                2 * mi,
+            )?;
             gu
         } else {
             let mut gu = g.zeros::<bf16>(pairs * 2 * kp)?;
             for (m, at) in [(gate, 0), (up, kp)] {
-                w4a16_gemm::moe_w4a16_gemm(g, &xv, h, r.k, pairs, &routing, &m.packed.as_view(), &m.scales.as_view(), e, mi, h, &mut ws.as_view_mut(), &mut gu.slice_mut(at..), 2 * kp)?;
+                w4a16_gemm::moe_w4a16_gemm(
+                    g,
+                    &xv,
+                    h,
+                    r.k,
+                    pairs,
+                    &routing,
+                    &m.packed.as_view(),
+                    &m.scales.as_view(),
+                    e,
+                    mi,
+                    h,
+                    &mut ws.as_view_mut(),
+                    &mut gu.slice_mut(at..),
+                    2 * kp,
+                )?;
             }
             gu
         };
         let mut y = g.zeros::<bf16>(pairs * h)?;
-        w4a16_gemm::moe_w4a16_down_silu(g, &gu.as_view(), 2 * kp, pairs, &routing, &down.packed.as_view(), &down.scales.as_view(), e, h, kp, &mut ws.as_view_mut(), &mut y.as_view_mut(), h)?;
+        w4a16_gemm::moe_w4a16_down_silu(
+            g,
+            &gu.as_view(),
+            2 * kp,
+            pairs,
+            &routing,
+            &down.packed.as_view(),
+            &down.scales.as_view(),
+            e,
+            h,
+            kp,
+            &mut ws.as_view_mut(),
+            &mut y.as_view_mut(),
+            h,
+        )?;
         let mut out = g.out::<f32>(t * h)?;
-        moe_combine::moe_combine_rank(g, &y.as_view(), h, &r.wts.as_view(), &r.ids.as_view(), (gate.first, gate.count), &mut out.as_view_mut(), t, r.k, h)?;
+        moe_combine::moe_combine_rank(
+            g,
+            &y.as_view(),
+            h,
+            &r.wts.as_view(),
+            &r.ids.as_view(),
+            (gate.first, gate.count),
+            &mut out.as_view_mut(),
+            t,
+            r.k,
+            h,
+        )?;
         Ok(out)
     }
 }
@@ -411,7 +632,6 @@ impl CudaBackend {
     }
 }
 
-
 impl Backend for CudaBackend {
     type Act = CudaSlice<f32>;
     type Mat = DMat;
@@ -439,7 +659,11 @@ impl Backend for CudaBackend {
     }
 
     fn upload_bf16(&self, m: Mat) -> Result<DMat> {
-        Ok(DMat { w: self.gpu.upload(&m.w[..])?, rows: m.rows, cols: m.cols })
+        Ok(DMat {
+            w: self.gpu.upload(&m.w[..])?,
+            rows: m.rows,
+            cols: m.cols,
+        })
     }
     fn upload_i4g32(&self, s: I4Stack) -> Result<DI4> {
         if !s.k.is_multiple_of(w4a16_gemm::K_STEP) && s.k.is_multiple_of(32) {
@@ -447,10 +671,26 @@ impl Backend for CudaBackend {
             // zero weights (zero scales) to the next step; `experts` widens the [gate | up] rows to match.
             let (packed, scales, kp) = pad_k(&s.packed, &s.scales, s.count * s.n, s.k, w4a16_gemm::K_STEP);
             self.i4_shape_ok(s.count, s.n, kp)?;
-            return Ok(DI4 { packed: self.gpu.upload(&packed)?, scales: self.gpu.upload(&scales)?, first: s.first, count: s.count, n: s.n, k: kp, k_src: s.k });
+            return Ok(DI4 {
+                packed: self.gpu.upload(&packed)?,
+                scales: self.gpu.upload(&scales)?,
+                first: s.first,
+                count: s.count,
+                n: s.n,
+                k: kp,
+                k_src: s.k,
+            });
         }
         self.i4_shape_ok(s.count, s.n, s.k)?;
-        Ok(DI4 { packed: self.gpu.upload(&s.packed[..])?, scales: self.gpu.upload(&s.scales[..])?, first: s.first, count: s.count, n: s.n, k: s.k, k_src: s.k })
+        Ok(DI4 {
+            packed: self.gpu.upload(&s.packed[..])?,
+            scales: self.gpu.upload(&s.scales[..])?,
+            first: s.first,
+            count: s.count,
+            n: s.n,
+            k: s.k,
+            k_src: s.k,
+        })
     }
     fn upload_vector(&self, v: Slab<bf16>) -> Result<CudaSlice<bf16>> {
         Ok(self.gpu.upload(&v[..])?)
@@ -476,8 +716,12 @@ impl Backend for CudaBackend {
                 // Padded at upload (tp4 / tp8 of a small model): the device rows, read back, without the padding.
                 let (rows, k, kp) = (s.count * s.n, s.k_src, s.k);
                 let (p, sc) = (g.download(&s.packed)?, g.download(&s.scales)?);
-                let p: Vec<u8> = (0..rows).flat_map(|r| p[r * kp / 2..r * kp / 2 + k / 2].iter().copied()).collect();
-                let sc: Vec<bf16> = (0..rows).flat_map(|r| sc[r * kp / 32..r * kp / 32 + k / 32].iter().copied()).collect();
+                let p: Vec<u8> = (0..rows)
+                    .flat_map(|r| p[r * kp / 2..r * kp / 2 + k / 2].iter().copied())
+                    .collect();
+                let sc: Vec<bf16> = (0..rows)
+                    .flat_map(|r| sc[r * kp / 32..r * kp / 32 + k / 32].iter().copied())
+                    .collect();
                 use kdtree_formats::manifest::xxh3_64;
                 vec![xxh3_64(&p), xxh3_64(bytemuck::cast_slice(&sc))]
             }
@@ -485,7 +729,11 @@ impl Backend for CudaBackend {
     }
     // Dummy weights: allocated and filled in place (cuda/ops/fill.rs), no host bytes.
     fn fill_bf16(&self, rows: usize, cols: usize, f: &Fill) -> Result<DMat> {
-        Ok(DMat { w: self.filled_bf16(rows * cols, f)?, rows, cols })
+        Ok(DMat {
+            w: self.filled_bf16(rows * cols, f)?,
+            rows,
+            cols,
+        })
     }
     fn fill_vector(&self, n: usize, f: &Fill) -> Result<CudaSlice<bf16>> {
         Ok(self.filled_bf16(n, f)?)
@@ -501,13 +749,28 @@ impl Backend for CudaBackend {
         // SAFETY: every byte is written by the fill before any read.
         let mut p = unsafe { self.gpu.stream.alloc::<u8>(count * n * k / 2) }.map_err(super::drv("fill alloc"))?;
         fill::fill_u8(&self.gpu, &mut p.as_view_mut(), packed)?;
-        Ok(DI4 { packed: p, scales: self.filled_bf16(count * n * k / 32, scales)?, first, count, n, k, k_src: k })
+        Ok(DI4 {
+            packed: p,
+            scales: self.filled_bf16(count * n * k / 32, scales)?,
+            first,
+            count,
+            n,
+            k,
+            k_src: k,
+        })
     }
 
     fn rope_upload(&self, r: RopeTable) -> DRope {
         let rows = r.cos.len() / r.half.max(1);
-        self.run("rope_upload", || Ok(DRope { cos: self.gpu.upload(&r.cos)?, sin: self.gpu.upload(&r.sin)?, half: r.half, rows }))
-            .unwrap_or_else(|| self.empty_rope(r.half))
+        self.run("rope_upload", || {
+            Ok(DRope {
+                cos: self.gpu.upload(&r.cos)?,
+                sin: self.gpu.upload(&r.sin)?,
+                half: r.half,
+                rows,
+            })
+        })
+        .unwrap_or_else(|| self.empty_rope(r.half))
     }
     fn rope_gather(&self, r: &RopeTable, idx: &CudaSlice<u32>, t: usize) -> DRope {
         self.run("rope_gather", || {
@@ -515,25 +778,63 @@ impl Backend for CudaBackend {
             let (tc, ts) = (self.gpu.upload(&r.cos)?, self.gpu.upload(&r.sin)?);
             let (mut cos, mut sin) = (self.gpu.out::<f32>(t * half)?, self.gpu.out::<f32>(t * half)?);
             let iv = idx.as_view();
-            gather_rows::gather_rows(&self.gpu, &tc.as_view(), half, n, &iv, &mut cos.as_view_mut(), half, t, half)?;
-            gather_rows::gather_rows(&self.gpu, &ts.as_view(), half, n, &iv, &mut sin.as_view_mut(), half, t, half)?;
-            Ok(DRope { cos, sin, half, rows: t })
+            gather_rows::gather_rows(
+                &self.gpu,
+                &tc.as_view(),
+                half,
+                n,
+                &iv,
+                &mut cos.as_view_mut(),
+                half,
+                t,
+                half,
+            )?;
+            gather_rows::gather_rows(
+                &self.gpu,
+                &ts.as_view(),
+                half,
+                n,
+                &iv,
+                &mut sin.as_view_mut(),
+                half,
+                t,
+                half,
+            )?;
+            Ok(DRope {
+                cos,
+                sin,
+                half,
+                rows: t,
+            })
         })
         .unwrap_or_else(|| self.empty_rope(r.half))
     }
     fn mask_upload(&self, v: &Visibility) -> DMask {
-        let bits = self.run("mask_upload", || self.gpu.upload(&v.bits)).unwrap_or_else(|| self.empty_of::<u64>());
-        DMask { bits, rows: v.rows, words: v.words }
+        let bits = self
+            .run("mask_upload", || self.gpu.upload(&v.bits))
+            .unwrap_or_else(|| self.empty_of::<u64>());
+        DMask {
+            bits,
+            rows: v.rows,
+            words: v.words,
+        }
     }
     fn ids_from_host(&self, ids: &[u32]) -> CudaSlice<u32> {
-        self.run("ids_from_host", || self.gpu.upload(ids)).unwrap_or_else(|| self.empty_u32())
+        self.run("ids_from_host", || self.gpu.upload(ids))
+            .unwrap_or_else(|| self.empty_u32())
     }
     fn ids_copy(&self, dst: &mut CudaSlice<u32>, at: usize, src: &CudaSlice<u32>, n: usize) {
         self.run("ids_copy", || {
             if at + n > dst.len() || n > src.len() {
-                return Err(CudaError::Shape { op: "ids_copy", msg: format!("{n} ids at {at} of {} from {}", dst.len(), src.len()) });
+                return Err(CudaError::Shape {
+                    op: "ids_copy",
+                    msg: format!("{n} ids at {at} of {} from {}", dst.len(), src.len()),
+                });
             }
-            self.gpu.stream.memcpy_dtod(&src.slice(..n), &mut dst.slice_mut(at..at + n)).map_err(super::drv("ids_copy"))
+            self.gpu
+                .stream
+                .memcpy_dtod(&src.slice(..n), &mut dst.slice_mut(at..at + n))
+                .map_err(super::drv("ids_copy"))
         });
     }
     fn ids_write(&self, dst: &mut CudaSlice<u32>, at: usize, host: &[u32]) -> Result<()> {
@@ -542,16 +843,33 @@ impl Backend for CudaBackend {
         }
         super::GpuStats::bump(&self.gpu.stats.uploads);
         self.gpu.drain()?;
-        self.gpu.stream.memcpy_htod(host, &mut dst.slice_mut(at..at + host.len())).map_err(super::drv("ids_write"))?;
+        self.gpu
+            .stream
+            .memcpy_htod(host, &mut dst.slice_mut(at..at + host.len()))
+            .map_err(super::drv("ids_write"))?;
         Ok(())
     }
     fn ids_to_host(&self, ids: &CudaSlice<u32>) -> Result<Vec<u32>> {
         Ok(self.gpu.download(ids)?)
     }
-    fn decide_rows(&self, logits: &CudaSlice<f32>, row0: usize, rows: usize, vocab: usize, s: &Sampling, base: PosOf<'_, Self>, offset: usize, out: &mut CudaSlice<u32>) -> Result<()> {
+    fn decide_rows(
+        &self,
+        logits: &CudaSlice<f32>,
+        row0: usize,
+        rows: usize,
+        vocab: usize,
+        s: &Sampling,
+        base: PosOf<'_, Self>,
+        offset: usize,
+        out: &mut CudaSlice<u32>,
+    ) -> Result<()> {
         let end = row0 + rows;
         if logits.len() < end * vocab || out.len() < end {
-            bail!("decide_rows: {} logits / {} outputs for rows {row0}..{end} of {vocab}", logits.len(), out.len());
+            bail!(
+                "decide_rows: {} logits / {} outputs for rows {row0}..{end} of {vocab}",
+                logits.len(),
+                out.len()
+            );
         }
         let bv = match base {
             PosOf::Kv(kv) => kv.pos.as_view(),
@@ -561,11 +879,29 @@ impl Backend for CudaBackend {
         if s.is_greedy() {
             argmax::argmax(&self.gpu, &lv, rows, vocab, vocab, &mut ov)?;
         } else {
-            super::ops::sample_rows::sample_rows(&self.gpu, &lv, rows, vocab, vocab, s, offset as u64, Some(&bv), None, &mut ov)?;
+            super::ops::sample_rows::sample_rows(
+                &self.gpu,
+                &lv,
+                rows,
+                vocab,
+                vocab,
+                s,
+                offset as u64,
+                Some(&bv),
+                None,
+                &mut ov,
+            )?;
         }
         self.check()
     }
-    fn rope_at(&self, inv_freq: &CudaSlice<f32>, factor: f64, base: PosOf<'_, Self>, offsets: Option<&CudaSlice<u32>>, t: usize) -> DRope {
+    fn rope_at(
+        &self,
+        inv_freq: &CudaSlice<f32>,
+        factor: f64,
+        base: PosOf<'_, Self>,
+        offsets: Option<&CudaSlice<u32>>,
+        t: usize,
+    ) -> DRope {
         let half = inv_freq.len();
         self.run("rope_at", || {
             let b = match base {
@@ -574,13 +910,29 @@ impl Backend for CudaBackend {
             };
             let (mut cos, mut sin) = (self.new_f32(t * half)?, self.new_f32(t * half)?);
             let ov = offsets.map(|o| o.as_view());
-            round_state::rope_at(&self.gpu, &inv_freq.as_view(), factor, &b, ov.as_ref(), t, &mut cos.as_view_mut(), &mut sin.as_view_mut())?;
-            Ok(DRope { cos, sin, half, rows: t })
+            round_state::rope_at(
+                &self.gpu,
+                &inv_freq.as_view(),
+                factor,
+                &b,
+                ov.as_ref(),
+                t,
+                &mut cos.as_view_mut(),
+                &mut sin.as_view_mut(),
+            )?;
+            Ok(DRope {
+                cos,
+                sin,
+                half,
+                rows: t,
+            })
         })
         .unwrap_or_else(|| self.empty_rope(half))
     }
     fn pos_new(&self, v: usize) -> DPos {
-        let mut dev = self.run("pos_new", || self.gpu.zeros::<i32>(1)).unwrap_or_else(|| self.empty_of::<i32>());
+        let mut dev = self
+            .run("pos_new", || self.gpu.zeros::<i32>(1))
+            .unwrap_or_else(|| self.empty_of::<i32>());
         if v != 0 {
             self.run("pos_new", || self.set_dev(&mut dev, v));
         }
@@ -597,7 +949,9 @@ impl Backend for CudaBackend {
     }
     fn pos_add(&self, p: &mut DPos, n: usize) {
         if n > 0 {
-            self.run("pos_add", || round_state::pos_add(&self.gpu, &mut p.dev.as_view_mut(), n));
+            self.run("pos_add", || {
+                round_state::pos_add(&self.gpu, &mut p.dev.as_view_mut(), n)
+            });
             p.host += n;
         }
     }
@@ -606,13 +960,15 @@ impl Backend for CudaBackend {
         if x.is_empty() {
             return self.empty(); // (the drafter's empty context cache) no copy of nothing
         }
-        self.run("upload", || self.gpu.upload(&x)).unwrap_or_else(|| self.empty())
+        self.run("upload", || self.gpu.upload(&x))
+            .unwrap_or_else(|| self.empty())
     }
     fn to_host(&self, x: &CudaSlice<f32>) -> Vec<f32> {
         self.run("download", || self.gpu.download(x)).unwrap_or_default()
     }
     fn rows(&self, x: &CudaSlice<f32>, cols: usize, from: usize, to: usize) -> CudaSlice<f32> {
-        self.run("rows", || self.copy(x, from * cols, to * cols)).unwrap_or_else(|| self.empty())
+        self.run("rows", || self.copy(x, from * cols, to * cols))
+            .unwrap_or_else(|| self.empty())
     }
     fn append_rows(&self, acc: &mut CudaSlice<f32>, x: &CudaSlice<f32>) {
         let n = acc.len();
@@ -620,10 +976,12 @@ impl Backend for CudaBackend {
             let mut y = self.new_f32(n + x.len())?;
             let s = &self.gpu.stream;
             if n > 0 {
-                s.memcpy_dtod(acc, &mut y.slice_mut(..n)).map_err(super::drv("append_rows"))?;
+                s.memcpy_dtod(acc, &mut y.slice_mut(..n))
+                    .map_err(super::drv("append_rows"))?;
             }
             if !x.is_empty() {
-                s.memcpy_dtod(x, &mut y.slice_mut(n..)).map_err(super::drv("append_rows"))?;
+                s.memcpy_dtod(x, &mut y.slice_mut(n..))
+                    .map_err(super::drv("append_rows"))?;
             }
             Ok(y)
         }) {
@@ -640,15 +998,34 @@ impl Backend for CudaBackend {
     fn set_rows(&self, dst: &mut CudaSlice<f32>, cols: usize, at: usize, src: &CudaSlice<f32>, n: usize) {
         self.run("set_rows", || {
             if (at + n) * cols > dst.len() || n * cols > src.len() {
-                return Err(CudaError::Shape { op: "set_rows", msg: format!("rows {at}..{} of {cols} into {} values from {}", at + n, dst.len(), src.len()) });
+                return Err(CudaError::Shape {
+                    op: "set_rows",
+                    msg: format!(
+                        "rows {at}..{} of {cols} into {} values from {}",
+                        at + n,
+                        dst.len(),
+                        src.len()
+                    ),
+                });
             }
             if n > 0 {
-                self.gpu.stream.memcpy_dtod(&src.slice(..n * cols), &mut dst.slice_mut(at * cols..(at + n) * cols)).map_err(super::drv("set_rows"))?;
+                self.gpu
+                    .stream
+                    .memcpy_dtod(&src.slice(..n * cols), &mut dst.slice_mut(at * cols..(at + n) * cols))
+                    .map_err(super::drv("set_rows"))?;
             }
             Ok(())
         });
     }
-    fn set_cols(&self, dst: &mut CudaSlice<f32>, dst_cols: usize, at: usize, src: &CudaSlice<f32>, src_cols: usize, t: usize) {
+    fn set_cols(
+        &self,
+        dst: &mut CudaSlice<f32>,
+        dst_cols: usize,
+        at: usize,
+        src: &CudaSlice<f32>,
+        src_cols: usize,
+        t: usize,
+    ) {
         self.run("set_cols", || {
             let mut d = dst.slice_mut(at..);
             act_f32::copy_rows_f32(&self.gpu, &src.as_view(), src_cols, &mut d, dst_cols, t, src_cols)
@@ -667,7 +1044,10 @@ impl Backend for CudaBackend {
             self.not_capturing("a row cache grows (reserve it before a captured round)")?;
             let mut y = self.new_f32(cap)?;
             if !x.is_empty() {
-                self.gpu.stream.memcpy_dtod(&*x, &mut y.slice_mut(..x.len())).map_err(super::drv("reserve_rows"))?;
+                self.gpu
+                    .stream
+                    .memcpy_dtod(&*x, &mut y.slice_mut(..x.len()))
+                    .map_err(super::drv("reserve_rows"))?;
             }
             Ok(y)
         }) {
@@ -679,23 +1059,45 @@ impl Backend for CudaBackend {
         }
     }
     fn write_rows_at(&self, dst: &mut CudaSlice<f32>, cols: usize, at: &DPos, src: &CudaSlice<f32>, n: usize) {
-        self.run("write_rows_at", || round_state::store_rows_f32(&self.gpu, &mut dst.as_view_mut(), cols, &at.dev.as_view(), at.host, &src.as_view(), n));
+        self.run("write_rows_at", || {
+            round_state::store_rows_f32(
+                &self.gpu,
+                &mut dst.as_view_mut(),
+                cols,
+                &at.dev.as_view(),
+                at.host,
+                &src.as_view(),
+                n,
+            )
+        });
     }
 
     fn linear(&self, x: &CudaSlice<f32>, t: usize, w: &DMat) -> CudaSlice<f32> {
-        self.run("linear", || self.gemm_f32(x, t, w)).unwrap_or_else(|| self.empty())
+        self.run("linear", || self.gemm_f32(x, t, w))
+            .unwrap_or_else(|| self.empty())
     }
     fn rms_norm(&self, x: &CudaSlice<f32>, w: &CudaSlice<bf16>, eps: f32) -> CudaSlice<f32> {
         self.run("rms_norm", || {
             let d = w.len();
             let mut y = self.gpu.out::<f32>(x.len())?;
-            act_f32::rms_norm_f32(&self.gpu, &x.as_view(), d, &w.as_view(), &mut y.as_view_mut(), d, x.len() / d.max(1), eps)?;
+            act_f32::rms_norm_f32(
+                &self.gpu,
+                &x.as_view(),
+                d,
+                &w.as_view(),
+                &mut y.as_view_mut(),
+                d,
+                x.len() / d.max(1),
+                eps,
+            )?;
             Ok(y)
         })
         .unwrap_or_else(|| self.empty())
     }
     fn add(&self, acc: &mut CudaSlice<f32>, x: &CudaSlice<f32>) {
-        self.run("add", || act_f32::add_f32(&self.gpu, &mut acc.as_view_mut(), &x.as_view()));
+        self.run("add", || {
+            act_f32::add_f32(&self.gpu, &mut acc.as_view_mut(), &x.as_view())
+        });
     }
     fn silu_mul(&self, gate: &CudaSlice<f32>, up: &CudaSlice<f32>) -> CudaSlice<f32> {
         self.run("silu_mul", || {
@@ -728,7 +1130,10 @@ impl Backend for CudaBackend {
     fn embedding_ids(&self, v: &VocabShards<'_, DMat>, h: usize, ids: &CudaSlice<u32>, n: usize) -> CudaSlice<f32> {
         self.run("embedding", || {
             if ids.len() < n {
-                return Err(CudaError::Shape { op: "embedding", msg: format!("{} ids for {n} rows", ids.len()) });
+                return Err(CudaError::Shape {
+                    op: "embedding",
+                    msg: format!("{} ids for {n} rows", ids.len()),
+                });
             }
             let iv = ids.slice(..n);
             // SAFETY: the token ids are below the vocabulary (< 2^31), so u32 and i32 hold the same values.
@@ -747,10 +1152,23 @@ impl Backend for CudaBackend {
             // GPUs' columns are zero here and summed in by the communicator.
             let vt = v.vocab;
             let xb = self.to_bf16(x)?;
-            let mut y = if whole { self.gpu.out::<f32>(n * vt)? } else { self.gpu.zeros::<f32>(n * vt)? };
+            let mut y = if whole {
+                self.gpu.out::<f32>(n * vt)?
+            } else {
+                self.gpu.zeros::<f32>(n * vt)?
+            };
             let mut col = v.first;
             for m in &v.mats {
-                gemm_bf16::gemm_bf16_ld(&self.gpu, &xb.as_view(), &m.w.as_view(), &mut y.slice_mut(col..), n, m.cols, m.rows, vt)?;
+                gemm_bf16::gemm_bf16_ld(
+                    &self.gpu,
+                    &xb.as_view(),
+                    &m.w.as_view(),
+                    &mut y.slice_mut(col..),
+                    n,
+                    m.cols,
+                    m.rows,
+                    vt,
+                )?;
                 col += m.rows;
             }
             if !whole {
@@ -760,14 +1178,31 @@ impl Backend for CudaBackend {
         })
         .unwrap_or_else(|| self.empty())
     }
-    fn lm_head_argmax_into(&self, x: &CudaSlice<f32>, n: usize, _h: usize, v: &VocabShards<'_, DMat>, out: &mut CudaSlice<u32>, row0: usize) -> Result<()> {
+    fn lm_head_argmax_into(
+        &self,
+        x: &CudaSlice<f32>,
+        n: usize,
+        _h: usize,
+        v: &VocabShards<'_, DMat>,
+        out: &mut CudaSlice<u32>,
+        row0: usize,
+    ) -> Result<()> {
         if out.len() < row0 + n {
             bail!("lm_head_argmax: {} outputs for rows {row0}..{}", out.len(), row0 + n);
         }
         let vt = v.vocab;
         if v.whole(|m| m.rows) {
             let logits = self.lm_head(x, n, _h, v);
-            self.run("lm_head_argmax", || argmax::argmax(&self.gpu, &logits.as_view(), n, vt, vt, &mut out.slice_mut(row0..row0 + n)));
+            self.run("lm_head_argmax", || {
+                argmax::argmax(
+                    &self.gpu,
+                    &logits.as_view(),
+                    n,
+                    vt,
+                    vt,
+                    &mut out.slice_mut(row0..row0 + n),
+                )
+            });
             return self.check();
         }
         let (slots, slot0) = v.slots(|m| m.rows).map_err(anyhow::Error::msg)?;
@@ -780,20 +1215,58 @@ impl Backend for CudaBackend {
             let mut pairs = self.gpu.zeros::<f32>(n * slots * 2)?;
             let mut col = v.first;
             for (j, m) in v.mats.iter().enumerate() {
-                gemm_bf16::gemm_bf16_ld(&self.gpu, &xb.as_view(), &m.w.as_view(), &mut y.slice_mut(col..), n, m.cols, m.rows, vt)?;
-                argmax::argmax_pairs(&self.gpu, &y.slice(col..), n, m.rows, vt, col, &mut pairs.as_view_mut(), slot0 + j, slots)?;
+                gemm_bf16::gemm_bf16_ld(
+                    &self.gpu,
+                    &xb.as_view(),
+                    &m.w.as_view(),
+                    &mut y.slice_mut(col..),
+                    n,
+                    m.cols,
+                    m.rows,
+                    vt,
+                )?;
+                argmax::argmax_pairs(
+                    &self.gpu,
+                    &y.slice(col..),
+                    n,
+                    m.rows,
+                    vt,
+                    col,
+                    &mut pairs.as_view_mut(),
+                    slot0 + j,
+                    slots,
+                )?;
                 col += m.rows;
             }
             self.gpu.comm().all_reduce_sum(&self.gpu, &mut pairs)?;
-            argmax::merge_pairs(&self.gpu, &pairs.as_view(), n, slots, &mut out.slice_mut(row0..row0 + n))
+            argmax::merge_pairs(
+                &self.gpu,
+                &pairs.as_view(),
+                n,
+                slots,
+                &mut out.slice_mut(row0..row0 + n),
+            )
         });
         self.check()
     }
 
     fn kv_new(&self, layers: usize, width: usize) -> DKv {
-        let buf = self.run("kv_new", || self.gpu.zeros::<bf16>(0)).unwrap_or_else(|| self.empty_of::<bf16>());
-        let pos = self.run("kv_new", || self.gpu.zeros::<i32>(1)).unwrap_or_else(|| self.empty_of::<i32>());
-        DKv { buf, layers, width, cap: 0, committed: 0, scratch: 0, pos, id: storage_id() }
+        let buf = self
+            .run("kv_new", || self.gpu.zeros::<bf16>(0))
+            .unwrap_or_else(|| self.empty_of::<bf16>());
+        let pos = self
+            .run("kv_new", || self.gpu.zeros::<i32>(1))
+            .unwrap_or_else(|| self.empty_of::<i32>());
+        DKv {
+            buf,
+            layers,
+            width,
+            cap: 0,
+            committed: 0,
+            scratch: 0,
+            pos,
+            id: storage_id(),
+        }
     }
     fn kv_committed(&self, kv: &DKv) -> usize {
         kv.committed
@@ -808,19 +1281,58 @@ impl Backend for CudaBackend {
     fn kv_drop_scratch(&self, kv: &mut DKv) {
         kv.scratch = 0;
     }
-    fn kv_append_latent(&self, kv: &mut DKv, l: usize, ckv: &CudaSlice<f32>, norm: &CudaSlice<bf16>, eps: f32, rope: &DRope) {
+    fn kv_append_latent(
+        &self,
+        kv: &mut DKv,
+        l: usize,
+        ckv: &CudaSlice<f32>,
+        norm: &CudaSlice<bf16>,
+        eps: f32,
+        rope: &DRope,
+    ) {
         self.run("kv_append_latent", || {
             let (w, c) = (kv.width, norm.len());
             let t = ckv.len() / w;
             self.grow(kv, kv.committed + t)?;
             // [T, C+P] f32: rms_norm of the c_kv part, k_pe copied, then RoPE on it; stored as bf16.
             let mut rows = self.copy(ckv, 0, ckv.len())?;
-            act_f32::rms_norm_f32(&self.gpu, &ckv.as_view(), w, &norm.as_view(), &mut rows.as_view_mut(), w, t, eps)?;
-            let r = RopeLayout { tokens: t, heads: 1, ld_token: w, ld_head: w, offset: c, dim: w - c };
-            act_f32::rope_table_f32(&self.gpu, &mut rows.as_view_mut(), &rope.cos.as_view(), &rope.sin.as_view(), r, false)?;
+            act_f32::rms_norm_f32(
+                &self.gpu,
+                &ckv.as_view(),
+                w,
+                &norm.as_view(),
+                &mut rows.as_view_mut(),
+                w,
+                t,
+                eps,
+            )?;
+            let r = RopeLayout {
+                tokens: t,
+                heads: 1,
+                ld_token: w,
+                ld_head: w,
+                offset: c,
+                dim: w - c,
+            };
+            act_f32::rope_table_f32(
+                &self.gpu,
+                &mut rows.as_view_mut(),
+                &rope.cos.as_view(),
+                &rope.sin.as_view(),
+                r,
+                false,
+            )?;
             // At the committed length read on the device (a captured round replays at any length).
             let base = l * kv.cap * w;
-            round_state::store_rows_bf16(&self.gpu, &mut kv.buf.slice_mut(base..base + kv.cap * w), w, &kv.pos.as_view(), kv.committed, &rows.as_view(), t)
+            round_state::store_rows_bf16(
+                &self.gpu,
+                &mut kv.buf.slice_mut(base..base + kv.cap * w),
+                w,
+                &kv.pos.as_view(),
+                kv.committed,
+                &rows.as_view(),
+                t,
+            )
         });
     }
     fn kv_set_scratch(&self, kv: &mut DKv, t: usize) {
@@ -829,12 +1341,24 @@ impl Backend for CudaBackend {
     fn kv_compact(&self, kv: &mut DKv, path: &[usize]) -> Result<()> {
         for (i, &p) in path.iter().enumerate() {
             if p >= kv.scratch || p < i || (i > 0 && p <= path[i - 1]) {
-                bail!("kv_compact: path[{i}] = {p} is not a strictly increasing node index below {} scratch rows", kv.scratch);
+                bail!(
+                    "kv_compact: path[{i}] = {p} is not a strictly increasing node index below {} scratch rows",
+                    kv.scratch
+                );
             }
         }
         let ids: Vec<i32> = path.iter().map(|&p| p as i32).collect();
         let dpath = self.gpu.upload(&ids)?;
-        kv_compact::kv_compact(&self.gpu, &mut kv.buf.as_view_mut(), kv.layers, kv.cap, kv.width, kv.committed, &dpath.as_view(), path.len())?;
+        kv_compact::kv_compact(
+            &self.gpu,
+            &mut kv.buf.as_view_mut(),
+            kv.layers,
+            kv.cap,
+            kv.width,
+            kv.committed,
+            &dpath.as_view(),
+            path.len(),
+        )?;
         round_state::pos_add(&self.gpu, &mut kv.pos.as_view_mut(), path.len())?;
         kv.committed += path.len();
         kv.scratch = 0;
@@ -875,7 +1399,9 @@ impl Backend for CudaBackend {
     fn kv_release(&self, kv: &mut DKv) {
         self.kv_reset(kv);
         if kv.cap > 0 {
-            kv.buf = self.run("kv_release", || self.gpu.zeros::<bf16>(0)).unwrap_or_else(|| self.empty_of::<bf16>());
+            kv.buf = self
+                .run("kv_release", || self.gpu.zeros::<bf16>(0))
+                .unwrap_or_else(|| self.empty_of::<bf16>());
             kv.cap = 0;
             kv.id = storage_id();
         }
@@ -887,19 +1413,62 @@ impl Backend for CudaBackend {
         self.run("rope_q", || {
             let p = 2 * rope.half;
             let t = rope.rows;
-            let r = RopeLayout { tokens: t, heads, ld_token: heads * (nope + p), ld_head: nope + p, offset: nope, dim: p };
-            act_f32::rope_table_f32(&self.gpu, &mut q.as_view_mut(), &rope.cos.as_view(), &rope.sin.as_view(), r, false)
+            let r = RopeLayout {
+                tokens: t,
+                heads,
+                ld_token: heads * (nope + p),
+                ld_head: nope + p,
+                offset: nope,
+                dim: p,
+            };
+            act_f32::rope_table_f32(
+                &self.gpu,
+                &mut q.as_view_mut(),
+                &rope.cos.as_view(),
+                &rope.sin.as_view(),
+                r,
+                false,
+            )
         });
     }
-    fn mla_attention(&self, q: &CudaSlice<f32>, t: usize, kv: &DKv, l: usize, mask: &DMask, kv_b: &DMat, d: &MlaDims, _mode: AttnMode) -> CudaSlice<f32> {
+    fn mla_attention(
+        &self,
+        q: &CudaSlice<f32>,
+        t: usize,
+        kv: &DKv,
+        l: usize,
+        mask: &DMask,
+        kv_b: &DMat,
+        d: &MlaDims,
+        _mode: AttnMode,
+    ) -> CudaSlice<f32> {
         // Both forms compute the same attention; the GPU runs the absorbed one (the naive form would
         // expand every cached latent through kv_b at each step).
-        self.run("mla_attention", || self.mla_segs(q, &[(kv, mask, t)], l, kv_b, d)).unwrap_or_else(|| self.empty())
+        self.run("mla_attention", || self.mla_segs(q, &[(kv, mask, t)], l, kv_b, d))
+            .unwrap_or_else(|| self.empty())
     }
-    fn mla_attention_segs(&self, q: &CudaSlice<f32>, segs: &[(&DKv, &DMask, usize)], l: usize, kv_b: &DMat, d: &MlaDims, _mode: AttnMode) -> CudaSlice<f32> {
-        self.run("mla_attention", || self.mla_segs(q, segs, l, kv_b, d)).unwrap_or_else(|| self.empty())
+    fn mla_attention_segs(
+        &self,
+        q: &CudaSlice<f32>,
+        segs: &[(&DKv, &DMask, usize)],
+        l: usize,
+        kv_b: &DMat,
+        d: &MlaDims,
+        _mode: AttnMode,
+    ) -> CudaSlice<f32> {
+        self.run("mla_attention", || self.mla_segs(q, segs, l, kv_b, d))
+            .unwrap_or_else(|| self.empty())
     }
-    fn kv_append_latent_segs(&self, segs: &mut [(&mut DKv, &DRope, usize)], l: usize, ckv: &CudaSlice<f32>, norm: &CudaSlice<bf16>, eps: f32, w: usize, rope_all: &DRope) {
+    fn kv_append_latent_segs(
+        &self,
+        segs: &mut [(&mut DKv, &DRope, usize)],
+        l: usize,
+        ckv: &CudaSlice<f32>,
+        norm: &CudaSlice<bf16>,
+        eps: f32,
+        w: usize,
+        rope_all: &DRope,
+    ) {
         self.run("kv_append_latent", || {
             let c = norm.len();
             let t = ckv.len() / w;
@@ -907,9 +1476,32 @@ impl Backend for CudaBackend {
             // position (the stacked table), then every segment's rows into its cache at its committed length
             // (read on the device): three launches per layer, and one more per MAX_SEGS segments.
             let mut rows = self.copy(ckv, 0, ckv.len())?;
-            act_f32::rms_norm_f32(&self.gpu, &ckv.as_view(), w, &norm.as_view(), &mut rows.as_view_mut(), w, t, eps)?;
-            let r = RopeLayout { tokens: t, heads: 1, ld_token: w, ld_head: w, offset: c, dim: w - c };
-            act_f32::rope_table_f32(&self.gpu, &mut rows.as_view_mut(), &rope_all.cos.as_view(), &rope_all.sin.as_view(), r, false)?;
+            act_f32::rms_norm_f32(
+                &self.gpu,
+                &ckv.as_view(),
+                w,
+                &norm.as_view(),
+                &mut rows.as_view_mut(),
+                w,
+                t,
+                eps,
+            )?;
+            let r = RopeLayout {
+                tokens: t,
+                heads: 1,
+                ld_token: w,
+                ld_head: w,
+                offset: c,
+                dim: w - c,
+            };
+            act_f32::rope_table_f32(
+                &self.gpu,
+                &mut rows.as_view_mut(),
+                &rope_all.cos.as_view(),
+                &rope_all.sin.as_view(),
+                r,
+                false,
+            )?;
             for (kv, _, ts) in segs.iter_mut() {
                 self.grow(kv, kv.committed + *ts)?;
             }
@@ -921,7 +1513,12 @@ impl Backend for CudaBackend {
                     .map(|(kv, _, ts)| {
                         let (base, cap, committed) = (l * kv.cap * w, kv.cap, kv.committed);
                         let DKv { buf, pos, .. } = &mut **kv;
-                        round_state::StoreSeg { dst: buf.slice_mut(base..base + cap * w), pos: pos.as_view(), committed, n: *ts }
+                        round_state::StoreSeg {
+                            dst: buf.slice_mut(base..base + cap * w),
+                            pos: pos.as_view(),
+                            committed,
+                            n: *ts,
+                        }
                     })
                     .collect();
                 round_state::store_rows_seg_bf16(&self.gpu, &mut parts, w, &rows.slice(at * w..(at + rows_n) * w))?;
@@ -939,8 +1536,14 @@ impl Backend for CudaBackend {
             for r in ropes {
                 let n = r.rows * half;
                 if n > 0 {
-                    self.gpu.stream.memcpy_dtod(&r.cos.slice(..n), &mut cos.slice_mut(at..at + n)).map_err(super::drv("rope_cat"))?;
-                    self.gpu.stream.memcpy_dtod(&r.sin.slice(..n), &mut sin.slice_mut(at..at + n)).map_err(super::drv("rope_cat"))?;
+                    self.gpu
+                        .stream
+                        .memcpy_dtod(&r.cos.slice(..n), &mut cos.slice_mut(at..at + n))
+                        .map_err(super::drv("rope_cat"))?;
+                    self.gpu
+                        .stream
+                        .memcpy_dtod(&r.sin.slice(..n), &mut sin.slice_mut(at..at + n))
+                        .map_err(super::drv("rope_cat"))?;
                 }
                 at += n;
             }
@@ -954,46 +1557,123 @@ impl Backend for CudaBackend {
             let (mut ids, mut wts) = (self.gpu.out::<i32>(t * r.top_k)?, self.gpu.out::<f32>(t * r.top_k)?);
             let c = *r;
             let bv = bias.map(|b| b.as_view());
-            moe_router::moe_router(&self.gpu, &logits.as_view(), bv.as_ref(), t, c, &mut ids.as_view_mut(), &mut wts.as_view_mut())?;
+            moe_router::moe_router(
+                &self.gpu,
+                &logits.as_view(),
+                bv.as_ref(),
+                t,
+                c,
+                &mut ids.as_view_mut(),
+                &mut wts.as_view_mut(),
+            )?;
             Ok((ids, wts))
         });
         let (ids, wts) = res.unwrap_or_else(|| {
             let z = self.empty_of::<i32>();
             (z, self.empty())
         });
-        DRoutes { ids, wts, t, k: r.top_k, experts: r.n_experts }
+        DRoutes {
+            ids,
+            wts,
+            t,
+            k: r.top_k,
+            experts: r.n_experts,
+        }
     }
     fn routes_to_host(&self, routes: &DRoutes) -> (Vec<i32>, Vec<f32>) {
-        self.run("routes_to_host", || Ok((self.gpu.download(&routes.ids)?, self.gpu.download(&routes.wts)?))).unwrap_or_default()
+        self.run("routes_to_host", || {
+            Ok((self.gpu.download(&routes.ids)?, self.gpu.download(&routes.wts)?))
+        })
+        .unwrap_or_default()
     }
-    fn moe_experts(&self, x: &CudaSlice<f32>, t: usize, h: usize, routes: &DRoutes, gate: &DI4, up: &DI4, down: &DI4) -> CudaSlice<f32> {
+    fn moe_experts(
+        &self,
+        x: &CudaSlice<f32>,
+        t: usize,
+        h: usize,
+        routes: &DRoutes,
+        gate: &DI4,
+        up: &DI4,
+        down: &DI4,
+    ) -> CudaSlice<f32> {
         self.run("moe_experts", || {
             // Tensor parallel: every expert, sliced; expert parallel: experts first .. first + count, whole.
             if gate.first + gate.count > routes.experts {
-                return Err(CudaError::Shape { op: "moe_experts", msg: format!("the rank holds experts {}..{} of {}", gate.first, gate.first + gate.count, routes.experts) });
+                return Err(CudaError::Shape {
+                    op: "moe_experts",
+                    msg: format!(
+                        "the rank holds experts {}..{} of {}",
+                        gate.first,
+                        gate.first + gate.count,
+                        routes.experts
+                    ),
+                });
             }
             if routes.t != t || routes.ids.len() != t * routes.k {
-                return Err(CudaError::Shape { op: "moe_experts", msg: format!("routes of {} tokens for {t}", routes.t) });
+                return Err(CudaError::Shape {
+                    op: "moe_experts",
+                    msg: format!("routes of {} tokens for {t}", routes.t),
+                });
             }
             self.experts(x, t, h, routes, gate, up, down)
         })
         .unwrap_or_else(|| self.empty())
     }
 
-    fn head_norm_rope_neox(&self, x: &CudaSlice<f32>, w: &CudaSlice<bf16>, eps: f32, heads: usize, rope: &DRope) -> CudaSlice<f32> {
+    fn head_norm_rope_neox(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<bf16>,
+        eps: f32,
+        heads: usize,
+        rope: &DRope,
+    ) -> CudaSlice<f32> {
         self.run("head_norm_rope_neox", || {
             let d = w.len();
             let mut y = self.new_f32(x.len())?;
-            act_f32::rms_norm_f32(&self.gpu, &x.as_view(), d, &w.as_view(), &mut y.as_view_mut(), d, x.len() / d.max(1), eps)?;
+            act_f32::rms_norm_f32(
+                &self.gpu,
+                &x.as_view(),
+                d,
+                &w.as_view(),
+                &mut y.as_view_mut(),
+                d,
+                x.len() / d.max(1),
+                eps,
+            )?;
             let t = x.len() / (heads * d).max(1);
-            let r = RopeLayout { tokens: t, heads, ld_token: heads * d, ld_head: d, offset: 0, dim: d };
-            act_f32::rope_table_f32(&self.gpu, &mut y.as_view_mut(), &rope.cos.as_view(), &rope.sin.as_view(), r, true)?;
+            let r = RopeLayout {
+                tokens: t,
+                heads,
+                ld_token: heads * d,
+                ld_head: d,
+                offset: 0,
+                dim: d,
+            };
+            act_f32::rope_table_f32(
+                &self.gpu,
+                &mut y.as_view_mut(),
+                &rope.cos.as_view(),
+                &rope.sin.as_view(),
+                r,
+                true,
+            )?;
             Ok(y)
         })
         .unwrap_or_else(|| self.empty())
     }
     #[allow(clippy::too_many_arguments)]
-    fn gqa_attention(&self, q: &CudaSlice<f32>, b: usize, ctx: (&CudaSlice<f32>, &CudaSlice<f32>), ctx_len: &DPos, block: (&CudaSlice<f32>, &CudaSlice<f32>), heads: usize, kv_heads: usize, head_dim: usize) -> CudaSlice<f32> {
+    fn gqa_attention(
+        &self,
+        q: &CudaSlice<f32>,
+        b: usize,
+        ctx: (&CudaSlice<f32>, &CudaSlice<f32>),
+        ctx_len: &DPos,
+        block: (&CudaSlice<f32>, &CudaSlice<f32>),
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> CudaSlice<f32> {
         self.run("gqa_attention", || {
             let kw = kv_heads * head_dim;
             let (c, room) = (ctx_len.host, ctx.0.len().checked_div(kw).unwrap_or(0));
@@ -1020,7 +1700,12 @@ impl Backend for CudaBackend {
     fn tree_build(&self, tree: &mut DeviceTree, draft: &CudaSlice<f32>, row0: usize) -> Result<()> {
         let (from, to) = (row0 * tree.vocab, (row0 + tree.rows) * tree.vocab);
         if draft.len() < to {
-            bail!("tree_build: {} draft logits for rows {row0}..{} of {}", draft.len(), row0 + tree.rows, tree.vocab);
+            bail!(
+                "tree_build: {} draft logits for rows {row0}..{} of {}",
+                draft.len(),
+                row0 + tree.rows,
+                tree.vocab
+            );
         }
         tree.build(&self.gpu, &draft.slice(from..to), tree.vocab)?;
         self.check()
@@ -1040,31 +1725,63 @@ impl Backend for CudaBackend {
     fn tree_mask<'t>(&self, tree: &'t DeviceTree) -> &'t DMask {
         &tree.mask
     }
-    fn tree_walk(&self, tree: &mut DeviceTree, logits: &CudaSlice<f32>, row0: usize, s: &Sampling, kv: &DKv) -> Result<()> {
+    fn tree_walk(
+        &self,
+        tree: &mut DeviceTree,
+        logits: &CudaSlice<f32>,
+        row0: usize,
+        s: &Sampling,
+        kv: &DKv,
+    ) -> Result<()> {
         let (n, v) = (tree.budget + 1, tree.vocab);
         if logits.len() < (row0 + n) * v {
             bail!("tree_walk: {} logits for {n} nodes from row {row0} x {v}", logits.len());
         }
-        tree.walk_sampled(&self.gpu, &logits.slice(row0 * v..(row0 + n) * v), v, s, 0, Some(&kv.pos.as_view()))?;
+        tree.walk_sampled(
+            &self.gpu,
+            &logits.slice(row0 * v..(row0 + n) * v),
+            v,
+            s,
+            0,
+            Some(&kv.pos.as_view()),
+        )?;
         self.check()
     }
     fn tree_walk_decided(&self, tree: &mut DeviceTree, decisions: &CudaSlice<u32>, row0: usize) -> Result<()> {
         let n = tree.budget + 1;
         if decisions.len() < row0 + n {
-            bail!("tree_walk_decided: {} decisions for {n} nodes from row {row0}", decisions.len());
+            bail!(
+                "tree_walk_decided: {} decisions for {n} nodes from row {row0}",
+                decisions.len()
+            );
         }
-        self.gpu.stream.memcpy_dtod(&decisions.slice(row0..row0 + n), &mut tree.decisions).map_err(super::drv("tree_walk_decided"))?;
+        self.gpu
+            .stream
+            .memcpy_dtod(&decisions.slice(row0..row0 + n), &mut tree.decisions)
+            .map_err(super::drv("tree_walk_decided"))?;
         tree.walk(&self.gpu)?;
         self.check()
     }
-    fn tree_path_rows(&self, tree: &DeviceTree, x: &CudaSlice<f32>, row0: usize, cols: usize, rows_out: usize) -> CudaSlice<f32> {
+    fn tree_path_rows(
+        &self,
+        tree: &DeviceTree,
+        x: &CudaSlice<f32>,
+        row0: usize,
+        cols: usize,
+        rows_out: usize,
+    ) -> CudaSlice<f32> {
         self.run("tree_path_rows", || {
             let mut out = self.new_f32(rows_out * cols)?;
-            let nodes = (x.len().checked_div(cols).unwrap_or(0)).saturating_sub(row0).min(tree.budget + 1);
+            let nodes = (x.len().checked_div(cols).unwrap_or(0))
+                .saturating_sub(row0)
+                .min(tree.budget + 1);
             let x = x.slice((row0 * cols).min(x.len())..);
             let wv = tree.walk_out.slice(..1 + rows_out.min(tree.rows + 1));
             if rows_out > tree.rows + 1 {
-                return Err(CudaError::Shape { op: "tree_path_rows", msg: format!("{rows_out} rows for walks of up to {}", tree.rows + 1) });
+                return Err(CudaError::Shape {
+                    op: "tree_path_rows",
+                    msg: format!("{rows_out} rows for walks of up to {}", tree.rows + 1),
+                });
             }
             round_state::path_rows(&self.gpu, &x, nodes, cols, &wv, rows_out, &mut out.as_view_mut())?;
             Ok(out)
@@ -1074,12 +1791,34 @@ impl Backend for CudaBackend {
     fn tree_commit(&self, tree: &mut DeviceTree, kv: &mut DKv, ctx: &mut DPos) -> Result<()> {
         let m = tree.rows + 1;
         if kv.committed + m > kv.cap || kv.scratch < tree.budget + 1 {
-            bail!("tree_commit: {} committed + a path of up to {m} in a cache of {} rows ({} scratch rows)", kv.committed, kv.cap, kv.scratch);
+            bail!(
+                "tree_commit: {} committed + a path of up to {m} in a cache of {} rows ({} scratch rows)",
+                kv.committed,
+                kv.cap,
+                kv.scratch
+            );
         }
         let (n, rest) = tree.walk_out.split_at(1);
         let path = rest.slice(..m);
-        kv_compact::kv_compact_dev(&self.gpu, &mut kv.buf.as_view_mut(), kv.layers, kv.cap, kv.width, kv.committed, &kv.pos.as_view(), &path, &n)?;
-        round_state::round_advance(&self.gpu, &tree.walk_out.as_view(), m, &mut kv.pos.as_view_mut(), Some(&mut ctx.dev.as_view_mut()), &mut tree.bonus.as_view_mut())?;
+        kv_compact::kv_compact_dev(
+            &self.gpu,
+            &mut kv.buf.as_view_mut(),
+            kv.layers,
+            kv.cap,
+            kv.width,
+            kv.committed,
+            &kv.pos.as_view(),
+            &path,
+            &n,
+        )?;
+        round_state::round_advance(
+            &self.gpu,
+            &tree.walk_out.as_view(),
+            m,
+            &mut kv.pos.as_view_mut(),
+            Some(&mut ctx.dev.as_view_mut()),
+            &mut tree.bonus.as_view_mut(),
+        )?;
         self.check()
     }
     fn tree_commit_host(&self, _tree: &DeviceTree, kv: &mut DKv, ctx: &mut DPos, n: usize) {
@@ -1097,12 +1836,18 @@ impl Backend for CudaBackend {
         self.run("tree_result_into", || {
             let n = tree.walk_out.len();
             if at + n > stage.len() {
-                return Err(CudaError::Shape { op: "tree_result_into", msg: format!("{n} words at {at} of a stage of {}", stage.len()) });
+                return Err(CudaError::Shape {
+                    op: "tree_result_into",
+                    msg: format!("{n} words at {at} of a stage of {}", stage.len()),
+                });
             }
             let mut dst = stage.slice_mut(at..at + n);
             // SAFETY: i32 and u32 have the same size and every bit pattern is valid for both.
             let mut dst = unsafe { dst.transmute_mut::<i32>(n) }.expect("the stage slice holds n words");
-            self.gpu.stream.memcpy_dtod(&tree.walk_out, &mut dst).map_err(super::drv("tree_result_into"))
+            self.gpu
+                .stream
+                .memcpy_dtod(&tree.walk_out, &mut dst)
+                .map_err(super::drv("tree_result_into"))
         });
     }
     fn tree_result_from(&self, tree: &DeviceTree, words: &[u32]) -> Result<TreeResult> {
@@ -1123,7 +1868,8 @@ impl Backend for CudaBackend {
         *graph = None;
         let s = &self.gpu.stream;
         let before = self.gpu.stats.snapshot();
-        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(super::drv("begin graph capture"))?;
+        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(super::drv("begin graph capture"))?;
         let r = body();
         // Always end the capture (a failed body must not leave the stream capturing). cudarc's end_capture
         // first returns any error a drop recorded in the context (an invalidated capture fails the frees
@@ -1132,7 +1878,12 @@ impl Backend for CudaBackend {
         let g = s.end_capture(CUgraphInstantiate_flags(0));
         let captured = match (r, self.check(), g) {
             (Ok(()), Ok(()), Ok(Some(g))) => Ok(g),
-            (r, c, g) => Err(r.err().or(c.err()).map(|e| format!("{e:#}")).or(g.err().map(|e| format!("end capture: {e}"))).unwrap_or_else(|| "the capture recorded nothing".into())),
+            (r, c, g) => Err(r
+                .err()
+                .or(c.err())
+                .map(|e| format!("{e:#}"))
+                .or(g.err().map(|e| format!("end capture: {e}")))
+                .unwrap_or_else(|| "the capture recorded nothing".into())),
         };
         // Every rank of the run captures the same round here: none launches its graph (whose collectives wait for
         // the others) before all have captured and instantiated theirs (comm::LaunchGate).
@@ -1155,8 +1906,12 @@ impl Backend for CudaBackend {
         gated?;
         super::GpuStats::bump(&self.gpu.stats.graph_launches);
         g.launch().map_err(super::drv("graph launch"))?;
-        *graph = Some(DGraph { key, graph: g, kernels: after[0] - before[0], blas_calls: after[1] - before[1] });
+        *graph = Some(DGraph {
+            key,
+            graph: g,
+            kernels: after[0] - before[0],
+            blas_calls: after[1] - before[1],
+        });
         Ok(())
     }
-
 }

@@ -81,8 +81,16 @@ impl LaunchGate {
             return Ok(());
         }
         let aborted = || {
-            let why = self.aborted.lock().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or_default();
-            Err(CudaError::Shape { op: "launch gate", msg: format!("rank {rank}: the group was aborted: {why}") })
+            let why = self
+                .aborted
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone()
+                .unwrap_or_default();
+            Err(CudaError::Shape {
+                op: "launch gate",
+                msg: format!("rank {rank}: the group was aborted: {why}"),
+            })
         };
         if self.is_aborted.load(Acquire) {
             return aborted();
@@ -114,7 +122,10 @@ impl LaunchGate {
     }
     /// Every waiting rank (and every later arrival) fails with `why`.
     pub fn abort(&self, why: &str) {
-        self.aborted.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert_with(|| why.to_string());
+        self.aborted
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_or_insert_with(|| why.to_string());
         self.is_aborted.store(true, std::sync::atomic::Ordering::Release);
     }
 }
@@ -163,7 +174,10 @@ impl Nccl {
 
     /// A communicator of one rank on `gpu` (a run of one GPU through NCCL).
     pub fn one_rank(gpu: &Gpu) -> Result<Nccl> {
-        Self::group(&[gpu])?.pop().ok_or_else(|| CudaError::Shape { op: "nccl", msg: "no communicator for the one rank".into() })
+        Self::group(&[gpu])?.pop().ok_or_else(|| CudaError::Shape {
+            op: "nccl",
+            msg: "no communicator for the one rank".into(),
+        })
     }
 
     /// One communicator per GPU of a run, in rank order (`ncclCommInitAll` over their streams: one process,
@@ -174,9 +188,18 @@ impl Nccl {
             return Err(CudaError::Shape { op: "nccl", msg: "libnccl is not on the library path (pip's nvidia-nccl-cu13 ships lib/libnccl.so.2: link it as libnccl.so)".into() });
         }
         let streams = gpus.iter().map(|g| g.stream.clone()).collect();
-        let comms = cudarc::nccl::safe::Comm::from_devices(streams).map_err(|e| CudaError::Shape { op: "nccl", msg: format!("ncclCommInitAll over {} GPUs: {e:?}", gpus.len()) })?;
+        let comms = cudarc::nccl::safe::Comm::from_devices(streams).map_err(|e| CudaError::Shape {
+            op: "nccl",
+            msg: format!("ncclCommInitAll over {} GPUs: {e:?}", gpus.len()),
+        })?;
         let gate = LaunchGate::new(gpus.len(), gate_timeout());
-        Ok(comms.into_iter().map(|comm| Nccl { comm, gate: gate.clone() }).collect())
+        Ok(comms
+            .into_iter()
+            .map(|comm| Nccl {
+                comm,
+                gate: gate.clone(),
+            })
+            .collect())
     }
 }
 
@@ -191,7 +214,13 @@ impl Communicator for Nccl {
         if x.is_empty() {
             return Ok(());
         }
-        self.comm.all_reduce_in_place(x, &cudarc::nccl::safe::ReduceOp::Sum).map(|_| ()).map_err(|e| CudaError::Shape { op: "nccl all_reduce", msg: format!("{e:?}") })?;
+        self.comm
+            .all_reduce_in_place(x, &cudarc::nccl::safe::ReduceOp::Sum)
+            .map(|_| ())
+            .map_err(|e| CudaError::Shape {
+                op: "nccl all_reduce",
+                msg: format!("{e:?}"),
+            })?;
         if !capturing(gpu)? {
             self.gate.pass(self.comm.rank())?;
         }
@@ -215,12 +244,20 @@ const GROUP_TIMEOUT_NS: u64 = 20_000_000_000;
 
 /// [`GROUP_TIMEOUT_NS`], or `KDTREE_GROUP_TIMEOUT_S` seconds.
 fn sum_timeout_ns() -> u64 {
-    std::env::var("KDTREE_GROUP_TIMEOUT_S").ok().and_then(|v| v.parse::<f64>().ok()).filter(|s| *s > 0.0).map_or(GROUP_TIMEOUT_NS, |s| (s * 1e9) as u64)
+    std::env::var("KDTREE_GROUP_TIMEOUT_S")
+        .ok()
+        .and_then(|v| v.parse::<f64>().ok())
+        .filter(|s| *s > 0.0)
+        .map_or(GROUP_TIMEOUT_NS, |s| (s * 1e9) as u64)
 }
 
 /// How long a rank waits at a [`LaunchGate`] for the others (`KDTREE_GATE_TIMEOUT_S`, default 60).
 fn gate_timeout() -> std::time::Duration {
-    let s = std::env::var("KDTREE_GATE_TIMEOUT_S").ok().and_then(|v| v.parse::<f64>().ok()).filter(|s| *s > 0.0).unwrap_or(60.0);
+    let s = std::env::var("KDTREE_GATE_TIMEOUT_S")
+        .ok()
+        .and_then(|v| v.parse::<f64>().ok())
+        .filter(|s| *s > 0.0)
+        .unwrap_or(60.0);
     std::time::Duration::from_secs_f64(s)
 }
 
@@ -241,11 +278,23 @@ pub struct SharedGpu {
 impl SharedGpu {
     /// The group's device memory on `gpu` (the GPU every rank runs on), zeroed, then one handle per rank.
     pub fn ranks(gpu: &Gpu, world: usize) -> Result<Vec<SharedRank>> {
-        super::ensure("shared-gpu group", (1..=64).contains(&world), || format!("{world} ranks (1..=64)"))?;
+        super::ensure("shared-gpu group", (1..=64).contains(&world), || {
+            format!("{world} ranks (1..=64)")
+        })?;
         let staging = gpu.zeros::<f32>(2 * world * GROUP_BLOCKS * GROUP_CAP)?;
-        let (flags, epochs) = (gpu.zeros::<u32>(world * GROUP_BLOCKS)?, gpu.zeros::<u32>(world * GROUP_BLOCKS)?);
+        let (flags, epochs) = (
+            gpu.zeros::<u32>(world * GROUP_BLOCKS)?,
+            gpu.zeros::<u32>(world * GROUP_BLOCKS)?,
+        );
         gpu.sync()?;
-        let g = Arc::new(SharedGpu { world, staging, flags, epochs, gate: LaunchGate::new(world, gate_timeout()), timeout_ns: sum_timeout_ns() });
+        let g = Arc::new(SharedGpu {
+            world,
+            staging,
+            flags,
+            epochs,
+            gate: LaunchGate::new(world, gate_timeout()),
+            timeout_ns: sum_timeout_ns(),
+        });
         Ok((0..world).map(|rank| SharedRank { group: g.clone(), rank }).collect())
     }
 }
@@ -284,7 +333,15 @@ impl Communicator for SharedRank {
             let mut part = x.slice_mut(at..at + n);
             let nn = n as i32;
             let mut b = gpu.stream.launch_builder(gpu.func("kdtree_group_all_reduce_f32"));
-            b.arg(&mut part).arg(&nn).arg(&g.staging).arg(&g.flags).arg(&g.epochs).arg(&rank).arg(&world).arg(&cap).arg(&timeout);
+            b.arg(&mut part)
+                .arg(&nn)
+                .arg(&g.staging)
+                .arg(&g.flags)
+                .arg(&g.epochs)
+                .arg(&rank)
+                .arg(&world)
+                .arg(&cap)
+                .arg(&timeout);
             // SAFETY: `part` holds n <= GROUP_BLOCKS * GROUP_CAP floats; staging, flags and epochs are the group's
             // (sized for `world` ranks); only this rank's staging slots, flags and epochs are written by it.
             unsafe { b.launch(super::ops::launch_cfg((GROUP_BLOCKS as u32, 1, 1), 128, 0)) }.map_err(super::drv(OP))?;
@@ -326,7 +383,10 @@ mod tests {
                         reached[r].store(g, SeqCst);
                         gate.pass(r).unwrap();
                         for (o, x) in reached.iter().enumerate() {
-                            assert!(x.load(SeqCst) >= g, "rank {r} passed gate {g} before rank {o} reached it");
+                            assert!(
+                                x.load(SeqCst) >= g,
+                                "rank {r} passed gate {g} before rank {o} reached it"
+                            );
                         }
                     }
                 });

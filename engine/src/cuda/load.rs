@@ -39,10 +39,24 @@ impl Load {
         // SAFETY: the staging buffers are written by the host before every copy out of them.
         let alloc = || unsafe { gpu.ctx.alloc_pinned::<u8>(CHUNK) }.map_err(drv("pinned staging buffer"));
         let now = Instant::now();
-        Ok(Load { stage: [alloc()?, alloc()?], copied: [None, None], next: 0, total, done: 0, start: now, last_print: now, progress, name: gpu.describe() })
+        Ok(Load {
+            stage: [alloc()?, alloc()?],
+            copied: [None, None],
+            next: 0,
+            total,
+            done: 0,
+            start: now,
+            last_print: now,
+            progress,
+            name: gpu.describe(),
+        })
     }
 
-    pub(crate) fn upload<T: DeviceRepr + bytemuck::Pod + ValidAsZeroBits>(&mut self, gpu: &Gpu, host: &[T]) -> Result<CudaSlice<T>> {
+    pub(crate) fn upload<T: DeviceRepr + bytemuck::Pod + ValidAsZeroBits>(
+        &mut self,
+        gpu: &Gpu,
+        host: &[T],
+    ) -> Result<CudaSlice<T>> {
         let bytes: &[u8] = bytemuck::cast_slice(host);
         let s = &gpu.stream;
         if bytes.len() < CHUNK {
@@ -68,8 +82,12 @@ impl Load {
                 // Several threads: the copy out of a cold mmap is page-fault bound.
                 let dst_host = buf.as_mut_slice().map_err(drv("staging buffer"))?;
                 use rayon::prelude::*;
-                dst_host.par_chunks_mut(1 << 20).zip(bytes[off..off + CHUNK].par_chunks(1 << 20)).for_each(|(d, s)| d.copy_from_slice(s));
-                s.memcpy_htod(&*buf, &mut dst.slice_mut(off..off + CHUNK)).map_err(drv("upload"))?;
+                dst_host
+                    .par_chunks_mut(1 << 20)
+                    .zip(bytes[off..off + CHUNK].par_chunks(1 << 20))
+                    .for_each(|(d, s)| d.copy_from_slice(s));
+                s.memcpy_htod(&*buf, &mut dst.slice_mut(off..off + CHUNK))
+                    .map_err(drv("upload"))?;
                 match &self.copied[i] {
                     Some(e) => e.record(s).map_err(drv("staging event"))?,
                     None => self.copied[i] = Some(s.record_event(None).map_err(drv("staging event"))?),
@@ -78,7 +96,8 @@ impl Load {
                 self.count(CHUNK);
             }
             if off < n {
-                s.memcpy_htod(&bytes[off..], &mut dst.slice_mut(off..)).map_err(drv("upload"))?;
+                s.memcpy_htod(&bytes[off..], &mut dst.slice_mut(off..))
+                    .map_err(drv("upload"))?;
                 self.count(n - off);
             }
         }
@@ -92,7 +111,14 @@ impl Load {
             let t = self.start.elapsed().as_secs_f64();
             let rate = self.done as f64 / t.max(1e-9);
             let eta = self.total.saturating_sub(self.done) as f64 / rate.max(1.0);
-            eprintln!("kdtree: loading weights onto {}: {:.1} of {:.1} GB, {:.2} GB/s, ETA {:.0} s", self.name, gb(self.done), gb(self.total), rate / 1e9, eta);
+            eprintln!(
+                "kdtree: loading weights onto {}: {:.1} of {:.1} GB, {:.2} GB/s, ETA {:.0} s",
+                self.name,
+                gb(self.done),
+                gb(self.total),
+                rate / 1e9,
+                eta
+            );
         }
     }
 
@@ -100,7 +126,13 @@ impl Load {
         gpu.sync()?;
         let t = self.start.elapsed().as_secs_f64();
         if self.progress {
-            eprintln!("kdtree: loaded {:.2} GB of weights onto {} in {:.1} s ({:.2} GB/s)", gb(self.done), self.name, t, self.done as f64 / t.max(1e-9) / 1e9);
+            eprintln!(
+                "kdtree: loaded {:.2} GB of weights onto {} in {:.1} s ({:.2} GB/s)",
+                gb(self.done),
+                self.name,
+                t,
+                self.done as f64 / t.max(1e-9) / 1e9
+            );
         }
         Ok((self.done, t))
     }

@@ -135,14 +135,20 @@ impl GraphCensus {
         let mut n = 0usize;
         // SAFETY: the graph is live (owned by `g`); the first call only asks for the count, the second fills
         // a buffer of that many handles.
-        unsafe { sys::cuGraphGetNodes(g.cu_graph(), std::ptr::null_mut(), &mut n) }.result().map_err(drv("graph nodes"))?;
+        unsafe { sys::cuGraphGetNodes(g.cu_graph(), std::ptr::null_mut(), &mut n) }
+            .result()
+            .map_err(drv("graph nodes"))?;
         let mut nodes = vec![std::ptr::null_mut(); n];
-        unsafe { sys::cuGraphGetNodes(g.cu_graph(), nodes.as_mut_ptr(), &mut n) }.result().map_err(drv("graph nodes"))?;
+        unsafe { sys::cuGraphGetNodes(g.cu_graph(), nodes.as_mut_ptr(), &mut n) }
+            .result()
+            .map_err(drv("graph nodes"))?;
         let mut c = GraphCensus::default();
         for &node in &nodes[..n] {
             let mut t = T::CU_GRAPH_NODE_TYPE_EMPTY;
             // SAFETY: `node` belongs to the live graph.
-            unsafe { sys::cuGraphNodeGetType(node, &mut t) }.result().map_err(drv("graph node type"))?;
+            unsafe { sys::cuGraphNodeGetType(node, &mut t) }
+                .result()
+                .map_err(drv("graph node type"))?;
             match t {
                 T::CU_GRAPH_NODE_TYPE_KERNEL => c.kernels += 1,
                 T::CU_GRAPH_NODE_TYPE_MEMSET => c.memsets += 1,
@@ -197,7 +203,12 @@ impl GpuStats {
     /// (launches, cuBLAS calls, uploads, downloads) now.
     pub fn snapshot(&self) -> [u64; 4] {
         use std::sync::atomic::Ordering::Relaxed;
-        [self.launches.load(Relaxed), self.blas_calls.load(Relaxed), self.uploads.load(Relaxed), self.downloads.load(Relaxed)]
+        [
+            self.launches.load(Relaxed),
+            self.blas_calls.load(Relaxed),
+            self.uploads.load(Relaxed),
+            self.downloads.load(Relaxed),
+        ]
     }
     pub(crate) fn bump(c: &std::sync::atomic::AtomicU64) {
         c.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -220,15 +231,20 @@ impl Gpu {
     pub fn new(ordinal: usize) -> Result<Gpu> {
         // SAFETY: only probes whether the shared library can be dlopened.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
-            return Err(CudaError::NoDevice("libcuda (the NVIDIA driver library) was not found".into()));
+            return Err(CudaError::NoDevice(
+                "libcuda (the NVIDIA driver library) was not found".into(),
+            ));
         }
-        let n = CudaContext::device_count().map_err(|e| CudaError::NoDevice(format!("cuInit/cuDeviceGetCount: {e}")))?;
+        let n =
+            CudaContext::device_count().map_err(|e| CudaError::NoDevice(format!("cuInit/cuDeviceGetCount: {e}")))?;
         if ordinal >= n.max(0) as usize {
             return Err(CudaError::NoDevice(format!("device {ordinal} requested, {n} present")));
         }
         // SAFETY: as above, for libcublas.
         if !unsafe { cudarc::cublas::sys::is_culib_present() } {
-            return Err(CudaError::NoDevice("libcublas (CUDA 13 libraries) was not found; add it to LD_LIBRARY_PATH".into()));
+            return Err(CudaError::NoDevice(
+                "libcublas (CUDA 13 libraries) was not found; add it to LD_LIBRARY_PATH".into(),
+            ));
         }
         let ctx = CudaContext::new(ordinal).map_err(drv("open device"))?;
         // SAFETY: a Gpu issues all work on its one stream, so cudarc's cross-stream event tracking (an event
@@ -241,34 +257,84 @@ impl Gpu {
             .map_err(|e| CudaError::NoDevice(format!("loading the kernels fatbin (sm_90a/sm_120a/compute_90): {e}")))?;
         let mut funcs = HashMap::new();
         for &(file, name) in kdtree_kernels::KERNELS {
-            let f = module
-                .load_function(name)
-                .map_err(|e| CudaError::NoDevice(format!("kernel {name} (kernels/cuda/{file}) not in the fatbin: {e}")))?;
+            let f = module.load_function(name).map_err(|e| {
+                CudaError::NoDevice(format!("kernel {name} (kernels/cuda/{file}) not in the fatbin: {e}"))
+            })?;
             funcs.insert(name, f);
         }
         use cudarc::driver::sys::CUdevice_attribute as A;
-        let sms = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(drv("device attributes"))? as usize;
-        let max_smem = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).map_err(drv("device attributes"))? as usize;
-        let smem_per_sm =
-            ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR).map_err(drv("device attributes"))? as usize;
-        let blas = CudaBlas::new(stream.clone()).map_err(|source| CudaError::Blas { op: "cublas init", source })?;
+        let sms = ctx
+            .attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(drv("device attributes"))? as usize;
+        let max_smem = ctx
+            .attribute(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(drv("device attributes"))? as usize;
+        let smem_per_sm = ctx
+            .attribute(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)
+            .map_err(drv("device attributes"))? as usize;
+        let blas = CudaBlas::new(stream.clone()).map_err(|source| CudaError::Blas {
+            op: "cublas init",
+            source,
+        })?;
         // cuBLAS documents that work captured into a graph needs a workspace the caller set (its own default
         // pool may be allocated on first use, which a capture cannot do).
-        let ws = stream.alloc_zeros::<u8>(BLAS_WORKSPACE).map_err(drv("cublas workspace"))?;
+        let ws = stream
+            .alloc_zeros::<u8>(BLAS_WORKSPACE)
+            .map_err(drv("cublas workspace"))?;
         {
             use cudarc::driver::DevicePtr;
             let (p, _sync) = ws.device_ptr(&stream);
             // SAFETY: the handle is live and bound to `stream`; the workspace outlives it (both are fields of
             // Gpu, and `_blas_workspace` is declared after `blas`, so it is dropped after the handle).
-            let st = unsafe { cudarc::cublas::sys::cublasSetWorkspace_v2(*blas.handle(), p as *mut std::ffi::c_void, BLAS_WORKSPACE) };
+            let st = unsafe {
+                cudarc::cublas::sys::cublasSetWorkspace_v2(*blas.handle(), p as *mut std::ffi::c_void, BLAS_WORKSPACE)
+            };
             if st != cudarc::cublas::sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
                 return Err(CudaError::NoDevice(format!("cublasSetWorkspace: {st:?}")));
             }
         }
         let gemm_counters = stream.alloc_zeros::<u32>(GEMM_COUNTERS).map_err(drv("gemm counters"))?;
-        let major = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR).map_err(drv("device attributes"))?;
+        let major = ctx
+            .attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+            .map_err(drv("device attributes"))?;
         let pdl = major >= 9 && std::env::var("KDTREE_PDL").map(|v| v != "0").unwrap_or(true);
-        let gpu = Gpu { ctx, stream, blas, sms, max_smem, smem_per_sm, _module: module, funcs, _blas_workspace: ws, graphs: std::sync::atomic::AtomicBool::new(std::env::var("KDTREE_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true)), capture_failure: std::sync::Mutex::new(None), load: std::sync::Mutex::new(None), stats: GpuStats::default(), gemm_counters, last_graph: std::sync::Mutex::new(None), w4a16_bps: std::sync::atomic::AtomicUsize::new(std::env::var("KDTREE_W4A16_BLOCKS_PER_SM").ok().and_then(|v| v.parse().ok()).unwrap_or(4)), w4a16_max_splits: std::sync::atomic::AtomicUsize::new(std::env::var("KDTREE_W4A16_MAX_SPLITS").ok().and_then(|v| v.parse().ok()).unwrap_or(64)), gemv: std::sync::atomic::AtomicBool::new(std::env::var("KDTREE_GEMV").is_ok_and(|v| v == "1")), poison: std::env::var("KDTREE_CUDA_POISON").is_ok_and(|v| v == "1"), pdl: std::sync::atomic::AtomicBool::new(pdl), comm: std::sync::RwLock::new(Arc::new(comm::OneGpu)), drain_copies: std::sync::atomic::AtomicBool::new(false), check_weights: std::sync::atomic::AtomicBool::new(false) };
+        let gpu = Gpu {
+            ctx,
+            stream,
+            blas,
+            sms,
+            max_smem,
+            smem_per_sm,
+            _module: module,
+            funcs,
+            _blas_workspace: ws,
+            graphs: std::sync::atomic::AtomicBool::new(
+                std::env::var("KDTREE_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true),
+            ),
+            capture_failure: std::sync::Mutex::new(None),
+            load: std::sync::Mutex::new(None),
+            stats: GpuStats::default(),
+            gemm_counters,
+            last_graph: std::sync::Mutex::new(None),
+            w4a16_bps: std::sync::atomic::AtomicUsize::new(
+                std::env::var("KDTREE_W4A16_BLOCKS_PER_SM")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(4),
+            ),
+            w4a16_max_splits: std::sync::atomic::AtomicUsize::new(
+                std::env::var("KDTREE_W4A16_MAX_SPLITS")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(64),
+            ),
+            gemv: std::sync::atomic::AtomicBool::new(std::env::var("KDTREE_GEMV").is_ok_and(|v| v == "1")),
+            poison: std::env::var("KDTREE_CUDA_POISON").is_ok_and(|v| v == "1"),
+            pdl: std::sync::atomic::AtomicBool::new(pdl),
+            comm: std::sync::RwLock::new(Arc::new(comm::OneGpu)),
+            drain_copies: std::sync::atomic::AtomicBool::new(false),
+            check_weights: std::sync::atomic::AtomicBool::new(false),
+        };
         ops::w4a16_gemm::configure(&gpu)?;
         ops::gqa_attention::configure(&gpu)?;
         ops::ddtree_build::configure(&gpu)?;
@@ -309,17 +375,31 @@ impl Gpu {
         use cudarc::driver::sys::{self, CUmemPool_attribute as A};
         let mut pool = std::ptr::null_mut();
         // SAFETY: the device handle is this context's; the pool handle is written by the call.
-        unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device()) }.result().map_err(drv("memory pool"))?;
+        unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device()) }
+            .result()
+            .map_err(drv("memory pool"))?;
         let mut off: i32 = 0;
         // SAFETY: the attribute takes an int flag; `pool` is the device's default pool.
-        unsafe { sys::cuMemPoolSetAttribute(pool, A::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES, (&mut off as *mut i32).cast()) }
-            .result()
-            .map_err(drv("memory pool"))?;
+        unsafe {
+            sys::cuMemPoolSetAttribute(
+                pool,
+                A::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
+                (&mut off as *mut i32).cast(),
+            )
+        }
+        .result()
+        .map_err(drv("memory pool"))?;
         let mut keep: u64 = u64::MAX;
         // SAFETY: the release threshold is a u64 byte count.
-        unsafe { sys::cuMemPoolSetAttribute(pool, A::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, (&mut keep as *mut u64).cast()) }
-            .result()
-            .map_err(drv("memory pool"))?;
+        unsafe {
+            sys::cuMemPoolSetAttribute(
+                pool,
+                A::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut keep as *mut u64).cast(),
+            )
+        }
+        .result()
+        .map_err(drv("memory pool"))?;
         Ok(())
     }
     /// Have cuBLAS size its kernels for `sms` SMs instead of all of them (`cublasSetSmCountTarget`): rank groups
@@ -330,14 +410,19 @@ impl Gpu {
         // SAFETY: the handle is this GPU's live cuBLAS handle.
         let st = unsafe { cudarc::cublas::sys::cublasSetSmCountTarget(*self.blas.handle(), n) };
         if st != cudarc::cublas::sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-            return Err(CudaError::Shape { op: "cublasSetSmCountTarget", msg: format!("{st:?}") });
+            return Err(CudaError::Shape {
+                op: "cublasSetSmCountTarget",
+                msg: format!("{st:?}"),
+            });
         }
         Ok(())
     }
     /// [`Gpu::set_drain_copies`]'s wait (nothing while the stream is capturing: no copy runs inside a capture).
     pub(crate) fn drain(&self) -> Result<()> {
         use cudarc::driver::sys::CUstreamCaptureStatus as S;
-        if self.drain_copies.load(std::sync::atomic::Ordering::Relaxed) && self.stream.capture_status().map_err(drv("capture status"))? == S::CU_STREAM_CAPTURE_STATUS_NONE {
+        if self.drain_copies.load(std::sync::atomic::Ordering::Relaxed)
+            && self.stream.capture_status().map_err(drv("capture status"))? == S::CU_STREAM_CAPTURE_STATUS_NONE
+        {
             static TRACE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
             let trace = *TRACE.get_or_init(|| std::env::var("KDTREE_TP_TRACE").is_ok_and(|v| v == "1"));
             let who = std::thread::current().name().unwrap_or("?").to_string();
@@ -377,7 +462,8 @@ impl Gpu {
     }
     /// Sets [`Gpu::w4a16_blocks_per_sm`] (1..=4; the bench compares them).
     pub fn set_w4a16_blocks_per_sm(&self, bps: usize) {
-        self.w4a16_bps.store(bps.clamp(1, 4), std::sync::atomic::Ordering::Relaxed);
+        self.w4a16_bps
+            .store(bps.clamp(1, 4), std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Runs `f` between `cuProfilerStart` and `cuProfilerStop` (after a sync each side), so that a profiler
@@ -386,10 +472,14 @@ impl Gpu {
         use cudarc::driver::sys;
         self.stream.synchronize().map_err(drv("profile"))?;
         // SAFETY: no arguments; the context is bound to this thread by the sync above.
-        unsafe { sys::cuProfilerStart() }.result().map_err(drv("profiler start"))?;
+        unsafe { sys::cuProfilerStart() }
+            .result()
+            .map_err(drv("profiler start"))?;
         let r = f();
         self.stream.synchronize().map_err(drv("profile"))?;
-        unsafe { sys::cuProfilerStop() }.result().map_err(drv("profiler stop"))?;
+        unsafe { sys::cuProfilerStop() }
+            .result()
+            .map_err(drv("profiler stop"))?;
         Ok(r)
     }
 
@@ -399,7 +489,8 @@ impl Gpu {
     }
     /// Sets [`Gpu::w4a16_max_splits`] (at least 1; the bench compares them).
     pub fn set_w4a16_max_splits(&self, s: usize) {
-        self.w4a16_max_splits.store(s.max(1), std::sync::atomic::Ordering::Relaxed);
+        self.w4a16_max_splits
+            .store(s.max(1), std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether bf16 GEMMs of <= 4 rows use the GEMV kernel (off by default; `KDTREE_GEMV=1`).
@@ -516,7 +607,8 @@ impl Gpu {
             let bytes = n * std::mem::size_of::<T>();
             let (p, _sync) = b.device_ptr_mut(&self.stream);
             // SAFETY: `p` addresses the `bytes` bytes of `b`, on this GPU's stream.
-            unsafe { cudarc::driver::result::memset_d8_async(p, 0xFF, bytes, self.stream.cu_stream()) }.map_err(drv("alloc"))?;
+            unsafe { cudarc::driver::result::memset_d8_async(p, 0xFF, bytes, self.stream.cu_stream()) }
+                .map_err(drv("alloc"))?;
         }
         Ok(b)
     }

@@ -68,19 +68,15 @@ impl DeviceTree {
     pub fn with_k(gpu: &Gpu, budget: usize, rows: usize, vocab: usize, k: usize) -> Result<DeviceTree> {
         let op = "device_tree";
         ensure(op, (1..=ddtree_build::MAX_BUDGET).contains(&budget), || {
-            format!(
-                "budget {budget} must be in 1..={}",
-                ddtree_build::MAX_BUDGET
-            )
+            format!("budget {budget} must be in 1..={}", ddtree_build::MAX_BUDGET)
         })?;
         ensure(op, (1..=ddtree_build::MAX_DEPTH).contains(&rows), || {
-            format!(
-                "{rows} draft rows must be in 1..={}",
-                ddtree_build::MAX_DEPTH
-            )
+            format!("{rows} draft rows must be in 1..={}", ddtree_build::MAX_DEPTH)
         })?;
         ensure(op, vocab > 0, || "empty vocabulary".into())?;
-        ensure(op, (1..=vocab.min(topk_logprobs::MAX_K)).contains(&k), || format!("top-{k} of a vocabulary of {vocab}"))?;
+        ensure(op, (1..=vocab.min(topk_logprobs::MAX_K)).contains(&k), || {
+            format!("top-{k} of a vocabulary of {vocab}")
+        })?;
         let n = budget + 1;
         let words = n.div_ceil(64);
         Ok(DeviceTree {
@@ -98,7 +94,11 @@ impl DeviceTree {
             first_child: gpu.zeros(n)?,
             next_sibling: gpu.zeros(n)?,
             n_nodes: gpu.zeros(1)?,
-            mask: DMask { bits: gpu.zeros(n * words)?, rows: n, words },
+            mask: DMask {
+                bits: gpu.zeros(n * words)?,
+                rows: n,
+                words,
+            },
             decisions: gpu.zeros(n)?,
             walk_out: gpu.zeros(Self::log_q_at_for(rows) + 2 * n)?,
             topk: topk_logprobs::TopkWork::new(gpu, rows, vocab, k)?,
@@ -115,12 +115,7 @@ impl DeviceTree {
     }
 
     /// Top-K of `draft_logits` (`[rows, ld]` f32, first `vocab` used), then [`DeviceTree::build_from_top_k`].
-    pub fn build(
-        &mut self,
-        gpu: &Gpu,
-        draft_logits: &cudarc::driver::CudaView<'_, f32>,
-        ld: usize,
-    ) -> Result<()> {
+    pub fn build(&mut self, gpu: &Gpu, draft_logits: &cudarc::driver::CudaView<'_, f32>, ld: usize) -> Result<()> {
         topk_logprobs::topk_logprobs(
             gpu,
             draft_logits,
@@ -194,12 +189,31 @@ impl DeviceTree {
     /// the uniform of position `start + depth + 1`, plus `start_dev[0]` when given: the committed length on
     /// the device; greedy when `s` is) and the walk over them.
     #[allow(clippy::too_many_arguments)]
-    pub fn walk_sampled(&mut self, gpu: &Gpu, verify_logits: &cudarc::driver::CudaView<'_, f32>, ld: usize, s: &crate::sampling::Sampling, start: usize, start_dev: Option<&cudarc::driver::CudaView<'_, i32>>) -> Result<()> {
+    pub fn walk_sampled(
+        &mut self,
+        gpu: &Gpu,
+        verify_logits: &cudarc::driver::CudaView<'_, f32>,
+        ld: usize,
+        s: &crate::sampling::Sampling,
+        start: usize,
+        start_dev: Option<&cudarc::driver::CudaView<'_, i32>>,
+    ) -> Result<()> {
         if s.is_greedy() {
             return self.walk_greedy(gpu, verify_logits, ld);
         }
         let depths = self.depths.as_view();
-        sample_rows::sample_rows(gpu, verify_logits, self.budget + 1, self.vocab, ld, s, start as u64, start_dev, Some(&depths), &mut self.decisions.as_view_mut())?;
+        sample_rows::sample_rows(
+            gpu,
+            verify_logits,
+            self.budget + 1,
+            self.vocab,
+            ld,
+            s,
+            start as u64,
+            start_dev,
+            Some(&depths),
+            &mut self.decisions.as_view_mut(),
+        )?;
         self.walk(gpu)
     }
 
@@ -237,16 +251,9 @@ impl DeviceTree {
 
     /// Uploads a host top-K into `lp` / `tok` (tests: the builder on the CPU's exact input).
     pub fn set_top_k(&mut self, gpu: &Gpu, top: &TopK) -> Result<()> {
-        ensure(
-            "device_tree",
-            top.rows == self.rows && top.k == self.k,
-            || {
-                format!(
-                    "top-K {}x{} for a tree of {}x{}",
-                    top.rows, top.k, self.rows, self.k
-                )
-            },
-        )?;
+        ensure("device_tree", top.rows == self.rows && top.k == self.k, || {
+            format!("top-K {}x{} for a tree of {}x{}", top.rows, top.k, self.rows, self.k)
+        })?;
         gpu.drain()?;
         gpu.stream
             .memcpy_htod(&top.log_probs, &mut self.lp)
@@ -271,10 +278,7 @@ impl DeviceTree {
     pub fn to_host(&self, gpu: &Gpu) -> Result<DraftTree> {
         let n = gpu.download(&self.n_nodes)?[0] as usize;
         ensure("device_tree", (1..=self.budget + 1).contains(&n), || {
-            format!(
-                "the device tree has {n} nodes, capacity {}",
-                self.budget + 1
-            )
+            format!("the device tree has {n} nodes, capacity {}", self.budget + 1)
         })?;
         fn cut<T>(mut v: Vec<T>, n: usize) -> Vec<T> {
             v.truncate(n);
@@ -297,17 +301,16 @@ impl DeviceTree {
             log_q: cut(Self::f64s(&gpu.download(&self.walk_out)?[self.log_q_at()..]), n),
             first_child: cut(gpu.download(&self.first_child)?, n),
             next_sibling: cut(gpu.download(&self.next_sibling)?, n),
-            visibility: Visibility {
-                rows: n,
-                words,
-                bits,
-            },
+            visibility: Visibility { rows: n, words, bits },
         })
     }
 
     /// The f64 values stored as pairs of i32 words (low word first: little-endian, as the device writes them).
     fn f64s(words: &[i32]) -> Vec<f64> {
-        words.chunks_exact(2).map(|w| f64::from_bits((w[0] as u32 as u64) | ((w[1] as u32 as u64) << 32))).collect()
+        words
+            .chunks_exact(2)
+            .map(|w| f64::from_bits((w[0] as u32 as u64) | ((w[1] as u32 as u64) << 32)))
+            .collect()
     }
 
     /// The last walk and the last build's popped-node scores (`log_q[1..=budget]`) as the CPU types: one
@@ -320,14 +323,21 @@ impl DeviceTree {
     /// [`DeviceTree::result_to_host`] of the result buffer's words already on the host (a batch's one read).
     pub fn result_from(&self, out: &[i32]) -> Result<TreeResult> {
         let m = self.rows + 1;
-        ensure("device_tree", out.len() == self.walk_out.len(), || format!("{} result words, expected {}", out.len(), self.walk_out.len()))?;
+        ensure("device_tree", out.len() == self.walk_out.len(), || {
+            format!("{} result words, expected {}", out.len(), self.walk_out.len())
+        })?;
         let len = out[0] as usize;
-        ensure("device_tree", (1..=m).contains(&len), || format!("walk length {len} outside 1..={m}"))?;
+        ensure("device_tree", (1..=m).contains(&len), || {
+            format!("walk length {len} outside 1..={m}")
+        })?;
         let path = out[1..1 + len].iter().map(|&p| p as usize).collect();
         let decisions = out[1 + m..1 + m + len].iter().map(|&d| d as u32).collect();
         let mut log_q = Self::f64s(&out[self.log_q_at()..]);
         log_q.remove(0); // the root's 0
-        Ok(TreeResult { walk: Walk { path, decisions }, log_q })
+        Ok(TreeResult {
+            walk: Walk { path, decisions },
+            log_q,
+        })
     }
 
     /// The walk of [`DeviceTree::result_to_host`] (tests).
@@ -345,11 +355,23 @@ mod tests {
         for rows in 1..40 {
             let at = DeviceTree::log_q_at_for(rows);
             let walk = 1 + 2 * (rows + 1); // [len, path, decisions]
-            assert!(at.is_multiple_of(2) && (walk..=walk + 1).contains(&at), "rows {rows}: scores at {at}");
+            assert!(
+                at.is_multiple_of(2) && (walk..=walk + 1).contains(&at),
+                "rows {rows}: scores at {at}"
+            );
         }
         // Little-endian pairs, as the device's f64 stores leave them in the i32 buffer.
         let x = [0.0, -1.5, f64::NEG_INFINITY, -1e-300, -0.0];
-        let words: Vec<i32> = x.iter().flat_map(|v| v.to_bits().to_le_bytes().chunks(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect::<Vec<_>>()).collect();
+        let words: Vec<i32> = x
+            .iter()
+            .flat_map(|v| {
+                v.to_bits()
+                    .to_le_bytes()
+                    .chunks(4)
+                    .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
         let back: Vec<u64> = DeviceTree::f64s(&words).iter().map(|v| v.to_bits()).collect();
         assert_eq!(back, x.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
     }

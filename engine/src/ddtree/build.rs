@@ -36,10 +36,20 @@ pub struct TopK {
 
 /// Top-K of each row of `logits` ([rows, vocab] f32) in rank order, as log-probs `logit - logsumexp(row)`.
 pub fn top_k_log_probs(logits: &[f32], rows: usize, vocab: usize, k: usize) -> TopK {
-    assert_eq!(logits.len(), rows * vocab, "draft logits: {} values, expected rows={rows} x vocab={vocab}", logits.len());
+    assert_eq!(
+        logits.len(),
+        rows * vocab,
+        "draft logits: {} values, expected rows={rows} x vocab={vocab}",
+        logits.len()
+    );
     let k = k.min(vocab);
     if rows == 0 || k == 0 {
-        return TopK { rows, k, log_probs: Vec::new(), tokens: Vec::new() };
+        return TopK {
+            rows,
+            k,
+            log_probs: Vec::new(),
+            tokens: Vec::new(),
+        };
     }
     // Rows are independent: one rayon task per row, each result a function of its row only.
     let per_row: Vec<(Vec<f32>, Vec<u32>)> = logits
@@ -48,7 +58,10 @@ pub fn top_k_log_probs(logits: &[f32], rows: usize, vocab: usize, k: usize) -> T
             let lz = log_sum_exp(row);
             let mut keys = Vec::with_capacity(vocab);
             top_k_into(row, k, &mut keys);
-            keys.iter().map(|&key| (u32::MAX - key as u32) as usize).map(|t| (row[t] - lz, t as u32)).unzip()
+            keys.iter()
+                .map(|&key| (u32::MAX - key as u32) as usize)
+                .map(|t| (row[t] - lz, t as u32))
+                .unzip()
         })
         .collect();
     let (mut log_probs, mut tokens) = (Vec::with_capacity(rows * k), Vec::with_capacity(rows * k));
@@ -56,7 +69,12 @@ pub fn top_k_log_probs(logits: &[f32], rows: usize, vocab: usize, k: usize) -> T
         log_probs.extend(lp);
         tokens.extend(t);
     }
-    TopK { rows, k, log_probs, tokens }
+    TopK {
+        rows,
+        k,
+        log_probs,
+        tokens,
+    }
 }
 
 /// The draft tree: node 0 is the root (bonus token), nodes 1..=N in pop order.
@@ -178,7 +196,10 @@ impl Nodes<'_> {
         if x != y {
             return x.total_cmp(&y);
         }
-        self.cmp_ranks(a, b).then(a.parent.cmp(&b.parent)).then(a.depth.cmp(&b.depth)).then(a.rank.cmp(&b.rank))
+        self.cmp_ranks(a, b)
+            .then(a.parent.cmp(&b.parent))
+            .then(a.depth.cmp(&b.depth))
+            .then(a.rank.cmp(&b.rank))
     }
 }
 
@@ -257,7 +278,7 @@ pub fn build_tree_from_top_k(bonus: u32, top: &TopK, budget: usize) -> DraftTree
     }
     let (k, depth_limit) = (top.k, top.rows);
     let lp = |d: u32, r: u32| top.log_probs[(d as usize - 1) * k + r as usize] as f64; // depth d is 1-based
-    // Sized for the usual budgets up front (no reallocation up to 4096 nodes); a larger budget grows.
+                                                                                       // Sized for the usual budgets up front (no reallocation up to 4096 nodes); a larger budget grows.
     let cap = budget.min(4096) + 1;
     let mut t = DraftTree {
         tokens: Vec::with_capacity(cap),
@@ -273,21 +294,49 @@ pub fn build_tree_from_top_k(bonus: u32, top: &TopK, budget: usize) -> DraftTree
     t.add_node(&mut last_child, bonus, 0, -1, 0.0);
     ranks.push(0);
     let mut heap = Heap(Vec::with_capacity(cap + 1));
-    heap.0.push(Cand { logw: score(lp(1, 0)), parent: 0, depth: 1, rank: 0 });
+    heap.0.push(Cand {
+        logw: score(lp(1, 0)),
+        parent: 0,
+        depth: 1,
+        rank: 0,
+    });
     while t.drafted() < budget {
-        let Some(c) = heap.pop(&Nodes { parents: &t.parents, ranks: &ranks }) else { break };
+        let Some(c) = heap.pop(&Nodes {
+            parents: &t.parents,
+            ranks: &ranks,
+        }) else {
+            break;
+        };
         let token = top.tokens[(c.depth as usize - 1) * k + c.rank as usize];
         let n = t.tokens.len() as u32;
         t.add_node(&mut last_child, token, c.depth, c.parent as i32, c.logw);
         ranks.push(c.rank);
-        let o = Nodes { parents: &t.parents, ranks: &ranks };
+        let o = Nodes {
+            parents: &t.parents,
+            ranks: &ranks,
+        };
         if (c.rank as usize) + 1 < k {
             let logw = score(c.logw - lp(c.depth, c.rank) + lp(c.depth, c.rank + 1));
-            heap.push(Cand { logw, rank: c.rank + 1, ..c }, &o);
+            heap.push(
+                Cand {
+                    logw,
+                    rank: c.rank + 1,
+                    ..c
+                },
+                &o,
+            );
         }
         if (c.depth as usize) < depth_limit {
             let logw = score(c.logw + lp(c.depth + 1, 0));
-            heap.push(Cand { logw, parent: n, depth: c.depth + 1, rank: 0 }, &o);
+            heap.push(
+                Cand {
+                    logw,
+                    parent: n,
+                    depth: c.depth + 1,
+                    rank: 0,
+                },
+                &o,
+            );
         }
     }
     t.visibility = Visibility::from_parents(&t.parents).expect("the builder's parents are earlier nodes");
@@ -302,9 +351,13 @@ pub(crate) mod tests {
     /// Tokens: a..i = 0..8 in a vocab of `v` >= 9; the other tokens of each row get logit -inf.
     pub(crate) fn worked_example_logits(v: usize) -> Vec<f32> {
         let mut logits = vec![f32::NEG_INFINITY; 3 * v];
-        for (row, probs) in [[(0, 0.7f32), (1, 0.2), (2, 0.1)], [(3, 0.6), (4, 0.3), (5, 0.1)], [(6, 0.8), (7, 0.15), (8, 0.05)]]
-            .iter()
-            .enumerate()
+        for (row, probs) in [
+            [(0, 0.7f32), (1, 0.2), (2, 0.1)],
+            [(3, 0.6), (4, 0.3), (5, 0.1)],
+            [(6, 0.8), (7, 0.15), (8, 0.05)],
+        ]
+        .iter()
+        .enumerate()
         {
             for &(t, p) in probs {
                 logits[row * v + t] = p.ln();
@@ -324,8 +377,21 @@ pub(crate) mod tests {
         assert_eq!(t.parents, vec![-1, 0, 1, 2, 1, 0]);
         assert_eq!(t.depths, vec![0, 1, 2, 3, 2, 1]);
         assert_eq!(t.tokens, vec![x, 0, 3, 6, 4, 1]); // x, a, d, g, e, b
-        assert_eq!(child_lists(&t), vec![vec![(0, 1), (1, 5)], vec![(3, 2), (4, 4)], vec![(6, 3)], vec![], vec![], vec![]]);
-        assert_eq!((t.first_child, t.next_sibling), (vec![1, 2, 3, -1, -1, -1], vec![-1, 5, 4, -1, -1, -1]));
+        assert_eq!(
+            child_lists(&t),
+            vec![
+                vec![(0, 1), (1, 5)],
+                vec![(3, 2), (4, 4)],
+                vec![(6, 3)],
+                vec![],
+                vec![],
+                vec![]
+            ]
+        );
+        assert_eq!(
+            (t.first_child, t.next_sibling),
+            (vec![1, 2, 3, -1, -1, -1], vec![-1, 5, 4, -1, -1, -1])
+        );
         assert_eq!(t.visibility.words, 1);
         assert_eq!(t.visibility.bits, vec![0x01, 0x03, 0x07, 0x0F, 0x13, 0x21]);
         let q: Vec<f64> = t.log_q.iter().map(|l| l.exp()).collect();
@@ -376,11 +442,7 @@ pub(crate) mod tests {
             t.log_q
         );
         let finite = t.log_q.iter().filter(|x| x.is_finite()).count();
-        assert_eq!(
-            finite,
-            1 + 3 + 9,
-            "root, 3 depth-1 and 3x3 depth-2 prefixes"
-        );
+        assert_eq!(finite, 1 + 3 + 9, "root, 3 depth-1 and 3x3 depth-2 prefixes");
         assert_eq!((t.depths[finite], t.depths[finite + 1]), (2, 2));
         assert_eq!((t.parents[finite], t.parents[finite + 1]), (1, 1));
         assert_eq!(t.len(), 41);

@@ -58,20 +58,38 @@ impl CostModel {
 
     /// The invariants the rule relies on; the message names the first broken one.
     pub fn check(&self) -> Result<()> {
-        ensure!(self.schema == COST_SCHEMA, "cost model schema {} (this build reads schema {COST_SCHEMA}; recalibrate)", self.schema);
+        ensure!(
+            self.schema == COST_SCHEMA,
+            "cost model schema {} (this build reads schema {COST_SCHEMA}; recalibrate)",
+            self.schema
+        );
         ensure!(!self.device.is_empty(), "cost model: empty device");
-        ensure!(self.draft_us.is_finite() && self.draft_us >= 0.0, "cost model: draft_us {} is not a finite time >= 0", self.draft_us);
+        ensure!(
+            self.draft_us.is_finite() && self.draft_us >= 0.0,
+            "cost model: draft_us {} is not a finite time >= 0",
+            self.draft_us
+        );
         ensure!(!self.verify.is_empty(), "cost model: no verify points");
         for (i, &(n, us)) in self.verify.iter().enumerate() {
             ensure!(n >= 1, "cost model: verify[{i}] has {n} nodes (at least the root)");
-            ensure!(us.is_finite() && us >= 0.0, "cost model: verify[{i}] = {us} µs is not a finite time >= 0");
+            ensure!(
+                us.is_finite() && us >= 0.0,
+                "cost model: verify[{i}] = {us} µs is not a finite time >= 0"
+            );
             if i > 0 {
                 let (pn, pus) = self.verify[i - 1];
                 ensure!(n > pn, "cost model: verify nodes must increase: {pn} then {n}");
-                ensure!(us >= pus, "cost model: verify cost must not fall: {pus} µs at {pn} nodes, {us} µs at {n}");
+                ensure!(
+                    us >= pus,
+                    "cost model: verify cost must not fall: {pus} µs at {pn} nodes, {us} µs at {n}"
+                );
             }
         }
-        ensure!(self.round_us(0) > 0.0, "cost model: a round of 0 drafted nodes costs {} µs (must be > 0)", self.round_us(0));
+        ensure!(
+            self.round_us(0) > 0.0,
+            "cost model: a round of 0 drafted nodes costs {} µs (must be > 0)",
+            self.round_us(0)
+        );
         Ok(())
     }
 
@@ -114,7 +132,13 @@ impl CostModel {
                 (b + 1, top)
             })
             .collect();
-        let m = CostModel { schema: COST_SCHEMA, device: device.to_string(), draft_us: ns(draft), verify, note };
+        let m = CostModel {
+            schema: COST_SCHEMA,
+            device: device.to_string(),
+            draft_us: ns(draft),
+            verify,
+            note,
+        };
         m.check()?;
         Ok(m)
     }
@@ -201,7 +225,13 @@ mod tests {
 
     /// Round time = `fixed` + `per_node` × nodes verified (root included).
     fn linear(fixed: f64, per_node: f64) -> CostModel {
-        CostModel { schema: COST_SCHEMA, device: "test".into(), draft_us: fixed, verify: vec![(1, per_node), (257, 257.0 * per_node)], note: String::new() }
+        CostModel {
+            schema: COST_SCHEMA,
+            device: "test".into(),
+            draft_us: fixed,
+            verify: vec![(1, per_node), (257, 257.0 * per_node)],
+            note: String::new(),
+        }
     }
 
     fn logs(p: &[f64]) -> Vec<f64> {
@@ -232,9 +262,16 @@ mod tests {
         // Every node equally likely: with a rising cost, θ = (1 + n p) / (a + n) rises forever when p > 1/a.
         let c = linear(100.0, 1.0);
         assert_eq!(best_nodes(&logs(&[0.5; 40]), &c), 40, "p = 0.5 > θ: take every node");
-        assert_eq!(best_nodes(&logs(&[0.001; 40]), &c), 0, "p = 0.001 < θ(0) = 1/101: take none");
+        assert_eq!(
+            best_nodes(&logs(&[0.001; 40]), &c),
+            0,
+            "p = 0.001 < θ(0) = 1/101: take none"
+        );
         // A free verify (flat cost) takes every node with p > 0, none with p = 0.
-        let flat = CostModel { verify: vec![(1, 5.0)], ..linear(100.0, 0.0) };
+        let flat = CostModel {
+            verify: vec![(1, 5.0)],
+            ..linear(100.0, 0.0)
+        };
         assert_eq!(best_nodes(&logs(&[0.3, 0.2, 0.1]), &flat), 3);
         assert_eq!(best_nodes(&[f64::NEG_INFINITY, f64::NAN], &flat), 0);
     }
@@ -251,11 +288,18 @@ mod tests {
 
     #[test]
     fn verify_cost_interpolates_and_extrapolates() {
-        let c = CostModel { verify: vec![(5, 10.0), (9, 30.0), (17, 30.0), (33, 62.0)], ..linear(3.0, 0.0) };
+        let c = CostModel {
+            verify: vec![(5, 10.0), (9, 30.0), (17, 30.0), (33, 62.0)],
+            ..linear(3.0, 0.0)
+        };
         assert_eq!(c.verify_us(5), 10.0);
         assert_eq!(c.verify_us(7), 20.0);
         assert_eq!(c.verify_us(12), 30.0);
-        assert_eq!(c.verify_us(65), 126.0, "past the last point: the last slope, 2 per node");
+        assert_eq!(
+            c.verify_us(65),
+            126.0,
+            "past the last point: the last slope, 2 per node"
+        );
         assert_eq!(c.verify_us(3), 0.0, "before the first: the first slope, clamped at 0");
         assert_eq!(c.round_us(8), 33.0);
         let mut last = 0.0;
@@ -269,7 +313,10 @@ mod tests {
     fn from_rounds_reproduces_the_measured_rounds() {
         let rounds = [(4, 120.0), (8, 140.0), (16, 130.0), (32, 260.0)];
         let c = CostModel::from_rounds("cpu", &rounds, "t".into()).unwrap();
-        assert_eq!(c.draft_us, 100.0, "the line through (4, 120) and (8, 140) meets 0 nodes at 100");
+        assert_eq!(
+            c.draft_us, 100.0,
+            "the line through (4, 120) and (8, 140) meets 0 nodes at 100"
+        );
         assert_eq!(c.round_us(4), 120.0);
         assert_eq!(c.round_us(8), 140.0);
         assert_eq!(c.round_us(16), 140.0, "noise made 16 cheaper than 8: held at 8's cost");
@@ -293,7 +340,13 @@ mod tests {
         bad(&|m| m.verify = vec![(3, 2.0), (5, 1.0)], "must not fall");
         bad(&|m| m.draft_us = -1.0, "draft_us");
         bad(&|m| (m.draft_us, m.verify) = (0.0, vec![(1, 0.0)]), "must be > 0");
-        for text in ["", "{", "[]", r#"{"schema":1}"#, &good.to_json().replace("\"note\"", "\"extra\": 1, \"note\"")] {
+        for text in [
+            "",
+            "{",
+            "[]",
+            r#"{"schema":1}"#,
+            &good.to_json().replace("\"note\"", "\"extra\": 1, \"note\""),
+        ] {
             assert!(CostModel::from_json(text).is_err(), "{text}");
         }
     }

@@ -28,7 +28,10 @@ impl Visibility {
         let words = rows.div_ceil(64).max(1);
         let mut bits = vec![0u64; rows * words];
         for (i, &p) in parents.iter().enumerate() {
-            ensure!(p >= -1 && (p as i64) < i as i64, "parents[{i}] = {p}: must be -1 (root) or an earlier node (< {i})");
+            ensure!(
+                p >= -1 && (p as i64) < i as i64,
+                "parents[{i}] = {p}: must be -1 (root) or an earlier node (< {i})"
+            );
             if p >= 0 {
                 let p = p as usize;
                 let (done, cur) = bits.split_at_mut(i * words);
@@ -40,7 +43,11 @@ impl Visibility {
     }
     /// One root, seeing itself.
     pub fn root_only() -> Self {
-        Visibility { rows: 1, words: 1, bits: vec![1] }
+        Visibility {
+            rows: 1,
+            words: 1,
+            bits: vec![1],
+        }
     }
     /// Row i: [words] u64.
     pub fn row(&self, i: usize) -> &[u64] {
@@ -96,8 +103,15 @@ mod tests {
         // Random forests (several roots) of 200 and 2049 nodes; compare with a walk up the parent chain.
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
         for n in [200usize, 2049] {
-            let parents: Vec<i32> =
-                (0..n).map(|i| if i == 0 || rng.random_range(0..10) == 0 { -1 } else { rng.random_range(0..i as i32) }).collect();
+            let parents: Vec<i32> = (0..n)
+                .map(|i| {
+                    if i == 0 || rng.random_range(0..10) == 0 {
+                        -1
+                    } else {
+                        rng.random_range(0..i as i32)
+                    }
+                })
+                .collect();
             let m = Visibility::from_parents(&parents).unwrap();
             assert_eq!(m.words, n.div_ceil(64));
             for i in (0..n).step_by(if n > 1000 { 7 } else { 1 }) {

@@ -57,15 +57,33 @@ pub fn walk(tree: &DraftTree, mut decide: impl FnMut(usize) -> u32) -> Walk {
 
 /// Greedy walk; `logits` is [N+1, vocab] f32 in node order.
 pub fn walk_greedy(tree: &DraftTree, logits: &[f32], vocab: usize) -> Walk {
-    assert_eq!(logits.len(), tree.len() * vocab, "verify logits: {} values, expected {} nodes x {vocab}", logits.len(), tree.len());
+    assert_eq!(
+        logits.len(),
+        tree.len() * vocab,
+        "verify logits: {} values, expected {} nodes x {vocab}",
+        logits.len(),
+        tree.len()
+    );
     walk(tree, |n| argmax(&logits[n * vocab..(n + 1) * vocab]))
 }
 
 /// Sample-and-walk at `s` for a tree whose root sits at position `start` (greedy when
 /// `s.temperature <= 0`).
 pub fn walk_sampled(tree: &DraftTree, logits: &[f32], vocab: usize, s: &Sampling, start: usize) -> Walk {
-    assert_eq!(logits.len(), tree.len() * vocab, "verify logits: {} values, expected {} nodes x {vocab}", logits.len(), tree.len());
-    walk(tree, |n| sample(&logits[n * vocab..(n + 1) * vocab], s, start + tree.depths[n] as usize + 1))
+    assert_eq!(
+        logits.len(),
+        tree.len() * vocab,
+        "verify logits: {} values, expected {} nodes x {vocab}",
+        logits.len(),
+        tree.len()
+    );
+    walk(tree, |n| {
+        sample(
+            &logits[n * vocab..(n + 1) * vocab],
+            s,
+            start + tree.depths[n] as usize + 1,
+        )
+    })
 }
 
 #[cfg(test)]
@@ -111,12 +129,21 @@ mod tests {
             .collect();
         let mut depths_seen = [0usize; 4];
         for seed in 0..40u64 {
-            let s = Sampling { temperature: 1.0, top_p: 1.0, top_k: 0, seed };
+            let s = Sampling {
+                temperature: 1.0,
+                top_p: 1.0,
+                top_k: 0,
+                seed,
+            };
             for start in [0usize, 10, 1 << 33] {
                 let w = walk_sampled(&tree, &verify, v, &s, start);
                 for (i, &n) in w.path.iter().enumerate() {
                     let pos = start + tree.depths[n] as usize + 1;
-                    assert_eq!(w.decisions[i], sample(&verify[n * v..(n + 1) * v], &s, pos), "seed {seed} node {n}");
+                    assert_eq!(
+                        w.decisions[i],
+                        sample(&verify[n * v..(n + 1) * v], &s, pos),
+                        "seed {seed} node {n}"
+                    );
                 }
                 depths_seen[w.accepted()] += 1;
             }

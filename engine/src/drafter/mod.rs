@@ -172,7 +172,10 @@ impl<B: Backend> DFlashDrafter<B> {
     /// [`DFlashDrafter::load`] on backend `b`. A rank slice (`TensorSource::slice_rank`) loads that rank's
     /// own shards as a drafter of [`weights::slice_config`]'s dims ([`DFlashDrafter::load_slice`]).
     pub fn load_on(b: B, src: &dyn crate::model::TensorSource, tables: Arc<dyn TargetTables<B>>) -> Result<Self> {
-        let cfg = src.drafter_config().ok_or_else(|| anyhow::anyhow!("model has no drafter (no drafter config)"))?.clone();
+        let cfg = src
+            .drafter_config()
+            .ok_or_else(|| anyhow::anyhow!("model has no drafter (no drafter config)"))?
+            .clone();
         if let Some(rank) = src.slice_rank() {
             return Self::load_slice(b, src, &cfg, rank, tables);
         }
@@ -183,7 +186,10 @@ impl<B: Backend> DFlashDrafter<B> {
                 crate::model::source::check_shards(src, name)?;
             }
             let (v, logical) = crate::model::source::gather_bf16(src, name)?;
-            ensure!(logical == shape, "{name}: logical shape {logical:?}, expected {shape:?}");
+            ensure!(
+                logical == shape,
+                "{name}: logical shape {logical:?}, expected {shape:?}"
+            );
             Ok(v)
         })?;
         Self::new_on(b, &cfg, w, tables)
@@ -193,12 +199,21 @@ impl<B: Backend> DFlashDrafter<B> {
     /// split by the plan, fc and norms replicated), each filled on the backend when the source says so
     /// (dummy weights: no host copy) or uploaded, as the drafter of `weights::slice_config(cfg, R)`:
     /// what one GPU of R computes, without the all-reduces.
-    pub fn load_slice(b: B, src: &dyn crate::model::TensorSource, cfg: &DrafterConfig, rank: usize, tables: Arc<dyn TargetTables<B>>) -> Result<Self> {
+    pub fn load_slice(
+        b: B,
+        src: &dyn crate::model::TensorSource,
+        cfg: &DrafterConfig,
+        rank: usize,
+        tables: Arc<dyn TargetTables<B>>,
+    ) -> Result<Self> {
         use crate::model::source::{expect, pod_vec};
         let scfg = weights::slice_config(cfg, src.ranks())?;
         let dims = DrafterDims::from_config(&scfg)?;
         let get = |name: &str, shape: &[usize]| -> Result<(kdtree_formats::TensorRef<'_>, Option<ops::Fill>)> {
-            Ok((expect(src, name, rank, kdtree_formats::Dtype::BF16, shape)?, src.fill(name, rank)))
+            Ok((
+                expect(src, name, rank, kdtree_formats::Dtype::BF16, shape)?,
+                src.fill(name, rank),
+            ))
         };
         // The load check: an uploaded shard's bytes where the ops read them against the manifest's xxh3.
         let check = |name: &str, t: &kdtree_formats::TensorRef<'_>, w: WeightRef<'_, B>| {
@@ -206,9 +221,15 @@ impl<B: Backend> DFlashDrafter<B> {
         };
         let mat = |name: String, rows: usize, cols: usize| -> Result<B::Mat> {
             match get(&name, &[rows, cols])? {
-                (_, Some(f)) => b.fill_bf16(rows, cols, &f).with_context(|| format!("filling {name} (rank {rank})")),
+                (_, Some(f)) => b
+                    .fill_bf16(rows, cols, &f)
+                    .with_context(|| format!("filling {name} (rank {rank})")),
                 (t, None) => {
-                    let m = b.upload_bf16(Mat { w: Slab::Owned(pod_vec(t.data)), rows, cols })?;
+                    let m = b.upload_bf16(Mat {
+                        w: Slab::Owned(pod_vec(t.data)),
+                        rows,
+                        cols,
+                    })?;
                     check(&name, &t, WeightRef::Mat(&m))?;
                     Ok(m)
                 }
@@ -216,7 +237,9 @@ impl<B: Backend> DFlashDrafter<B> {
         };
         let vector = |name: String, n: usize| -> Result<B::Vector> {
             match get(&name, &[n])? {
-                (_, Some(f)) => b.fill_vector(n, &f).with_context(|| format!("filling {name} (rank {rank})")),
+                (_, Some(f)) => b
+                    .fill_vector(n, &f)
+                    .with_context(|| format!("filling {name} (rank {rank})")),
                 (t, None) => {
                     let v = b.upload_vector(Slab::Owned(pod_vec(t.data)))?;
                     check(&name, &t, WeightRef::Vector(&v))?;
@@ -224,7 +247,13 @@ impl<B: Backend> DFlashDrafter<B> {
                 }
             }
         };
-        let (h, qd, kd, i, hd) = (dims.hidden, dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim, dims.intermediate, dims.head_dim);
+        let (h, qd, kd, i, hd) = (
+            dims.hidden,
+            dims.heads * dims.head_dim,
+            dims.kv_heads * dims.head_dim,
+            dims.intermediate,
+            dims.head_dim,
+        );
         let mut layers = Vec::with_capacity(dims.layers);
         for l in 0..dims.layers {
             let p = format!("drafter.layers.{l}.");
@@ -243,21 +272,45 @@ impl<B: Backend> DFlashDrafter<B> {
             });
         }
         let fc = mat("drafter.fc.weight".into(), h, dims.n_taps * h)?;
-        let (hidden_norm, norm) = (vector("drafter.hidden_norm.weight".into(), h)?, vector("drafter.norm.weight".into(), h)?);
+        let (hidden_norm, norm) = (
+            vector("drafter.hidden_norm.weight".into(), h)?,
+            vector("drafter.norm.weight".into(), h)?,
+        );
         Self::assemble(b, &scfg, dims, (fc, hidden_norm, norm), layers, tables)
     }
 
     /// Upload host weights `w` to `b` and start an empty session.
     pub fn new_on(b: B, cfg: &DrafterConfig, w: DrafterWeights, tables: Arc<dyn TargetTables<B>>) -> Result<Self> {
         let dims = DrafterDims::from_config(cfg)?;
-        ensure!(w.layers.len() == dims.layers, "drafter: {} layers loaded, config says {}", w.layers.len(), dims.layers);
-        let (h, qd, kd, i) = (dims.hidden, dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim, dims.intermediate);
+        ensure!(
+            w.layers.len() == dims.layers,
+            "drafter: {} layers loaded, config says {}",
+            w.layers.len(),
+            dims.layers
+        );
+        let (h, qd, kd, i) = (
+            dims.hidden,
+            dims.heads * dims.head_dim,
+            dims.kv_heads * dims.head_dim,
+            dims.intermediate,
+        );
         // With the load check on, every upload's bytes where the ops read them are compared with the host
         // bytes they came from (`load_on` checked those against the manifest, shard by shard).
-        let hash = |v: &[bf16]| b.checks_weights().then(|| (kdtree_formats::manifest::xxh3_64(bytemuck::cast_slice(v)), "the xxh3 of the host bytes"));
+        let hash = |v: &[bf16]| {
+            b.checks_weights().then(|| {
+                (
+                    kdtree_formats::manifest::xxh3_64(bytemuck::cast_slice(v)),
+                    "the xxh3 of the host bytes",
+                )
+            })
+        };
         let mat = |what: String, v: Vec<bf16>, rows: usize, cols: usize| -> Result<B::Mat> {
             let host = hash(&v);
-            let m = b.upload_bf16(Mat { w: Slab::Owned(v), rows, cols })?;
+            let m = b.upload_bf16(Mat {
+                w: Slab::Owned(v),
+                rows,
+                cols,
+            })?;
             if let Some(want) = host {
                 check_upload(&b, &format!("drafter {what}"), want, WeightRef::Mat(&m), 0)?;
             }
@@ -288,35 +341,93 @@ impl<B: Backend> DFlashDrafter<B> {
                 down_proj: mat(format!("{p}down_proj"), l.down_proj, h, i)?,
             });
         }
-        let (fc, hidden_norm, norm) =
-            (mat("fc".into(), w.fc, h, dims.n_taps * h)?, vector("hidden_norm".into(), w.hidden_norm)?, vector("norm".into(), w.norm)?);
+        let (fc, hidden_norm, norm) = (
+            mat("fc".into(), w.fc, h, dims.n_taps * h)?,
+            vector("hidden_norm".into(), w.hidden_norm)?,
+            vector("norm".into(), w.norm)?,
+        );
         Self::assemble(b, cfg, dims, (fc, hidden_norm, norm), layers, tables)
     }
 
     /// A session over uploaded weights: (fc, hidden_norm, norm) and the layers, checked against the tables.
-    fn assemble(b: B, cfg: &DrafterConfig, dims: DrafterDims, top: (B::Mat, B::Vector, B::Vector), layers: Vec<Layer<B>>, tables: Arc<dyn TargetTables<B>>) -> Result<Self> {
-        ensure!(tables.hidden_size() == dims.hidden, "drafter hidden {} != target hidden {}", dims.hidden, tables.hidden_size());
-        ensure!(tables.vocab_size() == dims.vocab, "drafter vocab {} != target vocab {}", dims.vocab, tables.vocab_size());
+    fn assemble(
+        b: B,
+        cfg: &DrafterConfig,
+        dims: DrafterDims,
+        top: (B::Mat, B::Vector, B::Vector),
+        layers: Vec<Layer<B>>,
+        tables: Arc<dyn TargetTables<B>>,
+    ) -> Result<Self> {
+        ensure!(
+            tables.hidden_size() == dims.hidden,
+            "drafter hidden {} != target hidden {}",
+            dims.hidden,
+            tables.hidden_size()
+        );
+        ensure!(
+            tables.vocab_size() == dims.vocab,
+            "drafter vocab {} != target vocab {}",
+            dims.vocab,
+            tables.vocab_size()
+        );
         let (fc, hidden_norm, norm) = top;
-        let inv_freq = b.upload_vector_f32(Slab::Owned(ops::yarn_inv_freq(dims.head_dim, cfg.rope_theta, cfg.rope_scaling.as_ref())))?;
+        let inv_freq = b.upload_vector_f32(Slab::Owned(ops::yarn_inv_freq(
+            dims.head_dim,
+            cfg.rope_theta,
+            cfg.rope_scaling.as_ref(),
+        )))?;
         let attention_factor = ops::yarn_attention_factor(cfg.rope_scaling.as_ref());
-        let p = Arc::new(Params { fc, hidden_norm, norm, layers, inv_freq });
+        let p = Arc::new(Params {
+            fc,
+            hidden_norm,
+            norm,
+            layers,
+            inv_freq,
+        });
         Ok(Self::session(b, dims, p, tables, attention_factor))
     }
 
     /// An empty session over shared weights.
-    fn session(b: B, dims: DrafterDims, p: Arc<Params<B>>, tables: Arc<dyn TargetTables<B>>, attention_factor: f64) -> Self {
-        let cache = (0..dims.layers).map(|_| LayerCache { k: b.act_from_host(Vec::new()), v: b.act_from_host(Vec::new()) }).collect();
+    fn session(
+        b: B,
+        dims: DrafterDims,
+        p: Arc<Params<B>>,
+        tables: Arc<dyn TargetTables<B>>,
+        attention_factor: f64,
+    ) -> Self {
+        let cache = (0..dims.layers)
+            .map(|_| LayerCache {
+                k: b.act_from_host(Vec::new()),
+                v: b.act_from_host(Vec::new()),
+            })
+            .collect();
         let mut ids = vec![dims.mask_token_id; dims.block];
         ids[0] = 0;
         let (ctx_pos, block_ids) = (b.pos_new(0), b.ids_from_host(&ids));
         let uid = NEXT_UID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        DFlashDrafter { b, dims, p, tables, attention_factor, cache, ctx_pos, block_ids, uid, moves: 0 }
+        DFlashDrafter {
+            b,
+            dims,
+            p,
+            tables,
+            attention_factor,
+            cache,
+            ctx_pos,
+            block_ids,
+            uid,
+            moves: 0,
+        }
     }
 
     /// A new, empty session over the same weights (no copy): one per sequence of a batch.
     pub fn fork(&self) -> Self {
-        Self::session(self.b.clone(), self.dims.clone(), self.p.clone(), self.tables.clone(), self.attention_factor)
+        Self::session(
+            self.b.clone(),
+            self.dims.clone(),
+            self.p.clone(),
+            self.tables.clone(),
+            self.attention_factor,
+        )
     }
     pub fn dims(&self) -> &DrafterDims {
         &self.dims
@@ -361,10 +472,21 @@ impl<B: Backend> DFlashDrafter<B> {
     /// Context K/V of taps `[rows, n_taps·H]` at positions `ctx_pos..ctx_pos + rows`, written after the
     /// committed rows (room reserved); the committed length is not advanced.
     pub fn write_context(&mut self, taps: &B::Act, rows: usize) {
-        let DrafterDims { kv_heads, head_dim, eps, .. } = self.dims;
+        let DrafterDims {
+            kv_heads,
+            head_dim,
+            eps,
+            ..
+        } = self.dims;
         let b = &self.b;
         let ctx = b.rms_norm(&b.linear(taps, rows, &self.p.fc), &self.p.hidden_norm, eps); // [rows, H]
-        let rope = b.rope_at(&self.p.inv_freq, self.attention_factor, PosOf::Pos(&self.ctx_pos), None, rows);
+        let rope = b.rope_at(
+            &self.p.inv_freq,
+            self.attention_factor,
+            PosOf::Pos(&self.ctx_pos),
+            None,
+            rows,
+        );
         for (lw, c) in self.p.layers.iter().zip(self.cache.iter_mut()) {
             let k = b.head_norm_rope_neox(&b.linear(&ctx, rows, &lw.k_proj), &lw.k_norm, eps, kv_heads, &rope); // [rows, Hk*D]
             let v = b.linear(&ctx, rows, &lw.v_proj); // [rows, Hk*D]
@@ -375,9 +497,16 @@ impl<B: Backend> DFlashDrafter<B> {
 
     /// [`Drafter::draft`] leaving the logits `[B−1, V]` where the ops run.
     pub fn draft_act(&mut self, bonus: u32, start: usize) -> Result<B::Act> {
-        let DrafterDims { block: bl, mask_token_id, .. } = self.dims;
+        let DrafterDims {
+            block: bl,
+            mask_token_id,
+            ..
+        } = self.dims;
         if start != self.context_len() {
-            bail!("draft: block starts at {start} but the drafter context holds {} positions", self.context_len());
+            bail!(
+                "draft: block starts at {start} but the drafter context holds {} positions",
+                self.context_len()
+            );
         }
         let mut ids = vec![mask_token_id; bl];
         ids[0] = bonus;
@@ -393,16 +522,39 @@ impl<B: Backend> DFlashDrafter<B> {
 
     /// The block of `ids` `[B]` at positions `ctx_pos..ctx_pos + B`: logits `[B−1, V]` of block rows 1..B−1.
     fn draft_ids(&self, ids: &B::Ids) -> Result<B::Act> {
-        let DrafterDims { hidden: h, heads, kv_heads, head_dim, block: bl, eps, .. } = self.dims;
+        let DrafterDims {
+            hidden: h,
+            heads,
+            kv_heads,
+            head_dim,
+            block: bl,
+            eps,
+            ..
+        } = self.dims;
         let b = &self.b;
-        let rope = b.rope_at(&self.p.inv_freq, self.attention_factor, PosOf::Pos(&self.ctx_pos), None, bl);
+        let rope = b.rope_at(
+            &self.p.inv_freq,
+            self.attention_factor,
+            PosOf::Pos(&self.ctx_pos),
+            None,
+            bl,
+        );
         let mut x = self.tables.embed_ids(ids, bl); // [B, H]
         for (lw, c) in self.p.layers.iter().zip(&self.cache) {
             let hn = b.rms_norm(&x, &lw.input_layernorm, eps); // [B, H]
             let q = b.head_norm_rope_neox(&b.linear(&hn, bl, &lw.q_proj), &lw.q_norm, eps, heads, &rope); // [B, Hq*D]
             let kb = b.head_norm_rope_neox(&b.linear(&hn, bl, &lw.k_proj), &lw.k_norm, eps, kv_heads, &rope); // [B, Hk*D]
             let vb = b.linear(&hn, bl, &lw.v_proj); // [B, Hk*D]
-            let att = b.gqa_attention(&q, bl, (&c.k, &c.v), &self.ctx_pos, (&kb, &vb), heads, kv_heads, head_dim); // [B, Hq*D]
+            let att = b.gqa_attention(
+                &q,
+                bl,
+                (&c.k, &c.v),
+                &self.ctx_pos,
+                (&kb, &vb),
+                heads,
+                kv_heads,
+                head_dim,
+            ); // [B, Hq*D]
             b.add(&mut x, &b.linear(&att, bl, &lw.o_proj));
             let hn = b.rms_norm(&x, &lw.post_attention_layernorm, eps);
             let g = b.linear(&hn, bl, &lw.gate_proj); // [B, I]
@@ -421,11 +573,35 @@ impl<B: Backend> DFlashDrafter<B> {
     /// ids. Returns logits `[N·(B−1), V]`, session s's rows from s·(B−1) (what [`DFlashDrafter::draft_from_root`]
     /// gives each alone, up to the GEMMs' summation order on a device).
     pub fn draft_batch(ds: &mut [&mut DFlashDrafter<B>], roots: &[&B::Ids], ids: &mut B::Ids) -> Result<B::Act> {
-        let Some(d0) = ds.first() else { bail!("draft_batch: no sessions") };
-        ensure!(roots.len() == ds.len(), "draft_batch: {} roots for {} sessions", roots.len(), ds.len());
-        ensure!(ds.iter().all(|d| Arc::ptr_eq(&d.p, &d0.p)), "draft_batch: sessions of different drafters");
-        let (b, p, dims, factor, tables) = (d0.b.clone(), d0.p.clone(), d0.dims.clone(), d0.attention_factor, d0.tables.clone());
-        let DrafterDims { hidden: h, heads, kv_heads, head_dim, block: bl, eps, .. } = dims;
+        let Some(d0) = ds.first() else {
+            bail!("draft_batch: no sessions")
+        };
+        ensure!(
+            roots.len() == ds.len(),
+            "draft_batch: {} roots for {} sessions",
+            roots.len(),
+            ds.len()
+        );
+        ensure!(
+            ds.iter().all(|d| Arc::ptr_eq(&d.p, &d0.p)),
+            "draft_batch: sessions of different drafters"
+        );
+        let (b, p, dims, factor, tables) = (
+            d0.b.clone(),
+            d0.p.clone(),
+            d0.dims.clone(),
+            d0.attention_factor,
+            d0.tables.clone(),
+        );
+        let DrafterDims {
+            hidden: h,
+            heads,
+            kv_heads,
+            head_dim,
+            block: bl,
+            eps,
+            ..
+        } = dims;
         let n = ds.len();
         let mut ropes = Vec::with_capacity(n);
         for (s, (d, root)) in ds.iter_mut().zip(roots).enumerate() {
@@ -459,7 +635,13 @@ impl<B: Backend> DFlashDrafter<B> {
         // Block positions 1..B−1 of every session, stacked.
         let mut tail = b.zeros(n * (bl - 1) * h);
         for s in 0..n {
-            b.set_rows(&mut tail, h, s * (bl - 1), &b.rows(&x, h, s * bl + 1, (s + 1) * bl), bl - 1);
+            b.set_rows(
+                &mut tail,
+                h,
+                s * (bl - 1),
+                &b.rows(&x, h, s * bl + 1, (s + 1) * bl),
+                bl - 1,
+            );
         }
         let logits = tables.lm_head(&b.rms_norm(&tail, &p.norm, eps), n * (bl - 1));
         b.check()?;
@@ -470,12 +652,23 @@ impl<B: Backend> DFlashDrafter<B> {
     /// s's `rows` taps are rows `[s·rows, (s+1)·rows)` of `taps`, written after its committed context.
     pub fn write_context_batch(ds: &mut [&mut DFlashDrafter<B>], taps: &B::Act, rows: usize) -> Result<()> {
         let Some(d0) = ds.first() else { return Ok(()) };
-        ensure!(ds.iter().all(|d| Arc::ptr_eq(&d.p, &d0.p)), "write_context_batch: sessions of different drafters");
+        ensure!(
+            ds.iter().all(|d| Arc::ptr_eq(&d.p, &d0.p)),
+            "write_context_batch: sessions of different drafters"
+        );
         let (b, p, dims, factor) = (d0.b.clone(), d0.p.clone(), d0.dims.clone(), d0.attention_factor);
-        let DrafterDims { kv_heads, head_dim, eps, .. } = dims;
+        let DrafterDims {
+            kv_heads,
+            head_dim,
+            eps,
+            ..
+        } = dims;
         let (n, kw) = (ds.len(), kv_heads * head_dim);
         let ctx = b.rms_norm(&b.linear(taps, n * rows, &p.fc), &p.hidden_norm, eps); // [N·rows, H]
-        let ropes: Vec<B::Rope> = ds.iter().map(|d| b.rope_at(&p.inv_freq, factor, PosOf::Pos(&d.ctx_pos), None, rows)).collect();
+        let ropes: Vec<B::Rope> = ds
+            .iter()
+            .map(|d| b.rope_at(&p.inv_freq, factor, PosOf::Pos(&d.ctx_pos), None, rows))
+            .collect();
         let rope = b.rope_cat(&ropes.iter().collect::<Vec<_>>());
         for (l, lw) in p.layers.iter().enumerate() {
             let k = b.head_norm_rope_neox(&b.linear(&ctx, n * rows, &lw.k_proj), &lw.k_norm, eps, kv_heads, &rope);
@@ -514,7 +707,10 @@ impl<B: Backend> Drafter for DFlashDrafter<B> {
     fn extend_context(&mut self, taps: &[f32], n: usize) -> Result<()> {
         let DrafterDims { hidden: h, n_taps, .. } = self.dims;
         if taps.len() != n * n_taps * h {
-            bail!("extend_context: taps has {} values, expected n={n} x {n_taps} taps x H={h}", taps.len());
+            bail!(
+                "extend_context: taps has {} values, expected n={n} x {n_taps} taps x H={h}",
+                taps.len()
+            );
         }
         if n == 0 {
             return Ok(());
@@ -532,7 +728,10 @@ impl<B: Backend> Drafter for DFlashDrafter<B> {
 
     fn truncate_context(&mut self, len: usize) -> Result<()> {
         let have = self.context_len();
-        ensure!(len <= have, "truncate_context to {len}: the context holds {have} positions");
+        ensure!(
+            len <= have,
+            "truncate_context to {len}: the context holds {have} positions"
+        );
         // Rows past the committed length are scratch: only the length moves (the storage stays).
         self.b.pos_set(&mut self.ctx_pos, len);
         Ok(())

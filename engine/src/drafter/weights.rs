@@ -27,7 +27,9 @@ pub struct DrafterDims {
 
 impl DrafterDims {
     pub fn from_config(cfg: &DrafterConfig) -> Result<Self> {
-        let block = cfg.block_size().ok_or_else(|| anyhow::anyhow!("drafter config has no block_size"))?;
+        let block = cfg
+            .block_size()
+            .ok_or_else(|| anyhow::anyhow!("drafter config has no block_size"))?;
         let d = DrafterDims {
             hidden: cfg.hidden_size,
             layers: cfg.num_hidden_layers,
@@ -41,8 +43,17 @@ impl DrafterDims {
             vocab: cfg.vocab_size,
             eps: cfg.rms_norm_eps as f32,
         };
-        ensure!(d.kv_heads > 0 && d.heads.is_multiple_of(d.kv_heads), "drafter: {} heads not a multiple of {} kv heads", d.heads, d.kv_heads);
-        ensure!(d.head_dim.is_multiple_of(2), "drafter: head_dim {} must be even for RoPE", d.head_dim);
+        ensure!(
+            d.kv_heads > 0 && d.heads.is_multiple_of(d.kv_heads),
+            "drafter: {} heads not a multiple of {} kv heads",
+            d.heads,
+            d.kv_heads
+        );
+        ensure!(
+            d.head_dim.is_multiple_of(2),
+            "drafter: head_dim {} must be even for RoPE",
+            d.head_dim
+        );
         ensure!(d.block >= 2, "drafter: block_size {} < 2", d.block);
         ensure!(d.n_taps > 0, "drafter: dflash_config.target_layer_ids is empty");
         // The mask token is embedded at every block position but the first: it must be a vocabulary row.
@@ -62,7 +73,10 @@ impl DrafterDims {
 /// holds other ids than the full model's mask; any row costs the same).
 pub fn slice_config(cfg: &DrafterConfig, ranks: usize) -> Result<DrafterConfig> {
     let div = |what: &str, n: usize| -> Result<usize> {
-        ensure!(ranks > 0 && n.is_multiple_of(ranks), "drafter rank slice: {what} {n} does not divide over {ranks} ranks");
+        ensure!(
+            ranks > 0 && n.is_multiple_of(ranks),
+            "drafter rank slice: {what} {n} does not divide over {ranks} ranks"
+        );
         Ok(n / ranks)
     };
     let mut c = cfg.clone();
@@ -105,7 +119,11 @@ impl DrafterWeights {
         let mut take = |name: String, shape: &[usize]| -> Result<Vec<bf16>> {
             let v = get(&name, shape)?;
             let want: usize = shape.iter().product();
-            ensure!(v.len() == want, "{name}: got {} values, expected {shape:?} = {want}", v.len());
+            ensure!(
+                v.len() == want,
+                "{name}: got {} values, expected {shape:?} = {want}",
+                v.len()
+            );
             Ok(v)
         };
         let fc = take("drafter.fc.weight".into(), &[h, d.n_taps * h])?;
@@ -128,6 +146,11 @@ impl DrafterWeights {
                 down_proj: take(format!("{p}mlp.down_proj.weight"), &[h, i])?,
             });
         }
-        Ok(DrafterWeights { fc, hidden_norm, norm, layers })
+        Ok(DrafterWeights {
+            fc,
+            hidden_norm,
+            norm,
+            layers,
+        })
     }
 }

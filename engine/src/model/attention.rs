@@ -42,7 +42,15 @@ pub struct Seg<'s, B: Backend> {
 /// `T` = the segments' nodes; appends each segment's latent rows to its cache as scratch. With one segment
 /// no row is copied (the single-sequence forward).
 /// `rope_all`: the segments' tables stacked ([`Backend::rope_cat`]), for a batch of several segments.
-pub fn mla<B: Backend>(w: &Weights<B>, l: usize, x: &B::Act, t: usize, segs: &mut [Seg<'_, B>], rope_all: Option<&B::Rope>, mode: AttnMode) -> B::Act {
+pub fn mla<B: Backend>(
+    w: &Weights<B>,
+    l: usize,
+    x: &B::Act,
+    t: usize,
+    segs: &mut [Seg<'_, B>],
+    rope_all: Option<&B::Rope>,
+    mode: AttnMode,
+) -> B::Act {
     let (b, cfg) = (&w.backend, &w.cfg);
     let a0 = &w.ranks[0].layers[l].attn;
     // Query input: normed q_a latent [T, q_lora], or x itself when q_lora_rank is None.
@@ -69,8 +77,17 @@ pub fn mla<B: Backend>(w: &Weights<B>, l: usize, x: &B::Act, t: usize, segs: &mu
         ([seg], _) => b.kv_append_latent(seg.kv, l, &ckv, &a0.kv_a_norm, cfg.latent_eps, seg.rope),
         (many, rope) => {
             let rope = rope.expect("several segments have their stacked table");
-            let mut parts: Vec<(&mut B::Kv, &B::Rope, usize)> = many.iter_mut().map(|s| (&mut *s.kv, s.rope, s.t)).collect();
-            b.kv_append_latent_segs(&mut parts, l, &ckv, &a0.kv_a_norm, cfg.latent_eps, cfg.latent_width(), rope);
+            let mut parts: Vec<(&mut B::Kv, &B::Rope, usize)> =
+                many.iter_mut().map(|s| (&mut *s.kv, s.rope, s.t)).collect();
+            b.kv_append_latent_segs(
+                &mut parts,
+                l,
+                &ckv,
+                &a0.kv_a_norm,
+                cfg.latent_eps,
+                cfg.latent_width(),
+                rope,
+            );
         }
     }
 
@@ -81,12 +98,20 @@ pub fn mla<B: Backend>(w: &Weights<B>, l: usize, x: &B::Act, t: usize, segs: &mu
         .map(|rw| {
             let at = &rw.layers[l].attn;
             let hr = b.mat_rows(&at.q) / qk;
-            let d = MlaDims { heads: hr, nope: cfg.nope, rope: cfg.rope, v: cfg.v_dim, kv_lora: cfg.kv_lora, scale: cfg.softmax_scale };
+            let d = MlaDims {
+                heads: hr,
+                nope: cfg.nope,
+                rope: cfg.rope,
+                v: cfg.v_dim,
+                kv_lora: cfg.kv_lora,
+                scale: cfg.softmax_scale,
+            };
             let mut q = b.linear(q_in, t, &at.q); // [T, Hr * qk]: per head q_nope (Dn) | q_pe (P)
             let heads_out = match (&*segs, rope_all) {
                 ([seg], _) => {
                     b.rope_q(&mut q, hr, cfg.nope, seg.rope);
-                    b.mla_attention(&q, t, seg.kv, l, seg.mask, &at.kv_b, &d, mode) // [T, Hr * Dv]
+                    b.mla_attention(&q, t, seg.kv, l, seg.mask, &at.kv_b, &d, mode)
+                    // [T, Hr * Dv]
                 }
                 (many, rope) => {
                     let rope = rope.expect("several segments have their stacked table");
@@ -100,4 +125,3 @@ pub fn mla<B: Backend>(w: &Weights<B>, l: usize, x: &B::Act, t: usize, segs: &mu
         .collect();
     b.all_reduce(partials)
 }
-

@@ -62,7 +62,16 @@ impl<B: Backend> BatchEngine<B> {
     pub fn new(w: Arc<Weights<B>>) -> BatchEngine<B> {
         let b = w.backend.clone();
         let mask1 = b.mask_upload(&Visibility::from_parents(&[-1]).expect("a one-node tree"));
-        BatchEngine { tokens: b.ids_from_host(&[]), out: b.ids_from_host(&[]), stage: b.ids_from_host(&[]), caps: [0; 3], gen: 0, mask1, graphs: Vec::new(), w }
+        BatchEngine {
+            tokens: b.ids_from_host(&[]),
+            out: b.ids_from_host(&[]),
+            stage: b.ids_from_host(&[]),
+            caps: [0; 3],
+            gen: 0,
+            mask1,
+            graphs: Vec::new(),
+            w,
+        }
     }
 
     /// Room for `n` ids in buffer `which` (0 tokens, 1 out, 2 stage): a new, larger buffer when it is too
@@ -105,7 +114,15 @@ impl<B: Backend> BatchEngine<B> {
             (t.dev_root, t.step_root) = (None, None);
             t.last_parents.clear();
             let s = it.sampling;
-            ("ar", s.temperature.to_bits(), s.top_p.to_bits(), s.top_k, s.seed, b.kv_id(&t.cache)).hash(&mut key);
+            (
+                "ar",
+                s.temperature.to_bits(),
+                s.top_p.to_bits(),
+                s.top_k,
+                s.seed,
+                b.kv_id(&t.cache),
+            )
+                .hash(&mut key);
             roots.push(it.root);
             parts.push((t, s));
         }
@@ -119,15 +136,36 @@ impl<B: Backend> BatchEngine<B> {
         let (tokens, out, mask1) = (&self.tokens, &mut self.out, &self.mask1);
         let graph = &mut self.graphs[gi].1;
         let r = b.graph_run(graph, gkey, &mut || {
-            let ropes: Vec<B::Rope> = parts.iter().map(|(t, _)| b.rope_at(&w.rope_inv, c.rope_attention_factor, PosOf::Kv(&t.cache), None, 1)).collect();
-            let mut segs: Vec<Seg<'_, B>> = parts.iter_mut().zip(&ropes).map(|((t, _), rope)| Seg { kv: &mut t.cache, t: 1, mask: mask1, rope }).collect();
+            let ropes: Vec<B::Rope> = parts
+                .iter()
+                .map(|(t, _)| b.rope_at(&w.rope_inv, c.rope_attention_factor, PosOf::Kv(&t.cache), None, 1))
+                .collect();
+            let mut segs: Vec<Seg<'_, B>> = parts
+                .iter_mut()
+                .zip(&ropes)
+                .map(|((t, _), rope)| Seg {
+                    kv: &mut t.cache,
+                    t: 1,
+                    mask: mask1,
+                    rope,
+                })
+                .collect();
             let (x, _taps) = decoder_layers(&w, &mut segs, w.embed_ids(tokens, n), &[], mode, None);
             drop(segs);
             let logits = w.lm_head(&w.final_norm(&x), n);
             // Greedy decisions do not depend on the position: one argmax over every row when all are greedy.
             let all_greedy = parts.iter().all(|(_, s)| s.is_greedy());
             if all_greedy {
-                b.decide_rows(&logits, 0, n, c.vocab, &Sampling::greedy(), PosOf::Kv(&parts[0].0.cache), 1, out)?;
+                b.decide_rows(
+                    &logits,
+                    0,
+                    n,
+                    c.vocab,
+                    &Sampling::greedy(),
+                    PosOf::Kv(&parts[0].0.cache),
+                    1,
+                    out,
+                )?;
             }
             for (i, (t, s)) in parts.iter_mut().enumerate() {
                 // The token goes to position committed + 1 (sampling.rs: draws keyed by position).
@@ -146,7 +184,11 @@ impl<B: Backend> BatchEngine<B> {
         let mut outs = Vec::with_capacity(n);
         for (i, (t, _)) in parts.iter_mut().enumerate() {
             let tok = toks[i];
-            ensure!((tok as usize) < c.vocab, "batched step: token {tok} >= vocab {}", c.vocab);
+            ensure!(
+                (tok as usize) < c.vocab,
+                "batched step: token {tok} >= vocab {}",
+                c.vocab
+            );
             b.kv_commit_rows_host(&mut t.cache, 1);
             outs.push(BatchOut::Token(tok));
         }
@@ -173,11 +215,21 @@ impl<B: Backend> BatchEngine<B> {
             let d = concrete_drafter::<B>(it.drafter.as_deref_mut())?;
             let rows = d.block_size() - 1;
             let start = b.kv_committed(&t.cache);
-            ensure!(d.context_len() == start, "drafter context {} != target committed {start}", d.context_len());
+            ensure!(
+                d.context_len() == start,
+                "drafter context {} != target committed {start}",
+                d.context_len()
+            );
             let slot = match t.rounds.iter().position(|r| (r.budget, r.k) == (budget, k)) {
                 Some(i) => i,
                 None => {
-                    t.rounds.push(RoundSlot { budget, k, tree: b.tree_new(budget, rows, v, k)?, graph: None, decisions: b.ids_from_host(&vec![0; budget + 1]) });
+                    t.rounds.push(RoundSlot {
+                        budget,
+                        k,
+                        tree: b.tree_new(budget, rows, v, k)?,
+                        graph: None,
+                        decisions: b.ids_from_host(&vec![0; budget + 1]),
+                    });
                     t.rounds.len() - 1
                 }
             };
@@ -190,12 +242,24 @@ impl<B: Backend> BatchEngine<B> {
             (t.dev_root, t.step_root) = (None, None);
             t.last_parents.clear();
             round_key(budget, k, it.sampling, b.kv_id(&t.cache), d.capture_key()).hash(&mut key);
-            parts.push(Part { t, d, slot, nodes, s: it.sampling });
+            parts.push(Part {
+                t,
+                d,
+                slot,
+                nodes,
+                s: it.sampling,
+            });
         }
         let total: usize = parts.iter().map(|p| p.nodes).sum();
         let block = parts[0].d.block_size();
-        ensure!(parts.iter().all(|p| p.d.block_size() == block), "a batched round over drafters of different block sizes");
-        let words: Vec<usize> = parts.iter().map(|p| b.tree_result_words(&p.t.rounds[p.slot].tree)).collect();
+        ensure!(
+            parts.iter().all(|p| p.d.block_size() == block),
+            "a batched round over drafters of different block sizes"
+        );
+        let words: Vec<usize> = parts
+            .iter()
+            .map(|p| b.tree_result_words(&p.t.rounds[p.slot].tree))
+            .collect();
         let stage_len: usize = words.iter().sum();
         // The token buffer holds the drafts' blocks first, then every tree's nodes.
         self.room(0, total.max(parts.len() * block));
@@ -227,14 +291,27 @@ impl<B: Backend> BatchEngine<B> {
             }
             let ropes: Vec<B::Rope> = parts
                 .iter()
-                .map(|p| b.rope_at(&w.rope_inv, c.rope_attention_factor, PosOf::Kv(&p.t.cache), Some(b.tree_depths(&p.t.rounds[p.slot].tree)), p.nodes))
+                .map(|p| {
+                    b.rope_at(
+                        &w.rope_inv,
+                        c.rope_attention_factor,
+                        PosOf::Kv(&p.t.cache),
+                        Some(b.tree_depths(&p.t.rounds[p.slot].tree)),
+                        p.nodes,
+                    )
+                })
                 .collect();
             let mut segs: Vec<Seg<'_, B>> = parts
                 .iter_mut()
                 .zip(&ropes)
                 .map(|(p, rope)| {
                     let TargetModel { cache, rounds, .. } = &mut *p.t;
-                    Seg { kv: cache, t: p.nodes, mask: b.tree_mask(&rounds[p.slot].tree), rope }
+                    Seg {
+                        kv: cache,
+                        t: p.nodes,
+                        mask: b.tree_mask(&rounds[p.slot].tree),
+                        rope,
+                    }
                 })
                 .collect();
             let (x, taps) = decoder_layers(&w, &mut segs, w.embed_ids(tokens, total), &tap_layers, mode, None);
@@ -248,7 +325,16 @@ impl<B: Backend> BatchEngine<B> {
             // (into the token buffer: the verify has read it).
             let all_greedy = parts.iter().all(|p| p.s.is_greedy());
             if all_greedy {
-                b.decide_rows(&logits, 0, total, c.vocab, &Sampling::greedy(), PosOf::Kv(&parts[0].t.cache), 1, tokens)?;
+                b.decide_rows(
+                    &logits,
+                    0,
+                    total,
+                    c.vocab,
+                    &Sampling::greedy(),
+                    PosOf::Kv(&parts[0].t.cache),
+                    1,
+                    tokens,
+                )?;
             }
             for (s, p) in parts.iter_mut().enumerate() {
                 let TargetModel { cache, rounds, .. } = &mut *p.t;
@@ -290,23 +376,37 @@ impl<B: Backend> BatchEngine<B> {
             let r = accept_walk(b, cache, &mut slot.tree, p.d, p.nodes, res)?;
             p.t.dev_root = r.walk.decisions.last().map(|&tok| (slot.budget, slot.k, tok));
             let rows = p.d.block_size() - 1;
-            outs.push(BatchOut::Round(DeviceRound { walk: r.walk, log_q: r.log_q, drafted: p.nodes - 1, draft_rows: rows }));
+            outs.push(BatchOut::Round(DeviceRound {
+                walk: r.walk,
+                log_q: r.log_q,
+                drafted: p.nodes - 1,
+                draft_rows: rows,
+            }));
         }
         Ok(outs)
     }
 }
 
 fn concrete_target<'t, 'o, B: Backend>(t: &'t mut (dyn Target + 'o)) -> Result<&'t mut TargetModel<B>> {
-    t.as_any_mut().and_then(|a| a.downcast_mut::<TargetModel<B>>()).context("a batched step over a target of another backend")
+    t.as_any_mut()
+        .and_then(|a| a.downcast_mut::<TargetModel<B>>())
+        .context("a batched step over a target of another backend")
 }
 
 fn concrete_drafter<'d, 'o, B: Backend>(d: Option<&'d mut (dyn Drafter + 'o)>) -> Result<&'d mut DFlashDrafter<B>> {
-    d.and_then(|d| d.as_any_mut()).and_then(|a| a.downcast_mut::<DFlashDrafter<B>>()).context("a batched round needs each sequence's DFlash drafter on the target's backend")
+    d.and_then(|d| d.as_any_mut())
+        .and_then(|a| a.downcast_mut::<DFlashDrafter<B>>())
+        .context("a batched round needs each sequence's DFlash drafter on the target's backend")
 }
 
 /// The (budget, top-K) of an item's tree: a DDTree round's budget and min(budget, V), or the chain's rows and 1.
 fn shape(it: &mut BatchItem<'_>, v: usize) -> Result<(usize, usize)> {
-    let rows = it.drafter.as_ref().map(|d| d.block_size()).unwrap_or(0).saturating_sub(1);
+    let rows = it
+        .drafter
+        .as_ref()
+        .map(|d| d.block_size())
+        .unwrap_or(0)
+        .saturating_sub(1);
     match it.kind {
         StepKind::Tree(budget) => Ok((budget, budget.min(v))),
         StepKind::Chain => Ok((rows, 1)),
@@ -330,10 +430,21 @@ impl<B: Backend> BatchEngine<B> {
                 None => None,
             };
             let n = it.prompt.len();
-            ensure!(n > 0 && b.kv_committed(&t.cache) == 0, "a batched prefill needs a reset session and a prompt");
-            ensure!(n < c.max_positions, "prompt of {n} tokens: the cache holds {} positions", c.max_positions);
+            ensure!(
+                n > 0 && b.kv_committed(&t.cache) == 0,
+                "a batched prefill needs a reset session and a prompt"
+            );
+            ensure!(
+                n < c.max_positions,
+                "prompt of {n} tokens: the cache holds {} positions",
+                c.max_positions
+            );
             for (i, &tok) in it.prompt.iter().enumerate() {
-                ensure!((tok as usize) < c.vocab, "prompt token {i} = {tok} >= vocab {}", c.vocab);
+                ensure!(
+                    (tok as usize) < c.vocab,
+                    "prompt token {i} = {tok} >= vocab {}",
+                    c.vocab
+                );
             }
             (t.dev_root, t.step_root) = (None, None);
             t.last_parents.clear();
@@ -341,11 +452,35 @@ impl<B: Backend> BatchEngine<B> {
             parts.push((t, d, n));
         }
         let drafts = parts.iter().any(|p| p.1.is_some());
-        let (mode, tap_layers) = (parts[0].0.mode, if drafts { parts[0].0.info.tap_layers.clone() } else { Vec::new() });
+        let (mode, tap_layers) = (
+            parts[0].0.mode,
+            if drafts {
+                parts[0].0.info.tap_layers.clone()
+            } else {
+                Vec::new()
+            },
+        );
         // Each prompt a chain at positions 0..len over its own (empty) cache.
-        let masks: Vec<B::Mask> = parts.iter().map(|p| Visibility::from_parents(&(0..p.2 as i32).map(|i| i - 1).collect::<Vec<_>>()).map(|v| b.mask_upload(&v))).collect::<Result<_>>()?;
-        let ropes: Vec<B::Rope> = parts.iter().map(|p| b.rope_upload(RopeTable::new(&c.inv_freq, 0..p.2, c.rope_attention_factor))).collect();
-        let mut segs: Vec<Seg<'_, B>> = parts.iter_mut().zip(masks.iter().zip(&ropes)).map(|(p, (mask, rope))| Seg { kv: &mut p.0.cache, t: p.2, mask, rope }).collect();
+        let masks: Vec<B::Mask> = parts
+            .iter()
+            .map(|p| {
+                Visibility::from_parents(&(0..p.2 as i32).map(|i| i - 1).collect::<Vec<_>>()).map(|v| b.mask_upload(&v))
+            })
+            .collect::<Result<_>>()?;
+        let ropes: Vec<B::Rope> = parts
+            .iter()
+            .map(|p| b.rope_upload(RopeTable::new(&c.inv_freq, 0..p.2, c.rope_attention_factor)))
+            .collect();
+        let mut segs: Vec<Seg<'_, B>> = parts
+            .iter_mut()
+            .zip(masks.iter().zip(&ropes))
+            .map(|(p, (mask, rope))| Seg {
+                kv: &mut p.0.cache,
+                t: p.2,
+                mask,
+                rope,
+            })
+            .collect();
         let (x, taps) = decoder_layers(&w, &mut segs, w.embed(&tokens), &tap_layers, mode, None);
         drop(segs);
         // Each prompt's last row through the final norm and lm_head (rows are independent: the values of a
@@ -370,7 +505,12 @@ impl<B: Backend> BatchEngine<B> {
             at += *len;
         }
         b.check()?;
-        ensure!(logits.len() == n * c.vocab, "batched prefill: {} logits for {n} prompts x vocab {}", logits.len(), c.vocab);
+        ensure!(
+            logits.len() == n * c.vocab,
+            "batched prefill: {} logits for {n} prompts x vocab {}",
+            logits.len(),
+            c.vocab
+        );
         Ok(logits.chunks(c.vocab).map(<[f32]>::to_vec).collect())
     }
 }
@@ -382,10 +522,21 @@ impl<B: Backend> BatchOps for BatchEngine<B> {
 
     fn can_batch(&mut self, it: &mut BatchItem<'_>) -> bool {
         let v = self.w.cfg.vocab;
-        let rows = it.drafter.as_ref().map(|d| d.block_size()).unwrap_or(0).saturating_sub(1);
+        let rows = it
+            .drafter
+            .as_ref()
+            .map(|d| d.block_size())
+            .unwrap_or(0)
+            .saturating_sub(1);
         let shape = shape(it, v).ok();
-        let has_drafter = it.drafter.as_mut().and_then(|d| d.as_any_mut()).is_some_and(|a| a.is::<DFlashDrafter<B>>());
-        let Ok(t) = concrete_target::<B>(&mut *it.target) else { return false };
+        let has_drafter = it
+            .drafter
+            .as_mut()
+            .and_then(|d| d.as_any_mut())
+            .is_some_and(|a| a.is::<DFlashDrafter<B>>());
+        let Ok(t) = concrete_target::<B>(&mut *it.target) else {
+            return false;
+        };
         let (start, max) = (self.w.backend.kv_committed(&t.cache), t.info.max_positions);
         if t.trace.is_some() || it.root as usize >= v {
             return false;
@@ -401,9 +552,14 @@ impl<B: Backend> BatchOps for BatchEngine<B> {
     }
 
     fn step(&mut self, items: &mut [BatchItem<'_>]) -> Result<Vec<BatchOut>> {
-        let Some(first) = items.first() else { return Ok(Vec::new()) };
+        let Some(first) = items.first() else {
+            return Ok(Vec::new());
+        };
         let ar = first.kind == StepKind::Ar;
-        ensure!(items.iter().all(|it| (it.kind == StepKind::Ar) == ar), "a batched step mixes AR steps and rounds");
+        ensure!(
+            items.iter().all(|it| (it.kind == StepKind::Ar) == ar),
+            "a batched step mixes AR steps and rounds"
+        );
         if ar {
             self.ar(items)
         } else {

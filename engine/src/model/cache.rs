@@ -26,7 +26,12 @@ pub struct LatentCache {
 
 impl LatentCache {
     pub fn new(layers: usize, width: usize) -> LatentCache {
-        LatentCache { width, rows: vec![Vec::new(); layers], committed: 0, scratch: 0 }
+        LatentCache {
+            width,
+            rows: vec![Vec::new(); layers],
+            committed: 0,
+            scratch: 0,
+        }
     }
     /// Drop any scratch rows (start of a forward).
     pub fn drop_scratch(&mut self) {
@@ -36,13 +41,23 @@ impl LatentCache {
     }
     /// Append `[t, width]` rows to layer `l` as scratch.
     pub fn append(&mut self, l: usize, rows: &[f32]) {
-        assert_eq!(rows.len() % self.width, 0, "append: {} values is not a multiple of width {}", rows.len(), self.width);
+        assert_eq!(
+            rows.len() % self.width,
+            0,
+            "append: {} values is not a multiple of width {}",
+            rows.len(),
+            self.width
+        );
         self.rows[l].extend_from_slice(rows);
     }
     /// Keep scratch nodes `path` (indices into the last forward), in order, as the next committed rows.
     pub fn commit(&mut self, path: &[usize]) -> Result<()> {
         for (k, &p) in path.iter().enumerate() {
-            ensure!(p < self.scratch, "commit: path[{k}] = {p} but the last forward had {} nodes", self.scratch);
+            ensure!(
+                p < self.scratch,
+                "commit: path[{k}] = {p} but the last forward had {} nodes",
+                self.scratch
+            );
         }
         for layer in self.rows.iter_mut() {
             crate::cpu::ops::kv_compact(layer, self.width, self.committed, path);
@@ -53,7 +68,11 @@ impl LatentCache {
     }
     /// Keep only the committed rows `[0, len)`, dropping scratch.
     pub fn truncate(&mut self, len: usize) -> Result<()> {
-        ensure!(len <= self.committed, "truncate to {len}: only {} rows are committed", self.committed);
+        ensure!(
+            len <= self.committed,
+            "truncate to {len}: only {} rows are committed",
+            self.committed
+        );
         self.committed = len;
         self.drop_scratch();
         Ok(())
@@ -83,7 +102,10 @@ mod tests {
         c.scratch = 5;
         c.commit(&[0, 2, 3]).unwrap();
         assert_eq!(c.committed, 4);
-        assert_eq!(c.rows[1], vec![0.0, 0.0, 0.0, 100.0, 101.0, 102.0, 106.0, 107.0, 108.0, 109.0, 110.0, 111.0]);
+        assert_eq!(
+            c.rows[1],
+            vec![0.0, 0.0, 0.0, 100.0, 101.0, 102.0, 106.0, 107.0, 108.0, 109.0, 110.0, 111.0]
+        );
         assert!(c.commit(&[0]).is_err(), "no scratch after a commit");
     }
 }

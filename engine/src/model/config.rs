@@ -59,7 +59,10 @@ pub struct ModelConfig {
 impl ModelConfig {
     pub fn from_text(t: &TextConfig, ranks: usize) -> Result<ModelConfig> {
         if let Some(f) = t.scoring_func.as_deref() {
-            ensure!(f == "sigmoid", "scoring_func {f:?} is not supported (only sigmoid, as DeepSeek-V3/K2)");
+            ensure!(
+                f == "sigmoid",
+                "scoring_func {f:?} is not supported (only sigmoid, as DeepSeek-V3/K2)"
+            );
         }
         if let Some(a) = t.hidden_act.as_deref() {
             ensure!(a == "silu", "hidden_act {a:?} is not supported (only silu)");
@@ -70,14 +73,23 @@ impl ModelConfig {
             t.n_group,
             t.n_routed_experts
         );
-        ensure!(t.topk_group <= t.n_group, "topk_group {} > n_group {}", t.topk_group, t.n_group);
+        ensure!(
+            t.topk_group <= t.n_group,
+            "topk_group {} > n_group {}",
+            t.topk_group,
+            t.n_group
+        );
         ensure!(
             t.num_experts_per_tok <= t.n_routed_experts,
             "num_experts_per_tok {} > n_routed_experts {}",
             t.num_experts_per_tok,
             t.n_routed_experts
         );
-        ensure!(t.qk_rope_head_dim.is_multiple_of(2), "qk_rope_head_dim {} must be even", t.qk_rope_head_dim);
+        ensure!(
+            t.qk_rope_head_dim.is_multiple_of(2),
+            "qk_rope_head_dim {} must be even",
+            t.qk_rope_head_dim
+        );
         let qk = t.qk_head_dim() as f64;
         // transformers: scaling *= mscale² only when rope_scaling has a non-zero mscale_all_dim.
         let mscale = match &t.rope_scaling {
@@ -157,7 +169,11 @@ mod tests {
         let t = kdtree_formats::config::parse_text_config("k26", K26).unwrap();
         let c = ModelConfig::from_text(&t, 8).unwrap();
         // k26-format §4.3: scale = 192^-0.5 · (0.1 ln 64 + 1)² = 0.14467963.
-        assert!((c.softmax_scale - 0.144_679_63).abs() < 1e-7, "softmax scale {}", c.softmax_scale);
+        assert!(
+            (c.softmax_scale - 0.144_679_63).abs() < 1e-7,
+            "softmax scale {}",
+            c.softmax_scale
+        );
         assert_eq!(c.rope_attention_factor, 1.0);
         assert_eq!((c.qk_head_dim(), c.latent_width(), c.heads_per_rank()), (192, 576, 8));
         assert_eq!(c.inv_freq.len(), 32, "rope dims from qk_rope_head_dim, never head_dim");

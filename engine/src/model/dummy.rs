@@ -51,7 +51,9 @@ fn splitmix64(mut z: u64) -> u64 {
 
 /// The fill seed of tensor `name` of `rank` under run seed `seed` (module header).
 pub fn tensor_seed(seed: u64, rank: usize, name: &str) -> u64 {
-    let fnv = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01B3));
+    let fnv = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01B3)
+    });
     splitmix64(splitmix64(splitmix64(seed) ^ rank as u64) ^ fnv)
 }
 
@@ -61,11 +63,27 @@ fn fill_for(name: &str, dtype: Dtype, layout: Layout, logical: &[usize], seed: u
         (Layout::Int4G32, Dtype::U8, 3) => Fill::Bytes { seed },
         (Layout::Int4G32Scale, Dtype::BF16, 3) => {
             let b = 1.0 / (8.0 * ((logical[2] * 32) as f32).sqrt());
-            Fill::Uniform { seed, center: b, half: 0.5 * b }
+            Fill::Uniform {
+                seed,
+                center: b,
+                half: 0.5 * b,
+            }
         }
-        (Layout::Plain, Dtype::BF16, 2) => Fill::Uniform { seed, center: 0.0, half: 1.0 / (logical[1] as f32).sqrt() },
-        (Layout::Plain, Dtype::BF16, 1) => Fill::Uniform { seed, center: 1.0, half: 0.1 },
-        (Layout::Plain, Dtype::F32, 1) => Fill::Uniform { seed, center: 0.0, half: 0.01 },
+        (Layout::Plain, Dtype::BF16, 2) => Fill::Uniform {
+            seed,
+            center: 0.0,
+            half: 1.0 / (logical[1] as f32).sqrt(),
+        },
+        (Layout::Plain, Dtype::BF16, 1) => Fill::Uniform {
+            seed,
+            center: 1.0,
+            half: 0.1,
+        },
+        (Layout::Plain, Dtype::F32, 1) => Fill::Uniform {
+            seed,
+            center: 0.0,
+            half: 0.01,
+        },
         _ => anyhow::bail!("{name}: no dummy fill for a {dtype} {layout:?} tensor of logical shape {logical:?}"),
     })
 }
@@ -82,22 +100,49 @@ impl DummySource {
         experts: ExpertsMode,
         seed: u64,
     ) -> Result<DummySource> {
-        ensure!(rank < ranks, "dummy weights: rank {rank} of {ranks} ranks (ranks count from 0)");
+        ensure!(
+            rank < ranks,
+            "dummy weights: rank {rank} of {ranks} ranks (ranks count from 0)"
+        );
         let plan = plan_model(&text, drafter.as_ref(), prefix, SourceQuant::Bf16, ranks, experts)?;
         let mut tensors = HashMap::new();
         for o in plan.tensors.into_iter().filter(|o| o.rank == rank) {
-            let fill = fill_for(&o.name, o.dtype, o.layout, &o.logical_shape, tensor_seed(seed, rank, &o.name))?;
+            let fill = fill_for(
+                &o.name,
+                o.dtype,
+                o.layout,
+                &o.logical_shape,
+                tensor_seed(seed, rank, &o.name),
+            )?;
             let nbytes = o.nbytes();
-            let t = DummyTensor { facts: ShardFacts::of(&o), fill, nbytes };
+            let t = DummyTensor {
+                facts: ShardFacts::of(&o),
+                fill,
+                nbytes,
+            };
             tensors.insert(o.name, t);
         }
-        Ok(DummySource { text, drafter, ranks, rank, seed, tensors })
+        Ok(DummySource {
+            text,
+            drafter,
+            ranks,
+            rank,
+            seed,
+            tensors,
+        })
     }
 
     /// From config.json bodies (HF layout: nested `text_config` means K2.6 names, `language_model.`;
     /// a drafter's config.json when given); `path` names them in errors. Routed experts are split MoE-TP
     /// (vLLM's default without expert parallelism; the CUDA backend runs only that split).
-    pub fn from_json(path: &str, config: &str, drafter: Option<(&str, &str)>, ranks: usize, rank: usize, seed: u64) -> Result<DummySource> {
+    pub fn from_json(
+        path: &str,
+        config: &str,
+        drafter: Option<(&str, &str)>,
+        ranks: usize,
+        rank: usize,
+        seed: u64,
+    ) -> Result<DummySource> {
         let text = parse_text_config(path, config)?;
         let nested = kdtree_formats::config::has_text_config(config);
         let drafter = match drafter {
@@ -105,7 +150,8 @@ impl DummySource {
             None => None,
         };
         let prefix = if nested { "language_model." } else { "" };
-        DummySource::new(text, drafter, prefix, ranks, rank, ExpertsMode::Tp, seed).with_context(|| format!("dummy weights for {path}"))
+        DummySource::new(text, drafter, prefix, ranks, rank, ExpertsMode::Tp, seed)
+            .with_context(|| format!("dummy weights for {path}"))
     }
 
     /// Bytes the held rank's tensors take (target and drafter): what a load fills.
@@ -121,7 +167,11 @@ impl DummySource {
     }
     /// Names of the held rank's tensors with their dtype and shard shape, sorted by name.
     pub fn listing(&self) -> Vec<(String, Dtype, Vec<usize>)> {
-        let mut v: Vec<_> = self.tensors.iter().map(|(n, t)| (n.clone(), t.facts.dtype(), t.facts.shape().to_vec())).collect();
+        let mut v: Vec<_> = self
+            .tensors
+            .iter()
+            .map(|(n, t)| (n.clone(), t.facts.dtype(), t.facts.shape().to_vec()))
+            .collect();
         v.sort_by(|a, b| a.0.cmp(&b.0));
         v
     }
@@ -140,14 +190,24 @@ unsafe impl TensorSource for DummySource {
         self.ranks
     }
     fn tensor(&self, name: &str, rank: usize) -> Result<TensorRef<'_>> {
-        ensure!(rank == self.rank, "dummy weights: {name} asked for rank {rank}, this source holds rank {} of {} only", self.rank, self.ranks);
-        let t = self.tensors.get(name).with_context(|| format!("dummy weights: no tensor {name} in the plan (rank {rank})"))?;
+        ensure!(
+            rank == self.rank,
+            "dummy weights: {name} asked for rank {rank}, this source holds rank {} of {} only",
+            self.rank,
+            self.ranks
+        );
+        let t = self
+            .tensors
+            .get(name)
+            .with_context(|| format!("dummy weights: no tensor {name} in the plan (rank {rank})"))?;
         Ok(t.facts.tensor_ref(&[]))
     }
     fn slice_rank(&self) -> Option<usize> {
         Some(self.rank)
     }
     fn fill(&self, name: &str, rank: usize) -> Option<Fill> {
-        (rank == self.rank).then(|| self.tensors.get(name).map(|t| t.fill)).flatten()
+        (rank == self.rank)
+            .then(|| self.tensors.get(name).map(|t| t.fill))
+            .flatten()
     }
 }

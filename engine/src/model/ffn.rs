@@ -35,10 +35,16 @@ pub fn ffn<B: Backend>(w: &Weights<B>, l: usize, x: &B::Act, t: usize, trace: Op
         let (ids, wts) = b.routes_to_host(&routes);
         tr.i32(format!("layers.{l}.router.topk_ids"), &[t, cfg.top_k], ids);
         tr.f32(format!("layers.{l}.router.topk_weights"), &[t, cfg.top_k], &wts);
-        tr.f32(format!("layers.{l}.router.logits"), &[t, cfg.n_experts], &b.to_host(&logits));
+        tr.f32(
+            format!("layers.{l}.router.logits"),
+            &[t, cfg.n_experts],
+            &b.to_host(&logits),
+        );
     }
     let partials = w.ranks.iter().map(|rw| {
-        let Ffn::Moe(m) = &rw.layers[l].ffn else { unreachable!("layer {l}: rank 0 is MoE, every rank loads the same plan") };
+        let Ffn::Moe(m) = &rw.layers[l].ffn else {
+            unreachable!("layer {l}: rank 0 is MoE, every rank loads the same plan")
+        };
         // [T, H] this rank's routed experts, ascending id, then its shared-expert slice.
         let mut part = b.moe_experts(x, t, cfg.hidden, &routes, &m.gate, &m.up, &m.down);
         if let Some(sh) = &m.shared {

@@ -72,7 +72,14 @@ pub struct CpuModel {
 /// Open `dir` on `device` with default options (CPU target uses the absorbed MLA form: it does not
 /// re-expand every cached latent through kv_b at each step).
 pub fn open(dir: &Path, device: Device) -> Result<Loaded> {
-    open_with(dir, device, OpenOptions { attn_mode: AttnMode::Absorbed, ..OpenOptions::default() })
+    open_with(
+        dir,
+        device,
+        OpenOptions {
+            attn_mode: AttnMode::Absorbed,
+            ..OpenOptions::default()
+        },
+    )
 }
 
 /// Open `dir` on `device`. `Device::Cuda` in a build without the `cuda` feature is
@@ -112,7 +119,10 @@ pub fn open_cpu(dir: &Path, opts: OpenOptions) -> Result<CpuModel> {
 /// [`open_cpu`] over any [`TensorSource`] (a `ModelDir`, or an in-memory `MemSource` in tests).
 pub fn open_cpu_source(src: Arc<dyn TensorSource>, opts: OpenOptions) -> Result<CpuModel> {
     let taps = drafter_taps(&*src, opts);
-    let b = crate::cpu::CpuBackend { check_weights: opts.check_weights, ..Default::default() };
+    let b = crate::cpu::CpuBackend {
+        check_weights: opts.check_weights,
+        ..Default::default()
+    };
     let w = Arc::new(Weights::load_on(b.clone(), src.clone())?);
     let target = CpuTarget::new(w.clone(), taps, opts.attn_mode)?;
     let drafter = match src.drafter_config() {
@@ -149,7 +159,14 @@ pub fn open_cuda_on(dir: &Path, gpu: Arc<crate::cuda::Gpu>) -> Result<Loaded> {
 /// [`open_cuda_on`], with progress lines while the weights load when `progress`.
 #[cfg(feature = "cuda")]
 pub fn open_cuda_with(dir: &Path, gpu: Arc<crate::cuda::Gpu>, progress: bool) -> Result<Loaded> {
-    open_cuda_opts(dir, gpu, OpenOptions { progress, ..OpenOptions::default() })
+    open_cuda_opts(
+        dir,
+        gpu,
+        OpenOptions {
+            progress,
+            ..OpenOptions::default()
+        },
+    )
 }
 
 #[cfg(feature = "cuda")]
@@ -157,7 +174,13 @@ fn open_cuda_opts(dir: &Path, gpu: Arc<crate::cuda::Gpu>, opts: OpenOptions) -> 
     let md = ModelDir::open(dir).with_context(|| format!("opening model {}", dir.display()))?;
     // Every rank's shards: a model converted for R ranks runs as R ranks side by side on this one GPU (their
     // partial sums reduced on the device in rank order, as the CPU reference does).
-    let needed: u64 = md.manifest().tensors.iter().filter(|t| !(opts.no_drafter && t.name.starts_with("drafter."))).map(|t| t.nbytes).sum();
+    let needed: u64 = md
+        .manifest()
+        .tensors
+        .iter()
+        .filter(|t| !(opts.no_drafter && t.name.starts_with("drafter.")))
+        .map(|t| t.nbytes)
+        .sum();
     open_cuda_source(Arc::new(md), needed, gpu, opts, true).with_context(|| format!("uploading {}", dir.display()))
 }
 
@@ -165,7 +188,13 @@ fn open_cuda_opts(dir: &Path, gpu: Arc<crate::cuda::Gpu>, opts: OpenOptions) -> 
 /// the pinned staging buffers of [`crate::cuda::Gpu::begin_load`] (host bytes), else filled in place
 /// (dummy weights). Every rank of the source loads (R ranks on one GPU), or one rank slice (`slice_rank`).
 #[cfg(feature = "cuda")]
-fn open_cuda_source(src: Arc<dyn TensorSource>, needed: u64, gpu: Arc<crate::cuda::Gpu>, opts: OpenOptions, staged: bool) -> Result<Loaded> {
+fn open_cuda_source(
+    src: Arc<dyn TensorSource>,
+    needed: u64,
+    gpu: Arc<crate::cuda::Gpu>,
+    opts: OpenOptions,
+    staged: bool,
+) -> Result<Loaded> {
     use crate::cuda::CudaBackend;
     use crate::model::target::TargetModel;
     // The target's and the drafter's weights must fit the GPU, with room left for the caches and activations.
@@ -188,15 +217,24 @@ fn open_cuda_source(src: Arc<dyn TensorSource>, needed: u64, gpu: Arc<crate::cud
         gpu.begin_load(needed, opts.progress)?;
     }
     let loaded = (|| -> Result<Loaded> {
-        let w = Arc::new(Weights::load_on(backend.clone(), src.clone()).with_context(|| format!("loading the target onto {name}"))?);
+        let w = Arc::new(
+            Weights::load_on(backend.clone(), src.clone())
+                .with_context(|| format!("loading the target onto {name}"))?,
+        );
         let target = TargetModel::new(w.clone(), taps, AttnMode::Absorbed)?;
         let drafter = match src.drafter_config() {
-            Some(_) if !opts.no_drafter => {
-                Some(Box::new(DFlashDrafter::load_on(backend, &*src, w).with_context(|| format!("loading the drafter onto {name}"))?) as Box<dyn Drafter>)
-            }
+            Some(_) if !opts.no_drafter => Some(Box::new(
+                DFlashDrafter::load_on(backend, &*src, w)
+                    .with_context(|| format!("loading the drafter onto {name}"))?,
+            ) as Box<dyn Drafter>),
             _ => None,
         };
-        Ok(Loaded { backend: "cuda".into(), device, target: Box::new(target), drafter })
+        Ok(Loaded {
+            backend: "cuda".into(),
+            device,
+            target: Box::new(target),
+            drafter,
+        })
     })();
     let ended = if staged { gpu.end_load().map(|_| ()) } else { gpu.sync() };
     let loaded = loaded?;
@@ -250,7 +288,12 @@ fn open_dummy_inner(src: DummySource, device: Device, opts: OpenOptions) -> Resu
         );
     }
     let m = open_cpu_source(Arc::new(src), opts)?;
-    Ok(Loaded { backend: "cpu".into(), device: "cpu".into(), target: Box::new(m.target), drafter: m.drafter.map(|d| Box::new(d) as Box<dyn Drafter>) })
+    Ok(Loaded {
+        backend: "cpu".into(),
+        device: "cpu".into(),
+        target: Box::new(m.target),
+        drafter: m.drafter.map(|d| Box::new(d) as Box<dyn Drafter>),
+    })
 }
 
 /// Host memory available for new allocations (Linux `MemAvailable`), None where it cannot be read.

@@ -98,7 +98,11 @@ impl<T: bytemuck::Pod> Slab<T> {
     /// ```
     pub unsafe fn new(owner: &Arc<dyn TensorSource>, data: &[u8]) -> Slab<T> {
         match bytemuck::try_cast_slice::<u8, T>(data) {
-            Ok(s) => Slab::Mapped(MappedView { _owner: owner.clone(), ptr: s.as_ptr(), len: s.len() }),
+            Ok(s) => Slab::Mapped(MappedView {
+                _owner: owner.clone(),
+                ptr: s.as_ptr(),
+                len: s.len(),
+            }),
             Err(_) => Slab::Owned(pod_vec(data)),
         }
     }
@@ -126,9 +130,20 @@ pub fn pod_vec<T: bytemuck::Pod>(data: &[u8]) -> Vec<T> {
 }
 
 /// Fetch `name` of `rank`, checking dtype and shard shape; the error names the tensor and both shapes.
-pub fn expect<'a>(src: &'a dyn TensorSource, name: &str, rank: usize, dtype: Dtype, shape: &[usize]) -> Result<TensorRef<'a>> {
+pub fn expect<'a>(
+    src: &'a dyn TensorSource,
+    name: &str,
+    rank: usize,
+    dtype: Dtype,
+    shape: &[usize],
+) -> Result<TensorRef<'a>> {
     let t = src.tensor(name, rank)?;
-    ensure!(t.dtype == dtype && t.shape == shape, "{name} (rank {rank}): expected {dtype} {shape:?}, found {} {:?}", t.dtype, t.shape);
+    ensure!(
+        t.dtype == dtype && t.shape == shape,
+        "{name} (rank {rank}): expected {dtype} {shape:?}, found {} {:?}",
+        t.dtype,
+        t.shape
+    );
     Ok(t)
 }
 
@@ -177,7 +192,14 @@ pub(crate) struct ShardFacts {
 impl ShardFacts {
     /// The facts of a planned tensor.
     pub(crate) fn of(o: &kdtree_formats::plan::OutTensor) -> ShardFacts {
-        ShardFacts { dtype: o.dtype, shape: o.shape.clone(), logical_shape: o.logical_shape.clone(), layout: o.layout, split_axis: o.split_axis, split_offset: o.split_offset }
+        ShardFacts {
+            dtype: o.dtype,
+            shape: o.shape.clone(),
+            logical_shape: o.logical_shape.clone(),
+            layout: o.layout,
+            split_axis: o.split_axis,
+            split_offset: o.split_offset,
+        }
     }
     pub(crate) fn dtype(&self) -> Dtype {
         self.dtype
@@ -218,7 +240,9 @@ impl MemSource {
         let plan = plan_model(&text, None, prefix, SourceQuant::Bf16, ranks, experts)?;
         let mut shards = HashMap::new();
         for o in &plan.tensors {
-            let whole = tensors.get(&o.name).with_context(|| format!("MemSource: plan needs {} but it was not given", o.name))?;
+            let whole = tensors
+                .get(&o.name)
+                .with_context(|| format!("MemSource: plan needs {} but it was not given", o.name))?;
             ensure!(
                 whole.shape == o.logical_shape,
                 "MemSource: {} has shape {:?}, plan expects {:?}",
@@ -227,7 +251,10 @@ impl MemSource {
                 o.logical_shape
             );
             let bytes = slice_bytes(whole, o.split_axis, o.split_offset, &o.shape)?;
-            let shard = MemShard { facts: ShardFacts::of(o), data: bytes };
+            let shard = MemShard {
+                facts: ShardFacts::of(o),
+                data: bytes,
+            };
             shards.insert((o.name.clone(), o.rank), shard);
         }
         Ok(MemSource { text, ranks, shards })
@@ -242,7 +269,14 @@ fn slice_bytes(whole: &MemTensor, axis: Option<usize>, offset: usize, shard_shap
     let nib = whole.layout == Layout::Int4G32;
     let mut shape: Vec<usize> = whole.shape.clone();
     let last = shape.len() - 1;
-    let (mut off, mut len) = (offset, if nib && a == last { shard_shape[a] * 2 } else { shard_shape[a] });
+    let (mut off, mut len) = (
+        offset,
+        if nib && a == last {
+            shard_shape[a] * 2
+        } else {
+            shard_shape[a]
+        },
+    );
     if nib {
         shape[last] /= 2;
         if a == last {
@@ -277,7 +311,10 @@ unsafe impl TensorSource for MemSource {
         self.ranks
     }
     fn tensor(&self, name: &str, rank: usize) -> Result<TensorRef<'_>> {
-        let s = self.shards.get(&(name.to_string(), rank)).with_context(|| format!("MemSource: no tensor {name} for rank {rank}"))?;
+        let s = self
+            .shards
+            .get(&(name.to_string(), rank))
+            .with_context(|| format!("MemSource: no tensor {name} for rank {rank}"))?;
         Ok(s.facts.tensor_ref(&s.data))
     }
 }
@@ -289,7 +326,10 @@ pub fn check_shards(src: &dyn TensorSource, name: &str) -> Result<()> {
         let t = src.tensor(name, r)?;
         if let Some(want) = t.xxh3 {
             let got = kdtree_formats::manifest::xxh3_64(t.data);
-            ensure!(got == want, "{name} (rank {r}): the shard's bytes hash to {got:016x} where the manifest's xxh3 is {want:016x}");
+            ensure!(
+                got == want,
+                "{name} (rank {r}): the shard's bytes hash to {got:016x} where the manifest's xxh3 is {want:016x}"
+            );
         }
         if t.split_axis.is_none() {
             break;
@@ -305,7 +345,9 @@ pub fn gather_bf16(src: &dyn TensorSource, name: &str) -> Result<(Vec<half::bf16
     let t0 = src.tensor(name, 0)?;
     ensure!(t0.dtype == Dtype::BF16, "{name}: expected BF16, found {}", t0.dtype);
     let logical = t0.logical_shape.to_vec();
-    let Some(a) = t0.split_axis else { return Ok((pod_vec(t0.data), logical)) };
+    let Some(a) = t0.split_axis else {
+        return Ok((pod_vec(t0.data), logical));
+    };
     let outer: usize = logical[..a].iter().product();
     let inner: usize = logical[a + 1..].iter().product();
     let mut out = vec![half::bf16::ZERO; logical.iter().product()];

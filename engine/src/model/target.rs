@@ -12,16 +12,16 @@
 //! Tests: engine/tests/target_*.rs.
 
 use super::attention::{mla, AttnMode, Seg};
-use crate::ddtree::Visibility;
 use super::ffn::ffn;
 use super::trace::Trace;
 use super::weights::Weights;
 use crate::api::{DeviceRound, Drafter, LogitRows, StepOut, Target, TargetInfo};
-use crate::ddtree::tree_is_full;
-use crate::drafter::DFlashDrafter;
-use crate::sampling::Sampling;
 use crate::backend::{Backend, PosOf, RopeTable};
 use crate::cpu::CpuBackend;
+use crate::ddtree::tree_is_full;
+use crate::ddtree::Visibility;
+use crate::drafter::DFlashDrafter;
+use crate::sampling::Sampling;
 use anyhow::{ensure, Result};
 use std::sync::Arc;
 
@@ -70,7 +70,17 @@ pub(crate) struct RoundSlot<B: Backend> {
 pub(crate) fn round_key(budget: usize, k: usize, s: &Sampling, kv: u64, drafter: (u64, u64)) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    (budget, k, s.temperature.to_bits(), s.top_p.to_bits(), s.top_k, s.seed, kv, drafter).hash(&mut h);
+    (
+        budget,
+        k,
+        s.temperature.to_bits(),
+        s.top_p.to_bits(),
+        s.top_k,
+        s.seed,
+        kv,
+        drafter,
+    )
+        .hash(&mut h);
     h.finish()
 }
 
@@ -83,10 +93,26 @@ impl<B: Backend> TargetModel<B> {
         for &l in &tap_layers {
             ensure!(l < c.layers, "tap layer {l} >= num_hidden_layers {}", c.layers);
         }
-        let info =
-            TargetInfo { vocab_size: c.vocab, hidden_size: c.hidden, num_layers: c.layers, max_positions: c.max_positions, tap_layers };
+        let info = TargetInfo {
+            vocab_size: c.vocab,
+            hidden_size: c.hidden,
+            num_layers: c.layers,
+            max_positions: c.max_positions,
+            tap_layers,
+        };
         let cache = w.backend.kv_new(c.layers, c.latent_width());
-        Ok(TargetModel { w, info, cache, mode, trace: None, last_parents: Vec::new(), rounds: Vec::new(), dev_root: None, step: None, step_root: None })
+        Ok(TargetModel {
+            w,
+            info,
+            cache,
+            mode,
+            trace: None,
+            last_parents: Vec::new(),
+            rounds: Vec::new(),
+            dev_root: None,
+            step: None,
+            step_root: None,
+        })
     }
     pub fn weights(&self) -> &Arc<Weights<B>> {
         &self.w
@@ -99,7 +125,12 @@ impl<B: Backend> TargetModel<B> {
     /// the residual stream after the last layer and the taps `[T, n_taps·H]` (None without tap layers).
     fn layers(&mut self, x: B::Act, t: usize, mask: &B::Mask, rope: &B::Rope) -> (B::Act, Option<B::Act>) {
         let w = self.w.clone();
-        let mut segs = [Seg { kv: &mut self.cache, t, mask, rope }];
+        let mut segs = [Seg {
+            kv: &mut self.cache,
+            t,
+            mask,
+            rope,
+        }];
         decoder_layers(&w, &mut segs, x, &self.info.tap_layers, self.mode, self.trace.as_mut())
     }
 
@@ -111,8 +142,19 @@ impl<B: Backend> TargetModel<B> {
         let w = self.w.clone();
         let (b, c) = (&w.backend, &w.cfg);
         let committed = b.kv_committed(&self.cache);
-        ensure!(committed + depth_limit < c.max_positions, "forward: position {} >= max_positions {}", committed + depth_limit, c.max_positions);
-        let rope = b.rope_at(&w.rope_inv, c.rope_attention_factor, PosOf::Kv(&self.cache), Some(b.tree_depths(tree)), t);
+        ensure!(
+            committed + depth_limit < c.max_positions,
+            "forward: position {} >= max_positions {}",
+            committed + depth_limit,
+            c.max_positions
+        );
+        let rope = b.rope_at(
+            &w.rope_inv,
+            c.rope_attention_factor,
+            PosOf::Kv(&self.cache),
+            Some(b.tree_depths(tree)),
+            t,
+        );
         let (x, taps) = self.layers(w.embed_ids(b.tree_tokens(tree), t), t, b.tree_mask(tree), &rope);
         self.last_parents.clear();
         let xn = w.final_norm(&x);
@@ -123,11 +165,22 @@ impl<B: Backend> TargetModel<B> {
     /// The device round (see [`Target::device_round`]) in `slot` (budget `budget`): the round's ops run as
     /// one captured graph where the backend captures (`Backend::graph_run`), replayed while nothing it reads
     /// moved; the host reads the walk once, then moves its own copies of the lengths.
-    fn run_round(&mut self, slot: &mut RoundSlot<B>, d: &mut DFlashDrafter<B>, root: u32, budget: usize, s: &Sampling) -> Result<DeviceRound> {
+    fn run_round(
+        &mut self,
+        slot: &mut RoundSlot<B>,
+        d: &mut DFlashDrafter<B>,
+        root: u32,
+        budget: usize,
+        s: &Sampling,
+    ) -> Result<DeviceRound> {
         let w = self.w.clone();
         let b = &w.backend;
         let start = b.kv_committed(&self.cache);
-        ensure!(d.context_len() == start, "drafter context {} != target committed {start}", d.context_len());
+        ensure!(
+            d.context_len() == start,
+            "drafter context {} != target committed {start}",
+            d.context_len()
+        );
         let (rows, t) = (d.block_size() - 1, budget + 1);
         // Outside the round: room for its rows (nothing grows inside), and the root where the ops read it.
         b.kv_reserve(&mut self.cache, start + t)?;
@@ -155,7 +208,12 @@ impl<B: Backend> TargetModel<B> {
         })?;
         let r = self.read_walk(&mut slot.tree, d, t)?;
         self.dev_root = r.walk.decisions.last().map(|&tok| (slot.budget, slot.k, tok));
-        Ok(DeviceRound { walk: r.walk, log_q: r.log_q, drafted: budget, draft_rows: rows })
+        Ok(DeviceRound {
+            walk: r.walk,
+            log_q: r.log_q,
+            drafted: budget,
+            draft_rows: rows,
+        })
     }
 
     /// The device AR step (see [`Target::device_step`]) in `slot`: the forward of the root token at position
@@ -172,7 +230,15 @@ impl<B: Backend> TargetModel<B> {
         let key = {
             use std::hash::{Hash, Hasher};
             let mut h = std::collections::hash_map::DefaultHasher::new();
-            ("ar step", s.temperature.to_bits(), s.top_p.to_bits(), s.top_k, s.seed, b.kv_id(&self.cache)).hash(&mut h);
+            (
+                "ar step",
+                s.temperature.to_bits(),
+                s.top_p.to_bits(),
+                s.top_k,
+                s.seed,
+                b.kv_id(&self.cache),
+            )
+                .hash(&mut h);
             h.finish()
         };
         let (token, mask) = (&mut slot.token, &slot.mask);
@@ -191,7 +257,11 @@ impl<B: Backend> TargetModel<B> {
             b.check()
         })?;
         let tok = b.ids_to_host(&slot.token)?[0]; // the step's one read back
-        ensure!((tok as usize) < c.vocab, "device step: token {tok} >= vocab {}", c.vocab);
+        ensure!(
+            (tok as usize) < c.vocab,
+            "device step: token {tok} >= vocab {}",
+            c.vocab
+        );
         b.kv_commit_rows_host(&mut self.cache, 1);
         self.last_parents.clear();
         self.step_root = Some(tok);
@@ -200,7 +270,14 @@ impl<B: Backend> TargetModel<B> {
 
     /// The device round for a tree of `budget` nodes built from the top-`k` of each draft row (see
     /// [`Target::device_round`], [`Target::device_chain`]); None when this target cannot run it.
-    fn round_of(&mut self, d: &mut DFlashDrafter<B>, root: u32, budget: usize, k: usize, s: &Sampling) -> Option<Result<DeviceRound>> {
+    fn round_of(
+        &mut self,
+        d: &mut DFlashDrafter<B>,
+        root: u32,
+        budget: usize,
+        k: usize,
+        s: &Sampling,
+    ) -> Option<Result<DeviceRound>> {
         let (v, max) = (self.info.vocab_size, self.info.max_positions);
         let rows = d.block_size().checked_sub(1)?;
         let start = self.w.backend.kv_committed(&self.cache);
@@ -214,7 +291,13 @@ impl<B: Backend> TargetModel<B> {
             None => {
                 let tree = self.w.backend.tree_new(budget, rows, v, k).ok()?;
                 let decisions = self.w.backend.ids_from_host(&vec![0; budget + 1]);
-                self.rounds.push(RoundSlot { budget, k, tree, graph: None, decisions });
+                self.rounds.push(RoundSlot {
+                    budget,
+                    k,
+                    tree,
+                    graph: None,
+                    decisions,
+                });
                 self.rounds.len() - 1
             }
         };
@@ -249,7 +332,12 @@ impl<B: Backend> TargetModel<B> {
 
     /// The round's one read back (the walk of a `t`-node tree and its popped nodes' scores), checked, then
     /// the host copies of the lengths advance.
-    pub fn read_walk(&mut self, tree: &mut B::Tree, d: &mut DFlashDrafter<B>, t: usize) -> Result<crate::ddtree::TreeResult> {
+    pub fn read_walk(
+        &mut self,
+        tree: &mut B::Tree,
+        d: &mut DFlashDrafter<B>,
+        t: usize,
+    ) -> Result<crate::ddtree::TreeResult> {
         let r = self.w.backend.tree_result(tree)?;
         accept_walk(&self.w.backend, &mut self.cache, tree, d, t, r)
     }
@@ -257,12 +345,29 @@ impl<B: Backend> TargetModel<B> {
 
 /// A device round's result `r` (read back) for a `t`-node tree, checked, then the host copies of the lengths
 /// advance (the cache's and the drafter context's).
-pub(crate) fn accept_walk<B: Backend>(b: &B, cache: &mut B::Kv, tree: &mut B::Tree, d: &mut DFlashDrafter<B>, t: usize, r: crate::ddtree::TreeResult) -> Result<crate::ddtree::TreeResult> {
+pub(crate) fn accept_walk<B: Backend>(
+    b: &B,
+    cache: &mut B::Kv,
+    tree: &mut B::Tree,
+    d: &mut DFlashDrafter<B>,
+    t: usize,
+    r: crate::ddtree::TreeResult,
+) -> Result<crate::ddtree::TreeResult> {
     let walk = &r.walk;
-    ensure!(r.log_q.len() == t - 1, "device round: {} node scores for a tree of {} drafted nodes", r.log_q.len(), t - 1);
+    ensure!(
+        r.log_q.len() == t - 1,
+        "device round: {} node scores for a tree of {} drafted nodes",
+        r.log_q.len(),
+        t - 1
+    );
     let (p, rows) = (&walk.path, d.block_size() - 1);
     ensure!(
-        !p.is_empty() && p[0] == 0 && p.len() <= rows + 1 && p.windows(2).all(|x| x[0] < x[1]) && p[p.len() - 1] < t && walk.decisions.len() == p.len(),
+        !p.is_empty()
+            && p[0] == 0
+            && p.len() <= rows + 1
+            && p.windows(2).all(|x| x[0] < x[1])
+            && p[p.len() - 1] < t
+            && walk.decisions.len() == p.len(),
         "device walk: path {p:?} with {} decisions is not a root-to-node path of a {t}-node tree",
         walk.decisions.len()
     );
@@ -274,7 +379,14 @@ pub(crate) fn accept_walk<B: Backend>(b: &B, cache: &mut B::Kv, tree: &mut B::Tr
 /// rows, T = their nodes; each segment's latent rows go to its own cache as scratch): the residual stream
 /// after the last layer and the taps `[T, n_taps·H]` (None without tap layers). Probes (`trace`) record a
 /// single-sequence forward.
-pub(crate) fn decoder_layers<B: Backend>(w: &Weights<B>, segs: &mut [Seg<'_, B>], mut x: B::Act, tap_layers: &[usize], mode: AttnMode, mut trace: Option<&mut Trace>) -> (B::Act, Option<B::Act>) {
+pub(crate) fn decoder_layers<B: Backend>(
+    w: &Weights<B>,
+    segs: &mut [Seg<'_, B>],
+    mut x: B::Act,
+    tap_layers: &[usize],
+    mode: AttnMode,
+    mut trace: Option<&mut Trace>,
+) -> (B::Act, Option<B::Act>) {
     let (b, c) = (&w.backend, &w.cfg);
     let t: usize = segs.iter().map(|s| s.t).sum();
     let (h, taps_n) = (c.hidden, tap_layers.len());
@@ -282,7 +394,15 @@ pub(crate) fn decoder_layers<B: Backend>(w: &Weights<B>, segs: &mut [Seg<'_, B>]
     segs.iter_mut().for_each(|s| b.kv_drop_scratch(s.kv));
     let rope_all = (segs.len() > 1).then(|| b.rope_cat(&segs.iter().map(|s| s.rope).collect::<Vec<_>>()));
     for (l, layer) in w.ranks[0].layers.iter().enumerate() {
-        let a = mla(w, l, &b.rms_norm(&x, &layer.input_norm, c.eps), t, segs, rope_all.as_ref(), mode);
+        let a = mla(
+            w,
+            l,
+            &b.rms_norm(&x, &layer.input_norm, c.eps),
+            t,
+            segs,
+            rope_all.as_ref(),
+            mode,
+        );
         b.add(&mut x, &a);
         let m = ffn(w, l, &b.rms_norm(&x, &layer.post_norm, c.eps), t, trace.as_deref_mut());
         b.add(&mut x, &m);
@@ -317,13 +437,21 @@ impl<B: Backend> Target for TargetModel<B> {
         ensure!(t > 0, "forward: no tokens");
         ensure!(parents.len() == t, "forward: {t} tokens but {} parents", parents.len());
         for (i, &tok) in tokens.iter().enumerate() {
-            ensure!((tok as usize) < c.vocab, "forward: tokens[{i}] = {tok} >= vocab {}", c.vocab);
+            ensure!(
+                (tok as usize) < c.vocab,
+                "forward: tokens[{i}] = {tok} >= vocab {}",
+                c.vocab
+            );
         }
         let vis = Visibility::from_parents(parents)?;
         let committed = b.kv_committed(&self.cache);
         let positions: Vec<usize> = vis.depths().iter().map(|&d| committed + d).collect();
         let maxpos = positions.iter().copied().max().unwrap_or(0);
-        ensure!(maxpos < c.max_positions, "forward: position {maxpos} >= max_positions {}", c.max_positions);
+        ensure!(
+            maxpos < c.max_positions,
+            "forward: position {maxpos} >= max_positions {}",
+            c.max_positions
+        );
         let rope = b.rope_upload(RopeTable::new(&c.inv_freq, positions, c.rope_attention_factor));
         let mask = b.mask_upload(&vis);
         let (x, taps) = self.layers(w.embed(tokens), t, &mask, &rope);
@@ -338,7 +466,11 @@ impl<B: Backend> Target for TargetModel<B> {
         let n = t - first;
         let h = c.hidden;
         let xn = w.final_norm(&b.rows(&x, h, first, t));
-        let logits = if n > 0 { b.to_host(&w.lm_head(&xn, n)) } else { Vec::new() }; // [n, V]
+        let logits = if n > 0 {
+            b.to_host(&w.lm_head(&xn, n))
+        } else {
+            Vec::new()
+        }; // [n, V]
         let taps = taps.map(|a| b.to_host(&a)).unwrap_or_default();
         b.check()?;
         if let Some(tr) = self.trace.as_mut() {
@@ -352,7 +484,10 @@ impl<B: Backend> Target for TargetModel<B> {
         (self.dev_root, self.step_root) = (None, None);
         let n = self.last_parents.len();
         for (k, &node) in path.iter().enumerate() {
-            ensure!(node < n, "commit: path[{k}] = {node} but the last forward had {n} nodes");
+            ensure!(
+                node < n,
+                "commit: path[{k}] = {node} but the last forward had {n} nodes"
+            );
             let want = if k == 0 { -1 } else { path[k - 1] as i32 };
             ensure!(
                 self.last_parents[node] == want,
@@ -390,7 +525,13 @@ impl<B: Backend> Target for TargetModel<B> {
         self.trace.take()
     }
 
-    fn device_round(&mut self, drafter: &mut dyn Drafter, root: u32, budget: usize, s: &Sampling) -> Option<Result<DeviceRound>> {
+    fn device_round(
+        &mut self,
+        drafter: &mut dyn Drafter,
+        root: u32,
+        budget: usize,
+        s: &Sampling,
+    ) -> Option<Result<DeviceRound>> {
         let v = self.info.vocab_size;
         let d = drafter.as_any_mut()?.downcast_mut::<DFlashDrafter<B>>()?;
         let rows = d.block_size().checked_sub(1)?;
@@ -418,7 +559,11 @@ impl<B: Backend> Target for TargetModel<B> {
             Some(slot) => slot,
             None => {
                 let mask = b.mask_upload(&Visibility::from_parents(&[-1]).ok()?);
-                StepSlot { token: b.ids_from_host(&[0]), mask, graph: None }
+                StepSlot {
+                    token: b.ids_from_host(&[0]),
+                    mask,
+                    graph: None,
+                }
             }
         };
         let r = self.run_step(&mut slot, root, s);
@@ -431,7 +576,9 @@ impl<B: Backend> Target for TargetModel<B> {
     }
 
     fn fork(&self) -> Option<Box<dyn Target>> {
-        Some(Box::new(TargetModel::new(self.w.clone(), self.info.tap_layers.clone(), self.mode).ok()?))
+        Some(Box::new(
+            TargetModel::new(self.w.clone(), self.info.tap_layers.clone(), self.mode).ok()?,
+        ))
     }
 
     fn batch_ops(&self) -> Option<Box<dyn crate::api::BatchOps>> {

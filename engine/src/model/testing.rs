@@ -39,8 +39,15 @@ pub fn tiny_config(q_lora: Option<usize>) -> TextConfig {
 
 fn bf16_tensor(rng: &mut ChaCha8Rng, shape: &[usize], center: f32, spread: f32) -> MemTensor {
     let n: usize = shape.iter().product();
-    let v: Vec<bf16> = (0..n).map(|_| bf16::from_f32(center + rng.random_range(-spread..spread))).collect();
-    MemTensor { dtype: Dtype::BF16, shape: shape.to_vec(), layout: Layout::Plain, data: bytemuck::cast_slice(&v).to_vec() }
+    let v: Vec<bf16> = (0..n)
+        .map(|_| bf16::from_f32(center + rng.random_range(-spread..spread)))
+        .collect();
+    MemTensor {
+        dtype: Dtype::BF16,
+        shape: shape.to_vec(),
+        layout: Layout::Plain,
+        data: bytemuck::cast_slice(&v).to_vec(),
+    }
 }
 
 /// Whole tensors (converted names, [`PREFIX`]) of a random model for `t`, seeded.
@@ -49,10 +56,14 @@ pub fn random_tensors(t: &TextConfig, seed: u64) -> HashMap<String, MemTensor> {
     let mut m = HashMap::new();
     let (h, v, nh) = (t.hidden_size, t.vocab_size, t.num_attention_heads);
     let qk = t.qk_head_dim();
-    let lin = |rng: &mut ChaCha8Rng, out: usize, inp: usize| bf16_tensor(rng, &[out, inp], 0.0, 1.7 / (inp as f32).sqrt());
+    let lin =
+        |rng: &mut ChaCha8Rng, out: usize, inp: usize| bf16_tensor(rng, &[out, inp], 0.0, 1.7 / (inp as f32).sqrt());
     let norm = |rng: &mut ChaCha8Rng, n: usize| bf16_tensor(rng, &[n], 1.0, 0.2);
     let p = format!("{PREFIX}model.");
-    m.insert(format!("{p}embed_tokens.weight"), bf16_tensor(&mut rng, &[v, h], 0.0, 1.0));
+    m.insert(
+        format!("{p}embed_tokens.weight"),
+        bf16_tensor(&mut rng, &[v, h], 0.0, 1.0),
+    );
     m.insert(format!("{p}norm.weight"), norm(&mut rng, h));
     m.insert(format!("{PREFIX}lm_head.weight"), lin(&mut rng, v, h));
     for l in 0..t.num_hidden_layers {
@@ -70,9 +81,15 @@ pub fn random_tensors(t: &TextConfig, seed: u64) -> HashMap<String, MemTensor> {
                 m.insert(format!("{a}q_proj.weight"), lin(&mut rng, nh * qk, h));
             }
         }
-        m.insert(format!("{a}kv_a_proj_with_mqa.weight"), lin(&mut rng, t.kv_lora_rank + t.qk_rope_head_dim, h));
+        m.insert(
+            format!("{a}kv_a_proj_with_mqa.weight"),
+            lin(&mut rng, t.kv_lora_rank + t.qk_rope_head_dim, h),
+        );
         m.insert(format!("{a}kv_a_layernorm.weight"), norm(&mut rng, t.kv_lora_rank));
-        m.insert(format!("{a}kv_b_proj.weight"), lin(&mut rng, nh * (t.qk_nope_head_dim + t.v_head_dim), t.kv_lora_rank));
+        m.insert(
+            format!("{a}kv_b_proj.weight"),
+            lin(&mut rng, nh * (t.qk_nope_head_dim + t.v_head_dim), t.kv_lora_rank),
+        );
         m.insert(format!("{a}o_proj.weight"), lin(&mut rng, h, nh * t.v_head_dim));
         let mlp = format!("{lp}mlp.");
         let swiglu = |rng: &mut ChaCha8Rng, m: &mut HashMap<String, MemTensor>, p: &str, i: usize| {
@@ -89,20 +106,37 @@ pub fn random_tensors(t: &TextConfig, seed: u64) -> HashMap<String, MemTensor> {
         let bias: Vec<f32> = (0..e).map(|_| rng.random_range(-0.05f32..0.05)).collect();
         m.insert(
             format!("{mlp}gate.e_score_correction_bias"),
-            MemTensor { dtype: Dtype::F32, shape: vec![e], layout: Layout::Plain, data: bytemuck::cast_slice(&bias).to_vec() },
+            MemTensor {
+                dtype: Dtype::F32,
+                shape: vec![e],
+                layout: Layout::Plain,
+                data: bytemuck::cast_slice(&bias).to_vec(),
+            },
         );
         if t.n_shared_experts > 0 {
-            swiglu(&mut rng, &mut m, &format!("{mlp}shared_experts."), t.moe_intermediate_size * t.n_shared_experts);
+            swiglu(
+                &mut rng,
+                &mut m,
+                &format!("{mlp}shared_experts."),
+                t.moe_intermediate_size * t.n_shared_experts,
+            );
         }
         let mi = t.moe_intermediate_size;
         for (proj, n, k) in [("gate_proj", mi, h), ("up_proj", mi, h), ("down_proj", h, mi)] {
             let packed: Vec<u8> = (0..e * n * k / 2).map(|_| rng.random::<u8>()).collect();
             let sc = 0.45 / (k as f32).sqrt(); // q has std ≈ 4.6, so w has std ≈ 2 / sqrt(k)
-            let scales: Vec<bf16> = (0..e * n * k / 32).map(|_| bf16::from_f32(sc * rng.random_range(0.5f32..1.5))).collect();
+            let scales: Vec<bf16> = (0..e * n * k / 32)
+                .map(|_| bf16::from_f32(sc * rng.random_range(0.5f32..1.5)))
+                .collect();
             let stem = format!("{mlp}experts.{proj}");
             m.insert(
                 format!("{stem}.weight_packed"),
-                MemTensor { dtype: Dtype::U8, shape: vec![e, n, k], layout: Layout::Int4G32, data: packed },
+                MemTensor {
+                    dtype: Dtype::U8,
+                    shape: vec![e, n, k],
+                    layout: Layout::Int4G32,
+                    data: packed,
+                },
             );
             m.insert(
                 format!("{stem}.weight_scale"),
@@ -120,6 +154,12 @@ pub fn random_tensors(t: &TextConfig, seed: u64) -> HashMap<String, MemTensor> {
 
 /// Random tiny weights split over `ranks` ranks (experts `mode`) and loaded.
 pub fn tiny_weights(t: &TextConfig, seed: u64, ranks: usize, mode: ExpertsMode) -> Result<Arc<Weights>> {
-    let src: Arc<dyn TensorSource> = Arc::new(MemSource::new(t.clone(), PREFIX, &random_tensors(t, seed), ranks, mode)?);
+    let src: Arc<dyn TensorSource> = Arc::new(MemSource::new(
+        t.clone(),
+        PREFIX,
+        &random_tensors(t, seed),
+        ranks,
+        mode,
+    )?);
     Ok(Arc::new(Weights::load(src)?))
 }

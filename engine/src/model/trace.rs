@@ -29,11 +29,19 @@ pub struct Trace {
 impl Trace {
     pub fn f32(&mut self, name: String, shape: &[usize], data: &[f32]) {
         debug_assert_eq!(shape.iter().product::<usize>(), data.len(), "trace {name}");
-        self.tensors.push(TraceTensor { name, shape: shape.to_vec(), data: TraceData::F32(data.to_vec()) });
+        self.tensors.push(TraceTensor {
+            name,
+            shape: shape.to_vec(),
+            data: TraceData::F32(data.to_vec()),
+        });
     }
     pub fn i32(&mut self, name: String, shape: &[usize], data: Vec<i32>) {
         debug_assert_eq!(shape.iter().product::<usize>(), data.len(), "trace {name}");
-        self.tensors.push(TraceTensor { name, shape: shape.to_vec(), data: TraceData::I32(data) });
+        self.tensors.push(TraceTensor {
+            name,
+            shape: shape.to_vec(),
+            data: TraceData::I32(data),
+        });
     }
     /// The tensor called `name` (first recorded), if any.
     pub fn get(&self, name: &str) -> Option<&TraceTensor> {

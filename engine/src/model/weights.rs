@@ -14,8 +14,8 @@
 pub use super::config::{ModelConfig, LATENT_NORM_EPS};
 use super::source::{expect, expect_split, Slab, TensorSource};
 use crate::backend::{Backend, VocabShards, WeightRef};
-use crate::cpu::{ops, CpuBackend};
 use crate::cpu::ops::Fill;
+use crate::cpu::{ops, CpuBackend};
 use anyhow::{bail, ensure, Context, Result};
 use half::bf16;
 use kdtree_formats::{Dtype, TensorRef};
@@ -47,10 +47,20 @@ impl I4Stack {
     }
     /// Global expert `e`'s `[n, k]` matrix (must be held).
     pub fn expert(&self, e: usize) -> ops::ExpertI4<'_> {
-        assert!(self.holds(e), "expert {e} not on this rank (holds {}..{})", self.first, self.first + self.count);
+        assert!(
+            self.holds(e),
+            "expert {e} not on this rank (holds {}..{})",
+            self.first,
+            self.first + self.count
+        );
         let i = e - self.first;
         let (pb, sb) = (self.n * self.k / 2, self.n * self.k / 32);
-        ops::ExpertI4 { packed: &self.packed[i * pb..(i + 1) * pb], scales: &self.scales[i * sb..(i + 1) * sb], n: self.n, k: self.k }
+        ops::ExpertI4 {
+            packed: &self.packed[i * pb..(i + 1) * pb],
+            scales: &self.scales[i * sb..(i + 1) * sb],
+            n: self.n,
+            k: self.k,
+        }
     }
 }
 
@@ -144,7 +154,11 @@ impl<B: Backend> Ld<'_, B> {
         match split {
             Some((a, off)) if self.r > 1 => expect_split(&t, name, self.rank, Some(a), off)?,
             // R = 1: the plan may record the split axis with offset 0 or no split at all.
-            Some(_) => ensure!(t.split_offset == 0, "{name}: single rank but split offset {}", t.split_offset),
+            Some(_) => ensure!(
+                t.split_offset == 0,
+                "{name}: single rank but split offset {}",
+                t.split_offset
+            ),
             None => expect_split(&t, name, self.rank, None, 0)?,
         }
         Ok(t)
@@ -156,10 +170,17 @@ impl<B: Backend> Ld<'_, B> {
     fn mat(&self, name: &str, rows: usize, cols: usize, split: Option<(usize, usize)>) -> Result<B::Mat> {
         let t = self.bf16(name, &[rows, cols], split)?;
         match self.fill_of(name) {
-            Some(f) => self.b.fill_bf16(rows, cols, &f).with_context(|| format!("filling {name} (rank {})", self.rank)),
+            Some(f) => self
+                .b
+                .fill_bf16(rows, cols, &f)
+                .with_context(|| format!("filling {name} (rank {})", self.rank)),
             None => {
                 // SAFETY: `t` was just returned by `self.owner.tensor(..)` (through `expect`).
-                let m = self.b.upload_bf16(Mat { w: unsafe { Slab::new(self.owner, t.data) }, rows, cols })?;
+                let m = self.b.upload_bf16(Mat {
+                    w: unsafe { Slab::new(self.owner, t.data) },
+                    rows,
+                    cols,
+                })?;
                 self.check(name, &t, WeightRef::Mat(&m), 0)?;
                 Ok(m)
             }
@@ -169,7 +190,10 @@ impl<B: Backend> Ld<'_, B> {
     fn vector(&self, name: &str, n: usize) -> Result<B::Vector> {
         let t = self.bf16(name, &[n], None)?;
         match self.fill_of(name) {
-            Some(f) => self.b.fill_vector(n, &f).with_context(|| format!("filling {name} (rank {})", self.rank)),
+            Some(f) => self
+                .b
+                .fill_vector(n, &f)
+                .with_context(|| format!("filling {name} (rank {})", self.rank)),
             None => {
                 // SAFETY: as in `mat`.
                 let v = self.b.upload_vector(unsafe { Slab::new(self.owner, t.data) })?;
@@ -182,11 +206,21 @@ impl<B: Backend> Ld<'_, B> {
     /// ops read them, against the manifest's xxh3-64 of `t` (a source without checksums: the host bytes' own).
     /// A difference names the tensor, the rank and both values.
     fn check(&self, name: &str, t: &TensorRef<'_>, w: WeightRef<'_, B>, part: usize) -> Result<()> {
-        check_upload(self.b, &format!("{name} (rank {})", self.rank), expected_xxh3(t), w, part)
+        check_upload(
+            self.b,
+            &format!("{name} (rank {})", self.rank),
+            expected_xxh3(t),
+            w,
+            part,
+        )
     }
     /// This rank's SwiGLU slice, intermediate `i` split by rows (gate/up) and columns (down).
     fn mlp(&self, p: &str, h: usize, i: usize) -> Result<Mlp<B>> {
-        ensure!(i.is_multiple_of(self.r), "{p}: intermediate {i} does not divide over {} ranks", self.r);
+        ensure!(
+            i.is_multiple_of(self.r),
+            "{p}: intermediate {i} does not divide over {} ranks",
+            self.r
+        );
         let (ir, k) = (i / self.r, self.rank);
         Ok(Mlp {
             gate: self.mat(&format!("{p}gate_proj.weight"), ir, h, Some((0, k * ir)))?,
@@ -196,12 +230,29 @@ impl<B: Backend> Ld<'_, B> {
     }
     /// This rank's routed experts `{stem}.{proj}` of logical `[E, n, k]`; TP or EP read from the manifest.
     fn experts(&self, stem: &str, proj: &str, e: usize, n: usize, k: usize) -> Result<B::I4> {
-        let (pname, sname, rank) = (format!("{stem}.{proj}.weight_packed"), format!("{stem}.{proj}.weight_scale"), self.rank);
+        let (pname, sname, rank) = (
+            format!("{stem}.{proj}.weight_packed"),
+            format!("{stem}.{proj}.weight_scale"),
+            self.rank,
+        );
         let p = self.src().tensor(&pname, rank)?;
         let s = self.src().tensor(&sname, rank)?;
-        ensure!(p.dtype == Dtype::U8 && s.dtype == Dtype::BF16, "{pname}: expected U8 + BF16 scales, found {} + {}", p.dtype, s.dtype);
-        ensure!(p.logical_shape == [e, n, k], "{pname}: logical shape {:?}, expected [{e}, {n}, {k}]", p.logical_shape);
-        ensure!(p.shape.len() == 3, "{pname} (rank {rank}): shape {:?} is not 3-D", p.shape);
+        ensure!(
+            p.dtype == Dtype::U8 && s.dtype == Dtype::BF16,
+            "{pname}: expected U8 + BF16 scales, found {} + {}",
+            p.dtype,
+            s.dtype
+        );
+        ensure!(
+            p.logical_shape == [e, n, k],
+            "{pname}: logical shape {:?}, expected [{e}, {n}, {k}]",
+            p.logical_shape
+        );
+        ensure!(
+            p.shape.len() == 3,
+            "{pname} (rank {rank}): shape {:?} is not 3-D",
+            p.shape
+        );
         let (cnt, nr, kr) = (p.shape[0], p.shape[1], p.shape[2] * 2);
         let (first, want_nr, want_kr) = match p.split_axis {
             None if self.r == 1 => (0, n, k),
@@ -216,18 +267,37 @@ impl<B: Backend> Ld<'_, B> {
             "{pname} (rank {rank}): shard [{cnt}, {nr}, {kr}/2], expected [{want_cnt}, {want_nr}, {want_kr}/2]"
         );
         match p.split_axis {
-            Some(0) => ensure!(first == rank * cnt, "{pname} (rank {rank}): starts at expert {first}, expected {}", rank * cnt),
+            Some(0) => ensure!(
+                first == rank * cnt,
+                "{pname} (rank {rank}): starts at expert {first}, expected {}",
+                rank * cnt
+            ),
             Some(1) => expect_split(&p, &pname, rank, Some(1), rank * nr)?,
             Some(2) => expect_split(&p, &pname, rank, Some(2), rank * kr)?,
             _ => {}
         }
-        ensure!(s.shape == [cnt, nr, kr / 32], "{sname} (rank {rank}): shape {:?}, expected [{cnt}, {nr}, {}]", s.shape, kr / 32);
+        ensure!(
+            s.shape == [cnt, nr, kr / 32],
+            "{sname} (rank {rank}): shape {:?}, expected [{cnt}, {nr}, {}]",
+            s.shape,
+            kr / 32
+        );
         if let (Some(fp), Some(fs)) = (self.fill_of(&pname), self.fill_of(&sname)) {
-            return self.b.fill_i4g32(first, cnt, nr, kr, &fp, &fs).with_context(|| format!("filling {pname} + weight_scale (rank {rank})"));
+            return self
+                .b
+                .fill_i4g32(first, cnt, nr, kr, &fp, &fs)
+                .with_context(|| format!("filling {pname} + weight_scale (rank {rank})"));
         }
         // SAFETY: `p` and `s` were just returned by `self.owner.tensor(..)`.
         let (packed, scales) = unsafe { (Slab::new(self.owner, p.data), Slab::new(self.owner, s.data)) };
-        let w = self.b.upload_i4g32(I4Stack { packed, scales, first, count: cnt, n: nr, k: kr })?;
+        let w = self.b.upload_i4g32(I4Stack {
+            packed,
+            scales,
+            first,
+            count: cnt,
+            n: nr,
+            k: kr,
+        })?;
         self.check(&pname, &p, WeightRef::I4(&w), 0)?;
         self.check(&sname, &s, WeightRef::I4(&w), 1)?;
         Ok(w)
@@ -246,11 +316,19 @@ pub(crate) fn expected_xxh3(t: &TensorRef<'_>) -> (u64, &'static str) {
 /// The load check ([`Backend::checks_weights`]; off: nothing): part `part` of the uploaded `w`'s bytes, hashed
 /// where the ops read them, against `want` (`of` says what it is). A difference names `what` and both values.
 /// The one check of every loader (the target's `Ld`, the drafter's shards and gathered tensors).
-pub(crate) fn check_upload<B: Backend>(b: &B, what: &str, (want, of): (u64, &str), w: WeightRef<'_, B>, part: usize) -> Result<()> {
+pub(crate) fn check_upload<B: Backend>(
+    b: &B,
+    what: &str,
+    (want, of): (u64, &str),
+    w: WeightRef<'_, B>,
+    part: usize,
+) -> Result<()> {
     if !b.checks_weights() {
         return Ok(());
     }
-    let got = b.weight_xxh3(w).with_context(|| format!("hashing {what} where it was uploaded"))?;
+    let got = b
+        .weight_xxh3(w)
+        .with_context(|| format!("hashing {what} where it was uploaded"))?;
     ensure!(
         got.get(part) == Some(&want),
         "{what}: the uploaded bytes hash to {} where {of} is {want:016x}: the weights on the {} backend are not the file's",
@@ -283,8 +361,15 @@ impl<B: Backend> Weights<B> {
     /// [`Weights::vocab_first`], the other GPUs' rows are summed in by the communicator). Only the group's own
     /// shard files are read.
     pub fn load_group(b: B, src: Arc<dyn TensorSource>, group: std::ops::Range<usize>) -> Result<Weights<B>> {
-        ensure!(src.slice_rank().is_none(), "a rank slice cannot be loaded as a group of ranks");
-        ensure!(!group.is_empty() && group.end <= src.ranks(), "ranks {group:?} of a {}-rank plan", src.ranks());
+        ensure!(
+            src.slice_rank().is_none(),
+            "a rank slice cannot be loaded as a group of ranks"
+        );
+        ensure!(
+            !group.is_empty() && group.end <= src.ranks(),
+            "ranks {group:?} of a {}-rank plan",
+            src.ranks()
+        );
         Self::load_held(b, src, Some(group))
     }
 
@@ -309,7 +394,20 @@ impl<B: Backend> Weights<B> {
             .ok_or_else(|| anyhow::anyhow!("no embed_tokens.weight (tried prefixes \"language_model.\" and \"\")"))?;
         let ranks = held
             .iter()
-            .map(|&rank| load_rank(&Ld { b: &b, owner: &src, r, rank }, &cfg, prefix, t.tie_word_embeddings, t.topk_method.as_deref()))
+            .map(|&rank| {
+                load_rank(
+                    &Ld {
+                        b: &b,
+                        owner: &src,
+                        r,
+                        rank,
+                    },
+                    &cfg,
+                    prefix,
+                    t.tie_word_embeddings,
+                    t.topk_method.as_deref(),
+                )
+            })
             .collect::<Result<Vec<_>>>()?;
         if let Some(k) = src.slice_rank() {
             cfg.vocab = v / r;
@@ -320,22 +418,34 @@ impl<B: Backend> Weights<B> {
             (None, Some(g)) => g.start * (v / r),
             _ => 0,
         };
-        Ok(Weights { backend: b, cfg, ranks, rope_inv, vocab_first })
+        Ok(Weights {
+            backend: b,
+            cfg,
+            ranks,
+            rope_inv,
+            vocab_first,
+        })
     }
 
     /// `embed_tokens` rows of `tokens`: `[n, H]`, each looked up on the rank owning its vocab slice.
     pub fn embed(&self, tokens: &[u32]) -> B::Act {
-        self.backend.embedding(&self.vocab(|r| &r.embed), self.cfg.hidden, tokens)
+        self.backend
+            .embedding(&self.vocab(|r| &r.embed), self.cfg.hidden, tokens)
     }
 
     /// The vocab-parallel shards of `which` (embed_tokens or lm_head) this backend holds, placed in the vocab.
     fn vocab<'a>(&'a self, which: impl Fn(&'a RankWeights<B>) -> &'a B::Mat) -> VocabShards<'a, B::Mat> {
-        VocabShards { mats: self.ranks.iter().map(which).collect(), first: self.vocab_first, vocab: self.cfg.vocab }
+        VocabShards {
+            mats: self.ranks.iter().map(which).collect(),
+            first: self.vocab_first,
+            vocab: self.cfg.vocab,
+        }
     }
 
     /// [`Weights::embed`] of `n` ids already where the ops run.
     pub fn embed_ids(&self, ids: &B::Ids, n: usize) -> B::Act {
-        self.backend.embedding_ids(&self.vocab(|r| &r.embed), self.cfg.hidden, ids, n)
+        self.backend
+            .embedding_ids(&self.vocab(|r| &r.embed), self.cfg.hidden, ids, n)
     }
 
     /// Final RMSNorm (`model.norm`, eps = rms_norm_eps) of `x` `[n, H]`.
@@ -357,7 +467,8 @@ impl<B: Backend> Weights<B> {
     }
     /// [`Weights::lm_head_argmax`] into `out[row0..row0 + n]` where the ops run (`Backend::lm_head_argmax_into`).
     pub fn lm_head_argmax_into(&self, x: &B::Act, n: usize, out: &mut B::Ids, row0: usize) -> Result<()> {
-        self.backend.lm_head_argmax_into(x, n, self.cfg.hidden, &self.vocab(|r| &r.lm_head), out, row0)
+        self.backend
+            .lm_head_argmax_into(x, n, self.cfg.hidden, &self.vocab(|r| &r.lm_head), out, row0)
     }
     /// Whether this GPU holds only some of the vocab's shards (its lm_head rows merge through the communicator).
     pub fn vocab_split(&self) -> bool {
@@ -366,12 +477,22 @@ impl<B: Backend> Weights<B> {
 }
 
 /// Everything rank `ld.rank` needs, from its own shards.
-fn load_rank<B: Backend>(ld: &Ld<'_, B>, cfg: &ModelConfig, prefix: &str, tied: bool, topk_method: Option<&str>) -> Result<RankWeights<B>> {
+fn load_rank<B: Backend>(
+    ld: &Ld<'_, B>,
+    cfg: &ModelConfig,
+    prefix: &str,
+    tied: bool,
+    topk_method: Option<&str>,
+) -> Result<RankWeights<B>> {
     let (h, r, k) = (cfg.hidden, ld.r, ld.rank);
     let m = format!("{prefix}model.");
     let vr = cfg.vocab / r;
     let embed = ld.mat(&format!("{m}embed_tokens.weight"), vr, h, Some((0, k * vr)))?;
-    let head_name = if tied { format!("{m}embed_tokens.weight") } else { format!("{prefix}lm_head.weight") };
+    let head_name = if tied {
+        format!("{m}embed_tokens.weight")
+    } else {
+        format!("{prefix}lm_head.weight")
+    };
     let lm_head = ld.mat(&head_name, vr, h, Some((0, k * vr)))?;
     let norm = ld.vector(&format!("{m}norm.weight"), h)?;
     let (hr, qk, kvw) = (cfg.heads / r, cfg.qk_head_dim(), cfg.nope + cfg.v_dim);
@@ -381,18 +502,34 @@ fn load_rank<B: Backend>(ld: &Ld<'_, B>, cfg: &ModelConfig, prefix: &str, tied: 
         let a = format!("{p}self_attn.");
         let (q_a, q) = match cfg.q_lora {
             Some(ql) => (
-                Some((ld.mat(&format!("{a}q_a_proj.weight"), ql, h, None)?, ld.vector(&format!("{a}q_a_layernorm.weight"), ql)?)),
+                Some((
+                    ld.mat(&format!("{a}q_a_proj.weight"), ql, h, None)?,
+                    ld.vector(&format!("{a}q_a_layernorm.weight"), ql)?,
+                )),
                 ld.mat(&format!("{a}q_b_proj.weight"), hr * qk, ql, Some((0, k * hr * qk)))?,
             ),
-            None => (None, ld.mat(&format!("{a}q_proj.weight"), hr * qk, h, Some((0, k * hr * qk)))?),
+            None => (
+                None,
+                ld.mat(&format!("{a}q_proj.weight"), hr * qk, h, Some((0, k * hr * qk)))?,
+            ),
         };
         let attn = Attn {
             q_a,
             kv_a: ld.mat(&format!("{a}kv_a_proj_with_mqa.weight"), cfg.latent_width(), h, None)?,
             kv_a_norm: ld.vector(&format!("{a}kv_a_layernorm.weight"), cfg.kv_lora)?,
             q,
-            kv_b: ld.mat(&format!("{a}kv_b_proj.weight"), hr * kvw, cfg.kv_lora, Some((0, k * hr * kvw)))?,
-            o_proj: ld.mat(&format!("{a}o_proj.weight"), h, hr * cfg.v_dim, Some((1, k * hr * cfg.v_dim)))?,
+            kv_b: ld.mat(
+                &format!("{a}kv_b_proj.weight"),
+                hr * kvw,
+                cfg.kv_lora,
+                Some((0, k * hr * kvw)),
+            )?,
+            o_proj: ld.mat(
+                &format!("{a}o_proj.weight"),
+                h,
+                hr * cfg.v_dim,
+                Some((1, k * hr * cfg.v_dim)),
+            )?,
             head0: k * hr,
         };
         let mlp = format!("{p}mlp.");
@@ -405,7 +542,10 @@ fn load_rank<B: Backend>(ld: &Ld<'_, B>, cfg: &ModelConfig, prefix: &str, tied: 
                 let tb = expect(ld.src(), &name, k, Dtype::F32, &[e])?;
                 expect_split(&tb, &name, k, None, 0)?;
                 match ld.fill_of(&name) {
-                    Some(f) => Some(ld.b.fill_vector_f32(e, &f).with_context(|| format!("filling {name} (rank {k})"))?),
+                    Some(f) => Some(
+                        ld.b.fill_vector_f32(e, &f)
+                            .with_context(|| format!("filling {name} (rank {k})"))?,
+                    ),
                     None => {
                         // SAFETY: `tb` was just returned by `ld.owner.tensor(..)` (through `expect`).
                         let v = ld.b.upload_vector_f32(unsafe { Slab::new(ld.owner, tb.data) })?;
@@ -416,7 +556,11 @@ fn load_rank<B: Backend>(ld: &Ld<'_, B>, cfg: &ModelConfig, prefix: &str, tied: 
             } else {
                 None
             };
-            let shared = if cfg.n_shared > 0 { Some(ld.mlp(&format!("{mlp}shared_experts."), h, cfg.moe_intermediate * cfg.n_shared)?) } else { None };
+            let shared = if cfg.n_shared > 0 {
+                Some(ld.mlp(&format!("{mlp}shared_experts."), h, cfg.moe_intermediate * cfg.n_shared)?)
+            } else {
+                None
+            };
             let (stem, mi) = (format!("{mlp}experts"), cfg.moe_intermediate);
             Ffn::Moe(Moe {
                 router: ld.mat(&format!("{mlp}gate.weight"), e, h, None)?,
@@ -434,5 +578,10 @@ fn load_rank<B: Backend>(ld: &Ld<'_, B>, cfg: &ModelConfig, prefix: &str, tied: 
             ffn,
         });
     }
-    Ok(RankWeights { embed, lm_head, norm, layers })
+    Ok(RankWeights {
+        embed,
+        lm_head,
+        norm,
+        layers,
+    })
 }

@@ -21,7 +21,9 @@
 //! sums are the same chain of adds in the same order, so the tokens are the same bit for bit.
 //! Tests: engine/tests/tp_ranks.rs (CPU), engine/tests/cuda_tp.rs (one GPU), scripts/gpu-test.sh.
 
-use crate::api::{BatchItem, BatchOps, BatchOut, DeviceRound, Drafter, LogitRows, PrefillItem, StepKind, StepOut, Target, TargetInfo};
+use crate::api::{
+    BatchItem, BatchOps, BatchOut, DeviceRound, Drafter, LogitRows, PrefillItem, StepKind, StepOut, Target, TargetInfo,
+};
 use crate::model::open::{Loaded, OpenOptions};
 use crate::model::source::TensorSource;
 use crate::sampling::Sampling;
@@ -53,15 +55,25 @@ pub struct GroupState {
 
 impl GroupState {
     fn target(&mut self, id: usize) -> Result<&mut Box<dyn Target>> {
-        self.targets.get_mut(&id).ok_or_else(|| anyhow!("no target session {id}"))
+        self.targets
+            .get_mut(&id)
+            .ok_or_else(|| anyhow!("no target session {id}"))
     }
     fn drafter(&mut self, id: usize) -> Result<&mut Box<dyn Drafter>> {
-        self.drafters.get_mut(&id).ok_or_else(|| anyhow!("no drafter session {id}"))
+        self.drafters
+            .get_mut(&id)
+            .ok_or_else(|| anyhow!("no drafter session {id}"))
     }
     /// Target `t` and drafter `d` at once.
     fn pair(&mut self, t: usize, d: usize) -> Result<(&mut dyn Target, &mut dyn Drafter)> {
-        let dr = self.drafters.get_mut(&d).ok_or_else(|| anyhow!("no drafter session {d}"))?;
-        let tg = self.targets.get_mut(&t).ok_or_else(|| anyhow!("no target session {t}"))?;
+        let dr = self
+            .drafters
+            .get_mut(&d)
+            .ok_or_else(|| anyhow!("no drafter session {d}"))?;
+        let tg = self
+            .targets
+            .get_mut(&t)
+            .ok_or_else(|| anyhow!("no target session {t}"))?;
         Ok((&mut **tg, &mut **dr))
     }
 }
@@ -97,7 +109,11 @@ impl Pool {
     }
 
     /// `f` on every group's thread at once; their results in group order (the first failure is the error).
-    fn all<T: Send + 'static>(&self, what: &str, f: impl Fn(&mut GroupState) -> Result<T> + Send + Sync + 'static) -> Result<Vec<T>> {
+    fn all<T: Send + 'static>(
+        &self,
+        what: &str,
+        f: impl Fn(&mut GroupState) -> Result<T> + Send + Sync + 'static,
+    ) -> Result<Vec<T>> {
         if let Some(p) = self.poisoned.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
             bail!("tensor-parallel run failed earlier: {p}");
         }
@@ -111,20 +127,32 @@ impl Pool {
                     eprintln!("kdtree tp: group {g}: {what} ...");
                 }
                 let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(st))).unwrap_or_else(|p| {
-                    let msg = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
+                    let msg = p
+                        .downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                        .unwrap_or_default();
                     Err(anyhow!("panicked: {msg}"))
                 });
                 if trace {
-                    eprintln!("kdtree tp: group {g}: {what} done ({})", if r.is_ok() { "ok" } else { "error" });
+                    eprintln!(
+                        "kdtree tp: group {g}: {what} done ({})",
+                        if r.is_ok() { "ok" } else { "error" }
+                    );
                 }
                 let _ = tx.send((g, r));
             });
-            s.lock().unwrap_or_else(|p| p.into_inner()).send(job).map_err(|_| anyhow!("group {g}'s thread has ended"))?;
+            s.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .send(job)
+                .map_err(|_| anyhow!("group {g}'s thread has ended"))?;
         }
         drop(tx);
         let mut out: Vec<Option<Result<T>>> = (0..self.groups()).map(|_| None).collect();
         for _ in 0..self.groups() {
-            let (g, r) = rx.recv().map_err(|_| anyhow!("{what}: a group's thread ended mid-call"))?;
+            let (g, r) = rx
+                .recv()
+                .map_err(|_| anyhow!("{what}: a group's thread ended mid-call"))?;
             if let Err(e) = &r {
                 (self.abort)(&format!("group {g}: {what}: {e:#}"));
             }
@@ -132,23 +160,44 @@ impl Pool {
         }
         // Every group's error, not only the first: the group that failed first is the cause, the others may
         // only have waited for it.
-        let errs: Vec<String> = out.iter().enumerate().filter_map(|(g, r)| match r {
-            Some(Err(e)) => Some(format!("group {g}: {e:#}")),
-            None => Some(format!("group {g}: no result")),
-            _ => None,
-        }).collect();
+        let errs: Vec<String> = out
+            .iter()
+            .enumerate()
+            .filter_map(|(g, r)| match r {
+                Some(Err(e)) => Some(format!("group {g}: {e:#}")),
+                None => Some(format!("group {g}: no result")),
+                _ => None,
+            })
+            .collect();
         if !errs.is_empty() {
-            bail!("{what} failed on {} of {} groups: {}", errs.len(), self.groups(), errs.join("; "));
+            bail!(
+                "{what} failed on {} of {} groups: {}",
+                errs.len(),
+                self.groups(),
+                errs.join("; ")
+            );
         }
-        Ok(out.into_iter().map(|r| r.and_then(|r| r.ok()).expect("checked above")).collect())
+        Ok(out
+            .into_iter()
+            .map(|r| r.and_then(|r| r.ok()).expect("checked above"))
+            .collect())
     }
 
     /// [`Pool::all`] where every group must give the same result (compared with `same`): group 0's.
-    fn agreed<T: Send + 'static>(&self, what: &str, same: impl Fn(&T, &T) -> bool, f: impl Fn(&mut GroupState) -> Result<T> + Send + Sync + 'static) -> Result<T> {
+    fn agreed<T: Send + 'static>(
+        &self,
+        what: &str,
+        same: impl Fn(&T, &T) -> bool,
+        f: impl Fn(&mut GroupState) -> Result<T> + Send + Sync + 'static,
+    ) -> Result<T> {
         let mut outs = self.all(what, f)?.into_iter();
         let first = outs.next().context("no groups")?;
         for (g, o) in outs.enumerate() {
-            ensure!(same(&first, &o), "{what}: group {} computed a different result from group 0 (the groups are out of lock-step)", g + 1);
+            ensure!(
+                same(&first, &o),
+                "{what}: group {} computed a different result from group 0 (the groups are out of lock-step)",
+                g + 1
+            );
         }
         Ok(first)
     }
@@ -156,7 +205,10 @@ impl Pool {
     /// A call whose failure cannot be returned (reset, release, drop): it poisons the run.
     fn all_or_poison(&self, what: &str, f: impl Fn(&mut GroupState) -> Result<()> + Send + Sync + 'static) {
         if let Err(e) = self.all(what, f) {
-            self.poisoned.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(format!("{e:#}"));
+            self.poisoned
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get_or_insert(format!("{e:#}"));
         }
     }
 }
@@ -186,7 +238,13 @@ pub type GroupInit = Box<dyn FnOnce() -> Result<Sessions> + Send>;
 
 /// Start one thread per group (each runs its `init`, then serves calls), then the run's target and drafter.
 /// `per_device`: groups sharing one device. `abort`: wakes groups stuck in a collective when one fails.
-pub fn start(inits: Vec<GroupInit>, per_device: usize, abort: Box<dyn Fn(&str) + Send + Sync>, backend: &str, device: String) -> Result<Loaded> {
+pub fn start(
+    inits: Vec<GroupInit>,
+    per_device: usize,
+    abort: Box<dyn Fn(&str) + Send + Sync>,
+    backend: &str,
+    device: String,
+) -> Result<Loaded> {
     let groups = inits.len();
     ensure!(groups >= 1, "no groups");
     let mut senders = Vec::new();
@@ -200,7 +258,8 @@ pub fn start(inits: Vec<GroupInit>, per_device: usize, abort: Box<dyn Fn(&str) +
             .stack_size(64 << 20)
             .spawn(move || {
                 let mut st = GroupState::default();
-                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(init)).unwrap_or_else(|_| Err(anyhow!("panicked while loading")));
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(init))
+                    .unwrap_or_else(|_| Err(anyhow!("panicked while loading")));
                 match r {
                     Ok((t, d)) => {
                         let has = d.is_some();
@@ -239,14 +298,34 @@ pub fn start(inits: Vec<GroupInit>, per_device: usize, abort: Box<dyn Fn(&str) +
             }
         }
     }
-    let pool = Arc::new(Pool { senders, threads: Mutex::new(threads), next_id: AtomicUsize::new(1), abort, poisoned: Mutex::new(None), per_device: per_device.max(1), trace: std::env::var("KDTREE_TP_TRACE").is_ok_and(|v| v == "1") });
+    let pool = Arc::new(Pool {
+        senders,
+        threads: Mutex::new(threads),
+        next_id: AtomicUsize::new(1),
+        abort,
+        poisoned: Mutex::new(None),
+        per_device: per_device.max(1),
+        trace: std::env::var("KDTREE_TP_TRACE").is_ok_and(|v| v == "1"),
+    });
     if let Some(e) = first_err {
         return Err(e);
     }
-    ensure!(has_drafter.iter().all(|&h| h == has_drafter[0]), "the groups disagree on whether the model has a drafter");
+    ensure!(
+        has_drafter.iter().all(|&h| h == has_drafter[0]),
+        "the groups disagree on whether the model has a drafter"
+    );
     let target = TpTarget::attach(pool.clone(), 0)?;
-    let drafter = if has_drafter[0] { Some(Box::new(TpDrafter::attach(pool, 0)?) as Box<dyn Drafter>) } else { None };
-    Ok(Loaded { backend: backend.into(), device, target: Box::new(target), drafter })
+    let drafter = if has_drafter[0] {
+        Some(Box::new(TpDrafter::attach(pool, 0)?) as Box<dyn Drafter>)
+    } else {
+        None
+    };
+    Ok(Loaded {
+        backend: backend.into(),
+        device,
+        target: Box::new(target),
+        drafter,
+    })
 }
 
 /// The run's target: the same session on every group.
@@ -268,7 +347,13 @@ impl TpTarget {
                 Ok((t.info().clone(), t.committed(), t.kv_row_bytes()))
             },
         )?;
-        Ok(TpTarget { pool, id, info, committed, row_bytes })
+        Ok(TpTarget {
+            pool,
+            id,
+            info,
+            committed,
+            row_bytes,
+        })
     }
     /// Groups in this run.
     pub fn groups(&self) -> usize {
@@ -276,13 +361,22 @@ impl TpTarget {
     }
 
     /// `f` on this session in every group; the results must agree; the committed length is refreshed.
-    fn call<T: Send + 'static>(&mut self, what: &str, same: fn(&T, &T) -> bool, f: impl Fn(&mut dyn Target) -> Result<T> + Send + Sync + 'static) -> Result<T> {
+    fn call<T: Send + 'static>(
+        &mut self,
+        what: &str,
+        same: fn(&T, &T) -> bool,
+        f: impl Fn(&mut dyn Target) -> Result<T> + Send + Sync + 'static,
+    ) -> Result<T> {
         let id = self.id;
-        let (v, c) = self.pool.agreed(what, |a: &(T, usize), b| a.1 == b.1 && same(&a.0, &b.0), move |st| {
-            let t = st.target(id)?;
-            let v = f(&mut **t)?;
-            Ok((v, t.committed()))
-        })?;
+        let (v, c) = self.pool.agreed(
+            what,
+            |a: &(T, usize), b| a.1 == b.1 && same(&a.0, &b.0),
+            move |st| {
+                let t = st.target(id)?;
+                let v = f(&mut **t)?;
+                Ok((v, t.committed()))
+            },
+        )?;
         self.committed = c;
         Ok(v)
     }
@@ -344,23 +438,39 @@ impl Target for TpTarget {
     /// Group 0's recording (every group records the same replicated values; rank-split tensors are its own).
     fn take_trace(&mut self) -> Option<crate::model::Trace> {
         let id = self.id;
-        self.pool.all("take a trace", move |st| Ok(st.target(id)?.take_trace())).ok()?.into_iter().next().flatten()
+        self.pool
+            .all("take a trace", move |st| Ok(st.target(id)?.take_trace()))
+            .ok()?
+            .into_iter()
+            .next()
+            .flatten()
     }
-    fn device_round(&mut self, drafter: &mut dyn Drafter, root: u32, budget: usize, s: &Sampling) -> Option<Result<DeviceRound>> {
+    fn device_round(
+        &mut self,
+        drafter: &mut dyn Drafter,
+        root: u32,
+        budget: usize,
+        s: &Sampling,
+    ) -> Option<Result<DeviceRound>> {
         let d = drafter.as_any_mut()?.downcast_mut::<TpDrafter>()?;
         let (tid, did, s) = (self.id, d.id, s.clone());
-        let r = paired(&self.pool, "DDTree round", tid, did, move |t, d| flip(t.device_round(d, root, budget, &s)));
+        let r = paired(&self.pool, "DDTree round", tid, did, move |t, d| {
+            flip(t.device_round(d, root, budget, &s))
+        });
         settle(self, d, r)
     }
     fn device_chain(&mut self, drafter: &mut dyn Drafter, root: u32, s: &Sampling) -> Option<Result<DeviceRound>> {
         let d = drafter.as_any_mut()?.downcast_mut::<TpDrafter>()?;
         let (tid, did, s) = (self.id, d.id, s.clone());
-        let r = paired(&self.pool, "chain round", tid, did, move |t, d| flip(t.device_chain(d, root, &s)));
+        let r = paired(&self.pool, "chain round", tid, did, move |t, d| {
+            flip(t.device_chain(d, root, &s))
+        });
         settle(self, d, r)
     }
     fn device_step(&mut self, root: u32, s: &Sampling) -> Option<Result<u32>> {
         let s = s.clone();
-        self.call("AR step", eq, move |t| flip(t.device_step(root, &s))).transpose()
+        self.call("AR step", eq, move |t| flip(t.device_step(root, &s)))
+            .transpose()
     }
     fn fork(&self) -> Option<Box<dyn Target>> {
         let (id, new) = (self.id, self.pool.new_id());
@@ -373,7 +483,13 @@ impl Target for TpTarget {
             Ok(ok)
         });
         match forked {
-            Ok(true) => Some(Box::new(TpTarget { pool: self.pool.clone(), id: new, info: self.info.clone(), committed: 0, row_bytes: self.row_bytes })),
+            Ok(true) => Some(Box::new(TpTarget {
+                pool: self.pool.clone(),
+                id: new,
+                info: self.info.clone(),
+                committed: 0,
+                row_bytes: self.row_bytes,
+            })),
             _ => None,
         }
     }
@@ -388,7 +504,10 @@ impl Target for TpTarget {
             Ok(ok)
         });
         match made {
-            Ok(true) => Some(Box::new(TpBatchOps { pool: self.pool.clone(), id: new })),
+            Ok(true) => Some(Box::new(TpBatchOps {
+                pool: self.pool.clone(),
+                id: new,
+            })),
             _ => None,
         }
     }
@@ -409,13 +528,26 @@ impl Target for TpTarget {
     fn mem_free(&self) -> Option<usize> {
         // Each group's free memory; groups sharing a device share what it has free.
         let id = self.id;
-        let free = self.pool.all("free memory", move |st| Ok(st.target(id)?.mem_free())).ok()?;
-        free.into_iter().collect::<Option<Vec<usize>>>()?.into_iter().min().map(|f| f / self.pool.per_device)
+        let free = self
+            .pool
+            .all("free memory", move |st| Ok(st.target(id)?.mem_free()))
+            .ok()?;
+        free.into_iter()
+            .collect::<Option<Vec<usize>>>()?
+            .into_iter()
+            .min()
+            .map(|f| f / self.pool.per_device)
     }
 }
 
 /// `f` over target `tid` and drafter `did` of every group, agreed; with both sessions' lengths.
-fn paired<T: PartialEq + Send + 'static>(pool: &Pool, what: &str, tid: usize, did: usize, f: impl Fn(&mut dyn Target, &mut dyn Drafter) -> Result<T> + Send + Sync + 'static) -> Result<(T, usize, usize)> {
+fn paired<T: PartialEq + Send + 'static>(
+    pool: &Pool,
+    what: &str,
+    tid: usize,
+    did: usize,
+    f: impl Fn(&mut dyn Target, &mut dyn Drafter) -> Result<T> + Send + Sync + 'static,
+) -> Result<(T, usize, usize)> {
     pool.agreed(what, eq, move |st| {
         let (t, d) = st.pair(tid, did)?;
         let v = f(t, d)?;
@@ -449,15 +581,30 @@ impl TpDrafter {
             let d = st.drafter(id)?;
             Ok((d.block_size(), d.context_len(), d.ctx_row_bytes()))
         })?;
-        Ok(TpDrafter { pool, id, block, ctx_len, row_bytes })
+        Ok(TpDrafter {
+            pool,
+            id,
+            block,
+            ctx_len,
+            row_bytes,
+        })
     }
-    fn call<T: Send + 'static>(&mut self, what: &str, same: fn(&T, &T) -> bool, f: impl Fn(&mut dyn Drafter) -> Result<T> + Send + Sync + 'static) -> Result<T> {
+    fn call<T: Send + 'static>(
+        &mut self,
+        what: &str,
+        same: fn(&T, &T) -> bool,
+        f: impl Fn(&mut dyn Drafter) -> Result<T> + Send + Sync + 'static,
+    ) -> Result<T> {
         let id = self.id;
-        let (v, l) = self.pool.agreed(what, |a: &(T, usize), b| a.1 == b.1 && same(&a.0, &b.0), move |st| {
-            let d = st.drafter(id)?;
-            let v = f(&mut **d)?;
-            Ok((v, d.context_len()))
-        })?;
+        let (v, l) = self.pool.agreed(
+            what,
+            |a: &(T, usize), b| a.1 == b.1 && same(&a.0, &b.0),
+            move |st| {
+                let d = st.drafter(id)?;
+                let v = f(&mut **d)?;
+                Ok((v, d.context_len()))
+            },
+        )?;
         self.ctx_len = l;
         Ok(v)
     }
@@ -487,7 +634,11 @@ impl Drafter for TpDrafter {
         self.call("drafter context", eq, move |d| d.extend_context(&taps, n))
     }
     fn draft(&mut self, bonus: u32, start: usize) -> Result<Vec<f32>> {
-        self.call("draft", |a: &Vec<f32>, b| same_f32(a, b), move |d| d.draft(bonus, start))
+        self.call(
+            "draft",
+            |a: &Vec<f32>, b| same_f32(a, b),
+            move |d| d.draft(bonus, start),
+        )
     }
     fn truncate_context(&mut self, len: usize) -> Result<()> {
         self.call("drafter truncate", eq, move |d| d.truncate_context(len))
@@ -521,7 +672,13 @@ impl Drafter for TpDrafter {
             Ok(ok)
         });
         match forked {
-            Ok(true) => Some(Box::new(TpDrafter { pool: self.pool.clone(), id: new, block: self.block, ctx_len: 0, row_bytes: self.row_bytes })),
+            Ok(true) => Some(Box::new(TpDrafter {
+                pool: self.pool.clone(),
+                id: new,
+                block: self.block,
+                ctx_len: 0,
+                row_bytes: self.row_bytes,
+            })),
             _ => None,
         }
     }
@@ -549,10 +706,14 @@ struct ItemSpec {
 }
 
 fn tp_target(t: &mut dyn Target) -> Result<&mut TpTarget> {
-    t.as_any_mut().and_then(|a| a.downcast_mut::<TpTarget>()).context("a batch item whose target is not of this tensor-parallel run")
+    t.as_any_mut()
+        .and_then(|a| a.downcast_mut::<TpTarget>())
+        .context("a batch item whose target is not of this tensor-parallel run")
 }
 fn tp_drafter(d: &mut dyn Drafter) -> Result<&mut TpDrafter> {
-    d.as_any_mut().and_then(|a| a.downcast_mut::<TpDrafter>()).context("a batch item whose drafter is not of this tensor-parallel run")
+    d.as_any_mut()
+        .and_then(|a| a.downcast_mut::<TpDrafter>())
+        .context("a batch item whose drafter is not of this tensor-parallel run")
 }
 
 fn spec(it: &mut BatchItem<'_>) -> Result<ItemSpec> {
@@ -561,23 +722,35 @@ fn spec(it: &mut BatchItem<'_>) -> Result<ItemSpec> {
         Some(d) => Some(tp_drafter(&mut **d)?.id),
         None => None,
     };
-    Ok(ItemSpec { target, drafter, root: it.root, kind: it.kind, sampling: it.sampling.clone() })
+    Ok(ItemSpec {
+        target,
+        drafter,
+        root: it.root,
+        kind: it.kind,
+        sampling: it.sampling.clone(),
+    })
 }
 
 /// Takes the items' sessions out of `st`, runs `f` over them as batch items, puts them back; with each item's
 /// lengths after it.
 #[allow(clippy::type_complexity)]
-fn with_items<T>(st: &mut GroupState, specs: &[ItemSpec], f: impl FnOnce(&mut dyn BatchOps, &mut [BatchItem<'_>]) -> T, ops: usize) -> Result<(T, Vec<(usize, Option<usize>)>)> {
+fn with_items<T>(
+    st: &mut GroupState,
+    specs: &[ItemSpec],
+    f: impl FnOnce(&mut dyn BatchOps, &mut [BatchItem<'_>]) -> T,
+    ops: usize,
+) -> Result<(T, Vec<(usize, Option<usize>)>)> {
     let mut ts: Vec<Box<dyn Target>> = Vec::with_capacity(specs.len());
     let mut ds: Vec<Option<Box<dyn Drafter>>> = Vec::with_capacity(specs.len());
-    let put_back = |st: &mut GroupState, ts: Vec<Box<dyn Target>>, ds: Vec<Option<Box<dyn Drafter>>>, specs: &[ItemSpec]| {
-        for ((t, d), s) in ts.into_iter().zip(ds).zip(specs) {
-            st.targets.insert(s.target, t);
-            if let (Some(d), Some(id)) = (d, s.drafter) {
-                st.drafters.insert(id, d);
+    let put_back =
+        |st: &mut GroupState, ts: Vec<Box<dyn Target>>, ds: Vec<Option<Box<dyn Drafter>>>, specs: &[ItemSpec]| {
+            for ((t, d), s) in ts.into_iter().zip(ds).zip(specs) {
+                st.targets.insert(s.target, t);
+                if let (Some(d), Some(id)) = (d, s.drafter) {
+                    st.drafters.insert(id, d);
+                }
             }
-        }
-    };
+        };
     for s in specs {
         let t = st.targets.remove(&s.target);
         let d = s.drafter.map(|id| st.drafters.remove(&id));
@@ -600,7 +773,11 @@ fn with_items<T>(st: &mut GroupState, specs: &[ItemSpec], f: impl FnOnce(&mut dy
                 }
                 let n = ts.len();
                 put_back(st, ts, ds, &specs[..n]);
-                bail!("batch item of target {} / drafter {:?}: no such session (or named twice)", s.target, s.drafter);
+                bail!(
+                    "batch item of target {} / drafter {:?}: no such session (or named twice)",
+                    s.target,
+                    s.drafter
+                );
             }
         }
     }
@@ -616,11 +793,21 @@ fn with_items<T>(st: &mut GroupState, specs: &[ItemSpec], f: impl FnOnce(&mut dy
             .iter_mut()
             .zip(ds.iter_mut())
             .zip(specs)
-            .map(|((t, d), s)| BatchItem { target: &mut **t, drafter: d.as_mut().map(|d| &mut **d as &mut dyn Drafter), root: s.root, kind: s.kind, sampling: &s.sampling })
+            .map(|((t, d), s)| BatchItem {
+                target: &mut **t,
+                drafter: d.as_mut().map(|d| &mut **d as &mut dyn Drafter),
+                root: s.root,
+                kind: s.kind,
+                sampling: &s.sampling,
+            })
             .collect();
         f(&mut *o, &mut items)
     };
-    let lens = ts.iter().zip(&ds).map(|(t, d)| (t.committed(), d.as_ref().map(|d| d.context_len()))).collect();
+    let lens = ts
+        .iter()
+        .zip(&ds)
+        .map(|(t, d)| (t.committed(), d.as_ref().map(|d| d.context_len())))
+        .collect();
     st.ops.insert(ops, o);
     put_back(st, ts, ds, specs);
     Ok((out, lens))
@@ -687,14 +874,38 @@ impl BatchOps for TpBatchOps {
             specs.push((target, drafter, it.prompt.to_vec()));
         }
         let ops = self.id;
-        let same = |a: &Prefilled, b: &Prefilled| a.1 == b.1 && a.0.len() == b.0.len() && a.0.iter().zip(&b.0).all(|(x, y)| same_f32(x, y));
+        let same = |a: &Prefilled, b: &Prefilled| {
+            a.1 == b.1 && a.0.len() == b.0.len() && a.0.iter().zip(&b.0).all(|(x, y)| same_f32(x, y))
+        };
         let (out, lens) = self.pool.agreed("batched prefill", same, move |st| {
             // The prefill items as batch specs (their step fields unused), then back as prefill items.
-            let bs: Vec<ItemSpec> = specs.iter().map(|(t, d, _)| ItemSpec { target: *t, drafter: *d, root: 0, kind: StepKind::Ar, sampling: Sampling::default() }).collect();
-            let (r, lens) = with_items(st, &bs, |o, items| {
-                let mut p: Vec<PrefillItem<'_>> = items.iter_mut().zip(&specs).map(|(it, s)| PrefillItem { target: &mut *it.target, drafter: it.drafter.as_mut().map(|d| &mut **d as &mut dyn Drafter), prompt: &s.2 }).collect();
-                o.prefill(&mut p)
-            }, ops)?;
+            let bs: Vec<ItemSpec> = specs
+                .iter()
+                .map(|(t, d, _)| ItemSpec {
+                    target: *t,
+                    drafter: *d,
+                    root: 0,
+                    kind: StepKind::Ar,
+                    sampling: Sampling::default(),
+                })
+                .collect();
+            let (r, lens) = with_items(
+                st,
+                &bs,
+                |o, items| {
+                    let mut p: Vec<PrefillItem<'_>> = items
+                        .iter_mut()
+                        .zip(&specs)
+                        .map(|(it, s)| PrefillItem {
+                            target: &mut *it.target,
+                            drafter: it.drafter.as_mut().map(|d| &mut **d as &mut dyn Drafter),
+                            prompt: &s.2,
+                        })
+                        .collect();
+                    o.prefill(&mut p)
+                },
+                ops,
+            )?;
             Ok((r?, lens))
         })?;
         for (it, (c, l)) in items.iter_mut().zip(&lens) {
@@ -722,7 +933,8 @@ pub fn group_ranks(ranks: usize, groups: usize) -> Result<Vec<std::ops::Range<us
 /// the drafter; see the module doc). `opts.progress`: group 0's load progress on stderr; `opts.check_weights`: every group's load check.
 pub fn open_tp(dir: &Path, groups: usize, place: Placement, opts: OpenOptions) -> Result<Loaded> {
     let (src, needed) = model_source(dir, groups, opts.no_drafter)?;
-    open_tp_source(src, groups, place, Some(needed), opts).with_context(|| format!("loading {} as {groups} tensor-parallel groups", dir.display()))
+    open_tp_source(src, groups, place, Some(needed), opts)
+        .with_context(|| format!("loading {} as {groups} tensor-parallel groups", dir.display()))
 }
 
 /// `dir`'s tensors and each of `groups` groups' upload bytes.
@@ -730,14 +942,39 @@ fn model_source(dir: &Path, groups: usize, no_drafter: bool) -> Result<(Arc<dyn 
     let md = kdtree_formats::ModelDir::open(dir).with_context(|| format!("opening model {}", dir.display()))?;
     // The bytes each group uploads: its ranks' target tensors, and the whole drafter (every group runs it).
     let ranges = group_ranks(md.manifest().plan.ranks, groups)?;
-    let drafter: u64 = if no_drafter { 0 } else { md.manifest().tensors.iter().filter(|t| t.name.starts_with("drafter.") && (t.split_axis.is_some() || t.rank == 0)).map(|t| t.nbytes).sum() };
-    let needed = ranges.iter().map(|r| drafter + md.manifest().tensors.iter().filter(|t| !t.name.starts_with("drafter.") && r.contains(&t.rank)).map(|t| t.nbytes).sum::<u64>()).collect();
+    let drafter: u64 = if no_drafter {
+        0
+    } else {
+        md.manifest()
+            .tensors
+            .iter()
+            .filter(|t| t.name.starts_with("drafter.") && (t.split_axis.is_some() || t.rank == 0))
+            .map(|t| t.nbytes)
+            .sum()
+    };
+    let needed = ranges
+        .iter()
+        .map(|r| {
+            drafter
+                + md.manifest()
+                    .tensors
+                    .iter()
+                    .filter(|t| !t.name.starts_with("drafter.") && r.contains(&t.rank))
+                    .map(|t| t.nbytes)
+                    .sum::<u64>()
+        })
+        .collect();
     Ok((Arc::new(md), needed))
 }
 
 /// [`open_tp`] on GPUs, with each group's [`crate::cuda::Gpu`] (tests and benches read their counters).
 #[cfg(feature = "cuda")]
-pub fn open_tp_gpus(dir: &Path, groups: usize, place: Placement, opts: OpenOptions) -> Result<(Loaded, Vec<Arc<crate::cuda::Gpu>>)> {
+pub fn open_tp_gpus(
+    dir: &Path,
+    groups: usize,
+    place: Placement,
+    opts: OpenOptions,
+) -> Result<(Loaded, Vec<Arc<crate::cuda::Gpu>>)> {
     let (src, needed) = model_source(dir, groups, opts.no_drafter)?;
     let ranges = group_ranks(src.ranks(), groups)?;
     let r = match place {
@@ -750,7 +987,13 @@ pub fn open_tp_gpus(dir: &Path, groups: usize, place: Placement, opts: OpenOptio
 
 /// [`open_tp`] over any tensor source (tests: in-memory models); `needed`: each group's upload bytes where
 /// known (checked against the GPU's free memory first).
-pub fn open_tp_source(src: Arc<dyn TensorSource>, groups: usize, place: Placement, needed: Option<Vec<u64>>, opts: OpenOptions) -> Result<Loaded> {
+pub fn open_tp_source(
+    src: Arc<dyn TensorSource>,
+    groups: usize,
+    place: Placement,
+    needed: Option<Vec<u64>>,
+    opts: OpenOptions,
+) -> Result<Loaded> {
     let ranges = group_ranks(src.ranks(), groups)?;
     match place {
         Placement::Cpu => {
@@ -784,7 +1027,12 @@ pub fn open_tp_source(src: Arc<dyn TensorSource>, groups: usize, place: Placemen
 }
 
 /// The target (and drafter, when the source has one) of ranks `range` on backend `b`.
-fn group_models<B: crate::backend::Backend>(b: B, src: Arc<dyn TensorSource>, range: std::ops::Range<usize>, no_drafter: bool) -> Result<Sessions>
+fn group_models<B: crate::backend::Backend>(
+    b: B,
+    src: Arc<dyn TensorSource>,
+    range: std::ops::Range<usize>,
+    no_drafter: bool,
+) -> Result<Sessions>
 where
     crate::model::target::TargetModel<B>: Target,
     crate::drafter::DFlashDrafter<B>: Drafter,
@@ -794,10 +1042,14 @@ where
         Some(c) if !no_drafter => c.dflash_config.target_layer_ids.clone(),
         _ => Vec::new(),
     };
-    let w = Arc::new(Weights::load_group(b.clone(), src.clone(), range.clone()).with_context(|| format!("ranks {range:?}"))?);
+    let w = Arc::new(
+        Weights::load_group(b.clone(), src.clone(), range.clone()).with_context(|| format!("ranks {range:?}"))?,
+    );
     let target = crate::model::target::TargetModel::new(w.clone(), taps, crate::model::AttnMode::Absorbed)?;
     let drafter = match src.drafter_config() {
-        Some(_) if !no_drafter => Some(Box::new(crate::drafter::DFlashDrafter::load_on(b, &*src, w)?) as Box<dyn Drafter>),
+        Some(_) if !no_drafter => {
+            Some(Box::new(crate::drafter::DFlashDrafter::load_on(b, &*src, w)?) as Box<dyn Drafter>)
+        }
         _ => None,
     };
     Ok((Box::new(target), drafter))
@@ -805,7 +1057,14 @@ where
 
 /// CUDA groups: all on GPU `ordinal` (the one-GPU communicator) or group g on `gpus[g]` (NCCL).
 #[cfg(feature = "cuda")]
-fn cuda_groups(src: Arc<dyn TensorSource>, ranges: Vec<std::ops::Range<usize>>, ordinal: usize, gpus: Option<Vec<usize>>, needed: Option<Vec<u64>>, opts: OpenOptions) -> Result<(Loaded, Vec<Arc<crate::cuda::Gpu>>)> {
+fn cuda_groups(
+    src: Arc<dyn TensorSource>,
+    ranges: Vec<std::ops::Range<usize>>,
+    ordinal: usize,
+    gpus: Option<Vec<usize>>,
+    needed: Option<Vec<u64>>,
+    opts: OpenOptions,
+) -> Result<(Loaded, Vec<Arc<crate::cuda::Gpu>>)> {
     use crate::cuda::comm::{Communicator, Nccl, SharedGpu};
     use crate::cuda::{CudaBackend, Gpu};
     let groups = ranges.len();
@@ -822,18 +1081,31 @@ fn cuda_groups(src: Arc<dyn TensorSource>, ranges: Vec<std::ops::Range<usize>>, 
     // Each group's GPU and communicator first (NCCL is initialised over all of them at once), then the loads in
     // parallel on the groups' threads.
     let devs: Vec<Arc<Gpu>> = match &gpus {
-        None => (0..groups).map(|_| Gpu::new(ordinal).map(Arc::new)).collect::<std::result::Result<_, _>>()?,
+        None => (0..groups)
+            .map(|_| Gpu::new(ordinal).map(Arc::new))
+            .collect::<std::result::Result<_, _>>()?,
         Some(o) => {
             let mut seen = o.clone();
             seen.sort_unstable();
             seen.dedup();
-            ensure!(seen.len() == o.len(), "GPUs {o:?} are not distinct (several groups on one GPU: the shared-GPU communicator)");
-            o.iter().map(|&i| Gpu::new(i).map(Arc::new)).collect::<std::result::Result<_, _>>()?
+            ensure!(
+                seen.len() == o.len(),
+                "GPUs {o:?} are not distinct (several groups on one GPU: the shared-GPU communicator)"
+            );
+            o.iter()
+                .map(|&i| Gpu::new(i).map(Arc::new))
+                .collect::<std::result::Result<_, _>>()?
         }
     };
     let comms: Vec<Arc<dyn Communicator>> = match &gpus {
-        None => SharedGpu::ranks(&devs[0], groups)?.into_iter().map(|c| Arc::new(c) as Arc<dyn Communicator>).collect(),
-        Some(_) => Nccl::group(&devs.iter().map(|g| &**g).collect::<Vec<_>>())?.into_iter().map(|c| Arc::new(c) as Arc<dyn Communicator>).collect(),
+        None => SharedGpu::ranks(&devs[0], groups)?
+            .into_iter()
+            .map(|c| Arc::new(c) as Arc<dyn Communicator>)
+            .collect(),
+        Some(_) => Nccl::group(&devs.iter().map(|g| &**g).collect::<Vec<_>>())?
+            .into_iter()
+            .map(|c| Arc::new(c) as Arc<dyn Communicator>)
+            .collect(),
     };
     let aborts = comms.clone();
     for (g, c) in devs.iter().zip(comms) {
@@ -851,7 +1123,11 @@ fn cuda_groups(src: Arc<dyn TensorSource>, ranges: Vec<std::ops::Range<usize>>, 
     let per_device = if gpus.is_none() { groups } else { 1 };
     let needed = needed.unwrap_or_else(|| vec![0; groups]);
     let (free, _) = devs[0].mem_info()?;
-    let on_one: u64 = if per_device > 1 { needed.iter().sum() } else { needed.iter().copied().max().unwrap_or(0) };
+    let on_one: u64 = if per_device > 1 {
+        needed.iter().sum()
+    } else {
+        needed.iter().copied().max().unwrap_or(0)
+    };
     ensure!(
         on_one + (per_device as u64) * (1u64 << 30) <= free as u64,
         "the groups' weights need {:.2} GiB on {} (+1 GiB per group for caches and activations), but only {:.2} GiB are free",

@@ -21,8 +21,14 @@ impl Pools {
         let mut bytes = vec![0u8; 256 << 20];
         r.fill_bytes(&mut bytes);
         let scales = super::rand_bf16(r, 16 << 20, 1.0 / 512.0, 1.0 / 64.0);
-        let weights: Vec<bf16> = (0..64usize << 20).map(|_| bf16::from_bits(0x3c00 | (r.next_u32() as u16 & 0x80ff))).collect();
-        Pools { bytes: g.upload(&bytes).unwrap(), scales: g.upload(&scales).unwrap(), weights: g.upload(&weights).unwrap() }
+        let weights: Vec<bf16> = (0..64usize << 20)
+            .map(|_| bf16::from_bits(0x3c00 | (r.next_u32() as u16 & 0x80ff)))
+            .collect();
+        Pools {
+            bytes: g.upload(&bytes).unwrap(),
+            scales: g.upload(&scales).unwrap(),
+            weights: g.upload(&weights).unwrap(),
+        }
     }
 }
 
@@ -35,7 +41,9 @@ pub fn fill<T: DeviceRepr + ValidAsZeroBits>(g: &Gpu, pool: &CudaSlice<T>, n: us
     while at < n {
         let len = chunk.min(n - at);
         let off = (i * 7919 * 16) % (pool.len() - chunk);
-        g.stream.memcpy_dtod(&pool.slice(off..off + len), &mut d.slice_mut(at..at + len)).unwrap();
+        g.stream
+            .memcpy_dtod(&pool.slice(off..off + len), &mut d.slice_mut(at..at + len))
+            .unwrap();
         at += len;
         i += 1;
     }

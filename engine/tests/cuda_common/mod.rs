@@ -103,14 +103,21 @@ pub fn error(case: &str, got: &[f32], want: &[f32]) -> Err {
         }
     }
     let scale = want.iter().map(|&b| (b as f64).abs()).fold(0.0, f64::max).max(1e-30);
-    Err { max_abs, rel: max_abs / scale, at }
+    Err {
+        max_abs,
+        rel: max_abs / scale,
+        at,
+    }
 }
 
 /// Checks `got` against `want` with a tolerance on `rel`, printing one line per case.
 pub fn check(case: &str, got: &[f32], want: &[f32], tol: f64) {
     let e = error(case, got, want);
     eprintln!("{case}: max_abs {:.3e} rel {:.3e} (tol {:.1e})", e.max_abs, e.rel, tol);
-    println!("PARITY {case} max_abs={:.3e} rel={:.3e} tol={:.1e}", e.max_abs, e.rel, tol);
+    println!(
+        "PARITY {case} max_abs={:.3e} rel={:.3e} tol={:.1e}",
+        e.max_abs, e.rel, tol
+    );
     assert!(
         e.rel <= tol,
         "{case}: rel error {:.3e} over tolerance {:.1e} (max_abs {:.3e} at {}: got {} want {}; first values got {:?} want {:?})",

@@ -25,11 +25,17 @@ pub fn time_ms(g: &Gpu, warm: usize, iters: usize, mut f: impl FnMut(usize)) -> 
 /// `f(i)`, i < iters, captured once into a CUDA graph (no host sync or allocation may happen inside).
 pub fn capture(g: &Gpu, iters: usize, mut f: impl FnMut(usize)) -> CudaGraph {
     use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-    g.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+    g.stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .unwrap();
     for i in 0..iters {
         f(i);
     }
-    let graph = g.stream.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("captured graph");
+    let graph = g
+        .stream
+        .end_capture(CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("captured graph");
     graph.upload().unwrap();
     graph
 }
@@ -98,6 +104,8 @@ pub fn matmul_tflops(g: &Gpu, data: &cudarc::driver::CudaSlice<bf16>) -> f64 {
     let n = 8192usize;
     let (a, b) = (data.slice(0..n * n), data.slice(data.len() - n * n..));
     let mut y = g.zeros::<bf16>(n * n).unwrap();
-    let ms = time_ms(g, 3, 10, |_| ops::gemm_bf16::gemm_bf16(g, &a, &b, &mut y.as_view_mut(), n, n, n).unwrap());
+    let ms = time_ms(g, 3, 10, |_| {
+        ops::gemm_bf16::gemm_bf16(g, &a, &b, &mut y.as_view_mut(), n, n, n).unwrap()
+    });
     2.0 * (n * n * n) as f64 / (ms * 1e-3) / 1e12
 }

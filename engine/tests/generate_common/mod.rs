@@ -18,7 +18,9 @@ pub const HIDDEN: usize = 3;
 pub const N_TAPS: usize = 2;
 
 fn mix(h: u64, t: u32) -> u64 {
-    (h ^ (t as u64 + 0x9E37_79B9)).wrapping_mul(0x100_0000_01B3).rotate_left(17)
+    (h ^ (t as u64 + 0x9E37_79B9))
+        .wrapping_mul(0x100_0000_01B3)
+        .rotate_left(17)
 }
 
 fn noise(h: u64, v: usize) -> f32 {
@@ -54,7 +56,13 @@ pub struct MockTarget {
 impl MockTarget {
     pub fn new(max_positions: usize) -> Self {
         MockTarget {
-            info: TargetInfo { vocab_size: VOCAB, hidden_size: HIDDEN, num_layers: 1, max_positions, tap_layers: vec![0, 0] },
+            info: TargetInfo {
+                vocab_size: VOCAB,
+                hidden_size: HIDDEN,
+                num_layers: 1,
+                max_positions,
+                tap_layers: vec![0, 0],
+            },
             committed: Vec::new(),
             hash: 0,
             scratch: None,
@@ -74,7 +82,10 @@ impl Target for MockTarget {
         self.committed.len()
     }
     fn forward_rows(&mut self, tokens: &[u32], parents: &[i32], rows: LogitRows) -> Result<StepOut> {
-        ensure!(tokens.len() == parents.len() && !tokens.is_empty(), "tokens/parents length");
+        ensure!(
+            tokens.len() == parents.len() && !tokens.is_empty(),
+            "tokens/parents length"
+        );
         let n = tokens.len();
         let (mut hash, mut depth, mut prev) = (vec![0u64; n], vec![0usize; n], vec![0u32; n]);
         let mut logits = Vec::with_capacity(n * VOCAB);
@@ -93,7 +104,11 @@ impl Target for MockTarget {
             depth[i] = pd;
             prev[i] = pprev;
             let pos = self.committed.len() + pd;
-            ensure!(pos < self.info.max_positions, "node {i} at position {pos} >= max_positions {}", self.info.max_positions);
+            ensure!(
+                pos < self.info.max_positions,
+                "node {i} at position {pos} >= max_positions {}",
+                self.info.max_positions
+            );
             logits.extend(logits_for(hash[i], pprev, tokens[i]));
             let row = [tokens[i] as f32, pos as f32, (hash[i] & 0xFFFF) as f32];
             taps.extend(row.iter().chain(row.iter().map(|x| x + 0.5).collect::<Vec<_>>().iter()));
@@ -113,14 +128,22 @@ impl Target for MockTarget {
         for (j, &n) in path.iter().enumerate() {
             ensure!(n < tokens.len(), "path node {n} out of range");
             let want = if j == 0 { -1 } else { path[j - 1] as i32 };
-            ensure!(parents[n] == want, "path node {n} has parent {}, expected {want}", parents[n]);
+            ensure!(
+                parents[n] == want,
+                "path node {n} has parent {}, expected {want}",
+                parents[n]
+            );
             self.committed.push(tokens[n]);
             self.hash = mix(self.hash, tokens[n]);
         }
         Ok(())
     }
     fn truncate(&mut self, len: usize) -> Result<()> {
-        ensure!(len <= self.committed.len(), "truncate to {len} of {}", self.committed.len());
+        ensure!(
+            len <= self.committed.len(),
+            "truncate to {len} of {}",
+            self.committed.len()
+        );
         self.committed.truncate(len);
         self.hash = self.committed.iter().fold(0, |h, &t| mix(h, t));
         self.scratch = None;
@@ -142,7 +165,12 @@ pub struct MockDrafter {
 
 impl MockDrafter {
     pub fn new(block: usize) -> Self {
-        MockDrafter { block, ctx: Vec::new(), hash: 0, drafts: 0 }
+        MockDrafter {
+            block,
+            ctx: Vec::new(),
+            hash: 0,
+            drafts: 0,
+        }
     }
 }
 
@@ -158,20 +186,33 @@ impl Drafter for MockDrafter {
         ensure!(taps.len() == n * w, "taps {} != {n} x {w}", taps.len());
         for r in taps.chunks(w) {
             let (tok, pos, h) = (r[0] as u32, r[1] as usize, r[2] as u64);
-            ensure!(pos == self.ctx.len(), "context row for position {pos} arrived at {}", self.ctx.len());
+            ensure!(
+                pos == self.ctx.len(),
+                "context row for position {pos} arrived at {}",
+                self.ctx.len()
+            );
             self.hash = mix(self.hash, tok);
-            ensure!(self.hash & 0xFFFF == h, "context tokens differ from the target's committed prefix at {pos}");
+            ensure!(
+                self.hash & 0xFFFF == h,
+                "context tokens differ from the target's committed prefix at {pos}"
+            );
             self.ctx.push(tok);
         }
         Ok(())
     }
     fn draft(&mut self, bonus: u32, start: usize) -> Result<Vec<f32>> {
-        ensure!(start == self.ctx.len(), "draft at {start} with context {}", self.ctx.len());
+        ensure!(
+            start == self.ctx.len(),
+            "draft at {start} with context {}",
+            self.ctx.len()
+        );
         self.drafts += 1;
         let (mut prev, mut last) = (self.ctx.last().copied().unwrap_or(0), bonus);
         let mut out = Vec::with_capacity((self.block - 1) * VOCAB);
         for r in 0..self.block - 1 {
-            let mut row: Vec<f32> = (0..VOCAB).map(|v| noise(start as u64 * 131 + r as u64, v) * 0.5).collect();
+            let mut row: Vec<f32> = (0..VOCAB)
+                .map(|v| noise(start as u64 * 131 + r as u64, v) * 0.5)
+                .collect();
             let (f, a) = (fav(prev, last), alt(prev, last));
             row[f as usize] += 2.0;
             row[a as usize] += 1.4;

@@ -13,10 +13,14 @@ use std::path::{Path, PathBuf};
 /// runs staged binaries from a copy of the repository root).
 pub fn pair_dir() -> PathBuf {
     let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/kdtree-tiny");
-    [built, PathBuf::from("models/kdtree-tiny"), PathBuf::from("../models/kdtree-tiny")]
-        .into_iter()
-        .find(|p| p.join("config.json").is_file() && p.join("drafter/config.json").is_file())
-        .expect("models/kdtree-tiny (with drafter/) not found at the build path, ./models or ../models")
+    [
+        built,
+        PathBuf::from("models/kdtree-tiny"),
+        PathBuf::from("../models/kdtree-tiny"),
+    ]
+    .into_iter()
+    .find(|p| p.join("config.json").is_file() && p.join("drafter/config.json").is_file())
+    .expect("models/kdtree-tiny (with drafter/) not found at the build path, ./models or ../models")
 }
 
 /// Converts `src` (an HF checkpoint with a drafter/ folder) for `ranks` ranks into `out`.
@@ -35,16 +39,36 @@ pub fn convert(src: &Path, out: &Path, ranks: usize) {
 
 /// Prefill `prompt` and run `steps` DDTree rounds at `budget`; the emitted steps and how many rounds ran
 /// on the device path.
-pub fn run(m: &mut Loaded, prompt: &[u32], budget: usize, s: &Sampling, device: bool, steps: usize) -> (Vec<Emitted>, usize) {
+pub fn run(
+    m: &mut Loaded,
+    prompt: &[u32],
+    budget: usize,
+    s: &Sampling,
+    device: bool,
+    steps: usize,
+) -> (Vec<Emitted>, usize) {
     run_mode(m, prompt, Mode::DDTree { budget }, s, device, steps)
 }
 
 /// [`run`] in any drafting mode (DDTree or the chain).
-pub fn run_mode(m: &mut Loaded, prompt: &[u32], mode: Mode, s: &Sampling, device: bool, steps: usize) -> (Vec<Emitted>, usize) {
+pub fn run_mode(
+    m: &mut Loaded,
+    prompt: &[u32],
+    mode: Mode,
+    s: &Sampling,
+    device: bool,
+    steps: usize,
+) -> (Vec<Emitted>, usize) {
     let mut sess = m.session(mode).unwrap();
     sess.set_device_round(device);
     let first = sess.prefill(prompt, s).unwrap();
-    let mut out = vec![Emitted { tokens: vec![first], drafted: 0, accepted: 0, depth_limit: 0, budget: 0 }];
+    let mut out = vec![Emitted {
+        tokens: vec![first],
+        drafted: 0,
+        accepted: 0,
+        depth_limit: 0,
+        budget: 0,
+    }];
     for _ in 0..steps {
         out.push(sess.step().unwrap());
     }
@@ -62,8 +86,24 @@ pub fn tau(steps: &[Emitted]) -> f64 {
 pub fn compare(m: &mut Loaded, prefix: &str, prompts: &[Vec<u32>], budgets: &[usize], steps: usize) -> (usize, f64) {
     let settings = [
         ("greedy", Sampling::greedy()),
-        ("T=1 seed 5", Sampling { temperature: 1.0, top_p: 1.0, top_k: 0, seed: 5 }),
-        ("T=0.7 top_p 0.9 top_k 40 seed 9", Sampling { temperature: 0.7, top_p: 0.9, top_k: 40, seed: 9 }),
+        (
+            "T=1 seed 5",
+            Sampling {
+                temperature: 1.0,
+                top_p: 1.0,
+                top_k: 0,
+                seed: 5,
+            },
+        ),
+        (
+            "T=0.7 top_p 0.9 top_k 40 seed 9",
+            Sampling {
+                temperature: 0.7,
+                top_p: 0.9,
+                top_k: 40,
+                seed: 9,
+            },
+        ),
     ];
     let (mut rounds, mut taus) = (0, Vec::new());
     for (name, s) in &settings {
@@ -72,15 +112,24 @@ pub fn compare(m: &mut Loaded, prefix: &str, prompts: &[Vec<u32>], budgets: &[us
                 let (dev, n_dev) = run(m, p, budget, s, true, steps);
                 let (host, n_host) = run(m, p, budget, s, false, steps);
                 assert_eq!(n_host, 0, "{prefix}: the host-round session ran device rounds");
-                assert_eq!(n_dev, steps, "{prefix}: {name} budget {budget}: only {n_dev} of {steps} rounds ran on the device path");
+                assert_eq!(
+                    n_dev, steps,
+                    "{prefix}: {name} budget {budget}: only {n_dev} of {steps} rounds ran on the device path"
+                );
                 for (k, (a, b)) in dev.iter().zip(&host).enumerate() {
-                    assert_eq!(a, b, "{prefix}: {name} budget {budget} prompt {i}: step {k} differs (device round vs host round)");
+                    assert_eq!(
+                        a, b,
+                        "{prefix}: {name} budget {budget} prompt {i}: step {k} differs (device round vs host round)"
+                    );
                 }
                 rounds += steps;
                 if *name == "greedy" {
                     taus.push(tau(&dev));
                 }
-                println!("PARITY device_round({prefix},{name},budget={budget},prompt={i}) exact ({steps} rounds, tau {:.2})", tau(&dev));
+                println!(
+                    "PARITY device_round({prefix},{name},budget={budget},prompt={i}) exact ({steps} rounds, tau {:.2})",
+                    tau(&dev)
+                );
             }
         }
     }
@@ -101,14 +150,32 @@ pub fn run_ar(m: &mut Loaded, prompt: &[u32], s: &Sampling, device: bool, steps:
 /// The device AR step (`Target::device_step`) and the host step give the same tokens on `m`, greedy and
 /// sampled; returns the steps compared.
 pub fn compare_ar(m: &mut Loaded, prefix: &str, prompts: &[Vec<u32>], steps: usize) -> usize {
-    let settings = [("greedy", Sampling::greedy()), ("T=1 top_p 0.9 seed 3", Sampling { temperature: 1.0, top_p: 0.9, top_k: 0, seed: 3 })];
+    let settings = [
+        ("greedy", Sampling::greedy()),
+        (
+            "T=1 top_p 0.9 seed 3",
+            Sampling {
+                temperature: 1.0,
+                top_p: 0.9,
+                top_k: 0,
+                seed: 3,
+            },
+        ),
+    ];
     let mut n = 0;
     for (name, s) in &settings {
         for (i, p) in prompts.iter().enumerate() {
             let (dev, n_dev) = run_ar(m, p, s, true, steps);
             let (host, n_host) = run_ar(m, p, s, false, steps);
-            assert_eq!((n_dev, n_host), (steps, 0), "{prefix}: {name}: {n_dev} device steps of {steps} (host run: {n_host})");
-            assert_eq!(dev, host, "{prefix}: {name} prompt {i}: the device AR step differs from the host step");
+            assert_eq!(
+                (n_dev, n_host),
+                (steps, 0),
+                "{prefix}: {name}: {n_dev} device steps of {steps} (host run: {n_host})"
+            );
+            assert_eq!(
+                dev, host,
+                "{prefix}: {name} prompt {i}: the device AR step differs from the host step"
+            );
             n += steps;
             println!("PARITY device_step({prefix},{name},prompt={i}) exact ({steps} steps)");
         }
@@ -119,18 +186,39 @@ pub fn compare_ar(m: &mut Loaded, prefix: &str, prompts: &[Vec<u32>], steps: usi
 /// The chain round where the target's ops run (`Target::device_chain`: the top-1 tree) and the host chain
 /// round give the same steps on `m`, greedy and sampled; returns the rounds compared.
 pub fn compare_chain(m: &mut Loaded, prefix: &str, prompts: &[Vec<u32>], steps: usize) -> usize {
-    let settings = [("greedy", Sampling::greedy()), ("T=1 seed 5", Sampling { temperature: 1.0, top_p: 1.0, top_k: 0, seed: 5 })];
+    let settings = [
+        ("greedy", Sampling::greedy()),
+        (
+            "T=1 seed 5",
+            Sampling {
+                temperature: 1.0,
+                top_p: 1.0,
+                top_k: 0,
+                seed: 5,
+            },
+        ),
+    ];
     let mut n = 0;
     for (name, s) in &settings {
         for (i, p) in prompts.iter().enumerate() {
             let (dev, n_dev) = run_mode(m, p, Mode::Chain, s, true, steps);
             let (host, n_host) = run_mode(m, p, Mode::Chain, s, false, steps);
-            assert_eq!((n_dev, n_host), (steps, 0), "{prefix}: chain {name}: {n_dev} device rounds of {steps} (host run: {n_host})");
+            assert_eq!(
+                (n_dev, n_host),
+                (steps, 0),
+                "{prefix}: chain {name}: {n_dev} device rounds of {steps} (host run: {n_host})"
+            );
             for (k, (a, b)) in dev.iter().zip(&host).enumerate() {
-                assert_eq!(a, b, "{prefix}: chain {name} prompt {i}: step {k} differs (device round vs host round)");
+                assert_eq!(
+                    a, b,
+                    "{prefix}: chain {name} prompt {i}: step {k} differs (device round vs host round)"
+                );
             }
             n += steps;
-            println!("PARITY device_chain({prefix},{name},prompt={i}) exact ({steps} rounds, tau {:.2})", tau(&dev));
+            println!(
+                "PARITY device_chain({prefix},{name},prompt={i}) exact ({steps} rounds, tau {:.2})",
+                tau(&dev)
+            );
         }
     }
     n

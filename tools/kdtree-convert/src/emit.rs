@@ -35,7 +35,11 @@ struct Region {
 impl Region {
     /// Map `file[abs .. abs+len]`.
     fn new(file: &SafeFile, abs: usize, len: usize) -> Result<Region> {
-        let reg = Region { map: file.map_range(abs, len)?, released_to: 0, since_release: 0 };
+        let reg = Region {
+            map: file.map_range(abs, len)?,
+            released_to: 0,
+            since_release: 0,
+        };
         if let Some(m) = &reg.map {
             // Advice only: a failure changes speed, never bytes.
             let _ = m.advise(memmap2::Advice::Sequential);
@@ -79,7 +83,13 @@ impl Region {
             if end > self.released_to {
                 // SAFETY: DONTNEED on a read-only file-backed mapping only drops this process's page table
                 // entries; the data is re-read from the unchanged file on the next access.
-                let _ = unsafe { m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, self.released_to, end - self.released_to) };
+                let _ = unsafe {
+                    m.unchecked_advise_range(
+                        memmap2::UncheckedAdvice::DontNeed,
+                        self.released_to,
+                        end - self.released_to,
+                    )
+                };
                 self.released_to = end;
             }
         }
@@ -89,7 +99,15 @@ impl Region {
 
 /// Rows `r0..r1`, byte columns `c0..c1` of a row-major matrix with `row_bytes` per row at `abs`.
 /// Only the rows needed are mapped.
-fn copy_2d(w: &mut ShardWriter, f: &SafeFile, abs: usize, row_bytes: usize, rows: (usize, usize), cols: (usize, usize), prog: &Progress) -> Result<()> {
+fn copy_2d(
+    w: &mut ShardWriter,
+    f: &SafeFile,
+    abs: usize,
+    row_bytes: usize,
+    rows: (usize, usize),
+    cols: (usize, usize),
+    prog: &Progress,
+) -> Result<()> {
     let mut reg = Region::new(f, abs + rows.0 * row_bytes, (rows.1 - rows.0) * row_bytes)?;
     if cols == (0, row_bytes) {
         reg.copy(w, 0, (rows.1 - rows.0) * row_bytes, prog)?;
@@ -118,11 +136,24 @@ pub fn emit(ck: &Checkpoint, t: &OutTensor, w: &mut ShardWriter, prog: &Progress
             match axis {
                 None => copy_2d(w, f, abs, row_bytes, (0, rows), (0, row_bytes), prog),
                 Some(0) => copy_2d(w, f, abs, row_bytes, (*start, start + len), (0, row_bytes), prog),
-                Some(1) if info.shape.len() == 2 => copy_2d(w, f, abs, row_bytes, (0, rows), (start * es, (start + len) * es), prog),
+                Some(1) if info.shape.len() == 2 => {
+                    copy_2d(w, f, abs, row_bytes, (0, rows), (start * es, (start + len) * es), prog)
+                }
                 Some(a) => bail!("internal: cannot split \"{src}\" {:?} on axis {a}", info.shape),
             }
         }
-        SourceSpec::Experts { stem, proj, part, first, count, n, k, axis, start, len } => {
+        SourceSpec::Experts {
+            stem,
+            proj,
+            part,
+            first,
+            count,
+            n,
+            k,
+            axis,
+            start,
+            len,
+        } => {
             let (rows, cols) = match axis {
                 None => ((0, *n), (0, *k)),
                 Some(0) => ((*start, start + len), (0, *k)),
@@ -139,9 +170,19 @@ pub fn emit(ck: &Checkpoint, t: &OutTensor, w: &mut ShardWriter, prog: &Progress
                         let (f, info) = ck.get(&format!("{base}.{suffix}"))?;
                         let abs = f.header.data_start() + info.begin;
                         let rb = k / per_byte * bytes_per;
-                        copy_2d(w, f, abs, rb, rows, (cols.0 / per_byte * bytes_per, cols.1 / per_byte * bytes_per), prog)?;
+                        copy_2d(
+                            w,
+                            f,
+                            abs,
+                            rb,
+                            rows,
+                            (cols.0 / per_byte * bytes_per, cols.1 / per_byte * bytes_per),
+                            prog,
+                        )?;
                     }
-                    kdtree_formats::plan::SourceQuant::Bf16 => quantize_slice(ck, &format!("{base}.weight"), *k, rows, cols, *part, w, prog)?,
+                    kdtree_formats::plan::SourceQuant::Bf16 => {
+                        quantize_slice(ck, &format!("{base}.weight"), *k, rows, cols, *part, w, prog)?
+                    }
                 }
             }
             Ok(())
@@ -151,7 +192,16 @@ pub fn emit(ck: &Checkpoint, t: &OutTensor, w: &mut ShardWriter, prog: &Progress
 
 /// Quantize rows × cols of a BF16 `[n, k]` weight and write its packed or scale part.
 #[allow(clippy::too_many_arguments)]
-fn quantize_slice(ck: &Checkpoint, name: &str, k: usize, rows: (usize, usize), cols: (usize, usize), part: ExpertPart, w: &mut ShardWriter, prog: &Progress) -> Result<()> {
+fn quantize_slice(
+    ck: &Checkpoint,
+    name: &str,
+    k: usize,
+    rows: (usize, usize),
+    cols: (usize, usize),
+    part: ExpertPart,
+    w: &mut ShardWriter,
+    prog: &Progress,
+) -> Result<()> {
     let (f, info) = ck.get(name)?;
     let abs = f.header.data_start() + info.begin;
     let kc = cols.1 - cols.0;
@@ -170,7 +220,9 @@ fn quantize_slice(ck: &Checkpoint, name: &str, k: usize, rows: (usize, usize), c
         out.clear();
         match part {
             ExpertPart::Packed => out.extend_from_slice(&packed),
-            ExpertPart::Scale => scales.iter().for_each(|s| out.extend_from_slice(&s.to_bits().to_le_bytes())),
+            ExpertPart::Scale => scales
+                .iter()
+                .for_each(|s| out.extend_from_slice(&s.to_bits().to_le_bytes())),
         }
         w.write(&out)?;
         prog.inc(out.len() as u64);

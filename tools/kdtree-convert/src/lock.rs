@@ -25,7 +25,13 @@ pub struct OutLock {
 pub fn lock_out(out: &Path) -> Result<OutLock> {
     let path = out.join(LOCK_FILE);
     for _ in 0..100 {
-        let mut file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).with_context(|| format!("opening {}", path.display()))?;
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .with_context(|| format!("opening {}", path.display()))?;
         // SAFETY: flock on a file descriptor we own; no memory is involved.
         if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
             let e = std::io::Error::last_os_error();
@@ -34,19 +40,34 @@ pub fn lock_out(out: &Path) -> Result<OutLock> {
             }
             let who = holder(&mut file);
             let who = who.trim();
-            let who = if who.is_empty() { "another process".to_string() } else { format!("another kdtree-convert ({who})") };
-            bail!("{}: locked by {who}; two conversions cannot write one OUT at once (wait for it to finish, or stop it)", out.display());
+            let who = if who.is_empty() {
+                "another process".to_string()
+            } else {
+                format!("another kdtree-convert ({who})")
+            };
+            bail!(
+                "{}: locked by {who}; two conversions cannot write one OUT at once (wait for it to finish, or stop it)",
+                out.display()
+            );
         }
         // The holder before us may have unlinked the file between our open and our lock: then it is not
         // the lock any more, and a newcomer may hold the new one. Retry on what the path names now.
-        let same = std::fs::metadata(&path).ok().is_some_and(|m| file.metadata().is_ok_and(|f| f.ino() == m.ino() && f.dev() == m.dev()));
+        let same = std::fs::metadata(&path)
+            .ok()
+            .is_some_and(|m| file.metadata().is_ok_and(|f| f.ino() == m.ino() && f.dev() == m.dev()));
         if !same {
             continue;
         }
-        file.set_len(0).and_then(|_| file.rewind()).and_then(|_| writeln!(file, "pid {}", std::process::id())).with_context(|| format!("writing {}", path.display()))?;
+        file.set_len(0)
+            .and_then(|_| file.rewind())
+            .and_then(|_| writeln!(file, "pid {}", std::process::id()))
+            .with_context(|| format!("writing {}", path.display()))?;
         return Ok(OutLock { file, path });
     }
-    bail!("{}: could not take the lock (its file keeps being replaced)", path.display())
+    bail!(
+        "{}: could not take the lock (its file keeps being replaced)",
+        path.display()
+    )
 }
 
 /// The holder's line in the lock file. The holder writes it just after taking the lock, so a waiter

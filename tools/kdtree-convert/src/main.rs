@@ -97,18 +97,37 @@ fn main() -> ExitCode {
 
 fn run(args: Args) -> anyhow::Result<Outcome> {
     match args.cmd {
-        Cmd::Repack { src, out, ranks, experts, drafter, max_file_size, quiet } => {
+        Cmd::Repack {
+            src,
+            out,
+            ranks,
+            experts,
+            drafter,
+            max_file_size,
+            quiet,
+        } => {
             let experts = match experts {
                 Experts::Tp => kdtree_formats::ExpertsMode::Tp,
                 Experts::Ep => kdtree_formats::ExpertsMode::Ep,
             };
-            repack::repack(&repack::RepackOptions { src, out, drafter, ranks, experts, max_file_size, quiet })?;
+            repack::repack(&repack::RepackOptions {
+                src,
+                out,
+                drafter,
+                ranks,
+                experts,
+                max_file_size,
+                quiet,
+            })?;
             Ok(Outcome::Pass)
         }
         // The exit code is the verdict's: a closed stdout loses the line, never the answer.
         Cmd::Verify { dir, source, quiet } => match verify::verify_with_source(&dir, source, quiet)? {
             verify::Verdict::Ok { files, tensors, bytes } => {
-                let _ = out(&format!("OK: {files} files, {tensors} tensors, {bytes} bytes match {}\n", dir.join("manifest.toml").display()));
+                let _ = out(&format!(
+                    "OK: {files} files, {tensors} tensors, {bytes} bytes match {}\n",
+                    dir.join("manifest.toml").display()
+                ));
                 Ok(Outcome::Pass)
             }
             verify::Verdict::Failed(why) => {
@@ -130,5 +149,8 @@ fn run(args: Args) -> anyhow::Result<Outcome> {
 
 /// A closed stdout (`kdtree-convert inspect ... | head`) is not an error.
 fn is_broken_pipe(e: &anyhow::Error) -> bool {
-    e.chain().any(|c| c.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe))
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
 }

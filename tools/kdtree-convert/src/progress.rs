@@ -46,9 +46,11 @@ impl Progress {
         }
         let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
         bar.set_style(
-            ProgressStyle::with_template("{msg} [{bar:30}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} ETA {eta}")
-                .expect("static template")
-                .progress_chars("=> "),
+            ProgressStyle::with_template(
+                "{msg} [{bar:30}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} ETA {eta}",
+            )
+            .expect("static template")
+            .progress_chars("=> "),
         );
         bar.set_message(what.to_string());
         Progress::with_mode(what, total, Mode::Bar(bar))
@@ -56,11 +58,25 @@ impl Progress {
 
     /// Plain lines into `sink`, one per `every` (and a last one from `finish`).
     pub fn lines(what: &str, total: u64, every: Duration, sink: Box<dyn Write + Send>) -> Progress {
-        Progress::with_mode(what, total, Mode::Lines(Mutex::new(Log { sink, every, last: Instant::now() })))
+        Progress::with_mode(
+            what,
+            total,
+            Mode::Lines(Mutex::new(Log {
+                sink,
+                every,
+                last: Instant::now(),
+            })),
+        )
     }
 
     fn with_mode(what: &str, total: u64, mode: Mode) -> Progress {
-        Progress { what: what.to_string(), total, done: AtomicU64::new(0), start: Instant::now(), mode }
+        Progress {
+            what: what.to_string(),
+            total,
+            done: AtomicU64::new(0),
+            start: Instant::now(),
+            mode,
+        }
     }
 
     pub fn inc(&self, n: u64) {
@@ -86,12 +102,33 @@ impl Progress {
     fn line(&self, done: u64, last: bool) -> String {
         let secs = self.start.elapsed().as_secs_f64().max(1e-3);
         let rate = done as f64 / secs;
-        let pct = if self.total == 0 { 100.0 } else { 100.0 * done as f64 / self.total as f64 };
+        let pct = if self.total == 0 {
+            100.0
+        } else {
+            100.0 * done as f64 / self.total as f64
+        };
         if last {
-            return format!("{}: {} in {}, {}/s\n", self.what, BinaryBytes(done), HumanDuration(self.start.elapsed()), BinaryBytes(rate as u64));
+            return format!(
+                "{}: {} in {}, {}/s\n",
+                self.what,
+                BinaryBytes(done),
+                HumanDuration(self.start.elapsed()),
+                BinaryBytes(rate as u64)
+            );
         }
-        let eta = if rate > 0.0 { Duration::from_secs_f64(self.total.saturating_sub(done) as f64 / rate) } else { Duration::ZERO };
-        format!("{}: {} of {} ({pct:.0}%), {}/s, ETA {}\n", self.what, BinaryBytes(done), BinaryBytes(self.total), BinaryBytes(rate as u64), HumanDuration(eta))
+        let eta = if rate > 0.0 {
+            Duration::from_secs_f64(self.total.saturating_sub(done) as f64 / rate)
+        } else {
+            Duration::ZERO
+        };
+        format!(
+            "{}: {} of {} ({pct:.0}%), {}/s, ETA {}\n",
+            self.what,
+            BinaryBytes(done),
+            BinaryBytes(self.total),
+            BinaryBytes(rate as u64),
+            HumanDuration(eta)
+        )
     }
 
     pub fn finish(&self) {
@@ -129,7 +166,12 @@ mod tests {
     #[test]
     fn plain_lines_come_periodically_with_bytes_rate_and_eta() {
         let buf = Buf::default();
-        let p = Progress::lines("repack", 10 * CHECK_BYTES, Duration::from_millis(20), Box::new(buf.clone()));
+        let p = Progress::lines(
+            "repack",
+            10 * CHECK_BYTES,
+            Duration::from_millis(20),
+            Box::new(buf.clone()),
+        );
         for _ in 0..4 {
             std::thread::sleep(Duration::from_millis(30));
             p.inc(CHECK_BYTES);
@@ -139,7 +181,10 @@ mod tests {
         let text = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
         let lines: Vec<&str> = text.lines().collect();
         assert!(lines.len() >= 4, "{text}");
-        assert!(lines[0].starts_with("repack: 32.00 MiB of 320.00 MiB (10%), ") && lines[0].contains("/s, ETA "), "{text}");
+        assert!(
+            lines[0].starts_with("repack: 32.00 MiB of 320.00 MiB (10%), ") && lines[0].contains("/s, ETA "),
+            "{text}"
+        );
         assert!(lines.last().unwrap().starts_with("repack: 320.00 MiB in "), "{text}");
         // Below the clock-check granularity nothing is printed between the periodic lines.
         let quiet = Buf::default();

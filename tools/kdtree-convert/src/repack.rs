@@ -19,7 +19,9 @@ use crate::source::{self, AuxSource, Checkpoint};
 use crate::stamp::{Stamp, STAMP_FILE};
 use anyhow::{bail, Context, Result};
 use kdtree_formats::assemble::{build_manifest, file_specs, planned_record, FileRecord, ManifestInputs, TensorRecord};
-use kdtree_formats::manifest::{json_to_toml, sha256sums, AuxFile, Manifest, Model, FORMAT_VERSION, MANIFEST, SHA256SUMS};
+use kdtree_formats::manifest::{
+    json_to_toml, sha256sums, AuxFile, Manifest, Model, FORMAT_VERSION, MANIFEST, SHA256SUMS,
+};
 use kdtree_formats::plan::{assign_files, plan_model, ExpertsMode, Plan, PlannedFile, SourceQuant};
 use kdtree_formats::writer::{partial_path, write_atomic, ShardWriter};
 use sha2::{Digest, Sha256};
@@ -73,9 +75,14 @@ fn prepare(o: &RepackOptions) -> Result<Job> {
     let plan = plan_model(&ck.text, ck.drafter.as_ref(), &ck.prefix, ck.quant, o.ranks, o.experts)?;
     ck.check_against(&plan)?;
     let files = assign_files(&plan, o.max_file_size);
-    let planned = files.iter().map(|f| planned_record(&plan, f)).collect::<Result<Vec<_>, _>>()?;
+    let planned = files
+        .iter()
+        .map(|f| planned_record(&plan, f))
+        .collect::<Result<Vec<_>, _>>()?;
     let aux = source::aux_files(&o.src)?;
-    let text_config = json_to_toml(&ck.text_json).and_then(|v| v.as_table().cloned()).unwrap_or_default();
+    let text_config = json_to_toml(&ck.text_json)
+        .and_then(|v| v.as_table().cloned())
+        .unwrap_or_default();
     let inputs = ManifestInputs {
         generator: format!("kdtree-convert {}", env!("CARGO_PKG_VERSION")),
         skipped: ck.skipped.clone(),
@@ -84,7 +91,11 @@ fn prepare(o: &RepackOptions) -> Result<Job> {
             text_config_json: ck.text_json.to_string(),
             drafter_config_json: ck.drafter_json.as_ref().map(|j| j.to_string()),
             text_config,
-            drafter_config: ck.drafter_json.as_ref().and_then(json_to_toml).and_then(|v| v.as_table().cloned()),
+            drafter_config: ck
+                .drafter_json
+                .as_ref()
+                .and_then(json_to_toml)
+                .and_then(|v| v.as_table().cloned()),
         },
         max_file_size: o.max_file_size,
         experts_source: match ck.quant {
@@ -92,13 +103,26 @@ fn prepare(o: &RepackOptions) -> Result<Job> {
             SourceQuant::Bf16 => "bf16 (quantized by kdtree-convert)".into(),
         },
     };
-    Ok(Job { ck, plan, files, planned, inputs, aux })
+    Ok(Job {
+        ck,
+        plan,
+        files,
+        planned,
+        inputs,
+        aux,
+    })
 }
 
 /// Identity of one output file's content: source fingerprint, options and the file's tensor plan.
 fn job_id(job: &Job, f: &PlannedFile) -> String {
     let mut h = Sha256::new();
-    h.update(format!("{:?}|{}|{:?}|{:?}|", job.inputs.source, job.inputs.experts_source, f.name, job.plan.experts).as_bytes());
+    h.update(
+        format!(
+            "{:?}|{}|{:?}|{:?}|",
+            job.inputs.source, job.inputs.experts_source, f.name, job.plan.experts
+        )
+        .as_bytes(),
+    );
     for &i in &f.tensors {
         h.update(format!("{:?}\n", job.plan.tensors[i]).as_bytes());
     }
@@ -107,8 +131,16 @@ fn job_id(job: &Job, f: &PlannedFile) -> String {
 
 /// OUT may only hold what this conversion writes.
 fn check_out_dir(out: &Path, files: &[PlannedFile], aux: &[AuxSource]) -> Result<()> {
-    let mut ours: std::collections::HashSet<String> = [MANIFEST, SHA256SUMS, STATE_DIR, LOCK_FILE, STAMP_FILE].iter().map(|s| s.to_string()).collect();
-    for n in files.iter().map(|f| f.name.as_str()).chain(aux.iter().map(|a| a.name.as_str())).chain([MANIFEST, SHA256SUMS]) {
+    let mut ours: std::collections::HashSet<String> = [MANIFEST, SHA256SUMS, STATE_DIR, LOCK_FILE, STAMP_FILE]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    for n in files
+        .iter()
+        .map(|f| f.name.as_str())
+        .chain(aux.iter().map(|a| a.name.as_str()))
+        .chain([MANIFEST, SHA256SUMS])
+    {
         ours.insert(n.to_string());
         ours.insert(format!("{n}.partial"));
     }
@@ -116,7 +148,10 @@ fn check_out_dir(out: &Path, files: &[PlannedFile], aux: &[AuxSource]) -> Result
     for e in std::fs::read_dir(out).with_context(|| format!("listing {}", out.display()))? {
         let name = e?.file_name().to_string_lossy().into_owned();
         if !ours.contains(&name) {
-            bail!("{}: holds {name:?}, which this conversion would not write; use an empty or new OUT directory", out.display());
+            bail!(
+                "{}: holds {name:?}, which this conversion would not write; use an empty or new OUT directory",
+                out.display()
+            );
         }
     }
     Ok(())
@@ -140,26 +175,48 @@ fn write_file(job: &Job, o: &RepackOptions, i: usize, prog: &Progress) -> Result
     let mut w = ShardWriter::create(&path, file_specs(&job.plan, f))?;
     for &ti in &f.tensors {
         let t = &job.plan.tensors[ti];
-        emit(&job.ck, t, &mut w, prog).with_context(|| format!("writing \"{}\" (rank {}) into {}", t.name, t.rank, f.name))?;
+        emit(&job.ck, t, &mut w, prog)
+            .with_context(|| format!("writing \"{}\" (rank {}) into {}", t.name, t.rank, f.name))?;
     }
     let done = w.finish()?;
     let record = FileRecord {
         name: f.name.clone(),
         size: done.size,
         sha256: done.sha256,
-        tensors: done.tensors.into_iter().map(|t| TensorRecord { name: t.name, offset: t.offset, nbytes: t.nbytes, xxh3: t.xxh3 }).collect(),
+        tensors: done
+            .tensors
+            .into_iter()
+            .map(|t| TensorRecord {
+                name: t.name,
+                offset: t.offset,
+                nbytes: t.nbytes,
+                xxh3: t.xxh3,
+            })
+            .collect(),
     };
     if record.size != job.planned[i].size {
-        bail!("internal: {} is {} bytes, planned {}", f.name, record.size, job.planned[i].size);
+        bail!(
+            "internal: {} is {} bytes, planned {}",
+            f.name,
+            record.size,
+            job.planned[i].size
+        );
     }
-    let body = serde_json::to_vec(&Done { job: id, record: record.clone() })?;
+    let body = serde_json::to_vec(&Done {
+        job: id,
+        record: record.clone(),
+    })?;
     write_atomic(&rec_path, &body)?;
     Ok(record)
 }
 
 /// The manifest entry a carried file gets.
 fn aux_entry(a: &AuxSource) -> AuxFile {
-    AuxFile { name: a.name.clone(), size: a.size, sha256: a.sha256.clone() }
+    AuxFile {
+        name: a.name.clone(),
+        size: a.size,
+        sha256: a.sha256.clone(),
+    }
 }
 
 /// Copy one carried file byte-exactly: stream `SRC/name` (symlinks followed) into `OUT/name.partial`,
@@ -184,23 +241,39 @@ fn copy_aux(o: &RepackOptions, a: &AuxSource) -> Result<AuxFile> {
     let mut size = 0u64;
     let mut buf = vec![0u8; 1 << 20];
     loop {
-        let n = src.read(&mut buf).with_context(|| format!("reading {}", a.path.display()))?;
+        let n = src
+            .read(&mut buf)
+            .with_context(|| format!("reading {}", a.path.display()))?;
         if n == 0 {
             break;
         }
         h.update(&buf[..n]);
-        dst.write_all(&buf[..n]).with_context(|| format!("writing {}", partial.display()))?;
+        dst.write_all(&buf[..n])
+            .with_context(|| format!("writing {}", partial.display()))?;
         size += n as u64;
     }
-    dst.sync_all().with_context(|| format!("writing {}", partial.display()))?;
+    dst.sync_all()
+        .with_context(|| format!("writing {}", partial.display()))?;
     drop(dst);
     let sha256 = hex::encode(h.finalize());
     if size != a.size || sha256 != a.sha256 {
         let _ = std::fs::remove_file(&partial);
-        bail!("{}: changed during the conversion ({} bytes, sha256 {sha256}; was {} bytes, {}); re-run", a.path.display(), size, a.size, a.sha256);
+        bail!(
+            "{}: changed during the conversion ({} bytes, sha256 {sha256}; was {} bytes, {}); re-run",
+            a.path.display(),
+            size,
+            a.size,
+            a.sha256
+        );
     }
-    std::fs::rename(&partial, &path).with_context(|| format!("renaming {} to {}", partial.display(), path.display()))?;
-    let record = FileRecord { name: a.name.clone(), size, sha256, tensors: Vec::new() };
+    std::fs::rename(&partial, &path)
+        .with_context(|| format!("renaming {} to {}", partial.display(), path.display()))?;
+    let record = FileRecord {
+        name: a.name.clone(),
+        size,
+        sha256,
+        tensors: Vec::new(),
+    };
     write_atomic(&rec_path, &serde_json::to_vec(&Done { job: id, record })?)?;
     Ok(aux_entry(a))
 }
@@ -245,9 +318,17 @@ fn write_all(job: &Job, o: &RepackOptions, prog: &Progress) -> Result<Vec<FileRe
     });
     let slots = slots.into_inner().expect("threads joined");
     if let Some(e) = slots.iter().position(|r| matches!(r, Some(Err(_)))) {
-        return Err(slots.into_iter().nth(e).flatten().expect("present").expect_err("is an error"));
+        return Err(slots
+            .into_iter()
+            .nth(e)
+            .flatten()
+            .expect("present")
+            .expect_err("is an error"));
     }
-    slots.into_iter().map(|r| r.ok_or_else(|| anyhow::anyhow!("internal: a file was not written"))?).collect()
+    slots
+        .into_iter()
+        .map(|r| r.ok_or_else(|| anyhow::anyhow!("internal: a file was not written"))?)
+        .collect()
 }
 
 /// The manifest of a complete earlier run (manifest + sums, no state left) whose shards are exactly this
@@ -266,14 +347,20 @@ fn complete_shards(job: &Job, out: &Path) -> Option<Manifest> {
         && m.plan.experts == job.plan.experts
         && m.plan.max_file_size == job.inputs.max_file_size
         && m.files.len() == job.files.len()
-        && m.files.iter().zip(&job.planned).all(|(a, b)| a.name == b.name && a.size == b.size && std::fs::metadata(out.join(&a.name)).map(|x| x.len()).ok() == Some(a.size));
+        && m.files.iter().zip(&job.planned).all(|(a, b)| {
+            a.name == b.name
+                && a.size == b.size
+                && std::fs::metadata(out.join(&a.name)).map(|x| x.len()).ok() == Some(a.size)
+        });
     same.then_some(m)
 }
 
 /// Whether the carried files of a complete manifest are this conversion's, present with their sizes.
 fn aux_complete(job: &Job, m: &Manifest, out: &Path) -> bool {
     m.aux_files == job.aux.iter().map(aux_entry).collect::<Vec<_>>()
-        && m.aux_files.iter().all(|a| std::fs::metadata(out.join(&a.name)).map(|x| x.len()).ok() == Some(a.size))
+        && m.aux_files
+            .iter()
+            .all(|a| std::fs::metadata(out.join(&a.name)).map(|x| x.len()).ok() == Some(a.size))
 }
 
 /// Turn the shard entries of a complete earlier manifest back into completion records, so only the
@@ -285,15 +372,32 @@ fn seed_records(job: &Job, o: &RepackOptions, m: &Manifest) -> Result<()> {
             .tensors
             .iter()
             .filter(|t| t.file == fe.name)
-            .map(|t| TensorRecord { name: t.name.clone(), offset: t.offset, nbytes: t.nbytes, xxh3: t.xxh3.clone() })
+            .map(|t| TensorRecord {
+                name: t.name.clone(),
+                offset: t.offset,
+                nbytes: t.nbytes,
+                xxh3: t.xxh3.clone(),
+            })
             .collect();
         let planned = &job.planned[i].tensors;
-        let fits = tensors.len() == planned.len() && tensors.iter().zip(planned).all(|(a, b)| a.name == b.name && a.offset == b.offset && a.nbytes == b.nbytes);
+        let fits = tensors.len() == planned.len()
+            && tensors
+                .iter()
+                .zip(planned)
+                .all(|(a, b)| a.name == b.name && a.offset == b.offset && a.nbytes == b.nbytes);
         if !fits {
             continue;
         }
-        let record = FileRecord { name: fe.name.clone(), size: fe.size, sha256: fe.sha256.clone(), tensors };
-        let body = serde_json::to_vec(&Done { job: job_id(job, f), record })?;
+        let record = FileRecord {
+            name: fe.name.clone(),
+            size: fe.size,
+            sha256: fe.sha256.clone(),
+            tensors,
+        };
+        let body = serde_json::to_vec(&Done {
+            job: job_id(job, f),
+            record,
+        })?;
         write_atomic(&o.out.join(STATE_DIR).join(format!("{}.json", f.name)), &body)?;
     }
     Ok(())
@@ -304,7 +408,11 @@ pub fn repack(o: &RepackOptions) -> Result<Manifest> {
     let job = prepare(o)?;
     let inner = o.src.join("drafter");
     if o.drafter.is_none() && inner.join("config.json").is_file() {
-        crate::elog!("notice: {} holds a drafter, which is not converted without --drafter (add `--drafter {}` to include it)", inner.display(), inner.display());
+        crate::elog!(
+            "notice: {} holds a drafter, which is not converted without --drafter (add `--drafter {}` to include it)",
+            inner.display(),
+            inner.display()
+        );
     }
     std::fs::create_dir_all(&o.out).with_context(|| format!("creating {}", o.out.display()))?;
     let lock = lock_out(&o.out)?;
@@ -318,7 +426,12 @@ pub fn repack(o: &RepackOptions) -> Result<Manifest> {
 fn input_paths(o: &RepackOptions, job: &Job) -> Vec<PathBuf> {
     let mut v = Vec::new();
     for dir in std::iter::once(&o.src).chain(o.drafter.as_ref()) {
-        v.extend(["config.json", "model.safetensors.index.json"].iter().map(|n| dir.join(n)).filter(|p| p.exists()));
+        v.extend(
+            ["config.json", "model.safetensors.index.json"]
+                .iter()
+                .map(|n| dir.join(n))
+                .filter(|p| p.exists()),
+        );
     }
     v.extend(job.ck.files.iter().map(|f| f.path.clone()));
     v
@@ -343,17 +456,30 @@ fn forget_previous(out: &Path) -> Result<()> {
 /// Bytes this run still has to write into `out`: every planned and carried file, less those already
 /// there at their final size (a resumed run may reuse them; a stale `*.partial` is about to be replaced).
 fn bytes_to_write(job: &Job, out: &Path) -> u64 {
-    let sizes = job.planned.iter().map(|r| (&r.name, r.size)).chain(job.aux.iter().map(|a| (&a.name, a.size)));
+    let sizes = job
+        .planned
+        .iter()
+        .map(|r| (&r.name, r.size))
+        .chain(job.aux.iter().map(|a| (&a.name, a.size)));
     let have = |n: &str, size: u64| std::fs::metadata(out.join(n)).is_ok_and(|m| m.len() == size);
     let partial = |n: &str| std::fs::metadata(partial_path(&out.join(n))).map_or(0, |m| m.len());
-    sizes.map(|(n, size)| if have(n, size) { 0 } else { size.saturating_sub(partial(n)) }).sum()
+    sizes
+        .map(|(n, size)| {
+            if have(n, size) {
+                0
+            } else {
+                size.saturating_sub(partial(n))
+            }
+        })
+        .sum()
 }
 
 /// Refuse to start when the filesystem of `out` has less than `needed` bytes free for us (statvfs
 /// f_bavail: what an unprivileged writer may use), so a conversion does not die hours in.
 pub fn check_free_space(out: &Path, needed: u64) -> Result<()> {
     use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(out.as_os_str().as_bytes()).with_context(|| format!("{}: path holds a NUL byte", out.display()))?;
+    let c = std::ffi::CString::new(out.as_os_str().as_bytes())
+        .with_context(|| format!("{}: path holds a NUL byte", out.display()))?;
     // SAFETY: statvfs writes into the zeroed struct we pass; the path is a valid NUL-terminated string.
     let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
     if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
@@ -376,7 +502,10 @@ fn write_locked(o: &RepackOptions, job: Job) -> Result<Manifest> {
         Some(old) => {
             if let Some(why) = old.diff(&stamp) {
                 // Shards in OUT (finished or not) came from another source state: none may be kept.
-                crate::elog!("notice: SRC changed since the conversion in {} was made ({why}); converting everything again", o.out.display());
+                crate::elog!(
+                    "notice: SRC changed since the conversion in {} was made ({why}); converting everything again",
+                    o.out.display()
+                );
                 forget_previous(&o.out)?;
             }
         }
@@ -389,7 +518,10 @@ fn write_locked(o: &RepackOptions, job: Job) -> Result<Manifest> {
     let prev = complete_shards(&job, &o.out);
     if let Some(m) = prev.as_ref().filter(|m| aux_complete(&job, m, &o.out)) {
         if !o.quiet {
-            crate::elog!("{}: already complete (run `kdtree-convert verify` to re-hash)", o.out.display());
+            crate::elog!(
+                "{}: already complete (run `kdtree-convert verify` to re-hash)",
+                o.out.display()
+            );
         }
         return Ok(m.clone());
     }
@@ -438,7 +570,11 @@ fn write_locked(o: &RepackOptions, job: Job) -> Result<Manifest> {
             manifest.files.len(),
             manifest.tensors.len(),
             manifest.files.iter().map(|f| f.size).sum::<u64>(),
-            if carried.is_empty() { "no tokenizer files".to_string() } else { carried.join(", ") }
+            if carried.is_empty() {
+                "no tokenizer files".to_string()
+            } else {
+                carried.join(", ")
+            }
         );
     }
     Ok(manifest)

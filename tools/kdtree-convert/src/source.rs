@@ -62,18 +62,27 @@ fn open_hf_dir(dir: &Path) -> Result<HfDir> {
     let ipath = dir.join("model.safetensors.index.json");
     let (index_sha, weight_map): (Option<String>, Vec<(String, String)>) = if ipath.exists() {
         let body = std::fs::read(&ipath).with_context(|| format!("reading {}", ipath.display()))?;
-        let v: serde_json::Value = serde_json::from_slice(&body).with_context(|| format!("{}: invalid JSON", ipath.display()))?;
-        let wm = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| anyhow!("{}: no \"weight_map\" object", ipath.display()))?;
+        let v: serde_json::Value =
+            serde_json::from_slice(&body).with_context(|| format!("{}: invalid JSON", ipath.display()))?;
+        let wm = v
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| anyhow!("{}: no \"weight_map\" object", ipath.display()))?;
         let mut pairs = Vec::with_capacity(wm.len());
         for (k, f) in wm {
-            let f = f.as_str().ok_or_else(|| anyhow!("{}: weight_map[\"{k}\"] is not a string", ipath.display()))?;
+            let f = f
+                .as_str()
+                .ok_or_else(|| anyhow!("{}: weight_map[\"{k}\"] is not a string", ipath.display()))?;
             pairs.push((k.clone(), f.to_string()));
         }
         (Some(sha256_hex(&body)), pairs)
     } else if dir.join("model.safetensors").exists() {
         (None, Vec::new())
     } else {
-        bail!("{}: neither model.safetensors.index.json nor model.safetensors", dir.display());
+        bail!(
+            "{}: neither model.safetensors.index.json nor model.safetensors",
+            dir.display()
+        );
     };
     let mut names: Vec<String> = if index_sha.is_some() {
         weight_map.iter().map(|(_, f)| f.clone()).collect()
@@ -87,16 +96,35 @@ fn open_hf_dir(dir: &Path) -> Result<HfDir> {
     let mut by_file = HashMap::new();
     for n in &names {
         if !is_plain_file_name(n) || n == ".." || n == "." {
-            let t = weight_map.iter().find(|(_, f)| f == n).map(|(t, _)| t.as_str()).unwrap_or("?");
-            bail!("{}: weight_map[\"{t}\"] names {n:?}, which is not a plain file name inside {}", ipath.display(), dir.display());
+            let t = weight_map
+                .iter()
+                .find(|(_, f)| f == n)
+                .map(|(t, _)| t.as_str())
+                .unwrap_or("?");
+            bail!(
+                "{}: weight_map[\"{t}\"] names {n:?}, which is not a plain file name inside {}",
+                ipath.display(),
+                dir.display()
+            );
         }
         let p = dir.join(n);
         if !p.is_file() {
-            let t = weight_map.iter().find(|(_, f)| f == n).map(|(t, _)| t.as_str()).unwrap_or("?");
-            bail!("{}: weight_map[\"{t}\"] names {n}, which does not exist in {}", ipath.display(), dir.display());
+            let t = weight_map
+                .iter()
+                .find(|(_, f)| f == n)
+                .map(|(t, _)| t.as_str())
+                .unwrap_or("?");
+            bail!(
+                "{}: weight_map[\"{t}\"] names {n}, which does not exist in {}",
+                ipath.display(),
+                dir.display()
+            );
         }
         let f = SafeFile::open(&p)?;
-        sizes.push(SourceFile { name: n.clone(), size: std::fs::metadata(&p)?.len() });
+        sizes.push(SourceFile {
+            name: n.clone(),
+            size: std::fs::metadata(&p)?.len(),
+        });
         by_file.insert(n.clone(), files.len());
         files.push(f);
     }
@@ -105,7 +133,10 @@ fn open_hf_dir(dir: &Path) -> Result<HfDir> {
         for (t, f) in &weight_map {
             let fi = by_file[f];
             if files[fi].header.get(t).is_none() {
-                bail!("{}: weight_map puts tensor \"{t}\" in {f}, but its header has no such tensor", ipath.display());
+                bail!(
+                    "{}: weight_map puts tensor \"{t}\" in {f}, but its header has no such tensor",
+                    ipath.display()
+                );
             }
             map.insert(t.clone(), fi);
         }
@@ -114,15 +145,31 @@ fn open_hf_dir(dir: &Path) -> Result<HfDir> {
         for t in &f.header.tensors {
             match map.get(&t.name) {
                 Some(&g) if g == fi => {}
-                Some(&g) => bail!("{}: tensor \"{}\" also present in {} (duplicate across files)", f.name(), t.name, files[g].name()),
+                Some(&g) => bail!(
+                    "{}: tensor \"{}\" also present in {} (duplicate across files)",
+                    f.name(),
+                    t.name,
+                    files[g].name()
+                ),
                 None if index_sha.is_none() => {
                     map.insert(t.name.clone(), fi);
                 }
-                None => bail!("{}: tensor \"{}\" is not listed in model.safetensors.index.json", f.name(), t.name),
+                None => bail!(
+                    "{}: tensor \"{}\" is not listed in model.safetensors.index.json",
+                    f.name(),
+                    t.name
+                ),
             }
         }
     }
-    Ok(HfDir { config_sha: sha256_hex(config.as_bytes()), config, index_sha, files, sizes, map })
+    Ok(HfDir {
+        config_sha: sha256_hex(config.as_bytes()),
+        config,
+        index_sha,
+        files,
+        sizes,
+        map,
+    })
 }
 
 /// The only quantization accepted: compressed-tensors pack-quantized, int4, group 32, symmetric.
@@ -132,10 +179,17 @@ fn check_quant_config(path: &str, q: &serde_json::Value) -> Result<()> {
     if method != "compressed-tensors" || format != "pack-quantized" {
         bail!("{path}: unknown quantization config: quant_method {method:?}, format {format:?} (expected compressed-tensors / pack-quantized)");
     }
-    let groups = q.get("config_groups").and_then(|g| g.as_object()).ok_or_else(|| anyhow!("{path}: unknown quantization config: no config_groups"))?;
+    let groups = q
+        .get("config_groups")
+        .and_then(|g| g.as_object())
+        .ok_or_else(|| anyhow!("{path}: unknown quantization config: no config_groups"))?;
     for (g, v) in groups {
         let w = &v["weights"];
-        let ok = w["type"] == "int" && w["num_bits"] == 4 && w["group_size"] == 32 && w["symmetric"] == true && w["strategy"] == "group";
+        let ok = w["type"] == "int"
+            && w["num_bits"] == 4
+            && w["group_size"] == 32
+            && w["symmetric"] == true
+            && w["strategy"] == "group";
         if !ok {
             bail!("{path}: unknown quantization config: config_groups.{g}.weights = {w} (expected int, 4 bits, group_size 32, symmetric, strategy group)");
         }
@@ -158,7 +212,12 @@ pub fn open(src: &Path, drafter_dir: Option<&Path>) -> Result<Checkpoint> {
     if let Some(q) = text.quantization_config.as_ref().filter(|q| !q.is_null()) {
         check_quant_config(&cname, q)?;
     }
-    let prefix = if hf.map.contains_key("language_model.model.embed_tokens.weight") { "language_model." } else { "" }.to_string();
+    let prefix = if hf.map.contains_key("language_model.model.embed_tokens.weight") {
+        "language_model."
+    } else {
+        ""
+    }
+    .to_string();
     let first_moe = (0..text.num_hidden_layers).find(|&l| text.is_moe_layer(l));
     let quant = match first_moe {
         Some(l) => {
@@ -178,12 +237,21 @@ pub fn open(src: &Path, drafter_dir: Option<&Path>) -> Result<Checkpoint> {
     };
     let mut files = hf.files;
     let mut tensors: HashMap<String, usize> = hf.map.into_iter().collect();
-    let mut skipped: Vec<String> = tensors.keys().filter(|n| SKIPPED_PREFIXES.iter().any(|p| n.starts_with(p))).cloned().collect();
+    let mut skipped: Vec<String> = tensors
+        .keys()
+        .filter(|n| SKIPPED_PREFIXES.iter().any(|p| n.starts_with(p)))
+        .cloned()
+        .collect();
     skipped.sort();
     for s in &skipped {
         tensors.remove(s);
     }
-    let mut fingerprint = Source { config_sha256: hf.config_sha, index_sha256: hf.index_sha, files: hf.sizes, drafter: None };
+    let mut fingerprint = Source {
+        config_sha256: hf.config_sha,
+        index_sha256: hf.index_sha,
+        files: hf.sizes,
+        drafter: None,
+    };
     let (mut drafter, mut drafter_json) = (None, None);
     let drafter_base = files.len();
     if let Some(d) = drafter_dir {
@@ -197,23 +265,52 @@ pub fn open(src: &Path, drafter_dir: Option<&Path>) -> Result<Checkpoint> {
             tensors.insert(format!("{DRAFTER_PREFIX}{n}"), drafter_base + fi);
         }
         files.extend(dh.files);
-        fingerprint.drafter = Some(DrafterSource { config_sha256: dh.config_sha, index_sha256: dh.index_sha, files: dh.sizes });
+        fingerprint.drafter = Some(DrafterSource {
+            config_sha256: dh.config_sha,
+            index_sha256: dh.index_sha,
+            files: dh.sizes,
+        });
     }
-    Ok(Checkpoint { text, text_json, drafter, drafter_json, prefix, quant, files, tensors, drafter_base, fingerprint, skipped })
+    Ok(Checkpoint {
+        text,
+        text_json,
+        drafter,
+        drafter_json,
+        prefix,
+        quant,
+        files,
+        tensors,
+        drafter_base,
+        fingerprint,
+        skipped,
+    })
 }
 
 impl Checkpoint {
     /// Header entry and file of a (prefixed) source tensor.
     pub fn get(&self, name: &str) -> Result<(&SafeFile, &TensorInfo)> {
-        let &fi = self.tensors.get(name).ok_or_else(|| anyhow!("source tensor \"{name}\" not found"))?;
+        let &fi = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| anyhow!("source tensor \"{name}\" not found"))?;
         let f = &self.files[fi];
-        let local = if fi >= self.drafter_base { &name[DRAFTER_PREFIX.len()..] } else { name };
-        let t = f.header.get(local).ok_or_else(|| anyhow!("{}: tensor \"{local}\" vanished", f.name()))?;
+        let local = if fi >= self.drafter_base {
+            &name[DRAFTER_PREFIX.len()..]
+        } else {
+            name
+        };
+        let t = f
+            .header
+            .get(local)
+            .ok_or_else(|| anyhow!("{}: tensor \"{local}\" vanished", f.name()))?;
         Ok((f, t))
     }
 
     fn file_of(&self, name: &str) -> PathBuf {
-        self.tensors.get(name).map(|&i| self.files[i].path.clone()).unwrap_or_default()
+        self.tensors
+            .get(name)
+            .map(|&i| self.files[i].path.clone())
+            .unwrap_or_default()
     }
 
     /// Every tensor the plan needs is present with the right dtype and shape; nothing unexpected remains.
@@ -228,7 +325,15 @@ impl Checkpoint {
             let (f, t) = self.get(&e.name)?;
             if !e.dtypes.contains(&t.dtype) || t.shape != e.shape {
                 let want: Vec<String> = e.dtypes.iter().map(|d| d.to_string()).collect();
-                bail!("{}: tensor \"{}\": expected {} {:?}, found {} {:?}", f.name(), e.name, want.join("|"), e.shape, t.dtype, t.shape);
+                bail!(
+                    "{}: tensor \"{}\": expected {} {:?}, found {} {:?}",
+                    f.name(),
+                    e.name,
+                    want.join("|"),
+                    e.shape,
+                    t.dtype,
+                    t.shape
+                );
             }
             if e.name.ends_with(".weight_shape") {
                 self.check_weight_shape(&e.name, plan)?;
@@ -237,7 +342,11 @@ impl Checkpoint {
         let mut extra: Vec<&String> = self.tensors.keys().filter(|n| !expected.contains(n.as_str())).collect();
         extra.sort();
         if let Some(n) = extra.first() {
-            bail!("{}: tensor \"{n}\" is not part of the model the config describes ({} unexpected tensors)", self.file_of(n).display(), extra.len());
+            bail!(
+                "{}: tensor \"{n}\" is not part of the model the config describes ({} unexpected tensors)",
+                self.file_of(n).display(),
+                extra.len()
+            );
         }
         Ok(())
     }
@@ -247,14 +356,24 @@ impl Checkpoint {
         let (f, t) = self.get(name)?;
         let bytes = f.read_at(f.header.data_start() + t.begin, t.nbytes())?;
         let vals: Vec<i64> = match t.dtype {
-            Dtype::I32 => bytes.chunks_exact(4).map(|b| i32::from_le_bytes(b.try_into().unwrap()) as i64).collect(),
-            _ => bytes.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).collect(),
+            Dtype::I32 => bytes
+                .chunks_exact(4)
+                .map(|b| i32::from_le_bytes(b.try_into().unwrap()) as i64)
+                .collect(),
+            _ => bytes
+                .chunks_exact(8)
+                .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+                .collect(),
         };
         let packed = name.replace(".weight_shape", ".weight_packed");
         let (_, pt) = self.get(&packed)?;
         let want = [pt.shape[0] as i64, pt.shape[1] as i64 * 8];
         if vals != want {
-            bail!("{}: tensor \"{name}\": holds {vals:?} but {packed} is {:?} I32, i.e. logical {want:?}", f.name(), pt.shape);
+            bail!(
+                "{}: tensor \"{name}\": holds {vals:?} but {packed} is {:?} I32, i.e. logical {want:?}",
+                f.name(),
+                pt.shape
+            );
         }
         Ok(())
     }
@@ -283,7 +402,9 @@ pub fn hash_file(path: &Path) -> Result<(u64, String)> {
     let mut buf = vec![0u8; 1 << 20];
     let mut size = 0u64;
     loop {
-        let n = f.read(&mut buf).with_context(|| format!("reading {}", path.display()))?;
+        let n = f
+            .read(&mut buf)
+            .with_context(|| format!("reading {}", path.display()))?;
         if n == 0 {
             break;
         }
@@ -305,12 +426,18 @@ pub fn aux_files(src: &Path) -> Result<Vec<AuxSource>> {
             Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
             Ok(_) => {}
         }
-        let meta = std::fs::metadata(&path).with_context(|| format!("{}: exists but cannot be followed (dangling symlink?)", path.display()))?;
+        let meta = std::fs::metadata(&path)
+            .with_context(|| format!("{}: exists but cannot be followed (dangling symlink?)", path.display()))?;
         if !meta.is_file() {
             bail!("{}: not a regular file", path.display());
         }
         let (size, sha256) = hash_file(&path)?;
-        out.push(AuxSource { name: name.to_string(), path, size, sha256 });
+        out.push(AuxSource {
+            name: name.to_string(),
+            path,
+            size,
+            sha256,
+        });
     }
     Ok(out)
 }

@@ -37,7 +37,12 @@ impl Stamp {
             .iter()
             .map(|p| {
                 let m = std::fs::metadata(p).with_context(|| format!("reading {}", p.display()))?;
-                Ok(FileStat { path: p.clone(), size: m.len(), mtime_ns: m.mtime() as i128 * 1_000_000_000 + m.mtime_nsec() as i128, inode: m.ino() })
+                Ok(FileStat {
+                    path: p.clone(),
+                    size: m.len(),
+                    mtime_ns: m.mtime() as i128 * 1_000_000_000 + m.mtime_nsec() as i128,
+                    inode: m.ino(),
+                })
             })
             .collect::<Result<_>>()?;
         Ok(Stamp { files })
@@ -76,8 +81,17 @@ impl Stamp {
                 Some(_) => {}
             }
         }
-        diffs.extend(now.files.iter().filter(|g| !self.files.iter().any(|f| f.path == g.path)).map(|g| format!("{}: new input", g.path.display())));
+        diffs.extend(
+            now.files
+                .iter()
+                .filter(|g| !self.files.iter().any(|f| f.path == g.path))
+                .map(|g| format!("{}: new input", g.path.display())),
+        );
         let first = diffs.first()?;
-        Some(if diffs.len() == 1 { first.clone() } else { format!("{first} (and {} more files)", diffs.len() - 1) })
+        Some(if diffs.len() == 1 {
+            first.clone()
+        } else {
+            format!("{first} (and {} more files)", diffs.len() - 1)
+        })
     }
 }

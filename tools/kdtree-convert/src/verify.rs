@@ -8,7 +8,9 @@
 use crate::progress::Progress;
 use crate::stamp::{Stamp, STAMP_FILE};
 use anyhow::{Context, Result};
-use kdtree_formats::manifest::{parse_sha256sums, xxh3_hex, AuxFile, FileEntry, Manifest, TensorEntry, MANIFEST, SHA256SUMS};
+use kdtree_formats::manifest::{
+    parse_sha256sums, xxh3_hex, AuxFile, FileEntry, Manifest, TensorEntry, MANIFEST, SHA256SUMS,
+};
 use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeSet, HashMap};
@@ -19,7 +21,11 @@ use xxhash_rust::xxh3::Xxh3;
 /// Outcome of a verify run that could read the manifest.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Verdict {
-    Ok { files: usize, tensors: usize, bytes: u64 },
+    Ok {
+        files: usize,
+        tensors: usize,
+        bytes: u64,
+    },
     /// What failed, naming the file (and tensor when one is to blame).
     Failed(String),
 }
@@ -58,14 +64,30 @@ impl TensorHash {
 }
 
 /// Hash one file in a single pass; return the first problem found. `v1`: tensors carry sha256, not xxh3.
-fn check_file(dir: &Path, f: &FileEntry, tensors: &[&TensorEntry], v1: bool, prog: &Progress) -> Result<Option<String>> {
+fn check_file(
+    dir: &Path,
+    f: &FileEntry,
+    tensors: &[&TensorEntry],
+    v1: bool,
+    prog: &Progress,
+) -> Result<Option<String>> {
     let p = dir.join(&f.name);
     let mut file = std::fs::File::open(&p).with_context(|| format!("opening {}", p.display()))?;
     let len = file.metadata()?.len();
     if len != f.size {
         let cut = tensors.iter().find(|t| t.offset + t.nbytes > len);
-        let who = cut.map_or(String::new(), |t| format!(": tensor \"{}\" (bytes {}..{}) is cut off", t.name, t.offset, t.offset + t.nbytes));
-        return Ok(Some(format!("{}: size {len}, manifest says {} (truncated or extended){who}", f.name, f.size)));
+        let who = cut.map_or(String::new(), |t| {
+            format!(
+                ": tensor \"{}\" (bytes {}..{}) is cut off",
+                t.name,
+                t.offset,
+                t.offset + t.nbytes
+            )
+        });
+        return Ok(Some(format!(
+            "{}: size {len}, manifest says {} (truncated or extended){who}",
+            f.name, f.size
+        )));
     }
     let mut fh = Sha256::new();
     let mut bad_tensor: Option<String> = None;
@@ -92,7 +114,10 @@ fn check_file(dir: &Path, f: &FileEntry, tensors: &[&TensorEntry], v1: bool, pro
                 let (what, got) = th.take();
                 let want = if v1 { &t.sha256 } else { &t.xxh3 };
                 if &got != want && bad_tensor.is_none() {
-                    bad_tensor = Some(format!("tensor \"{}\" (rank {}): {what} {got}, manifest says {want}", t.name, t.rank));
+                    bad_tensor = Some(format!(
+                        "tensor \"{}\" (rank {}): {what} {got}, manifest says {want}",
+                        t.name, t.rank
+                    ));
                 }
                 ti += 1;
             } else {
@@ -108,7 +133,10 @@ fn check_file(dir: &Path, f: &FileEntry, tensors: &[&TensorEntry], v1: bool, pro
     }
     Ok(Some(match bad_tensor {
         Some(t) => format!("{}: {t}", f.name),
-        None => format!("{}: sha256 {got}, manifest says {} (header bytes differ; every tensor matches)", f.name, f.sha256),
+        None => format!(
+            "{}: sha256 {got}, manifest says {} (header bytes differ; every tensor matches)",
+            f.name, f.sha256
+        ),
     }))
 }
 
@@ -118,7 +146,10 @@ fn check_aux(dir: &Path, a: &AuxFile, prog: &Progress) -> Result<Option<String>>
     let mut file = std::fs::File::open(&p).with_context(|| format!("opening {}", p.display()))?;
     let len = file.metadata()?.len();
     if len != a.size {
-        return Ok(Some(format!("{}: size {len}, manifest says {} (truncated or replaced)", a.name, a.size)));
+        return Ok(Some(format!(
+            "{}: size {len}, manifest says {} (truncated or replaced)",
+            a.name, a.size
+        )));
     }
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
@@ -131,13 +162,20 @@ fn check_aux(dir: &Path, a: &AuxFile, prog: &Progress) -> Result<Option<String>>
         prog.inc(n as u64);
     }
     let got = hex::encode(h.finalize());
-    Ok((got != a.sha256).then(|| format!("{}: sha256 {got}, manifest says {} (carried file modified)", a.name, a.sha256)))
+    Ok((got != a.sha256).then(|| {
+        format!(
+            "{}: sha256 {got}, manifest says {} (carried file modified)",
+            a.name, a.sha256
+        )
+    }))
 }
 
 /// With `verify --source`: the source files recorded at conversion (`stamp.rs`) must be unchanged.
 pub fn check_source(dir: &Path) -> Verdict {
     let Some(old) = Stamp::read(dir) else {
-        return Verdict::Failed(format!("{STAMP_FILE}: missing or unreadable, so the source state of this conversion is unknown"));
+        return Verdict::Failed(format!(
+            "{STAMP_FILE}: missing or unreadable, so the source state of this conversion is unknown"
+        ));
     };
     let paths: Vec<_> = old.files.iter().map(|f| f.path.clone()).collect();
     let now = match Stamp::take(&paths) {
@@ -146,7 +184,11 @@ pub fn check_source(dir: &Path) -> Verdict {
     };
     match old.diff(&now) {
         Some(why) => Verdict::Failed(format!("source changed since the conversion: {why}")),
-        None => Verdict::Ok { files: old.files.len(), tensors: 0, bytes: old.files.iter().map(|f| f.size).sum() },
+        None => Verdict::Ok {
+            files: old.files.len(),
+            tensors: 0,
+            bytes: old.files.iter().map(|f| f.size).sum(),
+        },
     }
 }
 
@@ -201,17 +243,28 @@ pub fn verify(dir: &Path, quiet: bool) -> Result<Verdict> {
         }
     }
     if let Some(n) = sums.keys().find(|n| !want.contains_key(*n)) {
-        return Ok(Verdict::Failed(format!("{n}: listed in {SHA256SUMS} but not in the manifest")));
+        return Ok(Verdict::Failed(format!(
+            "{n}: listed in {SHA256SUMS} but not in the manifest"
+        )));
     }
     // Missing and extra files.
     let mut present = BTreeSet::new();
     for e in std::fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
         present.insert(e?.file_name().to_string_lossy().into_owned());
     }
-    if let Some(n) = m.files.iter().map(|f| &f.name).chain(m.aux_files.iter().map(|a| &a.name)).find(|n| !present.contains(*n)) {
+    if let Some(n) = m
+        .files
+        .iter()
+        .map(|f| &f.name)
+        .chain(m.aux_files.iter().map(|a| &a.name))
+        .find(|n| !present.contains(*n))
+    {
         return Ok(Verdict::Failed(format!("{n}: missing")));
     }
-    if let Some(x) = present.iter().find(|n| !want.contains_key(*n) && n.as_str() != SHA256SUMS && n.as_str() != STAMP_FILE) {
+    if let Some(x) = present
+        .iter()
+        .find(|n| !want.contains_key(*n) && n.as_str() != SHA256SUMS && n.as_str() != STAMP_FILE)
+    {
         return Ok(Verdict::Failed(format!("{x}: extra file not in the manifest")));
     }
     let mut by_file: HashMap<&str, Vec<&TensorEntry>> = HashMap::new();
@@ -221,14 +274,31 @@ pub fn verify(dir: &Path, quiet: bool) -> Result<Verdict> {
     for v in by_file.values_mut() {
         v.sort_by_key(|t| t.offset);
     }
-    let total: u64 = m.files.iter().map(|f| f.size).chain(m.aux_files.iter().map(|a| a.size)).sum();
+    let total: u64 = m
+        .files
+        .iter()
+        .map(|f| f.size)
+        .chain(m.aux_files.iter().map(|a| a.size))
+        .sum();
     let prog = Progress::new("verify", total, quiet);
     let results: Vec<Option<String>> = m
         .files
         .par_iter()
-        .map(|f| check_file(dir, f, by_file.get(f.name.as_str()).map_or(&[][..], |v| v.as_slice()), m.format_version == 1, &prog))
+        .map(|f| {
+            check_file(
+                dir,
+                f,
+                by_file.get(f.name.as_str()).map_or(&[][..], |v| v.as_slice()),
+                m.format_version == 1,
+                &prog,
+            )
+        })
         .collect::<Result<_>>()?;
-    let aux_results: Vec<Option<String>> = m.aux_files.par_iter().map(|a| check_aux(dir, a, &prog)).collect::<Result<_>>()?;
+    let aux_results: Vec<Option<String>> = m
+        .aux_files
+        .par_iter()
+        .map(|a| check_aux(dir, a, &prog))
+        .collect::<Result<_>>()?;
     prog.finish();
     if let Some(bad) = results.into_iter().chain(aux_results).flatten().next() {
         return Ok(Verdict::Failed(bad));
@@ -239,5 +309,9 @@ pub fn verify(dir: &Path, quiet: bool) -> Result<Verdict> {
     if let Err(e) = kdtree_formats::ModelDir::open(dir) {
         return Ok(Verdict::Failed(e.to_string()));
     }
-    Ok(Verdict::Ok { files: m.files.len() + m.aux_files.len(), tensors: m.tensors.len(), bytes: total })
+    Ok(Verdict::Ok {
+        files: m.files.len() + m.aux_files.len(),
+        tensors: m.tensors.len(),
+        bytes: total,
+    })
 }

@@ -22,12 +22,20 @@ fn verify(out: &Path) -> (i32, String) {
 }
 
 fn manifest(out: &Path) -> Manifest {
-    Manifest::parse("manifest.toml", &std::fs::read_to_string(out.join("manifest.toml")).unwrap()).unwrap()
+    Manifest::parse(
+        "manifest.toml",
+        &std::fs::read_to_string(out.join("manifest.toml")).unwrap(),
+    )
+    .unwrap()
 }
 
 fn sha256sum_strict(out: &Path) -> bool {
     use std::process::{Command, Stdio};
-    let st = Command::new("sha256sum").args(["-c", "--strict", "--status", "SHA256SUMS"]).current_dir(out).stdout(Stdio::null()).status();
+    let st = Command::new("sha256sum")
+        .args(["-c", "--strict", "--status", "SHA256SUMS"])
+        .current_dir(out)
+        .stdout(Stdio::null())
+        .status();
     st.unwrap().success()
 }
 
@@ -50,13 +58,25 @@ fn assert_carried(src: &Path, out: &Path, names: &[&str]) {
     let listed: Vec<&str> = m.aux_files.iter().map(|a| a.name.as_str()).collect();
     assert_eq!(listed, names);
     let sums: std::collections::HashMap<String, String> =
-        parse_sha256sums("SHA256SUMS", &std::fs::read_to_string(out.join("SHA256SUMS")).unwrap()).unwrap().into_iter().collect();
+        parse_sha256sums("SHA256SUMS", &std::fs::read_to_string(out.join("SHA256SUMS")).unwrap())
+            .unwrap()
+            .into_iter()
+            .collect();
     for a in &m.aux_files {
         let want = std::fs::read(src.join(&a.name)).unwrap();
         let p = out.join(&a.name);
-        assert!(std::fs::symlink_metadata(&p).unwrap().file_type().is_file(), "{} is not a regular file in OUT", a.name);
+        assert!(
+            std::fs::symlink_metadata(&p).unwrap().file_type().is_file(),
+            "{} is not a regular file in OUT",
+            a.name
+        );
         assert!(std::fs::read(&p).unwrap() == want, "{} differs from SRC", a.name);
-        assert_eq!((a.size, a.sha256.as_str()), (want.len() as u64, hex::encode(Sha256::digest(&want)).as_str()), "{}", a.name);
+        assert_eq!(
+            (a.size, a.sha256.as_str()),
+            (want.len() as u64, hex::encode(Sha256::digest(&want)).as_str()),
+            "{}",
+            a.name
+        );
         assert_eq!(sums.get(&a.name), Some(&a.sha256), "{} not in SHA256SUMS", a.name);
     }
     for n in AUX_FILES.iter().filter(|n| !names.contains(n)) {
@@ -98,7 +118,10 @@ fn synth_tiny_repack_carries_tokenizer_files_and_verify_guards_them() {
     std::fs::write(&tk, &bad).unwrap();
     let (code, msg) = verify(&out);
     assert_eq!(code, 1, "{msg}");
-    assert!(msg.contains("tiktoken.model: sha256") && msg.contains("manifest says"), "{msg}");
+    assert!(
+        msg.contains("tiktoken.model: sha256") && msg.contains("manifest says"),
+        "{msg}"
+    );
     assert!(!sha256sum_strict(&out));
     // Truncated: named with its size.
     std::fs::write(&tk, &orig[..orig.len() - 1]).unwrap();
@@ -127,7 +150,13 @@ fn synth_tiny_repack_carries_tokenizer_files_and_verify_guards_them() {
     let sums: String = sums
         .lines()
         .filter(|l| !l.ends_with("  generation_config.json"))
-        .map(|l| if l.ends_with("  manifest.toml") { format!("{}  manifest.toml\n", hex::encode(Sha256::digest(text.as_bytes()))) } else { format!("{l}\n") })
+        .map(|l| {
+            if l.ends_with("  manifest.toml") {
+                format!("{}  manifest.toml\n", hex::encode(Sha256::digest(text.as_bytes())))
+            } else {
+                format!("{l}\n")
+            }
+        })
         .collect();
     std::fs::write(out.join("SHA256SUMS"), sums).unwrap();
     let (code, msg) = verify(&out);
@@ -173,7 +202,9 @@ fn missing_optional_files_are_skipped_and_symlinks_followed() {
     let out3 = d.path().join("out3");
     let (code, msg) = repack(&src, &out3);
     assert_eq!(code, 0, "{msg}");
-    assert!(!std::fs::read_to_string(out3.join("manifest.toml")).unwrap().contains("aux_files"));
+    assert!(!std::fs::read_to_string(out3.join("manifest.toml"))
+        .unwrap()
+        .contains("aux_files"));
     assert_carried(&src, &out3, &[]);
     // Tokenizer files added to SRC later (or an OUT converted before they were carried): re-running the
     // same command carries them and keeps the complete shards as they are (same inodes).
@@ -224,7 +255,11 @@ fn interrupted_or_changed_carried_files_are_recopied() {
     assert_eq!(code, 0, "{msg}");
     assert_eq!(std::fs::read(out.join("tiktoken.model")).unwrap(), tk);
     assert_carried(&src, &out, &AUX_FILES);
-    assert_eq!(shard_inodes(&out), before, "shards were rewritten for a tokenizer change");
+    assert_eq!(
+        shard_inodes(&out),
+        before,
+        "shards were rewritten for a tokenizer change"
+    );
     for (k, v) in &want {
         if k.to_str().unwrap().ends_with(".safetensors") {
             assert!(&std::fs::read(out.join(k)).unwrap() == v, "{k:?} changed");

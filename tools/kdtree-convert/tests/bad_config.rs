@@ -18,7 +18,11 @@ fn expect_refused(d: &Path, src: &Path, drafter: Option<&Path>, needles: &[&str]
     let t = Instant::now();
     let (code, _, err) = run(&args);
     assert_eq!(code, 2, "{needles:?}: {err}");
-    assert!(t.elapsed() < Duration::from_secs(20), "{needles:?}: took {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(20),
+        "{needles:?}: took {:?}",
+        t.elapsed()
+    );
     for n in needles {
         assert!(err.contains(n), "missing {n:?} in: {err}");
     }
@@ -30,12 +34,28 @@ fn target_config_bounds_and_rules() {
     let t = Tiny::default();
     let all = tensors(&t);
     for (key, v, want) in [
-        ("num_hidden_layers", serde_json::json!(1u64 << 31), "num_hidden_layers = 2147483648 is out of range"),
-        ("n_routed_experts", serde_json::json!(1u64 << 31), "n_routed_experts = 2147483648 is out of range"),
+        (
+            "num_hidden_layers",
+            serde_json::json!(1u64 << 31),
+            "num_hidden_layers = 2147483648 is out of range",
+        ),
+        (
+            "n_routed_experts",
+            serde_json::json!(1u64 << 31),
+            "n_routed_experts = 2147483648 is out of range",
+        ),
         ("vocab_size", serde_json::json!(1u64 << 40), "vocab_size"),
-        ("n_group", serde_json::json!(3), "n_group = 3 does not divide n_routed_experts = 8"),
+        (
+            "n_group",
+            serde_json::json!(3),
+            "n_group = 3 does not divide n_routed_experts = 8",
+        ),
         ("topk_group", serde_json::json!(2), "topk_group = 2 is out of range"),
-        ("num_experts_per_tok", serde_json::json!(9), "num_experts_per_tok = 9 is out of range"),
+        (
+            "num_experts_per_tok",
+            serde_json::json!(9),
+            "num_experts_per_tok = 9 is out of range",
+        ),
     ] {
         let d = tempfile::tempdir().unwrap();
         let mut cfg = config(&t);
@@ -48,9 +68,21 @@ fn target_config_bounds_and_rules() {
 #[test]
 fn drafter_config_must_fit_the_target() {
     for (key, v, want) in [
-        ("vocab_size", serde_json::json!(300), "vocab_size = 300 differs from the target's 256"),
-        ("dflash_config.mask_token_id", serde_json::json!(256), "mask_token_id = 256 is not below vocab_size = 256"),
-        ("dflash_config.target_layer_ids", serde_json::json!([1, 3]), "target_layer_ids holds 3"),
+        (
+            "vocab_size",
+            serde_json::json!(300),
+            "vocab_size = 300 differs from the target's 256",
+        ),
+        (
+            "dflash_config.mask_token_id",
+            serde_json::json!(256),
+            "mask_token_id = 256 is not below vocab_size = 256",
+        ),
+        (
+            "dflash_config.target_layer_ids",
+            serde_json::json!([1, 3]),
+            "target_layer_ids holds 3",
+        ),
     ] {
         let d = tempfile::tempdir().unwrap();
         let t = Tiny::default();
@@ -64,6 +96,11 @@ fn drafter_config_must_fit_the_target() {
             None => cfg[key] = v,
         }
         std::fs::write(&cpath, cfg.to_string()).unwrap();
-        expect_refused(d.path(), &d.path().join("src"), Some(&dr), &["drafter/config.json", want]);
+        expect_refused(
+            d.path(),
+            &d.path().join("src"),
+            Some(&dr),
+            &["drafter/config.json", want],
+        );
     }
 }

@@ -22,7 +22,11 @@ fn expect_error(d: &Path, src: &Path, extra: &[&str], needles: &[&str]) {
         assert!(err.contains(n), "stderr lacks {n:?}:\n{err}");
     }
     assert_eq!(err.matches("error:").count(), 1, "{err}");
-    assert_ne!(run(&["verify", s(&out), "--quiet"]).0, 0, "verify accepted the output of a failed repack");
+    assert_ne!(
+        run(&["verify", s(&out), "--quiet"]).0,
+        0,
+        "verify accepted the output of a failed repack"
+    );
 }
 
 fn shard(src: &Path, i: usize) -> std::path::PathBuf {
@@ -54,7 +58,12 @@ fn truncated_shard() {
     let p = shard(&src, 2);
     let b = std::fs::read(&p).unwrap();
     std::fs::write(&p, &b[..b.len() - 10]).unwrap();
-    expect_error(d.path(), &src, &[], &["model-00002-of-000003.safetensors", "tensor \"", "truncated"]);
+    expect_error(
+        d.path(),
+        &src,
+        &[],
+        &["model-00002-of-000003.safetensors", "tensor \"", "truncated"],
+    );
 }
 
 #[test]
@@ -65,7 +74,12 @@ fn header_length_overflow() {
     let mut b = std::fs::read(&p).unwrap();
     b[..8].copy_from_slice(&(u64::MAX - 3).to_le_bytes());
     std::fs::write(&p, b).unwrap();
-    expect_error(d.path(), &src, &[], &["model-00001-of-000003.safetensors", "header length"]);
+    expect_error(
+        d.path(),
+        &src,
+        &[],
+        &["model-00001-of-000003.safetensors", "header length"],
+    );
 }
 
 /// Edit the parsed header of shard 1 (tensors as JSON values, key order kept).
@@ -79,7 +93,11 @@ fn edit_json(src: &Path, f: impl Fn(&mut serde_json::Map<String, serde_json::Val
 
 /// Name of the tensor of shard 1 with the `i`-th smallest offset.
 fn by_offset(m: &serde_json::Map<String, serde_json::Value>, i: usize) -> String {
-    let mut v: Vec<(u64, &String)> = m.iter().filter(|(k, _)| *k != "__metadata__").map(|(k, t)| (t["data_offsets"][0].as_u64().unwrap(), k)).collect();
+    let mut v: Vec<(u64, &String)> = m
+        .iter()
+        .filter(|(k, _)| *k != "__metadata__")
+        .map(|(k, t)| (t["data_offsets"][0].as_u64().unwrap(), k))
+        .collect();
     v.sort();
     v[i].1.clone()
 }
@@ -94,10 +112,22 @@ fn overlapping_offsets() {
         let (b, e) = (o[0].as_u64().unwrap(), o[1].as_u64().unwrap());
         *o = serde_json::json!([b - 2, e - 2]);
     });
-    let f = kdtree_formats::reader::read_header(&shard(&src, 1)).err().unwrap().to_string();
+    let f = kdtree_formats::reader::read_header(&shard(&src, 1))
+        .err()
+        .unwrap()
+        .to_string();
     assert!(f.contains("overlaps"), "{f}");
     let victim = f.split('"').nth(1).unwrap();
-    expect_error(d.path(), &src, &[], &["model-00001-of-000003.safetensors", &format!("tensor \"{victim}\""), "overlaps the previous tensor"]);
+    expect_error(
+        d.path(),
+        &src,
+        &[],
+        &[
+            "model-00001-of-000003.safetensors",
+            &format!("tensor \"{victim}\""),
+            "overlaps the previous tensor",
+        ],
+    );
 }
 
 #[test]
@@ -105,10 +135,23 @@ fn out_of_range_offsets() {
     let d = tempfile::tempdir().unwrap();
     let src = fresh(d.path());
     edit_json(&src, |m| {
-        let last = m.values().filter_map(|t| t.get("data_offsets")).map(|o| o[1].as_u64().unwrap()).max().unwrap();
-        m.insert("zz.beyond".into(), serde_json::json!({"dtype": "U8", "shape": [1000], "data_offsets": [last, last + 1000]}));
+        let last = m
+            .values()
+            .filter_map(|t| t.get("data_offsets"))
+            .map(|o| o[1].as_u64().unwrap())
+            .max()
+            .unwrap();
+        m.insert(
+            "zz.beyond".into(),
+            serde_json::json!({"dtype": "U8", "shape": [1000], "data_offsets": [last, last + 1000]}),
+        );
     });
-    expect_error(d.path(), &src, &[], &["model-00001-of-000003.safetensors", "tensor \"zz.beyond\"", "truncated"]);
+    expect_error(
+        d.path(),
+        &src,
+        &[],
+        &["model-00001-of-000003.safetensors", "tensor \"zz.beyond\"", "truncated"],
+    );
 }
 
 #[test]
@@ -116,7 +159,12 @@ fn dtype_times_shape_differs_from_bytes() {
     let d = tempfile::tempdir().unwrap();
     let src = fresh(d.path());
     edit_header(&src, |h| h.replacen("\"dtype\":\"BF16\"", "\"dtype\":\"F32\"", 1));
-    expect_error(d.path(), &src, &[], &["model-00001-of-000003.safetensors", "tensor \"", "needs"]);
+    expect_error(
+        d.path(),
+        &src,
+        &[],
+        &["model-00001-of-000003.safetensors", "tensor \"", "needs"],
+    );
 }
 
 #[test]
@@ -125,24 +173,48 @@ fn duplicate_tensor_names() {
     let src = fresh(d.path());
     edit_header(&src, |h| {
         let v: serde_json::Value = serde_json::from_str(&h).unwrap();
-        let (name, t) = v.as_object().unwrap().iter().find(|(k, _)| *k != "__metadata__").unwrap();
+        let (name, t) = v
+            .as_object()
+            .unwrap()
+            .iter()
+            .find(|(k, _)| *k != "__metadata__")
+            .unwrap();
         let dup = format!("{}:{}", serde_json::to_string(name).unwrap(), t);
         let trimmed = h.trim_end();
         format!("{},{dup}}}", &trimmed[..trimmed.len() - 1])
     });
-    expect_error(d.path(), &src, &[], &["model-00001-of-000003.safetensors", "duplicate tensor name"]);
+    expect_error(
+        d.path(),
+        &src,
+        &[],
+        &["model-00001-of-000003.safetensors", "duplicate tensor name"],
+    );
 }
 
 #[test]
 fn weight_map_names_missing_file_or_path_outside_src() {
-    for (bad, needle) in [("model-00009-of-000003.safetensors", "does not exist"), ("../escape.safetensors", "not a plain file name"), ("/etc/passwd", "not a plain file name")] {
+    for (bad, needle) in [
+        ("model-00009-of-000003.safetensors", "does not exist"),
+        ("../escape.safetensors", "not a plain file name"),
+        ("/etc/passwd", "not a plain file name"),
+    ] {
         let d = tempfile::tempdir().unwrap();
         let src = fresh(d.path());
         let ip = src.join("model.safetensors.index.json");
         let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&ip).unwrap()).unwrap();
         v["weight_map"]["language_model.model.norm.weight"] = serde_json::json!(bad);
         std::fs::write(&ip, v.to_string()).unwrap();
-        expect_error(d.path(), &src, &[], &["model.safetensors.index.json", "language_model.model.norm.weight", bad, needle]);
+        expect_error(
+            d.path(),
+            &src,
+            &[],
+            &[
+                "model.safetensors.index.json",
+                "language_model.model.norm.weight",
+                bad,
+                needle,
+            ],
+        );
     }
 }
 
@@ -153,12 +225,24 @@ fn layer_missing_a_tensor() {
     let mut all = tensors(&t);
     all.remove("language_model.model.layers.2.self_attn.kv_b_proj.weight");
     write_checkpoint_with(&d.path().join("src"), &t, &config(&t), &all);
-    expect_error(d.path(), &d.path().join("src"), &[], &["layer 2 is missing tensor \"language_model.model.layers.2.self_attn.kv_b_proj.weight\""]);
+    expect_error(
+        d.path(),
+        &d.path().join("src"),
+        &[],
+        &["layer 2 is missing tensor \"language_model.model.layers.2.self_attn.kv_b_proj.weight\""],
+    );
 }
 
 #[test]
 fn wrong_packed_and_scale_shapes() {
-    for (suffix, shape, needle) in [("weight_packed", vec![64usize, 7], "expected I32 [64, 8], found I32 [64, 7]"), ("weight_scale", vec![64, 1], "expected BF16 [64, 2], found BF16 [64, 1]")] {
+    for (suffix, shape, needle) in [
+        (
+            "weight_packed",
+            vec![64usize, 7],
+            "expected I32 [64, 8], found I32 [64, 7]",
+        ),
+        ("weight_scale", vec![64, 1], "expected BF16 [64, 2], found BF16 [64, 1]"),
+    ] {
         let d = tempfile::tempdir().unwrap();
         let t = Tiny::default();
         let mut all = tensors(&t);
@@ -168,7 +252,12 @@ fn wrong_packed_and_scale_shapes() {
         e.1 = shape.clone();
         e.2.truncate(shape.iter().product::<usize>() * es);
         write_checkpoint_with(&d.path().join("src"), &t, &config(&t), &all);
-        expect_error(d.path(), &d.path().join("src"), &[], &[&format!("tensor \"{name}\""), needle]);
+        expect_error(
+            d.path(),
+            &d.path().join("src"),
+            &[],
+            &[&format!("tensor \"{name}\""), needle],
+        );
     }
 }
 
@@ -177,20 +266,46 @@ fn unknown_quantization_config() {
     let d = tempfile::tempdir().unwrap();
     let t = Tiny::default();
     let mut cfg = config(&t);
-    cfg["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = serde_json::json!(128);
+    cfg["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] =
+        serde_json::json!(128);
     write_checkpoint_with(&d.path().join("src"), &t, &cfg, &tensors(&t));
-    expect_error(d.path(), &d.path().join("src"), &[], &["config.json", "unknown quantization config", "group_size\":128"]);
+    expect_error(
+        d.path(),
+        &d.path().join("src"),
+        &[],
+        &["config.json", "unknown quantization config", "group_size\":128"],
+    );
     cfg["text_config"]["quantization_config"] = serde_json::json!({"quant_method": "awq"});
     write_checkpoint_with(&d.path().join("src"), &t, &cfg, &tensors(&t));
-    expect_error(d.path(), &d.path().join("src"), &[], &["unknown quantization config", "awq"]);
+    expect_error(
+        d.path(),
+        &d.path().join("src"),
+        &[],
+        &["unknown quantization config", "awq"],
+    );
 }
 
 #[test]
 fn rank_count_that_does_not_divide_or_breaks_groups() {
     let d = tempfile::tempdir().unwrap();
     let src = fresh(d.path());
-    expect_error(d.path(), &src, &["--ranks", "3"], &["plan: tensor \"language_model.model", "do not divide over 3 ranks"]);
+    expect_error(
+        d.path(),
+        &src,
+        &["--ranks", "3"],
+        &["plan: tensor \"language_model.model", "do not divide over 3 ranks"],
+    );
     // moe_intermediate 64 over 4 ranks = 16 columns of down_proj per rank: cuts a 32-group.
-    expect_error(d.path(), &src, &["--ranks", "4"], &["down_proj.weight_packed", "group-32 alignment", "16 columns per rank"]);
-    expect_error(d.path(), &src, &["--ranks", "16", "--experts", "ep"], &["do not divide over 16 ranks"]);
+    expect_error(
+        d.path(),
+        &src,
+        &["--ranks", "4"],
+        &["down_proj.weight_packed", "group-32 alignment", "16 columns per rank"],
+    );
+    expect_error(
+        d.path(),
+        &src,
+        &["--ranks", "16", "--experts", "ep"],
+        &["do not divide over 16 ranks"],
+    );
 }

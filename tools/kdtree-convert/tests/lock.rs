@@ -16,8 +16,14 @@ fn second_repack_into_a_locked_out_names_the_holder() {
     let held = lock_out(&out).unwrap();
     let (code, _, err) = run(&["repack", s(&src), s(&out), "--ranks", "2", "--quiet"]);
     assert_eq!(code, 2, "{err}");
-    assert!(err.contains(&format!("pid {}", std::process::id())) && err.contains("locked"), "{err}");
-    let left: Vec<_> = std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    assert!(
+        err.contains(&format!("pid {}", std::process::id())) && err.contains("locked"),
+        "{err}"
+    );
+    let left: Vec<_> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
     assert_eq!(left, [LOCK_FILE], "the locked-out run wrote into OUT");
     // A second lock from this process is refused too (flock locks are per open file).
     assert!(lock_out(&out).is_err());
@@ -45,10 +51,30 @@ fn stale_lock_file_does_not_block() {
 fn concurrent_repacks_one_wins_the_other_is_refused() {
     let d = tempfile::tempdir().unwrap();
     let src = d.path().join("src");
-    write_checkpoint(&src, &Tiny { layers: 6, experts: 16, hidden: 128, ..Tiny::default() });
+    write_checkpoint(
+        &src,
+        &Tiny {
+            layers: 6,
+            experts: 16,
+            hidden: 128,
+            ..Tiny::default()
+        },
+    );
     let out = d.path().join("out");
-    let go = |_| bin().args(["repack", s(&src), s(&out), "--ranks", "2", "--quiet"]).output().unwrap();
-    let outs: Vec<_> = std::thread::scope(|sc| (0..4).map(|i| sc.spawn(move || go(i))).collect::<Vec<_>>().into_iter().map(|h| h.join().unwrap()).collect());
+    let go = |_| {
+        bin()
+            .args(["repack", s(&src), s(&out), "--ranks", "2", "--quiet"])
+            .output()
+            .unwrap()
+    };
+    let outs: Vec<_> = std::thread::scope(|sc| {
+        (0..4)
+            .map(|i| sc.spawn(move || go(i)))
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect()
+    });
     for o in &outs {
         let err = String::from_utf8_lossy(&o.stderr);
         match o.status.code() {

@@ -36,7 +36,10 @@ fn repack_peak_rss_is_bounded() {
 
 fn one_huge_tensor() {
     let d = tempfile::tempdir().unwrap();
-    let t = Tiny { shards: 2, ..Tiny::default() };
+    let t = Tiny {
+        shards: 2,
+        ..Tiny::default()
+    };
     let mut all = tensors(&t);
     all.remove("language_model.model.embed_tokens.weight");
     all.remove("language_model.lm_head.weight");
@@ -47,13 +50,22 @@ fn one_huge_tensor() {
     write_checkpoint_with(&src, &t, &cfg, &all);
     // A sparse safetensors file holding only the embedding: header, then 192 MiB of holes (zeros).
     let name = "language_model.model.embed_tokens.weight";
-    let spec = TensorSpec { name: name.into(), dtype: Dtype::BF16, shape: vec![VOCAB, 64] };
+    let spec = TensorSpec {
+        name: name.into(),
+        dtype: Dtype::BF16,
+        shape: vec![VOCAB, 64],
+    };
     let (h, offs) = header_bytes("embed", &[spec]).unwrap();
     let mut bytes = (h.len() as u64).to_le_bytes().to_vec();
     bytes.extend_from_slice(&h);
     let p = src.join("embed.safetensors");
     std::fs::write(&p, &bytes).unwrap();
-    std::fs::OpenOptions::new().write(true).open(&p).unwrap().set_len((bytes.len() + offs[0].1) as u64).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&p)
+        .unwrap()
+        .set_len((bytes.len() + offs[0].1) as u64)
+        .unwrap();
     let ip = src.join("model.safetensors.index.json");
     let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&ip).unwrap()).unwrap();
     v["weight_map"][name] = serde_json::json!("embed.safetensors");
@@ -76,14 +88,31 @@ fn one_huge_tensor() {
 fn many_expert_slices() {
     use kdtree_formats::plan::{plan_model, ExpertsMode, SourceQuant};
     let d = tempfile::tempdir().unwrap();
-    let t = Tiny { hidden: 512, moe_inter: 512, inter: 1024, experts: 160, layers: 4, heads: 8, vocab: 4096, ..Tiny::default() };
+    let t = Tiny {
+        hidden: 512,
+        moe_inter: 512,
+        inter: 1024,
+        experts: 160,
+        layers: 4,
+        heads: 8,
+        vocab: 4096,
+        ..Tiny::default()
+    };
     let cfg = config(&t);
     let src = d.path().join("src");
     std::fs::create_dir_all(&src).unwrap();
     std::fs::write(src.join("config.json"), cfg.to_string()).unwrap();
     let text = kdtree_formats::config::parse_text_config("config.json", &cfg.to_string()).unwrap();
     let plan = plan_model(&text, None, "language_model.", SourceQuant::Int4, 8, ExpertsMode::Tp).unwrap();
-    let mut specs: Vec<TensorSpec> = plan.sources.iter().map(|e| TensorSpec { name: e.name.clone(), dtype: e.dtypes[0], shape: e.shape.clone() }).collect();
+    let mut specs: Vec<TensorSpec> = plan
+        .sources
+        .iter()
+        .map(|e| TensorSpec {
+            name: e.name.clone(),
+            dtype: e.dtypes[0],
+            shape: e.shape.clone(),
+        })
+        .collect();
     specs.sort_by(|a, b| a.name.cmp(&b.name));
     let (h, offs) = header_bytes("model.safetensors", &specs).unwrap();
     let start = 8 + h.len();
@@ -94,11 +123,15 @@ fn many_expert_slices() {
     let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
     f.set_len((start + offs.last().unwrap().1) as u64).unwrap();
     use std::os::unix::fs::FileExt;
-    let packed: std::collections::HashMap<&str, &Vec<usize>> = specs.iter().map(|s| (s.name.as_str(), &s.shape)).collect();
+    let packed: std::collections::HashMap<&str, &Vec<usize>> =
+        specs.iter().map(|s| (s.name.as_str(), &s.shape)).collect();
     for (s, (b, _)) in specs.iter().zip(&offs) {
         if let Some(stem) = s.name.strip_suffix(".weight_shape") {
             let ps = packed[format!("{stem}.weight_packed").as_str()];
-            let v: Vec<u8> = [ps[0] as i32, ps[1] as i32 * 8].iter().flat_map(|x| x.to_le_bytes()).collect();
+            let v: Vec<u8> = [ps[0] as i32, ps[1] as i32 * 8]
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect();
             f.write_all_at(&v, (start + b) as u64).unwrap();
         }
     }

@@ -29,12 +29,20 @@ fn synth_on_a_full_disk_names_the_file() {
     for kib in [1, 4, 64, 512] {
         let out = d.path().join(format!("syn{kib}"));
         let o = Command::new("bash")
-            .args(["-c", &format!("trap '' XFSZ; ulimit -f {kib}; exec \"$0\" synth tiny \"$1\" --quiet"), env!("CARGO_BIN_EXE_kdtree-convert"), s(&out)])
+            .args([
+                "-c",
+                &format!("trap '' XFSZ; ulimit -f {kib}; exec \"$0\" synth tiny \"$1\" --quiet"),
+                env!("CARGO_BIN_EXE_kdtree-convert"),
+                s(&out),
+            ])
             .output()
             .unwrap();
         let err = String::from_utf8_lossy(&o.stderr);
         assert_eq!(o.status.code(), Some(2), "limit {kib} KiB: {err}");
-        assert!(err.contains(s(&out)) && err.contains("File too large"), "limit {kib} KiB: the error names no file: {err}");
+        assert!(
+            err.contains(s(&out)) && err.contains("File too large"),
+            "limit {kib} KiB: the error names no file: {err}"
+        );
     }
 }
 
@@ -47,8 +55,20 @@ fn repack_says_an_inner_drafter_is_ignored() {
     let (code, _, err) = run(&["repack", s(&src), s(&d.path().join("out")), "--ranks", "1", "--quiet"]);
     assert_eq!(code, 0, "{err}");
     let want = format!("--drafter {}", src.join("drafter").display());
-    assert!(err.contains("not converted without --drafter") && err.contains(&want), "{err}");
-    let (code, _, err) = run(&["repack", s(&src), s(&d.path().join("out2")), "--ranks", "1", "--drafter", s(&src.join("drafter")), "--quiet"]);
+    assert!(
+        err.contains("not converted without --drafter") && err.contains(&want),
+        "{err}"
+    );
+    let (code, _, err) = run(&[
+        "repack",
+        s(&src),
+        s(&d.path().join("out2")),
+        "--ranks",
+        "1",
+        "--drafter",
+        s(&src.join("drafter")),
+        "--quiet",
+    ]);
     assert_eq!(code, 0, "{err}");
     assert!(!err.contains("notice"), "{err}");
 }
@@ -61,7 +81,11 @@ fn progress_goes_to_a_non_terminal_stderr_as_plain_lines() {
     // stderr is a pipe here, not a terminal: without plain lines a long run would print nothing.
     let (code, _, err) = run(&["repack", s(&src), s(&d.path().join("out")), "--ranks", "2"]);
     assert_eq!(code, 0, "{err}");
-    assert!(err.lines().any(|l| l.starts_with("repack: ") && l.contains(" in ") && l.ends_with("/s")), "{err}");
+    assert!(
+        err.lines()
+            .any(|l| l.starts_with("repack: ") && l.contains(" in ") && l.ends_with("/s")),
+        "{err}"
+    );
     let (code, _, err) = run(&["repack", s(&src), s(&d.path().join("out2")), "--ranks", "2", "--quiet"]);
     assert_eq!(code, 0, "{err}");
     assert_eq!(err, "", "--quiet prints nothing");
@@ -71,6 +95,11 @@ fn progress_goes_to_a_non_terminal_stderr_as_plain_lines() {
 fn free_space_is_checked_before_anything_is_written() {
     let d = tempfile::tempdir().unwrap();
     kdtree_convert::repack::check_free_space(d.path(), 1).unwrap();
-    let e = kdtree_convert::repack::check_free_space(d.path(), u64::MAX / 2).unwrap_err().to_string();
-    assert!(e.contains("not enough free space") && e.contains(&(u64::MAX / 2).to_string()) && e.contains("free"), "{e}");
+    let e = kdtree_convert::repack::check_free_space(d.path(), u64::MAX / 2)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("not enough free space") && e.contains(&(u64::MAX / 2).to_string()) && e.contains("free"),
+        "{e}"
+    );
 }

@@ -10,7 +10,19 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 fn args(src: &Path, out: &Path) -> Vec<String> {
-    ["repack", s(src), s(out), "--ranks", "2", "--max-file-size", "150000", "--quiet"].iter().map(|x| x.to_string()).collect()
+    [
+        "repack",
+        s(src),
+        s(out),
+        "--ranks",
+        "2",
+        "--max-file-size",
+        "150000",
+        "--quiet",
+    ]
+    .iter()
+    .map(|x| x.to_string())
+    .collect()
 }
 
 /// Flip one byte in the data of the first source shard, keeping its size (and inode: written in place).
@@ -43,12 +55,22 @@ fn changed_source_is_converted_again_not_already_complete() {
     let changed = change_source(&src);
     let (code, stdout, _) = run(&["verify", s(&out), "--source", "--quiet"]);
     assert_eq!(code, 1, "{stdout}");
-    assert!(stdout.contains("source changed since the conversion") && stdout.contains(s(&changed)), "{stdout}");
-    assert_eq!(run(&["verify", s(&out), "--quiet"]).0, 0, "without --source the output itself is intact");
+    assert!(
+        stdout.contains("source changed since the conversion") && stdout.contains(s(&changed)),
+        "{stdout}"
+    );
+    assert_eq!(
+        run(&["verify", s(&out), "--quiet"]).0,
+        0,
+        "without --source the output itself is intact"
+    );
     let o = bin().args(args(&src, &out)).output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");
-    assert!(!err.contains("already complete") && err.contains("SRC changed") && err.contains(s(&changed)), "{err}");
+    assert!(
+        !err.contains("already complete") && err.contains("SRC changed") && err.contains(s(&changed)),
+        "{err}"
+    );
     assert_ne!(content(&out), before, "stale output kept");
     // Same bytes as a fresh conversion of the changed source.
     let fresh = d.path().join("fresh");
@@ -60,7 +82,15 @@ fn changed_source_is_converted_again_not_already_complete() {
 #[test]
 fn resume_after_kill_over_a_changed_source_rewrites_every_shard() {
     let d = tempfile::tempdir().unwrap();
-    let t = Tiny { hidden: 256, inter: 512, moe_inter: 128, layers: 4, experts: 16, vocab: 8192, ..Tiny::default() };
+    let t = Tiny {
+        hidden: 256,
+        inter: 512,
+        moe_inter: 128,
+        layers: 4,
+        experts: 16,
+        vocab: 8192,
+        ..Tiny::default()
+    };
     let src = d.path().join("src");
     write_checkpoint(&src, &t);
     let out = d.path().join("out");
@@ -72,7 +102,11 @@ fn resume_after_kill_over_a_changed_source_rewrites_every_shard() {
     }
     child.kill().unwrap();
     child.wait().unwrap();
-    assert!(records() >= 3 && !out.join("manifest.toml").exists(), "the kill did not land mid-run ({} records)", records());
+    assert!(
+        records() >= 3 && !out.join("manifest.toml").exists(),
+        "the kill did not land mid-run ({} records)",
+        records()
+    );
     let changed = change_source(&src);
     let o = bin().args(args(&src, &out)).output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
@@ -80,5 +114,9 @@ fn resume_after_kill_over_a_changed_source_rewrites_every_shard() {
     assert!(err.contains("SRC changed") && err.contains(s(&changed)), "{err}");
     let fresh = d.path().join("fresh");
     assert!(bin().args(args(&src, &fresh)).status().unwrap().success());
-    assert_eq!(content(&out), content(&fresh), "resumed output mixes shards of the old source");
+    assert_eq!(
+        content(&out),
+        content(&fresh),
+        "resumed output mixes shards of the old source"
+    );
 }

@@ -9,7 +9,16 @@ use std::path::{Path, PathBuf};
 fn converted(d: &Path) -> PathBuf {
     write_checkpoint(&d.join("src"), &Tiny::default());
     let out = d.join("out");
-    let (code, _, err) = run(&["repack", s(&d.join("src")), s(&out), "--ranks", "2", "--max-file-size", "30000", "--quiet"]);
+    let (code, _, err) = run(&[
+        "repack",
+        s(&d.join("src")),
+        s(&out),
+        "--ranks",
+        "2",
+        "--max-file-size",
+        "30000",
+        "--quiet",
+    ]);
     assert_eq!(code, 0, "{err}");
     out
 }
@@ -27,14 +36,22 @@ fn verify_passes_then_names_tampered_tensor() {
     assert_eq!(code, 0, "{msg}");
     assert!(msg.starts_with("OK:"), "{msg}");
     let m = kdtree_formats::ModelDir::open(&out).unwrap().manifest().clone();
-    let t = m.tensors.iter().find(|t| t.name == "language_model.model.layers.2.mlp.experts.up_proj.weight_packed" && t.rank == 1).unwrap();
+    let t = m
+        .tensors
+        .iter()
+        .find(|t| t.name == "language_model.model.layers.2.mlp.experts.up_proj.weight_packed" && t.rank == 1)
+        .unwrap();
     let p = out.join(&t.file);
     let mut bytes = std::fs::read(&p).unwrap();
     bytes[(t.offset + t.nbytes / 2) as usize] ^= 0x10;
     std::fs::write(&p, &bytes).unwrap();
     let (code, msg) = verify(&out);
     assert_eq!(code, 1, "{msg}");
-    assert!(msg.contains(&t.file) && msg.contains("tensor \"language_model.model.layers.2.mlp.experts.up_proj.weight_packed\" (rank 1)"), "{msg}");
+    assert!(
+        msg.contains(&t.file)
+            && msg.contains("tensor \"language_model.model.layers.2.mlp.experts.up_proj.weight_packed\" (rank 1)"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -48,7 +65,10 @@ fn verify_names_truncated_missing_and_extra_files() {
     std::fs::write(&p, &orig[..orig.len() - 100]).unwrap();
     let (code, msg) = verify(&out);
     assert_eq!(code, 1, "{msg}");
-    assert!(msg.contains(&f.name) && msg.contains("truncated") && msg.contains("is cut off"), "{msg}");
+    assert!(
+        msg.contains(&f.name) && msg.contains("truncated") && msg.contains("is cut off"),
+        "{msg}"
+    );
     std::fs::remove_file(&p).unwrap();
     let (code, msg) = verify(&out);
     assert_eq!(code, 1, "{msg}");
@@ -90,7 +110,13 @@ fn as_v1(out: &Path) {
     let sums = std::fs::read_to_string(out.join("SHA256SUMS")).unwrap();
     let fixed: String = sums
         .lines()
-        .map(|l| if l.ends_with("  manifest.toml") { format!("{}  manifest.toml\n", hex::encode(Sha256::digest(text.as_bytes()))) } else { format!("{l}\n") })
+        .map(|l| {
+            if l.ends_with("  manifest.toml") {
+                format!("{}  manifest.toml\n", hex::encode(Sha256::digest(text.as_bytes())))
+            } else {
+                format!("{l}\n")
+            }
+        })
         .collect();
     std::fs::write(out.join("SHA256SUMS"), fixed).unwrap();
 }
@@ -106,19 +132,38 @@ fn verify_reads_format_v1_and_names_a_bad_tensor_by_its_sha256() {
     let (code, msg) = verify(&out);
     assert_eq!(code, 0, "{msg}");
     assert!(kdtree_formats::ModelDir::open(&out).is_ok());
-    let t = m.tensors.iter().find(|t| t.name.ends_with("layers.1.mlp.experts.gate_proj.weight_scale") && t.rank == 0).unwrap();
+    let t = m
+        .tensors
+        .iter()
+        .find(|t| t.name.ends_with("layers.1.mlp.experts.gate_proj.weight_scale") && t.rank == 0)
+        .unwrap();
     let p = out.join(&t.file);
     let mut bytes = std::fs::read(&p).unwrap();
     bytes[t.offset as usize + 3] ^= 0x80;
     std::fs::write(&p, &bytes).unwrap();
     let (code, msg) = verify(&out);
     assert_eq!(code, 1, "{msg}");
-    assert!(msg.contains(&format!("tensor \"{}\" (rank 0): sha256 ", t.name)), "{msg}");
+    assert!(
+        msg.contains(&format!("tensor \"{}\" (rank 0): sha256 ", t.name)),
+        "{msg}"
+    );
     // A re-run of repack rewrites a v1 conversion whole as v2 (never patches v1 entries into v2).
-    let (code, _, err) = run(&["repack", s(&d.path().join("src")), s(&out), "--ranks", "2", "--max-file-size", "30000", "--quiet"]);
+    let (code, _, err) = run(&[
+        "repack",
+        s(&d.path().join("src")),
+        s(&out),
+        "--ranks",
+        "2",
+        "--max-file-size",
+        "30000",
+        "--quiet",
+    ]);
     assert_eq!(code, 0, "{err}");
     assert_eq!(verify(&out).0, 0);
-    assert_eq!(kdtree_formats::ModelDir::open(&out).unwrap().manifest().format_version, 2);
+    assert_eq!(
+        kdtree_formats::ModelDir::open(&out).unwrap().manifest().format_version,
+        2
+    );
 }
 
 #[test]
@@ -129,7 +174,11 @@ fn verify_fails_a_consistent_but_unplanned_manifest() {
     let out = converted(d.path());
     let mp = out.join("manifest.toml");
     let mut m = kdtree_formats::Manifest::parse("m", &std::fs::read_to_string(&mp).unwrap()).unwrap();
-    let t = m.tensors.iter_mut().find(|t| t.name.ends_with("layers.1.self_attn.q_b_proj.weight") && t.rank == 1).unwrap();
+    let t = m
+        .tensors
+        .iter_mut()
+        .find(|t| t.name.ends_with("layers.1.self_attn.q_b_proj.weight") && t.rank == 1)
+        .unwrap();
     t.split_offset += 1;
     let name = t.name.clone();
     let text = m.to_toml().unwrap();
@@ -137,10 +186,19 @@ fn verify_fails_a_consistent_but_unplanned_manifest() {
     let sums = std::fs::read_to_string(out.join("SHA256SUMS")).unwrap();
     let fixed: String = sums
         .lines()
-        .map(|l| if l.ends_with("  manifest.toml") { format!("{}  manifest.toml\n", hex::encode(Sha256::digest(text.as_bytes()))) } else { format!("{l}\n") })
+        .map(|l| {
+            if l.ends_with("  manifest.toml") {
+                format!("{}  manifest.toml\n", hex::encode(Sha256::digest(text.as_bytes())))
+            } else {
+                format!("{l}\n")
+            }
+        })
         .collect();
     std::fs::write(out.join("SHA256SUMS"), fixed).unwrap();
     let (code, msg) = verify(&out);
     assert_eq!(code, 1, "{msg}");
-    assert!(msg.starts_with("FAILED: ") && msg.contains(&name) && msg.contains("split_offset"), "{msg}");
+    assert!(
+        msg.starts_with("FAILED: ") && msg.contains(&name) && msg.contains("split_offset"),
+        "{msg}"
+    );
 }

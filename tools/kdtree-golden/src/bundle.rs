@@ -61,7 +61,10 @@ impl ArRecord {
     /// Top-k (ids, logits) of step `s`.
     pub fn topk_row(&self, s: usize) -> (&[u32], &[f32]) {
         let k = self.topk;
-        (&self.topk_ids[s * k..(s + 1) * k], &self.topk_logits[s * k..(s + 1) * k])
+        (
+            &self.topk_ids[s * k..(s + 1) * k],
+            &self.topk_logits[s * k..(s + 1) * k],
+        )
     }
     /// Full logits of step `s` when recorded.
     pub fn full_row(&self, s: usize) -> Option<&[f32]> {
@@ -182,7 +185,9 @@ pub fn file_name_for(id: &str, ordinal: usize) -> String {
     let ok = !id.is_empty()
         && id.len() <= 64
         && !id.starts_with('.')
-        && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.');
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.');
     if ok {
         format!("{id}.safetensors")
     } else {
@@ -221,12 +226,24 @@ struct Tensors(BTreeMap<String, Owned>);
 impl Tensors {
     fn put(&mut self, name: impl Into<String>, dtype: Dtype, shape: &[usize], data: Vec<u8>) {
         let name = name.into();
-        let prev = self.0.insert(name.clone(), Owned { dtype, shape: shape.to_vec(), data });
+        let prev = self.0.insert(
+            name.clone(),
+            Owned {
+                dtype,
+                shape: shape.to_vec(),
+                data,
+            },
+        );
         assert!(prev.is_none(), "tensor {name} written twice");
     }
     fn f32(&mut self, name: impl Into<String>, shape: &[usize], v: &[f32]) {
         assert_eq!(shape.iter().product::<usize>(), v.len());
-        self.put(name, Dtype::F32, shape, v.iter().flat_map(|x| x.to_le_bytes()).collect());
+        self.put(
+            name,
+            Dtype::F32,
+            shape,
+            v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        );
     }
     fn i32(&mut self, name: impl Into<String>, shape: &[usize], v: impl IntoIterator<Item = i64>) {
         let data: Vec<u8> = v
@@ -238,7 +255,12 @@ impl Tensors {
     }
     fn u64(&mut self, name: impl Into<String>, shape: &[usize], v: &[u64]) {
         assert_eq!(shape.iter().product::<usize>(), v.len());
-        self.put(name, Dtype::U64, shape, v.iter().flat_map(|x| x.to_le_bytes()).collect());
+        self.put(
+            name,
+            Dtype::U64,
+            shape,
+            v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        );
     }
 }
 
@@ -253,63 +275,134 @@ impl PromptRecord {
         t.i32("prompt_ids", &[self.prompt_ids.len()], ids(&self.prompt_ids));
         let ar = &self.ar;
         let n = ar.tokens.len();
-        ensure!(ar.topk_ids.len() == n * ar.topk && ar.topk_logits.len() == n * ar.topk, "ar top-k arrays do not match {n} steps x k {}", ar.topk);
-        ensure!(ar.full_logits.len() == ar.full_steps * ar.vocab && ar.full_steps <= n, "ar full logits do not match {} steps x vocab {}", ar.full_steps, ar.vocab);
+        ensure!(
+            ar.topk_ids.len() == n * ar.topk && ar.topk_logits.len() == n * ar.topk,
+            "ar top-k arrays do not match {n} steps x k {}",
+            ar.topk
+        );
+        ensure!(
+            ar.full_logits.len() == ar.full_steps * ar.vocab && ar.full_steps <= n,
+            "ar full logits do not match {} steps x vocab {}",
+            ar.full_steps,
+            ar.vocab
+        );
         t.i32("ar.tokens", &[n], ids(&ar.tokens));
         t.i32("ar.topk_ids", &[n, ar.topk], ids(&ar.topk_ids));
         t.f32("ar.topk_logits", &[n, ar.topk], &ar.topk_logits);
         t.f32("ar.full_logits", &[ar.full_steps, ar.vocab], &ar.full_logits);
         if let Some(tr) = &self.trace {
-            t.i32("trace.meta", &[3], [tr.step as i64, tr.position as i64, tr.token as i64]);
+            t.i32(
+                "trace.meta",
+                &[3],
+                [tr.step as i64, tr.position as i64, tr.token as i64],
+            );
             for (l, lt) in tr.layers.iter().enumerate() {
                 let p = format!("trace.layer.{l}");
                 t.f32(format!("{p}.attn_out"), &[lt.attn_out.len()], &lt.attn_out);
                 t.f32(format!("{p}.mlp_out"), &[lt.mlp_out.len()], &lt.mlp_out);
                 t.f32(format!("{p}.residual"), &[lt.residual.len()], &lt.residual);
-                ensure!(lt.router_ids.len() == lt.router_weights.len(), "layer {l}: router ids/weights lengths differ");
+                ensure!(
+                    lt.router_ids.len() == lt.router_weights.len(),
+                    "layer {l}: router ids/weights lengths differ"
+                );
                 if !lt.router_ids.is_empty() {
                     t.i32(format!("{p}.router_ids"), &[lt.router_ids.len()], ids(&lt.router_ids));
-                    t.f32(format!("{p}.router_weights"), &[lt.router_weights.len()], &lt.router_weights);
+                    t.f32(
+                        format!("{p}.router_weights"),
+                        &[lt.router_weights.len()],
+                        &lt.router_weights,
+                    );
                 }
             }
         }
         if let Some(d) = &self.ddtree {
             let nodes = d.tree_tokens.len();
-            ensure!(d.tree_parents.len() == nodes && d.tree_depths.len() == nodes, "ddtree tree arrays differ in length");
-            ensure!(d.visibility.len() == nodes * d.visibility_words, "ddtree visibility is not [N+1, W]");
-            ensure!(d.verify_logits.len() == nodes * d.vocab, "ddtree verify logits are not [N+1, V]");
-            ensure!(d.draft_logits.len() == d.draft_rows * d.vocab, "ddtree draft logits are not [R, V]");
-            ensure!(d.accepted.len() == d.decisions.len(), "ddtree accepted/decisions lengths differ");
-            t.i32("ddtree.meta", &[4], [d.start as i64, d.root as i64, d.budget as i64, d.bonus as i64]);
+            ensure!(
+                d.tree_parents.len() == nodes && d.tree_depths.len() == nodes,
+                "ddtree tree arrays differ in length"
+            );
+            ensure!(
+                d.visibility.len() == nodes * d.visibility_words,
+                "ddtree visibility is not [N+1, W]"
+            );
+            ensure!(
+                d.verify_logits.len() == nodes * d.vocab,
+                "ddtree verify logits are not [N+1, V]"
+            );
+            ensure!(
+                d.draft_logits.len() == d.draft_rows * d.vocab,
+                "ddtree draft logits are not [R, V]"
+            );
+            ensure!(
+                d.accepted.len() == d.decisions.len(),
+                "ddtree accepted/decisions lengths differ"
+            );
+            t.i32(
+                "ddtree.meta",
+                &[4],
+                [d.start as i64, d.root as i64, d.budget as i64, d.bonus as i64],
+            );
             t.f32("ddtree.draft_logits", &[d.draft_rows, d.vocab], &d.draft_logits);
             t.i32("ddtree.tree_tokens", &[nodes], ids(&d.tree_tokens));
-            t.i32("ddtree.tree_parents", &[nodes], d.tree_parents.iter().map(|&x| x as i64));
+            t.i32(
+                "ddtree.tree_parents",
+                &[nodes],
+                d.tree_parents.iter().map(|&x| x as i64),
+            );
             t.i32("ddtree.tree_depths", &[nodes], ids(&d.tree_depths));
             t.u64("ddtree.visibility", &[nodes, d.visibility_words], &d.visibility);
             t.f32("ddtree.verify_logits", &[nodes, d.vocab], &d.verify_logits);
-            t.i32("ddtree.accepted", &[d.accepted.len()], d.accepted.iter().map(|&x| x as i64));
+            t.i32(
+                "ddtree.accepted",
+                &[d.accepted.len()],
+                d.accepted.iter().map(|&x| x as i64),
+            );
             t.i32("ddtree.decisions", &[d.decisions.len()], ids(&d.decisions));
         }
         let meta = HashMap::from([("format".to_string(), FORMAT.to_string())]);
-        Ok(safetensors::serialize(t.0.iter().map(|(k, v)| (k.as_str(), v)), Some(meta))?)
+        Ok(safetensors::serialize(
+            t.0.iter().map(|(k, v)| (k.as_str(), v)),
+            Some(meta),
+        )?)
     }
 
     /// Parse the bytes of one prompt file.
     pub fn from_bytes(bytes: &[u8], what: &str) -> Result<Self> {
         let st = SafeTensors::deserialize(bytes).with_context(|| format!("{what}: not a safetensors file"))?;
         let (_, meta) = SafeTensors::read_metadata(bytes)?;
-        let fmt = meta.metadata().as_ref().and_then(|m| m.get("format")).map(String::as_str);
-        ensure!(fmt == Some(FORMAT), "{what}: metadata format {fmt:?}, expected {FORMAT:?}");
+        let fmt = meta
+            .metadata()
+            .as_ref()
+            .and_then(|m| m.get("format"))
+            .map(String::as_str);
+        ensure!(
+            fmt == Some(FORMAT),
+            "{what}: metadata format {fmt:?}, expected {FORMAT:?}"
+        );
         let r = Reader { st: &st, what };
         let prompt_ids = r.u32s("prompt_ids")?.1;
         let (tshape, tokens) = r.u32s("ar.tokens")?;
         let n = tshape[0];
         let (kshape, topk_ids) = r.u32s("ar.topk_ids")?;
         let (_, topk_logits) = r.f32s("ar.topk_logits", Some(&kshape))?;
-        ensure!(kshape.len() == 2 && kshape[0] == n, "{what}: ar.topk_ids shape {kshape:?} vs {n} tokens");
+        ensure!(
+            kshape.len() == 2 && kshape[0] == n,
+            "{what}: ar.topk_ids shape {kshape:?} vs {n} tokens"
+        );
         let (fshape, full_logits) = r.f32s("ar.full_logits", None)?;
-        ensure!(fshape.len() == 2 && fshape[0] <= n, "{what}: ar.full_logits shape {fshape:?}");
-        let ar = ArRecord { tokens, topk: kshape[1], topk_ids, topk_logits, vocab: fshape[1], full_steps: fshape[0], full_logits };
+        ensure!(
+            fshape.len() == 2 && fshape[0] <= n,
+            "{what}: ar.full_logits shape {fshape:?}"
+        );
+        let ar = ArRecord {
+            tokens,
+            topk: kshape[1],
+            topk_ids,
+            topk_logits,
+            vocab: fshape[1],
+            full_steps: fshape[0],
+            full_logits,
+        };
 
         let trace = if r.has("trace.meta") {
             let meta = r.u32s("trace.meta")?.1;
@@ -331,7 +424,12 @@ impl PromptRecord {
                     residual: r.f32s(&format!("{p}.residual"), None)?.1,
                 });
             }
-            Some(TraceRecord { step: meta[0] as usize, position: meta[1] as usize, token: meta[2], layers })
+            Some(TraceRecord {
+                step: meta[0] as usize,
+                position: meta[1] as usize,
+                token: meta[2],
+                layers,
+            })
         } else {
             None
         };
@@ -344,9 +442,15 @@ impl PromptRecord {
             let (_, parents) = r.ints("ddtree.tree_parents", Some(&nshape))?;
             let (_, tree_depths) = r.u32s_shaped("ddtree.tree_depths", Some(&nshape))?;
             let (vshape, visibility) = r.u64s("ddtree.visibility")?;
-            ensure!(vshape.len() == 2 && vshape[0] == nshape[0], "{what}: ddtree.visibility shape {vshape:?}");
+            ensure!(
+                vshape.len() == 2 && vshape[0] == nshape[0],
+                "{what}: ddtree.visibility shape {vshape:?}"
+            );
             let (lshape, verify_logits) = r.f32s("ddtree.verify_logits", None)?;
-            ensure!(lshape == [nshape[0], dshape[1]], "{what}: ddtree.verify_logits shape {lshape:?}");
+            ensure!(
+                lshape == [nshape[0], dshape[1]],
+                "{what}: ddtree.verify_logits shape {lshape:?}"
+            );
             let (ashape, accepted) = r.u32s("ddtree.accepted")?;
             let (_, decisions) = r.u32s_shaped("ddtree.decisions", Some(&ashape))?;
             Some(DdtreeRecord {
@@ -369,7 +473,12 @@ impl PromptRecord {
         } else {
             None
         };
-        Ok(PromptRecord { prompt_ids, ar, trace, ddtree })
+        Ok(PromptRecord {
+            prompt_ids,
+            ar,
+            trace,
+            ddtree,
+        })
     }
 }
 
@@ -383,16 +492,33 @@ impl<'a> Reader<'a> {
         self.st.tensor(name).is_ok()
     }
     fn get(&self, name: &str, dtype: Dtype, shape: Option<&[usize]>) -> Result<TensorView<'a>> {
-        let t = self.st.tensor(name).with_context(|| format!("{}: no tensor {name}", self.what))?;
-        ensure!(t.dtype() == dtype, "{}: {name} is {:?}, expected {dtype:?}", self.what, t.dtype());
+        let t = self
+            .st
+            .tensor(name)
+            .with_context(|| format!("{}: no tensor {name}", self.what))?;
+        ensure!(
+            t.dtype() == dtype,
+            "{}: {name} is {:?}, expected {dtype:?}",
+            self.what,
+            t.dtype()
+        );
         if let Some(s) = shape {
-            ensure!(t.shape() == s, "{}: {name} has shape {:?}, expected {s:?}", self.what, t.shape());
+            ensure!(
+                t.shape() == s,
+                "{}: {name} has shape {:?}, expected {s:?}",
+                self.what,
+                t.shape()
+            );
         }
         Ok(t)
     }
     fn ints(&self, name: &str, shape: Option<&[usize]>) -> Result<(Vec<usize>, Vec<i32>)> {
         let t = self.get(name, Dtype::I32, shape)?;
-        let v = t.data().chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect();
+        let v = t
+            .data()
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
         Ok((t.shape().to_vec(), v))
     }
     fn u32s_shaped(&self, name: &str, shape: Option<&[usize]>) -> Result<(Vec<usize>, Vec<u32>)> {
@@ -407,25 +533,43 @@ impl<'a> Reader<'a> {
     }
     fn f32s(&self, name: &str, shape: Option<&[usize]>) -> Result<(Vec<usize>, Vec<f32>)> {
         let t = self.get(name, Dtype::F32, shape)?;
-        let v = t.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+        let v = t
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
         Ok((t.shape().to_vec(), v))
     }
     fn u64s(&self, name: &str) -> Result<(Vec<usize>, Vec<u64>)> {
         let t = self.get(name, Dtype::U64, None)?;
-        let v = t.data().chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap())).collect();
+        let v = t
+            .data()
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+            .collect();
         Ok((t.shape().to_vec(), v))
     }
 }
 
 /// Write the prompt files and `index.json` into `dir` (created if missing). `records` pairs each
 /// record with its prompt id. Fills in file names and hashes of `index.prompts` (which must be empty).
-pub fn write_bundle(dir: &Path, mut index: Index, records: &[(String, PromptRecord, PromptEntryExtra)]) -> Result<Index> {
-    ensure!(index.prompts.is_empty(), "write_bundle: index.prompts is filled in here");
+pub fn write_bundle(
+    dir: &Path,
+    mut index: Index,
+    records: &[(String, PromptRecord, PromptEntryExtra)],
+) -> Result<Index> {
+    ensure!(
+        index.prompts.is_empty(),
+        "write_bundle: index.prompts is filled in here"
+    );
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let mut seen = std::collections::HashSet::new();
     for (i, (id, rec, extra)) in records.iter().enumerate() {
         let file = file_name_for(id, i);
-        ensure!(seen.insert(file.clone()), "two prompts map to file {file} (duplicate id {id:?}?)");
+        ensure!(
+            seen.insert(file.clone()),
+            "two prompts map to file {file} (duplicate id {id:?}?)"
+        );
         let bytes = rec.to_bytes()?;
         let path = dir.join(&file);
         std::fs::write(&path, &bytes).with_context(|| format!("writing {}", path.display()))?;
@@ -441,7 +585,8 @@ pub fn write_bundle(dir: &Path, mut index: Index, records: &[(String, PromptReco
     }
     let mut json = serde_json::to_string_pretty(&index)?;
     json.push('\n');
-    std::fs::write(dir.join(INDEX_FILE), json).with_context(|| format!("writing {}", dir.join(INDEX_FILE).display()))?;
+    std::fs::write(dir.join(INDEX_FILE), json)
+        .with_context(|| format!("writing {}", dir.join(INDEX_FILE).display()))?;
     Ok(index)
 }
 
@@ -468,7 +613,12 @@ impl Bundle {
         let path = dir.join(INDEX_FILE);
         let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
         let index: Index = serde_json::from_str(&text).with_context(|| format!("{}: invalid index", path.display()))?;
-        ensure!(index.format == FORMAT, "{}: format {:?}, expected {FORMAT:?}", path.display(), index.format);
+        ensure!(
+            index.format == FORMAT,
+            "{}: format {:?}, expected {FORMAT:?}",
+            path.display(),
+            index.format
+        );
         for p in &index.prompts {
             let stem = p.file.strip_suffix(".safetensors").unwrap_or("");
             ensure!(
@@ -488,17 +638,28 @@ impl Bundle {
 
     /// Load one prompt's record, checking the file's sha256 against the index.
     pub fn load(&self, id: &str) -> Result<PromptRecord> {
-        let e = self.entry(id).with_context(|| format!("{}: no prompt {id:?} in the index", self.dir.display()))?;
+        let e = self
+            .entry(id)
+            .with_context(|| format!("{}: no prompt {id:?} in the index", self.dir.display()))?;
         let path = self.dir.join(&e.file);
         let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
         let got = sha256_hex(&bytes);
-        ensure!(got == e.sha256, "{}: sha256 {got} differs from index {}", path.display(), e.sha256);
+        ensure!(
+            got == e.sha256,
+            "{}: sha256 {got} differs from index {}",
+            path.display(),
+            e.sha256
+        );
         PromptRecord::from_bytes(&bytes, &path.display().to_string())
     }
 
     /// Load all prompts in index order.
     pub fn load_all(&self) -> Result<Vec<(String, PromptRecord)>> {
-        self.index.prompts.iter().map(|p| Ok((p.id.clone(), self.load(&p.id)?))).collect()
+        self.index
+            .prompts
+            .iter()
+            .map(|p| Ok((p.id.clone(), self.load(&p.id)?)))
+            .collect()
     }
 }
 
@@ -535,8 +696,20 @@ mod tests {
                 position: 4,
                 token: 3,
                 layers: vec![
-                    LayerTrace { attn_out: vec![0.5; 4], router_ids: vec![], router_weights: vec![], mlp_out: vec![1.0; 4], residual: vec![2.0; 4] },
-                    LayerTrace { attn_out: vec![-0.5; 4], router_ids: vec![2, 0], router_weights: vec![1.25, 0.75], mlp_out: vec![3.0; 4], residual: vec![4.0; 4] },
+                    LayerTrace {
+                        attn_out: vec![0.5; 4],
+                        router_ids: vec![],
+                        router_weights: vec![],
+                        mlp_out: vec![1.0; 4],
+                        residual: vec![2.0; 4],
+                    },
+                    LayerTrace {
+                        attn_out: vec![-0.5; 4],
+                        router_ids: vec![2, 0],
+                        router_weights: vec![1.25, 0.75],
+                        mlp_out: vec![3.0; 4],
+                        residual: vec![4.0; 4],
+                    },
                 ],
             }),
             ddtree: Some(DdtreeRecord {
@@ -564,7 +737,11 @@ mod tests {
         let r = sample_record(1);
         let bytes = r.to_bytes().unwrap();
         assert_eq!(PromptRecord::from_bytes(&bytes, "t").unwrap(), r);
-        let bare = PromptRecord { trace: None, ddtree: None, ..sample_record(2) };
+        let bare = PromptRecord {
+            trace: None,
+            ddtree: None,
+            ..sample_record(2)
+        };
         assert_eq!(PromptRecord::from_bytes(&bare.to_bytes().unwrap(), "t").unwrap(), bare);
     }
 
@@ -578,7 +755,10 @@ mod tests {
         }
         let n = u64::from_le_bytes(a[..8].try_into().unwrap()) as usize;
         let header = std::str::from_utf8(&a[8..8 + n]).unwrap();
-        assert!(header.starts_with("{\"__metadata__\":{\"format\":\"kdtree-golden/2\"}"), "{header}");
+        assert!(
+            header.starts_with("{\"__metadata__\":{\"format\":\"kdtree-golden/2\"}"),
+            "{header}"
+        );
         // within one dtype, names appear in sorted order
         let pos = |s: &str| header.find(&format!("\"{s}\"")).unwrap();
         assert!(pos("ar.full_logits") < pos("ar.topk_logits"));
@@ -593,7 +773,10 @@ mod tests {
         // wrong format tag
         let meta = HashMap::from([("format".to_string(), "other".to_string())]);
         let other = safetensors::serialize(Vec::<(&str, &Owned)>::new(), Some(meta)).unwrap();
-        assert!(PromptRecord::from_bytes(&other, "t").unwrap_err().to_string().contains("format"));
+        assert!(PromptRecord::from_bytes(&other, "t")
+            .unwrap_err()
+            .to_string()
+            .contains("format"));
         let last = bytes.len() - 1;
         bytes[last] ^= 1; // still parses; the bundle's sha256 check catches it (below)
         assert!(PromptRecord::from_bytes(&bytes, "t").is_ok());
@@ -606,8 +789,21 @@ mod tests {
             tool_version: "0".into(),
             engine_version: "0".into(),
             command: "kdtree-golden MODEL --prompts PROMPTS --out OUT".into(),
-            model: ModelInfo { manifest_sha256: "00".into(), vocab_size: 10, hidden_size: 4, num_layers: 2, tap_layers: vec![1], block_size: 2 },
-            settings: Settings { max_tokens: 3, budget: 2, full_logits_steps: 2, topk: 2, trace_step: 1 },
+            model: ModelInfo {
+                manifest_sha256: "00".into(),
+                vocab_size: 10,
+                hidden_size: 4,
+                num_layers: 2,
+                tap_layers: vec![1],
+                block_size: 2,
+            },
+            settings: Settings {
+                max_tokens: 3,
+                budget: 2,
+                full_logits_steps: 2,
+                topk: 2,
+                trace_step: 1,
+            },
             prompts: vec![],
         }
     }
@@ -616,7 +812,14 @@ mod tests {
     fn bundle_write_read_and_sha_check() {
         let dir = tempfile::tempdir().unwrap();
         let recs = vec![
-            ("a".to_string(), sample_record(5), PromptEntryExtra { ddtree_tokens: 2, ddtree_matches_ar: true }),
+            (
+                "a".to_string(),
+                sample_record(5),
+                PromptEntryExtra {
+                    ddtree_tokens: 2,
+                    ddtree_matches_ar: true,
+                },
+            ),
             ("bad id/..".to_string(), sample_record(6), PromptEntryExtra::default()),
         ];
         let idx = write_bundle(dir.path(), index(), &recs).unwrap();
@@ -639,7 +842,11 @@ mod tests {
         write_bundle(dir2.path(), index(), &recs).unwrap();
         write_bundle(dir.path(), index(), &recs).unwrap();
         for f in ["index.json", "a.safetensors", "prompt-0001.safetensors"] {
-            assert_eq!(std::fs::read(dir.path().join(f)).unwrap(), std::fs::read(dir2.path().join(f)).unwrap(), "{f}");
+            assert_eq!(
+                std::fs::read(dir.path().join(f)).unwrap(),
+                std::fs::read(dir2.path().join(f)).unwrap(),
+                "{f}"
+            );
         }
     }
 

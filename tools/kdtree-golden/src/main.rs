@@ -125,37 +125,75 @@ fn run(a: Args) -> Result<()> {
 /// `--score`: the report, written whole (temp file, then rename) or to stdout; Ok(false) when a gap exceeds
 /// `--bound`.
 fn score(a: &Args) -> Result<bool> {
-    ensure!(a.device == DeviceArg::Cpu, "--score runs the CPU reference (leave out --device)");
-    ensure!(a.bound.is_none_or(|b| b.is_finite() && b >= 0.0), "--bound must be a finite number >= 0");
+    ensure!(
+        a.device == DeviceArg::Cpu,
+        "--score runs the CPU reference (leave out --device)"
+    );
+    ensure!(
+        a.bound.is_none_or(|b| b.is_finite() && b >= 0.0),
+        "--bound must be a finite number >= 0"
+    );
     let r = kdtree_golden::score::score(&a.model, &a.prompts, &a.score, a.bound, a.route_flip, !a.quiet)?;
     let mut text = serde_json::to_string_pretty(&r)?;
     text.push('\n');
     if a.out.as_os_str() == "-" {
         use std::io::Write;
-        std::io::stdout().lock().write_all(text.as_bytes()).context("writing the report to stdout")?;
+        std::io::stdout()
+            .lock()
+            .write_all(text.as_bytes())
+            .context("writing the report to stdout")?;
     } else {
         let tmp = a.out.with_extension("json.partial");
         std::fs::write(&tmp, &text).with_context(|| format!("writing {}", tmp.display()))?;
         std::fs::rename(&tmp, &a.out).with_context(|| format!("renaming {} to {}", tmp.display(), a.out.display()))?;
     }
-    let at = r.max_gap_at.as_ref().map(|(f, id, j)| format!(" at {f} {id} position {j}")).unwrap_or_default();
+    let at = r
+        .max_gap_at
+        .as_ref()
+        .map(|(f, id, j)| format!(" at {f} {id} position {j}"))
+        .unwrap_or_default();
     console::say(format_args!(
         "kdtree-golden: scored {} sequences ({} tokens): max gap {:.4}{at}{}{}{}{}",
         r.sequences,
         r.tokens,
         r.max_gap,
         r.max_abs_delta.map(|d| format!(", max |Δ| {d:.4}")).unwrap_or_default(),
-        a.bound.map(|b| format!(", {} positions over the bound {b}", r.over_bound)).unwrap_or_default(),
-        if r.route_flips.is_empty() { String::new() } else { format!(" (+{} accepted as route flips: {:?})", r.route_flips.len(), r.route_flips) },
-        if r.sampled_positions > 0 { format!("; sampled positions: the CPU samples another token at {} of {}", r.sampled_disagree, r.sampled_positions) } else { String::new() }
+        a.bound
+            .map(|b| format!(", {} positions over the bound {b}", r.over_bound))
+            .unwrap_or_default(),
+        if r.route_flips.is_empty() {
+            String::new()
+        } else {
+            format!(
+                " (+{} accepted as route flips: {:?})",
+                r.route_flips.len(),
+                r.route_flips
+            )
+        },
+        if r.sampled_positions > 0 {
+            format!(
+                "; sampled positions: the CPU samples another token at {} of {}",
+                r.sampled_disagree, r.sampled_positions
+            )
+        } else {
+            String::new()
+        }
     ));
     Ok(r.over_bound == 0)
 }
 
 /// `--route-flip MARGIN,GAP`: two finite numbers >= 0.
 fn parse_flip(s: &str) -> std::result::Result<(f32, f32), String> {
-    let (a, b) = s.split_once(',').ok_or_else(|| format!("{s:?}: expected MARGIN,GAP (e.g. 2e-4,4.0)"))?;
-    let num = |x: &str| x.trim().parse::<f32>().ok().filter(|v| v.is_finite() && *v >= 0.0).ok_or_else(|| format!("{x:?} is not a finite number >= 0"));
+    let (a, b) = s
+        .split_once(',')
+        .ok_or_else(|| format!("{s:?}: expected MARGIN,GAP (e.g. 2e-4,4.0)"))?;
+    let num = |x: &str| {
+        x.trim()
+            .parse::<f32>()
+            .ok()
+            .filter(|v| v.is_finite() && *v >= 0.0)
+            .ok_or_else(|| format!("{x:?} is not a finite number >= 0"))
+    };
     Ok((num(a)?, num(b)?))
 }
 
@@ -167,9 +205,17 @@ fn check_out(a: &Args) -> Result<()> {
         Ok(m) if !m.is_dir() => bail!("--out {} exists and is not a directory", a.out.display()),
         Ok(_) => {}
         Err(_) => {
-            let parent = a.out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+            let parent = a
+                .out
+                .parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .unwrap_or(Path::new("."));
             if !parent.is_dir() {
-                bail!("--out {}: directory {} does not exist", a.out.display(), parent.display());
+                bail!(
+                    "--out {}: directory {} does not exist",
+                    a.out.display(),
+                    parent.display()
+                );
             }
             return Ok(());
         }
@@ -179,11 +225,19 @@ fn check_out(a: &Args) -> Result<()> {
     inputs.dir(&a.model, 2);
     // The prompt file is read again (and checked line by line) by make_bundle; here only its ids matter.
     let lines = kdtree_text::prompts::read_prompt_file(&a.prompts)?;
-    let names = lines.iter().enumerate().map(|(i, l)| file_name_for(&l.id, i)).chain([INDEX_FILE.to_string()]);
+    let names = lines
+        .iter()
+        .enumerate()
+        .map(|(i, l)| file_name_for(&l.id, i))
+        .chain([INDEX_FILE.to_string()]);
     for name in names {
         let path = a.out.join(&name);
         if let Some(input) = std::fs::metadata(&path).ok().as_ref().and_then(|m| inputs.find(m)) {
-            bail!("--out {}: the bundle would overwrite {} with {name}: refusing to write over an input", a.out.display(), input.display());
+            bail!(
+                "--out {}: the bundle would overwrite {} with {name}: refusing to write over an input",
+                a.out.display(),
+                input.display()
+            );
         }
     }
     Ok(())

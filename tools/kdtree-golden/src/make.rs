@@ -4,7 +4,9 @@
 //! end over [`make_bundle`]; tests of other crates (kdtree-run --verify) call it directly, so they get
 //! exactly the binary's bundle. Output bytes depend only on the model and the options.
 
-use crate::bundle::{write_bundle, Index, LayerTrace, ModelInfo, PromptEntryExtra, PromptRecord, Settings, TraceRecord, FORMAT};
+use crate::bundle::{
+    write_bundle, Index, LayerTrace, ModelInfo, PromptEntryExtra, PromptRecord, Settings, TraceRecord, FORMAT,
+};
 use crate::reference::{ddtree_round_record, greedy_ar, open, ArOptions};
 use anyhow::{bail, ensure, Context, Result};
 use kdtree_engine::model::{Trace, TraceData};
@@ -45,7 +47,12 @@ pub fn make_bundle_on(model: &Path, prompts: &Path, out: &Path, a: &Options, dev
     let info = m.loaded.info().clone();
     let do_round = m.loaded.has_drafter() && !a.no_ddtree;
     let block = m.loaded.block_size();
-    let ar_opts = ArOptions { max_tokens: a.max_tokens, topk: a.topk, full_logits_steps: a.full_logits_steps, trace_step: a.trace_step };
+    let ar_opts = ArOptions {
+        max_tokens: a.max_tokens,
+        topk: a.topk,
+        full_logits_steps: a.full_logits_steps,
+        trace_step: a.trace_step,
+    };
     let mut records = Vec::with_capacity(prompts.len());
     // Every prompt must fit before any work (a late prompt failing after earlier ones ran wastes the run).
     for (id, ids) in &prompts {
@@ -66,14 +73,24 @@ pub fn make_bundle_on(model: &Path, prompts: &Path, out: &Path, a: &Options, dev
         let (ddtree, extra) = match do_round {
             true => {
                 let r = ddtree_round_record(&mut m.loaded.session(Mode::DDTree { budget: a.budget })?, ids, a.budget)?;
-                let emitted: Vec<u32> = r.accepted[1..].iter().map(|&n| r.tree_tokens[n]).chain([r.bonus]).collect();
+                let emitted: Vec<u32> = r.accepted[1..]
+                    .iter()
+                    .map(|&n| r.tree_tokens[n])
+                    .chain([r.bonus])
+                    .collect();
                 // greedy DDTree emits the root (= ar.tokens[0]) then these; they must continue the AR run
                 let n = emitted.len().min(ar.tokens.len().saturating_sub(1));
                 let matches = r.root == ar.tokens[0] && emitted[..n] == ar.tokens[1..1 + n];
                 if !matches {
                     kdtree_text::console::say(format_args!("kdtree-golden: warning: prompt {id:?}: DDTree round tokens {emitted:?} differ from greedy AR {:?}", &ar.tokens[1..]));
                 }
-                (Some(r), PromptEntryExtra { ddtree_tokens: emitted.len(), ddtree_matches_ar: matches })
+                (
+                    Some(r),
+                    PromptEntryExtra {
+                        ddtree_tokens: emitted.len(),
+                        ddtree_matches_ar: matches,
+                    },
+                )
             }
             false => (None, PromptEntryExtra::default()),
         };
@@ -84,10 +101,26 @@ pub fn make_bundle_on(model: &Path, prompts: &Path, out: &Path, a: &Options, dev
                 prompts.len(),
                 ids.len(),
                 ar.tokens,
-                ddtree.as_ref().map(|r| format!(", DDTree round accepted {} of {} nodes", r.accepted.len() - 1, r.tree_tokens.len() - 1)).unwrap_or_default()
+                ddtree
+                    .as_ref()
+                    .map(|r| format!(
+                        ", DDTree round accepted {} of {} nodes",
+                        r.accepted.len() - 1,
+                        r.tree_tokens.len() - 1
+                    ))
+                    .unwrap_or_default()
             ));
         }
-        records.push((id.clone(), PromptRecord { prompt_ids: ids.clone(), ar, trace, ddtree }, extra));
+        records.push((
+            id.clone(),
+            PromptRecord {
+                prompt_ids: ids.clone(),
+                ar,
+                trace,
+                ddtree,
+            },
+            extra,
+        ));
     }
     let index = Index {
         format: FORMAT.into(),
@@ -122,7 +155,11 @@ pub fn make_bundle_on(model: &Path, prompts: &Path, out: &Path, a: &Options, dev
     };
     let index = write_bundle(out, index, &records)?;
     if !a.quiet {
-        kdtree_text::console::say(format_args!("kdtree-golden: wrote {} prompt files + index.json to {}", index.prompts.len(), out.display()));
+        kdtree_text::console::say(format_args!(
+            "kdtree-golden: wrote {} prompt files + index.json to {}",
+            index.prompts.len(),
+            out.display()
+        ));
     }
     Ok(index)
 }
@@ -141,8 +178,15 @@ pub fn read_prompts(path: &std::path::Path, model: &std::path::Path) -> Result<V
     let mut encode = |text: &str| -> Result<Vec<u32>> {
         if tok.is_none() {
             // same rule as kdtree-run: the tokenizer lives in the model dir (tiktoken.model)
-            ensure!(model.join("tiktoken.model").exists(), "{} has no tokenizer (tiktoken.model); use prompt_token_ids", model.display());
-            tok = Some(kdtree_text::Tokenizer::from_dir(model).with_context(|| format!("loading the tokenizer of {}", model.display()))?);
+            ensure!(
+                model.join("tiktoken.model").exists(),
+                "{} has no tokenizer (tiktoken.model); use prompt_token_ids",
+                model.display()
+            );
+            tok = Some(
+                kdtree_text::Tokenizer::from_dir(model)
+                    .with_context(|| format!("loading the tokenizer of {}", model.display()))?,
+            );
         }
         tok.as_ref().unwrap().try_encode(text)
     };
@@ -155,7 +199,12 @@ pub fn read_prompts(path: &std::path::Path, model: &std::path::Path) -> Result<V
         let ids = match req.input {
             Input::TokenIds(ids) => ids,
             Input::Text(text) => encode(&text)?,
-            Input::Chat { messages, tools, thinking, preserve_thinking } => {
+            Input::Chat {
+                messages,
+                tools,
+                thinking,
+                preserve_thinking,
+            } => {
                 let tmpl = kdtree_text::ChatTemplate::from_dir(model)?;
                 let d = kdtree_text::chat::ChatOptions::default();
                 let opts = kdtree_text::chat::ChatOptions {
@@ -167,7 +216,13 @@ pub fn read_prompts(path: &std::path::Path, model: &std::path::Path) -> Result<V
                 encode(&tmpl.render(&messages, &opts)?)?
             }
         };
-        ensure!(!ids.is_empty(), "{}:{}: prompt {:?} has no tokens", path.display(), l.line_no, l.id);
+        ensure!(
+            !ids.is_empty(),
+            "{}:{}: prompt {:?} has no tokens",
+            path.display(),
+            l.line_no,
+            l.id
+        );
         out.push((l.id, ids));
     }
     Ok(out)
@@ -186,9 +241,17 @@ fn f32_of(tr: &Trace, name: &str, want: &[usize]) -> Result<Vec<f32>> {
 pub fn trace_record(tr: &Trace, step: usize, position: usize, token: u32, layers: usize) -> Result<TraceRecord> {
     let h = |name: &str| tr.get(name).map(|t| t.shape.clone());
     let hidden = h("layers.0.attn_out").context("trace has no layers.0.attn_out")?;
-    ensure!(hidden.len() == 2 && hidden[0] == 1, "trace of a decode step must have T = 1, got {hidden:?}");
+    ensure!(
+        hidden.len() == 2 && hidden[0] == 1,
+        "trace of a decode step must have T = 1, got {hidden:?}"
+    );
     let hs = [1, hidden[1]];
-    let mut out = TraceRecord { step, position, token, layers: Vec::with_capacity(layers) };
+    let mut out = TraceRecord {
+        step,
+        position,
+        token,
+        layers: Vec::with_capacity(layers),
+    };
     for l in 0..layers {
         let p = format!("layers.{l}");
         let mut lt = LayerTrace {
@@ -201,7 +264,10 @@ pub fn trace_record(tr: &Trace, step: usize, position: usize, token: u32, layers
             let k = *ids.shape.last().unwrap_or(&0);
             ensure!(ids.shape == [1, k], "trace {p}.router.topk_ids: shape {:?}", ids.shape);
             lt.router_ids = match &ids.data {
-                TraceData::I32(v) => v.iter().map(|&x| u32::try_from(x).context("negative expert id")).collect::<Result<_>>()?,
+                TraceData::I32(v) => v
+                    .iter()
+                    .map(|&x| u32::try_from(x).context("negative expert id"))
+                    .collect::<Result<_>>()?,
                 TraceData::F32(_) => bail!("trace {p}.router.topk_ids: f32, expected i32"),
             };
             lt.router_weights = f32_of(tr, &format!("{p}.router.topk_weights"), &[1, k])?;
@@ -210,4 +276,3 @@ pub fn trace_record(tr: &Trace, step: usize, position: usize, token: u32, layers
     }
     Ok(out)
 }
-

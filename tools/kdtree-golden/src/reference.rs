@@ -27,7 +27,10 @@ pub struct RefModel {
 pub fn open(dir: &Path, device: Device) -> Result<RefModel> {
     let manifest_sha256 = kdtree_formats::manifest::manifest_sha256(dir)?;
     let loaded = kdtree_engine::open(dir, device).with_context(|| format!("opening model {}", dir.display()))?;
-    Ok(RefModel { loaded, manifest_sha256 })
+    Ok(RefModel {
+        loaded,
+        manifest_sha256,
+    })
 }
 
 /// What the AR recording keeps.
@@ -49,19 +52,34 @@ pub type StepTrace = (usize, usize, u32, Trace);
 /// Greedy AR on a fresh AR session: prefill `prompt`, then `max_tokens` argmax steps (stop tokens do not
 /// stop it), keeping every step's top-k and the first steps' full logits. Returns the record, every
 /// step's full logit row (what a comparison needs beyond the record) and the traced step's probes.
-pub fn greedy_ar(s: &mut Session<'_>, prompt: &[u32], o: &ArOptions) -> Result<(ArRecord, Vec<Vec<f32>>, Option<StepTrace>)> {
+pub fn greedy_ar(
+    s: &mut Session<'_>,
+    prompt: &[u32],
+    o: &ArOptions,
+) -> Result<(ArRecord, Vec<Vec<f32>>, Option<StepTrace>)> {
     ensure!(s.mode() == Mode::Ar, "greedy_ar needs an AR session");
     let v = s.info().vocab_size;
-    let mut rec = ArRecord { topk: o.topk.min(v), vocab: v, ..Default::default() };
+    let mut rec = ArRecord {
+        topk: o.topk.min(v),
+        vocab: v,
+        ..Default::default()
+    };
     let mut rows = Vec::with_capacity(o.max_tokens);
     let mut trace = None;
-    s.set_probes(ProbeSet { logits: true, ..Default::default() });
+    s.set_probes(ProbeSet {
+        logits: true,
+        ..Default::default()
+    });
     let _ = s.take_probes();
     for step in 0..o.max_tokens {
         let tok = if step == 0 {
             s.prefill(prompt, &Sampling::greedy())?
         } else {
-            s.set_probes(ProbeSet { logits: true, layers: step == o.trace_step, rounds: false });
+            s.set_probes(ProbeSet {
+                logits: true,
+                layers: step == o.trace_step,
+                rounds: false,
+            });
             let e = s.step()?;
             ensure!(e.tokens.len() == 1, "an AR step emitted {} tokens", e.tokens.len());
             e.tokens[0]
@@ -71,11 +89,22 @@ pub fn greedy_ar(s: &mut Session<'_>, prompt: &[u32], o: &ArOptions) -> Result<(
             let tr = p.layers.pop().context("the layer probe recorded nothing")?;
             trace = Some((step, position_of_step(prompt, step), rec.tokens[step - 1], tr));
         }
-        ensure!(p.logits.len() == 1, "step {step}: the logits probe recorded {} rows, expected 1", p.logits.len());
+        ensure!(
+            p.logits.len() == 1,
+            "step {step}: the logits probe recorded {} rows, expected 1",
+            p.logits.len()
+        );
         let row = p.logits.pop().unwrap_or_default();
-        ensure!(row.len() == v, "step {step}: logit row of {} values, vocab {v}", row.len());
+        ensure!(
+            row.len() == v,
+            "step {step}: logit row of {} values, vocab {v}",
+            row.len()
+        );
         ensure!(row.iter().all(|x| x.is_finite()), "step {step}: non-finite logits");
-        ensure!(kdtree_engine::sampling::argmax(&row) == tok, "step {step}: the session's greedy token is not the argmax of its row");
+        ensure!(
+            kdtree_engine::sampling::argmax(&row) == tok,
+            "step {step}: the session's greedy token is not the argmax of its row"
+        );
         let (ids, vals) = topk_of(&row, rec.topk);
         rec.topk_ids.extend(ids);
         rec.topk_logits.extend(vals);
@@ -98,15 +127,28 @@ fn position_of_step(prompt: &[u32], step: usize) -> usize {
 /// One greedy DDTree round right after `prompt` on a DDTree session of `budget` (fresh state; root =
 /// argmax of the prefill's last row), as one `Session::step`, captured by the round probe.
 pub fn ddtree_round_record(s: &mut Session<'_>, prompt: &[u32], budget: usize) -> Result<DdtreeRecord> {
-    ensure!(s.mode() == Mode::DDTree { budget }, "ddtree_round_record needs a DDTree session of budget {budget}");
+    ensure!(
+        s.mode() == Mode::DDTree { budget },
+        "ddtree_round_record needs a DDTree session of budget {budget}"
+    );
     let v = s.info().vocab_size;
-    s.set_probes(ProbeSet { rounds: true, ..Default::default() });
+    s.set_probes(ProbeSet {
+        rounds: true,
+        ..Default::default()
+    });
     let _ = s.take_probes();
     let root = s.prefill(prompt, &Sampling::greedy())?;
     let e = s.step()?;
-    let rec = s.take_probes().rounds.pop().context("the round probe recorded nothing")?;
+    let rec = s
+        .take_probes()
+        .rounds
+        .pop()
+        .context("the round probe recorded nothing")?;
     s.set_probes(ProbeSet::default());
-    ensure!(e.tokens == rec.new_tokens(), "the step's tokens differ from its recorded round");
+    ensure!(
+        e.tokens == rec.new_tokens(),
+        "the step's tokens differ from its recorded round"
+    );
     let tree = &rec.tree;
     Ok(DdtreeRecord {
         start: rec.start,

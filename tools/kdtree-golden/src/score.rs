@@ -100,8 +100,16 @@ fn read_input(path: &Path) -> Result<Vec<Input>> {
             .load_all()?
             .into_iter()
             .map(|(id, r)| {
-                let logits = (0..r.ar.full_steps).map(|s| r.ar.full_row(s).unwrap_or_default().to_vec()).collect();
-                Input { file: file.clone(), id, tokens: r.ar.tokens, logits, sampling: None }
+                let logits = (0..r.ar.full_steps)
+                    .map(|s| r.ar.full_row(s).unwrap_or_default().to_vec())
+                    .collect();
+                Input {
+                    file: file.clone(),
+                    id,
+                    tokens: r.ar.tokens,
+                    logits,
+                    sampling: None,
+                }
             })
             .collect());
     }
@@ -112,13 +120,25 @@ fn read_input(path: &Path) -> Result<Vec<Input>> {
             continue;
         }
         let v: serde_json::Value = serde_json::from_str(line).with_context(|| format!("{file}:{}: not JSON", i + 1))?;
-        let id = v.get("id").and_then(|x| x.as_str()).with_context(|| format!("{file}:{}: no \"id\"", i + 1))?.to_string();
+        let id = v
+            .get("id")
+            .and_then(|x| x.as_str())
+            .with_context(|| format!("{file}:{}: no \"id\"", i + 1))?
+            .to_string();
         let Some(toks) = v.get("token_ids").and_then(|x| x.as_array()) else {
-            bail!("{file}:{}: record {id:?} has no token_ids (error record: {})", i + 1, v.get("error").map_or("none".into(), |e| e.to_string()));
+            bail!(
+                "{file}:{}: record {id:?} has no token_ids (error record: {})",
+                i + 1,
+                v.get("error").map_or("none".into(), |e| e.to_string())
+            );
         };
         let tokens = toks
             .iter()
-            .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()).with_context(|| format!("{file}:{}: token_ids holds {t}", i + 1)))
+            .map(|t| {
+                t.as_u64()
+                    .and_then(|t| u32::try_from(t).ok())
+                    .with_context(|| format!("{file}:{}: token_ids holds {t}", i + 1))
+            })
             .collect::<Result<Vec<u32>>>()?;
         let sampling = v.get("sampling").and_then(|x| {
             let t = x.get("temperature")?.as_f64()? as f32;
@@ -129,7 +149,13 @@ fn read_input(path: &Path) -> Result<Vec<Input>> {
                 seed: x.get("seed").and_then(|v| v.as_u64()).unwrap_or(0),
             })
         });
-        out.push(Input { file: file.clone(), id, tokens, logits: Vec::new(), sampling });
+        out.push(Input {
+            file: file.clone(),
+            id,
+            tokens,
+            logits: Vec::new(),
+            sampling,
+        });
     }
     Ok(out)
 }
@@ -150,10 +176,24 @@ impl Routers {
             if !moe {
                 continue;
             }
-            let bias = ["language_model.", ""].iter().find_map(|p| md.tensor(&format!("{p}model.layers.{l}.mlp.gate.e_score_correction_bias"), 0).ok());
-            layers.push((l, bias.map(|t| t.data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())));
+            let bias = ["language_model.", ""].iter().find_map(|p| {
+                md.tensor(&format!("{p}model.layers.{l}.mlp.gate.e_score_correction_bias"), 0)
+                    .ok()
+            });
+            layers.push((
+                l,
+                bias.map(|t| {
+                    t.data
+                        .chunks_exact(4)
+                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                        .collect()
+                }),
+            ));
         }
-        Ok(Routers { router: cfg.router(), layers })
+        Ok(Routers {
+            router: cfg.router(),
+            layers,
+        })
     }
 }
 
@@ -173,13 +213,22 @@ fn teacher_forced(t: &mut dyn Target, routers: &Routers, prompt: &[u32], tokens:
     t.start_trace();
     let chain = |n: usize| -> Vec<i32> { (0..n as i32).map(|i| i - 1).collect() };
     let first = t.forward_rows(prompt, &chain(prompt.len()), kdtree_engine::api::LogitRows::Last)?;
-    ensure!(first.logits.len() == v, "prefill returned {} logits, expected {v}", first.logits.len());
+    ensure!(
+        first.logits.len() == v,
+        "prefill returned {} logits, expected {v}",
+        first.logits.len()
+    );
     let mut rows = vec![first.logits];
     if tokens.len() > 1 {
         t.commit(&(0..prompt.len()).collect::<Vec<_>>())?;
         let rest = &tokens[..tokens.len() - 1];
         let out = t.forward(rest, &chain(rest.len()))?;
-        ensure!(out.logits.len() == rest.len() * v, "forward returned {} logits, expected {}", out.logits.len(), rest.len() * v);
+        ensure!(
+            out.logits.len() == rest.len() * v,
+            "forward returned {} logits, expected {}",
+            out.logits.len(),
+            rest.len() * v
+        );
         rows.extend(out.logits.chunks(v).map(|r| r.to_vec()));
     }
     let trace = t.take_trace().unwrap_or_default();
@@ -196,13 +245,21 @@ fn teacher_forced(t: &mut dyn Target, routers: &Routers, prompt: &[u32], tokens:
                 seen.push(d);
             }
         }
-        ensure!(seen.len() == 1 + (tokens.len() > 1) as usize, "the trace holds {} {name} tensors", seen.len());
+        ensure!(
+            seen.len() == 1 + (tokens.len() > 1) as usize,
+            "the trace holds {} {name} tensors",
+            seen.len()
+        );
         let mut lrows: Vec<&[f32]> = vec![&seen[0][(prompt.len() - 1) * e..prompt.len() * e]];
         if let Some(c) = seen.get(1) {
             lrows.extend(c.chunks(e));
         }
         for (j, lg) in lrows.iter().enumerate().take(tokens.len()) {
-            margins[j] = margins[j].min(kdtree_engine::cpu::ops::route_margin(&routers.router, lg, bias.as_deref()));
+            margins[j] = margins[j].min(kdtree_engine::cpu::ops::route_margin(
+                &routers.router,
+                lg,
+                bias.as_deref(),
+            ));
         }
     }
     Ok(Forced { rows, margins })
@@ -210,17 +267,29 @@ fn teacher_forced(t: &mut dyn Target, routers: &Routers, prompt: &[u32], tokens:
 
 /// (argmax, gap of `chosen`, rank of `chosen`) of one CPU row.
 fn gap_of(row: &[f32], chosen: u32) -> Result<(u32, f32, usize)> {
-    let c = *row.get(chosen as usize).with_context(|| format!("token {chosen} is outside the vocabulary of {}", row.len()))?;
+    let c = *row
+        .get(chosen as usize)
+        .with_context(|| format!("token {chosen} is outside the vocabulary of {}", row.len()))?;
     let am = kdtree_engine::sampling::argmax(row) as u32;
     let top = row[am as usize];
-    ensure!(top.is_finite() && c.is_finite(), "the CPU logits are not finite (top {top}, chosen {c})");
+    ensure!(
+        top.is_finite() && c.is_finite(),
+        "the CPU logits are not finite (top {top}, chosen {c})"
+    );
     let rank = row.iter().filter(|&&x| x > c).count();
     Ok((am, top - c, rank))
 }
 
 /// Score every record of `inputs` (kdtree-run JSONL files or bundle directories) against the CPU reference
 /// of `model`, prompts from `prompts`. `progress`: one line per scored sequence on stderr.
-pub fn score(model: &Path, prompts: &Path, inputs: &[PathBuf], bound: Option<f32>, route_flip: Option<(f32, f32)>, progress: bool) -> Result<Report> {
+pub fn score(
+    model: &Path,
+    prompts: &Path,
+    inputs: &[PathBuf],
+    bound: Option<f32>,
+    route_flip: Option<(f32, f32)>,
+    progress: bool,
+) -> Result<Report> {
     let prompt_ids: HashMap<String, Vec<u32>> = crate::make::read_prompts(prompts, model)?.into_iter().collect();
     let mut all = Vec::new();
     for p in inputs {
@@ -231,17 +300,26 @@ pub fn score(model: &Path, prompts: &Path, inputs: &[PathBuf], bound: Option<f32
     let mut memo: HashMap<(String, Vec<u32>), Forced> = HashMap::new();
     let mut records = Vec::with_capacity(all.len());
     for inp in all {
-        let prompt = prompt_ids.get(&inp.id).with_context(|| format!("{}: record {:?} is not a line of {}", inp.file, inp.id, prompts.display()))?;
+        let prompt = prompt_ids.get(&inp.id).with_context(|| {
+            format!(
+                "{}: record {:?} is not a line of {}",
+                inp.file,
+                inp.id,
+                prompts.display()
+            )
+        })?;
         if inp.tokens.is_empty() {
             continue;
         }
         let key = (inp.id.clone(), inp.tokens.clone());
         if !memo.contains_key(&key) {
-            let f = teacher_forced(&mut *m.loaded.target, &routers, prompt, &inp.tokens).with_context(|| format!("{}: {}", inp.file, inp.id))?;
+            let f = teacher_forced(&mut *m.loaded.target, &routers, prompt, &inp.tokens)
+                .with_context(|| format!("{}: {}", inp.file, inp.id))?;
             memo.insert(key.clone(), f);
         }
         let Forced { rows, margins } = &memo[&key];
-        let (mut gaps, mut am, mut ranks, mut deltas, mut agree) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut gaps, mut am, mut ranks, mut deltas, mut agree) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for (j, &tok) in inp.tokens.iter().enumerate() {
             if let Some(sm) = &inp.sampling {
                 agree.push(kdtree_engine::sampling::sample(&rows[j], sm, prompt.len() + j) == tok);
@@ -251,8 +329,20 @@ pub fn score(model: &Path, prompts: &Path, inputs: &[PathBuf], bound: Option<f32
             am.push(a);
             ranks.push(r);
             if let Some(own) = inp.logits.get(j) {
-                ensure!(own.len() == rows[j].len(), "{}: {} position {j}: {} logits vs the CPU's {}", inp.file, inp.id, own.len(), rows[j].len());
-                deltas.push(own.iter().zip(&rows[j]).map(|(x, y)| (x - y).abs()).fold(0.0f32, |a, d| if d.is_nan() { f32::INFINITY } else { a.max(d) }));
+                ensure!(
+                    own.len() == rows[j].len(),
+                    "{}: {} position {j}: {} logits vs the CPU's {}",
+                    inp.file,
+                    inp.id,
+                    own.len(),
+                    rows[j].len()
+                );
+                deltas.push(
+                    own.iter()
+                        .zip(&rows[j])
+                        .map(|(x, y)| (x - y).abs())
+                        .fold(0.0f32, |a, d| if d.is_nan() { f32::INFINITY } else { a.max(d) }),
+                );
             }
         }
         if inp.sampling.is_some() {
@@ -268,11 +358,31 @@ pub fn score(model: &Path, prompts: &Path, inputs: &[PathBuf], bound: Option<f32
                 inp.id,
                 inp.tokens.len(),
                 max_abs_delta.map(|d| format!(", max |Δ| {d:.4}")).unwrap_or_default(),
-                if agree.is_empty() { String::new() } else { format!(", sampled: CPU agrees at {} of {}", agree.iter().filter(|&&a| a).count(), agree.len()) }
+                if agree.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        ", sampled: CPU agrees at {} of {}",
+                        agree.iter().filter(|&&a| a).count(),
+                        agree.len()
+                    )
+                }
             ));
         }
         let router_margins = margins.clone();
-        records.push(Scored { file: inp.file, id: inp.id, tokens: inp.tokens, gaps, cpu_argmax: am, ranks, max_gap, deltas, max_abs_delta, router_margins, sampled_agree: agree });
+        records.push(Scored {
+            file: inp.file,
+            id: inp.id,
+            tokens: inp.tokens,
+            gaps,
+            cpu_argmax: am,
+            ranks,
+            max_gap,
+            deltas,
+            max_abs_delta,
+            router_margins,
+            sampled_agree: agree,
+        });
     }
     let mut max_gap_at = None;
     let mut max_gap = 0.0f32;
@@ -291,7 +401,9 @@ pub fn score(model: &Path, prompts: &Path, inputs: &[PathBuf], bound: Option<f32
                 let m = r.router_margins.get(j).copied().unwrap_or(f32::INFINITY);
                 match route_flip {
                     _ if g <= b => {}
-                    Some((eps, max)) if m < eps && g <= max => route_flips.push((r.file.clone(), r.id.clone(), j, g, m)),
+                    Some((eps, max)) if m < eps && g <= max => {
+                        route_flips.push((r.file.clone(), r.id.clone(), j, g, m))
+                    }
                     _ => over_bound += 1,
                 }
             }
@@ -310,7 +422,10 @@ pub fn score(model: &Path, prompts: &Path, inputs: &[PathBuf], bound: Option<f32
         route_flip,
         route_flips,
         sampled_positions: records.iter().map(|r| r.sampled_agree.len()).sum(),
-        sampled_disagree: records.iter().map(|r| r.sampled_agree.iter().filter(|&&a| !a).count()).sum(),
+        sampled_disagree: records
+            .iter()
+            .map(|r| r.sampled_agree.iter().filter(|&&a| !a).count())
+            .sum(),
         records,
     })
 }

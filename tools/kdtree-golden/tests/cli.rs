@@ -7,7 +7,9 @@ use std::process::{Command, Stdio};
 const BIN: &str = env!("CARGO_BIN_EXE_kdtree-golden");
 
 fn scratch(name: &str) -> PathBuf {
-    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join("kdtree-golden-cli").join(name);
+    let d = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("kdtree-golden-cli")
+        .join(name);
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
@@ -89,11 +91,18 @@ fn an_output_that_would_overwrite_an_input_is_refused_before_any_work() {
     std::fs::write(&prompts, PROMPTS).unwrap();
     std::fs::create_dir(dir.join("g")).unwrap();
     std::fs::hard_link(&prompts, dir.join("g/index.json")).unwrap();
-    let shard = std::fs::read_dir(model()).unwrap().map(|e| e.unwrap().path())
-        .find(|p| p.extension().is_some_and(|e| e == "safetensors")).unwrap();
+    let shard = std::fs::read_dir(model())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .unwrap();
     let stem = shard.file_stem().unwrap().to_str().unwrap().to_string();
     let shard_prompts = dir.join("shard.jsonl");
-    std::fs::write(&shard_prompts, format!("{{\"id\": \"{stem}\", \"prompt_token_ids\": [1, 2]}}\n")).unwrap();
+    std::fs::write(
+        &shard_prompts,
+        format!("{{\"id\": \"{stem}\", \"prompt_token_ids\": [1, 2]}}\n"),
+    )
+    .unwrap();
     let shard_before = std::fs::read(&shard).unwrap();
     let file_out = dir.join("a-file");
     std::fs::write(&file_out, "KEEP").unwrap();

@@ -32,8 +32,23 @@ const PROMPTS: &str = r#"{"id": "p1", "prompt_token_ids": [1, 17, 305, 42]}
 fn golden(model: &Path, prompts: &Path, out: &Path, threads: &str, extra: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_kdtree-golden"))
         .arg(model)
-        .args(["--prompts".as_ref(), prompts.as_os_str(), "--out".as_ref(), out.as_os_str()])
-        .args(["--max-tokens", "6", "--full-logits-steps", "2", "--topk", "4", "--budget", "6", "--quiet"])
+        .args([
+            "--prompts".as_ref(),
+            prompts.as_os_str(),
+            "--out".as_ref(),
+            out.as_os_str(),
+        ])
+        .args([
+            "--max-tokens",
+            "6",
+            "--full-logits-steps",
+            "2",
+            "--topk",
+            "4",
+            "--budget",
+            "6",
+            "--quiet",
+        ])
         .args(extra)
         .env("RAYON_NUM_THREADS", threads)
         .output()
@@ -76,7 +91,10 @@ fn check_record(r: &PromptRecord, layers: usize) {
         let prev = &tr.layers[l - 1].residual;
         for (i, &p) in prev.iter().enumerate() {
             let want = p + lt.attn_out[i] + lt.mlp_out[i];
-            assert!((lt.residual[i] - want).abs() <= 1e-4 * (1.0 + want.abs()), "layer {l} dim {i}: residual chain");
+            assert!(
+                (lt.residual[i] - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                "layer {l} dim {i}: residual chain"
+            );
         }
     }
     let d = r.ddtree.as_ref().expect("ddtree round recorded");
@@ -117,14 +135,21 @@ fn check_record(r: &PromptRecord, layers: usize) {
     }
     assert_eq!(d.bonus, *d.decisions.last().unwrap());
     // the round's emitted tokens continue the AR run (greedy DDTree == greedy AR)
-    let emitted: Vec<u32> = d.accepted[1..].iter().map(|&i| d.tree_tokens[i]).chain([d.bonus]).collect();
+    let emitted: Vec<u32> = d.accepted[1..]
+        .iter()
+        .map(|&i| d.tree_tokens[i])
+        .chain([d.bonus])
+        .collect();
     let m = emitted.len().min(ar.tokens.len() - 1);
     assert_eq!(emitted[..m], ar.tokens[1..1 + m]);
     // the verify row of the root equals the AR step-1 row bit for bit: same prefix, same token, and every
     // output element of the CPU reference is one fixed-order loop whatever the other rows of the forward are
     let root_row = &d.verify_logits[..d.vocab];
     let ar1 = ar.full_row(1).unwrap();
-    assert!(root_row.iter().zip(ar1).all(|(x, y)| x.to_bits() == y.to_bits()), "root verify row vs AR step 1 differ");
+    assert!(
+        root_row.iter().zip(ar1).all(|(x, y)| x.to_bits() == y.to_bits()),
+        "root verify row vs AR step 1 differ"
+    );
 }
 
 #[test]
@@ -136,9 +161,16 @@ fn bytes_identical_across_thread_counts_and_bundle_consistent() {
     let (o1, o2) = (tmp.path().join("g1"), tmp.path().join("g2"));
     for (o, t) in [(&o1, "1"), (&o2, "2")] {
         let r = golden(&model, &prompts, o, t, &[]);
-        assert!(r.status.success(), "kdtree-golden failed: {}", String::from_utf8_lossy(&r.stderr));
+        assert!(
+            r.status.success(),
+            "kdtree-golden failed: {}",
+            String::from_utf8_lossy(&r.stderr)
+        );
     }
-    let mut names: Vec<String> = std::fs::read_dir(&o1).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    let mut names: Vec<String> = std::fs::read_dir(&o1)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
     names.sort();
     assert_eq!(names, ["index.json", "p1.safetensors", "p2.safetensors"]);
     for n in &names {
@@ -149,7 +181,10 @@ fn bytes_identical_across_thread_counts_and_bundle_consistent() {
     assert_eq!(b.index.model.num_layers, 4);
     assert!(b.index.model.block_size >= 2);
     assert_eq!(b.index.model.manifest_sha256.len(), 64);
-    assert!(!b.index.command.contains(tmp.path().to_str().unwrap()), "index must not record paths");
+    assert!(
+        !b.index.command.contains(tmp.path().to_str().unwrap()),
+        "index must not record paths"
+    );
     for (id, rec) in b.load_all().unwrap() {
         check_record(&rec, 4);
         assert!(b.entry(&id).unwrap().ddtree_matches_ar);
@@ -159,5 +194,9 @@ fn bytes_identical_across_thread_counts_and_bundle_consistent() {
     std::fs::write(&bad, "{\"id\": \"x\", \"prompt_token_ids\": [1]}\n{\"id\": \"y\"\n").unwrap();
     let r = golden(&model, &bad, &tmp.path().join("g3"), "1", &[]);
     assert!(!r.status.success());
-    assert!(String::from_utf8_lossy(&r.stderr).contains(":2:"), "{}", String::from_utf8_lossy(&r.stderr));
+    assert!(
+        String::from_utf8_lossy(&r.stderr).contains(":2:"),
+        "{}",
+        String::from_utf8_lossy(&r.stderr)
+    );
 }

@@ -12,7 +12,9 @@ use std::process::Command;
 const BIN: &str = env!("CARGO_BIN_EXE_kdtree-golden");
 
 fn scratch(name: &str) -> PathBuf {
-    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join("kdtree-golden-score").join(name);
+    let d = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("kdtree-golden-score")
+        .join(name);
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
@@ -46,7 +48,12 @@ fn run(args: &[&std::ffi::OsStr]) -> (Option<i32>, String) {
 
 /// `kdtree-golden MODEL --prompts PROMPTS --score INPUTS... [extra] --out OUT`.
 fn score(m: &Path, prompts: &Path, inputs: &[&Path], extra: &[&str], out: &Path) -> (Option<i32>, String) {
-    let mut a: Vec<&std::ffi::OsStr> = vec![m.as_os_str(), "--prompts".as_ref(), prompts.as_os_str(), "--score".as_ref()];
+    let mut a: Vec<&std::ffi::OsStr> = vec![
+        m.as_os_str(),
+        "--prompts".as_ref(),
+        prompts.as_os_str(),
+        "--score".as_ref(),
+    ];
     a.extend(inputs.iter().map(|p| p.as_os_str()));
     a.extend(extra.iter().map(|x| std::ffi::OsStr::new(*x)));
     a.extend(["--out".as_ref(), out.as_os_str()]);
@@ -83,18 +90,32 @@ fn the_cpu_scores_its_own_tokens_zero_and_a_changed_token_fails() {
     let recs = b.load_all().unwrap();
     // The bundle itself (its own full logits), and the same tokens as kdtree-run records.
     let jsonl = dir.join("run.jsonl");
-    let lines: String = recs.iter().map(|(id, r)| format!("{{\"id\":{id:?},\"token_ids\":{:?}}}\n", r.ar.tokens)).collect();
+    let lines: String = recs
+        .iter()
+        .map(|(id, r)| format!("{{\"id\":{id:?},\"token_ids\":{:?}}}\n", r.ar.tokens))
+        .collect();
     std::fs::write(&jsonl, &lines).unwrap();
     let out = dir.join("r.json");
     let (code, err) = score(&m, &prompts, &[&gold, &jsonl], &["--bound", "0"], &out);
     assert_eq!(code, Some(0), "{err}");
     let r = report(&out);
     assert_eq!(r["max_gap"].as_f64(), Some(0.0), "{r}");
-    assert_eq!(r["sequences"].as_u64(), Some(2), "identical sequences are scored once: {r}");
+    assert_eq!(
+        r["sequences"].as_u64(),
+        Some(2),
+        "identical sequences are scored once: {r}"
+    );
     assert_eq!(r["tokens"].as_u64(), Some(24));
-    assert_eq!(r["max_abs_delta"].as_f64(), Some(0.0), "a CPU bundle against the CPU: {r}");
+    assert_eq!(
+        r["max_abs_delta"].as_f64(),
+        Some(0.0),
+        "a CPU bundle against the CPU: {r}"
+    );
     for x in r["records"].as_array().unwrap() {
-        assert!(x["ranks"].as_array().unwrap().iter().all(|v| v.as_u64() == Some(0)), "{x}");
+        assert!(
+            x["ranks"].as_array().unwrap().iter().all(|v| v.as_u64() == Some(0)),
+            "{x}"
+        );
         assert_eq!(x["router_margins"].as_array().unwrap().len(), 6, "{x}");
     }
     // One token changed to the CPU's least likely one at position 2 of p1: a gap there (and later positions see
@@ -115,7 +136,13 @@ fn the_cpu_scores_its_own_tokens_zero_and_a_changed_token_fails() {
     assert!(r["over_bound"].as_u64().unwrap() >= 1);
     // The route-flip rule: with a margin of 0 nothing is a flip (exit 1 still); a huge margin and gap accept it.
     for (flip, want) in [("0,100", 1), ("1e9,1e9", 0)] {
-        let (code, err) = score(&m, &prompts, &[&tampered], &["--bound", "0.01", "--route-flip", flip], &out2);
+        let (code, err) = score(
+            &m,
+            &prompts,
+            &[&tampered],
+            &["--bound", "0.01", "--route-flip", flip],
+            &out2,
+        );
         assert_eq!(code, Some(want), "--route-flip {flip}: {err}");
     }
 }
@@ -127,9 +154,21 @@ fn bad_inputs_are_one_line_errors_with_exit_2() {
     let prompts = dir.join("p.jsonl");
     std::fs::write(&prompts, PROMPTS).unwrap();
     for (name, body, want) in [
-        ("unknown-id.jsonl", "{\"id\":\"nope\",\"token_ids\":[1,2]}\n", "not a line of"),
-        ("error-record.jsonl", "{\"id\":\"p1\",\"status\":\"error\",\"error\":{\"code\":\"x\"}}\n", "no token_ids"),
-        ("outside.jsonl", "{\"id\":\"p1\",\"token_ids\":[99999999]}\n", "outside the vocabulary"),
+        (
+            "unknown-id.jsonl",
+            "{\"id\":\"nope\",\"token_ids\":[1,2]}\n",
+            "not a line of",
+        ),
+        (
+            "error-record.jsonl",
+            "{\"id\":\"p1\",\"status\":\"error\",\"error\":{\"code\":\"x\"}}\n",
+            "no token_ids",
+        ),
+        (
+            "outside.jsonl",
+            "{\"id\":\"p1\",\"token_ids\":[99999999]}\n",
+            "outside the vocabulary",
+        ),
         ("not-json.jsonl", "{\"id\":\n", "not JSON"),
     ] {
         let f = dir.join(name);

@@ -19,7 +19,10 @@ fn max_abs(a: &[f32]) -> f32 {
 
 /// Per row of `cols`: max |Δ|.
 fn row_deltas(a: &[f32], b: &[f32], cols: usize) -> Vec<f32> {
-    a.chunks(cols).zip(b.chunks(cols)).map(|(x, y)| max_delta(x, y)).collect()
+    a.chunks(cols)
+        .zip(b.chunks(cols))
+        .map(|(x, y)| max_delta(x, y))
+        .collect()
 }
 
 fn fmt(v: &[f32]) -> String {
@@ -38,7 +41,10 @@ fn prompt(id: &str, g: &PromptRecord, c: &PromptRecord) {
     if k < t {
         println!(
             "  ar.tokens: diverge at step {k} (gpu {} cpu {}), cpu top-2 margin {:.4e}, gpu top-2 margin {:.4e}",
-            ga.tokens[k], ca.tokens[k], margin(ca, k), margin(ga, k)
+            ga.tokens[k],
+            ca.tokens[k],
+            margin(ca, k),
+            margin(ga, k)
         );
     } else {
         println!("  ar.tokens: all {t} equal");
@@ -48,7 +54,11 @@ fn prompt(id: &str, g: &PromptRecord, c: &PromptRecord) {
     let full_steps = ca.full_steps.min(last + 1);
     let v = ca.vocab;
     let full = row_deltas(&ga.full_logits[..full_steps * v], &ca.full_logits[..full_steps * v], v);
-    println!("  ar.full_logits steps 0..{full_steps}: max |Δ| per row {} (max |logit| {:.2})", fmt(&full), max_abs(&ca.full_logits));
+    println!(
+        "  ar.full_logits steps 0..{full_steps}: max |Δ| per row {} (max |logit| {:.2})",
+        fmt(&full),
+        max_abs(&ca.full_logits)
+    );
     let (mut topk_d, mut id_diffs) = (0.0f32, Vec::new());
     for s in 0..=last {
         let ((gi, gv), (ci, cv)) = (ga.topk_row(s), ca.topk_row(s));
@@ -61,15 +71,23 @@ fn prompt(id: &str, g: &PromptRecord, c: &PromptRecord) {
             let first = gi.iter().zip(ci).position(|(a, b)| a != b).unwrap_or(0);
             // the reference's gap between the first differing rank and its neighbour below
             let gap = cv.get(first + 1).map(|n| cv[first] - n);
-            id_diffs.push(format!("step {s} rank {first}: gpu {gi:?} cpu {ci:?} (cpu gap to next {gap:?})"));
+            id_diffs.push(format!(
+                "step {s} rank {first}: gpu {gi:?} cpu {ci:?} (cpu gap to next {gap:?})"
+            ));
         }
     }
-    println!("  ar.topk_logits steps 0..={last}: max |Δ| at shared ids {topk_d:.3e}; id lists differ at {} steps", id_diffs.len());
+    println!(
+        "  ar.topk_logits steps 0..={last}: max |Δ| at shared ids {topk_d:.3e}; id lists differ at {} steps",
+        id_diffs.len()
+    );
     for d in &id_diffs {
         println!("    {d}");
     }
     if let (Some(gt), Some(ct)) = (&g.trace, &c.trace) {
-        println!("  trace step {} token {} vs {} (position {} vs {})", ct.step, gt.token, ct.token, gt.position, ct.position);
+        println!(
+            "  trace step {} token {} vs {} (position {} vs {})",
+            ct.step, gt.token, ct.token, gt.position, ct.position
+        );
         for (l, (a, b)) in gt.layers.iter().zip(&ct.layers).enumerate() {
             println!(
                 "    layer {l}: router ids {} (gpu {:?} cpu {:?}), |Δ| attn_out {:.2e} mlp_out {:.2e} residual {:.2e} router_w {:.2e}; max |ref| attn {:.2} mlp {:.2} residual {:.2}",
@@ -85,7 +103,10 @@ fn prompt(id: &str, g: &PromptRecord, c: &PromptRecord) {
                 max_abs(&b.residual),
             );
             if a.router_ids != b.router_ids {
-                println!("      router weights gpu {:?} cpu {:?}", a.router_weights, b.router_weights);
+                println!(
+                    "      router weights gpu {:?} cpu {:?}",
+                    a.router_weights, b.router_weights
+                );
             }
         }
     }
@@ -95,7 +116,10 @@ fn prompt(id: &str, g: &PromptRecord, c: &PromptRecord) {
             a.root, b.root, a.tree_tokens == b.tree_tokens, a.tree_parents == b.tree_parents, a.tree_depths == b.tree_depths,
             a.accepted, b.accepted, a.decisions, b.decisions, a.bonus, b.bonus
         );
-        println!("    tree gpu {:?} / {:?}\n    tree cpu {:?} / {:?}", a.tree_tokens, a.tree_parents, b.tree_tokens, b.tree_parents);
+        println!(
+            "    tree gpu {:?} / {:?}\n    tree cpu {:?} / {:?}",
+            a.tree_tokens, a.tree_parents, b.tree_tokens, b.tree_parents
+        );
         for (who, r) in [("gpu", a), ("cpu", b)] {
             let t = kdtree_engine::ddtree::build_tree(r.root, &r.draft_logits, r.draft_rows, r.vocab, r.budget);
             let w = kdtree_engine::ddtree::walk_greedy(&t, &r.verify_logits, r.vocab);
@@ -105,14 +129,29 @@ fn prompt(id: &str, g: &PromptRecord, c: &PromptRecord) {
                 w.path == r.accepted && w.decisions == r.decisions
             );
         }
-        println!("    draft_logits max |Δ| per row {}", fmt(&row_deltas(&a.draft_logits, &b.draft_logits, b.vocab)));
+        println!(
+            "    draft_logits max |Δ| per row {}",
+            fmt(&row_deltas(&a.draft_logits, &b.draft_logits, b.vocab))
+        );
         if a.tree_tokens == b.tree_tokens && a.tree_parents == b.tree_parents {
-            println!("    verify_logits max |Δ| per node {}", fmt(&row_deltas(&a.verify_logits, &b.verify_logits, b.vocab)));
+            println!(
+                "    verify_logits max |Δ| per node {}",
+                fmt(&row_deltas(&a.verify_logits, &b.verify_logits, b.vocab))
+            );
         }
         for (n, row) in b.verify_logits.chunks(b.vocab).enumerate() {
             let (_, v) = kdtree_golden::bundle::topk_of(row, 2);
-            let ga = a.verify_logits.chunks(a.vocab).nth(n).map(|r| kdtree_golden::bundle::topk_of(r, 2));
-            println!("    verify node {n}: cpu top-2 {:?} margin {:.3e}; gpu top-2 {:?}", kdtree_golden::bundle::topk_of(row, 2), v[0] - v[1], ga);
+            let ga = a
+                .verify_logits
+                .chunks(a.vocab)
+                .nth(n)
+                .map(|r| kdtree_golden::bundle::topk_of(r, 2));
+            println!(
+                "    verify node {n}: cpu top-2 {:?} margin {:.3e}; gpu top-2 {:?}",
+                kdtree_golden::bundle::topk_of(row, 2),
+                v[0] - v[1],
+                ga
+            );
         }
         for (r, row) in b.draft_logits.chunks(b.vocab).enumerate() {
             let (ids, v) = kdtree_golden::bundle::topk_of(row, 9);
@@ -124,7 +163,9 @@ fn prompt(id: &str, g: &PromptRecord, c: &PromptRecord) {
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let [other, reference] = &args[..] else { anyhow::bail!("usage: bundle_delta OTHER_DIR REFERENCE_DIR") };
+    let [other, reference] = &args[..] else {
+        anyhow::bail!("usage: bundle_delta OTHER_DIR REFERENCE_DIR")
+    };
     let (g, c) = (Bundle::open(other)?, Bundle::open(reference)?);
     for p in &c.index.prompts {
         let gr = g.load(&p.id).with_context(|| format!("prompt {} in {other}", p.id))?;

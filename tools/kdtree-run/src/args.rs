@@ -161,7 +161,10 @@ pub enum Budget {
 fn parse_budget(s: &str) -> Result<Budget, String> {
     match s {
         "auto" => Ok(Budget::Auto),
-        n => n.parse().map(Budget::Fixed).map_err(|_| format!("{n:?} is neither a node count nor `auto`")),
+        n => n
+            .parse()
+            .map(Budget::Fixed)
+            .map_err(|_| format!("{n:?} is neither a node count nor `auto`")),
     }
 }
 
@@ -198,12 +201,19 @@ impl Args {
     pub fn defaults(&self) -> Defaults {
         Defaults {
             max_tokens: self.max_tokens as usize,
-            sampling: Sampling { temperature: self.temperature, top_p: self.top_p, top_k: self.top_k, seed: self.seed },
+            sampling: Sampling {
+                temperature: self.temperature,
+                top_p: self.top_p,
+                top_k: self.top_k,
+                seed: self.seed,
+            },
             mode: match self.mode {
                 ModeArg::Ar => Mode::Ar,
                 ModeArg::Ddtree => match self.budget {
                     Budget::Fixed(budget) => Mode::DDTree { budget },
-                    Budget::Auto => Mode::DDTreeAuto { max: self.budget_max as usize },
+                    Budget::Auto => Mode::DDTreeAuto {
+                        max: self.budget_max as usize,
+                    },
                 },
                 ModeArg::Chain => Mode::Chain,
             },
@@ -216,14 +226,25 @@ impl Args {
         use kdtree_text::prompts::{check_temperature, check_top_p};
         check_temperature(self.temperature).map_err(|e| anyhow::anyhow!("--temperature {e}"))?;
         check_top_p(self.top_p).map_err(|e| anyhow::anyhow!("--top-p {e}"))?;
-        anyhow::ensure!(!(self.resume && self.out.as_os_str() == "-"), "--resume needs --out to be a file");
+        anyhow::ensure!(
+            !(self.resume && self.out.as_os_str() == "-"),
+            "--resume needs --out to be a file"
+        );
         if let Some(g) = self.kv_memory {
             anyhow::ensure!(g.is_finite() && g > 0.0, "--kv-memory {g}: a size in GiB above 0");
         }
         if self.dummy() {
-            anyhow::ensure!(self.rank < self.ranks, "--rank {} of --ranks {}: ranks count from 0", self.rank, self.ranks);
+            anyhow::ensure!(
+                self.rank < self.ranks,
+                "--rank {} of --ranks {}: ranks count from 0",
+                self.rank,
+                self.ranks
+            );
             anyhow::ensure!(self.verify.is_none(), "--verify compares tokens with a golden bundle; dummy weights give noise tokens (use --load-format auto)");
-            anyhow::ensure!(!self.resume, "--resume is not supported with --load-format dummy (rerun the whole prompt file)");
+            anyhow::ensure!(
+                !self.resume,
+                "--resume is not supported with --load-format dummy (rerun the whole prompt file)"
+            );
         } else {
             anyhow::ensure!(
                 (self.ranks, self.rank, self.dummy_seed) == (1, 0, 0),

@@ -66,8 +66,19 @@ pub fn load_cost(model: &Path, loaded: &Loaded) -> Result<CostModel> {
         ),
         Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
     };
-    let cost = CostModel::from_json(&text).with_context(|| format!("{}: a bad cost file (recalibrate: `kdtree-run calibrate {}`)", path.display(), model.display()))?;
-    ensure!(cost.device == slug, "{}: measured on {:?}, but this run is on {slug:?}", path.display(), cost.device);
+    let cost = CostModel::from_json(&text).with_context(|| {
+        format!(
+            "{}: a bad cost file (recalibrate: `kdtree-run calibrate {}`)",
+            path.display(),
+            model.display()
+        )
+    })?;
+    ensure!(
+        cost.device == slug,
+        "{}: measured on {:?}, but this run is on {slug:?}",
+        path.display(),
+        cost.device
+    );
     Ok(cost)
 }
 
@@ -96,12 +107,20 @@ impl Bucket {
 fn measure(loaded: &mut Loaded, prompt: &[u32], budget: usize, warmup: usize, rounds: usize) -> Result<Bucket> {
     let mut s = loaded.session(Mode::DDTree { budget })?;
     let (block, max) = (s.block_size(), s.info().max_positions);
-    ensure!(prompt.len() + 2 * block < max, "the calibration prompt ({} tokens) leaves no room for a round under max_positions {max}", prompt.len());
+    ensure!(
+        prompt.len() + 2 * block < max,
+        "the calibration prompt ({} tokens) leaves no room for a round under max_positions {max}",
+        prompt.len()
+    );
     let greedy = Sampling::greedy();
     // Room for every round at once (a cache that grows midway would re-capture a GPU round inside the timing).
     s.reserve(prompt.len() + (warmup + rounds + 1) * block)?;
     s.prefill(prompt, &greedy)?;
-    let mut b = Bucket { budget, times_us: Vec::with_capacity(rounds), tokens: 0 };
+    let mut b = Bucket {
+        budget,
+        times_us: Vec::with_capacity(rounds),
+        tokens: 0,
+    };
     for i in 0..warmup + rounds {
         if !s.can_step() || s.committed() + 2 * block >= max {
             s.prefill(prompt, &greedy)?;
@@ -125,26 +144,50 @@ pub fn run(a: &CalibrateArgs) -> Result<()> {
         }
     };
     let mut model = crate::load::load(&a.model, a.device, (!a.quiet, false, true), None)?;
-    ensure!(model.loaded.has_drafter(), "{} has no drafter: --budget auto is for DDTree", a.model.display());
+    ensure!(
+        model.loaded.has_drafter(),
+        "{} has no drafter: --budget auto is for DDTree",
+        a.model.display()
+    );
     let slug = device_slug(&model.loaded.backend, &model.loaded.device);
     let path = cost_path(&a.model, &slug);
     let prompt: Vec<u32> = match &model.tokenizer {
-        Some(t) => t.try_encode(PROMPT).with_context(|| "encoding the calibration prompt")?,
-        None => (0..48u32).map(|i| (i * 7919 + 13) % model.loaded.info().vocab_size as u32).collect(),
+        Some(t) => t
+            .try_encode(PROMPT)
+            .with_context(|| "encoding the calibration prompt")?,
+        None => (0..48u32)
+            .map(|i| (i * 7919 + 13) % model.loaded.info().vocab_size as u32)
+            .collect(),
     };
     let rounds = a.rounds as usize;
-    log(format_args!("{} on {slug}: buckets {:?}, {} warm-up + {rounds} timed rounds each, prompt of {} tokens", a.model.display(), buckets(a.budget_max as usize), a.warmup, prompt.len()));
+    log(format_args!(
+        "{} on {slug}: buckets {:?}, {} warm-up + {rounds} timed rounds each, prompt of {} tokens",
+        a.model.display(),
+        buckets(a.budget_max as usize),
+        a.warmup,
+        prompt.len()
+    ));
     let mut measured = Vec::new();
     for budget in buckets(a.budget_max as usize) {
         let b = measure(&mut model.loaded, &prompt, budget, a.warmup, rounds)?;
         let (med, tpr) = (b.median(), b.tokens as f64 / rounds as f64);
-        log(format_args!("budget {:>4}: {med:>10.1} µs a round (median of {rounds}), {tpr:.2} tokens a round, {:.1} tokens/s", b.budget, tpr * 1e6 / med));
+        log(format_args!(
+            "budget {:>4}: {med:>10.1} µs a round (median of {rounds}), {tpr:.2} tokens a round, {:.1} tokens/s",
+            b.budget,
+            tpr * 1e6 / med
+        ));
         measured.push((b.budget, med));
     }
     let note = format!("kdtree-run calibrate: median of {rounds} greedy rounds after {} warm-up, per bucket, on the built-in prompt ({} tokens) of {}", a.warmup, prompt.len(), a.model.display());
     let cost = CostModel::from_rounds(&slug, &measured, note)?;
-    crate::paths::write_atomic(&path, cost.to_json().as_bytes()).with_context(|| format!("writing {}", path.display()))?;
-    log(format_args!("wrote {} (draft {:.1} µs, verify at {} points)", path.display(), cost.draft_us, cost.verify.len()));
+    crate::paths::write_atomic(&path, cost.to_json().as_bytes())
+        .with_context(|| format!("writing {}", path.display()))?;
+    log(format_args!(
+        "wrote {} (draft {:.1} µs, verify at {} points)",
+        path.display(),
+        cost.draft_us,
+        cost.verify.len()
+    ));
     Ok(())
 }
 
@@ -156,13 +199,23 @@ mod tests {
     fn slugs_name_the_device() {
         assert_eq!(device_slug("cpu", "cpu"), "cpu");
         assert_eq!(device_slug("cuda", "NVIDIA H200"), "cuda-nvidia-h200");
-        assert_eq!(device_slug("cuda", "NVIDIA GeForce RTX 5090 (D)"), "cuda-nvidia-geforce-rtx-5090-d");
+        assert_eq!(
+            device_slug("cuda", "NVIDIA GeForce RTX 5090 (D)"),
+            "cuda-nvidia-geforce-rtx-5090-d"
+        );
         assert_eq!(cost_path(Path::new("m"), "cpu"), Path::new("m/kdtree-cost-cpu.json"));
     }
 
     #[test]
     fn medians() {
-        let b = |t: &[f64]| Bucket { budget: 1, times_us: t.to_vec(), tokens: 0 }.median();
+        let b = |t: &[f64]| {
+            Bucket {
+                budget: 1,
+                times_us: t.to_vec(),
+                tokens: 0,
+            }
+            .median()
+        };
         assert_eq!(b(&[3.0, 1.0, 2.0]), 2.0);
         assert_eq!(b(&[4.0, 1.0, 2.0, 3.0]), 2.5);
     }

@@ -22,7 +22,12 @@ use crate::runner::Defaults;
 
 /// Files of a converted model directory that decide a record: `manifest.toml` (config, plan and the
 /// checksums of every tensor) and the text side kdtree-run loads (load.rs).
-pub const MODEL_FILES: [&str; 4] = ["manifest.toml", "tiktoken.model", "tokenizer_config.json", "chat_template.jinja"];
+pub const MODEL_FILES: [&str; 4] = [
+    "manifest.toml",
+    "tiktoken.model",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+];
 
 /// sha256 (hex) over the sha256 of each of [`MODEL_FILES`] in `dir` ("absent" for a missing one other
 /// than manifest.toml, which must exist).
@@ -33,7 +38,9 @@ pub fn model_files(dir: &Path) -> Result<String> {
         let digest = match std::fs::read(&p) {
             Ok(bytes) => hex::encode(Sha256::digest(&bytes)),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound && name != "manifest.toml" => "absent".into(),
-            Err(e) => return Err(e).with_context(|| format!("opening model {}: reading {}", dir.display(), p.display())),
+            Err(e) => {
+                return Err(e).with_context(|| format!("opening model {}: reading {}", dir.display(), p.display()))
+            }
         };
         all.update(format!("{name} {digest}\n"));
     }
@@ -49,7 +56,10 @@ pub fn dummy_model(dir: &Path, ranks: u64, rank: u64, seed: u64) -> Result<Strin
         let digest = match std::fs::read(&p) {
             Ok(bytes) => hex::encode(Sha256::digest(&bytes)),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound && name != "config.json" => "absent".into(),
-            Err(e) => return Err(e).with_context(|| format!("opening dummy model {}: reading {}", dir.display(), p.display())),
+            Err(e) => {
+                return Err(e)
+                    .with_context(|| format!("opening dummy model {}: reading {}", dir.display(), p.display()))
+            }
         };
         all.update(format!("{name} {digest}\n"));
     }
@@ -86,7 +96,12 @@ mod tests {
     use kdtree_text::prompts::{parse_line, parse_prompts};
 
     fn defaults() -> Defaults {
-        Defaults { max_tokens: 8, sampling: Sampling::greedy(), mode: Mode::DDTree { budget: 4 }, thinking: true }
+        Defaults {
+            max_tokens: 8,
+            sampling: Sampling::greedy(),
+            mode: Mode::DDTree { budget: 4 },
+            thinking: true,
+        }
     }
 
     fn fp(text: &str, d: &Defaults) -> String {
@@ -102,33 +117,116 @@ mod tests {
         assert_ne!(base, fp(r#"{"id":"a","prompt":"y"}"#, &d));
         assert_ne!(base, fp(r#"{"id":"a","prompt":"x","seed":1}"#, &d));
         let changed = [
-            Defaults { max_tokens: 9, ..defaults() },
-            Defaults { sampling: Sampling { temperature: 0.5, ..Sampling::greedy() }, ..defaults() },
-            Defaults { sampling: Sampling { top_p: 0.5, ..Sampling::greedy() }, ..defaults() },
-            Defaults { sampling: Sampling { top_k: 3, ..Sampling::greedy() }, ..defaults() },
-            Defaults { sampling: Sampling { seed: 3, ..Sampling::greedy() }, ..defaults() },
-            Defaults { mode: Mode::DDTree { budget: 5 }, ..defaults() },
-            Defaults { mode: Mode::Ar, ..defaults() },
-            Defaults { mode: Mode::DDTreeAuto { max: 4 }, ..defaults() },
+            Defaults {
+                max_tokens: 9,
+                ..defaults()
+            },
+            Defaults {
+                sampling: Sampling {
+                    temperature: 0.5,
+                    ..Sampling::greedy()
+                },
+                ..defaults()
+            },
+            Defaults {
+                sampling: Sampling {
+                    top_p: 0.5,
+                    ..Sampling::greedy()
+                },
+                ..defaults()
+            },
+            Defaults {
+                sampling: Sampling {
+                    top_k: 3,
+                    ..Sampling::greedy()
+                },
+                ..defaults()
+            },
+            Defaults {
+                sampling: Sampling {
+                    seed: 3,
+                    ..Sampling::greedy()
+                },
+                ..defaults()
+            },
+            Defaults {
+                mode: Mode::DDTree { budget: 5 },
+                ..defaults()
+            },
+            Defaults {
+                mode: Mode::Ar,
+                ..defaults()
+            },
+            Defaults {
+                mode: Mode::DDTreeAuto { max: 4 },
+                ..defaults()
+            },
         ];
         for c in &changed {
             assert_ne!(base, fp(r#"{"id":"a","prompt":"x"}"#, c), "{c:?}");
         }
-        let auto = |max| fp(r#"{"id":"a","prompt":"x"}"#, &Defaults { mode: Mode::DDTreeAuto { max }, ..defaults() });
+        let auto = |max| {
+            fp(
+                r#"{"id":"a","prompt":"x"}"#,
+                &Defaults {
+                    mode: Mode::DDTreeAuto { max },
+                    ..defaults()
+                },
+            )
+        };
         assert_ne!(auto(4), auto(8), "--budget-max counts under auto");
         // The canonical form of a fixed budget is the one records carried before auto existed.
-        assert_eq!(base, "564e54507fee2041e9dc934d2a61a0416292e69ecd5ea06dd01cae968e5f2686", "pinned");
+        assert_eq!(
+            base, "564e54507fee2041e9dc934d2a61a0416292e69ecd5ea06dd01cae968e5f2686",
+            "pinned"
+        );
         // A setting the line overrides does not matter; thinking matters only for chat lines.
         let own = r#"{"id":"a","prompt":"x","max_tokens":3}"#;
-        assert_eq!(fp(own, &d), fp(own, &Defaults { max_tokens: 99, ..defaults() }));
-        assert_eq!(base, fp(r#"{"id":"a","prompt":"x"}"#, &Defaults { thinking: false, ..defaults() }));
+        assert_eq!(
+            fp(own, &d),
+            fp(
+                own,
+                &Defaults {
+                    max_tokens: 99,
+                    ..defaults()
+                }
+            )
+        );
+        assert_eq!(
+            base,
+            fp(
+                r#"{"id":"a","prompt":"x"}"#,
+                &Defaults {
+                    thinking: false,
+                    ..defaults()
+                }
+            )
+        );
         let chat = r#"{"id":"a","messages":[{"role":"user","content":"x"}]}"#;
-        assert_ne!(fp(chat, &d), fp(chat, &Defaults { thinking: false, ..defaults() }));
-        assert_ne!(base, line(&parse_line(1, r#"{"id":"a","prompt":"x"}"#), &d, "other model", "tiny"));
+        assert_ne!(
+            fp(chat, &d),
+            fp(
+                chat,
+                &Defaults {
+                    thinking: false,
+                    ..defaults()
+                }
+            )
+        );
+        assert_ne!(
+            base,
+            line(&parse_line(1, r#"{"id":"a","prompt":"x"}"#), &d, "other model", "tiny")
+        );
         // The echoed model name counts only where the body echoes it.
         let oa = r#"{"custom_id":"a","method":"POST","url":"/v1/chat/completions","body":{"messages":[{"role":"user","content":"x"}]}}"#;
-        assert_ne!(line(&parse_line(1, oa), &d, "m", "tiny"), line(&parse_line(1, oa), &d, "m", "renamed"));
-        assert_eq!(base, line(&parse_line(1, r#"{"id":"a","prompt":"x"}"#), &d, "m", "renamed"));
+        assert_ne!(
+            line(&parse_line(1, oa), &d, "m", "tiny"),
+            line(&parse_line(1, oa), &d, "m", "renamed")
+        );
+        assert_eq!(
+            base,
+            line(&parse_line(1, r#"{"id":"a","prompt":"x"}"#), &d, "m", "renamed")
+        );
     }
 
     #[test]

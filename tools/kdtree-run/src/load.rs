@@ -29,18 +29,48 @@ pub struct Model {
 /// `ranks` ranks, rank `rank` alone, every tensor filled from `seed` on the device (engine
 /// `open_dummy`). No tokenizer (the tokens are noise: prompt_token_ids lines only, `text` null) and no
 /// stop tokens (every line decodes max_tokens: a timing run).
-pub fn load_dummy(dir: &Path, device: DeviceArg, progress: bool, (ranks, rank, seed): (usize, usize, u64)) -> Result<Model> {
+pub fn load_dummy(
+    dir: &Path,
+    device: DeviceArg,
+    progress: bool,
+    (ranks, rank, seed): (usize, usize, u64),
+) -> Result<Model> {
     let read = |name: &str| {
         let p = dir.join(name);
         std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))
     };
     let config = read("config.json")?;
-    let drafter = if dir.join("drafter/config.json").exists() { Some(read("drafter/config.json")?) } else { None };
-    let (cpath, dpath) = (dir.join("config.json").display().to_string(), dir.join("drafter/config.json").display().to_string());
-    let src = kdtree_engine::model::DummySource::from_json(&cpath, &config, drafter.as_deref().map(|d| (dpath.as_str(), d)), ranks, rank, seed)?;
-    let opts = kdtree_engine::OpenOptions { attn_mode: kdtree_engine::model::AttnMode::Absorbed, progress, ..Default::default() };
-    let loaded = kdtree_engine::model::open::open_dummy(src, engine_device(device), opts).with_context(|| format!("loading dummy weights for {}", dir.display()))?;
-    Ok(Model { loaded, tokenizer: None, chat: None, stop_token_ids: Vec::new(), name: crate::records::model_name(dir) })
+    let drafter = if dir.join("drafter/config.json").exists() {
+        Some(read("drafter/config.json")?)
+    } else {
+        None
+    };
+    let (cpath, dpath) = (
+        dir.join("config.json").display().to_string(),
+        dir.join("drafter/config.json").display().to_string(),
+    );
+    let src = kdtree_engine::model::DummySource::from_json(
+        &cpath,
+        &config,
+        drafter.as_deref().map(|d| (dpath.as_str(), d)),
+        ranks,
+        rank,
+        seed,
+    )?;
+    let opts = kdtree_engine::OpenOptions {
+        attn_mode: kdtree_engine::model::AttnMode::Absorbed,
+        progress,
+        ..Default::default()
+    };
+    let loaded = kdtree_engine::model::open::open_dummy(src, engine_device(device), opts)
+        .with_context(|| format!("loading dummy weights for {}", dir.display()))?;
+    Ok(Model {
+        loaded,
+        tokenizer: None,
+        chat: None,
+        stop_token_ids: Vec::new(),
+        name: crate::records::model_name(dir),
+    })
 }
 
 fn engine_device(device: DeviceArg) -> kdtree_engine::Device {
@@ -53,14 +83,26 @@ fn engine_device(device: DeviceArg) -> kdtree_engine::Device {
 
 /// How the model's ranks are spread (`--gpus`, `--share-gpu`): None = every rank on one device (one
 /// controller), Some((groups, placement)) = rank groups on threads of their own (`kdtree_engine::tp`).
-pub fn placement(dir: &Path, device: DeviceArg, gpus: Option<u64>, share: bool) -> Result<Option<(usize, kdtree_engine::tp::Placement)>> {
+pub fn placement(
+    dir: &Path,
+    device: DeviceArg,
+    gpus: Option<u64>,
+    share: bool,
+) -> Result<Option<(usize, kdtree_engine::tp::Placement)>> {
     use kdtree_engine::tp::Placement;
-    let ranks = kdtree_formats::ModelDir::open(dir).with_context(|| format!("opening model {}", dir.display()))?.manifest().plan.ranks;
+    let ranks = kdtree_formats::ModelDir::open(dir)
+        .with_context(|| format!("opening model {}", dir.display()))?
+        .manifest()
+        .plan
+        .ranks;
     let visible = gpu_count(device);
     let n = match gpus {
         Some(n) => n as usize,
         // The largest divisor of the ranks the visible GPUs hold.
-        None => (1..=ranks.min(visible.max(1))).rev().find(|n| ranks.is_multiple_of(*n)).unwrap_or(1),
+        None => (1..=ranks.min(visible.max(1)))
+            .rev()
+            .find(|n| ranks.is_multiple_of(*n))
+            .unwrap_or(1),
     };
     kdtree_engine::tp::group_ranks(ranks, n)?;
     if n == 1 && !share {
@@ -73,7 +115,11 @@ pub fn placement(dir: &Path, device: DeviceArg, gpus: Option<u64>, share: bool) 
     if share {
         return Ok(Some((n, Placement::SharedGpu(0))));
     }
-    anyhow::ensure!(n <= visible, "--gpus {n}: only {visible} GPU{} visible (add --share-gpu to run the {n} groups side by side on GPU 0)", if visible == 1 { " is" } else { "s are" });
+    anyhow::ensure!(
+        n <= visible,
+        "--gpus {n}: only {visible} GPU{} visible (add --share-gpu to run the {n} groups side by side on GPU 0)",
+        if visible == 1 { " is" } else { "s are" }
+    );
     Ok(Some((n, Placement::Gpus((0..n).collect()))))
 }
 
@@ -110,24 +156,42 @@ fn gpu_count(device: DeviceArg) -> usize {
 /// Load everything `dir` holds.
 /// `(progress, check_weights, drafter)`: load progress on stderr, the load check, and whether the drafter
 /// loads (a run that never drafts leaves it out).
-pub fn load(dir: &Path, device: DeviceArg, (progress, check_weights, drafter): (bool, bool, bool), place: Option<(usize, kdtree_engine::tp::Placement)>) -> Result<Model> {
+pub fn load(
+    dir: &Path,
+    device: DeviceArg,
+    (progress, check_weights, drafter): (bool, bool, bool),
+    place: Option<(usize, kdtree_engine::tp::Placement)>,
+) -> Result<Model> {
     let device = engine_device(device);
     let eos = kdtree_formats::ModelDir::open(dir)
         .with_context(|| format!("opening model {}", dir.display()))?
         .text_config()
         .eos_token_id;
-    let opts = kdtree_engine::OpenOptions { attn_mode: kdtree_engine::model::AttnMode::Absorbed, progress, check_weights, no_drafter: !drafter };
+    let opts = kdtree_engine::OpenOptions {
+        attn_mode: kdtree_engine::model::AttnMode::Absorbed,
+        progress,
+        check_weights,
+        no_drafter: !drafter,
+    };
     let loaded = match place {
         None => kdtree_engine::open_with(dir, device, opts),
         Some((groups, place)) => kdtree_engine::tp::open_tp(dir, groups, place, opts),
     }
     .with_context(|| format!("loading model {}", dir.display()))?;
-    let tokenizer = if dir.join("tiktoken.model").exists() { Some(Tokenizer::from_dir(dir)?) } else { None };
+    let tokenizer = if dir.join("tiktoken.model").exists() {
+        Some(Tokenizer::from_dir(dir)?)
+    } else {
+        None
+    };
     let has_template = dir.join("chat_template.jinja").exists() || {
         let cfg = dir.join("tokenizer_config.json");
         cfg.exists() && std::fs::read_to_string(&cfg).is_ok_and(|s| s.contains("\"chat_template\""))
     };
-    let chat = if has_template { Some(ChatTemplate::from_dir(dir)?) } else { None };
+    let chat = if has_template {
+        Some(ChatTemplate::from_dir(dir)?)
+    } else {
+        None
+    };
     let mut stop_token_ids: Vec<u32> = eos.into_iter().collect();
     if let Some(tok) = &tokenizer {
         stop_token_ids.extend(["<|im_end|>", "[EOS]"].iter().filter_map(|n| tok.special_id(n)));

@@ -45,7 +45,10 @@ fn main() -> ExitCode {
     let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
     let result = if argv.get(1).is_some_and(|a| a == "calibrate") {
         let rest = argv[2..].iter().cloned();
-        calibrate::run(&CalibrateArgs::parse_from(std::iter::once("kdtree-run calibrate".into()).chain(rest))).map(|()| true)
+        calibrate::run(&CalibrateArgs::parse_from(
+            std::iter::once("kdtree-run calibrate".into()).chain(rest),
+        ))
+        .map(|()| true)
     } else {
         run(Args::parse_from(argv))
     };
@@ -90,7 +93,16 @@ fn run(args: Args) -> Result<bool> {
         summary::write_summary(path, &job.totals, &info)?;
     }
     let t = &job.totals;
-    log(&args, format_args!("{} lines: {} ok, {} errors, {:.1}s", t.lines, t.ok, t.errors, t0.elapsed().as_secs_f64()));
+    log(
+        &args,
+        format_args!(
+            "{} lines: {} ok, {} errors, {:.1}s",
+            t.lines,
+            t.ok,
+            t.errors,
+            t0.elapsed().as_secs_f64()
+        ),
+    );
     Ok(t.errors == 0 && verified)
 }
 
@@ -142,36 +154,76 @@ fn prepare(args: &Args) -> Result<Job> {
         false => fingerprint::model_files(&args.model)?,
     };
     let name = records::model_name(&args.model);
-    let fingerprints: Vec<String> = lines.iter().map(|l| fingerprint::line(l, &defaults, &model_hash, &name)).collect();
+    let fingerprints: Vec<String> = lines
+        .iter()
+        .map(|l| fingerprint::line(l, &defaults, &model_hash, &name))
+        .collect();
     let existing = read_existing(args, &lines, &fingerprints)?;
     let mut totals = Totals::default();
-    let kept: Vec<&serde_json::Value> = (0..lines.len()).filter_map(|i| existing.kept(i).map(|(r, _)| r)).collect();
+    let kept: Vec<&serde_json::Value> = (0..lines.len())
+        .filter_map(|i| existing.kept(i).map(|(r, _)| r))
+        .collect();
     kept.iter().for_each(|r| totals.add(r, true));
     let need_model = kept.len() < lines.len() || bundle.is_some();
-    let model = if need_model { Some(open_model(args, &defaults, bundle.as_ref())?) } else { None };
-    let backend = model.as_ref().map_or("none (nothing left to run)".into(), |m| m.loaded.backend.clone());
+    let model = if need_model {
+        Some(open_model(args, &defaults, bundle.as_ref())?)
+    } else {
+        None
+    };
+    let backend = model
+        .as_ref()
+        .map_or("none (nothing left to run)".into(), |m| m.loaded.backend.clone());
     let cost = match (&model, defaults.mode) {
         (Some(m), Mode::DDTreeAuto { max }) => {
             let cost = calibrate::load_cost(&args.model, &m.loaded)?;
             let buckets = kdtree_engine::ddtree::cost::buckets(max);
-            log(args, format_args!("--budget auto: buckets {buckets:?}, cost model of {} ({})", cost.device, cost.note));
+            log(
+                args,
+                format_args!(
+                    "--budget auto: buckets {buckets:?}, cost model of {} ({})",
+                    cost.device, cost.note
+                ),
+            );
             Some(cost)
         }
         _ => None,
     };
     let golden = match bundle {
-        Some((bundle, records)) => Some(Golden { tol: verify::tolerances(&backend)?, bundle, records }),
+        Some((bundle, records)) => Some(Golden {
+            tol: verify::tolerances(&backend)?,
+            bundle,
+            records,
+        }),
         None => None,
     };
-    let dummy = args.dummy().then(|| serde_json::json!({"seed": args.dummy_seed, "rank": args.rank, "ranks": args.ranks}));
-    Ok(Job { lines, fingerprints, existing, defaults, model, backend, golden, totals, cost, dummy })
+    let dummy = args
+        .dummy()
+        .then(|| serde_json::json!({"seed": args.dummy_seed, "rank": args.rank, "ranks": args.ranks}));
+    Ok(Job {
+        lines,
+        fingerprints,
+        existing,
+        defaults,
+        model,
+        backend,
+        golden,
+        totals,
+        cost,
+        dummy,
+    })
 }
 
 /// --resume: the records already in --out, checked against the prompt file's ids and this run's
 /// fingerprints (resume.rs); says what is kept and what is answered again.
 fn read_existing(args: &Args, lines: &[PromptLine], fingerprints: &[String]) -> Result<Existing> {
-    let expected: Vec<Expected> =
-        lines.iter().zip(fingerprints).map(|(l, f)| Expected { id: &l.id, fingerprint: f }).collect();
+    let expected: Vec<Expected> = lines
+        .iter()
+        .zip(fingerprints)
+        .map(|(l, f)| Expected {
+            id: &l.id,
+            fingerprint: f,
+        })
+        .collect();
     let existing = resume::read_existing(&args.out, args.resume, &expected)?;
     if args.resume {
         let stale = existing.stale();
@@ -182,8 +234,15 @@ fn read_existing(args: &Args, lines: &[PromptLine], fingerprints: &[String]) -> 
             ));
         }
         let kept = (0..lines.len()).filter(|&i| existing.kept(i).is_some()).count();
-        let torn = if existing.torn { "; a torn last line was cut" } else { "" };
-        log(args, format_args!("resuming: {kept} of {} lines already done{torn}", lines.len()));
+        let torn = if existing.torn {
+            "; a torn last line was cut"
+        } else {
+            ""
+        };
+        log(
+            args,
+            format_args!("resuming: {kept} of {} lines already done{torn}", lines.len()),
+        );
     }
     Ok(existing)
 }
@@ -201,16 +260,35 @@ fn open_bundle(args: &Args, lines: &[PromptLine]) -> Result<Option<(Bundle, Hash
 /// Load the model; refuse DDTree without a drafter (asked of the manifest before the weights load,
 /// and of the loaded model) and (--verify) a model that is not the bundle's.
 fn open_model(args: &Args, d: &Defaults, bundle: Option<&(Bundle, HashMap<String, PromptRecord>)>) -> Result<Model> {
-    let no_drafter = || anyhow::anyhow!("{} has no drafter; --mode {:?} needs one (use --mode ar)", args.model.display(), d.mode);
+    let no_drafter = || {
+        anyhow::anyhow!(
+            "{} has no drafter; --mode {:?} needs one (use --mode ar)",
+            args.model.display(),
+            d.mode
+        )
+    };
     let ddtree = d.mode.drafts();
     let model = if args.dummy() {
         if ddtree && !args.model.join("drafter/config.json").exists() {
-            return Err(anyhow::anyhow!("{} has no drafter/config.json; --mode {:?} needs one (use --mode ar)", args.model.display(), d.mode));
+            return Err(anyhow::anyhow!(
+                "{} has no drafter/config.json; --mode {:?} needs one (use --mode ar)",
+                args.model.display(),
+                d.mode
+            ));
         }
-        anyhow::ensure!(args.gpus.is_none_or(|n| n == 1) && !args.share_gpu, "--gpus / --share-gpu: dummy weights load one rank slice (--rank); use a converted model");
-        load::load_dummy(&args.model, args.device, !args.quiet, (args.ranks as usize, args.rank as usize, args.dummy_seed))?
+        anyhow::ensure!(
+            args.gpus.is_none_or(|n| n == 1) && !args.share_gpu,
+            "--gpus / --share-gpu: dummy weights load one rank slice (--rank); use a converted model"
+        );
+        load::load_dummy(
+            &args.model,
+            args.device,
+            !args.quiet,
+            (args.ranks as usize, args.rank as usize, args.dummy_seed),
+        )?
     } else {
-        let dir = kdtree_formats::ModelDir::open(&args.model).with_context(|| format!("opening model {}", args.model.display()))?;
+        let dir = kdtree_formats::ModelDir::open(&args.model)
+            .with_context(|| format!("opening model {}", args.model.display()))?;
         if ddtree && dir.drafter_config().is_none() {
             return Err(no_drafter());
         }
@@ -219,7 +297,12 @@ fn open_model(args: &Args, d: &Defaults, bundle: Option<&(Bundle, HashMap<String
         if let Some((n, p)) = &place {
             log(args, format_args!("tensor parallel: {n} rank groups, {p:?}"));
         }
-        load::load(&args.model, args.device, (!args.quiet, args.check_weights, ddtree || args.verify.is_some()), place)?
+        load::load(
+            &args.model,
+            args.device,
+            (!args.quiet, args.check_weights, ddtree || args.verify.is_some()),
+            place,
+        )?
     };
     if ddtree && !model.loaded.has_drafter() {
         return Err(no_drafter());
@@ -242,7 +325,9 @@ fn open_model(args: &Args, d: &Defaults, bundle: Option<&(Bundle, HashMap<String
 /// (kdtree_golden::reference's sessions: the recording code itself).
 fn answer(args: &Args, job: &mut Job, sink: &mut Sink) -> Result<(Vec<verify::PromptCheck>, f64)> {
     let t_gen = Instant::now();
-    let Some(model) = job.model.as_mut() else { return Ok((Vec::new(), 0.0)) };
+    let Some(model) = job.model.as_mut() else {
+        return Ok((Vec::new(), 0.0));
+    };
     let runner = Runner {
         info: model.loaded.info().clone(),
         tokenizer: model.tokenizer.as_ref(),
@@ -261,10 +346,24 @@ fn answer(args: &Args, job: &mut Job, sink: &mut Sink) -> Result<(Vec<verify::Pr
         }
     }
     if args.max_batch > 1 {
-        let kv = batch.kv_budget().bytes.map_or("not limited".into(), |b| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64));
-        log(args, format_args!("batch: up to {slots} sequences in flight; KV memory {kv}"));
+        let kv = batch.kv_budget().bytes.map_or("not limited".into(), |b| {
+            format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)
+        });
+        log(
+            args,
+            format_args!("batch: up to {slots} sequences in flight; KV memory {kv}"),
+        );
     }
-    let state = RefCell::new(Answering { next_line: 0, ready: BTreeMap::new(), next_write: 0, prepared: HashMap::new(), to_verify: Vec::new(), sink, written: 0, error: None });
+    let state = RefCell::new(Answering {
+        next_line: 0,
+        ready: BTreeMap::new(),
+        next_write: 0,
+        prepared: HashMap::new(),
+        to_verify: Vec::new(),
+        sink,
+        written: 0,
+        error: None,
+    });
     let (lines, existing, fingerprints) = (&job.lines, &job.existing, &job.fingerprints);
     let (golden, dummy, name) = (job.golden.is_some(), &job.dummy, &model.name);
     let totals = RefCell::new(&mut job.totals);
@@ -283,8 +382,12 @@ fn answer(args: &Args, job: &mut Job, sink: &mut Sink) -> Result<(Vec<verify::Pr
         }
         totals.borrow_mut().add(&record, false);
         st.written += 1;
-        log(args, format_args!("{}", progress(st.written, lines.len(), &line.id, &outcome)));
-        st.ready.insert(i, Ready::Record(Box::new(record), Some(Box::new(outcome))));
+        log(
+            args,
+            format_args!("{}", progress(st.written, lines.len(), &line.id, &outcome)),
+        );
+        st.ready
+            .insert(i, Ready::Record(Box::new(record), Some(Box::new(outcome))));
         st.flush(lines, &runner, golden)
     };
     // The next line to generate, in order; kept and failing lines are settled on the way.
@@ -322,7 +425,10 @@ fn answer(args: &Args, job: &mut Job, sink: &mut Sink) -> Result<(Vec<verify::Pr
     };
     let mut done = |i: usize, out: anyhow::Result<kdtree_engine::generate::GenOutput>| -> Result<()> {
         let mut st = state.borrow_mut();
-        let p = st.prepared.remove(&i).context("a finished line that was never started")?;
+        let p = st
+            .prepared
+            .remove(&i)
+            .context("a finished line that was never started")?;
         let outcome = runner.finish(p, out);
         finish(&mut st, i, outcome)
     };
@@ -331,19 +437,33 @@ fn answer(args: &Args, job: &mut Job, sink: &mut Sink) -> Result<(Vec<verify::Pr
     if let Some(e) = st.error.take() {
         return Err(e);
     }
-    anyhow::ensure!(st.next_write == lines.len(), "{} of {} lines written", st.next_write, lines.len());
+    anyhow::ensure!(
+        st.next_write == lines.len(),
+        "{} of {} lines written",
+        st.next_write,
+        lines.len()
+    );
     let to_verify = std::mem::take(&mut st.to_verify);
     drop(st);
     drop(batch);
     let gen_s = t_gen.elapsed().as_secs_f64();
-    let Some(g) = &job.golden else { return Ok((Vec::new(), gen_s)) };
+    let Some(g) = &job.golden else {
+        return Ok((Vec::new(), gen_s));
+    };
     let mut checks = Vec::new();
     for (id, prompt, greedy) in to_verify {
         let run = match &greedy {
             Some(t) => verify::RunTokens::Greedy(t),
             None => verify::RunTokens::NotCompared,
         };
-        checks.push(verify::check_prompt(&id, &mut model.loaded, prompt, run, &g.records[&id], &g.tol)?);
+        checks.push(verify::check_prompt(
+            &id,
+            &mut model.loaded,
+            prompt,
+            run,
+            &g.records[&id],
+            &g.tol,
+        )?);
     }
     Ok((checks, gen_s))
 }
@@ -398,7 +518,10 @@ impl Answering<'_> {
             let line = &lines[i];
             let prompt = match &line.request {
                 Err(e) => Err(format!("the line is invalid: {e}")),
-                Ok(req) => runner.prompt_ids(req).map(|(ids, _)| ids).map_err(|(code, msg)| format!("{code}: {msg}")),
+                Ok(req) => runner
+                    .prompt_ids(req)
+                    .map(|(ids, _)| ids)
+                    .map_err(|(code, msg)| format!("{code}: {msg}")),
             };
             let greedy = match outcome.as_deref() {
                 Some(records::Outcome::Done(c)) if c.sampling.temperature <= 0.0 => Some(c.token_ids.clone()),
@@ -415,8 +538,16 @@ fn report_verify(job: &Job, checks: &[verify::PromptCheck]) -> bool {
     let Some(g) = &job.golden else { return true };
     let good = checks.iter().filter(|c| c.ok()).count();
     let table = verify::table(checks);
-    console::say(format_args!("kdtree-run: verify against {} (backend {}):\n{}", g.bundle.dir.display(), job.backend, table.trim_end()));
-    console::say(format_args!("kdtree-run: verify: {good} of {} prompts match", checks.len()));
+    console::say(format_args!(
+        "kdtree-run: verify against {} (backend {}):\n{}",
+        g.bundle.dir.display(),
+        job.backend,
+        table.trim_end()
+    ));
+    console::say(format_args!(
+        "kdtree-run: verify: {good} of {} prompts match",
+        checks.len()
+    ));
     good == checks.len()
 }
 

@@ -22,7 +22,10 @@ use crate::args::Args;
 fn stat_output(path: &Path) -> Result<Option<Metadata>> {
     if path.as_os_str() == "-" {
         use std::os::fd::AsFd;
-        let fd = std::io::stdout().as_fd().try_clone_to_owned().context("inspecting stdout")?;
+        let fd = std::io::stdout()
+            .as_fd()
+            .try_clone_to_owned()
+            .context("inspecting stdout")?;
         return Ok(std::fs::File::from(fd).metadata().ok());
     }
     match std::fs::metadata(path) {
@@ -64,7 +67,8 @@ fn check_dir_writable(flag: &str, path: &Path) -> Result<()> {
         Ok(_) => bail!("{flag} {}: {} is not a directory", path.display(), dir.display()),
         Err(e) => return Err(e).with_context(|| format!("{flag} {}: directory {}", path.display(), dir.display())),
     }
-    access(dir, libc::W_OK | libc::X_OK).with_context(|| format!("{flag} {}: cannot create files in {}", path.display(), dir.display()))
+    access(dir, libc::W_OK | libc::X_OK)
+        .with_context(|| format!("{flag} {}: cannot create files in {}", path.display(), dir.display()))
 }
 
 /// Every check of `--out` and `--summary` (see the module doc); nothing is opened for writing.
@@ -86,11 +90,23 @@ pub fn check(args: &Args) -> Result<()> {
             bail!("{flag} {} is a directory", path.display());
         }
         if let Some(input) = inputs.find(&m) {
-            let what = if input == args.prompts { "the prompt file" } else { "an input file" };
-            bail!("{flag} {} is {what} {} (the same file): refusing to write over an input", path.display(), input.display());
+            let what = if input == args.prompts {
+                "the prompt file"
+            } else {
+                "an input file"
+            };
+            bail!(
+                "{flag} {} is {what} {} (the same file): refusing to write over an input",
+                path.display(),
+                input.display()
+            );
         }
         if let Some((other, p, _)) = outputs.iter().find(|(_, _, o)| same_file(o, &m)) {
-            bail!("{flag} {} and {other} {} are the same file", path.display(), p.display());
+            bail!(
+                "{flag} {} and {other} {} are the same file",
+                path.display(),
+                p.display()
+            );
         }
         if path.as_os_str() == "-" {
             // stdout: open already.
@@ -100,7 +116,10 @@ pub fn check(args: &Args) -> Result<()> {
             access(path, libc::W_OK).with_context(|| format!("{flag} {} is not writable", path.display()))?;
         }
         if flag == "--out" && args.resume && !m.is_file() {
-            bail!("--resume needs --out to be a regular file; {} is not (use a file, or drop --resume)", path.display());
+            bail!(
+                "--resume needs --out to be a regular file; {} is not (use a file, or drop --resume)",
+                path.display()
+            );
         }
         outputs.push((flag, path, m));
     }
@@ -114,18 +133,31 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     use std::io::Write;
     if path.as_os_str() == "-" {
         let mut out = std::io::stdout().lock();
-        return out.write_all(bytes).and_then(|_| out.flush()).context("writing to stdout");
+        return out
+            .write_all(bytes)
+            .and_then(|_| out.flush())
+            .context("writing to stdout");
     }
     if std::fs::metadata(path).is_ok_and(|m| !m.is_file()) {
-        let mut f = std::fs::OpenOptions::new().write(true).open(path).with_context(|| format!("opening {}", path.display()))?;
-        return f.write_all(bytes).with_context(|| format!("writing {}", path.display()));
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        return f
+            .write_all(bytes)
+            .with_context(|| format!("writing {}", path.display()));
     }
     let target = resolved(path);
-    let name = target.file_name().map_or_else(|| "summary".into(), |n| n.to_string_lossy().into_owned());
+    let name = target
+        .file_name()
+        .map_or_else(|| "summary".into(), |n| n.to_string_lossy().into_owned());
     let tmp = parent_of(&target).join(format!(".{name}.tmp-{}", std::process::id()));
     let written = std::fs::write(&tmp, bytes)
         .with_context(|| format!("writing {}", tmp.display()))
-        .and_then(|_| std::fs::rename(&tmp, &target).with_context(|| format!("renaming {} to {}", tmp.display(), target.display())));
+        .and_then(|_| {
+            std::fs::rename(&tmp, &target)
+                .with_context(|| format!("renaming {} to {}", tmp.display(), target.display()))
+        });
     if written.is_err() {
         let _ = std::fs::remove_file(&tmp);
     }
@@ -139,7 +171,12 @@ mod tests {
 
     fn args(dir: &Path, extra: &[&str]) -> Args {
         let (model, prompts) = (dir.join("model"), dir.join("p.jsonl"));
-        let base = ["kdtree-run", model.to_str().unwrap(), "--prompts", prompts.to_str().unwrap()];
+        let base = [
+            "kdtree-run",
+            model.to_str().unwrap(),
+            "--prompts",
+            prompts.to_str().unwrap(),
+        ];
         Args::parse_from(base.iter().copied().chain(extra.iter().copied()))
     }
 
@@ -197,7 +234,10 @@ mod tests {
         std::os::unix::fs::symlink(d.join("real.json"), d.join("link.json")).unwrap();
         write_atomic(&d.join("link.json"), b"new").unwrap();
         assert_eq!(std::fs::read_to_string(d.join("real.json")).unwrap(), "new");
-        assert!(std::fs::symlink_metadata(d.join("link.json")).unwrap().file_type().is_symlink());
+        assert!(std::fs::symlink_metadata(d.join("link.json"))
+            .unwrap()
+            .file_type()
+            .is_symlink());
         write_atomic(Path::new("/dev/null"), b"x").unwrap();
         let names: Vec<_> = std::fs::read_dir(d).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names.len(), 2, "{names:?}");

@@ -70,7 +70,8 @@ impl SamplingUsed {
 
 /// The model's name in OpenAI bodies whose line gave none: the directory's name.
 pub fn model_name(dir: &Path) -> String {
-    dir.file_name().map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned())
+    dir.file_name()
+        .map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned())
 }
 
 /// Wall-clock facts of one request; the only run-dependent part of a record.
@@ -107,7 +108,10 @@ pub struct Completion {
 pub enum Outcome {
     Done(Completion),
     /// `code` is machine-readable (`invalid_request`, `context_length_exceeded`, `engine_error`, ...).
-    Failed { code: String, message: String },
+    Failed {
+        code: String,
+        message: String,
+    },
 }
 
 /// Codes that mean "the request was bad" (HTTP 400) rather than "we failed" (500).
@@ -129,7 +133,11 @@ pub fn record(line: &PromptLine, outcome: &Outcome, model: &str, fingerprint: &s
 
 /// The model (the line's `body.model`, else `model`) an OpenAI body names.
 pub fn body_model(line: &PromptLine, model: &str) -> String {
-    line.request.as_ref().ok().and_then(|r| r.model.clone()).unwrap_or_else(|| model.to_string())
+    line.request
+        .as_ref()
+        .ok()
+        .and_then(|r| r.model.clone())
+        .unwrap_or_else(|| model.to_string())
 }
 
 fn record_body_of(line: &PromptLine, outcome: &Outcome, model: &str) -> Json {
@@ -305,14 +313,30 @@ mod tests {
             finish_reason: "stop",
             prompt_tokens: 4,
             sampling: SamplingUsed {
-                temperature: 0.0, top_p: 1.0, top_k: 0, seed: 3, max_tokens: 8, stop: vec![], thinking: None,
+                temperature: 0.0,
+                top_p: 1.0,
+                top_k: 0,
+                seed: 3,
+                max_tokens: 8,
+                stop: vec![],
+                thinking: None,
             },
             mode: Mode::DDTree { budget: 4 },
             spec: SpecStats {
-                verify_steps: 2, drafted: 8, budgets: 8, accepted: 3,
-                accepted_per_depth: vec![2, 1, 0], acceptance_histogram: vec![0, 1, 1, 0],
+                verify_steps: 2,
+                drafted: 8,
+                budgets: 8,
+                accepted: 3,
+                accepted_per_depth: vec![2, 1, 0],
+                acceptance_histogram: vec![0, 1, 1, 0],
             },
-            timing: Timing { ttft_ms: 1.23456, decode_ms: 2.0, e2e_ms: 3.5, decode_tok_s: 1000.0, created: 17 },
+            timing: Timing {
+                ttft_ms: 1.23456,
+                decode_ms: 2.0,
+                e2e_ms: 3.5,
+                decode_tok_s: 1000.0,
+                created: 17,
+            },
         }
     }
 
@@ -321,19 +345,57 @@ mod tests {
         let line = parse_line(1, r#"{"id":"a","prompt":"x"}"#);
         let r = record(&line, &Outcome::Done(completion()), "tiny", "fp");
         let keys: Vec<&str> = r.as_object().unwrap().keys().map(String::as_str).collect();
-        assert_eq!(keys, ["id", "status", "finish_reason", "text", "token_ids", "usage", "sampling", "spec", "fingerprint", "timing"]);
+        assert_eq!(
+            keys,
+            [
+                "id",
+                "status",
+                "finish_reason",
+                "text",
+                "token_ids",
+                "usage",
+                "sampling",
+                "spec",
+                "fingerprint",
+                "timing"
+            ]
+        );
         assert_eq!(r["fingerprint"], "fp");
-        assert_eq!(r["usage"], json!({"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}));
+        assert_eq!(
+            r["usage"],
+            json!({"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7})
+        );
         assert_eq!(r["spec"]["acceptance_length"], json!(2.5));
         assert_eq!(r["spec"]["acceptance_rate"], json!(0.375));
-        assert_eq!((&r["spec"]["budget"], &r["spec"]["mean_budget"], r["spec"].get("budget_max")), (&json!(4), &json!(4.0), None));
-        let auto = Completion { mode: Mode::DDTreeAuto { max: 32 }, spec: SpecStats { budgets: 12, ..completion().spec }, ..completion() };
+        assert_eq!(
+            (
+                &r["spec"]["budget"],
+                &r["spec"]["mean_budget"],
+                r["spec"].get("budget_max")
+            ),
+            (&json!(4), &json!(4.0), None)
+        );
+        let auto = Completion {
+            mode: Mode::DDTreeAuto { max: 32 },
+            spec: SpecStats {
+                budgets: 12,
+                ..completion().spec
+            },
+            ..completion()
+        };
         let s = spec(auto.mode, &auto.spec);
-        assert_eq!((&s["mode"], &s["budget"], &s["budget_max"], &s["mean_budget"]), (&json!("ddtree"), &json!("auto"), &json!(32), &json!(6.0)));
+        assert_eq!(
+            (&s["mode"], &s["budget"], &s["budget_max"], &s["mean_budget"]),
+            (&json!("ddtree"), &json!("auto"), &json!(32), &json!(6.0))
+        );
         assert_eq!(r["timing"]["ttft_ms"], json!(1.235));
         // Changing only timings changes only `timing`.
         let mut c2 = completion();
-        c2.timing = Timing { created: 99, e2e_ms: 7.0, ..Timing::default() };
+        c2.timing = Timing {
+            created: 99,
+            e2e_ms: 7.0,
+            ..Timing::default()
+        };
         let mut r2 = record(&line, &Outcome::Done(c2), "tiny", "fp");
         let mut r1 = r.clone();
         r1.as_object_mut().unwrap().remove("timing");
@@ -345,7 +407,10 @@ mod tests {
 
     #[test]
     fn openai_envelope_shape() {
-        let line = parse_line(1, r#"{"custom_id":"q4","method":"POST","url":"/v1/chat/completions","body":{"model":"kimi","messages":[{"role":"user","content":"Hi"}]}}"#);
+        let line = parse_line(
+            1,
+            r#"{"custom_id":"q4","method":"POST","url":"/v1/chat/completions","body":{"model":"kimi","messages":[{"role":"user","content":"Hi"}]}}"#,
+        );
         let r = record(&line, &Outcome::Done(completion()), "tiny", "fp");
         assert_eq!(r["id"], "batch_req_q4");
         assert_eq!(r["custom_id"], "q4");
@@ -354,7 +419,10 @@ mod tests {
         let body = &r["response"]["body"];
         assert_eq!(body["object"], "chat.completion");
         assert_eq!(body["model"], "kimi");
-        assert_eq!(body["choices"][0]["message"], json!({"role": "assistant", "content": "hi"}));
+        assert_eq!(
+            body["choices"][0]["message"],
+            json!({"role": "assistant", "content": "hi"})
+        );
         assert_eq!(body["choices"][0]["finish_reason"], "stop");
         assert_eq!(body["usage"]["total_tokens"], 7);
         assert_eq!(r["timing"]["created"], 17);
@@ -362,11 +430,27 @@ mod tests {
         let keys: Vec<&str> = r.as_object().unwrap().keys().map(String::as_str).collect();
         assert_eq!(keys, ["id", "custom_id", "response", "error", "fingerprint", "timing"]);
         assert_eq!(record_body(&r)["spec"]["verify_steps"], 2);
-        let bad = record(&line, &Outcome::Failed { code: "context_length_exceeded".into(), message: "too long".into() }, "tiny", "fp");
+        let bad = record(
+            &line,
+            &Outcome::Failed {
+                code: "context_length_exceeded".into(),
+                message: "too long".into(),
+            },
+            "tiny",
+            "fp",
+        );
         assert_eq!(bad["response"]["status_code"], 400);
         assert_eq!(bad["response"]["body"]["error"]["code"], "context_length_exceeded");
         assert!(!record_ok(&bad));
-        let bad = record(&line, &Outcome::Failed { code: "engine_error".into(), message: "boom".into() }, "tiny", "fp");
+        let bad = record(
+            &line,
+            &Outcome::Failed {
+                code: "engine_error".into(),
+                message: "boom".into(),
+            },
+            "tiny",
+            "fp",
+        );
         assert_eq!(bad["response"]["status_code"], 500);
     }
 
@@ -374,8 +458,19 @@ mod tests {
     fn error_record_and_ar_spec() {
         let line = parse_line(2, r#"{"id":"e","prompt":""}"#);
         let err = line.request.clone().unwrap_err();
-        let r = record(&line, &Outcome::Failed { code: err.code.into(), message: err.to_string() }, "m", "fp");
-        assert_eq!(r, json!({"id": "e", "status": "error", "error": {"code": "empty_prompt", "message": "line 2: \"prompt\" is empty"}, "fingerprint": "fp"}));
+        let r = record(
+            &line,
+            &Outcome::Failed {
+                code: err.code.into(),
+                message: err.to_string(),
+            },
+            "m",
+            "fp",
+        );
+        assert_eq!(
+            r,
+            json!({"id": "e", "status": "error", "error": {"code": "empty_prompt", "message": "line 2: \"prompt\" is empty"}, "fingerprint": "fp"})
+        );
         assert_eq!(spec(Mode::Ar, &SpecStats::default()), json!({"mode": "ar"}));
     }
 }

@@ -68,7 +68,11 @@ pub struct Existing {
 impl Existing {
     /// Record i, when it can be kept (current).
     pub fn kept(&self, i: usize) -> Option<(&Json, &[u8])> {
-        self.current.get(i).copied().unwrap_or(false).then(|| (&self.records[i], self.lines[i].as_slice()))
+        self.current
+            .get(i)
+            .copied()
+            .unwrap_or(false)
+            .then(|| (&self.records[i], self.lines[i].as_slice()))
     }
 
     /// Indices of records that will be redone.
@@ -135,17 +139,26 @@ pub fn read_existing(path: &Path, resume: bool, expected: &[Expected]) -> Result
 /// a pipe) is written as it is.
 pub fn open_output(path: &Path, existing: &Existing) -> Result<Sink> {
     if path.as_os_str() == "-" {
-        return Ok(Sink { w: Box::new(std::io::stdout().lock()) });
+        return Ok(Sink {
+            w: Box::new(std::io::stdout().lock()),
+        });
     }
     let file = OpenOptions::new()
         .create(true)
         .append(true)
         .open(path)
         .with_context(|| format!("opening {}", path.display()))?;
-    if file.metadata().with_context(|| format!("inspecting {}", path.display()))?.is_file() {
-        file.set_len(existing.valid_len as u64).with_context(|| format!("truncating {}", path.display()))?;
+    if file
+        .metadata()
+        .with_context(|| format!("inspecting {}", path.display()))?
+        .is_file()
+    {
+        file.set_len(existing.valid_len as u64)
+            .with_context(|| format!("truncating {}", path.display()))?;
     }
-    Ok(Sink { w: Box::new(BufWriter::new(file)) })
+    Ok(Sink {
+        w: Box::new(BufWriter::new(file)),
+    })
 }
 
 #[cfg(test)]
@@ -156,14 +169,20 @@ mod tests {
     const B: &str = "{\"custom_id\":\"b\",\"response\":{},\"fingerprint\":\"fb\"}\n";
 
     fn exp<'a>(pairs: &[(&'a str, &'a str)]) -> Vec<Expected<'a>> {
-        pairs.iter().map(|&(id, fingerprint)| Expected { id, fingerprint }).collect()
+        pairs
+            .iter()
+            .map(|&(id, fingerprint)| Expected { id, fingerprint })
+            .collect()
     }
 
     #[test]
     fn keeps_complete_prefix_and_detects_torn_line() {
         let ids = exp(&[("a", "fa"), ("b", "fb"), ("c", "fc")]);
         let e = scan_existing(format!("{A}{B}{{\"id\":\"c\",\"sta").as_bytes(), &ids).unwrap();
-        assert_eq!((e.records.len(), e.prefix, e.valid_len, e.torn), (2, 2, A.len() + B.len(), true));
+        assert_eq!(
+            (e.records.len(), e.prefix, e.valid_len, e.torn),
+            (2, 2, A.len() + B.len(), true)
+        );
         let e = scan_existing(A.as_bytes(), &ids).unwrap();
         assert_eq!((e.records.len(), e.torn), (1, false));
         let e = scan_existing(b"", &ids).unwrap();
@@ -185,7 +204,10 @@ mod tests {
 
     #[test]
     fn refuses_foreign_or_corrupt_files() {
-        let err = format!("{:#}", scan_existing(B.as_bytes(), &exp(&[("a", "fa"), ("b", "fb")])).unwrap_err());
+        let err = format!(
+            "{:#}",
+            scan_existing(B.as_bytes(), &exp(&[("a", "fa"), ("b", "fb")])).unwrap_err()
+        );
         assert!(err.contains("line 1") && err.contains("\"b\""), "{err}");
         assert!(scan_existing(b"garbage\n", &exp(&[("a", "fa")])).is_err());
         assert!(scan_existing(format!("{A}{A}").as_bytes(), &exp(&[("a", "fa")])).is_err());
@@ -200,9 +222,13 @@ mod tests {
         let existing = read_existing(&p, true, &ids).unwrap();
         assert!(existing.torn);
         let mut sink = open_output(&p, &existing).unwrap();
-        sink.write_record(&serde_json::json!({"id": "b", "status": "ok"})).unwrap();
+        sink.write_record(&serde_json::json!({"id": "b", "status": "ok"}))
+            .unwrap();
         drop(sink);
-        assert_eq!(std::fs::read_to_string(&p).unwrap(), format!("{A}{{\"id\":\"b\",\"status\":\"ok\"}}\n"));
+        assert_eq!(
+            std::fs::read_to_string(&p).unwrap(),
+            format!("{A}{{\"id\":\"b\",\"status\":\"ok\"}}\n")
+        );
         // A foreign file is refused before anything is written.
         let before = std::fs::read(&p).unwrap();
         assert!(read_existing(&p, true, &exp(&[("x", "")])).is_err());

@@ -63,7 +63,8 @@ struct TextState {
 type Refusal = (&'static str, String);
 
 fn encode(tok: &Tokenizer, text: &str) -> Result<Vec<u32>, Refusal> {
-    tok.try_encode(text).map_err(|e| ("tokenizer_error", kdtree_text::console::error_chain(&e)))
+    tok.try_encode(text)
+        .map_err(|e| ("tokenizer_error", kdtree_text::console::error_chain(&e)))
 }
 
 /// [`failed`], boxed (a line refused before generation).
@@ -72,7 +73,10 @@ fn refused(code: &str, message: impl Into<String>) -> Box<Outcome> {
 }
 
 fn failed(code: &str, message: impl Into<String>) -> Outcome {
-    Outcome::Failed { code: code.to_string(), message: message.into() }
+    Outcome::Failed {
+        code: code.to_string(),
+        message: message.into(),
+    }
 }
 
 impl<'a> Runner<'a> {
@@ -106,9 +110,16 @@ impl<'a> Runner<'a> {
         match &req.input {
             Input::TokenIds(ids) => Ok((ids.clone(), None)),
             Input::Text(s) => Ok((encode(need_tok()?, s)?, None)),
-            Input::Chat { messages, tools, thinking, preserve_thinking } => {
+            Input::Chat {
+                messages,
+                tools,
+                thinking,
+                preserve_thinking,
+            } => {
                 let tok = need_tok()?;
-                let chat = self.chat.ok_or(("invalid_request", "the model has no chat template".to_string()))?;
+                let chat = self
+                    .chat
+                    .ok_or(("invalid_request", "the model has no chat template".to_string()))?;
                 let thinking = thinking.unwrap_or(self.defaults.thinking);
                 let opts = ChatOptions {
                     add_generation_prompt: true,
@@ -116,7 +127,9 @@ impl<'a> Runner<'a> {
                     preserve_thinking: preserve_thinking.unwrap_or(false),
                     tools: tools.clone(),
                 };
-                let text = chat.render(messages, &opts).map_err(|e| ("invalid_request", kdtree_text::console::error_chain(&e)))?;
+                let text = chat
+                    .render(messages, &opts)
+                    .map_err(|e| ("invalid_request", kdtree_text::console::error_chain(&e)))?;
                 Ok((encode(tok, &text)?, Some(thinking)))
             }
         }
@@ -130,28 +143,57 @@ impl<'a> Runner<'a> {
             return Err(refused("empty_prompt", "the prompt encodes to no tokens"));
         }
         if let Some(bad) = prompt.iter().find(|&&t| t as usize >= info.vocab_size) {
-            return Err(refused("invalid_request", format!("token id {bad} is outside the model's vocabulary of {}", info.vocab_size)));
+            return Err(refused(
+                "invalid_request",
+                format!(
+                    "token id {bad} is outside the model's vocabulary of {}",
+                    info.vocab_size
+                ),
+            ));
         }
         if prompt.len() >= info.max_positions {
             return Err(refused(
                 "context_length_exceeded",
-                format!("the prompt has {} tokens; the model's context holds {} positions", prompt.len(), info.max_positions),
+                format!(
+                    "the prompt has {} tokens; the model's context holds {} positions",
+                    prompt.len(),
+                    info.max_positions
+                ),
             ));
         }
         let d = &self.defaults;
         let used = SamplingUsed::resolve(d, req);
         if self.tokenizer.is_none() && !used.stop.is_empty() {
-            return Err(refused("invalid_request", "stop strings need a tokenizer (tiktoken.model) in the model directory"));
+            return Err(refused(
+                "invalid_request",
+                "stop strings need a tokenizer (tiktoken.model) in the model directory",
+            ));
         }
         let gen_req = GenRequest {
             prompt: prompt.clone(),
             max_tokens: used.max_tokens,
             stop_token_ids: self.stop_token_ids.clone(),
-            sampling: Sampling { temperature: used.temperature, top_p: used.top_p, top_k: used.top_k, seed: used.seed },
+            sampling: Sampling {
+                temperature: used.temperature,
+                top_p: used.top_p,
+                top_k: used.top_k,
+                seed: used.seed,
+            },
             mode: d.mode,
         };
-        let text = Rc::new(RefCell::new(TextState { detok: Detokenizer::new(), matcher: StopMatcher::new(&used.stop), seen: 0 }));
-        Ok(Prepared { t0, pre_ms: t0.elapsed().as_secs_f64() * 1e3, prompt_tokens: prompt.len(), used, req: gen_req, text })
+        let text = Rc::new(RefCell::new(TextState {
+            detok: Detokenizer::new(),
+            matcher: StopMatcher::new(&used.stop),
+            seen: 0,
+        }));
+        Ok(Prepared {
+            t0,
+            pre_ms: t0.elapsed().as_secs_f64() * 1e3,
+            prompt_tokens: prompt.len(),
+            used,
+            req: gen_req,
+            text,
+        })
     }
 
     /// The per-token callback of a prepared line: renders new tokens and reports a completed stop string.
@@ -180,7 +222,9 @@ impl<'a> Runner<'a> {
     pub fn finish(&self, p: Prepared, out: anyhow::Result<GenOutput>) -> Outcome {
         let out = match out {
             Ok(out) => out,
-            Err(e) if e.is::<kdtree_engine::KvTooLarge>() => return failed("kv_cache_exceeded", kdtree_text::console::error_chain(&e)),
+            Err(e) if e.is::<kdtree_engine::KvTooLarge>() => {
+                return failed("kv_cache_exceeded", kdtree_text::console::error_chain(&e))
+            }
             Err(e) => return failed("engine_error", kdtree_text::console::error_chain(&e)),
         };
         let text = self.tokenizer.map(|_| {
@@ -196,7 +240,11 @@ impl<'a> Runner<'a> {
             ttft_ms: p.pre_ms + out.ttft_ms,
             decode_ms: out.decode_ms,
             e2e_ms: p.t0.elapsed().as_secs_f64() * 1e3,
-            decode_tok_s: if n > 1 && out.decode_ms > 0.0 { (n - 1) as f64 * 1e3 / out.decode_ms } else { 0.0 },
+            decode_tok_s: if n > 1 && out.decode_ms > 0.0 {
+                (n - 1) as f64 * 1e3 / out.decode_ms
+            } else {
+                0.0
+            },
             created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
         };
         Outcome::Done(Completion {
@@ -233,8 +281,20 @@ mod tests {
 
     impl ScriptTarget {
         fn new(script: &[u8], max_positions: usize) -> Self {
-            let info = TargetInfo { vocab_size: 258, hidden_size: 1, num_layers: 1, max_positions, tap_layers: vec![] };
-            Self { info, script: script.iter().map(|&b| b as u32).collect(), prompt_len: 0, committed: 0, last: vec![] }
+            let info = TargetInfo {
+                vocab_size: 258,
+                hidden_size: 1,
+                num_layers: 1,
+                max_positions,
+                tap_layers: vec![],
+            };
+            Self {
+                info,
+                script: script.iter().map(|&b| b as u32).collect(),
+                prompt_len: 0,
+                committed: 0,
+                last: vec![],
+            }
         }
     }
 
@@ -294,7 +354,12 @@ mod tests {
             tokenizer: Some(&tok),
             chat: Some(&chat),
             stop_token_ids: vec![257],
-            defaults: Defaults { max_tokens: 64, sampling: Sampling::greedy(), mode: Mode::Ar, thinking: true },
+            defaults: Defaults {
+                max_tokens: 64,
+                sampling: Sampling::greedy(),
+                mode: Mode::Ar,
+                thinking: true,
+            },
         };
         let mut session = Session::new(Box::new(&mut target), None, Mode::Ar).unwrap();
         runner.run_line(&mut session, &parse_line(1, line))
@@ -315,13 +380,23 @@ mod tests {
             tokenizer: None,
             chat: None,
             stop_token_ids: vec![257],
-            defaults: Defaults { max_tokens: 8, sampling: Sampling::greedy(), mode: Mode::Ar, thinking: true },
+            defaults: Defaults {
+                max_tokens: 8,
+                sampling: Sampling::greedy(),
+                mode: Mode::Ar,
+                thinking: true,
+            },
         };
         let mut session = Session::new(Box::new(&mut target), None, Mode::Ar).unwrap();
         let c = done(runner.run_line(&mut session, &parse_line(1, r#"{"id":"a","prompt_token_ids":[1,2]}"#)));
         assert_eq!((c.text, c.token_ids), (None, vec![b'a' as u32, b'b' as u32, 257]));
-        for line in [r#"{"id":"a","prompt":"x"}"#, r#"{"id":"a","prompt_token_ids":[1],"stop":"b"}"#] {
-            let Outcome::Failed { code, message } = runner.run_line(&mut session, &parse_line(1, line)) else { panic!("{line}") };
+        for line in [
+            r#"{"id":"a","prompt":"x"}"#,
+            r#"{"id":"a","prompt_token_ids":[1],"stop":"b"}"#,
+        ] {
+            let Outcome::Failed { code, message } = runner.run_line(&mut session, &parse_line(1, line)) else {
+                panic!("{line}")
+            };
             assert_eq!(code, "invalid_request", "{line}");
             assert!(message.contains("tokenizer"), "{message}");
         }
@@ -349,17 +424,27 @@ mod tests {
 
     #[test]
     fn chat_lines_use_the_template_and_prompt_checks_fail_per_line() {
-        let c = done(run(r#"{"id":"a","messages":[{"role":"user","content":"x"}],"thinking":false}"#, "ok", 1000));
+        let c = done(run(
+            r#"{"id":"a","messages":[{"role":"user","content":"x"}],"thinking":false}"#,
+            "ok",
+            1000,
+        ));
         let rendered = "<|im_user|>user<|im_middle|>x<|im_end|><|im_assistant|>assistant<|im_middle|><think></think>";
         // Specials of the template are not in this byte tokenizer's names except <|im_end|>, so
         // every other character is a byte token: prompt length = bytes - len("<|im_end|>") + 1.
         assert_eq!(c.prompt_tokens, rendered.len() - "<|im_end|>".len() + 1);
         assert_eq!(c.sampling.thinking, Some(false));
-        let Outcome::Failed { code, .. } = run(r#"{"id":"a","prompt":"0123456789"}"#, "x", 10) else { panic!() };
+        let Outcome::Failed { code, .. } = run(r#"{"id":"a","prompt":"0123456789"}"#, "x", 10) else {
+            panic!()
+        };
         assert_eq!(code, "context_length_exceeded");
-        let Outcome::Failed { code, .. } = run(r#"{"id":"a","prompt_token_ids":[999]}"#, "x", 10) else { panic!() };
+        let Outcome::Failed { code, .. } = run(r#"{"id":"a","prompt_token_ids":[999]}"#, "x", 10) else {
+            panic!()
+        };
         assert_eq!(code, "invalid_request");
-        let Outcome::Failed { code, .. } = run(r#"{"id":"a","prompt":""}"#, "x", 10) else { panic!() };
+        let Outcome::Failed { code, .. } = run(r#"{"id":"a","prompt":""}"#, "x", 10) else {
+            panic!()
+        };
         assert_eq!(code, "empty_prompt");
     }
 }

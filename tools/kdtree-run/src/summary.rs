@@ -41,7 +41,9 @@ pub struct Totals {
 }
 
 fn add_into(dst: &mut Vec<u64>, src: Option<&Json>) {
-    let Some(src) = src.and_then(Json::as_array) else { return };
+    let Some(src) = src.and_then(Json::as_array) else {
+        return;
+    };
     if dst.len() < src.len() {
         dst.resize(src.len(), 0);
     }
@@ -182,22 +184,45 @@ mod tests {
         t.add(&openai, true);
         t.add(&err, false);
         assert_eq!((t.lines, t.ok, t.errors, t.resumed), (3, 2, 1, 1));
-        assert_eq!((t.prompt_tokens, t.completion_tokens, t.run_completion_tokens), (5, 15, 10));
+        assert_eq!(
+            (t.prompt_tokens, t.completion_tokens, t.run_completion_tokens),
+            (5, 15, 10)
+        );
         assert_eq!(t.accepted_per_depth, vec![4, 3, 2, 1]);
         assert_eq!(t.acceptance_histogram, vec![1, 1, 1, 1, 1]);
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("manifest.toml"), "abc").unwrap();
-        let info = RunInfo { model: dir.path(), backend: "cpu", mode: kdtree_engine::generate::Mode::DDTreeAuto { max: 64 }, wall_s: 1.0, gen_s: 0.5, max_batch: 4, dummy: None };
+        let info = RunInfo {
+            model: dir.path(),
+            backend: "cpu",
+            mode: kdtree_engine::generate::Mode::DDTreeAuto { max: 64 },
+            wall_s: 1.0,
+            gen_s: 0.5,
+            max_batch: 4,
+            dummy: None,
+        };
         let s = summary_json(&t, &info).unwrap();
         assert_eq!(s["tokens_per_s"], json!(100.0));
         assert_eq!((&s["throughput_tok_s"], &s["max_batch"]), (&json!(20.0), &json!(4)));
-        assert_eq!(s["latency_ms"], json!({"lines": 1, "mean": 100.0, "p50": 100.0, "p90": 100.0, "max": 100.0}));
-        assert_eq!(latency(&[5.0, 1.0, 3.0, 2.0, 4.0]), json!({"lines": 5, "mean": 3.0, "p50": 3.0, "p90": 5.0, "max": 5.0}));
+        assert_eq!(
+            s["latency_ms"],
+            json!({"lines": 1, "mean": 100.0, "p50": 100.0, "p90": 100.0, "max": 100.0})
+        );
+        assert_eq!(
+            latency(&[5.0, 1.0, 3.0, 2.0, 4.0]),
+            json!({"lines": 5, "mean": 3.0, "p50": 3.0, "p90": 5.0, "max": 5.0})
+        );
         assert_eq!(s["acceptance_length"], json!(3.0)); // (10 accepted + 5 steps) / 5
         assert_eq!(s["acceptance_rate"], json!(round6(10.0 / 24.0)));
         assert_eq!(s["acceptance_per_depth"], json!([0.8, 0.6, 0.4, 0.2]));
-        assert_eq!((&s["mode"], &s["budget"], &s["budget_max"], &s["mean_budget"]), (&json!("ddtree"), &json!("auto"), &json!(64), &json!(5.6)));
+        assert_eq!(
+            (&s["mode"], &s["budget"], &s["budget_max"], &s["mean_budget"]),
+            (&json!("ddtree"), &json!("auto"), &json!(64), &json!(5.6))
+        );
         // sha256("abc")
-        assert_eq!(s["manifest_sha256"], "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+        assert_eq!(
+            s["manifest_sha256"],
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
     }
 }

@@ -34,9 +34,9 @@ use kdtree_text::prompts::PromptLine;
 use std::fmt::Write as _;
 use std::path::Path;
 
-mod rules;
 #[cfg(test)]
 mod e2e_tests;
+mod rules;
 
 /// Largest |Δ| allowed per compared tensor class, and whether near-ties and route flips are forgiven.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -58,7 +58,13 @@ pub struct Tolerances {
 /// the very code that recorded the bundle (same loader, same absorbed MLA, same Session calls), and the
 /// CPU reference reduces in a fixed order that does not depend on the thread count (golden `regen.sh
 /// --check` proves byte equality at 1 and 2 threads), so any difference is a real change.
-pub const CPU_TOLERANCES: Tolerances = Tolerances { logits: 0.0, layers: 0.0, router_weights: 0.0, route_flip: 0.0, near_ties: false };
+pub const CPU_TOLERANCES: Tolerances = Tolerances {
+    logits: 0.0,
+    layers: 0.0,
+    router_weights: 0.0,
+    route_flip: 0.0,
+    near_ties: false,
+};
 
 /// The CUDA backend (bf16 activations at every GEMM input, bf16 latent cache, another reduction order).
 /// Measured on the H200 (2026-12-01, `examples/bundle_delta.rs` on bundles `kdtree-golden --device cuda`
@@ -69,7 +75,13 @@ pub const CPU_TOLERANCES: Tolerances = Tolerances { logits: 0.0, layers: 0.0, ro
 /// (engine/tests/cuda_target.rs). Route flips: the largest row measured after one is 1.90 (synthetic g-mid
 /// AR step 2; pair k-code verify node 1: 0.57, its child 0.18); 2x: 4.0. The near-tie margin is the logits
 /// tolerance: the measured flips had margins 3.8e-3 (g-mid AR step 7), 3.8e-3 (draft row 0 of g-short).
-pub const CUDA_TOLERANCES: Tolerances = Tolerances { logits: 0.15, layers: 0.165, router_weights: 0.025, route_flip: 4.0, near_ties: true };
+pub const CUDA_TOLERANCES: Tolerances = Tolerances {
+    logits: 0.15,
+    layers: 0.165,
+    router_weights: 0.025,
+    route_flip: 4.0,
+    near_ties: true,
+};
 
 /// The tolerances of `backend` (as `engine::open` names it).
 pub fn tolerances(backend: &str) -> Result<Tolerances> {
@@ -168,7 +180,10 @@ impl Cmp {
                     (Some(r), Some(c)) => format!("{r}, {c}"),
                     _ => format!("{i}"),
                 };
-                first = Some(format!("{what}[{at}]: {g} vs bundle {w} (|Δ| {d:e} > tolerance {})", self.tol));
+                first = Some(format!(
+                    "{what}[{at}]: {g} vs bundle {w} (|Δ| {d:e} > tolerance {})",
+                    self.tol
+                ));
             }
         }
         first
@@ -177,7 +192,10 @@ impl Cmp {
     /// Step `s`'s top-k against the bundle's: the values at the recorded ids within the tolerance, no other
     /// id above the recorded k-th value by more than the tolerance, and (tolerance 0) the very same ids.
     fn topk(&mut self, s: usize, row: &[f32], ids: &[u32], vals: &[f32]) -> Option<String> {
-        let at: Vec<f32> = ids.iter().map(|&id| row.get(id as usize).copied().unwrap_or(f32::NAN)).collect();
+        let at: Vec<f32> = ids
+            .iter()
+            .map(|&id| row.get(id as usize).copied().unwrap_or(f32::NAN))
+            .collect();
         if let Some(p) = self.rows(&format!("ar.topk_logits step {s} (ids {ids:?})"), 0, &at, vals) {
             return Some(p);
         }
@@ -188,7 +206,12 @@ impl Cmp {
         let kth = vals.last().copied().unwrap_or(f32::INFINITY);
         let outranks = |x: f32| x.is_nan() || x > kth + self.tol;
         let intruder = (0..row.len() as u32).find(|id| !ids.contains(id) && outranks(row[*id as usize]));
-        intruder.map(|id| format!("ar.topk_ids step {s}: id {id} ({}) outranks the bundle's top-k {ids:?} (k-th {kth})", row[id as usize]))
+        intruder.map(|id| {
+            format!(
+                "ar.topk_ids step {s}: id {id} ({}) outranks the bundle's top-k {ids:?} (k-th {kth})",
+                row[id as usize]
+            )
+        })
     }
 }
 
@@ -222,16 +245,33 @@ fn compare_ar(c: &mut PromptCheck, cmp: &mut Cmp, got: &ArRecord, rows: &[Vec<f3
 fn compare_round(c: &mut PromptCheck, cmp: &mut Cmp, got: &DdtreeRecord, want: &DdtreeRecord) -> bool {
     let before = c.problems.len();
     let meta = |r: &DdtreeRecord| vec![r.start, r.root as usize, r.budget, r.draft_rows, r.visibility_words];
-    c.problems.extend(first_diff("ddtree (start, root, budget, draft rows, visibility words)", &meta(got), &meta(want)));
-    c.problems.extend(cmp.rows("ddtree.draft_logits", want.vocab, &got.draft_logits, &want.draft_logits));
-    c.problems.extend(first_diff("ddtree.tree_tokens", &got.tree_tokens, &want.tree_tokens));
-    c.problems.extend(first_diff("ddtree.tree_parents", &got.tree_parents, &want.tree_parents));
-    c.problems.extend(first_diff("ddtree.tree_depths", &got.tree_depths, &want.tree_depths));
-    c.problems.extend(first_diff("ddtree.visibility", &got.visibility, &want.visibility));
-    c.problems.extend(cmp.rows("ddtree.verify_logits", want.vocab, &got.verify_logits, &want.verify_logits));
-    c.problems.extend(first_diff("ddtree.accepted", &got.accepted, &want.accepted));
-    c.problems.extend(first_diff("ddtree.decisions", &got.decisions, &want.decisions));
-    c.problems.extend(first_diff("ddtree bonus", &[got.bonus], &[want.bonus]));
+    c.problems.extend(first_diff(
+        "ddtree (start, root, budget, draft rows, visibility words)",
+        &meta(got),
+        &meta(want),
+    ));
+    c.problems
+        .extend(cmp.rows("ddtree.draft_logits", want.vocab, &got.draft_logits, &want.draft_logits));
+    c.problems
+        .extend(first_diff("ddtree.tree_tokens", &got.tree_tokens, &want.tree_tokens));
+    c.problems
+        .extend(first_diff("ddtree.tree_parents", &got.tree_parents, &want.tree_parents));
+    c.problems
+        .extend(first_diff("ddtree.tree_depths", &got.tree_depths, &want.tree_depths));
+    c.problems
+        .extend(first_diff("ddtree.visibility", &got.visibility, &want.visibility));
+    c.problems.extend(cmp.rows(
+        "ddtree.verify_logits",
+        want.vocab,
+        &got.verify_logits,
+        &want.verify_logits,
+    ));
+    c.problems
+        .extend(first_diff("ddtree.accepted", &got.accepted, &want.accepted));
+    c.problems
+        .extend(first_diff("ddtree.decisions", &got.decisions, &want.decisions));
+    c.problems
+        .extend(first_diff("ddtree bonus", &[got.bonus], &[want.bonus]));
     c.problems.len() == before
 }
 
@@ -239,23 +279,46 @@ fn compare_round(c: &mut PromptCheck, cmp: &mut Cmp, got: &DdtreeRecord, want: &
 /// and token exactly, router ids exactly, every tensor within its class's tolerance.
 fn compare_trace(c: &mut PromptCheck, cmp: &mut Cmp, tol: &Tolerances, got: &TraceRecord, want: &TraceRecord) {
     let meta = |r: &TraceRecord| vec![r.step, r.position, r.token as usize, r.layers.len()];
-    c.problems.extend(first_diff("trace (step, position, token, layers)", &meta(got), &meta(want)));
+    c.problems.extend(first_diff(
+        "trace (step, position, token, layers)",
+        &meta(got),
+        &meta(want),
+    ));
     let saved = cmp.tol;
     for (l, (g, w)) in got.layers.iter().zip(&want.layers).enumerate() {
-        c.problems.extend(first_diff(&format!("trace.layers.{l}.router_ids"), &g.router_ids, &w.router_ids));
+        c.problems.extend(first_diff(
+            &format!("trace.layers.{l}.router_ids"),
+            &g.router_ids,
+            &w.router_ids,
+        ));
         cmp.tol = tol.layers;
-        c.problems.extend(cmp.rows(&format!("trace.layers.{l}.attn_out"), 0, &g.attn_out, &w.attn_out));
-        c.problems.extend(cmp.rows(&format!("trace.layers.{l}.mlp_out"), 0, &g.mlp_out, &w.mlp_out));
-        c.problems.extend(cmp.rows(&format!("trace.layers.{l}.residual"), 0, &g.residual, &w.residual));
+        c.problems
+            .extend(cmp.rows(&format!("trace.layers.{l}.attn_out"), 0, &g.attn_out, &w.attn_out));
+        c.problems
+            .extend(cmp.rows(&format!("trace.layers.{l}.mlp_out"), 0, &g.mlp_out, &w.mlp_out));
+        c.problems
+            .extend(cmp.rows(&format!("trace.layers.{l}.residual"), 0, &g.residual, &w.residual));
         cmp.tol = tol.router_weights;
-        c.problems.extend(cmp.rows(&format!("trace.layers.{l}.router_weights"), 0, &g.router_weights, &w.router_weights));
+        c.problems.extend(cmp.rows(
+            &format!("trace.layers.{l}.router_weights"),
+            0,
+            &g.router_weights,
+            &w.router_weights,
+        ));
     }
     cmp.tol = saved;
 }
 
 /// [`compare_ar`] under the tie-aware rules: returns the steps compared (a forgiven near-tie divergence
 /// at k ends the comparison after row k: later rows follow another prefix).
-fn compare_ar_tolerant(c: &mut PromptCheck, cmp: &mut Cmp, t: &Tolerances, got: &ArRecord, rows: &[Vec<f32>], want: &ArRecord) -> usize {
+fn compare_ar_tolerant(
+    c: &mut PromptCheck,
+    cmp: &mut Cmp,
+    t: &Tolerances,
+    got: &ArRecord,
+    rows: &[Vec<f32>],
+    want: &ArRecord,
+) -> usize {
     c.tokens_total = want.tokens.len();
     c.tokens_equal = got.tokens.iter().zip(&want.tokens).take_while(|(a, b)| a == b).count();
     let margin = |s: usize| rules::margin_sorted(want.topk_row(s).1);
@@ -280,9 +343,19 @@ fn compare_ar_tolerant(c: &mut PromptCheck, cmp: &mut Cmp, t: &Tolerances, got: 
             full = full.or(rules::row(cmp, t, &format!("ar.full_logits step {s}"), row, w, &mut c.notes).err());
         }
         let (ids, vals) = want.topk_row(s);
-        let at: Vec<f32> = ids.iter().map(|&id| row.get(id as usize).copied().unwrap_or(f32::NAN)).collect();
+        let at: Vec<f32> = ids
+            .iter()
+            .map(|&id| row.get(id as usize).copied().unwrap_or(f32::NAN))
+            .collect();
         let before = c.notes.len();
-        match rules::row(cmp, t, &format!("ar.topk_logits step {s} (ids {ids:?})"), &at, vals, &mut c.notes) {
+        match rules::row(
+            cmp,
+            t,
+            &format!("ar.topk_logits step {s} (ids {ids:?})"),
+            &at,
+            vals,
+            &mut c.notes,
+        ) {
             Err(p) => topk = topk.or(Some(p)),
             Ok(()) => {
                 cmp.tol = if c.notes.len() > before { t.route_flip } else { t.logits };
@@ -298,11 +371,16 @@ fn compare_ar_tolerant(c: &mut PromptCheck, cmp: &mut Cmp, t: &Tolerances, got: 
 /// with a clean router input ends the comparison (rules::layer_route).
 fn compare_trace_tolerant(c: &mut PromptCheck, cmp: &mut Cmp, t: &Tolerances, got: &TraceRecord, want: &TraceRecord) {
     let meta = |r: &TraceRecord| vec![r.step, r.position, r.token as usize, r.layers.len()];
-    c.problems.extend(first_diff("trace (step, position, token, layers)", &meta(got), &meta(want)));
+    c.problems.extend(first_diff(
+        "trace (step, position, token, layers)",
+        &meta(got),
+        &meta(want),
+    ));
     let start = c.problems.len();
     for (l, (g, w)) in got.layers.iter().zip(&want.layers).enumerate() {
         cmp.tol = t.layers;
-        c.problems.extend(cmp.rows(&format!("trace.layers.{l}.attn_out"), 0, &g.attn_out, &w.attn_out));
+        c.problems
+            .extend(cmp.rows(&format!("trace.layers.{l}.attn_out"), 0, &g.attn_out, &w.attn_out));
         match rules::layer_route(l, g, w, c.problems.len() == start) {
             Ok(Some(note)) => {
                 c.notes.push(note);
@@ -311,25 +389,47 @@ fn compare_trace_tolerant(c: &mut PromptCheck, cmp: &mut Cmp, t: &Tolerances, go
             Ok(None) => {
                 cmp.tol = t.router_weights;
                 let (gw, ww) = (rules::weights_by_id(g), rules::weights_by_id(w));
-                c.problems.extend(cmp.rows(&format!("trace.layers.{l}.router_weights (by expert id)"), 0, &gw, &ww));
+                c.problems
+                    .extend(cmp.rows(&format!("trace.layers.{l}.router_weights (by expert id)"), 0, &gw, &ww));
             }
             Err(p) => c.problems.push(p),
         }
         cmp.tol = t.layers;
-        c.problems.extend(cmp.rows(&format!("trace.layers.{l}.mlp_out"), 0, &g.mlp_out, &w.mlp_out));
-        c.problems.extend(cmp.rows(&format!("trace.layers.{l}.residual"), 0, &g.residual, &w.residual));
+        c.problems
+            .extend(cmp.rows(&format!("trace.layers.{l}.mlp_out"), 0, &g.mlp_out, &w.mlp_out));
+        c.problems
+            .extend(cmp.rows(&format!("trace.layers.{l}.residual"), 0, &g.residual, &w.residual));
     }
 }
 
 /// [`compare_round`] under the tie-aware rules (rules::tree_explained, rules::walk); verify rows compare
 /// by node path, each within the logits tolerance or as a route flip.
-fn compare_round_tolerant(c: &mut PromptCheck, cmp: &mut Cmp, t: &Tolerances, got: &DdtreeRecord, want: &DdtreeRecord) -> bool {
+fn compare_round_tolerant(
+    c: &mut PromptCheck,
+    cmp: &mut Cmp,
+    t: &Tolerances,
+    got: &DdtreeRecord,
+    want: &DdtreeRecord,
+) -> bool {
     let before = c.problems.len();
     let meta = |r: &DdtreeRecord| vec![r.start, r.root as usize, r.budget, r.draft_rows];
-    c.problems.extend(first_diff("ddtree (start, root, budget, draft rows)", &meta(got), &meta(want)));
+    c.problems.extend(first_diff(
+        "ddtree (start, root, budget, draft rows)",
+        &meta(got),
+        &meta(want),
+    ));
     cmp.tol = t.logits;
-    c.problems.extend(cmp.rows("ddtree.draft_logits", want.vocab, &got.draft_logits, &want.draft_logits));
-    let shape = |r: &DdtreeRecord| (r.tree_tokens.clone(), r.tree_parents.clone(), r.tree_depths.clone(), r.visibility_words, r.visibility.clone());
+    c.problems
+        .extend(cmp.rows("ddtree.draft_logits", want.vocab, &got.draft_logits, &want.draft_logits));
+    let shape = |r: &DdtreeRecord| {
+        (
+            r.tree_tokens.clone(),
+            r.tree_parents.clone(),
+            r.tree_depths.clone(),
+            r.visibility_words,
+            r.visibility.clone(),
+        )
+    };
     let same_tree = shape(got) == shape(want);
     if !same_tree {
         match rules::tree_explained(got, want, t.logits) {
@@ -340,9 +440,22 @@ fn compare_round_tolerant(c: &mut PromptCheck, cmp: &mut Cmp, t: &Tolerances, go
     let (gp, wp, v) = (rules::paths(got), rules::paths(want), want.vocab);
     let mut verify = None;
     for (n, p) in wp.iter().enumerate() {
-        let (Some(m), Some(w)) = (gp.iter().position(|q| q == p), want.verify_logits.get(n * v..(n + 1) * v)) else { continue };
+        let (Some(m), Some(w)) = (
+            gp.iter().position(|q| q == p),
+            want.verify_logits.get(n * v..(n + 1) * v),
+        ) else {
+            continue;
+        };
         let g = got.verify_logits.get(m * v..(m + 1) * v).unwrap_or(&[]);
-        verify = verify.or(rules::row(cmp, t, &format!("ddtree.verify_logits node {n} (path {p:?})"), g, w, &mut c.notes).err());
+        verify = verify.or(rules::row(
+            cmp,
+            t,
+            &format!("ddtree.verify_logits node {n} (path {p:?})"),
+            g,
+            w,
+            &mut c.notes,
+        )
+        .err());
     }
     c.problems.extend(verify);
     match rules::walk(got, want, same_tree, t.logits) {
@@ -369,9 +482,16 @@ pub fn check_prompt(
     rec: &PromptRecord,
     tol: &Tolerances,
 ) -> Result<PromptCheck> {
-    let mut c = PromptCheck { id: id.to_string(), tokens_total: rec.ar.tokens.len(), ..Default::default() };
+    let mut c = PromptCheck {
+        id: id.to_string(),
+        tokens_total: rec.ar.tokens.len(),
+        ..Default::default()
+    };
     c.ddtree = rec.ddtree.as_ref().map(|_| false);
-    let mut cmp = Cmp { tol: tol.logits, max_delta: 0.0 };
+    let mut cmp = Cmp {
+        tol: tol.logits,
+        max_delta: 0.0,
+    };
     let same_prompt = match prompt {
         Err(e) => {
             c.problems.push(format!("prompt: {e}"));
@@ -401,20 +521,40 @@ pub fn check_prompt(
         _ => None,
     };
     let trace_step = rec.trace.as_ref().map_or(0, |t| t.step);
-    let opts = ArOptions { max_tokens: t, topk: rec.ar.topk, full_logits_steps: rec.ar.full_steps, trace_step };
+    let opts = ArOptions {
+        max_tokens: t,
+        topk: rec.ar.topk,
+        full_logits_steps: rec.ar.full_steps,
+        trace_step,
+    };
     let (ar, rows, traced) = greedy_ar(&mut model.session(Mode::Ar)?, &rec.prompt_ids, &opts)?;
     // Steps whose tokens are compared (all on the strict path; up to a forgiven near-tie otherwise).
-    let compared = if tol.near_ties { compare_ar_tolerant(&mut c, &mut cmp, tol, &ar, &rows, &rec.ar) } else {
+    let compared = if tol.near_ties {
+        compare_ar_tolerant(&mut c, &mut cmp, tol, &ar, &rows, &rec.ar)
+    } else {
         compare_ar(&mut c, &mut cmp, &ar, &rows, &rec.ar);
         t
     };
     if let Some(toks) = run_tokens {
         let what = "the run's token_ids (greedy) vs ar.tokens";
-        let (toks, want) = (&toks[..toks.len().min(compared)], &rec.ar.tokens[..toks.len().min(compared)]);
+        let (toks, want) = (
+            &toks[..toks.len().min(compared)],
+            &rec.ar.tokens[..toks.len().min(compared)],
+        );
         if tol.near_ties {
-            match rules::greedy(what, toks, want, false, |s| rules::margin_sorted(rec.ar.topk_row(s).1), tol.logits) {
+            match rules::greedy(
+                what,
+                toks,
+                want,
+                false,
+                |s| rules::margin_sorted(rec.ar.topk_row(s).1),
+                tol.logits,
+            ) {
                 Ok(None) => {}
-                Ok(Some((k, m))) => c.notes.push(format!("{what}[{k}]: {} vs bundle {}: a near-tie (margin {m:.3e}); later tokens not compared", toks[k], want[k])),
+                Ok(Some((k, m))) => c.notes.push(format!(
+                    "{what}[{k}]: {} vs bundle {}: a near-tie (margin {m:.3e}); later tokens not compared",
+                    toks[k], want[k]
+                )),
                 Err(p) => c.problems.push(p),
             }
         } else {
@@ -423,8 +563,13 @@ pub fn check_prompt(
     }
     if let Some(want) = &rec.trace {
         match traced {
-            _ if compared < want.step => c.notes.push(format!("trace: step {} follows the near-tie divergence: not compared", want.step)),
-            None => c.problems.push(format!("trace: the re-run recorded no probes at step {}", want.step)),
+            _ if compared < want.step => c.notes.push(format!(
+                "trace: step {} follows the near-tie divergence: not compared",
+                want.step
+            )),
+            None => c
+                .problems
+                .push(format!("trace: the re-run recorded no probes at step {}", want.step)),
             Some((step, position, token, tr)) => {
                 let got = trace_record(&tr, step, position, token, info.num_layers)?;
                 if tol.near_ties {
@@ -437,12 +582,18 @@ pub fn check_prompt(
     }
     if let Some(want) = &rec.ddtree {
         if !model.has_drafter() {
-            c.problems.push("the bundle has a DDTree round but the model has no drafter".into());
+            c.problems
+                .push("the bundle has a DDTree round but the model has no drafter".into());
         } else if tol.near_ties && ar.tokens.first() != rec.ar.tokens.first() {
-            c.notes.push("ddtree: its root (AR token 0) differs from the bundle's: the round is not compared".into());
+            c.notes
+                .push("ddtree: its root (AR token 0) differs from the bundle's: the round is not compared".into());
             c.ddtree = None;
         } else {
-            let got = ddtree_round_record(&mut model.session(Mode::DDTree { budget: want.budget })?, &rec.prompt_ids, want.budget)?;
+            let got = ddtree_round_record(
+                &mut model.session(Mode::DDTree { budget: want.budget })?,
+                &rec.prompt_ids,
+                want.budget,
+            )?;
             c.ddtree = Some(if tol.near_ties {
                 compare_round_tolerant(&mut c, &mut cmp, tol, &got, want)
             } else {
@@ -463,7 +614,11 @@ pub fn table(checks: &[PromptCheck]) -> String {
             [
                 c.id.clone(),
                 format!("{}/{}", c.tokens_equal, c.tokens_total),
-                if c.max_delta == 0.0 { "0".into() } else { format!("{:.3e}", c.max_delta) },
+                if c.max_delta == 0.0 {
+                    "0".into()
+                } else {
+                    format!("{:.3e}", c.max_delta)
+                },
                 match c.ddtree {
                     None => "not recorded".into(),
                     Some(true) => "match".into(),
@@ -473,7 +628,13 @@ pub fn table(checks: &[PromptCheck]) -> String {
             ]
         })
         .collect();
-    let width = |i: usize| rows.iter().map(|r| r[i].chars().count()).chain([head[i].chars().count()]).max().unwrap_or(0);
+    let width = |i: usize| {
+        rows.iter()
+            .map(|r| r[i].chars().count())
+            .chain([head[i].chars().count()])
+            .max()
+            .unwrap_or(0)
+    };
     let widths: Vec<usize> = (0..5).map(width).collect();
     let line = |cells: [&str; 5]| {
         let padded: Vec<String> = cells.iter().zip(&widths).map(|(c, &w)| format!("{c:<w$}")).collect();
@@ -481,7 +642,12 @@ pub fn table(checks: &[PromptCheck]) -> String {
     };
     let mut out = String::new();
     writeln!(out, "{}", line(head)).unwrap();
-    writeln!(out, "{}", widths.iter().map(|&w| "-".repeat(w)).collect::<Vec<_>>().join("-|-")).unwrap();
+    writeln!(
+        out,
+        "{}",
+        widths.iter().map(|&w| "-".repeat(w)).collect::<Vec<_>>().join("-|-")
+    )
+    .unwrap();
     for r in &rows {
         writeln!(out, "{}", line([&r[0], &r[1], &r[2], &r[3], &r[4]])).unwrap();
     }
@@ -511,7 +677,10 @@ mod tests {
 
     #[test]
     fn row_comparison_tracks_max_delta_and_reports_the_first_excess() {
-        let mut cmp = Cmp { tol: 0.0, max_delta: 0.0 };
+        let mut cmp = Cmp {
+            tol: 0.0,
+            max_delta: 0.0,
+        };
         assert_eq!(cmp.rows("x", 0, &[1.0, 2.0], &[1.0, 2.0]), None);
         assert_eq!(cmp.max_delta, 0.0);
         let p = cmp.rows("x", 0, &[1.0, 2.5, 3.0], &[1.0, 2.0, 4.0]).unwrap();
@@ -521,8 +690,14 @@ mod tests {
         assert!(p.starts_with("y[1, 1]: 1 vs bundle 0"), "{p}");
         assert!(cmp.rows("x", 0, &[f32::NAN], &[0.0]).is_some());
         assert_eq!(cmp.max_delta, f32::INFINITY);
-        assert!(cmp.rows("x", 0, &[1.0], &[1.0, 2.0]).unwrap().contains("1 values, bundle 2"));
-        let mut loose = Cmp { tol: 0.1, max_delta: 0.0 };
+        assert!(cmp
+            .rows("x", 0, &[1.0], &[1.0, 2.0])
+            .unwrap()
+            .contains("1 values, bundle 2"));
+        let mut loose = Cmp {
+            tol: 0.1,
+            max_delta: 0.0,
+        };
         assert_eq!(loose.rows("x", 0, &[1.05], &[1.0]), None);
         assert!(loose.rows("x", 0, &[1.2], &[1.0]).is_some());
     }
@@ -530,13 +705,25 @@ mod tests {
     #[test]
     fn topk_comparison_exact_and_with_tolerance() {
         let row = [0.0, 3.0, 1.0, 2.0];
-        let mut exact = Cmp { tol: 0.0, max_delta: 0.0 };
+        let mut exact = Cmp {
+            tol: 0.0,
+            max_delta: 0.0,
+        };
         assert_eq!(exact.topk(0, &row, &[1, 3], &[3.0, 2.0]), None);
         // right values, wrong ids (a tie-break or order difference) fails at tolerance 0
         let row_tie = [0.0, 3.0, 2.0, 2.0];
-        assert!(exact.topk(0, &row_tie, &[1, 3], &[3.0, 2.0]).unwrap().contains("topk_ids"));
-        assert!(exact.topk(0, &row, &[1, 3], &[3.0, 2.5]).unwrap().contains("topk_logits"));
-        let mut loose = Cmp { tol: 0.01, max_delta: 0.0 };
+        assert!(exact
+            .topk(0, &row_tie, &[1, 3], &[3.0, 2.0])
+            .unwrap()
+            .contains("topk_ids"));
+        assert!(exact
+            .topk(0, &row, &[1, 3], &[3.0, 2.5])
+            .unwrap()
+            .contains("topk_logits"));
+        let mut loose = Cmp {
+            tol: 0.01,
+            max_delta: 0.0,
+        };
         assert_eq!(loose.topk(0, &row_tie, &[1, 3], &[3.0, 2.0]), None);
         let row_up = [0.0, 3.0, 2.5, 2.0];
         assert!(loose.topk(0, &row_up, &[1, 3], &[3.0, 2.0]).unwrap().contains("id 2"));
@@ -545,13 +732,27 @@ mod tests {
     #[test]
     fn round_comparison_names_what_differs() {
         let want = DdtreeRecord {
-            start: 4, root: 7, budget: 2, vocab: 2, draft_rows: 1, draft_logits: vec![0.5, 1.5],
-            tree_tokens: vec![7, 1, 0], tree_parents: vec![-1, 0, 0], tree_depths: vec![0, 1, 1],
-            visibility_words: 1, visibility: vec![1, 3, 5], verify_logits: vec![0.0; 6],
-            accepted: vec![0], decisions: vec![1], bonus: 1,
+            start: 4,
+            root: 7,
+            budget: 2,
+            vocab: 2,
+            draft_rows: 1,
+            draft_logits: vec![0.5, 1.5],
+            tree_tokens: vec![7, 1, 0],
+            tree_parents: vec![-1, 0, 0],
+            tree_depths: vec![0, 1, 1],
+            visibility_words: 1,
+            visibility: vec![1, 3, 5],
+            verify_logits: vec![0.0; 6],
+            accepted: vec![0],
+            decisions: vec![1],
+            bonus: 1,
         };
         let mut c = PromptCheck::default();
-        let mut cmp = Cmp { tol: 0.0, max_delta: 0.0 };
+        let mut cmp = Cmp {
+            tol: 0.0,
+            max_delta: 0.0,
+        };
         assert!(compare_round(&mut c, &mut cmp, &want.clone(), &want));
         let mut got = want.clone();
         got.tree_parents[2] = 1;
@@ -567,7 +768,13 @@ mod tests {
 
     #[test]
     fn table_lists_every_prompt_and_the_problems_of_failing_ones() {
-        let ok = PromptCheck { id: "a".into(), tokens_equal: 16, tokens_total: 16, ddtree: Some(true), ..Default::default() };
+        let ok = PromptCheck {
+            id: "a".into(),
+            tokens_equal: 16,
+            tokens_total: 16,
+            ddtree: Some(true),
+            ..Default::default()
+        };
         let bad = PromptCheck {
             id: "bb".into(),
             tokens_equal: 3,

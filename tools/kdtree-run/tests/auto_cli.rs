@@ -36,7 +36,11 @@ fn stderr(o: &Output) -> String {
 }
 
 fn tokens(path: &Path) -> Vec<Json> {
-    std::fs::read_to_string(path).unwrap().lines().map(|l| serde_json::from_str::<Json>(l).unwrap()["token_ids"].clone()).collect()
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Json>(l).unwrap()["token_ids"].clone())
+        .collect()
 }
 
 #[test]
@@ -48,36 +52,101 @@ fn auto_needs_calibrate_then_runs_losslessly() {
     std::fs::write(&prompts, "{\"id\":\"a\",\"prompt\":\"Hello world\",\"max_tokens\":24}\n{\"id\":\"b\",\"prompt_token_ids\":[5,6,7,8,9],\"max_tokens\":24}\n").unwrap();
     let cost = model().join("kdtree-cost-cpu.json");
     let (out, summary) = (dir.join("auto.jsonl"), dir.join("s.json"));
-    let auto = [s(model()), "--prompts", s(&prompts), "--out", s(&out), "--summary", s(&summary), "--device", "cpu", "--budget", "auto", "--budget-max", "16", "--quiet"];
+    let auto = [
+        s(model()),
+        "--prompts",
+        s(&prompts),
+        "--out",
+        s(&out),
+        "--summary",
+        s(&summary),
+        "--device",
+        "cpu",
+        "--budget",
+        "auto",
+        "--budget-max",
+        "16",
+        "--quiet",
+    ];
 
     // No cost file: a clear error, nothing written.
     let o = kdtree_run(&auto);
     assert_eq!(o.status.code(), Some(2), "stderr: {}", stderr(&o));
     let e = stderr(&o);
-    assert!(e.contains(s(&cost)) && e.contains("kdtree-run calibrate") && e.contains("--device cpu"), "{e}");
-    assert!(!out.exists() && !summary.exists(), "an output was written before the error");
+    assert!(
+        e.contains(s(&cost)) && e.contains("kdtree-run calibrate") && e.contains("--device cpu"),
+        "{e}"
+    );
+    assert!(
+        !out.exists() && !summary.exists(),
+        "an output was written before the error"
+    );
 
     // Calibrate writes the cost file of this device, and only it.
-    let before: Vec<_> = std::fs::read_dir(model()).unwrap().map(|e| e.unwrap().file_name()).collect();
-    let o = kdtree_run(&["calibrate", s(model()), "--device", "cpu", "--budget-max", "16", "--warmup", "1", "--rounds", "3"]);
+    let before: Vec<_> = std::fs::read_dir(model())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    let o = kdtree_run(&[
+        "calibrate",
+        s(model()),
+        "--device",
+        "cpu",
+        "--budget-max",
+        "16",
+        "--warmup",
+        "1",
+        "--rounds",
+        "3",
+    ]);
     assert_eq!(o.status.code(), Some(0), "stderr: {}", stderr(&o));
     assert!(stderr(&o).contains("budget   16:"), "{}", stderr(&o));
-    let after: Vec<_> = std::fs::read_dir(model()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    let after: Vec<_> = std::fs::read_dir(model())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
     assert_eq!(after.len(), before.len() + 1, "calibrate left {after:?}");
     let file: Json = serde_json::from_str(&std::fs::read_to_string(&cost).unwrap()).unwrap();
     assert_eq!((&file["schema"], &file["device"]), (&Json::from(1), &Json::from("cpu")));
-    let nodes: Vec<u64> = file["verify"].as_array().unwrap().iter().map(|p| p[0].as_u64().unwrap()).collect();
-    assert_eq!(nodes, [5, 9, 17], "one point per bucket 4, 8, 16 (nodes = budget + root)");
+    let nodes: Vec<u64> = file["verify"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p[0].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        nodes,
+        [5, 9, 17],
+        "one point per bucket 4, 8, 16 (nodes = budget + root)"
+    );
 
     // Auto runs now: the AR tokens, the budgets it chose in the summary.
     let o = kdtree_run(&auto);
     assert_eq!(o.status.code(), Some(0), "stderr: {}", stderr(&o));
     let ar = dir.join("ar.jsonl");
-    let o = kdtree_run(&[s(model()), "--prompts", s(&prompts), "--out", s(&ar), "--device", "cpu", "--mode", "ar", "--quiet"]);
+    let o = kdtree_run(&[
+        s(model()),
+        "--prompts",
+        s(&prompts),
+        "--out",
+        s(&ar),
+        "--device",
+        "cpu",
+        "--mode",
+        "ar",
+        "--quiet",
+    ]);
     assert_eq!(o.status.code(), Some(0), "stderr: {}", stderr(&o));
-    assert_eq!(tokens(&out), tokens(&ar), "greedy --budget auto must emit the AR tokens");
+    assert_eq!(
+        tokens(&out),
+        tokens(&ar),
+        "greedy --budget auto must emit the AR tokens"
+    );
     let sum: Json = serde_json::from_str(&std::fs::read_to_string(&summary).unwrap()).unwrap();
-    assert_eq!((&sum["budget"], &sum["budget_max"]), (&Json::from("auto"), &Json::from(16)));
+    assert_eq!(
+        (&sum["budget"], &sum["budget_max"]),
+        (&Json::from("auto"), &Json::from(16))
+    );
     let mean = sum["mean_budget"].as_f64().unwrap();
     assert!((4.0..=16.0).contains(&mean), "mean budget {mean}");
 
@@ -85,7 +154,11 @@ fn auto_needs_calibrate_then_runs_losslessly() {
     std::fs::write(&cost, "{").unwrap();
     let o = kdtree_run(&auto);
     assert_eq!(o.status.code(), Some(2), "stderr: {}", stderr(&o));
-    assert!(stderr(&o).contains(s(&cost)) && stderr(&o).contains("bad cost file"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(s(&cost)) && stderr(&o).contains("bad cost file"),
+        "{}",
+        stderr(&o)
+    );
     std::fs::remove_file(&cost).unwrap();
 }
 

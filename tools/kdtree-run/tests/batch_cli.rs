@@ -26,7 +26,9 @@ fn model() -> &'static Path {
 }
 
 fn scratch(name: &str) -> PathBuf {
-    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join("kdtree-run-batch-work").join(name);
+    let d = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("kdtree-run-batch-work")
+        .join(name);
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
@@ -44,10 +46,24 @@ use common::stable;
 
 /// Runs the prompt file with `extra` flags into `out`; asserts the exit status.
 fn answer(prompts: &Path, out: &Path, extra: &[&str], code: i32) -> Vec<Json> {
-    let mut args = vec![s(model()), "--prompts", s(prompts), "--out", s(out), "--device", "cpu", "--quiet"];
+    let mut args = vec![
+        s(model()),
+        "--prompts",
+        s(prompts),
+        "--out",
+        s(out),
+        "--device",
+        "cpu",
+        "--quiet",
+    ];
     args.extend_from_slice(extra);
     let o = run(&args);
-    assert_eq!(o.status.code(), Some(code), "{extra:?}: stderr: {}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        o.status.code(),
+        Some(code),
+        "{extra:?}: stderr: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     stable(out)
 }
 
@@ -85,13 +101,27 @@ fn max_batch_gives_the_batch_1_file_in_every_mode() {
     let dir = scratch("modes");
     let stop = mid_text(&dir);
     let prompts = prompt_file(&dir, &stop);
-    for mode in [&["--mode", "ar"][..], &["--mode", "ddtree", "--budget", "8"], &["--mode", "ddtree", "--budget", "32"], &["--mode", "chain"]] {
+    for mode in [
+        &["--mode", "ar"][..],
+        &["--mode", "ddtree", "--budget", "8"],
+        &["--mode", "ddtree", "--budget", "32"],
+        &["--mode", "chain"],
+    ] {
         let want = answer(&prompts, &dir.join("b1.jsonl"), mode, 1);
         assert_eq!(want.len(), 10);
-        assert_eq!(want[4]["finish_reason"], "stop", "{mode:?}: the stop string cuts line d: {}", want[4]);
+        assert_eq!(
+            want[4]["finish_reason"], "stop",
+            "{mode:?}: the stop string cuts line d: {}",
+            want[4]
+        );
         assert!(want[3]["error"].is_object() && want[5]["error"].is_object());
         for n in ["2", "4", "16"] {
-            let got = answer(&prompts, &dir.join(format!("b{n}.jsonl")), &[mode, &["--max-batch", n]].concat(), 1);
+            let got = answer(
+                &prompts,
+                &dir.join(format!("b{n}.jsonl")),
+                &[mode, &["--max-batch", n]].concat(),
+                1,
+            );
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert_eq!(g, w, "{mode:?} --max-batch {n}: line {i} differs from --max-batch 1");
             }
@@ -112,10 +142,20 @@ fn resume_and_kv_memory_under_a_batch() {
     let torn = format!("{}\n{}", keep.join("\n"), &full.lines().nth(3).unwrap()[..10]);
     let out = dir.join("resumed.jsonl");
     std::fs::write(&out, torn).unwrap();
-    let got = answer(&prompts, &out, &[&dd[..], &["--max-batch", "4", "--resume"]].concat(), 1);
+    let got = answer(
+        &prompts,
+        &out,
+        &[&dd[..], &["--max-batch", "4", "--resume"]].concat(),
+        1,
+    );
     assert_eq!(got, want, "--resume under --max-batch 4");
     // No room for any sequence: every generating line gets an error record naming both sizes.
-    let got = answer(&prompts, &dir.join("kv0.jsonl"), &[&dd[..], &["--max-batch", "4", "--kv-memory", "0.00001"]].concat(), 1);
+    let got = answer(
+        &prompts,
+        &dir.join("kv0.jsonl"),
+        &[&dd[..], &["--max-batch", "4", "--kv-memory", "0.00001"]].concat(),
+        1,
+    );
     assert_eq!(got.len(), want.len());
     let mut need = 0;
     for (g, w) in got.iter().zip(&want) {
@@ -123,18 +163,43 @@ fn resume_and_kv_memory_under_a_batch() {
             assert_eq!(g, w);
             continue;
         }
-        let err = g.get("error").filter(|e| e.is_object()).or_else(|| g.pointer("/response/body/error")).unwrap_or_else(|| panic!("no error: {g}"));
+        let err = g
+            .get("error")
+            .filter(|e| e.is_object())
+            .or_else(|| g.pointer("/response/body/error"))
+            .unwrap_or_else(|| panic!("no error: {g}"));
         let msg = err["message"].as_str().unwrap();
         assert_eq!(err["code"], "kv_cache_exceeded", "{g}");
         assert!(msg.contains("of KV cache") && msg.contains("KV memory is"), "{msg}");
         // "... needs 1.23 MiB (1290240 bytes, 256 cache rows) of KV cache ...": the largest need.
-        let bytes: usize = msg.split(" (").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
+        let bytes: usize = msg
+            .split(" (")
+            .nth(1)
+            .unwrap()
+            .split(' ')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
         need = need.max(bytes);
     }
     // KV room for one sequence at a time (every line here needs 256 rows): the same file.
     let one = format!("{}", (need as f64 * 1.5) / (1u64 << 30) as f64);
-    let got = answer(&prompts, &dir.join("kv1.jsonl"), &[&dd[..], &["--max-batch", "4", "--kv-memory", &one]].concat(), 1);
+    let got = answer(
+        &prompts,
+        &dir.join("kv1.jsonl"),
+        &[&dd[..], &["--max-batch", "4", "--kv-memory", &one]].concat(),
+        1,
+    );
     assert_eq!(got, want, "--kv-memory {one} holding one sequence");
-    let o = run(&[s(model()), "--prompts", s(&prompts), "--out", s(&dir.join("x.jsonl")), "--kv-memory", "-1"]);
+    let o = run(&[
+        s(model()),
+        "--prompts",
+        s(&prompts),
+        "--out",
+        s(&dir.join("x.jsonl")),
+        "--kv-memory",
+        "-1",
+    ]);
     assert_eq!(o.status.code(), Some(2));
 }

@@ -6,7 +6,6 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-
 const BIN: &str = env!("CARGO_BIN_EXE_kdtree-run");
 
 mod common;
@@ -37,15 +36,37 @@ fn two_rank_groups_write_one_controllers_records() {
             let mut outs = Vec::new();
             for gpus in ["1", "2"] {
                 let out = tmp.path().join(format!("out-{}-{batch}-{gpus}.jsonl", mode[1]));
-                let o = run(&[m, "--prompts", p, "--out", out.to_str().unwrap(), "--device", "cpu", "--gpus", gpus, "--max-batch", batch, mode[0], mode[1]]);
-                assert_eq!(o.status.code(), Some(0), "--gpus {gpus}: {}", String::from_utf8_lossy(&o.stderr));
+                let o = run(&[
+                    m,
+                    "--prompts",
+                    p,
+                    "--out",
+                    out.to_str().unwrap(),
+                    "--device",
+                    "cpu",
+                    "--gpus",
+                    gpus,
+                    "--max-batch",
+                    batch,
+                    mode[0],
+                    mode[1],
+                ]);
+                assert_eq!(
+                    o.status.code(),
+                    Some(0),
+                    "--gpus {gpus}: {}",
+                    String::from_utf8_lossy(&o.stderr)
+                );
                 let err = String::from_utf8_lossy(&o.stderr);
                 assert_eq!(err.contains("tensor parallel: 2 rank groups"), gpus == "2", "{err}");
                 outs.push(stable(&out));
             }
             assert_eq!(outs[0].len(), 3);
             assert!(outs[0].iter().all(|r| r["status"] == "ok"), "{:?}", outs[0]);
-            assert_eq!(outs[0], outs[1], "{mode:?} --max-batch {batch}: --gpus 2 differs from --gpus 1");
+            assert_eq!(
+                outs[0], outs[1],
+                "{mode:?} --max-batch {batch}: --gpus 2 differs from --gpus 1"
+            );
         }
     }
 }
@@ -57,10 +78,27 @@ fn counts_that_do_not_divide_are_refused() {
     let prompts = tmp.path().join("p.jsonl");
     std::fs::write(&prompts, "{\"id\":\"a\",\"prompt\":\"hi\",\"max_tokens\":3}\n").unwrap();
     let out = tmp.path().join("o.jsonl");
-    let o = run(&[m.to_str().unwrap(), "--prompts", prompts.to_str().unwrap(), "--out", out.to_str().unwrap(), "--device", "cpu", "--gpus", "3"]);
+    let o = run(&[
+        m.to_str().unwrap(),
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--gpus",
+        "3",
+    ]);
     assert_eq!(o.status.code(), Some(2));
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("2 ranks") && err.contains("3 GPUs"), "{err}");
-    let o = run(&[m.to_str().unwrap(), "--prompts", prompts.to_str().unwrap(), "--out", out.to_str().unwrap(), "--share-gpu"]);
+    let o = run(&[
+        m.to_str().unwrap(),
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--share-gpu",
+    ]);
     assert_eq!(o.status.code(), Some(2), "--share-gpu needs --gpus");
 }

@@ -22,7 +22,10 @@ fn models() -> &'static (PathBuf, PathBuf) {
     static M: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
     M.get_or_init(|| {
         let _ = std::fs::remove_dir_all(root().join("models"));
-        (common::convert_tiny(&root().join("models"), 0), common::convert_tiny_with(&root().join("models"), 0, false))
+        (
+            common::convert_tiny(&root().join("models"), 0),
+            common::convert_tiny_with(&root().join("models"), 0, false),
+        )
     })
 }
 
@@ -50,12 +53,17 @@ fn stderr(o: &Output) -> String {
 }
 
 fn records(path: &Path) -> Vec<Json> {
-    std::fs::read_to_string(path).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
 }
 
 fn without_timing(path: &Path) -> Vec<Json> {
     let mut recs = records(path);
-    recs.iter_mut().for_each(|r| drop(r.as_object_mut().unwrap().remove("timing")));
+    recs.iter_mut()
+        .for_each(|r| drop(r.as_object_mut().unwrap().remove("timing")));
     recs
 }
 
@@ -64,7 +72,12 @@ fn prompts(dir: &Path) -> PathBuf {
     let p = dir.join("p.jsonl");
     let mut text = String::new();
     for i in 0..3 {
-        text += &format!("{{\"id\":\"q{i}\",\"prompt_token_ids\":[{},{},{}],\"max_tokens\":2}}\n", 10 + i, 20 + i, 30 + i);
+        text += &format!(
+            "{{\"id\":\"q{i}\",\"prompt_token_ids\":[{},{},{}],\"max_tokens\":2}}\n",
+            10 + i,
+            20 + i,
+            30 + i
+        );
     }
     std::fs::write(&p, text).unwrap();
     p
@@ -79,26 +92,55 @@ fn an_output_naming_an_input_is_refused_by_identity_not_spelling() {
     std::os::unix::fs::symlink(&p, dir.join("soft.jsonl")).unwrap();
     let dotted = format!("{}/./p.jsonl", dir.display());
     let manifest = format!("{}/manifest.toml", model());
-    for out in [s(&p), s(&dir.join("hard.jsonl")), s(&dir.join("soft.jsonl")), &dotted, &manifest] {
-        for flags in [vec!["--out", out], vec!["--out", s(&dir.join("o.jsonl")), "--summary", out]] {
+    for out in [
+        s(&p),
+        s(&dir.join("hard.jsonl")),
+        s(&dir.join("soft.jsonl")),
+        &dotted,
+        &manifest,
+    ] {
+        for flags in [
+            vec!["--out", out],
+            vec!["--out", s(&dir.join("o.jsonl")), "--summary", out],
+        ] {
             let o = kdtree_run(&[&[model(), "--prompts", s(&p), "--mode", "ar"][..], &flags].concat());
             assert_eq!(o.status.code(), Some(2), "{flags:?}: {}", stderr(&o));
-            assert!(stderr(&o).contains("refusing to write over an input"), "{flags:?}: {}", stderr(&o));
+            assert!(
+                stderr(&o).contains("refusing to write over an input"),
+                "{flags:?}: {}",
+                stderr(&o)
+            );
             assert_eq!(std::fs::read(&p).unwrap(), before, "{flags:?} changed the prompt file");
         }
     }
     // A relative spelling from another working directory.
-    let o = Command::new(BIN).current_dir(&dir).args([model(), "--prompts", "p.jsonl", "--out", "./p.jsonl"]).output().unwrap();
+    let o = Command::new(BIN)
+        .current_dir(&dir)
+        .args([model(), "--prompts", "p.jsonl", "--out", "./p.jsonl"])
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     // --out - whose stdout appends to the prompt file.
     let append = std::fs::OpenOptions::new().append(true).open(&p).unwrap();
-    let o = Command::new(BIN).args([model(), "--prompts", s(&p), "--out", "-", "--mode", "ar"]).stdout(append).output().unwrap();
+    let o = Command::new(BIN)
+        .args([model(), "--prompts", s(&p), "--out", "-", "--mode", "ar"])
+        .stdout(append)
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert_eq!(std::fs::read(&p).unwrap(), before);
     // --summary and --out the same file.
     let out = dir.join("o.jsonl");
     std::fs::write(&out, "KEEP\n").unwrap();
-    let o = kdtree_run(&[model(), "--prompts", s(&p), "--out", s(&out), "--summary", &format!("{}/./o.jsonl", dir.display())]);
+    let o = kdtree_run(&[
+        model(),
+        "--prompts",
+        s(&p),
+        "--out",
+        s(&out),
+        "--summary",
+        &format!("{}/./o.jsonl", dir.display()),
+    ]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("are the same file"), "{}", stderr(&o));
     assert_eq!(std::fs::read_to_string(&out).unwrap(), "KEEP\n");
@@ -115,24 +157,72 @@ fn nothing_is_written_before_every_early_check_passed() {
     let missing = dir.join("missing");
     let bad_prompts = [s(&missing), "--out", s(&out)];
     let cases: Vec<(&str, Vec<&str>)> = vec![
-        ("no drafter for ddtree", vec![no_drafter, "--prompts", s(&p), "--out", s(&out)]),
-        ("summary dir missing", vec![model(), "--prompts", s(&p), "--out", s(&out), "--summary", "/nonexistent-dir/s.json"]),
-        ("summary is a directory", vec![model(), "--prompts", s(&p), "--out", s(&out), "--summary", s(&summary_dir)]),
-        ("temperature inf", vec![model(), "--prompts", s(&p), "--out", s(&out), "--temperature", "inf"]),
-        ("temperature nan", vec![model(), "--prompts", s(&p), "--out", s(&out), "--temperature", "NaN"]),
-        ("top-p inf", vec![model(), "--prompts", s(&p), "--out", s(&out), "--top-p", "inf"]),
+        (
+            "no drafter for ddtree",
+            vec![no_drafter, "--prompts", s(&p), "--out", s(&out)],
+        ),
+        (
+            "summary dir missing",
+            vec![
+                model(),
+                "--prompts",
+                s(&p),
+                "--out",
+                s(&out),
+                "--summary",
+                "/nonexistent-dir/s.json",
+            ],
+        ),
+        (
+            "summary is a directory",
+            vec![
+                model(),
+                "--prompts",
+                s(&p),
+                "--out",
+                s(&out),
+                "--summary",
+                s(&summary_dir),
+            ],
+        ),
+        (
+            "temperature inf",
+            vec![model(), "--prompts", s(&p), "--out", s(&out), "--temperature", "inf"],
+        ),
+        (
+            "temperature nan",
+            vec![model(), "--prompts", s(&p), "--out", s(&out), "--temperature", "NaN"],
+        ),
+        (
+            "top-p inf",
+            vec![model(), "--prompts", s(&p), "--out", s(&out), "--top-p", "inf"],
+        ),
         ("prompts missing", [&[model(), "--prompts"][..], &bad_prompts].concat()),
-        ("verify dir missing", vec![model(), "--prompts", s(&p), "--out", s(&out), "--verify", s(&missing)]),
+        (
+            "verify dir missing",
+            vec![model(), "--prompts", s(&p), "--out", s(&out), "--verify", s(&missing)],
+        ),
         ("model missing", vec![s(&missing), "--prompts", s(&p), "--out", s(&out)]),
-        ("out in a missing dir", vec![model(), "--prompts", s(&p), "--out", "/nonexistent-dir/o.jsonl"]),
+        (
+            "out in a missing dir",
+            vec![model(), "--prompts", s(&p), "--out", "/nonexistent-dir/o.jsonl"],
+        ),
     ];
     for (what, args) in cases {
         std::fs::write(&out, "KEEP\n").unwrap();
         let o = kdtree_run(&args);
         let err = stderr(&o);
         assert_eq!(o.status.code(), Some(2), "{what}: {err}");
-        assert_eq!(std::fs::read_to_string(&out).unwrap(), "KEEP\n", "{what}: the output was touched");
-        assert_eq!(err.lines().count(), 1, "{what}: work was done or the error printed twice: {err}");
+        assert_eq!(
+            std::fs::read_to_string(&out).unwrap(),
+            "KEEP\n",
+            "{what}: the output was touched"
+        );
+        assert_eq!(
+            err.lines().count(),
+            1,
+            "{what}: work was done or the error printed twice: {err}"
+        );
         assert!(err.starts_with("kdtree-run: error: "), "{what}: {err}");
     }
 }
@@ -161,7 +251,17 @@ fn a_closed_stderr_loses_messages_not_the_run() {
     let out = dir.join("o.jsonl");
     // stderr is a pipe whose reader is gone before the first progress line.
     let mut child = Command::new(BIN)
-        .args([model(), "--prompts", s(&p), "--out", s(&out), "--budget", "4", "--summary", s(&dir.join("s.json"))])
+        .args([
+            model(),
+            "--prompts",
+            s(&p),
+            "--out",
+            s(&out),
+            "--budget",
+            "4",
+            "--summary",
+            s(&dir.join("s.json")),
+        ])
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
@@ -171,9 +271,23 @@ fn a_closed_stderr_loses_messages_not_the_run() {
     assert!(dir.join("s.json").exists());
     // `2>&1 | head -1` with the records on stdout, and `2>&-` (a closed descriptor).
     for script in [
-        format!("set -o pipefail; '{BIN}' '{}' --prompts '{}' --out - --mode ar 2>&1 | head -1 >/dev/null", model(), s(&p)),
-        format!("set -o pipefail; '{BIN}' '{}' --prompts '{}' --out '{}' --mode ar 2>&1 | head -1 >/dev/null", model(), s(&p), s(&out)),
-        format!("'{BIN}' '{}' --prompts '{}' --out '{}' --mode ar 2>&-", model(), s(&p), s(&out)),
+        format!(
+            "set -o pipefail; '{BIN}' '{}' --prompts '{}' --out - --mode ar 2>&1 | head -1 >/dev/null",
+            model(),
+            s(&p)
+        ),
+        format!(
+            "set -o pipefail; '{BIN}' '{}' --prompts '{}' --out '{}' --mode ar 2>&1 | head -1 >/dev/null",
+            model(),
+            s(&p),
+            s(&out)
+        ),
+        format!(
+            "'{BIN}' '{}' --prompts '{}' --out '{}' --mode ar 2>&-",
+            model(),
+            s(&p),
+            s(&out)
+        ),
         format!("'{BIN}' '{}' --prompts '{}' --out - --mode ar >&- 2>&-", model(), s(&p)),
     ] {
         let o = Command::new("bash").args(["-c", &script]).output().unwrap();
@@ -187,14 +301,52 @@ fn a_closed_stderr_loses_messages_not_the_run() {
 fn non_regular_outputs_work_without_resume() {
     let dir = scratch("devices");
     let p = prompts(&dir);
-    let o = kdtree_run(&[model(), "--prompts", s(&p), "--out", "/dev/null", "--mode", "ar", "--quiet", "--summary", "/dev/null"]);
+    let o = kdtree_run(&[
+        model(),
+        "--prompts",
+        s(&p),
+        "--out",
+        "/dev/null",
+        "--mode",
+        "ar",
+        "--quiet",
+        "--summary",
+        "/dev/null",
+    ]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
-    let o = kdtree_run(&[model(), "--prompts", s(&p), "--out", "/dev/stdout", "--mode", "ar", "--quiet"]);
+    let o = kdtree_run(&[
+        model(),
+        "--prompts",
+        s(&p),
+        "--out",
+        "/dev/stdout",
+        "--mode",
+        "ar",
+        "--quiet",
+    ]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
-    let lines: Vec<Json> = String::from_utf8(o.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    assert_eq!(lines.iter().map(|r| r["id"].as_str().unwrap()).collect::<Vec<_>>(), ["q0", "q1", "q2"]);
+    let lines: Vec<Json> = String::from_utf8(o.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(
+        lines.iter().map(|r| r["id"].as_str().unwrap()).collect::<Vec<_>>(),
+        ["q0", "q1", "q2"]
+    );
     // --summary - is stdout; --out - and --summary - on one pipe would mix the two.
-    let o = kdtree_run(&[model(), "--prompts", s(&p), "--out", s(&dir.join("o.jsonl")), "--mode", "ar", "--quiet", "--summary", "-"]);
+    let o = kdtree_run(&[
+        model(),
+        "--prompts",
+        s(&p),
+        "--out",
+        s(&dir.join("o.jsonl")),
+        "--mode",
+        "ar",
+        "--quiet",
+        "--summary",
+        "-",
+    ]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let sum: Json = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(sum["lines"], 3);
@@ -204,7 +356,11 @@ fn non_regular_outputs_work_without_resume() {
     for out in ["/dev/null", "/dev/stdout", "-"] {
         let o = kdtree_run(&[model(), "--prompts", s(&p), "--out", out, "--resume"]);
         assert_eq!(o.status.code(), Some(2), "{out}: {}", stderr(&o));
-        assert!(stderr(&o).contains("--resume needs --out to be a"), "{out}: {}", stderr(&o));
+        assert!(
+            stderr(&o).contains("--resume needs --out to be a"),
+            "{out}: {}",
+            stderr(&o)
+        );
     }
 }
 
@@ -223,12 +379,29 @@ fn bad_bytes_colliding_ids_and_non_finite_numbers_are_line_errors() {
     let recs = records(&out);
     let got: Vec<(&str, &str)> = recs
         .iter()
-        .map(|r| (r["id"].as_str().unwrap(), r.pointer("/error/code").and_then(Json::as_str).unwrap_or("ok")))
+        .map(|r| {
+            (
+                r["id"].as_str().unwrap(),
+                r.pointer("/error/code").and_then(Json::as_str).unwrap_or("ok"),
+            )
+        })
         .collect();
-    assert_eq!(got, [("a", "ok"), ("line-2~2", "invalid_utf8"), ("line-2", "ok"), ("hot", "invalid_request")]);
+    assert_eq!(
+        got,
+        [
+            ("a", "ok"),
+            ("line-2~2", "invalid_utf8"),
+            ("line-2", "ok"),
+            ("hot", "invalid_request")
+        ]
+    );
     let msg = recs[1]["error"]["message"].as_str().unwrap();
     assert!(msg.starts_with("line 2: not valid UTF-8"), "{msg}");
-    assert!(recs[3]["error"]["message"].as_str().unwrap().contains("finite"), "{}", recs[3]);
+    assert!(
+        recs[3]["error"]["message"].as_str().unwrap().contains("finite"),
+        "{}",
+        recs[3]
+    );
 }
 
 #[test]
@@ -247,7 +420,11 @@ fn resume_redoes_records_whose_line_or_settings_changed() {
     // Line q1 gets another prompt (same id): only it is answered again; the others are copied byte for byte.
     let edited = original.replace(&line(1, "11,21"), &line(1, "11,21,31,41"));
     std::fs::write(&p, &edited).unwrap();
-    let o = Command::new(BIN).args(base).args(["--out", s(&out), "--resume"]).output().unwrap();
+    let o = Command::new(BIN)
+        .args(base)
+        .args(["--out", s(&out), "--resume"])
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let resumed = std::fs::read_to_string(&out).unwrap();
     let (a, b): (Vec<&str>, Vec<&str>) = (first.lines().collect(), resumed.lines().collect());
@@ -260,7 +437,11 @@ fn resume_redoes_records_whose_line_or_settings_changed() {
     assert_eq!(records(&out)[1]["usage"]["prompt_tokens"], 4);
 
     // A changed run-wide setting: every record is answered again; the file equals a fresh run's.
-    for flags in [vec!["--mode", "ar"], vec!["--temperature", "0.7", "--seed", "3"], vec!["--budget", "2"]] {
+    for flags in [
+        vec!["--mode", "ar"],
+        vec!["--temperature", "0.7", "--seed", "3"],
+        vec!["--budget", "2"],
+    ] {
         let with = |out: &Path, resume: bool| {
             let mut a: Vec<&str> = [model(), "--prompts", s(&p), "--quiet", "--out"].to_vec();
             a.push(s(out));
@@ -278,10 +459,22 @@ fn resume_redoes_records_whose_line_or_settings_changed() {
     }
     // The message names the first changed line.
     std::fs::write(&p, &original).unwrap();
-    let o = kdtree_run(&[model(), "--prompts", s(&p), "--out", s(&out), "--resume", "--budget", "2"]);
+    let o = kdtree_run(&[
+        model(),
+        "--prompts",
+        s(&p),
+        "--out",
+        s(&out),
+        "--resume",
+        "--budget",
+        "2",
+    ]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let err = stderr(&o);
-    assert!(err.contains("answering them again") && err.contains("(first: line 2, id \"q1\")"), "{err}");
+    assert!(
+        err.contains("answering them again") && err.contains("(first: line 2, id \"q1\")"),
+        "{err}"
+    );
 }
 
 /// `--check-weights` (issue 24): one byte of a converted model's tensor flipped in place (the shard's size and
@@ -300,7 +493,15 @@ fn check_weights_names_a_damaged_tensor() {
         }
     }
     let md = kdtree_formats::ModelDir::open(&damaged).unwrap();
-    let t = md.manifest().tensors.iter().find(|t| t.name.ends_with("mlp.experts.3.down_proj.weight_packed") || t.name.contains("down_proj.weight_packed")).expect("an expert stack").clone();
+    let t = md
+        .manifest()
+        .tensors
+        .iter()
+        .find(|t| {
+            t.name.ends_with("mlp.experts.3.down_proj.weight_packed") || t.name.contains("down_proj.weight_packed")
+        })
+        .expect("an expert stack")
+        .clone();
     drop(md);
     let path = damaged.join(&t.file);
     let mut bytes = std::fs::read(&path).unwrap();
@@ -308,10 +509,25 @@ fn check_weights_names_a_damaged_tensor() {
     bytes[at] ^= 0x10;
     std::fs::write(&path, &bytes).unwrap();
     let prompts = dir.join("p.jsonl");
-    std::fs::write(&prompts, "{\"id\":\"a\",\"prompt_token_ids\":[1,2,3],\"max_tokens\":2}\n").unwrap();
+    std::fs::write(
+        &prompts,
+        "{\"id\":\"a\",\"prompt_token_ids\":[1,2,3],\"max_tokens\":2}\n",
+    )
+    .unwrap();
     let out = dir.join("o.jsonl");
     let run = |m: &Path, check: bool| {
-        let mut a = vec![s(m), "--prompts", s(&prompts), "--out", s(&out), "--device", "cpu", "--mode", "ar", "--quiet"];
+        let mut a = vec![
+            s(m),
+            "--prompts",
+            s(&prompts),
+            "--out",
+            s(&out),
+            "--device",
+            "cpu",
+            "--mode",
+            "ar",
+            "--quiet",
+        ];
         if check {
             a.push("--check-weights");
         }
@@ -319,10 +535,27 @@ fn check_weights_names_a_damaged_tensor() {
     };
     let o = run(&damaged, true);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
-    assert!(stderr(&o).contains(&t.name) && stderr(&o).contains("manifest's xxh3"), "{}", stderr(&o));
-    assert!(!out.exists() || std::fs::read_to_string(&out).unwrap().is_empty(), "no records after a failed check");
+    assert!(
+        stderr(&o).contains(&t.name) && stderr(&o).contains("manifest's xxh3"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(
+        !out.exists() || std::fs::read_to_string(&out).unwrap().is_empty(),
+        "no records after a failed check"
+    );
     let o = run(src, true);
-    assert_eq!(o.status.code(), Some(0), "the intact model passes the check: {}", stderr(&o));
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "the intact model passes the check: {}",
+        stderr(&o)
+    );
     let o = run(&damaged, false);
-    assert_eq!(o.status.code(), Some(0), "without the check the damaged bytes load: {}", stderr(&o));
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "without the check the damaged bytes load: {}",
+        stderr(&o)
+    );
 }

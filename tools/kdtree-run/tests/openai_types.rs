@@ -28,7 +28,14 @@ const OFFLINE: &[&str] = &[
 
 fn run(cmd: &mut Command) -> (bool, String) {
     match cmd.output() {
-        Ok(o) => (o.status.success(), format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))),
+        Ok(o) => (
+            o.status.success(),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            ),
+        ),
         Err(e) => (false, format!("cannot run {cmd:?}: {e}")),
     }
 }
@@ -42,10 +49,23 @@ fn python_with_openai() -> Option<PathBuf> {
     }
     let _ = std::fs::remove_dir_all(&venv);
     let (ok, out) = run(Command::new("python3").args(["-m", "venv"]).arg(&venv));
-    assert!(ok, "python3 -m venv {} failed (python3 with venv is needed for this test):\n{out}", venv.display());
+    assert!(
+        ok,
+        "python3 -m venv {} failed (python3 with venv is needed for this test):\n{out}",
+        venv.display()
+    );
     let (ok, out) = run(Command::new(&python).args([
-        "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--only-binary=:all:", "--retries", "1",
-        "--timeout", "30", "openai",
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+        "--only-binary=:all:",
+        "--retries",
+        "1",
+        "--timeout",
+        "30",
+        "openai",
     ]));
     if !ok {
         let offline = OFFLINE.iter().any(|s| out.contains(s));
@@ -81,10 +101,23 @@ fn the_batch_envelope_passes_the_openai_packages_own_types() {
     let out = root.join("out.jsonl");
     let o = Command::new(BIN)
         .arg(&model)
-        .args(["--prompts", prompts.to_str().unwrap(), "--out", out.to_str().unwrap(), "--budget", "4", "--quiet"])
+        .args([
+            "--prompts",
+            prompts.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--budget",
+            "4",
+            "--quiet",
+        ])
         .output()
         .unwrap();
-    assert_eq!(o.status.code(), Some(1), "two lines fail: {}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "two lines fail: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     let (ok, report) = run(Command::new(&python).arg(CHECKER).arg(&out).args(["3", "2"]));
     assert!(ok, "{report}");
     eprintln!("{}", report.trim_end());

@@ -26,7 +26,9 @@ fn model() -> &'static Path {
 }
 
 fn scratch(name: &str) -> PathBuf {
-    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join("kdtree-run-cli-work").join(name);
+    let d = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("kdtree-run-cli-work")
+        .join(name);
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
@@ -37,7 +39,11 @@ fn kdtree_run(args: &[&str]) -> Output {
 }
 
 fn records(path: &Path) -> Vec<Json> {
-    std::fs::read_to_string(path).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
 }
 
 /// Records with their run-dependent `timing` removed (what `jq -c 'del(.timing)'` leaves).
@@ -66,8 +72,25 @@ fn every_prompt_kind_openai_envelope_summary_and_ddtree_equals_ar() {
         r#"{"custom_id":"oa","method":"POST","url":"/v1/chat/completions","body":{"model":"tiny-test","messages":[{"role":"user","content":"Yo"}],"max_tokens":6}}"#, "\n",
     )).unwrap();
     let (dd, ar, summary) = (dir.join("dd.jsonl"), dir.join("ar.jsonl"), dir.join("summary.json"));
-    let o = kdtree_run(&[s(model()), "--prompts", s(&prompts), "--out", s(&dd), "--summary", s(&summary), "--device", "cpu", "--budget", "8"]);
-    assert_eq!(o.status.code(), Some(0), "stderr: {}", String::from_utf8_lossy(&o.stderr));
+    let o = kdtree_run(&[
+        s(model()),
+        "--prompts",
+        s(&prompts),
+        "--out",
+        s(&dd),
+        "--summary",
+        s(&summary),
+        "--device",
+        "cpu",
+        "--budget",
+        "8",
+    ]);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "stderr: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     assert!(String::from_utf8_lossy(&o.stderr).contains("backend: cpu"));
     let recs = records(&dd);
     assert_eq!(recs.len(), 4);
@@ -84,21 +107,48 @@ fn every_prompt_kind_openai_envelope_summary_and_ddtree_equals_ar() {
     assert_eq!(recs[1]["sampling"]["thinking"], false);
     assert_eq!(recs[2]["usage"]["prompt_tokens"], 4);
     let oa = &recs[3];
-    assert_eq!((oa["id"].as_str(), oa["custom_id"].as_str()), (Some("batch_req_oa"), Some("oa")));
+    assert_eq!(
+        (oa["id"].as_str(), oa["custom_id"].as_str()),
+        (Some("batch_req_oa"), Some("oa"))
+    );
     assert_eq!(oa["error"], Json::Null);
     assert_eq!(oa["response"]["status_code"], 200);
     let body = &oa["response"]["body"];
-    assert_eq!((body["object"].as_str(), body["model"].as_str()), (Some("chat.completion"), Some("tiny-test")));
+    assert_eq!(
+        (body["object"].as_str(), body["model"].as_str()),
+        (Some("chat.completion"), Some("tiny-test"))
+    );
     assert_eq!(body["choices"][0]["message"]["role"], "assistant");
     assert!(body["choices"][0]["message"]["content"].is_string());
     let sum: Json = serde_json::from_str(&std::fs::read_to_string(&summary).unwrap()).unwrap();
-    assert_eq!((sum["lines"].as_u64(), sum["ok"].as_u64(), sum["backend"].as_str()), (Some(4), Some(4), Some("cpu")));
+    assert_eq!(
+        (sum["lines"].as_u64(), sum["ok"].as_u64(), sum["backend"].as_str()),
+        (Some(4), Some(4), Some("cpu"))
+    );
     assert_eq!(sum["manifest_sha256"].as_str().unwrap().len(), 64);
     assert!(sum["acceptance_length"].as_f64().unwrap() >= 1.0);
 
-    let o = kdtree_run(&[s(model()), "--prompts", s(&prompts), "--out", s(&ar), "--mode", "ar", "--quiet"]);
-    assert_eq!(o.status.code(), Some(0), "stderr: {}", String::from_utf8_lossy(&o.stderr));
-    assert!(o.stderr.is_empty(), "--quiet printed: {}", String::from_utf8_lossy(&o.stderr));
+    let o = kdtree_run(&[
+        s(model()),
+        "--prompts",
+        s(&prompts),
+        "--out",
+        s(&ar),
+        "--mode",
+        "ar",
+        "--quiet",
+    ]);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "stderr: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        o.stderr.is_empty(),
+        "--quiet printed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     let ar_recs = records(&ar);
     for (a, d) in ar_recs.iter().zip(&recs) {
         let tokens = |r: &Json| r.pointer("/response/body/token_ids").unwrap_or(&r["token_ids"]).clone();
@@ -121,20 +171,42 @@ fn bad_lines_get_error_records_the_rest_runs_and_exit_is_1() {
     );
     std::fs::write(&prompts, text).unwrap();
     let out = dir.join("out.jsonl");
-    let o = kdtree_run(&[s(model()), "--prompts", s(&prompts), "--out", s(&out), "--mode", "ar", "--quiet"]);
-    assert_eq!(o.status.code(), Some(1), "stderr: {}", String::from_utf8_lossy(&o.stderr));
+    let o = kdtree_run(&[
+        s(model()),
+        "--prompts",
+        s(&prompts),
+        "--out",
+        s(&out),
+        "--mode",
+        "ar",
+        "--quiet",
+    ]);
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "stderr: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     let recs = records(&out);
     let got: Vec<(&str, &str)> = recs
         .iter()
-        .map(|r| (r["id"].as_str().unwrap(), r.pointer("/error/code").and_then(Json::as_str).unwrap_or("ok")))
+        .map(|r| {
+            (
+                r["id"].as_str().unwrap(),
+                r.pointer("/error/code").and_then(Json::as_str).unwrap_or("ok"),
+            )
+        })
         .collect();
-    assert_eq!(got, [
-        ("good", "ok"),
-        ("line-2", "invalid_json"),
-        ("empty", "empty_prompt"),
-        ("long", "context_length_exceeded"),
-        ("good", "duplicate_id"),
-    ]);
+    assert_eq!(
+        got,
+        [
+            ("good", "ok"),
+            ("line-2", "invalid_json"),
+            ("empty", "empty_prompt"),
+            ("long", "context_length_exceeded"),
+            ("good", "duplicate_id"),
+        ]
+    );
     assert_eq!(recs[0]["token_ids"].as_array().unwrap().len(), 3);
 }
 
@@ -146,34 +218,63 @@ fn resume_after_sigkill_gives_the_same_file() {
     // Enough lines that the run is still going when its first record appears (asserted below).
     const LINES: usize = 120;
     for i in 0..LINES {
-        text += &format!("{{\"id\":\"q{i}\",\"prompt_token_ids\":[{},{},{}],\"max_tokens\":4}}\n", 10 + i % 50, 20 + i % 70, 30 + i % 90);
+        text += &format!(
+            "{{\"id\":\"q{i}\",\"prompt_token_ids\":[{},{},{}],\"max_tokens\":4}}\n",
+            10 + i % 50,
+            20 + i % 70,
+            30 + i % 90
+        );
     }
     std::fs::write(&prompts, text).unwrap();
     let (full, killed) = (dir.join("full.jsonl"), dir.join("killed.jsonl"));
     let base = [s(model()), "--prompts", s(&prompts), "--budget", "4", "--quiet"];
     let o = kdtree_run(&[&base[..], &["--out", s(&full)]].concat());
-    assert_eq!(o.status.code(), Some(0), "stderr: {}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "stderr: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
 
-    let mut child = Command::new(BIN).args(base).args(["--out", s(&killed)]).spawn().unwrap();
+    let mut child = Command::new(BIN)
+        .args(base)
+        .args(["--out", s(&killed)])
+        .spawn()
+        .unwrap();
     let t0 = Instant::now();
     while std::fs::read(&killed).map_or(0, |b| b.iter().filter(|&&c| c == b'\n').count()) < 1 {
         assert!(t0.elapsed() < Duration::from_secs(120), "no output line within 120 s");
         std::thread::sleep(Duration::from_millis(1));
     }
-    assert!(child.try_wait().unwrap().is_none(), "the run finished before the kill: the test proves nothing");
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the run finished before the kill: the test proves nothing"
+    );
     child.kill().unwrap(); // SIGKILL
     let status = child.wait().unwrap();
     use std::os::unix::process::ExitStatusExt;
-    assert_eq!(status.signal(), Some(9), "the run must have died of the SIGKILL, not finished: {status:?}");
+    assert_eq!(
+        status.signal(),
+        Some(9),
+        "the run must have died of the SIGKILL, not finished: {status:?}"
+    );
     let mut bytes = std::fs::read(&killed).unwrap();
     let complete = bytes.iter().filter(|&&c| c == b'\n').count();
-    assert!((1..LINES).contains(&complete), "the kill must land mid-run: {complete} of {LINES} lines written");
+    assert!(
+        (1..LINES).contains(&complete),
+        "the kill must land mid-run: {complete} of {LINES} lines written"
+    );
     // A kill between records leaves no torn line; add one so that path is exercised too.
     bytes.extend_from_slice(b"{\"id\":\"q");
     std::fs::write(&killed, &bytes).unwrap();
 
     let o = kdtree_run(&[&base[..], &["--out", s(&killed), "--resume"]].concat());
-    assert_eq!(o.status.code(), Some(0), "stderr: {}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "stderr: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     assert_eq!(without_timing(&killed), without_timing(&full));
     // Resuming a finished file answers nothing new and changes nothing.
     let before = std::fs::read(&killed).unwrap();
@@ -191,14 +292,28 @@ fn closed_stdout_ends_quietly_with_0() {
         writeln!(f, "{{\"id\":\"q{i}\",\"prompt_token_ids\":[1,2],\"max_tokens\":2}}").unwrap();
     }
     let mut child = Command::new(BIN)
-        .args([s(model()), "--prompts", s(&prompts), "--out", "-", "--mode", "ar", "--quiet"])
+        .args([
+            s(model()),
+            "--prompts",
+            s(&prompts),
+            "--out",
+            "-",
+            "--mode",
+            "ar",
+            "--quiet",
+        ])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     drop(child.stdout.take()); // the reader goes away before the first record is written
     let o = child.wait_with_output().unwrap();
-    assert_eq!(o.status.code(), Some(0), "stderr: {}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "stderr: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     assert!(o.stderr.is_empty(), "stderr: {}", String::from_utf8_lossy(&o.stderr));
 }
 

@@ -71,7 +71,19 @@ fn s(p: &Path) -> &str {
 fn verify(model: &Path, prompts: &Path, golden: &Path, out: &Path, extra: &[&str]) -> (Output, String) {
     let o = Command::new(BIN)
         .arg(model)
-        .args(["--prompts", s(prompts), "--out", s(out), "--verify", s(golden), "--max-tokens", "6", "--budget", "8", "--quiet"])
+        .args([
+            "--prompts",
+            s(prompts),
+            "--out",
+            s(out),
+            "--verify",
+            s(golden),
+            "--max-tokens",
+            "6",
+            "--budget",
+            "8",
+            "--quiet",
+        ])
         .args(extra)
         .output()
         .expect("spawn kdtree-run");
@@ -119,20 +131,31 @@ fn the_same_model_matches_its_bundle_and_records_are_written() {
     let out = dir.join("out.jsonl");
     let (o, err) = verify(model, prompts, golden, &out, &[]);
     assert_eq!(o.status.code(), Some(0), "{err}");
-    assert!(err.contains("prompt id | tokens | max |Δlogit| | ddtree round | verdict"), "{err}");
+    assert!(
+        err.contains("prompt id | tokens | max |Δlogit| | ddtree round | verdict"),
+        "{err}"
+    );
     for id in ["p1", "p2"] {
         assert_eq!(row(&err, id), [id, "6/6", "0", "match", "match"], "{err}");
     }
     assert!(err.contains("verify: 2 of 2 prompts match"), "{err}");
     assert!(!err.contains("warning"), "{err}");
     // the JSONL records are written as usual, and greedy ones continue the bundle's tokens
-    let recs: Vec<serde_json::Value> =
-        std::fs::read_to_string(&out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let recs: Vec<serde_json::Value> = std::fs::read_to_string(&out)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     assert_eq!(recs.len(), 2);
     let bundle = Bundle::open(golden).unwrap();
     for (r, id) in recs.iter().zip(["p1", "p2"]) {
         assert_eq!((r["id"].as_str(), r["status"].as_str()), (Some(id), Some("ok")));
-        let toks: Vec<u32> = r["token_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
+        let toks: Vec<u32> = r["token_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect();
         let want = bundle.load(id).unwrap().ar.tokens;
         assert_eq!(toks[..], want[..toks.len()], "{id}");
     }
@@ -158,15 +181,26 @@ fn a_changed_logit_fails_and_names_the_prompt() {
     let (o, err) = verify(model, prompts, &bad, &dir.join("out.jsonl"), &[]);
     assert_eq!(o.status.code(), Some(1), "{err}");
     let p2 = row(&err, "p2");
-    assert_eq!((p2[1].as_str(), p2[3].as_str(), p2[4].as_str()), ("6/6", "match", "MISMATCH"), "{err}");
+    assert_eq!(
+        (p2[1].as_str(), p2[3].as_str(), p2[4].as_str()),
+        ("6/6", "match", "MISMATCH"),
+        "{err}"
+    );
     assert_eq!(p2[2], "5.000e-1", "{err}");
     assert!(err.contains("  p2: ar.full_logits[1, "), "{err}");
     let p1 = row(&err, "p1");
-    assert_eq!((p1[1].as_str(), p1[3].as_str(), p1[4].as_str()), ("6/6", "MISMATCH", "MISMATCH"), "{err}");
+    assert_eq!(
+        (p1[1].as_str(), p1[3].as_str(), p1[4].as_str()),
+        ("6/6", "MISMATCH", "MISMATCH"),
+        "{err}"
+    );
     assert!(err.contains("  p1: ddtree.verify_logits[0, 3]: "), "{err}");
     assert!(err.contains("verify: 0 of 2 prompts match"), "{err}");
     // the records were still written
-    assert_eq!(std::fs::read_to_string(dir.join("out.jsonl")).unwrap().lines().count(), 2);
+    assert_eq!(
+        std::fs::read_to_string(dir.join("out.jsonl")).unwrap().lines().count(),
+        2
+    );
 
     // the same change without re-writing index.json: the reader refuses the file (exit 2, before any work)
     let unsigned = dir.join("unsigned");
@@ -186,10 +220,16 @@ fn a_changed_layer_probe_fails_and_names_the_tensor() {
     let bad = dir.join("golden");
     copy_bundle(golden, &bad);
     // p1: one residual value of layer 1 of the traced decode step; p2: the router's first expert id
-    edit_record(&bad, "p1", true, |r| r.trace.as_mut().expect("bundle has a trace").layers[1].residual[2] += 0.25);
+    edit_record(&bad, "p1", true, |r| {
+        r.trace.as_mut().expect("bundle has a trace").layers[1].residual[2] += 0.25
+    });
     edit_record(&bad, "p2", true, |r| {
         let t = r.trace.as_mut().unwrap();
-        let l = t.layers.iter_mut().find(|l| !l.router_ids.is_empty()).expect("a MoE layer");
+        let l = t
+            .layers
+            .iter_mut()
+            .find(|l| !l.router_ids.is_empty())
+            .expect("a MoE layer");
         l.router_ids[0] = (l.router_ids[0] + 1) % 8;
     });
     let (o, err) = verify(model, prompts, &bad, &dir.join("out.jsonl"), &[]);
@@ -197,7 +237,10 @@ fn a_changed_layer_probe_fails_and_names_the_tensor() {
     assert_eq!(row(&err, "p1")[4], "MISMATCH", "{err}");
     assert!(err.contains("  p1: trace.layers.1.residual[2]: "), "{err}");
     assert_eq!(row(&err, "p2")[4], "MISMATCH", "{err}");
-    assert!(err.contains("  p2: trace.layers.") && err.contains(".router_ids[0]: "), "{err}");
+    assert!(
+        err.contains("  p2: trace.layers.") && err.contains(".router_ids[0]: "),
+        "{err}"
+    );
 }
 
 #[test]
@@ -226,7 +269,10 @@ fn wrong_prompt_files_and_cuda_are_refused_before_any_work() {
     let (o, err) = verify(model, &other, golden, &out, &[]);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("is not the prompt file of the bundle"), "{err}");
-    assert!(err.contains(r#"only in the prompt file ["p3"]"#) && err.contains(r#"only in the bundle's index.json ["p2"]"#), "{err}");
+    assert!(
+        err.contains(r#"only in the prompt file ["p3"]"#) && err.contains(r#"only in the bundle's index.json ["p2"]"#),
+        "{err}"
+    );
     let (o, err) = verify(model, prompts, golden, &out, &["--device", "cuda"]);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(!err.contains("not yet measured") && err.contains("cuda"), "{err}");

@@ -32,7 +32,12 @@ pub struct ChatOptions {
 
 impl Default for ChatOptions {
     fn default() -> Self {
-        Self { add_generation_prompt: true, thinking: true, preserve_thinking: false, tools: None }
+        Self {
+            add_generation_prompt: true,
+            thinking: true,
+            preserve_thinking: false,
+            tools: None,
+        }
     }
 }
 
@@ -48,8 +53,8 @@ impl ChatTemplate {
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let config_path = dir.join("tokenizer_config.json");
         let config: Option<Json> = if config_path.exists() {
-            let raw = std::fs::read_to_string(&config_path)
-                .with_context(|| format!("reading {}", config_path.display()))?;
+            let raw =
+                std::fs::read_to_string(&config_path).with_context(|| format!("reading {}", config_path.display()))?;
             Some(serde_json::from_str(&raw).with_context(|| format!("parsing {}", config_path.display()))?)
         } else {
             None
@@ -99,8 +104,12 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("namespace", py_namespace);
         env.set_unknown_method_callback(py_method);
-        env.add_template_owned(TEMPLATE_NAME, source).map_err(|e| anyhow::anyhow!("{e:#}"))?;
-        Ok(Self { env, token_vars: serde_json::Map::new() })
+        env.add_template_owned(TEMPLATE_NAME, source)
+            .map_err(|e| anyhow::anyhow!("{e:#}"))?;
+        Ok(Self {
+            env,
+            token_vars: serde_json::Map::new(),
+        })
     }
 
     /// Our own K2.6-style template (assets/chat_template.jinja).
@@ -122,7 +131,8 @@ impl ChatTemplate {
             ctx.insert("tools".into(), tools.clone());
         }
         let tmpl = self.env.get_template(TEMPLATE_NAME).expect("added in from_source");
-        tmpl.render(Json::Object(ctx)).map_err(|e| anyhow::anyhow!("rendering the chat template: {e:#}"))
+        tmpl.render(Json::Object(ctx))
+            .map_err(|e| anyhow::anyhow!("rendering the chat template: {e:#}"))
     }
 }
 
@@ -134,8 +144,8 @@ fn raise_exception(msg: String) -> Result<Value, Error> {
 fn tojson(value: &Value, indent: Option<usize>, kwargs: Kwargs) -> Result<Value, Error> {
     let indent = indent.or(kwargs.get::<Option<usize>>("indent")?);
     kwargs.assert_all_used()?;
-    let json = serde_json::to_value(value)
-        .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let json =
+        serde_json::to_value(value).map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
     let mut out = String::new();
     write_py_json(&json, indent, 0, &mut out);
     Ok(Value::from_safe_string(out))
@@ -208,9 +218,13 @@ impl Object for PyList {
                 items.push(v.clone());
                 Ok(Value::from(()))
             }
-            ("pop", []) => items.pop().ok_or_else(|| Error::new(ErrorKind::InvalidOperation, "pop from empty list")),
+            ("pop", []) => items
+                .pop()
+                .ok_or_else(|| Error::new(ErrorKind::InvalidOperation, "pop from empty list")),
             ("pop", [i]) => {
-                let i = i.as_i64().ok_or_else(|| Error::new(ErrorKind::InvalidOperation, "pop index"))?;
+                let i = i
+                    .as_i64()
+                    .ok_or_else(|| Error::new(ErrorKind::InvalidOperation, "pop index"))?;
                 let i = if i < 0 { items.len() as i64 + i } else { i };
                 match usize::try_from(i) {
                     Ok(i) if i < items.len() => Ok(items.remove(i)),
@@ -227,9 +241,7 @@ fn py_namespace(kwargs: Kwargs) -> Result<Value, Error> {
     for key in kwargs.args() {
         let v: Value = kwargs.get(key)?;
         let v = match v.kind() {
-            minijinja::value::ValueKind::Seq => {
-                Value::from_object(PyList(Mutex::new(v.try_iter()?.collect())))
-            }
+            minijinja::value::ValueKind::Seq => Value::from_object(PyList(Mutex::new(v.try_iter()?.collect()))),
             _ => v,
         };
         pairs.push((key.to_string(), v));
@@ -246,7 +258,11 @@ fn py_method(_: &State, value: &Value, method: &str, args: &[Value]) -> Result<V
         (ValueKind::Map, "get") => {
             let key = args.first().ok_or_else(bad)?;
             let v = value.get_item(key)?;
-            Ok(if v.is_undefined() { args.get(1).cloned().unwrap_or(Value::from(())) } else { v })
+            Ok(if v.is_undefined() {
+                args.get(1).cloned().unwrap_or(Value::from(()))
+            } else {
+                v
+            })
         }
         (ValueKind::Map, "keys") => Ok(Value::from_iter(value.try_iter()?)),
         (ValueKind::Map, "values") => {
@@ -298,7 +314,10 @@ mod tests {
     use serde_json::json;
 
     fn instant() -> ChatOptions {
-        ChatOptions { thinking: false, ..ChatOptions::default() }
+        ChatOptions {
+            thinking: false,
+            ..ChatOptions::default()
+        }
     }
 
     #[test]
@@ -313,9 +332,18 @@ mod tests {
             "<|im_system|>system<|im_middle|>You are a helpful assistant.<|im_end|><|im_user|>user<|im_middle|>Hello<|im_end|><|im_assistant|>assistant<|im_middle|><think></think>"
         );
         let thinking = ChatTemplate::builtin().render(&msgs, &ChatOptions::default()).unwrap();
-        assert!(thinking.ends_with("<|im_assistant|>assistant<|im_middle|><think>"), "{thinking}");
-        let no_gen = ChatOptions { add_generation_prompt: false, ..instant() };
-        assert!(ChatTemplate::builtin().render(&msgs, &no_gen).unwrap().ends_with("Hello<|im_end|>"));
+        assert!(
+            thinking.ends_with("<|im_assistant|>assistant<|im_middle|><think>"),
+            "{thinking}"
+        );
+        let no_gen = ChatOptions {
+            add_generation_prompt: false,
+            ..instant()
+        };
+        assert!(ChatTemplate::builtin()
+            .render(&msgs, &no_gen)
+            .unwrap()
+            .ends_with("Hello<|im_end|>"));
     }
 
     #[test]
@@ -330,7 +358,10 @@ mod tests {
             {"role": "user", "name": "bob", "content": [{"type": "text", "text": "Thanks"}]}
         ]);
         let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]);
-        let opts = ChatOptions { tools: Some(tools), ..ChatOptions::default() };
+        let opts = ChatOptions {
+            tools: Some(tools),
+            ..ChatOptions::default()
+        };
         let out = ChatTemplate::builtin().render(&msgs, &opts).unwrap();
         let want = concat!(
             r#"<|im_system|>tool_declare<|im_middle|>[{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]<|im_end|>"#,
@@ -345,9 +376,15 @@ mod tests {
         );
         assert_eq!(out, want);
         // preserve_thinking keeps earlier reasoning.
-        let keep = ChatOptions { preserve_thinking: true, ..opts };
+        let keep = ChatOptions {
+            preserve_thinking: true,
+            ..opts
+        };
         let out = ChatTemplate::builtin().render(&msgs, &keep).unwrap();
-        assert!(out.contains("<think>need tool</think><|tool_calls_section_begin|>"), "{out}");
+        assert!(
+            out.contains("<think>need tool</think><|tool_calls_section_begin|>"),
+            "{out}"
+        );
         assert!(out.contains("<think>easy</think>It is sunny."), "{out}");
     }
 

@@ -57,10 +57,17 @@ mod tests {
     #[test]
     fn an_embedded_source_is_printed_once() {
         let io = Error::new(ErrorKind::NotFound, "No such file or directory (os error 2)");
-        let e = anyhow::Error::new(Embeds { file: "m/manifest.toml".into(), source: io }).context("opening model m");
+        let e = anyhow::Error::new(Embeds {
+            file: "m/manifest.toml".into(),
+            source: io,
+        })
+        .context("opening model m");
         // `{:#}` repeats the OS error; error_chain does not.
         assert_eq!(format!("{e:#}").matches("os error 2").count(), 2);
-        assert_eq!(error_chain(&e), "opening model m: m/manifest.toml: No such file or directory (os error 2)");
+        assert_eq!(
+            error_chain(&e),
+            "opening model m: m/manifest.toml: No such file or directory (os error 2)"
+        );
     }
 
     #[test]

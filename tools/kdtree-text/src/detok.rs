@@ -72,7 +72,11 @@ impl StopMatcher {
     /// Empty stop strings are ignored (they would match before any output).
     pub fn new(stops: &[String]) -> Self {
         let stops = stops.iter().filter(|s| !s.is_empty()).cloned().collect();
-        Self { stops, text: String::new(), hit: None }
+        Self {
+            stops,
+            text: String::new(),
+            hit: None,
+        }
     }
 
     /// Append newly decoded text; returns true once a stop string has appeared.

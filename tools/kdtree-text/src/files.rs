@@ -45,7 +45,10 @@ impl Inputs {
 
     /// The input an output whose metadata is `m` would overwrite, if any.
     pub fn find(&self, m: &Metadata) -> Option<&Path> {
-        self.files.iter().find(|(i, _)| same_file(i, m)).map(|(_, p)| p.as_path())
+        self.files
+            .iter()
+            .find(|(i, _)| same_file(i, m))
+            .map(|(_, p)| p.as_path())
     }
 }
 
@@ -69,7 +72,10 @@ mod tests {
         inputs.file(&d.join("missing"));
         let m = |p: &str| std::fs::metadata(d.join(p)).unwrap();
         assert_eq!(inputs.find(&m("hard")), Some(d.join("p.jsonl").as_path()));
-        assert_eq!(inputs.find(&m("soft")), Some(d.join("model/drafter/config.json").as_path()));
+        assert_eq!(
+            inputs.find(&m("soft")),
+            Some(d.join("model/drafter/config.json").as_path())
+        );
         assert_eq!(inputs.find(&m("./p.jsonl")), Some(d.join("p.jsonl").as_path()));
         assert_eq!(inputs.find(&m("other")), None);
         let null = std::fs::metadata("/dev/null").unwrap();

@@ -44,7 +44,12 @@ pub struct PromptLine {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Input {
     Text(String),
-    Chat { messages: Json, tools: Option<Json>, thinking: Option<bool>, preserve_thinking: Option<bool> },
+    Chat {
+        messages: Json,
+        tools: Option<Json>,
+        thinking: Option<bool>,
+        preserve_thinking: Option<bool>,
+    },
     TokenIds(Vec<u32>),
 }
 
@@ -109,7 +114,11 @@ pub fn parse_prompt_bytes(bytes: &[u8]) -> Vec<PromptLine> {
                     synthetic: true,
                     openai: false,
                     raw: String::from_utf8_lossy(raw).into_owned(),
-                    request: Err(LineError { line_no, code: "invalid_utf8", message }),
+                    request: Err(LineError {
+                        line_no,
+                        code: "invalid_utf8",
+                        message,
+                    }),
                 });
             }
         }
@@ -118,7 +127,11 @@ pub fn parse_prompt_bytes(bytes: &[u8]) -> Vec<PromptLine> {
     for line in out.iter_mut().filter(|l| !l.synthetic) {
         if let Some(first) = seen.get(&line.id) {
             let message = format!("id {:?} repeats line {first}", line.id);
-            line.request = Err(LineError { line_no: line.line_no, code: "duplicate_id", message });
+            line.request = Err(LineError {
+                line_no: line.line_no,
+                code: "duplicate_id",
+                message,
+            });
         } else {
             seen.insert(line.id.clone(), line.line_no);
         }
@@ -185,7 +198,14 @@ pub fn parse_line(line_no: usize, raw: &str) -> PromptLine {
     };
     let parsed = if openai { parse_openai(&obj) } else { parse_plain(&obj) };
     match parsed {
-        Ok(request) => PromptLine { line_no, id, synthetic: false, openai, raw: raw.to_string(), request: Ok(request) },
+        Ok(request) => PromptLine {
+            line_no,
+            id,
+            synthetic: false,
+            openai,
+            raw: raw.to_string(),
+            request: Ok(request),
+        },
         Err((code, message)) => fail(Some(id), openai, code, message),
     }
 }
@@ -198,12 +218,25 @@ fn invalid(msg: impl Into<String>) -> Fail {
 
 fn parse_plain(obj: &Map<String, Json>) -> Result<Request, Fail> {
     const KNOWN: &[&str] = &[
-        "id", "prompt", "messages", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k",
-        "seed", "stop", "thinking", "preserve_thinking", "tools",
+        "id",
+        "prompt",
+        "messages",
+        "prompt_token_ids",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "thinking",
+        "preserve_thinking",
+        "tools",
     ];
     reject_unknown(obj, KNOWN, "")?;
-    let kinds: Vec<&str> =
-        ["prompt", "messages", "prompt_token_ids"].into_iter().filter(|k| obj.contains_key(*k)).collect();
+    let kinds: Vec<&str> = ["prompt", "messages", "prompt_token_ids"]
+        .into_iter()
+        .filter(|k| obj.contains_key(*k))
+        .collect();
     let input = match kinds.as_slice() {
         ["prompt"] => match &obj["prompt"] {
             Json::String(s) if s.is_empty() => return Err(("empty_prompt", "\"prompt\" is empty".into())),
@@ -218,15 +251,21 @@ fn parse_plain(obj: &Map<String, Json>) -> Result<Request, Fail> {
             if ids.is_empty() {
                 return Err(("empty_prompt", "\"prompt_token_ids\" is empty".into()));
             }
-            let ids: Option<Vec<u32>> =
-                ids.iter().map(|v| v.as_u64().and_then(|x| u32::try_from(x).ok())).collect();
+            let ids: Option<Vec<u32>> = ids
+                .iter()
+                .map(|v| v.as_u64().and_then(|x| u32::try_from(x).ok()))
+                .collect();
             Input::TokenIds(ids.ok_or_else(|| invalid("\"prompt_token_ids\" must hold integers in 0..2^32"))?)
         }
         [] => return Err(invalid("needs one of \"prompt\", \"messages\", \"prompt_token_ids\"")),
         more => return Err(invalid(format!("has more than one prompt kind: {more:?}"))),
     };
     let overrides = overrides(obj, "max_tokens", "")?;
-    Ok(Request { input, overrides, model: None })
+    Ok(Request {
+        input,
+        overrides,
+        model: None,
+    })
 }
 
 fn parse_openai(obj: &Map<String, Json>) -> Result<Request, Fail> {
@@ -237,14 +276,30 @@ fn parse_openai(obj: &Map<String, Json>) -> Result<Request, Fail> {
     }
     match obj.get("url") {
         Some(Json::String(u)) if u == "/v1/chat/completions" => {}
-        other => return Err(invalid(format!("\"url\" must be \"/v1/chat/completions\", found {}", show(other)))),
+        other => {
+            return Err(invalid(format!(
+                "\"url\" must be \"/v1/chat/completions\", found {}",
+                show(other)
+            )))
+        }
     }
     let Some(Json::Object(body)) = obj.get("body") else {
         return Err(invalid("\"body\" must be an object"));
     };
     const KNOWN: &[&str] = &[
-        "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
-        "stop", "tools", "chat_template_kwargs", "n", "stream",
+        "model",
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "tools",
+        "chat_template_kwargs",
+        "n",
+        "stream",
     ];
     reject_unknown(body, KNOWN, "body.")?;
     if body.get("n").is_some_and(|n| n.as_u64() != Some(1)) {
@@ -262,7 +317,11 @@ fn parse_openai(obj: &Map<String, Json>) -> Result<Request, Fail> {
         return Err(invalid("body.messages is required"));
     }
     let input = chat_input(body, kwargs.get("thinking"), kwargs.get("preserve_thinking"), "body.")?;
-    let max_key = if body.contains_key("max_completion_tokens") { "max_completion_tokens" } else { "max_tokens" };
+    let max_key = if body.contains_key("max_completion_tokens") {
+        "max_completion_tokens"
+    } else {
+        "max_tokens"
+    };
     if body.contains_key("max_completion_tokens") && body.contains_key("max_tokens") {
         return Err(invalid("give body.max_tokens or body.max_completion_tokens, not both"));
     }
@@ -272,7 +331,11 @@ fn parse_openai(obj: &Map<String, Json>) -> Result<Request, Fail> {
         Some(Json::String(s)) => Some(s.clone()),
         Some(_) => return Err(invalid("body.model must be a string")),
     };
-    Ok(Request { input, overrides, model })
+    Ok(Request {
+        input,
+        overrides,
+        model,
+    })
 }
 
 fn show(v: Option<&Json>) -> String {
@@ -286,7 +349,12 @@ fn reject_unknown(obj: &Map<String, Json>, known: &[&str], prefix: &str) -> Resu
     }
 }
 
-fn chat_input(obj: &Map<String, Json>, thinking: Option<&Json>, preserve: Option<&Json>, prefix: &str) -> Result<Input, Fail> {
+fn chat_input(
+    obj: &Map<String, Json>,
+    thinking: Option<&Json>,
+    preserve: Option<&Json>,
+    prefix: &str,
+) -> Result<Input, Fail> {
     let Some(Json::Array(msgs)) = obj.get("messages") else {
         return Err(invalid(format!("\"{prefix}messages\" must be an array")));
     };
@@ -319,12 +387,19 @@ fn chat_input(obj: &Map<String, Json>, thinking: Option<&Json>, preserve: Option
 fn overrides(obj: &Map<String, Json>, max_key: &str, prefix: &str) -> Result<Overrides, Fail> {
     let get = |k: &str| obj.get(k).filter(|v| !v.is_null());
     let uint = |k: &str| -> Result<Option<u64>, Fail> {
-        get(k).map(|v| v.as_u64().ok_or_else(|| invalid(format!("\"{prefix}{k}\" must be a non-negative integer")))).transpose()
+        get(k)
+            .map(|v| {
+                v.as_u64()
+                    .ok_or_else(|| invalid(format!("\"{prefix}{k}\" must be a non-negative integer")))
+            })
+            .transpose()
     };
     // Checked after the cast to f32, so a finite JSON number beyond f32 (1e39 -> inf) is refused too.
     let float = |k: &str, check: fn(f32) -> Result<(), String>| -> Result<Option<f32>, Fail> {
         let Some(v) = get(k) else { return Ok(None) };
-        let x = v.as_f64().ok_or_else(|| invalid(format!("\"{prefix}{k}\" must be a number")))? as f32;
+        let x = v
+            .as_f64()
+            .ok_or_else(|| invalid(format!("\"{prefix}{k}\" must be a number")))? as f32;
         check(x).map_err(|e| invalid(format!("\"{prefix}{k}\" {e}")))?;
         Ok(Some(x))
     };
@@ -343,7 +418,11 @@ fn overrides(obj: &Map<String, Json>, max_key: &str, prefix: &str) -> Result<Ove
                 .collect::<Option<Vec<_>>>()
                 .ok_or_else(|| invalid(format!("\"{prefix}stop\" must be a string or a list of strings")))?,
         ),
-        Some(_) => return Err(invalid(format!("\"{prefix}stop\" must be a string or a list of strings"))),
+        Some(_) => {
+            return Err(invalid(format!(
+                "\"{prefix}stop\" must be a string or a list of strings"
+            )))
+        }
     };
     Ok(Overrides {
         max_tokens,
@@ -363,21 +442,34 @@ mod tests {
     #[test]
     fn detects_each_kind_and_overrides() {
         let text = concat!(
-            r#"{"id":"a","prompt":"Hi","max_tokens":5,"temperature":0,"seed":7,"stop":"x"}"#, "\n",
+            r#"{"id":"a","prompt":"Hi","max_tokens":5,"temperature":0,"seed":7,"stop":"x"}"#,
             "\n",
-            r#"{"id":"b","messages":[{"role":"user","content":"Hi"}],"thinking":false}"#, "\n",
-            r#"{"id":"c","prompt_token_ids":[1,2,3],"top_k":4,"top_p":0.5}"#, "\n",
-            r#"{"custom_id":"d","method":"POST","url":"/v1/chat/completions","body":{"model":"m","messages":[{"role":"user","content":"Yo"}],"max_completion_tokens":9,"stop":["s","t"],"chat_template_kwargs":{"thinking":true}}}"#, "\n",
+            "\n",
+            r#"{"id":"b","messages":[{"role":"user","content":"Hi"}],"thinking":false}"#,
+            "\n",
+            r#"{"id":"c","prompt_token_ids":[1,2,3],"top_k":4,"top_p":0.5}"#,
+            "\n",
+            r#"{"custom_id":"d","method":"POST","url":"/v1/chat/completions","body":{"model":"m","messages":[{"role":"user","content":"Yo"}],"max_completion_tokens":9,"stop":["s","t"],"chat_template_kwargs":{"thinking":true}}}"#,
+            "\n",
         );
         let lines = parse_prompts(text);
         assert_eq!(lines.len(), 4);
         assert_eq!(lines.iter().map(|l| l.line_no).collect::<Vec<_>>(), vec![1, 3, 4, 5]);
         let a = lines[0].request.as_ref().unwrap();
         assert_eq!(a.input, Input::Text("Hi".into()));
-        assert_eq!(a.overrides, Overrides {
-            max_tokens: Some(5), temperature: Some(0.0), seed: Some(7), stop: Some(vec!["x".into()]), ..Default::default()
-        });
-        let Input::Chat { thinking, .. } = &lines[1].request.as_ref().unwrap().input else { panic!() };
+        assert_eq!(
+            a.overrides,
+            Overrides {
+                max_tokens: Some(5),
+                temperature: Some(0.0),
+                seed: Some(7),
+                stop: Some(vec!["x".into()]),
+                ..Default::default()
+            }
+        );
+        let Input::Chat { thinking, .. } = &lines[1].request.as_ref().unwrap().input else {
+            panic!()
+        };
         assert_eq!(*thinking, Some(false));
         let c = lines[2].request.as_ref().unwrap();
         assert_eq!(c.input, Input::TokenIds(vec![1, 2, 3]));
@@ -389,47 +481,72 @@ mod tests {
         assert_eq!(d.model.as_deref(), Some("m"));
         assert_eq!(d.overrides.max_tokens, Some(9));
         assert_eq!(d.overrides.stop, Some(vec!["s".into(), "t".into()]));
-        let Input::Chat { thinking, messages, .. } = &d.input else { panic!() };
-        assert_eq!((*thinking, messages), (Some(true), &json!([{"role":"user","content":"Yo"}])));
+        let Input::Chat { thinking, messages, .. } = &d.input else {
+            panic!()
+        };
+        assert_eq!(
+            (*thinking, messages),
+            (Some(true), &json!([{"role":"user","content":"Yo"}]))
+        );
     }
 
     #[test]
     fn bad_lines_become_per_line_errors() {
         let text = concat!(
             "{not json\n",
-            r#"{"id":"e","prompt":""}"#, "\n",
-            r#"{"id":"f","prompt":"x","max_tokens":"ten"}"#, "\n",
-            r#"{"id":"g","prompt":"x","max_token":3}"#, "\n",
-            r#"{"id":"ok","prompt":"fine"}"#, "\n",
-            r#"{"id":"ok","prompt":"again"}"#, "\n",
-            r#"{"prompt":"no id"}"#, "\n",
-            r#"{"id":"h","prompt":"x","messages":[]}"#, "\n",
-            r#"{"id":"i","messages":[]}"#, "\n",
-            r#"{"id":"j","prompt_token_ids":[1,-2]}"#, "\n",
-            r#"{"custom_id":"k","method":"POST","url":"/v1/embeddings","body":{"messages":[{"role":"user"}]}}"#, "\n",
-            r#"{"custom_id":"l","method":"POST","url":"/v1/chat/completions","body":{"messages":[{"role":"user","content":"x"}],"n":2}}"#, "\n",
+            r#"{"id":"e","prompt":""}"#,
+            "\n",
+            r#"{"id":"f","prompt":"x","max_tokens":"ten"}"#,
+            "\n",
+            r#"{"id":"g","prompt":"x","max_token":3}"#,
+            "\n",
+            r#"{"id":"ok","prompt":"fine"}"#,
+            "\n",
+            r#"{"id":"ok","prompt":"again"}"#,
+            "\n",
+            r#"{"prompt":"no id"}"#,
+            "\n",
+            r#"{"id":"h","prompt":"x","messages":[]}"#,
+            "\n",
+            r#"{"id":"i","messages":[]}"#,
+            "\n",
+            r#"{"id":"j","prompt_token_ids":[1,-2]}"#,
+            "\n",
+            r#"{"custom_id":"k","method":"POST","url":"/v1/embeddings","body":{"messages":[{"role":"user"}]}}"#,
+            "\n",
+            r#"{"custom_id":"l","method":"POST","url":"/v1/chat/completions","body":{"messages":[{"role":"user","content":"x"}],"n":2}}"#,
+            "\n",
             "[1,2]\n",
         );
         let lines = parse_prompts(text);
         let summary: Vec<(usize, &str, &str)> = lines
             .iter()
-            .map(|l| (l.line_no, l.id.as_str(), l.request.as_ref().err().map_or("ok", |e| e.code)))
+            .map(|l| {
+                (
+                    l.line_no,
+                    l.id.as_str(),
+                    l.request.as_ref().err().map_or("ok", |e| e.code),
+                )
+            })
             .collect();
-        assert_eq!(summary, vec![
-            (1, "line-1", "invalid_json"),
-            (2, "e", "empty_prompt"),
-            (3, "f", "invalid_request"),
-            (4, "g", "invalid_request"),
-            (5, "ok", "ok"),
-            (6, "ok", "duplicate_id"),
-            (7, "line-7", "invalid_request"),
-            (8, "h", "invalid_request"),
-            (9, "i", "empty_prompt"),
-            (10, "j", "invalid_request"),
-            (11, "k", "invalid_request"),
-            (12, "l", "invalid_request"),
-            (13, "line-13", "invalid_json"),
-        ]);
+        assert_eq!(
+            summary,
+            vec![
+                (1, "line-1", "invalid_json"),
+                (2, "e", "empty_prompt"),
+                (3, "f", "invalid_request"),
+                (4, "g", "invalid_request"),
+                (5, "ok", "ok"),
+                (6, "ok", "duplicate_id"),
+                (7, "line-7", "invalid_request"),
+                (8, "h", "invalid_request"),
+                (9, "i", "empty_prompt"),
+                (10, "j", "invalid_request"),
+                (11, "k", "invalid_request"),
+                (12, "l", "invalid_request"),
+                (13, "line-13", "invalid_json"),
+            ]
+        );
         let e = lines[3].request.as_ref().unwrap_err();
         assert_eq!(e.to_string(), "line 4: unknown field \"max_token\"");
         assert!(lines[10].openai && lines[11].openai && !lines[0].openai);
@@ -458,7 +575,16 @@ mod tests {
             x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
             (x >> 33) as usize
         };
-        let pieces: [&[u8]; 8] = [b"{\"id\":\"line-", b"\"}", b"\xff", b"\xe2\x82", b"\n", b"\r\n", b"{\"prompt\":\"x\"}", b"3"];
+        let pieces: [&[u8]; 8] = [
+            b"{\"id\":\"line-",
+            b"\"}",
+            b"\xff",
+            b"\xe2\x82",
+            b"\n",
+            b"\r\n",
+            b"{\"prompt\":\"x\"}",
+            b"3",
+        ];
         for _ in 0..300 {
             let mut bytes = Vec::new();
             for _ in 0..next() % 40 {
@@ -481,11 +607,16 @@ mod tests {
     fn synthetic_ids_never_collide_with_the_files_ids() {
         let text = concat!(
             "not json\n",
-            r#"{"id":"line-1","prompt":"x"}"#, "\n",
-            r#"{"id":"line-1~2","prompt":"x"}"#, "\n",
-            r#"{"prompt":"no id"}"#, "\n",
-            r#"{"id":"line-4","prompt":"x"}"#, "\n",
-            r#"{"id":"line-6","prompt":"x"}"#, "\n",
+            r#"{"id":"line-1","prompt":"x"}"#,
+            "\n",
+            r#"{"id":"line-1~2","prompt":"x"}"#,
+            "\n",
+            r#"{"prompt":"no id"}"#,
+            "\n",
+            r#"{"id":"line-4","prompt":"x"}"#,
+            "\n",
+            r#"{"id":"line-6","prompt":"x"}"#,
+            "\n",
         );
         let lines = parse_prompts(text);
         let ids: Vec<&str> = lines.iter().map(|l| l.id.as_str()).collect();
@@ -498,16 +629,30 @@ mod tests {
 
     #[test]
     fn non_finite_and_out_of_range_numbers_are_refused() {
-        for (field, value) in [("temperature", "1e39"), ("temperature", "-1"), ("temperature", "101"),
-            ("top_p", "1e39"), ("top_p", "0"), ("top_p", "-1e39")]
-        {
+        for (field, value) in [
+            ("temperature", "1e39"),
+            ("temperature", "-1"),
+            ("temperature", "101"),
+            ("top_p", "1e39"),
+            ("top_p", "0"),
+            ("top_p", "-1e39"),
+        ] {
             let line = parse_line(1, &format!(r#"{{"id":"a","prompt":"x","{field}":{value}}}"#));
             let e = line.request.unwrap_err();
             assert_eq!(e.code, "invalid_request", "{field}={value}");
-            assert!(e.message.contains(field) && e.message.contains("finite"), "{field}={value}: {e}");
+            assert!(
+                e.message.contains(field) && e.message.contains("finite"),
+                "{field}={value}: {e}"
+            );
         }
         // JSON has no inf/nan literals: such a line is not JSON.
-        assert_eq!(parse_line(1, r#"{"id":"a","prompt":"x","temperature":NaN}"#).request.unwrap_err().code, "invalid_json");
+        assert_eq!(
+            parse_line(1, r#"{"id":"a","prompt":"x","temperature":NaN}"#)
+                .request
+                .unwrap_err()
+                .code,
+            "invalid_json"
+        );
         assert!(check_temperature(f32::INFINITY).is_err() && check_temperature(f32::NAN).is_err());
         assert!(check_top_p(f32::NAN).is_err() && check_top_p(1.0).is_ok() && check_temperature(0.0).is_ok());
     }

@@ -58,13 +58,11 @@ impl Tokenizer {
 
     /// Load a tiktoken.model file and optionally a tokenizer_config.json (for special names).
     pub fn from_files(model: &Path, config: Option<&Path>) -> Result<Self> {
-        let text = std::fs::read_to_string(model)
-            .with_context(|| format!("reading tokenizer {}", model.display()))?;
+        let text = std::fs::read_to_string(model).with_context(|| format!("reading tokenizer {}", model.display()))?;
         let ranks = parse_tiktoken_model(&text).with_context(|| format!("{}", model.display()))?;
         let names = match config {
             Some(path) => {
-                let raw = std::fs::read_to_string(path)
-                    .with_context(|| format!("reading {}", path.display()))?;
+                let raw = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
                 special_names_from_config(&raw).with_context(|| format!("{}", path.display()))?
             }
             None => HashMap::new(),
@@ -88,7 +86,12 @@ impl Tokenizer {
             }
         }
         let specials: Vec<String> = (n..n + NUM_RESERVED_SPECIAL_TOKENS)
-            .map(|id| names.get(&id).cloned().unwrap_or_else(|| format!("<|reserved_token_{id}|>")))
+            .map(|id| {
+                names
+                    .get(&id)
+                    .cloned()
+                    .unwrap_or_else(|| format!("<|reserved_token_{id}|>"))
+            })
             .collect();
         let mut special_ids = HashMap::new();
         for (i, name) in specials.iter().enumerate() {
@@ -102,7 +105,12 @@ impl Tokenizer {
             KIMI_PATTERN,
         )
         .map_err(|e| anyhow!("building the BPE: {e}"))?;
-        Ok(Self { bpe, n_mergeable: n, specials, special_ids })
+        Ok(Self {
+            bpe,
+            n_mergeable: n,
+            specials,
+            special_ids,
+        })
     }
 
     /// Total ids: mergeable ranks + reserved specials.
@@ -141,7 +149,10 @@ impl Tokenizer {
         let all = self.bpe.special_tokens();
         let mut out = Vec::new();
         for piece in split_for_encoding(text, MAX_ENCODE_CHARS, MAX_NO_WHITESPACE_CHARS) {
-            let (ids, _) = self.bpe.encode(piece, &all).map_err(|e| anyhow!("tokenizing: {}", e.message))?;
+            let (ids, _) = self
+                .bpe
+                .encode(piece, &all)
+                .map_err(|e| anyhow!("tokenizing: {}", e.message))?;
             out.extend(ids);
         }
         Ok(out)
@@ -153,7 +164,9 @@ impl Tokenizer {
         if let Some(id) = bad {
             bail!("token id {id} is outside the vocabulary (size {})", self.vocab_size());
         }
-        self.bpe.decode_bytes(ids).map_err(|e| anyhow!("decoding token {}", e.token))
+        self.bpe
+            .decode_bytes(ids)
+            .map_err(|e| anyhow!("decoding token {}", e.token))
     }
 
     /// Decode to a string, replacing invalid UTF-8 with U+FFFD.
@@ -178,8 +191,9 @@ pub fn parse_tiktoken_model(text: &str) -> Result<Vec<(Vec<u8>, u32)>> {
         let bytes = b64
             .decode(tok)
             .with_context(|| format!("line {line_no}: token {tok:?} is not valid base64"))?;
-        let rank: u32 =
-            rank.parse().with_context(|| format!("line {line_no}: rank {rank:?} is not an integer"))?;
+        let rank: u32 = rank
+            .parse()
+            .with_context(|| format!("line {line_no}: rank {rank:?} is not an integer"))?;
         out.push((bytes, rank));
     }
     if out.is_empty() {
@@ -196,7 +210,9 @@ pub fn special_names_from_config(json: &str) -> Result<HashMap<u32, String>> {
         return Ok(out);
     };
     for (id, entry) in map {
-        let id: u32 = id.parse().with_context(|| format!("added_tokens_decoder key {id:?} is not an id"))?;
+        let id: u32 = id
+            .parse()
+            .with_context(|| format!("added_tokens_decoder key {id:?} is not an id"))?;
         let name = entry
             .get("content")
             .and_then(|c| c.as_str())
@@ -288,7 +304,10 @@ mod tests {
         assert_eq!(t.special_name(261), None);
         // "hello" is one piece → rank 259; " world" → " w" + o r l d bytes.
         let ids = t.encode("hello world<|im_end|>");
-        assert_eq!(ids, vec![259, 260, b'o' as u32, b'r' as u32, b'l' as u32, b'd' as u32, 264]);
+        assert_eq!(
+            ids,
+            vec![259, 260, b'o' as u32, b'r' as u32, b'l' as u32, b'd' as u32, 264]
+        );
         assert_eq!(t.decode_lossy(&ids).unwrap(), "hello world<|im_end|>");
         // A reserved name typed in text is a special too (allowed_special = all).
         assert_eq!(t.encode("<|reserved_token_300|>"), vec![300]);
@@ -367,6 +386,9 @@ mod tests {
         assert_eq!(split_for_encoding("你好世界", 3, 100), vec!["你好世", "界"]);
         assert_eq!(split_for_encoding("", 3, 3), vec![""]);
         // U+001F counts as whitespace, as in Python.
-        assert_eq!(split_for_encoding("\u{1f}\u{1f}\u{1f}", 100, 2), vec!["\u{1f}\u{1f}", "\u{1f}"]);
+        assert_eq!(
+            split_for_encoding("\u{1f}\u{1f}\u{1f}", 100, 2),
+            vec!["\u{1f}\u{1f}", "\u{1f}"]
+        );
     }
 }

@@ -30,9 +30,14 @@ mod tests {
     #[test]
     fn gathers_from_the_owning_shard() {
         // V = 6, H = 2, R = 3: whole table row v = [v, -v].
-        let whole: Vec<bf16> = (0..6).flat_map(|v| [bf16::from_f32(v as f32), bf16::from_f32(-(v as f32))]).collect();
+        let whole: Vec<bf16> = (0..6)
+            .flat_map(|v| [bf16::from_f32(v as f32), bf16::from_f32(-(v as f32))])
+            .collect();
         let shards: Vec<&[bf16]> = whole.chunks(4).collect();
-        assert_eq!(embedding_bf16(&shards, 2, &[5, 0, 2]), vec![5.0, -5.0, 0.0, 0.0, 2.0, -2.0]);
+        assert_eq!(
+            embedding_bf16(&shards, 2, &[5, 0, 2]),
+            vec![5.0, -5.0, 0.0, 0.0, 2.0, -2.0]
+        );
         assert_eq!(embedding_bf16(&shards, 2, &[3]), embedding_bf16(&[&whole], 2, &[3]));
     }
 }

@@ -63,17 +63,28 @@ fn uniform_of(what: &str, f: &Fill) -> anyhow::Result<(u64, f32, f32)> {
 /// `n` bf16 values of a uniform fill.
 pub fn fill_bf16(n: usize, f: &Fill) -> anyhow::Result<Vec<bf16>> {
     let (seed, c, s) = uniform_of("bf16", f)?;
-    Ok((0..n as u64).into_par_iter().map(|i| bf16::from_f32(fill_uniform_f32(seed, i, c, s))).collect())
+    Ok((0..n as u64)
+        .into_par_iter()
+        .map(|i| bf16::from_f32(fill_uniform_f32(seed, i, c, s)))
+        .collect())
 }
 
 /// `n` f32 values of a uniform fill.
 pub fn fill_f32(n: usize, f: &Fill) -> anyhow::Result<Vec<f32>> {
     let (seed, c, s) = uniform_of("f32", f)?;
-    Ok((0..n as u64).into_par_iter().map(|i| fill_uniform_f32(seed, i, c, s)).collect())
+    Ok((0..n as u64)
+        .into_par_iter()
+        .map(|i| fill_uniform_f32(seed, i, c, s))
+        .collect())
 }
 
 /// `n` bytes of a byte fill.
 pub fn fill_u8(n: usize, f: &Fill) -> anyhow::Result<Vec<u8>> {
-    let Fill::Bytes { seed } = *f else { anyhow::bail!("fill: a uniform fill asked for a u8 tensor") };
-    Ok((0..n as u64).into_par_iter().map(|i| (fill_word(seed, i / 4) >> (8 * (i % 4))) as u8).collect())
+    let Fill::Bytes { seed } = *f else {
+        anyhow::bail!("fill: a uniform fill asked for a u8 tensor")
+    };
+    Ok((0..n as u64)
+        .into_par_iter()
+        .map(|i| (fill_word(seed, i / 4) >> (8 * (i % 4))) as u8)
+        .collect())
 }

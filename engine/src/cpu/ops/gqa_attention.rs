@@ -11,10 +11,26 @@ use rayon::prelude::*;
 
 /// `q` `[B, Hq·D]` over context `kc`/`vc` `[C, Hk·D]` then block `kb`/`vb` `[B, Hk·D]`. Returns `[B, Hq·D]`.
 #[allow(clippy::too_many_arguments)]
-pub fn gqa_attention(q: &[f32], b: usize, (kc, vc): (&[f32], &[f32]), (kb, vb): (&[f32], &[f32]), heads: usize, kv_heads: usize, dd: usize) -> Vec<f32> {
+pub fn gqa_attention(
+    q: &[f32],
+    b: usize,
+    (kc, vc): (&[f32], &[f32]),
+    (kb, vb): (&[f32], &[f32]),
+    heads: usize,
+    kv_heads: usize,
+    dd: usize,
+) -> Vec<f32> {
     let (qw, kw) = (heads * dd, kv_heads * dd);
-    assert!(kv_heads > 0 && heads.is_multiple_of(kv_heads), "gqa_attention: {heads} heads not a multiple of {kv_heads} kv heads");
-    assert_eq!(q.len(), b * qw, "gqa_attention: q has {} values, expected B={b} x {qw}", q.len());
+    assert!(
+        kv_heads > 0 && heads.is_multiple_of(kv_heads),
+        "gqa_attention: {heads} heads not a multiple of {kv_heads} kv heads"
+    );
+    assert_eq!(
+        q.len(),
+        b * qw,
+        "gqa_attention: q has {} values, expected B={b} x {qw}",
+        q.len()
+    );
     let nc = kc.len() / kw;
     let group = heads / kv_heads;
     let scale = (dd as f32).powf(-0.5);
@@ -25,7 +41,10 @@ pub fn gqa_attention(q: &[f32], b: usize, (kc, vc): (&[f32], &[f32]), (kb, vb): 
         let qv = &q[t * qw + hq * dd..t * qw + (hq + 1) * dd];
         let head = |r: usize| r * kw + hk * dd..r * kw + (hk + 1) * dd; // head hk of row r
         let dot = |kv: &[f32]| qv.iter().zip(kv).fold(0f32, |a, (x, y)| a + x * y) * scale;
-        let mut s: Vec<f32> = (0..nc).map(|j| dot(&kc[head(j)])).chain((0..b).map(|j| dot(&kb[head(j)]))).collect();
+        let mut s: Vec<f32> = (0..nc)
+            .map(|j| dot(&kc[head(j)]))
+            .chain((0..b).map(|j| dot(&kb[head(j)])))
+            .collect();
         softmax(&mut s);
         for (j, &p) in s.iter().enumerate() {
             let vv = if j < nc { &vc[head(j)] } else { &vb[head(j - nc)] };
@@ -58,7 +77,12 @@ mod tests {
                 let g = h / (hq / hk);
                 let qv = &q[(t * hq + h) * d..(t * hq + h + 1) * d];
                 let s: Vec<f64> = (0..c + b)
-                    .map(|j| (0..d).map(|i| qv[i] as f64 * keys[(j * hk + g) * d + i] as f64).sum::<f64>() / (d as f64).sqrt())
+                    .map(|j| {
+                        (0..d)
+                            .map(|i| qv[i] as f64 * keys[(j * hk + g) * d + i] as f64)
+                            .sum::<f64>()
+                            / (d as f64).sqrt()
+                    })
                     .collect();
                 let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let z: f64 = s.iter().map(|v| (v - m).exp()).sum();

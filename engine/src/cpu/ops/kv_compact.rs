@@ -8,7 +8,10 @@
 pub fn kv_compact(layer: &mut Vec<f32>, width: usize, committed: usize, path: &[usize]) {
     let (c, w) = (committed, width);
     // Gather first (clone), then write: no overlap hazard whatever the path.
-    let kept: Vec<f32> = path.iter().flat_map(|&p| layer[(c + p) * w..(c + p + 1) * w].to_vec()).collect();
+    let kept: Vec<f32> = path
+        .iter()
+        .flat_map(|&p| layer[(c + p) * w..(c + p + 1) * w].to_vec())
+        .collect();
     layer.truncate(c * w);
     layer.extend_from_slice(&kept);
 }

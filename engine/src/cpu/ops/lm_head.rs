@@ -37,7 +37,9 @@ pub fn lm_head_argmax_bf16(x: &[f32], n: usize, h: usize, shards: &[&[bf16]]) ->
         argmax_pairs(&matmul_bf16(x, w, n, h, vr), n, off, &mut pairs, j, shards.len());
         off += vr;
     }
-    (0..n).map(|i| merge_argmax_pairs(&pairs[i * shards.len() * 2..(i + 1) * shards.len() * 2])).collect()
+    (0..n)
+        .map(|i| merge_argmax_pairs(&pairs[i * shards.len() * 2..(i + 1) * shards.len() * 2]))
+        .collect()
 }
 
 /// One vocab shard's argmax pairs: for each of the `n` rows of `part` (`[n, V_r]` logits, global ids
@@ -116,8 +118,16 @@ mod tests {
     #[test]
     fn the_merge_skips_nan_and_keeps_the_earlier_shard_on_ties() {
         let nan = f32::NAN;
-        assert_eq!(merge_argmax_pairs(&[1.0, 3.0, 2.0, 9.0, 2.0, 12.0]), 9, "larger value; tie keeps the earlier");
-        assert_eq!(merge_argmax_pairs(&[nan, 0.0, -5.0, 7.0, nan, 0.0]), 7, "NaN never wins");
+        assert_eq!(
+            merge_argmax_pairs(&[1.0, 3.0, 2.0, 9.0, 2.0, 12.0]),
+            9,
+            "larger value; tie keeps the earlier"
+        );
+        assert_eq!(
+            merge_argmax_pairs(&[nan, 0.0, -5.0, 7.0, nan, 0.0]),
+            7,
+            "NaN never wins"
+        );
         assert_eq!(merge_argmax_pairs(&[nan, 0.0, nan, 0.0]), 0, "all NaN gives 0");
         assert_eq!(merge_argmax_pairs(&[f32::NEG_INFINITY, 4.0, f32::NEG_INFINITY, 8.0]), 4);
         assert_eq!(merge_argmax_pairs(&[-0.0, 1.0, 0.0, 2.0]), 1, "+0 and -0 are a tie");

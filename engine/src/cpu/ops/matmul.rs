@@ -35,22 +35,35 @@ pub(crate) fn dot_f32(x: &[f32], w: impl Fn(usize) -> f32, k: usize) -> f32 {
 
 /// Shared driver: `y[t, n] = x[t, :] · row_n` for all t < T, n < N, parallel over n; `fill_row(n, out)`
 /// writes weight row n (`[K]` f32) into `out`.
-pub(crate) fn matmul_by_row(x: &[f32], t: usize, k: usize, n: usize, fill_row: impl Fn(usize, &mut [f32]) + Sync) -> Vec<f32> {
-    assert_eq!(x.len(), t * k, "matmul: x has {} elements, expected T={t} x K={k}", x.len());
+pub(crate) fn matmul_by_row(
+    x: &[f32],
+    t: usize,
+    k: usize,
+    n: usize,
+    fill_row: impl Fn(usize, &mut [f32]) + Sync,
+) -> Vec<f32> {
+    assert_eq!(
+        x.len(),
+        t * k,
+        "matmul: x has {} elements, expected T={t} x K={k}",
+        x.len()
+    );
     // [N, T] f32: computed column-of-y-at-a-time so decode (T = 1) still spreads over threads. Each weight
     // row is widened to f32 once per task and reused for all T inputs; the widening is exact, so the sums
     // are the same whatever T is.
     let mut yt = vec![0f32; n * t];
-    yt.par_chunks_mut(t.max(1) * ROWS_PER_TASK).enumerate().for_each(|(c, chunk)| {
-        let mut wrow = vec![0f32; k]; // [K] f32, one weight row
-        for (j, col) in chunk.chunks_mut(t.max(1)).enumerate() {
-            let row = c * ROWS_PER_TASK + j;
-            fill_row(row, &mut wrow);
-            for (ti, out) in col.iter_mut().enumerate() {
-                *out = dot_f32(&x[ti * k..(ti + 1) * k], |i| wrow[i], k);
+    yt.par_chunks_mut(t.max(1) * ROWS_PER_TASK)
+        .enumerate()
+        .for_each(|(c, chunk)| {
+            let mut wrow = vec![0f32; k]; // [K] f32, one weight row
+            for (j, col) in chunk.chunks_mut(t.max(1)).enumerate() {
+                let row = c * ROWS_PER_TASK + j;
+                fill_row(row, &mut wrow);
+                for (ti, out) in col.iter_mut().enumerate() {
+                    *out = dot_f32(&x[ti * k..(ti + 1) * k], |i| wrow[i], k);
+                }
             }
-        }
-    });
+        });
     // [T, N] f32
     let mut y = vec![0f32; t * n];
     for row in 0..n {
@@ -79,7 +92,10 @@ pub(crate) mod test_util {
     /// Max |a − b| / (|b| + 1e-3) over all elements.
     pub fn max_rel(a: &[f32], b: &[f64]) -> f64 {
         assert_eq!(a.len(), b.len());
-        a.iter().zip(b).map(|(&x, &y)| (x as f64 - y).abs() / (y.abs() + 1e-3)).fold(0.0, f64::max)
+        a.iter()
+            .zip(b)
+            .map(|(&x, &y)| (x as f64 - y).abs() / (y.abs() + 1e-3))
+            .fold(0.0, f64::max)
     }
     /// `y[T, N] = x[T, K] · W[N, K]^T` in f64.
     pub fn naive_matmul(x: &[f32], w: &[f64], t: usize, k: usize, n: usize) -> Vec<f64> {

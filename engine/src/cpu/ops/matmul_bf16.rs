@@ -12,7 +12,12 @@ use half::bf16;
 /// `y[T, N] = x[T, K] · W[N, K]^T` with W in bf16 (row-major `[N, K]`, as torch `nn.Linear.weight`),
 /// f32 accumulation. Returns `[T, N]` f32.
 pub fn matmul_bf16(x: &[f32], w: &[bf16], t: usize, k: usize, n: usize) -> Vec<f32> {
-    assert_eq!(w.len(), n * k, "matmul_bf16: W has {} elements, expected N={n} x K={k}", w.len());
+    assert_eq!(
+        w.len(),
+        n * k,
+        "matmul_bf16: W has {} elements, expected N={n} x K={k}",
+        w.len()
+    );
     matmul_by_row(x, t, k, n, |row, out| {
         let wr = &w[row * k..(row + 1) * k];
         out.iter_mut().zip(wr).for_each(|(o, &v)| *o = bf16_to_f32(v));
@@ -21,7 +26,12 @@ pub fn matmul_bf16(x: &[f32], w: &[bf16], t: usize, k: usize, n: usize) -> Vec<f
 
 /// `y[T, N] = x[T, K] · W[N, K]^T` with W in f32. Same summation order as [`matmul_bf16`].
 pub fn matmul_f32(x: &[f32], w: &[f32], t: usize, k: usize, n: usize) -> Vec<f32> {
-    assert_eq!(w.len(), n * k, "matmul_f32: W has {} elements, expected N={n} x K={k}", w.len());
+    assert_eq!(
+        w.len(),
+        n * k,
+        "matmul_f32: W has {} elements, expected N={n} x K={k}",
+        w.len()
+    );
     matmul_by_row(x, t, k, n, |row, out| out.copy_from_slice(&w[row * k..(row + 1) * k]))
 }
 
@@ -42,7 +52,11 @@ mod tests {
             let err = max_rel(&y, &naive_matmul(&x, &w64, t, k, n));
             assert!(err < 1e-4, "matmul_bf16(t={t},k={k},n={n}): rel err {err}");
             let wf = bf16_slice_to_f32(&w);
-            assert_eq!(y, matmul_f32(&x, &wf, t, k, n), "matmul_f32 must equal matmul_bf16 on widened weights");
+            assert_eq!(
+                y,
+                matmul_f32(&x, &wf, t, k, n),
+                "matmul_f32 must equal matmul_bf16 on widened weights"
+            );
         }
     }
 

@@ -13,9 +13,24 @@ use half::bf16;
 use kdtree_formats::int4;
 
 fn check_i4(packed: &[u8], scales: &[bf16], n: usize, k: usize, op: &str) {
-    assert!(k.is_multiple_of(int4::GROUP), "{op}: K={k} is not a multiple of the group size 32");
-    assert_eq!(packed.len(), n * k / 2, "{op}: packed has {} bytes, expected N={n} x K/2={}", packed.len(), k / 2);
-    assert_eq!(scales.len(), n * k / 32, "{op}: scales has {} elements, expected N={n} x K/32={}", scales.len(), k / 32);
+    assert!(
+        k.is_multiple_of(int4::GROUP),
+        "{op}: K={k} is not a multiple of the group size 32"
+    );
+    assert_eq!(
+        packed.len(),
+        n * k / 2,
+        "{op}: packed has {} bytes, expected N={n} x K/2={}",
+        packed.len(),
+        k / 2
+    );
+    assert_eq!(
+        scales.len(),
+        n * k / 32,
+        "{op}: scales has {} elements, expected N={n} x K/32={}",
+        scales.len(),
+        k / 32
+    );
 }
 
 /// Dequantise a whole `[N, K]` INT4 group-32 matrix to f32 (tests and the absorbed path use it).
@@ -23,7 +38,11 @@ pub fn dequant_i4g32_matrix(packed: &[u8], scales: &[bf16], n: usize, k: usize) 
     check_i4(packed, scales, n, k, "dequant_i4g32_matrix");
     let mut w = vec![0f32; n * k]; // [N, K] f32
     for (r, row) in w.chunks_mut(k.max(1)).enumerate().take(n) {
-        int4::dequant_row_f32(&packed[r * k / 2..(r + 1) * k / 2], &scales[r * k / 32..(r + 1) * k / 32], row);
+        int4::dequant_row_f32(
+            &packed[r * k / 2..(r + 1) * k / 2],
+            &scales[r * k / 32..(r + 1) * k / 32],
+            row,
+        );
     }
     w
 }
@@ -32,7 +51,11 @@ pub fn dequant_i4g32_matrix(packed: &[u8], scales: &[bf16], n: usize, k: usize) 
 pub fn matmul_i4g32(x: &[f32], packed: &[u8], scales: &[bf16], t: usize, k: usize, n: usize) -> Vec<f32> {
     check_i4(packed, scales, n, k, "matmul_i4g32");
     matmul_by_row(x, t, k, n, |row, out| {
-        int4::dequant_row_f32(&packed[row * k / 2..(row + 1) * k / 2], &scales[row * k / 32..(row + 1) * k / 32], out);
+        int4::dequant_row_f32(
+            &packed[row * k / 2..(row + 1) * k / 2],
+            &scales[row * k / 32..(row + 1) * k / 32],
+            out,
+        );
     })
 }
 

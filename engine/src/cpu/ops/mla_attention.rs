@@ -49,15 +49,38 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// Attention output `[T, Hr·Dv]` for roped queries `q` `[T, Hr·(Dn+P)]` (per head `q_nope | q_pe`) over
 /// latent rows `lat` `[committed + T, C + P]` (`c_kv | k_pe`); node i sees rows `[0, committed)` and
 /// `committed + j` for each j in `mask`'s row i.
-pub fn mla_attention(d: &MlaDims, q: &[f32], lat: &[f32], committed: usize, mask: &Visibility, kv: MlaKv<'_>) -> Vec<f32> {
+pub fn mla_attention(
+    d: &MlaDims,
+    q: &[f32],
+    lat: &[f32],
+    committed: usize,
+    mask: &Visibility,
+    kv: MlaKv<'_>,
+) -> Vec<f32> {
     let (t, hr, c, p, dn, dv) = (mask.rows, d.heads, d.kv_lora, d.rope, d.nope, d.v);
     let (qk, kvw, lw) = (dn + p, dn + dv, c + p);
-    assert_eq!(q.len(), t * hr * qk, "mla_attention: q has {} values, expected T={t} x Hr={hr} x {qk}", q.len());
-    assert_eq!(lat.len(), (committed + t) * lw, "mla_attention: {} latent values, expected {} rows x {lw}", lat.len(), committed + t);
+    assert_eq!(
+        q.len(),
+        t * hr * qk,
+        "mla_attention: q has {} values, expected T={t} x Hr={hr} x {qk}",
+        q.len()
+    );
+    assert_eq!(
+        lat.len(),
+        (committed + t) * lw,
+        "mla_attention: {} latent values, expected {} rows x {lw}",
+        lat.len(),
+        committed + t
+    );
     let slot = |s: usize| &lat[s * lw..(s + 1) * lw];
     // Visible slots of each node: the committed prefix, then its ancestors and itself.
-    let visible: Vec<Vec<usize>> =
-        (0..t).map(|i| (0..committed).chain(mask.visible_nodes(i).into_iter().map(|j| committed + j)).collect()).collect();
+    let visible: Vec<Vec<usize>> = (0..t)
+        .map(|i| {
+            (0..committed)
+                .chain(mask.visible_nodes(i).into_iter().map(|j| committed + j))
+                .collect()
+        })
+        .collect();
     (0..t * hr)
         .into_par_iter()
         .flat_map_iter(|ih| {
@@ -105,7 +128,10 @@ pub fn mla_attention(d: &MlaDims, q: &[f32], lat: &[f32], committed: usize, mask
                     // o[j] = W_UV_h[j, :] · o_lat.
                     for (j, oj) in o.iter_mut().enumerate() {
                         let wr = &kvb[(hh * kvw + dn + j) * c..(hh * kvw + dn + j + 1) * c];
-                        *oj = wr.iter().zip(&o_lat).fold(0f32, |a, (&wv, &ov)| a + bf16_to_f32(wv) * ov);
+                        *oj = wr
+                            .iter()
+                            .zip(&o_lat)
+                            .fold(0f32, |a, (&wv, &ov)| a + bf16_to_f32(wv) * ov);
                     }
                 }
             }
@@ -121,13 +147,23 @@ mod tests {
     use super::*;
 
     fn case(seed: u64) -> (MlaDims, Vec<f32>, Vec<f32>, Vec<bf16>, Vec<f32>) {
-        let d = MlaDims { heads: 2, nope: 4, rope: 2, v: 3, kv_lora: 8, scale: 0.4 };
+        let d = MlaDims {
+            heads: 2,
+            nope: 4,
+            rope: 2,
+            v: 3,
+            kv_lora: 8,
+            scale: 0.4,
+        };
         let (committed, t) = (3, 4);
         let mut rng = rng(seed);
         let q = rand_vec(&mut rng, t * d.heads * (d.nope + d.rope));
         let lat = rand_vec(&mut rng, (committed + t) * (d.kv_lora + d.rope));
         let kvb = rand_bf16(&mut rng, d.heads * (d.nope + d.v) * d.kv_lora);
-        let latents: Vec<f32> = lat.chunks(d.kv_lora + d.rope).flat_map(|r| r[..d.kv_lora].to_vec()).collect();
+        let latents: Vec<f32> = lat
+            .chunks(d.kv_lora + d.rope)
+            .flat_map(|r| r[..d.kv_lora].to_vec())
+            .collect();
         let expanded = matmul_bf16(&latents, &kvb, committed + t, d.kv_lora, d.heads * (d.nope + d.v));
         (d, q, lat, kvb, expanded)
     }

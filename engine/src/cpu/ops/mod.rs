@@ -29,6 +29,7 @@ mod silu;
 mod softmax;
 mod yarn;
 
+pub use crate::sampling::argmax;
 pub use embedding::embedding_bf16;
 pub use fill::{fill_bf16, fill_f32, fill_u8, fill_uniform_f32, fill_word, Fill};
 pub use gqa_attention::gqa_attention;
@@ -42,7 +43,6 @@ pub use moe_route::{moe_route, route_margin, Router};
 pub use residual::{add_assign, all_reduce_sum};
 pub use rms_norm::rms_norm;
 pub use rope::{rope_cos_sin, rope_interleaved, rope_neox};
-pub use crate::sampling::argmax;
 pub use silu::{sigmoid, silu, silu_mul};
 pub use softmax::softmax;
 pub use yarn::{yarn_attention_factor, yarn_get_mscale, yarn_inv_freq};

@@ -44,7 +44,12 @@ pub fn moe_experts_i4g32<'a>(
     per_expert: &[Vec<(usize, f32)>],
     experts: impl Fn(usize) -> Option<[ExpertI4<'a>; 3]>,
 ) -> Vec<f32> {
-    assert_eq!(x.len(), t * h, "moe_experts_i4g32: x has {} elements, expected T={t} x H={h}", x.len());
+    assert_eq!(
+        x.len(),
+        t * h,
+        "moe_experts_i4g32: x has {} elements, expected T={t} x H={h}",
+        x.len()
+    );
     let mut part = vec![0f32; t * h]; // [T, H]
     for (ex, toks) in per_expert.iter().enumerate() {
         if toks.is_empty() {
@@ -76,21 +81,39 @@ mod tests {
         let (t, h, i, e) = (4, 32, 64, 3);
         let x = rand_vec(&mut rng, t * h);
         let mut mk = |n: usize, k: usize| -> (Vec<u8>, Vec<bf16>) {
-            ((0..n * k / 2).map(|_| rng.random::<u8>()).collect(), rand_bf16(&mut rng, n * k / 32))
+            (
+                (0..n * k / 2).map(|_| rng.random::<u8>()).collect(),
+                rand_bf16(&mut rng, n * k / 32),
+            )
         };
         let mats: Vec<[(Vec<u8>, Vec<bf16>); 3]> = (0..e).map(|_| [mk(i, h), mk(i, h), mk(h, i)]).collect();
         let view = |ex: usize| -> [ExpertI4<'_>; 3] {
             let m = &mats[ex];
-            [(0, i, h), (1, i, h), (2, h, i)].map(|(j, n, k)| ExpertI4 { packed: &m[j].0, scales: &m[j].1, n, k })
+            [(0, i, h), (1, i, h), (2, h, i)].map(|(j, n, k)| ExpertI4 {
+                packed: &m[j].0,
+                scales: &m[j].1,
+                n,
+                k,
+            })
         };
-        let routes = vec![(vec![2, 0], vec![0.5, 0.25]), (vec![1, 2], vec![1.0, 2.0]), (vec![0, 1], vec![0.1, 0.2]), (vec![2, 1], vec![3.0, 0.5])];
+        let routes = vec![
+            (vec![2, 0], vec![0.5, 0.25]),
+            (vec![1, 2], vec![1.0, 2.0]),
+            (vec![0, 1], vec![0.1, 0.2]),
+            (vec![2, 1], vec![3.0, 0.5]),
+        ];
         let per = tokens_per_expert(&routes, e);
         let got = moe_experts_i4g32(&x, t, h, &per, |ex| Some(view(ex)));
         // Per token, experts in ascending id, each y computed alone (a row of a matmul does not depend on
         // the other rows, so this is the same arithmetic).
         for tok in 0..t {
             let mut want = vec![0f32; h];
-            let mut ids: Vec<(usize, f32)> = routes[tok].0.iter().copied().zip(routes[tok].1.iter().copied()).collect();
+            let mut ids: Vec<(usize, f32)> = routes[tok]
+                .0
+                .iter()
+                .copied()
+                .zip(routes[tok].1.iter().copied())
+                .collect();
             ids.sort_by_key(|p| p.0);
             for (ex, wt) in ids {
                 let [g, u, d] = view(ex);
@@ -102,7 +125,12 @@ mod tests {
         }
         // A rank holding only expert 1 contributes only expert 1's terms.
         let only1 = moe_experts_i4g32(&x, t, h, &per, |ex| (ex == 1).then(|| view(ex)));
-        let zero_rows = (0..t).filter(|&tok| only1[tok * h..(tok + 1) * h].iter().all(|&v| v == 0.0)).count();
-        assert_eq!(zero_rows, 1, "only token 0 (experts 2 and 0) gets nothing from expert 1");
+        let zero_rows = (0..t)
+            .filter(|&tok| only1[tok * h..(tok + 1) * h].iter().all(|&v| v == 0.0))
+            .count();
+        assert_eq!(
+            zero_rows, 1,
+            "only token 0 (experts 2 and 0) gets nothing from expert 1"
+        );
     }
 }

@@ -50,12 +50,18 @@ pub fn route_margin(r: &Router, logits: &[f32], bias: Option<&[f32]>) -> f32 {
     let (_, sel, groups) = selection(r, logits, bias);
     let idx = best(&sel, r.top_k);
     let last = idx.last().map_or(f32::INFINITY, |&i| sel[i]);
-    let rest = (0..sel.len()).filter(|i| !idx.contains(i)).map(|i| sel[i]).fold(f32::NEG_INFINITY, f32::max);
+    let rest = (0..sel.len())
+        .filter(|i| !idx.contains(i))
+        .map(|i| sel[i])
+        .fold(f32::NEG_INFINITY, f32::max);
     let mut m = last - rest;
     if let Some(g) = groups {
         let keep = best(&g, r.topk_group);
         let lastg = keep.last().map_or(f32::INFINITY, |&i| g[i]);
-        let restg = (0..g.len()).filter(|i| !keep.contains(i)).map(|i| g[i]).fold(f32::NEG_INFINITY, f32::max);
+        let restg = (0..g.len())
+            .filter(|i| !keep.contains(i))
+            .map(|i| g[i])
+            .fold(f32::NEG_INFINITY, f32::max);
         m = m.min(lastg - restg);
     }
     m
@@ -97,7 +103,14 @@ mod tests {
 
     /// The tiny test model's router (8 experts, n_group 2, topk_group 1).
     fn router(top_k: usize) -> Router {
-        Router { n_experts: 8, n_group: 2, topk_group: 1, top_k, norm_topk_prob: true, routed_scaling: 2.827 }
+        Router {
+            n_experts: 8,
+            n_group: 2,
+            topk_group: 1,
+            top_k,
+            norm_topk_prob: true,
+            routed_scaling: 2.827,
+        }
     }
     fn logit(p: f32) -> f32 {
         (p / (1.0 - p)).ln()
@@ -106,14 +119,24 @@ mod tests {
     #[test]
     fn route_margin_is_the_deciding_difference() {
         // Selection 0.9, 0.8 | 0.3, 0.1 with top-2 from one group of 4: margin 0.8 - 0.3; a tie is margin 0.
-        let r = Router { n_experts: 4, n_group: 1, topk_group: 1, top_k: 2, norm_topk_prob: true, routed_scaling: 1.0 };
+        let r = Router {
+            n_experts: 4,
+            n_group: 1,
+            topk_group: 1,
+            top_k: 2,
+            norm_topk_prob: true,
+            routed_scaling: 1.0,
+        };
         let lg: Vec<f32> = [0.9f32, 0.8, 0.3, 0.1].iter().map(|&p| logit(p)).collect();
         assert!((route_margin(&r, &lg, None) - 0.5).abs() < 1e-5);
         let tie: Vec<f32> = [0.9f32, 0.8, 0.8, 0.1].iter().map(|&p| logit(p)).collect();
         assert_eq!(route_margin(&r, &tie, None), 0.0);
         // Groups: group 0's top-2 sum 1.6 vs group 1's 1.1 decide by 0.5 unless experts do by less.
         let g = router(2);
-        let lg8: Vec<f32> = [0.8f32, 0.8, 0.1, 0.1, 0.9, 0.2, 0.2, 0.2].iter().map(|&p| logit(p)).collect();
+        let lg8: Vec<f32> = [0.8f32, 0.8, 0.1, 0.1, 0.9, 0.2, 0.2, 0.2]
+            .iter()
+            .map(|&p| logit(p))
+            .collect();
         let m = route_margin(&g, &lg8, None);
         assert!((m - 0.5).abs() < 1e-5, "{m}");
     }
@@ -139,7 +162,10 @@ mod tests {
         let (ids, w) = moe_route(&router(3), &[0.0; 8], Some(&bias));
         assert_eq!(ids, vec![0, 1, 4]);
         for x in &w {
-            assert!((x - 2.827 / 3.0).abs() < 1e-6, "weights use the unbiased sigmoid: {w:?}");
+            assert!(
+                (x - 2.827 / 3.0).abs() < 1e-6,
+                "weights use the unbiased sigmoid: {w:?}"
+            );
         }
     }
 }

@@ -6,7 +6,13 @@
 
 /// `acc += x`, elementwise.
 pub fn add_assign(acc: &mut [f32], x: &[f32]) {
-    assert_eq!(acc.len(), x.len(), "add_assign: acc has {} elements, x {}", acc.len(), x.len());
+    assert_eq!(
+        acc.len(),
+        x.len(),
+        "add_assign: acc has {} elements, x {}",
+        acc.len(),
+        x.len()
+    );
     acc.iter_mut().zip(x).for_each(|(a, b)| *a += b);
 }
 

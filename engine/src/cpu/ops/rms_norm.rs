@@ -13,7 +13,11 @@ use half::bf16;
 /// RMSNorm of every `[H]` row of `x` `[T, H]` with a bf16 weight `[H]`. Returns `[T, H]` f32.
 pub fn rms_norm(x: &[f32], weight: &[bf16], eps: f32) -> Vec<f32> {
     let h = weight.len();
-    assert!(h > 0 && x.len().is_multiple_of(h), "rms_norm: x has {} elements, not a multiple of H={h}", x.len());
+    assert!(
+        h > 0 && x.len().is_multiple_of(h),
+        "rms_norm: x has {} elements, not a multiple of H={h}",
+        x.len()
+    );
     let mut y = vec![0f32; x.len()]; // [T, H] f32
     for (xr, yr) in x.chunks(h).zip(y.chunks_mut(h)) {
         let ms = xr.iter().fold(0f32, |a, &v| a + v * v) / h as f32;

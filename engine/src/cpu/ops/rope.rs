@@ -26,7 +26,13 @@ pub fn rope_interleaved(x: &mut [f32], cos: &[f32], sin: &[f32]) {
 /// `cos[i], sin[i]` for i < D/2 (HF `apply_rotary_pos_emb` with `cos = cat(freqs, freqs)`).
 pub fn rope_neox(x: &mut [f32], cos: &[f32], sin: &[f32]) {
     let half = x.len() / 2;
-    assert!(cos.len() == half && sin.len() == half, "rope_neox: D={} needs {half} cos/sin, got {}/{}", x.len(), cos.len(), sin.len());
+    assert!(
+        cos.len() == half && sin.len() == half,
+        "rope_neox: D={} needs {half} cos/sin, got {}/{}",
+        x.len(),
+        cos.len(),
+        sin.len()
+    );
     for i in 0..half {
         let (a, b) = (x[i], x[i + half]);
         x[i] = a * cos[i] - b * sin[i];
@@ -38,8 +44,14 @@ pub fn rope_neox(x: &mut [f32], cos: &[f32], sin: &[f32]) {
 /// does: f32 `inv_freq @ position_ids`), cos/sin evaluated in f64 and rounded, times `attention_factor`.
 pub fn rope_cos_sin(inv_freq: &[f32], pos: usize, attention_factor: f64) -> (Vec<f32>, Vec<f32>) {
     let ang = |f: f32| (pos as f32 * f) as f64;
-    let cos = inv_freq.iter().map(|&f| (ang(f).cos() * attention_factor) as f32).collect();
-    let sin = inv_freq.iter().map(|&f| (ang(f).sin() * attention_factor) as f32).collect();
+    let cos = inv_freq
+        .iter()
+        .map(|&f| (ang(f).cos() * attention_factor) as f32)
+        .collect();
+    let sin = inv_freq
+        .iter()
+        .map(|&f| (ang(f).sin() * attention_factor) as f32)
+        .collect();
     (cos, sin)
 }
 
@@ -59,7 +71,10 @@ mod tests {
         let (c, s) = rope_cos_sin(&inv, 7, 1.0);
         let mut a = x.clone();
         rope_interleaved(&mut a, &c, &s);
-        let mut p: Vec<f32> = (0..d / 2).map(|i| x[2 * i]).chain((0..d / 2).map(|i| x[2 * i + 1])).collect();
+        let mut p: Vec<f32> = (0..d / 2)
+            .map(|i| x[2 * i])
+            .chain((0..d / 2).map(|i| x[2 * i + 1]))
+            .collect();
         rope_neox(&mut p, &c, &s);
         for i in 0..d / 2 {
             assert_eq!(a[2 * i], p[i]);

@@ -15,7 +15,13 @@ pub fn silu(x: f32) -> f32 {
 
 /// SwiGLU combine: `silu(gate) ⊙ up`, elementwise over equal-length slices.
 pub fn silu_mul(gate: &[f32], up: &[f32]) -> Vec<f32> {
-    assert_eq!(gate.len(), up.len(), "silu_mul: gate has {} elements, up {}", gate.len(), up.len());
+    assert_eq!(
+        gate.len(),
+        up.len(),
+        "silu_mul: gate has {} elements, up {}",
+        gate.len(),
+        up.len()
+    );
     gate.iter().zip(up).map(|(&g, &u)| silu(g) * u).collect()
 }
 
@@ -29,6 +35,9 @@ mod tests {
             let want = v as f64 / (1.0 + (-(v as f64)).exp());
             assert!((silu(v) as f64 - want).abs() < 1e-6 * (1.0 + want.abs()), "silu({v})");
         }
-        assert_eq!(silu_mul(&[1.0, -2.0], &[3.0, 0.5]), vec![silu(1.0) * 3.0, silu(-2.0) * 0.5]);
+        assert_eq!(
+            silu_mul(&[1.0, -2.0], &[3.0, 0.5]),
+            vec![silu(1.0) * 3.0, silu(-2.0) * 0.5]
+        );
     }
 }

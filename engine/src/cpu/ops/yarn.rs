@@ -22,9 +22,14 @@ pub fn yarn_get_mscale(scale: f64, mscale: f64) -> f64 {
 /// `floor(corr(beta_fast))` and `ceil(corr(beta_slow))`, `corr(r) = D ln(orig / 2πr) / (2 ln theta)`.
 /// Computed in f64, rounded to f32 once.
 pub fn yarn_inv_freq(dim: usize, theta: f64, scaling: Option<&RopeScaling>) -> Vec<f32> {
-    assert!(dim.is_multiple_of(2) && dim > 0, "yarn_inv_freq: rope dim {dim} must be even and > 0");
+    assert!(
+        dim.is_multiple_of(2) && dim > 0,
+        "yarn_inv_freq: rope dim {dim} must be even and > 0"
+    );
     let half = dim / 2;
-    let extra: Vec<f64> = (0..half).map(|i| 1.0 / theta.powf((2 * i) as f64 / dim as f64)).collect();
+    let extra: Vec<f64> = (0..half)
+        .map(|i| 1.0 / theta.powf((2 * i) as f64 / dim as f64))
+        .collect();
     let Some(s) = scaling.filter(|s| s.kind == "yarn" || s.kind == "deepseek_yarn") else {
         return extra.iter().map(|&f| f as f32).collect();
     };
@@ -80,9 +85,16 @@ mod tests {
                 let extra = 50000f64.powf(-(2.0 * i as f64) / 64.0);
                 let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
                 let want = extra / 64.0 * ramp + extra * (1.0 - ramp);
-                assert!(((got as f64) - want).abs() <= want * 1e-6, "beta_fast={bf} i={i}: {got} vs {want}");
+                assert!(
+                    ((got as f64) - want).abs() <= want * 1e-6,
+                    "beta_fast={bf} i={i}: {got} vs {want}"
+                );
             }
-            assert_eq!(inv[8] as f64, (50000f64.powf(-16.0 / 64.0)) as f32 as f64, "i=8 is pure extrapolation");
+            assert_eq!(
+                inv[8] as f64,
+                (50000f64.powf(-16.0 / 64.0)) as f32 as f64,
+                "i=8 is pure extrapolation"
+            );
         }
         assert_eq!(yarn_attention_factor(Some(&k26_yarn(32.0))), 1.0);
         assert!((yarn_get_mscale(64.0, 1.0) - 1.4158883).abs() < 1e-6);

@@ -47,7 +47,9 @@ pub fn bf16_to_f32(gpu: &Gpu, src: &CudaView<'_, bf16>, dst: &mut CudaViewMut<'_
 /// `acc[i] += x[i]`, i < x.len().
 pub fn add_f32(gpu: &Gpu, acc: &mut CudaViewMut<'_, f32>, x: &CudaView<'_, f32>) -> Result<()> {
     let n = x.len();
-    ensure("add_f32", acc.len() == n, || format!("acc has {} elements, x {n}", acc.len()))?;
+    ensure("add_f32", acc.len() == n, || {
+        format!("acc has {} elements, x {n}", acc.len())
+    })?;
     if n == 0 {
         return Ok(());
     }
@@ -60,9 +62,16 @@ pub fn add_f32(gpu: &Gpu, acc: &mut CudaViewMut<'_, f32>, x: &CudaView<'_, f32>)
 }
 
 /// `out[i] = silu(gate[i]) · up[i]`.
-pub fn silu_mul_f32(gpu: &Gpu, gate: &CudaView<'_, f32>, up: &CudaView<'_, f32>, out: &mut CudaViewMut<'_, f32>) -> Result<()> {
+pub fn silu_mul_f32(
+    gpu: &Gpu,
+    gate: &CudaView<'_, f32>,
+    up: &CudaView<'_, f32>,
+    out: &mut CudaViewMut<'_, f32>,
+) -> Result<()> {
     let n = gate.len();
-    ensure("silu_mul_f32", up.len() == n && out.len() >= n, || format!("gate {n}, up {}, out {} elements", up.len(), out.len()))?;
+    ensure("silu_mul_f32", up.len() == n && out.len() >= n, || {
+        format!("gate {n}, up {}, out {} elements", up.len(), out.len())
+    })?;
     if n == 0 {
         return Ok(());
     }
@@ -76,17 +85,32 @@ pub fn silu_mul_f32(gpu: &Gpu, gate: &CudaView<'_, f32>, up: &CudaView<'_, f32>,
 
 /// RMSNorm of `rows` rows of width `w.len()`: x rows `ld_x` apart, y rows `ld_y` apart (f32), weight bf16.
 #[allow(clippy::too_many_arguments)]
-pub fn rms_norm_f32(gpu: &Gpu, x: &CudaView<'_, f32>, ld_x: usize, w: &CudaView<'_, bf16>, y: &mut CudaViewMut<'_, f32>, ld_y: usize, rows: usize, eps: f32) -> Result<()> {
+pub fn rms_norm_f32(
+    gpu: &Gpu,
+    x: &CudaView<'_, f32>,
+    ld_x: usize,
+    w: &CudaView<'_, bf16>,
+    y: &mut CudaViewMut<'_, f32>,
+    ld_y: usize,
+    rows: usize,
+    eps: f32,
+) -> Result<()> {
     const OP: &str = "rms_norm_f32";
     let d = w.len();
-    ensure(OP, d > 0 && ld_x >= d && ld_y >= d, || format!("width {d} with strides ld_x={ld_x}, ld_y={ld_y}"))?;
+    ensure(OP, d > 0 && ld_x >= d && ld_y >= d, || {
+        format!("width {d} with strides ld_x={ld_x}, ld_y={ld_y}")
+    })?;
     need_len(OP, "x", x.len(), span(rows, ld_x, d))?;
     need_len(OP, "y", y.len(), span(rows, ld_y, d))?;
     if rows == 0 {
         return Ok(());
     }
     ensure(OP, rows <= i32::MAX as usize, || format!("rows={rows}"))?;
-    let (lx, ly, dd) = (as_i32(OP, "ld_x", ld_x)?, as_i32(OP, "ld_y", ld_y)?, as_i32(OP, "D", d)?);
+    let (lx, ly, dd) = (
+        as_i32(OP, "ld_x", ld_x)?,
+        as_i32(OP, "ld_y", ld_y)?,
+        as_i32(OP, "D", d)?,
+    );
     let mut b = gpu.stream.launch_builder(gpu.func("kdtree_rms_norm_f32"));
     b.arg(x).arg(&lx).arg(w).arg(y).arg(&ly).arg(&dd).arg(&eps);
     // SAFETY: spans checked above.
@@ -99,9 +123,18 @@ pub fn rms_norm_f32(gpu: &Gpu, x: &CudaView<'_, f32>, ld_x: usize, w: &CudaView<
 /// RoPE in place from `cos`/`sin` `[tokens, dim/2]` (the host table of `backend::RopeTable`) on the slice
 /// `r` describes (the layout of the bf16 rope op, `super::rope::RopeLayout`); `neox`: pairs (i, i + D/2)
 /// (rotate_half, the drafter) instead of (2i, 2i + 1) (interleaved, the target).
-pub fn rope_table_f32(gpu: &Gpu, x: &mut CudaViewMut<'_, f32>, cos: &CudaView<'_, f32>, sin: &CudaView<'_, f32>, r: RopeLayout, neox: bool) -> Result<()> {
+pub fn rope_table_f32(
+    gpu: &Gpu,
+    x: &mut CudaViewMut<'_, f32>,
+    cos: &CudaView<'_, f32>,
+    sin: &CudaView<'_, f32>,
+    r: RopeLayout,
+    neox: bool,
+) -> Result<()> {
     const OP: &str = "rope_table_f32";
-    ensure(OP, r.dim.is_multiple_of(2) && r.dim > 0, || format!("rope dim {} must be even", r.dim))?;
+    ensure(OP, r.dim.is_multiple_of(2) && r.dim > 0, || {
+        format!("rope dim {} must be even", r.dim)
+    })?;
     need_len(OP, "cos", cos.len(), r.tokens * r.dim / 2)?;
     need_len(OP, "sin", sin.len(), r.tokens * r.dim / 2)?;
     if r.tokens == 0 || r.heads == 0 {
@@ -109,26 +142,67 @@ pub fn rope_table_f32(gpu: &Gpu, x: &mut CudaViewMut<'_, f32>, cos: &CudaView<'_
     }
     let last = (r.tokens - 1) * r.ld_token + (r.heads - 1) * r.ld_head + r.offset + r.dim;
     need_len(OP, "x", x.len(), last)?;
-    ensure(OP, r.tokens <= 65535, || format!("tokens={} exceeds the grid limit 65535", r.tokens))?;
-    let (h, lt, lh, off, d, nx) = (as_i32(OP, "heads", r.heads)?, as_i32(OP, "ld_token", r.ld_token)?, as_i32(OP, "ld_head", r.ld_head)?, as_i32(OP, "offset", r.offset)?, as_i32(OP, "dim", r.dim)?, neox as i32);
+    ensure(OP, r.tokens <= 65535, || {
+        format!("tokens={} exceeds the grid limit 65535", r.tokens)
+    })?;
+    let (h, lt, lh, off, d, nx) = (
+        as_i32(OP, "heads", r.heads)?,
+        as_i32(OP, "ld_token", r.ld_token)?,
+        as_i32(OP, "ld_head", r.ld_head)?,
+        as_i32(OP, "offset", r.offset)?,
+        as_i32(OP, "dim", r.dim)?,
+        neox as i32,
+    );
     let mut b = gpu.stream.launch_builder(gpu.func("kdtree_rope_table_f32"));
-    b.arg(x).arg(cos).arg(sin).arg(&h).arg(&lt).arg(&lh).arg(&off).arg(&d).arg(&nx);
+    b.arg(x)
+        .arg(cos)
+        .arg(sin)
+        .arg(&h)
+        .arg(&lt)
+        .arg(&lh)
+        .arg(&off)
+        .arg(&d)
+        .arg(&nx);
     // SAFETY: the last element touched is inside x (checked), tables hold tokens x dim/2.
-    unsafe { b.launch(launch_cfg(((r.heads * r.dim / 2).div_ceil(128) as u32, r.tokens as u32, 1), 128, 0)) }.map_err(drv(OP))?;
+    unsafe {
+        b.launch(launch_cfg(
+            ((r.heads * r.dim / 2).div_ceil(128) as u32, r.tokens as u32, 1),
+            128,
+            0,
+        ))
+    }
+    .map_err(drv(OP))?;
     Ok(())
 }
 
 /// `dst[r·ld_dst + c] = src[r·ld_src + c]` (f32), r < rows, c < width.
-pub fn copy_rows_f32(gpu: &Gpu, src: &CudaView<'_, f32>, ld_src: usize, dst: &mut CudaViewMut<'_, f32>, ld_dst: usize, rows: usize, width: usize) -> Result<()> {
+pub fn copy_rows_f32(
+    gpu: &Gpu,
+    src: &CudaView<'_, f32>,
+    ld_src: usize,
+    dst: &mut CudaViewMut<'_, f32>,
+    ld_dst: usize,
+    rows: usize,
+    width: usize,
+) -> Result<()> {
     const OP: &str = "copy_rows_f32";
-    ensure(OP, ld_src >= width && ld_dst >= width, || format!("strides ld_src={ld_src}, ld_dst={ld_dst} < width={width}"))?;
+    ensure(OP, ld_src >= width && ld_dst >= width, || {
+        format!("strides ld_src={ld_src}, ld_dst={ld_dst} < width={width}")
+    })?;
     need_len(OP, "src", src.len(), span(rows, ld_src, width))?;
     need_len(OP, "dst", dst.len(), span(rows, ld_dst, width))?;
     if rows == 0 || width == 0 {
         return Ok(());
     }
-    ensure(OP, rows <= 65535, || format!("rows={rows} exceeds the grid limit 65535"))?;
-    let (ls, ld, rr, w) = (as_i32(OP, "ld_src", ld_src)?, as_i32(OP, "ld_dst", ld_dst)?, as_i32(OP, "rows", rows)?, as_i32(OP, "width", width)?);
+    ensure(OP, rows <= 65535, || {
+        format!("rows={rows} exceeds the grid limit 65535")
+    })?;
+    let (ls, ld, rr, w) = (
+        as_i32(OP, "ld_src", ld_src)?,
+        as_i32(OP, "ld_dst", ld_dst)?,
+        as_i32(OP, "rows", rows)?,
+        as_i32(OP, "width", width)?,
+    );
     let mut b = gpu.stream.launch_builder(gpu.func("kdtree_copy_rows_f32"));
     b.arg(src).arg(&ls).arg(dst).arg(&ld).arg(&rr).arg(&w);
     // SAFETY: spans checked above.

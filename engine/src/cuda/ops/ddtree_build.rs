@@ -26,7 +26,10 @@ fn smem_bytes(lp_floats: usize, in_smem: bool, budget: usize) -> usize {
 pub(crate) fn configure(gpu: &Gpu) -> Result<()> {
     let need = smem_bytes(LP_SMEM_MAX, true, MAX_BUDGET);
     gpu.func(KERNEL)
-        .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, need as i32)
+        .set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            need as i32,
+        )
         .map_err(drv("ddtree_build configure"))
 }
 

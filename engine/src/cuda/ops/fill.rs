@@ -19,7 +19,10 @@ fn grid(gpu: &Gpu, n: usize, per: usize) -> u32 {
 fn uniform(f: &Fill, what: &str) -> Result<(u64, f32, f32)> {
     match (f, f.center_step()) {
         (Fill::Uniform { seed, .. }, Some((c, s))) => Ok((*seed, c, s)),
-        _ => Err(CudaError::Shape { op: OP, msg: format!("a byte fill asked for a {what} buffer") }),
+        _ => Err(CudaError::Shape {
+            op: OP,
+            msg: format!("a byte fill asked for a {what} buffer"),
+        }),
     }
 }
 
@@ -56,7 +59,12 @@ pub fn fill_f32(gpu: &Gpu, out: &mut CudaViewMut<'_, f32>, f: &Fill) -> Result<(
 
 /// `out[i]` = byte i of the byte fill `f` (INT4 nibble stacks). Same launch contract.
 pub fn fill_u8(gpu: &Gpu, out: &mut CudaViewMut<'_, u8>, f: &Fill) -> Result<()> {
-    let Fill::Bytes { seed } = *f else { return Err(CudaError::Shape { op: OP, msg: "a uniform fill asked for a u8 buffer".into() }) };
+    let Fill::Bytes { seed } = *f else {
+        return Err(CudaError::Shape {
+            op: OP,
+            msg: "a uniform fill asked for a u8 buffer".into(),
+        });
+    };
     let n = out.len();
     ensure(OP, n < u64::MAX as usize / 2, || format!("n={n} too large"))?;
     if n == 0 {

@@ -18,11 +18,21 @@ pub trait GemmOut: cudarc::driver::DeviceRepr {
 }
 impl GemmOut for bf16 {
     const TYPE: cudaDataType_t = cudaDataType_t::CUDA_R_16BF;
-    const GEMV: [&'static str; 4] = ["kdtree_gemv_bf16_bf16_m1", "kdtree_gemv_bf16_bf16_m2", "kdtree_gemv_bf16_bf16_m3", "kdtree_gemv_bf16_bf16_m4"];
+    const GEMV: [&'static str; 4] = [
+        "kdtree_gemv_bf16_bf16_m1",
+        "kdtree_gemv_bf16_bf16_m2",
+        "kdtree_gemv_bf16_bf16_m3",
+        "kdtree_gemv_bf16_bf16_m4",
+    ];
 }
 impl GemmOut for f32 {
     const TYPE: cudaDataType_t = cudaDataType_t::CUDA_R_32F;
-    const GEMV: [&'static str; 4] = ["kdtree_gemv_bf16_f32_m1", "kdtree_gemv_bf16_f32_m2", "kdtree_gemv_bf16_f32_m3", "kdtree_gemv_bf16_f32_m4"];
+    const GEMV: [&'static str; 4] = [
+        "kdtree_gemv_bf16_f32_m1",
+        "kdtree_gemv_bf16_f32_m2",
+        "kdtree_gemv_bf16_f32_m3",
+        "kdtree_gemv_bf16_f32_m4",
+    ];
 }
 
 /// Rows of x up to which the GEMV kernel replaces cuBLAS when it is on ([`crate::cuda::Gpu::gemv`], opt in).
@@ -67,17 +77,29 @@ pub fn gemm_bf16_ld<O: GemmOut>(
     n: usize,
     ld_y: usize,
 ) -> Result<()> {
-    ensure(OP, w.len() == n * k, || format!("W has {} elements, expected N={n} x K={k}", w.len()))?;
+    ensure(OP, w.len() == n * k, || {
+        format!("W has {} elements, expected N={n} x K={k}", w.len())
+    })?;
     ensure(OP, ld_y >= n, || format!("ld_y={ld_y} must be >= N={n}"))?;
     need_len(OP, "x", x.len(), t * k)?;
     need_len(OP, "y", y.len(), super::span(t, ld_y, n))?;
     if t == 0 || n == 0 {
         return Ok(());
     }
-    if t <= GEMV_MAX_ROWS && k.is_multiple_of(8) && gpu.gemv() && super::addr(gpu, x).is_multiple_of(16) && super::addr(gpu, w).is_multiple_of(16) {
+    if t <= GEMV_MAX_ROWS
+        && k.is_multiple_of(8)
+        && gpu.gemv()
+        && super::addr(gpu, x).is_multiple_of(16)
+        && super::addr(gpu, w).is_multiple_of(16)
+    {
         return gemv(gpu, x, w, y, t, k, n, ld_y);
     }
-    let (tt, kk, nn, ly) = (as_i32(OP, "T", t)?, as_i32(OP, "K", k)?, as_i32(OP, "N", n)?, as_i32(OP, "ld_y", ld_y)?);
+    let (tt, kk, nn, ly) = (
+        as_i32(OP, "T", t)?,
+        as_i32(OP, "K", k)?,
+        as_i32(OP, "N", n)?,
+        as_i32(OP, "ld_y", ld_y)?,
+    );
     // Column-major view: Y^T [N, T] = W^T... i.e. C(N x T) = op(A) B with A = W stored K x N (lda K),
     // transposed, and B = X stored K x T (ldb K).
     let (alpha, beta) = (1.0f32, 0.0f32);
@@ -114,12 +136,34 @@ pub fn gemm_bf16_ld<O: GemmOut>(
 
 /// The decode GEMV (kernels/cuda/gemv_bf16.cu) for `t <= 4` rows: same contract as [`gemm_bf16_ld`].
 #[allow(clippy::too_many_arguments)]
-fn gemv<O: GemmOut>(gpu: &Gpu, x: &CudaView<'_, bf16>, w: &CudaView<'_, bf16>, y: &mut CudaViewMut<'_, O>, t: usize, k: usize, n: usize, ld_y: usize) -> Result<()> {
+fn gemv<O: GemmOut>(
+    gpu: &Gpu,
+    x: &CudaView<'_, bf16>,
+    w: &CudaView<'_, bf16>,
+    y: &mut CudaViewMut<'_, O>,
+    t: usize,
+    k: usize,
+    n: usize,
+    ld_y: usize,
+) -> Result<()> {
     use cudarc::driver::PushKernelArg;
     let wpr = gemv_warps_per_row(gpu, n);
-    let (lx, ly, nn, kk, wp) = (as_i32(OP, "K", k)?, as_i32(OP, "ld_y", ld_y)?, as_i32(OP, "N", n)?, as_i32(OP, "K", k)?, wpr as i32);
+    let (lx, ly, nn, kk, wp) = (
+        as_i32(OP, "K", k)?,
+        as_i32(OP, "ld_y", ld_y)?,
+        as_i32(OP, "N", n)?,
+        as_i32(OP, "K", k)?,
+        wpr as i32,
+    );
     let mut b = gpu.stream.launch_builder(gpu.func(O::GEMV[t - 1]));
-    b.arg(x).arg(&lx).arg(w).arg(&mut *y).arg(&ly).arg(&nn).arg(&kk).arg(&wp);
+    b.arg(x)
+        .arg(&lx)
+        .arg(w)
+        .arg(&mut *y)
+        .arg(&ly)
+        .arg(&nn)
+        .arg(&kk)
+        .arg(&wp);
     let blocks = n.div_ceil(8 / wpr) as u32;
     // SAFETY: x holds t rows of k, w is n x k, y holds t rows ld_y apart (checked by the caller); the kernel
     // reads 16-byte chunks of 16-byte aligned rows (k % 8 == 0 and aligned bases, checked) and writes y[m, n].

@@ -54,11 +54,17 @@ impl GqaSplit {
         let want = (2 * sms).div_ceil(ctas_per_split.max(1)).max(1);
         let splits = want.min((rows / 64).max(1));
         let rows_per_split = rows.div_ceil(splits).div_ceil(ROWS_PER_CHUNK).max(1) * ROWS_PER_CHUNK;
-        GqaSplit { splits: rows.div_ceil(rows_per_split).max(1), rows_per_split }
+        GqaSplit {
+            splits: rows.div_ceil(rows_per_split).max(1),
+            rows_per_split,
+        }
     }
     /// f32 elements of `part_o` `[splits, B, Hq, D]` and `part_ml` `[splits, B, Hq, 2]`.
     pub fn workspace(&self, s: &GqaShape) -> (usize, usize) {
-        (self.splits * s.b * s.heads * s.head_dim, self.splits * s.b * s.heads * 2)
+        (
+            self.splits * s.b * s.heads * s.head_dim,
+            self.splits * s.b * s.heads * 2,
+        )
     }
 }
 
@@ -72,9 +78,17 @@ pub fn smem_bytes(d: usize) -> usize {
 /// over the 48 KiB default; called once by `Gpu::new`).
 pub(crate) fn configure(gpu: &Gpu) -> Result<()> {
     let need = smem_bytes(MAX_HEAD_DIM);
-    ensure(OP, need <= gpu.max_smem, || format!("needs {need} bytes of shared memory at head_dim {MAX_HEAD_DIM}, the device allows {}", gpu.max_smem))?;
+    ensure(OP, need <= gpu.max_smem, || {
+        format!(
+            "needs {need} bytes of shared memory at head_dim {MAX_HEAD_DIM}, the device allows {}",
+            gpu.max_smem
+        )
+    })?;
     gpu.func(SPLIT)
-        .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, need as i32)
+        .set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            need as i32,
+        )
         .map_err(drv("gqa_attention configure"))
 }
 
@@ -101,15 +115,33 @@ pub fn gqa_attention(
     out: &mut CudaViewMut<'_, f32>,
 ) -> Result<()> {
     let (hq, hk, d) = (s.heads, s.kv_heads, s.head_dim);
-    ensure(OP, hk > 0 && hq > 0 && hq % hk == 0, || format!("heads={hq} is not a positive multiple of kv_heads={hk}"))?;
-    ensure(OP, (1..=MAX_HEAD_DIM).contains(&d), || format!("head_dim={d} outside the kernel's 1..={MAX_HEAD_DIM}"))?;
-    let even = split.rows_per_split == 0;
-    ensure(OP, !even || ctx_dev.is_some(), || "rows_per_split = 0 (even split in the kernel) needs the device context length".into())?;
-    ensure(OP, split.rows_per_split.is_multiple_of(ROWS_PER_CHUNK) && split.splits > 0, || {
-        format!("{} splits x rows_per_split={}: need >= 1 split of a multiple of {ROWS_PER_CHUNK} rows", split.splits, split.rows_per_split)
+    ensure(OP, hk > 0 && hq > 0 && hq % hk == 0, || {
+        format!("heads={hq} is not a positive multiple of kv_heads={hk}")
     })?;
+    ensure(OP, (1..=MAX_HEAD_DIM).contains(&d), || {
+        format!("head_dim={d} outside the kernel's 1..={MAX_HEAD_DIM}")
+    })?;
+    let even = split.rows_per_split == 0;
+    ensure(OP, !even || ctx_dev.is_some(), || {
+        "rows_per_split = 0 (even split in the kernel) needs the device context length".into()
+    })?;
+    ensure(
+        OP,
+        split.rows_per_split.is_multiple_of(ROWS_PER_CHUNK) && split.splits > 0,
+        || {
+            format!(
+                "{} splits x rows_per_split={}: need >= 1 split of a multiple of {ROWS_PER_CHUNK} rows",
+                split.splits, split.rows_per_split
+            )
+        },
+    )?;
     let rows = s.ctx + s.b;
-    ensure(OP, even || split.splits * split.rows_per_split >= rows, || format!("{} splits x {} rows do not cover C={} + B={} rows", split.splits, split.rows_per_split, s.ctx, s.b))?;
+    ensure(OP, even || split.splits * split.rows_per_split >= rows, || {
+        format!(
+            "{} splits x {} rows do not cover C={} + B={} rows",
+            split.splits, split.rows_per_split, s.ctx, s.b
+        )
+    })?;
     if let Some(c) = ctx_dev {
         need_len(OP, "ctx_dev", c.len(), 1)?;
     }
@@ -127,15 +159,33 @@ pub fn gqa_attention(
         return Ok(());
     }
     let tiles = (s.b * (hq / hk)).div_ceil(QUERIES_PER_CTA);
-    ensure(OP, hk <= 65535 && tiles <= 65535, || format!("grid of kv_heads={hk} x {tiles} query tiles exceeds 65535"))?;
+    ensure(OP, hk <= 65535 && tiles <= 65535, || {
+        format!("grid of kv_heads={hk} x {tiles} query tiles exceeds 65535")
+    })?;
     // Every index the kernels form in int (not size_t) stays below these.
     as_i32(OP, "ctx + b", rows)?;
     as_i32(OP, "splits x rows_per_split", split.splits * split.rows_per_split)?;
-    let (bi, ci, hqi, hki, di) = (as_i32(OP, "b", s.b)?, as_i32(OP, "ctx", s.ctx)?, as_i32(OP, "heads", hq)?, as_i32(OP, "kv_heads", hk)?, as_i32(OP, "head_dim", d)?);
-    let (rps, sp, bh) = (as_i32(OP, "rows_per_split", split.rows_per_split)?, as_i32(OP, "splits", split.splits)?, as_i32(OP, "b x heads", s.b * hq)?);
+    let (bi, ci, hqi, hki, di) = (
+        as_i32(OP, "b", s.b)?,
+        as_i32(OP, "ctx", s.ctx)?,
+        as_i32(OP, "heads", hq)?,
+        as_i32(OP, "kv_heads", hk)?,
+        as_i32(OP, "head_dim", d)?,
+    );
+    let (rps, sp, bh) = (
+        as_i32(OP, "rows_per_split", split.rows_per_split)?,
+        as_i32(OP, "splits", split.splits)?,
+        as_i32(OP, "b x heads", s.b * hq)?,
+    );
     let scale = (d as f32).powf(-0.5); // as the twin
     let mut b = gpu.stream.launch_builder(gpu.func(SPLIT));
-    b.arg(q).arg(kc).arg(vc).arg(kb).arg(vb).arg(&mut *part_o).arg(&mut *part_ml);
+    b.arg(q)
+        .arg(kc)
+        .arg(vc)
+        .arg(kb)
+        .arg(vb)
+        .arg(&mut *part_o)
+        .arg(&mut *part_ml);
     let null: u64 = 0;
     b.arg(&bi).arg(&ci);
     match ctx_dev {
@@ -174,17 +224,35 @@ mod tests {
         for sms in [1, 132] {
             for (b, hq, hk) in [(8, 64, 8), (8, 16, 8), (1, 4, 2), (3, 6, 3)] {
                 for ctx in [0, 1, 5, 15, 16, 100, 4096, 5000, 20_000, 100_000] {
-                    let s = GqaShape { b, ctx, heads: hq, kv_heads: hk, head_dim: 128 };
+                    let s = GqaShape {
+                        b,
+                        ctx,
+                        heads: hq,
+                        kv_heads: hk,
+                        head_dim: 128,
+                    };
                     let p = GqaSplit::for_sms(sms, &s);
                     let rows = ctx + b;
-                    assert!(p.splits >= 1 && p.rows_per_split.is_multiple_of(ROWS_PER_CHUNK), "{s:?}: {p:?}");
-                    assert!(p.splits * p.rows_per_split >= rows && (p.splits - 1) * p.rows_per_split < rows, "{s:?}: {p:?}");
+                    assert!(
+                        p.splits >= 1 && p.rows_per_split.is_multiple_of(ROWS_PER_CHUNK),
+                        "{s:?}: {p:?}"
+                    );
+                    assert!(
+                        p.splits * p.rows_per_split >= rows && (p.splits - 1) * p.rows_per_split < rows,
+                        "{s:?}: {p:?}"
+                    );
                     assert!(p.splits == 1 || p.rows_per_split >= 64, "{s:?}: {p:?}");
                 }
             }
         }
         // A long context spreads over enough CTAs to fill an H200 twice.
-        let s = GqaShape { b: 8, ctx: 20_000, heads: 64, kv_heads: 8, head_dim: 128 };
+        let s = GqaShape {
+            b: 8,
+            ctx: 20_000,
+            heads: 64,
+            kv_heads: 8,
+            head_dim: 128,
+        };
         let p = GqaSplit::for_sms(132, &s);
         assert!(p.splits * 8 * 4 >= 264, "{p:?}");
     }

@@ -77,9 +77,23 @@ unsafe fn batched(
 /// `q_lat` for every node and head: `q` `[T, Hr·(Dn+P)]` bf16 (per head q_nope | q_pe; only q_nope is
 /// read), `kv_b` `[Hr·(Dn+Dv), C]` bf16, into `qcat` `[T, Hr, C+P]` (columns `0..C` of each head's row;
 /// `p` = P). Launch contract: no allocation, no host sync.
-pub fn absorb_q(gpu: &Gpu, q: &CudaView<'_, bf16>, p: usize, kv_b: &CudaView<'_, bf16>, qcat: &mut CudaViewMut<'_, bf16>, d: AbsorbDims) -> Result<()> {
+pub fn absorb_q(
+    gpu: &Gpu,
+    q: &CudaView<'_, bf16>,
+    p: usize,
+    kv_b: &CudaView<'_, bf16>,
+    qcat: &mut CudaViewMut<'_, bf16>,
+    d: AbsorbDims,
+) -> Result<()> {
     let (qk, kvw, lw) = (d.nope + p, d.nope + d.v, d.kv_lora + p);
-    ensure(OP, kv_b.len() == d.heads * kvw * d.kv_lora, || format!("kv_b has {} elements, expected Hr={} x (Dn+Dv)={kvw} x C={}", kv_b.len(), d.heads, d.kv_lora))?;
+    ensure(OP, kv_b.len() == d.heads * kvw * d.kv_lora, || {
+        format!(
+            "kv_b has {} elements, expected Hr={} x (Dn+Dv)={kvw} x C={}",
+            kv_b.len(),
+            d.heads,
+            d.kv_lora
+        )
+    })?;
     need_len(OP, "q", q.len(), d.t * d.heads * qk)?;
     need_len(OP, "qcat", qcat.len(), span(d.t, d.heads * lw, d.heads * lw))?;
     if d.t == 0 || d.heads == 0 {
@@ -91,15 +105,42 @@ pub fn absorb_q(gpu: &Gpu, q: &CudaView<'_, bf16>, p: usize, kv_b: &CudaView<'_,
     // Column-major: C_h [C, T] = W_UK_h^T (the row-major [Dn, C] block read as [C, Dn], ld C) x q_nope_h^T.
     // SAFETY: strides stay inside the buffers checked above (head h's blocks end before head h+1's).
     unsafe {
-        batched(gpu, cublasOperation_t::CUBLAS_OP_N, (d.kv_lora, d.t, d.nope), pw, d.kv_lora, kvw * d.kv_lora, pq, d.heads * qk, qk, pc, d.heads * lw, lw, d.heads)
+        batched(
+            gpu,
+            cublasOperation_t::CUBLAS_OP_N,
+            (d.kv_lora, d.t, d.nope),
+            pw,
+            d.kv_lora,
+            kvw * d.kv_lora,
+            pq,
+            d.heads * qk,
+            qk,
+            pc,
+            d.heads * lw,
+            lw,
+            d.heads,
+        )
     }
 }
 
 /// `o` `[T, Hr·Dv]` bf16 from `o_lat` `[T, Hr, C]` bf16 and `kv_b` `[Hr·(Dn+Dv), C]`.
 /// Launch contract: no allocation, no host sync.
-pub fn apply_uv(gpu: &Gpu, o_lat: &CudaView<'_, bf16>, kv_b: &CudaView<'_, bf16>, o: &mut CudaViewMut<'_, bf16>, d: AbsorbDims) -> Result<()> {
+pub fn apply_uv(
+    gpu: &Gpu,
+    o_lat: &CudaView<'_, bf16>,
+    kv_b: &CudaView<'_, bf16>,
+    o: &mut CudaViewMut<'_, bf16>,
+    d: AbsorbDims,
+) -> Result<()> {
     let kvw = d.nope + d.v;
-    ensure(OP, kv_b.len() == d.heads * kvw * d.kv_lora, || format!("kv_b has {} elements, expected Hr={} x (Dn+Dv)={kvw} x C={}", kv_b.len(), d.heads, d.kv_lora))?;
+    ensure(OP, kv_b.len() == d.heads * kvw * d.kv_lora, || {
+        format!(
+            "kv_b has {} elements, expected Hr={} x (Dn+Dv)={kvw} x C={}",
+            kv_b.len(),
+            d.heads,
+            d.kv_lora
+        )
+    })?;
     need_len(OP, "o_lat", o_lat.len(), d.t * d.heads * d.kv_lora)?;
     need_len(OP, "o", o.len(), d.t * d.heads * d.v)?;
     if d.t == 0 || d.heads == 0 {
@@ -112,6 +153,20 @@ pub fn apply_uv(gpu: &Gpu, o_lat: &CudaView<'_, bf16>, kv_b: &CudaView<'_, bf16>
     // Column-major: O_h [Dv, T] = (W_UV_h read as [C, Dv], ld C)^T x o_lat_h^T ([C, T], ld Hr·C).
     // SAFETY: as above.
     unsafe {
-        batched(gpu, cublasOperation_t::CUBLAS_OP_T, (d.v, d.t, d.kv_lora), w_uv, d.kv_lora, kvw * d.kv_lora, pl, d.heads * d.kv_lora, d.kv_lora, po, d.heads * d.v, d.v, d.heads)
+        batched(
+            gpu,
+            cublasOperation_t::CUBLAS_OP_T,
+            (d.v, d.t, d.kv_lora),
+            w_uv,
+            d.kv_lora,
+            kvw * d.kv_lora,
+            pl,
+            d.heads * d.kv_lora,
+            d.kv_lora,
+            po,
+            d.heads * d.v,
+            d.v,
+            d.heads,
+        )
     }
 }

@@ -42,7 +42,10 @@ impl MlaSplit {
         let max_splits = rows.div_ceil(64).max(1);
         let splits = want.min(max_splits);
         let rows_per_split = rows.div_ceil(splits).div_ceil(ROWS_PER_CHUNK) * ROWS_PER_CHUNK;
-        MlaSplit { splits: rows.div_ceil(rows_per_split), rows_per_split }
+        MlaSplit {
+            splits: rows.div_ceil(rows_per_split),
+            rows_per_split,
+        }
     }
     /// f32 elements of `part_o` and `part_ml`.
     pub fn workspace(&self, s: &MlaShape) -> (usize, usize) {
@@ -77,14 +80,38 @@ pub fn mla_attention(
     out: &mut CudaViewMut<'_, bf16>,
 ) -> Result<()> {
     let lw = s.kv_lora + s.rope;
-    ensure(OP, s.kv_lora.is_multiple_of(8) && s.rope.is_multiple_of(8) && s.kv_lora > 0, || format!("kv_lora={} and rope={} must be multiples of 8", s.kv_lora, s.rope))?;
-    ensure(OP, s.kv_lora <= 512 && lw <= 576, || format!("kv_lora={} + rope={} exceeds the kernel's 512 + 64", s.kv_lora, s.rope))?;
+    ensure(
+        OP,
+        s.kv_lora.is_multiple_of(8) && s.rope.is_multiple_of(8) && s.kv_lora > 0,
+        || format!("kv_lora={} and rope={} must be multiples of 8", s.kv_lora, s.rope),
+    )?;
+    ensure(OP, s.kv_lora <= 512 && lw <= 576, || {
+        format!("kv_lora={} + rope={} exceeds the kernel's 512 + 64", s.kv_lora, s.rope)
+    })?;
     let even = split.rows_per_split == 0;
-    ensure(OP, !even || committed_dev.is_some(), || "rows_per_split = 0 (even split in the kernel) needs the device committed length".into())?;
-    ensure(OP, split.rows_per_split.is_multiple_of(ROWS_PER_CHUNK) && split.splits > 0, || format!("rows_per_split={} is not a multiple of {ROWS_PER_CHUNK}", split.rows_per_split))?;
+    ensure(OP, !even || committed_dev.is_some(), || {
+        "rows_per_split = 0 (even split in the kernel) needs the device committed length".into()
+    })?;
+    ensure(
+        OP,
+        split.rows_per_split.is_multiple_of(ROWS_PER_CHUNK) && split.splits > 0,
+        || {
+            format!(
+                "rows_per_split={} is not a multiple of {ROWS_PER_CHUNK}",
+                split.rows_per_split
+            )
+        },
+    )?;
     let rows = s.committed + s.t;
-    ensure(OP, split.splits <= MERGE_MAX_SPLITS, || format!("{} splits: the merge takes at most {MERGE_MAX_SPLITS}", split.splits))?;
-    ensure(OP, even || split.splits * split.rows_per_split >= rows, || format!("{} splits x {} rows do not cover {rows} rows", split.splits, split.rows_per_split))?;
+    ensure(OP, split.splits <= MERGE_MAX_SPLITS, || {
+        format!("{} splits: the merge takes at most {MERGE_MAX_SPLITS}", split.splits)
+    })?;
+    ensure(OP, even || split.splits * split.rows_per_split >= rows, || {
+        format!(
+            "{} splits x {} rows do not cover {rows} rows",
+            split.splits, split.rows_per_split
+        )
+    })?;
     if let Some(c) = committed_dev {
         need_len(OP, "committed_dev", c.len(), 1)?;
     }
@@ -96,7 +123,9 @@ pub fn mla_attention(
     need_len(OP, "out", out.len(), s.t * s.heads * s.kv_lora)?;
     let words = match mask {
         Some((m, w)) => {
-            ensure(OP, w * 64 >= s.t, || format!("{w} mask words per node cannot hold {} nodes", s.t))?;
+            ensure(OP, w * 64 >= s.t, || {
+                format!("{w} mask words per node cannot hold {} nodes", s.t)
+            })?;
             need_len(OP, "mask", m.len(), s.t * w)?;
             w
         }
@@ -105,8 +134,17 @@ pub fn mla_attention(
     if s.t == 0 || s.heads == 0 {
         return Ok(());
     }
-    let (t, hr, c, p) = (as_i32(OP, "t", s.t)?, as_i32(OP, "heads", s.heads)?, as_i32(OP, "kv_lora", s.kv_lora)?, as_i32(OP, "rope", s.rope)?);
-    let (committed, w, rps) = (as_i32(OP, "committed", s.committed)?, as_i32(OP, "words", words)?, as_i32(OP, "rows_per_split", split.rows_per_split)?);
+    let (t, hr, c, p) = (
+        as_i32(OP, "t", s.t)?,
+        as_i32(OP, "heads", s.heads)?,
+        as_i32(OP, "kv_lora", s.kv_lora)?,
+        as_i32(OP, "rope", s.rope)?,
+    );
+    let (committed, w, rps) = (
+        as_i32(OP, "committed", s.committed)?,
+        as_i32(OP, "words", words)?,
+        as_i32(OP, "rows_per_split", split.rows_per_split)?,
+    );
     let grid = (split.splits as u32, s.t as u32, s.heads.div_ceil(HEADS_PER_CTA) as u32);
     let null: u64 = 0;
     let mut b = gpu.stream.launch_builder(gpu.func("kdtree_mla_attention_split_bf16"));
@@ -115,7 +153,13 @@ pub fn mla_attention(
         Some((m, _)) => b.arg(m),
         None => b.arg(&null),
     };
-    b.arg(&mut *part_o).arg(&mut *part_ml).arg(&t).arg(&hr).arg(&c).arg(&p).arg(&committed);
+    b.arg(&mut *part_o)
+        .arg(&mut *part_ml)
+        .arg(&t)
+        .arg(&hr)
+        .arg(&c)
+        .arg(&p)
+        .arg(&committed);
     match committed_dev {
         Some(d) => b.arg(d),
         None => b.arg(&null),
@@ -129,7 +173,15 @@ pub fn mla_attention(
 
 /// The log-sum-exp merge of `splits` partials of `(t, heads)` nodes into `out` `[t, Hr, C]` bf16 (the
 /// partials' lengths were checked by the caller).
-fn merge(gpu: &Gpu, part_o: &CudaViewMut<'_, f32>, part_ml: &CudaViewMut<'_, f32>, out: &mut CudaViewMut<'_, bf16>, (t, splits, heads): (usize, usize, usize), hr: i32, c: i32) -> Result<()> {
+fn merge(
+    gpu: &Gpu,
+    part_o: &CudaViewMut<'_, f32>,
+    part_ml: &CudaViewMut<'_, f32>,
+    out: &mut CudaViewMut<'_, bf16>,
+    (t, splits, heads): (usize, usize, usize),
+    hr: i32,
+    c: i32,
+) -> Result<()> {
     let sp = as_i32(OP, "splits", splits)?;
     let mut b = gpu.stream.launch_builder(gpu.func("kdtree_mla_attention_merge_bf16"));
     let (po, pml) = (part_o.as_view(), part_ml.as_view());
@@ -177,13 +229,32 @@ unsafe impl cudarc::driver::DeviceRepr for MlaSegsArg {}
 /// skips the splits a segment does not use). `part_o` / `part_ml`: `[T, max splits, Hr, C]` / `[.., 2]` f32.
 /// Launch contract: two kernels, no allocation, no host sync, graph-capturable.
 #[allow(clippy::too_many_arguments)]
-pub fn mla_attention_seg(gpu: &Gpu, q: &CudaView<'_, bf16>, segs: &[MlaSeg<'_>], heads: usize, kv_lora: usize, rope: usize, scale: f32, part_o: &mut CudaViewMut<'_, f32>, part_ml: &mut CudaViewMut<'_, f32>, out: &mut CudaViewMut<'_, bf16>) -> Result<()> {
+pub fn mla_attention_seg(
+    gpu: &Gpu,
+    q: &CudaView<'_, bf16>,
+    segs: &[MlaSeg<'_>],
+    heads: usize,
+    kv_lora: usize,
+    rope: usize,
+    scale: f32,
+    part_o: &mut CudaViewMut<'_, f32>,
+    part_ml: &mut CudaViewMut<'_, f32>,
+    out: &mut CudaViewMut<'_, bf16>,
+) -> Result<()> {
     let lw = kv_lora + rope;
-    ensure(OP, (1..=MAX_SEGS).contains(&segs.len()), || format!("{} segments in one launch (1..={MAX_SEGS})", segs.len()))?;
-    ensure(OP, kv_lora.is_multiple_of(8) && rope.is_multiple_of(8) && kv_lora > 0 && kv_lora <= 512 && lw <= 576, || format!("kv_lora={kv_lora} and rope={rope}: multiples of 8, at most 512 + 64"))?;
+    ensure(OP, (1..=MAX_SEGS).contains(&segs.len()), || {
+        format!("{} segments in one launch (1..={MAX_SEGS})", segs.len())
+    })?;
+    ensure(
+        OP,
+        kv_lora.is_multiple_of(8) && rope.is_multiple_of(8) && kv_lora > 0 && kv_lora <= 512 && lw <= 576,
+        || format!("kv_lora={kv_lora} and rope={rope}: multiples of 8, at most 512 + 64"),
+    )?;
     let t: usize = segs.iter().map(|s| s.t).sum();
     let splits = segs.iter().map(|s| s.splits).max().unwrap_or(1);
-    ensure(OP, (1..=MERGE_MAX_SPLITS).contains(&splits), || format!("{splits} splits: the merge takes 1..={MERGE_MAX_SPLITS}"))?;
+    ensure(OP, (1..=MERGE_MAX_SPLITS).contains(&splits), || {
+        format!("{splits} splits: the merge takes 1..={MERGE_MAX_SPLITS}")
+    })?;
     need_len(OP, "q", q.len(), t * heads * lw)?;
     need_len(OP, "part_o", part_o.len(), t * splits * heads * kv_lora)?;
     need_len(OP, "part_ml", part_ml.len(), t * splits * heads * 2)?;
@@ -191,11 +262,24 @@ pub fn mla_attention_seg(gpu: &Gpu, q: &CudaView<'_, bf16>, segs: &[MlaSeg<'_>],
     if t == 0 || heads == 0 {
         return Ok(());
     }
-    let mut arg = MlaSegsArg { lat: [0; MAX_SEGS], mask: [0; MAX_SEGS], pos: [0; MAX_SEGS], row0: [0; MAX_SEGS + 1], words: [0; MAX_SEGS], splits: [0; MAX_SEGS], nseg: segs.len() as i32 };
+    let mut arg = MlaSegsArg {
+        lat: [0; MAX_SEGS],
+        mask: [0; MAX_SEGS],
+        pos: [0; MAX_SEGS],
+        row0: [0; MAX_SEGS + 1],
+        words: [0; MAX_SEGS],
+        splits: [0; MAX_SEGS],
+        nseg: segs.len() as i32,
+    };
     let mut guards = Vec::with_capacity(3 * segs.len());
     let mut row = 0;
     for (i, s) in segs.iter().enumerate() {
-        ensure(OP, s.splits >= 1 && s.words * 64 >= s.t, || format!("segment {i}: {} splits, {} mask words for {} nodes", s.splits, s.words, s.t))?;
+        ensure(OP, s.splits >= 1 && s.words * 64 >= s.t, || {
+            format!(
+                "segment {i}: {} splits, {} mask words for {} nodes",
+                s.splits, s.words, s.t
+            )
+        })?;
         need_len(OP, "lat", s.lat.len(), (s.committed + s.t) * lw)?;
         need_len(OP, "mask", s.mask.len(), s.t * s.words)?;
         need_len(OP, "pos", s.pos.len(), 1)?;
@@ -205,14 +289,31 @@ pub fn mla_attention_seg(gpu: &Gpu, q: &CudaView<'_, bf16>, segs: &[MlaSeg<'_>],
         let (pp, gp) = s.pos.device_ptr(&gpu.stream);
         guards.extend([gl, gm, gp]);
         (arg.lat[i], arg.mask[i], arg.pos[i]) = (pl, pm, pp);
-        (arg.row0[i], arg.words[i], arg.splits[i]) = (as_i32(OP, "row", row)?, as_i32(OP, "words", s.words)?, as_i32(OP, "splits", s.splits)?);
+        (arg.row0[i], arg.words[i], arg.splits[i]) = (
+            as_i32(OP, "row", row)?,
+            as_i32(OP, "words", s.words)?,
+            as_i32(OP, "splits", s.splits)?,
+        );
         row += s.t;
     }
     arg.row0[segs.len()] = as_i32(OP, "rows", row)?;
-    let (hr, c, p) = (as_i32(OP, "heads", heads)?, as_i32(OP, "kv_lora", kv_lora)?, as_i32(OP, "rope", rope)?);
+    let (hr, c, p) = (
+        as_i32(OP, "heads", heads)?,
+        as_i32(OP, "kv_lora", kv_lora)?,
+        as_i32(OP, "rope", rope)?,
+    );
     let grid = (splits as u32, t as u32, heads.div_ceil(HEADS_PER_CTA) as u32);
-    let mut b = gpu.stream.launch_builder(gpu.func("kdtree_mla_attention_split_seg_bf16"));
-    b.arg(q).arg(&arg).arg(&mut *part_o).arg(&mut *part_ml).arg(&hr).arg(&c).arg(&p).arg(&scale);
+    let mut b = gpu
+        .stream
+        .launch_builder(gpu.func("kdtree_mla_attention_split_seg_bf16"));
+    b.arg(q)
+        .arg(&arg)
+        .arg(&mut *part_o)
+        .arg(&mut *part_ml)
+        .arg(&hr)
+        .arg(&c)
+        .arg(&p)
+        .arg(&scale);
     // SAFETY: every segment's buffers were length-checked above; the table holds their device addresses,
     // alive (guards) until the launch is queued; q, part_o, part_ml were checked for the launch's rows.
     unsafe { b.launch(launch_cfg(grid, 256, 0)) }.map_err(drv(OP))?;

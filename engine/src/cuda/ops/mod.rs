@@ -67,7 +67,9 @@ pub(crate) unsafe fn launch_pdl(
         numAttrs: u32::from(gpu.pdl()),
     };
     gpu.ctx.bind_to_thread().map_err(super::drv(op))?;
-    sys::cuLaunchKernelEx(&lc, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()).result().map_err(super::drv(op))
+    sys::cuLaunchKernelEx(&lc, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut())
+        .result()
+        .map_err(super::drv(op))
 }
 
 /// The device address of a mutable view (for [`launch_pdl`] arguments).
@@ -78,12 +80,18 @@ pub(crate) fn addr_mut<T>(gpu: &super::Gpu, v: &mut cudarc::driver::CudaViewMut<
 }
 
 pub(crate) fn launch_cfg(grid: (u32, u32, u32), block: u32, smem: u32) -> LaunchConfig {
-    LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem }
+    LaunchConfig {
+        grid_dim: grid,
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: smem,
+    }
 }
 
 /// Checks that a buffer named `what` holds at least `need` elements.
 pub(crate) fn need_len(op: &'static str, what: &str, have: usize, need: usize) -> Result<()> {
-    ensure(op, have >= need, || format!("{what} has {have} elements, needs at least {need}"))
+    ensure(op, have >= need, || {
+        format!("{what} has {have} elements, needs at least {need}")
+    })
 }
 
 /// Elements spanned by `rows` rows of `width` with row stride `ld` (0 when rows = 0).
@@ -97,7 +105,10 @@ pub(crate) fn span(rows: usize, ld: usize, width: usize) -> usize {
 
 /// Converts a size to the kernels' `int`, naming the op and quantity when it does not fit.
 pub(crate) fn as_i32(op: &'static str, what: &str, v: usize) -> Result<i32> {
-    i32::try_from(v).map_err(|_| super::CudaError::Shape { op, msg: format!("{what}={v} exceeds i32") })
+    i32::try_from(v).map_err(|_| super::CudaError::Shape {
+        op,
+        msg: format!("{what}={v} exceeds i32"),
+    })
 }
 
 /// Device address of a view (for alignment checks).

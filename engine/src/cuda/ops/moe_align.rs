@@ -46,17 +46,33 @@ pub fn moe_align_rank(
     n_tiles: &mut CudaViewMut<'_, i32>,
 ) -> Result<()> {
     let p = ids.len();
-    ensure(OP, (1..=1024).contains(&n_experts), || format!("n_experts={n_experts} must be in 1..=1024"))?;
-    ensure(OP, matches!(tile_rows, 8 | 16 | 32), || format!("tile_rows={tile_rows} must be 8, 16 or 32"))?;
+    ensure(OP, (1..=1024).contains(&n_experts), || {
+        format!("n_experts={n_experts} must be in 1..=1024")
+    })?;
+    ensure(OP, matches!(tile_rows, 8 | 16 | 32), || {
+        format!("tile_rows={tile_rows} must be 8, 16 or 32")
+    })?;
     let mt = max_tiles(p, n_experts, tile_rows);
     need_len(OP, "sorted", sorted.len(), p)?;
     need_len(OP, "tiles", tiles.len(), 3 * mt)?;
     need_len(OP, "n_tiles", n_tiles.len(), 1)?;
-    let (pp, e, tr, m) =
-        (as_i32(OP, "pairs", p)?, as_i32(OP, "n_experts", n_experts)?, as_i32(OP, "tile_rows", tile_rows)?, as_i32(OP, "max_tiles", mt)?);
+    let (pp, e, tr, m) = (
+        as_i32(OP, "pairs", p)?,
+        as_i32(OP, "n_experts", n_experts)?,
+        as_i32(OP, "tile_rows", tile_rows)?,
+        as_i32(OP, "max_tiles", mt)?,
+    );
     let f = as_i32(OP, "first", first)?;
     let mut b = gpu.stream.launch_builder(gpu.func("kdtree_moe_align_i32"));
-    b.arg(ids).arg(&f).arg(&pp).arg(&e).arg(&tr).arg(&m).arg(sorted).arg(tiles).arg(n_tiles);
+    b.arg(ids)
+        .arg(&f)
+        .arg(&pp)
+        .arg(&e)
+        .arg(&tr)
+        .arg(&m)
+        .arg(sorted)
+        .arg(tiles)
+        .arg(n_tiles);
     // SAFETY: lengths checked above; the kernel writes sorted[< P], tiles[< 3 max_tiles], n_tiles[0].
     unsafe { b.launch(launch_cfg((1, 1, 1), 1024, 0)) }.map_err(drv(OP))?;
     Ok(())

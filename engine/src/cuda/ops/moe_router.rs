@@ -25,27 +25,48 @@ pub fn moe_router(
     weights: &mut CudaViewMut<'_, f32>,
 ) -> Result<()> {
     let e = c.n_experts;
-    ensure(OP, (1..=1024).contains(&e), || format!("n_experts={e} must be in 1..=1024"))?;
-    ensure(OP, (1..=32).contains(&c.top_k), || format!("top_k={} must be in 1..=32", c.top_k))?;
-    ensure(OP, c.n_group >= 1 && c.n_group <= 64 && e.is_multiple_of(c.n_group), || {
-        format!("n_group={} must divide n_experts={e} and be <= 64", c.n_group)
+    ensure(OP, (1..=1024).contains(&e), || {
+        format!("n_experts={e} must be in 1..=1024")
     })?;
-    ensure(OP, (1..=c.n_group).contains(&c.topk_group), || format!("topk_group={} must be in 1..=n_group={}", c.topk_group, c.n_group))?;
+    ensure(OP, (1..=32).contains(&c.top_k), || {
+        format!("top_k={} must be in 1..=32", c.top_k)
+    })?;
+    ensure(
+        OP,
+        c.n_group >= 1 && c.n_group <= 64 && e.is_multiple_of(c.n_group),
+        || format!("n_group={} must divide n_experts={e} and be <= 64", c.n_group),
+    )?;
+    ensure(OP, (1..=c.n_group).contains(&c.topk_group), || {
+        format!("topk_group={} must be in 1..=n_group={}", c.topk_group, c.n_group)
+    })?;
     ensure(OP, c.top_k <= c.topk_group * (e / c.n_group), || {
-        format!("top_k={} exceeds the {} experts of topk_group={} groups", c.top_k, c.topk_group * (e / c.n_group), c.topk_group)
+        format!(
+            "top_k={} exceeds the {} experts of topk_group={} groups",
+            c.top_k,
+            c.topk_group * (e / c.n_group),
+            c.topk_group
+        )
     })?;
     need_len(OP, "logits", logits.len(), tokens * e)?;
     need_len(OP, "ids", ids.len(), tokens * c.top_k)?;
     need_len(OP, "weights", weights.len(), tokens * c.top_k)?;
     if let Some(b) = bias {
-        ensure(OP, b.len() == e, || format!("bias has {} elements, expected n_experts={e}", b.len()))?;
+        ensure(OP, b.len() == e, || {
+            format!("bias has {} elements, expected n_experts={e}", b.len())
+        })?;
     }
     if tokens == 0 {
         return Ok(());
     }
-    ensure(OP, tokens <= u32::MAX as usize, || format!("tokens={tokens} exceeds u32"))?;
-    let (ee, ng, tg, k) =
-        (as_i32(OP, "e", e)?, as_i32(OP, "n_group", c.n_group)?, as_i32(OP, "topk_group", c.topk_group)?, as_i32(OP, "top_k", c.top_k)?);
+    ensure(OP, tokens <= u32::MAX as usize, || {
+        format!("tokens={tokens} exceeds u32")
+    })?;
+    let (ee, ng, tg, k) = (
+        as_i32(OP, "e", e)?,
+        as_i32(OP, "n_group", c.n_group)?,
+        as_i32(OP, "topk_group", c.topk_group)?,
+        as_i32(OP, "top_k", c.top_k)?,
+    );
     let norm = c.norm_topk_prob as i32;
     let null: u64 = 0;
     let mut b = gpu.stream.launch_builder(gpu.func("kdtree_moe_router_f32"));
@@ -54,7 +75,14 @@ pub fn moe_router(
         Some(v) => b.arg(v),
         None => b.arg(&null),
     };
-    b.arg(&ee).arg(&ng).arg(&tg).arg(&k).arg(&norm).arg(&c.routed_scaling).arg(ids).arg(weights);
+    b.arg(&ee)
+        .arg(&ng)
+        .arg(&tg)
+        .arg(&k)
+        .arg(&norm)
+        .arg(&c.routed_scaling)
+        .arg(ids)
+        .arg(weights);
     // SAFETY: lengths checked above; a null bias is handled by the kernel.
     unsafe { b.launch(launch_cfg((tokens as u32, 1, 1), 256, 0)) }.map_err(drv(OP))?;
     Ok(())

@@ -12,7 +12,9 @@ const OP: &str = "residual_add";
 /// `h[i] = bf16(h[i] + d[i])` over all of `h` (f32 add). `d` must have the same length.
 /// Launch contract: no allocation, no host sync, graph-capturable.
 pub fn residual_add(gpu: &Gpu, h: &mut CudaViewMut<'_, bf16>, d: &CudaView<'_, bf16>) -> Result<()> {
-    ensure(OP, h.len() == d.len(), || format!("h has {} elements, d has {}", h.len(), d.len()))?;
+    ensure(OP, h.len() == d.len(), || {
+        format!("h has {} elements, d has {}", h.len(), d.len())
+    })?;
     let n = h.len() as i64;
     if n == 0 {
         return Ok(());

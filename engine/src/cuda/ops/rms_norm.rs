@@ -25,15 +25,26 @@ pub fn rms_norm(
     eps: f32,
 ) -> Result<()> {
     ensure(OP, h > 0, || "hidden size h=0".into())?;
-    ensure(OP, ld_x >= h && ld_y >= h, || format!("row strides ld_x={ld_x}, ld_y={ld_y} must be >= h={h}"))?;
-    ensure(OP, weight.len() == h, || format!("weight has {} elements, expected h={h}", weight.len()))?;
+    ensure(OP, ld_x >= h && ld_y >= h, || {
+        format!("row strides ld_x={ld_x}, ld_y={ld_y} must be >= h={h}")
+    })?;
+    ensure(OP, weight.len() == h, || {
+        format!("weight has {} elements, expected h={h}", weight.len())
+    })?;
     need_len(OP, "x", x.len(), span(rows, ld_x, h))?;
     need_len(OP, "y", y.len(), span(rows, ld_y, h))?;
     if rows == 0 {
         return Ok(());
     }
-    let (hh, lx, ly) = (as_i32(OP, "h", h)?, as_i32(OP, "ld_x", ld_x)?, as_i32(OP, "ld_y", ld_y)?);
-    let grid = u32::try_from(rows).map_err(|_| crate::cuda::CudaError::Shape { op: OP, msg: format!("rows={rows} exceeds u32") })?;
+    let (hh, lx, ly) = (
+        as_i32(OP, "h", h)?,
+        as_i32(OP, "ld_x", ld_x)?,
+        as_i32(OP, "ld_y", ld_y)?,
+    );
+    let grid = u32::try_from(rows).map_err(|_| crate::cuda::CudaError::Shape {
+        op: OP,
+        msg: format!("rows={rows} exceeds u32"),
+    })?;
     let mut b = gpu.stream.launch_builder(gpu.func("kdtree_rms_norm_bf16"));
     b.arg(x).arg(weight).arg(y).arg(&hh).arg(&lx).arg(&ly).arg(&eps);
     // SAFETY: lengths checked above cover every element the kernel touches (rows x [0, h) at the strides).

@@ -32,9 +32,15 @@ pub fn rope_interleaved(
     l: RopeLayout,
     attention_factor: f64,
 ) -> Result<()> {
-    ensure(OP, l.dim > 0 && l.dim.is_multiple_of(2), || format!("rope dim {} must be even and > 0", l.dim))?;
-    ensure(OP, inv_freq.len() == l.dim / 2, || format!("inv_freq has {} elements, expected dim/2={}", inv_freq.len(), l.dim / 2))?;
-    ensure(OP, pos.len() == l.tokens, || format!("pos has {} elements, expected tokens={}", pos.len(), l.tokens))?;
+    ensure(OP, l.dim > 0 && l.dim.is_multiple_of(2), || {
+        format!("rope dim {} must be even and > 0", l.dim)
+    })?;
+    ensure(OP, inv_freq.len() == l.dim / 2, || {
+        format!("inv_freq has {} elements, expected dim/2={}", inv_freq.len(), l.dim / 2)
+    })?;
+    ensure(OP, pos.len() == l.tokens, || {
+        format!("pos has {} elements, expected tokens={}", pos.len(), l.tokens)
+    })?;
     ensure(OP, l.heads <= 1 || l.offset + l.dim <= l.ld_head, || {
         format!("offset={} + dim={} exceeds ld_head={}", l.offset, l.dim, l.ld_head)
     })?;
@@ -46,7 +52,9 @@ pub fn rope_interleaved(
     })?;
     let last = (l.tokens - 1) * l.ld_token + (l.heads - 1) * l.ld_head + l.offset + l.dim;
     need_len(OP, "x", x.len(), last)?;
-    ensure(OP, l.tokens <= 65535, || format!("tokens={} exceeds the grid limit 65535", l.tokens))?;
+    ensure(OP, l.tokens <= 65535, || {
+        format!("tokens={} exceeds the grid limit 65535", l.tokens)
+    })?;
     let pairs = l.heads * l.dim / 2;
     let (h, lt, lh, off, d) = (
         as_i32(OP, "heads", l.heads)?,
@@ -56,7 +64,15 @@ pub fn rope_interleaved(
         as_i32(OP, "dim", l.dim)?,
     );
     let mut b = gpu.stream.launch_builder(gpu.func("kdtree_rope_interleaved_bf16"));
-    b.arg(x).arg(pos).arg(inv_freq).arg(&h).arg(&lt).arg(&lh).arg(&off).arg(&d).arg(&attention_factor);
+    b.arg(x)
+        .arg(pos)
+        .arg(inv_freq)
+        .arg(&h)
+        .arg(&lt)
+        .arg(&lh)
+        .arg(&off)
+        .arg(&d)
+        .arg(&attention_factor);
     // SAFETY: the largest index touched is `last - 1`, checked against x.len() above.
     unsafe { b.launch(launch_cfg((pairs.div_ceil(128) as u32, l.tokens as u32, 1), 128, 0)) }.map_err(drv(OP))?;
     Ok(())

@@ -98,7 +98,15 @@ pub fn rope_at(
 
 /// Rows `[row0[0], row0[0] + n)` of `dst` (`[cap, w]` bf16) = `src` `[n, w]` f32 rounded to bf16. The
 /// caller guarantees `row0[0] + n <= cap` (`row0_host` is the host mirror, checked here).
-pub fn store_rows_bf16(gpu: &Gpu, dst: &mut CudaViewMut<'_, bf16>, w: usize, row0: &CudaView<'_, i32>, row0_host: usize, src: &CudaView<'_, f32>, n: usize) -> Result<()> {
+pub fn store_rows_bf16(
+    gpu: &Gpu,
+    dst: &mut CudaViewMut<'_, bf16>,
+    w: usize,
+    row0: &CudaView<'_, i32>,
+    row0_host: usize,
+    src: &CudaView<'_, f32>,
+    n: usize,
+) -> Result<()> {
     need_len(OP, "row0", row0.len(), 1)?;
     need_len(OP, "src", src.len(), n * w)?;
     need_len(OP, "dst", dst.len(), (row0_host + n) * w)?;
@@ -114,7 +122,15 @@ pub fn store_rows_bf16(gpu: &Gpu, dst: &mut CudaViewMut<'_, bf16>, w: usize, row
 }
 
 /// [`store_rows_bf16`] for an f32 `dst`.
-pub fn store_rows_f32(gpu: &Gpu, dst: &mut CudaViewMut<'_, f32>, w: usize, row0: &CudaView<'_, i32>, row0_host: usize, src: &CudaView<'_, f32>, n: usize) -> Result<()> {
+pub fn store_rows_f32(
+    gpu: &Gpu,
+    dst: &mut CudaViewMut<'_, f32>,
+    w: usize,
+    row0: &CudaView<'_, i32>,
+    row0_host: usize,
+    src: &CudaView<'_, f32>,
+    n: usize,
+) -> Result<()> {
     need_len(OP, "row0", row0.len(), 1)?;
     need_len(OP, "src", src.len(), n * w)?;
     need_len(OP, "dst", dst.len(), (row0_host + n) * w)?;
@@ -131,7 +147,15 @@ pub fn store_rows_f32(gpu: &Gpu, dst: &mut CudaViewMut<'_, f32>, w: usize, row0:
 
 /// `out` `[rows_out, cols]`: row i = row `path[i]` of `x` `[nodes, cols]` for i < the walk's length, zeros
 /// after (`walk_out` = `[len, path[..]]`, len <= rows_out, path entries < nodes).
-pub fn path_rows(gpu: &Gpu, x: &CudaView<'_, f32>, nodes: usize, cols: usize, walk_out: &CudaView<'_, i32>, rows_out: usize, out: &mut CudaViewMut<'_, f32>) -> Result<()> {
+pub fn path_rows(
+    gpu: &Gpu,
+    x: &CudaView<'_, f32>,
+    nodes: usize,
+    cols: usize,
+    walk_out: &CudaView<'_, i32>,
+    rows_out: usize,
+    out: &mut CudaViewMut<'_, f32>,
+) -> Result<()> {
     need_len(OP, "x", x.len(), nodes * cols)?;
     need_len(OP, "walk_out", walk_out.len(), 1 + rows_out)?;
     need_len(OP, "out", out.len(), rows_out * cols)?;
@@ -174,14 +198,21 @@ unsafe impl cudarc::driver::DeviceRepr for StoreSegsArg {}
 /// f32, in segment order) into rows `[pos_s, pos_s + n_s)` of its `dst`, rounded to bf16 (the kernel writes
 /// through the table's device addresses).
 pub fn store_rows_seg_bf16(gpu: &Gpu, segs: &mut [StoreSeg<'_>], w: usize, src: &CudaView<'_, f32>) -> Result<()> {
-    ensure(OP, segs.len() <= MAX_SEGS, || format!("{} segments in one launch (at most {MAX_SEGS})", segs.len()))?;
+    ensure(OP, segs.len() <= MAX_SEGS, || {
+        format!("{} segments in one launch (at most {MAX_SEGS})", segs.len())
+    })?;
     let n: usize = segs.iter().map(|s| s.n).sum();
     need_len(OP, "src", src.len(), n * w)?;
     if n == 0 || w == 0 {
         return Ok(());
     }
     let nseg = segs.len();
-    let mut arg = StoreSegsArg { dst: [0; MAX_SEGS], pos: [0; MAX_SEGS], row0: [0; MAX_SEGS + 1], nseg: nseg as i32 };
+    let mut arg = StoreSegsArg {
+        dst: [0; MAX_SEGS],
+        pos: [0; MAX_SEGS],
+        row0: [0; MAX_SEGS + 1],
+        nseg: nseg as i32,
+    };
     let mut guards = Vec::with_capacity(2 * segs.len());
     let (mut row, mut most) = (0, 0);
     for (i, s) in segs.iter_mut().enumerate() {

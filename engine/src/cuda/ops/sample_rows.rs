@@ -35,7 +35,9 @@ pub fn sample_rows(
     depth: Option<&CudaView<'_, u32>>,
     out: &mut CudaViewMut<'_, u32>,
 ) -> Result<()> {
-    ensure(OP, v > 0 && ld >= v, || format!("vocab v={v} must be > 0 and <= ld={ld}"))?;
+    ensure(OP, v > 0 && ld >= v, || {
+        format!("vocab v={v} must be > 0 and <= ld={ld}")
+    })?;
     // The kernel's id loops step by 1024 in i32: keep them far from overflow.
     ensure(OP, v <= MAX_V, || format!("vocab v={v} exceeds {MAX_V}"))?;
     need_len(OP, "logits", logits.len(), span(rows, ld, v))?;
@@ -46,13 +48,22 @@ pub fn sample_rows(
     if rows == 0 {
         return Ok(());
     }
-    ensure(OP, rows <= i32::MAX as usize, || format!("rows={rows} exceeds the grid (i32)"))?;
+    ensure(OP, rows <= i32::MAX as usize, || {
+        format!("rows={rows} exceeds the grid (i32)")
+    })?;
     let (vv, l) = (as_i32(OP, "v", v)?, as_i32(OP, "ld", ld)?);
     // top_k >= v keeps every token (sampling::Survivors: top-k applies only when 0 < k < V).
     let k = if s.top_k < v { s.top_k as i32 } else { 0 };
     let null: u64 = 0;
     let mut b = gpu.stream.launch_builder(gpu.func("kdtree_sample_rows_f32"));
-    b.arg(logits).arg(&vv).arg(&l).arg(&s.temperature).arg(&s.top_p).arg(&k).arg(&s.seed).arg(&start);
+    b.arg(logits)
+        .arg(&vv)
+        .arg(&l)
+        .arg(&s.temperature)
+        .arg(&s.top_p)
+        .arg(&k)
+        .arg(&s.seed)
+        .arg(&start);
     match start_dev {
         Some(d) => b.arg(d),
         None => b.arg(&null),

@@ -28,7 +28,9 @@ pub fn silu_mul(
         return Ok(());
     }
     let (ii, ld) = (as_i32(OP, "i", i)?, as_i32(OP, "ld_in", ld_in)?);
-    ensure(OP, rows <= 65535, || format!("rows={rows} exceeds the grid limit 65535"))?;
+    ensure(OP, rows <= 65535, || {
+        format!("rows={rows} exceeds the grid limit 65535")
+    })?;
     let mut b = gpu.stream.launch_builder(gpu.func("kdtree_silu_mul_bf16"));
     b.arg(gate).arg(up).arg(out).arg(&ii).arg(&ld);
     // SAFETY: lengths checked above.

@@ -31,9 +31,23 @@ impl TopkWork {
     /// S = enough blocks to fill the GPU about twice, chunks of at least 2048 tokens, at most 32K candidate
     /// keys per row for the merge block, at most [`MAX_SPLITS`].
     pub fn new(gpu: &Gpu, rows: usize, v: usize, k: usize) -> Result<TopkWork> {
-        ensure(OP, k > 0 && k <= MAX_K && rows > 0 && v > 0, || format!("rows={rows}, v={v}, k={k}: need rows, v > 0 and 1 <= k <= {MAX_K}"))?;
-        let splits = (2 * gpu.sms).div_ceil(rows).min(v.div_ceil(2048)).min((32768 / k).max(1)).clamp(1, MAX_SPLITS);
-        Ok(TopkWork { rows, v, k, splits, pmax: gpu.zeros(rows * splits)?, psum: gpu.zeros(rows * splits)?, cand: gpu.zeros(rows * splits * k)? })
+        ensure(OP, k > 0 && k <= MAX_K && rows > 0 && v > 0, || {
+            format!("rows={rows}, v={v}, k={k}: need rows, v > 0 and 1 <= k <= {MAX_K}")
+        })?;
+        let splits = (2 * gpu.sms)
+            .div_ceil(rows)
+            .min(v.div_ceil(2048))
+            .min((32768 / k).max(1))
+            .clamp(1, MAX_SPLITS);
+        Ok(TopkWork {
+            rows,
+            v,
+            k,
+            splits,
+            pmax: gpu.zeros(rows * splits)?,
+            psum: gpu.zeros(rows * splits)?,
+            cand: gpu.zeros(rows * splits * k)?,
+        })
     }
 }
 
@@ -59,16 +73,19 @@ pub fn topk_logprobs(
     ensure(OP, k > 0 && k <= v && k <= MAX_K, || {
         format!("k={k} must be in 1..=min(v={v}, {MAX_K})")
     })?;
-    ensure(OP, (work.rows, work.v, work.k) == (rows, v, k), || format!("a workspace for rows={}, v={}, k={} used for rows={rows}, v={v}, k={k}", work.rows, work.v, work.k))?;
+    ensure(OP, (work.rows, work.v, work.k) == (rows, v, k), || {
+        format!(
+            "a workspace for rows={}, v={}, k={} used for rows={rows}, v={v}, k={k}",
+            work.rows, work.v, work.k
+        )
+    })?;
     need_len(OP, "x", x.len(), span(rows, ld, v))?;
     need_len(OP, "lp", lp.len(), rows * k)?;
     need_len(OP, "tok", tok.len(), rows * k)?;
     if rows == 0 {
         return Ok(());
     }
-    ensure(OP, rows <= 65535, || {
-        format!("rows={rows} exceeds the grid")
-    })?;
+    ensure(OP, rows <= 65535, || format!("rows={rows} exceeds the grid"))?;
     let s = work.splits;
     let chunk = v.div_ceil(s);
     let (vv, l, kk, ch, si) = (
@@ -84,11 +101,26 @@ pub fn topk_logprobs(
     // SAFETY: lengths checked above; pmax holds rows x S.
     unsafe { b.launch(launch_cfg(grid, 256, 0)) }.map_err(drv(OP))?;
     let mut b = gpu.stream.launch_builder(gpu.func("kdtree_topk_partial_f32"));
-    b.arg(x).arg(&vv).arg(&l).arg(&kk).arg(&ch).arg(&work.pmax).arg(&mut work.psum).arg(&mut work.cand);
+    b.arg(x)
+        .arg(&vv)
+        .arg(&l)
+        .arg(&kk)
+        .arg(&ch)
+        .arg(&work.pmax)
+        .arg(&mut work.psum)
+        .arg(&mut work.cand);
     // SAFETY: as above; psum holds rows x S, cand rows x S x k.
     unsafe { b.launch(launch_cfg(grid, 1024, 0)) }.map_err(drv(OP))?;
     let mut b = gpu.stream.launch_builder(gpu.func("kdtree_topk_merge_f32"));
-    b.arg(x).arg(&l).arg(&kk).arg(&si).arg(&work.pmax).arg(&work.psum).arg(&work.cand).arg(lp).arg(tok);
+    b.arg(x)
+        .arg(&l)
+        .arg(&kk)
+        .arg(&si)
+        .arg(&work.pmax)
+        .arg(&work.psum)
+        .arg(&work.cand)
+        .arg(lp)
+        .arg(tok);
     // SAFETY: as above; k <= MAX_K bounds the merge's shared arrays.
     unsafe { b.launch(launch_cfg((rows as u32, 1, 1), 1024, 0)) }.map_err(drv(OP))?;
     Ok(())

@@ -32,9 +32,7 @@ pub fn visibility(
     }
     let (r, w) = (as_i32(OP, "rows", rows)?, as_i32(OP, "words", words)?);
     let null = 0u64;
-    let mut b = gpu
-        .stream
-        .launch_builder(gpu.func("kdtree_visibility_from_parents"));
+    let mut b = gpu.stream.launch_builder(gpu.func("kdtree_visibility_from_parents"));
     b.arg(parents);
     match n {
         Some(n) => b.arg(n),

@@ -27,8 +27,16 @@ const GROUP_BYTES_SMEM: usize = 72;
 /// warps with 192 bytes in flight per lane to cover HBM latency at M = 1.
 const BLOCKS_PER_SM: usize = 4;
 
-const DENSE: [&str; 3] = ["kdtree_w4a16_gemm_i4g32_m1", "kdtree_w4a16_gemm_i4g32_m2", "kdtree_w4a16_gemm_i4g32_m4"];
-const GROUPED: [&str; 3] = ["kdtree_moe_w4a16_gemm_i4g32_m1", "kdtree_moe_w4a16_gemm_i4g32_m2", "kdtree_moe_w4a16_gemm_i4g32_m4"];
+const DENSE: [&str; 3] = [
+    "kdtree_w4a16_gemm_i4g32_m1",
+    "kdtree_w4a16_gemm_i4g32_m2",
+    "kdtree_w4a16_gemm_i4g32_m4",
+];
+const GROUPED: [&str; 3] = [
+    "kdtree_moe_w4a16_gemm_i4g32_m1",
+    "kdtree_moe_w4a16_gemm_i4g32_m2",
+    "kdtree_moe_w4a16_gemm_i4g32_m4",
+];
 
 /// Raises the dynamic shared memory limit of the GEMM kernels to the device's opt-in maximum (called once
 /// by `Gpu::new`).
@@ -36,7 +44,10 @@ pub(crate) fn configure(gpu: &Gpu) -> Result<()> {
     let smem = gpu.max_smem.saturating_sub(1024) as i32;
     for name in DENSE.iter().chain(GROUPED.iter()) {
         gpu.func(name)
-            .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+            .set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem,
+            )
             .map_err(drv("w4a16_gemm configure"))?;
     }
     Ok(())
@@ -82,7 +93,13 @@ fn mt_for(rows: usize) -> usize {
 
 /// The plan for `row_tiles` tiles of `8 mt` rows over an `[n, k]` weight matrix, `rows` rows of x in all.
 fn plan_for(gpu: &Gpu, mt: usize, row_tiles: usize, rows: usize, n: usize, k: usize) -> Plan {
-    let d = Device { sms: gpu.sms, smem_per_sm: gpu.smem_per_sm, max_smem: gpu.max_smem, blocks_per_sm: gpu.w4a16_blocks_per_sm(), max_splits: gpu.w4a16_max_splits() };
+    let d = Device {
+        sms: gpu.sms,
+        smem_per_sm: gpu.smem_per_sm,
+        max_smem: gpu.max_smem,
+        blocks_per_sm: gpu.w4a16_blocks_per_sm(),
+        max_splits: gpu.w4a16_max_splits(),
+    };
     plan_on(d, mt, row_tiles, rows, n, k)
 }
 
@@ -106,15 +123,26 @@ fn plan_on(gpu: Device, mt: usize, row_tiles: usize, rows: usize, n: usize, k: u
     // Splits fill the GPU, but their f32 partials (written and read once: 8 bytes per row, output and split)
     // stay under a quarter of the weight bytes (n k / 2 packed + n k / 16 scales).
     let by_traffic = ((n * k * 9 / 16) / (4 * 8 * rows.max(1) * n)).max(1);
-    let want = (bps * gpu.sms).div_ceil(blocks).clamp(1, nkb).min(by_traffic).min(gpu.max_splits.max(1));
+    let want = (bps * gpu.sms)
+        .div_ceil(blocks)
+        .clamp(1, nkb)
+        .min(by_traffic)
+        .min(gpu.max_splits.max(1));
     let mut kbps = nkb.div_ceil(want);
     // Shared memory per block small enough for `bps` blocks to be resident (1 KB per block is reserved by
     // the system, plus the static row maps).
-    let budget = (gpu.smem_per_sm / bps).saturating_sub(1024 + 512).min(gpu.max_smem.saturating_sub(1024));
+    let budget = (gpu.smem_per_sm / bps)
+        .saturating_sub(1024 + 512)
+        .min(gpu.max_smem.saturating_sub(1024));
     while kbps > 1 && 8 * mt * smem_row_stride(kbps) > budget {
         kbps -= 1;
     }
-    Plan { mt, splits: nkb.div_ceil(kbps), kbps, smem: 8 * mt * smem_row_stride(kbps) }
+    Plan {
+        mt,
+        splits: nkb.div_ceil(kbps),
+        kbps,
+        smem: 8 * mt * smem_row_stride(kbps),
+    }
 }
 
 /// Plan of the dense form for `m` rows of x over an `[n, k]` matrix.
@@ -139,27 +167,48 @@ fn check_weights(
     n: usize,
     k: usize,
 ) -> Result<()> {
-    ensure(op, k > 0 && k.is_multiple_of(K_STEP), || format!("K={k} must be a positive multiple of {K_STEP}"))?;
-    ensure(op, n > 0 && n.is_multiple_of(N_STEP), || format!("N={n} must be a positive multiple of {N_STEP}"))?;
+    ensure(op, k > 0 && k.is_multiple_of(K_STEP), || {
+        format!("K={k} must be a positive multiple of {K_STEP}")
+    })?;
+    ensure(op, n > 0 && n.is_multiple_of(N_STEP), || {
+        format!("N={n} must be a positive multiple of {N_STEP}")
+    })?;
     ensure(op, packed.len() == experts * n * k / 2, || {
-        format!("packed has {} bytes, expected E={experts} x N={n} x K/2={}", packed.len(), k / 2)
+        format!(
+            "packed has {} bytes, expected E={experts} x N={n} x K/2={}",
+            packed.len(),
+            k / 2
+        )
     })?;
     ensure(op, scales.len() == experts * n * k / 32, || {
-        format!("scales has {} elements, expected E={experts} x N={n} x K/32={}", scales.len(), k / 32)
+        format!(
+            "scales has {} elements, expected E={experts} x N={n} x K/32={}",
+            scales.len(),
+            k / 32
+        )
     })?;
     Ok(())
 }
 
 fn check_x(op: &'static str, gpu: &Gpu, x: &CudaView<'_, bf16>, rows: usize, ld_x: usize, k: usize) -> Result<()> {
-    ensure(op, ld_x >= k && ld_x.is_multiple_of(8), || format!("ld_x={ld_x} must be >= K={k} and a multiple of 8"))?;
+    ensure(op, ld_x >= k && ld_x.is_multiple_of(8), || {
+        format!("ld_x={ld_x} must be >= K={k} and a multiple of 8")
+    })?;
     need_len(op, "x", x.len(), span(rows, ld_x, k))?;
-    ensure(op, addr(gpu, x).is_multiple_of(16), || format!("x must be 16-byte aligned (address {:#x})", addr(gpu, x)))
+    ensure(op, addr(gpu, x).is_multiple_of(16), || {
+        format!("x must be 16-byte aligned (address {:#x})", addr(gpu, x))
+    })
 }
 
 /// Checks that a launch's (row block, tile) counters fit [`crate::cuda::GEMM_COUNTERS`].
 fn check_counters(op: &'static str, grid: (u32, u32, u32)) -> Result<()> {
     let need = grid.0 as usize * grid.2 as usize;
-    ensure(op, need <= crate::cuda::GEMM_COUNTERS, || format!("{need} (row block, tile) pairs exceed the {} split-K counters", crate::cuda::GEMM_COUNTERS))
+    ensure(op, need <= crate::cuda::GEMM_COUNTERS, || {
+        format!(
+            "{need} (row block, tile) pairs exceed the {} split-K counters",
+            crate::cuda::GEMM_COUNTERS
+        )
+    })
 }
 
 /// Dense W4A16 GEMM: `out[m, :n] = bf16(x[m, :k] · dequant(packed, scales)^T)` for m < `m_rows`, x rows
@@ -190,19 +239,42 @@ pub fn w4a16_gemm(
     let p = plan_dense(gpu, m_rows, n, k);
     need_len(OP, "workspace", ws.len(), p.workspace_len(m_rows, n))?;
     let tiles = m_rows.div_ceil(p.tile_rows());
-    ensure(OP, tiles <= 65535, || format!("M={m_rows} needs {tiles} row tiles, over the grid limit 65535"))?;
-    let (lx, mm, nn, kk, kb) =
-        (as_i32(OP, "ld_x", ld_x)?, as_i32(OP, "M", m_rows)?, as_i32(OP, "N", n)?, as_i32(OP, "K", k)?, as_i32(OP, "kbps", p.kbps)?);
+    ensure(OP, tiles <= 65535, || {
+        format!("M={m_rows} needs {tiles} row tiles, over the grid limit 65535")
+    })?;
+    let (lx, mm, nn, kk, kb) = (
+        as_i32(OP, "ld_x", ld_x)?,
+        as_i32(OP, "M", m_rows)?,
+        as_i32(OP, "N", n)?,
+        as_i32(OP, "K", k)?,
+        as_i32(OP, "kbps", p.kbps)?,
+    );
     let name = DENSE[p.mt.trailing_zeros() as usize];
     let grid = (n.div_ceil(ROWS_PER_CTA) as u32, p.splits as u32, tiles as u32);
     check_counters(OP, grid)?;
     let lo = as_i32(OP, "ld_out", ld_out)?;
-    let (mut xp, mut wp, mut sp, mut wsp, mut op, mut cp) =
-        (addr(gpu, x), addr(gpu, packed), addr(gpu, scales), addr_mut(gpu, ws), addr_mut(gpu, out), counters(gpu));
+    let (mut xp, mut wp, mut sp, mut wsp, mut op, mut cp) = (
+        addr(gpu, x),
+        addr(gpu, packed),
+        addr(gpu, scales),
+        addr_mut(gpu, ws),
+        addr_mut(gpu, out),
+        counters(gpu),
+    );
     let (mut lx, mut mm, mut nn, mut kk, mut kb, mut lo) = (lx, mm, nn, kk, kb, lo);
     let mut params = [
-        arg(&mut xp), arg(&mut lx), arg(&mut mm), arg(&mut wp), arg(&mut sp), arg(&mut nn), arg(&mut kk), arg(&mut kb),
-        arg(&mut wsp), arg(&mut op), arg(&mut lo), arg(&mut cp),
+        arg(&mut xp),
+        arg(&mut lx),
+        arg(&mut mm),
+        arg(&mut wp),
+        arg(&mut sp),
+        arg(&mut nn),
+        arg(&mut kk),
+        arg(&mut kb),
+        arg(&mut wsp),
+        arg(&mut op),
+        arg(&mut lo),
+        arg(&mut cp),
     ];
     // SAFETY: weights, x, workspace and out lengths checked above, the counters cover the grid; the kernel
     // reads x rows < M, k < K, writes ws[s, m < M, n < N] and out[m < M, n < N].
@@ -256,8 +328,25 @@ pub fn moe_w4a16_gemm(
     out: &mut CudaViewMut<'_, bf16>,
     ld_out: usize,
 ) -> Result<()> {
-    let xin = XIn { x, ld_x, x_row_div, silu: false };
-    grouped(gpu, xin, pairs, r, &[(packed, scales)], n_experts, n, k, ws, out, ld_out)
+    let xin = XIn {
+        x,
+        ld_x,
+        x_row_div,
+        silu: false,
+    };
+    grouped(
+        gpu,
+        xin,
+        pairs,
+        r,
+        &[(packed, scales)],
+        n_experts,
+        n,
+        k,
+        ws,
+        out,
+        ld_out,
+    )
 }
 
 /// The gate and up projections of the routed experts in one launch: `out[p, :n]` = gate, `out[p, n..2n]` =
@@ -280,7 +369,12 @@ pub fn moe_w4a16_gate_up(
     out: &mut CudaViewMut<'_, bf16>,
     ld_out: usize,
 ) -> Result<()> {
-    let xin = XIn { x, ld_x, x_row_div, silu: false };
+    let xin = XIn {
+        x,
+        ld_x,
+        x_row_div,
+        silu: false,
+    };
     grouped(gpu, xin, pairs, r, &[gate, up], n_experts, n, k, ws, out, ld_out)
 }
 
@@ -303,9 +397,28 @@ pub fn moe_w4a16_down_silu(
     out: &mut CudaViewMut<'_, bf16>,
     ld_out: usize,
 ) -> Result<()> {
-    ensure(OP_MOE, ld_gu >= 2 * k, || format!("ld_gu={ld_gu} must hold gate and up ({} elements)", 2 * k))?;
-    let xin = XIn { x: gu, ld_x: ld_gu, x_row_div: 1, silu: true };
-    grouped(gpu, xin, pairs, r, &[(packed, scales)], n_experts, n, k, ws, out, ld_out)
+    ensure(OP_MOE, ld_gu >= 2 * k, || {
+        format!("ld_gu={ld_gu} must hold gate and up ({} elements)", 2 * k)
+    })?;
+    let xin = XIn {
+        x: gu,
+        ld_x: ld_gu,
+        x_row_div: 1,
+        silu: true,
+    };
+    grouped(
+        gpu,
+        xin,
+        pairs,
+        r,
+        &[(packed, scales)],
+        n_experts,
+        n,
+        k,
+        ws,
+        out,
+        ld_out,
+    )
 }
 
 /// The x operand of the grouped form.
@@ -333,31 +446,54 @@ fn grouped(
     ld_out: usize,
 ) -> Result<()> {
     let nmat = mats.len();
-    ensure(OP_MOE, nmat == 1 || nmat == 2, || format!("{nmat} weight matrices (1 or 2)"))?;
+    ensure(OP_MOE, nmat == 1 || nmat == 2, || {
+        format!("{nmat} weight matrices (1 or 2)")
+    })?;
     for (packed, scales) in mats {
         check_weights(OP_MOE, packed, scales, n_experts, n, k)?;
     }
-    let XIn { x, ld_x, x_row_div, silu } = xin;
+    let XIn {
+        x,
+        ld_x,
+        x_row_div,
+        silu,
+    } = xin;
     ensure(OP_MOE, x_row_div >= 1, || "x_row_div must be >= 1".into())?;
     let x_width = if silu { 2 * k } else { k };
     check_x(OP_MOE, gpu, x, pairs.div_ceil(x_row_div), ld_x, x_width)?;
     let width = nmat * n;
-    ensure(OP_MOE, ld_out >= width, || format!("ld_out={ld_out} must be >= {width}"))?;
+    ensure(OP_MOE, ld_out >= width, || {
+        format!("ld_out={ld_out} must be >= {width}")
+    })?;
     need_len(OP_MOE, "out", out.len(), span(pairs, ld_out, width))?;
     if pairs == 0 {
         return Ok(());
     }
     let p = plan_moe(gpu, pairs, n_experts, width, k);
-    ensure(OP_MOE, r.tile_rows == p.tile_rows(), || format!("routing tiles have {} rows, the plan needs {}", r.tile_rows, p.tile_rows()))?;
-    ensure(OP_MOE, r.max_tiles == super::moe_align::max_tiles(pairs, n_experts, r.tile_rows), || {
-        format!("max_tiles={} does not match P={pairs}, E={n_experts}", r.max_tiles)
+    ensure(OP_MOE, r.tile_rows == p.tile_rows(), || {
+        format!(
+            "routing tiles have {} rows, the plan needs {}",
+            r.tile_rows,
+            p.tile_rows()
+        )
     })?;
+    ensure(
+        OP_MOE,
+        r.max_tiles == super::moe_align::max_tiles(pairs, n_experts, r.tile_rows),
+        || format!("max_tiles={} does not match P={pairs}, E={n_experts}", r.max_tiles),
+    )?;
     need_len(OP_MOE, "sorted", r.sorted.len(), pairs)?;
     need_len(OP_MOE, "tiles", r.tiles.len(), 3 * r.max_tiles)?;
     need_len(OP_MOE, "n_tiles", r.n_tiles.len(), 1)?;
     need_len(OP_MOE, "workspace", ws.len(), p.workspace_len(pairs, width))?;
-    ensure(OP_MOE, r.max_tiles <= 65535, || format!("max_tiles={} exceeds the grid limit 65535", r.max_tiles))?;
-    let grid = ((nmat * n.div_ceil(ROWS_PER_CTA)) as u32, p.splits as u32, r.max_tiles as u32);
+    ensure(OP_MOE, r.max_tiles <= 65535, || {
+        format!("max_tiles={} exceeds the grid limit 65535", r.max_tiles)
+    })?;
+    let grid = (
+        (nmat * n.div_ceil(ROWS_PER_CTA)) as u32,
+        p.splits as u32,
+        r.max_tiles as u32,
+    );
     check_counters(OP_MOE, grid)?;
     let (mut lx, mut div, mut silu_off, mut pp, mut mt, mut nm, mut nn, mut kk, mut kb, mut lo) = (
         as_i32(OP_MOE, "ld_x", ld_x)?,
@@ -371,7 +507,12 @@ fn grouped(
         as_i32(OP_MOE, "kbps", p.kbps)?,
         as_i32(OP_MOE, "ld_out", ld_out)?,
     );
-    let (mut xp, mut sorted, mut tiles, mut n_tiles) = (addr(gpu, x), addr(gpu, r.sorted), addr(gpu, r.tiles), addr(gpu, r.n_tiles));
+    let (mut xp, mut sorted, mut tiles, mut n_tiles) = (
+        addr(gpu, x),
+        addr(gpu, r.sorted),
+        addr(gpu, r.tiles),
+        addr(gpu, r.n_tiles),
+    );
     let (mut p0, mut s0) = (addr(gpu, mats[0].0), addr(gpu, mats[0].1));
     let (mut p1, mut s1) = match mats.get(1) {
         Some((pk, sc)) => (addr(gpu, pk), addr(gpu, sc)),
@@ -379,9 +520,27 @@ fn grouped(
     };
     let (mut wsp, mut op, mut cp) = (addr_mut(gpu, ws), addr_mut(gpu, out), counters(gpu));
     let mut params = [
-        arg(&mut xp), arg(&mut lx), arg(&mut div), arg(&mut silu_off), arg(&mut pp), arg(&mut sorted), arg(&mut tiles),
-        arg(&mut mt), arg(&mut n_tiles), arg(&mut p0), arg(&mut s0), arg(&mut p1), arg(&mut s1), arg(&mut nm),
-        arg(&mut nn), arg(&mut kk), arg(&mut kb), arg(&mut wsp), arg(&mut op), arg(&mut lo), arg(&mut cp),
+        arg(&mut xp),
+        arg(&mut lx),
+        arg(&mut div),
+        arg(&mut silu_off),
+        arg(&mut pp),
+        arg(&mut sorted),
+        arg(&mut tiles),
+        arg(&mut mt),
+        arg(&mut n_tiles),
+        arg(&mut p0),
+        arg(&mut s0),
+        arg(&mut p1),
+        arg(&mut s1),
+        arg(&mut nm),
+        arg(&mut nn),
+        arg(&mut kk),
+        arg(&mut kb),
+        arg(&mut wsp),
+        arg(&mut op),
+        arg(&mut lo),
+        arg(&mut cp),
     ];
     let name = GROUPED[p.mt.trailing_zeros() as usize];
     // SAFETY: as the dense form; expert ids come from moe_align, which drops ids outside [0, E); with silu
@@ -394,27 +553,49 @@ mod tests {
     use super::*;
 
     /// H200 figures (132 SMs, 228 KB of shared memory per SM, 227 KB per block opt-in).
-    const H200: Device = Device { sms: 132, smem_per_sm: 233_472, max_smem: 232_448, blocks_per_sm: BLOCKS_PER_SM, max_splits: 64 };
+    const H200: Device = Device {
+        sms: 132,
+        smem_per_sm: 233_472,
+        max_smem: 232_448,
+        blocks_per_sm: BLOCKS_PER_SM,
+        max_splits: 64,
+    };
 
     #[test]
     fn smem_row_stride_avoids_bank_conflicts_and_holds_the_slice() {
         for kbps in 1..=56 {
             let rs = smem_row_stride(kbps);
             assert_eq!(rs / 8 % 16, 4, "kbps={kbps}: stride {rs} / 8 must be 4 mod 16");
-            assert!(rs >= kbps * 4 * GROUP_BYTES_SMEM && rs < kbps * 4 * GROUP_BYTES_SMEM + 128, "kbps={kbps}: stride {rs}");
+            assert!(
+                rs >= kbps * 4 * GROUP_BYTES_SMEM && rs < kbps * 4 * GROUP_BYTES_SMEM + 128,
+                "kbps={kbps}: stride {rs}"
+            );
             assert_eq!(rs % 16, 0, "kbps={kbps}: rows must stay 16-byte aligned");
         }
     }
 
     #[test]
     fn plans_cover_k_with_nonempty_splits_and_fit_four_blocks_per_sm() {
-        for &(n, k) in &[(4096, 7168), (7168, 2048), (512, 7168), (7168, 256), (32, 128), (160, 384)] {
+        for &(n, k) in &[
+            (4096, 7168),
+            (7168, 2048),
+            (512, 7168),
+            (7168, 256),
+            (32, 128),
+            (160, 384),
+        ] {
             for mt in [1, 2, 4] {
                 for tiles in [1, 2, 8, 40] {
                     let p = plan_on(H200, mt, tiles, 8 * mt * tiles, n, k);
                     let nkb = k / K_STEP;
-                    assert!(p.kbps >= 1 && p.splits * p.kbps >= nkb && (p.splits - 1) * p.kbps < nkb, "{p:?} for K={k}");
-                    assert!(p.smem * BLOCKS_PER_SM <= H200.smem_per_sm || p.kbps == 1, "{p:?}: smem over a quarter SM");
+                    assert!(
+                        p.kbps >= 1 && p.splits * p.kbps >= nkb && (p.splits - 1) * p.kbps < nkb,
+                        "{p:?} for K={k}"
+                    );
+                    assert!(
+                        p.smem * BLOCKS_PER_SM <= H200.smem_per_sm || p.kbps == 1,
+                        "{p:?}: smem over a quarter SM"
+                    );
                     assert_eq!(p.smem, 8 * mt * smem_row_stride(p.kbps));
                 }
             }

@@ -49,7 +49,13 @@ pub struct Ids {
 
 pub fn ids(p: &Preset) -> Ids {
     let b = p.tokenizer.mergeable;
-    Ids { bos: b + vocab::BOS, eos: b + vocab::IM_END, pad: b + vocab::PAD, media_pad: b + vocab::MEDIA_PAD, unk: b + vocab::UNK }
+    Ids {
+        bos: b + vocab::BOS,
+        eos: b + vocab::IM_END,
+        pad: b + vocab::PAD,
+        media_pad: b + vocab::MEDIA_PAD,
+        unk: b + vocab::UNK,
+    }
 }
 
 /// The model's config.json.

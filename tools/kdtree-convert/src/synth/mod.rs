@@ -63,7 +63,13 @@ pub fn run_synth(args: &SynthArgs, quiet: bool) -> Result<()> {
     if args.config_only {
         let p = write_configs(&args.preset, &args.out, args.drafter, args.layers)?;
         if !quiet {
-            crate::elog!("synth {}: configs only ({} layers{}) -> {}", p.name, p.text.num_hidden_layers, if args.drafter { ", drafter" } else { "" }, args.out.display());
+            crate::elog!(
+                "synth {}: configs only ({} layers{}) -> {}",
+                p.name,
+                p.text.num_hidden_layers,
+                if args.drafter { ", drafter" } else { "" },
+                args.out.display()
+            );
         }
         return Ok(());
     }
@@ -75,7 +81,11 @@ pub fn run_synth(args: &SynthArgs, quiet: bool) -> Result<()> {
             w.preset.text.num_hidden_layers,
             w.shards,
             w.total_size as f64 / (1u64 << 30) as f64,
-            if args.drafter { format!(" + drafter {:.2} GiB", w.drafter_bytes as f64 / (1u64 << 30) as f64) } else { String::new() },
+            if args.drafter {
+                format!(" + drafter {:.2} GiB", w.drafter_bytes as f64 / (1u64 << 30) as f64)
+            } else {
+                String::new()
+            },
             args.out.display()
         );
     }
@@ -110,7 +120,14 @@ pub fn write_configs(preset: &str, out: &Path, drafter: bool, layers: Option<usi
     Ok(p)
 }
 
-fn write_opts(preset: &str, out: &Path, seed: u64, drafter: bool, layers: Option<usize>, quiet: bool) -> Result<Written> {
+fn write_opts(
+    preset: &str,
+    out: &Path,
+    seed: u64,
+    drafter: bool,
+    layers: Option<usize>,
+    quiet: bool,
+) -> Result<Written> {
     let p = resolve(preset, layers)?;
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     let shards = tensors::target_shards(&p);
@@ -122,8 +139,14 @@ fn write_opts(preset: &str, out: &Path, seed: u64, drafter: bool, layers: Option
 
     write_json(&out.join("config.json"), &configs::model_config(&p))?;
     write_json(&out.join("generation_config.json"), &configs::generation_config(&p))?;
-    write_bytes(&out.join("tiktoken.model"), vocab::tiktoken_model(p.tokenizer.mergeable).as_bytes())?;
-    write_json(&out.join("tokenizer_config.json"), &vocab::tokenizer_config(p.tokenizer.mergeable, p.text.max_position_embeddings))?;
+    write_bytes(
+        &out.join("tiktoken.model"),
+        vocab::tiktoken_model(p.tokenizer.mergeable).as_bytes(),
+    )?;
+    write_json(
+        &out.join("tokenizer_config.json"),
+        &vocab::tokenizer_config(p.tokenizer.mergeable, p.text.max_position_embeddings),
+    )?;
     write_bytes(&out.join("chat_template.jinja"), vocab::CHAT_TEMPLATE.as_bytes())?;
 
     let n = shards.len();
@@ -144,10 +167,20 @@ fn write_opts(preset: &str, out: &Path, seed: u64, drafter: bool, layers: Option
         let d = out.join("drafter");
         std::fs::create_dir_all(&d).with_context(|| format!("creating {}", d.display()))?;
         write_json(&d.join("config.json"), &configs::drafter_config(&p))?;
-        write_shard(&d.join("model.safetensors"), &drafter_specs, seed ^ 0xD4AF_7E42, &progress)?;
+        write_shard(
+            &d.join("model.safetensors"),
+            &drafter_specs,
+            seed ^ 0xD4AF_7E42,
+            &progress,
+        )?;
     }
     progress.finish();
-    Ok(Written { preset: p, shards: n, total_size, drafter_bytes })
+    Ok(Written {
+        preset: p,
+        shards: n,
+        total_size,
+        drafter_bytes,
+    })
 }
 
 fn write_json(path: &Path, v: &Value) -> Result<()> {
@@ -163,8 +196,14 @@ fn write_bytes(path: &Path, b: &[u8]) -> Result<()> {
 
 /// Write one safetensors file: chunks generated in parallel windows, written in the writer's (name) order.
 fn write_shard(path: &Path, specs: &[Spec], seed: u64, progress: &Progress) -> Result<()> {
-    let ts: Vec<TensorSpec> =
-        specs.iter().map(|s| TensorSpec { name: s.name.clone(), dtype: s.dtype, shape: s.shape.clone() }).collect();
+    let ts: Vec<TensorSpec> = specs
+        .iter()
+        .map(|s| TensorSpec {
+            name: s.name.clone(),
+            dtype: s.dtype,
+            shape: s.shape.clone(),
+        })
+        .collect();
     let mut w = ShardWriter::create(path, ts).with_context(|| format!("creating {}", path.display()))?;
     let by_name: std::collections::HashMap<&str, &Spec> = specs.iter().map(|s| (s.name.as_str(), s)).collect();
     // Jobs (tensor, chunk) in the order the writer expects the bytes.
@@ -231,7 +270,10 @@ mod tests {
             let text = parse_text_config("config.json", &configs::model_config(&p).to_string()).unwrap();
             let dr = parse_drafter_config("drafter/config.json", &configs::drafter_config(&p).to_string()).unwrap();
             assert_eq!(text.vocab_size, p.vocab_size());
-            assert_eq!(dr.dflash_config.mask_token_id as usize, p.tokenizer.mergeable + vocab::UNK);
+            assert_eq!(
+                dr.dflash_config.mask_token_id as usize,
+                p.tokenizer.mergeable + vocab::UNK
+            );
             assert_eq!(dr.block_size(), Some(8));
             for mode in [ExpertsMode::Tp, ExpertsMode::Ep] {
                 plan_model(&text, Some(&dr), "language_model.", SourceQuant::Int4, 8, mode)

@@ -13,7 +13,10 @@ use std::path::Path;
 pub const BUILTIN: [(&str, &str); 4] = [
     ("tiny", include_str!("../../../../manifests/presets/tiny.toml")),
     ("small", include_str!("../../../../manifests/presets/small.toml")),
-    ("k26-slice", include_str!("../../../../manifests/presets/k26-slice.toml")),
+    (
+        "k26-slice",
+        include_str!("../../../../manifests/presets/k26-slice.toml"),
+    ),
     ("k26", include_str!("../../../../manifests/presets/k26.toml")),
 ];
 
@@ -136,7 +139,10 @@ impl Preset {
     /// Same preset with `layers` target layers (at least first_k_dense_replace + 1 so one MoE layer exists).
     pub fn with_layers(mut self, layers: usize) -> Result<Preset> {
         if layers <= self.text.first_k_dense_replace {
-            bail!("--layers {layers}: need more than first_k_dense_replace = {}", self.text.first_k_dense_replace);
+            bail!(
+                "--layers {layers}: need more than first_k_dense_replace = {}",
+                self.text.first_k_dense_replace
+            );
         }
         self.text.num_hidden_layers = layers;
         self.validate()?;
@@ -164,22 +170,70 @@ impl Preset {
                 bad.push(what)
             }
         };
-        need(t.num_attention_heads.is_multiple_of(r), format!("heads {} % {r}", t.num_attention_heads));
-        need(self.vocab_size().is_multiple_of(r), format!("vocab {} % {r}", self.vocab_size()));
-        need(t.intermediate_size.is_multiple_of(r), format!("intermediate {} % {r}", t.intermediate_size));
-        need(t.moe_intermediate_size.is_multiple_of(r) && (t.moe_intermediate_size / r).is_multiple_of(32), format!("(moe_intermediate {} / {r}) % 32", t.moe_intermediate_size));
-        need(t.n_routed_experts.is_multiple_of(r), format!("experts {} % {r}", t.n_routed_experts));
-        need(t.hidden_size.is_multiple_of(32), format!("hidden {} % 32", t.hidden_size));
-        need(t.qk_rope_head_dim.is_multiple_of(2), format!("rope dim {} even", t.qk_rope_head_dim));
-        need(t.num_experts_per_tok >= 1 && t.num_experts_per_tok <= t.n_routed_experts, "1 <= top-k <= experts".into());
-        need(t.num_hidden_layers > t.first_k_dense_replace, "at least one MoE layer".into());
+        need(
+            t.num_attention_heads.is_multiple_of(r),
+            format!("heads {} % {r}", t.num_attention_heads),
+        );
+        need(
+            self.vocab_size().is_multiple_of(r),
+            format!("vocab {} % {r}", self.vocab_size()),
+        );
+        need(
+            t.intermediate_size.is_multiple_of(r),
+            format!("intermediate {} % {r}", t.intermediate_size),
+        );
+        need(
+            t.moe_intermediate_size.is_multiple_of(r) && (t.moe_intermediate_size / r).is_multiple_of(32),
+            format!("(moe_intermediate {} / {r}) % 32", t.moe_intermediate_size),
+        );
+        need(
+            t.n_routed_experts.is_multiple_of(r),
+            format!("experts {} % {r}", t.n_routed_experts),
+        );
+        need(
+            t.hidden_size.is_multiple_of(32),
+            format!("hidden {} % 32", t.hidden_size),
+        );
+        need(
+            t.qk_rope_head_dim.is_multiple_of(2),
+            format!("rope dim {} even", t.qk_rope_head_dim),
+        );
+        need(
+            t.num_experts_per_tok >= 1 && t.num_experts_per_tok <= t.n_routed_experts,
+            "1 <= top-k <= experts".into(),
+        );
+        need(
+            t.num_hidden_layers > t.first_k_dense_replace,
+            "at least one MoE layer".into(),
+        );
         need(t.n_shared_experts == 1, "n_shared_experts must be 1 (K2.6)".into());
-        need(d.num_attention_heads.is_multiple_of(r) && d.num_key_value_heads.is_multiple_of(r), format!("drafter heads {}/{} % {r}", d.num_attention_heads, d.num_key_value_heads));
-        need(d.num_attention_heads.is_multiple_of(d.num_key_value_heads.max(1)), "drafter heads % kv heads".into());
-        need(d.intermediate_size.is_multiple_of(r), format!("drafter intermediate {} % {r}", d.intermediate_size));
-        need(d.head_dim.is_multiple_of(2) && d.num_hidden_layers >= 1 && d.block_size >= 2, "drafter head_dim even, >= 1 layer, block >= 2".into());
-        need(self.tokenizer.mergeable >= 256, "mergeable >= 256 (all single bytes)".into());
-        need(self.vision.hidden.is_multiple_of(self.vision.heads.max(1)), "vision hidden % heads".into());
+        need(
+            d.num_attention_heads.is_multiple_of(r) && d.num_key_value_heads.is_multiple_of(r),
+            format!(
+                "drafter heads {}/{} % {r}",
+                d.num_attention_heads, d.num_key_value_heads
+            ),
+        );
+        need(
+            d.num_attention_heads.is_multiple_of(d.num_key_value_heads.max(1)),
+            "drafter heads % kv heads".into(),
+        );
+        need(
+            d.intermediate_size.is_multiple_of(r),
+            format!("drafter intermediate {} % {r}", d.intermediate_size),
+        );
+        need(
+            d.head_dim.is_multiple_of(2) && d.num_hidden_layers >= 1 && d.block_size >= 2,
+            "drafter head_dim even, >= 1 layer, block >= 2".into(),
+        );
+        need(
+            self.tokenizer.mergeable >= 256,
+            "mergeable >= 256 (all single bytes)".into(),
+        );
+        need(
+            self.vision.hidden.is_multiple_of(self.vision.heads.max(1)),
+            "vision hidden % heads".into(),
+        );
         if !bad.is_empty() {
             bail!("preset {} fails the {r}-rank plan rules: {}", self.name, bad.join(", "));
         }
@@ -197,10 +251,13 @@ pub fn build_target_layer_ids(layers: usize, n: usize) -> Vec<usize> {
     if layers >= n + 3 {
         let (start, end) = (1.0f64, (layers - 3) as f64);
         let span = end - start;
-        return (0..n).map(|i| (start + i as f64 * span / (n - 1) as f64).round_ties_even() as usize).collect();
+        return (0..n)
+            .map(|i| (start + i as f64 * span / (n - 1) as f64).round_ties_even() as usize)
+            .collect();
     }
-    let mut ids: Vec<usize> =
-        (0..n).map(|i| (i as f64 * (layers - 1) as f64 / (n - 1) as f64).round_ties_even() as usize).collect();
+    let mut ids: Vec<usize> = (0..n)
+        .map(|i| (i as f64 * (layers - 1) as f64 / (n - 1) as f64).round_ties_even() as usize)
+        .collect();
     ids.dedup();
     ids
 }
@@ -224,7 +281,10 @@ mod tests {
         assert_eq!(build_target_layer_ids(10, 1), vec![5]);
         assert_eq!(build_target_layer_ids(4, 3), vec![0, 2, 3]);
         assert_eq!(build_target_layer_ids(4, 6), vec![0, 1, 2, 3]);
-        assert_eq!(Preset::load("k26").unwrap().target_layer_ids(), vec![1, 12, 24, 35, 47, 58]);
+        assert_eq!(
+            Preset::load("k26").unwrap().target_layer_ids(),
+            vec![1, 12, 24, 35, 47, 58]
+        );
     }
 
     #[test]

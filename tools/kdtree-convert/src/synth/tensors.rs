@@ -86,7 +86,12 @@ impl Spec {
 }
 
 fn bf(name: String, shape: &[usize], mean: f32, std: f32) -> Spec {
-    Spec { name, dtype: Dtype::BF16, shape: shape.to_vec(), init: Init::Normal { mean, std } }
+    Spec {
+        name,
+        dtype: Dtype::BF16,
+        shape: shape.to_vec(),
+        init: Init::Normal { mean, std },
+    }
 }
 fn linear(name: String, out: usize, inp: usize, gain: f32) -> Spec {
     bf(name, &[out, inp], 0.0, gain / (inp as f32).sqrt())
@@ -97,10 +102,25 @@ fn norm(name: String, n: usize) -> Spec {
 
 /// Routed expert triplet `{prefix}.{weight_packed, weight_scale, weight_shape}` of a [n, k] Linear.
 fn expert(out: &mut Vec<Spec>, prefix: &str, n: usize, k: usize, gain: f32, shape_dtype: Dtype) {
-    out.push(Spec { name: format!("{prefix}.weight_packed"), dtype: Dtype::I32, shape: vec![n, k / 8], init: Init::Nibbles });
+    out.push(Spec {
+        name: format!("{prefix}.weight_packed"),
+        dtype: Dtype::I32,
+        shape: vec![n, k / 8],
+        init: Init::Nibbles,
+    });
     let std = gain / (k as f32).sqrt();
-    out.push(Spec { name: format!("{prefix}.weight_scale"), dtype: Dtype::BF16, shape: vec![n, k / 32], init: Init::Scales { std } });
-    out.push(Spec { name: format!("{prefix}.weight_shape"), dtype: shape_dtype, shape: vec![2], init: Init::Shape { n, k } });
+    out.push(Spec {
+        name: format!("{prefix}.weight_scale"),
+        dtype: Dtype::BF16,
+        shape: vec![n, k / 32],
+        init: Init::Scales { std },
+    });
+    out.push(Spec {
+        name: format!("{prefix}.weight_shape"),
+        dtype: shape_dtype,
+        shape: vec![2],
+        init: Init::Shape { n, k },
+    });
 }
 
 /// Tensors of decoder layer `l` (one shard).
@@ -116,10 +136,25 @@ pub fn layer(p: &Preset, l: usize) -> Vec<Spec> {
         norm(format!("{pre}.post_attention_layernorm.weight"), h),
         linear(format!("{pre}.self_attn.q_a_proj.weight"), t.q_lora_rank, h, 1.0),
         norm(format!("{pre}.self_attn.q_a_layernorm.weight"), t.q_lora_rank),
-        linear(format!("{pre}.self_attn.q_b_proj.weight"), heads * qk, t.q_lora_rank, 1.0),
-        linear(format!("{pre}.self_attn.kv_a_proj_with_mqa.weight"), t.kv_lora_rank + t.qk_rope_head_dim, h, 1.0),
+        linear(
+            format!("{pre}.self_attn.q_b_proj.weight"),
+            heads * qk,
+            t.q_lora_rank,
+            1.0,
+        ),
+        linear(
+            format!("{pre}.self_attn.kv_a_proj_with_mqa.weight"),
+            t.kv_lora_rank + t.qk_rope_head_dim,
+            h,
+            1.0,
+        ),
         norm(format!("{pre}.self_attn.kv_a_layernorm.weight"), t.kv_lora_rank),
-        linear(format!("{pre}.self_attn.kv_b_proj.weight"), heads * (t.qk_nope_head_dim + t.v_head_dim), t.kv_lora_rank, 1.0),
+        linear(
+            format!("{pre}.self_attn.kv_b_proj.weight"),
+            heads * (t.qk_nope_head_dim + t.v_head_dim),
+            t.kv_lora_rank,
+            1.0,
+        ),
         linear(format!("{pre}.self_attn.o_proj.weight"), h, heads * t.v_head_dim, res),
     ];
     if l < t.first_k_dense_replace {
@@ -185,9 +220,19 @@ pub fn vision(p: &Preset) -> Vec<Spec> {
     let v = &p.vision;
     let (vt, vi) = (v.hidden, v.intermediate);
     let mut s = vec![
-        bf("vision_tower.patch_embed.proj.weight".into(), &[vt, 3, 14, 14], 0.0, 0.02),
+        bf(
+            "vision_tower.patch_embed.proj.weight".into(),
+            &[vt, 3, 14, 14],
+            0.0,
+            0.02,
+        ),
         bf("vision_tower.patch_embed.proj.bias".into(), &[vt], 0.0, 0.02),
-        bf("vision_tower.patch_embed.pos_emb.weight".into(), &[v.pos_emb[0], v.pos_emb[1], vt], 0.0, 0.02),
+        bf(
+            "vision_tower.patch_embed.pos_emb.weight".into(),
+            &[v.pos_emb[0], v.pos_emb[1], vt],
+            0.0,
+            0.02,
+        ),
         norm("vision_tower.encoder.final_layernorm.weight".into(), vt),
         bf("vision_tower.encoder.final_layernorm.bias".into(), &[vt], 0.0, 0.02),
     ];
@@ -230,7 +275,11 @@ pub fn drafter(p: &Preset) -> Vec<Spec> {
     let taps = p.target_layer_ids().len();
     let res = 1.0 / (2.0 * d.num_hidden_layers as f32).sqrt();
     let (q, kv) = (d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim);
-    let mut s = vec![linear("fc.weight".into(), h, taps * h, 1.0), norm("hidden_norm.weight".into(), h), norm("norm.weight".into(), h)];
+    let mut s = vec![
+        linear("fc.weight".into(), h, taps * h, 1.0),
+        norm("hidden_norm.weight".into(), h),
+        norm("norm.weight".into(), h),
+    ];
     for l in 0..d.num_hidden_layers {
         let pre = format!("layers.{l}");
         s.push(norm(format!("{pre}.input_layernorm.weight"), h));
@@ -241,9 +290,19 @@ pub fn drafter(p: &Preset) -> Vec<Spec> {
         s.push(norm(format!("{pre}.self_attn.q_norm.weight"), d.head_dim));
         s.push(norm(format!("{pre}.self_attn.k_norm.weight"), d.head_dim));
         s.push(norm(format!("{pre}.post_attention_layernorm.weight"), h));
-        s.push(linear(format!("{pre}.mlp.gate_proj.weight"), d.intermediate_size, h, 1.0));
+        s.push(linear(
+            format!("{pre}.mlp.gate_proj.weight"),
+            d.intermediate_size,
+            h,
+            1.0,
+        ));
         s.push(linear(format!("{pre}.mlp.up_proj.weight"), d.intermediate_size, h, 1.0));
-        s.push(linear(format!("{pre}.mlp.down_proj.weight"), h, d.intermediate_size, res));
+        s.push(linear(
+            format!("{pre}.mlp.down_proj.weight"),
+            h,
+            d.intermediate_size,
+            res,
+        ));
     }
     s
 }

@@ -78,8 +78,10 @@ fn trained_tokens() -> &'static [Vec<u8>] {
         for w in pretokenize(CORPUS) {
             *counts.entry(w.as_bytes()).or_default() += 1;
         }
-        let mut words: Vec<(Vec<u32>, u64)> =
-            counts.into_iter().map(|(w, c)| (w.iter().map(|&b| b as u32).collect(), c)).collect();
+        let mut words: Vec<(Vec<u32>, u64)> = counts
+            .into_iter()
+            .map(|(w, c)| (w.iter().map(|&b| b as u32).collect(), c))
+            .collect();
         let mut tokens: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
         let mut index: HashMap<Vec<u8>, u32> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
         loop {
@@ -199,7 +201,13 @@ mod tests {
 
     #[test]
     fn base64_matches_rfc4648_vectors() {
-        for (raw, enc) in [("", ""), ("f", "Zg=="), ("fo", "Zm8="), ("foo", "Zm9v"), ("foobar", "Zm9vYmFy")] {
+        for (raw, enc) in [
+            ("", ""),
+            ("f", "Zg=="),
+            ("fo", "Zm8="),
+            ("foo", "Zm9v"),
+            ("foobar", "Zm9vYmFy"),
+        ] {
             let mut s = String::new();
             base64_encode(raw.as_bytes(), &mut s);
             assert_eq!(s, enc);
@@ -224,7 +232,10 @@ mod tests {
 
     #[test]
     fn pretokenizer_keeps_words_digits_and_han_apart() {
-        assert_eq!(pretokenize("Hello world 12345 人工智能!"), kdtree_text::tokenizer::pretokenize("Hello world 12345 人工智能!"));
+        assert_eq!(
+            pretokenize("Hello world 12345 人工智能!"),
+            kdtree_text::tokenizer::pretokenize("Hello world 12345 人工智能!")
+        );
     }
 
     #[test]
@@ -235,7 +246,11 @@ mod tests {
         let set: HashSet<&Vec<u8>> = toks.iter().collect();
         assert_eq!(set.len(), 768, "token bytes must be distinct");
         for w in [&b" the"[..], b"ing", "的".as_bytes(), b" model"] {
-            assert!(toks.iter().any(|t| t == w), "{:?} should be a learned token", String::from_utf8_lossy(w));
+            assert!(
+                toks.iter().any(|t| t == w),
+                "{:?} should be a learned token",
+                String::from_utf8_lossy(w)
+            );
         }
         // A larger vocab extends a smaller one (same prefix), and filler stays within 16 bytes.
         let big = mergeable_tokens(5000);

@@ -29,7 +29,18 @@ pub struct Tiny {
 
 impl Default for Tiny {
     fn default() -> Self {
-        Tiny { hidden: 64, inter: 128, moe_inter: 64, layers: 3, heads: 4, experts: 8, vocab: 256, int4: true, shards: 3, seed: 7 }
+        Tiny {
+            hidden: 64,
+            inter: 128,
+            moe_inter: 64,
+            layers: 3,
+            heads: 4,
+            experts: 8,
+            vocab: 256,
+            int4: true,
+            shards: 3,
+            seed: 7,
+        }
     }
 }
 
@@ -70,7 +81,9 @@ fn rand_bytes(rng: &mut rand_chacha::ChaCha8Rng, n: usize) -> Vec<u8> {
 
 /// Random BF16 values in about [-1, 1] (finite, no NaN).
 fn rand_bf16(rng: &mut rand_chacha::ChaCha8Rng, n: usize) -> Vec<u8> {
-    (0..n).flat_map(|_| half::bf16::from_f32(rng.random_range(-1.0f32..1.0)).to_le_bytes()).collect()
+    (0..n)
+        .flat_map(|_| half::bf16::from_f32(rng.random_range(-1.0f32..1.0)).to_le_bytes())
+        .collect()
 }
 
 pub fn tensors(t: &Tiny) -> Tensors {
@@ -84,7 +97,12 @@ pub fn tensors(t: &Tiny) -> Tensors {
     let p = "language_model.model.";
     bf(&mut m, &mut rng, format!("{p}embed_tokens.weight"), vec![t.vocab, h]);
     bf(&mut m, &mut rng, format!("{p}norm.weight"), vec![h]);
-    bf(&mut m, &mut rng, "language_model.lm_head.weight".into(), vec![t.vocab, h]);
+    bf(
+        &mut m,
+        &mut rng,
+        "language_model.lm_head.weight".into(),
+        vec![t.vocab, h],
+    );
     for l in 0..t.layers {
         let q = format!("{p}layers.{l}.");
         for (n, s) in [
@@ -108,16 +126,43 @@ pub fn tensors(t: &Tiny) -> Tensors {
         }
         bf(&mut m, &mut rng, format!("{q}mlp.gate.weight"), vec![t.experts, h]);
         let bias: Vec<u8> = (0..t.experts).flat_map(|i| (i as f32 * 0.25).to_le_bytes()).collect();
-        m.insert(format!("{q}mlp.gate.e_score_correction_bias"), (SD::F32, vec![t.experts], bias));
-        bf(&mut m, &mut rng, format!("{q}mlp.shared_experts.gate_proj.weight"), vec![t.moe_inter, h]);
-        bf(&mut m, &mut rng, format!("{q}mlp.shared_experts.up_proj.weight"), vec![t.moe_inter, h]);
-        bf(&mut m, &mut rng, format!("{q}mlp.shared_experts.down_proj.weight"), vec![h, t.moe_inter]);
+        m.insert(
+            format!("{q}mlp.gate.e_score_correction_bias"),
+            (SD::F32, vec![t.experts], bias),
+        );
+        bf(
+            &mut m,
+            &mut rng,
+            format!("{q}mlp.shared_experts.gate_proj.weight"),
+            vec![t.moe_inter, h],
+        );
+        bf(
+            &mut m,
+            &mut rng,
+            format!("{q}mlp.shared_experts.up_proj.weight"),
+            vec![t.moe_inter, h],
+        );
+        bf(
+            &mut m,
+            &mut rng,
+            format!("{q}mlp.shared_experts.down_proj.weight"),
+            vec![h, t.moe_inter],
+        );
         for e in 0..t.experts {
-            for (proj, n, k) in [("gate_proj", t.moe_inter, h), ("up_proj", t.moe_inter, h), ("down_proj", h, t.moe_inter)] {
+            for (proj, n, k) in [
+                ("gate_proj", t.moe_inter, h),
+                ("up_proj", t.moe_inter, h),
+                ("down_proj", h, t.moe_inter),
+            ] {
                 let b = format!("{q}mlp.experts.{e}.{proj}");
                 if t.int4 {
-                    m.insert(format!("{b}.weight_packed"), (SD::I32, vec![n, k / 8], rand_bytes(&mut rng, n * k / 2)));
-                    let sc: Vec<u8> = (0..n * k / 32).flat_map(|_| half::bf16::from_f32(rng.random_range(0.001f32..0.1)).to_le_bytes()).collect();
+                    m.insert(
+                        format!("{b}.weight_packed"),
+                        (SD::I32, vec![n, k / 8], rand_bytes(&mut rng, n * k / 2)),
+                    );
+                    let sc: Vec<u8> = (0..n * k / 32)
+                        .flat_map(|_| half::bf16::from_f32(rng.random_range(0.001f32..0.1)).to_le_bytes())
+                        .collect();
                     m.insert(format!("{b}.weight_scale"), (SD::BF16, vec![n, k / 32], sc));
                     let shape: Vec<u8> = [n as i32, k as i32].iter().flat_map(|v| v.to_le_bytes()).collect();
                     m.insert(format!("{b}.weight_shape"), (SD::I32, vec![2], shape));
@@ -127,14 +172,22 @@ pub fn tensors(t: &Tiny) -> Tensors {
             }
         }
     }
-    bf(&mut m, &mut rng, "vision_tower.patch_embed.proj.weight".into(), vec![8, 3, 2, 2]);
+    bf(
+        &mut m,
+        &mut rng,
+        "vision_tower.patch_embed.proj.weight".into(),
+        vec![8, 3, 2, 2],
+    );
     bf(&mut m, &mut rng, "mm_projector.proj.0.weight".into(), vec![8, 8]);
     m
 }
 
 /// Write `tensors` to one safetensors file with the reference crate.
 pub fn write_safetensors(path: &Path, tensors: &Tensors) {
-    let views: Vec<(String, TensorView)> = tensors.iter().map(|(n, (d, s, b))| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap())).collect();
+    let views: Vec<(String, TensorView)> = tensors
+        .iter()
+        .map(|(n, (d, s, b))| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
     let meta = [("format".to_string(), "pt".to_string())].into_iter().collect();
     safetensors::serialize_to_file(views, Some(meta), path).unwrap();
 }
@@ -144,13 +197,21 @@ pub fn write_checkpoint_with(dir: &Path, t: &Tiny, cfg: &serde_json::Value, all:
     std::fs::create_dir_all(dir).unwrap();
     std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(cfg).unwrap()).unwrap();
     let shard_of = |name: &str| -> usize {
-        let l = name.split("layers.").nth(1).and_then(|r| r.split('.').next()).and_then(|x| x.parse::<usize>().ok());
+        let l = name
+            .split("layers.")
+            .nth(1)
+            .and_then(|r| r.split('.').next())
+            .and_then(|x| x.parse::<usize>().ok());
         l.map_or(t.shards - 1, |l| l % t.shards)
     };
     let mut weight_map = serde_json::Map::new();
     for s in 0..t.shards {
         let fname = format!("model-{:05}-of-{:06}.safetensors", s + 1, t.shards);
-        let part: Tensors = all.iter().filter(|(n, _)| shard_of(n) == s).map(|(n, v)| (n.clone(), v.clone())).collect();
+        let part: Tensors = all
+            .iter()
+            .filter(|(n, _)| shard_of(n) == s)
+            .map(|(n, v)| (n.clone(), v.clone()))
+            .collect();
         for n in part.keys() {
             weight_map.insert(n.clone(), json!(fname));
         }
@@ -158,7 +219,11 @@ pub fn write_checkpoint_with(dir: &Path, t: &Tiny, cfg: &serde_json::Value, all:
     }
     let total: usize = all.values().map(|v| v.2.len()).sum();
     let index = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
-    std::fs::write(dir.join("model.safetensors.index.json"), serde_json::to_string_pretty(&index).unwrap()).unwrap();
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        serde_json::to_string_pretty(&index).unwrap(),
+    )
+    .unwrap();
 }
 
 pub fn write_checkpoint(dir: &Path, t: &Tiny) {
@@ -210,7 +275,11 @@ pub fn bin() -> Command {
 /// Run the binary; return (exit code, stdout, stderr).
 pub fn run(args: &[&str]) -> (i32, String, String) {
     let o = bin().args(args).output().unwrap();
-    (o.status.code().unwrap_or(-1), String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+    (
+        o.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
 }
 
 /// Every file under `dir` (relative path → bytes), for byte-for-byte comparison.

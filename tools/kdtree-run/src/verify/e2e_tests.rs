@@ -32,7 +32,13 @@ fn fixture() -> &'static Fixture {
         std::fs::write(&prompts, "{\"id\": \"p1\", \"prompt_token_ids\": [1, 17, 305, 42]}\n").unwrap();
         let golden = d.path().join("golden");
         let opts = kdtree_golden::make::Options {
-            max_tokens: 6, budget: 6, full_logits_steps: 6, topk: 4, trace_step: 1, no_ddtree: false, quiet: true,
+            max_tokens: 6,
+            budget: 6,
+            full_logits_steps: 6,
+            topk: 4,
+            trace_step: 1,
+            no_ddtree: false,
+            quiet: true,
         };
         kdtree_golden::make::make_bundle(&model, &prompts, &golden, &opts).unwrap();
         let recs = Bundle::open(&golden).unwrap().load_all().unwrap();
@@ -46,7 +52,15 @@ fn check(edit: impl FnOnce(&mut PromptRecord)) -> PromptCheck {
     let mut rec = recs[0].1.clone();
     edit(&mut rec);
     let mut m = kdtree_engine::open(model, kdtree_engine::Device::Cpu).unwrap();
-    check_prompt("p1", &mut m, Ok(rec.prompt_ids.clone()), RunTokens::NotCompared, &rec, &CUDA_TOLERANCES).unwrap()
+    check_prompt(
+        "p1",
+        &mut m,
+        Ok(rec.prompt_ids.clone()),
+        RunTokens::NotCompared,
+        &rec,
+        &CUDA_TOLERANCES,
+    )
+    .unwrap()
 }
 
 fn nudge(v: &mut [f32], by: f32) {
@@ -76,24 +90,38 @@ fn values_within_the_cuda_tolerances_pass_without_notes() {
 #[test]
 fn values_beyond_the_cuda_tolerances_fail() {
     let c = check(|r| nudge(&mut r.ddtree.as_mut().unwrap().draft_logits[..3], 0.16));
-    assert!(!c.ok() && c.problems[0].starts_with("ddtree.draft_logits[0, 0]"), "{c:?}");
+    assert!(
+        !c.ok() && c.problems[0].starts_with("ddtree.draft_logits[0, 0]"),
+        "{c:?}"
+    );
     let c = check(|r| r.trace.as_mut().unwrap().layers[2].attn_out[5] += 0.17);
-    assert!(!c.ok() && c.problems[0].starts_with("trace.layers.2.attn_out[5]"), "{c:?}");
+    assert!(
+        !c.ok() && c.problems[0].starts_with("trace.layers.2.attn_out[5]"),
+        "{c:?}"
+    );
     // a logit row far beyond the route-flip tolerance
     let c = check(|r| r.ar.full_logits[r.ar.vocab + 3] -= 4.5);
-    assert!(c.problems.iter().any(|p| p.starts_with("ar.full_logits step 1")), "{c:?}");
+    assert!(
+        c.problems.iter().any(|p| p.starts_with("ar.full_logits step 1")),
+        "{c:?}"
+    );
 }
 
 #[test]
 fn a_route_flip_sized_row_is_accepted_and_reported() {
     let c = check(|r| {
         let v = r.ar.vocab;
-        let i = (0..v).find(|&i| i as u32 != r.ar.tokens[2] && !r.ar.topk_row(2).0.contains(&(i as u32))).unwrap();
+        let i = (0..v)
+            .find(|&i| i as u32 != r.ar.tokens[2] && !r.ar.topk_row(2).0.contains(&(i as u32)))
+            .unwrap();
         r.ar.full_logits[2 * v + i] += 1.0;
     });
     assert!(c.ok(), "{c:?}");
     assert_eq!(c.notes.len(), 1, "{c:?}");
-    assert!(c.notes[0].starts_with("ar.full_logits step 2: max |Δ| 1.000e0") && c.notes[0].contains("route flip"), "{c:?}");
+    assert!(
+        c.notes[0].starts_with("ar.full_logits step 2: max |Δ| 1.000e0") && c.notes[0].contains("route flip"),
+        "{c:?}"
+    );
 }
 
 #[test]
@@ -112,16 +140,34 @@ fn a_greedy_divergence_passes_only_at_a_near_tie_and_stops_the_comparison() {
     };
     let c = check(tie(0.01));
     assert!(c.ok(), "{c:?}");
-    assert!(c.notes.iter().any(|n| n.starts_with("ar.tokens[3]: ") && n.contains("near-tie") && n.contains("steps after 3")), "{c:?}");
+    assert!(
+        c.notes
+            .iter()
+            .any(|n| n.starts_with("ar.tokens[3]: ") && n.contains("near-tie") && n.contains("steps after 3")),
+        "{c:?}"
+    );
     assert_eq!(c.tokens_equal, 3);
     // the same divergence at a margin of 0.5 is a real one
     let c = check(tie(0.5));
-    assert!(c.problems.iter().any(|p| p.starts_with("ar.tokens[3]: ") && p.contains("not a near-tie")), "{c:?}");
+    assert!(
+        c.problems
+            .iter()
+            .any(|p| p.starts_with("ar.tokens[3]: ") && p.contains("not a near-tie")),
+        "{c:?}"
+    );
 }
 
 #[test]
 fn router_sets_one_swap_with_a_clean_input_passes_two_fail() {
-    let moe = |r: &PromptRecord| r.trace.as_ref().unwrap().layers.iter().position(|l| !l.router_ids.is_empty()).unwrap();
+    let moe = |r: &PromptRecord| {
+        r.trace
+            .as_ref()
+            .unwrap()
+            .layers
+            .iter()
+            .position(|l| !l.router_ids.is_empty())
+            .unwrap()
+    };
     let swap = |n: usize| {
         move |r: &mut PromptRecord| {
             let l = moe(r);
@@ -135,7 +181,10 @@ fn router_sets_one_swap_with_a_clean_input_passes_two_fail() {
         }
     };
     let c = check(swap(1));
-    assert!(c.ok() && c.notes.iter().any(|n| n.contains("one expert swapped")), "{c:?}");
+    assert!(
+        c.ok() && c.notes.iter().any(|n| n.contains("one expert swapped")),
+        "{c:?}"
+    );
     let c = check(swap(2));
     assert!(c.problems.iter().any(|p| p.contains("2 experts swapped")), "{c:?}");
 }

@@ -44,7 +44,9 @@ pub fn greedy(
     tol: f32,
 ) -> Result<Option<(usize, f32)>, String> {
     match got.iter().zip(want).position(|(a, b)| a != b) {
-        None if whole && got.len() != want.len() => Err(format!("{what}: {} entries vs bundle {}", got.len(), want.len())),
+        None if whole && got.len() != want.len() => {
+            Err(format!("{what}: {} entries vs bundle {}", got.len(), want.len()))
+        }
         None => Ok(None),
         Some(k) => match margin(k) {
             Some(m) if m <= tol => Ok(Some((k, m))),
@@ -61,10 +63,25 @@ pub fn greedy(
 /// One logit row (`got` vs the bundle's `want`, same length, the ids they are at: top-1 first for a top-k
 /// row) within `t.logits`, or accepted as a route flip (a note) within `t.route_flip` when its argmax is
 /// the bundle's or the bundle's top-2 are within `t.logits`. Err: the problem.
-pub fn row(cmp: &mut Cmp, t: &Tolerances, what: &str, got: &[f32], want: &[f32], notes: &mut Vec<String>) -> Result<(), String> {
+pub fn row(
+    cmp: &mut Cmp,
+    t: &Tolerances,
+    what: &str,
+    got: &[f32],
+    want: &[f32],
+    notes: &mut Vec<String>,
+) -> Result<(), String> {
     cmp.tol = t.logits;
-    let Some(p) = cmp.rows(what, 0, got, want) else { return Ok(()) };
-    let d = got.iter().zip(want).map(|(g, w)| (g - w).abs()).fold(0.0f32, |a, x| if x.is_nan() { f32::INFINITY } else { a.max(x) });
+    let Some(p) = cmp.rows(what, 0, got, want) else {
+        return Ok(());
+    };
+    let d = got.iter().zip(want).map(|(g, w)| (g - w).abs()).fold(0.0f32, |a, x| {
+        if x.is_nan() {
+            f32::INFINITY
+        } else {
+            a.max(x)
+        }
+    });
     let same_top = argmax(got) == argmax(want) || margin(want).is_some_and(|m| m <= t.logits);
     if d <= t.route_flip && same_top {
         notes.push(format!(
@@ -73,7 +90,11 @@ pub fn row(cmp: &mut Cmp, t: &Tolerances, what: &str, got: &[f32], want: &[f32],
         ));
         return Ok(());
     }
-    Err(if same_top { p } else { format!("{p}; argmax {} vs bundle {}", argmax(got), argmax(want)) })
+    Err(if same_top {
+        p
+    } else {
+        format!("{p}; argmax {} vs bundle {}", argmax(got), argmax(want))
+    })
 }
 
 /// One traced MoE layer's route (`got` vs the bundle's `want`). Ok(None): the same expert set (weights
@@ -91,7 +112,10 @@ pub fn layer_route(l: usize, got: &LayerTrace, want: &LayerTrace, upstream_ok: b
     }
     let out = w.iter().filter(|e| !g.contains(e)).count();
     let into = g.iter().filter(|e| !w.contains(e)).count();
-    let what = format!("trace.layers.{l}.router_ids: {:?} vs bundle {:?}", got.router_ids, want.router_ids);
+    let what = format!(
+        "trace.layers.{l}.router_ids: {:?} vs bundle {:?}",
+        got.router_ids, want.router_ids
+    );
     if g.len() == w.len() && out == 1 && into == 1 && upstream_ok {
         Ok(Some(format!(
             "{what}: one expert swapped with the router's input within tolerance (a selection near-tie): layer {l}'s \
@@ -106,7 +130,12 @@ pub fn layer_route(l: usize, got: &LayerTrace, want: &LayerTrace, upstream_ok: b
 
 /// Router weights ordered by expert id (routes with the same set then compare weight by weight).
 pub fn weights_by_id(r: &LayerTrace) -> Vec<f32> {
-    let mut p: Vec<(u32, f32)> = r.router_ids.iter().copied().zip(r.router_weights.iter().copied()).collect();
+    let mut p: Vec<(u32, f32)> = r
+        .router_ids
+        .iter()
+        .copied()
+        .zip(r.router_weights.iter().copied())
+        .collect();
     p.sort_by_key(|x| x.0);
     p.into_iter().map(|x| x.1).collect()
 }
@@ -122,10 +151,16 @@ pub fn tree_explained(got: &DdtreeRecord, want: &DdtreeRecord, tol: f32) -> Resu
             got.tree_tokens, got.tree_parents, own.tokens, own.parents
         ));
     }
-    let tie = want.draft_logits.chunks(want.vocab.max(1)).enumerate().find_map(|(r, row)| {
-        let (ids, vals) = topk_of(row, want.budget + 1);
-        vals.windows(2).position(|w| w[0] - w[1] <= 2.0 * tol).map(|i| (r, ids[i], ids[i + 1], vals[i] - vals[i + 1]))
-    });
+    let tie = want
+        .draft_logits
+        .chunks(want.vocab.max(1))
+        .enumerate()
+        .find_map(|(r, row)| {
+            let (ids, vals) = topk_of(row, want.budget + 1);
+            vals.windows(2)
+                .position(|w| w[0] - w[1] <= 2.0 * tol)
+                .map(|i| (r, ids[i], ids[i + 1], vals[i] - vals[i + 1]))
+        });
     match tie {
         Some((r, a, b, gap)) => Ok(format!(
             "ddtree tree {:?} / {:?} vs bundle {:?} / {:?}: the bundle's draft row {r} has a near-tie (tokens {a} and {b}, \
@@ -159,7 +194,12 @@ pub fn paths(r: &DdtreeRecord) -> Vec<Vec<u32>> {
 /// accepted node i is a near-tie. `whole`: also the accepted node indices and lengths (same tree).
 pub fn walk(got: &DdtreeRecord, want: &DdtreeRecord, whole: bool, tol: f32) -> Result<Option<String>, String> {
     let v = want.vocab.max(1);
-    let margin_at = |i: usize| want.accepted.get(i).and_then(|&n| want.verify_logits.get(n * v..(n + 1) * v)).and_then(margin);
+    let margin_at = |i: usize| {
+        want.accepted
+            .get(i)
+            .and_then(|&n| want.verify_logits.get(n * v..(n + 1) * v))
+            .and_then(margin)
+    };
     match greedy("ddtree.decisions", &got.decisions, &want.decisions, false, margin_at, tol)? {
         Some((i, m)) => Ok(Some(format!(
             "ddtree.decisions[{i}]: {} vs bundle {}: a near-tie in the bundle's verify row of node {} (top-2 margin {m:.3e} \
@@ -177,7 +217,13 @@ pub fn walk(got: &DdtreeRecord, want: &DdtreeRecord, whole: bool, tol: f32) -> R
 mod tests {
     use super::*;
 
-    const T: Tolerances = Tolerances { logits: 0.1, layers: 0.1, router_weights: 0.1, route_flip: 2.0, near_ties: true };
+    const T: Tolerances = Tolerances {
+        logits: 0.1,
+        layers: 0.1,
+        router_weights: 0.1,
+        route_flip: 2.0,
+        near_ties: true,
+    };
 
     #[test]
     fn greedy_accepts_only_a_near_tie_and_says_where() {
@@ -185,17 +231,25 @@ mod tests {
         assert_eq!(greedy("t", &[1, 2, 3], &[1, 2, 3], true, m, 0.1), Ok(None));
         assert_eq!(greedy("t", &[1, 9, 3], &[1, 2, 3], true, m, 0.1), Ok(Some((1, 0.05))));
         // the boundary: a margin equal to the tolerance is a near-tie, above it is not
-        assert_eq!(greedy("t", &[1, 9], &[1, 2], true, |_| Some(0.1), 0.1), Ok(Some((1, 0.1))));
+        assert_eq!(
+            greedy("t", &[1, 9], &[1, 2], true, |_| Some(0.1), 0.1),
+            Ok(Some((1, 0.1)))
+        );
         let e = greedy("t", &[1, 9], &[1, 2], true, |_| Some(0.1001), 0.1).unwrap_err();
         assert!(e.contains("t[1]: 9 vs bundle 2") && e.contains("not a near-tie"), "{e}");
         assert!(greedy("t", &[1, 9], &[1, 2], true, |_| None, 0.1).is_err());
-        assert!(greedy("t", &[1], &[1, 2], true, m, 0.1).unwrap_err().contains("1 entries vs bundle 2"));
+        assert!(greedy("t", &[1], &[1, 2], true, m, 0.1)
+            .unwrap_err()
+            .contains("1 entries vs bundle 2"));
         assert_eq!(greedy("t", &[1], &[1, 2], false, m, 0.1), Ok(None));
     }
 
     #[test]
     fn rows_within_tolerance_route_flips_and_real_differences() {
-        let mut cmp = Cmp { tol: 0.0, max_delta: 0.0 };
+        let mut cmp = Cmp {
+            tol: 0.0,
+            max_delta: 0.0,
+        };
         let mut notes = Vec::new();
         let want = [5.0, 1.0, 0.0];
         assert_eq!(row(&mut cmp, &T, "r", &[5.1, 1.0, 0.0], &want, &mut notes), Ok(()));
@@ -209,12 +263,19 @@ mod tests {
         let e = row(&mut cmp, &T, "r", &[5.0, 6.0, 0.0], &want, &mut notes).unwrap_err();
         assert!(e.contains("argmax 1 vs bundle 0"), "{e}");
         // the same with a near-tie in the bundle's row: accepted
-        assert_eq!(row(&mut cmp, &T, "r", &[5.0, 6.0, 0.0], &[5.0, 4.95, 0.0], &mut notes), Ok(()));
+        assert_eq!(
+            row(&mut cmp, &T, "r", &[5.0, 6.0, 0.0], &[5.0, 4.95, 0.0], &mut notes),
+            Ok(())
+        );
         assert_eq!(cmp.max_delta, 5.0);
     }
 
     fn layer(ids: &[u32], w: &[f32]) -> LayerTrace {
-        LayerTrace { router_ids: ids.to_vec(), router_weights: w.to_vec(), ..Default::default() }
+        LayerTrace {
+            router_ids: ids.to_vec(),
+            router_weights: w.to_vec(),
+            ..Default::default()
+        }
     }
 
     #[test]
@@ -225,17 +286,31 @@ mod tests {
         assert_eq!(layer_route(2, &got, &want, true), Ok(None));
         assert_eq!(weights_by_id(&got), weights_by_id(&want));
         let one = layer(&[5, 7, 11, 3], &[0.7, 0.6, 0.5, 0.4]);
-        assert!(layer_route(2, &one, &want, true).unwrap().unwrap().contains("one expert swapped"));
-        assert!(layer_route(2, &one, &want, false).unwrap_err().contains("already differs"));
+        assert!(layer_route(2, &one, &want, true)
+            .unwrap()
+            .unwrap()
+            .contains("one expert swapped"));
+        assert!(layer_route(2, &one, &want, false)
+            .unwrap_err()
+            .contains("already differs"));
         let two = layer(&[5, 7, 12, 3], &[0.7, 0.6, 0.5, 0.4]);
-        assert!(layer_route(2, &two, &want, true).unwrap_err().contains("2 experts swapped"));
+        assert!(layer_route(2, &two, &want, true)
+            .unwrap_err()
+            .contains("2 experts swapped"));
     }
 
     fn round() -> DdtreeRecord {
         // vocab 4, budget 2: draft row 0 ranks token 1 then 2 (gap 0.5), so the tree is root 3 -> 1, 2
         let mut r = DdtreeRecord {
-            start: 4, root: 3, budget: 2, vocab: 4, draft_rows: 1, draft_logits: vec![0.0, 2.0, 1.5, 0.0],
-            visibility_words: 1, bonus: 0, ..Default::default()
+            start: 4,
+            root: 3,
+            budget: 2,
+            vocab: 4,
+            draft_rows: 1,
+            draft_logits: vec![0.0, 2.0, 1.5, 0.0],
+            visibility_words: 1,
+            bonus: 0,
+            ..Default::default()
         };
         let t = kdtree_engine::ddtree::build_tree(3, &r.draft_logits, 1, 4, 2);
         (r.tree_tokens, r.tree_parents, r.tree_depths) = (t.tokens, t.parents, t.depths);
@@ -257,12 +332,16 @@ mod tests {
         (got.tree_tokens, got.tree_parents) = (t.tokens, t.parents);
         assert_eq!(got.tree_tokens, [3, 2, 1]);
         // gap 0.5 in the bundle: a near-tie at tolerance 0.25 (2 × 0.25 >= 0.5), not at 0.2
-        assert!(tree_explained(&got, &want, 0.25).unwrap().contains("near-tie (tokens 1 and 2"));
+        assert!(tree_explained(&got, &want, 0.25)
+            .unwrap()
+            .contains("near-tie (tokens 1 and 2"));
         assert!(tree_explained(&got, &want, 0.2).unwrap_err().contains("no near-tie"));
         // a tree its own draft logits do not build is never explained
         let mut bad = got.clone();
         bad.tree_tokens = vec![3, 2, 0];
-        assert!(tree_explained(&bad, &want, 0.25).unwrap_err().contains("not the one the engine builds"));
+        assert!(tree_explained(&bad, &want, 0.25)
+            .unwrap_err()
+            .contains("not the one the engine builds"));
         assert_eq!(paths(&want), [vec![3], vec![3, 1], vec![3, 2]]);
     }
 
@@ -273,11 +352,16 @@ mod tests {
         // node 1's row: 2.0 vs 1.95, a near-tie: the bonus may be 2
         let mut got = want.clone();
         got.decisions = vec![1, 2];
-        assert!(walk(&got, &want, true, 0.1).unwrap().unwrap().contains("near-tie in the bundle's verify row of node 1"));
+        assert!(walk(&got, &want, true, 0.1)
+            .unwrap()
+            .unwrap()
+            .contains("near-tie in the bundle's verify row of node 1"));
         assert!(walk(&got, &want, true, 0.01).is_err());
         // node 0's row: 3.0 vs 1.0, not a near-tie
         got.decisions = vec![2, 0];
-        assert!(walk(&got, &want, true, 0.1).unwrap_err().contains("ddtree.decisions[0]"));
+        assert!(walk(&got, &want, true, 0.1)
+            .unwrap_err()
+            .contains("ddtree.decisions[0]"));
         // the same decisions through other node indices: only a difference when the tree is the same
         got.decisions = want.decisions.clone();
         got.accepted = vec![0, 2];

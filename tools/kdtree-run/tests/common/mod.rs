@@ -20,7 +20,14 @@ pub fn convert_tiny_with(root: &Path, seed: u64, drafter: bool) -> PathBuf {
 pub fn convert_tiny_ranks(root: &Path, seed: u64, drafter: bool, ranks: usize) -> PathBuf {
     let tag = if drafter { String::new() } else { "-nodrafter".into() };
     let hf = root.join(format!("hf-{seed}{tag}"));
-    let out = root.join(format!("tiny-{seed}{tag}{}", if ranks == 1 { String::new() } else { format!("-r{ranks}") }));
+    let out = root.join(format!(
+        "tiny-{seed}{tag}{}",
+        if ranks == 1 {
+            String::new()
+        } else {
+            format!("-r{ranks}")
+        }
+    ));
     kdtree_convert::synth::write("tiny", &hf, seed, drafter, None).expect("synth tiny");
     kdtree_convert::repack::repack(&kdtree_convert::repack::RepackOptions {
         src: hf.clone(),
@@ -44,7 +51,10 @@ pub fn stable(path: &Path) -> Vec<serde_json::Value> {
         .map(|l| {
             let mut r: serde_json::Value = serde_json::from_str(l).unwrap();
             r.as_object_mut().unwrap().remove("timing");
-            if let Some(b) = r.pointer_mut("/response/body").and_then(serde_json::Value::as_object_mut) {
+            if let Some(b) = r
+                .pointer_mut("/response/body")
+                .and_then(serde_json::Value::as_object_mut)
+            {
                 b.remove("created");
             }
             r
