@@ -344,3 +344,52 @@ fn mla_attention_segments_equal_their_own_launches() {
     }
     println!("PARITY store_rows_seg_bf16(3 caches) vs store_rows_bf16 each: bit-identical");
 }
+
+/// Nodes go in the split kernel's grid y, at most 65535: one more is refused with an error that names the
+/// limit (the launch would otherwise fail with an opaque driver error), and the limit itself runs.
+#[test]
+fn mla_attention_refuses_more_nodes_than_the_grid_holds() {
+    let Some(g) = gpu() else { return };
+    for (t, ok) in [(65535usize, true), (65536, false)] {
+        let s = MlaShape {
+            t,
+            heads: 1,
+            kv_lora: 8,
+            rope: 8,
+            committed: 0,
+        };
+        let split = MlaSplit {
+            splits: 1,
+            rows_per_split: t.next_multiple_of(16),
+        };
+        let (wo, wml) = split.workspace(&s);
+        let dq = g.upload(&vec![bf16::from_f32(0.25); t * 16]).unwrap();
+        let dl = g.upload(&vec![bf16::from_f32(0.5); t * 16]).unwrap();
+        let mut po = g.upload(&nan_f32(wo)).unwrap();
+        let mut pml = g.upload(&nan_f32(wml)).unwrap();
+        let mut out = g.upload(&nan_bf16(t * 8)).unwrap();
+        let r = gpu_mla(
+            &g,
+            &dq.as_view(),
+            &dl.as_view(),
+            None,
+            None,
+            &s,
+            &split,
+            0.25,
+            &mut po.as_view_mut(),
+            &mut pml.as_view_mut(),
+            &mut out.as_view_mut(),
+        );
+        match (ok, r) {
+            (true, Ok(())) => {
+                // causal, every value 0.5: every output is 0.5
+                let got = g.download(&out).unwrap();
+                assert!(got.iter().all(|v| v.to_f32() == 0.5), "T={t}: outputs other than 0.5");
+            }
+            (false, Err(e)) => assert!(e.to_string().contains("grid limit 65535"), "T={t}: {e}"),
+            (ok, r) => panic!("T={t}: expected ok={ok}, got {r:?}"),
+        }
+    }
+    eprintln!("PARITY mla_attention grid limit: 65535 nodes run, 65536 refused exact");
+}

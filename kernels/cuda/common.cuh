@@ -75,4 +75,29 @@ constexpr int INVALID = 0x7fffffff;
 
 __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
+// One step of the online softmax (flash attention) over a chunk of R key rows, one score per lane of R
+// consecutive lanes (a group of a warp): m, l are the running max and sum of e^{s - m} of the query row the
+// group serves. Returns through `a` the factor the running output must be scaled by (e^{m_old - m_new}) and
+// through `p` this lane's row weight e^{s - m_new}. A score of -inf (a masked or missing row) weighs 0; a group
+// that has seen no row keeps m = -inf and a = 1. One definition for every attention kernel (the MLA latent
+// attention and the drafter's GQA), with the fast exponential.
+template <int R>
+__device__ __forceinline__ void online_softmax_step(float sc, float& m, float& l, float& a, float& p) {
+    float cm = sc;
+#pragma unroll
+    for (int off = R / 2; off > 0; off >>= 1) cm = fmaxf(cm, __shfl_xor_sync(FULL_MASK, cm, off, R));
+    const float m_new = fmaxf(m, cm);
+    a = m_new == -INFINITY ? 1.f : __expf(m - m_new);
+    p = sc == -INFINITY ? 0.f : __expf(sc - m_new);
+    float ls = p;
+#pragma unroll
+    for (int off = R / 2; off > 0; off >>= 1) ls += __shfl_xor_sync(FULL_MASK, ls, off, R);
+    l = l * a + ls;
+    m = m_new;
+}
+
+// The log-sum-exp merge weight of a split whose running max is mi, against the largest max M over the splits:
+// e^{mi - M}, and 0 for a split that saw no row (mi = -inf).
+__device__ __forceinline__ float lse_weight(float mi, float M) { return mi != -INFINITY ? __expf(mi - M) : 0.f; }
+
 }  // namespace kdtree

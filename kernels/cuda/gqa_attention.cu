@@ -93,17 +93,8 @@ extern "C" __global__ void __launch_bounds__(256) kdtree_gqa_attention_split_f32
             sc = acc * scale;
         }
         // online softmax over the chunk, per query row (16 consecutive lanes)
-        float cm = sc;
-#pragma unroll
-        for (int off = R / 2; off > 0; off >>= 1) cm = fmaxf(cm, __shfl_xor_sync(kdtree::FULL_MASK, cm, off, R));
-        const float m_new = fmaxf(m, cm);
-        const float a = m_new == -INFINITY ? 1.f : expf(m - m_new);
-        const float p = sc == -INFINITY ? 0.f : expf(sc - m_new);
-        float ls = p;
-#pragma unroll
-        for (int off = R / 2; off > 0; off >>= 1) ls += __shfl_xor_sync(kdtree::FULL_MASK, ls, off, R);
-        l = l * a + ls;
-        m = m_new;
+        float a, p;
+        kdtree::online_softmax_step<R>(sc, m, l, a, p);
 #pragma unroll
         for (int j = 0; j < NJ; j++) o[j] *= a;
         for (int r = 0; r < R; r++) {
@@ -142,7 +133,7 @@ extern "C" __global__ void kdtree_gqa_attention_merge_f32(const float* __restric
     float L = 0.f;
     for (int i = 0; i < splits; i++) {
         const float mi = part_ml[((size_t)i * rows + row) * 2];
-        if (mi != -INFINITY) L += expf(mi - M) * part_ml[((size_t)i * rows + row) * 2 + 1];
+        if (mi != -INFINITY) L += kdtree::lse_weight(mi, M) * part_ml[((size_t)i * rows + row) * 2 + 1];
     }
     const float inv = 1.f / L;
     for (int c = threadIdx.x; c < D; c += blockDim.x) {
@@ -150,7 +141,7 @@ extern "C" __global__ void kdtree_gqa_attention_merge_f32(const float* __restric
         for (int i = 0; i < splits; i++) {
             const size_t pr = (size_t)i * rows + row;
             const float mi = part_ml[pr * 2];
-            if (mi != -INFINITY) acc = fmaf(expf(mi - M), part_o[pr * D + c], acc);
+            if (mi != -INFINITY) acc = fmaf(kdtree::lse_weight(mi, M), part_o[pr * D + c], acc);
         }
         out[row * D + c] = acc * inv;
     }

@@ -12,6 +12,8 @@
 // 4. x[slice] = staging[p][0][b] + staging[p][1][b] + ... (rank order), read through L2 (ld.cg).
 // Reuse is safe with two buffers: a rank writing parity p at epoch e has seen every rank arrive at e - 1,
 // and each of them finished reading epoch e - 2 (parity p) before arriving at e - 1.
+#include <cstdio>  // device printf (the wait diagnostic)
+
 #include "common.cuh"
 
 #define GROUP_BLOCKS 4

@@ -90,17 +90,8 @@ static __device__ __forceinline__ void mla_split(const bf16* __restrict__ qn, co
             sc = acc * scale;
         }
         // online softmax over the chunk, per head (16 consecutive lanes)
-        float cm = sc;
-#pragma unroll
-        for (int off = R / 2; off > 0; off >>= 1) cm = fmaxf(cm, __shfl_xor_sync(kdtree::FULL_MASK, cm, off, R));
-        const float m_new = fmaxf(m, cm);
-        const float a = m_new == -INFINITY ? 1.f : __expf(m - m_new);
-        const float p = sc == -INFINITY ? 0.f : __expf(sc - m_new);
-        float ls = p;
-#pragma unroll
-        for (int off = R / 2; off > 0; off >>= 1) ls += __shfl_xor_sync(kdtree::FULL_MASK, ls, off, R);
-        l = l * a + ls;
-        m = m_new;
+        float a, p;
+        kdtree::online_softmax_step<R>(sc, m, l, a, p);
         ps[sh * R + sr] = p;
         if (sr == 0) alpha_s[sh] = a;
         __syncthreads();
@@ -212,7 +203,7 @@ extern "C" __global__ void kdtree_mla_attention_merge_bf16(const float* __restri
     for (int i = 0; i < (int)(blockDim.x >> 5); i++) M = fmaxf(M, red[i]);
     for (int i = threadIdx.x; i < splits; i += blockDim.x) {
         const float mi = part_ml[row(i) * 2];
-        ws[i] = mi != -INFINITY ? __expf(mi - M) : 0.f;
+        ws[i] = kdtree::lse_weight(mi, M);
         ls[i] = mi != -INFINITY ? part_ml[row(i) * 2 + 1] : 0.f;
     }
     __syncthreads();

@@ -11,6 +11,8 @@ const OP: &str = "mla_attention";
 /// Heads per CTA and latent rows per chunk of the kernel (rows per split are a multiple of this).
 const HEADS_PER_CTA: usize = 16;
 const ROWS_PER_CHUNK: usize = 16;
+/// The largest grid y (and z) dimension a launch may have.
+const GRID_Y_MAX: usize = 65535;
 
 /// Shapes of one MLA attention call on one rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -145,6 +147,11 @@ pub fn mla_attention(
         as_i32(OP, "words", words)?,
         as_i32(OP, "rows_per_split", split.rows_per_split)?,
     );
+    // Nodes go in grid y (at most 65535): a longer forward (a prefill chunk, a batched round's rows) is split by
+    // the caller; past the limit the launch would fail with an opaque driver error, so say it here.
+    ensure(OP, s.t <= GRID_Y_MAX, || {
+        format!("{} nodes in one launch exceed the grid limit {GRID_Y_MAX}", s.t)
+    })?;
     let grid = (split.splits as u32, s.t as u32, s.heads.div_ceil(HEADS_PER_CTA) as u32);
     let null: u64 = 0;
     let mut b = gpu.stream.launch_builder(gpu.func("kdtree_mla_attention_split_bf16"));
@@ -302,6 +309,9 @@ pub fn mla_attention_seg(
         as_i32(OP, "kv_lora", kv_lora)?,
         as_i32(OP, "rope", rope)?,
     );
+    ensure(OP, t <= GRID_Y_MAX, || {
+        format!("{t} rows in one launch exceed the grid limit {GRID_Y_MAX}")
+    })?;
     let grid = (splits as u32, t as u32, heads.div_ceil(HEADS_PER_CTA) as u32);
     let mut b = gpu
         .stream

@@ -96,8 +96,44 @@ pub fn rope_at(
     Ok(())
 }
 
-/// Rows `[row0[0], row0[0] + n)` of `dst` (`[cap, w]` bf16) = `src` `[n, w]` f32 rounded to bf16. The
-/// caller guarantees `row0[0] + n <= cap` (`row0_host` is the host mirror, checked here).
+/// An element type rows can be stored as: bf16 (rounded from f32) or f32 (copied), each its own kernel.
+pub trait StoreElem: cudarc::driver::DeviceRepr {
+    const KERNEL: &'static str;
+}
+impl StoreElem for bf16 {
+    const KERNEL: &'static str = "kdtree_store_rows_bf16";
+}
+impl StoreElem for f32 {
+    const KERNEL: &'static str = "kdtree_store_rows_f32";
+}
+
+/// Rows `[row0[0], row0[0] + n)` of `dst` (`[cap, w]`, bf16 or f32) = `src` `[n, w]` f32 (rounded to bf16
+/// for a bf16 `dst`). The caller guarantees `row0[0] + n <= cap` (`row0_host` is the host mirror, checked
+/// here).
+pub fn store_rows<T: StoreElem>(
+    gpu: &Gpu,
+    dst: &mut CudaViewMut<'_, T>,
+    w: usize,
+    row0: &CudaView<'_, i32>,
+    row0_host: usize,
+    src: &CudaView<'_, f32>,
+    n: usize,
+) -> Result<()> {
+    need_len(OP, "row0", row0.len(), 1)?;
+    need_len(OP, "src", src.len(), n * w)?;
+    need_len(OP, "dst", dst.len(), (row0_host + n) * w)?;
+    if n == 0 || w == 0 {
+        return Ok(());
+    }
+    let (wi, ni) = (as_i32(OP, "w", w)?, as_i32(OP, "n", n)?);
+    let mut b = gpu.stream.launch_builder(gpu.func(T::KERNEL));
+    b.arg(&mut *dst).arg(&wi).arg(row0).arg(src).arg(&ni);
+    // SAFETY: dst holds row0 + n rows of w (checked against the host mirror of row0).
+    unsafe { b.launch(launch_cfg((grid_for(n * w), 1, 1), 256, 0)) }.map_err(drv(OP))?;
+    Ok(())
+}
+
+/// [`store_rows`] into a bf16 `dst`.
 pub fn store_rows_bf16(
     gpu: &Gpu,
     dst: &mut CudaViewMut<'_, bf16>,
@@ -107,21 +143,10 @@ pub fn store_rows_bf16(
     src: &CudaView<'_, f32>,
     n: usize,
 ) -> Result<()> {
-    need_len(OP, "row0", row0.len(), 1)?;
-    need_len(OP, "src", src.len(), n * w)?;
-    need_len(OP, "dst", dst.len(), (row0_host + n) * w)?;
-    if n == 0 || w == 0 {
-        return Ok(());
-    }
-    let (wi, ni) = (as_i32(OP, "w", w)?, as_i32(OP, "n", n)?);
-    let mut b = gpu.stream.launch_builder(gpu.func("kdtree_store_rows_bf16"));
-    b.arg(&mut *dst).arg(&wi).arg(row0).arg(src).arg(&ni);
-    // SAFETY: dst holds row0 + n rows of w (checked against the host mirror of row0).
-    unsafe { b.launch(launch_cfg((grid_for(n * w), 1, 1), 256, 0)) }.map_err(drv(OP))?;
-    Ok(())
+    store_rows(gpu, dst, w, row0, row0_host, src, n)
 }
 
-/// [`store_rows_bf16`] for an f32 `dst`.
+/// [`store_rows`] into an f32 `dst`.
 pub fn store_rows_f32(
     gpu: &Gpu,
     dst: &mut CudaViewMut<'_, f32>,
@@ -131,18 +156,7 @@ pub fn store_rows_f32(
     src: &CudaView<'_, f32>,
     n: usize,
 ) -> Result<()> {
-    need_len(OP, "row0", row0.len(), 1)?;
-    need_len(OP, "src", src.len(), n * w)?;
-    need_len(OP, "dst", dst.len(), (row0_host + n) * w)?;
-    if n == 0 || w == 0 {
-        return Ok(());
-    }
-    let (wi, ni) = (as_i32(OP, "w", w)?, as_i32(OP, "n", n)?);
-    let mut b = gpu.stream.launch_builder(gpu.func("kdtree_store_rows_f32"));
-    b.arg(&mut *dst).arg(&wi).arg(row0).arg(src).arg(&ni);
-    // SAFETY: as store_rows_bf16.
-    unsafe { b.launch(launch_cfg((grid_for(n * w), 1, 1), 256, 0)) }.map_err(drv(OP))?;
-    Ok(())
+    store_rows(gpu, dst, w, row0, row0_host, src, n)
 }
 
 /// `out` `[rows_out, cols]`: row i = row `path[i]` of `x` `[nodes, cols]` for i < the walk's length, zeros
