@@ -81,9 +81,47 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("xxh3.cu", "kdtree_xxh3_finish"),
 ];
 
+/// The kernels/README.md section that lists every exported kernel by file, generated from [`KERNELS`] (the
+/// test `readme_lists_every_kernel` fails when the README's copy is stale and prints the text to paste).
+pub fn kernel_index_markdown() -> String {
+    let mut out = String::from("| .cu | kernels |\n|---|---|\n");
+    let mut files: Vec<&str> = KERNELS.iter().map(|(f, _)| *f).collect();
+    files.dedup();
+    for f in files {
+        let names: Vec<String> = KERNELS
+            .iter()
+            .filter(|(g, _)| *g == f)
+            .map(|(_, n)| format!("`{n}`"))
+            .collect();
+        out.push_str(&format!("| `{f}` | {} |\n", names.join(", ")));
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::KERNELS;
+
+    /// kernels/README.md's generated section equals [`super::kernel_index_markdown`].
+    #[test]
+    fn readme_lists_every_kernel() {
+        let readme =
+            std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap();
+        let (begin, end) = (
+            "<!-- kernel-index:begin (generated: kernels/src/lib.rs kernel_index_markdown) -->\n",
+            "<!-- kernel-index:end -->",
+        );
+        let a = readme.find(begin).expect("README.md has no kernel-index section") + begin.len();
+        let b = readme[a..]
+            .find(end)
+            .expect("README.md's kernel-index section has no end")
+            + a;
+        let want = super::kernel_index_markdown();
+        assert!(
+            readme[a..b] == want,
+            "kernels/README.md's kernel index is stale; the section should read:\n{want}"
+        );
+    }
 
     /// Every listed kernel is defined in the file it names, and every `extern "C" __global__` kernel in
     /// kernels/cuda is listed (macro-generated ones through their `_m##MT` stem).
