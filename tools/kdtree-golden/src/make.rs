@@ -53,6 +53,12 @@ pub fn make_bundle_on(model: &Path, prompts: &Path, out: &Path, a: &Options, dev
         full_logits_steps: a.full_logits_steps,
         trace_step: a.trace_step,
     };
+    // The CPU router's decision margins along every recorded row (the route-flip evidence of `--verify`);
+    // a bundle recorded on another device holds none.
+    let routers = match device {
+        Device::Cpu => Some(crate::score::Routers::of(model)?),
+        _ => None,
+    };
     let mut records = Vec::with_capacity(prompts.len());
     // Every prompt must fit before any work (a late prompt failing after earlier ones ran wastes the run).
     for (id, ids) in &prompts {
@@ -65,14 +71,31 @@ pub fn make_bundle_on(model: &Path, prompts: &Path, out: &Path, a: &Options, dev
         );
     }
     for (i, (id, ids)) in prompts.iter().enumerate() {
-        let (ar, _, traced) = greedy_ar(&mut m.loaded.session(Mode::Ar)?, ids, &ar_opts)?;
+        let (mut ar, _, traced) = greedy_ar(&mut m.loaded.session(Mode::Ar)?, ids, &ar_opts)?;
+        if let Some(routers) = &routers {
+            let f = crate::score::teacher_forced(&mut *m.loaded.target, routers, ids, &ar.tokens)?;
+            let chain: Vec<i32> = (0..f.margins.len() as i32).map(|i| i - 1).collect();
+            ar.router_margins = crate::score::path_min(&f.margins, &chain);
+        }
         let trace = match traced {
             Some((step, position, token, tr)) => Some(trace_record(&tr, step, position, token, info.num_layers)?),
             None => None,
         };
         let (ddtree, extra) = match do_round {
             true => {
-                let r = ddtree_round_record(&mut m.loaded.session(Mode::DDTree { budget: a.budget })?, ids, a.budget)?;
+                let mut r =
+                    ddtree_round_record(&mut m.loaded.session(Mode::DDTree { budget: a.budget })?, ids, a.budget)?;
+                if let Some(routers) = &routers {
+                    let own = crate::score::forward_margins(
+                        &mut *m.loaded.target,
+                        routers,
+                        ids,
+                        &r.tree_tokens,
+                        &r.tree_parents,
+                        Some(&r.verify_logits),
+                    )?;
+                    r.router_margins = crate::score::path_min(&own, &r.tree_parents);
+                }
                 let emitted: Vec<u32> = r.accepted[1..]
                     .iter()
                     .map(|&n| r.tree_tokens[n])

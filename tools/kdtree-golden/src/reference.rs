@@ -166,5 +166,6 @@ pub fn ddtree_round_record(s: &mut Session<'_>, prompt: &[u32], budget: usize) -
         accepted: rec.walk.path.clone(),
         decisions: rec.walk.decisions.clone(),
         bonus: rec.walk.bonus(),
+        router_margins: Vec::new(),
     })
 }

@@ -161,14 +161,14 @@ fn read_input(path: &Path) -> Result<Vec<Input>> {
 }
 
 /// The router facts `route_margin` needs: the constants and each MoE layer's correction bias.
-struct Routers {
+pub(crate) struct Routers {
     router: kdtree_engine::cpu::ops::Router,
     /// (layer, bias) of every MoE layer.
     layers: Vec<(usize, Option<Vec<f32>>)>,
 }
 
 impl Routers {
-    fn of(model: &Path) -> Result<Routers> {
+    pub(crate) fn of(model: &Path) -> Result<Routers> {
         let md = kdtree_formats::ModelDir::open(model).with_context(|| format!("opening model {}", model.display()))?;
         let cfg = kdtree_engine::model::ModelConfig::from_text(md.text_config(), 1)?;
         let mut layers = Vec::new();
@@ -199,14 +199,14 @@ impl Routers {
 
 /// One teacher-forced pass: the CPU's logit rows after `prompt + tokens[..j]` for every j < tokens.len(), and
 /// the router's smallest decision margin of each of those rows' tokens.
-struct Forced {
-    rows: Vec<Vec<f32>>,
-    margins: Vec<f32>,
+pub(crate) struct Forced {
+    pub(crate) rows: Vec<Vec<f32>>,
+    pub(crate) margins: Vec<f32>,
 }
 
 /// A prefill of the prompt (its last row), then one chain forward of the run's tokens but the last (every
 /// row), traced for the router logits.
-fn teacher_forced(t: &mut dyn Target, routers: &Routers, prompt: &[u32], tokens: &[u32]) -> Result<Forced> {
+pub(crate) fn teacher_forced(t: &mut dyn Target, routers: &Routers, prompt: &[u32], tokens: &[u32]) -> Result<Forced> {
     use kdtree_engine::model::TraceData;
     let v = t.info().vocab_size;
     t.reset();
@@ -263,6 +263,75 @@ fn teacher_forced(t: &mut dyn Target, routers: &Routers, prompt: &[u32], tokens:
         }
     }
     Ok(Forced { rows, margins })
+}
+
+/// The CPU router's smallest decision margin (over the MoE layers) of every row of one forward of `tokens`
+/// (parents as `Target::forward`'s: -1 = the committed prefix) after a prefill of `prompt`: the rows of a
+/// DDTree round's tree, as its verify forward sees them (`verify_logits`: that forward's logits, which this one
+/// must equal bit for bit). +inf for a model without MoE layers.
+pub(crate) fn forward_margins(
+    t: &mut dyn Target,
+    routers: &Routers,
+    prompt: &[u32],
+    tokens: &[u32],
+    parents: &[i32],
+    verify_logits: Option<&[f32]>,
+) -> Result<Vec<f32>> {
+    use kdtree_engine::model::TraceData;
+    let chain: Vec<i32> = (0..prompt.len() as i32).map(|i| i - 1).collect();
+    t.reset();
+    t.forward_rows(prompt, &chain, kdtree_engine::api::LogitRows::Last)?;
+    t.commit(&(0..prompt.len()).collect::<Vec<_>>())?;
+    t.start_trace();
+    let out = t.forward(tokens, parents);
+    let trace = t.take_trace().unwrap_or_default();
+    t.reset();
+    let out = out?;
+    if let Some(want) = verify_logits {
+        // The same forward as the round's verify: the same bits, or these are not that forward's rows.
+        ensure!(
+            out.logits.len() == want.len() && out.logits.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "the teacher-forced tree forward's logits differ from the round's verify logits"
+        );
+    }
+    let e = routers.router.n_experts;
+    let mut margins = vec![f32::INFINITY; tokens.len()];
+    for (l, bias) in &routers.layers {
+        let name = format!("layers.{l}.router.logits");
+        let d = trace
+            .tensors
+            .iter()
+            .filter(|x| x.name == name)
+            .find_map(|x| match &x.data {
+                TraceData::F32(d) => Some(d),
+                _ => None,
+            })
+            .with_context(|| format!("the trace of the tree forward holds no {name}"))?;
+        ensure!(
+            d.len() == tokens.len() * e,
+            "{name} holds {} values for {} rows",
+            d.len(),
+            tokens.len()
+        );
+        for (m, lg) in margins.iter_mut().zip(d.chunks(e)) {
+            *m = m.min(kdtree_engine::cpu::ops::route_margin(
+                &routers.router,
+                lg,
+                bias.as_deref(),
+            ));
+        }
+    }
+    Ok(margins)
+}
+
+/// Path minima: entry i = the smallest of `own` over i and its ancestors (`parents`: -1 = a root).
+pub(crate) fn path_min(own: &[f32], parents: &[i32]) -> Vec<f32> {
+    let mut out: Vec<f32> = Vec::with_capacity(own.len());
+    for (i, &m) in own.iter().enumerate() {
+        let up = usize::try_from(parents[i]).ok().filter(|&p| p < i).map(|p| out[p]);
+        out.push(up.map_or(m, |u| u.min(m)));
+    }
+    out
 }
 
 /// (argmax, gap of `chosen`, rank of `chosen`) of one CPU row.
@@ -428,4 +497,21 @@ pub fn score(
             .sum(),
         records,
     })
+}
+
+#[cfg(test)]
+mod path_tests {
+    use super::path_min;
+
+    /// Each entry is the smallest of its own value and its ancestors' (a chain: a running minimum; a tree:
+    /// per branch).
+    #[test]
+    fn path_min_follows_the_parents() {
+        assert_eq!(path_min(&[3.0, 1.0, 2.0, 0.5], &[-1, 0, 1, 2]), [3.0, 1.0, 1.0, 0.5]);
+        assert_eq!(
+            path_min(&[3.0, 1.0, 2.0, 0.5, 4.0], &[-1, 0, 0, 2, 1]),
+            [3.0, 1.0, 2.0, 0.5, 1.0]
+        );
+        assert_eq!(path_min(&[], &[]), Vec::<f32>::new());
+    }
 }

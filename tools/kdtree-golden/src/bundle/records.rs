@@ -99,6 +99,10 @@ impl PromptRecord {
         t.i32("ar.topk_ids", &[n, ar.topk], ids(&ar.topk_ids));
         t.f32("ar.topk_logits", &[n, ar.topk], &ar.topk_logits);
         t.f32("ar.full_logits", &[ar.full_steps, ar.vocab], &ar.full_logits);
+        if !ar.router_margins.is_empty() {
+            ensure!(ar.router_margins.len() == n, "ar router margins do not match {n} steps");
+            t.f32("ar.router_margins", &[n], &ar.router_margins);
+        }
         if let Some(tr) = &self.trace {
             t.i32(
                 "trace.meta",
@@ -167,6 +171,13 @@ impl PromptRecord {
                 d.accepted.iter().map(|&x| x as i64),
             );
             t.i32("ddtree.decisions", &[d.decisions.len()], ids(&d.decisions));
+            if !d.router_margins.is_empty() {
+                ensure!(
+                    d.router_margins.len() == nodes,
+                    "ddtree router margins do not match {nodes} nodes"
+                );
+                t.f32("ddtree.router_margins", &[nodes], &d.router_margins);
+            }
         }
         let meta = HashMap::from([("format".to_string(), FORMAT.to_string())]);
         Ok(safetensors::serialize(
@@ -211,6 +222,10 @@ impl PromptRecord {
             vocab: fshape[1],
             full_steps: fshape[0],
             full_logits,
+            router_margins: match r.has("ar.router_margins") {
+                true => r.f32s("ar.router_margins", Some(&[n]))?.1,
+                false => Vec::new(),
+            },
         };
 
         let trace = if r.has("trace.meta") {
@@ -278,6 +293,10 @@ impl PromptRecord {
                 verify_logits,
                 accepted: accepted.iter().map(|&x| x as usize).collect(),
                 decisions,
+                router_margins: match r.has("ddtree.router_margins") {
+                    true => r.f32s("ddtree.router_margins", Some(&nshape))?.1,
+                    false => Vec::new(),
+                },
             })
         } else {
             None

@@ -18,6 +18,7 @@ fn sample_record(seed: u32) -> PromptRecord {
             vocab: v,
             full_steps: 2,
             full_logits: full,
+            router_margins: vec![0.5, 3.0e-5, f32::INFINITY],
         },
         trace: Some(TraceRecord {
             step: 1,
@@ -56,6 +57,7 @@ fn sample_record(seed: u32) -> PromptRecord {
             accepted: vec![0, 1],
             decisions: vec![4, 7],
             bonus: 7,
+            router_margins: vec![0.25, 0.25, 1.0e-4],
         }),
     }
 }

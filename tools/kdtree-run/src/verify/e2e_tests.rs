@@ -108,18 +108,42 @@ fn values_beyond_the_cuda_tolerances_fail() {
 }
 
 #[test]
-fn a_route_flip_sized_row_is_accepted_and_reported() {
-    let c = check(|r| {
-        let v = r.ar.vocab;
-        let i = (0..v)
-            .find(|&i| i as u32 != r.ar.tokens[2] && !r.ar.topk_row(2).0.contains(&(i as u32)))
-            .unwrap();
-        r.ar.full_logits[2 * v + i] += 1.0;
-    });
+fn a_route_flip_sized_row_is_accepted_only_with_the_bundles_router_evidence() {
+    let flip = |margin: f32| {
+        move |r: &mut PromptRecord| {
+            let v = r.ar.vocab;
+            let i = (0..v)
+                .find(|&i| i as u32 != r.ar.tokens[2] && !r.ar.topk_row(2).0.contains(&(i as u32)))
+                .unwrap();
+            r.ar.full_logits[2 * v + i] += 1.0;
+            // the bundle's CPU router margin on the rows of step 2: a route may flip below 2e-4
+            assert!(r.ar.router_margins.len() > 2, "the CPU bundle records router margins");
+            r.ar.router_margins[2] = margin;
+        }
+    };
+    let c = check(flip(5e-5));
     assert!(c.ok(), "{c:?}");
     assert_eq!(c.notes.len(), 1, "{c:?}");
     assert!(
         c.notes[0].starts_with("ar.full_logits step 2: max |Δ| 1.000e0") && c.notes[0].contains("route flip"),
+        "{c:?}"
+    );
+    // the same row where the CPU's router decided with a margin of 1e-3: no route flip, a mismatch
+    let c = check(flip(1e-3));
+    assert!(
+        c.problems
+            .iter()
+            .any(|p| p.starts_with("ar.full_logits step 2") && p.contains("not a route flip")),
+        "{c:?}"
+    );
+    // and a bundle without margins (recorded before they existed, or on a GPU): strict
+    let c = check(|r| {
+        let v = r.ar.vocab;
+        r.ar.full_logits[2 * v + 1] += 1.0;
+        r.ar.router_margins.clear();
+    });
+    assert!(
+        c.problems.iter().any(|p| p.contains("records no router margins")),
         "{c:?}"
     );
 }
@@ -133,6 +157,9 @@ fn a_greedy_divergence_passes_only_at_a_near_tie_and_stops_the_comparison() {
             let second = r.ar.topk_ids[3 * k + 1];
             r.ar.tokens[3] = second;
             r.ar.topk_logits[3 * k + 1] = r.ar.topk_logits[3 * k] - margin;
+            // the edit moves that logit ~0.5 from the run's: as if a route flipped there (the CPU router's
+            // margin on the row below 2e-4), so that only the token rule is under test
+            r.ar.router_margins[3] = 1e-5;
             // later steps followed another prefix: anything there must not be compared
             r.ar.tokens[5] = (r.ar.tokens[5] + 1) % r.ar.vocab as u32;
             nudge(&mut r.ar.full_logits[4 * r.ar.vocab..], 3.0);

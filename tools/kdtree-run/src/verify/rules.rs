@@ -62,13 +62,17 @@ pub fn greedy(
 
 /// One logit row (`got` vs the bundle's `want`, same length, the ids they are at: top-1 first for a top-k
 /// row) within `t.logits`, or accepted as a route flip (a note) within `t.route_flip` when its argmax is
-/// the bundle's or the bundle's top-2 are within `t.logits`. Err: the problem.
+/// the bundle's or the bundle's top-2 are within `t.logits`, and only with the bundle's evidence: `router`,
+/// the smallest CPU router decision margin over the rows this one depends on (`ar.router_margins`,
+/// `ddtree.router_margins`), below `t.route_flip_margin` (a bundle without margins gives none: strict).
+/// Err: the problem.
 pub fn row(
     cmp: &mut Cmp,
     t: &Tolerances,
     what: &str,
     got: &[f32],
     want: &[f32],
+    router: Option<f32>,
     notes: &mut Vec<String>,
 ) -> Result<(), String> {
     cmp.tol = t.logits;
@@ -83,15 +87,25 @@ pub fn row(
         }
     });
     let same_top = argmax(got) == argmax(want) || margin(want).is_some_and(|m| m <= t.logits);
-    if d <= t.route_flip && same_top {
+    let evidence = router.filter(|&m| m < t.route_flip_margin);
+    if let (true, true, Some(m)) = (d <= t.route_flip, same_top, evidence) {
         notes.push(format!(
-            "{what}: max |Δ| {d:.3e} > {} but within the route-flip tolerance {} with the bundle's argmax: taken as a route flip",
-            t.logits, t.route_flip
+            "{what}: max |Δ| {d:.3e} > {} but within the route-flip tolerance {} with the bundle's argmax, and the CPU \
+             router's decision margin on its rows is {m:.2e} < {}: taken as a route flip",
+            t.logits, t.route_flip, t.route_flip_margin
         ));
         return Ok(());
     }
+    let why = match (router, d <= t.route_flip && same_top) {
+        (_, false) => String::new(),
+        (None, true) => "; not a route flip: the bundle records no router margins (regenerate it)".to_string(),
+        (Some(m), true) => format!(
+            "; not a route flip: the CPU router's smallest decision margin on its rows is {m:.2e} >= {}",
+            t.route_flip_margin
+        ),
+    };
     Err(if same_top {
-        p
+        format!("{p}{why}")
     } else {
         format!("{p}; argmax {} vs bundle {}", argmax(got), argmax(want))
     })
@@ -222,6 +236,7 @@ mod tests {
         layers: 0.1,
         router_weights: 0.1,
         route_flip: 2.0,
+        route_flip_margin: 2e-4,
         near_ties: true,
     };
 
@@ -252,19 +267,35 @@ mod tests {
         };
         let mut notes = Vec::new();
         let want = [5.0, 1.0, 0.0];
-        assert_eq!(row(&mut cmp, &T, "r", &[5.1, 1.0, 0.0], &want, &mut notes), Ok(()));
+        let flip = Some(5e-5); // the bundle's CPU router margin on the row's rows: a route may flip there
+        assert_eq!(
+            row(&mut cmp, &T, "r", &[5.1, 1.0, 0.0], &want, None, &mut notes),
+            Ok(())
+        );
         assert!(notes.is_empty());
-        // beyond the logits tolerance, within the route-flip one, same argmax: accepted with a note
-        assert_eq!(row(&mut cmp, &T, "r", &[6.5, 1.0, 0.5], &want, &mut notes), Ok(()));
-        assert!(notes[0].contains("route flip"), "{notes:?}");
+        // beyond the logits tolerance, within the route-flip one, same argmax, with router evidence: accepted
+        assert_eq!(
+            row(&mut cmp, &T, "r", &[6.5, 1.0, 0.5], &want, flip, &mut notes),
+            Ok(())
+        );
+        assert!(
+            notes[0].contains("route flip") && notes[0].contains("5.00e-5"),
+            "{notes:?}"
+        );
+        // the same row without evidence: a bundle with no margins, or a router margin at or above 2e-4
+        let e = row(&mut cmp, &T, "r", &[6.5, 1.0, 0.5], &want, None, &mut notes).unwrap_err();
+        assert!(e.contains("records no router margins"), "{e}");
+        let e = row(&mut cmp, &T, "r", &[6.5, 1.0, 0.5], &want, Some(2e-4), &mut notes).unwrap_err();
+        assert!(e.contains("2.00e-4 >= 0.0002"), "{e}");
+        assert_eq!(notes.len(), 1);
         // beyond the route-flip tolerance: fails
-        assert!(row(&mut cmp, &T, "r", &[7.5, 1.0, 0.0], &want, &mut notes).is_err());
+        assert!(row(&mut cmp, &T, "r", &[7.5, 1.0, 0.0], &want, flip, &mut notes).is_err());
         // within it but another argmax (no near-tie in the bundle): fails and says so
-        let e = row(&mut cmp, &T, "r", &[5.0, 6.0, 0.0], &want, &mut notes).unwrap_err();
+        let e = row(&mut cmp, &T, "r", &[5.0, 6.0, 0.0], &want, flip, &mut notes).unwrap_err();
         assert!(e.contains("argmax 1 vs bundle 0"), "{e}");
         // the same with a near-tie in the bundle's row: accepted
         assert_eq!(
-            row(&mut cmp, &T, "r", &[5.0, 6.0, 0.0], &[5.0, 4.95, 0.0], &mut notes),
+            row(&mut cmp, &T, "r", &[5.0, 6.0, 0.0], &[5.0, 4.95, 0.0], flip, &mut notes),
             Ok(())
         );
         assert_eq!(cmp.max_delta, 5.0);
