@@ -9,9 +9,11 @@
 
 pub mod backend;
 pub mod comm;
+mod composite;
 mod load;
 pub mod ops;
 pub mod tree;
+pub mod types;
 
 pub use backend::CudaBackend;
 
