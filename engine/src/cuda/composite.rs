@@ -20,12 +20,11 @@ use super::ops::{
 use super::tree::{DMask, DeviceTree};
 use super::types::{DKv, DMat, DRope, DRoutes, DI4};
 use super::{CudaError, Gpu};
-use crate::backend::{Backend, PosOf, RopeTable, VocabShards, WeightRef};
-use crate::cpu::ops::{Fill, MlaDims, Router};
-use crate::ddtree::{TreeResult, Visibility};
-use crate::model::source::Slab;
-use crate::model::weights::{I4Stack, Mat};
-use crate::model::AttnMode;
+use crate::backend::{
+    AttnMode, Compute, Fill, I4Stack, Mat, MlaDims, PosOf, Resources, RopeTable, Router, Slab, TreeOps, Visibility,
+    VocabShards, WeightRef,
+};
+use crate::ddtree::TreeResult;
 use crate::sampling::Sampling;
 
 type R<T> = std::result::Result<T, CudaError>;

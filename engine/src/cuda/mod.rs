@@ -10,9 +10,11 @@
 pub mod backend;
 pub mod comm;
 mod composite;
+mod compute;
 mod load;
 pub mod ops;
 pub mod tree;
+mod tree_ops;
 pub mod types;
 
 pub use backend::CudaBackend;
