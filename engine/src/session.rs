@@ -25,8 +25,8 @@
 //!   [`AutoBudget`] chose from the previous round's popped-node scores (ddtree/cost.rs; restarted at each
 //!   prefill), read back with the walk; [`Emitted::budget`] says which. The tokens are those of any budget.
 //!
-//! One sequence per session; [`crate::Batch`] (session_batch.rs) steps many sessions forked from one model together, through
-//! `Session::batch_item` / `Session::batched` (and `prefill_begin` / `prefill_item` / `prefill_end` for their
+//! One sequence per session; [`crate::Batch`] (session_batch.rs) steps many sessions forked from one model together,
+//! through `Session::batch_item` / `Session::batched` (and `prefill_begin` / `prefill_item` / `prefill_end` for their
 //! prompts), so a batched sequence keeps this bookkeeping.
 
 use crate::api::{

@@ -103,7 +103,7 @@ impl Batch {
         ensure!(slots >= 1, "a batch needs at least one slot");
         let mut sessions = Vec::with_capacity(slots);
         for _ in 0..slots {
-            let t = self
+            let t = model
                 .target
                 .fork()
                 .context("this model's target cannot fork sessions for a batch")?;
@@ -121,7 +121,7 @@ impl Batch {
             sessions.push(Session::new(t, d, mode)?);
         }
         let info = model.target.info();
-        let free = self
+        let free = model
             .target
             .mem_free()
             .map(|f| f.saturating_sub(act_bytes(mode, slots, info.vocab_size, info.hidden_size)));

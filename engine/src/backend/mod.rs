@@ -387,9 +387,9 @@ pub trait TreeOps: Resources {
     /// A tree workspace for `budget` nodes (root excluded), `rows` draft rows, `vocab`, and the top-`k` of each
     /// draft row (`min(budget, vocab)` for DDTree; 1 for the chain: one path of `rows` nodes).
     fn tree_new(&self, budget: usize, rows: usize, vocab: usize, k: usize) -> Result<Self::Tree>;
-    /// Top-K log-probs of `draft`'s rows `[row0, row0 + rows)` (`[.., vocab]`: a batch's drafts stacked), the tree of the root token ([`TreeOps::tree_root`]) and
-    /// its ancestor mask (`ddtree::build_tree`). The tree has `budget + 1` nodes when
-    /// [`crate::ddtree::tree_is_full`] holds.
+    /// Top-K log-probs of `draft`'s rows `[row0, row0 + rows)` (`[.., vocab]`: a batch's drafts stacked), the tree
+    /// of the root token ([`TreeOps::tree_root`]) and its ancestor mask (`ddtree::build_tree`). The tree has
+    /// `budget + 1` nodes when [`crate::ddtree::tree_is_full`] holds.
     fn tree_build(&self, tree: &mut Self::Tree, draft: &Self::Act, row0: usize) -> Result<()>;
     /// Sets the root token (the next round's is the last walk's bonus, set by [`TreeOps::tree_commit`]).
     fn tree_set_root(&self, tree: &mut Self::Tree, root: u32) -> Result<()>;

@@ -7,11 +7,8 @@
 
 use super::cache::LatentCache;
 use super::ops;
-use crate::backend::{
-    AttnMode, Compute, Fill, I4Stack, Mat, MlaDims, PosOf, Resources, RopeTable, Router, Slab, TreeOps, Visibility,
-    VocabShards, WeightRef,
-};
-use crate::ddtree::{build_tree_from_top_k, top_k_log_probs, walk_sampled, DraftTree, Walk};
+use crate::backend::{Fill, I4Stack, Mat, Resources, RopeTable, Slab, Visibility, WeightRef};
+use crate::ddtree::{DraftTree, Walk};
 use anyhow::Result;
 use half::bf16;
 

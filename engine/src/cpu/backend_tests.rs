@@ -1,7 +1,7 @@
 //! Unit tests of the CPU backend (cpu/backend.rs).
 
 use super::*;
-use crate::backend::{Compute, TreeOps};
+use crate::backend::Compute;
 use rand::{Rng, SeedableRng};
 
 fn rand_vec(rng: &mut rand_chacha::ChaCha8Rng, n: usize) -> Vec<f32> {

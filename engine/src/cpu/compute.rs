@@ -1,13 +1,10 @@
 //! The CPU backend's compute ops (`backend::Compute`): each the cpu/ops function named in its body, with the
 //! same arguments in the same order.
 
+use super::backend::{CpuBackend, CpuRoutes};
 use super::cache::LatentCache;
 use super::ops;
-use crate::backend::{
-    AttnMode, Compute, Fill, I4Stack, Mat, MlaDims, PosOf, Resources, RopeTable, Router, Slab, TreeOps, Visibility,
-    VocabShards, WeightRef,
-};
-use crate::ddtree::{build_tree_from_top_k, top_k_log_probs, walk_sampled, DraftTree, Walk};
+use crate::backend::{AttnMode, Compute, I4Stack, Mat, PosOf, RopeTable, Slab, Visibility, VocabShards};
 use anyhow::Result;
 use half::bf16;
 

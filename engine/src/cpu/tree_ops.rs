@@ -1,15 +1,11 @@
 //! The CPU backend's DDTree round (`backend::TreeOps`): the tree, walk and commit of ddtree/ on the host;
 //! the captured round is just the body, run.
 
+use super::backend::{CpuBackend, CpuTree};
 use super::cache::LatentCache;
-use super::ops;
-use crate::backend::{
-    AttnMode, Compute, Fill, I4Stack, Mat, MlaDims, PosOf, Resources, RopeTable, Router, Slab, TreeOps, Visibility,
-    VocabShards, WeightRef,
-};
-use crate::ddtree::{build_tree_from_top_k, top_k_log_probs, walk_sampled, DraftTree, Walk};
+use crate::backend::{TreeOps, Visibility};
+use crate::ddtree::{build_tree_from_top_k, top_k_log_probs, walk_sampled, DraftTree};
 use anyhow::Result;
-use half::bf16;
 
 impl TreeOps for CpuBackend {
     fn tree_new(&self, budget: usize, rows: usize, vocab: usize, k: usize) -> Result<CpuTree> {

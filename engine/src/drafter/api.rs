@@ -1,15 +1,9 @@
 //! [`DFlashDrafter`] as the engine's `api::Drafter`: context, drafting, the device round's pieces.
 
-use super::DFlashDrafter;
+use super::{DFlashDrafter, DrafterDims};
 use crate::api::Drafter;
-use crate::backend::{Backend, PosOf, WeightRef};
-use crate::cpu::{ops, CpuBackend};
-use crate::model::source::Slab;
-use crate::model::weights::{check_upload, expected_xxh3, Mat};
-use anyhow::{bail, ensure, Context, Result};
-use half::bf16;
-use kdtree_formats::config::DrafterConfig;
-use std::sync::Arc;
+use crate::backend::Backend;
+use anyhow::{bail, ensure, Result};
 
 impl<B: Backend> Drafter for DFlashDrafter<B> {
     fn block_size(&self) -> usize {

@@ -1,15 +1,9 @@
 //! The target tables the drafter borrows ([`TargetTables`]: embed_tokens, lm_head): the target's own
 //! vocab-parallel shards, or whole tables in memory ([`DenseTables`], CPU and tests).
 
-use crate::api::Drafter;
-use crate::backend::{Backend, PosOf, WeightRef};
+use crate::backend::Backend;
 use crate::cpu::{ops, CpuBackend};
-use crate::model::source::Slab;
-use crate::model::weights::{check_upload, expected_xxh3, Mat};
-use anyhow::{bail, ensure, Context, Result};
 use half::bf16;
-use kdtree_formats::config::DrafterConfig;
-use std::sync::Arc;
 
 /// The target's token table and LM head, borrowed by the drafter (it has neither of its own).
 pub trait TargetTables<B: Backend = CpuBackend>: Send + Sync {

@@ -13,7 +13,6 @@ use kdtree_formats::config::{DrafterConfig, TextConfig};
 use kdtree_formats::plan::{plan_model, ExpertsMode, Layout, SourceQuant};
 use kdtree_formats::{Dtype, ModelDir, TensorRef};
 use std::collections::HashMap;
-use std::sync::Arc;
 
 /// A set of per-rank tensors under the converted names of interfaces.md.
 ///

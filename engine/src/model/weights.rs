@@ -16,9 +16,8 @@ use super::source::{expect, expect_split, Slab, TensorSource};
 use crate::backend::{Backend, VocabShards, WeightRef};
 pub use crate::backend::{I4Stack, Mat};
 use crate::cpu::ops::Fill;
-use crate::cpu::{ops, CpuBackend};
+use crate::cpu::CpuBackend;
 use anyhow::{bail, ensure, Context, Result};
-use half::bf16;
 use kdtree_formats::{Dtype, TensorRef};
 use std::sync::Arc;
 
@@ -160,9 +159,9 @@ impl<B: Backend> Ld<'_, B> {
             }
         }
     }
-    /// The load check ([`crate::backend::Resources::checks_weights`]): part `part` of the uploaded `w`'s bytes, hashed where the
-    /// ops read them, against the manifest's xxh3-64 of `t` (a source without checksums: the host bytes' own).
-    /// A difference names the tensor, the rank and both values.
+    /// The load check ([`crate::backend::Resources::checks_weights`]): part `part` of the uploaded `w`'s bytes,
+    /// hashed where the ops read them, against the manifest's xxh3-64 of `t` (a source without checksums: the host
+    /// bytes' own). A difference names the tensor, the rank and both values.
     fn check(&self, name: &str, t: &TensorRef<'_>, w: WeightRef<'_, B>, part: usize) -> Result<()> {
         check_upload(
             self.b,
@@ -271,8 +270,9 @@ pub(crate) fn expected_xxh3(t: &TensorRef<'_>) -> (u64, &'static str) {
     }
 }
 
-/// The load check ([`crate::backend::Resources::checks_weights`]; off: nothing): part `part` of the uploaded `w`'s bytes, hashed
-/// where the ops read them, against `want` (`of` says what it is). A difference names `what` and both values.
+/// The load check ([`crate::backend::Resources::checks_weights`]; off: nothing): part `part` of the uploaded `w`'s
+/// bytes, hashed where the ops read them, against `want` (`of` says what it is). A difference names `what` and both
+/// values.
 /// The one check of every loader (the target's `Ld`, the drafter's shards and gathered tensors).
 pub(crate) fn check_upload<B: Backend>(
     b: &B,

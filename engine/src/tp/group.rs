@@ -1,19 +1,13 @@
 //! The run's `Target` / `Drafter` / `BatchOps` ([`TpTarget`], [`TpDrafter`], [`TpBatchOps`]): each call
 //! forwarded to every group's session, the results compared across groups (bitwise), group 0's returned.
 
-use super::pool::{GroupState, Job, Pool, Prefilled};
+use super::pool::{GroupState, Pool, Prefilled};
 use crate::api::{
     BatchItem, BatchOps, BatchOut, DeviceRound, Drafter, LogitRows, PrefillItem, StepKind, StepOut, Target, TargetInfo,
 };
-use crate::model::open::{Loaded, OpenOptions};
-use crate::model::source::TensorSource;
 use crate::sampling::Sampling;
-use anyhow::{anyhow, bail, ensure, Context, Result};
-use std::collections::HashMap;
-use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use anyhow::{bail, Context, Result};
+use std::sync::Arc;
 
 pub(super) fn eq<T: PartialEq>(a: &T, b: &T) -> bool {
     a == b
@@ -81,7 +75,7 @@ impl TpTarget {
 }
 
 impl Drop for TpTarget {
-    pub(super) fn drop(&mut self) {
+    fn drop(&mut self) {
         let id = self.id;
         if id != 0 {
             self.pool.all_or_poison("drop a target session", move |st| {
@@ -98,24 +92,24 @@ pub(super) fn flip<T>(r: Option<Result<T>>) -> Result<Option<T>> {
 }
 
 impl Target for TpTarget {
-    pub(super) fn info(&self) -> &TargetInfo {
+    fn info(&self) -> &TargetInfo {
         &self.info
     }
-    pub(super) fn committed(&self) -> usize {
+    fn committed(&self) -> usize {
         self.committed
     }
-    pub(super) fn forward_rows(&mut self, tokens: &[u32], parents: &[i32], rows: LogitRows) -> Result<StepOut> {
+    fn forward_rows(&mut self, tokens: &[u32], parents: &[i32], rows: LogitRows) -> Result<StepOut> {
         let (tokens, parents) = (tokens.to_vec(), parents.to_vec());
         self.call("forward", same_out, move |t| t.forward_rows(&tokens, &parents, rows))
     }
-    pub(super) fn commit(&mut self, path: &[usize]) -> Result<()> {
+    fn commit(&mut self, path: &[usize]) -> Result<()> {
         let path = path.to_vec();
         self.call("commit", eq, move |t| t.commit(&path))
     }
-    pub(super) fn truncate(&mut self, len: usize) -> Result<()> {
+    fn truncate(&mut self, len: usize) -> Result<()> {
         self.call("truncate", eq, move |t| t.truncate(len))
     }
-    pub(super) fn reset(&mut self) {
+    fn reset(&mut self) {
         let id = self.id;
         self.pool.all_or_poison("reset", move |st| {
             st.target(id)?.reset();
@@ -123,10 +117,10 @@ impl Target for TpTarget {
         });
         self.committed = 0;
     }
-    pub(super) fn reserve(&mut self, rows: usize) -> Result<()> {
+    fn reserve(&mut self, rows: usize) -> Result<()> {
         self.call("reserve", eq, move |t| t.reserve(rows))
     }
-    pub(super) fn start_trace(&mut self) {
+    fn start_trace(&mut self) {
         let id = self.id;
         self.pool.all_or_poison("start a trace", move |st| {
             st.target(id)?.start_trace();
@@ -134,7 +128,7 @@ impl Target for TpTarget {
         });
     }
     /// Group 0's recording (every group records the same replicated values; rank-split tensors are its own).
-    pub(super) fn take_trace(&mut self) -> Option<crate::model::Trace> {
+    fn take_trace(&mut self) -> Option<crate::model::Trace> {
         let id = self.id;
         self.pool
             .all("take a trace", move |st| Ok(st.target(id)?.take_trace()))
@@ -143,7 +137,7 @@ impl Target for TpTarget {
             .next()
             .flatten()
     }
-    pub(super) fn device_round(
+    fn device_round(
         &mut self,
         drafter: &mut dyn Drafter,
         root: u32,
@@ -157,12 +151,7 @@ impl Target for TpTarget {
         });
         settle(self, d, r)
     }
-    pub(super) fn device_chain(
-        &mut self,
-        drafter: &mut dyn Drafter,
-        root: u32,
-        s: &Sampling,
-    ) -> Option<Result<DeviceRound>> {
+    fn device_chain(&mut self, drafter: &mut dyn Drafter, root: u32, s: &Sampling) -> Option<Result<DeviceRound>> {
         let d = drafter.as_any_mut()?.downcast_mut::<TpDrafter>()?;
         let (tid, did, s) = (self.id, d.id, s.clone());
         let r = paired(&self.pool, "chain round", tid, did, move |t, d| {
@@ -170,12 +159,12 @@ impl Target for TpTarget {
         });
         settle(self, d, r)
     }
-    pub(super) fn device_step(&mut self, root: u32, s: &Sampling) -> Option<Result<u32>> {
+    fn device_step(&mut self, root: u32, s: &Sampling) -> Option<Result<u32>> {
         let s = s.clone();
         self.call("AR step", eq, move |t| flip(t.device_step(root, &s)))
             .transpose()
     }
-    pub(super) fn fork(&self) -> Option<Box<dyn Target>> {
+    fn fork(&self) -> Option<Box<dyn Target>> {
         let (id, new) = (self.id, self.pool.new_id());
         let forked = self.pool.agreed("fork a target session", eq, move |st| {
             let f = st.target(id)?.fork();
@@ -196,7 +185,7 @@ impl Target for TpTarget {
             _ => None,
         }
     }
-    pub(super) fn batch_ops(&self) -> Option<Box<dyn BatchOps>> {
+    fn batch_ops(&self) -> Option<Box<dyn BatchOps>> {
         let (id, new) = (self.id, self.pool.new_id());
         let made = self.pool.agreed("batch ops", eq, move |st| {
             let o = st.target(id)?.batch_ops();
@@ -214,13 +203,13 @@ impl Target for TpTarget {
             _ => None,
         }
     }
-    pub(super) fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         Some(self)
     }
-    pub(super) fn kv_row_bytes(&self) -> usize {
+    fn kv_row_bytes(&self) -> usize {
         self.row_bytes
     }
-    pub(super) fn release(&mut self) {
+    fn release(&mut self) {
         let id = self.id;
         self.pool.all_or_poison("release", move |st| {
             st.target(id)?.release();
@@ -228,7 +217,7 @@ impl Target for TpTarget {
         });
         self.committed = 0;
     }
-    pub(super) fn mem_free(&self) -> Option<usize> {
+    fn mem_free(&self) -> Option<usize> {
         // Each group's free memory; groups sharing a device share what it has free.
         let id = self.id;
         let free = self
@@ -318,7 +307,7 @@ impl TpDrafter {
 }
 
 impl Drop for TpDrafter {
-    pub(super) fn drop(&mut self) {
+    fn drop(&mut self) {
         let id = self.id;
         if id != 0 {
             self.pool.all_or_poison("drop a drafter session", move |st| {
@@ -330,27 +319,27 @@ impl Drop for TpDrafter {
 }
 
 impl Drafter for TpDrafter {
-    pub(super) fn block_size(&self) -> usize {
+    fn block_size(&self) -> usize {
         self.block
     }
-    pub(super) fn context_len(&self) -> usize {
+    fn context_len(&self) -> usize {
         self.ctx_len
     }
-    pub(super) fn extend_context(&mut self, taps: &[f32], n: usize) -> Result<()> {
+    fn extend_context(&mut self, taps: &[f32], n: usize) -> Result<()> {
         let taps = taps.to_vec();
         self.call("drafter context", eq, move |d| d.extend_context(&taps, n))
     }
-    pub(super) fn draft(&mut self, bonus: u32, start: usize) -> Result<Vec<f32>> {
+    fn draft(&mut self, bonus: u32, start: usize) -> Result<Vec<f32>> {
         self.call(
             "draft",
             |a: &Vec<f32>, b| same_f32(a, b),
             move |d| d.draft(bonus, start),
         )
     }
-    pub(super) fn truncate_context(&mut self, len: usize) -> Result<()> {
+    fn truncate_context(&mut self, len: usize) -> Result<()> {
         self.call("drafter truncate", eq, move |d| d.truncate_context(len))
     }
-    pub(super) fn reset(&mut self) {
+    fn reset(&mut self) {
         let id = self.id;
         self.pool.all_or_poison("drafter reset", move |st| {
             st.drafter(id)?.reset();
@@ -358,17 +347,17 @@ impl Drafter for TpDrafter {
         });
         self.ctx_len = 0;
     }
-    pub(super) fn reserve(&mut self, rows: usize) {
+    fn reserve(&mut self, rows: usize) {
         let id = self.id;
         self.pool.all_or_poison("drafter reserve", move |st| {
             st.drafter(id)?.reserve(rows);
             Ok(())
         });
     }
-    pub(super) fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         Some(self)
     }
-    pub(super) fn fork(&self) -> Option<Box<dyn Drafter>> {
+    fn fork(&self) -> Option<Box<dyn Drafter>> {
         let (id, new) = (self.id, self.pool.new_id());
         let forked = self.pool.agreed("fork a drafter session", eq, move |st| {
             let f = st.drafter(id)?.fork();
@@ -389,10 +378,10 @@ impl Drafter for TpDrafter {
             _ => None,
         }
     }
-    pub(super) fn ctx_row_bytes(&self) -> usize {
+    fn ctx_row_bytes(&self) -> usize {
         self.row_bytes
     }
-    pub(super) fn release(&mut self) {
+    fn release(&mut self) {
         let id = self.id;
         self.pool.all_or_poison("drafter release", move |st| {
             st.drafter(id)?.release();
@@ -527,7 +516,7 @@ pub struct TpBatchOps {
 }
 
 impl Drop for TpBatchOps {
-    pub(super) fn drop(&mut self) {
+    fn drop(&mut self) {
         let id = self.id;
         self.pool.all_or_poison("drop batch ops", move |st| {
             st.ops.remove(&id);
@@ -548,7 +537,7 @@ pub(super) fn refresh(items: &mut [BatchItem<'_>], lens: &[(usize, Option<usize>
 }
 
 impl BatchOps for TpBatchOps {
-    pub(super) fn can_batch(&mut self, item: &mut BatchItem<'_>) -> bool {
+    fn can_batch(&mut self, item: &mut BatchItem<'_>) -> bool {
         let Ok(s) = spec(item) else { return false };
         let ops = self.id;
         let r = self.pool.agreed("can batch", eq, move |st| {
@@ -560,7 +549,7 @@ impl BatchOps for TpBatchOps {
             Err(_) => false,
         }
     }
-    pub(super) fn step(&mut self, items: &mut [BatchItem<'_>]) -> Result<Vec<BatchOut>> {
+    fn step(&mut self, items: &mut [BatchItem<'_>]) -> Result<Vec<BatchOut>> {
         let specs = items.iter_mut().map(spec).collect::<Result<Vec<_>>>()?;
         let ops = self.id;
         let (out, lens) = self.pool.agreed("batched step", eq, move |st| {
@@ -570,7 +559,7 @@ impl BatchOps for TpBatchOps {
         refresh(items, &lens)?;
         Ok(out)
     }
-    pub(super) fn prefill(&mut self, items: &mut [PrefillItem<'_>]) -> Result<Vec<Vec<f32>>> {
+    fn prefill(&mut self, items: &mut [PrefillItem<'_>]) -> Result<Vec<Vec<f32>>> {
         let mut specs = Vec::with_capacity(items.len());
         for it in items.iter_mut() {
             let target = tp_target(it.target)?.id;

@@ -2,18 +2,12 @@
 //! and, on GPUs, each group's device and communicator (one-GPU rendezvous or NCCL) before the loads.
 
 use super::pool::{start, GroupInit, Sessions};
-use crate::api::{
-    BatchItem, BatchOps, BatchOut, DeviceRound, Drafter, LogitRows, PrefillItem, StepKind, StepOut, Target, TargetInfo,
-};
+use crate::api::{Drafter, Target};
 use crate::model::open::{Loaded, OpenOptions};
 use crate::model::source::TensorSource;
-use crate::sampling::Sampling;
-use anyhow::{anyhow, bail, ensure, Context, Result};
-use std::collections::HashMap;
+use anyhow::{ensure, Context, Result};
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 /// Where the groups of a run go.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -88,7 +82,7 @@ pub fn open_tp_gpus(
     let r = match place {
         Placement::SharedGpu(o) => cuda_groups(src, ranges, o, None, Some(needed), opts),
         Placement::Gpus(o) => cuda_groups(src, ranges, o[0], Some(o), Some(needed), opts),
-        Placement::Cpu => bail!("open_tp_gpus: the CPU placement has no GPUs"),
+        Placement::Cpu => anyhow::bail!("open_tp_gpus: the CPU placement has no GPUs"),
     };
     r.with_context(|| format!("loading {} as {groups} tensor-parallel groups", dir.display()))
 }

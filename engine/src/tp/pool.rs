@@ -2,15 +2,10 @@
 //! group and returns the run's target and drafter; a call runs on every group at once, results in group order.
 
 use super::group::{TpDrafter, TpTarget};
-use crate::api::{
-    BatchItem, BatchOps, BatchOut, DeviceRound, Drafter, LogitRows, PrefillItem, StepKind, StepOut, Target, TargetInfo,
-};
-use crate::model::open::{Loaded, OpenOptions};
-use crate::model::source::TensorSource;
-use crate::sampling::Sampling;
+use crate::api::{BatchOps, Drafter, Target};
+use crate::model::open::Loaded;
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use std::collections::HashMap;
-use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
@@ -184,7 +179,7 @@ impl Pool {
 }
 
 impl Drop for Pool {
-    pub(super) fn drop(&mut self) {
+    fn drop(&mut self) {
         self.senders.clear();
         for t in self.threads.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
             let _ = t.join();
