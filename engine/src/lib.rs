@@ -16,6 +16,7 @@ pub mod ddtree;
 pub mod drafter;
 pub mod generate;
 pub mod model;
+pub mod options;
 pub mod sampling;
 pub mod session;
 pub mod session_batch;
@@ -25,5 +26,6 @@ pub use model::open::{open, open_cpu, open_with, CpuModel, Device, Loaded, OpenO
 #[cfg(feature = "cuda")]
 pub use model::open::{open_cuda_on, open_cuda_with};
 pub use model::AttnMode;
+pub use options::GpuOptions;
 pub use session::{Emitted, Mode, ProbeSet, Probes, RoundRecord, Session};
 pub use session_batch::{Admit, Batch, KvBudget, KvTooLarge};

@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, PushKernelArg};
 
-use super::{CudaError, Gpu, Result};
+use super::{CudaError, Gpu, GpuOptions, Result};
 
 /// Sums a GPU's rank partial over the GPUs of a run.
 pub trait Communicator: Send + Sync {
@@ -192,7 +192,11 @@ impl Nccl {
             op: "nccl",
             msg: format!("ncclCommInitAll over {} GPUs: {e:?}", gpus.len()),
         })?;
-        let gate = LaunchGate::new(gpus.len(), gate_timeout());
+        // Every GPU of a run is opened with the same switches: the first one's say how long a gate waits.
+        let wait = gpus
+            .first()
+            .map_or(GpuOptions::default().gate_timeout, |g| g.options().gate_timeout);
+        let gate = LaunchGate::new(gpus.len(), wait);
         Ok(comms
             .into_iter()
             .map(|comm| Nccl {
@@ -239,27 +243,6 @@ impl Communicator for Nccl {
 pub const GROUP_BLOCKS: usize = 4;
 /// Floats one block stages per launch; a larger buffer is summed in several launches.
 const GROUP_CAP: usize = 131072;
-/// How long a rank waits for the others inside a sum before the kernel traps (an error, not a hang).
-const GROUP_TIMEOUT_NS: u64 = 20_000_000_000;
-
-/// [`GROUP_TIMEOUT_NS`], or `KDTREE_GROUP_TIMEOUT_S` seconds.
-fn sum_timeout_ns() -> u64 {
-    std::env::var("KDTREE_GROUP_TIMEOUT_S")
-        .ok()
-        .and_then(|v| v.parse::<f64>().ok())
-        .filter(|s| *s > 0.0)
-        .map_or(GROUP_TIMEOUT_NS, |s| (s * 1e9) as u64)
-}
-
-/// How long a rank waits at a [`LaunchGate`] for the others (`KDTREE_GATE_TIMEOUT_S`, default 60).
-fn gate_timeout() -> std::time::Duration {
-    let s = std::env::var("KDTREE_GATE_TIMEOUT_S")
-        .ok()
-        .and_then(|v| v.parse::<f64>().ok())
-        .filter(|s| *s > 0.0)
-        .unwrap_or(60.0);
-    std::time::Duration::from_secs_f64(s)
-}
 
 /// The one-GPU communicator: `world` ranks on one GPU, each its own [`Gpu`] (stream, graphs) and thread, meeting
 /// in device memory: two staging buffers of `world` x [`GROUP_BLOCKS`] x [`GROUP_CAP`] floats, and per rank and
@@ -292,8 +275,8 @@ impl SharedGpu {
             staging,
             flags,
             epochs,
-            gate: LaunchGate::new(world, gate_timeout()),
-            timeout_ns: sum_timeout_ns(),
+            gate: LaunchGate::new(world, gpu.options().gate_timeout),
+            timeout_ns: gpu.options().group_timeout.as_nanos() as u64,
         });
         Ok((0..world).map(|rank| SharedRank { group: g.clone(), rank }).collect())
     }

@@ -94,6 +94,9 @@ pub struct OpenOptions {
     /// Leave the drafter out even when the directory holds one (an autoregressive run never drafts: its
     /// weights need neither the load time nor the memory).
     pub no_drafter: bool,
+    /// The GPU's switches (CUDA graphs, poisoned outputs, ...) where a GPU is opened: the tools pass
+    /// `GpuOptions::from_env()`; the default is a run with none of the `KDTREE_*` switches set.
+    pub gpu: crate::options::GpuOptions,
 }
 
 /// A converted model on the CPU reference backend, with its concrete types (the golden tool needs
@@ -122,9 +125,9 @@ pub fn open(dir: &Path, device: Device) -> Result<Loaded> {
 pub fn open_with(dir: &Path, device: Device, opts: OpenOptions) -> Result<Loaded> {
     #[cfg(feature = "cuda")]
     match device {
-        Device::Cuda => return open_cuda(dir, crate::cuda::Gpu::new(0)?, opts),
+        Device::Cuda => return open_cuda(dir, crate::cuda::Gpu::new(0, opts.gpu)?, opts),
         Device::Auto => {
-            if let Ok(gpu) = crate::cuda::Gpu::new(0) {
+            if let Ok(gpu) = crate::cuda::Gpu::new(0, opts.gpu) {
                 return open_cuda(dir, gpu, opts);
             }
         }
@@ -297,9 +300,9 @@ pub fn open_dummy(src: DummySource, device: Device, opts: OpenOptions) -> Result
 fn open_dummy_inner(src: DummySource, device: Device, opts: OpenOptions) -> Result<Loaded> {
     #[cfg(feature = "cuda")]
     match device {
-        Device::Cuda => return open_dummy_cuda_on(src, Arc::new(crate::cuda::Gpu::new(0)?)),
+        Device::Cuda => return open_dummy_cuda_on(src, Arc::new(crate::cuda::Gpu::new(0, opts.gpu)?)),
         Device::Auto => {
-            if let Ok(gpu) = crate::cuda::Gpu::new(0) {
+            if let Ok(gpu) = crate::cuda::Gpu::new(0, opts.gpu) {
                 return open_dummy_cuda_on(src, Arc::new(gpu));
             }
         }

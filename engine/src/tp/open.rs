@@ -2,12 +2,18 @@
 //! and, on GPUs, each group's device and communicator (one-GPU rendezvous or NCCL) before the loads.
 
 use super::pool::{start, GroupInit, Sessions};
-use crate::api::{Drafter, Target};
+use crate::api::{
+    BatchItem, BatchOps, BatchOut, DeviceRound, Drafter, LogitRows, PrefillItem, StepKind, StepOut, Target, TargetInfo,
+};
 use crate::model::open::{Loaded, OpenOptions};
 use crate::model::source::TensorSource;
-use anyhow::{ensure, Context, Result};
+use crate::sampling::Sampling;
+use anyhow::{anyhow, bail, ensure, Context, Result};
+use std::collections::HashMap;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
 
 /// Where the groups of a run go.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -82,7 +88,7 @@ pub fn open_tp_gpus(
     let r = match place {
         Placement::SharedGpu(o) => cuda_groups(src, ranges, o, None, Some(needed), opts),
         Placement::Gpus(o) => cuda_groups(src, ranges, o[0], Some(o), Some(needed), opts),
-        Placement::Cpu => anyhow::bail!("open_tp_gpus: the CPU placement has no GPUs"),
+        Placement::Cpu => bail!("open_tp_gpus: the CPU placement has no GPUs"),
     };
     r.with_context(|| format!("loading {} as {groups} tensor-parallel groups", dir.display()))
 }
@@ -114,7 +120,14 @@ pub fn open_tp_source(
                 })
                 .collect();
             let g2 = group.clone();
-            start(inits, 1, Box::new(move |why| g2.abort(why)), "cpu", "cpu".into())
+            start(
+                inits,
+                1,
+                Box::new(move |why| g2.abort(why)),
+                "cpu",
+                "cpu".into(),
+                opts.gpu.tp_trace,
+            )
         }
         #[cfg(feature = "cuda")]
         Placement::SharedGpu(ordinal) => cuda_groups(src, ranges, ordinal, None, needed, opts).map(|r| r.0),
@@ -173,18 +186,11 @@ fn cuda_groups(
     if let Some(o) = &gpus {
         ensure!(o.len() == groups, "{} GPUs for {groups} groups", o.len());
     }
-    // Lazy module loading (CUDA's default) loads a kernel on its first launch and synchronises the device to do
-    // so: a group waiting inside a sum for another group that is loading a kernel would never finish. The
-    // variable is read when CUDA starts, so it must be set before (kdtree-run sets it for runs of several groups).
-    ensure!(
-        groups == 1 || std::env::var("CUDA_MODULE_LOADING").as_deref() == Ok("EAGER"),
-        "{groups} rank groups need CUDA_MODULE_LOADING=EAGER set before the first CUDA call (lazy loading synchronises the device when a kernel first runs, which deadlocks groups that meet inside their kernels)"
-    );
     // Each group's GPU and communicator first (NCCL is initialised over all of them at once), then the loads in
     // parallel on the groups' threads.
     let devs: Vec<Arc<Gpu>> = match &gpus {
         None => (0..groups)
-            .map(|_| Gpu::new(ordinal).map(Arc::new))
+            .map(|_| Gpu::new(ordinal, opts.gpu).map(Arc::new))
             .collect::<std::result::Result<_, _>>()?,
         Some(o) => {
             let mut seen = o.clone();
@@ -195,10 +201,18 @@ fn cuda_groups(
                 "GPUs {o:?} are not distinct (several groups on one GPU: the shared-GPU communicator)"
             );
             o.iter()
-                .map(|&i| Gpu::new(i).map(Arc::new))
+                .map(|&i| Gpu::new(i, opts.gpu).map(Arc::new))
                 .collect::<std::result::Result<_, _>>()?
         }
     };
+    // Lazy module loading (CUDA's default) loads a kernel on its first launch and synchronises the device to do
+    // so: a group waiting inside a sum for another group that is loading a kernel would never finish. CUDA reads
+    // `CUDA_MODULE_LOADING` when it starts, so a tool sets it before (kdtree-run does for runs of several
+    // groups); the driver says what it decided.
+    ensure!(
+        groups == 1 || devs[0].eager_module_loading()?,
+        "{groups} rank groups need CUDA_MODULE_LOADING=EAGER set before the first CUDA call (lazy loading synchronises the device when a kernel first runs, which deadlocks groups that meet inside their kernels)"
+    );
     let comms: Vec<Arc<dyn Communicator>> = match &gpus {
         None => SharedGpu::ranks(&devs[0], groups)?
             .into_iter()
@@ -259,5 +273,5 @@ fn cuda_groups(
     // A failed group wakes the others waiting at a launch gate (those waiting inside a device-side sum trap on
     // its timeout).
     let abort = Box::new(move |why: &str| aborts.iter().for_each(|c| c.abort(why)));
-    Ok((start(inits, per_device, abort, "cuda", name)?, keep))
+    Ok((start(inits, per_device, abort, "cuda", name, opts.gpu.tp_trace)?, keep))
 }

@@ -61,7 +61,7 @@ pub(super) struct Pool {
     pub(super) poisoned: Mutex<Option<String>>,
     /// Groups sharing one device (its free memory is theirs together).
     pub(super) per_device: usize,
-    /// Log each group's calls (`KDTREE_TP_TRACE=1`, read once).
+    /// Log each group's calls (`GpuOptions::tp_trace`).
     pub(super) trace: bool,
 }
 
@@ -191,13 +191,15 @@ impl Drop for Pool {
 pub type GroupInit = Box<dyn FnOnce() -> Result<Sessions> + Send>;
 
 /// Start one thread per group (each runs its `init`, then serves calls), then the run's target and drafter.
-/// `per_device`: groups sharing one device. `abort`: wakes groups stuck in a collective when one fails.
+/// `per_device`: groups sharing one device. `abort`: wakes groups stuck in a collective when one fails. `trace`:
+/// log each group's calls on stderr (`GpuOptions::tp_trace`).
 pub fn start(
     inits: Vec<GroupInit>,
     per_device: usize,
     abort: Box<dyn Fn(&str) + Send + Sync>,
     backend: &str,
     device: String,
+    trace: bool,
 ) -> Result<Loaded> {
     let groups = inits.len();
     ensure!(groups >= 1, "no groups");
@@ -259,7 +261,7 @@ pub fn start(
         abort,
         poisoned: Mutex::new(None),
         per_device: per_device.max(1),
-        trace: std::env::var("KDTREE_TP_TRACE").is_ok_and(|v| v == "1"),
+        trace,
     });
     if let Some(e) = first_err {
         return Err(e);
