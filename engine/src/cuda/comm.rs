@@ -343,6 +343,67 @@ impl Communicator for SharedRank {
     }
 }
 
+/// The GPUs and communicators of `groups` tensor-parallel rank groups (engine/src/tp): every group on GPU `ordinal`
+/// (the one-GPU communicator, [`SharedGpu`]) or group g on `gpus[g]` (NCCL, [`Nccl::group`]), each GPU opened with
+/// `opts` and given its communicator. Returns the GPUs and the communicators (to wake the other groups when one
+/// fails).
+#[allow(clippy::type_complexity)]
+pub fn open_groups(
+    groups: usize,
+    ordinal: usize,
+    gpus: Option<&[usize]>,
+    opts: GpuOptions,
+) -> anyhow::Result<(Vec<Arc<Gpu>>, Vec<Arc<dyn Communicator>>)> {
+    use anyhow::ensure;
+    let devs: Vec<Arc<Gpu>> = match gpus {
+        None => (0..groups)
+            .map(|_| Gpu::new(ordinal, opts).map(Arc::new))
+            .collect::<std::result::Result<_, _>>()?,
+        Some(o) => {
+            let mut seen = o.to_vec();
+            seen.sort_unstable();
+            seen.dedup();
+            ensure!(
+                seen.len() == o.len(),
+                "GPUs {o:?} are not distinct (several groups on one GPU: the shared-GPU communicator)"
+            );
+            o.iter()
+                .map(|&i| Gpu::new(i, opts).map(Arc::new))
+                .collect::<std::result::Result<_, _>>()?
+        }
+    };
+    // Lazy module loading (CUDA's default) loads a kernel on its first launch and synchronises the device to do
+    // so: a group waiting inside a sum for another group that is loading a kernel would never finish. CUDA reads
+    // `CUDA_MODULE_LOADING` when it starts, so a tool sets it before (kdtree-run does for runs of several
+    // groups); the driver says what it decided.
+    ensure!(
+        groups == 1 || devs[0].eager_module_loading()?,
+        "{groups} rank groups need CUDA_MODULE_LOADING=EAGER set before the first CUDA call (lazy loading synchronises the device when a kernel first runs, which deadlocks groups that meet inside their kernels)"
+    );
+    let comms: Vec<Arc<dyn Communicator>> = match gpus {
+        None => SharedGpu::ranks(&devs[0], groups)?
+            .into_iter()
+            .map(|c| Arc::new(c) as Arc<dyn Communicator>)
+            .collect(),
+        Some(_) => Nccl::group(&devs.iter().map(|g| &**g).collect::<Vec<_>>())?
+            .into_iter()
+            .map(|c| Arc::new(c) as Arc<dyn Communicator>)
+            .collect(),
+    };
+    for (g, c) in devs.iter().zip(comms.clone()) {
+        g.set_comm(c);
+        g.set_drain_copies(groups > 1);
+    }
+    if gpus.is_none() && groups > 1 {
+        devs[0].pool_for_groups()?;
+        // Up to GROUP_BLOCKS SMs per group partly held by a waiting sum: cuBLAS plans for the rest.
+        for g in &devs {
+            g.set_blas_sms(g.sms.saturating_sub(groups * GROUP_BLOCKS))?;
+        }
+    }
+    Ok((devs, comms))
+}
+
 #[cfg(test)]
 mod tests {
     use super::LaunchGate;

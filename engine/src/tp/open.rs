@@ -2,18 +2,12 @@
 //! and, on GPUs, each group's device and communicator (one-GPU rendezvous or NCCL) before the loads.
 
 use super::pool::{start, GroupInit, Sessions};
-use crate::api::{
-    BatchItem, BatchOps, BatchOut, DeviceRound, Drafter, LogitRows, PrefillItem, StepKind, StepOut, Target, TargetInfo,
-};
+use crate::api::{Drafter, Target};
 use crate::model::open::{Loaded, OpenOptions};
 use crate::model::source::TensorSource;
-use crate::sampling::Sampling;
-use anyhow::{anyhow, bail, ensure, Context, Result};
-use std::collections::HashMap;
+use anyhow::{ensure, Context, Result};
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 /// Where the groups of a run go.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -180,7 +174,6 @@ fn cuda_groups(
     needed: Option<Vec<u64>>,
     opts: OpenOptions,
 ) -> Result<(Loaded, Vec<Arc<crate::cuda::Gpu>>)> {
-    use crate::cuda::comm::{Communicator, Nccl, SharedGpu};
     use crate::cuda::{CudaBackend, Gpu};
     let groups = ranges.len();
     if let Some(o) = &gpus {
@@ -188,53 +181,7 @@ fn cuda_groups(
     }
     // Each group's GPU and communicator first (NCCL is initialised over all of them at once), then the loads in
     // parallel on the groups' threads.
-    let devs: Vec<Arc<Gpu>> = match &gpus {
-        None => (0..groups)
-            .map(|_| Gpu::new(ordinal, opts.gpu).map(Arc::new))
-            .collect::<std::result::Result<_, _>>()?,
-        Some(o) => {
-            let mut seen = o.clone();
-            seen.sort_unstable();
-            seen.dedup();
-            ensure!(
-                seen.len() == o.len(),
-                "GPUs {o:?} are not distinct (several groups on one GPU: the shared-GPU communicator)"
-            );
-            o.iter()
-                .map(|&i| Gpu::new(i, opts.gpu).map(Arc::new))
-                .collect::<std::result::Result<_, _>>()?
-        }
-    };
-    // Lazy module loading (CUDA's default) loads a kernel on its first launch and synchronises the device to do
-    // so: a group waiting inside a sum for another group that is loading a kernel would never finish. CUDA reads
-    // `CUDA_MODULE_LOADING` when it starts, so a tool sets it before (kdtree-run does for runs of several
-    // groups); the driver says what it decided.
-    ensure!(
-        groups == 1 || devs[0].eager_module_loading()?,
-        "{groups} rank groups need CUDA_MODULE_LOADING=EAGER set before the first CUDA call (lazy loading synchronises the device when a kernel first runs, which deadlocks groups that meet inside their kernels)"
-    );
-    let comms: Vec<Arc<dyn Communicator>> = match &gpus {
-        None => SharedGpu::ranks(&devs[0], groups)?
-            .into_iter()
-            .map(|c| Arc::new(c) as Arc<dyn Communicator>)
-            .collect(),
-        Some(_) => Nccl::group(&devs.iter().map(|g| &**g).collect::<Vec<_>>())?
-            .into_iter()
-            .map(|c| Arc::new(c) as Arc<dyn Communicator>)
-            .collect(),
-    };
-    let aborts = comms.clone();
-    for (g, c) in devs.iter().zip(comms) {
-        g.set_comm(c);
-        g.set_drain_copies(groups > 1);
-    }
-    if gpus.is_none() && groups > 1 {
-        devs[0].pool_for_groups()?;
-        // Up to GROUP_BLOCKS SMs per group partly held by a waiting sum: cuBLAS plans for the rest.
-        for g in &devs {
-            g.set_blas_sms(g.sms.saturating_sub(groups * crate::cuda::comm::GROUP_BLOCKS))?;
-        }
-    }
+    let (devs, aborts) = crate::cuda::comm::open_groups(groups, ordinal, gpus.as_deref(), opts.gpu)?;
     let name = devs[0].name();
     let per_device = if gpus.is_none() { groups } else { 1 };
     let needed = needed.unwrap_or_else(|| vec![0; groups]);
