@@ -1,31 +1,18 @@
 //! The CUDA backend's composite ops: several kernels behind one `Backend` op (embedding over vocab shards,
 //! the f32 GEMM, cache growth, segmented MLA attention, the routed experts) and the upload checks.
 
-use std::sync::{Arc, Mutex};
-
 use anyhow::{bail, Result};
 use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use super::backend::CudaBackend;
-use super::ops::act_f32;
-use super::ops::gqa_attention::{gqa_attention, GqaShape, GqaSplit};
 use super::ops::mla_absorb::{absorb_q, apply_uv, AbsorbDims};
 use super::ops::mla_attention::{self as seg_op, mla_attention, MlaShape, MlaSplit};
-use super::ops::rope::RopeLayout;
-use super::ops::{
-    argmax, copy_rows, embed, fill, gather_rows, gemm_bf16, kv_compact, moe_align, moe_combine, moe_router,
-    round_state, w4a16_gemm,
-};
-use super::tree::{DMask, DeviceTree};
-use super::types::{DKv, DMat, DRope, DRoutes, DI4};
-use super::{CudaError, Gpu};
-use crate::backend::{
-    AttnMode, Compute, Fill, I4Stack, Mat, MlaDims, PosOf, Resources, RopeTable, Router, Slab, TreeOps, Visibility,
-    VocabShards, WeightRef,
-};
-use crate::ddtree::TreeResult;
-use crate::sampling::Sampling;
+use super::ops::{copy_rows, embed, fill, gemm_bf16, moe_align, moe_combine, w4a16_gemm};
+use super::tree::DMask;
+use super::types::{storage_id, DKv, DMat, DRoutes, DI4};
+use super::CudaError;
+use crate::backend::{Fill, MlaDims, VocabShards};
 
 type R<T> = std::result::Result<T, CudaError>;
 

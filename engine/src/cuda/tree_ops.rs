@@ -1,28 +1,16 @@
 //! The CUDA backend's DDTree round (`backend::TreeOps`): the tree workspace of cuda/tree.rs (top-K, build,
 //! mask, decisions, walk on the GPU) and the captured round (a CUDA graph).
 
-use super::ops::act_f32;
-use super::ops::gqa_attention::{gqa_attention, GqaShape, GqaSplit};
-use super::ops::mla_absorb::{absorb_q, apply_uv, AbsorbDims};
-use super::ops::mla_attention::{self as seg_op, mla_attention, MlaShape, MlaSplit};
-use super::ops::rope::RopeLayout;
-use super::ops::{
-    argmax, copy_rows, embed, fill, gather_rows, gemm_bf16, kv_compact, moe_align, moe_combine, moe_router,
-    round_state, w4a16_gemm,
-};
+use super::backend::CudaBackend;
+use super::ops::{kv_compact, round_state};
 use super::tree::{DMask, DeviceTree};
-use super::types::{pad_k, storage_id, DGraph, DKv, DMat, DPos, DRope, DRoutes, DI4};
-use super::{CudaError, Gpu};
-use crate::backend::{
-    AttnMode, Compute, Fill, I4Stack, Mat, MlaDims, PosOf, Resources, RopeTable, Router, Slab, TreeOps, Visibility,
-    VocabShards, WeightRef,
-};
+use super::types::{DGraph, DKv, DPos};
+use super::CudaError;
+use crate::backend::{Resources, TreeOps};
 use crate::ddtree::TreeResult;
 use crate::sampling::Sampling;
 use anyhow::{bail, Result};
 use cudarc::driver::CudaSlice;
-use half::bf16;
-use std::sync::{Arc, Mutex};
 
 impl TreeOps for CudaBackend {
     fn tree_new(&self, budget: usize, rows: usize, vocab: usize, k: usize) -> Result<DeviceTree> {
