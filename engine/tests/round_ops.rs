@@ -8,7 +8,6 @@
 
 use half::bf16;
 use kdtree_convert::synth::{configs, resolve};
-use kdtree_engine::api::Drafter;
 use kdtree_engine::backend::{Backend, PosOf, RopeTable, VocabShards, WeightRef};
 use kdtree_engine::cpu::ops::{Fill, MlaDims, Router};
 use kdtree_engine::cpu::CpuBackend;
@@ -17,7 +16,7 @@ use kdtree_engine::drafter::DFlashDrafter;
 use kdtree_engine::generate::{Mode, Sampling};
 use kdtree_engine::model::source::Slab;
 use kdtree_engine::model::weights::{I4Stack, Mat};
-use kdtree_engine::model::{AttnMode, DummySource, TargetModel, Weights};
+use kdtree_engine::model::{AttnMode, DummySource, Model, TargetModel, Weights};
 use kdtree_engine::Loaded;
 use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
@@ -570,12 +569,7 @@ fn model(rec: &Rec) -> Loaded {
     let w = Arc::new(Weights::load_on(rec.clone(), src.clone()).unwrap());
     let target = TargetModel::new(w.clone(), taps, AttnMode::Absorbed).unwrap();
     let drafter = DFlashDrafter::load_on(rec.clone(), &*src, w).unwrap();
-    Loaded {
-        backend: "rec".into(),
-        device: "cpu".into(),
-        target: Box::new(target),
-        drafter: Some(Box::new(drafter) as Box<dyn Drafter>),
-    }
+    Loaded::of("rec", "cpu".into(), Model::new(target, Some(drafter)))
 }
 
 fn sampled() -> Sampling {
@@ -661,4 +655,26 @@ fn rounds_issue_the_recorded_ops() {
             w.get(i)
         );
     }
+}
+
+/// A target runs the device round only with its own model's drafter: with another model's drafter (same
+/// backend, same weights) the round is left to the host (None), and with its own it runs. Before issue 25 the
+/// target took any drafter of its backend it could downcast to.
+#[test]
+fn a_device_round_needs_the_models_own_drafter() {
+    let (mut a, mut b) = (model(&Rec::default()), model(&Rec::default()));
+    let s = Sampling::greedy();
+    let other = b.drafter.as_deref_mut().unwrap();
+    assert!(
+        a.target.device_round(other, 5, 8, &s).is_none(),
+        "another model's drafter"
+    );
+    assert!(
+        a.target.device_chain(other, 5, &s).is_none(),
+        "another model's drafter (chain)"
+    );
+    let own = a.drafter.as_deref_mut().unwrap();
+    let r = a.target.device_round(own, 5, 8, &s).expect("its own drafter").unwrap();
+    assert_eq!(r.drafted, 8);
+    assert_eq!(a.target.committed(), r.walk.path.len());
 }

@@ -493,6 +493,40 @@ impl Target for TpTarget {
             _ => None,
         }
     }
+    fn fork_pair(&self, drafts: bool) -> Option<(Box<dyn Target>, Option<Box<dyn Drafter>>)> {
+        // Every group forks its own model (target and drafter together, model/seq.rs).
+        let (id, tid, did) = (self.id, self.pool.new_id(), self.pool.new_id());
+        let forked = self.pool.agreed("fork a model", eq, move |st| {
+            let Some((t, d)) = st.target(id)?.fork_pair(drafts) else {
+                return Ok(None);
+            };
+            st.targets.insert(tid, t);
+            let dims = d.map(|d| {
+                let dims = (d.block_size(), d.ctx_row_bytes());
+                st.drafters.insert(did, d);
+                dims
+            });
+            Ok(Some(dims))
+        });
+        let dims = forked.ok()??;
+        let t = TpTarget {
+            pool: self.pool.clone(),
+            id: tid,
+            info: self.info.clone(),
+            committed: 0,
+            row_bytes: self.row_bytes,
+        };
+        let d = dims.map(|(block, row_bytes)| {
+            Box::new(TpDrafter {
+                pool: self.pool.clone(),
+                id: did,
+                block,
+                ctx_len: 0,
+                row_bytes,
+            }) as Box<dyn Drafter>
+        });
+        Some((Box::new(t), d))
+    }
     fn batch_ops(&self) -> Option<Box<dyn BatchOps>> {
         let (id, new) = (self.id, self.pool.new_id());
         let made = self.pool.agreed("batch ops", eq, move |st| {
@@ -1032,11 +1066,7 @@ fn group_models<B: crate::backend::Backend>(
     src: Arc<dyn TensorSource>,
     range: std::ops::Range<usize>,
     no_drafter: bool,
-) -> Result<Sessions>
-where
-    crate::model::target::TargetModel<B>: Target,
-    crate::drafter::DFlashDrafter<B>: Drafter,
-{
+) -> Result<Sessions> {
     use crate::model::weights::Weights;
     let taps = match src.drafter_config() {
         Some(c) if !no_drafter => c.dflash_config.target_layer_ids.clone(),
@@ -1047,12 +1077,11 @@ where
     );
     let target = crate::model::target::TargetModel::new(w.clone(), taps, crate::model::AttnMode::Absorbed)?;
     let drafter = match src.drafter_config() {
-        Some(_) if !no_drafter => {
-            Some(Box::new(crate::drafter::DFlashDrafter::load_on(b, &*src, w)?) as Box<dyn Drafter>)
-        }
+        Some(_) if !no_drafter => Some(crate::drafter::DFlashDrafter::load_on(b, &*src, w)?),
         _ => None,
     };
-    Ok((Box::new(target), drafter))
+    // One model: the group's device rounds and batched steps reach its target and drafter together.
+    Ok(crate::model::Model::new(target, drafter).into_sessions())
 }
 
 /// CUDA groups: all on GPU `ordinal` (the one-GPU communicator) or group g on `gpus[g]` (NCCL).
