@@ -124,8 +124,7 @@ pub trait Target {
     /// A new, empty session over the same weights together with, when `drafts`, a new session of this
     /// target's own drafter (`model::Model`: the pair that runs device rounds): one sequence of a
     /// [`crate::Batch`]. None when this target has no drafter of its own (the caller forks the two apart).
-    #[allow(clippy::type_complexity)]
-    fn fork_pair(&self, _drafts: bool) -> Option<(Box<dyn Target>, Option<Box<dyn Drafter>>)> {
+    fn fork_pair(&self, _drafts: bool) -> Option<Sessions> {
         None
     }
     /// Which model this session belongs to (`model::Model`: its target and drafter sessions give the same
@@ -150,6 +149,9 @@ pub trait Target {
         None
     }
 }
+
+/// A target session and, when it drafts, its drafter session (one sequence).
+pub type Sessions = (Box<dyn Target>, Option<Box<dyn Drafter>>);
 
 /// What kind of step a sequence of a batch takes next.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -307,7 +309,7 @@ impl<T: Target + ?Sized> Target for &mut T {
     fn batch_ops(&self) -> Option<Box<dyn BatchOps>> {
         (**self).batch_ops()
     }
-    fn fork_pair(&self, drafts: bool) -> Option<(Box<dyn Target>, Option<Box<dyn Drafter>>)> {
+    fn fork_pair(&self, drafts: bool) -> Option<Sessions> {
         (**self).fork_pair(drafts)
     }
     fn model_id(&self) -> Option<usize> {

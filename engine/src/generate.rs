@@ -9,8 +9,8 @@
 //! Tests: engine/tests/generate_loops.rs (mock target and drafter) and generate_tiny_model.rs.
 
 use crate::api::{Drafter, Target};
-use crate::batch::Batch;
 use crate::session::Session;
+use crate::session_batch::Batch;
 use anyhow::{ensure, Result};
 use std::time::Instant;
 
@@ -305,11 +305,11 @@ pub fn generate_batch<'c>(
             let positions = job.req.prompt.len().saturating_add(job.req.max_tokens);
             match batch.admit(slot, positions, &running) {
                 Err(e) => done(index, Err(e))?,
-                Ok(crate::batch::Admit::Wait) => {
+                Ok(crate::session_batch::Admit::Wait) => {
                     waiting = Some((index, job));
                     break;
                 }
-                Ok(crate::batch::Admit::Yes) => match Progress::begin(batch.session(slot), &job.req) {
+                Ok(crate::session_batch::Admit::Yes) => match Progress::begin(batch.session(slot), &job.req) {
                     Err(e) => done(index, Err(e))?,
                     Ok(p) if p.finished() => done(index, Ok(p.end()))?,
                     Ok(p) => admitted.push((slot, index, job, p)),

@@ -9,7 +9,6 @@
 
 pub mod api;
 pub mod backend;
-pub mod batch;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -17,13 +16,16 @@ pub mod ddtree;
 pub mod drafter;
 pub mod generate;
 pub mod model;
+pub mod options;
 pub mod sampling;
 pub mod session;
+pub mod session_batch;
 pub mod tp;
 
-pub use batch::{Admit, Batch, KvBudget, KvTooLarge};
 pub use model::open::{open, open_cpu, open_with, CpuModel, Device, Loaded, OpenOptions};
 #[cfg(feature = "cuda")]
 pub use model::open::{open_cuda_on, open_cuda_with};
 pub use model::AttnMode;
+pub use options::GpuOptions;
 pub use session::{Emitted, Mode, ProbeSet, Probes, RoundRecord, Session};
+pub use session_batch::{Admit, Batch, KvBudget, KvTooLarge};

@@ -25,8 +25,8 @@
 //!   [`AutoBudget`] chose from the previous round's popped-node scores (ddtree/cost.rs; restarted at each
 //!   prefill), read back with the walk; [`Emitted::budget`] says which. The tokens are those of any budget.
 //!
-//! One sequence per session; [`crate::Batch`] (batch.rs) steps many sessions forked from one model together, through
-//! `Session::batch_item` / `Session::batched` (and `prefill_begin` / `prefill_item` / `prefill_end` for their
+//! One sequence per session; [`crate::Batch`] (session_batch.rs) steps many sessions forked from one model together,
+//! through `Session::batch_item` / `Session::batched` (and `prefill_begin` / `prefill_item` / `prefill_end` for their
 //! prompts), so a batched sequence keeps this bookkeeping.
 
 use crate::api::{
@@ -662,29 +662,4 @@ fn ddtree_round(
         verify,
         walk,
     })
-}
-
-impl crate::Loaded {
-    /// A session over this model in `mode` (borrows the model; one session at a time).
-    pub fn session(&mut self, mode: Mode) -> Result<Session<'_>> {
-        let d = match mode.drafts() {
-            true => self
-                .drafter
-                .as_deref_mut()
-                .map(|d| Box::new(d) as Box<dyn Drafter + '_>),
-            false => None,
-        };
-        Session::new(Box::new(&mut *self.target), d, mode)
-    }
-    /// Static facts of the target.
-    pub fn info(&self) -> &TargetInfo {
-        self.target.info()
-    }
-    /// Drafter block size B (0 without a drafter).
-    pub fn block_size(&self) -> usize {
-        self.drafter.as_ref().map_or(0, |d| d.block_size())
-    }
-    pub fn has_drafter(&self) -> bool {
-        self.drafter.is_some()
-    }
 }

@@ -1,4 +1,4 @@
-//! Batched generation (engine/src/batch.rs, model/batch.rs, generate::generate_batch) on the CPU backend:
+//! Batched generation (engine/src/session_batch.rs, model/batch.rs, generate::generate_batch) on the CPU backend:
 //! every request's output — tokens, finish reason, speculation counters — equals what `generate` gives it
 //! alone, for AR, DDTree (two budgets) and the chain; greedy and sampled; mixed prompt lengths, max_tokens,
 //! sampling overrides and stops (a stop token inside an accepted path, a callback stop); batches smaller than
@@ -220,7 +220,7 @@ fn kv_admission_serialises_what_does_not_fit_and_refuses_what_never_fits() {
     // Room for exactly one sequence's caches (every request here fits in 256 rows).
     let row = m.batch(mode, 1, None).unwrap().sessions()[0].row_bytes();
     assert!(row > 0, "the CPU session accounts its cache rows");
-    let one = row * kdtree_engine::batch::alloc_rows(64);
+    let one = row * kdtree_engine::session_batch::alloc_rows(64);
     let (got, _, _) = batched(&m, &cases, 4, Some(one));
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         assert!(

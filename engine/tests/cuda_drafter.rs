@@ -238,6 +238,7 @@ fn compare_draft(case: &str, got: &[f32], want: &[f32], vocab: usize) {
 fn drafter_case(label: &str, dir: &Path, prompt: &[u32], more: &[u32]) {
     let opts = OpenOptions {
         attn_mode: AttnMode::Absorbed,
+        gpu: cuda_common::gpu_options(),
         ..OpenOptions::default()
     };
     let mut cpu = open_cpu(dir, opts).unwrap();

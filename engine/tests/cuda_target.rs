@@ -195,7 +195,7 @@ fn cuda_target_matches_the_cpu_reference() {
 /// for bit, on odd lengths, lengths past one Philox block and a stack larger than one grid-stride pass.
 #[test]
 fn dummy_fill_matches_the_cpu() {
-    use kdtree_engine::backend::Backend;
+    use kdtree_engine::backend::Resources;
     use kdtree_engine::cpu::ops::{fill_bf16, fill_f32, fill_u8, Fill};
     let Some(gpu) = gpu() else { return };
     let b = CudaBackend::new(Arc::new(gpu));

@@ -56,7 +56,9 @@ fn shared_gpu_sum_is_the_rank_order_sum() {
     connections();
     let Some(_g) = cuda_common::gpu() else { return };
     for world in [2usize, 4, 8] {
-        let gpus: Vec<Gpu> = (0..world).map(|_| Gpu::new(0).unwrap()).collect();
+        let gpus: Vec<Gpu> = (0..world)
+            .map(|_| Gpu::new(0, cuda_common::gpu_options()).unwrap())
+            .collect();
         gpus[0].pool_for_groups().unwrap();
         gpus.iter().for_each(|g| g.set_drain_copies(true));
         gpus.iter().for_each(|g| {
@@ -204,7 +206,7 @@ fn rank_groups_on_one_gpu_equal_one_controller() {
             let mut one = open_cuda_on(&dir, g.clone()).unwrap();
             runs(&mut one, &prompts)
         };
-        let (mut tp, gpus) = open_tp_gpus(&dir, ranks, Placement::SharedGpu(0), Default::default()).unwrap();
+        let (mut tp, gpus) = open_tp_gpus(&dir, ranks, Placement::SharedGpu(0), tp_options()).unwrap();
         let got = runs(&mut tp, &prompts);
         drop(tp);
         let failures: u64 = gpus.iter().map(|g| g.stats.capture_failures.load(Relaxed)).sum();
@@ -213,7 +215,7 @@ fn rank_groups_on_one_gpu_equal_one_controller() {
             want[0] == got[0], want[1] == got[1], want[2] == got[2], want[3] == got[3]);
         assert_eq!(failures, 0, "a group's capture failed");
         // Every group captures its rounds and steps, the sums inside (unless KDTREE_CUDA_GRAPHS=0 runs them eagerly).
-        let graphs_on = std::env::var("KDTREE_CUDA_GRAPHS").map_or(true, |v| v != "0");
+        let graphs_on = cuda_common::gpu_options().graphs;
         assert!(
             graphs.iter().all(|&n| (n > 0) == graphs_on),
             "graphs {graphs_on}: graph launches per group {graphs:?}"
@@ -243,10 +245,10 @@ fn nccl_through_the_group_driver() {
     convert(&dir, 1, ExpertsMode::Tp);
     let prompts = [vec![1u32, 17, 305, 42, 7], vec![400, 401, 402, 9]];
     let want = {
-        let mut one = open_cuda_on(&dir, Arc::new(Gpu::new(0).unwrap())).unwrap();
+        let mut one = open_cuda_on(&dir, Arc::new(Gpu::new(0, cuda_common::gpu_options()).unwrap())).unwrap();
         runs(&mut one, &prompts)
     };
-    let (mut m, gpus) = open_tp_gpus(&dir, 1, Placement::Gpus(vec![0]), Default::default()).unwrap();
+    let (mut m, gpus) = open_tp_gpus(&dir, 1, Placement::Gpus(vec![0]), tp_options()).unwrap();
     assert_eq!(gpus[0].comm().name(), "nccl");
     let got = runs(&mut m, &prompts);
     drop(m);
@@ -296,7 +298,7 @@ fn tp_step_timings() {
         let (ar1, _) = time(&mut one, Mode::Ar);
         let (dd1, t1) = time(&mut one, Mode::DDTree { budget: 16 });
         drop(one);
-        let (mut tp, _gpus) = open_tp_gpus(&dir, ranks, Placement::SharedGpu(0), Default::default()).unwrap();
+        let (mut tp, _gpus) = open_tp_gpus(&dir, ranks, Placement::SharedGpu(0), tp_options()).unwrap();
         let (arg, _) = time(&mut tp, Mode::Ar);
         let (ddg, tg) = time(&mut tp, Mode::DDTree { budget: 16 });
         drop(tp);
@@ -304,7 +306,9 @@ fn tp_step_timings() {
     }
     // One all-reduce of one K2.6 row (7168 f32) over 8 streams, eager, back to back.
     for world in [2usize, 8] {
-        let gpus: Vec<Gpu> = (0..world).map(|_| Gpu::new(0).unwrap()).collect();
+        let gpus: Vec<Gpu> = (0..world)
+            .map(|_| Gpu::new(0, cuda_common::gpu_options()).unwrap())
+            .collect();
         gpus[0].pool_for_groups().unwrap();
         gpus.iter().for_each(|g| g.set_drain_copies(true));
         gpus.iter().for_each(|g| {
@@ -336,5 +340,13 @@ fn tp_step_timings() {
             hs.into_iter().map(|h| h.join().unwrap()).fold(0f64, f64::max)
         });
         println!("TIMING shared-gpu all-reduce of 7168 f32 over {world} streams: {us:.2} us each (eager launches, back to back)");
+    }
+}
+
+/// Open options of the GPU runs here: the environment's GPU switches (as kdtree-run passes them).
+fn tp_options() -> kdtree_engine::OpenOptions {
+    kdtree_engine::OpenOptions {
+        gpu: cuda_common::gpu_options(),
+        ..Default::default()
     }
 }

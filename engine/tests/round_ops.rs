@@ -8,7 +8,7 @@
 
 use half::bf16;
 use kdtree_convert::synth::{configs, resolve};
-use kdtree_engine::backend::{Backend, PosOf, RopeTable, VocabShards, WeightRef};
+use kdtree_engine::backend::{Compute, PosOf, Resources, RopeTable, TreeOps, VocabShards, WeightRef};
 use kdtree_engine::cpu::ops::{Fill, MlaDims, Router};
 use kdtree_engine::cpu::CpuBackend;
 use kdtree_engine::ddtree::{TreeResult, Visibility};
@@ -60,20 +60,20 @@ fn cpu_pos<'a>(p: PosOf<'a, Rec>) -> PosOf<'a, C> {
     }
 }
 
-impl Backend for Rec {
-    type Act = <C as Backend>::Act;
-    type Mat = <C as Backend>::Mat;
-    type I4 = <C as Backend>::I4;
-    type Vector = <C as Backend>::Vector;
-    type VectorF32 = <C as Backend>::VectorF32;
-    type Kv = <C as Backend>::Kv;
-    type Routes = <C as Backend>::Routes;
-    type Ids = <C as Backend>::Ids;
-    type Rope = <C as Backend>::Rope;
-    type Mask = <C as Backend>::Mask;
-    type Tree = <C as Backend>::Tree;
-    type Pos = <C as Backend>::Pos;
-    type Graph = <C as Backend>::Graph;
+impl Resources for Rec {
+    type Act = <C as Resources>::Act;
+    type Mat = <C as Resources>::Mat;
+    type I4 = <C as Resources>::I4;
+    type Vector = <C as Resources>::Vector;
+    type VectorF32 = <C as Resources>::VectorF32;
+    type Kv = <C as Resources>::Kv;
+    type Routes = <C as Resources>::Routes;
+    type Ids = <C as Resources>::Ids;
+    type Rope = <C as Resources>::Rope;
+    type Mask = <C as Resources>::Mask;
+    type Tree = <C as Resources>::Tree;
+    type Pos = <C as Resources>::Pos;
+    type Graph = <C as Resources>::Graph;
 
     fn name(&self) -> &'static str {
         self.inner.name()
@@ -156,43 +156,6 @@ impl Backend for Rec {
         rec!(self, "ids_to_host", ids.len());
         self.inner.ids_to_host(ids)
     }
-    fn decide_rows(
-        &self,
-        logits: &Self::Act,
-        row0: usize,
-        rows: usize,
-        vocab: usize,
-        s: &Sampling,
-        base: PosOf<'_, Self>,
-        offset: usize,
-        out: &mut Self::Ids,
-    ) -> anyhow::Result<()> {
-        rec!(
-            self,
-            "decide_rows",
-            logits.len(),
-            row0,
-            rows,
-            vocab,
-            s.is_greedy(),
-            pos(&base),
-            offset,
-            out.len()
-        );
-        self.inner
-            .decide_rows(logits, row0, rows, vocab, s, cpu_pos(base), offset, out)
-    }
-    fn rope_at(
-        &self,
-        inv_freq: &Self::VectorF32,
-        factor: f64,
-        base: PosOf<'_, Self>,
-        offsets: Option<&Self::Ids>,
-        t: usize,
-    ) -> Self::Rope {
-        rec!(self, "rope_at", pos(&base), offsets.map_or(0, |o| o.len()), t);
-        self.inner.rope_at(inv_freq, factor, cpu_pos(base), offsets, t)
-    }
     fn pos_new(&self, v: usize) -> Self::Pos {
         rec!(self, "pos_new");
         self.inner.pos_new(v)
@@ -249,6 +212,103 @@ impl Backend for Rec {
         rec!(self, "write_rows_at", cols, src.len(), n);
         self.inner.write_rows_at(dst, cols, at, src, n)
     }
+    fn kv_new(&self, layers: usize, width: usize) -> Self::Kv {
+        rec!(self, "kv_new", layers, width);
+        self.inner.kv_new(layers, width)
+    }
+    fn kv_committed(&self, kv: &Self::Kv) -> usize {
+        self.inner.kv_committed(kv)
+    }
+    fn kv_reserve(&self, kv: &mut Self::Kv, rows: usize) -> anyhow::Result<()> {
+        rec!(self, "kv_reserve", rows);
+        self.inner.kv_reserve(kv, rows)
+    }
+    fn kv_id(&self, kv: &Self::Kv) -> u64 {
+        rec!(self, "kv_id");
+        self.inner.kv_id(kv)
+    }
+    fn kv_drop_scratch(&self, kv: &mut Self::Kv) {
+        rec!(self, "kv_drop_scratch");
+        self.inner.kv_drop_scratch(kv)
+    }
+    fn kv_set_scratch(&self, kv: &mut Self::Kv, t: usize) {
+        rec!(self, "kv_set_scratch", t);
+        self.inner.kv_set_scratch(kv, t)
+    }
+    fn kv_compact(&self, kv: &mut Self::Kv, path: &[usize]) -> anyhow::Result<()> {
+        rec!(self, "kv_compact", path.len());
+        self.inner.kv_compact(kv, path)
+    }
+    fn kv_commit_rows(&self, kv: &mut Self::Kv, n: usize) -> anyhow::Result<()> {
+        rec!(self, "kv_commit_rows", n);
+        self.inner.kv_commit_rows(kv, n)
+    }
+    fn kv_commit_rows_host(&self, kv: &mut Self::Kv, n: usize) {
+        rec!(self, "kv_commit_rows_host", n);
+        self.inner.kv_commit_rows_host(kv, n)
+    }
+    fn kv_truncate(&self, kv: &mut Self::Kv, len: usize) -> anyhow::Result<()> {
+        rec!(self, "kv_truncate", len);
+        self.inner.kv_truncate(kv, len)
+    }
+    fn kv_reset(&self, kv: &mut Self::Kv) {
+        rec!(self, "kv_reset");
+        self.inner.kv_reset(kv)
+    }
+    fn kv_row_bytes(&self, kv: &Self::Kv) -> usize {
+        self.inner.kv_row_bytes(kv)
+    }
+    fn kv_release(&self, kv: &mut Self::Kv) {
+        rec!(self, "kv_release");
+        self.inner.kv_release(kv)
+    }
+    fn mem_free(&self) -> Option<usize> {
+        self.inner.mem_free()
+    }
+    fn rope_cat(&self, ropes: &[&Self::Rope]) -> Self::Rope {
+        rec!(self, "rope_cat", ropes.len());
+        self.inner.rope_cat(ropes)
+    }
+}
+
+impl Compute for Rec {
+    fn decide_rows(
+        &self,
+        logits: &Self::Act,
+        row0: usize,
+        rows: usize,
+        vocab: usize,
+        s: &Sampling,
+        base: PosOf<'_, Self>,
+        offset: usize,
+        out: &mut Self::Ids,
+    ) -> anyhow::Result<()> {
+        rec!(
+            self,
+            "decide_rows",
+            logits.len(),
+            row0,
+            rows,
+            vocab,
+            s.is_greedy(),
+            pos(&base),
+            offset,
+            out.len()
+        );
+        self.inner
+            .decide_rows(logits, row0, rows, vocab, s, cpu_pos(base), offset, out)
+    }
+    fn rope_at(
+        &self,
+        inv_freq: &Self::VectorF32,
+        factor: f64,
+        base: PosOf<'_, Self>,
+        offsets: Option<&Self::Ids>,
+        t: usize,
+    ) -> Self::Rope {
+        rec!(self, "rope_at", pos(&base), offsets.map_or(0, |o| o.len()), t);
+        self.inner.rope_at(inv_freq, factor, cpu_pos(base), offsets, t)
+    }
     fn linear(&self, x: &Self::Act, t: usize, w: &Self::Mat) -> Self::Act {
         rec!(self, "linear", x.len(), t, self.inner.mat_rows(w));
         self.inner.linear(x, t, w)
@@ -293,25 +353,6 @@ impl Backend for Rec {
         rec!(self, "lm_head_argmax_into", x.len(), n, h, out.len(), row0);
         self.inner.lm_head_argmax_into(x, n, h, v, out, row0)
     }
-    fn kv_new(&self, layers: usize, width: usize) -> Self::Kv {
-        rec!(self, "kv_new", layers, width);
-        self.inner.kv_new(layers, width)
-    }
-    fn kv_committed(&self, kv: &Self::Kv) -> usize {
-        self.inner.kv_committed(kv)
-    }
-    fn kv_reserve(&self, kv: &mut Self::Kv, rows: usize) -> anyhow::Result<()> {
-        rec!(self, "kv_reserve", rows);
-        self.inner.kv_reserve(kv, rows)
-    }
-    fn kv_id(&self, kv: &Self::Kv) -> u64 {
-        rec!(self, "kv_id");
-        self.inner.kv_id(kv)
-    }
-    fn kv_drop_scratch(&self, kv: &mut Self::Kv) {
-        rec!(self, "kv_drop_scratch");
-        self.inner.kv_drop_scratch(kv)
-    }
     fn kv_append_latent(
         &self,
         kv: &mut Self::Kv,
@@ -323,40 +364,6 @@ impl Backend for Rec {
     ) {
         rec!(self, "kv_append_latent", l, ckv.len());
         self.inner.kv_append_latent(kv, l, ckv, norm, eps, rope)
-    }
-    fn kv_set_scratch(&self, kv: &mut Self::Kv, t: usize) {
-        rec!(self, "kv_set_scratch", t);
-        self.inner.kv_set_scratch(kv, t)
-    }
-    fn kv_compact(&self, kv: &mut Self::Kv, path: &[usize]) -> anyhow::Result<()> {
-        rec!(self, "kv_compact", path.len());
-        self.inner.kv_compact(kv, path)
-    }
-    fn kv_commit_rows(&self, kv: &mut Self::Kv, n: usize) -> anyhow::Result<()> {
-        rec!(self, "kv_commit_rows", n);
-        self.inner.kv_commit_rows(kv, n)
-    }
-    fn kv_commit_rows_host(&self, kv: &mut Self::Kv, n: usize) {
-        rec!(self, "kv_commit_rows_host", n);
-        self.inner.kv_commit_rows_host(kv, n)
-    }
-    fn kv_truncate(&self, kv: &mut Self::Kv, len: usize) -> anyhow::Result<()> {
-        rec!(self, "kv_truncate", len);
-        self.inner.kv_truncate(kv, len)
-    }
-    fn kv_reset(&self, kv: &mut Self::Kv) {
-        rec!(self, "kv_reset");
-        self.inner.kv_reset(kv)
-    }
-    fn kv_row_bytes(&self, kv: &Self::Kv) -> usize {
-        self.inner.kv_row_bytes(kv)
-    }
-    fn kv_release(&self, kv: &mut Self::Kv) {
-        rec!(self, "kv_release");
-        self.inner.kv_release(kv)
-    }
-    fn mem_free(&self) -> Option<usize> {
-        self.inner.mem_free()
     }
     fn rope_q(&self, q: &mut Self::Act, heads: usize, nope: usize, rope: &Self::Rope) {
         rec!(self, "rope_q", q.len(), heads, nope);
@@ -410,10 +417,6 @@ impl Backend for Rec {
         rec!(self, "kv_append_latent_segs", format!("{ts:?}"), l, ckv.len(), width);
         self.inner
             .kv_append_latent_segs(segs, l, ckv, norm, eps, width, rope_all)
-    }
-    fn rope_cat(&self, ropes: &[&Self::Rope]) -> Self::Rope {
-        rec!(self, "rope_cat", ropes.len());
-        self.inner.rope_cat(ropes)
     }
     fn moe_route(&self, logits: &Self::Act, t: usize, r: &Router, bias: Option<&Self::VectorF32>) -> Self::Routes {
         rec!(self, "moe_route", logits.len(), t, bias.is_some());
@@ -472,6 +475,9 @@ impl Backend for Rec {
         self.inner
             .gqa_attention(q, b, ctx, ctx_len, block, heads, kv_heads, head_dim)
     }
+}
+
+impl TreeOps for Rec {
     fn tree_new(&self, budget: usize, rows: usize, vocab: usize, k: usize) -> anyhow::Result<Self::Tree> {
         rec!(self, "tree_new", budget, rows, vocab, k);
         self.inner.tree_new(budget, rows, vocab, k)

@@ -1,17 +1,14 @@
 //! [`CpuBackend`]: the reference implementation of `backend::Backend` with the cpu/ops files.
 //!
 //! Activations are host `Vec<f32>`; uploads are identity moves, so weights stay zero-copy `Slab` views of
-//! the mmapped shards; the latent cache is `model::cache::LatentCache`. Every op is the cpu/ops function
+//! the mmapped shards; the latent cache is `cpu::cache::LatentCache`. Every op is the cpu/ops function
 //! named in its body, with the same arguments in the same order, so the model's results are those of the
 //! ops (bit for bit: golden/regen.sh --check). Tests: engine/tests/target_*.rs, ddtree_drafter.rs.
 
+use super::cache::LatentCache;
 use super::ops;
-use crate::backend::{Backend, PosOf, RopeTable, VocabShards, WeightRef};
-use crate::ddtree::{build_tree_from_top_k, top_k_log_probs, walk_sampled, DraftTree, Visibility, Walk};
-use crate::model::cache::LatentCache;
-use crate::model::source::Slab;
-use crate::model::weights::{I4Stack, Mat};
-use crate::model::AttnMode;
+use crate::backend::{Fill, I4Stack, Mat, Resources, RopeTable, Slab, Visibility, WeightRef};
+use crate::ddtree::{DraftTree, Walk};
 use anyhow::Result;
 use half::bf16;
 
@@ -20,7 +17,7 @@ use half::bf16;
 #[derive(Debug, Clone, Default)]
 pub struct CpuBackend {
     pub comm: Option<super::comm::HostRank>,
-    /// Check every weight's bytes against the manifest's checksum at load ([`Backend::checks_weights`]): on
+    /// Check every weight's bytes against the manifest's checksum at load ([`Resources::checks_weights`]): on
     /// the CPU the weights are the mmapped shard bytes, so this finds a damaged shard file.
     pub check_weights: bool,
 }
@@ -35,7 +32,7 @@ impl CpuBackend {
     }
     /// `x` summed over the group (identity without one). A failed group (a rank died) is a panic here, which
     /// the rank thread turns into that rank's error (ops are infallible on the CPU).
-    fn group_sum(&self, x: Vec<f32>) -> Vec<f32> {
+    pub(super) fn group_sum(&self, x: Vec<f32>) -> Vec<f32> {
         match &self.comm {
             None => x,
             Some(c) => c
@@ -68,7 +65,7 @@ pub struct CpuRoutes {
     pub per_expert: Vec<Vec<(usize, f32)>>,
 }
 
-impl Backend for CpuBackend {
+impl Resources for CpuBackend {
     type Act = Vec<f32>;
     type Mat = Mat;
     type I4 = I4Stack;
@@ -82,11 +79,9 @@ impl Backend for CpuBackend {
     type Tree = CpuTree;
     type Pos = usize;
     type Graph = ();
-
     fn name(&self) -> &'static str {
         "cpu"
     }
-
     fn upload_bf16(&self, m: Mat) -> Result<Mat> {
         Ok(m)
     }
@@ -114,7 +109,6 @@ impl Backend for CpuBackend {
             WeightRef::I4(s) => vec![xxh3_64(&s.packed[..]), xxh3_64(bytemuck::cast_slice(&s.scales[..]))],
         })
     }
-
     fn rope_upload(&self, r: RopeTable) -> RopeTable {
         r
     }
@@ -149,52 +143,6 @@ impl Backend for CpuBackend {
     fn ids_to_host(&self, ids: &Vec<u32>) -> Result<Vec<u32>> {
         Ok(ids.clone())
     }
-    fn decide_rows(
-        &self,
-        logits: &Vec<f32>,
-        row0: usize,
-        rows: usize,
-        vocab: usize,
-        s: &crate::sampling::Sampling,
-        base: PosOf<'_, Self>,
-        offset: usize,
-        out: &mut Vec<u32>,
-    ) -> Result<()> {
-        let end = row0 + rows;
-        anyhow::ensure!(
-            logits.len() >= end * vocab && out.len() >= end,
-            "decide_rows: {} logits / {} outputs for rows {row0}..{end} of {vocab}",
-            logits.len(),
-            out.len()
-        );
-        let b = match base {
-            PosOf::Kv(kv) => kv.committed,
-            PosOf::Pos(p) => *p,
-        };
-        for i in 0..rows {
-            let r = row0 + i;
-            out[r] = crate::sampling::sample(&logits[r * vocab..(r + 1) * vocab], s, b + offset + i);
-        }
-        Ok(())
-    }
-    fn rope_at(
-        &self,
-        inv_freq: &Slab<f32>,
-        factor: f64,
-        base: PosOf<'_, Self>,
-        offsets: Option<&Vec<u32>>,
-        t: usize,
-    ) -> RopeTable {
-        let b = match base {
-            PosOf::Kv(kv) => kv.committed,
-            PosOf::Pos(p) => *p,
-        };
-        let offs: Vec<usize> = match offsets {
-            Some(o) => o[..t].iter().map(|&d| d as usize).collect(),
-            None => (0..t).collect(),
-        };
-        RopeTable::new(inv_freq, offs.into_iter().map(|o| b + o), factor)
-    }
     fn pos_new(&self, v: usize) -> usize {
         v
     }
@@ -207,7 +155,6 @@ impl Backend for CpuBackend {
     fn pos_add(&self, p: &mut usize, n: usize) {
         *p += n;
     }
-
     fn act_from_host(&self, x: Vec<f32>) -> Vec<f32> {
         x
     }
@@ -245,107 +192,6 @@ impl Backend for CpuBackend {
         }
         dst[from..to].copy_from_slice(&src[..n * cols]);
     }
-
-    fn linear(&self, x: &Vec<f32>, t: usize, w: &Mat) -> Vec<f32> {
-        ops::matmul_bf16(x, &w.w, t, w.cols, w.rows)
-    }
-    fn rms_norm(&self, x: &Vec<f32>, w: &Slab<bf16>, eps: f32) -> Vec<f32> {
-        ops::rms_norm(x, w, eps)
-    }
-    fn add(&self, acc: &mut Vec<f32>, x: &Vec<f32>) {
-        ops::add_assign(acc, x);
-    }
-    fn silu_mul(&self, gate: &Vec<f32>, up: &Vec<f32>) -> Vec<f32> {
-        ops::silu_mul(gate, up)
-    }
-    fn all_reduce(&self, partials: Vec<Vec<f32>>) -> Vec<f32> {
-        // With a group, `0 + p0 + p1 + …` over the group's ranks is the same chain of adds as here, when each
-        // rank thread holds one rank.
-        match (&self.comm, partials.as_slice()) {
-            (Some(_), [one]) => self.group_sum(one.clone()),
-            _ => {
-                let n = partials.first().map_or(0, Vec::len);
-                self.group_sum(ops::all_reduce_sum(&partials, n))
-            }
-        }
-    }
-
-    fn embedding(&self, v: &VocabShards<'_, Mat>, h: usize, tokens: &[u32]) -> Vec<f32> {
-        let s: Vec<&[bf16]> = v.mats.iter().map(|m| &m.w[..]).collect();
-        if v.whole(|m| m.rows) {
-            return ops::embedding_bf16(&s, h, tokens);
-        }
-        // This group's rows; the other groups' ids stay zero until the sum.
-        let (lo, hi) = (v.first, v.first + v.mats.iter().map(|m| m.rows).sum::<usize>());
-        let mut out = vec![0f32; tokens.len() * h];
-        for (i, &t) in tokens.iter().enumerate() {
-            let t = t as usize;
-            assert!(t < v.vocab, "embedding_bf16: token {t} >= vocab {}", v.vocab);
-            if (lo..hi).contains(&t) {
-                out[i * h..(i + 1) * h].copy_from_slice(&ops::embedding_bf16(&s, h, &[(t - lo) as u32]));
-            }
-        }
-        self.group_sum(out)
-    }
-    fn embedding_ids(&self, v: &VocabShards<'_, Mat>, h: usize, ids: &Vec<u32>, n: usize) -> Vec<f32> {
-        self.embedding(v, h, &ids[..n])
-    }
-    fn lm_head(&self, x: &Vec<f32>, n: usize, h: usize, v: &VocabShards<'_, Mat>) -> Vec<f32> {
-        let s: Vec<&[bf16]> = v.mats.iter().map(|m| &m.w[..]).collect();
-        let local = ops::lm_head_bf16(x, n, h, &s);
-        if v.whole(|m| m.rows) {
-            return local;
-        }
-        // This group's columns of the global [n, V]; the other groups' columns are summed in.
-        let w = local.len() / n.max(1);
-        let mut out = vec![0f32; n * v.vocab];
-        for i in 0..n {
-            out[i * v.vocab + v.first..i * v.vocab + v.first + w].copy_from_slice(&local[i * w..(i + 1) * w]);
-        }
-        self.group_sum(out)
-    }
-    fn lm_head_argmax_into(
-        &self,
-        x: &Vec<f32>,
-        n: usize,
-        h: usize,
-        v: &VocabShards<'_, Mat>,
-        out: &mut Vec<u32>,
-        row0: usize,
-    ) -> Result<()> {
-        anyhow::ensure!(
-            out.len() >= row0 + n,
-            "lm_head_argmax: {} outputs for rows {row0}..{}",
-            out.len(),
-            row0 + n
-        );
-        let s: Vec<&[bf16]> = v.mats.iter().map(|m| &m.w[..]).collect();
-        if v.whole(|m| m.rows) {
-            out[row0..row0 + n].copy_from_slice(&ops::lm_head_argmax_bf16(x, n, h, &s));
-            return Ok(());
-        }
-        // Each local shard's (value, global id) in its slot of [n, slots, 2], the other groups' slots summed in
-        // (exact: each slot is nonzero on one group only), then the merge in slot (global vocab) order.
-        let (slots, slot0) = v.slots(|m| m.rows).map_err(anyhow::Error::msg)?;
-        let mut pairs = vec![0f32; n * slots * 2];
-        for (j, w) in s.iter().enumerate() {
-            let vr = w.len() / h;
-            ops::argmax_pairs(
-                &ops::matmul_bf16(x, w, n, h, vr),
-                n,
-                v.first + j * vr,
-                &mut pairs,
-                slot0 + j,
-                slots,
-            );
-        }
-        let pairs = self.group_sum(pairs);
-        for i in 0..n {
-            out[row0 + i] = ops::merge_argmax_pairs(&pairs[i * slots * 2..(i + 1) * slots * 2]);
-        }
-        Ok(())
-    }
-
     fn kv_new(&self, layers: usize, width: usize) -> LatentCache {
         LatentCache::new(layers, width)
     }
@@ -360,28 +206,6 @@ impl Backend for CpuBackend {
     }
     fn kv_drop_scratch(&self, kv: &mut LatentCache) {
         kv.drop_scratch();
-    }
-    fn kv_append_latent(
-        &self,
-        kv: &mut LatentCache,
-        l: usize,
-        ckv: &Vec<f32>,
-        norm: &Slab<bf16>,
-        eps: f32,
-        rope: &RopeTable,
-    ) {
-        let (c, w) = (norm.len(), kv.width);
-        let t = ckv.len() / w;
-        let mut rows = vec![0f32; t * w]; // [T, C + P]
-        for i in 0..t {
-            let src = &ckv[i * w..(i + 1) * w];
-            let dst = &mut rows[i * w..(i + 1) * w];
-            dst[..c].copy_from_slice(&ops::rms_norm(&src[..c], norm, eps));
-            dst[c..].copy_from_slice(&src[c..]);
-            let (cos, sin) = rope.row(i);
-            ops::rope_interleaved(&mut dst[c..], cos, sin);
-        }
-        kv.append(l, &rows);
     }
     fn kv_set_scratch(&self, kv: &mut LatentCache, t: usize) {
         kv.scratch = t;
@@ -416,305 +240,43 @@ impl Backend for CpuBackend {
             sin: ropes.iter().flat_map(|r| r.sin.iter().copied()).collect(),
         }
     }
-    fn rope_q(&self, q: &mut Vec<f32>, heads: usize, nope: usize, rope: &RopeTable) {
-        let (p, t) = (2 * rope.half, rope.cos.len() / rope.half.max(1));
-        let qk = nope + p;
-        for i in 0..t {
-            let (cos, sin) = rope.row(i);
-            for hh in 0..heads {
-                let base = i * heads * qk + hh * qk + nope;
-                ops::rope_interleaved(&mut q[base..base + p], cos, sin);
-            }
-        }
-    }
-    fn mla_attention(
-        &self,
-        q: &Vec<f32>,
-        _t: usize,
-        kv: &LatentCache,
-        l: usize,
-        mask: &Visibility,
-        kv_b: &Mat,
-        d: &ops::MlaDims,
-        mode: AttnMode,
-    ) -> Vec<f32> {
-        let (committed, lat) = (kv.committed, &kv.rows[l]); // [committed + T, C + P]
-        match mode {
-            AttnMode::Naive => {
-                // k_nope | v of every cached row, [S_all, Hr * (Dn + Dv)].
-                let n_all = committed + mask.rows;
-                let latents: Vec<f32> = lat
-                    .chunks(kv.width)
-                    .take(n_all)
-                    .flat_map(|r| r[..d.kv_lora].to_vec())
-                    .collect();
-                let expanded = self.linear(&latents, n_all, kv_b);
-                ops::mla_attention(d, q, lat, committed, mask, ops::MlaKv::Expanded(&expanded))
-            }
-            AttnMode::Absorbed => ops::mla_attention(d, q, lat, committed, mask, ops::MlaKv::Absorbed(&kv_b.w)),
-        }
-    }
 
-    fn moe_route(&self, logits: &Vec<f32>, t: usize, r: &ops::Router, bias: Option<&Slab<f32>>) -> CpuRoutes {
-        let e = r.n_experts;
-        let bias = bias.map(|b| &b[..]);
-        let per_token: Vec<(Vec<usize>, Vec<f32>)> = (0..t)
-            .map(|i| ops::moe_route(r, &logits[i * e..(i + 1) * e], bias))
-            .collect();
-        let per_expert = ops::tokens_per_expert(&per_token, e);
-        CpuRoutes { per_token, per_expert }
-    }
-    fn routes_to_host(&self, routes: &CpuRoutes) -> (Vec<i32>, Vec<f32>) {
-        let ids = routes
-            .per_token
-            .iter()
-            .flat_map(|(ids, _)| ids.iter().map(|&i| i as i32))
-            .collect();
-        let wts = routes.per_token.iter().flat_map(|(_, w)| w.iter().copied()).collect();
-        (ids, wts)
-    }
-    fn moe_experts(
-        &self,
-        x: &Vec<f32>,
-        t: usize,
-        h: usize,
-        routes: &CpuRoutes,
-        gate: &I4Stack,
-        up: &I4Stack,
-        down: &I4Stack,
-    ) -> Vec<f32> {
-        ops::moe_experts_i4g32(x, t, h, &routes.per_expert, |ex| {
-            gate.holds(ex)
-                .then(|| [gate.expert(ex), up.expert(ex), down.expert(ex)])
-        })
-    }
-
-    fn head_norm_rope_neox(&self, x: &Vec<f32>, w: &Slab<bf16>, eps: f32, heads: usize, rope: &RopeTable) -> Vec<f32> {
-        let dd = w.len();
-        let mut y = ops::rms_norm(x, w, eps); // rows·heads vectors of D
-        for (r, row) in y.chunks_mut(heads * dd).enumerate() {
-            let (cos, sin) = rope.row(r);
-            for hv in row.chunks_mut(dd) {
-                ops::rope_neox(hv, cos, sin);
-            }
-        }
-        y
-    }
-    #[allow(clippy::too_many_arguments)]
-    fn gqa_attention(
-        &self,
-        q: &Vec<f32>,
-        b: usize,
-        ctx: (&Vec<f32>, &Vec<f32>),
-        ctx_len: &usize,
-        block: (&Vec<f32>, &Vec<f32>),
-        heads: usize,
-        kv_heads: usize,
-        head_dim: usize,
-    ) -> Vec<f32> {
-        let n = ctx_len * kv_heads * head_dim;
-        ops::gqa_attention(
-            q,
-            b,
-            (&ctx.0[..n], &ctx.1[..n]),
-            (block.0, block.1),
-            heads,
-            kv_heads,
-            head_dim,
-        )
-    }
-
-    fn tree_new(&self, budget: usize, rows: usize, vocab: usize, k: usize) -> Result<CpuTree> {
-        let tree = DraftTree::root_only(0);
-        anyhow::ensure!((1..=vocab).contains(&k), "tree_new: top-{k} of a vocabulary of {vocab}");
-        Ok(CpuTree {
-            budget,
-            k,
+    // ---- dummy weights: filled on the host (cpu/ops/fill.rs, the spec), then uploaded ----
+    fn fill_bf16(&self, rows: usize, cols: usize, f: &Fill) -> Result<Mat> {
+        self.upload_bf16(Mat {
+            w: Slab::Owned(ops::fill_bf16(rows * cols, f)?),
             rows,
-            vocab,
-            depths: vec![0],
-            mask: tree.visibility.clone(),
-            tree,
-            walk: None,
-            root: vec![0],
+            cols,
         })
     }
-    fn tree_build(&self, t: &mut CpuTree, draft: &Vec<f32>, row0: usize) -> Result<()> {
-        // build_tree is this with k = min(budget, vocab); the chain takes k = 1.
-        t.tree = if t.budget == 0 || t.rows == 0 {
-            DraftTree::root_only(t.root[0])
-        } else {
-            let (from, to) = (row0 * t.vocab, (row0 + t.rows) * t.vocab);
-            anyhow::ensure!(
-                draft.len() >= to,
-                "tree_build: {} draft logits for rows {row0}..{} of {}",
-                draft.len(),
-                row0 + t.rows,
-                t.vocab
-            );
-            build_tree_from_top_k(
-                t.root[0],
-                &top_k_log_probs(&draft[from..to], t.rows, t.vocab, t.k),
-                t.budget,
-            )
-        };
-        t.depths = t.tree.depths.clone();
-        t.mask = t.tree.visibility.clone();
-        t.walk = None;
-        Ok(())
+    fn fill_vector(&self, n: usize, f: &Fill) -> Result<Slab<bf16>> {
+        self.upload_vector(Slab::Owned(ops::fill_bf16(n, f)?))
     }
-    fn tree_set_root(&self, t: &mut CpuTree, root: u32) -> Result<()> {
-        t.root[0] = root;
-        Ok(())
+    fn fill_vector_f32(&self, n: usize, f: &Fill) -> Result<Slab<f32>> {
+        self.upload_vector_f32(Slab::Owned(ops::fill_f32(n, f)?))
     }
-    fn tree_root<'t>(&self, t: &'t CpuTree) -> &'t Vec<u32> {
-        &t.root
-    }
-    fn tree_tokens<'t>(&self, t: &'t CpuTree) -> &'t Vec<u32> {
-        &t.tree.tokens
-    }
-    fn tree_depths<'t>(&self, t: &'t CpuTree) -> &'t Vec<u32> {
-        &t.depths
-    }
-    fn tree_mask<'t>(&self, t: &'t CpuTree) -> &'t Visibility {
-        &t.mask
-    }
-    fn tree_walk(
+    fn fill_i4g32(
         &self,
-        t: &mut CpuTree,
-        logits: &Vec<f32>,
-        row0: usize,
-        s: &crate::sampling::Sampling,
-        kv: &LatentCache,
-    ) -> Result<()> {
-        let (n, v) = (t.tree.len(), t.vocab);
-        anyhow::ensure!(
-            logits.len() >= (row0 + n) * v,
-            "tree_walk: {} logits for {n} nodes from row {row0} x {v}",
-            logits.len()
-        );
-        t.walk = Some(walk_sampled(
-            &t.tree,
-            &logits[row0 * v..(row0 + n) * v],
-            v,
-            s,
-            kv.committed,
-        ));
-        Ok(())
-    }
-    fn tree_walk_decided(&self, t: &mut CpuTree, decisions: &Vec<u32>, row0: usize) -> Result<()> {
-        let n = t.tree.len();
-        anyhow::ensure!(
-            decisions.len() >= row0 + n,
-            "tree_walk_decided: {} decisions for {n} nodes from row {row0}",
-            decisions.len()
-        );
-        t.walk = Some(crate::ddtree::walk(&t.tree, |i| decisions[row0 + i]));
-        Ok(())
-    }
-    fn tree_path_rows(&self, t: &CpuTree, x: &Vec<f32>, row0: usize, cols: usize, rows_out: usize) -> Vec<f32> {
-        let mut out = vec![0.0; rows_out * cols];
-        if let Some(w) = &t.walk {
-            for (i, &p) in w.path.iter().enumerate().take(rows_out) {
-                let r = row0 + p;
-                out[i * cols..(i + 1) * cols].copy_from_slice(&x[r * cols..(r + 1) * cols]);
-            }
-        }
-        out
-    }
-    fn tree_commit(&self, t: &mut CpuTree, kv: &mut LatentCache, ctx: &mut usize) -> Result<()> {
-        let w = t
-            .walk
-            .as_ref()
-            .ok_or_else(|| anyhow::anyhow!("tree_commit: no walk since the last build"))?;
-        kv.commit(&w.path)?;
-        *ctx += w.path.len();
-        t.root[0] = *w
-            .decisions
-            .last()
-            .ok_or_else(|| anyhow::anyhow!("tree_commit: an empty walk"))?;
-        Ok(())
-    }
-    fn tree_commit_host(&self, _t: &CpuTree, _kv: &mut LatentCache, _ctx: &mut usize, _n: usize) {
-        // tree_commit already moved the host state: the CPU has no other copy.
-    }
-    fn tree_result(&self, t: &CpuTree) -> Result<crate::ddtree::TreeResult> {
-        let walk = t
-            .walk
-            .clone()
-            .ok_or_else(|| anyhow::anyhow!("tree_result: no walk since the last build"))?;
-        Ok(crate::ddtree::TreeResult {
-            walk,
-            log_q: t.tree.log_q[1..].to_vec(),
+        first: usize,
+        count: usize,
+        n: usize,
+        k: usize,
+        packed: &Fill,
+        scales: &Fill,
+    ) -> Result<I4Stack> {
+        let p = ops::fill_u8(count * n * k / 2, packed)?;
+        let s = ops::fill_bf16(count * n * k / 32, scales)?;
+        self.upload_i4g32(I4Stack {
+            packed: Slab::Owned(p),
+            scales: Slab::Owned(s),
+            first,
+            count,
+            n,
+            k,
         })
-    }
-    fn tree_result_words(&self, _t: &CpuTree) -> usize {
-        0 // the walk is on the host already: nothing to stage
-    }
-    fn tree_result_into(&self, _t: &CpuTree, _stage: &mut Vec<u32>, _at: usize) {}
-    fn tree_result_from(&self, t: &CpuTree, _words: &[u32]) -> Result<crate::ddtree::TreeResult> {
-        self.tree_result(t)
-    }
-    fn graph_run(&self, _graph: &mut Option<()>, _key: u64, body: &mut dyn FnMut() -> Result<()>) -> Result<()> {
-        body()
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use rand::{Rng, SeedableRng};
-
-    fn rand_vec(rng: &mut rand_chacha::ChaCha8Rng, n: usize) -> Vec<f32> {
-        (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
-    }
-
-    #[test]
-    fn rope_rows_follow_positions_as_per_row_ops_do() {
-        // The backend's batched forms (one RopeTable per forward) equal the per-row op calls the model
-        // made before the seam: row i rotated by position positions[i], bit for bit.
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(31);
-        let (t, heads, nope, p, c) = (3, 2, 4, 4, 8);
-        let inv = ops::yarn_inv_freq(p, 10000.0, None);
-        let positions = [7usize, 3, 12];
-        let rope = RopeTable::new(&inv, positions, 1.0);
-        let cs: Vec<(Vec<f32>, Vec<f32>)> = positions.iter().map(|&q| ops::rope_cos_sin(&inv, q, 1.0)).collect();
-        let b = CpuBackend::default();
-
-        let q0 = rand_vec(&mut rng, t * heads * (nope + p));
-        let mut q = q0.clone();
-        b.rope_q(&mut q, heads, nope, &rope);
-        let mut want = q0;
-        for (i, (cos, sin)) in cs.iter().enumerate() {
-            for h in 0..heads {
-                let base = (i * heads + h) * (nope + p) + nope;
-                ops::rope_interleaved(&mut want[base..base + p], cos, sin);
-            }
-        }
-        assert_eq!(q, want);
-
-        let norm = Slab::Owned((0..c).map(|k| bf16::from_f32(1.0 + k as f32 / 16.0)).collect());
-        let ckv = rand_vec(&mut rng, t * (c + p));
-        let mut kv = b.kv_new(1, c + p);
-        b.kv_append_latent(&mut kv, 0, &ckv, &norm, 1e-6, &rope);
-        for i in 0..t {
-            let mut row = ops::rms_norm(&ckv[i * (c + p)..i * (c + p) + c], &norm, 1e-6);
-            let mut pe = ckv[i * (c + p) + c..(i + 1) * (c + p)].to_vec();
-            ops::rope_interleaved(&mut pe, &cs[i].0, &cs[i].1);
-            row.extend(pe);
-            assert_eq!(&kv.rows[0][i * (c + p)..(i + 1) * (c + p)], &row[..], "latent row {i}");
-        }
-
-        let dh = 4;
-        let rope_h = RopeTable::new(&ops::yarn_inv_freq(dh, 10000.0, None), positions, 1.0);
-        let w = Slab::Owned(vec![bf16::from_f32(0.5); dh]);
-        let x = rand_vec(&mut rng, t * heads * dh);
-        let got = b.head_norm_rope_neox(&x, &w, 1e-6, heads, &rope_h);
-        let mut want = ops::rms_norm(&x, &w, 1e-6);
-        for (i, row) in want.chunks_mut(heads * dh).enumerate() {
-            let (cos, sin) = ops::rope_cos_sin(&ops::yarn_inv_freq(dh, 10000.0, None), positions[i], 1.0);
-            row.chunks_mut(dh).for_each(|hv| ops::rope_neox(hv, &cos, &sin));
-        }
-        assert_eq!(got, want);
-    }
-}
+#[path = "backend_tests.rs"]
+mod tests;

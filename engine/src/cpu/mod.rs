@@ -3,7 +3,10 @@
 //! against; `backend` implements `backend::Backend` with them.
 
 pub mod backend;
+pub mod cache;
 pub mod comm;
+mod compute;
 pub mod ops;
+mod tree_ops;
 
 pub use backend::CpuBackend;

@@ -5,7 +5,7 @@
 //! rounded to bf16 where a bf16 GEMM (cuBLAS, W4A16) or the MLA kernel reads them; the latent KV cache is
 //! bf16 (576 per token per layer). Router and lm_head logits come out of cuBLAS in f32.
 //! Errors: the trait's ops are infallible (the CPU cannot fail), so a failed launch here is recorded (the
-//! first one wins) and reported by [`Backend::check`], which the model calls at the end of every forward;
+//! first one wins) and reported by [`Resources::check`], which the model calls at the end of every forward;
 //! a failed op leaves an empty activation, and nothing panics.
 //! Ranks: a model converted for R ranks runs as R ranks on this one GPU, one after the other on its stream:
 //! each rank's own shards, its partial sums reduced on the device in rank order (`all_reduce`), vocab shards
@@ -26,110 +26,21 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use super::ops::act_f32;
-use super::ops::gqa_attention::{gqa_attention, GqaShape, GqaSplit};
-use super::ops::mla_absorb::{absorb_q, apply_uv, AbsorbDims};
-use super::ops::mla_attention::{self as seg_op, mla_attention, MlaShape, MlaSplit};
-use super::ops::rope::RopeLayout;
-use super::ops::{
-    argmax, copy_rows, embed, fill, gather_rows, gemm_bf16, kv_compact, moe_align, moe_combine, moe_router,
-    round_state, w4a16_gemm,
-};
+use super::ops::{fill, gather_rows, kv_compact, round_state, w4a16_gemm};
 use super::tree::{DMask, DeviceTree};
+use super::types::{pad_k, storage_id, DGraph, DKv, DMat, DPos, DRope, DRoutes, DI4};
 use super::{CudaError, Gpu};
-use crate::backend::{Backend, PosOf, RopeTable, VocabShards, WeightRef};
-use crate::cpu::ops::{Fill, MlaDims, Router};
-use crate::ddtree::{TreeResult, Visibility};
-use crate::model::source::Slab;
-use crate::model::weights::{I4Stack, Mat};
-use crate::model::AttnMode;
-use crate::sampling::Sampling;
+use crate::backend::{Fill, I4Stack, Mat, Resources, RopeTable, Slab, Visibility, WeightRef};
 
 type R<T> = std::result::Result<T, CudaError>;
-
-/// A bf16 matrix `[rows, cols]` on the device.
-pub struct DMat {
-    pub w: CudaSlice<bf16>,
-    pub rows: usize,
-    pub cols: usize,
-}
-
-/// A rank's INT4 group-32 expert stack on the device (the converter's layout, unchanged).
-pub struct DI4 {
-    pub packed: CudaSlice<u8>,
-    pub scales: CudaSlice<bf16>,
-    pub first: usize,
-    pub count: usize,
-    pub n: usize,
-    pub k: usize,
-    /// K of the converter's layout: `k` unless the upload zero-padded K to the kernel's step (`pad_k`).
-    pub k_src: usize,
-}
-
-/// The latent KV cache of all layers: `[layers, cap, width]` bf16; rows `[0, committed)` committed, then
-/// `scratch` rows of the last forward. Grows (doubling, copying the committed rows) when a forward needs
-/// more rows: an allocation only when the context outgrows it.
-/// `pos` is the committed length where the kernels read it (kept equal to `committed` by every host-side
-/// change; the device round advances it on the device and the host copy follows after the read back).
-pub struct DKv {
-    buf: CudaSlice<bf16>,
-    layers: usize,
-    width: usize,
-    cap: usize,
-    committed: usize,
-    scratch: usize,
-    pos: CudaSlice<i32>,
-    /// A new value whenever `buf` moves (a captured round is keyed by it).
-    id: u64,
-}
-
-/// A position counter: the device copy the kernels read and the host copy.
-pub struct DPos {
-    pub host: usize,
-    pub dev: CudaSlice<i32>,
-}
-
-/// A captured DDTree round: the graph, its key and how many kernels and cuBLAS calls it holds.
-pub struct DGraph {
-    key: u64,
-    graph: cudarc::driver::CudaGraph,
-    pub kernels: u64,
-    pub blas_calls: u64,
-}
-
-// SAFETY: CUDA graph objects may be used from any thread as long as calls on one graph are serialised
-// (CUDA driver API, graph thread safety). A DGraph is owned by one target session and only touched through
-// `&mut` (Backend::graph_run), so moving it to another thread cannot make two calls concurrent.
-unsafe impl Send for DGraph {}
-
-static NEXT_STORAGE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-fn storage_id() -> u64 {
-    NEXT_STORAGE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-}
-
-/// One MoE layer's router decisions on the device.
-pub struct DRoutes {
-    ids: CudaSlice<i32>,
-    wts: CudaSlice<f32>,
-    t: usize,
-    k: usize,
-    experts: usize,
-}
-
-/// One forward's cos/sin rows on the device, `[rows, half]` each.
-pub struct DRope {
-    pub cos: CudaSlice<f32>,
-    pub sin: CudaSlice<f32>,
-    pub half: usize,
-    pub rows: usize,
-}
 
 /// The CUDA backend: the GPU and the first error of a failed op (see the module comment).
 /// Device rounds are captured into CUDA graphs unless the GPU's switch is off ([`Gpu::set_graphs`],
 /// `KDTREE_CUDA_GRAPHS=0`); then the same ops run eagerly.
 #[derive(Clone)]
 pub struct CudaBackend {
-    gpu: Arc<Gpu>,
-    err: Arc<Mutex<Option<String>>>,
+    pub(super) gpu: Arc<Gpu>,
+    pub(super) err: Arc<Mutex<Option<String>>>,
 }
 
 impl CudaBackend {
@@ -147,7 +58,7 @@ impl CudaBackend {
         self.gpu.graphs()
     }
     /// An error when the stream is capturing a graph: storage that outlives the graph must not move inside it.
-    fn not_capturing(&self, what: &str) -> R<()> {
+    pub(super) fn not_capturing(&self, what: &str) -> R<()> {
         use cudarc::driver::sys::CUstreamCaptureStatus as S;
         match self.gpu.stream.capture_status().map_err(super::drv("capture status"))? {
             S::CU_STREAM_CAPTURE_STATUS_NONE => Ok(()),
@@ -158,7 +69,7 @@ impl CudaBackend {
         }
     }
     /// Writes `v` into a device counter (a host-side change of a length).
-    fn set_dev(&self, dev: &mut CudaSlice<i32>, v: usize) -> R<()> {
+    pub(super) fn set_dev(&self, dev: &mut CudaSlice<i32>, v: usize) -> R<()> {
         let v = i32::try_from(v).map_err(|_| CudaError::Shape {
             op: "position",
             msg: format!("{v} exceeds i32"),
@@ -174,7 +85,7 @@ impl CudaBackend {
         &self.gpu
     }
     /// Run `f`; on error keep the first message and return None.
-    fn run<T>(&self, op: &str, f: impl FnOnce() -> R<T>) -> Option<T> {
+    pub(super) fn run<T>(&self, op: &str, f: impl FnOnce() -> R<T>) -> Option<T> {
         match f() {
             Ok(v) => Some(v),
             Err(e) => {
@@ -187,32 +98,32 @@ impl CudaBackend {
     /// A zero-length buffer for a failed op's result (its error is already recorded). Never panics: when
     /// even a zero-length allocation fails (an invalidated graph capture fails every call until it ends),
     /// a null slice stands in.
-    fn empty_of<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(&self) -> CudaSlice<T> {
+    pub(super) fn empty_of<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(&self) -> CudaSlice<T> {
         self.gpu.stream.alloc_zeros::<T>(0).unwrap_or_else(|_| {
             // SAFETY: a null pointer of length 0: nothing reads or writes through it.
             unsafe { self.gpu.stream.upgrade_device_ptr::<T>(0, 0) }
         })
     }
-    fn empty(&self) -> CudaSlice<f32> {
+    pub(super) fn empty(&self) -> CudaSlice<f32> {
         self.empty_of::<f32>()
     }
-    fn new_f32(&self, n: usize) -> R<CudaSlice<f32>> {
+    pub(super) fn new_f32(&self, n: usize) -> R<CudaSlice<f32>> {
         self.gpu.zeros::<f32>(n)
     }
-    fn to_bf16(&self, x: &CudaSlice<f32>) -> R<CudaSlice<bf16>> {
+    pub(super) fn to_bf16(&self, x: &CudaSlice<f32>) -> R<CudaSlice<bf16>> {
         let mut y = self.gpu.out::<bf16>(x.len())?;
         act_f32::f32_to_bf16(&self.gpu, &x.as_view(), &mut y.as_view_mut())?;
         Ok(y)
     }
-    fn to_f32(&self, x: &CudaSlice<bf16>) -> R<CudaSlice<f32>> {
+    pub(super) fn to_f32(&self, x: &CudaSlice<bf16>) -> R<CudaSlice<f32>> {
         let mut y = self.gpu.out::<f32>(x.len())?;
         act_f32::bf16_to_f32(&self.gpu, &x.as_view(), &mut y.as_view_mut())?;
         Ok(y)
     }
-    fn empty_u32(&self) -> CudaSlice<u32> {
+    pub(super) fn empty_u32(&self) -> CudaSlice<u32> {
         self.empty_of::<u32>()
     }
-    fn empty_rope(&self, half: usize) -> DRope {
+    pub(super) fn empty_rope(&self, half: usize) -> DRope {
         let z = || self.empty_of::<f32>();
         DRope {
             cos: z(),
@@ -221,7 +132,7 @@ impl CudaBackend {
             rows: 0,
         }
     }
-    fn copy(&self, src: &CudaSlice<f32>, from: usize, to: usize) -> R<CudaSlice<f32>> {
+    pub(super) fn copy(&self, src: &CudaSlice<f32>, from: usize, to: usize) -> R<CudaSlice<f32>> {
         let mut y = self.new_f32(to - from)?;
         if to > from {
             self.gpu
@@ -231,408 +142,9 @@ impl CudaBackend {
         }
         Ok(y)
     }
-    /// `x[T, K] · W^T` in f32 (x rounded to bf16 for the GEMM).
-    /// Embedding rows `[n, h]` (f32) of the device ids over one or several vocab shards.
-    /// The embedding rows of `ids` from the shards `v` holds (other GPUs' rows zero, then the communicator's
-    /// sum: [`VocabShards`]).
-    fn embed_rows(
-        &self,
-        v: &VocabShards<'_, DMat>,
-        h: usize,
-        ids: &cudarc::driver::CudaView<'_, i32>,
-    ) -> R<CudaSlice<f32>> {
-        let whole = v.whole(|m| m.rows);
-        let mut e = if whole {
-            self.gpu.out::<bf16>(ids.len() * h)?
-        } else {
-            self.gpu.zeros::<bf16>(ids.len() * h)?
-        };
-        if let ([one], true) = (v.mats.as_slice(), whole) {
-            embed::embed_gather(&self.gpu, ids, &one.w.as_view(), &mut e.as_view_mut(), one.rows, h)?;
-        } else {
-            let views: Vec<_> = v.mats.iter().map(|m| m.w.as_view()).collect();
-            let parts: Vec<_> = views.iter().zip(&v.mats).map(|(w, m)| (w, m.rows)).collect();
-            embed::embed_gather_sharded(&self.gpu, ids, &parts, &mut e.as_view_mut(), h, v.first, v.vocab)?;
-        }
-        let mut x = self.to_f32(&e)?;
-        if !whole {
-            self.gpu.comm().all_reduce_sum(&self.gpu, &mut x)?;
-        }
-        Ok(x)
-    }
-    fn gemm_f32(&self, x: &CudaSlice<f32>, t: usize, w: &DMat) -> R<CudaSlice<f32>> {
-        let xb = self.to_bf16(x)?;
-        let mut y = self.gpu.out::<f32>(t * w.rows)?;
-        gemm_bf16::gemm_bf16(
-            &self.gpu,
-            &xb.as_view(),
-            &w.w.as_view(),
-            &mut y.as_view_mut(),
-            t,
-            w.cols,
-            w.rows,
-        )?;
-        Ok(y)
-    }
-    fn grow(&self, kv: &mut DKv, rows: usize) -> R<()> {
-        if rows <= kv.cap {
-            return Ok(());
-        }
-        self.not_capturing("the latent cache grows (reserve it before a captured round)")?;
-        let cap = rows.next_power_of_two().max(256);
-        let mut buf = self.gpu.zeros::<bf16>(kv.layers * cap * kv.width)?;
-        let keep = kv.committed * kv.width;
-        for l in 0..kv.layers {
-            if keep > 0 {
-                let src = kv.buf.slice(l * kv.cap * kv.width..l * kv.cap * kv.width + keep);
-                let mut dst = buf.slice_mut(l * cap * kv.width..l * cap * kv.width + keep);
-                self.gpu
-                    .stream
-                    .memcpy_dtod(&src, &mut dst)
-                    .map_err(super::drv("kv grow"))?;
-            }
-        }
-        kv.buf = buf;
-        kv.cap = cap;
-        kv.id = storage_id();
-        Ok(())
-    }
-    /// The absorbed MLA of one or several segments (each its cache, mask and rows; rows consecutive in `q`):
-    /// the per-row parts (bf16 q, the W_UK absorb, q_pe, W_UV, back to f32) once over all rows, the attention
-    /// itself per segment over its own cache.
-    fn mla_segs(
-        &self,
-        q: &CudaSlice<f32>,
-        segs: &[(&DKv, &DMask, usize)],
-        l: usize,
-        kv_b: &DMat,
-        d: &MlaDims,
-    ) -> R<CudaSlice<f32>> {
-        let (hr, c, p, dn, dv) = (d.heads, d.kv_lora, d.rope, d.nope, d.v);
-        let t: usize = segs.iter().map(|s| s.2).sum();
-        let qb = self.to_bf16(q)?; // [T, Hr·(Dn+P)]
-        let lw = c + p;
-        let mut qcat = self.gpu.out::<bf16>(t * hr * lw)?; // [T, Hr, C+P]
-        let ad = AbsorbDims {
-            t,
-            heads: hr,
-            nope: dn,
-            v: dv,
-            kv_lora: c,
-        };
-        absorb_q(
-            &self.gpu,
-            &qb.as_view(),
-            p,
-            &kv_b.w.as_view(),
-            &mut qcat.as_view_mut(),
-            ad,
-        )?;
-        // q_pe (already roped) next to q_lat: rows (t, h) of width P, from offset Dn (stride Dn+P) to C.
-        copy_rows::copy_rows(
-            &self.gpu,
-            &qb.slice(dn..),
-            dn + p,
-            &mut qcat.slice_mut(c..),
-            lw,
-            t * hr,
-            p,
-        )?;
-        let mut olat = self.gpu.out::<bf16>(t * hr * c)?;
-        // Each segment's split (by its cache's room), and one workspace for the largest (the segments run in
-        // stream order, one after another).
-        let shapes: Vec<(MlaShape, MlaSplit)> = segs
-            .iter()
-            .map(|&(kv, _, ts)| {
-                let s = MlaShape {
-                    t: ts,
-                    heads: hr,
-                    kv_lora: c,
-                    rope: p,
-                    committed: kv.committed,
-                };
-                // The split depends on the cache's room, not on the committed length (read on the device), so
-                // a captured round and an eager forward at any length split alike.
-                let room = MlaShape {
-                    committed: kv.cap.saturating_sub(ts),
-                    ..s
-                };
-                (
-                    s,
-                    MlaSplit {
-                        splits: MlaSplit::choose(&self.gpu, &room).splits,
-                        rows_per_split: 0,
-                    },
-                )
-            })
-            .collect();
-        if segs.len() > 1 {
-            // One launch per MAX_SEGS segments, each node over its own sequence's cache with its own split.
-            let max_sp = shapes.iter().map(|(_, sp)| sp.splits).max().unwrap_or(1);
-            let (mut po, mut pml) = (
-                self.gpu.out::<f32>(t * max_sp * hr * c)?,
-                self.gpu.out::<f32>(t * max_sp * hr * 2)?,
-            );
-            let mut at = 0;
-            for (chunk, sh) in segs.chunks(seg_op::MAX_SEGS).zip(shapes.chunks(seg_op::MAX_SEGS)) {
-                let rows: usize = chunk.iter().map(|s| s.2).sum();
-                let sp = sh.iter().map(|(_, sp)| sp.splits).max().unwrap_or(1);
-                let parts: Vec<seg_op::MlaSeg<'_>> = chunk
-                    .iter()
-                    .zip(sh)
-                    .map(|(&(kv, mask, ts), (_, split))| {
-                        let base = l * kv.cap * kv.width;
-                        seg_op::MlaSeg {
-                            lat: kv.buf.slice(base..base + kv.cap * kv.width),
-                            mask: mask.bits.as_view(),
-                            words: mask.words,
-                            pos: kv.pos.as_view(),
-                            committed: kv.committed,
-                            t: ts,
-                            splits: split.splits,
-                        }
-                    })
-                    .collect();
-                for (&(kv, mask, ts), _) in chunk.iter().zip(sh) {
-                    if mask.rows < ts || kv.committed + ts > kv.cap {
-                        return Err(CudaError::Shape {
-                            op: "mla_attention",
-                            msg: format!(
-                                "a mask of {} rows / a cache of {} rows for {} committed + {ts} nodes",
-                                mask.rows, kv.cap, kv.committed
-                            ),
-                        });
-                    }
-                }
-                let qs = qcat.slice(at * hr * lw..(at + rows) * hr * lw);
-                let mut os = olat.slice_mut(at * hr * c..(at + rows) * hr * c);
-                seg_op::mla_attention_seg(
-                    &self.gpu,
-                    &qs,
-                    &parts,
-                    hr,
-                    c,
-                    p,
-                    d.scale,
-                    &mut po.slice_mut(..rows * sp * hr * c),
-                    &mut pml.slice_mut(..rows * sp * hr * 2),
-                    &mut os,
-                )?;
-                at += rows;
-            }
-            let mut o = self.gpu.out::<bf16>(t * hr * dv)?;
-            apply_uv(&self.gpu, &olat.as_view(), &kv_b.w.as_view(), &mut o.as_view_mut(), ad)?;
-            return self.to_f32(&o);
-        }
-        let (wo, wml) = shapes
-            .iter()
-            .map(|(s, sp)| sp.workspace(s))
-            .fold((0, 0), |a, w| (a.0.max(w.0), a.1.max(w.1)));
-        let (mut po, mut pml) = (self.new_f32(wo)?, self.new_f32(wml)?);
-        let mut at = 0;
-        for (&(kv, mask, ts), (s, split)) in segs.iter().zip(&shapes) {
-            if mask.rows < ts {
-                return Err(CudaError::Shape {
-                    op: "mla_attention",
-                    msg: format!("a mask of {} rows for {ts} nodes", mask.rows),
-                });
-            }
-            if kv.committed + ts > kv.cap {
-                return Err(CudaError::Shape {
-                    op: "mla_attention",
-                    msg: format!("{} committed + {ts} rows exceed the cache's {}", kv.committed, kv.cap),
-                });
-            }
-            let (wo, wml) = split.workspace(s);
-            let base = l * kv.cap * kv.width;
-            let lat = kv.buf.slice(base..base + kv.cap * kv.width);
-            let (mview, pview) = (mask.bits.as_view(), kv.pos.as_view());
-            let qs = qcat.slice(at * hr * lw..(at + ts) * hr * lw);
-            let mut os = olat.slice_mut(at * hr * c..(at + ts) * hr * c);
-            mla_attention(
-                &self.gpu,
-                &qs,
-                &lat,
-                Some((&mview, mask.words)),
-                Some(&pview),
-                s,
-                split,
-                d.scale,
-                &mut po.slice_mut(..wo),
-                &mut pml.slice_mut(..wml),
-                &mut os,
-            )?;
-            at += ts;
-        }
-        let mut o = self.gpu.out::<bf16>(t * hr * dv)?;
-        apply_uv(&self.gpu, &olat.as_view(), &kv_b.w.as_view(), &mut o.as_view_mut(), ad)?;
-        self.to_f32(&o)
-    }
-    #[allow(clippy::too_many_arguments)]
-    fn experts(
-        &self,
-        x: &CudaSlice<f32>,
-        t: usize,
-        h: usize,
-        r: &DRoutes,
-        gate: &DI4,
-        up: &DI4,
-        down: &DI4,
-    ) -> R<CudaSlice<f32>> {
-        let g = &*self.gpu;
-        // This rank's experts: all of them (tensor parallel: each holds a slice of every expert), or
-        // first .. first + count (expert parallel: routes to other ranks' experts are skipped here).
-        let (pairs, e, mi) = (t * r.k, gate.count, gate.n);
-        // The down projection's K: the intermediate slice, or that padded with zero weights to the kernel's K
-        // step at upload (tp4 / tp8 of small models, `pad_k`); gate and up then go to a [gate | up] row of the
-        // padded width, their padded columns zero (silu(0) * 0 = 0 meets the zero weights).
-        let kp = down.k;
-        let xb = self.to_bf16(x)?;
-        // gate and up in one launch into [gate | up] rows, the SwiGLU inside the down GEMM's x staging.
-        let plan_gu = w4a16_gemm::plan_moe(g, pairs, e, 2 * mi, h);
-        let plan_one = w4a16_gemm::plan_moe(g, pairs, e, mi, h);
-        let plan_d = w4a16_gemm::plan_moe(g, pairs, e, h, kp);
-        let tile = plan_gu.tile_rows();
-        let mt = moe_align::max_tiles(pairs, e, tile);
-        let (mut sorted, mut tiles, mut n_tiles) =
-            (g.zeros::<i32>(pairs)?, g.zeros::<i32>(3 * mt)?, g.zeros::<i32>(1)?);
-        moe_align::moe_align_rank(
-            g,
-            &r.ids.as_view(),
-            gate.first,
-            e,
-            tile,
-            &mut sorted.as_view_mut(),
-            &mut tiles.as_view_mut(),
-            &mut n_tiles.as_view_mut(),
-        )?;
-        let ws_len = plan_gu
-            .workspace_len(pairs, 2 * mi)
-            .max(plan_one.workspace_len(pairs, mi))
-            .max(plan_d.workspace_len(pairs, h));
-        let mut ws = g.out::<f32>(ws_len)?;
-        let (sv, tv, nv) = (sorted.as_view(), tiles.as_view(), n_tiles.as_view());
-        let routing = w4a16_gemm::Routing {
-            sorted: &sv,
-            tiles: &tv,
-            max_tiles: mt,
-            n_tiles: &nv,
-            tile_rows: tile,
-        };
-        let xv = xb.as_view();
-        let gu = if kp == mi {
-            let mut gu = g.out::<bf16>(pairs * 2 * mi)?;
-            let (gw, uw) = (
-                (&gate.packed.as_view(), &gate.scales.as_view()),
-                (&up.packed.as_view(), &up.scales.as_view()),
-            );
-            w4a16_gemm::moe_w4a16_gate_up(
-                g,
-                &xv,
-                h,
-                r.k,
-                pairs,
-                &routing,
-                gw,
-                uw,
-                e,
-                mi,
-                h,
-                &mut ws.as_view_mut(),
-                &mut gu.as_view_mut(),
-                2 * mi,
-            )?;
-            gu
-        } else {
-            let mut gu = g.zeros::<bf16>(pairs * 2 * kp)?;
-            for (m, at) in [(gate, 0), (up, kp)] {
-                w4a16_gemm::moe_w4a16_gemm(
-                    g,
-                    &xv,
-                    h,
-                    r.k,
-                    pairs,
-                    &routing,
-                    &m.packed.as_view(),
-                    &m.scales.as_view(),
-                    e,
-                    mi,
-                    h,
-                    &mut ws.as_view_mut(),
-                    &mut gu.slice_mut(at..),
-                    2 * kp,
-                )?;
-            }
-            gu
-        };
-        let mut y = g.zeros::<bf16>(pairs * h)?;
-        w4a16_gemm::moe_w4a16_down_silu(
-            g,
-            &gu.as_view(),
-            2 * kp,
-            pairs,
-            &routing,
-            &down.packed.as_view(),
-            &down.scales.as_view(),
-            e,
-            h,
-            kp,
-            &mut ws.as_view_mut(),
-            &mut y.as_view_mut(),
-            h,
-        )?;
-        let mut out = g.out::<f32>(t * h)?;
-        moe_combine::moe_combine_rank(
-            g,
-            &y.as_view(),
-            h,
-            &r.wts.as_view(),
-            &r.ids.as_view(),
-            (gate.first, gate.count),
-            &mut out.as_view_mut(),
-            t,
-            r.k,
-            h,
-        )?;
-        Ok(out)
-    }
 }
 
-/// INT4 group-32 rows of `k` (`rows` of them: packed `k/2` bytes and `k/32` scales each) widened to the next
-/// multiple of `step` with zero nibbles and zero scales (dequantised: exact zeros); the new width too.
-fn pad_k(packed: &[u8], scales: &[bf16], rows: usize, k: usize, step: usize) -> (Vec<u8>, Vec<bf16>, usize) {
-    let kp = k.div_ceil(step) * step;
-    let (mut p, mut s) = (vec![0u8; rows * kp / 2], vec![bf16::ZERO; rows * kp / 32]);
-    for r in 0..rows {
-        p[r * kp / 2..r * kp / 2 + k / 2].copy_from_slice(&packed[r * k / 2..(r + 1) * k / 2]);
-        s[r * kp / 32..r * kp / 32 + k / 32].copy_from_slice(&scales[r * k / 32..(r + 1) * k / 32]);
-    }
-    (p, s, kp)
-}
-
-impl CudaBackend {
-    /// Routed-expert shard shapes the W4A16 kernel takes.
-    fn i4_shape_ok(&self, count: usize, n: usize, k: usize) -> Result<()> {
-        if !n.is_multiple_of(w4a16_gemm::N_STEP) || !k.is_multiple_of(w4a16_gemm::K_STEP) {
-            bail!(
-                "routed experts of shard shape [{count}, {n}, {k}]: the CUDA W4A16 kernel needs N % {} == 0 and K % {} == 0 \
-                 (K is padded to it when a multiple of 32; convert with fewer ranks, e.g. --ranks 1)",
-                w4a16_gemm::N_STEP,
-                w4a16_gemm::K_STEP
-            );
-        }
-        Ok(())
-    }
-    /// A new bf16 buffer of `n` elements filled by `f`.
-    fn filled_bf16(&self, n: usize, f: &Fill) -> R<CudaSlice<bf16>> {
-        // SAFETY: every element is written by the fill before any read.
-        let mut v = unsafe { self.gpu.stream.alloc::<bf16>(n) }.map_err(super::drv("fill alloc"))?;
-        fill::fill_bf16(&self.gpu, &mut v.as_view_mut(), f)?;
-        Ok(v)
-    }
-}
-
-impl Backend for CudaBackend {
+impl Resources for CudaBackend {
     type Act = CudaSlice<f32>;
     type Mat = DMat;
     type I4 = DI4;
@@ -646,7 +158,6 @@ impl Backend for CudaBackend {
     type Tree = DeviceTree;
     type Pos = DPos;
     type Graph = DGraph;
-
     fn name(&self) -> &'static str {
         "cuda"
     }
@@ -657,7 +168,6 @@ impl Backend for CudaBackend {
             None => Ok(()),
         }
     }
-
     fn upload_bf16(&self, m: Mat) -> Result<DMat> {
         Ok(DMat {
             w: self.gpu.upload(&m.w[..])?,
@@ -759,7 +269,6 @@ impl Backend for CudaBackend {
             k_src: k,
         })
     }
-
     fn rope_upload(&self, r: RopeTable) -> DRope {
         let rows = r.cos.len() / r.half.max(1);
         self.run("rope_upload", || {
@@ -852,83 +361,6 @@ impl Backend for CudaBackend {
     fn ids_to_host(&self, ids: &CudaSlice<u32>) -> Result<Vec<u32>> {
         Ok(self.gpu.download(ids)?)
     }
-    fn decide_rows(
-        &self,
-        logits: &CudaSlice<f32>,
-        row0: usize,
-        rows: usize,
-        vocab: usize,
-        s: &Sampling,
-        base: PosOf<'_, Self>,
-        offset: usize,
-        out: &mut CudaSlice<u32>,
-    ) -> Result<()> {
-        let end = row0 + rows;
-        if logits.len() < end * vocab || out.len() < end {
-            bail!(
-                "decide_rows: {} logits / {} outputs for rows {row0}..{end} of {vocab}",
-                logits.len(),
-                out.len()
-            );
-        }
-        let bv = match base {
-            PosOf::Kv(kv) => kv.pos.as_view(),
-            PosOf::Pos(p) => p.dev.as_view(),
-        };
-        let (lv, mut ov) = (logits.slice(row0 * vocab..end * vocab), out.slice_mut(row0..end));
-        if s.is_greedy() {
-            argmax::argmax(&self.gpu, &lv, rows, vocab, vocab, &mut ov)?;
-        } else {
-            super::ops::sample_rows::sample_rows(
-                &self.gpu,
-                &lv,
-                rows,
-                vocab,
-                vocab,
-                s,
-                offset as u64,
-                Some(&bv),
-                None,
-                &mut ov,
-            )?;
-        }
-        self.check()
-    }
-    fn rope_at(
-        &self,
-        inv_freq: &CudaSlice<f32>,
-        factor: f64,
-        base: PosOf<'_, Self>,
-        offsets: Option<&CudaSlice<u32>>,
-        t: usize,
-    ) -> DRope {
-        let half = inv_freq.len();
-        self.run("rope_at", || {
-            let b = match base {
-                PosOf::Kv(kv) => kv.pos.as_view(),
-                PosOf::Pos(p) => p.dev.as_view(),
-            };
-            let (mut cos, mut sin) = (self.new_f32(t * half)?, self.new_f32(t * half)?);
-            let ov = offsets.map(|o| o.as_view());
-            round_state::rope_at(
-                &self.gpu,
-                &inv_freq.as_view(),
-                factor,
-                &b,
-                ov.as_ref(),
-                t,
-                &mut cos.as_view_mut(),
-                &mut sin.as_view_mut(),
-            )?;
-            Ok(DRope {
-                cos,
-                sin,
-                half,
-                rows: t,
-            })
-        })
-        .unwrap_or_else(|| self.empty_rope(half))
-    }
     fn pos_new(&self, v: usize) -> DPos {
         let mut dev = self
             .run("pos_new", || self.gpu.zeros::<i32>(1))
@@ -955,7 +387,6 @@ impl Backend for CudaBackend {
             p.host += n;
         }
     }
-
     fn act_from_host(&self, x: Vec<f32>) -> CudaSlice<f32> {
         if x.is_empty() {
             return self.empty(); // (the drafter's empty context cache) no copy of nothing
@@ -1071,185 +502,6 @@ impl Backend for CudaBackend {
             )
         });
     }
-
-    fn linear(&self, x: &CudaSlice<f32>, t: usize, w: &DMat) -> CudaSlice<f32> {
-        self.run("linear", || self.gemm_f32(x, t, w))
-            .unwrap_or_else(|| self.empty())
-    }
-    fn rms_norm(&self, x: &CudaSlice<f32>, w: &CudaSlice<bf16>, eps: f32) -> CudaSlice<f32> {
-        self.run("rms_norm", || {
-            let d = w.len();
-            let mut y = self.gpu.out::<f32>(x.len())?;
-            act_f32::rms_norm_f32(
-                &self.gpu,
-                &x.as_view(),
-                d,
-                &w.as_view(),
-                &mut y.as_view_mut(),
-                d,
-                x.len() / d.max(1),
-                eps,
-            )?;
-            Ok(y)
-        })
-        .unwrap_or_else(|| self.empty())
-    }
-    fn add(&self, acc: &mut CudaSlice<f32>, x: &CudaSlice<f32>) {
-        self.run("add", || {
-            act_f32::add_f32(&self.gpu, &mut acc.as_view_mut(), &x.as_view())
-        });
-    }
-    fn silu_mul(&self, gate: &CudaSlice<f32>, up: &CudaSlice<f32>) -> CudaSlice<f32> {
-        self.run("silu_mul", || {
-            let mut y = self.gpu.out::<f32>(gate.len())?;
-            act_f32::silu_mul_f32(&self.gpu, &gate.as_view(), &up.as_view(), &mut y.as_view_mut())?;
-            Ok(y)
-        })
-        .unwrap_or_else(|| self.empty())
-    }
-    fn all_reduce(&self, partials: Vec<CudaSlice<f32>>) -> CudaSlice<f32> {
-        let mut it = partials.into_iter();
-        let Some(mut acc) = it.next() else { return self.empty() };
-        for p in it {
-            self.add(&mut acc, &p);
-        }
-        // The ranks on this GPU summed in rank order; then the other GPUs' sums (cuda/comm.rs).
-        let comm = self.gpu.comm();
-        self.run("all_reduce", || comm.all_reduce_sum(&self.gpu, &mut acc));
-        acc
-    }
-
-    fn embedding(&self, v: &VocabShards<'_, DMat>, h: usize, tokens: &[u32]) -> CudaSlice<f32> {
-        self.run("embedding", || {
-            let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
-            let ids = self.gpu.upload(&ids)?;
-            self.embed_rows(v, h, &ids.as_view())
-        })
-        .unwrap_or_else(|| self.empty())
-    }
-    fn embedding_ids(&self, v: &VocabShards<'_, DMat>, h: usize, ids: &CudaSlice<u32>, n: usize) -> CudaSlice<f32> {
-        self.run("embedding", || {
-            if ids.len() < n {
-                return Err(CudaError::Shape {
-                    op: "embedding",
-                    msg: format!("{} ids for {n} rows", ids.len()),
-                });
-            }
-            let iv = ids.slice(..n);
-            // SAFETY: the token ids are below the vocabulary (< 2^31), so u32 and i32 hold the same values.
-            let iv = unsafe { iv.transmute::<i32>(n) }.expect("n ids");
-            self.embed_rows(v, h, &iv)
-        })
-        .unwrap_or_else(|| self.empty())
-    }
-    fn lm_head(&self, x: &CudaSlice<f32>, n: usize, _h: usize, v: &VocabShards<'_, DMat>) -> CudaSlice<f32> {
-        self.run("lm_head", || {
-            let whole = v.whole(|m| m.rows);
-            if let ([one], true) = (v.mats.as_slice(), whole) {
-                return self.gemm_f32(x, n, one);
-            }
-            // Vocab-parallel shards: each writes its columns of the merged [n, V] (global vocab order); the other
-            // GPUs' columns are zero here and summed in by the communicator.
-            let vt = v.vocab;
-            let xb = self.to_bf16(x)?;
-            let mut y = if whole {
-                self.gpu.out::<f32>(n * vt)?
-            } else {
-                self.gpu.zeros::<f32>(n * vt)?
-            };
-            let mut col = v.first;
-            for m in &v.mats {
-                gemm_bf16::gemm_bf16_ld(
-                    &self.gpu,
-                    &xb.as_view(),
-                    &m.w.as_view(),
-                    &mut y.slice_mut(col..),
-                    n,
-                    m.cols,
-                    m.rows,
-                    vt,
-                )?;
-                col += m.rows;
-            }
-            if !whole {
-                self.gpu.comm().all_reduce_sum(&self.gpu, &mut y)?;
-            }
-            Ok(y)
-        })
-        .unwrap_or_else(|| self.empty())
-    }
-    fn lm_head_argmax_into(
-        &self,
-        x: &CudaSlice<f32>,
-        n: usize,
-        _h: usize,
-        v: &VocabShards<'_, DMat>,
-        out: &mut CudaSlice<u32>,
-        row0: usize,
-    ) -> Result<()> {
-        if out.len() < row0 + n {
-            bail!("lm_head_argmax: {} outputs for rows {row0}..{}", out.len(), row0 + n);
-        }
-        let vt = v.vocab;
-        if v.whole(|m| m.rows) {
-            let logits = self.lm_head(x, n, _h, v);
-            self.run("lm_head_argmax", || {
-                argmax::argmax(
-                    &self.gpu,
-                    &logits.as_view(),
-                    n,
-                    vt,
-                    vt,
-                    &mut out.slice_mut(row0..row0 + n),
-                )
-            });
-            return self.check();
-        }
-        let (slots, slot0) = v.slots(|m| m.rows).map_err(anyhow::Error::msg)?;
-        self.run("lm_head_argmax", || {
-            // The local shards' logits by the same GEMMs as lm_head's (same columns of an [n, V] buffer, so the
-            // same bits), each shard's (value, global id) into its slot of the zeroed pairs, the pairs summed over
-            // the GPUs (each slot is nonzero on one GPU: exact), then merged in slot (= global vocab) order.
-            let xb = self.to_bf16(x)?;
-            let mut y = self.gpu.out::<f32>(n * vt)?;
-            let mut pairs = self.gpu.zeros::<f32>(n * slots * 2)?;
-            let mut col = v.first;
-            for (j, m) in v.mats.iter().enumerate() {
-                gemm_bf16::gemm_bf16_ld(
-                    &self.gpu,
-                    &xb.as_view(),
-                    &m.w.as_view(),
-                    &mut y.slice_mut(col..),
-                    n,
-                    m.cols,
-                    m.rows,
-                    vt,
-                )?;
-                argmax::argmax_pairs(
-                    &self.gpu,
-                    &y.slice(col..),
-                    n,
-                    m.rows,
-                    vt,
-                    col,
-                    &mut pairs.as_view_mut(),
-                    slot0 + j,
-                    slots,
-                )?;
-                col += m.rows;
-            }
-            self.gpu.comm().all_reduce_sum(&self.gpu, &mut pairs)?;
-            argmax::merge_pairs(
-                &self.gpu,
-                &pairs.as_view(),
-                n,
-                slots,
-                &mut out.slice_mut(row0..row0 + n),
-            )
-        });
-        self.check()
-    }
-
     fn kv_new(&self, layers: usize, width: usize) -> DKv {
         let buf = self
             .run("kv_new", || self.gpu.zeros::<bf16>(0))
@@ -1280,60 +532,6 @@ impl Backend for CudaBackend {
     }
     fn kv_drop_scratch(&self, kv: &mut DKv) {
         kv.scratch = 0;
-    }
-    fn kv_append_latent(
-        &self,
-        kv: &mut DKv,
-        l: usize,
-        ckv: &CudaSlice<f32>,
-        norm: &CudaSlice<bf16>,
-        eps: f32,
-        rope: &DRope,
-    ) {
-        self.run("kv_append_latent", || {
-            let (w, c) = (kv.width, norm.len());
-            let t = ckv.len() / w;
-            self.grow(kv, kv.committed + t)?;
-            // [T, C+P] f32: rms_norm of the c_kv part, k_pe copied, then RoPE on it; stored as bf16.
-            let mut rows = self.copy(ckv, 0, ckv.len())?;
-            act_f32::rms_norm_f32(
-                &self.gpu,
-                &ckv.as_view(),
-                w,
-                &norm.as_view(),
-                &mut rows.as_view_mut(),
-                w,
-                t,
-                eps,
-            )?;
-            let r = RopeLayout {
-                tokens: t,
-                heads: 1,
-                ld_token: w,
-                ld_head: w,
-                offset: c,
-                dim: w - c,
-            };
-            act_f32::rope_table_f32(
-                &self.gpu,
-                &mut rows.as_view_mut(),
-                &rope.cos.as_view(),
-                &rope.sin.as_view(),
-                r,
-                false,
-            )?;
-            // At the committed length read on the device (a captured round replays at any length).
-            let base = l * kv.cap * w;
-            round_state::store_rows_bf16(
-                &self.gpu,
-                &mut kv.buf.slice_mut(base..base + kv.cap * w),
-                w,
-                &kv.pos.as_view(),
-                kv.committed,
-                &rows.as_view(),
-                t,
-            )
-        });
     }
     fn kv_set_scratch(&self, kv: &mut DKv, t: usize) {
         kv.scratch = t;
@@ -1409,124 +607,6 @@ impl Backend for CudaBackend {
     fn mem_free(&self) -> Option<usize> {
         self.gpu.mem_info().ok().map(|(free, _)| free)
     }
-    fn rope_q(&self, q: &mut CudaSlice<f32>, heads: usize, nope: usize, rope: &DRope) {
-        self.run("rope_q", || {
-            let p = 2 * rope.half;
-            let t = rope.rows;
-            let r = RopeLayout {
-                tokens: t,
-                heads,
-                ld_token: heads * (nope + p),
-                ld_head: nope + p,
-                offset: nope,
-                dim: p,
-            };
-            act_f32::rope_table_f32(
-                &self.gpu,
-                &mut q.as_view_mut(),
-                &rope.cos.as_view(),
-                &rope.sin.as_view(),
-                r,
-                false,
-            )
-        });
-    }
-    fn mla_attention(
-        &self,
-        q: &CudaSlice<f32>,
-        t: usize,
-        kv: &DKv,
-        l: usize,
-        mask: &DMask,
-        kv_b: &DMat,
-        d: &MlaDims,
-        _mode: AttnMode,
-    ) -> CudaSlice<f32> {
-        // Both forms compute the same attention; the GPU runs the absorbed one (the naive form would
-        // expand every cached latent through kv_b at each step).
-        self.run("mla_attention", || self.mla_segs(q, &[(kv, mask, t)], l, kv_b, d))
-            .unwrap_or_else(|| self.empty())
-    }
-    fn mla_attention_segs(
-        &self,
-        q: &CudaSlice<f32>,
-        segs: &[(&DKv, &DMask, usize)],
-        l: usize,
-        kv_b: &DMat,
-        d: &MlaDims,
-        _mode: AttnMode,
-    ) -> CudaSlice<f32> {
-        self.run("mla_attention", || self.mla_segs(q, segs, l, kv_b, d))
-            .unwrap_or_else(|| self.empty())
-    }
-    fn kv_append_latent_segs(
-        &self,
-        segs: &mut [(&mut DKv, &DRope, usize)],
-        l: usize,
-        ckv: &CudaSlice<f32>,
-        norm: &CudaSlice<bf16>,
-        eps: f32,
-        w: usize,
-        rope_all: &DRope,
-    ) {
-        self.run("kv_append_latent", || {
-            let c = norm.len();
-            let t = ckv.len() / w;
-            // [T, C+P] f32 of every segment: rms_norm of the c_kv part, k_pe copied, RoPE at each row's own
-            // position (the stacked table), then every segment's rows into its cache at its committed length
-            // (read on the device): three launches per layer, and one more per MAX_SEGS segments.
-            let mut rows = self.copy(ckv, 0, ckv.len())?;
-            act_f32::rms_norm_f32(
-                &self.gpu,
-                &ckv.as_view(),
-                w,
-                &norm.as_view(),
-                &mut rows.as_view_mut(),
-                w,
-                t,
-                eps,
-            )?;
-            let r = RopeLayout {
-                tokens: t,
-                heads: 1,
-                ld_token: w,
-                ld_head: w,
-                offset: c,
-                dim: w - c,
-            };
-            act_f32::rope_table_f32(
-                &self.gpu,
-                &mut rows.as_view_mut(),
-                &rope_all.cos.as_view(),
-                &rope_all.sin.as_view(),
-                r,
-                false,
-            )?;
-            for (kv, _, ts) in segs.iter_mut() {
-                self.grow(kv, kv.committed + *ts)?;
-            }
-            let mut at = 0;
-            for chunk in segs.chunks_mut(round_state::MAX_SEGS) {
-                let rows_n: usize = chunk.iter().map(|s| s.2).sum();
-                let mut parts: Vec<round_state::StoreSeg<'_>> = chunk
-                    .iter_mut()
-                    .map(|(kv, _, ts)| {
-                        let (base, cap, committed) = (l * kv.cap * w, kv.cap, kv.committed);
-                        let DKv { buf, pos, .. } = &mut **kv;
-                        round_state::StoreSeg {
-                            dst: buf.slice_mut(base..base + cap * w),
-                            pos: pos.as_view(),
-                            committed,
-                            n: *ts,
-                        }
-                    })
-                    .collect();
-                round_state::store_rows_seg_bf16(&self.gpu, &mut parts, w, &rows.slice(at * w..(at + rows_n) * w))?;
-                at += rows_n;
-            }
-            Ok(())
-        });
-    }
     fn rope_cat(&self, ropes: &[&DRope]) -> DRope {
         let half = ropes.first().map_or(0, |r| r.half);
         self.run("rope_cat", || {
@@ -1550,368 +630,5 @@ impl Backend for CudaBackend {
             Ok(DRope { cos, sin, half, rows })
         })
         .unwrap_or_else(|| self.empty_rope(half))
-    }
-
-    fn moe_route(&self, logits: &CudaSlice<f32>, t: usize, r: &Router, bias: Option<&CudaSlice<f32>>) -> DRoutes {
-        let res = self.run("moe_route", || {
-            let (mut ids, mut wts) = (self.gpu.out::<i32>(t * r.top_k)?, self.gpu.out::<f32>(t * r.top_k)?);
-            let c = *r;
-            let bv = bias.map(|b| b.as_view());
-            moe_router::moe_router(
-                &self.gpu,
-                &logits.as_view(),
-                bv.as_ref(),
-                t,
-                c,
-                &mut ids.as_view_mut(),
-                &mut wts.as_view_mut(),
-            )?;
-            Ok((ids, wts))
-        });
-        let (ids, wts) = res.unwrap_or_else(|| {
-            let z = self.empty_of::<i32>();
-            (z, self.empty())
-        });
-        DRoutes {
-            ids,
-            wts,
-            t,
-            k: r.top_k,
-            experts: r.n_experts,
-        }
-    }
-    fn routes_to_host(&self, routes: &DRoutes) -> (Vec<i32>, Vec<f32>) {
-        self.run("routes_to_host", || {
-            Ok((self.gpu.download(&routes.ids)?, self.gpu.download(&routes.wts)?))
-        })
-        .unwrap_or_default()
-    }
-    fn moe_experts(
-        &self,
-        x: &CudaSlice<f32>,
-        t: usize,
-        h: usize,
-        routes: &DRoutes,
-        gate: &DI4,
-        up: &DI4,
-        down: &DI4,
-    ) -> CudaSlice<f32> {
-        self.run("moe_experts", || {
-            // Tensor parallel: every expert, sliced; expert parallel: experts first .. first + count, whole.
-            if gate.first + gate.count > routes.experts {
-                return Err(CudaError::Shape {
-                    op: "moe_experts",
-                    msg: format!(
-                        "the rank holds experts {}..{} of {}",
-                        gate.first,
-                        gate.first + gate.count,
-                        routes.experts
-                    ),
-                });
-            }
-            if routes.t != t || routes.ids.len() != t * routes.k {
-                return Err(CudaError::Shape {
-                    op: "moe_experts",
-                    msg: format!("routes of {} tokens for {t}", routes.t),
-                });
-            }
-            self.experts(x, t, h, routes, gate, up, down)
-        })
-        .unwrap_or_else(|| self.empty())
-    }
-
-    fn head_norm_rope_neox(
-        &self,
-        x: &CudaSlice<f32>,
-        w: &CudaSlice<bf16>,
-        eps: f32,
-        heads: usize,
-        rope: &DRope,
-    ) -> CudaSlice<f32> {
-        self.run("head_norm_rope_neox", || {
-            let d = w.len();
-            let mut y = self.new_f32(x.len())?;
-            act_f32::rms_norm_f32(
-                &self.gpu,
-                &x.as_view(),
-                d,
-                &w.as_view(),
-                &mut y.as_view_mut(),
-                d,
-                x.len() / d.max(1),
-                eps,
-            )?;
-            let t = x.len() / (heads * d).max(1);
-            let r = RopeLayout {
-                tokens: t,
-                heads,
-                ld_token: heads * d,
-                ld_head: d,
-                offset: 0,
-                dim: d,
-            };
-            act_f32::rope_table_f32(
-                &self.gpu,
-                &mut y.as_view_mut(),
-                &rope.cos.as_view(),
-                &rope.sin.as_view(),
-                r,
-                true,
-            )?;
-            Ok(y)
-        })
-        .unwrap_or_else(|| self.empty())
-    }
-    #[allow(clippy::too_many_arguments)]
-    fn gqa_attention(
-        &self,
-        q: &CudaSlice<f32>,
-        b: usize,
-        ctx: (&CudaSlice<f32>, &CudaSlice<f32>),
-        ctx_len: &DPos,
-        block: (&CudaSlice<f32>, &CudaSlice<f32>),
-        heads: usize,
-        kv_heads: usize,
-        head_dim: usize,
-    ) -> CudaSlice<f32> {
-        self.run("gqa_attention", || {
-            let kw = kv_heads * head_dim;
-            let (c, room) = (ctx_len.host, ctx.0.len().checked_div(kw).unwrap_or(0));
-            if c > room || ctx.1.len() != ctx.0.len() {
-                return Err(CudaError::Shape { op: "gqa_attention", msg: format!("context keys/values of {} / {} values hold fewer than C={c} rows of Hk={kv_heads} x D={head_dim}", ctx.0.len(), ctx.1.len()) });
-            }
-            let s = GqaShape { b, ctx: c, heads, kv_heads, head_dim };
-            // Split by the caches' room, C read on the device (as the MLA attention).
-            let split = GqaSplit { splits: GqaSplit::choose(&self.gpu, &GqaShape { ctx: room, ..s }).splits, rows_per_split: 0 };
-            let (wo, wml) = split.workspace(&s);
-            // Workspace and output are allocated per call (as the MLA attention's).
-            let (mut po, mut pml, mut out) = (self.new_f32(wo)?, self.new_f32(wml)?, self.new_f32(b * heads * head_dim)?);
-            let (kc, vc, kb, vb) = (ctx.0.as_view(), ctx.1.as_view(), block.0.as_view(), block.1.as_view());
-            let cv = ctx_len.dev.as_view();
-            gqa_attention(&self.gpu, &q.as_view(), (&kc, &vc), Some(&cv), (&kb, &vb), &s, &split, &mut po.as_view_mut(), &mut pml.as_view_mut(), &mut out.as_view_mut())?;
-            Ok(out)
-        })
-        .unwrap_or_else(|| self.empty())
-    }
-
-    fn tree_new(&self, budget: usize, rows: usize, vocab: usize, k: usize) -> Result<DeviceTree> {
-        Ok(DeviceTree::with_k(&self.gpu, budget, rows, vocab, k)?)
-    }
-    fn tree_build(&self, tree: &mut DeviceTree, draft: &CudaSlice<f32>, row0: usize) -> Result<()> {
-        let (from, to) = (row0 * tree.vocab, (row0 + tree.rows) * tree.vocab);
-        if draft.len() < to {
-            bail!(
-                "tree_build: {} draft logits for rows {row0}..{} of {}",
-                draft.len(),
-                row0 + tree.rows,
-                tree.vocab
-            );
-        }
-        tree.build(&self.gpu, &draft.slice(from..to), tree.vocab)?;
-        self.check()
-    }
-    fn tree_set_root(&self, tree: &mut DeviceTree, root: u32) -> Result<()> {
-        Ok(tree.set_bonus(&self.gpu, root)?)
-    }
-    fn tree_root<'t>(&self, tree: &'t DeviceTree) -> &'t CudaSlice<u32> {
-        &tree.bonus
-    }
-    fn tree_tokens<'t>(&self, tree: &'t DeviceTree) -> &'t CudaSlice<u32> {
-        &tree.tokens
-    }
-    fn tree_depths<'t>(&self, tree: &'t DeviceTree) -> &'t CudaSlice<u32> {
-        &tree.depths
-    }
-    fn tree_mask<'t>(&self, tree: &'t DeviceTree) -> &'t DMask {
-        &tree.mask
-    }
-    fn tree_walk(
-        &self,
-        tree: &mut DeviceTree,
-        logits: &CudaSlice<f32>,
-        row0: usize,
-        s: &Sampling,
-        kv: &DKv,
-    ) -> Result<()> {
-        let (n, v) = (tree.budget + 1, tree.vocab);
-        if logits.len() < (row0 + n) * v {
-            bail!("tree_walk: {} logits for {n} nodes from row {row0} x {v}", logits.len());
-        }
-        tree.walk_sampled(
-            &self.gpu,
-            &logits.slice(row0 * v..(row0 + n) * v),
-            v,
-            s,
-            0,
-            Some(&kv.pos.as_view()),
-        )?;
-        self.check()
-    }
-    fn tree_walk_decided(&self, tree: &mut DeviceTree, decisions: &CudaSlice<u32>, row0: usize) -> Result<()> {
-        let n = tree.budget + 1;
-        if decisions.len() < row0 + n {
-            bail!(
-                "tree_walk_decided: {} decisions for {n} nodes from row {row0}",
-                decisions.len()
-            );
-        }
-        self.gpu
-            .stream
-            .memcpy_dtod(&decisions.slice(row0..row0 + n), &mut tree.decisions)
-            .map_err(super::drv("tree_walk_decided"))?;
-        tree.walk(&self.gpu)?;
-        self.check()
-    }
-    fn tree_path_rows(
-        &self,
-        tree: &DeviceTree,
-        x: &CudaSlice<f32>,
-        row0: usize,
-        cols: usize,
-        rows_out: usize,
-    ) -> CudaSlice<f32> {
-        self.run("tree_path_rows", || {
-            let mut out = self.new_f32(rows_out * cols)?;
-            let nodes = (x.len().checked_div(cols).unwrap_or(0))
-                .saturating_sub(row0)
-                .min(tree.budget + 1);
-            let x = x.slice((row0 * cols).min(x.len())..);
-            let wv = tree.walk_out.slice(..1 + rows_out.min(tree.rows + 1));
-            if rows_out > tree.rows + 1 {
-                return Err(CudaError::Shape {
-                    op: "tree_path_rows",
-                    msg: format!("{rows_out} rows for walks of up to {}", tree.rows + 1),
-                });
-            }
-            round_state::path_rows(&self.gpu, &x, nodes, cols, &wv, rows_out, &mut out.as_view_mut())?;
-            Ok(out)
-        })
-        .unwrap_or_else(|| self.empty())
-    }
-    fn tree_commit(&self, tree: &mut DeviceTree, kv: &mut DKv, ctx: &mut DPos) -> Result<()> {
-        let m = tree.rows + 1;
-        if kv.committed + m > kv.cap || kv.scratch < tree.budget + 1 {
-            bail!(
-                "tree_commit: {} committed + a path of up to {m} in a cache of {} rows ({} scratch rows)",
-                kv.committed,
-                kv.cap,
-                kv.scratch
-            );
-        }
-        let (n, rest) = tree.walk_out.split_at(1);
-        let path = rest.slice(..m);
-        kv_compact::kv_compact_dev(
-            &self.gpu,
-            &mut kv.buf.as_view_mut(),
-            kv.layers,
-            kv.cap,
-            kv.width,
-            kv.committed,
-            &kv.pos.as_view(),
-            &path,
-            &n,
-        )?;
-        round_state::round_advance(
-            &self.gpu,
-            &tree.walk_out.as_view(),
-            m,
-            &mut kv.pos.as_view_mut(),
-            Some(&mut ctx.dev.as_view_mut()),
-            &mut tree.bonus.as_view_mut(),
-        )?;
-        self.check()
-    }
-    fn tree_commit_host(&self, _tree: &DeviceTree, kv: &mut DKv, ctx: &mut DPos, n: usize) {
-        kv.committed += n;
-        kv.scratch = 0;
-        ctx.host += n;
-    }
-    fn tree_result(&self, tree: &DeviceTree) -> Result<TreeResult> {
-        Ok(tree.result_to_host(&self.gpu)?)
-    }
-    fn tree_result_words(&self, tree: &DeviceTree) -> usize {
-        tree.walk_out.len()
-    }
-    fn tree_result_into(&self, tree: &DeviceTree, stage: &mut CudaSlice<u32>, at: usize) {
-        self.run("tree_result_into", || {
-            let n = tree.walk_out.len();
-            if at + n > stage.len() {
-                return Err(CudaError::Shape {
-                    op: "tree_result_into",
-                    msg: format!("{n} words at {at} of a stage of {}", stage.len()),
-                });
-            }
-            let mut dst = stage.slice_mut(at..at + n);
-            // SAFETY: i32 and u32 have the same size and every bit pattern is valid for both.
-            let mut dst = unsafe { dst.transmute_mut::<i32>(n) }.expect("the stage slice holds n words");
-            self.gpu
-                .stream
-                .memcpy_dtod(&tree.walk_out, &mut dst)
-                .map_err(super::drv("tree_result_into"))
-        });
-    }
-    fn tree_result_from(&self, tree: &DeviceTree, words: &[u32]) -> Result<TreeResult> {
-        let w: Vec<i32> = words.iter().map(|&x| x as i32).collect();
-        Ok(tree.result_from(&w)?)
-    }
-    fn graph_run(&self, graph: &mut Option<DGraph>, key: u64, body: &mut dyn FnMut() -> Result<()>) -> Result<()> {
-        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-        if !self.graphs() {
-            *graph = None;
-            return body();
-        }
-        if let Some(g) = graph.as_ref().filter(|g| g.key == key) {
-            super::GpuStats::bump(&self.gpu.stats.graph_launches);
-            g.graph.launch().map_err(super::drv("graph launch"))?;
-            return Ok(());
-        }
-        *graph = None;
-        let s = &self.gpu.stream;
-        let before = self.gpu.stats.snapshot();
-        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(super::drv("begin graph capture"))?;
-        let r = body();
-        // Always end the capture (a failed body must not leave the stream capturing). cudarc's end_capture
-        // first returns any error a drop recorded in the context (an invalidated capture fails the frees
-        // too) without ending it: clear that first.
-        let _ = self.gpu.ctx.check_err();
-        let g = s.end_capture(CUgraphInstantiate_flags(0));
-        let captured = match (r, self.check(), g) {
-            (Ok(()), Ok(()), Ok(Some(g))) => Ok(g),
-            (r, c, g) => Err(r
-                .err()
-                .or(c.err())
-                .map(|e| format!("{e:#}"))
-                .or(g.err().map(|e| format!("end capture: {e}")))
-                .unwrap_or_else(|| "the capture recorded nothing".into())),
-        };
-        // Every rank of the run captures the same round here: none launches its graph (whose collectives wait for
-        // the others) before all have captured and instantiated theirs (comm::LaunchGate).
-        let gated = self.gpu.comm().gate();
-        let g = match captured {
-            Ok(g) => g,
-            Err(why) => {
-                // Nothing ran (a capture only records): run the same ops eagerly, and say so once.
-                let _ = self.gpu.ctx.check_err(); // drops inside the failed capture may have recorded its error
-                super::GpuStats::bump(&self.gpu.stats.capture_failures);
-                self.gpu.note_capture_failure(&why);
-                self.gpu.set_graphs(false); // not again on this GPU: every later round runs eagerly
-                return body();
-            }
-        };
-        let after = self.gpu.stats.snapshot();
-        if let Ok(c) = super::GraphCensus::of(&g) {
-            self.gpu.set_last_graph(c);
-        }
-        gated?;
-        super::GpuStats::bump(&self.gpu.stats.graph_launches);
-        g.launch().map_err(super::drv("graph launch"))?;
-        *graph = Some(DGraph {
-            key,
-            graph: g,
-            kernels: after[0] - before[0],
-            blas_calls: after[1] - before[1],
-        });
-        Ok(())
     }
 }

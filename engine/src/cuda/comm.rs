@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, PushKernelArg};
 
-use super::{CudaError, Gpu, Result};
+use super::{CudaError, Gpu, GpuOptions, Result};
 
 /// Sums a GPU's rank partial over the GPUs of a run.
 pub trait Communicator: Send + Sync {
@@ -192,7 +192,11 @@ impl Nccl {
             op: "nccl",
             msg: format!("ncclCommInitAll over {} GPUs: {e:?}", gpus.len()),
         })?;
-        let gate = LaunchGate::new(gpus.len(), gate_timeout());
+        // Every GPU of a run is opened with the same switches: the first one's say how long a gate waits.
+        let wait = gpus
+            .first()
+            .map_or(GpuOptions::default().gate_timeout, |g| g.options().gate_timeout);
+        let gate = LaunchGate::new(gpus.len(), wait);
         Ok(comms
             .into_iter()
             .map(|comm| Nccl {
@@ -239,27 +243,6 @@ impl Communicator for Nccl {
 pub const GROUP_BLOCKS: usize = 4;
 /// Floats one block stages per launch; a larger buffer is summed in several launches.
 const GROUP_CAP: usize = 131072;
-/// How long a rank waits for the others inside a sum before the kernel traps (an error, not a hang).
-const GROUP_TIMEOUT_NS: u64 = 20_000_000_000;
-
-/// [`GROUP_TIMEOUT_NS`], or `KDTREE_GROUP_TIMEOUT_S` seconds.
-fn sum_timeout_ns() -> u64 {
-    std::env::var("KDTREE_GROUP_TIMEOUT_S")
-        .ok()
-        .and_then(|v| v.parse::<f64>().ok())
-        .filter(|s| *s > 0.0)
-        .map_or(GROUP_TIMEOUT_NS, |s| (s * 1e9) as u64)
-}
-
-/// How long a rank waits at a [`LaunchGate`] for the others (`KDTREE_GATE_TIMEOUT_S`, default 60).
-fn gate_timeout() -> std::time::Duration {
-    let s = std::env::var("KDTREE_GATE_TIMEOUT_S")
-        .ok()
-        .and_then(|v| v.parse::<f64>().ok())
-        .filter(|s| *s > 0.0)
-        .unwrap_or(60.0);
-    std::time::Duration::from_secs_f64(s)
-}
 
 /// The one-GPU communicator: `world` ranks on one GPU, each its own [`Gpu`] (stream, graphs) and thread, meeting
 /// in device memory: two staging buffers of `world` x [`GROUP_BLOCKS`] x [`GROUP_CAP`] floats, and per rank and
@@ -292,8 +275,8 @@ impl SharedGpu {
             staging,
             flags,
             epochs,
-            gate: LaunchGate::new(world, gate_timeout()),
-            timeout_ns: sum_timeout_ns(),
+            gate: LaunchGate::new(world, gpu.options().gate_timeout),
+            timeout_ns: gpu.options().group_timeout.as_nanos() as u64,
         });
         Ok((0..world).map(|rank| SharedRank { group: g.clone(), rank }).collect())
     }
@@ -358,6 +341,67 @@ impl Communicator for SharedRank {
     fn abort(&self, why: &str) {
         self.group.gate.abort(why)
     }
+}
+
+/// The GPUs and communicators of `groups` tensor-parallel rank groups (engine/src/tp): every group on GPU `ordinal`
+/// (the one-GPU communicator, [`SharedGpu`]) or group g on `gpus[g]` (NCCL, [`Nccl::group`]), each GPU opened with
+/// `opts` and given its communicator. Returns the GPUs and the communicators (to wake the other groups when one
+/// fails).
+#[allow(clippy::type_complexity)]
+pub fn open_groups(
+    groups: usize,
+    ordinal: usize,
+    gpus: Option<&[usize]>,
+    opts: GpuOptions,
+) -> anyhow::Result<(Vec<Arc<Gpu>>, Vec<Arc<dyn Communicator>>)> {
+    use anyhow::ensure;
+    let devs: Vec<Arc<Gpu>> = match gpus {
+        None => (0..groups)
+            .map(|_| Gpu::new(ordinal, opts).map(Arc::new))
+            .collect::<std::result::Result<_, _>>()?,
+        Some(o) => {
+            let mut seen = o.to_vec();
+            seen.sort_unstable();
+            seen.dedup();
+            ensure!(
+                seen.len() == o.len(),
+                "GPUs {o:?} are not distinct (several groups on one GPU: the shared-GPU communicator)"
+            );
+            o.iter()
+                .map(|&i| Gpu::new(i, opts).map(Arc::new))
+                .collect::<std::result::Result<_, _>>()?
+        }
+    };
+    // Lazy module loading (CUDA's default) loads a kernel on its first launch and synchronises the device to do
+    // so: a group waiting inside a sum for another group that is loading a kernel would never finish. CUDA reads
+    // `CUDA_MODULE_LOADING` when it starts, so a tool sets it before (kdtree-run does for runs of several
+    // groups); the driver says what it decided.
+    ensure!(
+        groups == 1 || devs[0].eager_module_loading()?,
+        "{groups} rank groups need CUDA_MODULE_LOADING=EAGER set before the first CUDA call (lazy loading synchronises the device when a kernel first runs, which deadlocks groups that meet inside their kernels)"
+    );
+    let comms: Vec<Arc<dyn Communicator>> = match gpus {
+        None => SharedGpu::ranks(&devs[0], groups)?
+            .into_iter()
+            .map(|c| Arc::new(c) as Arc<dyn Communicator>)
+            .collect(),
+        Some(_) => Nccl::group(&devs.iter().map(|g| &**g).collect::<Vec<_>>())?
+            .into_iter()
+            .map(|c| Arc::new(c) as Arc<dyn Communicator>)
+            .collect(),
+    };
+    for (g, c) in devs.iter().zip(comms.clone()) {
+        g.set_comm(c);
+        g.set_drain_copies(groups > 1);
+    }
+    if gpus.is_none() && groups > 1 {
+        devs[0].pool_for_groups()?;
+        // Up to GROUP_BLOCKS SMs per group partly held by a waiting sum: cuBLAS plans for the rest.
+        for g in &devs {
+            g.set_blas_sms(g.sms.saturating_sub(groups * GROUP_BLOCKS))?;
+        }
+    }
+    Ok((devs, comms))
 }
 
 #[cfg(test)]

@@ -9,10 +9,15 @@
 
 pub mod backend;
 pub mod comm;
+mod composite;
+mod compute;
 mod load;
 pub mod ops;
 pub mod tree;
+mod tree_ops;
+pub mod types;
 
+pub use crate::options::GpuOptions;
 pub use backend::CudaBackend;
 
 use std::collections::HashMap;
@@ -76,7 +81,7 @@ pub struct Gpu {
     funcs: HashMap<&'static str, CudaFunction>,
     /// cuBLAS's workspace, set once (so a captured GEMM uses the same algorithms as an eager one).
     _blas_workspace: CudaSlice<u8>,
-    /// Capture DDTree rounds into CUDA graphs (default on; `KDTREE_CUDA_GRAPHS=0` turns it off).
+    /// Capture DDTree rounds into CUDA graphs (`GpuOptions::graphs`; [`Gpu::set_graphs`]).
     graphs: std::sync::atomic::AtomicBool,
     /// Why the first failed capture failed.
     capture_failure: std::sync::Mutex<Option<String>>,
@@ -90,19 +95,21 @@ pub struct Gpu {
     pub(crate) gemm_counters: CudaSlice<u32>,
     /// The node census of the last graph captured on this GPU (see [`Gpu::last_graph`]).
     last_graph: std::sync::Mutex<Option<GraphCensus>>,
-    /// Blocks per SM the W4A16 split count aims at (1..=4; `KDTREE_W4A16_BLOCKS_PER_SM`, default 4).
+    /// Blocks per SM the W4A16 split count aims at (1..=4; `GpuOptions::w4a16_blocks_per_sm`, default 4).
     w4a16_bps: std::sync::atomic::AtomicUsize,
-    /// At most this many W4A16 k-splits (`KDTREE_W4A16_MAX_SPLITS`, default 64: measured on the H200, a cap of
+    /// At most this many W4A16 k-splits (`GpuOptions::w4a16_max_splits`, default 64: measured on the H200, a cap of
     /// 16 or 8 made the TP8 slices slower, 512x7168 M=1 9.3 / 11.3 us against 6.9 us).
     w4a16_max_splits: std::sync::atomic::AtomicUsize,
-    /// bf16 GEMMs of <= 4 rows through the GEMV kernel instead of cuBLAS (opt in: `KDTREE_GEMV=1`). Off by
+    /// bf16 GEMMs of <= 4 rows through the GEMV kernel instead of cuBLAS (opt in: `GpuOptions::gemv`). Off by
     /// default: on the H200 it made the k26 slice's AR step 10% faster (10.74 -> 9.64 ms), but its sums differ
     /// from the tree verify's cuBLAS ones more often at bf16 rounding boundaries (sampled DDTree == sampled AR
     /// exactly on 0 of 8 runs instead of >= 4, every difference a boundary case within 2e-3).
     gemv: std::sync::atomic::AtomicBool,
-    /// Fill [`Gpu::out`] buffers with NaN bytes (`KDTREE_CUDA_POISON=1`; test runs).
+    /// Fill [`Gpu::out`] buffers with NaN bytes (`GpuOptions::poison`; test runs).
     poison: bool,
-    /// Launch the W4A16 GEMMs with programmatic dependent launch (sm_90+; `KDTREE_PDL=0` turns it off).
+    /// The switches this GPU was opened with.
+    opts: GpuOptions,
+    /// Launch the W4A16 GEMMs with programmatic dependent launch (sm_90+; `GpuOptions::pdl`).
     pdl: std::sync::atomic::AtomicBool,
     /// How this GPU's rank sums meet those of the other GPUs of a run ([`comm::Communicator`]; `OneGpu` by default).
     comm: std::sync::RwLock<Arc<dyn comm::Communicator>>,
@@ -228,7 +235,9 @@ impl Gpu {
     /// Opens device `ordinal`, loads the embedded fatbin and resolves every kernel in
     /// `kdtree_kernels::KERNELS` (a missing one is an error naming it). Fails with
     /// [`CudaError::NoDevice`] (never panics) when libcuda is absent or no device exists.
-    pub fn new(ordinal: usize) -> Result<Gpu> {
+    /// `opts`: the switches (graphs, poisoned outputs, PDL, the W4A16 plan, timeouts; `GpuOptions::from_env()`
+    /// in the tools and tests).
+    pub fn new(ordinal: usize, opts: GpuOptions) -> Result<Gpu> {
         // SAFETY: only probes whether the shared library can be dlopened.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
             return Err(CudaError::NoDevice(
@@ -297,7 +306,7 @@ impl Gpu {
         let major = ctx
             .attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
             .map_err(drv("device attributes"))?;
-        let pdl = major >= 9 && std::env::var("KDTREE_PDL").map(|v| v != "0").unwrap_or(true);
+        let pdl = major >= 9 && opts.pdl;
         let gpu = Gpu {
             ctx,
             stream,
@@ -308,28 +317,17 @@ impl Gpu {
             _module: module,
             funcs,
             _blas_workspace: ws,
-            graphs: std::sync::atomic::AtomicBool::new(
-                std::env::var("KDTREE_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true),
-            ),
+            graphs: std::sync::atomic::AtomicBool::new(opts.graphs),
             capture_failure: std::sync::Mutex::new(None),
             load: std::sync::Mutex::new(None),
             stats: GpuStats::default(),
             gemm_counters,
             last_graph: std::sync::Mutex::new(None),
-            w4a16_bps: std::sync::atomic::AtomicUsize::new(
-                std::env::var("KDTREE_W4A16_BLOCKS_PER_SM")
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(4),
-            ),
-            w4a16_max_splits: std::sync::atomic::AtomicUsize::new(
-                std::env::var("KDTREE_W4A16_MAX_SPLITS")
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(64),
-            ),
-            gemv: std::sync::atomic::AtomicBool::new(std::env::var("KDTREE_GEMV").is_ok_and(|v| v == "1")),
-            poison: std::env::var("KDTREE_CUDA_POISON").is_ok_and(|v| v == "1"),
+            w4a16_bps: std::sync::atomic::AtomicUsize::new(opts.w4a16_blocks_per_sm),
+            w4a16_max_splits: std::sync::atomic::AtomicUsize::new(opts.w4a16_max_splits),
+            gemv: std::sync::atomic::AtomicBool::new(opts.gemv),
+            poison: opts.poison,
+            opts,
             pdl: std::sync::atomic::AtomicBool::new(pdl),
             comm: std::sync::RwLock::new(Arc::new(comm::OneGpu)),
             drain_copies: std::sync::atomic::AtomicBool::new(false),
@@ -423,8 +421,7 @@ impl Gpu {
         if self.drain_copies.load(std::sync::atomic::Ordering::Relaxed)
             && self.stream.capture_status().map_err(drv("capture status"))? == S::CU_STREAM_CAPTURE_STATUS_NONE
         {
-            static TRACE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-            let trace = *TRACE.get_or_init(|| std::env::var("KDTREE_TP_TRACE").is_ok_and(|v| v == "1"));
+            let trace = self.opts.tp_trace;
             let who = std::thread::current().name().unwrap_or("?").to_string();
             if trace {
                 eprintln!("kdtree tp: {who}: drain ...");
@@ -493,7 +490,7 @@ impl Gpu {
             .store(s.max(1), std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Whether bf16 GEMMs of <= 4 rows use the GEMV kernel (off by default; `KDTREE_GEMV=1`).
+    /// Whether bf16 GEMMs of <= 4 rows use the GEMV kernel (off by default; `GpuOptions::gemv`).
     pub fn gemv(&self) -> bool {
         self.gemv.load(std::sync::atomic::Ordering::Relaxed)
     }
@@ -529,6 +526,24 @@ impl Gpu {
             eprintln!("kdtree: warning: capturing the DDTree round as a CUDA graph failed, running it eagerly: {why}");
             *g = Some(why.to_string());
         }
+    }
+
+    /// The switches this GPU was opened with.
+    pub fn options(&self) -> &GpuOptions {
+        &self.opts
+    }
+
+    /// Whether the driver loads every kernel of a module when the module loads (eager), rather than on a kernel's
+    /// first launch (lazy, which synchronises the device). CUDA decides this once, when it starts, from
+    /// `CUDA_MODULE_LOADING` (a tool sets it before the first CUDA call); this asks the driver what it decided.
+    pub fn eager_module_loading(&self) -> Result<bool> {
+        use cudarc::driver::sys::CUmoduleLoadingMode as M;
+        let mut mode = M::CU_MODULE_LAZY_LOADING;
+        // SAFETY: the driver is initialised (this GPU's context exists); `mode` is a valid place for the answer.
+        unsafe { cudarc::driver::sys::cuModuleGetLoadingMode(&mut mode) }
+            .result()
+            .map_err(drv("module loading mode"))?;
+        Ok(mode == M::CU_MODULE_EAGER_LOADING)
     }
 
     /// The device's name, e.g. "NVIDIA H200".
@@ -596,7 +611,7 @@ impl Gpu {
     }
 
     /// A buffer of `n` elements that the op about to run writes in full: not zero-filled (a zero fill is one
-    /// more node per buffer in a captured round). With `KDTREE_CUDA_POISON=1` it is filled with 0xFF bytes
+    /// more node per buffer in a captured round). With `GpuOptions::poison` it is filled with 0xFF bytes
     /// instead (NaN as f32 and bf16), so that a test run catches an op reading what nobody wrote.
     pub fn out<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
         // SAFETY: the caller's op writes every element before anything reads it (checked by the poisoned

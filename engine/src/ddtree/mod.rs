@@ -1,4 +1,4 @@
-//! DDTree: the draft tree built from DFlash marginals (build.rs), its ancestor bitmask (visibility.rs,
+//! DDTree: the draft tree built from DFlash marginals (build.rs), its ancestor bitmask (`backend::Visibility`,
 //! also the target's tree-attention mask) and the walk that verifies it against the target (walk.rs).
 //! Pure CPU bookkeeping, no model math; the loop that drives them is generate.rs. cost.rs chooses the budget
 //! of `--budget auto` (CaDDTree, ddtree.md §4.3) from a measured round cost and the tree's own scores.
@@ -9,12 +9,11 @@
 
 mod build;
 pub mod cost;
-mod visibility;
 mod walk;
 
+pub use crate::backend::Visibility;
 pub use build::{build_tree, build_tree_from_top_k, top_k_log_probs, DraftTree, TopK};
 pub use cost::{AutoBudget, CostModel};
-pub use visibility::Visibility;
 pub use walk::{walk, walk_greedy, walk_sampled, Walk};
 
 /// What the host reads back after a device round (in one copy on a GPU): the walk, and the builder's scores

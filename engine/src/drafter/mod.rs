@@ -29,8 +29,11 @@
 //! Dimension letters: H hidden, C committed context rows, B block, Hq query heads, Hk kv heads, D head_dim,
 //! I intermediate, V vocab, n_tap number of tapped target layers.
 
+mod api;
+mod tables;
 mod weights;
 
+pub use tables::{DenseTables, TargetTables};
 pub use weights::{slice_config, DraftLayer, DrafterDims, DrafterWeights};
 
 use crate::api::Drafter;
@@ -42,67 +45,6 @@ use anyhow::{bail, ensure, Context, Result};
 use half::bf16;
 use kdtree_formats::config::DrafterConfig;
 use std::sync::Arc;
-
-/// The target's token table and LM head, borrowed by the drafter (it has neither of its own).
-pub trait TargetTables<B: Backend = CpuBackend>: Send + Sync {
-    fn hidden_size(&self) -> usize;
-    fn vocab_size(&self) -> usize;
-    /// `embed_tokens` rows of `tokens`: [n, H].
-    fn embed(&self, tokens: &[u32]) -> B::Act;
-    /// [`TargetTables::embed`] of `n` ids already where the ops run.
-    fn embed_ids(&self, ids: &B::Ids, n: usize) -> B::Act;
-    /// `lm_head(x)` for x [n, H]: [n, V] logits in global vocab order.
-    fn lm_head(&self, x: &B::Act, n: usize) -> B::Act;
-}
-
-/// Whole (vocab-gathered) bf16 tables held in memory (CPU; tests).
-pub struct DenseTables {
-    pub hidden: usize,
-    pub vocab: usize,
-    /// [V, H] bf16
-    pub embed_tokens: Vec<bf16>,
-    /// [V, H] bf16
-    pub lm_head: Vec<bf16>,
-}
-
-impl TargetTables for DenseTables {
-    fn hidden_size(&self) -> usize {
-        self.hidden
-    }
-    fn vocab_size(&self) -> usize {
-        self.vocab
-    }
-    fn embed(&self, tokens: &[u32]) -> Vec<f32> {
-        ops::embedding_bf16(&[&self.embed_tokens], self.hidden, tokens)
-    }
-    fn embed_ids(&self, ids: &Vec<u32>, n: usize) -> Vec<f32> {
-        self.embed(&ids[..n])
-    }
-    fn lm_head(&self, x: &Vec<f32>, n: usize) -> Vec<f32> {
-        ops::lm_head_bf16(x, n, self.hidden, &[&self.lm_head])
-    }
-}
-
-/// The target's own per-rank tables (vocab-parallel `[V/R, H]` shards), used without a copy: embed looks
-/// up the owning rank's row; lm_head runs each rank's shard and places its columns at the rank's vocab
-/// offset (global vocab order, ddtree.md §5.6 item 10).
-impl<B: Backend> TargetTables<B> for crate::model::Weights<B> {
-    fn hidden_size(&self) -> usize {
-        self.cfg.hidden
-    }
-    fn vocab_size(&self) -> usize {
-        self.cfg.vocab
-    }
-    fn embed(&self, tokens: &[u32]) -> B::Act {
-        crate::model::Weights::embed(self, tokens)
-    }
-    fn embed_ids(&self, ids: &B::Ids, n: usize) -> B::Act {
-        crate::model::Weights::embed_ids(self, ids, n)
-    }
-    fn lm_head(&self, x: &B::Act, n: usize) -> B::Act {
-        crate::model::Weights::lm_head(self, x, n)
-    }
-}
 
 /// One draft layer's weights on the backend (names as [`DraftLayer`]).
 struct Layer<B: Backend> {
@@ -692,70 +634,5 @@ impl<B: Backend> DFlashDrafter<B> {
     /// while this does not change.
     pub fn capture_key(&self) -> (u64, u64) {
         (self.uid, self.moves)
-    }
-}
-
-impl<B: Backend> Drafter for DFlashDrafter<B> {
-    fn block_size(&self) -> usize {
-        self.dims.block
-    }
-
-    fn context_len(&self) -> usize {
-        self.b.pos_get(&self.ctx_pos)
-    }
-
-    fn extend_context(&mut self, taps: &[f32], n: usize) -> Result<()> {
-        let DrafterDims { hidden: h, n_taps, .. } = self.dims;
-        if taps.len() != n * n_taps * h {
-            bail!(
-                "extend_context: taps has {} values, expected n={n} x {n_taps} taps x H={h}",
-                taps.len()
-            );
-        }
-        if n == 0 {
-            return Ok(());
-        }
-        let taps = self.b.act_from_host(taps.to_vec());
-        self.extend_context_act(&taps, n)
-    }
-
-    fn draft(&mut self, bonus: u32, start: usize) -> Result<Vec<f32>> {
-        let logits = self.draft_act(bonus, start)?;
-        let logits = self.b.to_host(&logits);
-        self.b.check()?;
-        Ok(logits)
-    }
-
-    fn truncate_context(&mut self, len: usize) -> Result<()> {
-        let have = self.context_len();
-        ensure!(
-            len <= have,
-            "truncate_context to {len}: the context holds {have} positions"
-        );
-        // Rows past the committed length are scratch: only the length moves (the storage stays).
-        self.b.pos_set(&mut self.ctx_pos, len);
-        Ok(())
-    }
-
-    fn reset(&mut self) {
-        self.b.pos_set(&mut self.ctx_pos, 0);
-    }
-    fn reserve(&mut self, rows: usize) {
-        let have = self.context_len();
-        self.reserve_context(rows.saturating_sub(have));
-    }
-    fn fork(&self) -> Option<Box<dyn Drafter>> {
-        Some(Box::new(DFlashDrafter::fork(self)))
-    }
-    fn ctx_row_bytes(&self) -> usize {
-        // K and V of every layer, f32.
-        self.dims.layers * 2 * self.dims.kv_heads * self.dims.head_dim * std::mem::size_of::<f32>()
-    }
-    fn release(&mut self) {
-        self.b.pos_set(&mut self.ctx_pos, 0);
-        for c in &mut self.cache {
-            (c.k, c.v) = (self.b.act_from_host(Vec::new()), self.b.act_from_host(Vec::new()));
-        }
-        self.moves += 1;
     }
 }

@@ -14,18 +14,9 @@
 //! Letters: T new nodes, Hr heads of a rank, C kv_lora, P rope dims, Dn nope dims, Dv v dims.
 
 use super::weights::Weights;
+pub use crate::backend::AttnMode;
 use crate::backend::Backend;
 use crate::cpu::ops::MlaDims;
-
-/// Which MLA form the forward uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum AttnMode {
-    /// Expand latents through kv_b (transformers' form).
-    #[default]
-    Naive,
-    /// Weight-absorbed form over the latent cache.
-    Absorbed,
-}
 
 /// One sequence's part of a forward: its latent cache, its `t` nodes (consecutive rows of the forward, in
 /// segment order), their ancestor mask and positions. A forward over several segments is a batch: every
@@ -41,7 +32,7 @@ pub struct Seg<'s, B: Backend> {
 /// Attention output `[T, H]` (after o_proj, ranks reduced) for normed input `x` `[T, H]` of layer `l`,
 /// `T` = the segments' nodes; appends each segment's latent rows to its cache as scratch. With one segment
 /// no row is copied (the single-sequence forward).
-/// `rope_all`: the segments' tables stacked ([`Backend::rope_cat`]), for a batch of several segments.
+/// `rope_all`: the segments' tables stacked ([`crate::backend::Resources::rope_cat`]), for a batch of several segments.
 pub fn mla<B: Backend>(
     w: &Weights<B>,
     l: usize,

@@ -16,7 +16,6 @@
 
 pub mod attention;
 pub mod batch;
-pub mod cache;
 pub mod config;
 pub mod dummy;
 pub mod ffn;

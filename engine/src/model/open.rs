@@ -19,10 +19,12 @@ use super::seq::Model;
 use super::source::TensorSource;
 use super::target::CpuTarget;
 use super::weights::Weights;
-use crate::api::{Drafter, Target};
+use crate::api::{Drafter, Target, TargetInfo};
 #[cfg(not(feature = "cuda"))]
 use crate::backend::BackendError;
 use crate::drafter::DFlashDrafter;
+use crate::session::{Mode, Session};
+use crate::session_batch::Batch;
 use anyhow::{Context, Result};
 use kdtree_formats::ModelDir;
 use std::path::Path;
@@ -59,6 +61,35 @@ impl Loaded {
             drafter,
         }
     }
+    /// A session over this model in `mode` (borrows the model; one session at a time).
+    pub fn session(&mut self, mode: Mode) -> Result<Session<'_>> {
+        let d = match mode.drafts() {
+            true => self
+                .drafter
+                .as_deref_mut()
+                .map(|d| Box::new(d) as Box<dyn Drafter + '_>),
+            false => None,
+        };
+        Session::new(Box::new(&mut *self.target), d, mode)
+    }
+    /// Static facts of the target.
+    pub fn info(&self) -> &TargetInfo {
+        self.target.info()
+    }
+    /// Drafter block size B (0 without a drafter).
+    pub fn block_size(&self) -> usize {
+        self.drafter.as_ref().map_or(0, |d| d.block_size())
+    }
+    pub fn has_drafter(&self) -> bool {
+        self.drafter.is_some()
+    }
+    /// A batch of `slots` sequences in `mode` over this model (sessions forked from it: no weight is copied).
+    /// KV memory: what the device has free now, less room for the activations of the batch's largest step
+    /// ([`crate::session_batch::act_bytes`]), at most `kv_cap` bytes when given (on the host: `kv_cap`, or not
+    /// limited).
+    pub fn batch(&self, mode: Mode, slots: usize, kv_cap: Option<usize>) -> Result<Batch> {
+        Batch::over(self, mode, slots, kv_cap)
+    }
 }
 
 /// Options of [`open_with`] and [`open_cpu`].
@@ -75,6 +106,9 @@ pub struct OpenOptions {
     /// Leave the drafter out even when the directory holds one (an autoregressive run never drafts: its
     /// weights need neither the load time nor the memory).
     pub no_drafter: bool,
+    /// The GPU's switches (CUDA graphs, poisoned outputs, ...) where a GPU is opened: the tools pass
+    /// `GpuOptions::from_env()`; the default is a run with none of the `KDTREE_*` switches set.
+    pub gpu: crate::options::GpuOptions,
 }
 
 /// A converted model on the CPU reference backend, with its concrete types (the golden tool needs
@@ -103,9 +137,9 @@ pub fn open(dir: &Path, device: Device) -> Result<Loaded> {
 pub fn open_with(dir: &Path, device: Device, opts: OpenOptions) -> Result<Loaded> {
     #[cfg(feature = "cuda")]
     match device {
-        Device::Cuda => return open_cuda(dir, crate::cuda::Gpu::new(0)?, opts),
+        Device::Cuda => return open_cuda(dir, crate::cuda::Gpu::new(0, opts.gpu)?, opts),
         Device::Auto => {
-            if let Ok(gpu) = crate::cuda::Gpu::new(0) {
+            if let Ok(gpu) = crate::cuda::Gpu::new(0, opts.gpu) {
                 return open_cuda(dir, gpu, opts);
             }
         }
@@ -268,9 +302,9 @@ pub fn open_dummy(src: DummySource, device: Device, opts: OpenOptions) -> Result
 fn open_dummy_inner(src: DummySource, device: Device, opts: OpenOptions) -> Result<Loaded> {
     #[cfg(feature = "cuda")]
     match device {
-        Device::Cuda => return open_dummy_cuda_on(src, Arc::new(crate::cuda::Gpu::new(0)?)),
+        Device::Cuda => return open_dummy_cuda_on(src, Arc::new(crate::cuda::Gpu::new(0, opts.gpu)?)),
         Device::Auto => {
-            if let Ok(gpu) = crate::cuda::Gpu::new(0) {
+            if let Ok(gpu) = crate::cuda::Gpu::new(0, opts.gpu) {
                 return open_dummy_cuda_on(src, Arc::new(gpu));
             }
         }

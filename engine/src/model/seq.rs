@@ -88,7 +88,7 @@ impl<B: Backend> Model<B> {
     }
 
     /// The two sessions over this model (the drafter's when it has one), the root of a new family.
-    pub fn into_sessions(self) -> (Box<dyn Target>, Option<Box<dyn Drafter>>) {
+    pub fn into_sessions(self) -> crate::api::Sessions {
         let family: Family<B> = Arc::new(Mutex::new(Vec::new()));
         let (t, d) = views(self, family);
         (Box::new(t), d.map(|d| Box::new(d) as Box<dyn Drafter>))
@@ -202,7 +202,7 @@ impl<B: Backend> Target for ModelTarget<B> {
         let m = self.target().fork(false).ok()?;
         Some(Box::new(views(m, self.family.clone()).0))
     }
-    fn fork_pair(&self, drafts: bool) -> Option<(Box<dyn Target>, Option<Box<dyn Drafter>>)> {
+    fn fork_pair(&self, drafts: bool) -> Option<crate::api::Sessions> {
         let m = self.target().fork(drafts).ok()?;
         let (t, d) = views(m, self.family.clone());
         Some((Box::new(t), d.map(|d| Box::new(d) as Box<dyn Drafter>)))

@@ -6,13 +6,13 @@
 //! Must match: docs/design/interfaces.md (converted names, TP plan, `TensorRef`). Tested by the model
 //! tests (engine/tests/target_model.rs) and engine/tests/target_plans.rs (real shards).
 
-use crate::cpu::ops::Fill;
+use crate::backend::Fill;
+pub use crate::backend::{pod_vec, MappedView, Slab};
 use anyhow::{bail, ensure, Context, Result};
 use kdtree_formats::config::{DrafterConfig, TextConfig};
 use kdtree_formats::plan::{plan_model, ExpertsMode, Layout, SourceQuant};
 use kdtree_formats::{Dtype, ModelDir, TensorRef};
 use std::collections::HashMap;
-use std::sync::Arc;
 
 /// A set of per-rank tensors under the converted names of interfaces.md.
 ///
@@ -54,79 +54,6 @@ unsafe impl TensorSource for ModelDir {
     fn tensor(&self, name: &str, rank: usize) -> Result<TensorRef<'_>> {
         Ok(ModelDir::tensor(self, name, rank)?)
     }
-}
-
-/// A typed slice of tensor bytes: borrowed from its source (zero-copy) when the bytes are aligned for
-/// `T`, otherwise copied once into an owned vector. Derefs to `[T]`. A mapped view can only be made by
-/// [`Slab::new`] (its fields are private), so safe code cannot forge one from an arbitrary pointer.
-pub enum Slab<T: bytemuck::Pod> {
-    Mapped(MappedView<T>),
-    Owned(Vec<T>),
-}
-
-/// A zero-copy view into memory owned by a [`TensorSource`], which it keeps alive.
-///
-/// ```compile_fail,E0451
-/// // The fields are private: a view cannot be built outside this module.
-/// # use kdtree_engine::model::source::{MappedView, Slab};
-/// let forged: Slab<u8> = Slab::Mapped(MappedView { _owner: todo!(), ptr: 8 as *const u8, len: 1 });
-/// ```
-pub struct MappedView<T> {
-    _owner: Arc<dyn TensorSource>,
-    ptr: *const T,
-    len: usize,
-}
-
-// SAFETY: a mapped view is an immutable view into memory owned by `_owner` (Send + Sync, never mutated).
-unsafe impl<T: bytemuck::Pod + Send> Send for MappedView<T> {}
-unsafe impl<T: bytemuck::Pod + Sync> Sync for MappedView<T> {}
-
-impl<T: bytemuck::Pod> Slab<T> {
-    /// View `data` as `[T]`, keeping `owner` alive for as long as the view lives (copied when unaligned).
-    ///
-    /// # Safety
-    /// `data` must point into memory owned by `owner`: a `TensorRef::data` returned by
-    /// `owner.tensor(..)` (or a sub-slice of one). The `TensorSource` contract then keeps those bytes valid
-    /// and unchanged while `owner` lives; bytes from anywhere else (a temporary Vec, another source) would
-    /// dangle once their real owner is dropped.
-    ///
-    /// ```compile_fail,E0133
-    /// // Calling it needs an `unsafe` block (and a reason): this does not compile.
-    /// # use std::sync::Arc;
-    /// # use kdtree_engine::model::{source::Slab, TensorSource};
-    /// fn view(owner: &Arc<dyn TensorSource>, bytes: &[u8]) -> Slab<u8> { Slab::new(owner, bytes) }
-    /// ```
-    pub unsafe fn new(owner: &Arc<dyn TensorSource>, data: &[u8]) -> Slab<T> {
-        match bytemuck::try_cast_slice::<u8, T>(data) {
-            Ok(s) => Slab::Mapped(MappedView {
-                _owner: owner.clone(),
-                ptr: s.as_ptr(),
-                len: s.len(),
-            }),
-            Err(_) => Slab::Owned(pod_vec(data)),
-        }
-    }
-}
-
-impl<T: bytemuck::Pod> std::ops::Deref for Slab<T> {
-    type Target = [T];
-    fn deref(&self) -> &[T] {
-        match self {
-            // SAFETY: ptr/len came from a live, aligned slice of `_owner`, which this slab keeps alive and
-            // which the TensorSource contract keeps unchanged.
-            Slab::Mapped(m) => unsafe { std::slice::from_raw_parts(m.ptr, m.len) },
-            Slab::Owned(v) => v,
-        }
-    }
-}
-
-/// Copy bytes into a fresh (aligned) vector of `T` (trailing bytes that do not fill a `T` are an error
-/// upstream: every caller passes whole tensors).
-pub fn pod_vec<T: bytemuck::Pod>(data: &[u8]) -> Vec<T> {
-    let n = data.len() / std::mem::size_of::<T>();
-    let mut v = vec![T::zeroed(); n];
-    bytemuck::cast_slice_mut::<T, u8>(&mut v).copy_from_slice(&data[..n * std::mem::size_of::<T>()]);
-    v
 }
 
 /// Fetch `name` of `rank`, checking dtype and shard shape; the error names the tensor and both shapes.

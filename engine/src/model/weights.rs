@@ -14,55 +14,12 @@
 pub use super::config::{ModelConfig, LATENT_NORM_EPS};
 use super::source::{expect, expect_split, Slab, TensorSource};
 use crate::backend::{Backend, VocabShards, WeightRef};
+pub use crate::backend::{I4Stack, Mat};
 use crate::cpu::ops::Fill;
-use crate::cpu::{ops, CpuBackend};
+use crate::cpu::CpuBackend;
 use anyhow::{bail, ensure, Context, Result};
-use half::bf16;
 use kdtree_formats::{Dtype, TensorRef};
 use std::sync::Arc;
-
-/// A host bf16 matrix `[rows, cols]` (torch Linear layout `[out, in]`): what `Backend::upload_bf16` takes,
-/// and the CPU backend's uploaded matrix itself.
-pub struct Mat {
-    pub w: Slab<bf16>,
-    pub rows: usize,
-    pub cols: usize,
-}
-
-/// Stacked INT4 group-32 experts of one rank: `packed` `[count, n, k/2]` u8, `scales` `[count, n, k/32]`
-/// bf16, holding global experts `first..first + count` (what `Backend::upload_i4g32` takes).
-pub struct I4Stack {
-    pub packed: Slab<u8>,
-    pub scales: Slab<bf16>,
-    pub first: usize,
-    pub count: usize,
-    pub n: usize,
-    pub k: usize,
-}
-
-impl I4Stack {
-    /// Whether this rank holds global expert `e`.
-    pub fn holds(&self, e: usize) -> bool {
-        e >= self.first && e < self.first + self.count
-    }
-    /// Global expert `e`'s `[n, k]` matrix (must be held).
-    pub fn expert(&self, e: usize) -> ops::ExpertI4<'_> {
-        assert!(
-            self.holds(e),
-            "expert {e} not on this rank (holds {}..{})",
-            self.first,
-            self.first + self.count
-        );
-        let i = e - self.first;
-        let (pb, sb) = (self.n * self.k / 2, self.n * self.k / 32);
-        ops::ExpertI4 {
-            packed: &self.packed[i * pb..(i + 1) * pb],
-            scales: &self.scales[i * sb..(i + 1) * sb],
-            n: self.n,
-            k: self.k,
-        }
-    }
-}
 
 /// One rank's slice of a SwiGLU MLP: gate/up `[I/R, H]`, down `[H, I/R]`.
 pub struct Mlp<B: Backend> {
@@ -202,9 +159,9 @@ impl<B: Backend> Ld<'_, B> {
             }
         }
     }
-    /// The load check ([`Backend::checks_weights`]): part `part` of the uploaded `w`'s bytes, hashed where the
-    /// ops read them, against the manifest's xxh3-64 of `t` (a source without checksums: the host bytes' own).
-    /// A difference names the tensor, the rank and both values.
+    /// The load check ([`crate::backend::Resources::checks_weights`]): part `part` of the uploaded `w`'s bytes,
+    /// hashed where the ops read them, against the manifest's xxh3-64 of `t` (a source without checksums: the host
+    /// bytes' own). A difference names the tensor, the rank and both values.
     fn check(&self, name: &str, t: &TensorRef<'_>, w: WeightRef<'_, B>, part: usize) -> Result<()> {
         check_upload(
             self.b,
@@ -313,8 +270,9 @@ pub(crate) fn expected_xxh3(t: &TensorRef<'_>) -> (u64, &'static str) {
     }
 }
 
-/// The load check ([`Backend::checks_weights`]; off: nothing): part `part` of the uploaded `w`'s bytes, hashed
-/// where the ops read them, against `want` (`of` says what it is). A difference names `what` and both values.
+/// The load check ([`crate::backend::Resources::checks_weights`]; off: nothing): part `part` of the uploaded `w`'s
+/// bytes, hashed where the ops read them, against `want` (`of` says what it is). A difference names `what` and both
+/// values.
 /// The one check of every loader (the target's `Ld`, the drafter's shards and gathered tensors).
 pub(crate) fn check_upload<B: Backend>(
     b: &B,

@@ -9,14 +9,21 @@ pub mod timing;
 
 use half::bf16;
 use kdtree_engine::cuda::Gpu;
+use kdtree_engine::GpuOptions;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+
+/// The GPU switches of the environment (`KDTREE_CUDA_GRAPHS=0`, `KDTREE_CUDA_POISON=1`, ...: the suites set
+/// them; docs/design/options.md), as the tools read them.
+pub fn gpu_options() -> GpuOptions {
+    GpuOptions::from_env()
+}
 
 /// The GPU, or None (test skipped, reason printed) when none is usable and KDTREE_REQUIRE_GPU is not 1.
 /// Models loaded onto it check every weight's device bytes against the manifest (the load check is always on
 /// in the suite).
 pub fn gpu() -> Option<Gpu> {
-    match Gpu::new(0) {
+    match Gpu::new(0, gpu_options()) {
         Ok(g) => {
             g.set_check_weights(true);
             Some(g)

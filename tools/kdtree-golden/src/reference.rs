@@ -26,7 +26,14 @@ pub struct RefModel {
 /// trained on and, when the directory holds one, the DFlash drafter).
 pub fn open(dir: &Path, device: Device) -> Result<RefModel> {
     let manifest_sha256 = kdtree_formats::manifest::manifest_sha256(dir)?;
-    let loaded = kdtree_engine::open(dir, device).with_context(|| format!("opening model {}", dir.display()))?;
+    // `kdtree_engine::open`'s options, with the GPU switches of the environment (`KDTREE_*`, docs/design/options.md).
+    let opts = kdtree_engine::OpenOptions {
+        attn_mode: kdtree_engine::AttnMode::Absorbed,
+        gpu: kdtree_engine::GpuOptions::from_env(),
+        ..Default::default()
+    };
+    let loaded =
+        kdtree_engine::open_with(dir, device, opts).with_context(|| format!("opening model {}", dir.display()))?;
     Ok(RefModel {
         loaded,
         manifest_sha256,

@@ -60,6 +60,7 @@ pub fn load_dummy(
     let opts = kdtree_engine::OpenOptions {
         attn_mode: kdtree_engine::model::AttnMode::Absorbed,
         progress,
+        gpu: kdtree_engine::GpuOptions::from_env(),
         ..Default::default()
     };
     let loaded = kdtree_engine::model::open::open_dummy(src, engine_device(device), opts)
@@ -172,6 +173,7 @@ pub fn load(
         progress,
         check_weights,
         no_drafter: !drafter,
+        gpu: kdtree_engine::GpuOptions::from_env(),
     };
     let loaded = match place {
         None => kdtree_engine::open_with(dir, device, opts),

@@ -11,32 +11,9 @@
 //! **Bytes** (INT4 nibble stacks): byte i is byte `i % 4` (little end first) of word `i / 4`, so both
 //! nibbles of every byte are uniform over 0..15 (q + 8 stored: q uniform over −8..7).
 
+pub use crate::backend::Fill;
 use half::bf16;
 use rayon::prelude::*;
-
-/// How one dummy tensor is filled (the distribution is chosen per tensor by `model::dummy`).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Fill {
-    /// U(center − half, center + half) (bf16 or f32 tensors).
-    Uniform { seed: u64, center: f32, half: f32 },
-    /// Uniform bytes (u8 INT4 nibble stacks).
-    Bytes { seed: u64 },
-}
-
-impl Fill {
-    pub fn seed(&self) -> u64 {
-        match *self {
-            Fill::Uniform { seed, .. } | Fill::Bytes { seed } => seed,
-        }
-    }
-    /// `(center, step)` of a uniform fill, as the kernel takes them; None for a byte fill.
-    pub fn center_step(&self) -> Option<(f32, f32)> {
-        match *self {
-            Fill::Uniform { center, half, .. } => Some((center, half * (1.0 / (1u32 << 23) as f32))),
-            Fill::Bytes { .. } => None,
-        }
-    }
-}
 
 /// Word `j` of the stream of `seed` (module header).
 #[inline]

@@ -13,23 +13,10 @@
 //! Dv v dims.
 
 use super::{bf16_to_f32, softmax};
-use crate::ddtree::Visibility;
+pub use crate::backend::MlaDims;
+use crate::backend::Visibility;
 use half::bf16;
 use rayon::prelude::*;
-
-/// Per-rank MLA shapes and the softmax scale.
-#[derive(Debug, Clone, Copy)]
-pub struct MlaDims {
-    /// Hr: heads of this rank.
-    pub heads: usize,
-    /// Dn, P, Dv, C.
-    pub nope: usize,
-    pub rope: usize,
-    pub v: usize,
-    pub kv_lora: usize,
-    /// `qk_head_dim^-0.5 · mscale²`.
-    pub scale: f32,
-}
 
 /// What the values come from.
 #[derive(Clone, Copy)]

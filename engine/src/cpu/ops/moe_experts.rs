@@ -69,6 +69,26 @@ pub fn moe_experts_i4g32<'a>(
     part
 }
 
+impl crate::backend::I4Stack {
+    /// Global expert `e`'s `[n, k]` matrix (must be held).
+    pub fn expert(&self, e: usize) -> ExpertI4<'_> {
+        assert!(
+            self.holds(e),
+            "expert {e} not on this rank (holds {}..{})",
+            self.first,
+            self.first + self.count
+        );
+        let i = e - self.first;
+        let (pb, sb) = (self.n * self.k / 2, self.n * self.k / 32);
+        ExpertI4 {
+            packed: &self.packed[i * pb..(i + 1) * pb],
+            scales: &self.scales[i * sb..(i + 1) * sb],
+            n: self.n,
+            k: self.k,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::matmul::test_util::*;

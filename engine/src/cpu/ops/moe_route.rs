@@ -9,22 +9,12 @@
 //! Dimension letters: E experts.
 
 use super::sigmoid;
+pub use crate::backend::Router;
 use crate::sampling::top_k;
 
 /// The `k` best indices (value desc, lowest index on ties; the engine's one top-K) as usize.
 fn best(x: &[f32], k: usize) -> Vec<usize> {
     top_k(x, k).into_iter().map(|i| i as usize).collect()
-}
-
-/// Router constants from the text config (`ModelConfig::router`).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Router {
-    pub n_experts: usize,
-    pub n_group: usize,
-    pub topk_group: usize,
-    pub top_k: usize,
-    pub norm_topk_prob: bool,
-    pub routed_scaling: f32,
 }
 
 /// Selected experts (selection order) and their final weights for one token's router `logits` `[E]`

@@ -4,6 +4,8 @@
 //!
 //! Dimension letters: D rotated dims (cos/sin have D/2 entries).
 
+pub use crate::backend::rope_cos_sin;
+
 /// Interleaved (GPT-J) RoPE on one vector `x[D]` in place: pairs `(2i, 2i+1)` rotate by angle i, with
 /// `cos[i], sin[i]` for i < D/2.
 pub fn rope_interleaved(x: &mut [f32], cos: &[f32], sin: &[f32]) {
@@ -38,21 +40,6 @@ pub fn rope_neox(x: &mut [f32], cos: &[f32], sin: &[f32]) {
         x[i] = a * cos[i] - b * sin[i];
         x[i + half] = b * cos[i] + a * sin[i];
     }
-}
-
-/// cos/sin `[D/2]` for one absolute position: angle `pos · inv_freq[i]` formed in f32 (as transformers
-/// does: f32 `inv_freq @ position_ids`), cos/sin evaluated in f64 and rounded, times `attention_factor`.
-pub fn rope_cos_sin(inv_freq: &[f32], pos: usize, attention_factor: f64) -> (Vec<f32>, Vec<f32>) {
-    let ang = |f: f32| (pos as f32 * f) as f64;
-    let cos = inv_freq
-        .iter()
-        .map(|&f| (ang(f).cos() * attention_factor) as f32)
-        .collect();
-    let sin = inv_freq
-        .iter()
-        .map(|&f| (ang(f).sin() * attention_factor) as f32)
-        .collect();
-    (cos, sin)
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@ use cudarc::driver::{CudaViewMut, PushKernelArg};
 use half::bf16;
 
 use super::launch_cfg;
-use crate::cpu::ops::Fill;
+use crate::backend::Fill;
 use crate::cuda::{drv, ensure, CudaError, Gpu, Result};
 
 const OP: &str = "fill";

@@ -9,7 +9,7 @@ const OP: &str = "moe_router";
 
 /// Router settings: the CPU twin's own (`cpu::ops::Router`, from config.json's n_routed_experts, n_group,
 /// topk_group, num_experts_per_tok, norm_topk_prob, routed_scaling_factor).
-pub use crate::cpu::ops::Router as RouterCfg;
+pub use crate::backend::Router as RouterCfg;
 
 /// For each of `tokens` rows of f32 `logits` `[tokens, n_experts]`: selected expert ids
 /// `ids [tokens, top_k]` (selection order) and weights `weights [tokens, top_k]` f32. `bias` is

@@ -1,4 +1,4 @@
-//! The MLA latent KV cache (the tree visibility mask is ddtree::Visibility).
+//! The MLA latent KV cache (the CPU backend's `Kv`; the tree visibility mask is `backend::Visibility`).
 //!
 //! Cache: per layer and per token, the normalised latent `c_kv` (kv_lora) followed by the RoPE'd shared key
 //! `k_pe` (rope) — 512 + 64 = 576 f32 on K2.6 (k26-format §4.3). Rows `[0, committed)` are the committed

@@ -94,25 +94,27 @@ pub struct Batch {
     pub alone_steps: usize,
 }
 
-impl crate::Loaded {
-    /// A batch of `slots` sequences in `mode` over this model (sessions forked from it: no weight is copied).
+impl Batch {
+    /// [`crate::Loaded::batch`]: a batch of `slots` sequences in `mode` over `model` (sessions forked from it: no
+    /// weight is copied).
     /// KV memory: what the device has free now, less room for the activations of the batch's largest step
     /// ([`act_bytes`]), at most `kv_cap` bytes when given (on the host: `kv_cap`, or not limited).
-    pub fn batch(&self, mode: Mode, slots: usize, kv_cap: Option<usize>) -> Result<Batch> {
+    pub(crate) fn over(model: &crate::Loaded, mode: Mode, slots: usize, kv_cap: Option<usize>) -> Result<Batch> {
         ensure!(slots >= 1, "a batch needs at least one slot");
         let mut sessions = Vec::with_capacity(slots);
         for _ in 0..slots {
             // Forked as a pair: a target runs device rounds (and joins batched rounds) with its own drafter.
-            let (t, d) = match self.target.fork_pair(mode.drafts()) {
+            let (t, d) = match model.target.fork_pair(mode.drafts()) {
                 Some(pair) => pair,
                 None => {
-                    let t = self
+                    let t = model
                         .target
                         .fork()
                         .context("this model's target cannot fork sessions for a batch")?;
                     let d = match mode.drafts() {
                         true => Some(
-                            self.drafter
+                            model
+                                .drafter
                                 .as_ref()
                                 .context("this mode needs a drafter")?
                                 .fork()
@@ -125,8 +127,8 @@ impl crate::Loaded {
             };
             sessions.push(Session::new(t, d, mode)?);
         }
-        let info = self.target.info();
-        let free = self
+        let info = model.target.info();
+        let free = model
             .target
             .mem_free()
             .map(|f| f.saturating_sub(act_bytes(mode, slots, info.vocab_size, info.hidden_size)));
@@ -137,7 +139,7 @@ impl crate::Loaded {
             },
         };
         Ok(Batch {
-            ops: self.target.batch_ops(),
+            ops: model.target.batch_ops(),
             slots: sessions,
             mode,
             kv,

@@ -4,7 +4,7 @@
 //! a CUDA backend implements the same set with device buffers (idea: candle-core's `BackendStorage`).
 //!
 //! Contracts every implementation keeps: activations are row-major `[rows, cols]` f32 (the caller passes
-//! the row count); reductions across tensor-parallel ranks happen only in [`Backend::all_reduce`], in
+//! the row count); reductions across tensor-parallel ranks happen only in [`Compute::all_reduce`], in
 //! rank order 0..R; logits of vocab-parallel shards are merged in global vocab order. `upload_*` runs
 //! once per weight at load (a GPU backend copies, and may repack INT4 for its kernels, there); the ops
 //! never see host weight bytes. Only `to_host` / `routes_to_host` (probes, logits) move data to the host.
@@ -13,11 +13,14 @@
 //!
 //! Letters: T rows (tokens / tree nodes), H hidden, V vocab, R ranks, E experts.
 
-use crate::cpu::ops::{Fill, MlaDims, Router};
-use crate::ddtree::Visibility;
-use crate::model::source::Slab;
-use crate::model::weights::{I4Stack, Mat};
-use crate::model::AttnMode;
+mod types;
+mod visibility;
+
+pub use types::{
+    pod_vec, rope_cos_sin, AttnMode, Fill, I4Stack, MappedView, Mat, MlaDims, RopeTable, Router, Slab, VocabShards,
+};
+pub use visibility::Visibility;
+
 use anyhow::Result;
 use half::bf16;
 
@@ -29,76 +32,8 @@ pub enum BackendError {
     NoCuda,
 }
 
-/// cos/sin of the rows' positions, `[T, D/2]` each (computed once per forward, host side: positions are
-/// known on the host; a GPU backend uploads these T·D floats with the tokens).
-#[derive(Debug, Clone)]
-pub struct RopeTable {
-    pub half: usize,
-    pub cos: Vec<f32>,
-    pub sin: Vec<f32>,
-}
-
-impl RopeTable {
-    /// cos/sin of `positions` (cpu::ops::rope_cos_sin: angle in f32, cos/sin in f64, times `factor`).
-    pub fn new(inv_freq: &[f32], positions: impl IntoIterator<Item = usize>, factor: f64) -> RopeTable {
-        let (mut cos, mut sin) = (Vec::new(), Vec::new());
-        for pos in positions {
-            let (c, s) = crate::cpu::ops::rope_cos_sin(inv_freq, pos, factor);
-            cos.extend(c);
-            sin.extend(s);
-        }
-        RopeTable {
-            half: inv_freq.len(),
-            cos,
-            sin,
-        }
-    }
-    /// Row `i`'s (cos, sin), `[D/2]` each.
-    pub fn row(&self, i: usize) -> (&[f32], &[f32]) {
-        (
-            &self.cos[i * self.half..(i + 1) * self.half],
-            &self.sin[i * self.half..(i + 1) * self.half],
-        )
-    }
-}
-
-/// The vocab-parallel shards of embed_tokens / lm_head a backend holds: `mats` in rank order, the first at
-/// global row `first` of a `vocab`-row table. All of them here (`first` 0, rows summing to `vocab`: one GPU) is
-/// the merge done locally. Otherwise (tensor parallelism over several GPUs, `crate::tp`) the rows / logit
-/// columns of the other GPUs' shards come out zero and go through the backend's communicator sum: every id's
-/// row and every logit column has exactly one non-zero part, so the merge is exact (x + 0 = x).
-pub struct VocabShards<'a, M> {
-    pub mats: Vec<&'a M>,
-    pub first: usize,
-    pub vocab: usize,
-}
-
-impl<M> VocabShards<'_, M> {
-    /// Whether every shard is here (no merge through the communicator).
-    pub fn whole(&self, rows: impl Fn(&M) -> usize) -> bool {
-        self.first == 0 && self.mats.iter().map(|m| rows(m)).sum::<usize>() == self.vocab
-    }
-    /// The vocab's shards in all (the run's ranks) and the global index of this GPU's first, for the
-    /// vocab-parallel argmax's slots; shards split the vocab evenly (`weights::load_rank`).
-    pub fn slots(&self, rows: impl Fn(&M) -> usize) -> std::result::Result<(usize, usize), String> {
-        let r = self.mats.first().map(|m| rows(m)).unwrap_or(0);
-        if r == 0
-            || !self.vocab.is_multiple_of(r)
-            || !self.first.is_multiple_of(r)
-            || self.mats.iter().any(|m| rows(m) != r)
-        {
-            let sizes: Vec<usize> = self.mats.iter().map(|m| rows(m)).collect();
-            return Err(format!(
-                "vocab shards of {sizes:?} rows from {} do not split a vocab of {} evenly",
-                self.first, self.vocab
-            ));
-        }
-        Ok((self.vocab / r, self.first / r))
-    }
-}
-
-/// An uploaded weight, for [`Backend::weight_xxh3`].
-pub enum WeightRef<'a, B: Backend> {
+/// An uploaded weight, for [`Resources::weight_xxh3`].
+pub enum WeightRef<'a, B: Resources> {
     Mat(&'a B::Mat),
     Vector(&'a B::Vector),
     VectorF32(&'a B::VectorF32),
@@ -108,14 +43,16 @@ pub enum WeightRef<'a, B: Backend> {
 /// Where a forward's positions start: the target's committed rows or another position counter (the
 /// drafter's context). A device backend reads it where the ops run, so a captured round replays at any
 /// position.
-pub enum PosOf<'a, B: Backend> {
+pub enum PosOf<'a, B: Resources> {
     Kv(&'a B::Kv),
     Pos(&'a B::Pos),
 }
 
-/// The model-level ops. `Act` is an activation tensor, `Mat` / `I4` / `Vector` / `VectorF32` uploaded
-/// weights, `Kv` the MLA latent cache of all layers, `Routes` one MoE layer's router decisions.
-pub trait Backend: Clone + Send + Sync + 'static {
+/// Resources: the associated types, uploads and dummy fills of weights, ids / masks / RoPE rows / position
+/// counters, activations as buffers (copies, rows, host reads) and the latent cache's bookkeeping.
+/// `Act` is an activation tensor, `Mat` / `I4` / `Vector` / `VectorF32` uploaded weights, `Kv` the MLA latent
+/// cache of all layers, `Routes` one MoE layer's router decisions.
+pub trait Resources: Clone + Send + Sync + 'static {
     type Act: Send + Sync;
     /// A bf16 matrix `[rows, cols]` (torch Linear `[out, in]`).
     type Mat: Send + Sync;
@@ -135,14 +72,13 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// An ancestor bitmask ([`Visibility`] on the CPU).
     type Mask: Send + Sync;
     /// One sequence's draft-tree workspace for a fixed (budget, draft rows, vocab): top-K, tree, mask,
-    /// decisions and walk, all where the ops run (the device round, [`Backend::tree_build`]).
+    /// decisions and walk, all where the ops run (the device round, [`TreeOps::tree_build`]).
     type Tree: Send;
     /// A position counter where the ops read it, with its host copy (the drafter's context length; the
     /// target's committed length lives in `Kv`). `usize` on the CPU.
     type Pos: Send + Sync;
-    /// A captured DDTree round (a CUDA graph; nothing on the CPU), see [`Backend::graph_run`].
+    /// A captured DDTree round (a CUDA graph; nothing on the CPU), see [`TreeOps::graph_run`].
     type Graph: Send;
-
     /// Short name for logs and summaries ("cpu", "cuda").
     fn name(&self) -> &'static str;
     /// The first error of an op since the last call (ops are infallible on the CPU; a device backend
@@ -168,25 +104,15 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// backend hashes its own copy (a GPU: kernels/cuda/xxh3.cu) and leaves out any padding it added.
     fn weight_xxh3(&self, w: WeightRef<'_, Self>) -> Result<Vec<u64>>;
 
-    // ---- dummy weights (`--load-format dummy`; fills of cpu::ops::fill, the spec) ----
-    // The defaults fill on the host and upload (the CPU backend); a device backend overrides all four and
-    // fills its buffers in place, so no weight byte exists on the host.
+    // ---- dummy weights (`--load-format dummy`; [`Fill`] says what element i is) ----
+    // The CPU backend fills on the host and uploads (cpu/ops/fill.rs, the spec); a device backend fills its
+    // buffers in place, so no weight byte exists on the host.
     /// A bf16 matrix `[rows, cols]` filled by `f`.
-    fn fill_bf16(&self, rows: usize, cols: usize, f: &Fill) -> Result<Self::Mat> {
-        self.upload_bf16(Mat {
-            w: Slab::Owned(crate::cpu::ops::fill_bf16(rows * cols, f)?),
-            rows,
-            cols,
-        })
-    }
+    fn fill_bf16(&self, rows: usize, cols: usize, f: &Fill) -> Result<Self::Mat>;
     /// A bf16 vector `[n]` filled by `f`.
-    fn fill_vector(&self, n: usize, f: &Fill) -> Result<Self::Vector> {
-        self.upload_vector(Slab::Owned(crate::cpu::ops::fill_bf16(n, f)?))
-    }
+    fn fill_vector(&self, n: usize, f: &Fill) -> Result<Self::Vector>;
     /// An f32 vector `[n]` filled by `f`.
-    fn fill_vector_f32(&self, n: usize, f: &Fill) -> Result<Self::VectorF32> {
-        self.upload_vector_f32(Slab::Owned(crate::cpu::ops::fill_f32(n, f)?))
-    }
+    fn fill_vector_f32(&self, n: usize, f: &Fill) -> Result<Self::VectorF32>;
     /// An INT4 group-32 stack (global experts `first..first + count`, `[count, n, k]`): packed bytes
     /// `[count, n, k/2]` filled by `packed`, bf16 scales `[count, n, k/32]` by `scales`.
     #[allow(clippy::too_many_arguments)]
@@ -198,18 +124,7 @@ pub trait Backend: Clone + Send + Sync + 'static {
         k: usize,
         packed: &Fill,
         scales: &Fill,
-    ) -> Result<Self::I4> {
-        let p = crate::cpu::ops::fill_u8(count * n * k / 2, packed)?;
-        let s = crate::cpu::ops::fill_bf16(count * n * k / 32, scales)?;
-        self.upload_i4g32(I4Stack {
-            packed: Slab::Owned(p),
-            scales: Slab::Owned(s),
-            first,
-            count,
-            n,
-            k,
-        })
-    }
+    ) -> Result<Self::I4>;
 
     // ---- positions, masks, ids ----
     /// The table where the ops read it.
@@ -224,31 +139,6 @@ pub trait Backend: Clone + Send + Sync + 'static {
     fn ids_write(&self, dst: &mut Self::Ids, at: usize, host: &[u32]) -> Result<()>;
     /// The ids on the host (a read back).
     fn ids_to_host(&self, ids: &Self::Ids) -> Result<Vec<u32>>;
-    /// The target's decision for each of `rows` rows `[row0, row0 + rows)` of `logits` `[>= row0 + rows, vocab]`
-    /// into `out[row0..row0 + rows]`: greedy, or `sampling::sample` of row `row0 + i` at position
-    /// `base + offset + i` (`base` read where the ops run). A batch decides each sequence's rows in place.
-    #[allow(clippy::too_many_arguments)]
-    fn decide_rows(
-        &self,
-        logits: &Self::Act,
-        row0: usize,
-        rows: usize,
-        vocab: usize,
-        s: &crate::sampling::Sampling,
-        base: PosOf<'_, Self>,
-        offset: usize,
-        out: &mut Self::Ids,
-    ) -> Result<()>;
-    /// cos/sin of positions `base + offsets[i]` (or `base + i`) for i < t, as [`RopeTable::new`] computes them,
-    /// with the base read where the ops run.
-    fn rope_at(
-        &self,
-        inv_freq: &Self::VectorF32,
-        factor: f64,
-        base: PosOf<'_, Self>,
-        offsets: Option<&Self::Ids>,
-        t: usize,
-    ) -> Self::Rope;
 
     // ---- position counters ----
     fn pos_new(&self, v: usize) -> Self::Pos;
@@ -281,6 +171,67 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// ops run.
     fn write_rows_at(&self, dst: &mut Self::Act, cols: usize, at: &Self::Pos, src: &Self::Act, n: usize);
 
+    // ---- MLA ----
+    fn kv_new(&self, layers: usize, width: usize) -> Self::Kv;
+    /// Committed rows of the cache.
+    fn kv_committed(&self, kv: &Self::Kv) -> usize;
+    /// Room for `rows` rows (committed + scratch) without growing inside a forward.
+    fn kv_reserve(&self, kv: &mut Self::Kv, rows: usize) -> Result<()>;
+    /// Changes whenever the cache's storage moves (a captured round is keyed by it; 0 on the CPU).
+    fn kv_id(&self, kv: &Self::Kv) -> u64;
+    /// Start of a forward: drop any scratch rows.
+    fn kv_drop_scratch(&self, kv: &mut Self::Kv);
+    /// Mark the last forward's `t` rows as scratch (after every layer appended them).
+    fn kv_set_scratch(&self, kv: &mut Self::Kv, t: usize);
+    /// Keep scratch rows `path` (root-to-node, in order) as the next committed rows; drop the rest.
+    fn kv_compact(&self, kv: &mut Self::Kv, path: &[usize]) -> Result<()>;
+    /// The first `n` scratch rows become committed where the ops run (no row moves: a chain's prefix; the
+    /// device AR step). The host copy follows in [`Resources::kv_commit_rows_host`].
+    fn kv_commit_rows(&self, kv: &mut Self::Kv, n: usize) -> Result<()>;
+    fn kv_commit_rows_host(&self, kv: &mut Self::Kv, n: usize);
+    /// Keep committed rows `[0, len)`.
+    fn kv_truncate(&self, kv: &mut Self::Kv, len: usize) -> Result<()>;
+    fn kv_reset(&self, kv: &mut Self::Kv);
+    /// Bytes one cache row takes (all layers).
+    fn kv_row_bytes(&self, kv: &Self::Kv) -> usize;
+    /// Drop everything and give the cache's storage back (a batch's admission control frees an idle slot).
+    fn kv_release(&self, kv: &mut Self::Kv);
+    /// Free memory where the ops run, in bytes (None: the host, not measured).
+    fn mem_free(&self) -> Option<usize> {
+        None
+    }
+    /// Several tables stacked in row order (a batch's segments: one RoPE op over all their rows).
+    fn rope_cat(&self, ropes: &[&Self::Rope]) -> Self::Rope;
+}
+
+/// Compute: the model's ops (dense, vocabulary, MLA, MoE, the drafter's) and the target's decisions.
+pub trait Compute: Resources {
+    /// The target's decision for each of `rows` rows `[row0, row0 + rows)` of `logits` `[>= row0 + rows, vocab]`
+    /// into `out[row0..row0 + rows]`: greedy, or `sampling::sample` of row `row0 + i` at position
+    /// `base + offset + i` (`base` read where the ops run). A batch decides each sequence's rows in place.
+    #[allow(clippy::too_many_arguments)]
+    fn decide_rows(
+        &self,
+        logits: &Self::Act,
+        row0: usize,
+        rows: usize,
+        vocab: usize,
+        s: &crate::sampling::Sampling,
+        base: PosOf<'_, Self>,
+        offset: usize,
+        out: &mut Self::Ids,
+    ) -> Result<()>;
+    /// cos/sin of positions `base + offsets[i]` (or `base + i`) for i < t, as [`RopeTable::new`] computes them,
+    /// with the base read where the ops run.
+    fn rope_at(
+        &self,
+        inv_freq: &Self::VectorF32,
+        factor: f64,
+        base: PosOf<'_, Self>,
+        offsets: Option<&Self::Ids>,
+        t: usize,
+    ) -> Self::Rope;
+
     // ---- dense ops ----
     /// `x[T, K] · W[N, K]^T` → `[T, N]`.
     fn linear(&self, x: &Self::Act, t: usize, w: &Self::Mat) -> Self::Act;
@@ -297,7 +248,7 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// `embed_tokens` rows `[n, H]` of the vocab-parallel shards `v` holds; rows of ids another GPU holds are
     /// zero here until the GPU's communicator sums them in (see [`VocabShards`]).
     fn embedding(&self, v: &VocabShards<'_, Self::Mat>, h: usize, tokens: &[u32]) -> Self::Act;
-    /// [`Backend::embedding`] of `n` ids already where the ops run.
+    /// [`Compute::embedding`] of `n` ids already where the ops run.
     fn embedding_ids(&self, v: &VocabShards<'_, Self::Mat>, h: usize, ids: &Self::Ids, n: usize) -> Self::Act;
     /// lm_head `[n, V]` over vocab-parallel shards, merged in global vocab order (other GPUs' columns summed in
     /// by the communicator).
@@ -315,17 +266,6 @@ pub trait Backend: Clone + Send + Sync + 'static {
         out: &mut Self::Ids,
         row0: usize,
     ) -> Result<()>;
-
-    // ---- MLA ----
-    fn kv_new(&self, layers: usize, width: usize) -> Self::Kv;
-    /// Committed rows of the cache.
-    fn kv_committed(&self, kv: &Self::Kv) -> usize;
-    /// Room for `rows` rows (committed + scratch) without growing inside a forward.
-    fn kv_reserve(&self, kv: &mut Self::Kv, rows: usize) -> Result<()>;
-    /// Changes whenever the cache's storage moves (a captured round is keyed by it; 0 on the CPU).
-    fn kv_id(&self, kv: &Self::Kv) -> u64;
-    /// Start of a forward: drop any scratch rows.
-    fn kv_drop_scratch(&self, kv: &mut Self::Kv);
     /// New latent rows `[T, C + P]` = `rms_norm(c_kv) | rope_interleaved(k_pe)` from `kv_a` output `ckv`,
     /// appended to layer `l` as scratch.
     fn kv_append_latent(
@@ -337,25 +277,6 @@ pub trait Backend: Clone + Send + Sync + 'static {
         eps: f32,
         rope: &Self::Rope,
     );
-    /// Mark the last forward's `t` rows as scratch (after every layer appended them).
-    fn kv_set_scratch(&self, kv: &mut Self::Kv, t: usize);
-    /// Keep scratch rows `path` (root-to-node, in order) as the next committed rows; drop the rest.
-    fn kv_compact(&self, kv: &mut Self::Kv, path: &[usize]) -> Result<()>;
-    /// The first `n` scratch rows become committed where the ops run (no row moves: a chain's prefix; the
-    /// device AR step). The host copy follows in [`Backend::kv_commit_rows_host`].
-    fn kv_commit_rows(&self, kv: &mut Self::Kv, n: usize) -> Result<()>;
-    fn kv_commit_rows_host(&self, kv: &mut Self::Kv, n: usize);
-    /// Keep committed rows `[0, len)`.
-    fn kv_truncate(&self, kv: &mut Self::Kv, len: usize) -> Result<()>;
-    fn kv_reset(&self, kv: &mut Self::Kv);
-    /// Bytes one cache row takes (all layers).
-    fn kv_row_bytes(&self, kv: &Self::Kv) -> usize;
-    /// Drop everything and give the cache's storage back (a batch's admission control frees an idle slot).
-    fn kv_release(&self, kv: &mut Self::Kv);
-    /// Free memory where the ops run, in bytes (None: the host, not measured).
-    fn mem_free(&self) -> Option<usize> {
-        None
-    }
     /// Interleaved RoPE on the `q_pe` part (after `nope` dims) of every head of `q` `[T, heads·(nope+P)]`.
     fn rope_q(&self, q: &mut Self::Act, heads: usize, nope: usize, rope: &Self::Rope);
     /// MLA attention of one rank's roped queries `[T, Hr·(Dn+P)]` over layer `l` of the cache (committed
@@ -372,7 +293,7 @@ pub trait Backend: Clone + Send + Sync + 'static {
         d: &MlaDims,
         mode: AttnMode,
     ) -> Self::Act;
-    /// [`Backend::mla_attention`] of a batch: segment s = (its cache, its mask, its t_s rows), the segments'
+    /// [`Compute::mla_attention`] of a batch: segment s = (its cache, its mask, its t_s rows), the segments'
     /// rows consecutive in `q` `[T, Hr·(Dn+P)]` (roped); `[T, Hr·Dv]`, each segment over its own cache. The
     /// default copies each segment's rows out and back; a device backend runs the per-row parts once.
     #[allow(clippy::too_many_arguments)]
@@ -395,8 +316,8 @@ pub trait Backend: Clone + Send + Sync + 'static {
         }
         out
     }
-    /// [`Backend::kv_append_latent`] of a batch: segment s's rows of `ckv` (consecutive, in order) into its
-    /// cache, roped with its own table (`rope_all`: the tables stacked, [`Backend::rope_cat`]).
+    /// [`Compute::kv_append_latent`] of a batch: segment s's rows of `ckv` (consecutive, in order) into its
+    /// cache, roped with its own table (`rope_all`: the tables stacked, [`Resources::rope_cat`]).
     #[allow(clippy::too_many_arguments)]
     fn kv_append_latent_segs(
         &self,
@@ -415,8 +336,6 @@ pub trait Backend: Clone + Send + Sync + 'static {
             at += *ts;
         }
     }
-    /// Several tables stacked in row order (a batch's segments: one RoPE op over all their rows).
-    fn rope_cat(&self, ropes: &[&Self::Rope]) -> Self::Rope;
 
     // ---- MoE ----
     /// Router decisions of every row of `logits` `[T, E]`.
@@ -460,16 +379,19 @@ pub trait Backend: Clone + Send + Sync + 'static {
         kv_heads: usize,
         head_dim: usize,
     ) -> Self::Act;
+}
 
+/// The DDTree round's tree (build, walk, commit, its one read back) and the captured round.
+pub trait TreeOps: Resources {
     // ---- the DDTree round's tree (ddtree/; the device kernels are cuda/tree.rs) ----
     /// A tree workspace for `budget` nodes (root excluded), `rows` draft rows, `vocab`, and the top-`k` of each
     /// draft row (`min(budget, vocab)` for DDTree; 1 for the chain: one path of `rows` nodes).
     fn tree_new(&self, budget: usize, rows: usize, vocab: usize, k: usize) -> Result<Self::Tree>;
-    /// Top-K log-probs of `draft`'s rows `[row0, row0 + rows)` (`[.., vocab]`: a batch's drafts stacked), the tree of the root token ([`Backend::tree_root`]) and
-    /// its ancestor mask (`ddtree::build_tree`). The tree has `budget + 1` nodes when
-    /// [`crate::ddtree::tree_is_full`] holds.
+    /// Top-K log-probs of `draft`'s rows `[row0, row0 + rows)` (`[.., vocab]`: a batch's drafts stacked), the tree
+    /// of the root token ([`TreeOps::tree_root`]) and its ancestor mask (`ddtree::build_tree`). The tree has
+    /// `budget + 1` nodes when [`crate::ddtree::tree_is_full`] holds.
     fn tree_build(&self, tree: &mut Self::Tree, draft: &Self::Act, row0: usize) -> Result<()>;
-    /// Sets the root token (the next round's is the last walk's bonus, set by [`Backend::tree_commit`]).
+    /// Sets the root token (the next round's is the last walk's bonus, set by [`TreeOps::tree_commit`]).
     fn tree_set_root(&self, tree: &mut Self::Tree, root: u32) -> Result<()>;
     /// The root token `[1]` where the ops read it.
     fn tree_root<'t>(&self, tree: &'t Self::Tree) -> &'t Self::Ids;
@@ -497,19 +419,19 @@ pub trait Backend: Clone + Send + Sync + 'static {
     fn tree_path_rows(&self, tree: &Self::Tree, x: &Self::Act, row0: usize, cols: usize, rows_out: usize) -> Self::Act;
     /// The round's commit where the ops run: `kv` keeps the walked path's scratch rows (`kv_compact`), `kv`'s
     /// committed length and `ctx` advance by the walk's length, and the root becomes the walk's bonus. The
-    /// host copies follow in [`Backend::tree_commit_host`], once the walk has been read.
+    /// host copies follow in [`TreeOps::tree_commit_host`], once the walk has been read.
     fn tree_commit(&self, tree: &mut Self::Tree, kv: &mut Self::Kv, ctx: &mut Self::Pos) -> Result<()>;
-    /// The host side of [`Backend::tree_commit`] for a walk of `n` nodes.
+    /// The host side of [`TreeOps::tree_commit`] for a walk of `n` nodes.
     fn tree_commit_host(&self, tree: &Self::Tree, kv: &mut Self::Kv, ctx: &mut Self::Pos, n: usize);
     /// The last walk and the last build's popped-node scores (`log_q` of nodes 1..=budget, pop order): the
     /// round's one read back to the host (one copy on a device).
     fn tree_result(&self, tree: &Self::Tree) -> Result<crate::ddtree::TreeResult>;
     /// Words of the tree's result buffer: a batch copies every tree's result into one buffer
-    /// ([`Backend::tree_result_into`]) and reads that once ([`Backend::tree_result_from`]).
+    /// ([`TreeOps::tree_result_into`]) and reads that once ([`TreeOps::tree_result_from`]).
     fn tree_result_words(&self, tree: &Self::Tree) -> usize;
     /// `stage[at..at + tree_result_words]` = the tree's result buffer, where the ops run.
     fn tree_result_into(&self, tree: &Self::Tree, stage: &mut Self::Ids, at: usize);
-    /// [`Backend::tree_result`] from `words` (the staged copy, read back with the batch's one read).
+    /// [`TreeOps::tree_result`] from `words` (the staged copy, read back with the batch's one read).
     fn tree_result_from(&self, tree: &Self::Tree, words: &[u32]) -> Result<crate::ddtree::TreeResult>;
 
     // ---- one captured round ----
@@ -518,3 +440,9 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// body leaves no graph.
     fn graph_run(&self, graph: &mut Option<Self::Graph>, key: u64, body: &mut dyn FnMut() -> Result<()>) -> Result<()>;
 }
+
+/// The model-level ops: every backend is [`Resources`] + [`Compute`] + [`TreeOps`] (split by job; the model and
+/// the round take `B: Backend`, and a backend implements the three parts in separate files).
+pub trait Backend: Resources + Compute + TreeOps {}
+
+impl<T: Resources + Compute + TreeOps> Backend for T {}

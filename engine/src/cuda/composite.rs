@@ -1,0 +1,407 @@
+//! The CUDA backend's composite ops: several kernels behind one `Backend` op (embedding over vocab shards,
+//! the f32 GEMM, cache growth, segmented MLA attention, the routed experts) and the upload checks.
+
+use anyhow::{bail, Result};
+use cudarc::driver::CudaSlice;
+use half::bf16;
+
+use super::backend::CudaBackend;
+use super::ops::mla_absorb::{absorb_q, apply_uv, AbsorbDims};
+use super::ops::mla_attention::{self as seg_op, mla_attention, MlaShape, MlaSplit};
+use super::ops::{copy_rows, embed, fill, gemm_bf16, moe_align, moe_combine, w4a16_gemm};
+use super::tree::DMask;
+use super::types::{storage_id, DKv, DMat, DRoutes, DI4};
+use super::CudaError;
+use crate::backend::{Fill, MlaDims, VocabShards};
+
+type R<T> = std::result::Result<T, CudaError>;
+
+impl CudaBackend {
+    /// `x[T, K] · W^T` in f32 (x rounded to bf16 for the GEMM).
+    /// Embedding rows `[n, h]` (f32) of the device ids over one or several vocab shards.
+    /// The embedding rows of `ids` from the shards `v` holds (other GPUs' rows zero, then the communicator's
+    /// sum: [`VocabShards`]).
+    pub(super) fn embed_rows(
+        &self,
+        v: &VocabShards<'_, DMat>,
+        h: usize,
+        ids: &cudarc::driver::CudaView<'_, i32>,
+    ) -> R<CudaSlice<f32>> {
+        let whole = v.whole(|m| m.rows);
+        let mut e = if whole {
+            self.gpu.out::<bf16>(ids.len() * h)?
+        } else {
+            self.gpu.zeros::<bf16>(ids.len() * h)?
+        };
+        if let ([one], true) = (v.mats.as_slice(), whole) {
+            embed::embed_gather(&self.gpu, ids, &one.w.as_view(), &mut e.as_view_mut(), one.rows, h)?;
+        } else {
+            let views: Vec<_> = v.mats.iter().map(|m| m.w.as_view()).collect();
+            let parts: Vec<_> = views.iter().zip(&v.mats).map(|(w, m)| (w, m.rows)).collect();
+            embed::embed_gather_sharded(&self.gpu, ids, &parts, &mut e.as_view_mut(), h, v.first, v.vocab)?;
+        }
+        let mut x = self.to_f32(&e)?;
+        if !whole {
+            self.gpu.comm().all_reduce_sum(&self.gpu, &mut x)?;
+        }
+        Ok(x)
+    }
+    pub(super) fn gemm_f32(&self, x: &CudaSlice<f32>, t: usize, w: &DMat) -> R<CudaSlice<f32>> {
+        let xb = self.to_bf16(x)?;
+        let mut y = self.gpu.out::<f32>(t * w.rows)?;
+        gemm_bf16::gemm_bf16(
+            &self.gpu,
+            &xb.as_view(),
+            &w.w.as_view(),
+            &mut y.as_view_mut(),
+            t,
+            w.cols,
+            w.rows,
+        )?;
+        Ok(y)
+    }
+    pub(super) fn grow(&self, kv: &mut DKv, rows: usize) -> R<()> {
+        if rows <= kv.cap {
+            return Ok(());
+        }
+        self.not_capturing("the latent cache grows (reserve it before a captured round)")?;
+        let cap = rows.next_power_of_two().max(256);
+        let mut buf = self.gpu.zeros::<bf16>(kv.layers * cap * kv.width)?;
+        let keep = kv.committed * kv.width;
+        for l in 0..kv.layers {
+            if keep > 0 {
+                let src = kv.buf.slice(l * kv.cap * kv.width..l * kv.cap * kv.width + keep);
+                let mut dst = buf.slice_mut(l * cap * kv.width..l * cap * kv.width + keep);
+                self.gpu
+                    .stream
+                    .memcpy_dtod(&src, &mut dst)
+                    .map_err(super::drv("kv grow"))?;
+            }
+        }
+        kv.buf = buf;
+        kv.cap = cap;
+        kv.id = storage_id();
+        Ok(())
+    }
+    /// The absorbed MLA of one or several segments (each its cache, mask and rows; rows consecutive in `q`):
+    /// the per-row parts (bf16 q, the W_UK absorb, q_pe, W_UV, back to f32) once over all rows, the attention
+    /// itself per segment over its own cache.
+    pub(super) fn mla_segs(
+        &self,
+        q: &CudaSlice<f32>,
+        segs: &[(&DKv, &DMask, usize)],
+        l: usize,
+        kv_b: &DMat,
+        d: &MlaDims,
+    ) -> R<CudaSlice<f32>> {
+        let (hr, c, p, dn, dv) = (d.heads, d.kv_lora, d.rope, d.nope, d.v);
+        let t: usize = segs.iter().map(|s| s.2).sum();
+        let qb = self.to_bf16(q)?; // [T, Hr·(Dn+P)]
+        let lw = c + p;
+        let mut qcat = self.gpu.out::<bf16>(t * hr * lw)?; // [T, Hr, C+P]
+        let ad = AbsorbDims {
+            t,
+            heads: hr,
+            nope: dn,
+            v: dv,
+            kv_lora: c,
+        };
+        absorb_q(
+            &self.gpu,
+            &qb.as_view(),
+            p,
+            &kv_b.w.as_view(),
+            &mut qcat.as_view_mut(),
+            ad,
+        )?;
+        // q_pe (already roped) next to q_lat: rows (t, h) of width P, from offset Dn (stride Dn+P) to C.
+        copy_rows::copy_rows(
+            &self.gpu,
+            &qb.slice(dn..),
+            dn + p,
+            &mut qcat.slice_mut(c..),
+            lw,
+            t * hr,
+            p,
+        )?;
+        let mut olat = self.gpu.out::<bf16>(t * hr * c)?;
+        // Each segment's split (by its cache's room), and one workspace for the largest (the segments run in
+        // stream order, one after another).
+        let shapes: Vec<(MlaShape, MlaSplit)> = segs
+            .iter()
+            .map(|&(kv, _, ts)| {
+                let s = MlaShape {
+                    t: ts,
+                    heads: hr,
+                    kv_lora: c,
+                    rope: p,
+                    committed: kv.committed,
+                };
+                // The split depends on the cache's room, not on the committed length (read on the device), so
+                // a captured round and an eager forward at any length split alike.
+                let room = MlaShape {
+                    committed: kv.cap.saturating_sub(ts),
+                    ..s
+                };
+                (
+                    s,
+                    MlaSplit {
+                        splits: MlaSplit::choose(&self.gpu, &room).splits,
+                        rows_per_split: 0,
+                    },
+                )
+            })
+            .collect();
+        if segs.len() > 1 {
+            // One launch per MAX_SEGS segments, each node over its own sequence's cache with its own split.
+            let max_sp = shapes.iter().map(|(_, sp)| sp.splits).max().unwrap_or(1);
+            let (mut po, mut pml) = (
+                self.gpu.out::<f32>(t * max_sp * hr * c)?,
+                self.gpu.out::<f32>(t * max_sp * hr * 2)?,
+            );
+            let mut at = 0;
+            for (chunk, sh) in segs.chunks(seg_op::MAX_SEGS).zip(shapes.chunks(seg_op::MAX_SEGS)) {
+                let rows: usize = chunk.iter().map(|s| s.2).sum();
+                let sp = sh.iter().map(|(_, sp)| sp.splits).max().unwrap_or(1);
+                let parts: Vec<seg_op::MlaSeg<'_>> = chunk
+                    .iter()
+                    .zip(sh)
+                    .map(|(&(kv, mask, ts), (_, split))| {
+                        let base = l * kv.cap * kv.width;
+                        seg_op::MlaSeg {
+                            lat: kv.buf.slice(base..base + kv.cap * kv.width),
+                            mask: mask.bits.as_view(),
+                            words: mask.words,
+                            pos: kv.pos.as_view(),
+                            committed: kv.committed,
+                            t: ts,
+                            splits: split.splits,
+                        }
+                    })
+                    .collect();
+                for (&(kv, mask, ts), _) in chunk.iter().zip(sh) {
+                    if mask.rows < ts || kv.committed + ts > kv.cap {
+                        return Err(CudaError::Shape {
+                            op: "mla_attention",
+                            msg: format!(
+                                "a mask of {} rows / a cache of {} rows for {} committed + {ts} nodes",
+                                mask.rows, kv.cap, kv.committed
+                            ),
+                        });
+                    }
+                }
+                let qs = qcat.slice(at * hr * lw..(at + rows) * hr * lw);
+                let mut os = olat.slice_mut(at * hr * c..(at + rows) * hr * c);
+                seg_op::mla_attention_seg(
+                    &self.gpu,
+                    &qs,
+                    &parts,
+                    hr,
+                    c,
+                    p,
+                    d.scale,
+                    &mut po.slice_mut(..rows * sp * hr * c),
+                    &mut pml.slice_mut(..rows * sp * hr * 2),
+                    &mut os,
+                )?;
+                at += rows;
+            }
+            let mut o = self.gpu.out::<bf16>(t * hr * dv)?;
+            apply_uv(&self.gpu, &olat.as_view(), &kv_b.w.as_view(), &mut o.as_view_mut(), ad)?;
+            return self.to_f32(&o);
+        }
+        let (wo, wml) = shapes
+            .iter()
+            .map(|(s, sp)| sp.workspace(s))
+            .fold((0, 0), |a, w| (a.0.max(w.0), a.1.max(w.1)));
+        let (mut po, mut pml) = (self.new_f32(wo)?, self.new_f32(wml)?);
+        let mut at = 0;
+        for (&(kv, mask, ts), (s, split)) in segs.iter().zip(&shapes) {
+            if mask.rows < ts {
+                return Err(CudaError::Shape {
+                    op: "mla_attention",
+                    msg: format!("a mask of {} rows for {ts} nodes", mask.rows),
+                });
+            }
+            if kv.committed + ts > kv.cap {
+                return Err(CudaError::Shape {
+                    op: "mla_attention",
+                    msg: format!("{} committed + {ts} rows exceed the cache's {}", kv.committed, kv.cap),
+                });
+            }
+            let (wo, wml) = split.workspace(s);
+            let base = l * kv.cap * kv.width;
+            let lat = kv.buf.slice(base..base + kv.cap * kv.width);
+            let (mview, pview) = (mask.bits.as_view(), kv.pos.as_view());
+            let qs = qcat.slice(at * hr * lw..(at + ts) * hr * lw);
+            let mut os = olat.slice_mut(at * hr * c..(at + ts) * hr * c);
+            mla_attention(
+                &self.gpu,
+                &qs,
+                &lat,
+                Some((&mview, mask.words)),
+                Some(&pview),
+                s,
+                split,
+                d.scale,
+                &mut po.slice_mut(..wo),
+                &mut pml.slice_mut(..wml),
+                &mut os,
+            )?;
+            at += ts;
+        }
+        let mut o = self.gpu.out::<bf16>(t * hr * dv)?;
+        apply_uv(&self.gpu, &olat.as_view(), &kv_b.w.as_view(), &mut o.as_view_mut(), ad)?;
+        self.to_f32(&o)
+    }
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn experts(
+        &self,
+        x: &CudaSlice<f32>,
+        t: usize,
+        h: usize,
+        r: &DRoutes,
+        gate: &DI4,
+        up: &DI4,
+        down: &DI4,
+    ) -> R<CudaSlice<f32>> {
+        let g = &*self.gpu;
+        // This rank's experts: all of them (tensor parallel: each holds a slice of every expert), or
+        // first .. first + count (expert parallel: routes to other ranks' experts are skipped here).
+        let (pairs, e, mi) = (t * r.k, gate.count, gate.n);
+        // The down projection's K: the intermediate slice, or that padded with zero weights to the kernel's K
+        // step at upload (tp4 / tp8 of small models, `pad_k`); gate and up then go to a [gate | up] row of the
+        // padded width, their padded columns zero (silu(0) * 0 = 0 meets the zero weights).
+        let kp = down.k;
+        let xb = self.to_bf16(x)?;
+        // gate and up in one launch into [gate | up] rows, the SwiGLU inside the down GEMM's x staging.
+        let plan_gu = w4a16_gemm::plan_moe(g, pairs, e, 2 * mi, h);
+        let plan_one = w4a16_gemm::plan_moe(g, pairs, e, mi, h);
+        let plan_d = w4a16_gemm::plan_moe(g, pairs, e, h, kp);
+        let tile = plan_gu.tile_rows();
+        let mt = moe_align::max_tiles(pairs, e, tile);
+        let (mut sorted, mut tiles, mut n_tiles) =
+            (g.zeros::<i32>(pairs)?, g.zeros::<i32>(3 * mt)?, g.zeros::<i32>(1)?);
+        moe_align::moe_align_rank(
+            g,
+            &r.ids.as_view(),
+            gate.first,
+            e,
+            tile,
+            &mut sorted.as_view_mut(),
+            &mut tiles.as_view_mut(),
+            &mut n_tiles.as_view_mut(),
+        )?;
+        let ws_len = plan_gu
+            .workspace_len(pairs, 2 * mi)
+            .max(plan_one.workspace_len(pairs, mi))
+            .max(plan_d.workspace_len(pairs, h));
+        let mut ws = g.out::<f32>(ws_len)?;
+        let (sv, tv, nv) = (sorted.as_view(), tiles.as_view(), n_tiles.as_view());
+        let routing = w4a16_gemm::Routing {
+            sorted: &sv,
+            tiles: &tv,
+            max_tiles: mt,
+            n_tiles: &nv,
+            tile_rows: tile,
+        };
+        let xv = xb.as_view();
+        let gu = if kp == mi {
+            let mut gu = g.out::<bf16>(pairs * 2 * mi)?;
+            let (gw, uw) = (
+                (&gate.packed.as_view(), &gate.scales.as_view()),
+                (&up.packed.as_view(), &up.scales.as_view()),
+            );
+            w4a16_gemm::moe_w4a16_gate_up(
+                g,
+                &xv,
+                h,
+                r.k,
+                pairs,
+                &routing,
+                gw,
+                uw,
+                e,
+                mi,
+                h,
+                &mut ws.as_view_mut(),
+                &mut gu.as_view_mut(),
+                2 * mi,
+            )?;
+            gu
+        } else {
+            let mut gu = g.zeros::<bf16>(pairs * 2 * kp)?;
+            for (m, at) in [(gate, 0), (up, kp)] {
+                w4a16_gemm::moe_w4a16_gemm(
+                    g,
+                    &xv,
+                    h,
+                    r.k,
+                    pairs,
+                    &routing,
+                    &m.packed.as_view(),
+                    &m.scales.as_view(),
+                    e,
+                    mi,
+                    h,
+                    &mut ws.as_view_mut(),
+                    &mut gu.slice_mut(at..),
+                    2 * kp,
+                )?;
+            }
+            gu
+        };
+        let mut y = g.zeros::<bf16>(pairs * h)?;
+        w4a16_gemm::moe_w4a16_down_silu(
+            g,
+            &gu.as_view(),
+            2 * kp,
+            pairs,
+            &routing,
+            &down.packed.as_view(),
+            &down.scales.as_view(),
+            e,
+            h,
+            kp,
+            &mut ws.as_view_mut(),
+            &mut y.as_view_mut(),
+            h,
+        )?;
+        let mut out = g.out::<f32>(t * h)?;
+        moe_combine::moe_combine_rank(
+            g,
+            &y.as_view(),
+            h,
+            &r.wts.as_view(),
+            &r.ids.as_view(),
+            (gate.first, gate.count),
+            &mut out.as_view_mut(),
+            t,
+            r.k,
+            h,
+        )?;
+        Ok(out)
+    }
+}
+
+impl CudaBackend {
+    /// Routed-expert shard shapes the W4A16 kernel takes.
+    pub(super) fn i4_shape_ok(&self, count: usize, n: usize, k: usize) -> Result<()> {
+        if !n.is_multiple_of(w4a16_gemm::N_STEP) || !k.is_multiple_of(w4a16_gemm::K_STEP) {
+            bail!(
+                "routed experts of shard shape [{count}, {n}, {k}]: the CUDA W4A16 kernel needs N % {} == 0 and K % {} == 0 \
+                 (K is padded to it when a multiple of 32; convert with fewer ranks, e.g. --ranks 1)",
+                w4a16_gemm::N_STEP,
+                w4a16_gemm::K_STEP
+            );
+        }
+        Ok(())
+    }
+    /// A new bf16 buffer of `n` elements filled by `f`.
+    pub(super) fn filled_bf16(&self, n: usize, f: &Fill) -> R<CudaSlice<bf16>> {
+        // SAFETY: every element is written by the fill before any read.
+        let mut v = unsafe { self.gpu.stream.alloc::<bf16>(n) }.map_err(super::drv("fill alloc"))?;
+        fill::fill_bf16(&self.gpu, &mut v.as_view_mut(), f)?;
+        Ok(v)
+    }
+}

@@ -1,0 +1,236 @@
+//! The CUDA backend's DDTree round (`backend::TreeOps`): the tree workspace of cuda/tree.rs (top-K, build,
+//! mask, decisions, walk on the GPU) and the captured round (a CUDA graph).
+
+use super::backend::CudaBackend;
+use super::ops::{kv_compact, round_state};
+use super::tree::{DMask, DeviceTree};
+use super::types::{DGraph, DKv, DPos};
+use super::CudaError;
+use crate::backend::{Resources, TreeOps};
+use crate::ddtree::TreeResult;
+use crate::sampling::Sampling;
+use anyhow::{bail, Result};
+use cudarc::driver::CudaSlice;
+
+impl TreeOps for CudaBackend {
+    fn tree_new(&self, budget: usize, rows: usize, vocab: usize, k: usize) -> Result<DeviceTree> {
+        Ok(DeviceTree::with_k(&self.gpu, budget, rows, vocab, k)?)
+    }
+    fn tree_build(&self, tree: &mut DeviceTree, draft: &CudaSlice<f32>, row0: usize) -> Result<()> {
+        let (from, to) = (row0 * tree.vocab, (row0 + tree.rows) * tree.vocab);
+        if draft.len() < to {
+            bail!(
+                "tree_build: {} draft logits for rows {row0}..{} of {}",
+                draft.len(),
+                row0 + tree.rows,
+                tree.vocab
+            );
+        }
+        tree.build(&self.gpu, &draft.slice(from..to), tree.vocab)?;
+        self.check()
+    }
+    fn tree_set_root(&self, tree: &mut DeviceTree, root: u32) -> Result<()> {
+        Ok(tree.set_bonus(&self.gpu, root)?)
+    }
+    fn tree_root<'t>(&self, tree: &'t DeviceTree) -> &'t CudaSlice<u32> {
+        &tree.bonus
+    }
+    fn tree_tokens<'t>(&self, tree: &'t DeviceTree) -> &'t CudaSlice<u32> {
+        &tree.tokens
+    }
+    fn tree_depths<'t>(&self, tree: &'t DeviceTree) -> &'t CudaSlice<u32> {
+        &tree.depths
+    }
+    fn tree_mask<'t>(&self, tree: &'t DeviceTree) -> &'t DMask {
+        &tree.mask
+    }
+    fn tree_walk(
+        &self,
+        tree: &mut DeviceTree,
+        logits: &CudaSlice<f32>,
+        row0: usize,
+        s: &Sampling,
+        kv: &DKv,
+    ) -> Result<()> {
+        let (n, v) = (tree.budget + 1, tree.vocab);
+        if logits.len() < (row0 + n) * v {
+            bail!("tree_walk: {} logits for {n} nodes from row {row0} x {v}", logits.len());
+        }
+        tree.walk_sampled(
+            &self.gpu,
+            &logits.slice(row0 * v..(row0 + n) * v),
+            v,
+            s,
+            0,
+            Some(&kv.pos.as_view()),
+        )?;
+        self.check()
+    }
+    fn tree_walk_decided(&self, tree: &mut DeviceTree, decisions: &CudaSlice<u32>, row0: usize) -> Result<()> {
+        let n = tree.budget + 1;
+        if decisions.len() < row0 + n {
+            bail!(
+                "tree_walk_decided: {} decisions for {n} nodes from row {row0}",
+                decisions.len()
+            );
+        }
+        self.gpu
+            .stream
+            .memcpy_dtod(&decisions.slice(row0..row0 + n), &mut tree.decisions)
+            .map_err(super::drv("tree_walk_decided"))?;
+        tree.walk(&self.gpu)?;
+        self.check()
+    }
+    fn tree_path_rows(
+        &self,
+        tree: &DeviceTree,
+        x: &CudaSlice<f32>,
+        row0: usize,
+        cols: usize,
+        rows_out: usize,
+    ) -> CudaSlice<f32> {
+        self.run("tree_path_rows", || {
+            let mut out = self.new_f32(rows_out * cols)?;
+            let nodes = (x.len().checked_div(cols).unwrap_or(0))
+                .saturating_sub(row0)
+                .min(tree.budget + 1);
+            let x = x.slice((row0 * cols).min(x.len())..);
+            let wv = tree.walk_out.slice(..1 + rows_out.min(tree.rows + 1));
+            if rows_out > tree.rows + 1 {
+                return Err(CudaError::Shape {
+                    op: "tree_path_rows",
+                    msg: format!("{rows_out} rows for walks of up to {}", tree.rows + 1),
+                });
+            }
+            round_state::path_rows(&self.gpu, &x, nodes, cols, &wv, rows_out, &mut out.as_view_mut())?;
+            Ok(out)
+        })
+        .unwrap_or_else(|| self.empty())
+    }
+    fn tree_commit(&self, tree: &mut DeviceTree, kv: &mut DKv, ctx: &mut DPos) -> Result<()> {
+        let m = tree.rows + 1;
+        if kv.committed + m > kv.cap || kv.scratch < tree.budget + 1 {
+            bail!(
+                "tree_commit: {} committed + a path of up to {m} in a cache of {} rows ({} scratch rows)",
+                kv.committed,
+                kv.cap,
+                kv.scratch
+            );
+        }
+        let (n, rest) = tree.walk_out.split_at(1);
+        let path = rest.slice(..m);
+        kv_compact::kv_compact_dev(
+            &self.gpu,
+            &mut kv.buf.as_view_mut(),
+            kv.layers,
+            kv.cap,
+            kv.width,
+            kv.committed,
+            &kv.pos.as_view(),
+            &path,
+            &n,
+        )?;
+        round_state::round_advance(
+            &self.gpu,
+            &tree.walk_out.as_view(),
+            m,
+            &mut kv.pos.as_view_mut(),
+            Some(&mut ctx.dev.as_view_mut()),
+            &mut tree.bonus.as_view_mut(),
+        )?;
+        self.check()
+    }
+    fn tree_commit_host(&self, _tree: &DeviceTree, kv: &mut DKv, ctx: &mut DPos, n: usize) {
+        kv.committed += n;
+        kv.scratch = 0;
+        ctx.host += n;
+    }
+    fn tree_result(&self, tree: &DeviceTree) -> Result<TreeResult> {
+        Ok(tree.result_to_host(&self.gpu)?)
+    }
+    fn tree_result_words(&self, tree: &DeviceTree) -> usize {
+        tree.walk_out.len()
+    }
+    fn tree_result_into(&self, tree: &DeviceTree, stage: &mut CudaSlice<u32>, at: usize) {
+        self.run("tree_result_into", || {
+            let n = tree.walk_out.len();
+            if at + n > stage.len() {
+                return Err(CudaError::Shape {
+                    op: "tree_result_into",
+                    msg: format!("{n} words at {at} of a stage of {}", stage.len()),
+                });
+            }
+            let mut dst = stage.slice_mut(at..at + n);
+            // SAFETY: i32 and u32 have the same size and every bit pattern is valid for both.
+            let mut dst = unsafe { dst.transmute_mut::<i32>(n) }.expect("the stage slice holds n words");
+            self.gpu
+                .stream
+                .memcpy_dtod(&tree.walk_out, &mut dst)
+                .map_err(super::drv("tree_result_into"))
+        });
+    }
+    fn tree_result_from(&self, tree: &DeviceTree, words: &[u32]) -> Result<TreeResult> {
+        let w: Vec<i32> = words.iter().map(|&x| x as i32).collect();
+        Ok(tree.result_from(&w)?)
+    }
+    fn graph_run(&self, graph: &mut Option<DGraph>, key: u64, body: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        if !self.graphs() {
+            *graph = None;
+            return body();
+        }
+        if let Some(g) = graph.as_ref().filter(|g| g.key == key) {
+            super::GpuStats::bump(&self.gpu.stats.graph_launches);
+            g.graph.launch().map_err(super::drv("graph launch"))?;
+            return Ok(());
+        }
+        *graph = None;
+        let s = &self.gpu.stream;
+        let before = self.gpu.stats.snapshot();
+        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(super::drv("begin graph capture"))?;
+        let r = body();
+        // Always end the capture (a failed body must not leave the stream capturing). cudarc's end_capture
+        // first returns any error a drop recorded in the context (an invalidated capture fails the frees
+        // too) without ending it: clear that first.
+        let _ = self.gpu.ctx.check_err();
+        let g = s.end_capture(CUgraphInstantiate_flags(0));
+        let captured = match (r, self.check(), g) {
+            (Ok(()), Ok(()), Ok(Some(g))) => Ok(g),
+            (r, c, g) => Err(r
+                .err()
+                .or(c.err())
+                .map(|e| format!("{e:#}"))
+                .or(g.err().map(|e| format!("end capture: {e}")))
+                .unwrap_or_else(|| "the capture recorded nothing".into())),
+        };
+        // Every rank of the run captures the same round here: none launches its graph (whose collectives wait for
+        // the others) before all have captured and instantiated theirs (comm::LaunchGate).
+        let gated = self.gpu.comm().gate();
+        let g = match captured {
+            Ok(g) => g,
+            Err(why) => {
+                // Nothing ran (a capture only records): run the same ops eagerly, and say so once.
+                let _ = self.gpu.ctx.check_err(); // drops inside the failed capture may have recorded its error
+                super::GpuStats::bump(&self.gpu.stats.capture_failures);
+                self.gpu.note_capture_failure(&why);
+                self.gpu.set_graphs(false); // not again on this GPU: every later round runs eagerly
+                return body();
+            }
+        };
+        let after = self.gpu.stats.snapshot();
+        if let Ok(c) = super::GraphCensus::of(&g) {
+            self.gpu.set_last_graph(c);
+        }
+        gated?;
+        super::GpuStats::bump(&self.gpu.stats.graph_launches);
+        g.launch().map_err(super::drv("graph launch"))?;
+        *graph = Some(DGraph {
+            key,
+            graph: g,
+            kernels: after[0] - before[0],
+            blas_calls: after[1] - before[1],
+        });
+        Ok(())
+    }
+}

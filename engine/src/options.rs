@@ -1,0 +1,108 @@
+//! The GPU backend's and the rank groups' switches ([`GpuOptions`]): typed, passed in where a GPU is opened
+//! (`cuda::Gpu::new`, `OpenOptions::gpu`), never read from the environment by the library itself.
+//!
+//! The tools (kdtree-run, kdtree-golden) and the GPU tests build them with [`GpuOptions::from_env`], the one
+//! reader of the `KDTREE_*` switches; [`KNOBS`] lists every one (docs/design/options.md is the same table).
+//! Defaults are those of a run with none of them set. Test: engine/tests/options.rs.
+
+use std::time::Duration;
+
+/// Switches of a GPU and of the tensor-parallel groups on it (see [`KNOBS`] for each one's variable).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GpuOptions {
+    /// Capture DDTree rounds and AR steps into CUDA graphs (off: the same ops run eagerly).
+    pub graphs: bool,
+    /// Fill every buffer an op must write with NaN bytes first (test runs: a kernel that leaves an element
+    /// unwritten shows up as NaN).
+    pub poison: bool,
+    /// Launch the W4A16 GEMMs with programmatic dependent launch (sm_90+ only; off on older GPUs whatever this
+    /// says).
+    pub pdl: bool,
+    /// bf16 GEMMs of <= 4 rows through the GEMV kernel instead of cuBLAS (opt in; see `cuda::Gpu`).
+    pub gemv: bool,
+    /// Blocks per SM the W4A16 split count aims at (1..=4).
+    pub w4a16_blocks_per_sm: usize,
+    /// At most this many W4A16 k-splits.
+    pub w4a16_max_splits: usize,
+    /// Log every tensor-parallel group's calls and stream drains on stderr.
+    pub tp_trace: bool,
+    /// How long a rank waits for the others inside a device-side sum (one GPU, several groups) before the
+    /// kernel traps: an error, not a hang.
+    pub group_timeout: Duration,
+    /// How long a rank's thread waits at a launch gate for the others.
+    pub gate_timeout: Duration,
+}
+
+impl Default for GpuOptions {
+    fn default() -> GpuOptions {
+        GpuOptions {
+            graphs: true,
+            poison: false,
+            pdl: true,
+            gemv: false,
+            w4a16_blocks_per_sm: 4,
+            w4a16_max_splits: 64,
+            tp_trace: false,
+            group_timeout: Duration::from_secs(20),
+            gate_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// The prefix of every switch's environment variable.
+pub const ENV_PREFIX: &str = "KDTREE_";
+
+/// Every switch: (variable, field of [`GpuOptions`], values and default). The variables keep the meaning
+/// they had when the library read them itself.
+pub const KNOBS: [(&str, &str, &str); 9] = [
+    ("KDTREE_CUDA_GRAPHS", "graphs", "`0`: off; anything else or unset: on"),
+    ("KDTREE_CUDA_POISON", "poison", "`1`: on; otherwise off"),
+    ("KDTREE_PDL", "pdl", "`0`: off; anything else or unset: on (sm_90+)"),
+    ("KDTREE_GEMV", "gemv", "`1`: on; otherwise off"),
+    (
+        "KDTREE_W4A16_BLOCKS_PER_SM",
+        "w4a16_blocks_per_sm",
+        "an integer; unset or not a number: 4",
+    ),
+    (
+        "KDTREE_W4A16_MAX_SPLITS",
+        "w4a16_max_splits",
+        "an integer; unset or not a number: 64",
+    ),
+    ("KDTREE_TP_TRACE", "tp_trace", "`1`: on; otherwise off"),
+    ("KDTREE_GROUP_TIMEOUT_S", "group_timeout", "seconds > 0; otherwise 20"),
+    ("KDTREE_GATE_TIMEOUT_S", "gate_timeout", "seconds > 0; otherwise 60"),
+];
+
+impl GpuOptions {
+    /// The switches from the process environment ([`KNOBS`]); unset ones keep their defaults.
+    pub fn from_env() -> GpuOptions {
+        GpuOptions::from_vars(|name| std::env::var(name).ok())
+    }
+
+    /// The switches from `var` (a variable's value, None when unset), read as [`KNOBS`] says.
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> GpuOptions {
+        let d = GpuOptions::default();
+        let get = |suffix: &str| var(&format!("{ENV_PREFIX}{suffix}"));
+        let not_zero = |suffix: &str, default: bool| get(suffix).map_or(default, |v| v != "0");
+        let one = |suffix: &str| get(suffix).is_some_and(|v| v == "1");
+        let count = |suffix: &str, default: usize| get(suffix).and_then(|v| v.parse().ok()).unwrap_or(default);
+        let seconds = |suffix: &str, default: Duration| {
+            get(suffix)
+                .and_then(|v| v.parse::<f64>().ok())
+                .filter(|s| *s > 0.0)
+                .map_or(default, Duration::from_secs_f64)
+        };
+        GpuOptions {
+            graphs: not_zero("CUDA_GRAPHS", d.graphs),
+            poison: one("CUDA_POISON"),
+            pdl: not_zero("PDL", d.pdl),
+            gemv: one("GEMV"),
+            w4a16_blocks_per_sm: count("W4A16_BLOCKS_PER_SM", d.w4a16_blocks_per_sm),
+            w4a16_max_splits: count("W4A16_MAX_SPLITS", d.w4a16_max_splits),
+            tp_trace: one("TP_TRACE"),
+            group_timeout: seconds("GROUP_TIMEOUT_S", d.group_timeout),
+            gate_timeout: seconds("GATE_TIMEOUT_S", d.gate_timeout),
+        }
+    }
+}
