@@ -121,7 +121,18 @@ pub trait Target {
     fn batch_ops(&self) -> Option<Box<dyn BatchOps>> {
         None
     }
-    /// The concrete target, for [`BatchOps`] (None by default).
+    /// A new, empty session over the same weights together with, when `drafts`, a new session of this
+    /// target's own drafter (`model::Model`: the pair that runs device rounds): one sequence of a
+    /// [`crate::Batch`]. None when this target has no drafter of its own (the caller forks the two apart).
+    fn fork_pair(&self, _drafts: bool) -> Option<Sessions> {
+        None
+    }
+    /// Which model this session belongs to (`model::Model`: its target and drafter sessions give the same
+    /// id; a [`BatchOps`] finds its sequences by it). None for a session of no such model.
+    fn model_id(&self) -> Option<usize> {
+        None
+    }
+    /// The concrete target, for the tensor-parallel wrappers (tp/; None by default).
     fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         None
     }
@@ -138,6 +149,9 @@ pub trait Target {
         None
     }
 }
+
+/// A target session and, when it drafts, its drafter session (one sequence).
+pub type Sessions = (Box<dyn Target>, Option<Box<dyn Drafter>>);
 
 /// What kind of step a sequence of a batch takes next.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -217,8 +231,12 @@ pub trait Drafter {
     fn reset(&mut self);
     /// Room for `rows` context rows in all (see [`Target::reserve`]).
     fn reserve(&mut self, _rows: usize) {}
-    /// The concrete drafter, for a target that runs the round on its own backend
-    /// ([`Target::device_round`]); None by default.
+    /// Which model this drafter belongs to ([`Target::model_id`]): a target runs device rounds only with
+    /// its own model's drafter.
+    fn model_id(&self) -> Option<usize> {
+        None
+    }
+    /// The concrete drafter, for the tensor-parallel wrappers (tp/; None by default).
     fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         None
     }
@@ -291,6 +309,12 @@ impl<T: Target + ?Sized> Target for &mut T {
     fn batch_ops(&self) -> Option<Box<dyn BatchOps>> {
         (**self).batch_ops()
     }
+    fn fork_pair(&self, drafts: bool) -> Option<Sessions> {
+        (**self).fork_pair(drafts)
+    }
+    fn model_id(&self) -> Option<usize> {
+        (**self).model_id()
+    }
     fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         (**self).as_any_mut()
     }
@@ -327,6 +351,9 @@ impl<D: Drafter + ?Sized> Drafter for &mut D {
     }
     fn reserve(&mut self, rows: usize) {
         (**self).reserve(rows)
+    }
+    fn model_id(&self) -> Option<usize> {
+        (**self).model_id()
     }
     fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         (**self).as_any_mut()

@@ -103,20 +103,27 @@ impl Batch {
         ensure!(slots >= 1, "a batch needs at least one slot");
         let mut sessions = Vec::with_capacity(slots);
         for _ in 0..slots {
-            let t = model
-                .target
-                .fork()
-                .context("this model's target cannot fork sessions for a batch")?;
-            let d = match mode.drafts() {
-                true => Some(
-                    model
-                        .drafter
-                        .as_ref()
-                        .context("this mode needs a drafter")?
+            // Forked as a pair: a target runs device rounds (and joins batched rounds) with its own drafter.
+            let (t, d) = match model.target.fork_pair(mode.drafts()) {
+                Some(pair) => pair,
+                None => {
+                    let t = model
+                        .target
                         .fork()
-                        .context("this model's drafter cannot fork sessions for a batch")?,
-                ),
-                false => None,
+                        .context("this model's target cannot fork sessions for a batch")?;
+                    let d = match mode.drafts() {
+                        true => Some(
+                            model
+                                .drafter
+                                .as_ref()
+                                .context("this mode needs a drafter")?
+                                .fork()
+                                .context("this model's drafter cannot fork sessions for a batch")?,
+                        ),
+                        false => None,
+                    };
+                    (t, d)
+                }
             };
             sessions.push(Session::new(t, d, mode)?);
         }

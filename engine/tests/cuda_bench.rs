@@ -405,30 +405,43 @@ fn pair_on(
 #[test]
 #[ignore = "timing; run by scripts/gpu-test.sh"]
 fn ddtree_round_stages() {
-    use kdtree_engine::api::{Drafter, Target};
+    use kdtree_engine::api::{Drafter, LogitRows, Target};
     use kdtree_engine::backend::TreeOps;
     use kdtree_engine::drafter::DFlashDrafter;
     use kdtree_engine::generate::Sampling;
-    use kdtree_engine::model::{AttnMode, TargetModel};
-    use kdtree_engine::{Mode, Session};
+    use kdtree_engine::model::{AttnMode, Model, TargetModel};
     use std::sync::Arc;
     let Some(g) = gpu() else { return };
     let g = Arc::new(g);
     let (_tmp, src, b, w, taps) = pair_on(&g);
     let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
     for budget in [16usize, 64, 256] {
-        let mut t = TargetModel::new(w.clone(), taps.clone(), AttnMode::Absorbed).unwrap();
-        let mut d = DFlashDrafter::load_on(b.clone(), &*src, w.clone()).unwrap();
-        // A prompt and three rounds, through a session over the borrowed parts; then the stages by hand.
+        let t = TargetModel::new(w.clone(), taps.clone(), AttnMode::Absorbed).unwrap();
+        let d = DFlashDrafter::load_on(b.clone(), &*src, w.clone()).unwrap();
+        let mut m = Model::new(t, Some(d));
+        // A prompt and three device rounds (Model::round, what a session runs); then the stages by hand.
         let root = {
-            let mut s = Session::new(Box::new(&mut t), Some(Box::new(&mut d)), Mode::DDTree { budget }).unwrap();
-            s.prefill(&[1, 17, 305, 42, 7, 900, 12, 3, 64, 5, 2000, 11], &Sampling::greedy())
+            let p = [1u32, 17, 305, 42, 7, 900, 12, 3, 64, 5, 2000, 11];
+            let n = p.len();
+            let out = m
+                .target
+                .forward_rows(&p, &(0..n as i32).map(|i| i - 1).collect::<Vec<_>>(), LogitRows::Last)
                 .unwrap();
-            let mut last = 0;
+            m.target.commit(&(0..n).collect::<Vec<_>>()).unwrap();
+            m.drafter.as_mut().unwrap().extend_context(&out.taps, n).unwrap();
+            let mut last = kdtree_engine::sampling::argmax(&out.logits);
             for _ in 0..3 {
-                last = *s.step().unwrap().tokens.last().unwrap();
+                let r = m.round(last, Some(budget), &Sampling::greedy()).unwrap().unwrap();
+                last = *r.walk.decisions.last().unwrap();
             }
             last
+        };
+        let Model {
+            target: ref mut t,
+            drafter: Some(ref mut d),
+        } = m
+        else {
+            unreachable!("the model has its drafter")
         };
         let rows = d.block_size() - 1;
         let mut tree = b
@@ -456,9 +469,9 @@ fn ddtree_round_stages() {
             e.push(g.stream.record_event(flags).unwrap());
             t.walk_tree(&mut tree, &logits, &Sampling::greedy()).unwrap();
             e.push(g.stream.record_event(flags).unwrap());
-            t.commit_walk(&mut tree, &mut d, &taps_act).unwrap();
+            t.commit_walk(&mut tree, d, &taps_act).unwrap();
             e.push(g.stream.record_event(flags).unwrap());
-            t.read_walk(&mut tree, &mut d, budget + 1).unwrap();
+            t.read_walk(&mut tree, d, budget + 1).unwrap();
             e.push(g.stream.record_event(flags).unwrap());
             e.last().unwrap().synchronize().unwrap();
             for (k, m) in ms.iter_mut().enumerate() {
@@ -468,24 +481,22 @@ fn ddtree_round_stages() {
             t.truncate(start).unwrap();
             d.truncate_context(start).unwrap();
         }
-        // The whole round through Target::device_round: eager, then captured (first call captures, the rest
-        // replay), from the same state every time.
+        // The whole round through Model::round: eager, then captured (first call captures, the rest replay),
+        // from the same state every time.
         let mut whole = |graphs: bool| {
             b.set_graphs(graphs);
             let mut v = Vec::new();
             for i in 0..21 {
-                let start = t.committed();
+                let start = m.target.committed();
                 let e0 = g.stream.record_event(flags).unwrap();
-                t.device_round(&mut d, root, budget, &Sampling::greedy())
-                    .unwrap()
-                    .unwrap();
+                m.round(root, Some(budget), &Sampling::greedy()).unwrap().unwrap();
                 let e1 = g.stream.record_event(flags).unwrap();
                 e1.synchronize().unwrap();
                 if i > 0 {
                     v.push(e0.elapsed_ms(&e1).unwrap() as f64);
                 }
-                t.truncate(start).unwrap();
-                d.truncate_context(start).unwrap();
+                m.target.truncate(start).unwrap();
+                m.drafter.as_mut().unwrap().truncate_context(start).unwrap();
             }
             v
         };
@@ -528,7 +539,7 @@ fn ddtree_round_stages() {
 fn step_busy() {
     use kdtree_engine::drafter::DFlashDrafter;
     use kdtree_engine::generate::Sampling;
-    use kdtree_engine::model::{AttnMode, TargetModel};
+    use kdtree_engine::model::{AttnMode, Model, TargetModel};
     use kdtree_engine::{Mode, Session};
     use std::sync::Arc;
     let Some(g) = gpu() else { return };
@@ -544,9 +555,11 @@ fn step_busy() {
         if !profile.is_empty() && profile != tag {
             continue;
         }
-        let mut t = TargetModel::new(w.clone(), taps.clone(), AttnMode::Absorbed).unwrap();
-        let mut d = DFlashDrafter::load_on(b.clone(), &*src, w.clone()).unwrap();
-        let mut s = Session::new(Box::new(&mut t), Some(Box::new(&mut d)), mode).unwrap();
+        let t = TargetModel::new(w.clone(), taps.clone(), AttnMode::Absorbed).unwrap();
+        let d = DFlashDrafter::load_on(b.clone(), &*src, w.clone()).unwrap();
+        // The session over the model's views: its rounds and steps run as captured graphs.
+        let (t, d) = Model::new(t, Some(d)).into_sessions();
+        let mut s = Session::new(t, d, mode).unwrap();
         s.reserve(4096).unwrap();
         s.prefill(&[1, 17, 305, 42, 7, 900, 12, 3, 64, 5, 2000, 11], &Sampling::greedy())
             .unwrap();

@@ -54,9 +54,6 @@ impl<B: Backend> Drafter for DFlashDrafter<B> {
         let have = self.context_len();
         self.reserve_context(rows.saturating_sub(have));
     }
-    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
-        Some(self)
-    }
     fn fork(&self) -> Option<Box<dyn Drafter>> {
         Some(Box::new(DFlashDrafter::fork(self)))
     }

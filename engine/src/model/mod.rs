@@ -6,6 +6,9 @@
 //! * `attention` (MLA, naive and absorbed), `ffn` (dense SwiGLU, MoE), `cache` (latent KV, tree mask).
 //! * `target`: `TargetModel<B>` (`CpuTarget` on the CPU), the `api::Target` implementation written once
 //!   against `backend::Backend`; `trace`: per-layer recorder for goldens.
+//! * `seq`: `Model<B>`, one sequence's target and drafter on one backend, and its two `api` views;
+//!   `round`: the device round and AR step, once (a single sequence is a batch of one); `batch`: the
+//!   batch engine over a model's forks.
 //! * `open`: `open_cpu` (the one CPU loader) and `engine::open(dir, Device)`, which boxes it.
 //! * `testing`: tiny random models for tests.
 //!
@@ -17,6 +20,8 @@ pub mod config;
 pub mod dummy;
 pub mod ffn;
 pub mod open;
+pub(crate) mod round;
+pub mod seq;
 pub mod source;
 pub mod target;
 pub mod testing;
@@ -25,6 +30,7 @@ pub mod weights;
 
 pub use attention::AttnMode;
 pub use dummy::DummySource;
+pub use seq::{Model, ModelDrafter, ModelTarget};
 pub use source::{MemSource, MemTensor, TensorSource};
 pub use target::{CpuTarget, TargetModel};
 pub use trace::{Trace, TraceData, TraceTensor};

@@ -15,6 +15,7 @@
 
 use super::attention::AttnMode;
 use super::dummy::DummySource;
+use super::seq::Model;
 use super::source::TensorSource;
 use super::target::CpuTarget;
 use super::weights::Weights;
@@ -49,6 +50,17 @@ pub struct Loaded {
 }
 
 impl Loaded {
+    /// `m` as a loaded model of backend `backend` on `device`: its target and drafter sessions (views of
+    /// one [`Model`], so the device round and the batched steps reach both).
+    pub fn of<B: crate::backend::Backend>(backend: &str, device: String, m: Model<B>) -> Loaded {
+        let (target, drafter) = m.into_sessions();
+        Loaded {
+            backend: backend.into(),
+            device,
+            target,
+            drafter,
+        }
+    }
     /// A session over this model in `mode` (borrows the model; one session at a time).
     pub fn session(&mut self, mode: Mode) -> Result<Session<'_>> {
         let d = match mode.drafts() {
@@ -138,12 +150,7 @@ pub fn open_with(dir: &Path, device: Device, opts: OpenOptions) -> Result<Loaded
         return Err(BackendError::NoCuda.into());
     }
     let m = open_cpu(dir, opts)?;
-    Ok(Loaded {
-        backend: "cpu".into(),
-        device: "cpu".into(),
-        target: Box::new(m.target),
-        drafter: m.drafter.map(|d| Box::new(d) as Box<dyn Drafter>),
-    })
+    Ok(Loaded::of("cpu", "cpu".into(), Model::new(m.target, m.drafter)))
 }
 
 /// Open `dir` on the CPU backend: the target (tapping the layers the drafter was trained on) and, when the
@@ -260,18 +267,13 @@ fn open_cuda_source(
         );
         let target = TargetModel::new(w.clone(), taps, AttnMode::Absorbed)?;
         let drafter = match src.drafter_config() {
-            Some(_) if !opts.no_drafter => Some(Box::new(
+            Some(_) if !opts.no_drafter => Some(
                 DFlashDrafter::load_on(backend, &*src, w)
                     .with_context(|| format!("loading the drafter onto {name}"))?,
-            ) as Box<dyn Drafter>),
+            ),
             _ => None,
         };
-        Ok(Loaded {
-            backend: "cuda".into(),
-            device,
-            target: Box::new(target),
-            drafter,
-        })
+        Ok(Loaded::of("cuda", device, Model::new(target, drafter)))
     })();
     let ended = if staged { gpu.end_load().map(|_| ()) } else { gpu.sync() };
     let loaded = loaded?;
@@ -325,12 +327,7 @@ fn open_dummy_inner(src: DummySource, device: Device, opts: OpenOptions) -> Resu
         );
     }
     let m = open_cpu_source(Arc::new(src), opts)?;
-    Ok(Loaded {
-        backend: "cpu".into(),
-        device: "cpu".into(),
-        target: Box::new(m.target),
-        drafter: m.drafter.map(|d| Box::new(d) as Box<dyn Drafter>),
-    })
+    Ok(Loaded::of("cpu", "cpu".into(), Model::new(m.target, m.drafter)))
 }
 
 /// Host memory available for new allocations (Linux `MemAvailable`), None where it cannot be read.

@@ -13,12 +13,12 @@
 
 use super::attention::{mla, AttnMode, Seg};
 use super::ffn::ffn;
+use super::round;
 use super::trace::Trace;
 use super::weights::Weights;
-use crate::api::{DeviceRound, Drafter, LogitRows, StepOut, Target, TargetInfo};
+use crate::api::{Drafter, LogitRows, StepOut, Target, TargetInfo};
 use crate::backend::{Backend, PosOf, RopeTable};
 use crate::cpu::CpuBackend;
-use crate::ddtree::tree_is_full;
 use crate::ddtree::Visibility;
 use crate::drafter::DFlashDrafter;
 use crate::sampling::Sampling;
@@ -42,16 +42,16 @@ pub struct TargetModel<B: Backend> {
     pub(crate) dev_root: Option<(usize, usize, u32)>,
     /// The device AR step's state (its token buffer, the one-node mask, its captured graph) and whether the
     /// token buffer holds the last step's token (no other target op since).
-    step: Option<StepSlot<B>>,
+    pub(crate) step: Option<StepSlot<B>>,
     pub(crate) step_root: Option<u32>,
 }
 
 /// The device AR step's buffers: the token `[1]` (the root going in, the decision coming out), the mask of
 /// a one-node forward, and the step captured over them.
-struct StepSlot<B: Backend> {
-    token: B::Ids,
-    mask: B::Mask,
-    graph: Option<B::Graph>,
+pub(crate) struct StepSlot<B: Backend> {
+    pub(crate) token: B::Ids,
+    pub(crate) mask: B::Mask,
+    pub(crate) graph: Option<B::Graph>,
 }
 
 /// One tree shape's device-round state: the tree workspace and the round captured over it (with its key).
@@ -160,155 +160,6 @@ impl<B: Backend> TargetModel<B> {
         let xn = w.final_norm(&x);
         b.check()?;
         Ok((xn, taps.unwrap_or_else(|| b.zeros(0))))
-    }
-
-    /// The device round (see [`Target::device_round`]) in `slot` (budget `budget`): the round's ops run as
-    /// one captured graph where the backend captures (`Backend::graph_run`), replayed while nothing it reads
-    /// moved; the host reads the walk once, then moves its own copies of the lengths.
-    fn run_round(
-        &mut self,
-        slot: &mut RoundSlot<B>,
-        d: &mut DFlashDrafter<B>,
-        root: u32,
-        budget: usize,
-        s: &Sampling,
-    ) -> Result<DeviceRound> {
-        let w = self.w.clone();
-        let b = &w.backend;
-        let start = b.kv_committed(&self.cache);
-        ensure!(
-            d.context_len() == start,
-            "drafter context {} != target committed {start}",
-            d.context_len()
-        );
-        let (rows, t) = (d.block_size() - 1, budget + 1);
-        // Outside the round: room for its rows (nothing grows inside), and the root where the ops read it.
-        b.kv_reserve(&mut self.cache, start + t)?;
-        d.reserve_context(rows + 1);
-        if self.dev_root != Some((slot.budget, slot.k, root)) {
-            b.tree_set_root(&mut slot.tree, root)?;
-        }
-        (self.dev_root, self.step_root) = (None, None);
-        let key = round_key(budget, slot.k, s, b.kv_id(&self.cache), d.capture_key());
-        let (tree, decisions) = (&mut slot.tree, &mut slot.decisions);
-        // Greedy on a GPU holding only some vocab shards: the decisions by the vocab-parallel argmax (`t x R` pairs
-        // through the communicator instead of the `[t, V]` logits); otherwise the walk reads the merged logits.
-        let pairs = s.is_greedy() && w.vocab_split();
-        b.graph_run(&mut slot.graph, key, &mut || {
-            let draft = d.draft_from_root(b.tree_root(tree))?; // [rows, V]
-            b.tree_build(tree, &draft, 0)?;
-            let (xn, taps) = self.forward_tree(tree, t, rows)?;
-            if pairs {
-                w.lm_head_argmax_into(&xn, t, decisions, 0)?;
-                b.tree_walk_decided(tree, decisions, 0)?;
-            } else {
-                self.walk_tree(tree, &w.lm_head(&xn, t), s)?;
-            }
-            self.commit_walk(tree, d, &taps)
-        })?;
-        let r = self.read_walk(&mut slot.tree, d, t)?;
-        self.dev_root = r.walk.decisions.last().map(|&tok| (slot.budget, slot.k, tok));
-        Ok(DeviceRound {
-            walk: r.walk,
-            log_q: r.log_q,
-            drafted: budget,
-            draft_rows: rows,
-        })
-    }
-
-    /// The device AR step (see [`Target::device_step`]) in `slot`: the forward of the root token at position
-    /// `committed`, its decision, the commit, as one captured graph where the backend captures; one read.
-    fn run_step(&mut self, slot: &mut StepSlot<B>, root: u32, s: &Sampling) -> Result<u32> {
-        let w = self.w.clone();
-        let (b, c) = (&w.backend, &w.cfg);
-        let start = b.kv_committed(&self.cache);
-        b.kv_reserve(&mut self.cache, start + 1)?;
-        if self.step_root != Some(root) {
-            b.ids_write(&mut slot.token, 0, &[root])?;
-        }
-        (self.dev_root, self.step_root) = (None, None);
-        let key = {
-            use std::hash::{Hash, Hasher};
-            let mut h = std::collections::hash_map::DefaultHasher::new();
-            (
-                "ar step",
-                s.temperature.to_bits(),
-                s.top_p.to_bits(),
-                s.top_k,
-                s.seed,
-                b.kv_id(&self.cache),
-            )
-                .hash(&mut h);
-            h.finish()
-        };
-        let (token, mask) = (&mut slot.token, &slot.mask);
-        b.graph_run(&mut slot.graph, key, &mut || {
-            let rope = b.rope_at(&w.rope_inv, c.rope_attention_factor, PosOf::Kv(&self.cache), None, 1);
-            let (x, _taps) = self.layers(w.embed_ids(token, 1), 1, mask, &rope);
-            let xn = w.final_norm(&x);
-            if s.is_greedy() && w.vocab_split() {
-                // The vocab-parallel argmax: R pairs through the communicator instead of V logits.
-                w.lm_head_argmax_into(&xn, 1, token, 0)?;
-            } else {
-                // The token goes to position committed + 1 (sampling.rs: draws keyed by position).
-                b.decide_rows(&w.lm_head(&xn, 1), 0, 1, c.vocab, s, PosOf::Kv(&self.cache), 1, token)?;
-            }
-            b.kv_commit_rows(&mut self.cache, 1)?;
-            b.check()
-        })?;
-        let tok = b.ids_to_host(&slot.token)?[0]; // the step's one read back
-        ensure!(
-            (tok as usize) < c.vocab,
-            "device step: token {tok} >= vocab {}",
-            c.vocab
-        );
-        b.kv_commit_rows_host(&mut self.cache, 1);
-        self.last_parents.clear();
-        self.step_root = Some(tok);
-        Ok(tok)
-    }
-
-    /// The device round for a tree of `budget` nodes built from the top-`k` of each draft row (see
-    /// [`Target::device_round`], [`Target::device_chain`]); None when this target cannot run it.
-    fn round_of(
-        &mut self,
-        d: &mut DFlashDrafter<B>,
-        root: u32,
-        budget: usize,
-        k: usize,
-        s: &Sampling,
-    ) -> Option<Result<DeviceRound>> {
-        let (v, max) = (self.info.vocab_size, self.info.max_positions);
-        let rows = d.block_size().checked_sub(1)?;
-        let start = self.w.backend.kv_committed(&self.cache);
-        if self.trace.is_some() || rows == 0 || budget == 0 || start + rows >= max || self.info.tap_layers.is_empty() {
-            return None;
-        }
-        let i = match self.rounds.iter().position(|r| (r.budget, r.k) == (budget, k)) {
-            Some(i) => i,
-            // A backend whose tree kernels cannot hold this shape (e.g. a budget over the device builder's
-            // 2048) leaves the round to the host. A new tree holds no root yet (dev_root names its slot).
-            None => {
-                let tree = self.w.backend.tree_new(budget, rows, v, k).ok()?;
-                let decisions = self.w.backend.ids_from_host(&vec![0; budget + 1]);
-                self.rounds.push(RoundSlot {
-                    budget,
-                    k,
-                    tree,
-                    graph: None,
-                    decisions,
-                });
-                self.rounds.len() - 1
-            }
-        };
-        let mut slot = self.rounds.swap_remove(i);
-        let r = self.run_round(&mut slot, d, root, budget, s);
-        if r.is_err() {
-            slot.graph = None;
-            self.dev_root = None;
-        }
-        self.rounds.push(slot);
-        Some(r)
     }
 
     /// The device round's decisions and walk over the verify `logits` (sampling positions from the committed
@@ -525,68 +376,29 @@ impl<B: Backend> Target for TargetModel<B> {
         self.trace.take()
     }
 
-    fn device_round(
-        &mut self,
-        drafter: &mut dyn Drafter,
-        root: u32,
-        budget: usize,
-        s: &Sampling,
-    ) -> Option<Result<DeviceRound>> {
-        let v = self.info.vocab_size;
-        let d = drafter.as_any_mut()?.downcast_mut::<DFlashDrafter<B>>()?;
-        let rows = d.block_size().checked_sub(1)?;
-        // The device round's verify shape is budget + 1 nodes: only trees sure to fill it.
-        if !tree_is_full(budget, rows, v) {
-            return None;
-        }
-        self.round_of(d, root, budget, budget.min(v), s)
-    }
-
-    fn device_chain(&mut self, drafter: &mut dyn Drafter, root: u32, s: &Sampling) -> Option<Result<DeviceRound>> {
-        let d = drafter.as_any_mut()?.downcast_mut::<DFlashDrafter<B>>()?;
-        let rows = d.block_size().checked_sub(1)?;
-        // The chain is the tree of the top-1 of every draft row: one path of `rows` nodes.
-        self.round_of(d, root, rows, 1, s)
-    }
-
     fn device_step(&mut self, root: u32, s: &Sampling) -> Option<Result<u32>> {
         let start = self.w.backend.kv_committed(&self.cache);
         if self.trace.is_some() || start + 1 >= self.info.max_positions || root as usize >= self.info.vocab_size {
             return None;
         }
-        let b = self.w.backend.clone();
-        let mut slot = match self.step.take() {
-            Some(slot) => slot,
-            None => {
-                let mask = b.mask_upload(&Visibility::from_parents(&[-1]).ok()?);
-                StepSlot {
-                    token: b.ids_from_host(&[0]),
-                    mask,
-                    graph: None,
-                }
-            }
-        };
-        let r = self.run_step(&mut slot, root, s);
-        if r.is_err() {
-            slot.graph = None;
-            self.step_root = None;
+        if self.step.is_none() {
+            let b = &self.w.backend;
+            let mask = b.mask_upload(&Visibility::from_parents(&[-1]).ok()?);
+            self.step = Some(StepSlot {
+                token: b.ids_from_host(&[0]),
+                mask,
+                graph: None,
+            });
         }
-        self.step = Some(slot);
-        Some(r)
+        let w = self.w.clone();
+        let mut part = [round::StepPart { t: self, root, s }];
+        Some(round::steps(&w, &mut part, None).map(|t| t[0]))
     }
 
     fn fork(&self) -> Option<Box<dyn Target>> {
         Some(Box::new(
             TargetModel::new(self.w.clone(), self.info.tap_layers.clone(), self.mode).ok()?,
         ))
-    }
-
-    fn batch_ops(&self) -> Option<Box<dyn crate::api::BatchOps>> {
-        Some(Box::new(super::batch::BatchEngine::new(self.w.clone())))
-    }
-
-    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
-        Some(self)
     }
 
     fn kv_row_bytes(&self) -> usize {

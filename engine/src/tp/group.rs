@@ -185,6 +185,40 @@ impl Target for TpTarget {
             _ => None,
         }
     }
+    fn fork_pair(&self, drafts: bool) -> Option<crate::api::Sessions> {
+        // Every group forks its own model (target and drafter together, model/seq.rs).
+        let (id, tid, did) = (self.id, self.pool.new_id(), self.pool.new_id());
+        let forked = self.pool.agreed("fork a model", eq, move |st| {
+            let Some((t, d)) = st.target(id)?.fork_pair(drafts) else {
+                return Ok(None);
+            };
+            st.targets.insert(tid, t);
+            let dims = d.map(|d| {
+                let dims = (d.block_size(), d.ctx_row_bytes());
+                st.drafters.insert(did, d);
+                dims
+            });
+            Ok(Some(dims))
+        });
+        let dims = forked.ok()??;
+        let t = TpTarget {
+            pool: self.pool.clone(),
+            id: tid,
+            info: self.info.clone(),
+            committed: 0,
+            row_bytes: self.row_bytes,
+        };
+        let d = dims.map(|(block, row_bytes)| {
+            Box::new(TpDrafter {
+                pool: self.pool.clone(),
+                id: did,
+                block,
+                ctx_len: 0,
+                row_bytes,
+            }) as Box<dyn Drafter>
+        });
+        Some((Box::new(t), d))
+    }
     fn batch_ops(&self) -> Option<Box<dyn BatchOps>> {
         let (id, new) = (self.id, self.pool.new_id());
         let made = self.pool.agreed("batch ops", eq, move |st| {

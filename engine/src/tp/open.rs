@@ -2,7 +2,7 @@
 //! and, on GPUs, each group's device and communicator (one-GPU rendezvous or NCCL) before the loads.
 
 use super::pool::{start, GroupInit, Sessions};
-use crate::api::{Drafter, Target};
+
 use crate::model::open::{Loaded, OpenOptions};
 use crate::model::source::TensorSource;
 use anyhow::{ensure, Context, Result};
@@ -141,11 +141,7 @@ fn group_models<B: crate::backend::Backend>(
     src: Arc<dyn TensorSource>,
     range: std::ops::Range<usize>,
     no_drafter: bool,
-) -> Result<Sessions>
-where
-    crate::model::target::TargetModel<B>: Target,
-    crate::drafter::DFlashDrafter<B>: Drafter,
-{
+) -> Result<Sessions> {
     use crate::model::weights::Weights;
     let taps = match src.drafter_config() {
         Some(c) if !no_drafter => c.dflash_config.target_layer_ids.clone(),
@@ -156,12 +152,11 @@ where
     );
     let target = crate::model::target::TargetModel::new(w.clone(), taps, crate::model::AttnMode::Absorbed)?;
     let drafter = match src.drafter_config() {
-        Some(_) if !no_drafter => {
-            Some(Box::new(crate::drafter::DFlashDrafter::load_on(b, &*src, w)?) as Box<dyn Drafter>)
-        }
+        Some(_) if !no_drafter => Some(crate::drafter::DFlashDrafter::load_on(b, &*src, w)?),
         _ => None,
     };
-    Ok((Box::new(target), drafter))
+    // One model: the group's device rounds and batched steps reach its target and drafter together.
+    Ok(crate::model::Model::new(target, drafter).into_sessions())
 }
 
 /// CUDA groups: all on GPU `ordinal` (the one-GPU communicator) or group g on `gpus[g]` (NCCL).
