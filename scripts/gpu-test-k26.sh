@@ -114,6 +114,17 @@ for conv in m1 tp8 ep8; do
     else
       fail "compute-sanitizer not found"
     fi
+    # The load check's cost (issue 29): the same 1-token run alone, with the check (the default) and without,
+    # wall seconds of the whole process (load, check, one token) and the loader's own line, twice each.
+    for rep in 1 2; do
+      for c in check nocheck; do
+        case $c in check) cf=();; *) cf=(--no-check-weights);; esac
+        s=$(date +%s.%N)
+        "$dir/kdtree-run" "$k/m1" --prompts "$k/p1.jsonl" --out "$k/load-$c.jsonl" --device cuda --mode ar --max-tokens 1 \
+          "${cf[@]}" 2> "$k/load-$c.err" || fail "kdtree-run load ($c)"
+        say "load, 1 rank, $c (rep $rep): $(python3 -c 'import sys; print(f"{float(sys.argv[2]) - float(sys.argv[1]):.2f}")' "$s" "$(date +%s.%N)") s wall; $(grep -h 'loaded' "$k/load-$c.err" | head -1)"
+      done
+    done
   else
     rm -rf "${k:?}/$conv"  # disk: the 1-rank conversion and the source stay, one 8-rank conversion at a time
   fi
