@@ -406,7 +406,7 @@ fn pair_on(
 #[ignore = "timing; run by scripts/gpu-test.sh"]
 fn ddtree_round_stages() {
     use kdtree_engine::api::{Drafter, LogitRows, Target};
-    use kdtree_engine::backend::Backend;
+    use kdtree_engine::backend::TreeOps;
     use kdtree_engine::drafter::DFlashDrafter;
     use kdtree_engine::generate::Sampling;
     use kdtree_engine::model::{AttnMode, Model, TargetModel};

@@ -82,7 +82,7 @@ pub fn open_tp_gpus(
     let r = match place {
         Placement::SharedGpu(o) => cuda_groups(src, ranges, o, None, Some(needed), opts),
         Placement::Gpus(o) => cuda_groups(src, ranges, o[0], Some(o), Some(needed), opts),
-        Placement::Cpu => bail!("open_tp_gpus: the CPU placement has no GPUs"),
+        Placement::Cpu => anyhow::bail!("open_tp_gpus: the CPU placement has no GPUs"),
     };
     r.with_context(|| format!("loading {} as {groups} tensor-parallel groups", dir.display()))
 }
@@ -169,7 +169,7 @@ fn cuda_groups(
     needed: Option<Vec<u64>>,
     opts: OpenOptions,
 ) -> Result<(Loaded, Vec<Arc<crate::cuda::Gpu>>)> {
-    use crate::cuda::{CudaBackend, Gpu};
+    use crate::cuda::CudaBackend;
     let groups = ranges.len();
     if let Some(o) = &gpus {
         ensure!(o.len() == groups, "{} GPUs for {groups} groups", o.len());
