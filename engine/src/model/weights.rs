@@ -206,13 +206,7 @@ impl<B: Backend> Ld<'_, B> {
     /// ops read them, against the manifest's xxh3-64 of `t` (a source without checksums: the host bytes' own).
     /// A difference names the tensor, the rank and both values.
     fn check(&self, name: &str, t: &TensorRef<'_>, w: WeightRef<'_, B>, part: usize) -> Result<()> {
-        check_upload(
-            self.b,
-            &format!("{name} (rank {})", self.rank),
-            expected_xxh3(t),
-            w,
-            part,
-        )
+        check_upload(self.b, &tensor_at(name, self.rank, t), expected_xxh3(t), w, part)
     }
     /// This rank's SwiGLU slice, intermediate `i` split by rows (gate/up) and columns (down).
     fn mlp(&self, p: &str, h: usize, i: usize) -> Result<Mlp<B>> {
@@ -301,6 +295,15 @@ impl<B: Backend> Ld<'_, B> {
         self.check(&pname, &p, WeightRef::I4(&w), 0)?;
         self.check(&sname, &s, WeightRef::I4(&w), 1)?;
         Ok(w)
+    }
+}
+
+/// `name` of `rank` for a message about its bytes: "NAME (rank R, FILE)", the shard file named where the source
+/// has files.
+pub(crate) fn tensor_at(name: &str, rank: usize, t: &TensorRef<'_>) -> String {
+    match t.file {
+        Some(f) => format!("{name} (rank {rank}, {f})"),
+        None => format!("{name} (rank {rank})"),
     }
 }
 
