@@ -4,10 +4,14 @@
 # so each run is the process start, the load and one forward; ROUNDS alternating runs each, page cache warm
 # (a first untimed run of each), medians. Also one cold-cache run of each when run as root (drop_caches).
 #   bench/load_check.sh [PRESET [SYNTH FLAGS...]]     e.g. bench/load_check.sh small --drafter
+# ROUNDS (5), CPU=1 (user + sys CPU seconds instead of wall time), BIN, ON / OFF (the flags) from the environment.
 # Prints a Markdown table for bench/RESULTS.md. Needs release binaries (`make build`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BIN="${CARGO_TARGET_DIR:-target}/release"
+BIN="${BIN:-${CARGO_TARGET_DIR:-target}/release}"
+# The flags that turn the check on and off (a build from before the check was default: ON=--check-weights OFF=).
+ON="${ON-}"
+OFF="${OFF---no-check-weights}"
 ROUNDS="${ROUNDS:-5}"
 preset="${1:-small}"
 shift || true
@@ -21,26 +25,30 @@ drafter=()
 bytes=$(du -sb "$work/model" | cut -f1)
 echo '{"id":"a","prompt_token_ids":[1],"max_tokens":1}' > "$work/p.jsonl"
 
-run() { # run FLAGS...: wall seconds of one run
-    local t0 t1
+run() { # run FLAGS...: wall seconds of one run (CPU=1: user + sys seconds instead, steadier on a busy machine)
+    local t0 t1 cpu
     t0=$(date +%s.%N)
-    "$BIN/kdtree-run" "$work/model" --prompts "$work/p.jsonl" --out "$work/o.jsonl" --device cpu --mode ar \
-        --quiet "$@"
+    cpu=$( { /usr/bin/time -f '%U %S' "$BIN/kdtree-run" "$work/model" --prompts "$work/p.jsonl" \
+        --out "$work/o.jsonl" --device cpu --mode ar --quiet "$@" 2>&1 >/dev/null; } | tail -1)
     t1=$(date +%s.%N)
-    echo "$t1 - $t0" | bc -l
+    if [ "${CPU:-0}" = 1 ]; then
+        echo "$cpu" | awk '{print $1 + $2}'
+    else
+        echo "$t1 - $t0" | bc -l
+    fi
 }
 median() { sort -g | awk '{a[NR]=$1} END {print (NR % 2) ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2}'; }
 
 cold_on="" cold_off=""
 if [ -w /proc/sys/vm/drop_caches ]; then
-    sync; echo 3 > /proc/sys/vm/drop_caches; cold_on=$(run)
-    sync; echo 3 > /proc/sys/vm/drop_caches; cold_off=$(run --no-check-weights)
+    sync; echo 3 > /proc/sys/vm/drop_caches; cold_on=$(run $ON)
+    sync; echo 3 > /proc/sys/vm/drop_caches; cold_off=$(run $OFF)
 fi
-run >/dev/null; run --no-check-weights >/dev/null
+run $ON >/dev/null; run $OFF >/dev/null
 on=() off=()
 for _ in $(seq "$ROUNDS"); do
-    on+=("$(run)")
-    off+=("$(run --no-check-weights)")
+    on+=("$(run $ON)")
+    off+=("$(run $OFF)")
 done
 m_on=$(printf '%s\n' "${on[@]}" | median)
 m_off=$(printf '%s\n' "${off[@]}" | median)

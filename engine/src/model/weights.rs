@@ -292,8 +292,13 @@ impl<B: Backend> Ld<'_, B> {
             n: nr,
             k: kr,
         })?;
-        self.check(&pname, &p, WeightRef::I4(&w), 0)?;
-        self.check(&sname, &s, WeightRef::I4(&w), 1)?;
+        // One hash of the stack (packed bytes and scales) for both checks: the packed experts are most of a model.
+        let (pw, sw) = (tensor_at(&pname, rank, &p), tensor_at(&sname, rank, &s));
+        check_upload_parts(
+            self.b,
+            WeightRef::I4(&w),
+            &[(0, &pw, expected_xxh3(&p)), (1, &sw, expected_xxh3(&s))],
+        )?;
         Ok(w)
     }
 }
@@ -322,22 +327,35 @@ pub(crate) fn expected_xxh3(t: &TensorRef<'_>) -> (u64, &'static str) {
 pub(crate) fn check_upload<B: Backend>(
     b: &B,
     what: &str,
-    (want, of): (u64, &str),
+    want: (u64, &str),
     w: WeightRef<'_, B>,
     part: usize,
 ) -> Result<()> {
-    if !b.checks_weights() {
+    check_upload_parts(b, w, &[(part, what, want)])
+}
+
+/// [`check_upload`] of several parts of one upload (an INT4 stack's packed bytes and scales), hashed once:
+/// `(part, what, (want, of))` each.
+pub(crate) fn check_upload_parts<B: Backend>(
+    b: &B,
+    w: WeightRef<'_, B>,
+    parts: &[(usize, &str, (u64, &str))],
+) -> Result<()> {
+    if !b.checks_weights() || parts.is_empty() {
         return Ok(());
     }
     let got = b
         .weight_xxh3(w)
-        .with_context(|| format!("hashing {what} where it was uploaded"))?;
-    ensure!(
-        got.get(part) == Some(&want),
-        "{what}: the uploaded bytes hash to {} where {of} is {want:016x}: the weights on the {} backend are not the file's",
-        got.get(part).map_or("nothing".into(), |h| format!("{h:016x}")),
-        b.name()
-    );
+        .with_context(|| format!("hashing {} where it was uploaded", parts[0].1))?;
+    for &(part, what, (want, of)) in parts {
+        ensure!(
+            got.get(part) == Some(&want),
+            "{what}: the uploaded bytes hash to {} where {of} is {want:016x}: the weights on the {} backend are not \
+             the file's",
+            got.get(part).map_or("nothing".into(), |h| format!("{h:016x}")),
+            b.name()
+        );
+    }
     Ok(())
 }
 
