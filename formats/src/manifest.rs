@@ -3,7 +3,8 @@
 //! Version 2 (written) checksums each tensor with xxh3-64 (`xxh3`), so the converter runs SHA-256 over
 //! each byte once (for the file hash); version 1 (still read) had a per-tensor `sha256`. FORMAT.md documents each
 //! field. TOML has no null, so the config is stored twice: verbatim JSON (authoritative, re-parsed by
-//! config.rs) and a TOML table of the same keys with nulls dropped (for humans and grep).
+//! config.rs) and a TOML table of the same keys with nulls dropped (for humans and grep); parsing refuses a
+//! table that disagrees with its JSON, naming the key and both values (an edit to one copy only).
 //! `[[aux_files]]` (optional, default empty, so it did not change format_version) lists the tokenizer and
 //! chat-template files carried byte-exactly from the source, so a converted dir is self-contained.
 //! Tests: bottom of this file and formats/tests/manifest_k26.rs (size and parse time of the full plan).
@@ -30,6 +31,21 @@ pub const AUX_FILES: [&str; 4] = [
     "chat_template.jinja",
     "generation_config.json",
 ];
+
+/// Whether `name` is a run-time file of a converted model directory (issue 29 item 4): written beside the model
+/// after the conversion, not part of it, so not in the manifest or SHA256SUMS. `kdtree-convert verify` names
+/// such files and accepts them; repack leaves them. Today one kind: `kdtree-cost-<device>.json`, the cost model
+/// `kdtree-run calibrate` measures per device (`<device>`: lowercase letters, digits and `-`).
+pub fn is_runtime_file(name: &str) -> bool {
+    name.strip_prefix("kdtree-cost-")
+        .and_then(|r| r.strip_suffix(".json"))
+        .is_some_and(|slug| {
+            !slug.is_empty()
+                && slug
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        })
+}
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -205,6 +221,73 @@ pub fn is_plain_file_name(name: &str) -> bool {
     matches!((c.next(), c.next()), (Some(Component::Normal(_)), None)) && !name.contains(['/', '\\', '\0'])
 }
 
+impl Model {
+    /// `[model.text_config]` / `[model.drafter_config]` must be the TOML form of the JSON they mirror (issue 29
+    /// item 6): the JSON is what every reader runs, so an edit to the table alone would change nothing and
+    /// say nothing. A disagreement names the key and both values; a JSON that does not parse is left to the
+    /// config parser, which names it.
+    fn check_mirrors(&self, file: &str) -> Result<()> {
+        check_mirror(
+            file,
+            "text_config",
+            Some(&self.text_config_json),
+            Some(&self.text_config),
+        )?;
+        check_mirror(
+            file,
+            "drafter_config",
+            self.drafter_config_json.as_deref(),
+            self.drafter_config.as_ref(),
+        )
+    }
+}
+
+/// [`Model::check_mirrors`] for one `[model.{what}]` table and its `{what}_json`.
+fn check_mirror(file: &str, what: &str, json: Option<&str>, table: Option<&toml::Table>) -> Result<()> {
+    let mirrored = match json.map(serde_json::from_str::<serde_json::Value>) {
+        None => None,
+        Some(Err(_)) => return Ok(()),
+        Some(Ok(v)) => Some(json_to_toml(&v).and_then(|v| v.as_table().cloned()).unwrap_or_default()),
+    };
+    let diff = match (&mirrored, table) {
+        (None, None) => None,
+        (Some(_), None) => Some(format!("[model.{what}] is missing but {what}_json is present")),
+        (None, Some(_)) => Some(format!("[model.{what}] is present but {what}_json is missing")),
+        (Some(want), Some(have)) => first_difference("", want, have)
+            .map(|(key, have, want)| format!("[model.{what}] {key} = {have}, but {what}_json says {key} = {want}")),
+    };
+    match diff {
+        None => Ok(()),
+        Some(d) => Err(FormatError::file(
+            file,
+            format!(
+                "{d}: the two copies of the config disagree (the JSON is the one that runs; edit both or reconvert)"
+            ),
+        )),
+    }
+}
+
+/// The first key (dotted path, JSON order first, then keys only in `have`) whose value differs between the
+/// table `want` (the JSON's) and `have` (the manifest's TOML table): (key, have's value, want's value), a value
+/// shown as TOML or "absent".
+fn first_difference(prefix: &str, want: &toml::Table, have: &toml::Table) -> Option<(String, String, String)> {
+    let show = |v: Option<&toml::Value>| v.map_or("absent".to_string(), |v| v.to_string());
+    let keys = want.keys().chain(have.keys().filter(|k| !want.contains_key(*k)));
+    for k in keys {
+        let key = format!("{prefix}{k}");
+        match (want.get(k), have.get(k)) {
+            (Some(toml::Value::Table(w)), Some(toml::Value::Table(h))) => {
+                if let Some(d) = first_difference(&format!("{key}."), w, h) {
+                    return Some(d);
+                }
+            }
+            (w, h) if w != h => return Some((key, show(h), show(w))),
+            _ => {}
+        }
+    }
+    None
+}
+
 impl Manifest {
     /// Parse and check: format version first, then the structure, file names and cross references.
     pub fn parse(file: &str, text: &str) -> Result<Manifest> {
@@ -259,6 +342,7 @@ impl Manifest {
                 return Err(FormatError::file(file, format!("aux file {:?} listed twice", a.name)));
             }
         }
+        self.model.check_mirrors(file)?;
         let mut seen = HashSet::new();
         for t in &self.tensors {
             if !names.contains(t.file.as_str()) {
@@ -398,6 +482,54 @@ mod tests {
                 xxh3: "00000000000000cd".into(),
             }],
         }
+    }
+
+    #[test]
+    fn runtime_files_are_the_cost_files() {
+        for ok in ["kdtree-cost-cpu.json", "kdtree-cost-cuda-nvidia-h200.json"] {
+            assert!(is_runtime_file(ok), "{ok}");
+        }
+        for bad in [
+            "kdtree-cost-.json",
+            "kdtree-cost-CPU.json",
+            "kdtree-cost-cpu.json.tmp",
+            "kdtree-cost-a/b.json",
+            "cost-cpu.json",
+            "model.safetensors",
+        ] {
+            assert!(!is_runtime_file(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn config_table_and_json_must_agree() {
+        let mut m = tiny();
+        m.model.text_config_json = r#"{"a":null,"b":1,"q":{"bits":4,"x":[1,2]}}"#.into();
+        m.model.text_config =
+            json_to_toml(&serde_json::from_str::<serde_json::Value>(&m.model.text_config_json).unwrap())
+                .unwrap()
+                .as_table()
+                .unwrap()
+                .clone();
+        let s = m.to_toml().unwrap();
+        assert_eq!(Manifest::parse("m", &s).unwrap(), m, "a faithful mirror parses");
+        let err = |text: &str| Manifest::parse("m", text).unwrap_err().to_string();
+        let e = err(&s.replace("b = 1", "b = 2"));
+        assert!(
+            e.contains("[model.text_config] b = 2, but text_config_json says b = 1"),
+            "{e}"
+        );
+        let e = err(&s.replace("bits = 4", "bits = 8"));
+        assert!(e.contains("q.bits = 8, but text_config_json says q.bits = 4"), "{e}");
+        let e = err(&s.replace("b = 1", "b = 1\nextra = 3"));
+        assert!(e.contains("extra = 3, but text_config_json says extra = absent"), "{e}");
+        let e = err(&s.replace("b = 1\n", ""));
+        assert!(e.contains("b = absent, but text_config_json says b = 1"), "{e}");
+        // The drafter's pair: one without the other is refused.
+        let mut d = m.clone();
+        d.model.drafter_config_json = Some(r#"{"c":1}"#.into());
+        let e = err(&d.to_toml().unwrap());
+        assert!(e.contains("[model.drafter_config] is missing"), "{e}");
     }
 
     #[test]

@@ -32,6 +32,9 @@ pub struct TensorRef<'a> {
     pub data: &'a [u8],
     /// The manifest's xxh3-64 of `data` (format 2; None in format 1 or a source without checksums).
     pub xxh3: Option<u64>,
+    /// The shard file holding `data`, as the manifest names it (inside the model directory; None: a source
+    /// without files), for messages about these bytes.
+    pub file: Option<&'a str>,
 }
 
 /// A converted model directory, opened and mapped read-only.
@@ -140,6 +143,7 @@ impl ModelDir {
             split_offset: t.split_offset,
             data,
             xxh3: crate::manifest::parse_xxh3_hex(&t.xxh3),
+            file: Some(&t.file),
         })
     }
 }

@@ -40,7 +40,7 @@ use crate::api::Drafter;
 use crate::backend::{Backend, PosOf, WeightRef};
 use crate::cpu::{ops, CpuBackend};
 use crate::model::source::Slab;
-use crate::model::weights::{check_upload, expected_xxh3, Mat};
+use crate::model::weights::{check_upload, expected_xxh3, tensor_at, Mat};
 use anyhow::{bail, ensure, Context, Result};
 use half::bf16;
 use kdtree_formats::config::DrafterConfig;
@@ -159,7 +159,7 @@ impl<B: Backend> DFlashDrafter<B> {
         };
         // The load check: an uploaded shard's bytes where the ops read them against the manifest's xxh3.
         let check = |name: &str, t: &kdtree_formats::TensorRef<'_>, w: WeightRef<'_, B>| {
-            check_upload(&b, &format!("{name} (rank {rank})"), expected_xxh3(t), w, 0)
+            check_upload(&b, &tensor_at(name, rank, t), expected_xxh3(t), w, 0)
         };
         let mat = |name: String, rows: usize, cols: usize| -> Result<B::Mat> {
             match get(&name, &[rows, cols])? {

@@ -145,6 +145,7 @@ impl ShardFacts {
             split_offset: self.split_offset,
             data,
             xxh3: None,
+            file: None,
         }
     }
 }
@@ -255,7 +256,8 @@ pub fn check_shards(src: &dyn TensorSource, name: &str) -> Result<()> {
             let got = kdtree_formats::manifest::xxh3_64(t.data);
             ensure!(
                 got == want,
-                "{name} (rank {r}): the shard's bytes hash to {got:016x} where the manifest's xxh3 is {want:016x}"
+                "{}: the shard's bytes hash to {got:016x} where the manifest's xxh3 is {want:016x}",
+                crate::model::weights::tensor_at(name, r, &t)
             );
         }
         if t.split_axis.is_none() {

@@ -163,13 +163,7 @@ impl<B: Backend> Ld<'_, B> {
     /// hashed where the ops read them, against the manifest's xxh3-64 of `t` (a source without checksums: the host
     /// bytes' own). A difference names the tensor, the rank and both values.
     fn check(&self, name: &str, t: &TensorRef<'_>, w: WeightRef<'_, B>, part: usize) -> Result<()> {
-        check_upload(
-            self.b,
-            &format!("{name} (rank {})", self.rank),
-            expected_xxh3(t),
-            w,
-            part,
-        )
+        check_upload(self.b, &tensor_at(name, self.rank, t), expected_xxh3(t), w, part)
     }
     /// This rank's SwiGLU slice, intermediate `i` split by rows (gate/up) and columns (down).
     fn mlp(&self, p: &str, h: usize, i: usize) -> Result<Mlp<B>> {
@@ -255,9 +249,23 @@ impl<B: Backend> Ld<'_, B> {
             n: nr,
             k: kr,
         })?;
-        self.check(&pname, &p, WeightRef::I4(&w), 0)?;
-        self.check(&sname, &s, WeightRef::I4(&w), 1)?;
+        // One hash of the stack (packed bytes and scales) for both checks: the packed experts are most of a model.
+        let (pw, sw) = (tensor_at(&pname, rank, &p), tensor_at(&sname, rank, &s));
+        check_upload_parts(
+            self.b,
+            WeightRef::I4(&w),
+            &[(0, &pw, expected_xxh3(&p)), (1, &sw, expected_xxh3(&s))],
+        )?;
         Ok(w)
+    }
+}
+
+/// `name` of `rank` for a message about its bytes: "NAME (rank R, FILE)", the shard file named where the source
+/// has files.
+pub(crate) fn tensor_at(name: &str, rank: usize, t: &TensorRef<'_>) -> String {
+    match t.file {
+        Some(f) => format!("{name} (rank {rank}, {f})"),
+        None => format!("{name} (rank {rank})"),
     }
 }
 
@@ -277,22 +285,35 @@ pub(crate) fn expected_xxh3(t: &TensorRef<'_>) -> (u64, &'static str) {
 pub(crate) fn check_upload<B: Backend>(
     b: &B,
     what: &str,
-    (want, of): (u64, &str),
+    want: (u64, &str),
     w: WeightRef<'_, B>,
     part: usize,
 ) -> Result<()> {
-    if !b.checks_weights() {
+    check_upload_parts(b, w, &[(part, what, want)])
+}
+
+/// [`check_upload`] of several parts of one upload (an INT4 stack's packed bytes and scales), hashed once:
+/// `(part, what, (want, of))` each.
+pub(crate) fn check_upload_parts<B: Backend>(
+    b: &B,
+    w: WeightRef<'_, B>,
+    parts: &[(usize, &str, (u64, &str))],
+) -> Result<()> {
+    if !b.checks_weights() || parts.is_empty() {
         return Ok(());
     }
     let got = b
         .weight_xxh3(w)
-        .with_context(|| format!("hashing {what} where it was uploaded"))?;
-    ensure!(
-        got.get(part) == Some(&want),
-        "{what}: the uploaded bytes hash to {} where {of} is {want:016x}: the weights on the {} backend are not the file's",
-        got.get(part).map_or("nothing".into(), |h| format!("{h:016x}")),
-        b.name()
-    );
+        .with_context(|| format!("hashing {} where it was uploaded", parts[0].1))?;
+    for &(part, what, (want, of)) in parts {
+        ensure!(
+            got.get(part) == Some(&want),
+            "{what}: the uploaded bytes hash to {} where {of} is {want:016x}: the weights on the {} backend are not \
+             the file's",
+            got.get(part).map_or("nothing".into(), |h| format!("{h:016x}")),
+            b.name()
+        );
+    }
     Ok(())
 }
 

@@ -46,9 +46,14 @@ enum Cmd {
         /// Converted model directory.
         dir: PathBuf,
         /// Also check that the source files it was converted from are unchanged (size, mtime, inode, as
-        /// recorded by repack in .kdtree-convert.source.json).
+        /// recorded by repack in .kdtree-convert.source.json). This fast check trusts the mtime: an edit that
+        /// keeps size, mtime and inode (`touch -r`) passes it; add --deep to compare the content.
         #[arg(long)]
         source: bool,
+        /// With --source: also re-hash every source file against the content hash (xxh3-64) the conversion
+        /// recorded (one full read of the source). Needs a conversion by this version.
+        #[arg(long, requires = "source")]
+        deep: bool,
         /// No progress bar.
         #[arg(long)]
         quiet: bool,
@@ -122,10 +127,27 @@ fn run(args: Args) -> anyhow::Result<Outcome> {
             Ok(Outcome::Pass)
         }
         // The exit code is the verdict's: a closed stdout loses the line, never the answer.
-        Cmd::Verify { dir, source, quiet } => match verify::verify_with_source(&dir, source, quiet)? {
-            verify::Verdict::Ok { files, tensors, bytes } => {
+        Cmd::Verify {
+            dir,
+            source,
+            deep,
+            quiet,
+        } => match verify::verify_with_source(&dir, source, deep, quiet)? {
+            verify::Verdict::Ok {
+                files,
+                tensors,
+                bytes,
+                runtime,
+            } => {
+                let also = match runtime.is_empty() {
+                    true => String::new(),
+                    false => format!(
+                        " (run-time files, not part of the conversion, not checked: {})",
+                        runtime.join(", ")
+                    ),
+                };
                 let _ = out(&format!(
-                    "OK: {files} files, {tensors} tensors, {bytes} bytes match {}\n",
+                    "OK: {files} files, {tensors} tensors, {bytes} bytes match {}{also}\n",
                     dir.join("manifest.toml").display()
                 ));
                 Ok(Outcome::Pass)

@@ -129,7 +129,7 @@ fn job_id(job: &Job, f: &PlannedFile) -> String {
     hex::encode(h.finalize())
 }
 
-/// OUT may only hold what this conversion writes.
+/// OUT may only hold what this conversion writes (and run-time files, `manifest::is_runtime_file`).
 fn check_out_dir(out: &Path, files: &[PlannedFile], aux: &[AuxSource]) -> Result<()> {
     let mut ours: std::collections::HashSet<String> = [MANIFEST, SHA256SUMS, STATE_DIR, LOCK_FILE, STAMP_FILE]
         .iter()
@@ -147,7 +147,8 @@ fn check_out_dir(out: &Path, files: &[PlannedFile], aux: &[AuxSource]) -> Result
     ours.insert(format!("{STAMP_FILE}.partial"));
     for e in std::fs::read_dir(out).with_context(|| format!("listing {}", out.display()))? {
         let name = e?.file_name().to_string_lossy().into_owned();
-        if !ours.contains(&name) {
+        // A run-time file (a calibrated cost model) lives beside the model: left as it is.
+        if !ours.contains(&name) && !kdtree_formats::manifest::is_runtime_file(&name) {
             bail!(
                 "{}: holds {name:?}, which this conversion would not write; use an empty or new OUT directory",
                 out.display()
@@ -498,7 +499,8 @@ fn write_locked(o: &RepackOptions, job: Job) -> Result<Manifest> {
     check_out_dir(&o.out, &job.files, &job.aux)?;
     let inputs = input_paths(o, &job);
     let stamp = Stamp::take(&inputs)?;
-    match Stamp::read(&o.out) {
+    let old = Stamp::read(&o.out);
+    match &old {
         Some(old) => {
             if let Some(why) = old.diff(&stamp) {
                 // Shards in OUT (finished or not) came from another source state: none may be kept.
@@ -517,6 +519,17 @@ fn write_locked(o: &RepackOptions, job: Job) -> Result<Manifest> {
     }
     let prev = complete_shards(&job, &o.out);
     if let Some(m) = prev.as_ref().filter(|m| aux_complete(&job, m, &o.out)) {
+        if old.as_ref().is_some_and(|s| !s.has_contents()) {
+            // A conversion by an older kdtree-convert: record the source's content hashes now (one read of SRC,
+            // which the fast check just found unchanged) so `verify --source --deep` can run.
+            let mut hashed = stamp.clone();
+            hashed.hash_contents(&AtomicBool::new(false))?;
+            hashed.write(&o.out)?;
+            crate::elog!(
+                "notice: recorded the content hashes of SRC's files in {STAMP_FILE} \
+                 (for `kdtree-convert verify --source --deep`)"
+            );
+        }
         if !o.quiet {
             crate::elog!(
                 "{}: already complete (run `kdtree-convert verify` to re-hash)",
@@ -544,12 +557,28 @@ fn write_locked(o: &RepackOptions, job: Job) -> Result<Manifest> {
     let aux = job.aux.iter().map(|a| copy_aux(o, a)).collect::<Result<Vec<_>>>()?;
     let total: u64 = job.files.iter().map(|f| f.data_bytes).sum();
     let prog = Progress::new("repack", total, o.quiet);
-    let records = write_all(&job, o, &prog)?;
+    // The source's content hashes for `verify --source --deep`, streamed beside the writers (which read the
+    // same files, so mostly from the page cache); stopped when the writers fail.
+    let stop = AtomicBool::new(false);
+    let (records, hashed) = std::thread::scope(|sc| {
+        let hasher = sc.spawn(|| {
+            let mut st = stamp.clone();
+            st.hash_contents(&stop).map(|_| st)
+        });
+        let records = write_all(&job, o, &prog);
+        if records.is_err() {
+            stop.store(true, Ordering::Relaxed);
+        }
+        (records, hasher.join())
+    });
+    let records = records?;
+    let hashed = hashed.map_err(|_| anyhow::anyhow!("hashing the source files: the thread panicked"))??;
     prog.finish();
     // A source changed under the run (its bytes may be in some shards and not others): no manifest.
     if let Some(why) = stamp.diff(&Stamp::take(&inputs)?) {
         bail!("SRC changed during the conversion ({why}); re-run to convert the new source");
     }
+    hashed.write(&o.out)?;
     let mut manifest = build_manifest(&job.plan, &job.files, &records, job.inputs);
     manifest.aux_files = aux;
     let text = manifest.to_toml()?;

@@ -1,6 +1,7 @@
 //! `kdtree-convert verify`: re-hash every file (SHA-256) and every tensor (xxh3-64; sha256 in a format v1
 //! manifest) in parallel, one streaming pass per file, against manifest.toml, check SHA256SUMS against the manifest, and look for missing and extra
-//! files. The first bad file (in manifest order: shards, then `[[aux_files]]`) is named, with the first
+//! files (run-time files beside the model, `manifest::is_runtime_file`, are named in the verdict and not checked).
+//! The first bad file (in manifest order: shards, then `[[aux_files]]`) is named, with the first
 //! bad tensor in it. Carried files (tokenizer, chat template) are hashed whole like the shards.
 //! Exit: 0 ok, 1 a check failed (a missing or unparseable manifest.toml or SHA256SUMS included), 2 could
 //! not run (DIR is not a directory, a file cannot be read). Tests: tests/verify.rs, tests/aux_files.rs.
@@ -9,7 +10,7 @@ use crate::progress::Progress;
 use crate::stamp::{Stamp, STAMP_FILE};
 use anyhow::{Context, Result};
 use kdtree_formats::manifest::{
-    parse_sha256sums, xxh3_hex, AuxFile, FileEntry, Manifest, TensorEntry, MANIFEST, SHA256SUMS,
+    is_runtime_file, parse_sha256sums, xxh3_hex, AuxFile, FileEntry, Manifest, TensorEntry, MANIFEST, SHA256SUMS,
 };
 use rayon::prelude::*;
 use sha2::{Digest, Sha256};
@@ -25,6 +26,8 @@ pub enum Verdict {
         files: usize,
         tensors: usize,
         bytes: u64,
+        /// Run-time files found beside the model (`manifest::is_runtime_file`): named, not checked.
+        runtime: Vec<String>,
     },
     /// What failed, naming the file (and tensor when one is to blame).
     Failed(String),
@@ -170,35 +173,49 @@ fn check_aux(dir: &Path, a: &AuxFile, prog: &Progress) -> Result<Option<String>>
     }))
 }
 
-/// With `verify --source`: the source files recorded at conversion (`stamp.rs`) must be unchanged.
-pub fn check_source(dir: &Path) -> Verdict {
+/// With `verify --source`: the source files recorded at conversion (`stamp.rs`) must be unchanged: by size,
+/// mtime and inode (what the fast check trusts), and with `deep` by content too (every file re-hashed against
+/// the xxh3-64 the conversion recorded). `deep` over a stamp without hashes (an older conversion) is an error.
+pub fn check_source(dir: &Path, deep: bool) -> Result<Verdict> {
     let Some(old) = Stamp::read(dir) else {
-        return Verdict::Failed(format!(
+        return Ok(Verdict::Failed(format!(
             "{STAMP_FILE}: missing or unreadable, so the source state of this conversion is unknown"
-        ));
+        )));
     };
     let paths: Vec<_> = old.files.iter().map(|f| f.path.clone()).collect();
     let now = match Stamp::take(&paths) {
         Ok(n) => n,
-        Err(e) => return Verdict::Failed(format!("source: {e:#} (moved or deleted since the conversion?)")),
+        Err(e) => {
+            return Ok(Verdict::Failed(format!(
+                "source: {e:#} (moved or deleted since the conversion?)"
+            )))
+        }
     };
-    match old.diff(&now) {
+    let changed = match old.diff(&now) {
+        Some(why) => Some(why),
+        None if deep => old
+            .deep_diff()
+            .with_context(|| format!("verify --deep of {}", dir.display()))?,
+        None => None,
+    };
+    Ok(match changed {
         Some(why) => Verdict::Failed(format!("source changed since the conversion: {why}")),
         None => Verdict::Ok {
             files: old.files.len(),
             tensors: 0,
             bytes: old.files.iter().map(|f| f.size).sum(),
+            runtime: Vec::new(),
         },
-    }
+    })
 }
 
-/// `verify`, then (with `source`) `check_source`; the first failure is the verdict.
-pub fn verify_with_source(dir: &Path, source: bool, quiet: bool) -> Result<Verdict> {
+/// `verify`, then (with `source`) `check_source` (by content too with `deep`); the first failure is the verdict.
+pub fn verify_with_source(dir: &Path, source: bool, deep: bool, quiet: bool) -> Result<Verdict> {
     let v = verify(dir, quiet)?;
     if !source || matches!(v, Verdict::Failed(_)) {
         return Ok(v);
     }
-    Ok(match check_source(dir) {
+    Ok(match check_source(dir, deep)? {
         Verdict::Ok { .. } => v,
         failed => failed,
     })
@@ -261,10 +278,14 @@ pub fn verify(dir: &Path, quiet: bool) -> Result<Verdict> {
     {
         return Ok(Verdict::Failed(format!("{n}: missing")));
     }
-    if let Some(x) = present
+    let extra = |n: &&String| !want.contains_key(*n) && n.as_str() != SHA256SUMS && n.as_str() != STAMP_FILE;
+    let runtime: Vec<String> = present
         .iter()
-        .find(|n| !want.contains_key(*n) && n.as_str() != SHA256SUMS && n.as_str() != STAMP_FILE)
-    {
+        .filter(extra)
+        .filter(|n| is_runtime_file(n))
+        .cloned()
+        .collect();
+    if let Some(x) = present.iter().filter(extra).find(|n| !is_runtime_file(n)) {
         return Ok(Verdict::Failed(format!("{x}: extra file not in the manifest")));
     }
     let mut by_file: HashMap<&str, Vec<&TensorEntry>> = HashMap::new();
@@ -313,5 +334,6 @@ pub fn verify(dir: &Path, quiet: bool) -> Result<Verdict> {
         files: m.files.len() + m.aux_files.len(),
         tensors: m.tensors.len(),
         bytes: total,
+        runtime,
     })
 }

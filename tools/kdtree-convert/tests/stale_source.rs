@@ -120,3 +120,87 @@ fn resume_after_kill_over_a_changed_source_rewrites_every_shard() {
         "resumed output mixes shards of the old source"
     );
 }
+
+/// Change one byte of `p` in place (same size, same inode) and put its mtime back, as `touch -r` would.
+fn change_keeping_mtime(p: &Path) {
+    use std::io::{Seek, SeekFrom, Write};
+    use std::os::unix::fs::MetadataExt;
+    let before = std::fs::metadata(p).unwrap();
+    let mtime = before.modified().unwrap();
+    let mut b = std::fs::read(p).unwrap();
+    let at = b.len() - 10;
+    b[at] ^= 0xFF;
+    let mut f = std::fs::OpenOptions::new().write(true).open(p).unwrap();
+    f.seek(SeekFrom::Start(at as u64)).unwrap();
+    f.write_all(&b[at..at + 1]).unwrap();
+    f.set_modified(mtime).unwrap();
+    drop(f);
+    let after = std::fs::metadata(p).unwrap();
+    assert_eq!(
+        (after.len(), after.modified().unwrap(), after.ino()),
+        (before.len(), mtime, before.ino()),
+        "size, mtime and inode must look unchanged"
+    );
+}
+
+/// What the fast check trusts (issue 29 item 7): a source byte changed in place with its mtime put back passes
+/// `verify --source` (size, mtime and inode unchanged, as README says), while `--deep` re-hashes the source and
+/// finds it: exit 1 naming the file.
+#[test]
+fn deep_finds_a_change_that_keeps_the_mtime() {
+    let d = tempfile::tempdir().unwrap();
+    let src = d.path().join("src");
+    write_checkpoint(&src, &Tiny::default());
+    let out = d.path().join("out");
+    assert!(bin().args(args(&src, &out)).status().unwrap().success());
+    let (code, stdout, err) = run(&["verify", s(&out), "--source", "--deep", "--quiet"]);
+    assert_eq!(code, 0, "{stdout}{err}");
+    let p = src.join("model-00001-of-000003.safetensors");
+    change_keeping_mtime(&p);
+    let (code, stdout, _) = run(&["verify", s(&out), "--source", "--quiet"]);
+    assert_eq!(code, 0, "the fast check trusts size, mtime and inode: {stdout}");
+    let (code, stdout, err) = run(&["verify", s(&out), "--source", "--deep", "--quiet"]);
+    assert_eq!(code, 1, "{stdout}{err}");
+    assert!(
+        stdout.contains("source changed since the conversion")
+            && stdout.contains(&format!("{}: content differs", s(&p))),
+        "{stdout}"
+    );
+    let (code, _, err) = run(&["verify", s(&out), "--deep", "--quiet"]);
+    assert_eq!(code, 2, "--deep without --source: {err}");
+}
+
+/// A stamp without content hashes (a conversion by an older kdtree-convert): `--deep` is an error saying it
+/// needs a newer conversion (the fast check still runs); re-running the same repack records the hashes.
+#[test]
+fn deep_needs_a_stamp_with_content_hashes() {
+    let d = tempfile::tempdir().unwrap();
+    let src = d.path().join("src");
+    write_checkpoint(&src, &Tiny::default());
+    let out = d.path().join("out");
+    assert!(bin().args(args(&src, &out)).status().unwrap().success());
+    let stamp = out.join(kdtree_convert::stamp::STAMP_FILE);
+    let mut j: serde_json::Value = serde_json::from_slice(&std::fs::read(&stamp).unwrap()).unwrap();
+    for f in j["files"].as_array_mut().unwrap() {
+        assert!(
+            f.as_object_mut().unwrap().remove("xxh3").is_some(),
+            "no content hash recorded"
+        );
+    }
+    std::fs::write(&stamp, serde_json::to_vec_pretty(&j).unwrap()).unwrap();
+    assert_eq!(run(&["verify", s(&out), "--source", "--quiet"]).0, 0);
+    let (code, stdout, err) = run(&["verify", s(&out), "--source", "--deep", "--quiet"]);
+    assert_eq!(code, 2, "{stdout}{err}");
+    assert!(
+        err.contains("records no content hashes") && err.contains("older kdtree-convert"),
+        "{err}"
+    );
+    let o = bin().args(args(&src, &out)).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        o.status.success() && err.contains("recorded the content hashes"),
+        "{err}"
+    );
+    let (code, stdout, err) = run(&["verify", s(&out), "--source", "--deep", "--quiet"]);
+    assert_eq!(code, 0, "{stdout}{err}");
+}

@@ -202,3 +202,40 @@ fn verify_fails_a_consistent_but_unplanned_manifest() {
         "{msg}"
     );
 }
+
+/// Run-time files (issue 29 item 4): the cost file `kdtree-run calibrate` writes beside the model is named by
+/// verify and accepted (before: "extra file not in the manifest"), any other extra file still fails, and a
+/// re-run of the same repack leaves the cost file and says the conversion is complete.
+#[test]
+fn verify_names_and_accepts_runtime_files() {
+    let d = tempfile::tempdir().unwrap();
+    let out = converted(d.path());
+    std::fs::write(out.join("kdtree-cost-cpu.json"), "{}").unwrap();
+    let (code, msg) = verify(&out);
+    assert_eq!(code, 0, "{msg}");
+    assert!(
+        msg.starts_with("OK:")
+            && msg.contains("run-time files, not part of the conversion, not checked: kdtree-cost-cpu.json"),
+        "{msg}"
+    );
+    std::fs::write(out.join("kdtree-cost-Bad.json"), "{}").unwrap();
+    let (code, msg) = verify(&out);
+    assert_eq!(code, 1, "{msg}");
+    assert!(
+        msg.contains("kdtree-cost-Bad.json: extra file not in the manifest"),
+        "{msg}"
+    );
+    std::fs::remove_file(out.join("kdtree-cost-Bad.json")).unwrap();
+    let (code, _, err) = run(&[
+        "repack",
+        s(&d.path().join("src")),
+        s(&out),
+        "--ranks",
+        "2",
+        "--max-file-size",
+        "30000",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("already complete"), "{err}");
+    assert_eq!(std::fs::read(out.join("kdtree-cost-cpu.json")).unwrap(), b"{}");
+}

@@ -4,8 +4,8 @@
 //! the logits, per-layer tensors and the round), so a CPU re-run repeats the recording operation for
 //! operation and must reproduce every recorded value bit for bit.
 //!
-//! Loading: [`open`] is `kdtree_engine::open` — the loader and the configuration that ship (absorbed
-//! MLA), so what is verified is what runs. Tests: tools/kdtree-golden/tests/determinism.rs,
+//! Loading: [`open`] is `kdtree_engine::open_with` — the loader and the configuration that ship (absorbed
+//! MLA, the load check on), so what is verified is what runs. Tests: tools/kdtree-golden/tests/determinism.rs,
 //! tools/kdtree-run/tests/verify_cli.rs.
 
 use crate::bundle::{topk_of, ArRecord, DdtreeRecord};
@@ -23,13 +23,15 @@ pub struct RefModel {
 }
 
 /// Open `dir` on `device` with the engine's own loader (the target tapping the layers the drafter was
-/// trained on and, when the directory holds one, the DFlash drafter).
+/// trained on and, when the directory holds one, the DFlash drafter), with the load check on: every tensor's
+/// bytes against the manifest's xxh3-64 (a reference is never recorded, nor a score taken, on damaged weights).
 pub fn open(dir: &Path, device: Device) -> Result<RefModel> {
     let manifest_sha256 = kdtree_formats::manifest::manifest_sha256(dir)?;
     // `kdtree_engine::open`'s options, with the GPU switches of the environment (`KDTREE_*`, docs/design/options.md).
     let opts = kdtree_engine::OpenOptions {
         attn_mode: kdtree_engine::AttnMode::Absorbed,
         gpu: kdtree_engine::GpuOptions::from_env(),
+        check_weights: true,
         ..Default::default()
     };
     let loaded =

@@ -140,11 +140,17 @@ pub struct Args {
     #[arg(long)]
     pub resume: bool,
 
-    /// Check the loaded weights: every tensor's bytes where the model runs (hashed on the GPU with the CUDA
-    /// backend) against the manifest's xxh3-64 checksum; a difference stops the run (exit 2) naming the tensor.
-    /// Costs a few percent of the load time on a GPU, one read of every shard on the CPU.
-    #[arg(long)]
+    /// The load check, on by default: every tensor the run loads (target and drafter), its bytes where the
+    /// model runs (hashed on the GPU with the CUDA backend) against the manifest's xxh3-64 checksum; a
+    /// difference stops the run (exit 2) naming the tensor and its shard file. This flag only says so
+    /// explicitly (scripts written when the check was opt-in).
+    #[arg(long, conflicts_with = "no_check_weights")]
     pub check_weights: bool,
+
+    /// Skip the load check (a damaged shard then runs silently). Records written so carry a fingerprint that
+    /// says the weights were not checked, so a later checked `--resume` answers them again.
+    #[arg(long)]
+    pub no_check_weights: bool,
 
     /// No progress lines on stderr.
     #[arg(long)]
@@ -195,6 +201,14 @@ impl Args {
     /// `--load-format dummy`.
     pub fn dummy(&self) -> bool {
         self.load_format == LoadFormat::Dummy
+    }
+    /// Whether the load check runs (on unless `--no-check-weights`; dummy weights have no checksums).
+    pub fn checks_weights(&self) -> bool {
+        !self.no_check_weights && !self.dummy()
+    }
+    /// Whether the drafter loads: a mode that drafts, or `--verify` (its bundle's DDTree round).
+    pub fn loads_drafter(&self) -> bool {
+        self.defaults().mode.drafts() || self.verify.is_some()
     }
 
     /// The run-wide settings a prompt line may override.
@@ -281,6 +295,14 @@ pub struct CalibrateArgs {
     /// Timed rounds per bucket (their median is the bucket's cost).
     #[arg(long, value_name = "N", default_value_t = 9, value_parser = clap::value_parser!(u64).range(1..))]
     pub rounds: u64,
+
+    /// The load check is on by default (see `kdtree-run --help`); this flag only says so explicitly.
+    #[arg(long, conflicts_with = "no_check_weights")]
+    pub check_weights: bool,
+
+    /// Load without checking the weights against the manifest's checksums.
+    #[arg(long)]
+    pub no_check_weights: bool,
 
     /// No progress lines on stderr.
     #[arg(long)]

@@ -1,4 +1,5 @@
-//! `--budget auto`'s cost file: where it lives (`MODEL/kdtree-cost-<device>.json`, one per device), loading
+//! `--budget auto`'s cost file: where it lives (`MODEL/kdtree-cost-<device>.json`, one per device: a run-time
+//! file beside the model that `kdtree-convert verify` names and accepts, `manifest::is_runtime_file`), loading
 //! it with errors that name the file and the command that makes it, and `kdtree-run calibrate`, which makes
 //! it by timing real DDTree rounds at every bucket on this device (the engine's `ddtree::cost` turns the
 //! medians into the model: a round's whole cost, draft + tree + verify + walk, so on K2.6 the expert bytes a
@@ -18,6 +19,10 @@ use crate::args::CalibrateArgs;
 /// see the drafter's usual acceptance.
 const PROMPT: &str = "Explain step by step how binary search finds a number in a sorted list, then write a short \
 Python function that implements it, and test it on the list [1, 3, 5, 7, 9, 11, 13] for the numbers 7 and 8.";
+
+/// The smallest `--budget-max` calibrate accepts: the first that measures two buckets (the smallest bucket and
+/// itself), the least that separates the draft's cost from the verify's.
+pub const MIN_BUDGET_MAX: u64 = 5;
 
 /// The device part of the cost file's name: "cpu", or the backend and GPU name as a slug
 /// ("cuda-nvidia-h200").
@@ -143,7 +148,18 @@ pub fn run(a: &CalibrateArgs) -> Result<()> {
             kdtree_text::console::say(format_args!("kdtree-run calibrate: {m}"));
         }
     };
-    let mut model = crate::load::load(&a.model, a.device, (!a.quiet, false, true), None)?;
+    // One bucket cannot tell the draft's share of a round from the verify's (`CostModel::from_rounds` would
+    // write draft_us 0 over whatever an earlier calibration measured): refuse before loading anything.
+    let measured_buckets = buckets(a.budget_max as usize);
+    ensure!(
+        measured_buckets.len() >= 2,
+        "--budget-max {}: measures only the bucket {measured_buckets:?}, and one bucket cannot separate the \
+         draft's cost from the verify's; give --budget-max {} or more (a run may still use a smaller \
+         --budget-max with this cost file)",
+        a.budget_max,
+        MIN_BUDGET_MAX
+    );
+    let mut model = crate::load::load(&a.model, a.device, (!a.quiet, !a.no_check_weights, true), None)?;
     ensure!(
         model.loaded.has_drafter(),
         "{} has no drafter: --budget auto is for DDTree",
@@ -204,6 +220,18 @@ mod tests {
             "cuda-nvidia-geforce-rtx-5090-d"
         );
         assert_eq!(cost_path(Path::new("m"), "cpu"), Path::new("m/kdtree-cost-cpu.json"));
+        // Every cost file is a run-time file `kdtree-convert verify` accepts beside the model.
+        for slug in ["cpu", &device_slug("cuda", "NVIDIA GeForce RTX 5090 (D)")] {
+            let p = cost_path(Path::new("m"), slug);
+            let name = p.file_name().unwrap().to_str().unwrap();
+            assert!(kdtree_formats::manifest::is_runtime_file(name), "{name}");
+        }
+    }
+
+    #[test]
+    fn min_budget_max_is_the_first_with_two_buckets() {
+        assert_eq!(buckets(MIN_BUDGET_MAX as usize).len(), 2);
+        assert_eq!(buckets(MIN_BUDGET_MAX as usize - 1).len(), 1);
     }
 
     #[test]

@@ -7,7 +7,8 @@
 //! max_tokens, stop, thinking), the decoding mode and DDTree budget (`auto` and its `--budget-max`; not
 //! the cost file: a recalibration changes which budgets run, never the tokens), the hash of the model files that
 //! shape a record ([`model_files`]) and, for OpenAI lines without `body.model`, the model name their
-//! body echoes. Not in it: the backend (cpu/cuda) and timings. Tests: bottom of this file; resume with
+//! body echoes, and whether the load check verified the weights (and against which checksums: [`weights`]).
+//! Not in it: the backend (cpu/cuda) and timings. Tests: bottom of this file; resume with
 //! changed lines, flags and model in tests/run_cli.rs.
 
 use std::path::Path;
@@ -45,6 +46,35 @@ pub fn model_files(dir: &Path) -> Result<String> {
         all.update(format!("{name} {digest}\n"));
     }
     Ok(hex::encode(all.finalize()))
+}
+
+/// The load check's part of a record's fingerprint (issue 29 item 2): with the check on, "checked " and the
+/// sha256 over `name rank xxh3` of every manifest tensor the run loads and verifies (the `drafter.*` ones only
+/// when the drafter loads), in manifest order; with `--no-check-weights`, "unchecked". A record answered on
+/// unchecked weights is then never kept by a checked `--resume` (a repaired model answers it again), and a
+/// checked record names the very checksums its weights matched.
+pub fn weights(dir: &Path, checked: bool, drafter: bool) -> Result<String> {
+    if !checked {
+        return Ok("unchecked".into());
+    }
+    let p = dir.join(kdtree_formats::manifest::MANIFEST);
+    let text = std::fs::read_to_string(&p)
+        .with_context(|| format!("opening model {}: reading {}", dir.display(), p.display()))?;
+    let m = kdtree_formats::manifest::Manifest::parse(&p.display().to_string(), &text)
+        .with_context(|| format!("opening model {}", dir.display()))?;
+    let mut all = Sha256::new();
+    for t in m.tensors.iter().filter(|t| drafter || !t.name.starts_with("drafter.")) {
+        let sum = if t.xxh3.is_empty() { &t.sha256 } else { &t.xxh3 };
+        all.update(format!("{} {} {sum}\n", t.name, t.rank));
+    }
+    Ok(format!("checked {}", hex::encode(all.finalize())))
+}
+
+/// The model part of a record's fingerprint: the [`model_files`] hash and the [`weights`] line together.
+pub fn with_weights(model_files: &str, weights: &str) -> String {
+    hex::encode(Sha256::digest(format!(
+        "model files {model_files}\nweights {weights}\n"
+    )))
 }
 
 /// [`model_files`] of a `--load-format dummy` model: sha256 over its config.json, drafter/config.json
@@ -235,6 +265,95 @@ mod tests {
         let dup = parse_prompts("{\"id\":\"a\",\"prompt\":\"x\"}\n{\"id\":\"a\",\"prompt\":\"y\"}\n");
         let alone = parse_prompts("{\"id\":\"b\",\"prompt\":\"x\"}\n{\"id\":\"a\",\"prompt\":\"y\"}\n");
         assert_ne!(line(&dup[1], &d, "m", "t"), line(&alone[1], &d, "m", "t"));
+    }
+
+    /// A manifest.toml of one rank whose tensors are `(name, xxh3)`.
+    fn manifest(tensors: &[(&str, &str)]) -> String {
+        use kdtree_formats::manifest::*;
+        let file = "rank-00-of-01.part-0000.safetensors".to_string();
+        Manifest {
+            format_version: FORMAT_VERSION,
+            generator: "test".into(),
+            skipped: vec![],
+            source: Source {
+                config_sha256: "00".into(),
+                index_sha256: None,
+                files: vec![],
+                drafter: None,
+            },
+            model: Model {
+                text_config_json: "{}".into(),
+                drafter_config_json: None,
+                text_config: json_to_toml(&json!({})).unwrap().as_table().unwrap().clone(),
+                drafter_config: None,
+            },
+            plan: PlanInfo {
+                ranks: 1,
+                experts: kdtree_formats::plan::ExpertsMode::Tp,
+                group_size: 32,
+                max_file_size: 10,
+                experts_source: "int4".into(),
+                splits: vec![],
+            },
+            files: vec![FileEntry {
+                name: file.clone(),
+                rank: 0,
+                part: 0,
+                size: 1,
+                sha256: "ab".into(),
+            }],
+            aux_files: vec![],
+            tensors: tensors
+                .iter()
+                .map(|&(name, xxh3)| TensorEntry {
+                    name: name.into(),
+                    rank: 0,
+                    dtype: kdtree_formats::Dtype::BF16,
+                    shape: vec![2],
+                    logical_shape: vec![2],
+                    layout: kdtree_formats::plan::Layout::Plain,
+                    split_axis: None,
+                    split_offset: 0,
+                    file: file.clone(),
+                    offset: 64,
+                    nbytes: 4,
+                    sha256: String::new(),
+                    xxh3: xxh3.into(),
+                })
+                .collect(),
+        }
+        .to_toml()
+        .unwrap()
+    }
+
+    #[test]
+    fn the_load_check_is_part_of_the_model_hash() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(weights(dir.path(), true, true).is_err(), "no manifest.toml");
+        assert_eq!(weights(dir.path(), false, true).unwrap(), "unchecked");
+        let m = manifest(&[("w", "00000000000000cd"), ("drafter.fc.weight", "00000000000000ef")]);
+        std::fs::write(dir.path().join("manifest.toml"), &m).unwrap();
+        let both = weights(dir.path(), true, true).unwrap();
+        let target = weights(dir.path(), true, false).unwrap();
+        assert!(both.starts_with("checked ") && target.starts_with("checked ") && both != target);
+        // Another checksum of a verified tensor is another fingerprint; one of a tensor not loaded is not.
+        std::fs::write(
+            dir.path().join("manifest.toml"),
+            m.replace("00000000000000cd", "00000000000000ce"),
+        )
+        .unwrap();
+        assert_ne!(weights(dir.path(), true, false).unwrap(), target);
+        std::fs::write(
+            dir.path().join("manifest.toml"),
+            m.replace("00000000000000ef", "00000000000000ee"),
+        )
+        .unwrap();
+        assert_eq!(weights(dir.path(), true, false).unwrap(), target);
+        assert_ne!(weights(dir.path(), true, true).unwrap(), both);
+        // Checked and unchecked runs of one model never share a fingerprint.
+        let files = "f".repeat(64);
+        assert_ne!(with_weights(&files, &both), with_weights(&files, "unchecked"));
+        assert_ne!(with_weights(&files, &both), with_weights(&"e".repeat(64), &both));
     }
 
     #[test]

@@ -151,7 +151,10 @@ fn prepare(args: &Args) -> Result<Job> {
     let defaults = args.defaults();
     let model_hash = match args.dummy() {
         true => fingerprint::dummy_model(&args.model, args.ranks, args.rank, args.dummy_seed)?,
-        false => fingerprint::model_files(&args.model)?,
+        false => fingerprint::with_weights(
+            &fingerprint::model_files(&args.model)?,
+            &fingerprint::weights(&args.model, args.checks_weights(), args.loads_drafter())?,
+        ),
     };
     let name = records::model_name(&args.model);
     let fingerprints: Vec<String> = lines
@@ -300,7 +303,7 @@ fn open_model(args: &Args, d: &Defaults, bundle: Option<&(Bundle, HashMap<String
         load::load(
             &args.model,
             args.device,
-            (!args.quiet, args.check_weights, ddtree || args.verify.is_some()),
+            (!args.quiet, args.checks_weights(), args.loads_drafter()),
             place,
         )?
     };

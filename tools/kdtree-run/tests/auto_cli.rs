@@ -119,6 +119,35 @@ fn auto_needs_calibrate_then_runs_losslessly() {
         [5, 9, 17],
         "one point per bucket 4, 8, 16 (nodes = budget + root)"
     );
+    // The cost file is a run-time file beside the model: `kdtree-convert verify` names it and passes (issue 29
+    // item 4; before, "extra file not in the manifest").
+    match kdtree_convert::verify::verify(model(), true).unwrap() {
+        kdtree_convert::verify::Verdict::Ok { runtime, .. } => assert_eq!(runtime, ["kdtree-cost-cpu.json"]),
+        v => panic!("verify after calibrate: {v:?}"),
+    }
+    // One bucket cannot separate the draft's cost from the verify's: --budget-max 3 is refused before loading,
+    // and the full calibration stays (before, it was replaced by one with draft_us 0).
+    let measured = std::fs::read(&cost).unwrap();
+    let o = kdtree_run(&[
+        "calibrate",
+        s(model()),
+        "--device",
+        "cpu",
+        "--budget-max",
+        "3",
+        "--quiet",
+    ]);
+    assert_eq!(o.status.code(), Some(2), "stderr: {}", stderr(&o));
+    assert!(
+        stderr(&o).contains("--budget-max 3") && stderr(&o).contains("--budget-max 5 or more"),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(
+        std::fs::read(&cost).unwrap(),
+        measured,
+        "the measured cost file was replaced"
+    );
 
     // Auto runs now: the AR tokens, the budgets it chose in the summary.
     let o = kdtree_run(&auto);

@@ -479,7 +479,8 @@ fn resume_redoes_records_whose_line_or_settings_changed() {
 
 /// `--check-weights` (issue 24): one byte of a converted model's tensor flipped in place (the shard's size and
 /// header untouched, so the load itself succeeds) is found at load: exit 2, the tensor named, no records; the
-/// intact copy passes the same check, and without the flag the damaged copy still runs (the check is what finds it).
+/// intact copy passes the same check, and with `--no-check-weights` the damaged copy still runs (the check is what
+/// finds it; it is on by default since issue 29: tests/load_check.rs).
 #[test]
 fn check_weights_names_a_damaged_tensor() {
     let dir = scratch("check-weights");
@@ -528,9 +529,7 @@ fn check_weights_names_a_damaged_tensor() {
             "ar",
             "--quiet",
         ];
-        if check {
-            a.push("--check-weights");
-        }
+        a.push(if check { "--check-weights" } else { "--no-check-weights" });
         kdtree_run(&a)
     };
     let o = run(&damaged, true);
