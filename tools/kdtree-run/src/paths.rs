@@ -7,6 +7,10 @@
 //! (`/dev/null`, a terminal) may be shared. An output must not be a directory and must be writable
 //! (its directory, when it does not exist yet; always its directory for the summary, which is renamed
 //! into place). `--resume` needs a regular file. Tests: bottom of this file; tests/hardening.rs.
+//!
+//! [`lock_out`]: a file `--out` (not stdout, not a device) is locked for the whole run, `--resume` included,
+//! through `FILE.lock` beside it (kdtree_text::lock: flock(2), the holder's pid inside, removed at the end): a
+//! second run on the same file (by identity: the lock sits beside the resolved path) exits 2 naming the pid.
 
 use std::ffi::CString;
 use std::fs::Metadata;
@@ -124,6 +128,43 @@ pub fn check(args: &Args) -> Result<()> {
         outputs.push((flag, path, m));
     }
     Ok(())
+}
+
+/// Lock `--out` for the whole run (see the module doc); None for stdout and devices, which are not
+/// truncated nor resumed and may be shared. Called after [`check`], before the output is read or opened.
+pub fn lock_out(out: &Path) -> Result<Option<kdtree_text::lock::Lock>> {
+    use kdtree_text::lock::{try_lock, LockError};
+    if out.as_os_str() == "-" || stat_output(out)?.is_some_and(|m| !m.is_file()) {
+        return Ok(None);
+    }
+    // The file a write really lands on, so two spellings of one output (a symlink, `./x`) share one lock.
+    let target = match std::fs::canonicalize(out) {
+        Ok(t) => t,
+        Err(_) => {
+            let dir = std::fs::canonicalize(parent_of(out)).unwrap_or_else(|_| parent_of(out).to_path_buf());
+            dir.join(out.file_name().unwrap_or(out.as_os_str()))
+        }
+    };
+    let mut name = target.clone().into_os_string();
+    name.push(".lock");
+    let path = PathBuf::from(name);
+    match try_lock(&path) {
+        Ok(l) => Ok(Some(l)),
+        Err(LockError::Busy(who)) => {
+            let who = if who.is_empty() {
+                "another process".to_string()
+            } else {
+                format!("another kdtree-run ({who})")
+            };
+            bail!(
+                "--out {}: locked by {who} through {}; two runs cannot write one output at once (wait for it to \
+                 finish, or stop it)",
+                out.display(),
+                path.display()
+            )
+        }
+        Err(LockError::Io(e)) => Err(e).with_context(|| format!("--out {}: locking {}", out.display(), path.display())),
+    }
 }
 
 /// Write `bytes` to `path`: a regular (or new) file through a temp file in its directory renamed over
