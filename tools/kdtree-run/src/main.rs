@@ -290,7 +290,7 @@ fn open_model(args: &Args, d: &Defaults, bundle: Option<&(Bundle, HashMap<String
         )
     };
     let ddtree = d.mode.drafts();
-    let model = if args.dummy() {
+    let mut model = if args.dummy() {
         if ddtree && !args.model.join("drafter/config.json").exists() {
             return Err(anyhow::anyhow!(
                 "{} has no drafter/config.json; --mode {} needs one (use --mode ar)",

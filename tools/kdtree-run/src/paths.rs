@@ -75,11 +75,49 @@ fn check_dir_writable(flag: &str, path: &Path) -> Result<()> {
         .with_context(|| format!("{flag} {}: cannot create files in {}", path.display(), dir.display()))
 }
 
+/// The files of MODEL a run reads or that make up the model: with dummy weights its configs; a converted model,
+/// what its manifest names (shards, carried files), the manifest, SHA256SUMS, the conversion's own files and the
+/// cost files (every file of the directory, 2 levels deep, when the manifest cannot be read: the load then fails
+/// with its own message). Other files in the directory (a previous run's `--out`) are not inputs, so an output
+/// inside MODEL is accepted, and re-run or resumed, the same way in both load formats.
+fn model_inputs(args: &Args, inputs: &mut Inputs) {
+    let m = &args.model;
+    if args.dummy() {
+        inputs.file(&m.join("config.json"));
+        inputs.file(&m.join("drafter/config.json"));
+        return;
+    }
+    let manifest = m.join(kdtree_formats::manifest::MANIFEST);
+    let parsed = std::fs::read_to_string(&manifest)
+        .ok()
+        .and_then(|t| kdtree_formats::manifest::Manifest::parse(&manifest.display().to_string(), &t).ok());
+    let Some(parsed) = parsed else {
+        inputs.dir(m, 2);
+        return;
+    };
+    inputs.file(&manifest);
+    let named = parsed
+        .files
+        .iter()
+        .map(|f| &f.name)
+        .chain(parsed.aux_files.iter().map(|f| &f.name));
+    named.for_each(|n| inputs.file(&m.join(n)));
+    for name in crate::fingerprint::MODEL_FILES.iter().chain(&["SHA256SUMS"]) {
+        inputs.file(&m.join(name));
+    }
+    for e in std::fs::read_dir(m).into_iter().flatten().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with(".kdtree-convert") || (name.starts_with("kdtree-cost-") && name.ends_with(".json")) {
+            inputs.file(&e.path());
+        }
+    }
+}
+
 /// Every check of `--out` and `--summary` (see the module doc); nothing is opened for writing.
 pub fn check(args: &Args) -> Result<()> {
     let mut inputs = Inputs::default();
     inputs.file(&args.prompts);
-    inputs.dir(&args.model, 2);
+    model_inputs(args, &mut inputs);
     if let Some(v) = &args.verify {
         inputs.dir(v, 2);
     }

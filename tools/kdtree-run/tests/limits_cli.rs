@@ -101,7 +101,7 @@ fn two_runs_on_one_out_the_second_exits_2_naming_the_holder() {
     assert!(!dir.join("o.jsonl.lock").exists(), "the lock file outlived the run");
     let pipe = dir.join("p.fifo");
     fifo(&pipe);
-    let mut first = Command::new(BIN)
+    let first = Command::new(BIN)
         .args([
             model(),
             "--prompts",
@@ -358,7 +358,7 @@ fn messages_show_values_as_given_and_no_debug_formatting() {
         let err = stderr(&o);
         assert_eq!(o.status.code(), Some(2), "{err}");
         assert!(
-            err.contains(value) && err.contains("finite number") && !err.contains("inf"),
+            err.contains(&format!("'{value}'")) && err.contains("finite number") && !err.contains("got inf"),
             "{err}"
         );
     }
@@ -366,7 +366,7 @@ fn messages_show_values_as_given_and_no_debug_formatting() {
     let o = run(&[model(), "--prompts", s(&line), "--out", s(&out), "--quiet"]);
     assert_eq!(o.status.code(), Some(1));
     let m = records(&out)[0]["error"]["message"].as_str().unwrap().to_string();
-    assert!(m.contains("got 1e308") && !m.contains("inf"), "{m}");
+    assert!(m.contains("got 1e+308") && !m.contains("inf"), "{m}");
     // No drafter: the mode as typed.
     let nodraft = common::convert_tiny_with(&root().join("models"), 0, false);
     let o = run(&[s(&nodraft), "--prompts", s(&p), "--out", s(&out), "--budget", "64"]);
@@ -463,4 +463,40 @@ fn progress_counts_written_lines_and_a_one_token_line_has_no_rate() {
         "{err}"
     );
     assert!(!err.contains(" 0.0 tok/s"), "{err}");
+}
+
+#[test]
+fn an_out_inside_the_model_directory_is_treated_alike_in_both_load_formats() {
+    let dir = scratch("inside");
+    let m = dir.join("model");
+    std::fs::create_dir(&m).unwrap();
+    for e in std::fs::read_dir(model()).unwrap() {
+        let e = e.unwrap();
+        std::os::unix::fs::symlink(e.path(), m.join(e.file_name())).unwrap();
+    }
+    let cfg = dir.join("cfg");
+    kdtree_convert::synth::write_configs("tiny", &cfg, true, None).unwrap();
+    let p = write(&dir, "p.jsonl", THREE);
+    let dummy = ["--load-format", "dummy", "--device", "cpu"];
+    for (m, extra, input) in [(&m, &[][..], "manifest.toml"), (&cfg, &dummy[..], "config.json")] {
+        let out = m.join("out.jsonl");
+        // A first run, a second over its output, and a --resume of it (dummy weights refuse --resume).
+        let resume = extra.is_empty().then_some("--resume");
+        for again in [None, None, resume] {
+            let mut args = vec![s(m), "--prompts", s(&p), "--out", s(&out), "--mode", "ar", "--quiet"];
+            args.extend(extra);
+            args.extend(again);
+            let o = run(&args);
+            assert_eq!(o.status.code(), Some(0), "{extra:?} {again:?}: {}", stderr(&o));
+        }
+        assert_eq!(records(&out).len(), 3);
+        // A file of the model is still refused.
+        let mut args = vec![s(m), "--prompts", s(&p), "--mode", "ar", "--out"];
+        let input = m.join(input);
+        args.push(s(&input));
+        args.extend(extra);
+        let o = run(&args);
+        assert_eq!(o.status.code(), Some(2), "{extra:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains("refusing to write over an input"), "{}", stderr(&o));
+    }
 }

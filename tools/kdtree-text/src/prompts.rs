@@ -700,7 +700,7 @@ mod tests {
             .unwrap_err();
         assert_eq!(
             e.message,
-            "\"temperature\" must be a finite number in [0, 100], got 1e308"
+            "\"temperature\" must be a finite number in [0, 100], got 1e+308"
         );
         let lines =
             parse_prompt_bytes(b"\xef\xbb\xbf{\"id\":\"a\",\"prompt\":\"x\"}\n{\"id\":\"b\",\"prompt\":\"y\"}\n");

@@ -40,17 +40,25 @@ fn read_capped_lines(path: &Path, max_line: usize, max_file: usize) -> Result<Ve
             Err(e) => return Err(e.into()),
         };
         let (n, base) = (buf.len(), bytes.len());
+        let too_long = |line_no: usize| {
+            anyhow::anyhow!(
+                "line {line_no} is longer than {}, the limit of a prompt line (is it a JSONL prompt file?)",
+                crate::files::show_size(max_line as u64)
+            )
+        };
+        // Each line that ends in this chunk, then the one it leaves open.
         for (i, _) in buf.iter().enumerate().filter(|(_, b)| **b == b'\n') {
+            if base + i - line_start > max_line {
+                return Err(too_long(line_no));
+            }
             line_no += 1;
             line_start = base + i + 1;
         }
         bytes.extend_from_slice(buf);
         r.consume(n);
-        anyhow::ensure!(
-            bytes.len() - line_start <= max_line,
-            "line {line_no} is longer than {}, the limit of a prompt line (is it a JSONL prompt file?)",
-            crate::files::show_size(max_line as u64)
-        );
+        if bytes.len() - line_start > max_line {
+            return Err(too_long(line_no));
+        }
         anyhow::ensure!(
             bytes.len() <= max_file,
             "more than {}: a prompt file holds at most that (split it)",
@@ -79,14 +87,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("p.jsonl");
         std::fs::write(&p, "ab\ncdef\n\nxy").unwrap();
-        assert_eq!(read_capped_lines(&p, 4, 100).unwrap().len(), 13);
+        assert_eq!(read_capped_lines(&p, 4, 100).unwrap().len(), 11);
         let e = format!("{:#}", read_capped_lines(&p, 3, 100).unwrap_err());
         assert_eq!(
             e,
             "line 2 is longer than 3 bytes, the limit of a prompt line (is it a JSONL prompt file?)"
         );
         let e = format!("{:#}", read_capped_lines(&p, 4, 10).unwrap_err());
-        assert!(e.contains("13 bytes; a prompt file holds at most 10 bytes"), "{e}");
+        assert!(e.contains("11 bytes; a prompt file holds at most 10 bytes"), "{e}");
         let t = std::time::Instant::now();
         let e = format!("{:#}", read_prompt_file(Path::new("/dev/zero")).unwrap_err());
         assert!(
