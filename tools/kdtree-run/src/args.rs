@@ -168,7 +168,7 @@ fn parse_budget(s: &str) -> Result<Budget, String> {
         n => match n.parse::<u64>() {
             Ok(b) if (1..=MAX_BUDGET as u64).contains(&b) => Ok(Budget::Fixed(b as usize)),
             Ok(_) => Err(format!("a node budget is 1 to {MAX_BUDGET} (or `auto`)")),
-            Err(_) => Err("neither a node count (1 to 2048) nor `auto`".into()),
+            Err(_) => Err("neither a node count nor `auto` (a count is 1 to 2048)".into()),
         },
     }
 }
