@@ -36,6 +36,20 @@ pub struct Progress {
     mode: Mode,
 }
 
+/// The terminal bar: the bar takes what the terminal's width leaves (`wide_bar`), so the line is never
+/// wider than the terminal (a fixed 30-column bar made 81+ columns on an 80-column terminal).
+fn styled(bar: ProgressBar, what: &str) -> ProgressBar {
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{msg} [{wide_bar}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} ETA {eta}",
+        )
+        .expect("static template")
+        .progress_chars("=> "),
+    );
+    bar.set_message(what.to_string());
+    bar
+}
+
 impl Progress {
     pub fn new(what: &str, total: u64, quiet: bool) -> Progress {
         if quiet {
@@ -45,15 +59,7 @@ impl Progress {
             return Progress::lines(what, total, LOG_EVERY, Box::new(std::io::stderr()));
         }
         let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
-        bar.set_style(
-            ProgressStyle::with_template(
-                "{msg} [{bar:30}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} ETA {eta}",
-            )
-            .expect("static template")
-            .progress_chars("=> "),
-        );
-        bar.set_message(what.to_string());
-        Progress::with_mode(what, total, Mode::Bar(bar))
+        Progress::with_mode(what, total, Mode::Bar(styled(bar, what)))
     }
 
     /// Plain lines into `sink`, one per `every` (and a last one from `finish`).
@@ -160,6 +166,57 @@ mod tests {
         }
         fn flush(&mut self) -> std::io::Result<()> {
             Ok(())
+        }
+    }
+
+    /// An 80-column terminal that keeps what is drawn.
+    #[derive(Debug, Clone, Default)]
+    struct Term80(Arc<Mutex<Vec<String>>>);
+    impl indicatif::TermLike for Term80 {
+        fn width(&self) -> u16 {
+            80
+        }
+        fn move_cursor_up(&self, _: usize) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn move_cursor_down(&self, _: usize) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn move_cursor_right(&self, _: usize) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn move_cursor_left(&self, _: usize) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn write_line(&self, s: &str) -> std::io::Result<()> {
+            self.write_str(s)
+        }
+        fn write_str(&self, s: &str) -> std::io::Result<()> {
+            self.0.lock().unwrap().push(s.to_string());
+            Ok(())
+        }
+        fn clear_line(&self) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn flush(&self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn the_bar_fits_an_80_column_terminal() {
+        let term = Term80::default();
+        // Widest figures: 1000+ MiB of 1000+ GiB at a 1000+ MiB/s rate.
+        let total = 1023 << 30;
+        let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::term_like(Box::new(term.clone())));
+        let bar = styled(bar, "repack");
+        bar.set_position((1023 << 20) + 12345);
+        bar.tick();
+        bar.finish();
+        let drawn = term.0.lock().unwrap().clone();
+        assert!(drawn.iter().any(|l| l.starts_with("repack [")), "{drawn:?}");
+        for l in &drawn {
+            assert!(l.chars().count() <= 80, "{} columns: {l:?}", l.chars().count());
         }
     }
 

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use clap::{ArgAction, Parser, ValueEnum};
 use kdtree_engine::generate::{Mode, Sampling};
+use kdtree_text::prompts::{MAX_TOKENS_LIMIT, MAX_TOP_K};
 
 use crate::runner::Defaults;
 
@@ -37,8 +38,8 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = LoadFormat::Auto)]
     pub load_format: LoadFormat,
 
-    /// Dummy weights: the tensor-parallel plan's rank count R.
-    #[arg(long, value_name = "R", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Dummy weights: the tensor-parallel plan's rank count R (at most 1024).
+    #[arg(long, value_name = "R", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1024))]
     pub ranks: u64,
 
     /// Dummy weights: the rank r (0-based) whose slice runs alone: its heads, expert and MLP slices and
@@ -63,14 +64,14 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = ModeArg::Ddtree)]
     pub mode: ModeArg,
 
-    /// DDTree tree budget: drafted nodes verified per step, root excluded; or `auto`: per round the bucket
+    /// DDTree tree budget (1 to 2048): drafted nodes verified per step, root excluded; or `auto`: per round the bucket
     /// (4, 8, ..., 256, at most --budget-max) that maximizes expected tokens per second (CaDDTree), from
     /// the model's cost file for this device, `MODEL/kdtree-cost-<device>.json` (`kdtree-run calibrate`).
     #[arg(long, value_name = "N|auto", default_value = "64", value_parser = parse_budget)]
     pub budget: Budget,
 
     /// Largest budget `--budget auto` may choose.
-    #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=2048))]
+    #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=MAX_BUDGET as u64))]
     pub budget_max: u64,
 
     /// Sequences in flight at once (continuous batching: a finished line's slot is refilled from the file at
@@ -96,21 +97,21 @@ pub struct Args {
     #[arg(long, requires = "gpus")]
     pub share_gpu: bool,
 
-    /// Default maximum completion tokens per line.
-    #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Default maximum completion tokens per line (at most 1048576; a line stops at the model's context anyway).
+    #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=MAX_TOKENS_LIMIT))]
     pub max_tokens: u64,
 
     /// Default sampling temperature in [0, 100]; 0 = greedy.
-    #[arg(long, value_name = "T", default_value_t = 0.0)]
+    #[arg(long, value_name = "T", default_value_t = 0.0, value_parser = parse_temperature)]
     pub temperature: f32,
 
     /// Default nucleus mass in (0, 1]; 1 = off.
-    #[arg(long, value_name = "P", default_value_t = 1.0)]
+    #[arg(long, value_name = "P", default_value_t = 1.0, value_parser = parse_top_p)]
     pub top_p: f32,
 
-    /// Default top-k; 0 = off.
-    #[arg(long, value_name = "K", default_value_t = 0)]
-    pub top_k: usize,
+    /// Default top-k (at most 1048576); 0 = off.
+    #[arg(long, value_name = "K", default_value_t = 0, value_parser = clap::value_parser!(u64).range(..=MAX_TOP_K))]
+    pub top_k: u64,
 
     /// Default seed of the per-line sampling RNG.
     #[arg(long, value_name = "S", default_value_t = 0)]
@@ -164,14 +165,38 @@ pub enum Budget {
     Auto,
 }
 
+/// Largest `--budget N` (and `--budget-max`): the tree a step verifies is N + 1 rows of every layer.
+pub const MAX_BUDGET: usize = 2048;
+
 fn parse_budget(s: &str) -> Result<Budget, String> {
     match s {
         "auto" => Ok(Budget::Auto),
-        n => n
-            .parse()
-            .map(Budget::Fixed)
-            .map_err(|_| format!("{n:?} is neither a node count nor `auto`")),
+        n => match n.parse::<u64>() {
+            Ok(b) if (1..=MAX_BUDGET as u64).contains(&b) => Ok(Budget::Fixed(b as usize)),
+            Ok(_) => Err(format!("a node budget is 1 to {MAX_BUDGET} (or `auto`)")),
+            Err(_) => Err("neither a node count nor `auto` (a count is 1 to 2048)".into()),
+        },
     }
+}
+
+/// `calibrate --warmup`: 0 to 1000 rounds.
+fn parse_warmup(s: &str) -> Result<usize, String> {
+    match s.parse::<u64>() {
+        Ok(n) if n <= 1000 => Ok(n as usize),
+        _ => Err("a number of rounds, 0 to 1000".into()),
+    }
+}
+
+/// `--temperature`: checked on the value as given (clap's message shows it: `1e308`, not the f32 `inf`).
+fn parse_temperature(s: &str) -> Result<f32, String> {
+    let t: f32 = s.parse().map_err(|_| "not a number".to_string())?;
+    kdtree_text::prompts::check_temperature(t).map(|()| t)
+}
+
+/// `--top-p`, as [`parse_temperature`].
+fn parse_top_p(s: &str) -> Result<f32, String> {
+    let p: f32 = s.parse().map_err(|_| "not a number".to_string())?;
+    kdtree_text::prompts::check_top_p(p).map(|()| p)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -180,6 +205,17 @@ pub enum ModeArg {
     Ar,
     /// The plain DFlash chain (the drafter's argmax path, no tree): the baseline DDTree is measured against.
     Chain,
+}
+
+impl ModeArg {
+    /// The flag's value as typed (`ddtree`, `ar`, `chain`).
+    pub fn name(self) -> &'static str {
+        match self {
+            ModeArg::Ddtree => "ddtree",
+            ModeArg::Ar => "ar",
+            ModeArg::Chain => "chain",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -218,7 +254,7 @@ impl Args {
             sampling: Sampling {
                 temperature: self.temperature,
                 top_p: self.top_p,
-                top_k: self.top_k,
+                top_k: self.top_k as usize,
                 seed: self.seed,
             },
             mode: match self.mode {
@@ -235,11 +271,8 @@ impl Args {
         }
     }
 
-    /// Checks clap cannot express; the numeric ranges are the ones prompt lines are held to.
+    /// Checks clap cannot express (the numeric ranges, the ones prompt lines are held to, are clap's).
     pub fn validate(&self) -> anyhow::Result<()> {
-        use kdtree_text::prompts::{check_temperature, check_top_p};
-        check_temperature(self.temperature).map_err(|e| anyhow::anyhow!("--temperature {e}"))?;
-        check_top_p(self.top_p).map_err(|e| anyhow::anyhow!("--top-p {e}"))?;
         anyhow::ensure!(
             !(self.resume && self.out.as_os_str() == "-"),
             "--resume needs --out to be a file"
@@ -288,12 +321,12 @@ pub struct CalibrateArgs {
     #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=2048))]
     pub budget_max: u64,
 
-    /// Untimed rounds per bucket first.
-    #[arg(long, value_name = "N", default_value_t = 3)]
+    /// Untimed rounds per bucket first (at most 1000).
+    #[arg(long, value_name = "N", default_value_t = 3, value_parser = parse_warmup)]
     pub warmup: usize,
 
-    /// Timed rounds per bucket (their median is the bucket's cost).
-    #[arg(long, value_name = "N", default_value_t = 9, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Timed rounds per bucket (their median is the bucket's cost; at most 1000).
+    #[arg(long, value_name = "N", default_value_t = 9, value_parser = clap::value_parser!(u64).range(1..=1000))]
     pub rounds: u64,
 
     /// The load check is on by default (see `kdtree-run --help`); this flag only says so explicitly.

@@ -56,12 +56,18 @@ fn device_flag(backend: &str) -> &'static str {
     }
 }
 
+/// Largest cost file read (a real one is under 4 KiB).
+const COST_FILE_LIMIT: u64 = 1 << 20;
+
 /// The cost model of `loaded`'s device for the model in `model`; an error naming the file (and, when it is
 /// missing, the calibrate command) otherwise.
 pub fn load_cost(model: &Path, loaded: &Loaded) -> Result<CostModel> {
     let slug = device_slug(&loaded.backend, &loaded.device);
     let path = cost_path(model, &slug);
-    let text = match std::fs::read_to_string(&path) {
+    // Capped: a cost file is a few KiB; a symlink to /dev/zero must fail, not hang.
+    let text = match kdtree_text::files::read_capped(&path, COST_FILE_LIMIT, "cost file").and_then(|b| {
+        String::from_utf8(b).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+    }) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => bail!(
             "--budget auto: {} not found: no cost model of this model on this device ({slug}); make it with `kdtree-run calibrate {} --device {}`, or give a fixed --budget N",

@@ -124,6 +124,19 @@ pub fn placement(
     Ok(Some((n, Placement::Gpus((0..n).collect()))))
 }
 
+/// A [`placement`] for people: "CPU threads", "side by side on GPU 0", "on GPUs 0, 1".
+pub fn describe_placement(p: &kdtree_engine::tp::Placement) -> String {
+    use kdtree_engine::tp::Placement;
+    match p {
+        Placement::Cpu => "one CPU thread each".into(),
+        Placement::SharedGpu(g) => format!("side by side on GPU {g}"),
+        Placement::Gpus(g) => format!(
+            "on GPUs {}",
+            g.iter().map(usize::to_string).collect::<Vec<_>>().join(", ")
+        ),
+    }
+}
+
 /// Whether this run may spread its ranks over several groups on GPUs ([`placement`] > 1 group), decided before
 /// CUDA starts: the GPUs counted from CUDA_VISIBLE_DEVICES or the driver's /proc entries.
 pub fn may_run_groups(dir: &Path, device: DeviceArg, gpus: Option<u64>, share: bool) -> bool {

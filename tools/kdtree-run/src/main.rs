@@ -56,6 +56,10 @@ fn main() -> ExitCode {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::from(1),
         Err(e) if console::is_broken_pipe(&e) => ExitCode::SUCCESS,
+        Err(e) if e.downcast_ref::<verify::CheckFailed>().is_some() => {
+            console::say(format_args!("kdtree-run: verify: {e}"));
+            ExitCode::from(1)
+        }
         Err(e) => {
             console::say(format_args!("kdtree-run: error: {}", console::error_chain(&e)));
             ExitCode::from(2)
@@ -106,6 +110,11 @@ fn run(args: Args) -> Result<bool> {
     Ok(t.errors == 0 && verified)
 }
 
+/// The numbers of a list for people: "4, 8, 16".
+fn join(v: &[usize]) -> String {
+    v.iter().map(usize::to_string).collect::<Vec<_>>().join(", ")
+}
+
 /// A progress line on stderr (none with --quiet).
 fn log(args: &Args, msg: std::fmt::Arguments) {
     if !args.quiet {
@@ -130,6 +139,8 @@ struct Job {
     cost: Option<kdtree_engine::ddtree::CostModel>,
     /// `--load-format dummy`: `{"seed", "rank", "ranks"}`, put in every record and the summary.
     dummy: Option<serde_json::Value>,
+    /// The lock on `--out`, held until the run ends (paths::lock_out).
+    _lock: Option<kdtree_text::lock::Lock>,
 }
 
 /// --verify's bundle, its records by prompt id, and the backend's logit tolerance.
@@ -140,12 +151,13 @@ struct Golden {
 }
 
 /// Every check that can fail before a byte is written, cheapest first: flags; outputs are not inputs and
-/// can be written; the prompt file; the --verify bundle; --resume's records (ids in order, fingerprints);
+/// can be written; the lock on --out (held until the run ends); the prompt file; the --verify bundle; --resume's records (ids in order, fingerprints);
 /// the model, its drafter for DDTree, `--budget auto`'s cost file for its device, and (--verify) its fit
 /// to the bundle.
 fn prepare(args: &Args) -> Result<Job> {
     args.validate()?;
     paths::check(args)?;
+    let lock = paths::lock_out(&args.out)?;
     let lines = kdtree_text::prompts::read_prompt_file(&args.prompts)?;
     let bundle = open_bundle(args, &lines)?;
     let defaults = args.defaults();
@@ -183,8 +195,10 @@ fn prepare(args: &Args) -> Result<Job> {
             log(
                 args,
                 format_args!(
-                    "--budget auto: buckets {buckets:?}, cost model of {} ({})",
-                    cost.device, cost.note
+                    "--budget auto: buckets {}, cost model of {} ({})",
+                    join(&buckets),
+                    cost.device,
+                    cost.note
                 ),
             );
             Some(cost)
@@ -213,6 +227,7 @@ fn prepare(args: &Args) -> Result<Job> {
         totals,
         cost,
         dummy,
+        _lock: lock,
     })
 }
 
@@ -231,10 +246,16 @@ fn read_existing(args: &Args, lines: &[PromptLine], fingerprints: &[String]) -> 
     if args.resume {
         let stale = existing.stale();
         if let Some(l) = stale.first().map(|&i| &lines[i]) {
-            log(args, format_args!(
-                "resuming: {} records answer a line whose text or settings (or the model) changed since they were written (first: line {}, id {:?}); answering them again",
-                stale.len(), l.line_no, l.id
-            ));
+            log(
+                args,
+                format_args!(
+                    "resuming: {} records answer a line whose text or settings (or the model) changed since they were \
+                 written (first: line {}, id \"{}\"); answering them again",
+                    stale.len(),
+                    l.line_no,
+                    l.id
+                ),
+            );
         }
         let kept = (0..lines.len()).filter(|&i| existing.kept(i).is_some()).count();
         let torn = if existing.torn {
@@ -261,22 +282,23 @@ fn open_bundle(args: &Args, lines: &[PromptLine]) -> Result<Option<(Bundle, Hash
 }
 
 /// Load the model; refuse DDTree without a drafter (asked of the manifest before the weights load,
-/// and of the loaded model) and (--verify) a model that is not the bundle's.
+/// and of the loaded model) and (--verify) a model that is not the bundle's: another architecture (exit 2) or,
+/// when the manifest differs, a first step that is not the bundle's (verify::first_step: exit 1 at once).
 fn open_model(args: &Args, d: &Defaults, bundle: Option<&(Bundle, HashMap<String, PromptRecord>)>) -> Result<Model> {
     let no_drafter = || {
         anyhow::anyhow!(
-            "{} has no drafter; --mode {:?} needs one (use --mode ar)",
+            "{} has no drafter; --mode {} needs one (use --mode ar)",
             args.model.display(),
-            d.mode
+            args.mode.name()
         )
     };
     let ddtree = d.mode.drafts();
-    let model = if args.dummy() {
+    let mut model = if args.dummy() {
         if ddtree && !args.model.join("drafter/config.json").exists() {
             return Err(anyhow::anyhow!(
-                "{} has no drafter/config.json; --mode {:?} needs one (use --mode ar)",
+                "{} has no drafter/config.json; --mode {} needs one (use --mode ar)",
                 args.model.display(),
-                d.mode
+                args.mode.name()
             ));
         }
         anyhow::ensure!(
@@ -298,7 +320,10 @@ fn open_model(args: &Args, d: &Defaults, bundle: Option<&(Bundle, HashMap<String
         drop(dir);
         let place = load::placement(&args.model, args.device, args.gpus, args.share_gpu)?;
         if let Some((n, p)) = &place {
-            log(args, format_args!("tensor parallel: {n} rank groups, {p:?}"));
+            log(
+                args,
+                format_args!("tensor parallel: {n} rank groups, {}", load::describe_placement(p)),
+            );
         }
         load::load(
             &args.model,
@@ -311,9 +336,15 @@ fn open_model(args: &Args, d: &Defaults, bundle: Option<&(Bundle, HashMap<String
         return Err(no_drafter());
     }
     log(args, format_args!("backend: {}", model.loaded.backend));
-    if let Some((b, _)) = bundle {
+    if let Some((b, recs)) = bundle {
         let sha = kdtree_formats::manifest::manifest_sha256(&args.model)?;
         if let Some(w) = verify::check_model(b, &model.loaded, &sha)? {
+            // Another model or another conversion: its first step decides now, before the generation.
+            let tol = verify::tolerances(&model.loaded.backend)?;
+            if let Some(rec) = b.index.prompts.first().and_then(|e| recs.get_key_value(&e.id)) {
+                let rec = (rec.0.as_str(), rec.1);
+                verify::first_step(b, rec, &mut model.loaded, &tol, &sha)?;
+            }
             console::say(format_args!("kdtree-run: verify: warning: {w}"));
         }
     }
@@ -364,7 +395,7 @@ fn answer(args: &Args, job: &mut Job, sink: &mut Sink) -> Result<(Vec<verify::Pr
         prepared: HashMap::new(),
         to_verify: Vec::new(),
         sink,
-        written: 0,
+        quiet: args.quiet,
         error: None,
     });
     let (lines, existing, fingerprints) = (&job.lines, &job.existing, &job.fingerprints);
@@ -384,11 +415,6 @@ fn answer(args: &Args, job: &mut Job, sink: &mut Sink) -> Result<(Vec<verify::Pr
             }
         }
         totals.borrow_mut().add(&record, false);
-        st.written += 1;
-        log(
-            args,
-            format_args!("{}", progress(st.written, lines.len(), &line.id, &outcome)),
-        );
         st.ready
             .insert(i, Ready::Record(Box::new(record), Some(Box::new(outcome))));
         st.flush(lines, &runner, golden)
@@ -492,14 +518,15 @@ struct Answering<'s> {
     prepared: HashMap<usize, runner::Prepared>,
     to_verify: Vec<VerifyLine>,
     sink: &'s mut Sink,
-    /// Records made so far (progress lines).
-    written: usize,
+    /// No progress lines (`--quiet`).
+    quiet: bool,
     /// A write that failed while settling lines (the run stops with it).
     error: Option<anyhow::Error>,
 }
 
 impl Answering<'_> {
-    /// Write every ready line whose predecessors are written, in order.
+    /// Write every ready line whose predecessors are written, in order; a new record's progress line says how
+    /// many lines of the file are written with it (`[n/total]`: the n-th line, kept ones included).
     fn flush(&mut self, lines: &[PromptLine], runner: &Runner<'_>, golden: bool) -> Result<()> {
         while let Some(r) = self.ready.remove(&self.next_write) {
             let i = self.next_write;
@@ -511,6 +538,11 @@ impl Answering<'_> {
                 }
                 Ready::Record(record, outcome) => {
                     self.sink.write_record(&record)?;
+                    if let (false, Some(o)) = (self.quiet, &outcome) {
+                        let n = self.next_write + 1;
+                        let p = progress(n, lines.len(), &lines[i].id, o);
+                        console::say(format_args!("kdtree-run: {p}"));
+                    }
                     outcome
                 }
             };
@@ -554,15 +586,19 @@ fn report_verify(job: &Job, checks: &[verify::PromptCheck]) -> bool {
     good == checks.len()
 }
 
-/// One stderr progress line.
+/// One stderr progress line: the line just written. A decode rate needs two tokens (the first comes from
+/// the prefill): a one-token line says `n/a` rather than 0.0 tok/s.
 fn progress(n: usize, total: usize, id: &str, outcome: &records::Outcome) -> String {
     match outcome {
-        records::Outcome::Done(c) => format!(
-            "[{n}/{total}] {id}: {} tokens ({}), {:.1} tok/s",
-            c.token_ids.len(),
-            c.finish_reason,
-            c.timing.decode_tok_s
-        ),
+        records::Outcome::Done(c) => {
+            let k = c.token_ids.len();
+            let rate = match k {
+                0 | 1 => "decode n/a (one token, from the prefill)".to_string(),
+                _ => format!("{:.1} tok/s", c.timing.decode_tok_s),
+            };
+            let s = if k == 1 { "" } else { "s" };
+            format!("[{n}/{total}] {id}: {k} token{s} ({}), {rate}", c.finish_reason)
+        }
         records::Outcome::Failed { code, message } => format!("[{n}/{total}] {id}: error {code}: {message}"),
     }
 }

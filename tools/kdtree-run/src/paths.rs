@@ -7,6 +7,10 @@
 //! (`/dev/null`, a terminal) may be shared. An output must not be a directory and must be writable
 //! (its directory, when it does not exist yet; always its directory for the summary, which is renamed
 //! into place). `--resume` needs a regular file. Tests: bottom of this file; tests/hardening.rs.
+//!
+//! [`lock_out`]: a file `--out` (not stdout, not a device) is locked for the whole run, `--resume` included,
+//! through `FILE.lock` beside it (kdtree_text::lock: flock(2), the holder's pid inside, removed at the end): a
+//! second run on the same file (by identity: the lock sits beside the resolved path) exits 2 naming the pid.
 
 use std::ffi::CString;
 use std::fs::Metadata;
@@ -71,11 +75,49 @@ fn check_dir_writable(flag: &str, path: &Path) -> Result<()> {
         .with_context(|| format!("{flag} {}: cannot create files in {}", path.display(), dir.display()))
 }
 
+/// The files of MODEL a run reads or that make up the model: with dummy weights its configs; a converted model,
+/// what its manifest names (shards, carried files), the manifest, SHA256SUMS, the conversion's own files and the
+/// cost files (every file of the directory, 2 levels deep, when the manifest cannot be read: the load then fails
+/// with its own message). Other files in the directory (a previous run's `--out`) are not inputs, so an output
+/// inside MODEL is accepted, and re-run or resumed, the same way in both load formats.
+fn model_inputs(args: &Args, inputs: &mut Inputs) {
+    let m = &args.model;
+    if args.dummy() {
+        inputs.file(&m.join("config.json"));
+        inputs.file(&m.join("drafter/config.json"));
+        return;
+    }
+    let manifest = m.join(kdtree_formats::manifest::MANIFEST);
+    let parsed = std::fs::read_to_string(&manifest)
+        .ok()
+        .and_then(|t| kdtree_formats::manifest::Manifest::parse(&manifest.display().to_string(), &t).ok());
+    let Some(parsed) = parsed else {
+        inputs.dir(m, 2);
+        return;
+    };
+    inputs.file(&manifest);
+    let named = parsed
+        .files
+        .iter()
+        .map(|f| &f.name)
+        .chain(parsed.aux_files.iter().map(|f| &f.name));
+    named.for_each(|n| inputs.file(&m.join(n)));
+    for name in crate::fingerprint::MODEL_FILES.iter().chain(&["SHA256SUMS"]) {
+        inputs.file(&m.join(name));
+    }
+    for e in std::fs::read_dir(m).into_iter().flatten().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with(".kdtree-convert") || (name.starts_with("kdtree-cost-") && name.ends_with(".json")) {
+            inputs.file(&e.path());
+        }
+    }
+}
+
 /// Every check of `--out` and `--summary` (see the module doc); nothing is opened for writing.
 pub fn check(args: &Args) -> Result<()> {
     let mut inputs = Inputs::default();
     inputs.file(&args.prompts);
-    inputs.dir(&args.model, 2);
+    model_inputs(args, &mut inputs);
     if let Some(v) = &args.verify {
         inputs.dir(v, 2);
     }
@@ -124,6 +166,43 @@ pub fn check(args: &Args) -> Result<()> {
         outputs.push((flag, path, m));
     }
     Ok(())
+}
+
+/// Lock `--out` for the whole run (see the module doc); None for stdout and devices, which are not
+/// truncated nor resumed and may be shared. Called after [`check`], before the output is read or opened.
+pub fn lock_out(out: &Path) -> Result<Option<kdtree_text::lock::Lock>> {
+    use kdtree_text::lock::{try_lock, LockError};
+    if out.as_os_str() == "-" || stat_output(out)?.is_some_and(|m| !m.is_file()) {
+        return Ok(None);
+    }
+    // The file a write really lands on, so two spellings of one output (a symlink, `./x`) share one lock.
+    let target = match std::fs::canonicalize(out) {
+        Ok(t) => t,
+        Err(_) => {
+            let dir = std::fs::canonicalize(parent_of(out)).unwrap_or_else(|_| parent_of(out).to_path_buf());
+            dir.join(out.file_name().unwrap_or(out.as_os_str()))
+        }
+    };
+    let mut name = target.clone().into_os_string();
+    name.push(".lock");
+    let path = PathBuf::from(name);
+    match try_lock(&path) {
+        Ok(l) => Ok(Some(l)),
+        Err(LockError::Busy(who)) => {
+            let who = if who.is_empty() {
+                "another process".to_string()
+            } else {
+                format!("another kdtree-run ({who})")
+            };
+            bail!(
+                "--out {}: locked by {who} through {}; two runs cannot write one output at once (wait for it to \
+                 finish, or stop it)",
+                out.display(),
+                path.display()
+            )
+        }
+        Err(LockError::Io(e)) => Err(e).with_context(|| format!("--out {}: locking {}", out.display(), path.display())),
+    }
 }
 
 /// Write `bytes` to `path`: a regular (or new) file through a temp file in its directory renamed over

@@ -100,9 +100,10 @@ pub fn scan_existing(bytes: &[u8], expected: &[Expected]) -> Result<Existing> {
         match record_id(&r) {
             Some(id) if id == want.id => {}
             other => bail!(
-                "output line {n} answers id {other:?} but the prompt file's request {n} is {:?}: lines were added, \
+                "output line {n} answers {} but the prompt file's request {n} is id \"{}\": lines were added, \
                  removed or reordered since, or this is another prompt file's output; not resuming over it \
                  (rerun without --resume to start the file over)",
+                other.map_or("no id".to_string(), |id| format!("id \"{id}\"")),
                 want.id
             ),
         }

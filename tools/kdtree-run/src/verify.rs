@@ -23,20 +23,46 @@
 //! a reordered tree only at a draft near-tie, walk decisions only at a verify near-tie; each acceptance is
 //! a note printed under the table. The model is the run's own (`engine::open`,
 //! absorbed MLA: the configuration that ships), the loader kdtree-golden records with.
-//! Tests: bottom of this file (the comparisons), tests/verify_cli.rs (end to end, pass and forced failures).
+//!
+//! Before any line is generated, the model is matched to the bundle's ([`check_model`]): the architecture
+//! must be the bundle's (else exit 2), and a model whose manifest.toml is not the bundle's must reproduce
+//! the bundle's first AR step of its first prompt ([`first_step`], one prefill) or the run stops at once with
+//! exit 1 ([`CheckFailed`]): another model of the same architecture is caught before the generation.
+//!
+//! Modules: compare.rs (the comparisons), rules.rs (the CUDA rules), table.rs (the report).
+//! Tests: bottom of each module, e2e_tests.rs, tests/verify_cli.rs (end to end, pass and forced failures).
 
 use anyhow::{bail, ensure, Result};
 use kdtree_engine::{Loaded, Mode};
-use kdtree_golden::bundle::{topk_of, ArRecord, Bundle, DdtreeRecord, PromptRecord, TraceRecord};
+use kdtree_golden::bundle::{ArRecord, Bundle, PromptRecord};
 use kdtree_golden::make::trace_record;
 use kdtree_golden::reference::{ddtree_round_record, greedy_ar, ArOptions};
 use kdtree_text::prompts::PromptLine;
-use std::fmt::Write as _;
 use std::path::Path;
 
+mod compare;
 #[cfg(test)]
 mod e2e_tests;
 mod rules;
+mod table;
+
+use compare::{
+    compare_ar, compare_ar_tolerant, compare_round, compare_round_tolerant, compare_trace, compare_trace_tolerant,
+    first_diff, Cmp,
+};
+pub use table::table;
+
+/// A check that failed before the run's work (exit 1, not 2: the inputs are fine, they do not match).
+#[derive(Debug)]
+pub struct CheckFailed(pub String);
+
+impl std::fmt::Display for CheckFailed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for CheckFailed {}
 
 /// Largest |Δ| allowed per compared tensor class, and whether near-ties and route flips are forgiven.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -120,8 +146,8 @@ pub fn check_ids(lines: &[PromptLine], bundle: &Bundle, prompts: &Path) -> Resul
 }
 
 /// The loaded model's shape facts must be the bundle's (a different architecture is an error, not a
-/// mismatch). Returns a warning when only the manifest hash differs (another conversion of the model:
-/// compared anyway, the numbers decide).
+/// mismatch). Returns a warning when only the manifest hash differs (another conversion of the model, or
+/// another model: [`first_step`] decides before the run, the numbers after it).
 pub fn check_model(bundle: &Bundle, model: &Loaded, manifest_sha256: &str) -> Result<Option<String>> {
     let m = &bundle.index.model;
     let i = model.info();
@@ -130,16 +156,87 @@ pub fn check_model(bundle: &Bundle, model: &Loaded, manifest_sha256: &str) -> Re
     let theirs = (m.vocab_size, m.hidden_size, m.num_layers, &m.tap_layers, m.block_size);
     ensure!(
         ours == theirs,
-        "the model is not the bundle's architecture: (vocab, hidden, layers, tap layers, drafter block) = {ours:?}, bundle {} has {theirs:?}",
-        bundle.dir.display()
+        "the model is not the bundle's architecture: (vocab, hidden, layers, tap layers, drafter block) = \
+         ({}, {}, {}, [{}], {}), bundle {} has ({}, {}, {}, [{}], {})",
+        ours.0,
+        ours.1,
+        ours.2,
+        join(ours.3),
+        ours.4,
+        bundle.dir.display(),
+        theirs.0,
+        theirs.1,
+        theirs.2,
+        join(theirs.3),
+        theirs.4
     );
     Ok((manifest_sha256 != m.manifest_sha256).then(|| {
         format!(
             "the model's manifest.toml sha256 {manifest_sha256} differs from the bundle's {} (another conversion? \
-             on the CPU a different rank count alone changes the summation order, ~1e-6); comparing anyway",
+             on the CPU a different rank count alone changes the summation order, ~1e-6); its first step matches \
+             the bundle's, comparing everything",
             m.manifest_sha256
         )
     }))
+}
+
+fn join(v: &[usize]) -> String {
+    v.iter().map(usize::to_string).collect::<Vec<_>>().join(", ")
+}
+
+/// A model whose manifest is not the bundle's ([`check_model`] warned): re-run the first AR step of the
+/// bundle's first prompt (its own `prompt_ids`: the model is judged, not the tokenizer) and compare it as
+/// [`check_prompt`] would. Err([`CheckFailed`]) when it differs, naming the prompt and the first difference;
+/// the cost is one prefill, against a whole run's generation.
+pub fn first_step(
+    bundle: &Bundle,
+    (id, rec): (&str, &PromptRecord),
+    model: &mut Loaded,
+    tol: &Tolerances,
+    manifest_sha256: &str,
+) -> Result<()> {
+    let (want, info) = (&rec.ar, model.info().clone());
+    let n = want.tokens.len().min(1);
+    if n == 0 || want.vocab != info.vocab_size || rec.prompt_ids.len() + n > info.max_positions {
+        return Ok(()); // check_prompt reports what does not fit
+    }
+    let (k, full) = (want.topk, want.full_steps.min(n));
+    let want = ArRecord {
+        tokens: want.tokens[..n].to_vec(),
+        topk: k,
+        topk_ids: want.topk_ids[..n * k].to_vec(),
+        topk_logits: want.topk_logits[..n * k].to_vec(),
+        vocab: want.vocab,
+        full_steps: full,
+        full_logits: want.full_logits[..full * want.vocab].to_vec(),
+    };
+    let opts = ArOptions {
+        max_tokens: n,
+        topk: k,
+        full_logits_steps: full,
+        trace_step: 0,
+    };
+    let (got, rows, _) = greedy_ar(&mut model.session(Mode::Ar)?, &rec.prompt_ids, &opts)?;
+    let mut c = PromptCheck::default();
+    let mut cmp = Cmp {
+        tol: tol.logits,
+        max_delta: 0.0,
+    };
+    if tol.near_ties {
+        compare_ar_tolerant(&mut c, &mut cmp, tol, &got, &rows, &want);
+    } else {
+        compare_ar(&mut c, &mut cmp, &got, &rows, &want);
+    }
+    match c.problems.first() {
+        None => Ok(()),
+        Some(p) => Err(CheckFailed(format!(
+            "the model is not the bundle's: its manifest.toml sha256 {manifest_sha256} is not the bundle's {} and \
+             the first step of prompt {} differs ({p}); stopped before generating (another model of the same \
+             architecture, or another conversion whose numbers differ)",
+            bundle.index.model.manifest_sha256, id
+        ))
+        .into()),
+    }
 }
 
 /// The outcome of one prompt.
@@ -163,318 +260,6 @@ impl PromptCheck {
     pub fn ok(&self) -> bool {
         self.problems.is_empty()
     }
-}
-
-/// Running |Δ| comparison of logit arrays.
-struct Cmp {
-    tol: f32,
-    max_delta: f32,
-}
-
-impl Cmp {
-    /// Compare `got` with `want` (the bundle), rows of `cols` values (0: one flat array); the first value
-    /// beyond the tolerance (or a length difference) is returned as a problem, located as `what[row, col]`.
-    /// A NaN counts as an infinite difference.
-    fn rows(&mut self, what: &str, cols: usize, got: &[f32], want: &[f32]) -> Option<String> {
-        if got.len() != want.len() {
-            return Some(format!("{what}: {} values, bundle {}", got.len(), want.len()));
-        }
-        let mut first = None;
-        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-            let d = (g - w).abs();
-            let d = if d.is_nan() { f32::INFINITY } else { d };
-            self.max_delta = self.max_delta.max(d);
-            if d > self.tol && first.is_none() {
-                let at = match (i.checked_div(cols), i.checked_rem(cols)) {
-                    (Some(r), Some(c)) => format!("{r}, {c}"),
-                    _ => format!("{i}"),
-                };
-                first = Some(format!(
-                    "{what}[{at}]: {g} vs bundle {w} (|Δ| {d:e} > tolerance {})",
-                    self.tol
-                ));
-            }
-        }
-        first
-    }
-
-    /// Step `s`'s top-k against the bundle's: the values at the recorded ids within the tolerance, no other
-    /// id above the recorded k-th value by more than the tolerance, and (tolerance 0) the very same ids.
-    fn topk(&mut self, s: usize, row: &[f32], ids: &[u32], vals: &[f32]) -> Option<String> {
-        let at: Vec<f32> = ids
-            .iter()
-            .map(|&id| row.get(id as usize).copied().unwrap_or(f32::NAN))
-            .collect();
-        if let Some(p) = self.rows(&format!("ar.topk_logits step {s} (ids {ids:?})"), 0, &at, vals) {
-            return Some(p);
-        }
-        let (mine, _) = topk_of(row, ids.len());
-        if self.tol == 0.0 {
-            return (mine != ids).then(|| format!("ar.topk_ids step {s}: {mine:?} vs bundle {ids:?}"));
-        }
-        let kth = vals.last().copied().unwrap_or(f32::INFINITY);
-        let outranks = |x: f32| x.is_nan() || x > kth + self.tol;
-        let intruder = (0..row.len() as u32).find(|id| !ids.contains(id) && outranks(row[*id as usize]));
-        intruder.map(|id| {
-            format!(
-                "ar.topk_ids step {s}: id {id} ({}) outranks the bundle's top-k {ids:?} (k-th {kth})",
-                row[id as usize]
-            )
-        })
-    }
-}
-
-fn first_diff<T: PartialEq + std::fmt::Debug>(what: &str, got: &[T], want: &[T]) -> Option<String> {
-    if got == want {
-        return None;
-    }
-    match got.iter().zip(want).position(|(a, b)| a != b) {
-        Some(i) => Some(format!("{what}[{i}]: {:?} vs bundle {:?}", got[i], want[i])),
-        None => Some(format!("{what}: {} entries vs bundle {}", got.len(), want.len())),
-    }
-}
-
-/// Compare a re-recorded AR run (`got`, with every step's full row `rows`) with the bundle's.
-fn compare_ar(c: &mut PromptCheck, cmp: &mut Cmp, got: &ArRecord, rows: &[Vec<f32>], want: &ArRecord) {
-    c.tokens_total = want.tokens.len();
-    c.tokens_equal = got.tokens.iter().zip(&want.tokens).take_while(|(a, b)| a == b).count();
-    c.problems.extend(first_diff("ar.tokens", &got.tokens, &want.tokens));
-    let got_full: Vec<f32> = rows.iter().take(want.full_steps).flatten().copied().collect();
-    let full = cmp.rows("ar.full_logits", want.vocab, &got_full, &want.full_logits);
-    let mut topk = None;
-    for (s, row) in rows.iter().enumerate().take(want.tokens.len()) {
-        let (ids, vals) = want.topk_row(s);
-        let p = cmp.topk(s, row, ids, vals);
-        topk = topk.or(p);
-    }
-    c.problems.extend(full.into_iter().chain(topk));
-}
-
-/// Compare a re-run DDTree round with the bundle's; returns whether it matched.
-fn compare_round(c: &mut PromptCheck, cmp: &mut Cmp, got: &DdtreeRecord, want: &DdtreeRecord) -> bool {
-    let before = c.problems.len();
-    let meta = |r: &DdtreeRecord| vec![r.start, r.root as usize, r.budget, r.draft_rows, r.visibility_words];
-    c.problems.extend(first_diff(
-        "ddtree (start, root, budget, draft rows, visibility words)",
-        &meta(got),
-        &meta(want),
-    ));
-    c.problems
-        .extend(cmp.rows("ddtree.draft_logits", want.vocab, &got.draft_logits, &want.draft_logits));
-    c.problems
-        .extend(first_diff("ddtree.tree_tokens", &got.tree_tokens, &want.tree_tokens));
-    c.problems
-        .extend(first_diff("ddtree.tree_parents", &got.tree_parents, &want.tree_parents));
-    c.problems
-        .extend(first_diff("ddtree.tree_depths", &got.tree_depths, &want.tree_depths));
-    c.problems
-        .extend(first_diff("ddtree.visibility", &got.visibility, &want.visibility));
-    c.problems.extend(cmp.rows(
-        "ddtree.verify_logits",
-        want.vocab,
-        &got.verify_logits,
-        &want.verify_logits,
-    ));
-    c.problems
-        .extend(first_diff("ddtree.accepted", &got.accepted, &want.accepted));
-    c.problems
-        .extend(first_diff("ddtree.decisions", &got.decisions, &want.decisions));
-    c.problems
-        .extend(first_diff("ddtree bonus", &[got.bonus], &[want.bonus]));
-    c.problems.len() == before
-}
-
-/// Compare the re-run's per-layer probes of the traced decode step with the bundle's: step, position
-/// and token exactly, router ids exactly, every tensor within its class's tolerance.
-fn compare_trace(c: &mut PromptCheck, cmp: &mut Cmp, tol: &Tolerances, got: &TraceRecord, want: &TraceRecord) {
-    let meta = |r: &TraceRecord| vec![r.step, r.position, r.token as usize, r.layers.len()];
-    c.problems.extend(first_diff(
-        "trace (step, position, token, layers)",
-        &meta(got),
-        &meta(want),
-    ));
-    let saved = cmp.tol;
-    for (l, (g, w)) in got.layers.iter().zip(&want.layers).enumerate() {
-        c.problems.extend(first_diff(
-            &format!("trace.layers.{l}.router_ids"),
-            &g.router_ids,
-            &w.router_ids,
-        ));
-        cmp.tol = tol.layers;
-        c.problems
-            .extend(cmp.rows(&format!("trace.layers.{l}.attn_out"), 0, &g.attn_out, &w.attn_out));
-        c.problems
-            .extend(cmp.rows(&format!("trace.layers.{l}.mlp_out"), 0, &g.mlp_out, &w.mlp_out));
-        c.problems
-            .extend(cmp.rows(&format!("trace.layers.{l}.residual"), 0, &g.residual, &w.residual));
-        cmp.tol = tol.router_weights;
-        c.problems.extend(cmp.rows(
-            &format!("trace.layers.{l}.router_weights"),
-            0,
-            &g.router_weights,
-            &w.router_weights,
-        ));
-    }
-    cmp.tol = saved;
-}
-
-/// [`compare_ar`] under the tie-aware rules: returns the steps compared (a forgiven near-tie divergence
-/// at k ends the comparison after row k: later rows follow another prefix).
-fn compare_ar_tolerant(
-    c: &mut PromptCheck,
-    cmp: &mut Cmp,
-    t: &Tolerances,
-    got: &ArRecord,
-    rows: &[Vec<f32>],
-    want: &ArRecord,
-) -> usize {
-    c.tokens_total = want.tokens.len();
-    c.tokens_equal = got.tokens.iter().zip(&want.tokens).take_while(|(a, b)| a == b).count();
-    let margin = |s: usize| rules::margin_sorted(want.topk_row(s).1);
-    let last = match rules::greedy("ar.tokens", &got.tokens, &want.tokens, true, margin, t.logits) {
-        Ok(None) => want.tokens.len(),
-        Ok(Some((k, m))) => {
-            c.notes.push(format!(
-                "ar.tokens[{k}]: {} vs bundle {}: a near-tie (the bundle's top-2 margin {m:.3e} <= {}); steps after {k} (tokens, \
-                 logits, the run's token_ids) and anything fed by them not compared",
-                got.tokens[k], want.tokens[k], t.logits
-            ));
-            k + 1
-        }
-        Err(p) => {
-            c.problems.push(p);
-            (c.tokens_equal + 1).min(want.tokens.len())
-        }
-    };
-    let (mut full, mut topk) = (None, None);
-    for (s, row) in rows.iter().enumerate().take(last) {
-        if let Some(w) = want.full_row(s) {
-            let r = want.router_margins.get(s).copied();
-            full = full.or(rules::row(cmp, t, &format!("ar.full_logits step {s}"), row, w, r, &mut c.notes).err());
-        }
-        let (ids, vals) = want.topk_row(s);
-        let at: Vec<f32> = ids
-            .iter()
-            .map(|&id| row.get(id as usize).copied().unwrap_or(f32::NAN))
-            .collect();
-        let before = c.notes.len();
-        match rules::row(
-            cmp,
-            t,
-            &format!("ar.topk_logits step {s} (ids {ids:?})"),
-            &at,
-            vals,
-            want.router_margins.get(s).copied(),
-            &mut c.notes,
-        ) {
-            Err(p) => topk = topk.or(Some(p)),
-            Ok(()) => {
-                cmp.tol = if c.notes.len() > before { t.route_flip } else { t.logits };
-                topk = topk.or(cmp.topk(s, row, ids, vals));
-            }
-        }
-    }
-    c.problems.extend(full.into_iter().chain(topk));
-    last
-}
-
-/// [`compare_trace`] under the route-aware rules: router ids as sets (weights per id); one swapped expert
-/// with a clean router input ends the comparison (rules::layer_route).
-fn compare_trace_tolerant(c: &mut PromptCheck, cmp: &mut Cmp, t: &Tolerances, got: &TraceRecord, want: &TraceRecord) {
-    let meta = |r: &TraceRecord| vec![r.step, r.position, r.token as usize, r.layers.len()];
-    c.problems.extend(first_diff(
-        "trace (step, position, token, layers)",
-        &meta(got),
-        &meta(want),
-    ));
-    let start = c.problems.len();
-    for (l, (g, w)) in got.layers.iter().zip(&want.layers).enumerate() {
-        cmp.tol = t.layers;
-        c.problems
-            .extend(cmp.rows(&format!("trace.layers.{l}.attn_out"), 0, &g.attn_out, &w.attn_out));
-        match rules::layer_route(l, g, w, c.problems.len() == start) {
-            Ok(Some(note)) => {
-                c.notes.push(note);
-                break;
-            }
-            Ok(None) => {
-                cmp.tol = t.router_weights;
-                let (gw, ww) = (rules::weights_by_id(g), rules::weights_by_id(w));
-                c.problems
-                    .extend(cmp.rows(&format!("trace.layers.{l}.router_weights (by expert id)"), 0, &gw, &ww));
-            }
-            Err(p) => c.problems.push(p),
-        }
-        cmp.tol = t.layers;
-        c.problems
-            .extend(cmp.rows(&format!("trace.layers.{l}.mlp_out"), 0, &g.mlp_out, &w.mlp_out));
-        c.problems
-            .extend(cmp.rows(&format!("trace.layers.{l}.residual"), 0, &g.residual, &w.residual));
-    }
-}
-
-/// [`compare_round`] under the tie-aware rules (rules::tree_explained, rules::walk); verify rows compare
-/// by node path, each within the logits tolerance or as a route flip.
-fn compare_round_tolerant(
-    c: &mut PromptCheck,
-    cmp: &mut Cmp,
-    t: &Tolerances,
-    got: &DdtreeRecord,
-    want: &DdtreeRecord,
-) -> bool {
-    let before = c.problems.len();
-    let meta = |r: &DdtreeRecord| vec![r.start, r.root as usize, r.budget, r.draft_rows];
-    c.problems.extend(first_diff(
-        "ddtree (start, root, budget, draft rows)",
-        &meta(got),
-        &meta(want),
-    ));
-    cmp.tol = t.logits;
-    c.problems
-        .extend(cmp.rows("ddtree.draft_logits", want.vocab, &got.draft_logits, &want.draft_logits));
-    let shape = |r: &DdtreeRecord| {
-        (
-            r.tree_tokens.clone(),
-            r.tree_parents.clone(),
-            r.tree_depths.clone(),
-            r.visibility_words,
-            r.visibility.clone(),
-        )
-    };
-    let same_tree = shape(got) == shape(want);
-    if !same_tree {
-        match rules::tree_explained(got, want, t.logits) {
-            Ok(note) => c.notes.push(note),
-            Err(p) => c.problems.push(p),
-        }
-    }
-    let (gp, wp, v) = (rules::paths(got), rules::paths(want), want.vocab);
-    let mut verify = None;
-    for (n, p) in wp.iter().enumerate() {
-        let (Some(m), Some(w)) = (
-            gp.iter().position(|q| q == p),
-            want.verify_logits.get(n * v..(n + 1) * v),
-        ) else {
-            continue;
-        };
-        let g = got.verify_logits.get(m * v..(m + 1) * v).unwrap_or(&[]);
-        verify = verify.or(rules::row(
-            cmp,
-            t,
-            &format!("ddtree.verify_logits node {n} (path {p:?})"),
-            g,
-            w,
-            want.router_margins.get(n).copied(),
-            &mut c.notes,
-        )
-        .err());
-    }
-    c.problems.extend(verify);
-    match rules::walk(got, want, same_tree, t.logits) {
-        Ok(note) => c.notes.extend(note),
-        Err(p) => c.problems.push(p),
-    }
-    c.problems.len() == before
 }
 
 /// What the line's run gave, for the record check (5).
@@ -617,63 +402,6 @@ pub fn check_prompt(
     Ok(c)
 }
 
-/// The per-prompt table (and the problems under it) printed to stderr.
-pub fn table(checks: &[PromptCheck]) -> String {
-    let head = ["prompt id", "tokens", "max |Δlogit|", "ddtree round", "verdict"];
-    let rows: Vec<[String; 5]> = checks
-        .iter()
-        .map(|c| {
-            [
-                c.id.clone(),
-                format!("{}/{}", c.tokens_equal, c.tokens_total),
-                if c.max_delta == 0.0 {
-                    "0".into()
-                } else {
-                    format!("{:.3e}", c.max_delta)
-                },
-                match c.ddtree {
-                    None => "not recorded".into(),
-                    Some(true) => "match".into(),
-                    Some(false) => "MISMATCH".into(),
-                },
-                if c.ok() { "match".into() } else { "MISMATCH".into() },
-            ]
-        })
-        .collect();
-    let width = |i: usize| {
-        rows.iter()
-            .map(|r| r[i].chars().count())
-            .chain([head[i].chars().count()])
-            .max()
-            .unwrap_or(0)
-    };
-    let widths: Vec<usize> = (0..5).map(width).collect();
-    let line = |cells: [&str; 5]| {
-        let padded: Vec<String> = cells.iter().zip(&widths).map(|(c, &w)| format!("{c:<w$}")).collect();
-        padded.join(" | ").trim_end().to_string()
-    };
-    let mut out = String::new();
-    writeln!(out, "{}", line(head)).unwrap();
-    writeln!(
-        out,
-        "{}",
-        widths.iter().map(|&w| "-".repeat(w)).collect::<Vec<_>>().join("-|-")
-    )
-    .unwrap();
-    for r in &rows {
-        writeln!(out, "{}", line([&r[0], &r[1], &r[2], &r[3], &r[4]])).unwrap();
-    }
-    for c in checks {
-        for n in &c.notes {
-            writeln!(out, "  {}: accepted: {n}", c.id).unwrap();
-        }
-        for p in &c.problems {
-            writeln!(out, "  {}: {p}", c.id).unwrap();
-        }
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -685,125 +413,5 @@ mod tests {
         // the CPU stays strict: no tolerance, no forgiven near-tie or route flip
         assert_eq!((CPU_TOLERANCES.near_ties, CPU_TOLERANCES.route_flip), (false, 0.0));
         assert!(tolerances("tpu").is_err());
-    }
-
-    #[test]
-    fn row_comparison_tracks_max_delta_and_reports_the_first_excess() {
-        let mut cmp = Cmp {
-            tol: 0.0,
-            max_delta: 0.0,
-        };
-        assert_eq!(cmp.rows("x", 0, &[1.0, 2.0], &[1.0, 2.0]), None);
-        assert_eq!(cmp.max_delta, 0.0);
-        let p = cmp.rows("x", 0, &[1.0, 2.5, 3.0], &[1.0, 2.0, 4.0]).unwrap();
-        assert!(p.starts_with("x[1]: 2.5 vs bundle 2 (|Δ| 5e-1 > tolerance 0)"), "{p}");
-        assert_eq!(cmp.max_delta, 1.0);
-        let p = cmp.rows("y", 2, &[0.0, 0.0, 0.0, 1.0], &[0.0, 0.0, 0.0, 0.0]).unwrap();
-        assert!(p.starts_with("y[1, 1]: 1 vs bundle 0"), "{p}");
-        assert!(cmp.rows("x", 0, &[f32::NAN], &[0.0]).is_some());
-        assert_eq!(cmp.max_delta, f32::INFINITY);
-        assert!(cmp
-            .rows("x", 0, &[1.0], &[1.0, 2.0])
-            .unwrap()
-            .contains("1 values, bundle 2"));
-        let mut loose = Cmp {
-            tol: 0.1,
-            max_delta: 0.0,
-        };
-        assert_eq!(loose.rows("x", 0, &[1.05], &[1.0]), None);
-        assert!(loose.rows("x", 0, &[1.2], &[1.0]).is_some());
-    }
-
-    #[test]
-    fn topk_comparison_exact_and_with_tolerance() {
-        let row = [0.0, 3.0, 1.0, 2.0];
-        let mut exact = Cmp {
-            tol: 0.0,
-            max_delta: 0.0,
-        };
-        assert_eq!(exact.topk(0, &row, &[1, 3], &[3.0, 2.0]), None);
-        // right values, wrong ids (a tie-break or order difference) fails at tolerance 0
-        let row_tie = [0.0, 3.0, 2.0, 2.0];
-        assert!(exact
-            .topk(0, &row_tie, &[1, 3], &[3.0, 2.0])
-            .unwrap()
-            .contains("topk_ids"));
-        assert!(exact
-            .topk(0, &row, &[1, 3], &[3.0, 2.5])
-            .unwrap()
-            .contains("topk_logits"));
-        let mut loose = Cmp {
-            tol: 0.01,
-            max_delta: 0.0,
-        };
-        assert_eq!(loose.topk(0, &row_tie, &[1, 3], &[3.0, 2.0]), None);
-        let row_up = [0.0, 3.0, 2.5, 2.0];
-        assert!(loose.topk(0, &row_up, &[1, 3], &[3.0, 2.0]).unwrap().contains("id 2"));
-    }
-
-    #[test]
-    fn round_comparison_names_what_differs() {
-        let want = DdtreeRecord {
-            start: 4,
-            root: 7,
-            budget: 2,
-            vocab: 2,
-            draft_rows: 1,
-            draft_logits: vec![0.5, 1.5],
-            tree_tokens: vec![7, 1, 0],
-            tree_parents: vec![-1, 0, 0],
-            tree_depths: vec![0, 1, 1],
-            visibility_words: 1,
-            visibility: vec![1, 3, 5],
-            verify_logits: vec![0.0; 6],
-            accepted: vec![0],
-            decisions: vec![1],
-            bonus: 1,
-            router_margins: Vec::new(),
-        };
-        let mut c = PromptCheck::default();
-        let mut cmp = Cmp {
-            tol: 0.0,
-            max_delta: 0.0,
-        };
-        assert!(compare_round(&mut c, &mut cmp, &want.clone(), &want));
-        let mut got = want.clone();
-        got.tree_parents[2] = 1;
-        got.verify_logits[5] = 0.25;
-        got.bonus = 0;
-        assert!(!compare_round(&mut c, &mut cmp, &got, &want));
-        let all = c.problems.join("\n");
-        assert!(all.contains("ddtree.tree_parents[2]: 1 vs bundle 0"), "{all}");
-        assert!(all.contains("ddtree.verify_logits[2, 1]: 0.25 vs bundle 0"), "{all}");
-        assert!(all.contains("ddtree bonus"), "{all}");
-        assert_eq!(cmp.max_delta, 0.25);
-    }
-
-    #[test]
-    fn table_lists_every_prompt_and_the_problems_of_failing_ones() {
-        let ok = PromptCheck {
-            id: "a".into(),
-            tokens_equal: 16,
-            tokens_total: 16,
-            ddtree: Some(true),
-            ..Default::default()
-        };
-        let bad = PromptCheck {
-            id: "bb".into(),
-            tokens_equal: 3,
-            tokens_total: 16,
-            max_delta: 0.5,
-            ddtree: None,
-            problems: vec!["ar.tokens[3]: 1 vs bundle 2".into()],
-            notes: vec!["ar.full_logits step 1: route flip".into()],
-        };
-        let t = table(&[ok, bad]);
-        let lines: Vec<&str> = t.lines().collect();
-        assert_eq!(lines[0], "prompt id | tokens | max |Δlogit| | ddtree round | verdict");
-        assert_eq!(lines[2], "a         | 16/16  | 0            | match        | match");
-        assert_eq!(lines[3], "bb        | 3/16   | 5.000e-1     | not recorded | MISMATCH");
-        assert_eq!(lines[4], "  bb: accepted: ar.full_logits step 1: route flip");
-        assert_eq!(lines[5], "  bb: ar.tokens[3]: 1 vs bundle 2");
-        assert_eq!(lines.len(), 6);
     }
 }

@@ -2,8 +2,8 @@
 //! `kdtree_convert::repack`, a bundle written by `kdtree_golden::make::make_bundle` (the code the
 //! kdtree-golden binary runs) into a temp dir, then kdtree-run on the same model must match it (exit 0),
 //! and must exit 1 naming the prompt when one recorded logit is changed (AR full logits of one prompt,
-//! a DDTree verify logit of the other, the index's sha256 re-written as the reader requires) or the model
-//! is another seed. Also: a changed file without its new sha256, a prompt file that is not the bundle's,
+//! a DDTree verify logit of the other, the index's sha256 re-written as the reader requires), and at once,
+//! before generating, when the model is another seed (same architecture, its first step not the bundle's). Also: a changed file without its new sha256, a prompt file that is not the bundle's,
 //! and (in a build without the CUDA backend) --device cuda are refused with exit 2 before any work. The
 //! CUDA rules themselves: src/verify/e2e_tests.rs.
 
@@ -244,19 +244,47 @@ fn a_changed_layer_probe_fails_and_names_the_tensor() {
 }
 
 #[test]
-fn another_model_seed_fails_every_prompt() {
+fn another_model_seed_fails_at_once_before_generating() {
     let (_, prompts, golden) = fixture();
     let other = convert(1);
     let dir = scratch("seed1");
-    let (o, err) = verify(&other, prompts, golden, &dir.join("out.jsonl"), &[]);
+    let out = dir.join("out.jsonl");
+    let (o, err) = verify(&other, prompts, golden, &out, &[]);
     assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(err.contains("warning: the model's manifest.toml sha256"), "{err}");
-    for id in ["p1", "p2"] {
-        let r = row(&err, id);
-        assert_eq!((r[3].as_str(), r[4].as_str()), ("MISMATCH", "MISMATCH"), "{id}: {err}");
-        assert_ne!(r[2], "0", "{err}");
-        assert!(err.contains(&format!("  {id}: ar.")), "{err}");
+    assert!(
+        err.contains("kdtree-run: verify: the model is not the bundle's: its manifest.toml sha256")
+            && err.contains("the first step of prompt p1 differs (ar.")
+            && err.contains("stopped before generating"),
+        "{err}"
+    );
+    // Nothing was generated: no table, no output, no lock left.
+    assert!(!err.contains("prompts match") && !err.contains(" | "), "{err}");
+    assert!(!out.exists(), "records were written");
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+}
+
+#[test]
+fn another_manifest_with_the_bundles_numbers_warns_and_is_compared() {
+    let (model, prompts, golden) = fixture();
+    let dir = scratch("manifest");
+    // The same weights under a manifest that differs in a byte the numbers do not depend on.
+    let m = dir.join("model");
+    std::fs::create_dir(&m).unwrap();
+    for e in std::fs::read_dir(model).unwrap() {
+        let e = e.unwrap();
+        if e.file_name() != "manifest.toml" {
+            std::os::unix::fs::symlink(e.path(), m.join(e.file_name())).unwrap();
+        }
     }
+    let manifest = std::fs::read_to_string(model.join("manifest.toml")).unwrap();
+    std::fs::write(m.join("manifest.toml"), manifest.clone() + "\n").unwrap();
+    let (o, err) = verify(&m, prompts, golden, &dir.join("out.jsonl"), &[]);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains("warning: the model's manifest.toml sha256") && err.contains("its first step matches"),
+        "{err}"
+    );
+    assert!(err.contains("verify: 2 of 2 prompts match"), "{err}");
 }
 
 #[test]

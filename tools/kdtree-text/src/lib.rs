@@ -8,7 +8,9 @@
 //! * [`prompts`]: prompt files (JSONL: plain prompts, chat messages, token ids, OpenAI batch lines),
 //!   validated up front into one `Ok`/`Err` entry per line.
 //! * [`console`]: the tools' messages to people: stderr lines that never panic, errors printed once.
-//! * [`files`]: file identity, for the tools' "an output must not be an input" checks.
+//! * [`files`]: file identity, for the tools' "an output must not be an input" checks, and reads with a
+//!   size limit.
+//! * [`lock`]: the exclusive lock a tool holds on its output (flock(2) on a lock file naming the pid).
 //!
 //! Must not know: model math, devices, output formats.
 
@@ -16,6 +18,7 @@ pub mod chat;
 pub mod console;
 pub mod detok;
 pub mod files;
+pub mod lock;
 pub mod prompts;
 pub mod tokenizer;
 

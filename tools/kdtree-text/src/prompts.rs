@@ -19,10 +19,13 @@
 //! the file, so no two records share an id except a `duplicate_id` error, which repeats the user's id on
 //! purpose. Tests: bottom of this file.
 
-use std::path::Path;
-
-use anyhow::{Context, Result};
 use serde_json::{Map, Value as Json};
+
+mod messages;
+mod read;
+
+use messages::chat_input;
+pub use read::read_prompt_file;
 
 /// One non-blank line of a prompt file.
 #[derive(Debug, Clone, PartialEq)]
@@ -83,11 +86,21 @@ pub struct LineError {
     pub message: String,
 }
 
-/// Read and validate a prompt file (only I/O errors fail the whole file).
-pub fn read_prompt_file(path: &Path) -> Result<Vec<PromptLine>> {
-    let bytes = std::fs::read(path).with_context(|| format!("reading prompts {}", path.display()))?;
-    Ok(parse_prompt_bytes(&bytes))
-}
+/// Largest prompt line: 16 MiB (a 256k-token context is ~1 MiB of text, ~2 MiB as token ids).
+pub const MAX_LINE_BYTES: usize = 16 << 20;
+
+/// Largest prompt file: 256 MiB (OpenAI's batch API takes 200 MB).
+pub const MAX_FILE_BYTES: usize = 256 << 20;
+
+/// Largest `max_tokens` a flag or a line may ask for: 2^20, beyond every context a model of this project
+/// holds (K2.6: 262,144 positions; a run stops at the context anyway).
+pub const MAX_TOKENS_LIMIT: u64 = 1 << 20;
+
+/// Largest `top_k` a flag or a line may ask for: 2^20, beyond every vocabulary (K2.6: 163,840).
+pub const MAX_TOP_K: u64 = 1 << 20;
+
+/// Largest number of `stop` strings a line may give.
+pub const MAX_STOP_STRINGS: usize = 64;
 
 /// [`parse_prompt_bytes`] of text.
 pub fn parse_prompts(text: &str) -> Vec<PromptLine> {
@@ -104,6 +117,18 @@ pub fn parse_prompt_bytes(bytes: &[u8]) -> Vec<PromptLine> {
         let line_no = i + 1;
         match std::str::from_utf8(raw) {
             Ok(text) if text.trim().is_empty() => {}
+            Ok(text) if line_no == 1 && text.starts_with('\u{feff}') => {
+                // Not JSON (so no readable id): named as what it is rather than "expected value at column 1".
+                let mut line = parse_line(line_no, text);
+                line.request = Err(LineError {
+                    line_no,
+                    code: "invalid_json",
+                    message: "starts with a UTF-8 byte order mark (BOM, bytes EF BB BF): save the file as \
+                              UTF-8 without a BOM"
+                        .into(),
+                });
+                out.push(line);
+            }
             Ok(text) => out.push(parse_line(line_no, text)),
             Err(e) => {
                 let at = e.valid_up_to();
@@ -152,21 +177,23 @@ fn synthetic_id(line_no: usize) -> String {
     format!("line-{line_no}")
 }
 
-/// The range a temperature must lie in, for flags and lines alike.
+/// The range a temperature must lie in, for flags and lines alike (Err: the range, for a message that
+/// also shows the value as the user gave it: 1e308 is inf as an f32).
 pub fn check_temperature(t: f32) -> Result<(), String> {
     if t.is_finite() && (0.0..=100.0).contains(&t) {
         Ok(())
     } else {
-        Err(format!("must be a finite number in [0, 100], got {t}"))
+        Err("must be a finite number in [0, 100]".into())
     }
 }
 
-/// The range a nucleus mass must lie in, for flags and lines alike.
+/// The range a nucleus mass must lie in, for flags and lines alike (Err: the range, as
+/// [`check_temperature`]).
 pub fn check_top_p(p: f32) -> Result<(), String> {
     if p.is_finite() && p > 0.0 && p <= 1.0 {
         Ok(())
     } else {
-        Err(format!("must be a finite number in (0, 1], got {p}"))
+        Err("must be a finite number in (0, 1]".into())
     }
 }
 
@@ -349,41 +376,6 @@ fn reject_unknown(obj: &Map<String, Json>, known: &[&str], prefix: &str) -> Resu
     }
 }
 
-fn chat_input(
-    obj: &Map<String, Json>,
-    thinking: Option<&Json>,
-    preserve: Option<&Json>,
-    prefix: &str,
-) -> Result<Input, Fail> {
-    let Some(Json::Array(msgs)) = obj.get("messages") else {
-        return Err(invalid(format!("\"{prefix}messages\" must be an array")));
-    };
-    if msgs.is_empty() {
-        return Err(("empty_prompt", format!("\"{prefix}messages\" is empty")));
-    }
-    for (i, m) in msgs.iter().enumerate() {
-        if !m.get("role").is_some_and(Json::is_string) {
-            return Err(invalid(format!("{prefix}messages[{i}] needs a string \"role\"")));
-        }
-    }
-    let flag = |v: Option<&Json>, name: &str| match v {
-        None | Some(Json::Null) => Ok(None),
-        Some(Json::Bool(b)) => Ok(Some(*b)),
-        Some(_) => Err(invalid(format!("\"{name}\" must be true or false"))),
-    };
-    let tools = match obj.get("tools") {
-        None | Some(Json::Null) => None,
-        Some(t @ Json::Array(_)) => Some(t.clone()),
-        Some(_) => return Err(invalid(format!("\"{prefix}tools\" must be an array"))),
-    };
-    Ok(Input::Chat {
-        messages: Json::Array(msgs.clone()),
-        tools,
-        thinking: flag(thinking, "thinking")?,
-        preserve_thinking: flag(preserve, "preserve_thinking")?,
-    })
-}
-
 fn overrides(obj: &Map<String, Json>, max_key: &str, prefix: &str) -> Result<Overrides, Fail> {
     let get = |k: &str| obj.get(k).filter(|v| !v.is_null());
     let uint = |k: &str| -> Result<Option<u64>, Fail> {
@@ -400,10 +392,17 @@ fn overrides(obj: &Map<String, Json>, max_key: &str, prefix: &str) -> Result<Ove
         let x = v
             .as_f64()
             .ok_or_else(|| invalid(format!("\"{prefix}{k}\" must be a number")))? as f32;
-        check(x).map_err(|e| invalid(format!("\"{prefix}{k}\" {e}")))?;
+        check(x).map_err(|e| invalid(format!("\"{prefix}{k}\" {e}, got {v}")))?;
         Ok(Some(x))
     };
-    let max_tokens = uint(max_key)?.map(|x| x as usize);
+    // Sizes are bounded here, before anything is allocated for them.
+    let bounded = |k: &str, max: u64| -> Result<Option<usize>, Fail> {
+        match uint(k)? {
+            Some(x) if x > max => Err(invalid(format!("\"{prefix}{k}\" is {x}; at most {max}"))),
+            x => Ok(x.map(|x| x as usize)),
+        }
+    };
+    let max_tokens = bounded(max_key, MAX_TOKENS_LIMIT)?;
     if max_tokens == Some(0) {
         return Err(invalid(format!("\"{prefix}{max_key}\" must be at least 1")));
     }
@@ -424,11 +423,16 @@ fn overrides(obj: &Map<String, Json>, max_key: &str, prefix: &str) -> Result<Ove
             )))
         }
     };
+    if let Some(n) = stop.as_ref().map(Vec::len).filter(|&n| n > MAX_STOP_STRINGS) {
+        return Err(invalid(format!(
+            "\"{prefix}stop\" has {n} strings; at most {MAX_STOP_STRINGS}"
+        )));
+    }
     Ok(Overrides {
         max_tokens,
         temperature,
         top_p,
-        top_k: uint("top_k")?.map(|x| x as usize),
+        top_k: bounded("top_k", MAX_TOP_K)?,
         seed: uint("seed")?,
         stop,
     })
@@ -658,12 +662,55 @@ mod tests {
     }
 
     #[test]
-    fn reads_files_and_reports_io_errors() {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("p.jsonl");
-        std::fs::write(&p, "{\"id\":\"a\",\"prompt\":\"x\"}\n").unwrap();
-        assert_eq!(read_prompt_file(&p).unwrap().len(), 1);
-        let err = format!("{:#}", read_prompt_file(&dir.path().join("missing.jsonl")).unwrap_err());
-        assert!(err.contains("missing.jsonl"), "{err}");
+    fn sizes_a_line_asks_for_are_bounded() {
+        let err = |extra: &str| {
+            let line = format!(r#"{{"id":"a","prompt_token_ids":[1],{extra}}}"#);
+            parse_line(3, &line)
+                .request
+                .map_or_else(|e| e.to_string(), |_| "ok".into())
+        };
+        assert_eq!(
+            err(r#""max_tokens":1048577"#),
+            "line 3: \"max_tokens\" is 1048577; at most 1048576"
+        );
+        assert_eq!(err(r#""max_tokens":1048576"#), "ok");
+        assert_eq!(
+            err(r#""top_k":1048577"#),
+            "line 3: \"top_k\" is 1048577; at most 1048576"
+        );
+        assert_eq!(
+            err(r#""top_k":18446744073709551615"#),
+            "line 3: \"top_k\" is 18446744073709551615; at most 1048576"
+        );
+        let stops = |n: usize| (0..n).map(|i| format!("\"s{i}\"")).collect::<Vec<_>>().join(",");
+        assert_eq!(err(&format!(r#""stop":[{}]"#, stops(64))), "ok");
+        assert_eq!(
+            err(&format!(r#""stop":[{}]"#, stops(65))),
+            "line 3: \"stop\" has 65 strings; at most 64"
+        );
+        let openai = r#"{"custom_id":"o","method":"POST","url":"/v1/chat/completions","body":{"messages":[{"role":"user","content":"x"}],"max_completion_tokens":2000000}}"#;
+        let e = parse_line(1, openai).request.unwrap_err();
+        assert_eq!(e.message, "\"body.max_completion_tokens\" is 2000000; at most 1048576");
+    }
+
+    #[test]
+    fn numbers_are_shown_as_given_and_a_bom_is_named() {
+        let e = parse_line(1, r#"{"id":"a","prompt":"x","temperature":1e308}"#)
+            .request
+            .unwrap_err();
+        assert_eq!(
+            e.message,
+            "\"temperature\" must be a finite number in [0, 100], got 1e+308"
+        );
+        let lines =
+            parse_prompt_bytes(b"\xef\xbb\xbf{\"id\":\"a\",\"prompt\":\"x\"}\n{\"id\":\"b\",\"prompt\":\"y\"}\n");
+        let e = lines[0].request.as_ref().unwrap_err();
+        assert_eq!((e.code, lines[0].id.as_str()), ("invalid_json", "line-1"));
+        assert!(
+            e.to_string()
+                .starts_with("line 1: starts with a UTF-8 byte order mark (BOM"),
+            "{e}"
+        );
+        assert!(lines[1].request.is_ok());
     }
 }
