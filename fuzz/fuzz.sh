@@ -11,7 +11,8 @@
 #   fuzz/fuzz.sh repro TARGET FILE...   run the target once on each FILE (a crash input, a seed)
 #
 # Environment: FUZZ_TARGET_DIR (default fuzz/target), FUZZ_TARGETS (default: all four), FUZZ_RECORD=1
-# appends one line per run to fuzz/runs.tsv (date, commit, target, seconds, executions, result).
+# appends one line per run to fuzz/runs.tsv (end date, commit checked out at the start, target, seconds,
+# executions, result).
 # Runs are nice 19, one process (the machines are shared), and bounded: -max_total_time, -rss_limit_mb=2048,
 # -malloc_limit_mb=1024 (one allocation over 1 GiB is a finding), -timeout=10 (one input over 10 s is one).
 # Exit status: 0 when every run ended without a finding, else the first failing run's status.
@@ -43,8 +44,9 @@ run() {
     local t=$1 secs=$2
     shift 2
     mkdir -p "corpus/$t" "artifacts/$t"
-    local log
+    local log commit
     log=$(mktemp)
+    commit=$(git rev-parse --short HEAD)
     local rc=0
     ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=0} nice -n 19 "$BIN/$t" "corpus/$t" "seeds/$t" \
         -dict="$(dict_of "$t")" -max_total_time="$secs" -rss_limit_mb=2048 -malloc_limit_mb=1024 \
@@ -57,7 +59,7 @@ run() {
     fi
     echo "fuzz: $t: ${execs:-?} executions in ${secs}s, exit $rc"
     if [ "${FUZZ_RECORD:-0}" = 1 ]; then
-        printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$(date -u +%Y-%m-%dT%H:%MZ)" "$(git rev-parse --short HEAD)" "$t" \
+        printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$(date -u +%Y-%m-%dT%H:%MZ)" "$commit" "$t" \
             "$secs" "${execs:-?}" "$([ "$rc" = 0 ] && echo ok || echo "exit $rc")" >>runs.tsv
     fi
     rm -f "$log"
