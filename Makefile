@@ -11,8 +11,9 @@ GOLDEN     := $(RELEASE)/kdtree-golden
 RUN        := $(RELEASE)/kdtree-run
 SEED       ?= 0
 PAIR       ?= models/kdtree-tiny
+FUZZ_SECONDS ?= 600
 
-.PHONY: lint kernels-check cuda-check gpu-stage gpu-test gpu-test-k26 gpu-bench bench-batch bench-table-check build test demo demo-synth train bench-acceptance golden golden-check crosscheck fixtures bench-convert clean
+.PHONY: fuzz fuzz-smoke lint kernels-check cuda-check gpu-stage gpu-test gpu-test-k26 gpu-bench bench-batch bench-table-check build test demo demo-synth train bench-acceptance golden golden-check crosscheck fixtures bench-convert clean
 
 ## build: release binaries kdtree-convert, kdtree-golden, kdtree-run
 build:
@@ -58,6 +59,15 @@ bench-batch:
 ## gpu-bench: on the GPU machine (+ python3 with torch): every staged cuda_bench* timing and bench/peers.py, one W4A16 table last
 gpu-bench:
 	bash bench/gpu-bench.sh .dev-gpu
+
+## fuzz: the libFuzzer targets of fuzz/ (docs/fuzzing.md), each for FUZZ_SECONDS (default 600), one at a time, nice 19;
+## every run appended to fuzz/runs.tsv. FUZZ_TARGETS="prompts chat" picks targets. Needs no cargo-fuzz
+fuzz:
+	FUZZ_RECORD=1 bash fuzz/fuzz.sh all $(FUZZ_SECONDS)
+
+## fuzz-smoke: build the fuzz targets and run each for 25 s from its seeds (CI runs it)
+fuzz-smoke:
+	bash fuzz/fuzz.sh all 25
 
 ## bench-table-check: bench/table.py on its committed fixtures (python3 standard library only; CI runs it)
 bench-table-check:

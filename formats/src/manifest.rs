@@ -296,18 +296,24 @@ impl Manifest {
             .find_map(|l| l.trim().strip_prefix("format_version"))
             .and_then(|r| r.trim().strip_prefix('='))
             .and_then(|v| v.trim().parse::<u32>().ok());
+        let unsupported = |v: u32| {
+            FormatError::file(
+                file,
+                format!("format_version {v} is not supported (this build reads {READ_VERSIONS:?})"),
+            )
+        };
         match version {
             Some(v) if READ_VERSIONS.contains(&v) => {}
-            Some(v) => {
-                return Err(FormatError::file(
-                    file,
-                    format!("format_version {v} is not supported (this build reads {READ_VERSIONS:?})"),
-                ))
-            }
+            Some(v) => return Err(unsupported(v)),
             None => return Err(FormatError::file(file, "no format_version line: not a kdtree manifest")),
         }
         let m: Manifest =
             toml::from_str(text).map_err(|e| FormatError::file(file, format!("invalid manifest: {e}")))?;
+        // The scan above is a quick look (a clear error before the structure of another version fails to
+        // parse); the parsed value decides (the scan can be fooled, e.g. by a multi-line string).
+        if !READ_VERSIONS.contains(&m.format_version) {
+            return Err(unsupported(m.format_version));
+        }
         m.check(file)?;
         Ok(m)
     }
@@ -558,6 +564,20 @@ mod tests {
         assert!(m.check("m").is_err());
         let e = Manifest::parse("m", &s.replace("generator = ", "surprise = 1\ngenerator = ")).unwrap_err();
         assert!(e.to_string().contains("surprise"), "{e}");
+    }
+
+    #[test]
+    fn the_version_line_scan_cannot_be_fooled_by_a_string() {
+        // Found writing the fuzz target's contract (fuzz/fuzz_targets/manifest.rs): the quick scan for the
+        // version line took `format_version = 1` inside a multi-line string, and the real value (7) was
+        // accepted and then checked under format 2's rules.
+        let s = tiny().to_toml().unwrap().replace(
+            "format_version = 2\ngenerator = \"test\"\n",
+            "generator = \"\"\"\nformat_version = 1\n\"\"\"\nformat_version = 7\n",
+        );
+        assert!(s.starts_with("generator = \"\"\"\nformat_version = 1\n"), "{s}");
+        let e = Manifest::parse("m", &s).unwrap_err().to_string();
+        assert!(e.contains("format_version 7 is not supported"), "{e}");
     }
 
     #[test]

@@ -194,6 +194,33 @@ impl ShardHeader {
     }
 }
 
+/// Check the 8-byte length prefix against the file length: returns the header length and the length of
+/// the data buffer after it. One rule for [`read_header`] (a file) and [`parse_bytes`] (bytes in memory).
+fn check_prefix(name: &str, prefix: [u8; 8], file_len: u64) -> Result<(usize, usize)> {
+    let n = u64::from_le_bytes(prefix);
+    if n > MAX_HEADER_SIZE {
+        return Err(FormatError::file(
+            name,
+            format!("header length {n} exceeds the {MAX_HEADER_SIZE}-byte limit"),
+        ));
+    }
+    let end = 8u64.checked_add(n).filter(|&e| e <= file_len).ok_or_else(|| {
+        FormatError::file(
+            name,
+            format!("header length {n} runs past the end of the {file_len}-byte file"),
+        )
+    })?;
+    let data_len = usize::try_from(file_len - end).map_err(|_| FormatError::file(name, "file too large"))?;
+    Ok((n as usize, data_len))
+}
+
+fn too_short(name: &str, file_len: u64) -> FormatError {
+    FormatError::file(
+        name,
+        format!("file is {file_len} bytes, shorter than the 8-byte header length"),
+    )
+}
+
 /// Read the 8-byte prefix and header of `path` and validate them against the file length.
 /// Returns the header and the file length; nothing is mapped.
 pub fn read_header(path: &Path) -> Result<(ShardHeader, u64)> {
@@ -201,31 +228,26 @@ pub fn read_header(path: &Path) -> Result<(ShardHeader, u64)> {
     let mut f = File::open(path).map_err(|e| FormatError::io(path, e))?;
     let file_len = f.metadata().map_err(|e| FormatError::io(path, e))?.len();
     if file_len < 8 {
-        return Err(FormatError::file(
-            &name,
-            format!("file is {file_len} bytes, shorter than the 8-byte header length"),
-        ));
+        return Err(too_short(&name, file_len));
     }
     let mut prefix = [0u8; 8];
     f.read_exact(&mut prefix).map_err(|e| FormatError::io(path, e))?;
-    let n = u64::from_le_bytes(prefix);
-    if n > MAX_HEADER_SIZE {
-        return Err(FormatError::file(
-            &name,
-            format!("header length {n} exceeds the {MAX_HEADER_SIZE}-byte limit"),
-        ));
-    }
-    let end = 8u64.checked_add(n).filter(|&e| e <= file_len).ok_or_else(|| {
-        FormatError::file(
-            &name,
-            format!("header length {n} runs past the end of the {file_len}-byte file"),
-        )
-    })?;
-    let mut json = vec![0u8; n as usize];
+    let (n, data_len) = check_prefix(&name, prefix, file_len)?;
+    let mut json = vec![0u8; n];
     f.read_exact(&mut json).map_err(|e| FormatError::io(path, e))?;
-    let data_len = usize::try_from(file_len - end).map_err(|_| FormatError::file(&name, "file too large"))?;
     let h = ShardHeader::parse(&name, &json, data_len)?;
     Ok((h, file_len))
+}
+
+/// The header of a whole safetensors file held in memory (`name` is for messages), validated exactly as
+/// [`read_header`] validates a file on disk. Used by the fuzz target `safetensors` (fuzz/, docs/fuzzing.md).
+pub fn parse_bytes(name: &str, bytes: &[u8]) -> Result<ShardHeader> {
+    let file_len = bytes.len() as u64;
+    let Some((prefix, rest)) = bytes.split_first_chunk::<8>() else {
+        return Err(too_short(name, file_len));
+    };
+    let (n, data_len) = check_prefix(name, *prefix, file_len)?;
+    ShardHeader::parse(name, &rest[..n], data_len)
 }
 
 /// A validated safetensors file, mapped read-only.
@@ -389,5 +411,34 @@ mod tests {
         std::fs::write(&p, file_bytes(json, &[7; 8])).unwrap();
         let f = SafeFile::open(&p).unwrap();
         assert_eq!(f.tensor("w").unwrap().1, &[7; 8]);
+    }
+
+    #[test]
+    fn parse_bytes_agrees_with_read_header() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("x.safetensors");
+        let json = r#"{"w":{"dtype":"U8","shape":[8],"data_offsets":[0,8]}}"#;
+        let mut huge = u64::MAX.to_le_bytes().to_vec();
+        huge.extend_from_slice(b"{}");
+        let mut past = 1000u64.to_le_bytes().to_vec();
+        past.extend_from_slice(b"{}");
+        for bytes in [
+            vec![],
+            vec![1, 0, 0],
+            huge,
+            past,
+            file_bytes(json, &[1, 2, 3]),
+            file_bytes(json, &[7; 9]),
+            file_bytes(json, &[7; 8]),
+            file_bytes("{}", &[]),
+            file_bytes("[]", &[]),
+        ] {
+            std::fs::write(&p, &bytes).unwrap();
+            let on_disk = read_header(&p).map(|(h, _)| h.tensors).map_err(|e| e.to_string());
+            let in_memory = parse_bytes(&p.display().to_string(), &bytes)
+                .map(|h| h.tensors)
+                .map_err(|e| e.to_string());
+            assert_eq!(in_memory, on_disk, "{bytes:?}");
+        }
     }
 }
