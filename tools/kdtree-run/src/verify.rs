@@ -209,6 +209,7 @@ pub fn first_step(
         vocab: want.vocab,
         full_steps: full,
         full_logits: want.full_logits[..full * want.vocab].to_vec(),
+        router_margins: want.router_margins.iter().take(n).copied().collect(),
     };
     let opts = ArOptions {
         max_tokens: n,
