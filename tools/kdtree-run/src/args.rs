@@ -71,7 +71,10 @@ pub struct Args {
     pub budget: Budget,
 
     /// Largest budget `--budget auto` may choose.
-    #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=MAX_BUDGET as u64))]
+    #[arg(
+        long, value_name = "N", default_value_t = 256,
+        value_parser = clap::value_parser!(u64).range(1..=MAX_BUDGET as u64)
+    )]
     pub budget_max: u64,
 
     /// Sequences in flight at once (continuous batching: a finished line's slot is refilled from the file at
@@ -98,16 +101,19 @@ pub struct Args {
     pub share_gpu: bool,
 
     /// Default maximum completion tokens per line (at most 1048576; a line stops at the model's context anyway).
-    #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=MAX_TOKENS_LIMIT))]
+    #[arg(
+        long, value_name = "N", default_value_t = 256,
+        value_parser = clap::value_parser!(u64).range(1..=MAX_TOKENS_LIMIT)
+    )]
     pub max_tokens: u64,
 
     /// Default sampling temperature in [0, 100]; 0 = greedy.
-    #[arg(long, value_name = "T", default_value_t = 0.0, value_parser = parse_temperature)]
-    pub temperature: f32,
+    #[arg(long, value_name = "T", default_value = "0", value_parser = parse_number)]
+    pub temperature: Number,
 
     /// Default nucleus mass in (0, 1]; 1 = off.
-    #[arg(long, value_name = "P", default_value_t = 1.0, value_parser = parse_top_p)]
-    pub top_p: f32,
+    #[arg(long, value_name = "P", default_value = "1", value_parser = parse_number)]
+    pub top_p: Number,
 
     /// Default top-k (at most 1048576); 0 = off.
     #[arg(long, value_name = "K", default_value_t = 0, value_parser = clap::value_parser!(u64).range(..=MAX_TOP_K))]
@@ -187,16 +193,20 @@ fn parse_warmup(s: &str) -> Result<usize, String> {
     }
 }
 
-/// `--temperature`: checked on the value as given (clap's message shows it: `1e308`, not the f32 `inf`).
-fn parse_temperature(s: &str) -> Result<f32, String> {
-    let t: f32 = s.parse().map_err(|_| "not a number".to_string())?;
-    kdtree_text::prompts::check_temperature(t).map(|()| t)
+/// A number flag as given (`--temperature 1e308` is inf as an f32: messages show what the user typed);
+/// its range is checked by [`Args::validate`], with the other checks, as prompt lines are held to.
+#[derive(Debug, Clone)]
+pub struct Number {
+    pub value: f32,
+    pub text: String,
 }
 
-/// `--top-p`, as [`parse_temperature`].
-fn parse_top_p(s: &str) -> Result<f32, String> {
-    let p: f32 = s.parse().map_err(|_| "not a number".to_string())?;
-    kdtree_text::prompts::check_top_p(p).map(|()| p)
+fn parse_number(s: &str) -> Result<Number, String> {
+    let value = s.parse().map_err(|_| "not a number".to_string())?;
+    Ok(Number {
+        value,
+        text: s.to_string(),
+    })
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -252,8 +262,8 @@ impl Args {
         Defaults {
             max_tokens: self.max_tokens as usize,
             sampling: Sampling {
-                temperature: self.temperature,
-                top_p: self.top_p,
+                temperature: self.temperature.value,
+                top_p: self.top_p.value,
                 top_k: self.top_k as usize,
                 seed: self.seed,
             },
@@ -271,8 +281,12 @@ impl Args {
         }
     }
 
-    /// Checks clap cannot express (the numeric ranges, the ones prompt lines are held to, are clap's).
+    /// Checks clap cannot express; the numeric ranges are the ones prompt lines are held to.
     pub fn validate(&self) -> anyhow::Result<()> {
+        use kdtree_text::prompts::{check_temperature, check_top_p};
+        let (t, p) = (&self.temperature, &self.top_p);
+        check_temperature(t.value).map_err(|e| anyhow::anyhow!("--temperature {e}, got {}", t.text))?;
+        check_top_p(p.value).map_err(|e| anyhow::anyhow!("--top-p {e}, got {}", p.text))?;
         anyhow::ensure!(
             !(self.resume && self.out.as_os_str() == "-"),
             "--resume needs --out to be a file"

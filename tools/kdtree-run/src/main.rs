@@ -151,9 +151,9 @@ struct Golden {
 }
 
 /// Every check that can fail before a byte is written, cheapest first: flags; outputs are not inputs and
-/// can be written; the lock on --out (held until the run ends); the prompt file; the --verify bundle; --resume's records (ids in order, fingerprints);
-/// the model, its drafter for DDTree, `--budget auto`'s cost file for its device, and (--verify) its fit
-/// to the bundle.
+/// can be written; the lock on --out (held until the run ends); the prompt file; the --verify bundle;
+/// --resume's records (ids in order, fingerprints); the model, its drafter for DDTree, `--budget auto`'s cost
+/// file for its device, and (--verify) its fit to the bundle.
 fn prepare(args: &Args) -> Result<Job> {
     args.validate()?;
     paths::check(args)?;

@@ -221,7 +221,11 @@ fn every_size_a_line_asks_for_is_bounded() {
         r#"{"id":"m","prompt_token_ids":[1,2],"max_tokens":1048577}"#.to_string(),
         r#"{"id":"k","prompt_token_ids":[1,2],"top_k":18446744073709551615}"#.to_string(),
         format!(r#"{{"id":"s","prompt_token_ids":[1,2],"stop":[{stops}]}}"#),
-        r#"{"custom_id":"o","method":"POST","url":"/v1/chat/completions","body":{"messages":[{"role":"user","content":"x"}],"max_completion_tokens":1048577}}"#.to_string(),
+        concat!(
+            r#"{"custom_id":"o","method":"POST","url":"/v1/chat/completions","#,
+            r#""body":{"messages":[{"role":"user","content":"x"}],"max_completion_tokens":1048577}}"#
+        )
+        .to_string(),
         r#"{"id":"ok","prompt_token_ids":[1,2],"max_tokens":2,"top_k":1048576,"temperature":1}"#.to_string(),
     ]
     .join("\n");
@@ -311,8 +315,14 @@ fn chat_content_of_another_type_and_media_parts_are_line_errors() {
     let text = [
         r#"{"id":"n","messages":[{"role":"user","content":5}]}"#,
         r#"{"id":"o","messages":[{"role":"user","content":{"text":"hi"}}]}"#,
-        r#"{"id":"i","messages":[{"role":"user","content":[{"type":"text","text":"what is this?"},{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"}}]}]}"#,
-        r#"{"custom_id":"b","method":"POST","url":"/v1/chat/completions","body":{"messages":[{"role":"user","content":true}]}}"#,
+        concat!(
+            r#"{"id":"i","messages":[{"role":"user","content":[{"type":"text","text":"what is this?"},"#,
+            r#"{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"}}]}]}"#
+        ),
+        concat!(
+            r#"{"custom_id":"b","method":"POST","url":"/v1/chat/completions","#,
+            r#""body":{"messages":[{"role":"user","content":true}]}}"#
+        ),
         r#"{"id":"ok","messages":[{"role":"user","content":[{"type":"text","text":"hi"}]}],"max_tokens":2}"#,
     ]
     .join("\n");
@@ -358,7 +368,7 @@ fn messages_show_values_as_given_and_no_debug_formatting() {
         let err = stderr(&o);
         assert_eq!(o.status.code(), Some(2), "{err}");
         assert!(
-            err.contains(&format!("'{value}'")) && err.contains("finite number") && !err.contains("got inf"),
+            err.contains(&format!("got {value}")) && err.contains("finite number") && !err.contains("got inf"),
             "{err}"
         );
     }

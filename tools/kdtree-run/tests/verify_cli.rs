@@ -3,9 +3,10 @@
 //! kdtree-golden binary runs) into a temp dir, then kdtree-run on the same model must match it (exit 0),
 //! and must exit 1 naming the prompt when one recorded logit is changed (AR full logits of one prompt,
 //! a DDTree verify logit of the other, the index's sha256 re-written as the reader requires), and at once,
-//! before generating, when the model is another seed (same architecture, its first step not the bundle's). Also: a changed file without its new sha256, a prompt file that is not the bundle's,
-//! and (in a build without the CUDA backend) --device cuda are refused with exit 2 before any work. The
-//! CUDA rules themselves: src/verify/e2e_tests.rs.
+//! before generating, when the model is another seed (same architecture, its first step not the bundle's).
+//! Also: a changed file without its new sha256, a prompt file that is not the bundle's, and (in a build
+//! without the CUDA backend) --device cuda are refused with exit 2 before any work. The CUDA rules
+//! themselves: src/verify/e2e_tests.rs.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

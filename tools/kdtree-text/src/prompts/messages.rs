@@ -126,7 +126,10 @@ mod tests {
             assert_eq!(error(ok), "ok", "{ok}");
         }
         // OpenAI lines name the body's field.
-        let line = r#"{"custom_id":"b","method":"POST","url":"/v1/chat/completions","body":{"messages":[{"role":"user","content":5}]}}"#;
+        let line = concat!(
+            r#"{"custom_id":"b","method":"POST","url":"/v1/chat/completions","#,
+            r#""body":{"messages":[{"role":"user","content":5}]}}"#
+        );
         let e = parse_line(2, line).request.unwrap_err();
         assert!(e.message.starts_with("body.messages[0].content must be"), "{e}");
     }
