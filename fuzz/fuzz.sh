@@ -46,7 +46,7 @@ run() {
     mkdir -p "corpus/$t" "artifacts/$t"
     local log commit
     log=$(mktemp)
-    commit=$(git rev-parse --short HEAD)
+    commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
     local rc=0
     ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=0} nice -n 19 "$BIN/$t" "corpus/$t" "seeds/$t" \
         -dict="$(dict_of "$t")" -max_total_time="$secs" -rss_limit_mb=2048 -malloc_limit_mb=1024 \
