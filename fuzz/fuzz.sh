@@ -17,6 +17,7 @@
 # -malloc_limit_mb=1024 (one allocation over 1 GiB is a finding), -timeout=10 (one input over 10 s is one).
 # Exit status: 0 when every run ended without a finding, else the first failing run's status.
 set -euo pipefail
+CALLER_DIR=$PWD
 cd "$(dirname "$0")"
 TRIPLE=$(rustc -vV | sed -n 's/^host: //p')
 TARGET_DIR=${FUZZ_TARGET_DIR:-$PWD/target}
@@ -46,7 +47,7 @@ run() {
     mkdir -p "corpus/$t" "artifacts/$t"
     local log commit
     log=$(mktemp)
-    commit=$(git rev-parse --short HEAD)
+    commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
     local rc=0
     ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=0} nice -n 19 "$BIN/$t" "corpus/$t" "seeds/$t" \
         -dict="$(dict_of "$t")" -max_total_time="$secs" -rss_limit_mb=2048 -malloc_limit_mb=1024 \
@@ -89,7 +90,14 @@ case ${1:-} in
         [ $# -ge 3 ] || { echo "usage: $0 repro TARGET FILE..." >&2; exit 2; }
         t=$2
         shift 2
-        ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=0} "$BIN/$t" -runs=1 "$@"
+        files=()
+        for f in "$@"; do
+            case $f in
+                /*) files+=("$f") ;;
+                *) files+=("$CALLER_DIR/$f") ;;
+            esac
+        done
+        ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=0} "$BIN/$t" -runs=1 "${files[@]}"
         ;;
     *)
         echo "usage: $0 build | run TARGET SECONDS [args...] | all SECONDS | repro TARGET FILE..." >&2
