@@ -40,7 +40,11 @@ fn k26_manifest(experts: ExpertsMode) -> (Manifest, kdtree_formats::plan::Plan) 
             text_config_json: tc.to_string(),
             drafter_config_json: Some(DRAFTER.into()),
             text_config: json_to_toml(&tc).unwrap().as_table().unwrap().clone(),
-            drafter_config: None,
+            // The table mirrors the JSON, as repack writes it (a reader refuses a manifest where they differ).
+            drafter_config: json_to_toml(&serde_json::from_str(DRAFTER).unwrap())
+                .unwrap()
+                .as_table()
+                .cloned(),
         },
         max_file_size: 5 << 30,
         experts_source: "int4".into(),

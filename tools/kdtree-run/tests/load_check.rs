@@ -144,6 +144,17 @@ fn a_damaged_replicated_copy_of_rank_1_is_refused_by_default() {
 }
 
 #[test]
+fn damaged_int4_scales_of_rank_1_are_refused_by_default() {
+    // The scales of an INT4 expert stack, checked from the same hash of the stack as its packed bytes.
+    refused_by_default(
+        "scales",
+        "language_model.model.layers.1.mlp.experts.down_proj.weight_scale",
+        1,
+        &["--mode", "ar"],
+    );
+}
+
+#[test]
 fn a_damaged_drafter_tensor_is_refused_by_default() {
     refused_by_default("drafter", "drafter.fc.weight", 0, &["--budget", "4"]);
 }
