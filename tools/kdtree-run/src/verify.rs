@@ -105,16 +105,16 @@ pub const CPU_TOLERANCES: Tolerances = Tolerances {
 /// AR step 2; pair k-code verify node 1: 0.57, its child 0.18); 2x: 4.0. The near-tie margin is the logits
 /// tolerance: the measured flips had margins 3.8e-3 (g-mid AR step 7), 3.8e-3 (draft row 0 of g-short).
 /// A route flip needs evidence: the bundle's CPU router decision margin on the row's own rows (the row and the
-/// rows it attends through: earlier AR steps, tree ancestors) below 1.5e-3. The flips measured on the GPU had
-/// margins of 6.4e-4 (synthetic g-mid AR step 2, golden/), 5.0e-4 (trained pair k-code verify node 1), 2.1e-4,
-/// 9.7e-5 and 4.0e-5 (the pair's held-out prompts, run 51), 4.9e-5 and 3.8e-5 (the real-width gate, run 50):
-/// 2.3x the largest.
+/// rows it attends through: earlier AR steps, tree ancestors) below 3e-3. The flips measured on the GPU had
+/// margins of 1.5e-3 (synthetic g-mid verify node 6, run 52), 6.4e-4 (g-mid AR step 2), 5.0e-4 (trained pair
+/// k-code verify node 1), 2.1e-4, 9.7e-5 and 4.0e-5 (the pair's held-out prompts, run 51), 4.9e-5 and 3.8e-5
+/// (the real-width gate, runs 50 and 52): 2x the largest.
 pub const CUDA_TOLERANCES: Tolerances = Tolerances {
     logits: 0.15,
     layers: 0.165,
     router_weights: 0.025,
     route_flip: 4.0,
-    route_flip_margin: 1.5e-3,
+    route_flip_margin: 3e-3,
     near_ties: true,
 };
 

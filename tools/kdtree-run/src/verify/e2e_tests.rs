@@ -116,7 +116,7 @@ fn a_route_flip_sized_row_is_accepted_only_with_the_bundles_router_evidence() {
                 .find(|&i| i as u32 != r.ar.tokens[2] && !r.ar.topk_row(2).0.contains(&(i as u32)))
                 .unwrap();
             r.ar.full_logits[2 * v + i] += 1.0;
-            // the bundle's CPU router margin on the rows of step 2: a route may flip below 1.5e-3
+            // the bundle's CPU router margin on the rows of step 2: a route may flip below 3e-3
             assert!(r.ar.router_margins.len() > 2, "the CPU bundle records router margins");
             r.ar.router_margins[2] = margin;
         }
@@ -158,7 +158,7 @@ fn a_greedy_divergence_passes_only_at_a_near_tie_and_stops_the_comparison() {
             r.ar.tokens[3] = second;
             r.ar.topk_logits[3 * k + 1] = r.ar.topk_logits[3 * k] - margin;
             // the edit moves that logit ~0.5 from the run's: as if a route flipped there (the CPU router's
-            // margin on the row below 1.5e-3), so that only the token rule is under test
+            // margin on the row below 3e-3), so that only the token rule is under test
             r.ar.router_margins[3] = 1e-5;
             // later steps followed another prefix: anything there must not be compared
             r.ar.tokens[5] = (r.ar.tokens[5] + 1) % r.ar.vocab as u32;
