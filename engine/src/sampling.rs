@@ -7,8 +7,9 @@
 //! **Rank order** of a row: value descending, then token id ascending; `-0.0` equals `+0.0`; NaN ranks
 //! after every number. As an integer: [`rank_key`] `= ord(x) << 32 | (2^32 − 1 − id)`, larger = better,
 //! where `ord(NaN) = 0` and otherwise, with `b = bits(x + 0.0)` (so −0 → +0), `ord = !b` if the sign bit
-//! is set, else `b | 0x8000_0000` (a u32 in value order), so a GPU can radix-select u64 keys. [`top_k`] = the first k in rank order (selection, then a sort of the k only); [`argmax`] = the
-//! first. The MoE router, the draft top-K of the tree builder and the sampler all use this order.
+//! is set, else `b | 0x8000_0000` (a u32 in value order), so a GPU can radix-select u64 keys. [`top_k`] = the first k
+//! in rank order (selection, then a sort of the k only); [`argmax`] = the first. The MoE router, the draft top-K of
+//! the tree builder and the sampler all use this order.
 //!
 //! **Uniform of a position.** The token that will sit at absolute position p (0-based, prompt included)
 //! under seed s uses `u = uniform(s, p)`: Philox4x32-10 (Random123, Salmon et al. SC'11; [`philox4x32_10`])
@@ -33,10 +34,10 @@
 //!
 //! Nothing sorts the vocabulary: step 2 is one selection (the k-th value); step 3 sorts only the step-2
 //! survivors when top-k cut, else widens a partial selection (top 32, 128, 512, … in rank order) until
-//! the cut is inside it; step 4 is one pass in id order (a prefix sum on a GPU). Sums are sequential in the stated order; a parallel backend summing in another order can
-//! differ only when u·Z or P lies within f64 rounding (~1e-16 relative) of a boundary.
-//! Tests: unit tests below; brute-force spec in engine/tests/sampling_spec.rs; AR == DDTree and
-//! position-keyed draws in engine/tests/generate_loops.rs and sampling_positions.rs.
+//! the cut is inside it; step 4 is one pass in id order (a prefix sum on a GPU). Sums are sequential in the stated
+//! order; a parallel backend summing in another order can differ only when u·Z or P lies within f64 rounding (~1e-16
+//! relative) of a boundary. Tests: unit tests below; brute-force spec in engine/tests/sampling_spec.rs; AR == DDTree
+//! and position-keyed draws in engine/tests/generate_loops.rs and sampling_positions.rs.
 
 use std::cmp::Ordering;
 

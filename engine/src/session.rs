@@ -1,10 +1,10 @@
 //! The engine's API at the tool boundary: a [`Session`] owns one sequence's generation state — the
 //! target's latent KV cache and the drafter's context (inside its `Target` / `Drafter`), tree scratch
-//! and the sampling settings (draws are keyed by (seed, position), sampling.rs) — and advances it one *step* per call: one autoregressive token, or
-//! one whole DDTree round (draft → top-K → tree → verify → walk → commit → drafter context += taps of the
-//! accepted nodes). A step returns only the emitted tokens and the round's counters: on a GPU backend
-//! that is the one device→host copy per round; logits, trees and taps never cross the boundary unless
-//! a caller asks for them with [`ProbeSet`].
+//! and the sampling settings (draws are keyed by (seed, position), sampling.rs) — and advances it one *step* per
+//! call: one autoregressive token, or one whole DDTree round (draft → top-K → tree → verify → walk → commit
+//! → drafter context += taps of the accepted nodes). A step returns only the emitted tokens and the round's
+//! counters: on a GPU backend that is the one device→host copy per round; logits, trees and taps never cross the
+//! boundary unless a caller asks for them with [`ProbeSet`].
 //!
 //! Where a round runs: a DDTree round goes to [`Target::device_round`] (the round on the target's own
 //! backend: the drafter, top-K, tree, mask, verify, decisions, walk and commit where the ops run, one read

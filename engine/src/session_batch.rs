@@ -52,7 +52,8 @@ pub struct KvBudget {
 
 /// A sequence whose caches cannot fit in the batch's KV memory even alone.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("a sequence of {positions} positions needs {} ({need} bytes, {rows} cache rows) of KV cache; the batch's KV memory is {} ({budget} bytes)", size(*need), size(*budget))]
+#[error("a sequence of {positions} positions needs {} ({need} bytes, {rows} cache rows) of KV cache; the batch's KV \
+         memory is {} ({budget} bytes)", size(*need), size(*budget))]
 pub struct KvTooLarge {
     pub positions: usize,
     pub rows: usize,
@@ -358,7 +359,8 @@ impl Batch {
                 };
                 // Every slot in index order: the active ones, then idle ones as ghosts.
                 let mut items: Vec<BatchItem<'_>> = Vec::new();
-                let mut joined: Vec<(usize, Option<usize>, usize)> = Vec::new(); // (slot, position in `active` or None = ghost, start)
+                // (slot, position in `active` or None = ghost, start)
+                let mut joined: Vec<(usize, Option<usize>, usize)> = Vec::new();
                 for (i, s) in self.slots.iter_mut().enumerate() {
                     let k = active.iter().position(|&a| a == i);
                     if k.is_some() {

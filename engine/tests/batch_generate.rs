@@ -171,7 +171,15 @@ fn batched_generation_equals_one_by_one_on_the_cpu() {
                 let g = g
                     .as_ref()
                     .unwrap_or_else(|e| panic!("{mode:?} batch {slots}: request {i} failed: {e}"));
-                assert!(same(g, w), "{mode:?} batch {slots}: request {i} differs from its run alone:\n batched {:?} {:?}\n alone   {:?} {:?}", g.tokens, g.finish_reason, w.tokens, w.finish_reason);
+                assert!(
+                    same(g, w),
+                    "{mode:?} batch {slots}: request {i} differs from its run alone:\n batched {:?} {:?}\n alone   \
+                     {:?} {:?}",
+                    g.tokens,
+                    g.finish_reason,
+                    w.tokens,
+                    w.finish_reason
+                );
             }
             // (One request has max_tokens 1: it ends at its prefill, so it may never run beside all the others.)
             assert!(
@@ -184,7 +192,11 @@ fn batched_generation_equals_one_by_one_on_the_cpu() {
                     "{mode:?} batch {slots}: {steps} batched steps over {slot_steps} slot-steps ({alone_steps} alone)"
                 );
             }
-            eprintln!("{mode:?} batch {slots}: {} requests equal; {steps} batched steps ({slot_steps} slot-steps), {alone_steps} alone", cases.len());
+            eprintln!(
+                "{mode:?} batch {slots}: {} requests equal; {steps} batched steps ({slot_steps} slot-steps), \
+                 {alone_steps} alone",
+                cases.len()
+            );
         }
     }
 }

@@ -1,11 +1,11 @@
 //! Timings of the W4A16 GEMM on the K2.6 expert shapes (and the cuBLAS bf16 GEMM on the same shapes, and a
 //! device copy, measured in the same run as the bandwidth ceiling), and of the per-row sampler. `#[ignore]`:
-//! run explicitly with `--ignored --nocapture --test-threads=1` (scripts/gpu-test.sh does). Weights are random and rotated over
-//! more than 200 MB so every call streams from HBM, not the 60 MB L2; CUDA events around many calls after a
-//! warm-up; GB/s counts the weight bytes (packed + scales, or bf16) once per call. W4A16 is timed eagerly
+//! run explicitly with `--ignored --nocapture --test-threads=1` (scripts/gpu-test.sh does). Weights are random and
+//! rotated over more than 200 MB so every call streams from HBM, not the 60 MB L2; CUDA events around many calls
+//! after a warm-up; GB/s counts the weight bytes (packed + scales, or bf16) once per call. W4A16 is timed eagerly
 //! and replayed from a CUDA graph (which also proves the launches capturable: no host sync, no allocation);
-//! the bf16 GEMM replayed from a graph too (cuBLAS, and the GEMV kernel it takes for M <= 4). Each W4A16 figure also prints one
-//! machine-readable `BENCH w4a16 n=.. k=.. m=..` line (bench/table.py reads it; bench/gpu-bench.sh runs it).
+//! the bf16 GEMM replayed from a graph too (cuBLAS, and the GEMV kernel it takes for M <= 4). Each W4A16 figure also
+//! prints one machine-readable `BENCH w4a16 n=.. k=.. m=..` line (bench/table.py reads it; bench/gpu-bench.sh runs it).
 #![cfg(feature = "cuda")]
 
 mod cuda_common;
@@ -98,7 +98,8 @@ fn w4a16_bandwidth() {
             let ms = time_graph_median_ms(&g, 4 * copies.max(10), 9, &mut call);
             let gbps = bytes as f64 / (ms * 1e-3) / 1e9;
             println!(
-                "BENCH w4a16_gemm N={n} K={k} M={m} splits={} graph {:.2} us {:.0} GB/s {:.0}% of copy (eager {:.2} us)",
+                "BENCH w4a16_gemm N={n} K={k} M={m} splits={} graph {:.2} us {:.0} GB/s {:.0}% of copy (eager \
+                 {:.2} us)",
                 plan.splits,
                 ms * 1e3,
                 gbps,
@@ -109,7 +110,8 @@ fn w4a16_bandwidth() {
             // x [M, K] read + bf16 y [M, N] written (the split-K workspace is not counted); gbps over both.
             let xy = 2 * (m * k + m * n);
             println!(
-                "BENCH w4a16 n={n} k={k} m={m} splits={} graph_us={:.3} eager_us={:.3} w_bytes={bytes} xy_bytes={xy} gbps={:.1} copy_gbps={:.1}",
+                "BENCH w4a16 n={n} k={k} m={m} splits={} graph_us={:.3} eager_us={:.3} w_bytes={bytes} \
+                 xy_bytes={xy} gbps={:.1} copy_gbps={:.1}",
                 plan.splits,
                 ms * 1e3,
                 eager * 1e3,
@@ -126,7 +128,8 @@ fn w4a16_bandwidth() {
                 let p = ops::w4a16_gemm::plan_dense(&g, m, n, k);
                 let ms = time_graph_median_ms(&g, 4 * copies.max(10), 5, &mut call);
                 println!(
-                    "BENCH w4a16_cfg n={n} k={k} m={m} blocks_per_sm={bps} max_splits={cap} pdl={} splits={} graph_us={:.3} gbps={:.1}",
+                    "BENCH w4a16_cfg n={n} k={k} m={m} blocks_per_sm={bps} max_splits={cap} pdl={} splits={} \
+                     graph_us={:.3} gbps={:.1}",
                     pdl && pdl0,
                     p.splits,
                     ms * 1e3,
@@ -236,7 +239,14 @@ fn w4a16_bandwidth() {
         let experts_read = if t == 1 { 8 } else { 8.min(e) + 7 };
         let bytes = experts_read * (n * k / 2 + n * k / 16);
         let gbps = bytes as f64 / (ms * 1e-3) / 1e9;
-        println!("BENCH moe_w4a16_gemm T={t} top_k=8 experts_read={experts_read} N={n} K={k} splits={} graph(align+gemm+reduce) {:.2} us {:.0} GB/s {:.0}% of copy", plan.splits, ms * 1e3, gbps, 100.0 * gbps / copy);
+        println!(
+            "BENCH moe_w4a16_gemm T={t} top_k=8 experts_read={experts_read} N={n} K={k} splits={} \
+             graph(align+gemm+reduce) {:.2} us {:.0} GB/s {:.0}% of copy",
+            plan.splits,
+            ms * 1e3,
+            gbps,
+            100.0 * gbps / copy
+        );
     }
 }
 
@@ -362,14 +372,16 @@ fn ddtree_tree_stages() {
             let t = dt.to_host(&g).unwrap();
             let depth = t.depths.iter().max().copied().unwrap_or(0);
             println!(
-            "BENCH ddtree_tree ({data}) budget={budget} rows={rows} V={v}: topk {:.1} us ({} blocks per row), build(+mask) {:.1} us, mask {:.1} us, walk(argmax {n} rows + walk) {:.1} us; graph(topk+build+mask+argmax+walk, 7 kernels) {:.1} us; tree depth {depth}",
-            topk * 1e3,
-            dt.topk.splits,
-            build * 1e3,
-            mask * 1e3,
-            walk * 1e3,
-            chain * 1e3
-        );
+                "BENCH ddtree_tree ({data}) budget={budget} rows={rows} V={v}: topk {:.1} us ({} blocks per row), \
+                 build(+mask) {:.1} us, mask {:.1} us, walk(argmax {n} rows + walk) {:.1} us; \
+                 graph(topk+build+mask+argmax+walk, 7 kernels) {:.1} us; tree depth {depth}",
+                topk * 1e3,
+                dt.topk.splits,
+                build * 1e3,
+                mask * 1e3,
+                walk * 1e3,
+                chain * 1e3
+            );
         }
     }
 }
@@ -522,7 +534,8 @@ fn ddtree_round_stages() {
             total * 1e3
         );
         println!(
-            "BENCH ddtree_round kdtree-tiny pair budget={budget}: whole round eager {:.1} us, one CUDA graph {:.1} us (median of 20, host read included); the graph: {census}",
+            "BENCH ddtree_round kdtree-tiny pair budget={budget}: whole round eager {:.1} us, one CUDA graph {:.1} \
+             us (median of 20, host read included); the graph: {census}",
             med(&mut eager) * 1e3,
             med(&mut captured) * 1e3
         );
@@ -585,7 +598,8 @@ fn step_busy() {
         }
         us.sort_by(f64::total_cmp);
         println!(
-            "BENCH step_busy {tag}: replay {:.1} us (median of 30, host read included), {:.2} tokens a step; the graph: {census}",
+            "BENCH step_busy {tag}: replay {:.1} us (median of 30, host read included), {:.2} tokens a step; the \
+             graph: {census}",
             us[us.len() / 2],
             tokens as f64 / 30.0
         );

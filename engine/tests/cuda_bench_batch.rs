@@ -74,7 +74,8 @@ fn steps_at(g: &Arc<kdtree_engine::cuda::Gpu>, m: &Loaded, model: &str, sizes: &
             let med = ms[ms.len() / 2];
             let per = |k: usize| (after[k] - before[k]) as f64 / 10.0;
             println!(
-                "BENCH batch_step {name}: {med:.3} ms a step (median of 10), {:.1} tokens a step, {:.0} tok/s; per step {:.1} graph launches, {:.1} kernel launches, {:.1} uploads, {:.1} reads; the graph: {census}",
+                "BENCH batch_step {name}: {med:.3} ms a step (median of 10), {:.1} tokens a step, {:.0} tok/s; per \
+                 step {:.1} graph launches, {:.1} kernel launches, {:.1} uploads, {:.1} reads; the graph: {census}",
                 tokens as f64 / 10.0,
                 tokens as f64 / 10.0 / med * 1e3,
                 graphs as f64 / 10.0,

@@ -536,7 +536,10 @@ fn moe_case(g: &Gpu, w: &[LayerW], plan: Plan, t: usize, correlated: bool, run: 
     let routing = if correlated { "correlated" } else { "uniform" };
     let gate_up = if fused { "fused" } else { "split" };
     println!(
-        "moe_layer plan={} gate_up={gate_up} routing={routing} T={t}: {us:.1} us per layer (graph of {SETS} layers over {} weight copies, median of {reps}; eager {:.1} us), floor {floor_us:.1} us ({:.1} MB at {copy:.0} GB/s), {:.2}x (goal <= 1.2x), distinct experts {mean_d:.1} (min {dmin} max {dmax}) of {held} held, {} kernels per layer ({launches} engine kernels + {blas} cuBLAS calls)",
+        "moe_layer plan={} gate_up={gate_up} routing={routing} T={t}: {us:.1} us per layer (graph of {SETS} layers \
+         over {} weight copies, median of {reps}; eager {:.1} us), floor {floor_us:.1} us ({:.1} MB at {copy:.0} \
+         GB/s), {:.2}x (goal <= 1.2x), distinct experts {mean_d:.1} (min {dmin} max {dmax}) of {held} held, {} \
+         kernels per layer ({launches} engine kernels + {blas} cuBLAS calls)",
         plan.name(),
         w.len(),
         eager * 1e3,
@@ -545,7 +548,10 @@ fn moe_case(g: &Gpu, w: &[LayerW], plan: Plan, t: usize, correlated: bool, run: 
         kernels / SETS
     );
     println!(
-        "BENCH moe_layer plan={} gate_up={gate_up} routing={routing} T={t} us={us:.2} floor_us={floor_us:.2} ratio={:.3} distinct={mean_d:.2} held={held} bytes={bytes:.0} kernels={} nodes={} engine_kernels={launches} cublas_calls={blas} eager_us={:.2} copies={} tile_rows={tile} splits_gu={} splits_down={}",
+        "BENCH moe_layer plan={} gate_up={gate_up} routing={routing} T={t} us={us:.2} floor_us={floor_us:.2} \
+         ratio={:.3} distinct={mean_d:.2} held={held} bytes={bytes:.0} kernels={} nodes={} \
+         engine_kernels={launches} cublas_calls={blas} eager_us={:.2} copies={} tile_rows={tile} splits_gu={} \
+         splits_down={}",
         plan.name(),
         us / floor_us,
         kernels / SETS,
@@ -731,7 +737,10 @@ fn mla_verify() {
                     2.0 * heads as f64 * vis.iter().map(|&v| (ctx + v) as f64).sum::<f64>() * (LAT + KV_LORA) as f64;
                 let mma_us = flops / (tflops * 1e12) * 1e6;
                 println!(
-                    "mla_verify ctx={ctx} heads={heads} T={t} (random tree, depth <= {}): {us:.1} us per layer (graph of {n} layers, median of {reps}), byte floor {floor_us:.1} us ({:.2} MB), {:.2}x (goal <= 1.3x); {:.1} TFLOP/s ({:.2} GFLOP; at the bf16 matrix rate {mma_us:.1} us); {} kernels per call, {} splits",
+                    "mla_verify ctx={ctx} heads={heads} T={t} (random tree, depth <= {}): {us:.1} us per layer \
+                     (graph of {n} layers, median of {reps}), byte floor {floor_us:.1} us ({:.2} MB), {:.2}x (goal \
+                     <= 1.3x); {:.1} TFLOP/s ({:.2} GFLOP; at the bf16 matrix rate {mma_us:.1} us); {} kernels per \
+                     call, {} splits",
                     vis.iter().max().unwrap(),
                     bytes as f64 / 1e6,
                     us / floor_us,
@@ -741,7 +750,9 @@ fn mla_verify() {
                     split.splits
                 );
                 println!(
-                    "BENCH mla_verify ctx={ctx} heads={heads} T={t} us={us:.2} floor_us={floor_us:.2} ratio={:.3} bytes={bytes} gflop={:.3} tflops={:.2} mma_floor_us={mma_us:.2} kernels={} splits={} layers={n}",
+                    "BENCH mla_verify ctx={ctx} heads={heads} T={t} us={us:.2} floor_us={floor_us:.2} ratio={:.3} \
+                     bytes={bytes} gflop={:.3} tflops={:.2} mma_floor_us={mma_us:.2} kernels={} splits={} \
+                     layers={n}",
                     us / floor_us,
                     flops / 1e9,
                     flops / (us * 1e-6) / 1e12,

@@ -72,6 +72,9 @@ fn nccl_one_rank_all_reduce_and_rounds() {
     println!("PARITY nccl inside the captured rounds and steps: {failures} capture failures");
     assert_eq!(failures, 0, "a capture failed: {:?}", g.last_graph());
     let same = runs[0].1 == runs[1].1;
-    println!("PARITY trained pair greedy AR + DDTree b16, 3 prompts x 24 tokens: nccl (one rank, in the graphs) == one-gpu: {same}");
+    println!(
+        "PARITY trained pair greedy AR + DDTree b16, 3 prompts x 24 tokens: nccl (one rank, in the graphs) == \
+         one-gpu: {same}"
+    );
     assert!(same, "{:?}", runs);
 }

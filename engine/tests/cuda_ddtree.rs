@@ -339,6 +339,10 @@ fn captured_tree_stages_replay_over_new_inputs() {
         let case = format!("graph replay {round} ({kind:?})");
         same_tree(&case, &dt.to_host(&g).unwrap(), &want);
         assert_eq!(dt.walk_to_host(&g).unwrap(), want_walk, "{case}: walk");
-        println!("PARITY ddtree_graph_replay(round={round},{kind:?},budget={budget}) exact (accepted {}, 5 kernels, 0 host syncs inside)", want_walk.accepted());
+        println!(
+            "PARITY ddtree_graph_replay(round={round},{kind:?},budget={budget}) exact (accepted {}, 5 kernels, 0 \
+             host syncs inside)",
+            want_walk.accepted()
+        );
     }
 }

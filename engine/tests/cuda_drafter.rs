@@ -60,7 +60,8 @@ fn gqa_case(g: &Gpu, (b, hq, hk, d, c): (usize, usize, usize, usize, usize), see
     let mut r = rng(seed);
     let (qw, kw) = (hq * d, hk * d);
     let rows = room.unwrap_or(c);
-    // ±2: after the drafter's q/k RMSNorm, entries are O(1); scores q·k·D^-0.5 then spread ~±1 (peaked, not one-hot).
+    // ±2: after the drafter's q/k RMSNorm, entries are O(1); scores q·k·D^-0.5 then spread ~±1 (peaked, not
+    // one-hot).
     let q = rand_pm(&mut r, b * qw, 2.0);
     let (kc, vc) = (rand_pm(&mut r, rows * kw, 2.0), rand_pm(&mut r, rows * kw, 1.0));
     let (kb, vb) = (rand_pm(&mut r, b * kw, 2.0), rand_pm(&mut r, b * kw, 1.0));

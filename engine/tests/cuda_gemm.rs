@@ -838,7 +838,11 @@ fn w4a16_chain_same_with_and_without_pdl() {
         for (pdl, graph) in [(true, false), (true, true), (false, true)] {
             let got = run(pdl, graph);
             let same = got.iter().zip(&base).all(|(a, b)| a.to_bits() == b.to_bits());
-            println!("PARITY w4a16 chain of {layers} (M={m}, {h}x{h}, {} splits) pdl={pdl} graph={graph} == pdl off eager: {same}", plan.splits);
+            println!(
+                "PARITY w4a16 chain of {layers} (M={m}, {h}x{h}, {} splits) pdl={pdl} graph={graph} == pdl off \
+                 eager: {same}",
+                plan.splits
+            );
             assert!(same, "m={m} pdl={pdl} graph={graph}: the chain differs");
         }
     }

@@ -132,9 +132,9 @@ fn k26_rank0_slice_timing() {
         let (med, p10, p90) = (pct(&mut ms, 0.5), pct(&mut ms, 0.1), pct(&mut ms, 0.9));
         let floor = floor_ms(nodes, mode != Mode::Ar);
         println!(
-            "BENCH k26r0 {name}: median {med:.3} ms (p10 {p10:.3}, p90 {p90:.3}; {STEPS} steps after {WARM}), {:.2} tokens/step, \
-             uniform-routing byte floor {floor:.3} ms ({:.2}x), per step: {:.2} graph launches, {:.1} eager kernels, {:.1} cuBLAS, {:.1} reads; \
-             {device} of {} steps on the device; the graph: {census}",
+            "BENCH k26r0 {name}: median {med:.3} ms (p10 {p10:.3}, p90 {p90:.3}; {STEPS} steps after {WARM}), {:.2} \
+             tokens/step, uniform-routing byte floor {floor:.3} ms ({:.2}x), per step: {:.2} graph launches, {:.1} \
+             eager kernels, {:.1} cuBLAS, {:.1} reads; {device} of {} steps on the device; the graph: {census}",
             tokens as f64 / STEPS as f64,
             med / floor,
             graphs as f64 / STEPS as f64,

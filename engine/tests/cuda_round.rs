@@ -102,7 +102,10 @@ fn ddtree_equals_ar_on_the_gpu() {
                         toks[k],
                         ar[k]
                     );
-                    println!("PARITY ddtree_vs_ar(cuda,prompt={i},budget={budget}) first {k} of {n} tokens identical, then a near-tie (AR logits {a} vs {b})");
+                    println!(
+                        "PARITY ddtree_vs_ar(cuda,prompt={i},budget={budget}) first {k} of {n} tokens identical, \
+                         then a near-tie (AR logits {a} vs {b})"
+                    );
                 }
             }
         }
@@ -184,13 +187,27 @@ fn sampled_ddtree_equals_sampled_ar_on_the_gpu() {
                 match toks.iter().zip(&ar).position(|(a, b)| a != b) {
                     None => {
                         exact += 1;
-                        println!("PARITY sampled_ddtree_vs_ar(cuda,T=1,top_p=0.95,seed={seed},prompt={i},budget={budget}) exact ({n} tokens, {} device rounds)", sess.device_rounds());
+                        println!(
+                            "PARITY sampled_ddtree_vs_ar(cuda,T=1,top_p=0.95,seed={seed},prompt={i},budget={budget}) \
+                             exact ({n} tokens, {} device rounds)",
+                            sess.device_rounds()
+                        );
                     }
                     Some(k) => {
                         let u = kdtree_engine::sampling::uniform(s.seed, p.len() + k);
                         let d = distance_to_interval(&rows[k], &s, toks[k], u);
-                        assert!(d <= BOUNDARY, "seed {seed} prompt {i} budget {budget}: token {k} is {} (AR {}); u = {u} lies {d:.2e} from its interval in the AR row: not a boundary case", toks[k], ar[k]);
-                        println!("PARITY sampled_ddtree_vs_ar(cuda,T=1,top_p=0.95,seed={seed},prompt={i},budget={budget}) first {k} of {n} tokens identical, then a boundary case (u {d:.1e} from the DDTree token's interval)");
+                        assert!(
+                            d <= BOUNDARY,
+                            "seed {seed} prompt {i} budget {budget}: token {k} is {} (AR {}); u = {u} lies {d:.2e} \
+                             from its interval in the AR row: not a boundary case",
+                            toks[k],
+                            ar[k]
+                        );
+                        println!(
+                            "PARITY sampled_ddtree_vs_ar(cuda,T=1,top_p=0.95,seed={seed},prompt={i},budget={budget}) \
+                             first {k} of {n} tokens identical, then a boundary case (u {d:.1e} from the DDTree \
+                             token's interval)"
+                        );
                     }
                 }
             }
@@ -224,7 +241,8 @@ fn device_ar_step_equals_the_host_step_on_the_gpu() {
         g.stats.graph_launches.load(std::sync::atomic::Ordering::Relaxed) - gl,
     );
     println!(
-        "BENCH step_counts AR step as one CUDA graph: per step {:.1} graph launches, {:.1} kernel launches, {:.1} uploads, {:.1} reads back; the graph: {}",
+        "BENCH step_counts AR step as one CUDA graph: per step {:.1} graph launches, {:.1} kernel launches, {:.1} \
+         uploads, {:.1} reads back; the graph: {}",
         gl as f64 / steps as f64,
         (after[0] - before[0]) as f64 / steps as f64,
         (after[2] - before[2]) as f64 / steps as f64,
@@ -278,7 +296,10 @@ fn captured_round_equals_the_eager_round() {
         }
     }
     no_capture_failure(&g);
-    println!("PARITY device_round(cuda, one CUDA graph per round == eager) exact over {rounds} rounds (greedy and T=1 top_p 0.9, budgets 1, 16, 256)");
+    println!(
+        "PARITY device_round(cuda, one CUDA graph per round == eager) exact over {rounds} rounds (greedy and T=1 \
+         top_p 0.9, budgets 1, 16, 256)"
+    );
 }
 
 #[test]
@@ -322,8 +343,13 @@ fn one_read_back_per_round() {
                 String::new()
             };
             println!(
-                "BENCH round_counts budget={budget} {what}: per round {:.1} graph launches, {:.1} kernel launches, {:.1} cuBLAS calls, {:.1} uploads, {:.1} reads back (host syncs){in_graph}",
-                gl as f64 / rounds as f64, per[0], per[1], per[2], per[3]
+                "BENCH round_counts budget={budget} {what}: per round {:.1} graph launches, {:.1} kernel launches, \
+                 {:.1} cuBLAS calls, {:.1} uploads, {:.1} reads back (host syncs){in_graph}",
+                gl as f64 / rounds as f64,
+                per[0],
+                per[1],
+                per[2],
+                per[3]
             );
             if device {
                 assert_eq!(

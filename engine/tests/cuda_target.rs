@@ -335,7 +335,8 @@ fn dummy_tiny_on_cuda_gives_the_cpu_greedy_tokens() {
             if off || ta != tb {
                 let margin = (a.logits[ta as usize] - a.logits[tb as usize]) as f64;
                 println!(
-                    "PARITY dummy r{rank}/{ranks} step {step}: cpu {ta} cuda {tb}, rel {:.3e} (tolerance {TARGET_LOGITS_TOL:.1e}; above it: a route flip), CPU margin {margin:.3e}",
+                    "PARITY dummy r{rank}/{ranks} step {step}: cpu {ta} cuda {tb}, rel {:.3e} (tolerance \
+                     {TARGET_LOGITS_TOL:.1e}; above it: a route flip), CPU margin {margin:.3e}",
                     diff / scale
                 );
                 assert!(

@@ -114,7 +114,10 @@ fn shared_gpu_sum_is_the_rank_order_sum() {
                     );
                 }
             }
-            println!("PARITY shared-gpu all-reduce: {world} streams, {n} f32, 6 sums: every rank == rank-order host sum (bit-identical)");
+            println!(
+                "PARITY shared-gpu all-reduce: {world} streams, {n} f32, 6 sums: every rank == rank-order host sum \
+                 (bit-identical)"
+            );
         }
     }
 }
@@ -211,8 +214,14 @@ fn rank_groups_on_one_gpu_equal_one_controller() {
         drop(tp);
         let failures: u64 = gpus.iter().map(|g| g.stats.capture_failures.load(Relaxed)).sum();
         let graphs: Vec<u64> = gpus.iter().map(|g| g.stats.graph_launches.load(Relaxed)).collect();
-        println!("PARITY {ranks} rank groups ({experts:?}) on one GPU vs one controller: AR {} b16 {} b16 T=1 {} batched AR {}; graph launches per group {graphs:?}, {failures} capture failures",
-            want[0] == got[0], want[1] == got[1], want[2] == got[2], want[3] == got[3]);
+        println!(
+            "PARITY {ranks} rank groups ({experts:?}) on one GPU vs one controller: AR {} b16 {} b16 T=1 {} batched \
+             AR {}; graph launches per group {graphs:?}, {failures} capture failures",
+            want[0] == got[0],
+            want[1] == got[1],
+            want[2] == got[2],
+            want[3] == got[3]
+        );
         assert_eq!(failures, 0, "a group's capture failed");
         // Every group captures its rounds and steps, the sums inside (unless KDTREE_CUDA_GRAPHS=0 runs them eagerly).
         let graphs_on = cuda_common::gpu_options().graphs;
@@ -302,7 +311,10 @@ fn tp_step_timings() {
         let (arg, _) = time(&mut tp, Mode::Ar);
         let (ddg, tg) = time(&mut tp, Mode::DDTree { budget: 16 });
         drop(tp);
-        println!("TIMING tp R={ranks} {experts:?}: AR step one controller {ar1:.3} ms, {ranks} groups {arg:.3} ms; DDTree b16 round one controller {dd1:.3} ms ({t1} tok), {ranks} groups {ddg:.3} ms ({tg} tok)");
+        println!(
+            "TIMING tp R={ranks} {experts:?}: AR step one controller {ar1:.3} ms, {ranks} groups {arg:.3} ms; DDTree \
+             b16 round one controller {dd1:.3} ms ({t1} tok), {ranks} groups {ddg:.3} ms ({tg} tok)"
+        );
     }
     // One all-reduce of one K2.6 row (7168 f32) over 8 streams, eager, back to back.
     for world in [2usize, 8] {
@@ -339,7 +351,10 @@ fn tp_step_timings() {
                 .collect();
             hs.into_iter().map(|h| h.join().unwrap()).fold(0f64, f64::max)
         });
-        println!("TIMING shared-gpu all-reduce of 7168 f32 over {world} streams: {us:.2} us each (eager launches, back to back)");
+        println!(
+            "TIMING shared-gpu all-reduce of 7168 f32 over {world} streams: {us:.2} us each (eager launches, back to \
+             back)"
+        );
     }
 }
 

@@ -241,7 +241,10 @@ impl Builder<'_> {
                     if k_split && !len.is_multiple_of(GROUP) {
                         return Err(FormatError::plan(
                             &packed_name,
-                            format!("group-32 alignment: K = {k} over {r} ranks gives {len} columns per rank, not a multiple of {GROUP}; use fewer ranks or --experts ep"),
+                            format!(
+                                "group-32 alignment: K = {k} over {r} ranks gives {len} columns per rank, not a \
+                                 multiple of {GROUP}; use fewer ranks or --experts ep"
+                            ),
                         ));
                     }
                     (0, e, Some(if k_split { 1 } else { 0 }), rank * len, len)
@@ -492,20 +495,42 @@ fn plan_drafter(b: &mut Builder, d: &DrafterConfig) -> Result<()> {
 /// The split rules of the plan, as recorded in the manifest (class, how it is split).
 pub fn split_rules(experts: ExpertsMode) -> Vec<(&'static str, &'static str)> {
     vec![
-        ("q_a_proj, q_a_layernorm, kv_a_proj_with_mqa, kv_a_layernorm, layer norms, mlp.gate, e_score_correction_bias, model.norm", "replicated"),
-        ("q_b_proj, kv_b_proj (q_proj without q_lora)", "rows (axis 0), by attention heads"),
+        (
+            "q_a_proj, q_a_layernorm, kv_a_proj_with_mqa, kv_a_layernorm, layer norms, mlp.gate, \
+             e_score_correction_bias, model.norm",
+            "replicated",
+        ),
+        (
+            "q_b_proj, kv_b_proj (q_proj without q_lora)",
+            "rows (axis 0), by attention heads",
+        ),
         ("o_proj", "columns (axis 1), by attention heads"),
-        ("dense mlp / shared_experts gate_proj, up_proj", "rows (axis 0), intermediate / R"),
-        ("dense mlp / shared_experts down_proj", "columns (axis 1), intermediate / R"),
+        (
+            "dense mlp / shared_experts gate_proj, up_proj",
+            "rows (axis 0), intermediate / R",
+        ),
+        (
+            "dense mlp / shared_experts down_proj",
+            "columns (axis 1), intermediate / R",
+        ),
         match experts {
-            ExpertsMode::Tp => ("routed experts (stacked [E, N, K])", "tp: gate/up N rows (axis 1) moe_I / R; down K (axis 2) in whole 32-groups"),
-            ExpertsMode::Ep => ("routed experts (stacked [E, N, K])", "ep: experts axis (axis 0), E / R contiguous experts per rank"),
+            ExpertsMode::Tp => (
+                "routed experts (stacked [E, N, K])",
+                "tp: gate/up N rows (axis 1) moe_I / R; down K (axis 2) in whole 32-groups",
+            ),
+            ExpertsMode::Ep => (
+                "routed experts (stacked [E, N, K])",
+                "ep: experts axis (axis 0), E / R contiguous experts per rank",
+            ),
         },
         ("embed_tokens, lm_head", "rows (axis 0), by vocab"),
         ("drafter q_proj / k_proj, v_proj", "rows (axis 0), by heads / kv heads"),
         ("drafter o_proj", "columns (axis 1), by heads"),
         ("drafter mlp gate/up / down", "rows (axis 0) / columns (axis 1)"),
-        ("drafter fc, hidden_norm, norm, q_norm, k_norm, layer norms", "replicated"),
+        (
+            "drafter fc, hidden_norm, norm, q_norm, k_norm, layer norms",
+            "replicated",
+        ),
     ]
 }
 

@@ -347,14 +347,28 @@ mod tests {
 
     #[test]
     fn accepts_valid_header_in_any_key_order() {
-        let h = check(r#"{"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]},"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#, 12).unwrap();
+        let h = check(
+            concat!(
+                r#"{"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]},"a":{"dtype":"U8","shape":[4],"#,
+                r#""data_offsets":[0,4]}}"#,
+            ),
+            12,
+        )
+        .unwrap();
         assert_eq!(h.tensors[0].name, "a");
         assert_eq!(h.get("b").unwrap().begin, 4);
     }
 
     #[test]
     fn rejects_duplicate_names_by_name() {
-        let e = check(r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#, 4).unwrap_err();
+        let e = check(
+            concat!(
+                r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"a":{"dtype":"U8","shape":[4],"#,
+                r#""data_offsets":[0,4]}}"#,
+            ),
+            4,
+        )
+        .unwrap_err();
         assert!(
             matches!(&e, FormatError::Duplicate { tensor, .. } if tensor == "a"),
             "{e}"
@@ -363,7 +377,14 @@ mod tests {
 
     #[test]
     fn rejects_overlap_gap_and_length_mismatch_naming_tensor() {
-        let e = check(r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[4],"data_offsets":[2,6]}}"#, 6).unwrap_err();
+        let e = check(
+            concat!(
+                r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[4],"#,
+                r#""data_offsets":[2,6]}}"#,
+            ),
+            6,
+        )
+        .unwrap_err();
         assert!(
             e.to_string().contains("\"b\"") && e.to_string().contains("overlaps"),
             "{e}"

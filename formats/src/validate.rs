@@ -229,9 +229,10 @@ mod tests {
         serde_json::from_str(K26).unwrap()
     }
     fn drafter() -> serde_json::Value {
-        serde_json::json!({"hidden_size": 7168, "num_hidden_layers": 5, "num_attention_heads": 32, "num_key_value_heads": 8,
-            "head_dim": 128, "intermediate_size": 18432, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 262144,
-            "vocab_size": 163840, "dflash_config": {"target_layer_ids": [1, 15, 30, 45, 59], "mask_token_id": 163838, "block_size": 8}})
+        serde_json::json!({"hidden_size": 7168, "num_hidden_layers": 5, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 18432, "rms_norm_eps": 1e-6,
+            "rope_theta": 1e6, "max_position_embeddings": 262144, "vocab_size": 163840,
+            "dflash_config": {"target_layer_ids": [1, 15, 30, 45, 59], "mask_token_id": 163838, "block_size": 8}})
     }
     fn check(text: &serde_json::Value, d: &serde_json::Value) -> Result<(), ConfigError> {
         let t = parse_text_config("config.json", &text.to_string()).unwrap();

@@ -112,7 +112,11 @@ impl LaunchGate {
                 let at: Vec<u64> = self.passed.iter().map(|p| p.load(Relaxed)).collect();
                 return Err(CudaError::Shape {
                     op: "launch gate",
-                    msg: format!("rank {rank} waited {:.0} s at gate {g} for the other ranks (gates reached per rank: {at:?}): a rank stopped or ran different launches", self.timeout.as_secs_f64()),
+                    msg: format!(
+                        "rank {rank} waited {:.0} s at gate {g} for the other ranks (gates reached per rank: \
+                         {at:?}): a rank stopped or ran different launches",
+                        self.timeout.as_secs_f64()
+                    ),
                 });
             } else {
                 std::thread::sleep(std::time::Duration::from_micros(50));
@@ -185,7 +189,12 @@ impl Nccl {
     /// one GPU: that is [`SharedGpu`]'s case).
     pub fn group(gpus: &[&Gpu]) -> Result<Vec<Nccl>> {
         if !Self::available() {
-            return Err(CudaError::Shape { op: "nccl", msg: "libnccl is not on the library path (pip's nvidia-nccl-cu13 ships lib/libnccl.so.2: link it as libnccl.so)".into() });
+            return Err(CudaError::Shape {
+                op: "nccl",
+                msg: "libnccl is not on the library path (pip's nvidia-nccl-cu13 ships lib/libnccl.so.2: link it as \
+                      libnccl.so)"
+                    .into(),
+            });
         }
         let streams = gpus.iter().map(|g| g.stream.clone()).collect();
         let comms = cudarc::nccl::safe::Comm::from_devices(streams).map_err(|e| CudaError::Shape {
@@ -378,7 +387,8 @@ pub fn open_groups(
     // groups); the driver says what it decided.
     ensure!(
         groups == 1 || devs[0].eager_module_loading()?,
-        "{groups} rank groups need CUDA_MODULE_LOADING=EAGER set before the first CUDA call (lazy loading synchronises the device when a kernel first runs, which deadlocks groups that meet inside their kernels)"
+        "{groups} rank groups need CUDA_MODULE_LOADING=EAGER set before the first CUDA call (lazy loading \
+         synchronises the device when a kernel first runs, which deadlocks groups that meet inside their kernels)"
     );
     let comms: Vec<Arc<dyn Communicator>> = match gpus {
         None => SharedGpu::ranks(&devs[0], groups)?

@@ -389,8 +389,8 @@ impl CudaBackend {
     pub(super) fn i4_shape_ok(&self, count: usize, n: usize, k: usize) -> Result<()> {
         if !n.is_multiple_of(w4a16_gemm::N_STEP) || !k.is_multiple_of(w4a16_gemm::K_STEP) {
             bail!(
-                "routed experts of shard shape [{count}, {n}, {k}]: the CUDA W4A16 kernel needs N % {} == 0 and K % {} == 0 \
-                 (K is padded to it when a multiple of 32; convert with fewer ranks, e.g. --ranks 1)",
+                "routed experts of shard shape [{count}, {n}, {k}]: the CUDA W4A16 kernel needs N % {} == 0 and K % \
+                 {} == 0 (K is padded to it when a multiple of 32; convert with fewer ranks, e.g. --ranks 1)",
                 w4a16_gemm::N_STEP,
                 w4a16_gemm::K_STEP
             );

@@ -566,17 +566,49 @@ impl Compute for CudaBackend {
             let kw = kv_heads * head_dim;
             let (c, room) = (ctx_len.host, ctx.0.len().checked_div(kw).unwrap_or(0));
             if c > room || ctx.1.len() != ctx.0.len() {
-                return Err(CudaError::Shape { op: "gqa_attention", msg: format!("context keys/values of {} / {} values hold fewer than C={c} rows of Hk={kv_heads} x D={head_dim}", ctx.0.len(), ctx.1.len()) });
+                return Err(CudaError::Shape {
+                    op: "gqa_attention",
+                    msg: format!(
+                        "context keys/values of {} / {} values hold fewer than C={c} rows of Hk={kv_heads} x \
+                         D={head_dim}",
+                        ctx.0.len(),
+                        ctx.1.len()
+                    ),
+                });
             }
-            let s = GqaShape { b, ctx: c, heads, kv_heads, head_dim };
+            let s = GqaShape {
+                b,
+                ctx: c,
+                heads,
+                kv_heads,
+                head_dim,
+            };
             // Split by the caches' room, C read on the device (as the MLA attention).
-            let split = GqaSplit { splits: GqaSplit::choose(&self.gpu, &GqaShape { ctx: room, ..s }).splits, rows_per_split: 0 };
+            let split = GqaSplit {
+                splits: GqaSplit::choose(&self.gpu, &GqaShape { ctx: room, ..s }).splits,
+                rows_per_split: 0,
+            };
             let (wo, wml) = split.workspace(&s);
             // Workspace and output are allocated per call (as the MLA attention's).
-            let (mut po, mut pml, mut out) = (self.new_f32(wo)?, self.new_f32(wml)?, self.new_f32(b * heads * head_dim)?);
+            let (mut po, mut pml, mut out) = (
+                self.new_f32(wo)?,
+                self.new_f32(wml)?,
+                self.new_f32(b * heads * head_dim)?,
+            );
             let (kc, vc, kb, vb) = (ctx.0.as_view(), ctx.1.as_view(), block.0.as_view(), block.1.as_view());
             let cv = ctx_len.dev.as_view();
-            gqa_attention(&self.gpu, &q.as_view(), (&kc, &vc), Some(&cv), (&kb, &vb), &s, &split, &mut po.as_view_mut(), &mut pml.as_view_mut(), &mut out.as_view_mut())?;
+            gqa_attention(
+                &self.gpu,
+                &q.as_view(),
+                (&kc, &vc),
+                Some(&cv),
+                (&kb, &vb),
+                &s,
+                &split,
+                &mut po.as_view_mut(),
+                &mut pml.as_view_mut(),
+                &mut out.as_view_mut(),
+            )?;
             Ok(out)
         })
         .unwrap_or_else(|| self.empty())

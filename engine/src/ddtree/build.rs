@@ -277,8 +277,9 @@ pub fn build_tree_from_top_k(bonus: u32, top: &TopK, budget: usize) -> DraftTree
         return DraftTree::root_only(bonus);
     }
     let (k, depth_limit) = (top.k, top.rows);
-    let lp = |d: u32, r: u32| top.log_probs[(d as usize - 1) * k + r as usize] as f64; // depth d is 1-based
-                                                                                       // Sized for the usual budgets up front (no reallocation up to 4096 nodes); a larger budget grows.
+    // Depth d is 1-based.
+    let lp = |d: u32, r: u32| top.log_probs[(d as usize - 1) * k + r as usize] as f64;
+    // Sized for the usual budgets up front (no reallocation up to 4096 nodes); a larger budget grows.
     let cap = budget.min(4096) + 1;
     let mut t = DraftTree {
         tokens: Vec::with_capacity(cap),

@@ -430,7 +430,8 @@ impl<B: Backend> DFlashDrafter<B> {
             rows,
         );
         for (lw, c) in self.p.layers.iter().zip(self.cache.iter_mut()) {
-            let k = b.head_norm_rope_neox(&b.linear(&ctx, rows, &lw.k_proj), &lw.k_norm, eps, kv_heads, &rope); // [rows, Hk*D]
+            // k: [rows, Hk*D]
+            let k = b.head_norm_rope_neox(&b.linear(&ctx, rows, &lw.k_proj), &lw.k_norm, eps, kv_heads, &rope);
             let v = b.linear(&ctx, rows, &lw.v_proj); // [rows, Hk*D]
             b.write_rows_at(&mut c.k, kv_heads * head_dim, &self.ctx_pos, &k, rows);
             b.write_rows_at(&mut c.v, kv_heads * head_dim, &self.ctx_pos, &v, rows);
@@ -483,9 +484,10 @@ impl<B: Backend> DFlashDrafter<B> {
         );
         let mut x = self.tables.embed_ids(ids, bl); // [B, H]
         for (lw, c) in self.p.layers.iter().zip(&self.cache) {
-            let hn = b.rms_norm(&x, &lw.input_layernorm, eps); // [B, H]
-            let q = b.head_norm_rope_neox(&b.linear(&hn, bl, &lw.q_proj), &lw.q_norm, eps, heads, &rope); // [B, Hq*D]
-            let kb = b.head_norm_rope_neox(&b.linear(&hn, bl, &lw.k_proj), &lw.k_norm, eps, kv_heads, &rope); // [B, Hk*D]
+            // hn: [B, H], q: [B, Hq*D], kb: [B, Hk*D]
+            let hn = b.rms_norm(&x, &lw.input_layernorm, eps);
+            let q = b.head_norm_rope_neox(&b.linear(&hn, bl, &lw.q_proj), &lw.q_norm, eps, heads, &rope);
+            let kb = b.head_norm_rope_neox(&b.linear(&hn, bl, &lw.k_proj), &lw.k_norm, eps, kv_heads, &rope);
             let vb = b.linear(&hn, bl, &lw.v_proj); // [B, Hk*D]
             let att = b.gqa_attention(
                 &q,
@@ -557,8 +559,10 @@ impl<B: Backend> DFlashDrafter<B> {
         let mut x = tables.embed_ids(ids, rows); // [N·B, H]
         for (l, lw) in p.layers.iter().enumerate() {
             let hn = b.rms_norm(&x, &lw.input_layernorm, eps);
-            let q = b.head_norm_rope_neox(&b.linear(&hn, rows, &lw.q_proj), &lw.q_norm, eps, heads, &rope); // [N·B, Hq*D]
-            let kb = b.head_norm_rope_neox(&b.linear(&hn, rows, &lw.k_proj), &lw.k_norm, eps, kv_heads, &rope); // [N·B, Hk*D]
+            // q: [N·B, Hq*D]
+            let q = b.head_norm_rope_neox(&b.linear(&hn, rows, &lw.q_proj), &lw.q_norm, eps, heads, &rope);
+            // kb: [N·B, Hk*D]
+            let kb = b.head_norm_rope_neox(&b.linear(&hn, rows, &lw.k_proj), &lw.k_norm, eps, kv_heads, &rope);
             let vb = b.linear(&hn, rows, &lw.v_proj);
             let mut att = b.zeros(rows * qw);
             for (s, d) in ds.iter().enumerate() {

@@ -154,15 +154,19 @@ mod tests {
     use super::*;
 
     /// K2.6 `text_config` values of k26-format §1.2.
-    const K26: &str = r#"{"text_config": {"hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    const K26: &str = concat!(
+        r#"{"text_config": {"hidden_size": 7168, "intermediate_size": 18432, "#,
+        r#""moe_intermediate_size": 2048,
         "num_hidden_layers": 61, "num_attention_heads": 64, "num_key_value_heads": 64, "q_lora_rank": 1536,
         "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
         "n_routed_experts": 384, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 1,
         "moe_layer_freq": 1, "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
         "norm_topk_prob": true, "routed_scaling_factor": 2.827, "hidden_act": "silu", "rms_norm_eps": 1e-05,
-        "rope_theta": 50000.0, "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
+        "rope_theta": 50000.0, "rope_scaling": {"type": "yarn", "factor": 64.0, "#,
+        r#""original_max_position_embeddings": 4096,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
-        "max_position_embeddings": 262144, "vocab_size": 163840, "tie_word_embeddings": false, "head_dim": 64}}"#;
+        "max_position_embeddings": 262144, "vocab_size": 163840, "tie_word_embeddings": false, "head_dim": 64}}"#
+    );
 
     #[test]
     fn k26_constants() {

@@ -246,7 +246,8 @@ fn open_cuda_source(
     let (free, total) = gpu.mem_info()?;
     anyhow::ensure!(
         needed + (1u64 << 30) <= free as u64,
-        "the weights (target and drafter) need {:.2} GiB on {} (+1 GiB for the caches and activations), but only {:.2} GiB of {:.2} GiB are free",
+        "the weights (target and drafter) need {:.2} GiB on {} (+1 GiB for the caches and activations), but only \
+         {:.2} GiB of {:.2} GiB are free",
         gib(needed),
         gpu.describe(),
         gib(free as u64),
@@ -319,7 +320,8 @@ fn open_dummy_inner(src: DummySource, device: Device, opts: OpenOptions) -> Resu
     if let Some(avail) = mem_available() {
         anyhow::ensure!(
             needed + (1u64 << 30) <= avail,
-            "dummy weights of {:.2} GiB (rank {} of {}) do not fit the {:.2} GiB of host memory available (+1 GiB kept); use --device cuda or a smaller preset",
+            "dummy weights of {:.2} GiB (rank {} of {}) do not fit the {:.2} GiB of host memory available (+1 GiB \
+             kept); use --device cuda or a smaller preset",
             needed as f64 / (1u64 << 30) as f64,
             src.rank().0,
             src.rank().1,

@@ -65,8 +65,8 @@ pub(crate) struct RoundSlot<B: Backend> {
     pub(crate) decisions: B::Ids,
 }
 
-/// A captured round replays only for the same tree shape (budget, top-K), sampling parameters and storage of every buffer it
-/// reads (the latent cache, the drafter and its caches): their hash.
+/// A captured round replays only for the same tree shape (budget, top-K), sampling parameters and storage of every
+/// buffer it reads (the latent cache, the drafter and its caches): their hash.
 pub(crate) fn round_key(budget: usize, k: usize, s: &Sampling, kv: u64, drafter: (u64, u64)) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();

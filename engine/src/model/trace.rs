@@ -1,8 +1,8 @@
 //! Trace hook for the golden tool: while enabled, every target forward records named per-layer tensors
 //! (attention output, router top-k ids and weights, MLP/MoE output, residual after the layer), each with
 //! its shape, in the order computed. Names: `layers.{L}.attn_out` [T, H], `layers.{L}.router.topk_ids`
-//! [T, k] (selection order), `layers.{L}.router.topk_weights` [T, k] (after norm and scaling), `layers.{L}.router.logits` [T, E] (the
-//! gate's, before the sigmoid: what `cpu::ops::route_margin` judges),
+//! [T, k] (selection order), `layers.{L}.router.topk_weights` [T, k] (after norm and scaling),
+//! `layers.{L}.router.logits` [T, E] (the gate's, before the sigmoid: what `cpu::ops::route_margin` judges),
 //! `layers.{L}.mlp_out` [T, H], `layers.{L}.residual` [T, H], then `final_norm` [T, H] and `logits` [T, V].
 //! Test: engine/tests/target_model.rs `trace_records_every_layer`.
 

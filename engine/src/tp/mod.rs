@@ -12,8 +12,8 @@
 //! for the whole run. Each call goes to every group's thread, which makes the same call on its own session;
 //! the groups then run it in lock-step with no host round trip between them (a DDTree round or AR step is one
 //! graph launch per group with the collectives inside; the groups' threads only pace their launches at
-//! `cuda::comm::LaunchGate`s, see docs/design/tensor-parallel.md). Every group computes the replicated parts itself (norms,
-//! q_a / kv_a, the router, the tree, the walk) from the same summed values, so the host decisions agree; the
+//! `cuda::comm::LaunchGate`s, see docs/design/tensor-parallel.md). Every group computes the replicated parts itself
+//! (norms, q_a / kv_a, the router, the tree, the walk) from the same summed values, so the host decisions agree; the
 //! results of each call are compared across groups (a difference is an error naming the group), then group
 //! 0's are returned. Sessions, batches and `generate` above are unchanged.
 //!

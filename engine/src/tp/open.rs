@@ -25,14 +25,16 @@ pub fn group_ranks(ranks: usize, groups: usize) -> Result<Vec<std::ops::Range<us
     ensure!(groups >= 1, "--gpus must be at least 1");
     ensure!(
         ranks.is_multiple_of(groups),
-        "the model was converted for {ranks} ranks, which do not divide over {groups} GPUs (use a divisor of {ranks}, or convert with --ranks {groups})"
+        "the model was converted for {ranks} ranks, which do not divide over {groups} GPUs (use a divisor of \
+         {ranks}, or convert with --ranks {groups})"
     );
     let per = ranks / groups;
     Ok((0..groups).map(|g| g * per..(g + 1) * per).collect())
 }
 
 /// Open the converted model `dir` as `groups` groups placed by `place` (each loads only its ranks' shards and
-/// the drafter; see the module doc). `opts.progress`: group 0's load progress on stderr; `opts.check_weights`: every group's load check.
+/// the drafter; see the module doc). `opts.progress`: group 0's load progress on stderr; `opts.check_weights`: every
+/// group's load check.
 pub fn open_tp(dir: &Path, groups: usize, place: Placement, opts: OpenOptions) -> Result<Loaded> {
     let (src, needed) = model_source(dir, groups, opts.no_drafter)?;
     open_tp_source(src, groups, place, Some(needed), opts)
@@ -188,7 +190,8 @@ fn cuda_groups(
     };
     ensure!(
         on_one + (per_device as u64) * (1u64 << 30) <= free as u64,
-        "the groups' weights need {:.2} GiB on {} (+1 GiB per group for caches and activations), but only {:.2} GiB are free",
+        "the groups' weights need {:.2} GiB on {} (+1 GiB per group for caches and activations), but only {:.2} \
+         GiB are free",
         on_one as f64 / (1u64 << 30) as f64,
         devs[0].describe(),
         free as f64 / (1u64 << 30) as f64

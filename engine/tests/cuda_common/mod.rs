@@ -127,7 +127,8 @@ pub fn check(case: &str, got: &[f32], want: &[f32], tol: f64) {
     );
     assert!(
         e.rel <= tol,
-        "{case}: rel error {:.3e} over tolerance {:.1e} (max_abs {:.3e} at {}: got {} want {}; first values got {:?} want {:?})",
+        "{case}: rel error {:.3e} over tolerance {:.1e} (max_abs {:.3e} at {}: got {} want {}; first values got \
+         {:?} want {:?})",
         e.rel,
         tol,
         e.max_abs,

@@ -1,6 +1,6 @@
 //! kdtree-convert: repack a Kimi K2.6 checkpoint (+ DFlash drafter) into checksummed INT4 group-32 rank
-//! shards, verify them, inspect them, synthesize test checkpoints. This file is the table of contents: arguments, one function per
-//! subcommand, exit codes (0 ok, 1 check failed, 2 error). The work lives in the library modules.
+//! shards, verify them, inspect them, synthesize test checkpoints. This file is the table of contents: arguments, one
+//! function per subcommand, exit codes (0 ok, 1 check failed, 2 error). The work lives in the library modules.
 
 use clap::{Parser, Subcommand, ValueEnum};
 use kdtree_convert::log::out;

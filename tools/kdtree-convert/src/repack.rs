@@ -1,7 +1,7 @@
 //! `kdtree-convert repack`: checkpoint (+ drafter) → rank shards + manifest.toml + SHA256SUMS.
 //! Order of work: open and validate every source header and the whole plan before OUT is touched; then
-//! write each planned file as `*.partial` (SHA-256 of the file and xxh3-64 of each tensor while writing), rename it, and record them in
-//! `OUT/.kdtree-convert/<file>.json` (keyed by a job id, so a re-run skips it); manifest.toml and
+//! write each planned file as `*.partial` (SHA-256 of the file and xxh3-64 of each tensor while writing), rename it,
+//! and record them in `OUT/.kdtree-convert/<file>.json` (keyed by a job id, so a re-run skips it); manifest.toml and
 //! SHA256SUMS come last (temp + rename), then the records are removed. Killed at any moment, the same
 //! command resumes and ends with the same bytes as an uninterrupted run. The tokenizer / chat-template
 //! files of SRC (`manifest::AUX_FILES`, each optional) are copied first, the same way (stream, hash,
@@ -489,7 +489,13 @@ pub fn check_free_space(out: &Path, needed: u64) -> Result<()> {
     let free = (st.f_bavail as u64).saturating_mul(st.f_frsize as u64);
     if needed > free {
         let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-        bail!("{}: not enough free space: this conversion needs {needed} bytes ({:.2} GiB) more, the filesystem has {free} ({:.2} GiB) free", out.display(), gib(needed), gib(free));
+        bail!(
+            "{}: not enough free space: this conversion needs {needed} bytes ({:.2} GiB) more, the filesystem has \
+             {free} ({:.2} GiB) free",
+            out.display(),
+            gib(needed),
+            gib(free)
+        );
     }
     Ok(())
 }
@@ -512,7 +518,11 @@ fn write_locked(o: &RepackOptions, job: Job) -> Result<Manifest> {
             }
         }
         None if o.out.join(MANIFEST).exists() || o.out.join(STATE_DIR).exists() => {
-            crate::elog!("notice: {} has no source stamp ({STAMP_FILE}: written by an older kdtree-convert); converting everything again", o.out.display());
+            crate::elog!(
+                "notice: {} has no source stamp ({STAMP_FILE}: written by an older kdtree-convert); converting \
+                 everything again",
+                o.out.display()
+            );
             forget_previous(&o.out)?;
         }
         None => {}

@@ -2,9 +2,9 @@
 //! single model.safetensors) and an optional DFlash drafter dir. Every safetensors header is validated by
 //! formats::reader before any byte is used; weight_map entries must be plain file names inside the dir.
 //! Then every tensor the plan needs is checked (present, dtype, shape, weight_shape values) and anything
-//! unexpected outside vision_tower.* / mm_projector.* is refused. Configs pass formats::validate first. Reference: shared k26-format.md §1.4, §2.
-//! `aux_files` finds (and hashes) the tokenizer / chat-template files repack carries along.
-//! Tests: tools/kdtree-convert/tests/bad_input.rs, tests/aux_files.rs.
+//! unexpected outside vision_tower.* / mm_projector.* is refused. Configs pass formats::validate first. Reference:
+//! shared k26-format.md §1.4, §2. `aux_files` finds (and hashes) the tokenizer / chat-template files repack carries
+//! along. Tests: tools/kdtree-convert/tests/bad_input.rs, tests/aux_files.rs.
 
 use anyhow::{anyhow, bail, Context, Result};
 use kdtree_formats::config::{parse_drafter_config, parse_text_config, DrafterConfig, TextConfig};
@@ -177,7 +177,10 @@ fn check_quant_config(path: &str, q: &serde_json::Value) -> Result<()> {
     let method = q.get("quant_method").and_then(|v| v.as_str()).unwrap_or("");
     let format = q.get("format").and_then(|v| v.as_str()).unwrap_or("");
     if method != "compressed-tensors" || format != "pack-quantized" {
-        bail!("{path}: unknown quantization config: quant_method {method:?}, format {format:?} (expected compressed-tensors / pack-quantized)");
+        bail!(
+            "{path}: unknown quantization config: quant_method {method:?}, format {format:?} (expected \
+             compressed-tensors / pack-quantized)"
+        );
     }
     let groups = q
         .get("config_groups")
@@ -191,7 +194,10 @@ fn check_quant_config(path: &str, q: &serde_json::Value) -> Result<()> {
             && w["symmetric"] == true
             && w["strategy"] == "group";
         if !ok {
-            bail!("{path}: unknown quantization config: config_groups.{g}.weights = {w} (expected int, 4 bits, group_size 32, symmetric, strategy group)");
+            bail!(
+                "{path}: unknown quantization config: config_groups.{g}.weights = {w} (expected int, 4 bits, \
+                 group_size 32, symmetric, strategy group)"
+            );
         }
     }
     Ok(())
@@ -230,7 +236,11 @@ pub fn open(src: &Path, drafter_dir: Option<&Path>) -> Result<Checkpoint> {
             } else if hf.map.contains_key(&format!("{stem}.weight")) {
                 SourceQuant::Bf16
             } else {
-                bail!("{src}: layer {l} is missing tensor \"{stem}.weight_packed\" (nor an unquantized \"{stem}.weight\")", src = src.display());
+                bail!(
+                    "{src}: layer {l} is missing tensor \"{stem}.weight_packed\" (nor an unquantized \
+                     \"{stem}.weight\")",
+                    src = src.display()
+                );
             }
         }
         None => SourceQuant::Bf16,

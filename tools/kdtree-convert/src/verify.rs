@@ -1,8 +1,8 @@
 //! `kdtree-convert verify`: re-hash every file (SHA-256) and every tensor (xxh3-64; sha256 in a format v1
-//! manifest) in parallel, one streaming pass per file, against manifest.toml, check SHA256SUMS against the manifest, and look for missing and extra
-//! files (run-time files beside the model, `manifest::is_runtime_file`, are named in the verdict and not checked).
-//! The first bad file (in manifest order: shards, then `[[aux_files]]`) is named, with the first
-//! bad tensor in it. Carried files (tokenizer, chat template) are hashed whole like the shards.
+//! manifest) in parallel, one streaming pass per file, against manifest.toml, check SHA256SUMS against the manifest,
+//! and look for missing and extra files (run-time files beside the model, `manifest::is_runtime_file`, are named in
+//! the verdict and not checked). The first bad file (in manifest order: shards, then `[[aux_files]]`) is named, with
+//! the first bad tensor in it. Carried files (tokenizer, chat template) are hashed whole like the shards.
 //! Exit: 0 ok, 1 a check failed (a missing or unparseable manifest.toml or SHA256SUMS included), 2 could
 //! not run (DIR is not a directory, a file cannot be read). Tests: tests/verify.rs, tests/aux_files.rs.
 

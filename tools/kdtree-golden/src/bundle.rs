@@ -7,26 +7,29 @@
 //! Tensors of one prompt file (T = generated tokens, k = top-k, S = full-logit steps, V = vocab,
 //! L = layers, N+1 = tree nodes with the root, R = draft rows):
 //!
-//! | name | dtype | shape | meaning |
-//! |---|---|---|---|
-//! | `prompt_ids` | I32 | [P] | prompt token ids |
-//! | `ar.tokens` | I32 | [T] | greedy AR continuation; step s chose `ar.tokens[s]` from the logits after `prompt + ar.tokens[..s]`; stop tokens do not end it (always `--max-tokens`), so a run that stops at EOS must equal a prefix |
-//! | `ar.topk_ids`, `ar.topk_logits` | I32, F32 | [T, k] | top-k of every step, by logit descending, ties to the lower id |
-//! | `ar.full_logits` | F32 | [S, V] | all logits of steps 0..S |
-//! | `ar.router_margins` | F32 | [T] | CPU bundles: the smallest CPU router decision margin (`cpu::ops::route_margin`, over the MoE layers) of the rows step s depends on: the rows of steps 0..=s (+inf without MoE layers); the evidence `--verify` needs before it takes a logit row beyond its tolerance for a route flip |
-//! | `trace.meta` | I32 | [3] | (decode step, position, input token) of the traced forward |
-//! | `trace.layer.{l}.attn_out` | F32 | [H] | attention block output (before the residual add) |
-//! | `trace.layer.{l}.router_ids`, `.router_weights` | I32, F32 | [topk] | MoE layers only: chosen experts and their final weights |
-//! | `trace.layer.{l}.mlp_out` | F32 | [H] | MLP / MoE output (before the residual add) |
-//! | `trace.layer.{l}.residual` | F32 | [H] | residual stream after the layer |
-//! | `ddtree.meta` | I32 | [4] | (start position, root token, budget, bonus token) |
-//! | `ddtree.draft_logits` | F32 | [R, V] | raw draft logits of block positions 1..=R |
-//! | `ddtree.tree_tokens`, `.tree_parents`, `.tree_depths` | I32 | [N+1] | tree, node 0 = root |
-//! | `ddtree.visibility` | U64 | [N+1, W] | ancestor bitmasks: bit j of word j/64 in row i = node j visible to i |
-//! | `ddtree.verify_logits` | F32 | [N+1, V] | target logits of every tree node |
-//! | `ddtree.router_margins` | F32 | [N+1] | CPU bundles: the smallest CPU router decision margin of node n's row and its ancestors' rows in the tree's verify forward |
-//! | `ddtree.accepted` | I32 | [A] | accepted path (node indices, starts with 0) |
-//! | `ddtree.decisions` | I32 | [A] | the target's token at each accepted node; the last one is the bonus |
+//! - `prompt_ids` (I32, [P]): prompt token ids
+//! - `ar.tokens` (I32, [T]): greedy AR continuation; step s chose `ar.tokens[s]` from the logits after `prompt +
+//!   ar.tokens[..s]`; stop tokens do not end it (always `--max-tokens`), so a run that stops at EOS must equal a prefix
+//! - `ar.topk_ids`, `ar.topk_logits` (I32, F32, [T, k]): top-k of every step, by logit descending, ties to the lower id
+//! - `ar.full_logits` (F32, [S, V]): all logits of steps 0..S
+//! - `ar.router_margins` (F32, [T]): CPU bundles: the smallest CPU router decision margin (`cpu::ops::route_margin`,
+//!   over the MoE layers) of the rows step s depends on: the rows of steps 0..=s (+inf without MoE layers); the
+//!   evidence `--verify` needs before it takes a logit row beyond its tolerance for a route flip
+//! - `trace.meta` (I32, [3]): (decode step, position, input token) of the traced forward
+//! - `trace.layer.{l}.attn_out` (F32, [H]): attention block output (before the residual add)
+//! - `trace.layer.{l}.router_ids`, `.router_weights` (I32, F32, [topk]): MoE layers only: chosen experts and their
+//!   final weights
+//! - `trace.layer.{l}.mlp_out` (F32, [H]): MLP / MoE output (before the residual add)
+//! - `trace.layer.{l}.residual` (F32, [H]): residual stream after the layer
+//! - `ddtree.meta` (I32, [4]): (start position, root token, budget, bonus token)
+//! - `ddtree.draft_logits` (F32, [R, V]): raw draft logits of block positions 1..=R
+//! - `ddtree.tree_tokens`, `.tree_parents`, `.tree_depths` (I32, [N+1]): tree, node 0 = root
+//! - `ddtree.visibility` (U64, [N+1, W]): ancestor bitmasks: bit j of word j/64 in row i = node j visible to i
+//! - `ddtree.verify_logits` (F32, [N+1, V]): target logits of every tree node
+//! - `ddtree.router_margins` (F32, [N+1]): CPU bundles: the smallest CPU router decision margin of node n's row and its
+//!   ancestors' rows in the tree's verify forward
+//! - `ddtree.accepted` (I32, [A]): accepted path (node indices, starts with 0)
+//! - `ddtree.decisions` (I32, [A]): the target's token at each accepted node; the last one is the bonus
 
 use anyhow::{ensure, Context, Result};
 use serde::{Deserialize, Serialize};

@@ -105,7 +105,11 @@ pub fn make_bundle_on(model: &Path, prompts: &Path, out: &Path, a: &Options, dev
                 let n = emitted.len().min(ar.tokens.len().saturating_sub(1));
                 let matches = r.root == ar.tokens[0] && emitted[..n] == ar.tokens[1..1 + n];
                 if !matches {
-                    kdtree_text::console::say(format_args!("kdtree-golden: warning: prompt {id:?}: DDTree round tokens {emitted:?} differ from greedy AR {:?}", &ar.tokens[1..]));
+                    kdtree_text::console::say(format_args!(
+                        "kdtree-golden: warning: prompt {id:?}: DDTree round tokens {emitted:?} differ from greedy \
+                         AR {:?}",
+                        &ar.tokens[1..]
+                    ));
                 }
                 (
                     Some(r),
@@ -151,7 +155,8 @@ pub fn make_bundle_on(model: &Path, prompts: &Path, out: &Path, a: &Options, dev
         tool_version: env!("CARGO_PKG_VERSION").into(),
         engine_version: kdtree_engine_version(),
         command: format!(
-            "kdtree-golden MODEL --prompts PROMPTS --out OUT --max-tokens {} --budget {} --full-logits-steps {} --topk {} --trace-step {}{}",
+            "kdtree-golden MODEL --prompts PROMPTS --out OUT --max-tokens {} --budget {} --full-logits-steps {} \
+             --topk {} --trace-step {}{}",
             a.max_tokens,
             a.budget,
             a.full_logits_steps,

@@ -90,8 +90,13 @@ fn prompt(id: &str, g: &PromptRecord, c: &PromptRecord) {
         );
         for (l, (a, b)) in gt.layers.iter().zip(&ct.layers).enumerate() {
             println!(
-                "    layer {l}: router ids {} (gpu {:?} cpu {:?}), |Δ| attn_out {:.2e} mlp_out {:.2e} residual {:.2e} router_w {:.2e}; max |ref| attn {:.2} mlp {:.2} residual {:.2}",
-                if a.router_ids == b.router_ids { "equal" } else { "DIFFER" },
+                "    layer {l}: router ids {} (gpu {:?} cpu {:?}), |Δ| attn_out {:.2e} mlp_out {:.2e} residual \
+                 {:.2e} router_w {:.2e}; max |ref| attn {:.2} mlp {:.2} residual {:.2}",
+                if a.router_ids == b.router_ids {
+                    "equal"
+                } else {
+                    "DIFFER"
+                },
                 a.router_ids,
                 b.router_ids,
                 max_delta(&a.attn_out, &b.attn_out),
@@ -112,9 +117,19 @@ fn prompt(id: &str, g: &PromptRecord, c: &PromptRecord) {
     }
     if let (Some(a), Some(b)) = (&g.ddtree, &c.ddtree) {
         println!(
-            "  ddtree: root {} vs {}, tokens equal {}, parents equal {}, depths equal {}, accepted {:?} vs {:?}, decisions {:?} vs {:?}, bonus {} vs {}",
-            a.root, b.root, a.tree_tokens == b.tree_tokens, a.tree_parents == b.tree_parents, a.tree_depths == b.tree_depths,
-            a.accepted, b.accepted, a.decisions, b.decisions, a.bonus, b.bonus
+            "  ddtree: root {} vs {}, tokens equal {}, parents equal {}, depths equal {}, accepted {:?} vs {:?}, \
+             decisions {:?} vs {:?}, bonus {} vs {}",
+            a.root,
+            b.root,
+            a.tree_tokens == b.tree_tokens,
+            a.tree_parents == b.tree_parents,
+            a.tree_depths == b.tree_depths,
+            a.accepted,
+            b.accepted,
+            a.decisions,
+            b.decisions,
+            a.bonus,
+            b.bonus
         );
         println!(
             "    tree gpu {:?} / {:?}\n    tree cpu {:?} / {:?}",

@@ -301,7 +301,11 @@ impl Args {
                 self.rank,
                 self.ranks
             );
-            anyhow::ensure!(self.verify.is_none(), "--verify compares tokens with a golden bundle; dummy weights give noise tokens (use --load-format auto)");
+            anyhow::ensure!(
+                self.verify.is_none(),
+                "--verify compares tokens with a golden bundle; dummy weights give noise tokens (use --load-format \
+                 auto)"
+            );
             anyhow::ensure!(
                 !self.resume,
                 "--resume is not supported with --load-format dummy (rerun the whole prompt file)"
@@ -309,7 +313,8 @@ impl Args {
         } else {
             anyhow::ensure!(
                 (self.ranks, self.rank, self.dummy_seed) == (1, 0, 0),
-                "--ranks, --rank and --dummy-seed choose dummy weights; add --load-format dummy (converted shards fix their own plan)"
+                "--ranks, --rank and --dummy-seed choose dummy weights; add --load-format dummy (converted shards \
+                 fix their own plan)"
             );
         }
         Ok(())

@@ -18,7 +18,8 @@ use crate::args::CalibrateArgs;
 /// The text calibration generates from (when the model has a tokenizer): an ordinary request, so the rounds
 /// see the drafter's usual acceptance.
 const PROMPT: &str = "Explain step by step how binary search finds a number in a sorted list, then write a short \
-Python function that implements it, and test it on the list [1, 3, 5, 7, 9, 11, 13] for the numbers 7 and 8.";
+                      Python function that implements it, and test it on the list [1, 3, 5, 7, 9, 11, 13] for the \
+                      numbers 7 and 8.";
 
 /// The smallest `--budget-max` calibrate accepts: the first that measures two buckets (the smallest bucket and
 /// itself), the least that separates the draft's cost from the verify's.
@@ -65,12 +66,13 @@ pub fn load_cost(model: &Path, loaded: &Loaded) -> Result<CostModel> {
     let slug = device_slug(&loaded.backend, &loaded.device);
     let path = cost_path(model, &slug);
     // Capped: a cost file is a few KiB; a symlink to /dev/zero must fail, not hang.
-    let text = match kdtree_text::files::read_capped(&path, COST_FILE_LIMIT, "cost file").and_then(|b| {
-        String::from_utf8(b).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
-    }) {
+    let text = match kdtree_text::files::read_capped(&path, COST_FILE_LIMIT, "cost file")
+        .and_then(|b| String::from_utf8(b).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e)))
+    {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => bail!(
-            "--budget auto: {} not found: no cost model of this model on this device ({slug}); make it with `kdtree-run calibrate {} --device {}`, or give a fixed --budget N",
+            "--budget auto: {} not found: no cost model of this model on this device ({slug}); make it with \
+             `kdtree-run calibrate {} --device {}`, or give a fixed --budget N",
             path.display(),
             model.display(),
             device_flag(&loaded.backend)
@@ -200,7 +202,13 @@ pub fn run(a: &CalibrateArgs) -> Result<()> {
         ));
         measured.push((b.budget, med));
     }
-    let note = format!("kdtree-run calibrate: median of {rounds} greedy rounds after {} warm-up, per bucket, on the built-in prompt ({} tokens) of {}", a.warmup, prompt.len(), a.model.display());
+    let note = format!(
+        "kdtree-run calibrate: median of {rounds} greedy rounds after {} warm-up, per bucket, on the built-in prompt \
+         ({} tokens) of {}",
+        a.warmup,
+        prompt.len(),
+        a.model.display()
+    );
     let cost = CostModel::from_rounds(&slug, &measured, note)?;
     crate::paths::write_atomic(&path, cost.to_json().as_bytes())
         .with_context(|| format!("writing {}", path.display()))?;

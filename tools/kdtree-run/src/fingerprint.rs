@@ -248,7 +248,10 @@ mod tests {
             line(&parse_line(1, r#"{"id":"a","prompt":"x"}"#), &d, "other model", "tiny")
         );
         // The echoed model name counts only where the body echoes it.
-        let oa = r#"{"custom_id":"a","method":"POST","url":"/v1/chat/completions","body":{"messages":[{"role":"user","content":"x"}]}}"#;
+        let oa = concat!(
+            r#"{"custom_id":"a","method":"POST","url":"/v1/chat/completions","body":{"messages":[{"role":"user","#,
+            r#""content":"x"}]}}"#,
+        );
         assert_ne!(
             line(&parse_line(1, oa), &d, "m", "tiny"),
             line(&parse_line(1, oa), &d, "m", "renamed")

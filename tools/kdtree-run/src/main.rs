@@ -6,8 +6,8 @@
 //! [`answer`] answers the lines in order, [`report_verify`] prints --verify's table and the summary is
 //! written. `kdtree-run calibrate MODEL` ([`calibrate::run`]) instead measures the cost file `--budget
 //! auto` reads. Modules: `args` (flags), `calibrate` (the cost file), `paths` (output checks), `load`
-//! (model, tokenizer, template), `runner` (one line), `records` (output JSON), `fingerprint` (what made a record), `resume` (output
-//! file and --resume), `summary` (--summary), `verify` (--verify). Exit: 0 ok, 1 an error record was
+//! (model, tokenizer, template), `runner` (one line), `records` (output JSON), `fingerprint` (what made a record),
+//! `resume` (output file and --resume), `summary` (--summary), `verify` (--verify). Exit: 0 ok, 1 an error record was
 //! written or --verify found a mismatch, 2 error (printed once, each cause once); a closed stdout ends
 //! quietly with 0; a closed stderr loses messages, never the run. Tests: unit tests per module,
 //! tests/run_cli.rs, tests/hardening.rs, tests/verify_cli.rs, tests/openai_types.rs, tests/auto_cli.rs.
@@ -249,8 +249,8 @@ fn read_existing(args: &Args, lines: &[PromptLine], fingerprints: &[String]) -> 
             log(
                 args,
                 format_args!(
-                    "resuming: {} records answer a line whose text or settings (or the model) changed since they were \
-                 written (first: line {}, id \"{}\"); answering them again",
+                    "resuming: {} records answer a line whose text or settings (or the model) changed since they \
+                     were written (first: line {}, id \"{}\"); answering them again",
                     stale.len(),
                     l.line_no,
                     l.id

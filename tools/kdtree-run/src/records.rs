@@ -13,14 +13,14 @@
 //! (the official `openai` package refuses a body without it; tests/openai_types.rs checks with its own
 //! types) and which equals `timing.created`. Ids are derived from the line's id, so
 //! `jq -c 'del(.timing, .response.body.created)'` gives byte-identical files across runs. Every record
-//! carries the `fingerprint` of the request it answers (fingerprint.rs), which `--resume` compares. Spec counters (`spec`, DDTree only): `verify_steps` (target verify forwards), `drafted` (tree
-//! nodes drafted, root excluded), `accepted` (drafted nodes accepted), `accepted_per_depth[d-1]`
-//! (rounds whose accepted path reached depth d), `acceptance_histogram[k]` (rounds accepting exactly k),
-//! `acceptance_length` = (accepted + verify_steps) / verify_steps = tokens committed per verify step
-//! including the bonus token (SGLang's definition when every token comes from a verify step),
-//! `acceptance_rate` = accepted / drafted; `budget` = the fixed budget or "auto" (then `budget_max`),
-//! `budgets` = the rounds' budgets summed (auto: the buckets chosen), `mean_budget` = budgets / verify_steps.
-//! Tests: bottom of this file; shapes end to end in tests/run_cli.rs.
+//! carries the `fingerprint` of the request it answers (fingerprint.rs), which `--resume` compares. Spec counters
+//! (`spec`, DDTree only): `verify_steps` (target verify forwards), `drafted` (tree nodes drafted, root excluded),
+//! `accepted` (drafted nodes accepted), `accepted_per_depth[d-1]` (rounds whose accepted path reached depth d),
+//! `acceptance_histogram[k]` (rounds accepting exactly k), `acceptance_length` = (accepted + verify_steps) /
+//! verify_steps = tokens committed per verify step including the bonus token (SGLang's definition when every token
+//! comes from a verify step), `acceptance_rate` = accepted / drafted; `budget` = the fixed budget or "auto" (then
+//! `budget_max`), `budgets` = the rounds' budgets summed (auto: the buckets chosen), `mean_budget` = budgets /
+//! verify_steps. Tests: bottom of this file; shapes end to end in tests/run_cli.rs.
 
 use std::path::Path;
 
@@ -409,7 +409,10 @@ mod tests {
     fn openai_envelope_shape() {
         let line = parse_line(
             1,
-            r#"{"custom_id":"q4","method":"POST","url":"/v1/chat/completions","body":{"model":"kimi","messages":[{"role":"user","content":"Hi"}]}}"#,
+            concat!(
+                r#"{"custom_id":"q4","method":"POST","url":"/v1/chat/completions","body":{"model":"kimi","#,
+                r#""messages":[{"role":"user","content":"Hi"}]}}"#,
+            ),
         );
         let r = record(&line, &Outcome::Done(completion()), "tiny", "fp");
         assert_eq!(r["id"], "batch_req_q4");
@@ -469,7 +472,9 @@ mod tests {
         );
         assert_eq!(
             r,
-            json!({"id": "e", "status": "error", "error": {"code": "empty_prompt", "message": "line 2: \"prompt\" is empty"}, "fingerprint": "fp"})
+            json!({"id": "e", "status": "error", "error": {"code": "empty_prompt",
+                "message": "line 2: \"prompt\" is empty"},
+                "fingerprint": "fp"})
         );
         assert_eq!(spec(Mode::Ar, &SpecStats::default()), json!({"mode": "ar"}));
     }

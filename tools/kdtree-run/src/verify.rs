@@ -10,8 +10,8 @@
 //!    S steps within the tolerance; the per-layer probes of the traced decode step (attention output,
 //!    router ids exactly and weights, MoE/MLP output, residual) within their tolerances;
 //! 4. the DDTree round (`kdtree_golden::reference::ddtree_round_record`: a DDTree Session's prefill and
-//!    one step, captured by the round probe): start, root, draft rows, tree tokens / parents / depths, visibility words, accepted
-//!    path, decisions and bonus exactly; draft and verify logits within the tolerance;
+//!    one step, captured by the round probe): start, root, draft rows, tree tokens / parents / depths, visibility
+//!    words, accepted path, decisions and bonus exactly; draft and verify logits within the tolerance;
 //! 5. the line's own JSONL record, when it ran greedy in this invocation: its `token_ids` must equal
 //!    `ar.tokens` over their common length (greedy DDTree == greedy AR; a stop ends the record early).
 //!

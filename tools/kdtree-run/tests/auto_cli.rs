@@ -49,7 +49,12 @@ fn auto_needs_calibrate_then_runs_losslessly() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let prompts = dir.join("p.jsonl");
-    std::fs::write(&prompts, "{\"id\":\"a\",\"prompt\":\"Hello world\",\"max_tokens\":24}\n{\"id\":\"b\",\"prompt_token_ids\":[5,6,7,8,9],\"max_tokens\":24}\n").unwrap();
+    std::fs::write(
+        &prompts,
+        "{\"id\":\"a\",\"prompt\":\"Hello \
+         world\",\"max_tokens\":24}\n{\"id\":\"b\",\"prompt_token_ids\":[5,6,7,8,9],\"max_tokens\":24}\n",
+    )
+    .unwrap();
     let cost = model().join("kdtree-cost-cpu.json");
     let (out, summary) = (dir.join("auto.jsonl"), dir.join("s.json"));
     let auto = [

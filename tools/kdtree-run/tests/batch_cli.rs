@@ -73,12 +73,20 @@ fn prompt_file(dir: &Path, stop: &str) -> PathBuf {
     let lines = [
         r#"{"id":"a","prompt":"The quick brown fox jumps","max_tokens":40}"#.to_string(),
         r#"{"id":"b","prompt_token_ids":[5],"max_tokens":25,"temperature":1.0,"seed":7}"#.into(),
-        r#"{"id":"c","messages":[{"role":"user","content":"Hi there"}],"thinking":false,"max_tokens":30,"temperature":0.7,"top_p":0.9,"top_k":40,"seed":3}"#.into(),
+        concat!(
+            r#"{"id":"c","messages":[{"role":"user","content":"Hi there"}],"thinking":false,"max_tokens":30,"#,
+            r#""temperature":0.7,"top_p":0.9,"top_k":40,"seed":3}"#,
+        )
+        .into(),
         "not json".into(),
         format!(r#"{{"id":"d","prompt":"The quick brown fox jumps","max_tokens":40,"stop":[{stop}]}}"#),
         r#"{"id":"e","prompt":"","max_tokens":5}"#.into(),
         r#"{"id":"f","prompt_token_ids":[9,8,7,6,5,4,3,2,1,9,8,7,6,5,4,3,2,1],"max_tokens":1}"#.into(),
-        r#"{"custom_id":"g","method":"POST","url":"/v1/chat/completions","body":{"model":"tiny","messages":[{"role":"user","content":"Yo"}],"max_tokens":12,"temperature":1.2,"seed":11}}"#.into(),
+        concat!(
+            r#"{"custom_id":"g","method":"POST","url":"/v1/chat/completions","body":{"model":"tiny","#,
+            r#""messages":[{"role":"user","content":"Yo"}],"max_tokens":12,"temperature":1.2,"seed":11}}"#,
+        )
+        .into(),
         r#"{"id":"h","prompt":"abc","max_tokens":33,"top_k":3,"temperature":0.9,"seed":1}"#.into(),
         r#"{"id":"i","prompt_token_ids":[100,200,300],"max_tokens":17}"#.into(),
     ];

@@ -89,10 +89,25 @@ fn the_batch_envelope_passes_the_openai_packages_own_types() {
         format!("{{\"custom_id\":\"{id}\",\"method\":\"POST\",\"url\":\"/v1/chat/completions\",\"body\":{body}}}\n")
     };
     let text = [
-        line("named", r#"{"model":"kimi-k2.6","messages":[{"role":"user","content":"Hi"}],"max_tokens":4}"#),
-        line("unnamed", r#"{"messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Yo"}],"max_completion_tokens":3,"chat_template_kwargs":{"thinking":false},"temperature":0.8,"seed":5}"#),
-        line("stop", r#"{"messages":[{"role":"user","content":"Count"}],"max_tokens":6,"stop":["1"]}"#),
-        line("long", &format!(r#"{{"messages":[{{"role":"user","content":"{}"}}]}}"#, long.join(" "))),
+        line(
+            "named",
+            r#"{"model":"kimi-k2.6","messages":[{"role":"user","content":"Hi"}],"max_tokens":4}"#,
+        ),
+        line(
+            "unnamed",
+            concat!(
+                r#"{"messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Yo"}],"#,
+                r#""max_completion_tokens":3,"chat_template_kwargs":{"thinking":false},"temperature":0.8,"seed":5}"#,
+            ),
+        ),
+        line(
+            "stop",
+            r#"{"messages":[{"role":"user","content":"Count"}],"max_tokens":6,"stop":["1"]}"#,
+        ),
+        line(
+            "long",
+            &format!(r#"{{"messages":[{{"role":"user","content":"{}"}}]}}"#, long.join(" ")),
+        ),
         line("bad", r#"{"messages":[{"role":"user","content":"x"}],"n":2}"#),
     ]
     .concat();

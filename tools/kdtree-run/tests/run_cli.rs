@@ -65,12 +65,21 @@ fn s(p: &Path) -> &str {
 fn every_prompt_kind_openai_envelope_summary_and_ddtree_equals_ar() {
     let dir = scratch("kinds");
     let prompts = dir.join("p.jsonl");
-    std::fs::write(&prompts, concat!(
-        r#"{"id":"plain","prompt":"Hello world","max_tokens":6}"#, "\n",
-        r#"{"id":"chat","messages":[{"role":"user","content":"Hi"}],"thinking":false,"max_tokens":6}"#, "\n",
-        r#"{"id":"ids","prompt_token_ids":[1,2,3,4],"max_tokens":6}"#, "\n",
-        r#"{"custom_id":"oa","method":"POST","url":"/v1/chat/completions","body":{"model":"tiny-test","messages":[{"role":"user","content":"Yo"}],"max_tokens":6}}"#, "\n",
-    )).unwrap();
+    std::fs::write(
+        &prompts,
+        concat!(
+            r#"{"id":"plain","prompt":"Hello world","max_tokens":6}"#,
+            "\n",
+            r#"{"id":"chat","messages":[{"role":"user","content":"Hi"}],"thinking":false,"max_tokens":6}"#,
+            "\n",
+            r#"{"id":"ids","prompt_token_ids":[1,2,3,4],"max_tokens":6}"#,
+            "\n",
+            r#"{"custom_id":"oa","method":"POST","url":"/v1/chat/completions","#,
+            r#""body":{"model":"tiny-test","messages":[{"role":"user","content":"Yo"}],"max_tokens":6}}"#,
+            "\n",
+        ),
+    )
+    .unwrap();
     let (dd, ar, summary) = (dir.join("dd.jsonl"), dir.join("ar.jsonl"), dir.join("summary.json"));
     let o = kdtree_run(&[
         s(model()),

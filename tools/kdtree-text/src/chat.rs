@@ -329,7 +329,8 @@ mod tests {
         let out = ChatTemplate::builtin().render(&msgs, &instant()).unwrap();
         assert_eq!(
             out,
-            "<|im_system|>system<|im_middle|>You are a helpful assistant.<|im_end|><|im_user|>user<|im_middle|>Hello<|im_end|><|im_assistant|>assistant<|im_middle|><think></think>"
+            "<|im_system|>system<|im_middle|>You are a helpful assistant.<|im_end|>\
+             <|im_user|>user<|im_middle|>Hello<|im_end|><|im_assistant|>assistant<|im_middle|><think></think>"
         );
         let thinking = ChatTemplate::builtin().render(&msgs, &ChatOptions::default()).unwrap();
         assert!(
@@ -364,7 +365,8 @@ mod tests {
         };
         let out = ChatTemplate::builtin().render(&msgs, &opts).unwrap();
         let want = concat!(
-            r#"<|im_system|>tool_declare<|im_middle|>[{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]<|im_end|>"#,
+            r#"<|im_system|>tool_declare<|im_middle|>[{"type": "function", "function": {"name": "get_weather","#,
+            r#" "parameters": {}}}]<|im_end|>"#,
             "<|im_user|>user<|im_middle|>Weather?<|im_end|>",
             "<|im_assistant|>assistant<|im_middle|><think></think>",
             "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>",
@@ -390,10 +392,13 @@ mod tests {
 
     #[test]
     fn hf_conventions_python_methods_mutable_namespace_lists_and_raise() {
-        let src = r#"{%- set q = namespace(ids=[]) -%}
-{%- for m in messages -%}{{ m.get('role') }}={{ m.get('missing', 'dflt') }};{% set _ = q.ids.append(m['role']) %}{%- endfor -%}
+        let src = concat!(
+            r#"{%- set q = namespace(ids=[]) -%}
+{%- for m in messages -%}{{ m.get('role') }}={{ m.get('missing', 'dflt') }};"#,
+            r#"{% set _ = q.ids.append(m['role']) %}{%- endfor -%}
 {{ q.ids.pop(0) }}|{{ q.ids | length }}|{{ 'abc'.startswith('a') }}|{{ {'k': [1, 'é']} | tojson }}
-{%- if messages | length > 2 %}{{ raise_exception('too many') }}{% endif %}"#;
+{%- if messages | length > 2 %}{{ raise_exception('too many') }}{% endif %}"#
+        );
         let t = ChatTemplate::from_source(src.to_string()).unwrap();
         let two = json!([{"role": "user"}, {"role": "assistant"}]);
         let out = t.render(&two, &ChatOptions::default()).unwrap();

@@ -455,7 +455,9 @@ mod tests {
             "\n",
             r#"{"id":"c","prompt_token_ids":[1,2,3],"top_k":4,"top_p":0.5}"#,
             "\n",
-            r#"{"custom_id":"d","method":"POST","url":"/v1/chat/completions","body":{"model":"m","messages":[{"role":"user","content":"Yo"}],"max_completion_tokens":9,"stop":["s","t"],"chat_template_kwargs":{"thinking":true}}}"#,
+            r#"{"custom_id":"d","method":"POST","url":"/v1/chat/completions","body":{"model":"m","#,
+            r#""messages":[{"role":"user","content":"Yo"}],"max_completion_tokens":9,"stop":["s","t"],"#,
+            r#""chat_template_kwargs":{"thinking":true}}}"#,
             "\n",
         );
         let lines = parse_prompts(text);
@@ -520,7 +522,8 @@ mod tests {
             "\n",
             r#"{"custom_id":"k","method":"POST","url":"/v1/embeddings","body":{"messages":[{"role":"user"}]}}"#,
             "\n",
-            r#"{"custom_id":"l","method":"POST","url":"/v1/chat/completions","body":{"messages":[{"role":"user","content":"x"}],"n":2}}"#,
+            r#"{"custom_id":"l","method":"POST","url":"/v1/chat/completions","body":{"messages":[{"role":"user","#,
+            r#""content":"x"}],"n":2}}"#,
             "\n",
             "[1,2]\n",
         );

@@ -12,14 +12,17 @@ use anyhow::{anyhow, bail, Context, Result};
 use base64::Engine as _;
 use tiktoken_rs::CoreBPE;
 
-/// Kimi's split pattern, alternatives joined with `|` exactly as `tokenization_kimi.py` does
+/// Kimi's split pattern, alternatives joined with `|` exactly as `tokenization_kimi.py` does (a long alternative
+/// spans two pieces)
 /// (note the `&&` class intersections and the `(?!\S)` lookahead, both supported by fancy-regex).
 pub const KIMI_PATTERN: &str = concat!(
     r"[\p{Han}]+",
     "|",
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*",
+    r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
     "|",
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+",
+    r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
     "|",
     r"\p{N}{1,3}",
     "|",

@@ -2,9 +2,10 @@
 //!
 //! Each file opens with what it computes, the reference it must match and where its test lives. Element
 //! ops: matmul_bf16 / matmul_f32 / matmul_i4g32 (shared driver in `matmul`), rms_norm, rope (interleaved,
-//! NeoX), yarn, softmax, silu (argmax and top-K are sampling.rs's, the engine's one of each). Model-level ops: fill (seeded dummy weights), mla_attention (latent cache with
-//! an ancestor mask), gqa_attention (the drafter's block), moe_route, moe_experts, embedding and lm_head over vocab-parallel shards, residual
-//! (add, fixed-order rank sum), kv_compact. The backend seam (engine/src/backend.rs) calls these.
+//! NeoX), yarn, softmax, silu (argmax and top-K are sampling.rs's, the engine's one of each). Model-level ops: fill
+//! (seeded dummy weights), mla_attention (latent cache with an ancestor mask), gqa_attention (the drafter's block),
+//! moe_route, moe_experts, embedding and lm_head over vocab-parallel shards, residual (add, fixed-order rank sum),
+//! kv_compact. The backend seam (engine/src/backend.rs) calls these.
 //!
 //! Determinism: every reduction runs in one fixed sequential order; rayon only decides which thread runs
 //! it, so results are bit-identical for any thread count.

@@ -4,8 +4,8 @@
 //!
 //! Plan: the grid is (N/128 row blocks) x (S k-splits) x (row tiles of 8, 16 or 32 rows). S is chosen so
 //! that there are about four blocks per SM (M = 1 decode on a 512-row TP slice still fills the GPU), and
-//! limited so that the shared memory holding the block's slice of x lets four blocks stay resident. Partials go to an f32 workspace
-//! `[S, rows, N]`, summed in split order inside the GEMM by the last split block of each tile to arrive
+//! limited so that the shared memory holding the block's slice of x lets four blocks stay resident. Partials go to an
+//! f32 workspace `[S, rows, N]`, summed in split order inside the GEMM by the last split block of each tile to arrive
 //! (deterministic; one launch per GEMM). The GEMMs launch with programmatic dependent launch
 //! ([`super::launch_pdl`]) so that the dense form's weight loads overlap the previous kernel.
 

@@ -166,7 +166,12 @@ pub fn model_config(p: &Preset) -> Value {
 /// generation_config.json (eos = <|im_end|>, as K2.6).
 pub fn generation_config(p: &Preset) -> Value {
     let id = ids(p);
-    json!({"bos_token_id": id.bos, "eos_token_id": id.eos, "pad_token_id": id.pad, "max_length": p.text.max_position_embeddings})
+    json!({
+        "bos_token_id": id.bos,
+        "eos_token_id": id.eos,
+        "pad_token_id": id.pad,
+        "max_length": p.text.max_position_embeddings
+    })
 }
 
 /// The DFlash drafter's config.json.

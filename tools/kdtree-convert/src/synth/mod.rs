@@ -1,13 +1,14 @@
-//! `kdtree-convert synth <PRESET> <OUT> [--seed N] [--drafter] [--layers N] [--config-only]`: write a synthetic checkpoint in
-//! exactly the Kimi K2.6 Hugging Face layout (shared k26-format.md §1-§2, §6; drafter per §7 / ddtree.md §1.1):
-//! config.json (+ generation_config.json), model.safetensors.index.json, `model-000NN-of-0000MM.safetensors`
-//! shards (one decoder layer each, then embed/lm_head/norm, mm_projector, vision_tower), tiktoken.model,
-//! tokenizer_config.json, chat_template.jinja; with --drafter also OUT/drafter/{config.json, model.safetensors}.
+//! `kdtree-convert synth <PRESET> <OUT> [--seed N] [--drafter] [--layers N] [--config-only]`: write a synthetic
+//! checkpoint in exactly the Kimi K2.6 Hugging Face layout (shared k26-format.md §1-§2, §6; drafter per §7 /
+//! ddtree.md §1.1): config.json (+ generation_config.json), model.safetensors.index.json,
+//! `model-000NN-of-0000MM.safetensors` shards (one decoder layer each, then embed/lm_head/norm, mm_projector,
+//! vision_tower), tiktoken.model, tokenizer_config.json, chat_template.jinja; with --drafter also
+//! OUT/drafter/{config.json, model.safetensors}.
 //!
 //! Deterministic for a seed (byte-identical across runs and thread counts). Streams: tensors are generated in
 //! 4 MiB chunks in parallel (rayon) and written in order through formats' ShardWriter, two windows of
-//! [`WINDOW_BYTES`] in flight (one being written while the next is generated), so memory stays bounded whatever the preset.
-//! Tests: bottom of this file (plan/config round trips, determinism) and tools/kdtree-convert/tests/synth.rs.
+//! [`WINDOW_BYTES`] in flight (one being written while the next is generated), so memory stays bounded whatever the
+//! preset. Tests: bottom of this file (plan/config round trips, determinism) and tools/kdtree-convert/tests/synth.rs.
 
 pub mod configs;
 pub mod preset;

@@ -10,8 +10,8 @@
 //! on thread count or write order. Scaled so bf16 activations stay well-behaved: linear weights ~ N(0, 1/fan_in)
 //! (residual outputs additionally / sqrt(2 * layers)), norms ~ 1, embeddings ~ N(0, 1), router bias small,
 //! lm_head gives logits with std ~3 (spread, few near-ties). Normals are Irwin-Hall(4) (bounded at 3.5 sigma).
-//! Expert nibbles are drawn from a near-symmetric bell-shaped table covering all 16 codes, with per-group scales jittered
-//! ±20%. Tested in synth/mod.rs tests and tools/kdtree-convert/tests/synth.rs.
+//! Expert nibbles are drawn from a near-symmetric bell-shaped table covering all 16 codes, with per-group scales
+//! jittered ±20%. Tested in synth/mod.rs tests and tools/kdtree-convert/tests/synth.rs.
 
 use super::preset::{Preset, ShapeDtype};
 use half::bf16;

@@ -55,7 +55,8 @@ pub fn config(t: &Tiny) -> serde_json::Value {
         "num_experts_per_tok": 2, "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": 1, "topk_group": 1,
         "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": true, "routed_scaling_factor": 2.827,
         "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 50000.0,
-        "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
         "max_position_embeddings": 4096, "vocab_size": t.vocab, "tie_word_embeddings": false, "attention_bias": false,
         "kv_cache_dtype": null
     });

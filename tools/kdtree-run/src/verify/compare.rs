@@ -184,8 +184,8 @@ pub(super) fn compare_ar_tolerant(
         Ok(None) => want.tokens.len(),
         Ok(Some((k, m))) => {
             c.notes.push(format!(
-                "ar.tokens[{k}]: {} vs bundle {}: a near-tie (the bundle's top-2 margin {m:.3e} <= {}); steps after {k} (tokens, \
-                 logits, the run's token_ids) and anything fed by them not compared",
+                "ar.tokens[{k}]: {} vs bundle {}: a near-tie (the bundle's top-2 margin {m:.3e} <= {}); steps after \
+                 {k} (tokens, logits, the run's token_ids) and anything fed by them not compared",
                 got.tokens[k], want.tokens[k], t.logits
             ));
             k + 1

@@ -90,8 +90,8 @@ pub fn row(
     let evidence = router.filter(|&m| m < t.route_flip_margin);
     if let (true, true, Some(m)) = (d <= t.route_flip, same_top, evidence) {
         notes.push(format!(
-            "{what}: max |Δ| {d:.3e} > {} but within the route-flip tolerance {} with the bundle's argmax, and the CPU \
-             router's decision margin on its rows is {m:.2e} < {}: taken as a route flip",
+            "{what}: max |Δ| {d:.3e} > {} but within the route-flip tolerance {} with the bundle's argmax, and the \
+             CPU router's decision margin on its rows is {m:.2e} < {}: taken as a route flip",
             t.logits, t.route_flip, t.route_flip_margin
         ));
         return Ok(());
@@ -161,7 +161,8 @@ pub fn tree_explained(got: &DdtreeRecord, want: &DdtreeRecord, tol: f32) -> Resu
     let own = kdtree_engine::ddtree::build_tree(got.root, &got.draft_logits, got.draft_rows, got.vocab, got.budget);
     if own.tokens != got.tree_tokens || own.parents != got.tree_parents || own.depths != got.tree_depths {
         return Err(format!(
-            "ddtree tree: the run's tree {:?} / {:?} is not the one the engine builds from its own draft logits {:?} / {:?}",
+            "ddtree tree: the run's tree {:?} / {:?} is not the one the engine builds from its own draft logits \
+             {:?} / {:?}",
             got.tree_tokens, got.tree_parents, own.tokens, own.parents
         ));
     }
@@ -177,9 +178,9 @@ pub fn tree_explained(got: &DdtreeRecord, want: &DdtreeRecord, tol: f32) -> Resu
         });
     match tie {
         Some((r, a, b, gap)) => Ok(format!(
-            "ddtree tree {:?} / {:?} vs bundle {:?} / {:?}: the bundle's draft row {r} has a near-tie (tokens {a} and {b}, \
-             gap {gap:.3e} <= 2 × {tol}); the run's tree is its own draft logits' build; tree structure not compared, \
-             verify rows compared by node path",
+            "ddtree tree {:?} / {:?} vs bundle {:?} / {:?}: the bundle's draft row {r} has a near-tie (tokens {a} \
+             and {b}, gap {gap:.3e} <= 2 × {tol}); the run's tree is its own draft logits' build; tree structure \
+             not compared, verify rows compared by node path",
             got.tree_tokens, got.tree_parents, want.tree_tokens, want.tree_parents
         )),
         None => Err(format!(
@@ -214,14 +215,24 @@ pub fn walk(got: &DdtreeRecord, want: &DdtreeRecord, whole: bool, tol: f32) -> R
             .and_then(|&n| want.verify_logits.get(n * v..(n + 1) * v))
             .and_then(margin)
     };
-    match greedy("ddtree.decisions", &got.decisions, &want.decisions, false, margin_at, tol)? {
+    match greedy(
+        "ddtree.decisions",
+        &got.decisions,
+        &want.decisions,
+        false,
+        margin_at,
+        tol,
+    )? {
         Some((i, m)) => Ok(Some(format!(
-            "ddtree.decisions[{i}]: {} vs bundle {}: a near-tie in the bundle's verify row of node {} (top-2 margin {m:.3e} \
-             <= {tol}); the rest of the walk not compared",
+            "ddtree.decisions[{i}]: {} vs bundle {}: a near-tie in the bundle's verify row of node {} (top-2 margin \
+             {m:.3e} <= {tol}); the rest of the walk not compared",
             got.decisions[i], want.decisions[i], want.accepted[i]
         ))),
         None if whole && (got.accepted != want.accepted || got.decisions.len() != want.decisions.len()) => {
-            Err(format!("ddtree.accepted: {:?} vs bundle {:?} with the same decisions", got.accepted, want.accepted))
+            Err(format!(
+                "ddtree.accepted: {:?} vs bundle {:?} with the same decisions",
+                got.accepted, want.accepted
+            ))
         }
         None => Ok(None),
     }
