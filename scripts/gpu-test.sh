@@ -309,11 +309,14 @@ fi
 #   captured graphs took minutes; restricting it to our kernels (--kernel-name) crashed the sanitizer (run 52);
 # - synccheck on the captured graphs, as the runs ship;
 # - initcheck on the captured graphs with KDTREE_CUDA_POISON=1 (every buffer the ops allocate is filled with NaN
-#   bytes by a kernel before its op writes it): initcheck does not see cuBLAS's writes on the H200 (run 52: every
-#   prefill GEMM output read back was reported uninitialised; the line "initcheck cuBLAS" below shows it on
-#   cuda_gemm's parity test, whose values all equal the CPU twin's), so unpoisoned it reports every cuBLAS output.
-#   Poisoned, it reports reads of memory no kernel or copy ever wrote, and a read of an allocated buffer its op
-#   left unwritten reads NaN, which the run's tokens would show: they must equal the run without the sanitizer.
+#   bytes by a kernel before its op writes it). Unpoisoned, initcheck reported (run 51 and the diagnostic of
+#   run 52) the prefill's latent rows as uninitialised from their first byte: the output of the kv_a cuBLAS GEMM,
+#   copied and normed by kv_append_latent, whose values equal the CPU twin's in every parity and end-to-end check.
+#   The likeliest reading is that initcheck does not track that cuBLAS kernel's stores; it is not proven (the
+#   "initcheck cuBLAS" line below runs cuda_gemm's parity test unpoisoned, whose outputs are uploaded NaN first,
+#   so it cannot show it: 0 errors in run 52). Poisoned, initcheck reports reads of memory nothing ever wrote,
+#   and a read of an allocated buffer its op left unwritten reads NaN, which the run's tokens would show: they
+#   must equal the run without the sanitizer.
 # (memcheck runs at real width in scripts/gpu-test-k26.sh.)
 if [ -n "$sanitizer" ] && [ -n "${san_pair:-}" ]; then
   python3 - "$e2e" <<'PY'
