@@ -119,18 +119,6 @@ pub fn parse_prompt_bytes(bytes: &[u8]) -> Vec<PromptLine> {
         let line_no = i + 1;
         match std::str::from_utf8(raw) {
             Ok(text) if text.trim().is_empty() => {}
-            Ok(text) if line_no == 1 && text.starts_with('\u{feff}') => {
-                // Not JSON (so no readable id): named as what it is rather than "expected value at column 1".
-                let mut line = parse_line(line_no, text);
-                line.request = Err(LineError {
-                    line_no,
-                    code: "invalid_json",
-                    message: "starts with a UTF-8 byte order mark (BOM, bytes EF BB BF): save the file as \
-                              UTF-8 without a BOM"
-                        .into(),
-                });
-                out.push(line);
-            }
             Ok(text) => out.push(parse_line(line_no, text)),
             Err(e) => {
                 let at = e.valid_up_to();
@@ -210,6 +198,11 @@ pub fn parse_line(line_no: usize, raw: &str) -> PromptLine {
         raw: raw.to_string(),
         request: Err(LineError { line_no, code, message }),
     };
+    if line_no == 1 && raw.starts_with('\u{feff}') {
+        // Not JSON (so no readable id): named as what it is rather than "expected value at column 1".
+        let msg = "starts with a UTF-8 byte order mark (BOM, bytes EF BB BF): save the file as UTF-8 without a BOM";
+        return fail(None, false, "invalid_json", msg.into());
+    }
     let obj = match serde_json::from_str::<Json>(raw) {
         Ok(Json::Object(o)) => o,
         Ok(_) => return fail(None, false, "invalid_json", "expected a JSON object".into()),

@@ -56,3 +56,22 @@ fn numbers_are_shown_as_given_and_a_bom_is_named() {
     );
     assert!(lines[1].request.is_ok());
 }
+
+/// Each line parses alone as it does in its file (the fuzz target's contract), the BOM line too: the
+/// BOM was once named only by the file parser, so line 1 alone read as "not valid JSON"
+/// (now the seed fuzz/seeds/prompts/bom-line-alone-d8fac667).
+#[test]
+fn a_bom_line_parses_alone_as_in_its_file() {
+    let text = "\u{feff}t json\r\u{2}{\"id\":\"e\",\"prompt\":\"\"}";
+    let in_file = parse_prompt_bytes(format!("{text}\n{{\"id\":\"b\",\"prompt\":\"y\"}}\n").as_bytes());
+    let alone = parse_line(1, text);
+    assert_eq!(alone, in_file[0]);
+    assert!(alone
+        .request
+        .unwrap_err()
+        .message
+        .starts_with("starts with a UTF-8 byte order mark"));
+    // Past line 1 a BOM is just a character that is not JSON.
+    let later = parse_line(2, text).request.unwrap_err();
+    assert!(later.message.starts_with("not valid JSON"), "{}", later.message);
+}
