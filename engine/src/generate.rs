@@ -38,8 +38,10 @@ pub enum FinishReason {
 }
 
 /// Speculation statistics of a DDTree run (all zero / empty in AR mode). Counts are per verify round and
-/// describe the walk before any stop cut.
-#[derive(Debug, Clone, Default, PartialEq)]
+/// describe the walk before any stop cut. Deserializes from a record's `spec` object (missing counters are
+/// 0, derived rates are ignored), so a summary adds records up with [`SpecStats::merge`].
+#[derive(Debug, Clone, Default, PartialEq, serde::Deserialize)]
+#[serde(default)]
 pub struct SpecStats {
     pub verify_steps: u64,
     /// Tree nodes drafted (root excluded), summed over rounds.
@@ -55,6 +57,21 @@ pub struct SpecStats {
 }
 
 impl SpecStats {
+    /// Add `o`'s counters into `self` (per-depth counts entry by entry, the shorter padded with zeros).
+    pub fn merge(&mut self, o: &SpecStats) {
+        fn add(dst: &mut Vec<u64>, src: &[u64]) {
+            if dst.len() < src.len() {
+                dst.resize(src.len(), 0);
+            }
+            dst.iter_mut().zip(src).for_each(|(d, s)| *d += s);
+        }
+        self.verify_steps += o.verify_steps;
+        self.drafted += o.drafted;
+        self.budgets += o.budgets;
+        self.accepted += o.accepted;
+        add(&mut self.accepted_per_depth, &o.accepted_per_depth);
+        add(&mut self.acceptance_histogram, &o.acceptance_histogram);
+    }
     /// Mean tokens committed per round, bonus included (τ of the DDTree paper); 0 without rounds.
     pub fn acceptance_length(&self) -> f64 {
         if self.verify_steps == 0 {

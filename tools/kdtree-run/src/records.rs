@@ -244,25 +244,33 @@ pub fn spec(mode: Mode, s: &SpecStats) -> Json {
     match mode {
         Mode::Ar => json!({"mode": "ar"}),
         Mode::DDTree { .. } | Mode::DDTreeAuto { .. } | Mode::Chain => {
-            let mut j = json!({
-            "mode": name,
-            "budget": budget,
-            "verify_steps": s.verify_steps,
-            "drafted": s.drafted,
-            "accepted": s.accepted,
-            "accepted_per_depth": s.accepted_per_depth,
-            "acceptance_histogram": s.acceptance_histogram,
-            "acceptance_length": round6(s.acceptance_length()),
-            "acceptance_rate": round6(s.acceptance_rate()),
-            "budgets": s.budgets,
-            "mean_budget": round6(s.mean_budget()),
-            });
+            let mut j = json!({"mode": name, "budget": budget});
+            j.as_object_mut().expect("an object").extend(spec_counters(s));
             if let Some(m) = max {
                 j["budget_max"] = m.into();
             }
             j
         }
     }
+}
+
+/// The counters of `s` and the rates derived from them, as a record's `spec` and the run summary give them.
+pub fn spec_counters(s: &SpecStats) -> serde_json::Map<String, Json> {
+    let j = json!({
+        "verify_steps": s.verify_steps,
+        "drafted": s.drafted,
+        "accepted": s.accepted,
+        "accepted_per_depth": s.accepted_per_depth,
+        "acceptance_histogram": s.acceptance_histogram,
+        "acceptance_length": round6(s.acceptance_length()),
+        "acceptance_rate": round6(s.acceptance_rate()),
+        "budgets": s.budgets,
+        "mean_budget": round6(s.mean_budget()),
+    });
+    let Json::Object(m) = j else {
+        unreachable!("json! of an object")
+    };
+    m
 }
 
 fn timing(t: &Timing) -> Json {
