@@ -77,32 +77,18 @@ pub fn model_config(p: &Preset) -> Value {
         "dtype": "bfloat16",
         "eos_token_id": id.eos,
         "ep_size": 1,
-        "first_k_dense_replace": t.first_k_dense_replace,
         "hidden_act": "silu",
-        "hidden_size": t.hidden_size,
         "initializer_range": 0.02,
-        "intermediate_size": t.intermediate_size,
-        "kv_lora_rank": t.kv_lora_rank,
-        "max_position_embeddings": t.max_position_embeddings,
         "model_type": "kimi_k2",
-        "moe_intermediate_size": t.moe_intermediate_size,
         "moe_layer_freq": 1,
         "n_group": 1,
-        "n_routed_experts": t.n_routed_experts,
-        "n_shared_experts": t.n_shared_experts,
         "norm_topk_prob": true,
     });
     let rest = json!({
-        "num_attention_heads": t.num_attention_heads,
-        "num_experts_per_tok": t.num_experts_per_tok,
-        "num_hidden_layers": t.num_hidden_layers,
         "num_key_value_heads": t.num_attention_heads,
         "num_nextn_predict_layers": 0,
         "pad_token_id": id.pad,
         "pretraining_tp": 1,
-        "q_lora_rank": t.q_lora_rank,
-        "qk_nope_head_dim": t.qk_nope_head_dim,
-        "qk_rope_head_dim": t.qk_rope_head_dim,
         "quantization_config": quantization_config(),
         "rms_norm_eps": RMS_NORM_EPS,
         "rope_scaling": rope_scaling(),
@@ -114,11 +100,15 @@ pub fn model_config(p: &Preset) -> Value {
         "topk_group": 1,
         "topk_method": "noaux_tc",
         "use_cache": true,
-        "v_head_dim": t.v_head_dim,
         "vocab_size": p.vocab_size()
     });
     let obj = text.as_object_mut().expect("object");
     obj.extend(rest.as_object().expect("object").clone());
+    // The preset's widths, under their config.json names (TextPreset's fields are those names).
+    let Value::Object(widths) = serde_json::to_value(t).expect("TextPreset serializes") else {
+        unreachable!("a struct serializes to an object")
+    };
+    obj.extend(widths);
     obj.sort_keys();
     let vision = json!({
         "init_pos_emb_height": v.pos_emb[0],

@@ -25,8 +25,9 @@ pub const CHECK_RANKS: usize = 8;
 /// Reserved special ids after the mergeable ranks (Kimi: 256).
 pub const NUM_SPECIALS: usize = 256;
 
-/// Text tower widths (K2.6 `text_config` names). Fields not here take K2.6 values (see configs.rs).
-#[derive(Debug, Clone, Deserialize)]
+/// Text tower widths, named as K2.6's `text_config` keys (configs.rs writes them under these names). Fields not
+/// here take K2.6 values (see configs.rs).
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct TextPreset {
     pub hidden_size: usize,
