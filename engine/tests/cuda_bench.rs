@@ -218,21 +218,23 @@ fn w4a16_bandwidth() {
                 n_tiles: &nv,
                 tile_rows: plan.tile_rows(),
             };
-            ops::w4a16_gemm::moe_w4a16_gemm(
+            ops::w4a16_gemm::moe_w4a16(
                 &g,
-                &x.as_view(),
-                k,
-                top_k,
-                p,
+                ops::w4a16_gemm::MoeX::Rows {
+                    x: &x.as_view(),
+                    ld: k,
+                    row_div: top_k,
+                },
                 &routing,
-                &dp.as_view(),
-                &ds.as_view(),
-                e,
-                n,
-                k,
+                &[(&dp.as_view(), &ds.as_view())],
+                ops::w4a16_gemm::MoeDims {
+                    pairs: p,
+                    n_experts: e,
+                    n,
+                    k,
+                },
                 &mut ws.as_view_mut(),
-                &mut out.as_view_mut(),
-                n,
+                (&mut out.as_view_mut(), n),
             )
             .unwrap();
         });

@@ -344,59 +344,65 @@ fn moe_case(g: &Gpu, w: &[LayerW], plan: Plan, t: usize, correlated: bool, run: 
                         (&gate.packed.as_view(), &gate.scales.as_view()),
                         (&up.packed.as_view(), &up.scales.as_view()),
                     );
-                    w4a16_gemm::moe_w4a16_gate_up(
+                    w4a16_gemm::moe_w4a16(
                         g,
-                        &xv,
-                        H,
-                        TOP_K,
-                        p,
+                        w4a16_gemm::MoeX::Rows {
+                            x: &xv,
+                            ld: H,
+                            row_div: TOP_K,
+                        },
                         &routing,
-                        gw,
-                        uw,
-                        held,
-                        mi,
-                        H,
+                        &[gw, uw],
+                        w4a16_gemm::MoeDims {
+                            pairs: p,
+                            n_experts: held,
+                            n: mi,
+                            k: H,
+                        },
                         &mut ws.as_view_mut(),
-                        &mut gb.as_view_mut(),
-                        2 * mi,
+                        (&mut gb.as_view_mut(), 2 * mi),
                     )
                     .unwrap();
                 }
                 GateUp::Fused(m) => {
-                    w4a16_gemm::moe_w4a16_gemm(
+                    w4a16_gemm::moe_w4a16(
                         g,
-                        &xv,
-                        H,
-                        TOP_K,
-                        p,
+                        w4a16_gemm::MoeX::Rows {
+                            x: &xv,
+                            ld: H,
+                            row_div: TOP_K,
+                        },
                         &routing,
-                        &m.packed.as_view(),
-                        &m.scales.as_view(),
-                        held,
-                        2 * mi,
-                        H,
+                        &[(&m.packed.as_view(), &m.scales.as_view())],
+                        w4a16_gemm::MoeDims {
+                            pairs: p,
+                            n_experts: held,
+                            n: 2 * mi,
+                            k: H,
+                        },
                         &mut ws.as_view_mut(),
-                        &mut gb.as_view_mut(),
-                        2 * mi,
+                        (&mut gb.as_view_mut(), 2 * mi),
                     )
                     .unwrap();
                 }
             }
             let d = &lw.down;
-            w4a16_gemm::moe_w4a16_down_silu(
+            w4a16_gemm::moe_w4a16(
                 g,
-                &gb.as_view(),
-                2 * mi,
-                p,
+                w4a16_gemm::MoeX::SiluGateUp {
+                    gu: &gb.as_view(),
+                    ld: 2 * mi,
+                },
                 &routing,
-                &d.packed.as_view(),
-                &d.scales.as_view(),
-                held,
-                H,
-                mi,
+                &[(&d.packed.as_view(), &d.scales.as_view())],
+                w4a16_gemm::MoeDims {
+                    pairs: p,
+                    n_experts: held,
+                    n: H,
+                    k: mi,
+                },
                 &mut ws.as_view_mut(),
-                &mut y.as_view_mut(),
-                H,
+                (&mut y.as_view_mut(), H),
             )
             .unwrap();
         }

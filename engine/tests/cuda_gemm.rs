@@ -197,21 +197,23 @@ fn moe_case(
         tile_rows: tile,
     };
     let div = if per_pair_x { 1 } else { top_k };
-    ops::w4a16_gemm::moe_w4a16_gemm(
+    ops::w4a16_gemm::moe_w4a16(
         g,
-        &dx.as_view(),
-        k,
-        div,
-        p,
+        ops::w4a16_gemm::MoeX::Rows {
+            x: &dx.as_view(),
+            ld: k,
+            row_div: div,
+        },
         &routing,
-        &dp.as_view(),
-        &ds.as_view(),
-        e,
-        n,
-        k,
+        &[(&dp.as_view(), &ds.as_view())],
+        ops::w4a16_gemm::MoeDims {
+            pairs: p,
+            n_experts: e,
+            n,
+            k,
+        },
         &mut ws.as_view_mut(),
-        &mut out.as_view_mut(),
-        n,
+        (&mut out.as_view_mut(), n),
     )
     .unwrap();
     let got = g.download(&out).unwrap();
@@ -508,21 +510,23 @@ fn op_chain_is_graph_capturable() {
             n_tiles: &nv,
             tile_rows: plane.tile_rows(),
         };
-        ops::w4a16_gemm::moe_w4a16_gemm(
+        ops::w4a16_gemm::moe_w4a16(
             &g,
-            &hid.as_view(),
-            h,
-            top_k,
-            p,
+            ops::w4a16_gemm::MoeX::Rows {
+                x: &hid.as_view(),
+                ld: h,
+                row_div: top_k,
+            },
             &routing,
-            &pe.as_view(),
-            &se.as_view(),
-            e,
-            ni,
-            h,
+            &[(&pe.as_view(), &se.as_view())],
+            ops::w4a16_gemm::MoeDims {
+                pairs: p,
+                n_experts: e,
+                n: ni,
+                k: h,
+            },
             &mut ws.as_view_mut(),
-            &mut eo.as_view_mut(),
-            ni,
+            (&mut eo.as_view_mut(), ni),
         )
         .unwrap();
         ops::argmax::argmax(&g, &eo.as_view(), p, ni, ni, &mut am.as_view_mut()).unwrap();
@@ -577,8 +581,8 @@ fn op_chain_is_graph_capturable() {
     println!("PARITY op_chain(graph replay == eager) exact");
 }
 
-/// The fused MoE forms: gate and up in one launch (`moe_w4a16_gate_up`, `[gate | up]` rows) against the CPU
-/// twin, and the down projection with the SwiGLU in its x staging (`moe_w4a16_down_silu`) bit for bit
+/// The fused MoE forms: gate and up in one launch (`moe_w4a16` with two matrices, `[gate | up]` rows) against the CPU
+/// twin, and the down projection with the SwiGLU in its x staging (`MoeX::SiluGateUp`) bit for bit
 /// against `silu_mul` followed by the plain grouped GEMM (same plan, same rounding), and against the twin.
 #[test]
 fn moe_fused_gate_up_and_silu_down() {
@@ -642,21 +646,23 @@ fn moe_fused_gate_up_and_silu_down() {
         let wsl = plan_gu.workspace_len(p, 2 * mi).max(plan_d.workspace_len(p, h));
         let mut ws = g.upload(&nan_f32(wsl)).unwrap();
         let mut gu = g.upload(&nan_bf16(p * 2 * mi)).unwrap();
-        ops::w4a16_gemm::moe_w4a16_gate_up(
+        ops::w4a16_gemm::moe_w4a16(
             &g,
-            &dx.as_view(),
-            h,
-            top_k,
-            p,
+            ops::w4a16_gemm::MoeX::Rows {
+                x: &dx.as_view(),
+                ld: h,
+                row_div: top_k,
+            },
             &routing,
-            (&dpg.as_view(), &dsg.as_view()),
-            (&dpu.as_view(), &dsu.as_view()),
-            e,
-            mi,
-            h,
+            &[(&dpg.as_view(), &dsg.as_view()), (&dpu.as_view(), &dsu.as_view())],
+            ops::w4a16_gemm::MoeDims {
+                pairs: p,
+                n_experts: e,
+                n: mi,
+                k: h,
+            },
             &mut ws.as_view_mut(),
-            &mut gu.as_view_mut(),
-            2 * mi,
+            (&mut gu.as_view_mut(), 2 * mi),
         )
         .unwrap();
         let gu_host = g.download(&gu).unwrap();
@@ -693,20 +699,22 @@ fn moe_fused_gate_up_and_silu_down() {
         check_bf16(&format!("{case} up"), &got_u, &want_u, W4A16_TOL);
         // Down with the fused SwiGLU vs silu_mul + the plain grouped GEMM: the same bits.
         let mut fused = g.upload(&nan_bf16(p * h)).unwrap();
-        ops::w4a16_gemm::moe_w4a16_down_silu(
+        ops::w4a16_gemm::moe_w4a16(
             &g,
-            &gu.as_view(),
-            2 * mi,
-            p,
+            ops::w4a16_gemm::MoeX::SiluGateUp {
+                gu: &gu.as_view(),
+                ld: 2 * mi,
+            },
             &routing,
-            &dpd.as_view(),
-            &dsd.as_view(),
-            e,
-            h,
-            mi,
+            &[(&dpd.as_view(), &dsd.as_view())],
+            ops::w4a16_gemm::MoeDims {
+                pairs: p,
+                n_experts: e,
+                n: h,
+                k: mi,
+            },
             &mut ws.as_view_mut(),
-            &mut fused.as_view_mut(),
-            h,
+            (&mut fused.as_view_mut(), h),
         )
         .unwrap();
         let mut act = g.upload(&nan_bf16(p * mi)).unwrap();
@@ -721,21 +729,23 @@ fn moe_fused_gate_up_and_silu_down() {
         )
         .unwrap();
         let mut twostep = g.upload(&nan_bf16(p * h)).unwrap();
-        ops::w4a16_gemm::moe_w4a16_gemm(
+        ops::w4a16_gemm::moe_w4a16(
             &g,
-            &act.as_view(),
-            mi,
-            1,
-            p,
+            ops::w4a16_gemm::MoeX::Rows {
+                x: &act.as_view(),
+                ld: mi,
+                row_div: 1,
+            },
             &routing,
-            &dpd.as_view(),
-            &dsd.as_view(),
-            e,
-            h,
-            mi,
+            &[(&dpd.as_view(), &dsd.as_view())],
+            ops::w4a16_gemm::MoeDims {
+                pairs: p,
+                n_experts: e,
+                n: h,
+                k: mi,
+            },
             &mut ws.as_view_mut(),
-            &mut twostep.as_view_mut(),
-            h,
+            (&mut twostep.as_view_mut(), h),
         )
         .unwrap();
         let (fused, twostep, act) = (

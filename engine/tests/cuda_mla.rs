@@ -172,11 +172,11 @@ fn mla_attention_parity() {
 
 /// A batch's MLA in one launch (`mla_attention_seg`: each sequence its own cache, mask, committed length on
 /// the device and split) gives every node the bits its own sequence's launch gives; and the batch's latent
-/// store (`store_rows_seg_bf16`) writes each sequence's rows where `store_rows_bf16` does.
+/// store (`store_rows_seg_bf16`) writes each sequence's rows where `store_rows` into bf16 does.
 #[test]
 fn mla_attention_segments_equal_their_own_launches() {
     use kdtree_engine::cuda::ops::mla_attention::{mla_attention_seg, MlaSeg};
-    use kdtree_engine::cuda::ops::round_state::{store_rows_bf16, store_rows_seg_bf16, StoreSeg};
+    use kdtree_engine::cuda::ops::round_state::{store_rows, store_rows_seg_bf16, StoreSeg};
     let Some(g) = gpu() else { return };
     let (heads, c, p) = (8usize, 512usize, 64usize);
     let lw = c + p;
@@ -308,7 +308,7 @@ fn mla_attention_segments_equal_their_own_launches() {
             g.upload(&nan_bf16(256 * w)).unwrap(),
         );
         let pos = g.upload(&[committed as i32]).unwrap();
-        store_rows_bf16(
+        store_rows(
             &g,
             &mut d1.as_view_mut(),
             w,
@@ -342,7 +342,7 @@ fn mla_attention_segments_equal_their_own_launches() {
             "cache {i}: the batched store differs"
         );
     }
-    println!("PARITY store_rows_seg_bf16(3 caches) vs store_rows_bf16 each: bit-identical");
+    println!("PARITY store_rows_seg_bf16(3 caches) vs store_rows each: bit-identical");
 }
 
 /// Nodes go in the split kernel's grid y, at most 65535: one more is refused with an error that names the

@@ -491,7 +491,7 @@ impl Resources for CudaBackend {
     }
     fn write_rows_at(&self, dst: &mut CudaSlice<f32>, cols: usize, at: &DPos, src: &CudaSlice<f32>, n: usize) {
         self.run("write_rows_at", || {
-            round_state::store_rows_f32(
+            round_state::store_rows(
                 &self.gpu,
                 &mut dst.as_view_mut(),
                 cols,

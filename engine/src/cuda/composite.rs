@@ -8,6 +8,7 @@ use half::bf16;
 use super::backend::CudaBackend;
 use super::ops::mla_absorb::{absorb_q, apply_uv, AbsorbDims};
 use super::ops::mla_attention::{self as seg_op, mla_attention, MlaShape, MlaSplit};
+use super::ops::w4a16_gemm::{MoeDims, MoeX};
 use super::ops::{copy_rows, embed, fill, gemm_bf16, moe_align, moe_combine, w4a16_gemm};
 use super::tree::DMask;
 use super::types::{storage_id, DKv, DMat, DRoutes, DI4};
@@ -312,60 +313,66 @@ impl CudaBackend {
                 (&gate.packed.as_view(), &gate.scales.as_view()),
                 (&up.packed.as_view(), &up.scales.as_view()),
             );
-            w4a16_gemm::moe_w4a16_gate_up(
+            w4a16_gemm::moe_w4a16(
                 g,
-                &xv,
-                h,
-                r.k,
-                pairs,
+                MoeX::Rows {
+                    x: &xv,
+                    ld: h,
+                    row_div: r.k,
+                },
                 &routing,
-                gw,
-                uw,
-                e,
-                mi,
-                h,
+                &[gw, uw],
+                MoeDims {
+                    pairs,
+                    n_experts: e,
+                    n: mi,
+                    k: h,
+                },
                 &mut ws.as_view_mut(),
-                &mut gu.as_view_mut(),
-                2 * mi,
+                (&mut gu.as_view_mut(), 2 * mi),
             )?;
             gu
         } else {
             let mut gu = g.zeros::<bf16>(pairs * 2 * kp)?;
             for (m, at) in [(gate, 0), (up, kp)] {
-                w4a16_gemm::moe_w4a16_gemm(
+                w4a16_gemm::moe_w4a16(
                     g,
-                    &xv,
-                    h,
-                    r.k,
-                    pairs,
+                    MoeX::Rows {
+                        x: &xv,
+                        ld: h,
+                        row_div: r.k,
+                    },
                     &routing,
-                    &m.packed.as_view(),
-                    &m.scales.as_view(),
-                    e,
-                    mi,
-                    h,
+                    &[(&m.packed.as_view(), &m.scales.as_view())],
+                    MoeDims {
+                        pairs,
+                        n_experts: e,
+                        n: mi,
+                        k: h,
+                    },
                     &mut ws.as_view_mut(),
-                    &mut gu.slice_mut(at..),
-                    2 * kp,
+                    (&mut gu.slice_mut(at..), 2 * kp),
                 )?;
             }
             gu
         };
         let mut y = g.zeros::<bf16>(pairs * h)?;
-        w4a16_gemm::moe_w4a16_down_silu(
+        w4a16_gemm::moe_w4a16(
             g,
-            &gu.as_view(),
-            2 * kp,
-            pairs,
+            MoeX::SiluGateUp {
+                gu: &gu.as_view(),
+                ld: 2 * kp,
+            },
             &routing,
-            &down.packed.as_view(),
-            &down.scales.as_view(),
-            e,
-            h,
-            kp,
+            &[(&down.packed.as_view(), &down.scales.as_view())],
+            MoeDims {
+                pairs,
+                n_experts: e,
+                n: h,
+                k: kp,
+            },
             &mut ws.as_view_mut(),
-            &mut y.as_view_mut(),
-            h,
+            (&mut y.as_view_mut(), h),
         )?;
         let mut out = g.out::<f32>(t * h)?;
         moe_combine::moe_combine_rank(

@@ -312,7 +312,7 @@ impl Compute for CudaBackend {
             )?;
             // At the committed length read on the device (a captured round replays at any length).
             let base = l * kv.cap * w;
-            round_state::store_rows_bf16(
+            round_state::store_rows(
                 &self.gpu,
                 &mut kv.buf.slice_mut(base..base + kv.cap * w),
                 w,

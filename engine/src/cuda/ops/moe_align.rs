@@ -1,5 +1,5 @@
 //! MoE align wrapper for kernels/cuda/moe_align.cu: groups (token, slot) pairs by expert on the device for
-//! the grouped expert GEMM ([`super::w4a16_gemm::moe_w4a16_gemm`]). CPU twin: the per-expert token lists
+//! the grouped expert GEMM ([`super::w4a16_gemm::moe_w4a16`]). CPU twin: the per-expert token lists
 //! built in `crate::model::ffn::moe` (ascending expert, tokens in order).
 
 use cudarc::driver::{CudaView, CudaViewMut, PushKernelArg};

@@ -133,32 +133,6 @@ pub fn store_rows<T: StoreElem>(
     Ok(())
 }
 
-/// [`store_rows`] into a bf16 `dst`.
-pub fn store_rows_bf16(
-    gpu: &Gpu,
-    dst: &mut CudaViewMut<'_, bf16>,
-    w: usize,
-    row0: &CudaView<'_, i32>,
-    row0_host: usize,
-    src: &CudaView<'_, f32>,
-    n: usize,
-) -> Result<()> {
-    store_rows(gpu, dst, w, row0, row0_host, src, n)
-}
-
-/// [`store_rows`] into an f32 `dst`.
-pub fn store_rows_f32(
-    gpu: &Gpu,
-    dst: &mut CudaViewMut<'_, f32>,
-    w: usize,
-    row0: &CudaView<'_, i32>,
-    row0_host: usize,
-    src: &CudaView<'_, f32>,
-    n: usize,
-) -> Result<()> {
-    store_rows(gpu, dst, w, row0, row0_host, src, n)
-}
-
 /// `out` `[rows_out, cols]`: row i = row `path[i]` of `x` `[nodes, cols]` for i < the walk's length, zeros
 /// after (`walk_out` = `[len, path[..]]`, len <= rows_out, path entries < nodes).
 pub fn path_rows(
@@ -208,7 +182,7 @@ struct StoreSegsArg {
 // SAFETY: plain old data with the C layout of `struct StoreSegs`, passed by value as a kernel parameter.
 unsafe impl cudarc::driver::DeviceRepr for StoreSegsArg {}
 
-/// [`store_rows_bf16`] of up to [`MAX_SEGS`] sequences in one launch: segment s's rows of `src` (`[Σ n, w]`
+/// [`store_rows`] into bf16 of up to [`MAX_SEGS`] sequences in one launch: segment s's rows of `src` (`[Σ n, w]`
 /// f32, in segment order) into rows `[pos_s, pos_s + n_s)` of its `dst`, rounded to bf16 (the kernel writes
 /// through the table's device addresses).
 pub fn store_rows_seg_bf16(gpu: &Gpu, segs: &mut [StoreSeg<'_>], w: usize, src: &CudaView<'_, f32>) -> Result<()> {

@@ -306,145 +306,49 @@ pub struct Routing<'a> {
     pub tile_rows: usize,
 }
 
-/// Grouped MoE W4A16 GEMM over `pairs` (token, slot) rows: row p uses expert `ids[p]` (through `r`,
-/// computed on the device), x row `p / x_row_div` (`top_k` when x is the tokens' hidden state, 1 when x is
-/// per pair), weights `packed [E, n, k/2]`, `scales [E, n, k/32]`. `out[p, :n]` rows `ld_out` apart; `ws`
-/// holds `plan_moe(gpu, pairs, E, n, k).workspace_len(pairs, n)` f32. Blocks beyond the device-side tile
-/// count exit at once. Launch contract: no allocation, no host sync, graph-capturable; one launch.
-#[allow(clippy::too_many_arguments)]
-pub fn moe_w4a16_gemm(
-    gpu: &Gpu,
-    x: &CudaView<'_, bf16>,
-    ld_x: usize,
-    x_row_div: usize,
-    pairs: usize,
-    r: &Routing<'_>,
-    packed: &CudaView<'_, u8>,
-    scales: &CudaView<'_, bf16>,
-    n_experts: usize,
-    n: usize,
-    k: usize,
-    ws: &mut CudaViewMut<'_, f32>,
-    out: &mut CudaViewMut<'_, bf16>,
-    ld_out: usize,
-) -> Result<()> {
-    let xin = XIn {
-        x,
-        ld_x,
-        x_row_div,
-        silu: false,
-    };
-    grouped(
-        gpu,
-        xin,
-        pairs,
-        r,
-        &[(packed, scales)],
-        n_experts,
-        n,
-        k,
-        ws,
-        out,
-        ld_out,
-    )
+/// The x operand of [`moe_w4a16`].
+#[derive(Clone, Copy)]
+pub enum MoeX<'a, 'b> {
+    /// Pair p reads row `p / row_div` of `x` (rows `ld` apart, `k` wide): `row_div` = top_k when x is the
+    /// tokens' hidden state, 1 when x is per pair.
+    Rows {
+        x: &'a CudaView<'b, bf16>,
+        ld: usize,
+        row_div: usize,
+    },
+    /// Pair p reads `silu(gate) * up` of the `[gate | up]` row p of `gu` (gate `k` wide, up after it, rows
+    /// `ld >= 2k` apart): the down projection's SwiGLU fused into the GEMM's x staging and rounded to bf16
+    /// exactly as [`super::silu_mul::silu_mul`] does.
+    SiluGateUp { gu: &'a CudaView<'b, bf16>, ld: usize },
 }
 
-/// The gate and up projections of the routed experts in one launch: `out[p, :n]` = gate, `out[p, n..2n]` =
-/// up (the `[gate | up]` rows [`moe_w4a16_down_silu`] reads), rows `ld_out >= 2n` apart. `ws` holds
-/// `plan_moe(gpu, pairs, E, 2 n, k).workspace_len(pairs, 2 n)` f32. Otherwise as [`moe_w4a16_gemm`].
-#[allow(clippy::too_many_arguments)]
-pub fn moe_w4a16_gate_up(
-    gpu: &Gpu,
-    x: &CudaView<'_, bf16>,
-    ld_x: usize,
-    x_row_div: usize,
-    pairs: usize,
-    r: &Routing<'_>,
-    gate: (&CudaView<'_, u8>, &CudaView<'_, bf16>),
-    up: (&CudaView<'_, u8>, &CudaView<'_, bf16>),
-    n_experts: usize,
-    n: usize,
-    k: usize,
-    ws: &mut CudaViewMut<'_, f32>,
-    out: &mut CudaViewMut<'_, bf16>,
-    ld_out: usize,
-) -> Result<()> {
-    let xin = XIn {
-        x,
-        ld_x,
-        x_row_div,
-        silu: false,
-    };
-    grouped(gpu, xin, pairs, r, &[gate, up], n_experts, n, k, ws, out, ld_out)
+/// The sizes of a [`moe_w4a16`] launch: `pairs` (token, slot) rows, `n_experts` experts whose weights are
+/// `[E, n, k/2]` packed with `[E, n, k/32]` scales.
+#[derive(Clone, Copy, Debug)]
+pub struct MoeDims {
+    pub pairs: usize,
+    pub n_experts: usize,
+    pub n: usize,
+    pub k: usize,
 }
 
-/// The down projection over `silu(gate) * up` of `[gate | up]` rows `gu [pairs, ld_gu]` (gate `k` wide, up
-/// after it), the SwiGLU fused into the GEMM's x staging and rounded to bf16 exactly as
-/// [`super::silu_mul::silu_mul`] does. Otherwise as [`moe_w4a16_gemm`] with `x_row_div` 1.
-#[allow(clippy::too_many_arguments)]
-pub fn moe_w4a16_down_silu(
+/// Grouped MoE W4A16 GEMM over `d.pairs` (token, slot) rows: row p uses expert `ids[p]` (through `r`,
+/// computed on the device) and the x row [`MoeX`] names. With one weight matrix `(packed, scales)`,
+/// `out[p, :n]`; with two (gate and up: the `[gate | up]` rows [`MoeX::SiluGateUp`] reads), the first's
+/// columns at `out[p, :n]` and the second's at `out[p, n..2n]`; rows `ld_out` apart. `ws` holds
+/// `plan_moe(gpu, pairs, E, width, k).workspace_len(pairs, width)` f32, width = n × matrices. Blocks
+/// beyond the device-side tile count exit at once. Launch contract: no allocation, no host sync,
+/// graph-capturable; one launch.
+pub fn moe_w4a16(
     gpu: &Gpu,
-    gu: &CudaView<'_, bf16>,
-    ld_gu: usize,
-    pairs: usize,
-    r: &Routing<'_>,
-    packed: &CudaView<'_, u8>,
-    scales: &CudaView<'_, bf16>,
-    n_experts: usize,
-    n: usize,
-    k: usize,
-    ws: &mut CudaViewMut<'_, f32>,
-    out: &mut CudaViewMut<'_, bf16>,
-    ld_out: usize,
-) -> Result<()> {
-    ensure(OP_MOE, ld_gu >= 2 * k, || {
-        format!("ld_gu={ld_gu} must hold gate and up ({} elements)", 2 * k)
-    })?;
-    let xin = XIn {
-        x: gu,
-        ld_x: ld_gu,
-        x_row_div: 1,
-        silu: true,
-    };
-    grouped(
-        gpu,
-        xin,
-        pairs,
-        r,
-        &[(packed, scales)],
-        n_experts,
-        n,
-        k,
-        ws,
-        out,
-        ld_out,
-    )
-}
-
-/// The x operand of the grouped form.
-struct XIn<'a, 'b> {
-    x: &'a CudaView<'b, bf16>,
-    ld_x: usize,
-    x_row_div: usize,
-    /// x row = silu(first k) * (next k) of a `[gate | up]` row.
-    silu: bool,
-}
-
-/// One grouped launch over one or two weight matrices (written side by side, `n` columns each).
-#[allow(clippy::too_many_arguments)]
-fn grouped(
-    gpu: &Gpu,
-    xin: XIn<'_, '_>,
-    pairs: usize,
+    x: MoeX<'_, '_>,
     r: &Routing<'_>,
     mats: &[(&CudaView<'_, u8>, &CudaView<'_, bf16>)],
-    n_experts: usize,
-    n: usize,
-    k: usize,
+    d: MoeDims,
     ws: &mut CudaViewMut<'_, f32>,
-    out: &mut CudaViewMut<'_, bf16>,
-    ld_out: usize,
+    (out, ld_out): (&mut CudaViewMut<'_, bf16>, usize),
 ) -> Result<()> {
+    let MoeDims { pairs, n_experts, n, k } = d;
     let nmat = mats.len();
     ensure(OP_MOE, nmat == 1 || nmat == 2, || {
         format!("{nmat} weight matrices (1 or 2)")
@@ -452,12 +356,15 @@ fn grouped(
     for (packed, scales) in mats {
         check_weights(OP_MOE, packed, scales, n_experts, n, k)?;
     }
-    let XIn {
-        x,
-        ld_x,
-        x_row_div,
-        silu,
-    } = xin;
+    let (x, ld_x, x_row_div, silu) = match x {
+        MoeX::Rows { x, ld, row_div } => (x, ld, row_div, false),
+        MoeX::SiluGateUp { gu, ld } => {
+            ensure(OP_MOE, ld >= 2 * k, || {
+                format!("ld_gu={ld} must hold gate and up ({} elements)", 2 * k)
+            })?;
+            (gu, ld, 1, true)
+        }
+    };
     ensure(OP_MOE, x_row_div >= 1, || "x_row_div must be >= 1".into())?;
     let x_width = if silu { 2 * k } else { k };
     check_x(OP_MOE, gpu, x, pairs.div_ceil(x_row_div), ld_x, x_width)?;
