@@ -9,7 +9,7 @@
 # controller, and the two 8-rank ones as 8 rank groups on this GPU (--gpus 8 --share-gpu). Each runs the
 # prompts of golden/k26-gate/prompts.jsonl (8 to 64 prompt tokens, 16 generated) greedy in AR and DDTree
 # (budgets 16 and 256) three times, the first right after its conversion was written, with the load check on
-# (--check-weights: every tensor's device bytes against the manifest's xxh3-64).
+# (--check-weights=device: every tensor's device bytes against the manifest's xxh3-64).
 #
 # Checks (a failure names the configuration, mode and line):
 #  1. the three runs of each configuration and mode write identical records (everything but `timing`);
@@ -57,7 +57,7 @@ runs() {
   s=$(date +%s)
   for mode in ar b16 b256; do
     case $mode in ar) m=(--mode ar);; *) m=(--mode ddtree --budget "${mode#b}");; esac
-    ( "$dir/kdtree-run" "$k/$conv" --prompts "$prompts" --out "$k/run-$tag-$mode-$rep.jsonl" --device cuda "${m[@]}"         --check-weights "$@" 2> "$k/$tag-$mode-$rep.err" || echo "$tag $mode rep $rep: kdtree-run exit $?" >> "$k/failed" ) &
+    ( "$dir/kdtree-run" "$k/$conv" --prompts "$prompts" --out "$k/run-$tag-$mode-$rep.jsonl" --device cuda "${m[@]}"         --check-weights=device "$@" 2> "$k/$tag-$mode-$rep.err" || echo "$tag $mode rep $rep: kdtree-run exit $?" >> "$k/failed" ) &
     pids+=($!)
     [ "$#" -gt 0 ] && wait "$!"
   done
@@ -86,7 +86,7 @@ for conv in m1 tp8 ep8; do
     "$dir/kdtree-golden" "$k/m1" --prompts "$prompts" --out "$k/gold-gpu" --device cuda --max-tokens 16 \
       --full-logits-steps 16 --topk 8 --trace-step 0 --no-ddtree --quiet 2>> "$k/m1.err" || fail "kdtree-golden --device cuda"
     if "$dir/kdtree-run" "$k/m1" --prompts "$prompts" --out "$k/verify.jsonl" --device cuda --verify golden/k26-gate \
-        --check-weights > "$k/verify.log" 2>&1; then
+        --check-weights=device > "$k/verify.log" 2>&1; then
       say "kdtree-run --device cuda --verify golden/k26-gate: match"
     else
       fail "kdtree-run --device cuda --verify golden/k26-gate: mismatch"; tail -30 "$k/verify.log" | tee -a "$log"
@@ -114,11 +114,11 @@ for conv in m1 tp8 ep8; do
     else
       fail "compute-sanitizer not found"
     fi
-    # The load check's cost (issue 29): the same 1-token run alone, with the check (the default) and without,
-    # wall seconds of the whole process (load, check, one token) and the loader's own line, twice each.
+    # The load check's cost (issue 29): the same 1-token run alone with the host check (the default), the device
+    # check and none, wall seconds of the whole process (load, check, one token) and the loader's own line, twice.
     for rep in 1 2; do
-      for c in check nocheck; do
-        case $c in check) cf=();; *) cf=(--no-check-weights);; esac
+      for c in host device nocheck; do
+        case $c in host) cf=();; device) cf=(--check-weights=device);; *) cf=(--no-check-weights);; esac
         s=$(date +%s.%N)
         "$dir/kdtree-run" "$k/m1" --prompts "$k/p1.jsonl" --out "$k/load-$c.jsonl" --device cuda --mode ar --max-tokens 1 \
           "${cf[@]}" 2> "$k/load-$c.err" || fail "kdtree-run load ($c)"

@@ -89,7 +89,7 @@ PY
   # --verify against the committed CPU bundles, a gate: the cuda rules are measured tolerances plus the
   # near-tie and route-flip rules of tools/kdtree-run/src/verify/rules.rs; each acceptance is printed.
   verify_gate() { # MODEL PROMPTS BUNDLE TAG
-    "$dir/kdtree-run" "$e2e/$1" --prompts "$2" --out "$e2e/verify-$4.jsonl" --device cuda --verify "$3" --quiet 2>&1 | tee -a "$log" | tail -40
+    "$dir/kdtree-run" "$e2e/$1" --prompts "$2" --out "$e2e/verify-$4.jsonl" --device cuda --check-weights=device --verify "$3" --quiet 2>&1 | tee -a "$log" | tail -40
     if [ "${PIPESTATUS[0]}" -eq 0 ]; then echo "E2E kdtree-run --device cuda --verify $3: match" | tee -a "$log"
     else echo "E2E kdtree-run --device cuda --verify $3: MISMATCH (see above)" | tee -a "$log"; status=1; fi
   }
@@ -97,7 +97,7 @@ PY
   verify_gate pair1 golden/kdtree-tiny/prompts.jsonl golden/kdtree-tiny pair
   # The same bundle through the rank-group driver (one group on its own thread and stream, the one-GPU
   # communicator inside its graphs): what --gpus N runs, against the CPU golden.
-  "$dir/kdtree-run" "$e2e/pair1" --prompts golden/kdtree-tiny/prompts.jsonl --out "$e2e/verify-group.jsonl" --device cuda \
+  "$dir/kdtree-run" "$e2e/pair1" --prompts golden/kdtree-tiny/prompts.jsonl --out "$e2e/verify-group.jsonl" --device cuda --check-weights=device \
     --gpus 1 --share-gpu --verify golden/kdtree-tiny --quiet 2>&1 | tee -a "$log" | tail -20
   if [ "${PIPESTATUS[0]}" -eq 0 ]; then echo "E2E kdtree-run --gpus 1 --share-gpu --verify golden/kdtree-tiny: match" | tee -a "$log"
   else echo "E2E kdtree-run --gpus 1 --share-gpu --verify golden/kdtree-tiny: MISMATCH" | tee -a "$log"; status=1; fi
@@ -110,7 +110,7 @@ PY
   for temp in 0 1; do
     for mode in ar chain ddtree16 ddtree64; do
       case $mode in ddtree*) m="--mode ddtree --budget ${mode#ddtree}";; *) m="--mode $mode";; esac
-      "$dir/kdtree-run" "$e2e/pair1" --prompts examples/heldout.jsonl --out "$e2e/pair-$mode-t$temp.jsonl" --device cuda $m \
+      "$dir/kdtree-run" "$e2e/pair1" --prompts examples/heldout.jsonl --out "$e2e/pair-$mode-t$temp.jsonl" --device cuda --check-weights=device $m \
         --temperature $temp --seed 1 --summary "$e2e/pair-$mode-t$temp.json" --quiet || status=1
       python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('E2E trained pair heldout', sys.argv[2], 'T', sys.argv[3], 'backend', d.get('backend'), 'tokens', d.get('completion_tokens'), 'tok/s', d.get('tokens_per_s'), 'acceptance_length', d.get('acceptance_length'))" "$e2e/pair-$mode-t$temp.json" $mode $temp | tee -a "$log"
     done
@@ -132,15 +132,15 @@ PY
       --ranks "${plan#??}" --experts "${plan%?}" --quiet 2>> "$e2e/ranks.err" || { status=1; continue; }
     for mode in ar ddtree16; do
       case $mode in ddtree*) m="--mode ddtree --budget ${mode#ddtree}";; *) m="--mode $mode";; esac
-      "$dir/kdtree-run" "$e2e/pair-$plan" --prompts examples/heldout.jsonl --out "$e2e/ranks-$plan-$mode.jsonl" --device cuda $m \
+      "$dir/kdtree-run" "$e2e/pair-$plan" --prompts examples/heldout.jsonl --out "$e2e/ranks-$plan-$mode.jsonl" --device cuda --check-weights=device $m \
         --summary "$e2e/ranks-$plan-$mode.json" --quiet 2>> "$e2e/ranks.err" || status=1
       # The same ranks as R groups side by side (each its own thread, stream, weights and graphs; --gpus R).
-      "$dir/kdtree-run" "$e2e/pair-$plan" --prompts examples/heldout.jsonl --out "$e2e/groups-$plan-$mode.jsonl" --device cuda $m \
+      "$dir/kdtree-run" "$e2e/pair-$plan" --prompts examples/heldout.jsonl --out "$e2e/groups-$plan-$mode.jsonl" --device cuda --check-weights=device $m \
         --gpus "${plan#??}" --share-gpu --summary "$e2e/groups-$plan-$mode.json" --quiet 2>> "$e2e/ranks.err" || status=1
     done
   done
   # 8 groups eagerly (no graphs: every sum's launch paced by the gates) in a fresh process.
-  KDTREE_CUDA_GRAPHS=0 "$dir/kdtree-run" "$e2e/pair-tp8" --prompts examples/heldout.jsonl --out "$e2e/groups-eager-tp8-ddtree16.jsonl" --device cuda \
+  KDTREE_CUDA_GRAPHS=0 "$dir/kdtree-run" "$e2e/pair-tp8" --prompts examples/heldout.jsonl --out "$e2e/groups-eager-tp8-ddtree16.jsonl" --device cuda --check-weights=device \
     --mode ddtree --budget 16 --gpus 8 --share-gpu --summary "$e2e/groups-eager-tp8-ddtree16.json" --quiet 2>> "$e2e/ranks.err" || status=1
   # The rank groups against the CPU reference: --verify (tokens, logits, the DDTree rounds) against kdtree-golden's
   # CPU bundle of the same R-rank conversion, and against the committed 1-rank bundle golden/kdtree-tiny.
@@ -149,7 +149,7 @@ PY
     "$dir/kdtree-golden" "$e2e/pair-$plan" --prompts golden/kdtree-tiny/prompts.jsonl --out "$e2e/golden-$plan" --quiet 2>> "$e2e/ranks.err" || { status=1; continue; }
     for g in "$e2e/golden-$plan" golden/kdtree-tiny; do
       case $g in golden/*) what="the 1-rank CPU bundle $g";; *) what="kdtree-golden's CPU bundle of the $plan conversion";; esac
-      if "$dir/kdtree-run" "$e2e/pair-$plan" --prompts golden/kdtree-tiny/prompts.jsonl --out "$e2e/verify-groups-$plan.jsonl" --device cuda \
+      if "$dir/kdtree-run" "$e2e/pair-$plan" --prompts golden/kdtree-tiny/prompts.jsonl --out "$e2e/verify-groups-$plan.jsonl" --device cuda --check-weights=device \
           --gpus "${plan#??}" --share-gpu --verify "$g" --quiet >> "$e2e/verify-groups.log" 2>&1; then
         echo "E2E groups $plan --gpus ${plan#??} --share-gpu --verify against $what: match" | tee -a "$log"
       else
@@ -164,7 +164,7 @@ PY
   for temp in 0 1; do
     for mode in ar ddtree16 ddtree64; do
       case $mode in ddtree*) m="--mode ddtree --budget ${mode#ddtree}";; *) m="--mode $mode";; esac
-      "$dir/kdtree-run" "$e2e/pair1" --prompts examples/heldout.jsonl --out "$e2e/batch8-$mode-t$temp.jsonl" --device cuda $m \
+      "$dir/kdtree-run" "$e2e/pair1" --prompts examples/heldout.jsonl --out "$e2e/batch8-$mode-t$temp.jsonl" --device cuda --check-weights=device $m \
         --temperature $temp --seed 1 --max-batch 8 --summary "$e2e/batch8-$mode-t$temp.json" --quiet 2>> "$e2e/batch.err" || status=1
     done
   done
@@ -179,7 +179,7 @@ with open(sys.argv[1], "w") as f:
         f.write(json.dumps(x) + "\n")
 PY
   for b in 1 8; do
-    "$dir/kdtree-run" "$e2e/pair1" --prompts "$e2e/mixed.jsonl" --out "$e2e/mixed-b$b.jsonl" --device cuda --mode ddtree --budget 16 \
+    "$dir/kdtree-run" "$e2e/pair1" --prompts "$e2e/mixed.jsonl" --out "$e2e/mixed-b$b.jsonl" --device cuda --check-weights=device --mode ddtree --budget 16 \
       --max-batch $b --summary "$e2e/mixed-b$b.json" --quiet 2>> "$e2e/batch.err" || status=1
   done
   sed 's/^/E2E batch stderr: /' "$e2e/batch.err" | head -20 | tee -a "$log"
@@ -333,7 +333,7 @@ PY
   # The reference tokens of the same runs without a sanitizer.
   for run in "ar:--mode ar" "ddtree16:--mode ddtree --budget 16" "batch2:--mode ddtree --budget 16 --max-batch 2"; do
     case $run in batch*) sp="$e2e/san2.jsonl";; *) sp="$e2e/san.jsonl";; esac
-    "$dir/kdtree-run" "$san_pair" --prompts "$sp" --out "$e2e/san-ref-${run%%:*}.jsonl" --device cuda ${run#*:} --quiet || status=1
+    "$dir/kdtree-run" "$san_pair" --prompts "$sp" --out "$e2e/san-ref-${run%%:*}.jsonl" --device cuda --check-weights=device ${run#*:} --quiet || status=1
   done
   s=$(date +%s)
   timeout 120 "$sanitizer" --tool initcheck --print-limit 3 "$dir/cuda_gemm" --test-threads=1 gemm_bf16_parity > "$e2e/san-cublas.log" 2>&1

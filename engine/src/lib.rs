@@ -22,6 +22,7 @@ pub mod session;
 pub mod session_batch;
 pub mod tp;
 
+pub use backend::WeightCheck;
 pub use model::open::{open, open_cpu, open_with, CpuModel, Device, Loaded, OpenOptions};
 #[cfg(feature = "cuda")]
 pub use model::open::{open_cuda_on, open_cuda_with};

@@ -97,8 +97,8 @@ impl Resources for Rec {
     fn mat_rows(&self, m: &Self::Mat) -> usize {
         self.inner.mat_rows(m)
     }
-    fn checks_weights(&self) -> bool {
-        self.inner.checks_weights()
+    fn weight_check(&self) -> kdtree_engine::backend::WeightCheck {
+        self.inner.weight_check()
     }
     fn weight_xxh3(&self, w: WeightRef<'_, Self>) -> anyhow::Result<Vec<u64>> {
         self.inner.weight_xxh3(match w {

@@ -94,10 +94,10 @@ pub trait Resources: Clone + Send + Sync + 'static {
     fn upload_vector_f32(&self, v: Slab<f32>) -> Result<Self::VectorF32>;
     /// Rows of a bf16 matrix (its output width).
     fn mat_rows(&self, m: &Self::Mat) -> usize;
-    /// Whether the loader checks every uploaded weight against its checksum (`weights::Ld`; `kdtree-run
-    /// --check-weights`, always in the GPU suite).
-    fn checks_weights(&self) -> bool {
-        false
+    /// How the loader checks every weight against its checksum (`weights::Ld`; `kdtree-run --check-weights`;
+    /// the GPU suite: [`WeightCheck::Device`] always).
+    fn weight_check(&self) -> WeightCheck {
+        WeightCheck::Off
     }
     /// xxh3-64 of an uploaded weight's bytes where the ops read them, in the converter's layout (the manifest's
     /// per-tensor checksum): one value for a matrix or vector, `[packed, scales]` for an INT4 stack. A device
@@ -446,3 +446,18 @@ pub trait TreeOps: Resources {
 pub trait Backend: Resources + Compute + TreeOps {}
 
 impl<T: Resources + Compute + TreeOps> Backend for T {}
+
+/// The load check: how the loader compares every weight a run loads with the manifest's xxh3-64 of its shard
+/// bytes. A difference fails the load naming the tensor, its rank and shard file, and both hashes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum WeightCheck {
+    /// No check (a library's default; `kdtree-run --no-check-weights`).
+    #[default]
+    Off,
+    /// The shard bytes on the host, hashed on rayon's threads while the loader uploads them: a damaged or
+    /// changed shard file (`kdtree-run`'s default). On the CPU backend these are the bytes the ops read.
+    Host,
+    /// The bytes where the ops read them, hashed after each upload (a GPU: on the device,
+    /// kernels/cuda/xxh3.cu): also an upload that went wrong, at the device hash's speed (~15 GB/s on an H200).
+    Device,
+}

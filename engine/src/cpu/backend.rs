@@ -7,7 +7,7 @@
 
 use super::cache::LatentCache;
 use super::ops;
-use crate::backend::{Fill, I4Stack, Mat, Resources, RopeTable, Slab, Visibility, WeightRef};
+use crate::backend::{Fill, I4Stack, Mat, Resources, RopeTable, Slab, Visibility, WeightCheck, WeightRef};
 use crate::ddtree::{DraftTree, Walk};
 use anyhow::Result;
 use half::bf16;
@@ -17,9 +17,10 @@ use half::bf16;
 #[derive(Debug, Clone, Default)]
 pub struct CpuBackend {
     pub comm: Option<super::comm::HostRank>,
-    /// Check every weight's bytes against the manifest's checksum at load ([`Resources::checks_weights`]): on
-    /// the CPU the weights are the mmapped shard bytes, so this finds a damaged shard file.
-    pub check_weights: bool,
+    /// Check every weight's bytes against the manifest's checksum at load ([`Resources::weight_check`]): on
+    /// the CPU the weights are the mmapped shard bytes, so this finds a damaged shard file (`Host` hashes them
+    /// on rayon's threads, `Device` one after another as each is read).
+    pub check_weights: WeightCheck,
 }
 
 impl CpuBackend {
@@ -27,7 +28,7 @@ impl CpuBackend {
     pub fn with_comm(c: super::comm::HostRank) -> CpuBackend {
         CpuBackend {
             comm: Some(c),
-            check_weights: false,
+            check_weights: WeightCheck::Off,
         }
     }
     /// `x` summed over the group (identity without one). A failed group (a rank died) is a panic here, which
@@ -97,7 +98,7 @@ impl Resources for CpuBackend {
     fn mat_rows(&self, m: &Mat) -> usize {
         m.rows
     }
-    fn checks_weights(&self) -> bool {
+    fn weight_check(&self) -> WeightCheck {
         self.check_weights
     }
     fn weight_xxh3(&self, w: WeightRef<'_, Self>) -> Result<Vec<u64>> {

@@ -30,7 +30,7 @@ use super::ops::{fill, gather_rows, kv_compact, round_state, w4a16_gemm};
 use super::tree::{DMask, DeviceTree};
 use super::types::{pad_k, storage_id, DGraph, DKv, DMat, DPos, DRope, DRoutes, DI4};
 use super::{CudaError, Gpu};
-use crate::backend::{Fill, I4Stack, Mat, Resources, RopeTable, Slab, Visibility, WeightRef};
+use crate::backend::{Fill, I4Stack, Mat, Resources, RopeTable, Slab, Visibility, WeightCheck, WeightRef};
 
 type R<T> = std::result::Result<T, CudaError>;
 
@@ -211,8 +211,8 @@ impl Resources for CudaBackend {
     fn mat_rows(&self, m: &DMat) -> usize {
         m.rows
     }
-    fn checks_weights(&self) -> bool {
-        self.gpu.check_weights()
+    fn weight_check(&self) -> WeightCheck {
+        self.gpu.weight_check()
     }
     fn weight_xxh3(&self, w: WeightRef<'_, Self>) -> Result<Vec<u64>> {
         use super::ops::xxh3::xxh3_of;

@@ -20,6 +20,7 @@ pub mod types;
 pub use crate::options::GpuOptions;
 pub use backend::CudaBackend;
 
+use crate::backend::WeightCheck;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -115,8 +116,8 @@ pub struct Gpu {
     comm: std::sync::RwLock<Arc<dyn comm::Communicator>>,
     /// Drain the stream before every pageable host copy ([`Gpu::set_drain_copies`]).
     drain_copies: std::sync::atomic::AtomicBool,
-    /// Hash every uploaded weight on the device and compare it with the manifest ([`Gpu::set_check_weights`]).
-    check_weights: std::sync::atomic::AtomicBool,
+    /// The load check of weights loaded onto this GPU ([`Gpu::set_weight_check`]).
+    weight_check: std::sync::Mutex<WeightCheck>,
 }
 
 /// What a captured CUDA graph holds, by node type (cuBLAS calls appear as their kernels; stream-ordered
@@ -331,7 +332,7 @@ impl Gpu {
             pdl: std::sync::atomic::AtomicBool::new(pdl),
             comm: std::sync::RwLock::new(Arc::new(comm::OneGpu)),
             drain_copies: std::sync::atomic::AtomicBool::new(false),
-            check_weights: std::sync::atomic::AtomicBool::new(false),
+            weight_check: std::sync::Mutex::new(WeightCheck::Off),
         };
         ops::w4a16_gemm::configure(&gpu)?;
         ops::gqa_attention::configure(&gpu)?;
@@ -434,15 +435,15 @@ impl Gpu {
         Ok(())
     }
 
-    /// Check the weights loaded onto this GPU from now on: after each upload its device bytes are hashed
-    /// (XXH3-64, kernels/cuda/xxh3.cu) and compared with the manifest's checksum; a difference fails the load
-    /// naming the tensor (`kdtree-run --check-weights`; the GPU suite always).
-    pub fn set_check_weights(&self, on: bool) {
-        self.check_weights.store(on, std::sync::atomic::Ordering::Relaxed);
+    /// How the weights loaded onto this GPU from now on are checked ([`WeightCheck`]): `Device` hashes each
+    /// upload's device bytes (XXH3-64, kernels/cuda/xxh3.cu) against the manifest's checksum (the GPU suite
+    /// always), `Host` the shard bytes on the host while they upload (`kdtree-run`'s default).
+    pub fn set_weight_check(&self, c: WeightCheck) {
+        *self.weight_check.lock().unwrap_or_else(|p| p.into_inner()) = c;
     }
-    /// [`Gpu::set_check_weights`].
-    pub fn check_weights(&self) -> bool {
-        self.check_weights.load(std::sync::atomic::Ordering::Relaxed)
+    /// [`Gpu::set_weight_check`].
+    pub fn weight_check(&self) -> WeightCheck {
+        *self.weight_check.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// What the last CUDA graph captured on this GPU holds (a DDTree round, an AR step), by node type.

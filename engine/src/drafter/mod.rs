@@ -37,10 +37,11 @@ pub use tables::{DenseTables, TargetTables};
 pub use weights::{slice_config, DraftLayer, DrafterDims, DrafterWeights};
 
 use crate::api::Drafter;
+use crate::backend::WeightCheck;
 use crate::backend::{Backend, PosOf, WeightRef};
 use crate::cpu::{ops, CpuBackend};
 use crate::model::source::Slab;
-use crate::model::weights::{check_upload, expected_xxh3, tensor_at, Mat};
+use crate::model::weights::{check_host_bytes, check_upload, expected_xxh3, tensor_at, Mat};
 use anyhow::{bail, ensure, Context, Result};
 use half::bf16;
 use kdtree_formats::config::DrafterConfig;
@@ -122,7 +123,7 @@ impl<B: Backend> DFlashDrafter<B> {
             return Self::load_slice(b, src, &cfg, rank, tables);
         }
         let dims = DrafterDims::from_config(&cfg)?;
-        let check = b.checks_weights();
+        let check = b.weight_check() != WeightCheck::Off; // the gathered shards are host bytes: both forms
         let w = DrafterWeights::load_with(&dims, |name, shape| {
             if check {
                 crate::model::source::check_shards(src, name)?;
@@ -157,9 +158,12 @@ impl<B: Backend> DFlashDrafter<B> {
                 src.fill(name, rank),
             ))
         };
-        // The load check: an uploaded shard's bytes where the ops read them against the manifest's xxh3.
-        let check = |name: &str, t: &kdtree_formats::TensorRef<'_>, w: WeightRef<'_, B>| {
-            check_upload(&b, &tensor_at(name, rank, t), expected_xxh3(t), w, 0)
+        // The load check: the shard's bytes (`Host`), or the upload's where the ops read them (`Device`), against
+        // the manifest's xxh3.
+        let check = |name: &str, t: &kdtree_formats::TensorRef<'_>, w: WeightRef<'_, B>| match b.weight_check() {
+            WeightCheck::Off => Ok(()),
+            WeightCheck::Host => check_host_bytes(&tensor_at(name, rank, t), t),
+            WeightCheck::Device => check_upload(&b, &tensor_at(name, rank, t), expected_xxh3(t), w, 0),
         };
         let mat = |name: String, rows: usize, cols: usize| -> Result<B::Mat> {
             match get(&name, &[rows, cols])? {
@@ -239,7 +243,7 @@ impl<B: Backend> DFlashDrafter<B> {
         // With the load check on, every upload's bytes where the ops read them are compared with the host
         // bytes they came from (`load_on` checked those against the manifest, shard by shard).
         let hash = |v: &[bf16]| {
-            b.checks_weights().then(|| {
+            (b.weight_check() == WeightCheck::Device).then(|| {
                 (
                     kdtree_formats::manifest::xxh3_64(bytemuck::cast_slice(v)),
                     "the xxh3 of the host bytes",

@@ -22,6 +22,7 @@ use super::weights::Weights;
 use crate::api::{Drafter, Target, TargetInfo};
 #[cfg(not(feature = "cuda"))]
 use crate::backend::BackendError;
+use crate::backend::WeightCheck;
 use crate::drafter::DFlashDrafter;
 use crate::session::{Mode, Session};
 use crate::session_batch::Batch;
@@ -100,9 +101,10 @@ pub struct OpenOptions {
     /// Progress lines on stderr while the weights load onto a GPU (GB, GB/s, ETA); a library stays quiet
     /// unless asked.
     pub progress: bool,
-    /// The load check: every weight's bytes, where the ops read them (hashed on the device on a GPU), against
-    /// the manifest's xxh3-64; a difference fails the load naming the tensor (`kdtree-run --check-weights`).
-    pub check_weights: bool,
+    /// The load check ([`WeightCheck`]): every weight's shard bytes (`Host`) or its bytes where the ops read
+    /// them (`Device`) against the manifest's xxh3-64; a difference fails the load naming the tensor
+    /// (`kdtree-run --check-weights`).
+    pub check_weights: WeightCheck,
     /// Leave the drafter out even when the directory holds one (an autoregressive run never drafts: its
     /// weights need neither the load time nor the memory).
     pub no_drafter: bool,
@@ -190,7 +192,7 @@ fn drafter_taps(src: &dyn TensorSource, opts: OpenOptions) -> Vec<usize> {
 /// draft, top-K, tree, mask, verify, walk and commit on the GPU, one read back per round).
 #[cfg(feature = "cuda")]
 fn open_cuda(dir: &Path, gpu: crate::cuda::Gpu, opts: OpenOptions) -> Result<Loaded> {
-    gpu.set_check_weights(opts.check_weights);
+    gpu.set_weight_check(opts.check_weights);
     open_cuda_opts(dir, Arc::new(gpu), opts)
 }
 

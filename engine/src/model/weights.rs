@@ -13,7 +13,7 @@
 
 pub use super::config::{ModelConfig, LATENT_NORM_EPS};
 use super::source::{expect, expect_split, Slab, TensorSource};
-use crate::backend::{Backend, VocabShards, WeightRef};
+use crate::backend::{Backend, VocabShards, WeightCheck, WeightRef};
 pub use crate::backend::{I4Stack, Mat};
 use crate::cpu::ops::Fill;
 use crate::cpu::CpuBackend;
@@ -99,11 +99,81 @@ struct Ld<'a, B: Backend> {
     /// Rank count R and this rank.
     r: usize,
     rank: usize,
+    /// The host form of the load check ([`WeightCheck::Host`]), None otherwise.
+    host: Option<&'a HostChecks>,
+}
+
+/// `t`'s shard bytes against the manifest's xxh3-64 (`what` names the tensor; a source without checksums has
+/// nothing to check).
+pub(crate) fn check_host_bytes(what: &str, t: &TensorRef<'_>) -> Result<()> {
+    if let Some(want) = t.xxh3 {
+        let got = kdtree_formats::manifest::xxh3_64(t.data);
+        ensure!(
+            got == want,
+            "{what}: the shard's bytes hash to {got:016x} where the manifest's xxh3 is {want:016x}: the shard file \
+             is not what was converted"
+        );
+    }
+    Ok(())
+}
+
+/// The host form of the load check ([`WeightCheck::Host`]): each tensor's shard bytes hashed on rayon's threads
+/// while the loader goes on uploading; [`HostChecks::finish`] waits for every hash and reports the first
+/// difference in the order the tensors were loaded.
+pub(crate) struct HostChecks {
+    tx: std::sync::mpsc::Sender<(usize, Result<()>)>,
+    rx: std::sync::mpsc::Receiver<(usize, Result<()>)>,
+    spawned: std::cell::Cell<usize>,
+}
+
+impl HostChecks {
+    pub(crate) fn new() -> HostChecks {
+        let (tx, rx) = std::sync::mpsc::channel();
+        HostChecks {
+            tx,
+            rx,
+            spawned: std::cell::Cell::new(0),
+        }
+    }
+    /// Hash tensor `name` of `rank` (as `src` gives it) against the manifest's xxh3-64 on a rayon thread; a
+    /// source without checksums has nothing to check.
+    pub(crate) fn spawn(&self, src: &Arc<dyn TensorSource>, name: &str, rank: usize) {
+        let (src, name, tx, i) = (src.clone(), name.to_string(), self.tx.clone(), self.spawned.get());
+        self.spawned.set(i + 1);
+        rayon::spawn(move || {
+            let r = src
+                .tensor(&name, rank)
+                .and_then(|t| check_host_bytes(&tensor_at(&name, rank, &t), &t));
+            let _ = tx.send((i, r)); // the receiver lives until every spawned hash has answered
+        });
+    }
+    /// Wait for every hash spawned; the first difference (in spawn order) is the error.
+    pub(crate) fn finish(self) -> Result<()> {
+        let mut first: Option<(usize, anyhow::Error)> = None;
+        for _ in 0..self.spawned.get() {
+            let (i, r) = self
+                .rx
+                .recv()
+                .context("a load-check hash thread ended without answering")?;
+            if let Err(e) = r {
+                if first.as_ref().is_none_or(|(j, _)| i < *j) {
+                    first = Some((i, e));
+                }
+            }
+        }
+        first.map_or(Ok(()), |(_, e)| Err(e))
+    }
 }
 
 impl<B: Backend> Ld<'_, B> {
     fn src(&self) -> &dyn TensorSource {
         &**self.owner
+    }
+    /// The host form of the load check of `name` (before its upload, so the hash runs beside it).
+    fn check_host(&self, name: &str) {
+        if let Some(h) = self.host {
+            h.spawn(self.owner, name, self.rank);
+        }
     }
     /// A bf16 tensor of this rank with shard `shape`, split as `split` (axis, offset) or replicated.
     fn bf16(&self, name: &str, shape: &[usize], split: Option<(usize, usize)>) -> Result<TensorRef<'_>> {
@@ -132,6 +202,7 @@ impl<B: Backend> Ld<'_, B> {
                 .fill_bf16(rows, cols, &f)
                 .with_context(|| format!("filling {name} (rank {})", self.rank)),
             None => {
+                self.check_host(name);
                 // SAFETY: `t` was just returned by `self.owner.tensor(..)` (through `expect`).
                 let m = self.b.upload_bf16(Mat {
                     w: unsafe { Slab::new(self.owner, t.data) },
@@ -152,6 +223,7 @@ impl<B: Backend> Ld<'_, B> {
                 .fill_vector(n, &f)
                 .with_context(|| format!("filling {name} (rank {})", self.rank)),
             None => {
+                self.check_host(name);
                 // SAFETY: as in `mat`.
                 let v = self.b.upload_vector(unsafe { Slab::new(self.owner, t.data) })?;
                 self.check(name, &t, WeightRef::Vector(&v), 0)?;
@@ -159,10 +231,13 @@ impl<B: Backend> Ld<'_, B> {
             }
         }
     }
-    /// The load check ([`crate::backend::Resources::checks_weights`]): part `part` of the uploaded `w`'s bytes,
-    /// hashed where the ops read them, against the manifest's xxh3-64 of `t` (a source without checksums: the host
-    /// bytes' own). A difference names the tensor, the rank and both values.
+    /// The device form of the load check ([`check_upload`]): part `part` of the uploaded `w`'s bytes, hashed where
+    /// the ops read them, against the manifest's xxh3-64 of `t` (a source without checksums: the host bytes' own).
+    /// A difference names the tensor, the rank and both values.
     fn check(&self, name: &str, t: &TensorRef<'_>, w: WeightRef<'_, B>, part: usize) -> Result<()> {
+        if self.b.weight_check() != WeightCheck::Device {
+            return Ok(()); // (expected_xxh3 would hash the host bytes of a source without checksums)
+        }
         check_upload(self.b, &tensor_at(name, self.rank, t), expected_xxh3(t), w, part)
     }
     /// This rank's SwiGLU slice, intermediate `i` split by rows (gate/up) and columns (down).
@@ -239,6 +314,8 @@ impl<B: Backend> Ld<'_, B> {
                 .fill_i4g32(first, cnt, nr, kr, &fp, &fs)
                 .with_context(|| format!("filling {pname} + weight_scale (rank {rank})"));
         }
+        self.check_host(&pname);
+        self.check_host(&sname);
         // SAFETY: `p` and `s` were just returned by `self.owner.tensor(..)`.
         let (packed, scales) = unsafe { (Slab::new(self.owner, p.data), Slab::new(self.owner, s.data)) };
         let w = self.b.upload_i4g32(I4Stack {
@@ -278,9 +355,9 @@ pub(crate) fn expected_xxh3(t: &TensorRef<'_>) -> (u64, &'static str) {
     }
 }
 
-/// The load check ([`crate::backend::Resources::checks_weights`]; off: nothing): part `part` of the uploaded `w`'s
-/// bytes, hashed where the ops read them, against `want` (`of` says what it is). A difference names `what` and both
-/// values.
+/// The device form of the load check ([`WeightCheck::Device`]; otherwise nothing): part `part` of the uploaded
+/// `w`'s bytes, hashed where the ops read them, against `want` (`of` says what it is). A difference names `what`
+/// and both values.
 /// The one check of every loader (the target's `Ld`, the drafter's shards and gathered tensors).
 pub(crate) fn check_upload<B: Backend>(
     b: &B,
@@ -299,7 +376,7 @@ pub(crate) fn check_upload_parts<B: Backend>(
     w: WeightRef<'_, B>,
     parts: &[(usize, &str, (u64, &str))],
 ) -> Result<()> {
-    if !b.checks_weights() || parts.is_empty() {
+    if b.weight_check() != WeightCheck::Device || parts.is_empty() {
         return Ok(());
     }
     let got = b
@@ -371,6 +448,7 @@ impl<B: Backend> Weights<B> {
             .into_iter()
             .find(|p| src.tensor(&format!("{p}model.embed_tokens.weight"), held[0]).is_ok())
             .ok_or_else(|| anyhow::anyhow!("no embed_tokens.weight (tried prefixes \"language_model.\" and \"\")"))?;
+        let host = (b.weight_check() == WeightCheck::Host).then(HostChecks::new);
         let ranks = held
             .iter()
             .map(|&rank| {
@@ -380,6 +458,7 @@ impl<B: Backend> Weights<B> {
                         owner: &src,
                         r,
                         rank,
+                        host: host.as_ref(),
                     },
                     &cfg,
                     prefix,
@@ -387,7 +466,11 @@ impl<B: Backend> Weights<B> {
                     t.topk_method.as_deref(),
                 )
             })
-            .collect::<Result<Vec<_>>>()?;
+            .collect::<Result<Vec<_>>>();
+        // Every hash answers before the load does, failed or not (no thread outlives a failed load's report).
+        let checked = host.map_or(Ok(()), HostChecks::finish);
+        let ranks = ranks?;
+        checked?;
         if let Some(k) = src.slice_rank() {
             cfg.vocab = v / r;
             cfg.slice_rank = Some(k);
@@ -526,6 +609,7 @@ fn load_rank<B: Backend>(
                             .with_context(|| format!("filling {name} (rank {k})"))?,
                     ),
                     None => {
+                        ld.check_host(&name);
                         // SAFETY: `tb` was just returned by `ld.owner.tensor(..)` (through `expect`).
                         let v = ld.b.upload_vector_f32(unsafe { Slab::new(ld.owner, tb.data) })?;
                         ld.check(&name, &tb, WeightRef::VectorF32(&v), 0)?;

@@ -205,7 +205,7 @@ fn cuda_groups(
         .map(|(g, ((range, gpu), needed))| {
             let src = src.clone();
             Box::new(move || {
-                gpu.set_check_weights(opts.check_weights);
+                gpu.set_weight_check(opts.check_weights);
                 gpu.begin_load(needed, opts.progress && g == 0)?;
                 let r = group_models(CudaBackend::new(gpu.clone()), src, range, opts.no_drafter);
                 let ended = gpu.end_load().map(|_| ());

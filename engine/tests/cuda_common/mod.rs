@@ -25,7 +25,7 @@ pub fn gpu_options() -> GpuOptions {
 pub fn gpu() -> Option<Gpu> {
     match Gpu::new(0, gpu_options()) {
         Ok(g) => {
-            g.set_check_weights(true);
+            g.set_weight_check(kdtree_engine::backend::WeightCheck::Device);
             Some(g)
         }
         Err(e) => {

@@ -31,7 +31,11 @@ pub fn open(dir: &Path, device: Device) -> Result<RefModel> {
     let opts = kdtree_engine::OpenOptions {
         attn_mode: kdtree_engine::AttnMode::Absorbed,
         gpu: kdtree_engine::GpuOptions::from_env(),
-        check_weights: true,
+        // The shard bytes on the CPU (hashed in parallel), the device bytes on a GPU.
+        check_weights: match device {
+            Device::Cpu => kdtree_engine::WeightCheck::Host,
+            _ => kdtree_engine::WeightCheck::Device,
+        },
         ..Default::default()
     };
     let loaded =

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use clap::{ArgAction, Parser, ValueEnum};
 use kdtree_engine::generate::{Mode, Sampling};
+use kdtree_engine::WeightCheck;
 use kdtree_text::prompts::{MAX_TOKENS_LIMIT, MAX_TOP_K};
 
 use crate::runner::Defaults;
@@ -147,12 +148,14 @@ pub struct Args {
     #[arg(long)]
     pub resume: bool,
 
-    /// The load check, on by default: every tensor the run loads (target and drafter), its bytes where the
-    /// model runs (hashed on the GPU with the CUDA backend) against the manifest's xxh3-64 checksum; a
-    /// difference stops the run (exit 2) naming the tensor and its shard file. This flag only says so
-    /// explicitly (scripts written when the check was opt-in).
-    #[arg(long, conflicts_with = "no_check_weights")]
-    pub check_weights: bool,
+    /// The load check, on by default: every tensor the run loads (target and drafter) against the manifest's
+    /// xxh3-64 checksum; a difference stops the run (exit 2) naming the tensor and its shard file. `host` (the
+    /// default): the shard bytes, hashed on CPU threads while they upload (a damaged or changed file).
+    /// `device` (bare `--check-weights`): the bytes where the model runs, hashed on the GPU after each upload
+    /// (also an upload gone wrong; ~1 s more per 15 GB on an H200).
+    #[arg(long, value_name = "WHERE", num_args = 0..=1, require_equals = true, default_missing_value = "device",
+          conflicts_with = "no_check_weights")]
+    pub check_weights: Option<CheckWhere>,
 
     /// Skip the load check (a damaged shard then runs silently). Records written so carry a fingerprint that
     /// says the weights were not checked, so a later checked `--resume` answers them again.
@@ -248,9 +251,12 @@ impl Args {
     pub fn dummy(&self) -> bool {
         self.load_format == LoadFormat::Dummy
     }
-    /// Whether the load check runs (on unless `--no-check-weights`; dummy weights have no checksums).
-    pub fn checks_weights(&self) -> bool {
-        !self.no_check_weights && !self.dummy()
+    /// The load check of this run (on unless `--no-check-weights`; dummy weights have no checksums).
+    pub fn weight_check(&self) -> WeightCheck {
+        match self.dummy() {
+            true => WeightCheck::Off,
+            false => weight_check(self.check_weights, self.no_check_weights),
+        }
     }
     /// Whether the drafter loads: a mode that drafts, or `--verify` (its bundle's DDTree round).
     pub fn loads_drafter(&self) -> bool {
@@ -348,9 +354,11 @@ pub struct CalibrateArgs {
     #[arg(long, value_name = "N", default_value_t = 9, value_parser = clap::value_parser!(u64).range(1..=1000))]
     pub rounds: u64,
 
-    /// The load check is on by default (see `kdtree-run --help`); this flag only says so explicitly.
-    #[arg(long, conflicts_with = "no_check_weights")]
-    pub check_weights: bool,
+    /// Where the load check hashes the weights: `host` (the default) or `device` (bare `--check-weights`); see
+    /// `kdtree-run --help`.
+    #[arg(long, value_name = "WHERE", num_args = 0..=1, require_equals = true, default_missing_value = "device",
+          conflicts_with = "no_check_weights")]
+    pub check_weights: Option<CheckWhere>,
 
     /// Load without checking the weights against the manifest's checksums.
     #[arg(long)]
@@ -359,4 +367,20 @@ pub struct CalibrateArgs {
     /// No progress lines on stderr.
     #[arg(long)]
     pub quiet: bool,
+}
+
+/// Where `--check-weights` hashes the weights ([`WeightCheck::Host`] or [`WeightCheck::Device`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CheckWhere {
+    Host,
+    Device,
+}
+
+/// The load check of `--check-weights[=WHERE]` / `--no-check-weights` (neither: the host check).
+pub fn weight_check(at: Option<CheckWhere>, off: bool) -> WeightCheck {
+    match (off, at) {
+        (true, _) => WeightCheck::Off,
+        (false, Some(CheckWhere::Device)) => WeightCheck::Device,
+        (false, _) => WeightCheck::Host,
+    }
 }

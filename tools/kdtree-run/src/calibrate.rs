@@ -167,7 +167,16 @@ pub fn run(a: &CalibrateArgs) -> Result<()> {
         a.budget_max,
         MIN_BUDGET_MAX
     );
-    let mut model = crate::load::load(&a.model, a.device, (!a.quiet, !a.no_check_weights, true), None)?;
+    let mut model = crate::load::load(
+        &a.model,
+        a.device,
+        (
+            !a.quiet,
+            crate::args::weight_check(a.check_weights, a.no_check_weights),
+            true,
+        ),
+        None,
+    )?;
     ensure!(
         model.loaded.has_drafter(),
         "{} has no drafter: --budget auto is for DDTree",

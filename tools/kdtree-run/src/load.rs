@@ -173,7 +173,7 @@ fn gpu_count(device: DeviceArg) -> usize {
 pub fn load(
     dir: &Path,
     device: DeviceArg,
-    (progress, check_weights, drafter): (bool, bool, bool),
+    (progress, check_weights, drafter): (bool, kdtree_engine::WeightCheck, bool),
     place: Option<(usize, kdtree_engine::tp::Placement)>,
 ) -> Result<Model> {
     let device = engine_device(device);

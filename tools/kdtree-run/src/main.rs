@@ -31,6 +31,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Parser;
 use kdtree_engine::generate::{Job as GenJob, Mode};
+use kdtree_engine::WeightCheck;
 use kdtree_golden::bundle::{Bundle, PromptRecord};
 use kdtree_text::console;
 use kdtree_text::prompts::PromptLine;
@@ -165,7 +166,11 @@ fn prepare(args: &Args) -> Result<Job> {
         true => fingerprint::dummy_model(&args.model, args.ranks, args.rank, args.dummy_seed)?,
         false => fingerprint::with_weights(
             &fingerprint::model_files(&args.model)?,
-            &fingerprint::weights(&args.model, args.checks_weights(), args.loads_drafter())?,
+            &fingerprint::weights(
+                &args.model,
+                args.weight_check() != WeightCheck::Off,
+                args.loads_drafter(),
+            )?,
         ),
     };
     let name = records::model_name(&args.model);
@@ -328,7 +333,7 @@ fn open_model(args: &Args, d: &Defaults, bundle: Option<&(Bundle, HashMap<String
         load::load(
             &args.model,
             args.device,
-            (!args.quiet, args.checks_weights(), args.loads_drafter()),
+            (!args.quiet, args.weight_check(), args.loads_drafter()),
             place,
         )?
     };

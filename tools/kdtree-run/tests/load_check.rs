@@ -1,4 +1,4 @@
-//! The load check is on by default (issue 29 item 2): one byte flipped inside a tensor's data of a 2-rank
+//! The load check is on by default (issue 29 item 2; the host form by default, `--check-weights=device` too): one byte flipped inside a tensor's data of a 2-rank
 //! conversion (the shard's size and header untouched, so the model opens) stops a run with default flags, exit 2,
 //! naming the tensor and its shard file, with no records: a rank-0 tensor, rank 1's copy of a replicated one,
 //! and a drafter tensor. `--no-check-weights` runs the damaged model (exit 0) and its records carry a fingerprint
@@ -103,24 +103,32 @@ fn run(dir: &Path, m: &Path, out: &Path, extra: &[&str]) -> Output {
     Command::new(BIN).args(&a).output().expect("spawn kdtree-run")
 }
 
-/// Default flags on a model with `name` of `rank` damaged: exit 2 naming the tensor, its rank and its file,
-/// no records; `--no-check-weights` still runs it.
+/// Default flags (the host check) and `--check-weights=device` on a model with `name` of `rank` damaged: exit 2
+/// naming the tensor, its rank and its file, no records; `--no-check-weights` still runs it.
 fn refused_by_default(tag: &str, name: &str, rank: usize, mode: &[&str]) {
     let dir = scratch(tag);
     let m = copy_model(&dir);
     let file = flip(&m, name, rank);
     let out = dir.join("o.jsonl");
-    let o = run(&dir, &m, &out, mode);
-    let err = stderr(&o);
-    assert_eq!(o.status.code(), Some(2), "{tag}: {err}");
-    assert!(
-        err.contains(&format!("{name} (rank {rank}, {file})")) && err.contains("manifest's xxh3"),
-        "{tag}: the message names the tensor and its file: {err}"
-    );
-    assert!(
-        !out.exists() || std::fs::read_to_string(&out).unwrap().is_empty(),
-        "{tag}: no records after a failed check"
-    );
+    for (check, says) in [
+        (None, "the shard's bytes"),
+        (Some("--check-weights=device"), "bytes hash"),
+    ] {
+        let mut flags = mode.to_vec();
+        flags.extend(check);
+        let o = run(&dir, &m, &out, &flags);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{tag} {check:?}: {err}");
+        assert!(
+            err.contains(&format!("{name} (rank {rank}, {file})")) && err.contains("manifest's xxh3"),
+            "{tag} {check:?}: the message names the tensor and its file: {err}"
+        );
+        assert!(err.contains(says), "{tag} {check:?}: {err}");
+        assert!(
+            !out.exists() || std::fs::read_to_string(&out).unwrap().is_empty(),
+            "{tag} {check:?}: no records after a failed check"
+        );
+    }
     let mut unchecked = mode.to_vec();
     unchecked.push("--no-check-weights");
     let o = run(&dir, &m, &out, &unchecked);
@@ -163,12 +171,32 @@ fn a_damaged_drafter_tensor_is_refused_by_default() {
 fn the_intact_model_passes_and_check_weights_is_still_accepted() {
     let dir = scratch("intact");
     let out = dir.join("o.jsonl");
-    for flags in [&[][..], &["--check-weights"][..]] {
+    let mut records = Vec::new();
+    for flags in [
+        &[][..],
+        &["--check-weights"],
+        &["--check-weights=host"],
+        &["--check-weights=device"],
+    ] {
+        let _ = std::fs::remove_file(&out);
         let o = run(&dir, model(), &out, flags);
         assert_eq!(o.status.code(), Some(0), "{flags:?}: {}", stderr(&o));
+        // Both checks verify the same checksums: one fingerprint, so a --resume across them keeps its records.
+        records.push(common::stable(&out));
     }
+    assert!(
+        records.windows(2).all(|w| w[0] == w[1]),
+        "the same records whatever the check: {records:?}"
+    );
     let o = run(&dir, model(), &out, &["--check-weights", "--no-check-weights"]);
     assert_eq!(o.status.code(), Some(2), "contradicting flags: {}", stderr(&o));
+    let o = run(&dir, model(), &out, &["--check-weights=gpu"]);
+    assert_eq!(o.status.code(), Some(2), "an unknown place: {}", stderr(&o));
+    assert!(
+        stderr(&o).contains("host") && stderr(&o).contains("device"),
+        "{}",
+        stderr(&o)
+    );
 }
 
 /// Records answered on unchecked (here damaged) weights are not kept by a checked --resume after the repair:
