@@ -19,6 +19,7 @@ pub mod batch;
 pub mod config;
 pub mod dummy;
 pub mod ffn;
+pub mod hash;
 pub mod open;
 pub(crate) mod round;
 pub mod seq;

@@ -253,7 +253,7 @@ pub fn check_shards(src: &dyn TensorSource, name: &str) -> Result<()> {
     for r in 0..src.ranks() {
         let t = src.tensor(name, r)?;
         if let Some(want) = t.xxh3 {
-            let got = kdtree_formats::manifest::xxh3_64(t.data);
+            let got = super::hash::xxh3_64_par(t.data);
             ensure!(
                 got == want,
                 "{}: the shard's bytes hash to {got:016x} where the manifest's xxh3 is {want:016x}",

@@ -107,7 +107,7 @@ struct Ld<'a, B: Backend> {
 /// nothing to check).
 pub(crate) fn check_host_bytes(what: &str, t: &TensorRef<'_>) -> Result<()> {
     if let Some(want) = t.xxh3 {
-        let got = kdtree_formats::manifest::xxh3_64(t.data);
+        let got = super::hash::xxh3_64_par(t.data);
         ensure!(
             got == want,
             "{what}: the shard's bytes hash to {got:016x} where the manifest's xxh3 is {want:016x}: the shard file \
@@ -117,8 +117,23 @@ pub(crate) fn check_host_bytes(what: &str, t: &TensorRef<'_>) -> Result<()> {
     Ok(())
 }
 
-/// The host form of the load check ([`WeightCheck::Host`]): each tensor's shard bytes hashed on rayon's threads
-/// while the loader goes on uploading; [`HostChecks::finish`] waits for every hash and reports the first
+/// The threads of the host load check: a pool of their own (half the cores), so that the hashes never hold the
+/// global pool's threads that the GPU loader's staging copies run on (cuda/load.rs).
+fn hash_pool() -> &'static rayon::ThreadPool {
+    static POOL: std::sync::OnceLock<rayon::ThreadPool> = std::sync::OnceLock::new();
+    POOL.get_or_init(|| {
+        let n = std::thread::available_parallelism().map_or(2, |n| n.get());
+        rayon::ThreadPoolBuilder::new()
+            .num_threads((n / 2).max(1))
+            .thread_name(|i| format!("kdtree-hash-{i}"))
+            .build()
+            .expect("the load check's thread pool")
+    })
+}
+
+/// The host form of the load check ([`WeightCheck::Host`]): each tensor's shard bytes hashed on a pool of their
+/// own ([`hash_pool`]; a large tensor's 1 KiB blocks on several threads, [`super::hash::xxh3_64_par`]) while the
+/// loader goes on uploading; [`HostChecks::finish`] waits for every hash and reports the first
 /// difference in the order the tensors were loaded.
 pub(crate) struct HostChecks {
     tx: std::sync::mpsc::Sender<(usize, Result<()>)>,
@@ -140,7 +155,7 @@ impl HostChecks {
     pub(crate) fn spawn(&self, src: &Arc<dyn TensorSource>, name: &str, rank: usize) {
         let (src, name, tx, i) = (src.clone(), name.to_string(), self.tx.clone(), self.spawned.get());
         self.spawned.set(i + 1);
-        rayon::spawn(move || {
+        hash_pool().spawn(move || {
             let r = src
                 .tensor(&name, rank)
                 .and_then(|t| check_host_bytes(&tensor_at(&name, rank, &t), &t));
