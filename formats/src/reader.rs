@@ -44,8 +44,9 @@ pub struct ShardHeader {
     index: HashMap<String, usize>,
 }
 
-/// Header map that keeps every entry, so duplicates can be reported instead of silently dropped.
-struct RawEntries(Vec<(String, serde_json::Value)>);
+/// Header map that keeps every entry, so duplicates can be reported instead of silently dropped; each entry's
+/// text is kept as written, so a duplicate key inside an entry is refused too (through `RawTensor`'s derive).
+struct RawEntries(Vec<(String, Box<serde_json::value::RawValue>)>);
 
 impl<'de> Deserialize<'de> for RawEntries {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
@@ -57,7 +58,7 @@ impl<'de> Deserialize<'de> for RawEntries {
             }
             fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> std::result::Result<RawEntries, A::Error> {
                 let mut v = Vec::new();
-                while let Some((k, val)) = m.next_entry::<String, serde_json::Value>()? {
+                while let Some((k, val)) = m.next_entry::<String, Box<serde_json::value::RawValue>>()? {
                     v.push((k, val));
                 }
                 Ok(RawEntries(v))
@@ -98,7 +99,7 @@ impl ShardHeader {
                     });
                 }
                 seen_meta = true;
-                metadata = serde_json::from_value(val)
+                metadata = serde_json::from_str(val.get())
                     .map_err(|e| FormatError::file(file, format!("__metadata__ must map strings to strings: {e}")))?;
                 continue;
             }
@@ -108,7 +109,7 @@ impl ShardHeader {
                     tensor: name,
                 });
             }
-            let t: RawTensor = serde_json::from_value(val)
+            let t: RawTensor = serde_json::from_str(val.get())
                 .map_err(|e| FormatError::tensor(file, &name, format!("bad header entry: {e}")))?;
             let dtype = Dtype::parse(&t.dtype)
                 .ok_or_else(|| FormatError::tensor(file, &name, format!("unsupported dtype {:?}", t.dtype)))?;
@@ -373,6 +374,30 @@ mod tests {
             matches!(&e, FormatError::Duplicate { tensor, .. } if tensor == "a"),
             "{e}"
         );
+    }
+
+    /// A key twice inside one entry (fuzz finding 2026-12-02: the first `data_offsets` was `[1]`, the second
+    /// `[16, 20]`): the reference crate refuses it, and so must we, rather than keep the last value.
+    #[test]
+    fn rejects_a_duplicate_key_inside_an_entry() {
+        let e = check(
+            r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[1],"data_offsets":[0,4]}}"#,
+            4,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("tensor \"a\": bad header entry"), "{e}");
+        let e = check(
+            r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4],"data_offsets":[0,4]}}"#,
+            4,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("duplicate field `data_offsets`"), "{e}");
+        let e = check(
+            r#"{"a":{"dtype":"U8","dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#,
+            4,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("duplicate field `dtype`"), "{e}");
     }
 
     #[test]
