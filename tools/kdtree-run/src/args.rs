@@ -316,6 +316,11 @@ impl Args {
                 !self.resume,
                 "--resume is not supported with --load-format dummy (rerun the whole prompt file)"
             );
+            anyhow::ensure!(
+                self.check_weights.is_none(),
+                "--check-weights checks shard files against their manifest; dummy weights have neither (drop it, or \
+                 use --load-format auto)"
+            );
         } else {
             anyhow::ensure!(
                 (self.ranks, self.rank, self.dummy_seed) == (1, 0, 0),

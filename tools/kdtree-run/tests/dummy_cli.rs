@@ -136,7 +136,7 @@ fn dummy_refuses_what_it_cannot_do() {
     let (c, p) = (cfg.to_str().unwrap(), prompts.to_str().unwrap());
     let out = d.join("o.jsonl");
     let o_ = out.to_str().unwrap();
-    let cases: [(&[&str], &str); 5] = [
+    let cases: [(&[&str], &str); 7] = [
         (&["--load-format", "dummy", "--verify", c], "--verify"),
         (&["--load-format", "dummy", "--resume"], "--resume"),
         (
@@ -145,6 +145,14 @@ fn dummy_refuses_what_it_cannot_do() {
         ),
         (&["--ranks", "8"], "--load-format dummy"),
         (&["--load-format", "dummy", "--mode", "ddtree"], "drafter/config.json"),
+        (
+            &["--load-format", "dummy", "--check-weights"],
+            "dummy weights have neither",
+        ),
+        (
+            &["--load-format", "dummy", "--check-weights=host"],
+            "dummy weights have neither",
+        ),
     ];
     for (extra, want) in cases {
         let mut args = vec![c, "--device", "cpu", "--prompts", p, "--out", o_];

@@ -17,7 +17,7 @@ use super::{addr, addr_mut, as_i32, launch_cfg, launch_pdl, need_len, span};
 use crate::cuda::{drv, ensure, Gpu, Result};
 
 const OP: &str = "w4a16_gemm";
-const OP_MOE: &str = "moe_w4a16_gemm";
+const OP_MOE: &str = "moe_w4a16";
 /// k per kernel step (4 groups of 32) and rows per block (4 warps x 32); N and K must be multiples.
 pub const K_STEP: usize = 128;
 pub const N_STEP: usize = 32;
