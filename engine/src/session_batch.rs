@@ -342,20 +342,31 @@ impl Batch {
         match self.ops.as_mut() {
             None => alone = (0..active.len()).collect(),
             Some(ops) => {
-                // `--budget auto`: the bucket most of the active sequences chose (ties: the larger), for all.
+                // `--budget auto`: one bucket for all, the one that maximizes the batch's expected committed tokens
+                // per µs over the forward's rows (ddtree::cost::batch_bucket); before any sequence has a round,
+                // the bucket most of them chose (ties: the larger).
                 let auto = {
-                    let mut votes: Vec<usize> = active
-                        .iter()
-                        .filter_map(|&i| self.slots[i].auto_budget().map(|a| a.budget()))
-                        .collect();
-                    votes.sort_unstable();
-                    let mut best: Option<(usize, usize)> = None; // (count, budget)
-                    for c in votes.chunk_by(|a, b| a == b) {
-                        if best.is_none_or(|(n, _)| c.len() >= n) {
-                            best = Some((c.len(), c[0]));
-                        }
+                    let autos: Vec<_> = active.iter().filter_map(|&i| self.slots[i].auto_budget()).collect();
+                    // The rows of the forward: the active sequences and the idle ones that join as ghosts.
+                    let rows = (0..self.slots.len())
+                        .filter(|&i| active.contains(&i) || self.ghosts[i].is_some() || self.slots[i].mark().is_some())
+                        .count();
+                    let scores: Vec<&[f64]> = autos.iter().map(|a| a.last_scores()).collect();
+                    match autos.first() {
+                        Some(a) => crate::ddtree::cost::batch_bucket(&scores, rows, a.buckets(), a.cost()),
+                        None => None,
                     }
-                    best.map(|(_, b)| b)
+                    .or_else(|| {
+                        let mut votes: Vec<usize> = autos.iter().map(|a| a.budget()).collect();
+                        votes.sort_unstable();
+                        let mut best: Option<(usize, usize)> = None; // (count, budget)
+                        for c in votes.chunk_by(|a, b| a == b) {
+                            if best.is_none_or(|(n, _)| c.len() >= n) {
+                                best = Some((c.len(), c[0]));
+                            }
+                        }
+                        best.map(|(_, b)| b)
+                    })
                 };
                 // Every slot in index order: the active ones, then idle ones as ghosts.
                 let mut items: Vec<BatchItem<'_>> = Vec::new();

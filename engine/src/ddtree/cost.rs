@@ -111,6 +111,11 @@ impl CostModel {
     pub fn round_us(&self, n: usize) -> f64 {
         self.draft_us + self.verify_us(n + 1)
     }
+    /// A batched round of `rows` sequences with `n` drafted nodes each: [`CostModel::round_us`] with every
+    /// sequence's nodes and root in the one verify forward.
+    pub fn round_us_rows(&self, rows: usize, n: usize) -> f64 {
+        self.draft_us + self.verify_us(rows.max(1) * (n + 1))
+    }
 
     /// The model of measured round times `(budget, µs)` (budgets strictly increasing): C_d = the round time
     /// extrapolated to 0 drafted nodes through the first two points (clamped to [0, 0.95 × first]: when noise
@@ -163,6 +168,49 @@ pub fn best_nodes(log_q: &[f64], cost: &CostModel) -> usize {
     log_q.len()
 }
 
+/// One budget for all sequences of a batched round in auto mode (`--budget auto --max-batch N`): the bucket that
+/// maximizes the batch's expected committed tokens per µs,
+/// θ(B) = Σ_s (1 + Σ_{j < B} p_s,j) / (C_d + C_v(rows × (B + 1))),
+/// where p_s,j are sequence s's popped-node probabilities of its last round (`scores`, pop order; a sequence
+/// without a round yet adds its bonus token only) and `rows` is the number of sequences the forward holds. So
+/// the verify cost is that of the batch's total rows: as the batch grows, a node must beat the batch's tokens
+/// per µs to be drafted, and the budget falls towards AR's one row per sequence when the measured verify cost
+/// per row climbs. Buckets up to the largest tree seen are weighed with what was seen; when the best of them is
+/// that largest tree and its last node still paid off, the next larger bucket is tried (as [`AutoBudget`]
+/// grows a tree that was too small to stop). None when no sequence has a round yet.
+pub fn batch_bucket(scores: &[&[f64]], rows: usize, buckets: &[usize], cost: &CostModel) -> Option<usize> {
+    let seen = scores.iter().map(|s| s.len()).max().filter(|&n| n > 0)?;
+    let p = |lq: f64| {
+        let p = lq.exp();
+        if p.is_nan() {
+            0.0
+        } else {
+            p
+        }
+    };
+    let rows = rows.max(scores.len()).max(1);
+    let theta = |n: usize| {
+        let tokens: f64 = scores
+            .iter()
+            .map(|s| 1.0 + s.iter().take(n).map(|&q| p(q)).sum::<f64>())
+            .sum();
+        tokens / cost.round_us_rows(rows, n)
+    };
+    let known: Vec<usize> = buckets.iter().copied().filter(|&b| b <= seen).collect();
+    let Some(&first) = known.first() else {
+        return buckets.first().copied();
+    };
+    let best = known
+        .iter()
+        .copied()
+        .fold(first, |a, b| if theta(b) > theta(a) { b } else { a });
+    let grows = best == seen && theta(seen) > theta(seen - 1);
+    Some(match buckets.iter().find(|&&b| b > best) {
+        Some(&next) if grows => next,
+        _ => best,
+    })
+}
+
 /// The budgets [`AutoBudget`] chooses from under a cap `max` (>= 1): the [`BUCKETS`] below it, then `max`.
 pub fn buckets(max: usize) -> Vec<usize> {
     let mut b: Vec<usize> = BUCKETS.iter().copied().filter(|&b| b < max).collect();
@@ -180,6 +228,9 @@ pub struct AutoBudget {
     buckets: Vec<usize>,
     /// Index of this round's bucket.
     at: usize,
+    /// The popped nodes' scores of this sequence's last round (empty before its first): what
+    /// [`batch_bucket`] weighs.
+    last: Vec<f64>,
 }
 
 impl AutoBudget {
@@ -189,13 +240,23 @@ impl AutoBudget {
         }
         cost.check()?;
         let buckets = buckets(max);
-        let mut a = AutoBudget { cost, buckets, at: 0 };
+        let mut a = AutoBudget {
+            cost,
+            buckets,
+            at: 0,
+            last: Vec::new(),
+        };
         a.restart();
         Ok(a)
     }
     /// A new sequence: back to the start bucket.
     pub fn restart(&mut self) {
         self.at = self.buckets.iter().rposition(|&b| b <= START_BUCKET).unwrap_or(0);
+        self.last.clear();
+    }
+    /// The popped nodes' scores of this sequence's last round (empty before its first).
+    pub fn last_scores(&self) -> &[f64] {
+        &self.last
     }
     /// This round's budget.
     pub fn budget(&self) -> usize {
@@ -210,6 +271,8 @@ impl AutoBudget {
     /// After a round at [`AutoBudget::budget`] whose popped nodes scored `log_q`: set the next round's
     /// bucket; returns n*.
     pub fn update(&mut self, log_q: &[f64]) -> usize {
+        self.last.clear();
+        self.last.extend_from_slice(log_q);
         let n = best_nodes(log_q, &self.cost);
         self.at = if n < self.budget() {
             self.buckets.iter().position(|&b| b >= n).unwrap_or(self.at)
@@ -363,6 +426,56 @@ mod tests {
         ] {
             assert!(CostModel::from_json(text).is_err(), "{text}");
         }
+    }
+
+    /// The batch's bucket: with a cheap verify, confident drafts keep their trees; as the verify cost per row
+    /// climbs (or the batch grows), the bucket falls to the smallest; a batch that has seen only small trees
+    /// whose last node still pays grows by one bucket; no rounds yet: None.
+    #[test]
+    fn the_batch_bucket_weighs_the_batch_rows() {
+        let bs = buckets(64);
+        let confident = logs(&(1..=16).map(|i| 0.95f64.powi(i)).collect::<Vec<_>>());
+        let weak = logs(&(1..=16).map(|i| 0.3f64.powi(i)).collect::<Vec<_>>());
+        // Fixed cost 1000 µs, 1 µs a row: one confident sequence grows past the 16 nodes it has seen.
+        let cheap = linear(1000.0, 1.0);
+        assert_eq!(batch_bucket(&[&confident], 1, &bs, &cheap), Some(32));
+        // The same draft when a row costs 10x the fixed part: the smallest bucket.
+        let dear = linear(100.0, 1000.0);
+        assert_eq!(batch_bucket(&[&confident], 1, &bs, &dear), Some(4));
+        // 64 sequences of weak drafts at 1 µs a row: every extra node costs 64 rows.
+        let many: Vec<&[f64]> = vec![&weak[..]; 64];
+        assert_eq!(batch_bucket(&many, 64, &bs, &cheap), Some(4));
+        // The slow form: the chosen bucket maximizes θ among the buckets weighed (those up to the 16 nodes
+        // seen); a bucket past them means 16 was the best and its last node still paid off.
+        let theta = |b: usize, s: &[&[f64]], rows: usize, c: &CostModel| {
+            let t: f64 = s
+                .iter()
+                .map(|s| 1.0 + s[..b.min(s.len())].iter().map(|q| q.exp()).sum::<f64>())
+                .sum();
+            t / c.round_us_rows(rows, b)
+        };
+        let mixed: Vec<&[f64]> = vec![&confident[..], &weak[..], &confident[..], &weak[..]];
+        for (c, rows) in [
+            (linear(500.0, 4.0), 4),
+            (linear(500.0, 40.0), 4),
+            (linear(50.0, 1.0), 16),
+        ] {
+            let b = batch_bucket(&mixed, rows, &bs, &c).unwrap();
+            let weighed = b.min(16);
+            for other in [4, 8, 16] {
+                assert!(
+                    theta(weighed, &mixed, rows, &c) >= theta(other, &mixed, rows, &c),
+                    "{b} vs {other}"
+                );
+            }
+            if b > 16 {
+                assert!(theta(16, &mixed, rows, &c) > theta(15, &mixed, rows, &c));
+            }
+        }
+        // Sequences without a round add their bonus token only; none with a round: None.
+        assert_eq!(batch_bucket(&[&[], &[]], 2, &bs, &cheap), None);
+        let fresh: Vec<&[f64]> = vec![&confident[..], &[]];
+        assert!(batch_bucket(&fresh, 2, &bs, &cheap).is_some());
     }
 
     #[test]
