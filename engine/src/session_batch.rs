@@ -353,7 +353,14 @@ impl Batch {
                         .count();
                     let scores: Vec<&[f64]> = autos.iter().map(|a| a.last_scores()).collect();
                     match autos.first() {
-                        Some(a) => crate::ddtree::cost::batch_bucket(&scores, rows, a.buckets(), a.cost()),
+                        Some(a) => {
+                            // A batch may also draft 1 or 2 nodes a sequence: below the smallest bucket of a
+                            // sequence alone, for when the batch's rows make every extra node dear.
+                            let mut choices: Vec<usize> =
+                                BATCH_SMALL.iter().copied().filter(|&b| b < a.buckets()[0]).collect();
+                            choices.extend_from_slice(a.buckets());
+                            crate::ddtree::cost::batch_bucket(&scores, rows, &choices, a.cost())
+                        }
                         None => None,
                     }
                     .or_else(|| {
@@ -435,6 +442,10 @@ impl Batch {
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
+
+/// The budgets below [`crate::ddtree::cost::BUCKETS`] a batch's `--budget auto` may choose (each a round shape of
+/// its own, captured once).
+const BATCH_SMALL: [usize; 2] = [1, 2];
 
 /// Prompt rows one batched prefill forward takes at most (its activations grow with them).
 pub const PREFILL_ROWS: usize = 4096;
