@@ -1,8 +1,9 @@
-//! The load check is on by default (issue 29 item 2; the host form by default, `--check-weights=device` too): one byte flipped inside a tensor's data of a 2-rank
-//! conversion (the shard's size and header untouched, so the model opens) stops a run with default flags, exit 2,
-//! naming the tensor and its shard file, with no records: a rank-0 tensor, rank 1's copy of a replicated one,
-//! and a drafter tensor. `--no-check-weights` runs the damaged model (exit 0) and its records carry a fingerprint
-//! that says so, so a checked `--resume` after the repair answers them again rather than keeping them.
+//! The load check is on by default (issue 29 item 2; the host form by default, `--check-weights=device` too): one
+//! byte flipped inside a tensor's data of a 2-rank conversion (the shard's size and header untouched, so the model
+//! opens) stops a run with default flags, exit 2, naming the tensor and its shard file, with no records: a rank-0
+//! tensor, rank 1's copy of a replicated one, and a drafter tensor. `--no-check-weights` runs the damaged model
+//! (exit 0) and its records carry a fingerprint that says so, so a checked `--resume` after the repair answers them
+//! again rather than keeping them.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
