@@ -252,14 +252,7 @@ unsafe impl TensorSource for MemSource {
 pub fn check_shards(src: &dyn TensorSource, name: &str) -> Result<()> {
     for r in 0..src.ranks() {
         let t = src.tensor(name, r)?;
-        if let Some(want) = t.xxh3 {
-            let got = super::hash::xxh3_64_par(t.data);
-            ensure!(
-                got == want,
-                "{}: the shard's bytes hash to {got:016x} where the manifest's xxh3 is {want:016x}",
-                crate::model::weights::tensor_at(name, r, &t)
-            );
-        }
+        super::weights::check_host_bytes(&super::weights::tensor_at(name, r, &t), &t)?;
         if t.split_axis.is_none() {
             break;
         }
