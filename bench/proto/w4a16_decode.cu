@@ -82,6 +82,11 @@ __host__ __device__ __forceinline__ int perm_pos(int k) {
     return (k & ~7) + 2 * (r & 3) + (r >> 2);
 }
 
+#ifndef PF
+#define PF 0  // with PF > 0, block b + S + PF is prefetched into L2 as block b + S is loaded (-DPF=N)
+#endif
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p)); }
+
 __device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
@@ -131,7 +136,7 @@ __device__ __forceinline__ void tile_stream(float (&c)[NT][4], const uint8_t* a0
         for (int i = 0; i < S; i++) {
             const int b = base + i;
             if (b >= nb) break;
-                    const int xs = XB == 2 ? (i & 1) : 0;
+            const int xs = XB == 2 ? (i & 1) : 0;
             if (XB == 2) {
                 if (b + 1 < nb) load_x(b + 1, (i + 1) & 1);
             } else {
@@ -152,6 +157,10 @@ __device__ __forceinline__ void tile_stream(float (&c)[NT][4], const uint8_t* a0
                 }
             }
             if (b + S < nb) load_w(b + S, i);
+            if (PF > 0 && b + S + PF < nb) {
+                prefetch_l2(a0 + (size_t)(b + S + PF) * 64);
+                prefetch_l2(a1 + (size_t)(b + S + PF) * 64);
+            }
         }
     }
 #pragma unroll
@@ -171,7 +180,7 @@ __global__ void permute_x(const bf16* __restrict__ x, bf16* __restrict__ xp, int
 // Dense: y[M, N] = x W^T. grid N / 16 tiles, block KS warps (warp w: blocks [w bpw, w bpw + bpw)).
 // Shared: KS x NT x 4 x 32 floats.
 template <int S, int NT>
-__global__ void __launch_bounds__(512) dense_i4g32(const bf16* __restrict__ xp, int M, const uint8_t* __restrict__ packed,
+__global__ void __launch_bounds__(256) dense_i4g32(const bf16* __restrict__ xp, int M, const uint8_t* __restrict__ packed,
                                                     const bf16* __restrict__ scales, int N, int K, int bpw,
                                                     bf16* __restrict__ y) {
     extern __shared__ float red[];
@@ -208,7 +217,7 @@ __global__ void __launch_bounds__(512) dense_i4g32(const bf16* __restrict__ xp, 
 // MoE 1: pair p (token pair_token[p], expert pair_expert[p]); grid (I / 8, pairs), block KS warps.
 // hp [pairs, I] bf16 permuted: silu(bf16(gate)) * bf16(up), rounded to bf16. Shared: KS x 2 x 32 floats.
 template <int S>
-__global__ void __launch_bounds__(512) moe_gate_up(const bf16* __restrict__ xp, const int* __restrict__ pair_token,
+__global__ void __launch_bounds__(256) moe_gate_up(const bf16* __restrict__ xp, const int* __restrict__ pair_token,
                                                     const int* __restrict__ pair_expert, const uint8_t* __restrict__ gate,
                                                     const bf16* __restrict__ gate_s, const uint8_t* __restrict__ up,
                                                     const bf16* __restrict__ up_s, int I, int K, int bpw, bf16* __restrict__ hp) {
@@ -241,7 +250,7 @@ __global__ void __launch_bounds__(512) moe_gate_up(const bf16* __restrict__ xp, 
 // MoE 2: token tok's 16 output rows; grid (H / 16, T), block topk x KS warps (warp = slot * KS + split).
 // y [T, H] f32 = sum over slots in order of fmaf(weight, bf16(down_slot(h)), acc). Shared: topk x KS x 2 x 32.
 template <int S>
-__global__ void __launch_bounds__(512) moe_down_combine(const bf16* __restrict__ hp, const int* __restrict__ pair_expert,
+__global__ void __launch_bounds__(256) moe_down_combine(const bf16* __restrict__ hp, const int* __restrict__ pair_expert,
                                                          const float* __restrict__ pair_weight, int topk, int KS, int bpw,
                                                          const uint8_t* __restrict__ down, const bf16* __restrict__ down_s,
                                                          int H, int I, float* __restrict__ y) {
@@ -422,9 +431,10 @@ constexpr int S = RING;  // blocks in flight per warp (the ring; -DRING=N)
 static int g_warps = 1100;  // target warps a launch (about 8 an SM): the split policy's one knob (--warps)
 
 // Blocks per warp for `tiles` m16 tiles of nbt blocks: enough warps to keep ~g_warps streaming, at least S
-// blocks a warp where K allows. A function of the shape alone (never of M): the sums are batch-invariant.
-static int blocks_per_warp(int tiles, int nbt) {
-    int ks = std::max(1, std::min(std::max(1, nbt / S), (g_warps + tiles - 1) / tiles));
+// blocks a warp where K allows, at most max_ks warps a CTA (256 threads: up to 255 registers a thread). A function
+// of the shape alone (never of M): the sums are batch-invariant.
+static int blocks_per_warp(int tiles, int nbt, int max_ks = 8) {
+    int ks = std::max(1, std::min({std::max(1, nbt / S), (g_warps + tiles - 1) / tiles, max_ks}));
     const int bpw = (nbt + ks - 1) / ks;
     return bpw;
 }
@@ -524,7 +534,7 @@ static void launch_gate_up(const bf16* xp, const int* ptok, const int* pexp, int
 }
 static void launch_down(const bf16* hp, const int* pexp, const float* pw, int T, int topk, const uint8_t* dp,
                         const bf16* ds, int H, int I, float* y, cudaStream_t st) {
-    const int nbt = I / KB, bpw = blocks_per_warp(H / 16 * topk, nbt), KS = (nbt + bpw - 1) / bpw;
+    const int nbt = I / KB, bpw = blocks_per_warp(H / 16 * topk, nbt, std::max(1, 8 / topk)), KS = (nbt + bpw - 1) / bpw;
     launch(moe_down_combine<S>, dim3(H / 16, T), topk * KS * 32, (size_t)topk * KS * 16 * sizeof(float), st, hp, pexp,
            pw, topk, KS, bpw, dp, ds, H, I, y);
 }
@@ -693,8 +703,8 @@ int main(int argc, char** argv) {
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     const double copy = copy_gbps();
-    printf("GPU %s, %d SMs; device copy %.0f GB/s (read + write of 1 GiB); ring %d blocks, target %d warps a launch\n",
-           prop.name, prop.multiProcessorCount, copy, S, g_warps);
+    printf("GPU %s, %d SMs; device copy %.0f GB/s (read + write of 1 GiB); ring %d blocks, L2 prefetch %d ahead, target %d warps a launch\n",
+           prop.name, prop.multiProcessorCount, copy, S, PF, g_warps);
     // The K2.6 expert shapes (gate+up rows 2 x 2048, down 7168 x 2048) and their TP8 slices.
     const int shapes[][2] = {{4096, 7168}, {7168, 2048}, {512, 7168}, {7168, 256}};
     for (auto& s : shapes) run_dense(s[0], s[1], copy, quick);
