@@ -82,6 +82,9 @@ __host__ __device__ __forceinline__ int perm_pos(int k) {
     return (k & ~7) + 2 * (r & 3) + (r >> 2);
 }
 
+#ifndef MINB
+#define MINB 1  // CTAs an SM the register allocation must allow (-DMINB=4: <= 64 registers a thread, 32 warps an SM)
+#endif
 #ifndef PF
 #define PF 0  // with PF > 0, block b + S + PF is prefetched into L2 as block b + S is loaded (-DPF=N)
 #endif
@@ -180,7 +183,7 @@ __global__ void permute_x(const bf16* __restrict__ x, bf16* __restrict__ xp, int
 // Dense: y[M, N] = x W^T. grid N / 16 tiles, block KS warps (warp w: blocks [w bpw, w bpw + bpw)).
 // Shared: KS x NT x 4 x 32 floats.
 template <int S, int NT>
-__global__ void __launch_bounds__(256) dense_i4g32(const bf16* __restrict__ xp, int M, const uint8_t* __restrict__ packed,
+__global__ void __launch_bounds__(256, MINB) dense_i4g32(const bf16* __restrict__ xp, int M, const uint8_t* __restrict__ packed,
                                                     const bf16* __restrict__ scales, int N, int K, int bpw,
                                                     bf16* __restrict__ y) {
     extern __shared__ float red[];
@@ -217,7 +220,7 @@ __global__ void __launch_bounds__(256) dense_i4g32(const bf16* __restrict__ xp, 
 // MoE 1: pair p (token pair_token[p], expert pair_expert[p]); grid (I / 8, pairs), block KS warps.
 // hp [pairs, I] bf16 permuted: silu(bf16(gate)) * bf16(up), rounded to bf16. Shared: KS x 2 x 32 floats.
 template <int S>
-__global__ void __launch_bounds__(256) moe_gate_up(const bf16* __restrict__ xp, const int* __restrict__ pair_token,
+__global__ void __launch_bounds__(256, MINB) moe_gate_up(const bf16* __restrict__ xp, const int* __restrict__ pair_token,
                                                     const int* __restrict__ pair_expert, const uint8_t* __restrict__ gate,
                                                     const bf16* __restrict__ gate_s, const uint8_t* __restrict__ up,
                                                     const bf16* __restrict__ up_s, int I, int K, int bpw, bf16* __restrict__ hp) {
@@ -250,7 +253,7 @@ __global__ void __launch_bounds__(256) moe_gate_up(const bf16* __restrict__ xp, 
 // MoE 2: token tok's 16 output rows; grid (H / 16, T), block topk x KS warps (warp = slot * KS + split).
 // y [T, H] f32 = sum over slots in order of fmaf(weight, bf16(down_slot(h)), acc). Shared: topk x KS x 2 x 32.
 template <int S>
-__global__ void __launch_bounds__(256) moe_down_combine(const bf16* __restrict__ hp, const int* __restrict__ pair_expert,
+__global__ void __launch_bounds__(256, MINB) moe_down_combine(const bf16* __restrict__ hp, const int* __restrict__ pair_expert,
                                                          const float* __restrict__ pair_weight, int topk, int KS, int bpw,
                                                          const uint8_t* __restrict__ down, const bf16* __restrict__ down_s,
                                                          int H, int I, float* __restrict__ y) {
@@ -703,8 +706,9 @@ int main(int argc, char** argv) {
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     const double copy = copy_gbps();
-    printf("GPU %s, %d SMs; device copy %.0f GB/s (read + write of 1 GiB); ring %d blocks, L2 prefetch %d ahead, target %d warps a launch\n",
-           prop.name, prop.multiProcessorCount, copy, S, PF, g_warps);
+    printf("GPU %s, %d SMs; device copy %.0f GB/s (read + write of 1 GiB); ring %d blocks, L2 prefetch %d ahead, >= %d CTAs "
+           "an SM, target %d warps a launch\n",
+           prop.name, prop.multiProcessorCount, copy, S, PF, MINB, g_warps);
     // The K2.6 expert shapes (gate+up rows 2 x 2048, down 7168 x 2048) and their TP8 slices.
     const int shapes[][2] = {{4096, 7168}, {7168, 2048}, {512, 7168}, {7168, 256}};
     for (auto& s : shapes) run_dense(s[0], s[1], copy, quick);
