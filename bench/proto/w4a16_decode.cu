@@ -285,6 +285,193 @@ __global__ void __launch_bounds__(256, MINB) moe_down_combine(const bf16* __rest
     }
 }
 
+// ---- v4: the weight stream through a shared-memory ring (written 2026-12-02, not yet run on a GPU) ----------
+// One producer warp per CTA bulk-copies (cp.async.bulk, completion on an mbarrier) each stage of the CTA's 16
+// rows (2 blocks: 128 weight bytes and 16 scale bytes a row) into a ring of V4R slots; V4C consumer warps take
+// the stages round-robin (stage s to consumer s % V4C), read their A fragments from shared memory (the same 16
+// bytes a lane loads in tile_stream), and release the slot. Bytes in flight cost shared memory, not registers.
+// The order of every sum is fixed by the shape (stage s to consumer s % V4C; per consumer, blocks in order into
+// two accumulators; the consumers summed in order), so it is as batch-invariant as tile_stream.
+#ifndef V4R
+#define V4R 8  // stages in the ring (<= 8: the barriers fit the first 128 bytes)
+#endif
+#ifndef V4C
+#define V4C 4  // consumer warps a CTA
+#endif
+constexpr int V4_WSTR = 192;                      // a row's 128 bytes of a stage, padded: rows g, g + 1 16 banks apart
+constexpr int V4_SLOT = 16 * V4_WSTR + 16 * 16;   // one stage: 16 rows of weights, then 16 rows of 16 scale bytes
+constexpr int V4_TX = 16 * 128 + 16 * 16;         // the bytes a stage's 32 copies bring
+constexpr int V4_RING_OFF = 128;                  // the ring after the 2 x V4R barriers
+static_assert(V4R <= 8, "2 x V4R barriers in 128 bytes");
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(uint64_t* b, uint32_t n) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)), "r"(n) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx_arrive(uint64_t* b, uint32_t tx) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)), "r"(tx) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* b) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(b)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* b, uint32_t parity) {
+    uint32_t done = 0;
+    while (!done)
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+            : "=r"(done)
+            : "r"(smem_u32(b)), "r"(parity)
+            : "memory");
+}
+__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_u32(dst)),
+                 "l"(src), "r"(bytes), "r"(smem_u32(bar))
+                 : "memory");
+}
+
+// The CTA's 16 rows: rows 0-7 from A0 (+ r x rb bytes), rows 8-15 from A1; their scales likewise from S0 / S1
+// (sb scales a row); nbt 128-k blocks (even). Consumer warp cw leaves its tile in c (the producer's c stays 0).
+template <int NT>
+__device__ __forceinline__ void v4_stream(float (&c)[NT][4], unsigned char* sm, const uint8_t* A0, const uint8_t* A1,
+                                          const bf16* S0, const bf16* S1, size_t rb, size_t sb, int nbt,
+                                          const uint32_t* const (&xq)[NT]) {
+    uint64_t* full = reinterpret_cast<uint64_t*>(sm);
+    uint64_t* empty = full + V4R;
+    unsigned char* ring = sm + V4_RING_OFF;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int nst = nbt / 2;
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < V4R; i++) mbar_init(&full[i], 1), mbar_init(&empty[i], 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const int r = lane & 15;
+        const unsigned char* wsrc = r < 8 ? A0 + (size_t)r * rb : A1 + (size_t)(r - 8) * rb;
+        const unsigned char* ssrc =
+            reinterpret_cast<const unsigned char*>(r < 8 ? S0 + (size_t)r * sb : S1 + (size_t)(r - 8) * sb);
+        for (int s = 0; s < nst; s++) {
+            const int slot = s % V4R;
+            if (s >= V4R) mbar_wait(&empty[slot], ((s / V4R) - 1) & 1);
+            if (lane == 0) mbar_expect_tx_arrive(&full[slot], V4_TX);
+            __syncwarp();
+            unsigned char* base = ring + (size_t)slot * V4_SLOT;
+            if (lane < 16) bulk_g2s(base + r * V4_WSTR, wsrc + (size_t)s * 128, 128, &full[slot]);
+            else bulk_g2s(base + 16 * V4_WSTR + r * 16, ssrc + (size_t)s * 16, 16, &full[slot]);
+        }
+        return;
+    }
+    const int cw = warp - 1, g = lane >> 2, t = lane & 3;
+    float c2[NT][4] = {};
+    pdl_trigger();
+    pdl_wait();
+    for (int s = cw; s < nst; s += V4C) {
+        const int slot = s % V4R;
+        mbar_wait(&full[slot], (s / V4R) & 1);
+        const unsigned char* base = ring + (size_t)slot * V4_SLOT;
+#pragma unroll
+        for (int blk = 0; blk < 2; blk++) {
+            const int kb = 2 * s + blk;
+            const uint4 w0 = *reinterpret_cast<const uint4*>(base + g * V4_WSTR + blk * 64 + t * 16);
+            const uint4 w1 = *reinterpret_cast<const uint4*>(base + (g + 8) * V4_WSTR + blk * 64 + t * 16);
+            const bf16 q0 = *reinterpret_cast<const bf16*>(base + 16 * V4_WSTR + g * 16 + (blk * 4 + t) * 2);
+            const bf16 q1 = *reinterpret_cast<const bf16*>(base + 16 * V4_WSTR + (g + 8) * 16 + (blk * 4 + t) * 2);
+            uint4 xv[NT][4];
+#pragma unroll
+            for (int m = 0; m < NT; m++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) xv[m][i] = __ldg(reinterpret_cast<const uint4*>(xq[m] + (size_t)kb * 64) + i);
+            const bf162 sc0 = __halves2bfloat162(q0, q0), sc1 = __halves2bfloat162(q1, q1);
+#pragma unroll
+            for (int st = 0; st < 8; st++) {
+                const int j = 2 * (st & 1);
+                const uint32_t v0 = word_of(w0, st >> 1), v1 = word_of(w1, st >> 1);
+                const uint32_t r0 = deq2(v0, 4 * j, sc0), r1 = deq2(v1, 4 * j, sc1);
+                const uint32_t r2 = deq2(v0, 4 * j + 4, sc0), r3 = deq2(v1, 4 * j + 4, sc1);
+#pragma unroll
+                for (int m = 0; m < NT; m++) {
+                    const uint32_t* xr = reinterpret_cast<const uint32_t*>(&xv[m][0]);
+                    if (blk) mma(c2[m], r0, r1, r2, r3, xr[2 * st], xr[2 * st + 1]);
+                    else mma(c[m], r0, r1, r2, r3, xr[2 * st], xr[2 * st + 1]);
+                }
+            }
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[slot]);
+    }
+#pragma unroll
+    for (int m = 0; m < NT; m++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) c[m][i] += c2[m][i];
+}
+
+static size_t v4_smem(int nt_or_2) { return V4_RING_OFF + (size_t)V4R * V4_SLOT + (size_t)V4C * nt_or_2 * 128 * 4; }
+
+// Dense, v4: grid N / 16 tiles, 32 x (1 + V4C) threads; the consumers' tiles summed in consumer order.
+template <int NT>
+__global__ void __launch_bounds__(32 * (1 + V4C)) dense_v4(const bf16* __restrict__ xp, int M,
+                                                           const uint8_t* __restrict__ packed,
+                                                           const bf16* __restrict__ scales, int N, int K,
+                                                           bf16* __restrict__ y) {
+    extern __shared__ __align__(128) unsigned char sm[];
+    float* red = reinterpret_cast<float*>(sm + V4_RING_OFF + (size_t)V4R * V4_SLOT);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const size_t rb = (size_t)K / 2, sb = (size_t)K / 32, r0 = (size_t)blockIdx.x * 16;
+    const uint32_t* xq[NT];
+#pragma unroll
+    for (int m = 0; m < NT; m++)
+        xq[m] = reinterpret_cast<const uint32_t*>(xp + (size_t)min(8 * m + g, M - 1) * K) + 16 * t;
+    float c[NT][4] = {};
+    v4_stream<NT>(c, sm, packed + r0 * rb, packed + (r0 + 8) * rb, scales + r0 * sb, scales + (r0 + 8) * sb, rb, sb,
+                  K / KB, xq);
+    if (warp > 0) {
+#pragma unroll
+        for (int m = 0; m < NT; m++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) red[(((warp - 1) * NT + m) * 4 + i) * 32 + lane] = c[m][i];
+    }
+    __syncthreads();
+    pdl_wait();  // the producer warp too, before anything is written
+    for (int v = threadIdx.x; v < NT * 128; v += blockDim.x) {
+        float s = red[v];
+        for (int w = 1; w < V4C; w++) s += red[w * NT * 128 + v];
+        const int m = v / 128, i = (v / 32) % 4, l = v % 32;
+        const int col = 8 * m + 2 * (l & 3) + (i & 1), row = blockIdx.x * 16 + (l >> 2) + 8 * (i >> 1);
+        if (col < M) y[(size_t)col * N + row] = __float2bfloat16_rn(s);
+    }
+}
+
+// MoE 1, v4: as moe_gate_up, the stream through the ring; grid (I / 8, pairs), 32 x (1 + V4C) threads.
+__global__ void __launch_bounds__(32 * (1 + V4C)) moe_gate_up_v4(const bf16* __restrict__ xp,
+                                                                 const int* __restrict__ pair_token,
+                                                                 const int* __restrict__ pair_expert,
+                                                                 const uint8_t* __restrict__ gate,
+                                                                 const bf16* __restrict__ gate_s,
+                                                                 const uint8_t* __restrict__ up,
+                                                                 const bf16* __restrict__ up_s, int I, int K,
+                                                                 bf16* __restrict__ hp) {
+    extern __shared__ __align__(128) unsigned char sm[];
+    float* red = reinterpret_cast<float*>(sm + V4_RING_OFF + (size_t)V4R * V4_SLOT);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3, p = blockIdx.y;
+    const size_t rb = (size_t)K / 2, sb = (size_t)K / 32;
+    const size_t row = (size_t)pair_expert[p] * I + (size_t)blockIdx.x * 8;
+    const uint32_t* xq[1] = {reinterpret_cast<const uint32_t*>(xp + (size_t)pair_token[p] * K) + 16 * t};
+    float c[1][4] = {};
+    v4_stream<1>(c, sm, gate + row * rb, up + row * rb, gate_s + row * sb, up_s + row * sb, rb, sb, K / KB, xq);
+    if (warp > 0 && t == 0) red[((warp - 1) * 2 + 0) * 8 + g] = c[0][0], red[((warp - 1) * 2 + 1) * 8 + g] = c[0][2];
+    __syncthreads();
+    pdl_wait();
+    if (threadIdx.x < 8) {
+        const int j = threadIdx.x;
+        float gs = red[j], us = red[8 + j];
+        for (int w = 1; w < V4C; w++) gs += red[w * 16 + j], us += red[w * 16 + 8 + j];
+        const float gv = __bfloat162float(__float2bfloat16_rn(gs)), uv = __bfloat162float(__float2bfloat16_rn(us));
+        const float h = gv * (1.0f / (1.0f + expf(-gv))) * uv;
+        hp[(size_t)p * I + perm_pos(blockIdx.x * 8 + j)] = __float2bfloat16_rn(h);
+    }
+}
+
 // ---- data ------------------------------------------------------------------------------------------------
 
 __host__ __device__ inline uint64_t mix64(uint64_t z) {
@@ -410,6 +597,7 @@ static void check(bool ok, const char* what) {
 
 // Launches with programmatic stream serialization when g_pdl (captured into the graph as programmatic edges).
 static bool g_pdl = false;
+static bool g_v4 = false;  // --v4: the dense and gate/up kernels of the shared-memory ring
 template <class... KArgs, class... Args>
 static void launch(void (*k)(KArgs...), dim3 grid, int threads, size_t smem, cudaStream_t st, Args... args) {
     cudaLaunchConfig_t cfg = {};
@@ -449,7 +637,28 @@ static void launch_dense(const bf16* xp, int M, const uint8_t* p, const bf16* s,
     const size_t smem = (size_t)KS * NT * 128 * sizeof(float);
     launch(dense_i4g32<S, NT>, dim3(N / 16), KS * 32, smem, st, xp, M, p, s, N, K, bpw, y);
 }
+template <int NT>
+static void launch_dense_v4(const bf16* xp, int M, const uint8_t* p, const bf16* s, int N, int K, bf16* y,
+                            cudaStream_t st) {
+    if ((K / KB) % 2) fprintf(stderr, "v4: K / 128 must be even (K %d)\n", K), exit(2);
+    const size_t smem = v4_smem(NT);
+    static bool attr = false;
+    if (!attr) {
+        CK(cudaFuncSetAttribute(dense_v4<NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        attr = true;
+    }
+    launch(dense_v4<NT>, dim3(N / 16), 32 * (1 + V4C), smem, st, xp, M, p, s, N, K, y);
+}
 static void dense(const bf16* xp, int M, const uint8_t* p, const bf16* s, int N, int K, bf16* y, cudaStream_t st) {
+    if (g_v4) {
+        switch ((M + 7) / 8) {
+            case 1: launch_dense_v4<1>(xp, M, p, s, N, K, y, st); return;
+            case 2: launch_dense_v4<2>(xp, M, p, s, N, K, y, st); return;
+            case 3: launch_dense_v4<3>(xp, M, p, s, N, K, y, st); return;
+            case 4: launch_dense_v4<4>(xp, M, p, s, N, K, y, st); return;
+            default: fprintf(stderr, "M %d > 32\n", M); exit(2);
+        }
+    }
     switch ((M + 7) / 8) {
         case 1: launch_dense<1>(xp, M, p, s, N, K, y, st); break;
         case 2: launch_dense<2>(xp, M, p, s, N, K, y, st); break;
@@ -531,6 +740,17 @@ static void run_dense(int N, int K, double copy, bool quick) {
 // CTA holds the top-k slots and splits each slot's K only when one CTA would hold fewer than 8 warps.
 static void launch_gate_up(const bf16* xp, const int* ptok, const int* pexp, int pairs, int topk, const uint8_t* gp,
                            const bf16* gs, const uint8_t* upp, const bf16* us, int I, int K, bf16* hp, cudaStream_t st) {
+    if (g_v4) {
+        if ((K / KB) % 2) fprintf(stderr, "v4: K / 128 must be even (K %d)\n", K), exit(2);
+        const size_t smem = v4_smem(2);
+        static bool attr = false;
+        if (!attr) {
+            CK(cudaFuncSetAttribute(moe_gate_up_v4, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+            attr = true;
+        }
+        launch(moe_gate_up_v4, dim3(I / 8, pairs), 32 * (1 + V4C), smem, st, xp, ptok, pexp, gp, gs, upp, us, I, K, hp);
+        return;
+    }
     const int nbt = K / KB, bpw = blocks_per_warp(I / 8 * topk, nbt), KS = (nbt + bpw - 1) / bpw;
     launch(moe_gate_up<S>, dim3(I / 8, pairs), KS * 32, (size_t)KS * 16 * sizeof(float), st, xp, ptok, pexp, gp, gs, upp,
            us, I, K, bpw, hp);
@@ -701,14 +921,15 @@ int main(int argc, char** argv) {
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--quick")) quick = true;
         else if (!strcmp(argv[i], "--warps") && i + 1 < argc) g_warps = atoi(argv[++i]);
-        else { fprintf(stderr, "usage: %s [--quick] [--warps N]\n", argv[0]); return 2; }
+        else if (!strcmp(argv[i], "--v4")) g_v4 = true;
+        else { fprintf(stderr, "usage: %s [--quick] [--warps N] [--v4]\n", argv[0]); return 2; }
     }
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     const double copy = copy_gbps();
     printf("GPU %s, %d SMs; device copy %.0f GB/s (read + write of 1 GiB); ring %d blocks, L2 prefetch %d ahead, >= %d CTAs "
-           "an SM, target %d warps a launch\n",
-           prop.name, prop.multiProcessorCount, copy, S, PF, MINB, g_warps);
+           "an SM, target %d warps a launch; v4 %s (ring %d stages, %d consumer warps)\n",
+           prop.name, prop.multiProcessorCount, copy, S, PF, MINB, g_warps, g_v4 ? "on" : "off", V4R, V4C);
     // The K2.6 expert shapes (gate+up rows 2 x 2048, down 7168 x 2048) and their TP8 slices.
     const int shapes[][2] = {{4096, 7168}, {7168, 2048}, {512, 7168}, {7168, 256}};
     for (auto& s : shapes) run_dense(s[0], s[1], copy, quick);
