@@ -50,6 +50,7 @@ typedef __nv_bfloat162 bf162;
 
 constexpr int KB = 128;  // k per block (4 groups of 32)
 
+// A streamed 16-byte load that skips L1 (kernels/cuda/w4a16_gemm.cu has the same; the port shares one).
 __device__ __forceinline__ uint4 ld_stream(const void* p) {
     uint4 r;
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -99,6 +100,51 @@ __device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
+// One 128-k block of a warp's m16 tile: lane (g, t)'s weights w0 (row g) and w1 (row g + 8) of group t with their
+// scales, x of NT column tiles (16 u32 each, permuted), 8 mma steps into c.
+template <int NT>
+__device__ __forceinline__ void block_mma(float (&c)[NT][4], const uint4& w0, const uint4& w1, bf16 q0, bf16 q1,
+                                          const uint4 (&xv)[NT][4]) {
+    const bf162 sc0 = __halves2bfloat162(q0, q0), sc1 = __halves2bfloat162(q1, q1);
+#pragma unroll
+    for (int st = 0; st < 8; st++) {
+        const int j = 2 * (st & 1);
+        const uint32_t v0 = word_of(w0, st >> 1), v1 = word_of(w1, st >> 1);
+        const uint32_t r0 = deq2(v0, 4 * j, sc0), r1 = deq2(v1, 4 * j, sc1);
+        const uint32_t r2 = deq2(v0, 4 * j + 4, sc0), r3 = deq2(v1, 4 * j + 4, sc1);
+#pragma unroll
+        for (int m = 0; m < NT; m++) {
+            const uint32_t* xr = reinterpret_cast<const uint32_t*>(&xv[m][0]);
+            mma(c[m], r0, r1, r2, r3, xr[2 * st], xr[2 * st + 1]);
+        }
+    }
+}
+
+// SwiGLU epilogue of a gate/up CTA: red holds nw warps' [gate 8 | up 8] f32 sums; threads 0-7 sum them in warp
+// order and write silu(bf16(gate)) * bf16(up), rounded to bf16, at the permuted position of row 8 x + j of pair p.
+__device__ __forceinline__ void swiglu_store(const float* red, int nw, int p, int I, bf16* __restrict__ hp) {
+    if (threadIdx.x < 8) {
+        const int j = threadIdx.x;
+        float gs = red[j], us = red[8 + j];
+        for (int w = 1; w < nw; w++) gs += red[w * 16 + j], us += red[w * 16 + 8 + j];
+        const float gv = __bfloat162float(__float2bfloat16_rn(gs)), uv = __bfloat162float(__float2bfloat16_rn(us));
+        const float h = gv * (1.0f / (1.0f + expf(-gv))) * uv;
+        hp[(size_t)p * I + perm_pos(blockIdx.x * 8 + j)] = __float2bfloat16_rn(h);
+    }
+}
+
+// Dense epilogue: red holds nw warps' NT x 4 x 32 f32 fragments; their sum in warp order, rounded to bf16, to y.
+template <int NT>
+__device__ __forceinline__ void dense_store(const float* red, int nw, int M, int N, bf16* __restrict__ y) {
+    for (int v = threadIdx.x; v < NT * 128; v += blockDim.x) {
+        float s = red[v];
+        for (int w = 1; w < nw; w++) s += red[w * NT * 128 + v];
+        const int m = v / 128, i = (v / 32) % 4, l = v % 32;
+        const int col = 8 * m + 2 * (l & 3) + (i & 1), row = blockIdx.x * 16 + (l >> 2) + 8 * (i >> 1);
+        if (col < M) y[(size_t)col * N + row] = __float2bfloat16_rn(s);
+    }
+}
+
 // One warp: NT column tiles of one m16 tile over nb 128-k blocks, streamed through a rolling register ring of S
 // blocks (S even): block b + S is loaded into the slot of block b as soon as b has been used, so S blocks stay
 // in flight while the warp computes. a0/a1: rows g and g + 8 at group t of the first block; s0/s1: their
@@ -145,20 +191,8 @@ __device__ __forceinline__ void tile_stream(float (&c)[NT][4], const uint8_t* a0
             } else {
                 load_x(b, 0);
             }
-            const bf162 sc0 = __halves2bfloat162(q0[i], q0[i]), sc1 = __halves2bfloat162(q1[i], q1[i]);
-#pragma unroll
-            for (int st = 0; st < 8; st++) {
-                const int j = 2 * (st & 1);
-                const uint32_t v0 = word_of(w0[i], st >> 1), v1 = word_of(w1[i], st >> 1);
-                const uint32_t r0 = deq2(v0, 4 * j, sc0), r1 = deq2(v1, 4 * j, sc1);
-                const uint32_t r2 = deq2(v0, 4 * j + 4, sc0), r3 = deq2(v1, 4 * j + 4, sc1);
-#pragma unroll
-                for (int m = 0; m < NT; m++) {
-                    const uint32_t* xr = reinterpret_cast<const uint32_t*>(&xv[xs][m][0]);
-                    if (i & 1) mma(c2[m], r0, r1, r2, r3, xr[2 * st], xr[2 * st + 1]);
-                    else mma(c[m], r0, r1, r2, r3, xr[2 * st], xr[2 * st + 1]);
-                }
-            }
+            if (i & 1) block_mma<NT>(c2, w0[i], w1[i], q0[i], q1[i], xv[xs]);
+            else block_mma<NT>(c, w0[i], w1[i], q0[i], q1[i], xv[xs]);
             if (b + S < nb) load_w(b + S, i);
             if (PF > 0 && b + S + PF < nb) {
                 prefetch_l2(a0 + (size_t)(b + S + PF) * 64);
@@ -208,13 +242,7 @@ __global__ void __launch_bounds__(256, MINB) dense_i4g32(const bf16* __restrict_
 #pragma unroll
         for (int i = 0; i < 4; i++) red[((warp * NT + m) * 4 + i) * 32 + lane] = c[m][i];
     __syncthreads();
-    for (int v = threadIdx.x; v < NT * 128; v += blockDim.x) {
-        float s = red[v];
-        for (int w = 1; w < KS; w++) s += red[w * NT * 128 + v];
-        const int m = v / 128, i = (v / 32) % 4, l = v % 32;
-        const int col = 8 * m + 2 * (l & 3) + (i & 1), row = blockIdx.x * 16 + (l >> 2) + 8 * (i >> 1);
-        if (col < M) y[(size_t)col * N + row] = __float2bfloat16_rn(s);
-    }
+    dense_store<NT>(red, KS, M, N, y);
 }
 
 // MoE 1: pair p (token pair_token[p], expert pair_expert[p]); grid (I / 8, pairs), block KS warps.
@@ -240,14 +268,7 @@ __global__ void __launch_bounds__(256, MINB) moe_gate_up(const bf16* __restrict_
     }
     if (t == 0) red[(warp * 2 + 0) * 8 + g] = c[0][0], red[(warp * 2 + 1) * 8 + g] = c[0][2];
     __syncthreads();
-    if (threadIdx.x < 8) {
-        const int j = threadIdx.x;
-        float gs = red[j], us = red[8 + j];
-        for (int w = 1; w < KS; w++) gs += red[w * 16 + j], us += red[w * 16 + 8 + j];
-        const float gv = __bfloat162float(__float2bfloat16_rn(gs)), uv = __bfloat162float(__float2bfloat16_rn(us));
-        const float h = gv * (1.0f / (1.0f + expf(-gv))) * uv;
-        hp[(size_t)p * I + perm_pos(blockIdx.x * 8 + j)] = __float2bfloat16_rn(h);
-    }
+    swiglu_store(red, KS, p, I, hp);
 }
 
 // MoE 2: token tok's 16 output rows; grid (H / 16, T), block topk x KS warps (warp = slot * KS + split).
@@ -368,34 +389,24 @@ __device__ __forceinline__ void v4_stream(float (&c)[NT][4], unsigned char* sm, 
     pdl_wait();
     for (int s = cw; s < nst; s += V4C) {
         const int slot = s % V4R;
+        uint4 xv[2][NT][4];  // x of the stage's two blocks (L1/L2), issued before the wait
+#pragma unroll
+        for (int blk = 0; blk < 2; blk++)
+#pragma unroll
+            for (int m = 0; m < NT; m++)
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+                    xv[blk][m][i] = __ldg(reinterpret_cast<const uint4*>(xq[m] + (size_t)(2 * s + blk) * 64) + i);
         mbar_wait(&full[slot], (s / V4R) & 1);
         const unsigned char* base = ring + (size_t)slot * V4_SLOT;
 #pragma unroll
         for (int blk = 0; blk < 2; blk++) {
-            const int kb = 2 * s + blk;
             const uint4 w0 = *reinterpret_cast<const uint4*>(base + g * V4_WSTR + blk * 64 + t * 16);
             const uint4 w1 = *reinterpret_cast<const uint4*>(base + (g + 8) * V4_WSTR + blk * 64 + t * 16);
             const bf16 q0 = *reinterpret_cast<const bf16*>(base + 16 * V4_WSTR + g * 16 + (blk * 4 + t) * 2);
             const bf16 q1 = *reinterpret_cast<const bf16*>(base + 16 * V4_WSTR + (g + 8) * 16 + (blk * 4 + t) * 2);
-            uint4 xv[NT][4];
-#pragma unroll
-            for (int m = 0; m < NT; m++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) xv[m][i] = __ldg(reinterpret_cast<const uint4*>(xq[m] + (size_t)kb * 64) + i);
-            const bf162 sc0 = __halves2bfloat162(q0, q0), sc1 = __halves2bfloat162(q1, q1);
-#pragma unroll
-            for (int st = 0; st < 8; st++) {
-                const int j = 2 * (st & 1);
-                const uint32_t v0 = word_of(w0, st >> 1), v1 = word_of(w1, st >> 1);
-                const uint32_t r0 = deq2(v0, 4 * j, sc0), r1 = deq2(v1, 4 * j, sc1);
-                const uint32_t r2 = deq2(v0, 4 * j + 4, sc0), r3 = deq2(v1, 4 * j + 4, sc1);
-#pragma unroll
-                for (int m = 0; m < NT; m++) {
-                    const uint32_t* xr = reinterpret_cast<const uint32_t*>(&xv[m][0]);
-                    if (blk) mma(c2[m], r0, r1, r2, r3, xr[2 * st], xr[2 * st + 1]);
-                    else mma(c[m], r0, r1, r2, r3, xr[2 * st], xr[2 * st + 1]);
-                }
-            }
+            if (blk) block_mma<NT>(c2, w0, w1, q0, q1, xv[1]);
+            else block_mma<NT>(c, w0, w1, q0, q1, xv[0]);
         }
         __syncwarp();
         if (lane == 0) mbar_arrive(&empty[slot]);
@@ -433,13 +444,7 @@ __global__ void __launch_bounds__(32 * (1 + V4C)) dense_v4(const bf16* __restric
     }
     __syncthreads();
     pdl_wait();  // the producer warp too, before anything is written
-    for (int v = threadIdx.x; v < NT * 128; v += blockDim.x) {
-        float s = red[v];
-        for (int w = 1; w < V4C; w++) s += red[w * NT * 128 + v];
-        const int m = v / 128, i = (v / 32) % 4, l = v % 32;
-        const int col = 8 * m + 2 * (l & 3) + (i & 1), row = blockIdx.x * 16 + (l >> 2) + 8 * (i >> 1);
-        if (col < M) y[(size_t)col * N + row] = __float2bfloat16_rn(s);
-    }
+    dense_store<NT>(red, V4C, M, N, y);
 }
 
 // MoE 1, v4: as moe_gate_up, the stream through the ring; grid (I / 8, pairs), 32 x (1 + V4C) threads.
@@ -462,14 +467,7 @@ __global__ void __launch_bounds__(32 * (1 + V4C)) moe_gate_up_v4(const bf16* __r
     if (warp > 0 && t == 0) red[((warp - 1) * 2 + 0) * 8 + g] = c[0][0], red[((warp - 1) * 2 + 1) * 8 + g] = c[0][2];
     __syncthreads();
     pdl_wait();
-    if (threadIdx.x < 8) {
-        const int j = threadIdx.x;
-        float gs = red[j], us = red[8 + j];
-        for (int w = 1; w < V4C; w++) gs += red[w * 16 + j], us += red[w * 16 + 8 + j];
-        const float gv = __bfloat162float(__float2bfloat16_rn(gs)), uv = __bfloat162float(__float2bfloat16_rn(us));
-        const float h = gv * (1.0f / (1.0f + expf(-gv))) * uv;
-        hp[(size_t)p * I + perm_pos(blockIdx.x * 8 + j)] = __float2bfloat16_rn(h);
-    }
+    swiglu_store(red, V4C, p, I, hp);
 }
 
 // ---- data ------------------------------------------------------------------------------------------------
@@ -535,27 +533,36 @@ static double ref_dot(const uint8_t* packed, const uint16_t* scales, size_t row,
 
 // ---- timing ----------------------------------------------------------------------------------------------
 
-static double copy_gbps() {
-    const size_t n = 1ull << 30;
-    uint8_t *a = (uint8_t*)dalloc(n), *b = (uint8_t*)dalloc(n);
-    fill(a, n, 1);
+// Median milliseconds of `work(st)` between two events, over `reps` runs after 2 warm-up runs.
+template <class F>
+static double median_ms(F work, cudaStream_t st, int reps) {
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
     std::vector<float> ts;
-    for (int r = 0; r < 12; r++) {
-        CK(cudaEventRecord(e0));
-        CK(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice));
-        CK(cudaEventRecord(e1));
+    for (int r = 0; r < reps + 2; r++) {
+        CK(cudaEventRecord(e0, st));
+        work(st);
+        CK(cudaEventRecord(e1, st));
         CK(cudaEventSynchronize(e1));
         float ms;
         CK(cudaEventElapsedTime(&ms, e0, e1));
         if (r >= 2) ts.push_back(ms);
     }
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
     std::sort(ts.begin(), ts.end());
+    return ts[ts.size() / 2];
+}
+
+static double copy_gbps() {
+    const size_t n = 1ull << 30;
+    uint8_t *a = (uint8_t*)dalloc(n), *b = (uint8_t*)dalloc(n);
+    fill(a, n, 1);
+    const double ms = median_ms([&](cudaStream_t st) { CK(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice, st)); }, 0, 10);
     CK(cudaFree(a));
     CK(cudaFree(b));
-    return 2.0 * n / (ts[ts.size() / 2] * 1e-3) / 1e9;
+    return 2.0 * n / (ms * 1e-3) / 1e9;
 }
 
 // Median per-call microseconds of `launch(i)` for i = 0..calls-1, captured as one graph, replayed.
@@ -569,24 +576,11 @@ static double time_graph(F launch, int calls, int replays = 15) {
     for (int i = 0; i < calls; i++) launch(i, st);
     CK(cudaStreamEndCapture(st, &graph));
     CK(cudaGraphInstantiate(&exec, graph, 0));
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    std::vector<float> ts;
-    for (int r = 0; r < replays + 2; r++) {
-        CK(cudaEventRecord(e0, st));
-        CK(cudaGraphLaunch(exec, st));
-        CK(cudaEventRecord(e1, st));
-        CK(cudaEventSynchronize(e1));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        if (r >= 2) ts.push_back(ms);
-    }
-    std::sort(ts.begin(), ts.end());
+    const double ms = median_ms([&](cudaStream_t q) { CK(cudaGraphLaunch(exec, q)); }, st, replays);
     CK(cudaGraphExecDestroy(exec));
     CK(cudaGraphDestroy(graph));
     CK(cudaStreamDestroy(st));
-    return ts[ts.size() / 2] * 1e3 / calls;
+    return ms * 1e3 / calls;
 }
 
 static int failures = 0;
@@ -631,13 +625,6 @@ static int blocks_per_warp(int tiles, int nbt, int max_ks = 8) {
 }
 
 template <int NT>
-static void launch_dense(const bf16* xp, int M, const uint8_t* p, const bf16* s, int N, int K, bf16* y,
-                         cudaStream_t st) {
-    const int nbt = K / KB, bpw = blocks_per_warp(N / 16, nbt), KS = (nbt + bpw - 1) / bpw;
-    const size_t smem = (size_t)KS * NT * 128 * sizeof(float);
-    launch(dense_i4g32<S, NT>, dim3(N / 16), KS * 32, smem, st, xp, M, p, s, N, K, bpw, y);
-}
-template <int NT>
 static void launch_dense_v4(const bf16* xp, int M, const uint8_t* p, const bf16* s, int N, int K, bf16* y,
                             cudaStream_t st) {
     if ((K / KB) % 2) fprintf(stderr, "v4: K / 128 must be even (K %d)\n", K), exit(2);
@@ -649,16 +636,15 @@ static void launch_dense_v4(const bf16* xp, int M, const uint8_t* p, const bf16*
     }
     launch(dense_v4<NT>, dim3(N / 16), 32 * (1 + V4C), smem, st, xp, M, p, s, N, K, y);
 }
+template <int NT>
+static void launch_dense(const bf16* xp, int M, const uint8_t* p, const bf16* s, int N, int K, bf16* y,
+                         cudaStream_t st) {
+    if (g_v4) return launch_dense_v4<NT>(xp, M, p, s, N, K, y, st);
+    const int nbt = K / KB, bpw = blocks_per_warp(N / 16, nbt), KS = (nbt + bpw - 1) / bpw;
+    const size_t smem = (size_t)KS * NT * 128 * sizeof(float);
+    launch(dense_i4g32<S, NT>, dim3(N / 16), KS * 32, smem, st, xp, M, p, s, N, K, bpw, y);
+}
 static void dense(const bf16* xp, int M, const uint8_t* p, const bf16* s, int N, int K, bf16* y, cudaStream_t st) {
-    if (g_v4) {
-        switch ((M + 7) / 8) {
-            case 1: launch_dense_v4<1>(xp, M, p, s, N, K, y, st); return;
-            case 2: launch_dense_v4<2>(xp, M, p, s, N, K, y, st); return;
-            case 3: launch_dense_v4<3>(xp, M, p, s, N, K, y, st); return;
-            case 4: launch_dense_v4<4>(xp, M, p, s, N, K, y, st); return;
-            default: fprintf(stderr, "M %d > 32\n", M); exit(2);
-        }
-    }
     switch ((M + 7) / 8) {
         case 1: launch_dense<1>(xp, M, p, s, N, K, y, st); break;
         case 2: launch_dense<2>(xp, M, p, s, N, K, y, st); break;
