@@ -27,7 +27,9 @@
 #     measured |Δ| is far above the bf16 error are listed with their router margins;
 #  3. `kdtree-run --device cuda --verify golden/k26-gate` against the committed CPU bundle, and the CPU
 #     bundle rebuilt here from the same conversion equals the committed one byte for byte;
-#  4. compute-sanitizer memcheck on a real-width AR run (prefill and captured decode steps): zero errors.
+#  4. compute-sanitizer memcheck on a real-width AR run (prefill and captured decode steps): zero errors;
+#  5. the host load check (the default): a byte flipped in the middle of the largest tensor, or in the last
+#     bytes of the largest bf16 one, is refused (exit 2, the tensor named); its cost is measured after.
 # Prints a summary last; exit 0 when every check passed, 1 otherwise. Needs ~55 GB of disk (K26_DIR).
 set -uo pipefail
 dir="${1:?usage: scripts/gpu-test-k26.sh DIR-with-binaries [LOG]}"
@@ -114,6 +116,35 @@ for conv in m1 tp8 ep8; do
     else
       fail "compute-sanitizer not found"
     fi
+    # The host load check at real width (issue 29, `kdtree-run`'s default: on a GPU each tensor is hashed in the
+    # staging buffers as it is copied): one byte flipped in the middle of the largest tensor (many 32 MiB
+    # chunks) and one in the last 64 bytes of the largest bf16 one (the hash's tail); each run must exit 2 naming
+    # the tensor; the byte is flipped back after (the same run then passes: the load-cost runs below).
+    for where in mid tail; do
+      what=$(python3 - "$k/m1" "$where" <<'PY'
+import sys, tomllib
+d, where = sys.argv[1], sys.argv[2]
+ts = [t for t in tomllib.load(open(f"{d}/manifest.toml", "rb"))["tensors"] if t["rank"] == 0]
+if where == "tail":
+    ts = [t for t in ts if t["dtype"].lower() == "bf16"]
+t = max(ts, key=lambda t: t["nbytes"])
+at = t["offset"] + (t["nbytes"] // 2 if where == "mid" else t["nbytes"] - 5)
+print(t["name"], t["file"], at, t["nbytes"])
+PY
+)
+      read -r tname tfile tat tsize <<< "$what"
+      xorb() { python3 -c 'import sys; f=open(sys.argv[1], "r+b"); f.seek(int(sys.argv[2])); b=f.read(1); f.seek(int(sys.argv[2])); f.write(bytes([b[0] ^ 0x10])); f.close()' "$k/m1/$tfile" "$tat"; }
+      xorb
+      "$dir/kdtree-run" "$k/m1" --prompts "$k/p1.jsonl" --out "$k/flip-$where.jsonl" --device cuda --mode ar --max-tokens 1 \
+        --quiet 2> "$k/flip-$where.err"; rc=$?
+      xorb
+      if [ "$rc" = 2 ] && grep -q "$tname (rank 0, $tfile)" "$k/flip-$where.err" && grep -q "shard's bytes hash" "$k/flip-$where.err" \
+          && ! [ -s "$k/flip-$where.jsonl" ]; then
+        say "host load check, byte flipped ($where of $tname, $tsize bytes): refused, exit 2, names the tensor"
+      else
+        fail "host load check, byte flipped ($where of $tname): exit $rc, $(head -c 300 "$k/flip-$where.err")"
+      fi
+    done
     # The load check's cost (issue 29): the same 1-token run alone with the host check (the default), the device
     # check and none, wall seconds of the whole process (load, check, one token) and the loader's own line, twice.
     for rep in 1 2; do

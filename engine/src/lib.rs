@@ -21,6 +21,7 @@ pub mod sampling;
 pub mod session;
 pub mod session_batch;
 pub mod tp;
+pub mod xxh3;
 
 pub use backend::WeightCheck;
 pub use model::open::{open, open_cpu, open_with, CpuModel, Device, Loaded, OpenOptions};

@@ -671,6 +671,85 @@ fn staged_uploads_equal_the_host_bytes() {
     }
 }
 
+/// The host load check's copy-and-hash staging (Gpu::upload_hashed within a load, the default of `kdtree-run`
+/// on a GPU): every byte arrives and the hash equals xxhash_rust's at every length that changes the path: under
+/// the parallel threshold (4 MiB, the reference), at and around it, one staging chunk (32 MiB) exact, one
+/// byte over and under, several chunks with a short last one (its block cut by the chain's rule), and one
+/// length per rep from a seed; bf16 buffers too. Outside a load the same call hashes before its copy.
+#[test]
+fn staged_hashed_uploads_equal_the_reference() {
+    let Some(g) = gpu() else { return };
+    let mb = 1 << 20;
+    let mut lens = vec![
+        1000,
+        4 * mb - 1,
+        4 * mb,
+        4 * mb + 1,
+        32 * mb - 1,
+        32 * mb,
+        32 * mb + 1,
+        32 * mb + 1024,
+        32 * mb + 1025,
+        3 * 32 * mb + 777,
+        5 * 32 * mb,
+    ];
+    lens.extend(
+        (0..3u64).map(|r| 40 * mb + (rand_bytes(4600 + r, 4).iter().map(|&b| b as usize).sum::<usize>() * 997)),
+    );
+    let total: usize = lens.iter().sum();
+    g.begin_load(total as u64, false).unwrap();
+    let mut ups = Vec::new();
+    for (i, &n) in lens.iter().enumerate() {
+        let host = rand_bytes(4500 + i as u64, n);
+        let (dev, h) = g.upload_hashed(&host).unwrap();
+        ups.push((host, dev, h));
+    }
+    let (bytes, secs) = g.end_load().unwrap();
+    assert_eq!(bytes as usize, total, "the load counted {bytes} bytes");
+    for (host, dev, h) in &ups {
+        let n = host.len();
+        assert_eq!(
+            *h,
+            kdtree_formats::manifest::xxh3_64(host),
+            "{n} bytes: the staged hash"
+        );
+        assert!(
+            g.download(dev).unwrap() == *host,
+            "{n} bytes: the staged copy differs from the host bytes"
+        );
+    }
+    let w: Vec<half::bf16> = rand_bytes(4700, 9 * mb + 2)
+        .chunks(2)
+        .map(|c| half::bf16::from_bits(c[0] as u16 | (c[1] as u16) << 8))
+        .collect();
+    for in_load in [true, false] {
+        if in_load {
+            g.begin_load((w.len() * 2) as u64, false).unwrap();
+        }
+        let (dev, h) = g.upload_hashed(&w).unwrap();
+        if in_load {
+            g.end_load().unwrap();
+        }
+        assert_eq!(
+            h,
+            kdtree_formats::manifest::xxh3_64(bytemuck::cast_slice(&w)),
+            "bf16, in a load: {in_load}"
+        );
+        assert!(g
+            .download(&dev)
+            .unwrap()
+            .iter()
+            .zip(&w)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+    println!(
+        "PARITY staged copy-and-hash uploads ({} lengths, {} MB, {:.2} GB/s) exact, hashes == xxhash_rust",
+        lens.len(),
+        total / 1_000_000,
+        bytes as f64 / secs / 1e9
+    );
+}
+
 /// XXH3-64 of device bytes (the load check's hash, kernels/cuda/xxh3.cu) == xxhash_rust's: every short-input
 /// path (0..=240 bytes), the block and stripe boundaries of the long form, several 64 MiB segments, views that
 /// start unaligned, and a buffer past 2^32 bytes (offsets into it are 64-bit; its deltas span segments).

@@ -92,6 +92,26 @@ pub trait Resources: Clone + Send + Sync + 'static {
     fn upload_i4g32(&self, s: I4Stack) -> Result<Self::I4>;
     fn upload_vector(&self, v: Slab<bf16>) -> Result<Self::Vector>;
     fn upload_vector_f32(&self, v: Slab<f32>) -> Result<Self::VectorF32>;
+    /// Whether [`Resources::upload_bf16_hashed`] and [`Resources::upload_i4g32_hashed`] hash the host bytes as
+    /// they copy them (a GPU: in its staging buffers, cuda/load.rs), so that the host load check reads no shard
+    /// byte twice: the loader then uses them for [`WeightCheck::Host`]; otherwise it hashes the shard bytes itself,
+    /// beside the upload (`weights::HostChecks`).
+    fn hashes_uploads(&self) -> bool {
+        false
+    }
+    /// [`Resources::upload_bf16`] and the xxh3-64 of `m`'s host bytes.
+    fn upload_bf16_hashed(&self, m: Mat) -> Result<(Self::Mat, u64)> {
+        let h = crate::xxh3::xxh3_64_par(bytemuck::cast_slice(&m.w[..]));
+        Ok((self.upload_bf16(m)?, h))
+    }
+    /// [`Resources::upload_i4g32`] and the xxh3-64 of the stack's host bytes, `[packed, scales]`.
+    fn upload_i4g32_hashed(&self, s: I4Stack) -> Result<(Self::I4, [u64; 2])> {
+        let h = [
+            crate::xxh3::xxh3_64_par(&s.packed[..]),
+            crate::xxh3::xxh3_64_par(bytemuck::cast_slice(&s.scales[..])),
+        ];
+        Ok((self.upload_i4g32(s)?, h))
+    }
     /// Rows of a bf16 matrix (its output width).
     fn mat_rows(&self, m: &Self::Mat) -> usize;
     /// How the loader checks every weight against its checksum (`weights::Ld`; `kdtree-run --check-weights`;

@@ -175,6 +175,45 @@ impl Resources for CudaBackend {
             cols: m.cols,
         })
     }
+    fn hashes_uploads(&self) -> bool {
+        self.gpu.weight_check() == WeightCheck::Host
+    }
+    fn upload_bf16_hashed(&self, m: Mat) -> Result<(DMat, u64)> {
+        let (w, h) = self.gpu.upload_hashed(&m.w[..])?;
+        Ok((
+            DMat {
+                w,
+                rows: m.rows,
+                cols: m.cols,
+            },
+            h,
+        ))
+    }
+    fn upload_i4g32_hashed(&self, s: I4Stack) -> Result<(DI4, [u64; 2])> {
+        if !s.k.is_multiple_of(w4a16_gemm::K_STEP) {
+            // Padded on the host (small models only): the shard's own bytes hashed, then the padded copy uploaded.
+            let h = [
+                crate::xxh3::xxh3_64_par(&s.packed[..]),
+                crate::xxh3::xxh3_64_par(bytemuck::cast_slice(&s.scales[..])),
+            ];
+            return Ok((self.upload_i4g32(s)?, h));
+        }
+        self.i4_shape_ok(s.count, s.n, s.k)?;
+        let (packed, hp) = self.gpu.upload_hashed(&s.packed[..])?;
+        let (scales, hs) = self.gpu.upload_hashed(&s.scales[..])?;
+        Ok((
+            DI4 {
+                packed,
+                scales,
+                first: s.first,
+                count: s.count,
+                n: s.n,
+                k: s.k,
+                k_src: s.k,
+            },
+            [hp, hs],
+        ))
+    }
     fn upload_i4g32(&self, s: I4Stack) -> Result<DI4> {
         if !s.k.is_multiple_of(w4a16_gemm::K_STEP) && s.k.is_multiple_of(32) {
             // A rank's slice narrower than the kernel's K step (the down projection of tp4 / tp8 small models):

@@ -17,6 +17,7 @@ use std::time::Instant;
 use cudarc::driver::{CudaEvent, CudaSlice, DeviceRepr, PinnedHostSlice, ValidAsZeroBits};
 
 use super::{drv, Gpu, Result};
+use crate::xxh3;
 
 /// Bytes of one staging buffer; copies smaller than this go straight from the host slice.
 pub(crate) const CHUNK: usize = 32 << 20;
@@ -58,20 +59,65 @@ impl Load {
         host: &[T],
     ) -> Result<CudaSlice<T>> {
         let bytes: &[u8] = bytemuck::cast_slice(host);
-        let s = &gpu.stream;
         if bytes.len() < CHUNK {
             self.count(bytes.len());
-            return s.clone_htod(host).map_err(drv("upload"));
+            return gpu.stream.clone_htod(host).map_err(drv("upload"));
         }
+        self.staged(gpu, host, None)
+    }
+
+    /// [`Load::upload`] that also returns the xxh3-64 of `host`'s bytes (the load check's host form): from
+    /// [`xxh3::PAR_MIN`] bytes on, every byte goes through the staging buffers and is hashed there right after
+    /// its copy, in cache (no second read of the mapped shard), each chunk's scramble chain walked beside the
+    /// next chunk's copy.
+    pub(crate) fn upload_hashed<T: DeviceRepr + bytemuck::Pod + ValidAsZeroBits>(
+        &mut self,
+        gpu: &Gpu,
+        host: &[T],
+    ) -> Result<(CudaSlice<T>, u64)> {
+        let bytes: &[u8] = bytemuck::cast_slice(host);
+        if bytes.len() < xxh3::PAR_MIN {
+            let h = kdtree_formats::manifest::xxh3_64(bytes);
+            self.count(bytes.len());
+            return Ok((gpu.stream.clone_htod(host).map_err(drv("upload"))?, h));
+        }
+        let mut chain = xxh3::Chain::default();
+        let dev = self.staged(gpu, host, Some(&mut chain))?;
+        Ok((dev, chain.finish(bytes)))
+    }
+
+    /// `host` into a new device buffer through the staging buffers, chunk by chunk; with `chain`, every chunk
+    /// (the last, shorter one too) is copied and hashed in one pass ([`xxh3::block_parts`]) and the chain takes
+    /// each chunk's parts while the next chunk is copied; without, a last chunk shorter than [`CHUNK`] goes
+    /// straight from the host slice.
+    fn staged<T: DeviceRepr + bytemuck::Pod + ValidAsZeroBits>(
+        &mut self,
+        gpu: &Gpu,
+        host: &[T],
+        mut chain: Option<&mut xxh3::Chain>,
+    ) -> Result<CudaSlice<T>> {
+        use rayon::prelude::*;
+        let bytes: &[u8] = bytemuck::cast_slice(host);
+        let s = &gpu.stream;
+        let n = bytes.len();
+        let blocks = xxh3::chain_blocks(n);
         // SAFETY: every byte is written below before the buffer is read.
         let mut dev = unsafe { s.alloc::<T>(host.len()) }.map_err(drv("upload"))?;
         {
-            let n = bytes.len();
             // SAFETY: T is plain data (Pod), so its device buffer is n bytes of u8 as well.
             let mut view = dev.as_view_mut();
             let mut dst = unsafe { view.transmute_mut::<u8>(n) }.expect("a Pod buffer of n bytes");
+            // The parts of the chunk being copied and of the one before it (absorbed meanwhile).
+            let (mut cur, mut prev): (Vec<xxh3::Lanes>, Vec<xxh3::Lanes>) = (Vec::new(), Vec::new());
             let mut off = 0;
-            while off + CHUNK <= n {
+            while off < n {
+                let len = CHUNK.min(n - off);
+                if len < CHUNK && chain.is_none() {
+                    s.memcpy_htod(&bytes[off..], &mut dst.slice_mut(off..))
+                        .map_err(drv("upload"))?;
+                    self.count(len);
+                    break;
+                }
                 let i = self.next;
                 self.next ^= 1;
                 // Waits for this buffer's previous DMA, then fills it from the mmapped shard.
@@ -79,26 +125,35 @@ impl Load {
                     e.synchronize().map_err(drv("staging buffer"))?;
                 }
                 let buf = &mut self.stage[i];
-                // Several threads: the copy out of a cold mmap is page-fault bound.
-                let dst_host = buf.as_mut_slice().map_err(drv("staging buffer"))?;
-                use rayon::prelude::*;
-                dst_host
-                    .par_chunks_mut(1 << 20)
-                    .zip(bytes[off..off + CHUNK].par_chunks(1 << 20))
-                    .for_each(|(d, s)| d.copy_from_slice(s));
-                s.memcpy_htod(&*buf, &mut dst.slice_mut(off..off + CHUNK))
+                let stage = &mut buf.as_mut_slice().map_err(drv("staging buffer"))?[..len];
+                let src = &bytes[off..off + len];
+                match chain.as_deref_mut() {
+                    // Several threads: the copy out of a cold mmap is page-fault bound.
+                    None => stage
+                        .par_chunks_mut(1 << 20)
+                        .zip(src.par_chunks(1 << 20))
+                        .for_each(|(d, s)| d.copy_from_slice(s)),
+                    Some(c) => {
+                        rayon::join(
+                            || c.absorb(&prev),
+                            || xxh3::block_parts(src, Some(stage), off / xxh3::BLOCK, blocks, &mut cur),
+                        );
+                        std::mem::swap(&mut cur, &mut prev);
+                    }
+                }
+                // A page-locked buffer: the driver copies from it asynchronously whatever slice of it is passed.
+                let stage = &buf.as_slice().map_err(drv("staging buffer"))?[..len];
+                s.memcpy_htod(stage, &mut dst.slice_mut(off..off + len))
                     .map_err(drv("upload"))?;
                 match &self.copied[i] {
                     Some(e) => e.record(s).map_err(drv("staging event"))?,
                     None => self.copied[i] = Some(s.record_event(None).map_err(drv("staging event"))?),
                 }
-                off += CHUNK;
-                self.count(CHUNK);
+                off += len;
+                self.count(len);
             }
-            if off < n {
-                s.memcpy_htod(&bytes[off..], &mut dst.slice_mut(off..))
-                    .map_err(drv("upload"))?;
-                self.count(n - off);
+            if let Some(c) = chain {
+                c.absorb(&prev);
             }
         }
         Ok(dev)

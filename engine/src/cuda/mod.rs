@@ -574,6 +574,24 @@ impl Gpu {
         }
     }
 
+    /// [`Gpu::upload`] and the xxh3-64 of `host`'s bytes (the host load check): within a load hashed in the
+    /// staging buffers right after their copy ([`load::Load::upload_hashed`]), outside one before the copy.
+    pub fn upload_hashed<T: DeviceRepr + bytemuck::Pod + ValidAsZeroBits>(
+        &self,
+        host: &[T],
+    ) -> Result<(CudaSlice<T>, u64)> {
+        GpuStats::bump(&self.stats.uploads);
+        let mut g = self.load.lock().unwrap_or_else(|p| p.into_inner());
+        match g.as_mut() {
+            Some(l) => l.upload_hashed(self, host),
+            None => {
+                let h = crate::xxh3::xxh3_64_par(bytemuck::cast_slice(host));
+                self.drain()?;
+                Ok((self.stream.clone_htod(host).map_err(drv("upload"))?, h))
+            }
+        }
+    }
+
     /// Starts loading `total` bytes of weights: uploads go through two pinned staging buffers (the copy of
     /// one chunk out of the mmapped shard overlaps the DMA of the previous one) and, with `progress`, a line
     /// on stderr about once a second (GB loaded, GB/s, ETA).

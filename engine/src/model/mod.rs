@@ -16,10 +16,10 @@
 
 pub mod attention;
 pub mod batch;
+pub(crate) mod check;
 pub mod config;
 pub mod dummy;
 pub mod ffn;
-pub mod hash;
 pub mod open;
 pub(crate) mod round;
 pub mod seq;

@@ -252,7 +252,7 @@ unsafe impl TensorSource for MemSource {
 pub fn check_shards(src: &dyn TensorSource, name: &str) -> Result<()> {
     for r in 0..src.ranks() {
         let t = src.tensor(name, r)?;
-        super::weights::check_host_bytes(&super::weights::tensor_at(name, r, &t), &t)?;
+        super::check::check_host_bytes(&super::weights::tensor_at(name, r, &t), &t)?;
         if t.split_axis.is_none() {
             break;
         }

@@ -11,6 +11,7 @@
 //!
 //! Dimension letters: H hidden, V vocab, R ranks, Hr = heads/R, E experts, I intermediate widths.
 
+use super::check::{check_upload, check_upload_parts, expected_xxh3, host_verdict, HostChecks};
 pub use super::config::{ModelConfig, LATENT_NORM_EPS};
 use super::source::{expect, expect_split, Slab, TensorSource};
 use crate::backend::{Backend, VocabShards, WeightCheck, WeightRef};
@@ -103,83 +104,6 @@ struct Ld<'a, B: Backend> {
     host: Option<&'a HostChecks>,
 }
 
-/// `t`'s shard bytes against the manifest's xxh3-64 (`what` names the tensor; a source without checksums has
-/// nothing to check).
-pub(crate) fn check_host_bytes(what: &str, t: &TensorRef<'_>) -> Result<()> {
-    if let Some(want) = t.xxh3 {
-        let got = super::hash::xxh3_64_par(t.data);
-        ensure!(
-            got == want,
-            "{what}: the shard's bytes hash to {got:016x} where the manifest's xxh3 is {want:016x}: the shard file \
-             is not what was converted"
-        );
-    }
-    Ok(())
-}
-
-/// The threads of the host load check: a pool of their own (half the cores), so that the hashes never hold the
-/// global pool's threads that the GPU loader's staging copies run on (cuda/load.rs).
-fn hash_pool() -> &'static rayon::ThreadPool {
-    static POOL: std::sync::OnceLock<rayon::ThreadPool> = std::sync::OnceLock::new();
-    POOL.get_or_init(|| {
-        let n = std::thread::available_parallelism().map_or(2, |n| n.get());
-        rayon::ThreadPoolBuilder::new()
-            .num_threads((n / 2).max(1))
-            .thread_name(|i| format!("kdtree-hash-{i}"))
-            .build()
-            .expect("the load check's thread pool")
-    })
-}
-
-/// The host form of the load check ([`WeightCheck::Host`]): each tensor's shard bytes hashed on a pool of their
-/// own ([`hash_pool`]; a large tensor's 1 KiB blocks on several threads, [`super::hash::xxh3_64_par`]) while the
-/// loader goes on uploading; [`HostChecks::finish`] waits for every hash and reports the first
-/// difference in the order the tensors were loaded.
-pub(crate) struct HostChecks {
-    tx: std::sync::mpsc::Sender<(usize, Result<()>)>,
-    rx: std::sync::mpsc::Receiver<(usize, Result<()>)>,
-    spawned: std::cell::Cell<usize>,
-}
-
-impl HostChecks {
-    pub(crate) fn new() -> HostChecks {
-        let (tx, rx) = std::sync::mpsc::channel();
-        HostChecks {
-            tx,
-            rx,
-            spawned: std::cell::Cell::new(0),
-        }
-    }
-    /// Hash tensor `name` of `rank` (as `src` gives it) against the manifest's xxh3-64 on a rayon thread; a
-    /// source without checksums has nothing to check.
-    pub(crate) fn spawn(&self, src: &Arc<dyn TensorSource>, name: &str, rank: usize) {
-        let (src, name, tx, i) = (src.clone(), name.to_string(), self.tx.clone(), self.spawned.get());
-        self.spawned.set(i + 1);
-        hash_pool().spawn(move || {
-            let r = src
-                .tensor(&name, rank)
-                .and_then(|t| check_host_bytes(&tensor_at(&name, rank, &t), &t));
-            let _ = tx.send((i, r)); // the receiver lives until every spawned hash has answered
-        });
-    }
-    /// Wait for every hash spawned; the first difference (in spawn order) is the error.
-    pub(crate) fn finish(self) -> Result<()> {
-        let mut first: Option<(usize, anyhow::Error)> = None;
-        for _ in 0..self.spawned.get() {
-            let (i, r) = self
-                .rx
-                .recv()
-                .context("a load-check hash thread ended without answering")?;
-            if let Err(e) = r {
-                if first.as_ref().is_none_or(|(j, _)| i < *j) {
-                    first = Some((i, e));
-                }
-            }
-        }
-        first.map_or(Ok(()), |(_, e)| Err(e))
-    }
-}
-
 impl<B: Backend> Ld<'_, B> {
     fn src(&self) -> &dyn TensorSource {
         &**self.owner
@@ -189,6 +113,11 @@ impl<B: Backend> Ld<'_, B> {
         if let Some(h) = self.host {
             h.spawn(self.owner, name, self.rank);
         }
+    }
+    /// Whether the host form hashes the large uploads (matrices, INT4 stacks) in the upload's own copy
+    /// (`Resources::hashes_uploads`) rather than beside it.
+    fn host_in_upload(&self) -> bool {
+        self.host.is_some() && self.b.hashes_uploads()
     }
     /// A bf16 tensor of this rank with shard `shape`, split as `split` (axis, offset) or replicated.
     fn bf16(&self, name: &str, shape: &[usize], split: Option<(usize, usize)>) -> Result<TensorRef<'_>> {
@@ -217,13 +146,20 @@ impl<B: Backend> Ld<'_, B> {
                 .fill_bf16(rows, cols, &f)
                 .with_context(|| format!("filling {name} (rank {})", self.rank)),
             None => {
-                self.check_host(name);
                 // SAFETY: `t` was just returned by `self.owner.tensor(..)` (through `expect`).
-                let m = self.b.upload_bf16(Mat {
+                let host = Mat {
                     w: unsafe { Slab::new(self.owner, t.data) },
                     rows,
                     cols,
-                })?;
+                };
+                let m = if self.host_in_upload() {
+                    let (m, got) = self.b.upload_bf16_hashed(host)?;
+                    host_verdict(&tensor_at(name, self.rank, &t), got, t.xxh3)?;
+                    m
+                } else {
+                    self.check_host(name);
+                    self.b.upload_bf16(host)?
+                };
                 self.check(name, &t, WeightRef::Mat(&m), 0)?;
                 Ok(m)
             }
@@ -329,20 +265,28 @@ impl<B: Backend> Ld<'_, B> {
                 .fill_i4g32(first, cnt, nr, kr, &fp, &fs)
                 .with_context(|| format!("filling {pname} + weight_scale (rank {rank})"));
         }
-        self.check_host(&pname);
-        self.check_host(&sname);
         // SAFETY: `p` and `s` were just returned by `self.owner.tensor(..)`.
         let (packed, scales) = unsafe { (Slab::new(self.owner, p.data), Slab::new(self.owner, s.data)) };
-        let w = self.b.upload_i4g32(I4Stack {
+        let host = I4Stack {
             packed,
             scales,
             first,
             count: cnt,
             n: nr,
             k: kr,
-        })?;
-        // One hash of the stack (packed bytes and scales) for both checks: the packed experts are most of a model.
+        };
         let (pw, sw) = (tensor_at(&pname, rank, &p), tensor_at(&sname, rank, &s));
+        let w = if self.host_in_upload() {
+            let (w, [hp, hs]) = self.b.upload_i4g32_hashed(host)?;
+            host_verdict(&pw, hp, p.xxh3)?;
+            host_verdict(&sw, hs, s.xxh3)?;
+            w
+        } else {
+            self.check_host(&pname);
+            self.check_host(&sname);
+            self.b.upload_i4g32(host)?
+        };
+        // One hash of the stack (packed bytes and scales) for both checks: the packed experts are most of a model.
         check_upload_parts(
             self.b,
             WeightRef::I4(&w),
@@ -359,54 +303,6 @@ pub(crate) fn tensor_at(name: &str, rank: usize, t: &TensorRef<'_>) -> String {
         Some(f) => format!("{name} (rank {rank}, {f})"),
         None => format!("{name} (rank {rank})"),
     }
-}
-
-/// What an upload of `t` must hash to: the manifest's xxh3-64, or (a source without checksums) the host bytes'
-/// own, with the name of which it is.
-pub(crate) fn expected_xxh3(t: &TensorRef<'_>) -> (u64, &'static str) {
-    match t.xxh3 {
-        Some(h) => (h, "the manifest's xxh3"),
-        None => (kdtree_formats::manifest::xxh3_64(t.data), "the xxh3 of the host bytes"),
-    }
-}
-
-/// The device form of the load check ([`WeightCheck::Device`]; otherwise nothing): part `part` of the uploaded
-/// `w`'s bytes, hashed where the ops read them, against `want` (`of` says what it is). A difference names `what`
-/// and both values.
-/// The one check of every loader (the target's `Ld`, the drafter's shards and gathered tensors).
-pub(crate) fn check_upload<B: Backend>(
-    b: &B,
-    what: &str,
-    want: (u64, &str),
-    w: WeightRef<'_, B>,
-    part: usize,
-) -> Result<()> {
-    check_upload_parts(b, w, &[(part, what, want)])
-}
-
-/// [`check_upload`] of several parts of one upload (an INT4 stack's packed bytes and scales), hashed once:
-/// `(part, what, (want, of))` each.
-pub(crate) fn check_upload_parts<B: Backend>(
-    b: &B,
-    w: WeightRef<'_, B>,
-    parts: &[(usize, &str, (u64, &str))],
-) -> Result<()> {
-    if b.weight_check() != WeightCheck::Device || parts.is_empty() {
-        return Ok(());
-    }
-    let got = b
-        .weight_xxh3(w)
-        .with_context(|| format!("hashing {} where it was uploaded", parts[0].1))?;
-    for &(part, what, (want, of)) in parts {
-        ensure!(
-            got.get(part) == Some(&want),
-            "{what}: the uploaded bytes hash to {} where {of} is {want:016x}: the weights on the {} backend are not \
-             the file's",
-            got.get(part).map_or("nothing".into(), |h| format!("{h:016x}")),
-            b.name()
-        );
-    }
-    Ok(())
 }
 
 impl Weights<CpuBackend> {
