@@ -182,7 +182,7 @@ impl Load {
         let t = self.start.elapsed().as_secs_f64();
         if self.progress {
             eprintln!(
-                "kdtree: loaded {:.2} GB of weights onto {} in {:.1} s ({:.2} GB/s)",
+                "kdtree: loaded {:.2} GB of weights onto {} in {:.2} s ({:.2} GB/s)",
                 gb(self.done),
                 self.name,
                 t,
