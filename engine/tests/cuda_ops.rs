@@ -697,16 +697,16 @@ fn staged_hashed_uploads_equal_the_reference() {
         (0..3u64).map(|r| 40 * mb + (rand_bytes(4600 + r, 4).iter().map(|&b| b as usize).sum::<usize>() * 997)),
     );
     let total: usize = lens.iter().sum();
+    let hosts: Vec<Vec<u8>> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| rand_bytes(4500 + i as u64, n))
+        .collect();
     g.begin_load(total as u64, false).unwrap();
-    let mut ups = Vec::new();
-    for (i, &n) in lens.iter().enumerate() {
-        let host = rand_bytes(4500 + i as u64, n);
-        let (dev, h) = g.upload_hashed(&host).unwrap();
-        ups.push((host, dev, h));
-    }
+    let ups: Vec<_> = hosts.iter().map(|h| g.upload_hashed(h).unwrap()).collect();
     let (bytes, secs) = g.end_load().unwrap();
     assert_eq!(bytes as usize, total, "the load counted {bytes} bytes");
-    for (host, dev, h) in &ups {
+    for (host, (dev, h)) in hosts.iter().zip(&ups) {
         let n = host.len();
         assert_eq!(
             *h,
