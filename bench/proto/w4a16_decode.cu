@@ -470,6 +470,150 @@ __global__ void __launch_bounds__(32 * (1 + V4C)) moe_gate_up_v4(const bf16* __r
     swiglu_store(red, V4C, p, I, hp);
 }
 
+// ---- v5: Marlin's form (written 2026-12-02 after run 62) ---------------------------------------------------
+// Every thread of a 4-warp CTA issues 16-byte cp.async copies of the CTA's 16 rows, V5B 128-k blocks a stage
+// (512 weight bytes + 64 scale bytes a row at V5B = 8), into a ring of V5S stages; one commit group a stage,
+// cp.async.wait_group + one __syncthreads a stage, and the stage's blocks split over the warps (warp w: blocks
+// w * V5B / 4 ...; the first into c, the second into c2). Bytes in flight are shared memory (V5S - 1 stages of
+// ~9.5 KB a CTA), the copies few and large-ish (16 B each, 4.5 a thread a stage), no producer/consumer hand-off.
+// Batch-invariant as the others: the order of every sum depends on K only (stage, then the warp's blocks, then
+// the warps in order).
+#ifndef V5S
+#define V5S 4  // stages in the ring
+#endif
+#ifndef V5B
+#define V5B 8  // 128-k blocks a stage
+#endif
+constexpr int V5W = 4;                         // warps a CTA
+constexpr int V5_WROW = V5B * 64 + 64;         // a row's weight bytes in a stage, padded: rows g, g + 1 64 bytes apart
+constexpr int V5_SROW = V5B * 8 + 16;          // a row's scale bytes in a stage, padded: 8 rows on distinct banks
+constexpr int V5_STAGE = 16 * V5_WROW + 16 * V5_SROW;
+static_assert(V5B % (2 * V5W) == 0, "two blocks a warp a stage (c and c2)");
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// The CTA's 16 rows (rows 0-7 from A0 + r x rb, 8-15 from A1; scales from S0 / S1, sb a row) over nbt blocks
+// (even); each warp leaves its tile in c. sm: V5S stages.
+template <int NT>
+__device__ __forceinline__ void v5_stream(float (&c)[NT][4], unsigned char* sm, const uint8_t* A0, const uint8_t* A1,
+                                          const bf16* S0, const bf16* S1, size_t rb, size_t sb, int nbt,
+                                          const uint32_t* const (&xq)[NT]) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int nst = (nbt + V5B - 1) / V5B;
+    auto issue = [&](int s) {
+        if (s < nst) {
+            unsigned char* st = sm + (size_t)(s % V5S) * V5_STAGE;
+            const int b0 = s * V5B;
+            constexpr int WCH = V5B * 4;  // 16-byte chunks a row
+#pragma unroll
+            for (int i = 0; i < 16 * WCH / (32 * V5W); i++) {
+                const int ch = tid + i * 32 * V5W, r = ch / WCH, col = ch % WCH;
+                if (b0 + col / 4 < nbt) {
+                    const uint8_t* src = (r < 8 ? A0 + (size_t)r * rb : A1 + (size_t)(r - 8) * rb) + (size_t)b0 * 64 + col * 16;
+                    cp_async16(st + r * V5_WROW + col * 16, src);
+                }
+            }
+            constexpr int SCH = V5B / 2;  // 16-byte scale chunks a row (2 blocks each)
+            if (tid < 16 * SCH) {
+                const int r = tid / SCH, part = tid % SCH;
+                if (b0 + 2 * part < nbt) {
+                    const bf16* src = (r < 8 ? S0 + (size_t)r * sb : S1 + (size_t)(r - 8) * sb) + (size_t)b0 * 4 + part * 8;
+                    cp_async16(st + 16 * V5_WROW + r * V5_SROW + part * 16, src);
+                }
+            }
+        }
+        cp_commit();  // one group a stage, empty past the end: the wait counts stay exact
+    };
+#pragma unroll
+    for (int s = 0; s < V5S - 1; s++) issue(s);
+    pdl_trigger();
+    pdl_wait();
+    float c2[NT][4] = {};
+    for (int s = 0; s < nst; s++) {
+        constexpr int PW = V5B / V5W;  // blocks a warp a stage
+        uint4 xv[PW][NT][4];
+#pragma unroll
+        for (int jj = 0; jj < PW; jj++) {
+            const int b = s * V5B + warp * PW + jj;
+#pragma unroll
+            for (int m = 0; m < NT; m++)
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+                    xv[jj][m][i] = b < nbt ? __ldg(reinterpret_cast<const uint4*>(xq[m] + (size_t)b * 64) + i) : make_uint4(0, 0, 0, 0);
+        }
+        cp_wait<V5S - 2>();
+        __syncthreads();  // stage s landed for every thread; every warp is done with stage s - 1's slot
+        issue(s + V5S - 1);
+        const unsigned char* st = sm + (size_t)(s % V5S) * V5_STAGE;
+#pragma unroll
+        for (int jj = 0; jj < PW; jj++) {
+            const int j = warp * PW + jj;
+            if (s * V5B + j >= nbt) break;
+            const uint4 w0 = *reinterpret_cast<const uint4*>(st + g * V5_WROW + j * 64 + t * 16);
+            const uint4 w1 = *reinterpret_cast<const uint4*>(st + (g + 8) * V5_WROW + j * 64 + t * 16);
+            const bf16 q0 = *reinterpret_cast<const bf16*>(st + 16 * V5_WROW + g * V5_SROW + (j * 4 + t) * 2);
+            const bf16 q1 = *reinterpret_cast<const bf16*>(st + 16 * V5_WROW + (g + 8) * V5_SROW + (j * 4 + t) * 2);
+            if (jj & 1) block_mma<NT>(c2, w0, w1, q0, q1, xv[jj]);
+            else block_mma<NT>(c, w0, w1, q0, q1, xv[jj]);
+        }
+    }
+    cp_wait<0>();
+#pragma unroll
+    for (int m = 0; m < NT; m++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) c[m][i] += c2[m][i];
+}
+
+static size_t v5_smem(int nt_or_2) { return (size_t)V5S * V5_STAGE + (size_t)V5W * nt_or_2 * 128 * 4; }
+
+// Dense, v5: grid N / 16 tiles, 128 threads; the warps' tiles summed in warp order.
+template <int NT>
+__global__ void __launch_bounds__(32 * V5W) dense_v5(const bf16* __restrict__ xp, int M, const uint8_t* __restrict__ packed,
+                                                     const bf16* __restrict__ scales, int N, int K, bf16* __restrict__ y) {
+    extern __shared__ __align__(128) unsigned char sm[];
+    float* red = reinterpret_cast<float*>(sm + (size_t)V5S * V5_STAGE);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const size_t rb = (size_t)K / 2, sb = (size_t)K / 32, r0 = (size_t)blockIdx.x * 16;
+    const uint32_t* xq[NT];
+#pragma unroll
+    for (int m = 0; m < NT; m++)
+        xq[m] = reinterpret_cast<const uint32_t*>(xp + (size_t)min(8 * m + g, M - 1) * K) + 16 * t;
+    float c[NT][4] = {};
+    v5_stream<NT>(c, sm, packed + r0 * rb, packed + (r0 + 8) * rb, scales + r0 * sb, scales + (r0 + 8) * sb, rb, sb,
+                  K / KB, xq);
+#pragma unroll
+    for (int m = 0; m < NT; m++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) red[((warp * NT + m) * 4 + i) * 32 + lane] = c[m][i];
+    __syncthreads();
+    dense_store<NT>(red, V5W, M, N, y);
+}
+
+// MoE 1, v5: as moe_gate_up; grid (I / 8, pairs), 128 threads.
+__global__ void __launch_bounds__(32 * V5W) moe_gate_up_v5(const bf16* __restrict__ xp, const int* __restrict__ pair_token,
+                                                           const int* __restrict__ pair_expert, const uint8_t* __restrict__ gate,
+                                                           const bf16* __restrict__ gate_s, const uint8_t* __restrict__ up,
+                                                           const bf16* __restrict__ up_s, int I, int K, bf16* __restrict__ hp) {
+    extern __shared__ __align__(128) unsigned char sm[];
+    float* red = reinterpret_cast<float*>(sm + (size_t)V5S * V5_STAGE);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3, p = blockIdx.y;
+    const size_t rb = (size_t)K / 2, sb = (size_t)K / 32;
+    const size_t row = (size_t)pair_expert[p] * I + (size_t)blockIdx.x * 8;
+    const uint32_t* xq[1] = {reinterpret_cast<const uint32_t*>(xp + (size_t)pair_token[p] * K) + 16 * t};
+    float c[1][4] = {};
+    v5_stream<1>(c, sm, gate + row * rb, up + row * rb, gate_s + row * sb, up_s + row * sb, rb, sb, K / KB, xq);
+    if (t == 0) red[(warp * 2 + 0) * 8 + g] = c[0][0], red[(warp * 2 + 1) * 8 + g] = c[0][2];
+    __syncthreads();
+    swiglu_store(red, V5W, p, I, hp);
+}
+
 // ---- data ------------------------------------------------------------------------------------------------
 
 __host__ __device__ inline uint64_t mix64(uint64_t z) {
@@ -592,6 +736,7 @@ static void check(bool ok, const char* what) {
 // Launches with programmatic stream serialization when g_pdl (captured into the graph as programmatic edges).
 static bool g_pdl = false;
 static bool g_v4 = false;  // --v4: the dense and gate/up kernels of the shared-memory ring
+static bool g_v5 = false;  // --v5: the dense and gate/up kernels of Marlin's form
 template <class... KArgs, class... Args>
 static void launch(void (*k)(KArgs...), dim3 grid, int threads, size_t smem, cudaStream_t st, Args... args) {
     cudaLaunchConfig_t cfg = {};
@@ -637,9 +782,22 @@ static void launch_dense_v4(const bf16* xp, int M, const uint8_t* p, const bf16*
     launch(dense_v4<NT>, dim3(N / 16), 32 * (1 + V4C), smem, st, xp, M, p, s, N, K, y);
 }
 template <int NT>
+static void launch_dense_v5(const bf16* xp, int M, const uint8_t* p, const bf16* s, int N, int K, bf16* y,
+                            cudaStream_t st) {
+    if ((K / KB) % 2) fprintf(stderr, "v5: K / 128 must be even (K %d)\n", K), exit(2);
+    const size_t smem = v5_smem(NT);
+    static bool attr = false;
+    if (!attr) {
+        CK(cudaFuncSetAttribute(dense_v5<NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        attr = true;
+    }
+    launch(dense_v5<NT>, dim3(N / 16), 32 * V5W, smem, st, xp, M, p, s, N, K, y);
+}
+template <int NT>
 static void launch_dense(const bf16* xp, int M, const uint8_t* p, const bf16* s, int N, int K, bf16* y,
                          cudaStream_t st) {
     if (g_v4) return launch_dense_v4<NT>(xp, M, p, s, N, K, y, st);
+    if (g_v5) return launch_dense_v5<NT>(xp, M, p, s, N, K, y, st);
     const int nbt = K / KB, bpw = blocks_per_warp(N / 16, nbt), KS = (nbt + bpw - 1) / bpw;
     const size_t smem = (size_t)KS * NT * 128 * sizeof(float);
     launch(dense_i4g32<S, NT>, dim3(N / 16), KS * 32, smem, st, xp, M, p, s, N, K, bpw, y);
@@ -735,6 +893,17 @@ static void launch_gate_up(const bf16* xp, const int* ptok, const int* pexp, int
             attr = true;
         }
         launch(moe_gate_up_v4, dim3(I / 8, pairs), 32 * (1 + V4C), smem, st, xp, ptok, pexp, gp, gs, upp, us, I, K, hp);
+        return;
+    }
+    if (g_v5) {
+        if ((K / KB) % 2) fprintf(stderr, "v5: K / 128 must be even (K %d)\n", K), exit(2);
+        const size_t smem = v5_smem(2);
+        static bool attr = false;
+        if (!attr) {
+            CK(cudaFuncSetAttribute(moe_gate_up_v5, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+            attr = true;
+        }
+        launch(moe_gate_up_v5, dim3(I / 8, pairs), 32 * V5W, smem, st, xp, ptok, pexp, gp, gs, upp, us, I, K, hp);
         return;
     }
     const int nbt = K / KB, bpw = blocks_per_warp(I / 8 * topk, nbt), KS = (nbt + bpw - 1) / bpw;
@@ -908,14 +1077,16 @@ int main(int argc, char** argv) {
         if (!strcmp(argv[i], "--quick")) quick = true;
         else if (!strcmp(argv[i], "--warps") && i + 1 < argc) g_warps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--v4")) g_v4 = true;
-        else { fprintf(stderr, "usage: %s [--quick] [--warps N] [--v4]\n", argv[0]); return 2; }
+        else if (!strcmp(argv[i], "--v5")) g_v5 = true;
+        else { fprintf(stderr, "usage: %s [--quick] [--warps N] [--v4 | --v5]\n", argv[0]); return 2; }
     }
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     const double copy = copy_gbps();
     printf("GPU %s, %d SMs; device copy %.0f GB/s (read + write of 1 GiB); ring %d blocks, L2 prefetch %d ahead, >= %d CTAs "
-           "an SM, target %d warps a launch; v4 %s (ring %d stages, %d consumer warps)\n",
-           prop.name, prop.multiProcessorCount, copy, S, PF, MINB, g_warps, g_v4 ? "on" : "off", V4R, V4C);
+           "an SM, target %d warps a launch; v4 %s (ring %d stages, %d consumer warps); v5 %s (%d stages of %d blocks)\n",
+           prop.name, prop.multiProcessorCount, copy, S, PF, MINB, g_warps, g_v4 ? "on" : "off", V4R, V4C,
+           g_v5 ? "on" : "off", V5S, V5B);
     // The K2.6 expert shapes (gate+up rows 2 x 2048, down 7168 x 2048) and their TP8 slices.
     const int shapes[][2] = {{4096, 7168}, {7168, 2048}, {512, 7168}, {7168, 256}};
     for (auto& s : shapes) run_dense(s[0], s[1], copy, quick);
