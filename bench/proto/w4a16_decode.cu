@@ -470,7 +470,7 @@ __global__ void __launch_bounds__(32 * (1 + V4C)) moe_gate_up_v4(const bf16* __r
     swiglu_store(red, V4C, p, I, hp);
 }
 
-// ---- v5: Marlin's form (written 2026-12-02 after run 62) ---------------------------------------------------
+// ---- v5: Marlin's form (runs 63, 65: right, 25-37 % of copy on the 14.7 MB matrix, no better than v1) ---------
 // Every thread of a 4-warp CTA issues 16-byte cp.async copies of the CTA's 16 rows, V5B 128-k blocks a stage
 // (512 weight bytes + 64 scale bytes a row at V5B = 8), into a ring of V5S stages; one commit group a stage,
 // cp.async.wait_group + one __syncthreads a stage, and the stage's blocks split over the warps (warp w: blocks
