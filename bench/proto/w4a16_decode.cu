@@ -614,6 +614,113 @@ __global__ void __launch_bounds__(32 * V5W) moe_gate_up_v5(const bf16* __restric
     swiglu_store(red, V5W, p, I, hp);
 }
 
+// ---- v5 persistent: one launch over R matrices (the fixed-cost experiment, written 2026-12-02 after run 65) --
+// The same stages, ring and per-tile order as dense_v5, but each CTA walks a flat list of (matrix r, tile, stage)
+// for R matrices of one shape (y_r = x W_r^T), its tiles t = blockIdx.x, + gridDim.x, ...; the ring never drains
+// between tiles or matrices, and a tile's reduce and store run between two stages. A tile's sums are those of
+// dense_v5 (same stage split, same warp blocks, same warp order): the outputs are bit-identical to it.
+template <int NT>
+__global__ void __launch_bounds__(32 * V5W) dense_multi_v5(const bf16* __restrict__ xp, int M,
+                                                           const uint8_t* const* __restrict__ packs,
+                                                           const bf16* const* __restrict__ scls, int R, int N, int K,
+                                                           bf16* const* __restrict__ ys) {
+    extern __shared__ __align__(128) unsigned char sm[];
+    float* red = reinterpret_cast<float*>(sm + (size_t)V5S * V5_STAGE);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int nbt = K / KB, nst = (nbt + V5B - 1) / V5B, tiles = N / 16;
+    const int mine = tiles > (int)blockIdx.x ? (tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
+    const int total = R * mine * nst;
+    const size_t rb = (size_t)K / 2, sb = (size_t)K / 32;
+    auto where = [&](int s, int& r, int& tile, int& st) {
+        const int item = s / nst;
+        st = s % nst;
+        r = item / mine;
+        tile = (int)blockIdx.x + (item % mine) * (int)gridDim.x;
+    };
+    auto issue = [&](int s) {
+        if (s < total) {
+            int r, tile, stg;
+            where(s, r, tile, stg);
+            const size_t r0 = (size_t)tile * 16;
+            const uint8_t* A = packs[r] + r0 * rb;
+            const bf16* Sc = scls[r] + r0 * sb;
+            unsigned char* st = sm + (size_t)(s % V5S) * V5_STAGE;
+            const int b0 = stg * V5B;
+            constexpr int WCH = V5B * 4;
+#pragma unroll
+            for (int i = 0; i < 16 * WCH / (32 * V5W); i++) {
+                const int ch = tid + i * 32 * V5W, rr = ch / WCH, col = ch % WCH;
+                if (b0 + col / 4 < nbt) cp_async16(st + rr * V5_WROW + col * 16, A + (size_t)rr * rb + (size_t)b0 * 64 + col * 16);
+            }
+            constexpr int SCH = V5B / 2;
+            if (tid < 16 * SCH) {
+                const int rr = tid / SCH, part = tid % SCH;
+                if (b0 + 2 * part < nbt)
+                    cp_async16(st + 16 * V5_WROW + rr * V5_SROW + part * 16, Sc + (size_t)rr * sb + (size_t)b0 * 4 + part * 8);
+            }
+        }
+        cp_commit();
+    };
+#pragma unroll
+    for (int s = 0; s < V5S - 1; s++) issue(s);
+    pdl_trigger();
+    pdl_wait();
+    const uint32_t* xq[NT];
+#pragma unroll
+    for (int m = 0; m < NT; m++) xq[m] = reinterpret_cast<const uint32_t*>(xp + (size_t)min(8 * m + g, M - 1) * K) + 16 * t;
+    float c[NT][4] = {}, c2[NT][4] = {};
+    constexpr int PW = V5B / V5W;
+    for (int s = 0; s < total; s++) {
+        int r, tile, stg;
+        where(s, r, tile, stg);
+        uint4 xv[PW][NT][4];
+#pragma unroll
+        for (int jj = 0; jj < PW; jj++) {
+            const int b = stg * V5B + warp * PW + jj;
+#pragma unroll
+            for (int m = 0; m < NT; m++)
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+                    xv[jj][m][i] = b < nbt ? __ldg(reinterpret_cast<const uint4*>(xq[m] + (size_t)b * 64) + i) : make_uint4(0, 0, 0, 0);
+        }
+        cp_wait<V5S - 2>();
+        __syncthreads();
+        issue(s + V5S - 1);
+        const unsigned char* st = sm + (size_t)(s % V5S) * V5_STAGE;
+#pragma unroll
+        for (int jj = 0; jj < PW; jj++) {
+            const int j = warp * PW + jj;
+            if (stg * V5B + j >= nbt) break;
+            const uint4 w0 = *reinterpret_cast<const uint4*>(st + g * V5_WROW + j * 64 + t * 16);
+            const uint4 w1 = *reinterpret_cast<const uint4*>(st + (g + 8) * V5_WROW + j * 64 + t * 16);
+            const bf16 q0 = *reinterpret_cast<const bf16*>(st + 16 * V5_WROW + g * V5_SROW + (j * 4 + t) * 2);
+            const bf16 q1 = *reinterpret_cast<const bf16*>(st + 16 * V5_WROW + (g + 8) * V5_SROW + (j * 4 + t) * 2);
+            if (jj & 1) block_mma<NT>(c2, w0, w1, q0, q1, xv[jj]);
+            else block_mma<NT>(c, w0, w1, q0, q1, xv[jj]);
+        }
+        if (stg == nst - 1) {  // the tile's last stage: its reduce and store, then fresh accumulators
+#pragma unroll
+            for (int m = 0; m < NT; m++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    red[((warp * NT + m) * 4 + i) * 32 + lane] = c[m][i] + c2[m][i];
+                    c[m][i] = 0.f;
+                    c2[m][i] = 0.f;
+                }
+            __syncthreads();
+            for (int v = tid; v < NT * 128; v += blockDim.x) {
+                float a = red[v];
+                for (int w = 1; w < V5W; w++) a += red[w * NT * 128 + v];
+                const int m = v / 128, i = (v / 32) % 4, l = v % 32;
+                const int col = 8 * m + 2 * (l & 3) + (i & 1), row = tile * 16 + (l >> 2) + 8 * (i >> 1);
+                if (col < M) ys[r][(size_t)col * N + row] = __float2bfloat16_rn(a);
+            }
+            __syncthreads();  // red is read before the next tile writes it
+        }
+    }
+    cp_wait<0>();
+}
+
 // ---- data ------------------------------------------------------------------------------------------------
 
 __host__ __device__ inline uint64_t mix64(uint64_t z) {
@@ -878,6 +985,74 @@ static void run_dense(int N, int K, double copy, bool quick) {
     for (void* q : {(void*)x, (void*)xp, (void*)y, (void*)y1}) CK(cudaFree(q));
 }
 
+// ---- the fixed-cost experiment: dense_multi_v5 over all rotated copies in one launch -----------------------
+
+template <int NT>
+static void launch_multi(const bf16* xp, int M, const uint8_t* const* P, const bf16* const* Sc, int R, int N, int K,
+                         bf16* const* Y, int grid, cudaStream_t st) {
+    const size_t smem = v5_smem(NT);
+    static bool attr = false;
+    if (!attr) {
+        CK(cudaFuncSetAttribute(dense_multi_v5<NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        attr = true;
+    }
+    launch(dense_multi_v5<NT>, dim3(grid), 32 * V5W, smem, st, xp, M, P, Sc, R, N, K, Y);
+}
+
+static void run_multi(int N, int K, double copy) {
+    const size_t wbytes = (size_t)N * K / 2, sbytes = (size_t)N * (K / 32) * 2;
+    const int R = (int)std::max<size_t>(4, (1024ull << 20) / (wbytes + sbytes));
+    std::vector<uint8_t*> P(R);
+    std::vector<bf16*> Sc(R), Y(R);
+    for (int c = 0; c < R; c++) {
+        P[c] = (uint8_t*)dalloc(wbytes);
+        Sc[c] = (bf16*)dalloc(sbytes);
+        Y[c] = (bf16*)dalloc((size_t)8 * N * 2);
+        fill(P[c], wbytes, 300 + c);
+        fillb(Sc[c], sbytes / 2, 400 + c, 0.002f, 0.02f);
+    }
+    const uint8_t** dP = (const uint8_t**)dalloc(R * sizeof(void*));
+    const bf16** dS = (const bf16**)dalloc(R * sizeof(void*));
+    bf16** dY = (bf16**)dalloc(R * sizeof(void*));
+    CK(cudaMemcpy(dP, P.data(), R * sizeof(void*), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dS, Sc.data(), R * sizeof(void*), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dY, Y.data(), R * sizeof(void*), cudaMemcpyHostToDevice));
+    bf16* x = (bf16*)dalloc((size_t)8 * K * 2);
+    bf16* xp = (bf16*)dalloc((size_t)8 * K * 2);
+    bf16* y1 = (bf16*)dalloc((size_t)8 * N * 2);
+    fillb(x, (size_t)8 * K, 9, -1.f, 1.f);
+    permute_x<<<(8 * K + 255) / 256, 256>>>(x, xp, 8, K);
+    CK(cudaDeviceSynchronize());
+    const int tiles = N / 16, sms = 132;
+    char msg[256];
+    for (int M : {1, 8}) {
+        bool same = true;
+        launch_multi<1>(xp, M, dP, dS, R, N, K, dY, std::min(tiles, 2 * sms), 0);
+        CK(cudaDeviceSynchronize());
+        for (int r = 0; r < R; r += std::max(1, R / 4)) {
+            launch_dense_v5<1>(xp, M, P[r], Sc[r], N, K, y1, 0);
+            CK(cudaDeviceSynchronize());
+            same &= down_load<uint16_t>(Y[r], (size_t)M * N) == down_load<uint16_t>(y1, (size_t)M * N);
+        }
+        snprintf(msg, sizeof msg, "multi %dx%d M=%d: each matrix's output == dense_v5's, bit for bit (R = %d)", N, K, M, R);
+        check(same, msg);
+    }
+    g_pdl = false;
+    for (int grid : {tiles, sms, 2 * sms, 3 * sms}) {
+        if (grid > tiles) continue;
+        const double us = time_graph([&](int, cudaStream_t st) { launch_multi<1>(xp, 1, dP, dS, R, N, K, dY, grid, st); }, 1) / R;
+        const double gbps = (wbytes + sbytes) / (us * 1e-6) / 1e9;
+        printf("BENCH multi N=%d K=%d M=1 grid=%d: %d matrices in one launch, %.2f us a matrix, %.0f GB/s, %.0f%% of copy\n", N,
+               K, grid, R, us, gbps, 100 * gbps / copy);
+    }
+    const double us1 = time_graph([&](int i, cudaStream_t st) { launch_dense_v5<1>(xp, 1, P[i % R], Sc[i % R], N, K, y1, st); }, R);
+    printf("BENCH multi N=%d K=%d M=1: the same %d matrices as %d dense_v5 launches in a graph: %.2f us a matrix, %.0f%% of copy\n",
+           N, K, R, R, us1, 100 * (wbytes + sbytes) / (us1 * 1e-6) / 1e9 / copy);
+    for (int c = 0; c < R; c++)
+        for (void* q : {(void*)P[c], (void*)Sc[c], (void*)Y[c]}) CK(cudaFree(q));
+    for (void* q : {(void*)dP, (void*)dS, (void*)dY, (void*)x, (void*)xp, (void*)y1}) CK(cudaFree(q));
+}
+
 // ---- MoE -------------------------------------------------------------------------------------------------
 
 // Splits by shape: the gate/up tiles of one token's top-k pairs (T = 1) set the gate/up split; the down kernel's
@@ -1072,13 +1247,14 @@ static void run_moe(const char* name, int E, int H, int I, double copy, bool qui
 }
 
 int main(int argc, char** argv) {
-    bool quick = false;
+    bool quick = false, multi = false;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--quick")) quick = true;
         else if (!strcmp(argv[i], "--warps") && i + 1 < argc) g_warps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--v4")) g_v4 = true;
         else if (!strcmp(argv[i], "--v5")) g_v5 = true;
-        else { fprintf(stderr, "usage: %s [--quick] [--warps N] [--v4 | --v5]\n", argv[0]); return 2; }
+        else if (!strcmp(argv[i], "--multi")) multi = true;
+        else { fprintf(stderr, "usage: %s [--quick] [--warps N] [--v4 | --v5 | --multi]\n", argv[0]); return 2; }
     }
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
@@ -1088,6 +1264,12 @@ int main(int argc, char** argv) {
            prop.name, prop.multiProcessorCount, copy, S, PF, MINB, g_warps, g_v4 ? "on" : "off", V4R, V4C,
            g_v5 ? "on" : "off", V5S, V5B);
     // The K2.6 expert shapes (gate+up rows 2 x 2048, down 7168 x 2048) and their TP8 slices.
+    if (multi) {  // the fixed-cost experiment alone
+        for (auto s : {std::make_pair(4096, 7168), std::make_pair(7168, 2048), std::make_pair(512, 7168)})
+            run_multi(s.first, s.second, copy);
+        printf("RESULT %s: %d check(s) failed\n", failures ? "FAIL" : "PASS", failures);
+        return failures ? 1 : 0;
+    }
     const int shapes[][2] = {{4096, 7168}, {7168, 2048}, {512, 7168}, {7168, 256}};
     for (auto& s : shapes) run_dense(s[0], s[1], copy, quick);
     // A K2.6 MoE layer on one rank: TP8 (384 experts, each sliced to I = 256) and EP8 (48 whole experts).
