@@ -499,36 +499,73 @@ __device__ __forceinline__ void cp_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
+// Stage `b0 / V5B` of the CTA's 16 rows (0-7 at A0 + r x rb, 8-15 at A1; scales at S0 / S1, sb a row) into slot
+// st: this thread's share of the 16-byte copies (blocks past nbt skipped).
+__device__ __forceinline__ void v5_issue(unsigned char* st, const uint8_t* A0, const uint8_t* A1, const bf16* S0,
+                                         const bf16* S1, size_t rb, size_t sb, int b0, int nbt) {
+    const int tid = threadIdx.x;
+    constexpr int WCH = V5B * 4;  // 16-byte chunks a row
+#pragma unroll
+    for (int i = 0; i < 16 * WCH / (32 * V5W); i++) {
+        const int ch = tid + i * 32 * V5W, r = ch / WCH, col = ch % WCH;
+        if (b0 + col / 4 < nbt) {
+            const uint8_t* src = (r < 8 ? A0 + (size_t)r * rb : A1 + (size_t)(r - 8) * rb) + (size_t)b0 * 64 + col * 16;
+            cp_async16(st + r * V5_WROW + col * 16, src);
+        }
+    }
+    constexpr int SCH = V5B / 2;  // 16-byte scale chunks a row (2 blocks each)
+    if (tid < 16 * SCH) {
+        const int r = tid / SCH, part = tid % SCH;
+        if (b0 + 2 * part < nbt) {
+            const bf16* src = (r < 8 ? S0 + (size_t)r * sb : S1 + (size_t)(r - 8) * sb) + (size_t)b0 * 4 + part * 8;
+            cp_async16(st + 16 * V5_WROW + r * V5_SROW + part * 16, src);
+        }
+    }
+}
+
+// x of this warp's blocks of stage stg (zeros past nbt), issued before the stage's wait.
+template <int NT>
+__device__ __forceinline__ void v5_load_x(uint4 (&xv)[V5B / V5W][NT][4], const uint32_t* const (&xq)[NT], int stg, int nbt) {
+    constexpr int PW = V5B / V5W;
+#pragma unroll
+    for (int jj = 0; jj < PW; jj++) {
+        const int b = stg * V5B + (threadIdx.x >> 5) * PW + jj;
+#pragma unroll
+        for (int m = 0; m < NT; m++)
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                xv[jj][m][i] = b < nbt ? __ldg(reinterpret_cast<const uint4*>(xq[m] + (size_t)b * 64) + i) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+// This warp's blocks of stage stg from slot st: the first into c, the second into c2.
+template <int NT>
+__device__ __forceinline__ void v5_compute(float (&c)[NT][4], float (&c2)[NT][4], const unsigned char* st, int stg, int nbt,
+                                           const uint4 (&xv)[V5B / V5W][NT][4]) {
+    constexpr int PW = V5B / V5W;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int jj = 0; jj < PW; jj++) {
+        const int j = (threadIdx.x >> 5) * PW + jj;
+        if (stg * V5B + j >= nbt) break;
+        const uint4 w0 = *reinterpret_cast<const uint4*>(st + g * V5_WROW + j * 64 + t * 16);
+        const uint4 w1 = *reinterpret_cast<const uint4*>(st + (g + 8) * V5_WROW + j * 64 + t * 16);
+        const bf16 q0 = *reinterpret_cast<const bf16*>(st + 16 * V5_WROW + g * V5_SROW + (j * 4 + t) * 2);
+        const bf16 q1 = *reinterpret_cast<const bf16*>(st + 16 * V5_WROW + (g + 8) * V5_SROW + (j * 4 + t) * 2);
+        if (jj & 1) block_mma<NT>(c2, w0, w1, q0, q1, xv[jj]);
+        else block_mma<NT>(c, w0, w1, q0, q1, xv[jj]);
+    }
+}
+
 // The CTA's 16 rows (rows 0-7 from A0 + r x rb, 8-15 from A1; scales from S0 / S1, sb a row) over nbt blocks
 // (even); each warp leaves its tile in c. sm: V5S stages.
 template <int NT>
 __device__ __forceinline__ void v5_stream(float (&c)[NT][4], unsigned char* sm, const uint8_t* A0, const uint8_t* A1,
                                           const bf16* S0, const bf16* S1, size_t rb, size_t sb, int nbt,
                                           const uint32_t* const (&xq)[NT]) {
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int nst = (nbt + V5B - 1) / V5B;
     auto issue = [&](int s) {
-        if (s < nst) {
-            unsigned char* st = sm + (size_t)(s % V5S) * V5_STAGE;
-            const int b0 = s * V5B;
-            constexpr int WCH = V5B * 4;  // 16-byte chunks a row
-#pragma unroll
-            for (int i = 0; i < 16 * WCH / (32 * V5W); i++) {
-                const int ch = tid + i * 32 * V5W, r = ch / WCH, col = ch % WCH;
-                if (b0 + col / 4 < nbt) {
-                    const uint8_t* src = (r < 8 ? A0 + (size_t)r * rb : A1 + (size_t)(r - 8) * rb) + (size_t)b0 * 64 + col * 16;
-                    cp_async16(st + r * V5_WROW + col * 16, src);
-                }
-            }
-            constexpr int SCH = V5B / 2;  // 16-byte scale chunks a row (2 blocks each)
-            if (tid < 16 * SCH) {
-                const int r = tid / SCH, part = tid % SCH;
-                if (b0 + 2 * part < nbt) {
-                    const bf16* src = (r < 8 ? S0 + (size_t)r * sb : S1 + (size_t)(r - 8) * sb) + (size_t)b0 * 4 + part * 8;
-                    cp_async16(st + 16 * V5_WROW + r * V5_SROW + part * 16, src);
-                }
-            }
-        }
+        if (s < nst) v5_issue(sm + (size_t)(s % V5S) * V5_STAGE, A0, A1, S0, S1, rb, sb, s * V5B, nbt);
         cp_commit();  // one group a stage, empty past the end: the wait counts stay exact
     };
 #pragma unroll
@@ -537,32 +574,12 @@ __device__ __forceinline__ void v5_stream(float (&c)[NT][4], unsigned char* sm, 
     pdl_wait();
     float c2[NT][4] = {};
     for (int s = 0; s < nst; s++) {
-        constexpr int PW = V5B / V5W;  // blocks a warp a stage
-        uint4 xv[PW][NT][4];
-#pragma unroll
-        for (int jj = 0; jj < PW; jj++) {
-            const int b = s * V5B + warp * PW + jj;
-#pragma unroll
-            for (int m = 0; m < NT; m++)
-#pragma unroll
-                for (int i = 0; i < 4; i++)
-                    xv[jj][m][i] = b < nbt ? __ldg(reinterpret_cast<const uint4*>(xq[m] + (size_t)b * 64) + i) : make_uint4(0, 0, 0, 0);
-        }
+        uint4 xv[V5B / V5W][NT][4];
+        v5_load_x<NT>(xv, xq, s, nbt);
         cp_wait<V5S - 2>();
         __syncthreads();  // stage s landed for every thread; every warp is done with stage s - 1's slot
         issue(s + V5S - 1);
-        const unsigned char* st = sm + (size_t)(s % V5S) * V5_STAGE;
-#pragma unroll
-        for (int jj = 0; jj < PW; jj++) {
-            const int j = warp * PW + jj;
-            if (s * V5B + j >= nbt) break;
-            const uint4 w0 = *reinterpret_cast<const uint4*>(st + g * V5_WROW + j * 64 + t * 16);
-            const uint4 w1 = *reinterpret_cast<const uint4*>(st + (g + 8) * V5_WROW + j * 64 + t * 16);
-            const bf16 q0 = *reinterpret_cast<const bf16*>(st + 16 * V5_WROW + g * V5_SROW + (j * 4 + t) * 2);
-            const bf16 q1 = *reinterpret_cast<const bf16*>(st + 16 * V5_WROW + (g + 8) * V5_SROW + (j * 4 + t) * 2);
-            if (jj & 1) block_mma<NT>(c2, w0, w1, q0, q1, xv[jj]);
-            else block_mma<NT>(c, w0, w1, q0, q1, xv[jj]);
-        }
+        v5_compute<NT>(c, c2, sm + (size_t)(s % V5S) * V5_STAGE, s, nbt, xv);
     }
     cp_wait<0>();
 #pragma unroll
@@ -642,22 +659,8 @@ __global__ void __launch_bounds__(32 * V5W) dense_multi_v5(const bf16* __restric
             int r, tile, stg;
             where(s, r, tile, stg);
             const size_t r0 = (size_t)tile * 16;
-            const uint8_t* A = packs[r] + r0 * rb;
-            const bf16* Sc = scls[r] + r0 * sb;
-            unsigned char* st = sm + (size_t)(s % V5S) * V5_STAGE;
-            const int b0 = stg * V5B;
-            constexpr int WCH = V5B * 4;
-#pragma unroll
-            for (int i = 0; i < 16 * WCH / (32 * V5W); i++) {
-                const int ch = tid + i * 32 * V5W, rr = ch / WCH, col = ch % WCH;
-                if (b0 + col / 4 < nbt) cp_async16(st + rr * V5_WROW + col * 16, A + (size_t)rr * rb + (size_t)b0 * 64 + col * 16);
-            }
-            constexpr int SCH = V5B / 2;
-            if (tid < 16 * SCH) {
-                const int rr = tid / SCH, part = tid % SCH;
-                if (b0 + 2 * part < nbt)
-                    cp_async16(st + 16 * V5_WROW + rr * V5_SROW + part * 16, Sc + (size_t)rr * sb + (size_t)b0 * 4 + part * 8);
-            }
+            v5_issue(sm + (size_t)(s % V5S) * V5_STAGE, packs[r] + r0 * rb, packs[r] + (r0 + 8) * rb, scls[r] + r0 * sb,
+                     scls[r] + (r0 + 8) * sb, rb, sb, stg * V5B, nbt);
         }
         cp_commit();
     };
@@ -669,35 +672,15 @@ __global__ void __launch_bounds__(32 * V5W) dense_multi_v5(const bf16* __restric
 #pragma unroll
     for (int m = 0; m < NT; m++) xq[m] = reinterpret_cast<const uint32_t*>(xp + (size_t)min(8 * m + g, M - 1) * K) + 16 * t;
     float c[NT][4] = {}, c2[NT][4] = {};
-    constexpr int PW = V5B / V5W;
     for (int s = 0; s < total; s++) {
         int r, tile, stg;
         where(s, r, tile, stg);
-        uint4 xv[PW][NT][4];
-#pragma unroll
-        for (int jj = 0; jj < PW; jj++) {
-            const int b = stg * V5B + warp * PW + jj;
-#pragma unroll
-            for (int m = 0; m < NT; m++)
-#pragma unroll
-                for (int i = 0; i < 4; i++)
-                    xv[jj][m][i] = b < nbt ? __ldg(reinterpret_cast<const uint4*>(xq[m] + (size_t)b * 64) + i) : make_uint4(0, 0, 0, 0);
-        }
+        uint4 xv[V5B / V5W][NT][4];
+        v5_load_x<NT>(xv, xq, stg, nbt);
         cp_wait<V5S - 2>();
         __syncthreads();
         issue(s + V5S - 1);
-        const unsigned char* st = sm + (size_t)(s % V5S) * V5_STAGE;
-#pragma unroll
-        for (int jj = 0; jj < PW; jj++) {
-            const int j = warp * PW + jj;
-            if (stg * V5B + j >= nbt) break;
-            const uint4 w0 = *reinterpret_cast<const uint4*>(st + g * V5_WROW + j * 64 + t * 16);
-            const uint4 w1 = *reinterpret_cast<const uint4*>(st + (g + 8) * V5_WROW + j * 64 + t * 16);
-            const bf16 q0 = *reinterpret_cast<const bf16*>(st + 16 * V5_WROW + g * V5_SROW + (j * 4 + t) * 2);
-            const bf16 q1 = *reinterpret_cast<const bf16*>(st + 16 * V5_WROW + (g + 8) * V5_SROW + (j * 4 + t) * 2);
-            if (jj & 1) block_mma<NT>(c2, w0, w1, q0, q1, xv[jj]);
-            else block_mma<NT>(c, w0, w1, q0, q1, xv[jj]);
-        }
+        v5_compute<NT>(c, c2, sm + (size_t)(s % V5S) * V5_STAGE, stg, nbt, xv);
         if (stg == nst - 1) {  // the tile's last stage: its reduce and store, then fresh accumulators
 #pragma unroll
             for (int m = 0; m < NT; m++)
