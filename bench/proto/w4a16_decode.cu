@@ -631,7 +631,7 @@ __global__ void __launch_bounds__(32 * V5W) moe_gate_up_v5(const bf16* __restric
     swiglu_store(red, V5W, p, I, hp);
 }
 
-// ---- v5 persistent: one launch over R matrices (the fixed-cost experiment, written 2026-12-02 after run 65) --
+// ---- v5 persistent: one launch over R matrices (the fixed-cost experiment; run 66: still 40 % of copy) -------
 // The same stages, ring and per-tile order as dense_v5, but each CTA walks a flat list of (matrix r, tile, stage)
 // for R matrices of one shape (y_r = x W_r^T), its tiles t = blockIdx.x, + gridDim.x, ...; the ring never drains
 // between tiles or matrices, and a tile's reduce and store run between two stages. A tile's sums are those of
