@@ -484,11 +484,14 @@ __global__ void __launch_bounds__(32 * (1 + V4C)) moe_gate_up_v4(const bf16* __r
 #ifndef V5B
 #define V5B 8  // 128-k blocks a stage
 #endif
-constexpr int V5W = 4;                         // warps a CTA
+#ifndef V5W
+#define V5W 4  // warps a CTA (-DV5W=8: twice the warps an SM at the same CTAs and shared memory)
+#endif
 constexpr int V5_WROW = V5B * 64 + 64;         // a row's weight bytes in a stage, padded: rows g, g + 1 64 bytes apart
 constexpr int V5_SROW = V5B * 8 + 16;          // a row's scale bytes in a stage, padded: 8 rows on distinct banks
 constexpr int V5_STAGE = 16 * V5_WROW + 16 * V5_SROW;
-static_assert(V5B % (2 * V5W) == 0, "two blocks a warp a stage (c and c2)");
+static_assert(V5B % V5W == 0, "whole blocks a warp a stage (two or more: c and c2 alternate; one: c alone)");
+static_assert((16 * V5B * 4) % (32 * V5W) == 0 && 16 * (V5B / 2) <= 32 * V5W, "a stage's copies split evenly");
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
