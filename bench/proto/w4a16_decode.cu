@@ -4,7 +4,7 @@
 // design reaches the bandwidth before it is ported into kernels/cuda (with the engine's CPU twin, wrappers and
 // poisoned parity tests).
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90a -o w4a16_decode bench/proto/w4a16_decode.cu && ./w4a16_decode [--quick]
+//   nvcc -O3 -std=c++17 -arch=sm_90a -Werror all-warnings -o w4a16_decode bench/proto/w4a16_decode.cu && ./w4a16_decode [--quick]
 //
 // Layout (formats/FORMAT.md "i4g32"): packed [E, N, K/2] u8, byte m of a row holds k = 2m (low nibble) and
 // 2m + 1 (high), q = nibble - 8; scales [E, N, K/32] bf16; w = q * scale.
@@ -99,6 +99,14 @@ __device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
 // before it drains; it may only read the weights (which nothing writes) before pdl_wait().
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
+// Lane (g, t)'s column of x in each of the NT n8 tiles (token 8 m + g, clamped to M - 1; u32 at group t of block 0).
+template <int NT>
+__device__ __forceinline__ void x_columns(const uint32_t* (&xq)[NT], const bf16* xp, int M, int K) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int m = 0; m < NT; m++) xq[m] = reinterpret_cast<const uint32_t*>(xp + (size_t)min(8 * m + g, M - 1) * K) + 16 * t;
+}
 
 // One 128-k block of a warp's m16 tile: lane (g, t)'s weights w0 (row g) and w1 (row g + 8) of group t with their
 // scales, x of NT column tiles (16 u32 each, permuted), 8 mma steps into c.
@@ -427,12 +435,10 @@ __global__ void __launch_bounds__(32 * (1 + V4C)) dense_v4(const bf16* __restric
                                                            bf16* __restrict__ y) {
     extern __shared__ __align__(128) unsigned char sm[];
     float* red = reinterpret_cast<float*>(sm + V4_RING_OFF + (size_t)V4R * V4_SLOT);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const size_t rb = (size_t)K / 2, sb = (size_t)K / 32, r0 = (size_t)blockIdx.x * 16;
     const uint32_t* xq[NT];
-#pragma unroll
-    for (int m = 0; m < NT; m++)
-        xq[m] = reinterpret_cast<const uint32_t*>(xp + (size_t)min(8 * m + g, M - 1) * K) + 16 * t;
+    x_columns<NT>(xq, xp, M, K);
     float c[NT][4] = {};
     v4_stream<NT>(c, sm, packed + r0 * rb, packed + (r0 + 8) * rb, scales + r0 * sb, scales + (r0 + 8) * sb, rb, sb,
                   K / KB, xq);
@@ -599,12 +605,10 @@ __global__ void __launch_bounds__(32 * V5W) dense_v5(const bf16* __restrict__ xp
                                                      const bf16* __restrict__ scales, int N, int K, bf16* __restrict__ y) {
     extern __shared__ __align__(128) unsigned char sm[];
     float* red = reinterpret_cast<float*>(sm + (size_t)V5S * V5_STAGE);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const size_t rb = (size_t)K / 2, sb = (size_t)K / 32, r0 = (size_t)blockIdx.x * 16;
     const uint32_t* xq[NT];
-#pragma unroll
-    for (int m = 0; m < NT; m++)
-        xq[m] = reinterpret_cast<const uint32_t*>(xp + (size_t)min(8 * m + g, M - 1) * K) + 16 * t;
+    x_columns<NT>(xq, xp, M, K);
     float c[NT][4] = {};
     v5_stream<NT>(c, sm, packed + r0 * rb, packed + (r0 + 8) * rb, scales + r0 * sb, scales + (r0 + 8) * sb, rb, sb,
                   K / KB, xq);
@@ -646,7 +650,7 @@ __global__ void __launch_bounds__(32 * V5W) dense_multi_v5(const bf16* __restric
                                                            bf16* const* __restrict__ ys) {
     extern __shared__ __align__(128) unsigned char sm[];
     float* red = reinterpret_cast<float*>(sm + (size_t)V5S * V5_STAGE);
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int nbt = K / KB, nst = (nbt + V5B - 1) / V5B, tiles = N / 16;
     const int mine = tiles > (int)blockIdx.x ? (tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
     const int total = R * mine * nst;
@@ -672,8 +676,7 @@ __global__ void __launch_bounds__(32 * V5W) dense_multi_v5(const bf16* __restric
     pdl_trigger();
     pdl_wait();
     const uint32_t* xq[NT];
-#pragma unroll
-    for (int m = 0; m < NT; m++) xq[m] = reinterpret_cast<const uint32_t*>(xp + (size_t)min(8 * m + g, M - 1) * K) + 16 * t;
+    x_columns<NT>(xq, xp, M, K);
     float c[NT][4] = {}, c2[NT][4] = {};
     for (int s = 0; s < total; s++) {
         int r, tile, stg;
