@@ -152,6 +152,15 @@ fn mla_attention_parity() {
         (1024, 8, 100, 512, 64, true),
         (96, 8, 50, 512, 64, false),
         (7, 3, 33, 64, 16, true),
+        // Query tiles: nodes across tile edges (8 nodes of 8 heads a tile), 64 heads over several nodes, an odd
+        // head count, C with a half n-tile (C % 16 = 8), C + P not a multiple of 16 (zero pad), tiny widths.
+        (9, 8, 31, 512, 64, true),
+        (17, 8, 64, 512, 64, false),
+        (5, 64, 200, 512, 64, true),
+        (3, 64, 33, 512, 64, false),
+        (40, 5, 97, 24, 8, true),
+        (13, 2, 0, 64, 8, false),
+        (2, 1, 1, 8, 8, true),
     ];
     for (i, &(t, hr, committed, c, p, masked)) in cases.iter().enumerate() {
         case(&g, t, hr, committed, c, p, masked, 900 + i as u64, None);
@@ -345,29 +354,32 @@ fn mla_attention_segments_equal_their_own_launches() {
     println!("PARITY store_rows_seg_bf16(3 caches) vs store_rows each: bit-identical");
 }
 
-/// Nodes go in the split kernel's grid y, at most 65535: one more is refused with an error that names the
-/// limit (the launch would otherwise fail with an opaque driver error), and the limit itself runs.
+/// Node tiles go in the split kernel's grid y, at most 65535: with 64 heads a node tile is one node (on either
+/// form of the kernel; the small one splits its heads over two tiles in grid z), so one node more is refused with an
+/// error that names the limit (the launch would otherwise fail with an opaque driver error), and the limit
+/// itself runs: a causal prefill of 65535 nodes, every row of it visible in its triangle.
 #[test]
 fn mla_attention_refuses_more_nodes_than_the_grid_holds() {
     let Some(g) = gpu() else { return };
     for (t, ok) in [(65535usize, true), (65536, false)] {
+        let heads = 64;
         let s = MlaShape {
             t,
-            heads: 1,
+            heads,
             kv_lora: 8,
             rope: 8,
             committed: 0,
         };
         let split = MlaSplit {
             splits: 1,
-            rows_per_split: t.next_multiple_of(16),
+            rows_per_split: t.next_multiple_of(32),
         };
         let (wo, wml) = split.workspace(&s);
-        let dq = g.upload(&vec![bf16::from_f32(0.25); t * 16]).unwrap();
+        let dq = g.upload(&vec![bf16::from_f32(0.25); t * heads * 16]).unwrap();
         let dl = g.upload(&vec![bf16::from_f32(0.5); t * 16]).unwrap();
         let mut po = g.upload(&nan_f32(wo)).unwrap();
         let mut pml = g.upload(&nan_f32(wml)).unwrap();
-        let mut out = g.upload(&nan_bf16(t * 8)).unwrap();
+        let mut out = g.upload(&nan_bf16(t * heads * 8)).unwrap();
         let r = gpu_mla(
             &g,
             &dq.as_view(),
