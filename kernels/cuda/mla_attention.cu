@@ -166,16 +166,39 @@ static __device__ __forceinline__ void mla_tile(const bf16* __restrict__ q, cons
 #pragma unroll
             for (int e = 0; e < 4; e++) sc[nt][e] = 0.f;
         if (active) {
+            // Two accumulator chains (even and odd 16-column steps, added at the end): half the dependent mma
+            // latency of one chain; a fixed order all the same.
+            float sd[2][4];
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) sd[nt][e] = 0.f;
             const int j = lane >> 3, rr = lane & 7;
             const bf16* qa = qs + (16 * mi + rr + (j & 1) * 8) * LDS + (j >> 1) * 8;
             const bf16* kbb = kb + (16 * hf + rr + (j >> 1) * 8) * LDS + (j & 1) * 8;
-            for (int k0 = 0; k0 < LWP; k0 += 16) {
+            int k0 = 0;
+            for (; k0 + 16 < LWP; k0 += 32) {
+                uint32_t a[4], b[4], a2[4], b2[4];
+                ldsm_x4(a, qa + k0);
+                ldsm_x4(b, kbb + k0);
+                ldsm_x4(a2, qa + k0 + 16);
+                ldsm_x4(b2, kbb + k0 + 16);
+                kdtree::mma_bf16(sc[0], a[0], a[1], a[2], a[3], b[0], b[1]);
+                kdtree::mma_bf16(sc[1], a[0], a[1], a[2], a[3], b[2], b[3]);
+                kdtree::mma_bf16(sd[0], a2[0], a2[1], a2[2], a2[3], b2[0], b2[1]);
+                kdtree::mma_bf16(sd[1], a2[0], a2[1], a2[2], a2[3], b2[2], b2[3]);
+            }
+            if (k0 < LWP) {
                 uint32_t a[4], b[4];
                 ldsm_x4(a, qa + k0);
                 ldsm_x4(b, kbb + k0);
                 kdtree::mma_bf16(sc[0], a[0], a[1], a[2], a[3], b[0], b[1]);
                 kdtree::mma_bf16(sc[1], a[0], a[1], a[2], a[3], b[2], b[3]);
             }
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) sc[nt][e] += sd[nt][e];
         }
         float cm_lo = -INFINITY, cm_hi = -INFINITY;
 #pragma unroll
@@ -352,46 +375,62 @@ extern "C" __global__ void __launch_bounds__(128, 1) kdtree_mla_attention_split_
 }
 
 // Merge the splits: o_lat[t, h, :] = Σ_i e^{m_i − M} o_i / Σ_i e^{m_i − M} l_i (M = max_i m_i).
-// part_o [T, splits, Hr, C] f32, part_ml [T, splits, Hr, 2] f32 -> out [T, Hr, C] bf16.
-// grid (T, Hr), blockDim.x a multiple of 32 (<= 1024), splits <= MLA_MERGE_MAX_SPLITS. The split weights
-// e^{m_i − M} are computed once per (node, head) into shared memory by the whole block, then every column
-// sums its splits in split order (the same sums, in the same order, as one thread per column would).
+// part_o [T, splits, Hr, C] f32, part_ml [T, splits, Hr, 2] f32 -> out [T, Hr, C] bf16. Every split's partials
+// are written (an empty split: m = -inf, l = 0, o = 0). grid (T, Hr, ceil(C / 128)), 256 threads, splits <=
+// MLA_MERGE_MAX_SPLITS. Each block recomputes the split weights e^{m_i − M} into shared memory and L (each thread
+// its strided splits in order, then the block sum); its 128 columns are 32 lanes x 4, each summing 1/8 of the
+// splits (i ≡ warp mod 8, in order, all loads independent), then the eight sums in warp order. A fixed order
+// for a given split count, whatever T.
 constexpr int MLA_MERGE_MAX_SPLITS = 1024;
-extern "C" __global__ void kdtree_mla_attention_merge_bf16(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                                                           bf16* __restrict__ out, int splits, int Hr, int C) {
+extern "C" __global__ void __launch_bounds__(256) kdtree_mla_attention_merge_bf16(const float* __restrict__ part_o,
+                                                                                 const float* __restrict__ part_ml,
+                                                                                 bf16* __restrict__ out, int splits, int Hr,
+                                                                                 int C) {
     __shared__ float ws[MLA_MERGE_MAX_SPLITS];  // e^{m_i − M}; 0 for an empty split (m_i = -inf)
-    __shared__ float ls[MLA_MERGE_MAX_SPLITS];  // l_i
     __shared__ float red[32];
-    __shared__ float inv_s;
-    const int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __shared__ float4 part[8][32];
+    const int t = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const auto row = [&](int i) { return ((size_t)t * splits + i) * Hr + h; };
     float mx = -INFINITY;
-    for (int i = threadIdx.x; i < splits; i += blockDim.x) mx = fmaxf(mx, part_ml[row(i) * 2]);
+    for (int i = tid; i < splits; i += 256) mx = fmaxf(mx, part_ml[row(i) * 2]);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kdtree::FULL_MASK, mx, o));
     if (lane == 0) red[warp] = mx;
     __syncthreads();
     float M = -INFINITY;
-    for (int i = 0; i < (int)(blockDim.x >> 5); i++) M = fmaxf(M, red[i]);
-    for (int i = threadIdx.x; i < splits; i += blockDim.x) {
-        const float mi = part_ml[row(i) * 2];
-        ws[i] = kdtree::lse_weight(mi, M);
-        ls[i] = mi != -INFINITY ? part_ml[row(i) * 2 + 1] : 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) M = fmaxf(M, red[i]);
+    float lsum = 0.f;
+    for (int i = tid; i < splits; i += 256) {
+        const float w = kdtree::lse_weight(part_ml[row(i) * 2], M);
+        ws[i] = w;
+        if (w != 0.f) lsum += w * part_ml[row(i) * 2 + 1];
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float L = 0.f;
-        for (int i = 0; i < splits; i++)
-            if (ws[i] != 0.f || ls[i] != 0.f) L += ws[i] * ls[i];
-        inv_s = 1.f / L;
-    }
-    __syncthreads();
-    const float inv = inv_s;
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {
-        float acc = 0.f;
+    const float inv = 1.f / kdtree::block_sum(lsum, red);  // its barriers also publish ws
+    const int c = blockIdx.z * 128 + 4 * lane;
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (c < C) {
 #pragma unroll 8
-        for (int i = 0; i < splits; i++)
-            if (ws[i] != 0.f || ls[i] != 0.f) acc += ws[i] * part_o[row(i) * C + c];
-        out[((size_t)t * Hr + h) * C + c] = __float2bfloat16_rn(acc * inv);
+        for (int i = warp; i < splits; i += 8) {
+            const float w = ws[i];
+            const float4 v = __ldg(reinterpret_cast<const float4*>(part_o + row(i) * C + c));
+            a.x = fmaf(w, v.x, a.x);
+            a.y = fmaf(w, v.y, a.y);
+            a.z = fmaf(w, v.z, a.z);
+            a.w = fmaf(w, v.w, a.w);
+        }
+    }
+    part[warp][lane] = a;
+    __syncthreads();
+    if (warp == 0 && c < C) {
+        float4 s = part[0][lane];
+#pragma unroll
+        for (int k = 1; k < 8; k++) {
+            const float4 v = part[k][lane];
+            s.x += v.x, s.y += v.y, s.z += v.z, s.w += v.w;
+        }
+        bf16* dst = out + ((size_t)t * Hr + h) * C + c;
+        reinterpret_cast<bf162*>(dst)[0] = __floats2bfloat162_rn(s.x * inv, s.y * inv);
+        reinterpret_cast<bf162*>(dst)[1] = __floats2bfloat162_rn(s.z * inv, s.w * inv);
     }
 }

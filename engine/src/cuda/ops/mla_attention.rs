@@ -113,12 +113,13 @@ pub struct MlaSplit {
 }
 
 impl MlaSplit {
-    /// Enough CTAs to fill the GPU about twice (flash-decoding), at least 64 rows each.
+    /// Enough CTAs to fill the GPU once (flash-decoding; a CTA holds an SM's shared memory), at least 64 rows
+    /// each.
     pub fn choose(gpu: &Gpu, s: &MlaShape) -> MlaSplit {
         let rows = s.committed + s.t;
         let (nt, ht) = MlaForm::of(gpu).tiles(s.t, s.heads);
         let ctas_per_split = nt * ht;
-        let want = (2 * gpu.sms).div_ceil(ctas_per_split.max(1)).max(1);
+        let want = gpu.sms.div_ceil(ctas_per_split.max(1)).max(1);
         let max_splits = rows.div_ceil(64).max(1);
         let splits = want.min(max_splits);
         let rows_per_split = rows.div_ceil(splits).div_ceil(ROWS_PER_CHUNK) * ROWS_PER_CHUNK;
@@ -279,7 +280,8 @@ fn merge(
     let (po, pml) = (part_o.as_view(), part_ml.as_view());
     b.arg(&po).arg(&pml).arg(&mut *out).arg(&sp).arg(&hr).arg(&c);
     // SAFETY: the merge reads the partials the split kernel wrote and writes out [T, Hr, C].
-    unsafe { b.launch(launch_cfg((t as u32, heads as u32, 1), 128, 0)) }.map_err(drv(OP))?;
+    let col_blocks = (c as u32).div_ceil(128);
+    unsafe { b.launch(launch_cfg((t as u32, heads as u32, col_blocks), 256, 0)) }.map_err(drv(OP))?;
     Ok(())
 }
 
