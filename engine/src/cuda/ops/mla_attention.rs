@@ -113,13 +113,13 @@ pub struct MlaSplit {
 }
 
 impl MlaSplit {
-    /// Enough CTAs to fill the GPU once (flash-decoding; a CTA holds an SM's shared memory), at least 64 rows
-    /// each.
+    /// As many splits as fit the GPU in one wave (flash-decoding; a CTA holds an SM's shared memory, and a
+    /// second wave of a few CTAs would double the time), at least 64 rows each.
     pub fn choose(gpu: &Gpu, s: &MlaShape) -> MlaSplit {
         let rows = s.committed + s.t;
         let (nt, ht) = MlaForm::of(gpu).tiles(s.t, s.heads);
         let ctas_per_split = nt * ht;
-        let want = gpu.sms.div_ceil(ctas_per_split.max(1)).max(1);
+        let want = (gpu.sms / ctas_per_split.max(1)).max(1);
         let max_splits = rows.div_ceil(64).max(1);
         let splits = want.min(max_splits);
         let rows_per_split = rows.div_ceil(splits).div_ceil(ROWS_PER_CHUNK) * ROWS_PER_CHUNK;
