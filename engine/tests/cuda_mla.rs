@@ -60,7 +60,10 @@ fn case(
     );
     let mut r = rng(seed);
     let lw = c + p;
-    let q = rand_bf16(&mut r, t * heads * lw, 0.01, 0.12);
+    // Seeds >= 980: queries 20x larger, so that the scores spread over several units and the softmax is peaked
+    // (with the small queries it is near uniform, and a permutation of scores among visible rows would hide).
+    let qhi = if seed >= 980 { 2.4 } else { 0.12 };
+    let q = rand_bf16(&mut r, t * heads * lw, qhi / 12.0, qhi);
     let lat = rand_bf16(&mut r, room.unwrap_or(committed + t) * lw, 0.05, 1.5);
     let par = parents(&mut r, t, !masked);
     let mask = Visibility::from_parents(&par).unwrap();
@@ -161,6 +164,8 @@ fn mla_attention_parity() {
         (40, 5, 97, 24, 8, true),
         (13, 2, 0, 64, 8, false),
         (2, 1, 1, 8, 8, true),
+        (23, 8, 0, 32, 8, true),
+        (23, 8, 0, 32, 8, false),
     ];
     for (i, &(t, hr, committed, c, p, masked)) in cases.iter().enumerate() {
         case(&g, t, hr, committed, c, p, masked, 900 + i as u64, None);
@@ -176,6 +181,21 @@ fn mla_attention_parity() {
     .enumerate()
     {
         case(&g, t, hr, committed, 512, 64, true, 950 + i as u64, Some(room));
+    }
+    // Narrow latents with a zero pad (C + P = 40), as the small test models have them; then peaked softmaxes.
+    case(&g, 23, 8, 0, 32, 8, true, 990, Some(256));
+    case(&g, 12, 8, 23, 32, 8, true, 991, Some(256));
+    for (i, &(t, hr, committed, c, p, masked)) in [
+        (1, 8, 4095, 512, 64, true),
+        (23, 8, 0, 32, 8, true),
+        (65, 8, 300, 512, 64, true),
+        (96, 8, 50, 512, 64, false),
+        (5, 64, 200, 512, 64, true),
+    ]
+    .iter()
+    .enumerate()
+    {
+        case(&g, t, hr, committed, c, p, masked, 980 + i as u64, None);
     }
 }
 

@@ -24,8 +24,9 @@
 // row depends on its own A row; masked rows weigh exactly 0): not on T, on which rows share its tile, or on the
 // form (large or small), so every form gives the same bits. Rows past the last node of a tile are skipped: a
 // node sees only rows up to itself (masks are ancestor masks, parents precede children), which makes causal
-// prefill and large trees triangular. P is rounded to bf16 for the value mma (as FlashMLA does): relative
-// error 2^-9 per weight, below the output's own bf16 rounding once averaged.
+// prefill and large trees triangular. P goes to the value mma as two bf16 operands (its rounding and the
+// remainder): one bf16 P (as FlashMLA has it) moved the tiny test model's attention far enough from the CPU's
+// (2e-2) to flip a router near-tie in cuda_target; with both, P keeps ~17 bits.
 #include "common.cuh"
 
 namespace {
@@ -58,16 +59,21 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
                  : "r"(smem_addr(p))
                  : "memory");
 }
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-    bf162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
+// (a, b) as two bf16 pairs: the rounded values, and what rounding left (exact in f32, then rounded): a = hi + lo
+// to about 2^-17 relative, so the value mma with both equals a product with P in f32 up to that.
+__device__ __forceinline__ void split_bf16(float a, float b, uint32_t& hi, uint32_t& lo) {
+    const bf162 h = __floats2bfloat162_rn(a, b);
+    const float2 hf = __bfloat1622float2(h);
+    const bf162 l = __floats2bfloat162_rn(a - hf.x, b - hf.y);
+    hi = *reinterpret_cast<const uint32_t*>(&h);
+    lo = *reinterpret_cast<const uint32_t*>(&l);
 }
 }  // namespace
 
 // Dynamic shared memory of a form (MT query m-tiles, NB latent buffers); the wrapper mirrors it.
 template <int MT, int NB>
 constexpr int mla_smem_bytes() {
-    return (16 * MT * LDS + NB * R * LDS + 16 * MT * PLD) * 2 + 2 * 2 * 16 * MT * 4;
+    return (16 * MT * LDS + NB * R * LDS + 2 * 16 * MT * PLD) * 2 + 2 * 2 * 16 * MT * 4;
 }
 
 // One (split, query tile) of the split kernel, over one sequence: q [T, Hr, C+P] its nodes' queries; lat
@@ -86,8 +92,9 @@ static __device__ __forceinline__ void mla_tile(const bf16* __restrict__ q, cons
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16* qs = reinterpret_cast<bf16*>(smem_raw);        // [ROWS][LDS]
     bf16* ks = qs + ROWS * LDS;                           // [NB][R][LDS]
-    bf16* ps = ks + NB * R * LDS;                         // [ROWS][PLD]
-    float* red_max = reinterpret_cast<float*>(ps + ROWS * PLD);  // [2][ROWS]
+    bf16* ps = ks + NB * R * LDS;                         // [ROWS][PLD] P rounded to bf16
+    bf16* ps_lo = ps + ROWS * PLD;                        // [ROWS][PLD] P minus that, rounded to bf16
+    float* red_max = reinterpret_cast<float*>(ps_lo + ROWS * PLD);  // [2][ROWS]
     float* red_sum = red_max + 2 * ROWS;                  // [2][ROWS]
 
     const int LW = C + P, LWP = (LW + 15) / 16 * 16, tid = threadIdx.x;
@@ -237,8 +244,10 @@ static __device__ __forceinline__ void mla_tile(const bf16* __restrict__ q, cons
             p_lo += p[0] + p[1];
             p_hi += p[2] + p[3];
             const int col = 16 * hf + 8 * nt + 2 * t4;
-            *reinterpret_cast<uint32_t*>(ps + r_lo * PLD + col) = pack_bf16(p[0], p[1]);
-            *reinterpret_cast<uint32_t*>(ps + r_hi * PLD + col) = pack_bf16(p[2], p[3]);
+            split_bf16(p[0], p[1], *reinterpret_cast<uint32_t*>(ps + r_lo * PLD + col),
+                       *reinterpret_cast<uint32_t*>(ps_lo + r_lo * PLD + col));
+            split_bf16(p[2], p[3], *reinterpret_cast<uint32_t*>(ps + r_hi * PLD + col),
+                       *reinterpret_cast<uint32_t*>(ps_lo + r_hi * PLD + col));
         }
 #pragma unroll
         for (int off = 1; off <= 2; off <<= 1) {
@@ -260,13 +269,17 @@ static __device__ __forceinline__ void mla_tile(const bf16* __restrict__ q, cons
         l_lo = l_lo * a_lo + (red_sum[r_lo] + red_sum[ROWS + r_lo]);
         l_hi = l_hi * a_hi + (red_sum[r_hi] + red_sum[ROWS + r_hi]);
 
-        // Values: O[rows, columns 256 hf + 16 j + (0..16)] += P[rows, 32] · L[32, those columns].
+        // Values: O[rows, columns 256 hf + 16 j + (0..16)] += P[rows, 32] · L[32, those columns], P as its bf16
+        // part and its bf16 remainder (two mma each: the weights keep f32's precision, as the CPU's do).
         if (active) {
             const int jm = lane >> 3, rr = lane & 7;
-            uint32_t pa[2][4];
+            uint32_t pa[2][4], pl[2][4];
 #pragma unroll
-            for (int ks16 = 0; ks16 < 2; ks16++)
-                ldsm_x4(pa[ks16], ps + (16 * mi + rr + (jm & 1) * 8) * PLD + 16 * ks16 + (jm >> 1) * 8);
+            for (int ks16 = 0; ks16 < 2; ks16++) {
+                const int at = (16 * mi + rr + (jm & 1) * 8) * PLD + 16 * ks16 + (jm >> 1) * 8;
+                ldsm_x4(pa[ks16], ps + at);
+                ldsm_x4(pl[ks16], ps_lo + at);
+            }
 #pragma unroll
             for (int j = 0; j < 16; j++) {
                 const int d0 = 256 * hf + 16 * j;
@@ -275,10 +288,12 @@ static __device__ __forceinline__ void mla_tile(const bf16* __restrict__ q, cons
                 for (int ks16 = 0; ks16 < 2; ks16++) {
                     uint32_t b[4];
                     ldsm_x4_trans(b, kb + (16 * ks16 + rr + (jm & 1) * 8) * LDS + d0 + (jm >> 1) * 8);
-                    kdtree::mma_bf16(*reinterpret_cast<float(*)[4]>(&o[j][0]), pa[ks16][0], pa[ks16][1], pa[ks16][2],
-                                     pa[ks16][3], b[0], b[1]);
-                    kdtree::mma_bf16(*reinterpret_cast<float(*)[4]>(&o[j][4]), pa[ks16][0], pa[ks16][1], pa[ks16][2],
-                                     pa[ks16][3], b[2], b[3]);
+                    float(&o0)[4] = *reinterpret_cast<float(*)[4]>(&o[j][0]);
+                    float(&o1)[4] = *reinterpret_cast<float(*)[4]>(&o[j][4]);
+                    kdtree::mma_bf16(o0, pa[ks16][0], pa[ks16][1], pa[ks16][2], pa[ks16][3], b[0], b[1]);
+                    kdtree::mma_bf16(o1, pa[ks16][0], pa[ks16][1], pa[ks16][2], pa[ks16][3], b[2], b[3]);
+                    kdtree::mma_bf16(o0, pl[ks16][0], pl[ks16][1], pl[ks16][2], pl[ks16][3], b[0], b[1]);
+                    kdtree::mma_bf16(o1, pl[ks16][0], pl[ks16][1], pl[ks16][2], pl[ks16][3], b[2], b[3]);
                 }
             }
         }
@@ -328,8 +343,8 @@ static __device__ __forceinline__ void mla_split_kernel(const bf16* __restrict__
     const bf16 *__restrict__ q, const bf16 *__restrict__ lat, const unsigned long long *__restrict__ mask,                \
         float *__restrict__ part_o, float *__restrict__ part_ml, int T, int Hr, int C, int P, int committed,              \
         const int *__restrict__ committed_dev, int W, int rows_per_split, float scale
-// The large form (64 query rows, two latent buffers: 152 KiB of shared memory) and the small one for devices
-// with less (32 rows, one buffer: 77 KiB); the same bits.
+// The large form (64 query rows, two latent buffers: 157 KiB of shared memory) and the small one for devices
+// with less (32 rows, one buffer: 79 KiB); the same bits.
 extern "C" __global__ void __launch_bounds__(256, 1) kdtree_mla_attention_split_bf16(KDTREE_MLA_SPLIT_ARGS) {
     mla_split_kernel<4, 2>(q, lat, mask, part_o, part_ml, T, Hr, C, P, committed, committed_dev, W, rows_per_split, scale);
 }

@@ -17,7 +17,7 @@ const GRID_Y_MAX: usize = 65535;
 const LDS: usize = 576 + 8;
 
 /// One form of the split kernel (`mla_split_kernel<MT, NB>` in mla_attention.cu): `16·MT` query rows per CTA,
-/// `NB` latent chunk buffers. Both give the same bits; the large one needs 152 KiB of shared memory a block.
+/// `NB` latent chunk buffers. Both give the same bits; the large one needs 157 KiB of shared memory a block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MlaForm {
     m_tiles: usize,
@@ -55,11 +55,11 @@ impl MlaForm {
     fn threads(&self) -> u32 {
         64 * self.m_tiles as u32
     }
-    /// Dynamic shared memory (mirror of `mla_smem_bytes` in the kernel): queries, latent chunks, P, two row
-    /// reductions.
+    /// Dynamic shared memory (mirror of `mla_smem_bytes` in the kernel): queries, latent chunks, P (its bf16
+    /// rounding and remainder), two row reductions.
     pub fn smem_bytes(&self) -> usize {
         let rows = self.rows();
-        (rows * LDS + self.buffers * ROWS_PER_CHUNK * LDS + rows * (ROWS_PER_CHUNK + 8)) * 2 + 2 * 2 * rows * 4
+        (rows * LDS + self.buffers * ROWS_PER_CHUNK * LDS + 2 * rows * (ROWS_PER_CHUNK + 8)) * 2 + 2 * 2 * rows * 4
     }
     /// The query tiles of `t` nodes of `heads` heads: (node tiles, head tiles). A tile holds min(Hr, rows) heads
     /// of max(1, rows / that) consecutive nodes.
