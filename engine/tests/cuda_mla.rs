@@ -22,6 +22,41 @@ use rand::Rng;
 /// bench/GPU-RESULTS.md.
 const MLA_TOL: f64 = 5.0e-3;
 
+/// The softmax scale of every case.
+const SCALE: f32 = 0.0723;
+
+/// The op on NaN-poisoned partials and output (every element it must write starts as NaN): `out` `[T, Hr, C]`.
+#[allow(clippy::too_many_arguments)]
+fn run_mla(
+    g: &kdtree_engine::cuda::Gpu,
+    q: &cudarc::driver::CudaView<'_, bf16>,
+    lat: &cudarc::driver::CudaView<'_, bf16>,
+    mask: Option<(&cudarc::driver::CudaView<'_, u64>, usize)>,
+    committed_dev: Option<&cudarc::driver::CudaView<'_, i32>>,
+    s: &MlaShape,
+    split: &MlaSplit,
+) -> Vec<bf16> {
+    let (wo, wml) = split.workspace(s);
+    let mut po = g.upload(&nan_f32(wo)).unwrap();
+    let mut pml = g.upload(&nan_f32(wml)).unwrap();
+    let mut out = g.upload(&nan_bf16(s.t * s.heads * s.kv_lora)).unwrap();
+    gpu_mla(
+        g,
+        q,
+        lat,
+        mask,
+        committed_dev,
+        s,
+        split,
+        SCALE,
+        &mut po.as_view_mut(),
+        &mut pml.as_view_mut(),
+        &mut out.as_view_mut(),
+    )
+    .unwrap();
+    g.download(&out).unwrap()
+}
+
 /// Random parents: node 0 a root, later nodes a root with probability 1/8, else a child of an earlier node.
 fn parents(r: &mut rand_chacha::ChaCha8Rng, t: usize, chain: bool) -> Vec<i32> {
     (0..t as i32)
@@ -81,7 +116,7 @@ fn case(
         rope: p,
         v: c,
         kv_lora: c,
-        scale: 0.0723,
+        scale: SCALE,
     };
     let want = mla_attention(
         &dims,
@@ -114,15 +149,11 @@ fn case(
     };
     let dc = g.upload(&[committed as i32]).unwrap();
     let dcv = dc.as_view();
-    let (wo, wml) = split.workspace(&s);
     let dq = g.upload(&q).unwrap();
     let dl = g.upload(&lat).unwrap();
     let dm = g.upload(&mask.bits).unwrap();
-    let mut po = g.upload(&nan_f32(wo)).unwrap();
-    let mut pml = g.upload(&nan_f32(wml)).unwrap();
-    let mut out = g.upload(&nan_bf16(t * heads * c)).unwrap();
     let m = masked.then(|| (dm.as_view(), mask.words));
-    gpu_mla(
+    let got = run_mla(
         g,
         &dq.as_view(),
         &dl.as_view(),
@@ -130,13 +161,7 @@ fn case(
         room.map(|_| &dcv),
         &s,
         &split,
-        0.0723,
-        &mut po.as_view_mut(),
-        &mut pml.as_view_mut(),
-        &mut out.as_view_mut(),
-    )
-    .unwrap();
-    let got = g.download(&out).unwrap();
+    );
     eprintln!("{name}: {} splits x {} rows", split.splits, split.rows_per_split);
     check_bf16(&name, &got, &want, MLA_TOL);
 }
@@ -241,20 +266,14 @@ fn mla_attention_segments_equal_their_own_launches() {
             .splits,
             rows_per_split: 0,
         };
-        let (wo, wml) = split.workspace(&s);
         let (dq, dl, dm, dc) = (
             g.upload(&q).unwrap(),
             g.upload(&lat).unwrap(),
             g.upload(&mask.bits).unwrap(),
             g.upload(&[committed as i32]).unwrap(),
         );
-        let (mut po, mut pml, mut out) = (
-            g.upload(&nan_f32(wo)).unwrap(),
-            g.upload(&nan_f32(wml)).unwrap(),
-            g.upload(&nan_bf16(t * heads * c)).unwrap(),
-        );
         let (mv, cv) = (dm.as_view(), dc.as_view());
-        gpu_mla(
+        want.extend(run_mla(
             &g,
             &dq.as_view(),
             &dl.as_view(),
@@ -262,13 +281,7 @@ fn mla_attention_segments_equal_their_own_launches() {
             Some(&cv),
             &s,
             &split,
-            0.0723,
-            &mut po.as_view_mut(),
-            &mut pml.as_view_mut(),
-            &mut out.as_view_mut(),
-        )
-        .unwrap();
-        want.extend(g.download(&out).unwrap());
+        ));
         qs.extend(q);
         bufs.push((dl, dm, dc, mask.words, split.splits));
     }
@@ -300,7 +313,7 @@ fn mla_attention_segments_equal_their_own_launches() {
         heads,
         c,
         p,
-        0.0723,
+        SCALE,
         &mut po.as_view_mut(),
         &mut pml.as_view_mut(),
         &mut out.as_view_mut(),
@@ -458,11 +471,7 @@ fn mla_attention_rows_do_not_depend_on_their_tile() {
                 splits: 1,
                 rows_per_split: 64,
             };
-            let (wo, wml) = split.workspace(&s);
-            let mut po = g.upload(&nan_f32(wo)).unwrap();
-            let mut pml = g.upload(&nan_f32(wml)).unwrap();
-            let mut out = g.upload(&nan_bf16(t * heads * c)).unwrap();
-            gpu_mla(
+            outs.push(run_mla(
                 &g,
                 &dq.slice(..t * heads * lw),
                 &dl.slice(..(committed + t) * lw),
@@ -470,13 +479,7 @@ fn mla_attention_rows_do_not_depend_on_their_tile() {
                 None,
                 &s,
                 &split,
-                0.0723,
-                &mut po.as_view_mut(),
-                &mut pml.as_view_mut(),
-                &mut out.as_view_mut(),
-            )
-            .unwrap();
-            outs.push(g.download(&out).unwrap());
+            ));
         }
         let n = 5 * heads * c;
         let diff = outs[0][..n]

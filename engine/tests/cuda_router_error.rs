@@ -16,7 +16,7 @@ use cuda_common::*;
 use kdtree_engine::api::LogitRows;
 use kdtree_engine::model::TraceData;
 use kdtree_engine::{open_cpu, open_with, AttnMode, Device, OpenOptions};
-use round_common::{convert, pair_dir};
+use round_common::{convert, pair_dir, synth_tiny_one_rank};
 use std::path::Path;
 
 fn sigmoid(z: f32) -> f64 {
@@ -79,10 +79,7 @@ fn router_score_error_of_the_gpu_forward() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
-    let hf = tmp.path().join("hf");
-    kdtree_convert::synth::write("tiny", &hf, 0, true, None).unwrap();
-    convert(&hf, &tmp.path().join("tiny1"), 1);
-    measure("tiny-synth", &tmp.path().join("tiny1"));
+    measure("tiny-synth", &synth_tiny_one_rank(tmp.path()));
     convert(&pair_dir(), &tmp.path().join("pair1"), 1);
     measure("kdtree-tiny-pair", &tmp.path().join("pair1"));
 }
