@@ -491,3 +491,98 @@ fn mla_attention_rows_do_not_depend_on_their_tile() {
         println!("PARITY mla_attention rows independent of their tile ({heads} heads, T 5 vs 16): bit-identical");
     }
 }
+
+/// The expanded (multi-head) form (`mla_attention_heads`, the prefill's MHA form of MLA): each head its own rows
+/// `v_h | k_h`, queries against the keys, against an f64 reference written here (softmax over the visible rows of
+/// `scale · q · k`, the weighted values), NaN-poisoned partials and output. K2.6's per-head widths (values 128, keys
+/// 128 + 64) with 8 heads, causal and tree masks, a committed prefix, a peaked softmax, and narrow widths.
+#[test]
+fn mla_attention_heads_parity() {
+    use kdtree_engine::cuda::ops::mla_attention::mla_attention_heads;
+    let Some(g) = gpu() else { return };
+    // (T, heads, committed, value width C, key width P, tree mask, query magnitude)
+    for (i, &(t, heads, committed, c, p, masked, qhi)) in [
+        (100usize, 8usize, 0usize, 128usize, 192usize, false, 0.12f32),
+        (37, 3, 50, 128, 192, true, 0.12),
+        (130, 8, 70, 128, 192, false, 1.2),
+        (64, 2, 33, 32, 16, false, 0.5),
+        (9, 1, 0, 16, 16, true, 0.5),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let mut r = rng(1200 + i as u64);
+        let (lw, rows) = (c + p, committed + t);
+        let q = rand_bf16(&mut r, t * heads * p, qhi / 12.0, qhi);
+        let lat = rand_bf16(&mut r, heads * rows * lw, 0.05, 1.5);
+        let mask = Visibility::from_parents(&parents(&mut r, t, !masked)).unwrap();
+        let (qf, lf) = (widen(&q), widen(&lat));
+        let mut want = vec![0f32; t * heads * c];
+        for n in 0..t {
+            for h in 0..heads {
+                let qv = &qf[(n * heads + h) * p..][..p];
+                let seen: Vec<usize> = (0..rows)
+                    .filter(|&s| s < committed || mask.visible(n, s - committed))
+                    .collect();
+                let sc: Vec<f64> = seen
+                    .iter()
+                    .map(|&s| {
+                        let k = &lf[(h * rows + s) * lw + c..][..p];
+                        SCALE as f64 * qv.iter().zip(k).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>()
+                    })
+                    .collect();
+                let mx = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = sc.iter().map(|x| (x - mx).exp()).collect();
+                let l: f64 = e.iter().sum();
+                for d in 0..c {
+                    let o: f64 = seen
+                        .iter()
+                        .zip(&e)
+                        .map(|(&s, w)| w * lf[(h * rows + s) * lw + d] as f64)
+                        .sum();
+                    want[(n * heads + h) * c + d] = (o / l) as f32;
+                }
+            }
+        }
+        let s = MlaShape {
+            t,
+            heads,
+            kv_lora: c,
+            rope: p,
+            committed,
+        };
+        let split = MlaSplit::choose_heads(&g, &s);
+        let (wo, wml) = split.workspace(&s);
+        let (dq, dl, dm) = (
+            g.upload(&q).unwrap(),
+            g.upload(&lat).unwrap(),
+            g.upload(&mask.bits).unwrap(),
+        );
+        let (mut po, mut pml, mut out) = (
+            g.upload(&nan_f32(wo)).unwrap(),
+            g.upload(&nan_f32(wml)).unwrap(),
+            g.upload(&nan_bf16(t * heads * c)).unwrap(),
+        );
+        let mv = dm.as_view();
+        mla_attention_heads(
+            &g,
+            &dq.as_view(),
+            &dl.as_view(),
+            rows * lw,
+            masked.then_some((&mv, mask.words)),
+            &s,
+            &split,
+            SCALE,
+            &mut po.as_view_mut(),
+            &mut pml.as_view_mut(),
+            &mut out.as_view_mut(),
+        )
+        .unwrap();
+        let name = format!(
+            "mla_attention_heads(T={t},H={heads},committed={committed},C={c},P={p},{},q<={qhi}) {} splits",
+            if masked { "tree" } else { "causal" },
+            split.splits
+        );
+        check_bf16(&name, &g.download(&out).unwrap(), &want, MLA_TOL);
+    }
+}

@@ -87,7 +87,8 @@ static __device__ __forceinline__ void mla_tile(const bf16* __restrict__ q, cons
                                                 const unsigned long long* __restrict__ mask, int W, int T, int committed,
                                                 int rows_per_split, int split, int splits, int tile, int htile, int Hr,
                                                 int C, int P, float scale, float* __restrict__ part_o,
-                                                float* __restrict__ part_ml, int gsplits, int node0) {
+                                                float* __restrict__ part_ml, int gsplits, int node0, int QW,
+                                                size_t head_stride) {
     constexpr int ROWS = 16 * MT, THREADS = 64 * MT;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16* qs = reinterpret_cast<bf16*>(smem_raw);        // [ROWS][LDS]
@@ -100,8 +101,11 @@ static __device__ __forceinline__ void mla_tile(const bf16* __restrict__ q, cons
     const int LW = C + P, LWP = (LW + 15) / 16 * 16, tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
     const int mi = warp % MT, hf = warp / MT;
-    const int HPT = min(Hr, ROWS), NPT = max(1, ROWS / HPT);
+    const int HPT = head_stride ? 1 : min(Hr, ROWS), NPT = max(1, ROWS / HPT);
     const int n_first = tile * NPT, h_first = htile * HPT;
+    const int KS = LW - QW;              // the scores' first column (the queries fill [KS, LW) of their rows)
+    const int HALF = (C + 31) / 32 * 16;  // value columns per warp half
+    if (head_stride) lat += (size_t)h_first * head_stride;  // this head's own rows
     const int n_last = min(T, n_first + NPT) - 1;  // the tile's last node
     // Query row r of the tile: node n_first + r / HPT, head h_first + r % HPT; valid when both exist.
     const auto row_valid = [&](int r) {
@@ -126,12 +130,12 @@ static __device__ __forceinline__ void mla_tile(const bf16* __restrict__ q, cons
     };
     // Queries (zero rows where no query), the zero pad columns [LW, LWP) of every buffer, the first chunk.
     {
-        const int pieces = LW / 8;
+        const int pieces = QW / 8;
         for (int i = tid; i < ROWS * pieces; i += THREADS) {
             const int r = i / pieces, col = (i % pieces) * 8;
             const bool ok = row_valid(r);
-            const size_t src = ok ? ((size_t)(n_first + r / HPT) * Hr + h_first + r % HPT) * LW + col : 0;
-            cp_async16(qs + r * LDS + col, q + src, ok);
+            const size_t src = ok ? ((size_t)(n_first + r / HPT) * Hr + h_first + r % HPT) * QW + col : 0;
+            cp_async16(qs + r * LDS + KS + col, q + src, ok);
         }
         if (LWP > LW)
             for (int r = tid; r < ROWS + NB * R; r += THREADS)
@@ -183,7 +187,7 @@ static __device__ __forceinline__ void mla_tile(const bf16* __restrict__ q, cons
             const int j = lane >> 3, rr = lane & 7;
             const bf16* qa = qs + (16 * mi + rr + (j & 1) * 8) * LDS + (j >> 1) * 8;
             const bf16* kbb = kb + (16 * hf + rr + (j >> 1) * 8) * LDS + (j & 1) * 8;
-            int k0 = 0;
+            int k0 = KS;
             for (; k0 + 16 < LWP; k0 += 32) {
                 uint32_t a[4], b[4], a2[4], b2[4];
                 ldsm_x4(a, qa + k0);
@@ -282,8 +286,8 @@ static __device__ __forceinline__ void mla_tile(const bf16* __restrict__ q, cons
             }
 #pragma unroll
             for (int j = 0; j < 16; j++) {
-                const int d0 = 256 * hf + 16 * j;
-                if (d0 >= C) break;
+                const int d0 = HALF * hf + 16 * j;
+                if (16 * j >= HALF || d0 >= C) break;
 #pragma unroll
                 for (int ks16 = 0; ks16 < 2; ks16++) {
                     uint32_t b[4];
@@ -316,8 +320,8 @@ static __device__ __forceinline__ void mla_tile(const bf16* __restrict__ q, cons
         for (int j = 0; j < 16; j++)
 #pragma unroll
             for (int nt = 0; nt < 2; nt++) {
-                const int d = 256 * hf + 16 * j + 8 * nt + 2 * t4;
-                if (d < C) *reinterpret_cast<float2*>(dst + d) = make_float2(o[j][4 * nt + 2 * half], o[j][4 * nt + 2 * half + 1]);
+                const int d = HALF * hf + 16 * j + 8 * nt + 2 * t4;
+                if (16 * j < HALF && d < C) *reinterpret_cast<float2*>(dst + d) = make_float2(o[j][4 * nt + 2 * half], o[j][4 * nt + 2 * half + 1]);
             }
     }
 }
@@ -333,11 +337,11 @@ static __device__ __forceinline__ void mla_split_kernel(const bf16* __restrict__
                                                         const unsigned long long* __restrict__ mask, float* __restrict__ part_o,
                                                         float* __restrict__ part_ml, int T, int Hr, int C, int P, int committed,
                                                         const int* __restrict__ committed_dev, int W, int rows_per_split,
-                                                        float scale) {
+                                                        float scale, int QW, size_t head_stride) {
     // A captured round reads the committed length from the device, and splits its rows evenly.
     if (committed_dev) committed = committed_dev[0];
     mla_tile<MT, NB>(q, lat, mask, W, T, committed, rows_per_split, blockIdx.x, gridDim.x, blockIdx.y, blockIdx.z, Hr, C, P,
-                     scale, part_o, part_ml, gridDim.x, 0);
+                     scale, part_o, part_ml, gridDim.x, 0, QW, head_stride);
 }
 #define KDTREE_MLA_SPLIT_ARGS                                                                                          \
     const bf16 *__restrict__ q, const bf16 *__restrict__ lat, const unsigned long long *__restrict__ mask,                \
@@ -346,10 +350,26 @@ static __device__ __forceinline__ void mla_split_kernel(const bf16* __restrict__
 // The large form (64 query rows, two latent buffers: 157 KiB of shared memory) and the small one for devices
 // with less (32 rows, one buffer: 79 KiB); the same bits.
 extern "C" __global__ void __launch_bounds__(256, 1) kdtree_mla_attention_split_bf16(KDTREE_MLA_SPLIT_ARGS) {
-    mla_split_kernel<4, 2>(q, lat, mask, part_o, part_ml, T, Hr, C, P, committed, committed_dev, W, rows_per_split, scale);
+    mla_split_kernel<4, 2>(q, lat, mask, part_o, part_ml, T, Hr, C, P, committed, committed_dev, W, rows_per_split, scale,
+                           C + P, 0);
 }
 extern "C" __global__ void __launch_bounds__(128, 1) kdtree_mla_attention_split_small_bf16(KDTREE_MLA_SPLIT_ARGS) {
-    mla_split_kernel<2, 1>(q, lat, mask, part_o, part_ml, T, Hr, C, P, committed, committed_dev, W, rows_per_split, scale);
+    mla_split_kernel<2, 1>(q, lat, mask, part_o, part_ml, T, Hr, C, P, committed, committed_dev, W, rows_per_split, scale,
+                           C + P, 0);
+}
+// The expanded (multi-head) form, for prefill: head h has its own rows at lat + h * head_stride, each [v_h (C) | keys]
+// of C + P, and its queries q [T, Hr, QW] score against the last QW columns of those rows (QW <= C + P, C + P - QW a
+// multiple of 16), so that o[t, h] = softmax(scale · q[t, h] · k_h) · v_h: the MHA form of MLA with k_h = [k_nope_h |
+// k_pe], v_h from kv_b's expansion of the latent rows. A tile holds 16·MT consecutive nodes of one head; grid (splits,
+// node tiles, Hr). The same partials and merge as the latent form.
+#define KDTREE_MLA_HEADS_ARGS KDTREE_MLA_SPLIT_ARGS, int QW, unsigned long long head_stride
+extern "C" __global__ void __launch_bounds__(256, 1) kdtree_mla_attention_split_heads_bf16(KDTREE_MLA_HEADS_ARGS) {
+    mla_split_kernel<4, 2>(q, lat, mask, part_o, part_ml, T, Hr, C, P, committed, committed_dev, W, rows_per_split, scale,
+                           QW, head_stride);
+}
+extern "C" __global__ void __launch_bounds__(128, 1) kdtree_mla_attention_split_heads_small_bf16(KDTREE_MLA_HEADS_ARGS) {
+    mla_split_kernel<2, 1>(q, lat, mask, part_o, part_ml, T, Hr, C, P, committed, committed_dev, W, rows_per_split, scale,
+                           QW, head_stride);
 }
 
 // A batch's segments (sequences) in one launch, by value: segment s owns rows [row0[s], row0[s + 1]) of the
@@ -377,7 +397,8 @@ static __device__ __forceinline__ void mla_split_seg_kernel(const bf16* __restri
     const int committed = reinterpret_cast<const int*>(segs.pos[s])[0];
     mla_tile<MT, NB>(q + (size_t)segs.row0[s] * Hr * (C + P), reinterpret_cast<const bf16*>(segs.lat[s]),
                      reinterpret_cast<const unsigned long long*>(segs.mask[s]), segs.words[s], T, committed, 0, blockIdx.x,
-                     segs.splits[s], y - segs.tile0[s], blockIdx.z, Hr, C, P, scale, part_o, part_ml, gridDim.x, segs.row0[s]);
+                     segs.splits[s], y - segs.tile0[s], blockIdx.z, Hr, C, P, scale, part_o, part_ml, gridDim.x, segs.row0[s],
+                     C + P, 0);
 }
 extern "C" __global__ void __launch_bounds__(256, 1) kdtree_mla_attention_split_seg_bf16(const bf16* __restrict__ q, const MlaSegs segs,
                                 float* __restrict__ part_o, float* __restrict__ part_ml, int Hr, int C, int P, float scale) {

@@ -52,6 +52,8 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("mla_attention.cu", "kdtree_mla_attention_split_seg_bf16"),
     ("mla_attention.cu", "kdtree_mla_attention_split_small_bf16"),
     ("mla_attention.cu", "kdtree_mla_attention_split_seg_small_bf16"),
+    ("mla_attention.cu", "kdtree_mla_attention_split_heads_bf16"),
+    ("mla_attention.cu", "kdtree_mla_attention_split_heads_small_bf16"),
     ("moe_align.cu", "kdtree_moe_align_i32"),
     ("moe_combine.cu", "kdtree_moe_combine_f32"),
     ("moe_router.cu", "kdtree_moe_router_f32"),

@@ -24,6 +24,7 @@ pub struct MlaForm {
     buffers: usize,
     split: &'static str,
     seg: &'static str,
+    heads: &'static str,
 }
 
 const LARGE: MlaForm = MlaForm {
@@ -31,12 +32,14 @@ const LARGE: MlaForm = MlaForm {
     buffers: 2,
     split: "kdtree_mla_attention_split_bf16",
     seg: "kdtree_mla_attention_split_seg_bf16",
+    heads: "kdtree_mla_attention_split_heads_bf16",
 };
 const SMALL: MlaForm = MlaForm {
     m_tiles: 2,
     buffers: 1,
     split: "kdtree_mla_attention_split_small_bf16",
     seg: "kdtree_mla_attention_split_seg_small_bf16",
+    heads: "kdtree_mla_attention_split_heads_small_bf16",
 };
 
 impl MlaForm {
@@ -68,6 +71,10 @@ impl MlaForm {
         let npt = (self.rows() / hpt).max(1);
         (t.div_ceil(npt), heads.div_ceil(hpt))
     }
+    /// The query tiles of the expanded form ([`mla_attention_heads`]): `rows` consecutive nodes of one head.
+    pub fn head_tiles(&self, t: usize, heads: usize) -> (usize, usize) {
+        (t.div_ceil(self.rows()), heads)
+    }
 }
 
 /// Raises the split kernels' dynamic shared memory limit to their form's need (called once by `Gpu::new`).
@@ -80,7 +87,7 @@ pub(crate) fn configure(gpu: &Gpu) -> Result<()> {
             gpu.max_smem
         )
     })?;
-    for name in [f.split, f.seg] {
+    for name in [f.split, f.seg, f.heads] {
         gpu.func(name)
             .set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -116,9 +123,16 @@ impl MlaSplit {
     /// As many splits as fit the GPU in one wave (flash-decoding; a CTA holds an SM's shared memory, and a
     /// second wave of a few CTAs would double the time), at least 64 rows each.
     pub fn choose(gpu: &Gpu, s: &MlaShape) -> MlaSplit {
-        let rows = s.committed + s.t;
         let (nt, ht) = MlaForm::of(gpu).tiles(s.t, s.heads);
-        let ctas_per_split = nt * ht;
+        Self::for_ctas(gpu, s, nt * ht)
+    }
+    /// [`MlaSplit::choose`] for the expanded form ([`mla_attention_heads`]: its tiles hold one head each).
+    pub fn choose_heads(gpu: &Gpu, s: &MlaShape) -> MlaSplit {
+        let (nt, ht) = MlaForm::of(gpu).head_tiles(s.t, s.heads);
+        Self::for_ctas(gpu, s, nt * ht)
+    }
+    fn for_ctas(gpu: &Gpu, s: &MlaShape, ctas_per_split: usize) -> MlaSplit {
+        let rows = s.committed + s.t;
         let want = (gpu.sms / ctas_per_split.max(1)).max(1);
         let max_splits = rows.div_ceil(64).max(1);
         let splits = want.min(max_splits);
@@ -262,6 +276,123 @@ pub fn mla_attention(
     // argument is a device pointer or 0 (the kernel's causal case).
     unsafe { b.launch(launch_cfg(grid, form.threads(), form.smem_bytes() as u32)) }.map_err(drv(OP))?;
     merge(gpu, part_o, part_ml, out, (s.t, split.splits, s.heads), hr, c)
+}
+
+/// The expanded (multi-head) form for prefill: `out[t, h, :C] = Σ_s softmax_s(scale · q[t, h, :] · k_h[s, :]) ·
+/// v_h[s, :]` over the rows node t sees (as [`mla_attention`]), each head over its own rows: head h's rows are
+/// `lat[h · head_stride ..]`, `[S, C + P]` bf16, each `v_h (C) | k_h (P)`, and `q` is `[T, Hr, QW]` bf16 with QW = the
+/// key width P (its keys are the rows' last QW columns; P a multiple of 16). `s.kv_lora` = C (the value width, <= 512),
+/// `s.rope` = P (C + P <= 576). Partials and merge as [`mla_attention`], `split` from [`MlaSplit::choose_heads`].
+/// Launch contract: two kernels, no allocation, no host sync.
+#[allow(clippy::too_many_arguments)]
+pub fn mla_attention_heads(
+    gpu: &Gpu,
+    q: &CudaView<'_, bf16>,
+    lat: &CudaView<'_, bf16>,
+    head_stride: usize,
+    mask: Option<(&CudaView<'_, u64>, usize)>,
+    s: &MlaShape,
+    split: &MlaSplit,
+    scale: f32,
+    part_o: &mut CudaViewMut<'_, f32>,
+    part_ml: &mut CudaViewMut<'_, f32>,
+    out: &mut CudaViewMut<'_, bf16>,
+) -> Result<()> {
+    let (c, p) = (s.kv_lora, s.rope);
+    let lw = c + p;
+    ensure(
+        OP,
+        c.is_multiple_of(16) && c > 0 && c <= 512 && p.is_multiple_of(16) && p > 0 && lw <= 576,
+        || format!("value width {c} and key width {p}: multiples of 16, C <= 512, C + P <= 576"),
+    )?;
+    ensure(
+        OP,
+        split.splits > 0
+            && split.splits <= MERGE_MAX_SPLITS
+            && split.rows_per_split.is_multiple_of(ROWS_PER_CHUNK)
+            && split.splits * split.rows_per_split >= s.committed + s.t,
+        || {
+            format!(
+                "{} splits x {} rows for {} rows",
+                split.splits,
+                split.rows_per_split,
+                s.committed + s.t
+            )
+        },
+    )?;
+    let rows = s.committed + s.t;
+    ensure(OP, head_stride >= rows * lw, || {
+        format!("head stride {head_stride} < {rows} rows x {lw}")
+    })?;
+    need_len(OP, "q", q.len(), s.t * s.heads * p)?;
+    need_len(OP, "lat", lat.len(), (s.heads.max(1) - 1) * head_stride + rows * lw)?;
+    let (wo, wml) = split.workspace(s);
+    need_len(OP, "part_o", part_o.len(), wo)?;
+    need_len(OP, "part_ml", part_ml.len(), wml)?;
+    need_len(OP, "out", out.len(), s.t * s.heads * c)?;
+    let words = match mask {
+        Some((m, w)) => {
+            ensure(OP, w * 64 >= s.t, || {
+                format!("{w} mask words per node cannot hold {} nodes", s.t)
+            })?;
+            need_len(OP, "mask", m.len(), s.t * w)?;
+            w
+        }
+        None => 0,
+    };
+    if s.t == 0 || s.heads == 0 {
+        return Ok(());
+    }
+    let form = MlaForm::of(gpu);
+    let (nt, ht) = form.head_tiles(s.t, s.heads);
+    ensure(OP, nt <= GRID_Y_MAX && ht <= GRID_Y_MAX, || {
+        format!(
+            "{} nodes of {} heads ({nt} tiles) exceed the grid limit {GRID_Y_MAX}",
+            s.t, s.heads
+        )
+    })?;
+    let (t, hr, ci, pi) = (
+        as_i32(OP, "t", s.t)?,
+        as_i32(OP, "heads", s.heads)?,
+        as_i32(OP, "value width", c)?,
+        as_i32(OP, "key width", p)?,
+    );
+    let (committed, w, rps, qw) = (
+        as_i32(OP, "committed", s.committed)?,
+        as_i32(OP, "words", words)?,
+        as_i32(OP, "rows_per_split", split.rows_per_split)?,
+        pi,
+    );
+    let (null, stride) = (0u64, head_stride as u64);
+    let mut b = gpu.stream.launch_builder(gpu.func(form.heads));
+    b.arg(q).arg(lat);
+    match mask {
+        Some((m, _)) => b.arg(m),
+        None => b.arg(&null),
+    };
+    b.arg(&mut *part_o)
+        .arg(&mut *part_ml)
+        .arg(&t)
+        .arg(&hr)
+        .arg(&ci)
+        .arg(&pi)
+        .arg(&committed)
+        .arg(&null)
+        .arg(&w)
+        .arg(&rps)
+        .arg(&scale)
+        .arg(&qw)
+        .arg(&stride);
+    // SAFETY: q, every head's rows, the mask and the partials were length-checked above for these shapes.
+    unsafe {
+        b.launch(launch_cfg(
+            (split.splits as u32, nt as u32, ht as u32),
+            form.threads(),
+            form.smem_bytes() as u32,
+        ))
+    }
+    .map_err(drv(OP))?;
+    merge(gpu, part_o, part_ml, out, (s.t, split.splits, s.heads), hr, ci)
 }
 
 /// The log-sum-exp merge of `splits` partials of `(t, heads)` nodes into `out` `[t, Hr, C]` bf16 (the
