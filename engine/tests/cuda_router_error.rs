@@ -3,8 +3,9 @@
 //! on the GPU only where the CPU's decision margin (`cpu::ops::route_margin`: the last chosen expert's selection
 //! score minus the best unchosen one's; sigmoid + bias, one group on these models) is below |Δ s_a| + |Δ s_b|
 //! <= 2 max |Δ s|. This test prefills the same prompts on both backends with the layer trace on, compares every
-//! MoE layer's router logits through the sigmoid (the bias is the same on both), and prints
-//! `MEASURE router_score_error model=M row_layers=N scores=S max=X p99=Y flip_margin=2X` per model (the synthetic tiny preset
+//! MoE layer's router logits through the sigmoid (the bias is the same on both) on the rows no route flip has
+//! reached yet (a flip's row and every later row of the layers after it carry its difference, not bf16 noise),
+//! and prints `MEASURE router_score_error model=M row_layers=N scores=S route_flips=F max=X p99=Y flip_margin=2X` per model (the synthetic tiny preset
 //! and the trained pair, converted for one rank). It fails when the error is not finite or above 0.02 (a
 //! broken forward, far above bf16 noise: run 72 saw flips at margins up to 1.6e-3). Needs a GPU.
 #![cfg(feature = "cuda")]
@@ -35,6 +36,7 @@ fn measure(label: &str, dir: &Path) {
     let mut r = rng(7331);
     let mut errs: Vec<f64> = Vec::new();
     let mut rows = 0;
+    let mut flips = 0;
     for len in [24usize, 40, 64] {
         use rand::Rng;
         let prompt: Vec<u32> = (0..len).map(|_| r.random_range(0..v)).collect();
@@ -46,6 +48,10 @@ fn measure(label: &str, dir: &Path) {
             t.forward_rows(&prompt, &chain, LogitRows::Last).unwrap();
             traces.push(t.take_trace().unwrap());
         }
+        // Rows a route flip has reached are not bf16 noise: a flip at (row q, layer l) changes row q's output of
+        // layer l, and every later layer's rows >= q see it through the causal attention. Only the rows before
+        // the earliest such q are measured at the layers after l (`clean`).
+        let mut clean = len;
         for a in traces[0].tensors.iter().filter(|x| x.name.ends_with("router.logits")) {
             let b = traces[1]
                 .get(&a.name)
@@ -54,8 +60,33 @@ fn measure(label: &str, dir: &Path) {
                 panic!("{label}: {} is not f32", a.name)
             };
             assert_eq!(x.len(), y.len(), "{label}: {}", a.name);
-            errs.extend(x.iter().zip(y).map(|(&p, &q)| (sigmoid(p) - sigmoid(q)).abs()));
-            rows += len;
+            let e = x.len() / len;
+            errs.extend(
+                x[..clean * e]
+                    .iter()
+                    .zip(&y[..clean * e])
+                    .map(|(&p, &q)| (sigmoid(p) - sigmoid(q)).abs()),
+            );
+            rows += clean;
+            let ids = a.name.replace("router.logits", "router.topk_ids");
+            let (Some(ia), Some(ib)) = (traces[0].get(&ids), traces[1].get(&ids)) else {
+                panic!("{label}: a trace has no {ids}")
+            };
+            let (TraceData::I32(ia), TraceData::I32(ib)) = (&ia.data, &ib.data) else {
+                panic!("{label}: {ids} is not i32")
+            };
+            let k = ia.len() / len;
+            assert_eq!(ia.len(), ib.len(), "{label}: {ids}");
+            for p in 0..clean {
+                let (mut sa, mut sb) = (ia[p * k..(p + 1) * k].to_vec(), ib[p * k..(p + 1) * k].to_vec());
+                sa.sort_unstable();
+                sb.sort_unstable();
+                if sa != sb {
+                    flips += 1;
+                    clean = p;
+                    break;
+                }
+            }
         }
     }
     assert!(!errs.is_empty(), "{label}: no MoE layer traced");
@@ -63,7 +94,7 @@ fn measure(label: &str, dir: &Path) {
     let max = *errs.last().unwrap();
     let p99 = errs[(errs.len() - 1) * 99 / 100];
     println!(
-        "MEASURE router_score_error model={label} row_layers={rows} scores={} max={max:.3e} p99={p99:.3e} flip_margin={:.3e}",
+        "MEASURE router_score_error model={label} row_layers={rows} scores={} route_flips={flips} max={max:.3e} p99={p99:.3e} flip_margin={:.3e}",
         errs.len(),
         2.0 * max
     );
