@@ -6,7 +6,8 @@
 //! decode steps on the same tokens, compares every
 //! MoE layer's router logits through the sigmoid (the bias is the same on both) on the rows no route flip has
 //! reached yet (a flip's row and every later row of the layers after it carry its difference, not bf16 noise),
-//! and prints `MEASURE router_score_error model=M row_layers=N scores=S route_flips=F max=X p99=Y flip_margin=2X` per model (the synthetic tiny preset
+//! and prints `MEASURE router_score_error model=M row_layers=N scores=S route_flips=F max=X p99=Y
+//! flip_margin=2X` per model (the synthetic tiny preset
 //! and the trained pair, converted for one rank). It fails when the error is not finite or above 0.02 (a
 //! broken forward, far above bf16 noise: run 72 saw flips at margins up to 1.6e-3). Needs a GPU.
 #![cfg(feature = "cuda")]
@@ -118,7 +119,8 @@ fn measure(label: &str, dir: &Path) {
     let max = *errs.last().unwrap();
     let p99 = errs[(errs.len() - 1) * 99 / 100];
     println!(
-        "MEASURE router_score_error model={label} row_layers={rows} scores={} route_flips={flips} max={max:.3e} p99={p99:.3e} flip_margin={:.3e}",
+        "MEASURE router_score_error model={label} row_layers={rows} scores={} route_flips={flips} \
+         max={max:.3e} p99={p99:.3e} flip_margin={:.3e}",
         errs.len(),
         2.0 * max
     );
