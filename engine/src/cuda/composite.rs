@@ -267,8 +267,8 @@ impl CudaBackend {
     /// The expanded (multi-head) MLA of one sequence's `t` new rows (a prefill; [`seg_op::mla_attention_heads`]):
     /// kv_b expands each of the layer's `committed + t` latent rows into every head's row `v_h | k_nope_h | k_pe`
     /// (two GEMMs and a copy a head), and the queries `q_nope | q_pe` score against the keys directly: 320
-    /// multiply-adds a head and row pair at K2.6's widths where the latent form takes 1088. Output `[t, Hr·Dv]` f32, as the latent
-    /// form's after W_UV.
+    /// multiply-adds a head and row pair at K2.6's widths where the latent form takes 1088. Output `[t, Hr·Dv]`
+    /// f32, as the latent form's after W_UV.
     #[allow(clippy::too_many_arguments)]
     fn mla_expanded(
         &self,
