@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU suite: runs the prebuilt CUDA test binaries in DIR (cuda_ops, cuda_gemm, cuda_mla, cuda_ddtree,
+# The GPU suite: runs the prebuilt CUDA test binaries in DIR (cuda_ops, cuda_gemm, cuda_mla, cuda_router_error, cuda_ddtree,
 # cuda_sample, cuda_drafter, cuda_target, cuda_round, cuda_bench; built on a machine with Rust by `cargo test -p kdtree-engine --features cuda --release --no-run` and copied there
 # without their hash suffix), parity first (KDTREE_REQUIRE_GPU=1: no GPU is a failure), then timings, and
 # prints a short table last. Needs only the NVIDIA driver and the CUDA 13 libraries (libcublas) on the
@@ -46,16 +46,22 @@ suite_start=$(date +%s)
 # context) invalidates a capture in flight. One process per GPU, as kdtree-run is, never meets that.
 # Rank groups on one GPU (cuda_tp, kdtree-run --share-gpu) pace their launches at launch gates
 # (engine/src/cuda/comm.rs), so that none fills the launch queues.
-for t in cuda_ddtree cuda_sample cuda_drafter cuda_round cuda_ops cuda_gemm cuda_mla cuda_target cuda_comm cuda_tp; do
+for t in cuda_ddtree cuda_sample cuda_drafter cuda_round cuda_ops cuda_gemm cuda_mla cuda_mla_expanded cuda_target cuda_router_error cuda_comm cuda_tp; do
   echo "== $t (parity)"
   case $t in cuda_ddtree|cuda_round|cuda_ops|cuda_target|cuda_comm|cuda_tp) threads="--test-threads=1";; *) threads="";; esac
   # Poisoned: buffers an op should write in full start as NaN bytes (Gpu::out), so reading unwritten memory fails.
-  KDTREE_CUDA_POISON=1 "$dir/$t" --nocapture $threads 2>&1 | tee -a "$log" | grep -E "^(PARITY|BOUNDARY|test |test result|thread|  left|  right|SKIP)|panicked"
+  KDTREE_CUDA_POISON=1 "$dir/$t" --nocapture $threads 2>&1 | tee -a "$log" | grep -E "^(PARITY|BOUNDARY|MEASURE|test |test result|thread|  left|  right|SKIP)|panicked"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
 echo "== cuda_tp (parity, eager: the launches paced by the gates alone)"
 KDTREE_CUDA_GRAPHS=0 KDTREE_CUDA_POISON=1 "$dir/cuda_tp" --nocapture --test-threads=1 rank_groups 2>&1 | tee -a "$log" | sed -n 's/^.*\(PARITY\)/\1 eager:/p; /panicked\|test result/p'
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+# The route-flip rule of the teacher-forced checks below, from this run's measurement (cuda_router_error): a token's
+# experts may differ on the GPU only where the CPU's router margin is below 2 max |Δ selection score|.
+flip_margin() { grep -oE "MEASURE router_score_error model=$1 .*flip_margin=[0-9.e+-]+" "$log" | tail -1 | sed 's/.*flip_margin=//'; }
+m_tiny="$(flip_margin tiny-synth)"; m_pair="$(flip_margin kdtree-tiny-pair)"
+echo "route-flip margins measured: tiny-synth ${m_tiny:-none}, kdtree-tiny-pair ${m_pair:-none}" | tee -a "$log"
+[ -n "$m_tiny" ] && [ -n "$m_pair" ] || status=1
 if [ -x "$dir/kdtree-run" ]; then
   # End to end, from the repository root: models converted for one rank here, CPU vs CUDA greedy tokens,
   # --verify against the committed CPU bundles, bundles recorded on the GPU (for measuring |Δ| against
@@ -80,7 +86,10 @@ for x, y in zip(a, b):
     same = x["token_ids"] == y["token_ids"]
     print(f"E2E greedy AR tokens {x['id']}: cpu == cuda: {same}" + ("" if same else f" cpu {x['token_ids']} cuda {y['token_ids']}"))
 PY
-  if "$dir/kdtree-golden" "$e2e/tiny1" --prompts golden/prompts.jsonl --score "$e2e/ar-cuda.jsonl" --bound 0.15 --out "$e2e/tiny-score.json" --quiet \
+  # Bound 0.15 (2 x the measured bf16 logit error); a larger gap, up to 4.0, only at a route flip (CPU router margin
+  # below this run's measured m_tiny), the record's later positions then reported, not judged.
+  if "$dir/kdtree-golden" "$e2e/tiny1" --prompts golden/prompts.jsonl --score "$e2e/ar-cuda.jsonl" --bound 0.15 \
+      --route-flip "${m_tiny:-0},4.0" --out "$e2e/tiny-score.json" --quiet \
       > "$e2e/tiny-score.log" 2>&1; then
     sed 's/^kdtree-golden: /E2E synthetic tiny greedy AR on cuda, teacher-forced: /' "$e2e/tiny-score.log" | tee -a "$log"
   else
@@ -120,7 +129,7 @@ PY
   # largest logit minus its logit of the GPU's token), and at T = 1 how often the CPU, with the same settings and
   # the same position-keyed uniform, would sample another token (README "Sampling on two devices").
   "$dir/kdtree-golden" "$e2e/pair1" --prompts examples/heldout.jsonl --score "$e2e"/pair-*-t0.jsonl "$e2e"/pair-*-t1.jsonl \
-    --out "$e2e/pair-score.json" --quiet 2>&1 | sed 's/^kdtree-golden: /E2E trained pair heldout teacher-forced: /' | tee -a "$log"
+    --bound 0.15 --route-flip "${m_pair:-0},4.0" --out "$e2e/pair-score.json" --quiet 2>&1 | sed 's/^kdtree-golden: /E2E trained pair heldout teacher-forced: /' | tee -a "$log"
   cp "$e2e/pair-score.json" "$out/" 2>/dev/null
   # R ranks side by side on this one GPU (issue 11): the trained pair converted for 2, 4, 8 ranks (tensor
   # parallel, experts split; at 4 and 8 the down projections' K is padded to the W4A16 step) and 2, 4, 8 ranks
@@ -185,9 +194,23 @@ PY
   sed 's/^/E2E batch stderr: /' "$e2e/batch.err" | head -20 | tee -a "$log"
   "$dir/kdtree-golden" "$e2e/pair1" --prompts examples/heldout.jsonl --out "$e2e/gold-heldout" --device cuda --max-tokens 64 \
     --full-logits-steps 0 --topk 2 --trace-step 0 --no-ddtree --quiet || status=1
+  # Every rank run teacher-forced through the CPU reference of the 1-rank conversion (the same math), with the
+  # bound and this run's measured route-flip rule: the second judge of a line that differs from the 1-rank run.
+  "$dir/kdtree-golden" "$e2e/pair1" --prompts examples/heldout.jsonl --score "$e2e"/ranks-*.jsonl --bound 0.15 \
+    --route-flip "${m_pair:-0},4.0" --out "$e2e/ranks-score.json" --quiet 2>> "$e2e/ranks.err"
   python3 - "$e2e" <<'PY' | tee -a "$log"
-import json, struct, sys
+import json, os, struct, sys
 e2e = sys.argv[1]
+def forced_ok():
+    """(file name, id) -> whether every gap over the bound of that record is an accepted route flip or after one."""
+    try:
+        r = json.load(open(f"{e2e}/ranks-score.json"))
+    except (OSError, ValueError):
+        return {}
+    ok_pos = {(os.path.basename(f), i, j) for f, i, j, *_ in r["route_flips"] + r["after_flip"]}
+    return {(os.path.basename(x["file"]), x["id"]): all(g <= r["bound"] or (os.path.basename(x["file"]), x["id"], j) in ok_pos
+                                                     for j, g in enumerate(x["gaps"])) for x in r["records"]}
+forced = forced_ok()
 def load(p):
     return {x["id"]: x.get("token_ids") or x.get("error") for x in map(json.loads, open(p))}
 def top2(pid):
@@ -219,7 +242,7 @@ for plan in ("tp2", "tp4", "tp8", "ep2", "ep4", "ep8"):
             got, summ = load(f"{e2e}/ranks-{plan}-{mode}.jsonl"), json.load(open(f"{e2e}/ranks-{plan}-{mode}.json"))
         except (OSError, ValueError) as e:
             print(f"E2E ranks {plan} {mode}: no output ({e})"); bad += 1; continue
-        same, ties, fails = 0, [], []
+        same, ties, flipped, fails = 0, [], [], []
         for k, a in base.items():
             d = got.get(k)
             if d == a:
@@ -233,10 +256,18 @@ for plan in ("tp2", "tp4", "tp8", "ep2", "ep4", "ep8"):
                 margin = lg[2 * i] - lg[2 * i + 1] if toks[:len(a)] == a and 2 * i + 1 < len(lg) else float("inf")
             except (OSError, KeyError, ValueError) as e:
                 margin = float("inf")
-            (ties if margin <= 0.15 else fails).append(f"{k} at token {i} (1-rank top-2 margin {margin:.3g})")
+            what = f"{k} at token {i} (1-rank top-2 margin {margin:.3g})"
+            if margin <= 0.15:
+                ties.append(what)
+            elif forced.get((f"ranks-{plan}-{mode}.jsonl", k)):
+                flipped.append(what)
+            else:
+                fails.append(what)
         bad += len(fails)
         print(f"E2E ranks {plan} {mode} greedy on one GPU: {same} of {len(base)} prompts == the 1-rank tokens"
-              + (f", near-ties {ties}" if ties else "") + (f", FAIL {fails}" if fails else "")
+              + (f", near-ties {ties}" if ties else "")
+              + (f", teacher-forced within the bound but for measured route flips {flipped}" if flipped else "")
+              + (f", FAIL {fails}" if fails else "")
               + f"; {summ.get('tokens_per_s') or 0:.0f} tok/s (1 rank AR {one.get('tokens_per_s') or 0:.0f})")
         # R rank groups (--gpus R --share-gpu) against one controller of the same R ranks: the same sums in the
         # same order, so every line must be equal.

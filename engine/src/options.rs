@@ -24,6 +24,10 @@ pub struct GpuOptions {
     pub w4a16_blocks_per_sm: usize,
     /// At most this many W4A16 k-splits.
     pub w4a16_max_splits: usize,
+    /// Forwards of at least this many rows (a prefill) run MLA in its expanded, multi-head form (kv_b expands the
+    /// latent rows into per-head keys and values: 320 multiply-adds a head and row pair against the latent form's
+    /// 1088); 0: the latent (absorbed) form everywhere.
+    pub mla_expanded_min_rows: usize,
     /// Log every tensor-parallel group's calls and stream drains on stderr.
     pub tp_trace: bool,
     /// How long a rank waits for the others inside a device-side sum (one GPU, several groups) before the
@@ -42,6 +46,7 @@ impl Default for GpuOptions {
             gemv: false,
             w4a16_blocks_per_sm: 4,
             w4a16_max_splits: 64,
+            mla_expanded_min_rows: 0,
             tp_trace: false,
             group_timeout: Duration::from_secs(20),
             gate_timeout: Duration::from_secs(60),
@@ -54,7 +59,7 @@ pub const ENV_PREFIX: &str = "KDTREE_";
 
 /// Every switch: (variable, field of [`GpuOptions`], values and default). The variables keep the meaning
 /// they had when the library read them itself.
-pub const KNOBS: [(&str, &str, &str); 9] = [
+pub const KNOBS: [(&str, &str, &str); 10] = [
     ("KDTREE_CUDA_GRAPHS", "graphs", "`0`: off; anything else or unset: on"),
     ("KDTREE_CUDA_POISON", "poison", "`1`: on; otherwise off"),
     ("KDTREE_PDL", "pdl", "`0`: off; anything else or unset: on (sm_90+)"),
@@ -68,6 +73,11 @@ pub const KNOBS: [(&str, &str, &str); 9] = [
         "KDTREE_W4A16_MAX_SPLITS",
         "w4a16_max_splits",
         "an integer; unset or not a number: 64",
+    ),
+    (
+        "KDTREE_MLA_EXPANDED_MIN_ROWS",
+        "mla_expanded_min_rows",
+        "an integer; unset or not a number: 0 (off)",
     ),
     ("KDTREE_TP_TRACE", "tp_trace", "`1`: on; otherwise off"),
     ("KDTREE_GROUP_TIMEOUT_S", "group_timeout", "seconds > 0; otherwise 20"),
@@ -100,6 +110,7 @@ impl GpuOptions {
             gemv: one("GEMV"),
             w4a16_blocks_per_sm: count("W4A16_BLOCKS_PER_SM", d.w4a16_blocks_per_sm),
             w4a16_max_splits: count("W4A16_MAX_SPLITS", d.w4a16_max_splits),
+            mla_expanded_min_rows: count("MLA_EXPANDED_MIN_ROWS", d.mla_expanded_min_rows),
             tp_trace: one("TP_TRACE"),
             group_timeout: seconds("GROUP_TIMEOUT_S", d.group_timeout),
             gate_timeout: seconds("GATE_TIMEOUT_S", d.gate_timeout),

@@ -150,7 +150,13 @@ pub struct Session<'a> {
     device_steps: usize,
     /// `Mode::DDTreeAuto`'s budget choice (None until [`Session::set_cost_model`]).
     auto: Option<AutoBudget>,
+    /// Prompt rows one prefill forward takes at most (0: all); [`Session::set_prefill_chunk`].
+    prefill_chunk: usize,
 }
+
+/// Prompt rows one prefill forward takes by default: a 128K-token prompt runs as 8 forwards whose ancestor mask
+/// (rows² bits: 32 MiB) and activations fit beside the weights, where one forward's mask alone would take 2 GiB.
+pub const DEFAULT_PREFILL_CHUNK: usize = 16384;
 
 impl<'a> Session<'a> {
     /// A session in `mode`. DDTree needs a drafter and a target with tap layers.
@@ -183,6 +189,7 @@ impl<'a> Session<'a> {
             device_rounds: 0,
             device_steps: 0,
             auto: None,
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
         })
     }
 
@@ -241,26 +248,51 @@ impl<'a> Session<'a> {
         out
     }
 
-    /// Start a new sequence: reset, run `prompt`, commit it, return the first generated token.
+    /// Start a new sequence: reset, run `prompt`, commit it, return the first generated token. A prompt longer than
+    /// the prefill chunk ([`Session::set_prefill_chunk`]) runs as consecutive forwards of at most that many rows,
+    /// each over the rows before it (committed) and committed in turn, so that the forward's mask and activations
+    /// stay chunk-sized; every row's result is that of one forward over the whole prompt (a row depends on the
+    /// rows it sees, not on how many rows its forward holds), up to the backend's summation order (the CPU: the
+    /// same bits). Layer probes record the prompt as one forward.
     pub fn prefill(&mut self, prompt: &[u32], sampling: &Sampling) -> Result<u32> {
         self.prefill_begin(prompt, sampling)?;
         let v = self.target.info().vocab_size;
-        let out = self.traced(|s| {
-            let parents: Vec<i32> = (0..prompt.len() as i32).map(|i| i - 1).collect();
-            s.target.forward_rows(prompt, &parents, LogitRows::Last)
-        })?;
-        ensure!(
-            out.logits.len() == v,
-            "target returned {} logits for the last prompt row, vocab {v}",
-            out.logits.len()
-        );
-        let path: Vec<usize> = (0..prompt.len()).collect();
-        self.target.commit(&path)?;
-        if self.mode.drafts() {
-            let d = self.drafter.as_mut().context("DDTree session without a drafter")?;
-            d.extend_context(&out.taps, prompt.len())?;
+        let chunk = match self.prefill_chunk {
+            0 => prompt.len(),
+            _ if self.probes.layers => prompt.len(),
+            c => c,
+        };
+        let mut logits = Vec::new();
+        for (i, part) in prompt.chunks(chunk).enumerate() {
+            let last = (i + 1) * chunk >= prompt.len();
+            let rows = if last { LogitRows::Last } else { LogitRows::None };
+            let out = self.traced(|s| {
+                let parents: Vec<i32> = (0..part.len() as i32).map(|i| i - 1).collect();
+                s.target.forward_rows(part, &parents, rows)
+            })?;
+            let path: Vec<usize> = (0..part.len()).collect();
+            self.target.commit(&path)?;
+            if self.mode.drafts() {
+                let d = self.drafter.as_mut().context("DDTree session without a drafter")?;
+                d.extend_context(&out.taps, part.len())?;
+            }
+            logits = out.logits;
         }
-        self.prefill_end(out.logits)
+        ensure!(
+            logits.len() == v,
+            "target returned {} logits for the last prompt row, vocab {v}",
+            logits.len()
+        );
+        self.prefill_end(logits)
+    }
+
+    /// Prompt rows one prefill forward takes at most (0: the whole prompt); [`DEFAULT_PREFILL_CHUNK`] unless set.
+    /// Prompts longer than this prefill alone, not in a batched prefill.
+    pub fn set_prefill_chunk(&mut self, rows: usize) {
+        self.prefill_chunk = rows;
+    }
+    pub fn prefill_chunk(&self) -> usize {
+        self.prefill_chunk
     }
 
     /// [`Session::prefill`]'s checks and reset: a new sequence of `prompt` with `sampling` (nothing runs).
@@ -290,9 +322,9 @@ impl<'a> Session<'a> {
     }
 
     /// This session's prompt as one sequence of a batched prefill (after [`Session::prefill_begin`]); None
-    /// when it must prefill alone (probes recording).
+    /// when it must prefill alone (probes recording, or a prompt longer than the prefill chunk).
     pub(crate) fn prefill_item<'x>(&'x mut self, prompt: &'x [u32]) -> Option<PrefillItem<'x>> {
-        if self.probes != ProbeSet::default() {
+        if self.probes != ProbeSet::default() || (self.prefill_chunk > 0 && prompt.len() > self.prefill_chunk) {
             return None;
         }
         let drafter = match self.mode.drafts() {

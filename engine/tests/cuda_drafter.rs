@@ -25,7 +25,7 @@ use kdtree_engine::cuda::Gpu;
 use kdtree_engine::sampling::argmax;
 use kdtree_engine::{open_cpu, open_with, AttnMode, Device, OpenOptions};
 use rand::Rng;
-use round_common::{convert, pair_dir};
+use round_common::{convert, pair_dir, synth_tiny_one_rank};
 
 /// GPU kernel vs CPU twin, both f32 end to end (no bf16 anywhere), relative to max |out|. The two differ
 /// only in summation order (the twin: one sequential f32 pass over the C + B rows for the softmax sum and
@@ -309,12 +309,9 @@ fn cuda_drafter_matches_the_cpu_drafter() {
     }
     let tmp = tempfile::tempdir().unwrap();
     // The synthetic tiny preset with its drafter (random weights; drafter 16/8 heads, head_dim 16).
-    let hf = tmp.path().join("hf");
-    kdtree_convert::synth::write("tiny", &hf, 0, true, None).unwrap();
-    convert(&hf, &tmp.path().join("tiny1"), 1);
     drafter_case(
         "drafter(tiny synth)",
-        &tmp.path().join("tiny1"),
+        &synth_tiny_one_rank(tmp.path()),
         &[1, 17, 305, 42, 7, 900, 12, 3, 64, 5],
         &[8, 99, 21],
     );

@@ -22,6 +22,41 @@ use rand::Rng;
 /// bench/GPU-RESULTS.md.
 const MLA_TOL: f64 = 5.0e-3;
 
+/// The softmax scale of every case.
+const SCALE: f32 = 0.0723;
+
+/// The op on NaN-poisoned partials and output (every element it must write starts as NaN): `out` `[T, Hr, C]`.
+#[allow(clippy::too_many_arguments)]
+fn run_mla(
+    g: &kdtree_engine::cuda::Gpu,
+    q: &cudarc::driver::CudaView<'_, bf16>,
+    lat: &cudarc::driver::CudaView<'_, bf16>,
+    mask: Option<(&cudarc::driver::CudaView<'_, u64>, usize)>,
+    committed_dev: Option<&cudarc::driver::CudaView<'_, i32>>,
+    s: &MlaShape,
+    split: &MlaSplit,
+) -> Vec<bf16> {
+    let (wo, wml) = split.workspace(s);
+    let mut po = g.upload(&nan_f32(wo)).unwrap();
+    let mut pml = g.upload(&nan_f32(wml)).unwrap();
+    let mut out = g.upload(&nan_bf16(s.t * s.heads * s.kv_lora)).unwrap();
+    gpu_mla(
+        g,
+        q,
+        lat,
+        mask,
+        committed_dev,
+        s,
+        split,
+        SCALE,
+        &mut po.as_view_mut(),
+        &mut pml.as_view_mut(),
+        &mut out.as_view_mut(),
+    )
+    .unwrap();
+    g.download(&out).unwrap()
+}
+
 /// Random parents: node 0 a root, later nodes a root with probability 1/8, else a child of an earlier node.
 fn parents(r: &mut rand_chacha::ChaCha8Rng, t: usize, chain: bool) -> Vec<i32> {
     (0..t as i32)
@@ -60,7 +95,10 @@ fn case(
     );
     let mut r = rng(seed);
     let lw = c + p;
-    let q = rand_bf16(&mut r, t * heads * lw, 0.01, 0.12);
+    // Seeds >= 980: queries 20x larger, so that the scores spread over several units and the softmax is peaked
+    // (with the small queries it is near uniform, and a permutation of scores among visible rows would hide).
+    let qhi = if seed >= 980 { 2.4 } else { 0.12 };
+    let q = rand_bf16(&mut r, t * heads * lw, qhi / 12.0, qhi);
     let lat = rand_bf16(&mut r, room.unwrap_or(committed + t) * lw, 0.05, 1.5);
     let par = parents(&mut r, t, !masked);
     let mask = Visibility::from_parents(&par).unwrap();
@@ -78,7 +116,7 @@ fn case(
         rope: p,
         v: c,
         kv_lora: c,
-        scale: 0.0723,
+        scale: SCALE,
     };
     let want = mla_attention(
         &dims,
@@ -111,15 +149,11 @@ fn case(
     };
     let dc = g.upload(&[committed as i32]).unwrap();
     let dcv = dc.as_view();
-    let (wo, wml) = split.workspace(&s);
     let dq = g.upload(&q).unwrap();
     let dl = g.upload(&lat).unwrap();
     let dm = g.upload(&mask.bits).unwrap();
-    let mut po = g.upload(&nan_f32(wo)).unwrap();
-    let mut pml = g.upload(&nan_f32(wml)).unwrap();
-    let mut out = g.upload(&nan_bf16(t * heads * c)).unwrap();
     let m = masked.then(|| (dm.as_view(), mask.words));
-    gpu_mla(
+    let got = run_mla(
         g,
         &dq.as_view(),
         &dl.as_view(),
@@ -127,13 +161,7 @@ fn case(
         room.map(|_| &dcv),
         &s,
         &split,
-        0.0723,
-        &mut po.as_view_mut(),
-        &mut pml.as_view_mut(),
-        &mut out.as_view_mut(),
-    )
-    .unwrap();
-    let got = g.download(&out).unwrap();
+    );
     eprintln!("{name}: {} splits x {} rows", split.splits, split.rows_per_split);
     check_bf16(&name, &got, &want, MLA_TOL);
 }
@@ -152,6 +180,17 @@ fn mla_attention_parity() {
         (1024, 8, 100, 512, 64, true),
         (96, 8, 50, 512, 64, false),
         (7, 3, 33, 64, 16, true),
+        // Query tiles: nodes across tile edges (8 nodes of 8 heads a tile), 64 heads over several nodes, an odd
+        // head count, C with a half n-tile (C % 16 = 8), C + P not a multiple of 16 (zero pad), tiny widths.
+        (9, 8, 31, 512, 64, true),
+        (17, 8, 64, 512, 64, false),
+        (5, 64, 200, 512, 64, true),
+        (3, 64, 33, 512, 64, false),
+        (40, 5, 97, 24, 8, true),
+        (13, 2, 0, 64, 8, false),
+        (2, 1, 1, 8, 8, true),
+        (23, 8, 0, 32, 8, true),
+        (23, 8, 0, 32, 8, false),
     ];
     for (i, &(t, hr, committed, c, p, masked)) in cases.iter().enumerate() {
         case(&g, t, hr, committed, c, p, masked, 900 + i as u64, None);
@@ -167,6 +206,21 @@ fn mla_attention_parity() {
     .enumerate()
     {
         case(&g, t, hr, committed, 512, 64, true, 950 + i as u64, Some(room));
+    }
+    // Narrow latents with a zero pad (C + P = 40), as the small test models have them; then peaked softmaxes.
+    case(&g, 23, 8, 0, 32, 8, true, 990, Some(256));
+    case(&g, 12, 8, 23, 32, 8, true, 991, Some(256));
+    for (i, &(t, hr, committed, c, p, masked)) in [
+        (1, 8, 4095, 512, 64, true),
+        (23, 8, 0, 32, 8, true),
+        (65, 8, 300, 512, 64, true),
+        (96, 8, 50, 512, 64, false),
+        (5, 64, 200, 512, 64, true),
+    ]
+    .iter()
+    .enumerate()
+    {
+        case(&g, t, hr, committed, c, p, masked, 980 + i as u64, None);
     }
 }
 
@@ -212,20 +266,14 @@ fn mla_attention_segments_equal_their_own_launches() {
             .splits,
             rows_per_split: 0,
         };
-        let (wo, wml) = split.workspace(&s);
         let (dq, dl, dm, dc) = (
             g.upload(&q).unwrap(),
             g.upload(&lat).unwrap(),
             g.upload(&mask.bits).unwrap(),
             g.upload(&[committed as i32]).unwrap(),
         );
-        let (mut po, mut pml, mut out) = (
-            g.upload(&nan_f32(wo)).unwrap(),
-            g.upload(&nan_f32(wml)).unwrap(),
-            g.upload(&nan_bf16(t * heads * c)).unwrap(),
-        );
         let (mv, cv) = (dm.as_view(), dc.as_view());
-        gpu_mla(
+        want.extend(run_mla(
             &g,
             &dq.as_view(),
             &dl.as_view(),
@@ -233,13 +281,7 @@ fn mla_attention_segments_equal_their_own_launches() {
             Some(&cv),
             &s,
             &split,
-            0.0723,
-            &mut po.as_view_mut(),
-            &mut pml.as_view_mut(),
-            &mut out.as_view_mut(),
-        )
-        .unwrap();
-        want.extend(g.download(&out).unwrap());
+        ));
         qs.extend(q);
         bufs.push((dl, dm, dc, mask.words, split.splits));
     }
@@ -271,7 +313,7 @@ fn mla_attention_segments_equal_their_own_launches() {
         heads,
         c,
         p,
-        0.0723,
+        SCALE,
         &mut po.as_view_mut(),
         &mut pml.as_view_mut(),
         &mut out.as_view_mut(),
@@ -345,29 +387,32 @@ fn mla_attention_segments_equal_their_own_launches() {
     println!("PARITY store_rows_seg_bf16(3 caches) vs store_rows each: bit-identical");
 }
 
-/// Nodes go in the split kernel's grid y, at most 65535: one more is refused with an error that names the
-/// limit (the launch would otherwise fail with an opaque driver error), and the limit itself runs.
+/// Node tiles go in the split kernel's grid y, at most 65535: with 64 heads a node tile is one node (on either
+/// form of the kernel; the small one splits its heads over two tiles in grid z), so one node more is refused with an
+/// error that names the limit (the launch would otherwise fail with an opaque driver error), and the limit
+/// itself runs: a causal prefill of 65535 nodes, every row of it visible in its triangle.
 #[test]
 fn mla_attention_refuses_more_nodes_than_the_grid_holds() {
     let Some(g) = gpu() else { return };
     for (t, ok) in [(65535usize, true), (65536, false)] {
+        let heads = 64;
         let s = MlaShape {
             t,
-            heads: 1,
+            heads,
             kv_lora: 8,
             rope: 8,
             committed: 0,
         };
         let split = MlaSplit {
             splits: 1,
-            rows_per_split: t.next_multiple_of(16),
+            rows_per_split: t.next_multiple_of(32),
         };
         let (wo, wml) = split.workspace(&s);
-        let dq = g.upload(&vec![bf16::from_f32(0.25); t * 16]).unwrap();
+        let dq = g.upload(&vec![bf16::from_f32(0.25); t * heads * 16]).unwrap();
         let dl = g.upload(&vec![bf16::from_f32(0.5); t * 16]).unwrap();
         let mut po = g.upload(&nan_f32(wo)).unwrap();
         let mut pml = g.upload(&nan_f32(wml)).unwrap();
-        let mut out = g.upload(&nan_bf16(t * 8)).unwrap();
+        let mut out = g.upload(&nan_bf16(t * heads * 8)).unwrap();
         let r = gpu_mla(
             &g,
             &dq.as_view(),
@@ -392,4 +437,152 @@ fn mla_attention_refuses_more_nodes_than_the_grid_holds() {
         }
     }
     eprintln!("PARITY mla_attention grid limit: 65535 nodes run, 65536 refused exact");
+}
+
+/// A query row's bits depend on its own query, visible rows and the split, not on the rows that share its tile
+/// or on the tile's extent: node k of a chain of T = 5 and of T = 16 (same cache rows, same queries, the same
+/// split) are bit-identical, with the committed length (27) putting the nodes across a chunk edge, so that the
+/// longer chain's tile reads a chunk the shorter one's never does (all of it masked for the first 5 nodes).
+/// With 8 heads a tile is 8 nodes; with 3 heads 21.
+#[test]
+fn mla_attention_rows_do_not_depend_on_their_tile() {
+    let Some(g) = gpu() else { return };
+    let (c, p, committed) = (512usize, 64usize, 27usize);
+    let lw = c + p;
+    for heads in [8usize, 3] {
+        let mut r = rng(4242 + heads as u64);
+        let long = 16usize;
+        let q = rand_bf16(&mut r, long * heads * lw, 0.01, 0.12);
+        let lat = rand_bf16(&mut r, (committed + long) * lw, 0.05, 1.5);
+        let (dq, dl) = (g.upload(&q).unwrap(), g.upload(&lat).unwrap());
+        let mut outs = Vec::new();
+        for t in [5usize, long] {
+            let par: Vec<i32> = (0..t as i32).map(|i| i - 1).collect();
+            let mask = Visibility::from_parents(&par).unwrap();
+            let dm = g.upload(&mask.bits).unwrap();
+            let s = MlaShape {
+                t,
+                heads,
+                kv_lora: c,
+                rope: p,
+                committed,
+            };
+            let split = MlaSplit {
+                splits: 1,
+                rows_per_split: 64,
+            };
+            outs.push(run_mla(
+                &g,
+                &dq.slice(..t * heads * lw),
+                &dl.slice(..(committed + t) * lw),
+                Some((&dm.as_view(), mask.words)),
+                None,
+                &s,
+                &split,
+            ));
+        }
+        let n = 5 * heads * c;
+        let diff = outs[0][..n]
+            .iter()
+            .zip(&outs[1][..n])
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(diff, 0, "{heads} heads: nodes 0..5 differ between T = 5 and T = 16");
+        println!("PARITY mla_attention rows independent of their tile ({heads} heads, T 5 vs 16): bit-identical");
+    }
+}
+
+/// The expanded (multi-head) form (`mla_attention_heads`, the prefill's MHA form of MLA): each head its own rows
+/// `v_h | k_h`, queries against the keys, against an f64 reference written here (softmax over the visible rows of
+/// `scale · q · k`, the weighted values), NaN-poisoned partials and output. K2.6's per-head widths (values 128, keys
+/// 128 + 64) with 8 heads, causal and tree masks, a committed prefix, a peaked softmax, and narrow widths.
+#[test]
+fn mla_attention_heads_parity() {
+    use kdtree_engine::cuda::ops::mla_attention::mla_attention_heads;
+    let Some(g) = gpu() else { return };
+    // (T, heads, committed, value width C, key width P, tree mask, query magnitude)
+    for (i, &(t, heads, committed, c, p, masked, qhi)) in [
+        (100usize, 8usize, 0usize, 128usize, 192usize, false, 0.12f32),
+        (37, 3, 50, 128, 192, true, 0.12),
+        (130, 8, 70, 128, 192, false, 1.2),
+        (64, 2, 33, 32, 16, false, 0.5),
+        (9, 1, 0, 16, 16, true, 0.5),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let mut r = rng(1200 + i as u64);
+        let (lw, rows) = (c + p, committed + t);
+        let q = rand_bf16(&mut r, t * heads * p, qhi / 12.0, qhi);
+        let lat = rand_bf16(&mut r, heads * rows * lw, 0.05, 1.5);
+        let mask = Visibility::from_parents(&parents(&mut r, t, !masked)).unwrap();
+        let (qf, lf) = (widen(&q), widen(&lat));
+        let mut want = vec![0f32; t * heads * c];
+        for n in 0..t {
+            for h in 0..heads {
+                let qv = &qf[(n * heads + h) * p..][..p];
+                let seen: Vec<usize> = (0..rows)
+                    .filter(|&s| s < committed || mask.visible(n, s - committed))
+                    .collect();
+                let sc: Vec<f64> = seen
+                    .iter()
+                    .map(|&s| {
+                        let k = &lf[(h * rows + s) * lw + c..][..p];
+                        SCALE as f64 * qv.iter().zip(k).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>()
+                    })
+                    .collect();
+                let mx = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = sc.iter().map(|x| (x - mx).exp()).collect();
+                let l: f64 = e.iter().sum();
+                for d in 0..c {
+                    let o: f64 = seen
+                        .iter()
+                        .zip(&e)
+                        .map(|(&s, w)| w * lf[(h * rows + s) * lw + d] as f64)
+                        .sum();
+                    want[(n * heads + h) * c + d] = (o / l) as f32;
+                }
+            }
+        }
+        let s = MlaShape {
+            t,
+            heads,
+            kv_lora: c,
+            rope: p,
+            committed,
+        };
+        let split = MlaSplit::choose_heads(&g, &s);
+        let (wo, wml) = split.workspace(&s);
+        let (dq, dl, dm) = (
+            g.upload(&q).unwrap(),
+            g.upload(&lat).unwrap(),
+            g.upload(&mask.bits).unwrap(),
+        );
+        let (mut po, mut pml, mut out) = (
+            g.upload(&nan_f32(wo)).unwrap(),
+            g.upload(&nan_f32(wml)).unwrap(),
+            g.upload(&nan_bf16(t * heads * c)).unwrap(),
+        );
+        let mv = dm.as_view();
+        mla_attention_heads(
+            &g,
+            &dq.as_view(),
+            &dl.as_view(),
+            rows * lw,
+            masked.then_some((&mv, mask.words)),
+            &s,
+            &split,
+            SCALE,
+            &mut po.as_view_mut(),
+            &mut pml.as_view_mut(),
+            &mut out.as_view_mut(),
+        )
+        .unwrap();
+        let name = format!(
+            "mla_attention_heads(T={t},H={heads},committed={committed},C={c},P={p},{},q<={qhi}) {} splits",
+            if masked { "tree" } else { "causal" },
+            split.splits
+        );
+        check_bf16(&name, &g.download(&out).unwrap(), &want, MLA_TOL);
+    }
 }

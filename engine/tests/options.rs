@@ -24,6 +24,10 @@ fn changed(a: &GpuOptions, b: &GpuOptions) -> Vec<&'static str> {
     check("gemv", a.gemv != b.gemv);
     check("w4a16_blocks_per_sm", a.w4a16_blocks_per_sm != b.w4a16_blocks_per_sm);
     check("w4a16_max_splits", a.w4a16_max_splits != b.w4a16_max_splits);
+    check(
+        "mla_expanded_min_rows",
+        a.mla_expanded_min_rows != b.mla_expanded_min_rows,
+    );
     check("tp_trace", a.tp_trace != b.tp_trace);
     check("group_timeout", a.group_timeout != b.group_timeout);
     check("gate_timeout", a.gate_timeout != b.gate_timeout);
@@ -49,10 +53,11 @@ fn each_variable_sets_its_own_field_and_no_other() {
         "KDTREE_CUDA_GRAPHS" | "KDTREE_PDL" => "0",
         "KDTREE_W4A16_BLOCKS_PER_SM" => "2",
         "KDTREE_W4A16_MAX_SPLITS" => "16",
+        "KDTREE_MLA_EXPANDED_MIN_ROWS" => "512",
         "KDTREE_GROUP_TIMEOUT_S" | "KDTREE_GATE_TIMEOUT_S" => "1.5",
         _ => "1",
     };
-    assert_eq!(KNOBS.len(), 9);
+    assert_eq!(KNOBS.len(), 10);
     for (var, field, _) in KNOBS {
         assert!(var.starts_with(kdtree_engine::options::ENV_PREFIX), "{var}");
         let got = from(&[(var, moved(var))]);
@@ -67,6 +72,7 @@ fn each_variable_sets_its_own_field_and_no_other() {
     let o = from(&all);
     assert!(!o.graphs && !o.pdl && o.poison && o.gemv && o.tp_trace);
     assert_eq!((o.w4a16_blocks_per_sm, o.w4a16_max_splits), (2, 16));
+    assert_eq!(o.mla_expanded_min_rows, 512);
     assert_eq!(
         (o.group_timeout, o.gate_timeout),
         (Duration::from_millis(1500), Duration::from_millis(1500))

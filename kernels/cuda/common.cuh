@@ -75,6 +75,19 @@ constexpr int INVALID = 0x7fffffff;
 
 __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
+// One tensor-core step D = A·B + D: m16n8k16, bf16 inputs, f32 accumulate. Fragments (g = lane / 4,
+// t = lane % 4; each u32 two bf16, the lower index in the low half): a0 = A[g][2t..], a1 = A[g+8][2t..],
+// a2 = A[g][2t+8..], a3 = A[g+8][2t+8..]; b0 = B[2t..][g], b1 = B[2t+8..][g]; c = D[g][2t..], D[g+8][2t..].
+// An output element depends only on its own row of A and column of B.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 // One step of the online softmax (flash attention) over a chunk of R key rows, one score per lane of R
 // consecutive lanes (a group of a warp): m, l are the running max and sum of e^{s - m} of the query row the
 // group serves. Returns through `a` the factor the running output must be scaled by (e^{m_old - m_new}) and

@@ -68,15 +68,6 @@ __device__ __forceinline__ uint32_t deq2(uint32_t w, int sh, bf162 s2) {
     return as_u32(__hmul2(v, s2));
 }
 
-__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // Programmatic dependent launch (sm_90+; the wrappers launch the GEMMs with programmatic stream
 // serialization): a GEMM may start while the kernel before it drains. Everything before pdl_wait() only
 // reads the weights (which no kernel writes); x, the workspace, the counters and the output are touched after
@@ -149,8 +140,8 @@ __device__ __forceinline__ void k_step(float (&acc)[2][MT][4], const uint4 (&w)[
 #pragma unroll
         for (int m = 0; m < MT; m++) {
             const uint2 b = *reinterpret_cast<const uint2*>(xs + m * 8 * rs + word * 16 + 4 * j);
-            mma_bf16(acc[0][m], lo[0], lo[1], hi[0], hi[1], b.x, b.y);
-            mma_bf16(acc[1][m], lo[2], lo[3], hi[2], hi[3], b.x, b.y);
+            kdtree::mma_bf16(acc[0][m], lo[0], lo[1], hi[0], hi[1], b.x, b.y);
+            kdtree::mma_bf16(acc[1][m], lo[2], lo[3], hi[2], hi[3], b.x, b.y);
         }
     }
 }

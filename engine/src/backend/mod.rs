@@ -106,10 +106,7 @@ pub trait Resources: Clone + Send + Sync + 'static {
     }
     /// [`Resources::upload_i4g32`] and the xxh3-64 of the stack's host bytes, `[packed, scales]`.
     fn upload_i4g32_hashed(&self, s: I4Stack) -> Result<(Self::I4, [u64; 2])> {
-        let h = [
-            crate::xxh3::xxh3_64_par(&s.packed[..]),
-            crate::xxh3::xxh3_64_par(bytemuck::cast_slice(&s.scales[..])),
-        ];
+        let h = s.xxh3();
         Ok((self.upload_i4g32(s)?, h))
     }
     /// Rows of a bf16 matrix (its output width).

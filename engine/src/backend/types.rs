@@ -175,6 +175,13 @@ pub struct I4Stack {
 }
 
 impl I4Stack {
+    /// The xxh3-64 of the stack's host bytes, `[packed, scales]` (the manifest's checksums of its two tensors).
+    pub fn xxh3(&self) -> [u64; 2] {
+        [
+            crate::xxh3::xxh3_64_par(&self.packed[..]),
+            crate::xxh3::xxh3_64_par(bytemuck::cast_slice(&self.scales[..])),
+        ]
+    }
     /// Whether this rank holds global expert `e`.
     pub fn holds(&self, e: usize) -> bool {
         e >= self.first && e < self.first + self.count

@@ -192,10 +192,7 @@ impl Resources for CudaBackend {
     fn upload_i4g32_hashed(&self, s: I4Stack) -> Result<(DI4, [u64; 2])> {
         if !s.k.is_multiple_of(w4a16_gemm::K_STEP) {
             // Padded on the host (small models only): the shard's own bytes hashed, then the padded copy uploaded.
-            let h = [
-                crate::xxh3::xxh3_64_par(&s.packed[..]),
-                crate::xxh3::xxh3_64_par(bytemuck::cast_slice(&s.scales[..])),
-            ];
+            let h = s.xxh3();
             return Ok((self.upload_i4g32(s)?, h));
         }
         self.i4_shape_ok(s.count, s.n, s.k)?;

@@ -97,6 +97,15 @@ impl CudaBackend {
     ) -> R<CudaSlice<f32>> {
         let (hr, c, p, dn, dv) = (d.heads, d.kv_lora, d.rope, d.nope, d.v);
         let t: usize = segs.iter().map(|s| s.2).sum();
+        // A long forward of one sequence (a prefill) in the expanded form where it is switched on and its widths fit
+        // the kernel; never inside a capture (it reads the committed length on the host).
+        let min_rows = self.gpu.options().mla_expanded_min_rows;
+        if let [(kv, mask, ts)] = segs {
+            let fits = dv.is_multiple_of(16) && (dn + p).is_multiple_of(16) && dv <= 512 && dv + dn + p <= 576;
+            if min_rows > 0 && *ts >= min_rows && fits && self.not_capturing("").is_ok() {
+                return self.mla_expanded(q, kv, mask, *ts, l, kv_b, d);
+            }
+        }
         let qb = self.to_bf16(q)?; // [T, Hr·(Dn+P)]
         let lw = c + p;
         let mut qcat = self.gpu.out::<bf16>(t * hr * lw)?; // [T, Hr, C+P]
@@ -253,6 +262,105 @@ impl CudaBackend {
         }
         let mut o = self.gpu.out::<bf16>(t * hr * dv)?;
         apply_uv(&self.gpu, &olat.as_view(), &kv_b.w.as_view(), &mut o.as_view_mut(), ad)?;
+        self.to_f32(&o)
+    }
+    /// The expanded (multi-head) MLA of one sequence's `t` new rows (a prefill; [`seg_op::mla_attention_heads`]):
+    /// kv_b expands each of the layer's `committed + t` latent rows into every head's row `v_h | k_nope_h | k_pe`
+    /// (two GEMMs and a copy a head), and the queries `q_nope | q_pe` score against the keys directly: 320
+    /// multiply-adds a head and row pair at K2.6's widths where the latent form takes 1088. Output `[t, Hr·Dv]`
+    /// f32, as the latent form's after W_UV.
+    #[allow(clippy::too_many_arguments)]
+    fn mla_expanded(
+        &self,
+        q: &CudaSlice<f32>,
+        kv: &DKv,
+        mask: &DMask,
+        t: usize,
+        l: usize,
+        kv_b: &DMat,
+        d: &MlaDims,
+    ) -> R<CudaSlice<f32>> {
+        let (hr, c, p, dn, dv) = (d.heads, d.kv_lora, d.rope, d.nope, d.v);
+        let (rows, ew) = (kv.committed + t, dv + dn + p);
+        if mask.rows < t || rows > kv.cap {
+            return Err(CudaError::Shape {
+                op: "mla_attention",
+                msg: format!(
+                    "a mask of {} rows / a cache of {} rows for {} committed + {t} nodes",
+                    mask.rows, kv.cap, kv.committed
+                ),
+            });
+        }
+        let base = l * kv.cap * kv.width;
+        let lat = kv.buf.slice(base..base + rows * kv.width);
+        let mut ckv = self.gpu.out::<bf16>(rows * c)?;
+        copy_rows::copy_rows(&self.gpu, &lat, kv.width, &mut ckv.as_view_mut(), c, rows, c)?;
+        let hs = rows * ew;
+        let mut ex = self.gpu.out::<bf16>(hr * hs)?;
+        for h in 0..hr {
+            // kv_b's rows of head h: Dn of W_UK (keys), then Dv of W_UV (values).
+            let w0 = h * (dn + dv) * c;
+            let (wk, wv) = (
+                kv_b.w.slice(w0..w0 + dn * c),
+                kv_b.w.slice(w0 + dn * c..w0 + (dn + dv) * c),
+            );
+            let ckv = ckv.as_view();
+            gemm_bf16::gemm_bf16_ld(
+                &self.gpu,
+                &ckv,
+                &wv,
+                &mut ex.slice_mut(h * hs..(h + 1) * hs),
+                rows,
+                c,
+                dv,
+                ew,
+            )?;
+            gemm_bf16::gemm_bf16_ld(
+                &self.gpu,
+                &ckv,
+                &wk,
+                &mut ex.slice_mut(h * hs + dv..(h + 1) * hs),
+                rows,
+                c,
+                dn,
+                ew,
+            )?;
+            copy_rows::copy_rows(
+                &self.gpu,
+                &lat.slice(c..),
+                kv.width,
+                &mut ex.slice_mut(h * hs + dv + dn..(h + 1) * hs),
+                ew,
+                rows,
+                p,
+            )?;
+        }
+        let qb = self.to_bf16(q)?; // [T, Hr, Dn + P]: each head's q_nope | q_pe (roped)
+        let s = MlaShape {
+            t,
+            heads: hr,
+            kv_lora: dv,
+            rope: dn + p,
+            committed: kv.committed,
+        };
+        let split = MlaSplit::choose_heads(&self.gpu, &s);
+        let (wo, wml) = split.workspace(&s);
+        let (mut po, mut pml) = (self.new_f32(wo)?, self.new_f32(wml)?);
+        let mut o = self.gpu.out::<bf16>(t * hr * dv)?;
+        let mv = mask.bits.as_view();
+        seg_op::mla_attention_heads(
+            &self.gpu,
+            &qb.as_view(),
+            &ex.as_view(),
+            hs,
+            Some((&mv, mask.words)),
+            &s,
+            &split,
+            d.scale,
+            &mut po.as_view_mut(),
+            &mut pml.as_view_mut(),
+            &mut o.as_view_mut(),
+        )?;
         self.to_f32(&o)
     }
     #[allow(clippy::too_many_arguments)]

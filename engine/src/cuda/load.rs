@@ -77,9 +77,9 @@ impl Load {
     ) -> Result<(CudaSlice<T>, u64)> {
         let bytes: &[u8] = bytemuck::cast_slice(host);
         if bytes.len() < xxh3::PAR_MIN {
+            // A small tensor: hashed whole, then the plain upload (straight from the host slice).
             let h = kdtree_formats::manifest::xxh3_64(bytes);
-            self.count(bytes.len());
-            return Ok((gpu.stream.clone_htod(host).map_err(drv("upload"))?, h));
+            return Ok((self.upload(gpu, host)?, h));
         }
         let mut chain = xxh3::Chain::default();
         let dev = self.staged(gpu, host, Some(&mut chain))?;

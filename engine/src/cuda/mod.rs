@@ -336,6 +336,7 @@ impl Gpu {
         };
         ops::w4a16_gemm::configure(&gpu)?;
         ops::gqa_attention::configure(&gpu)?;
+        ops::mla_attention::configure(&gpu)?;
         ops::ddtree_build::configure(&gpu)?;
         Ok(gpu)
     }
@@ -580,14 +581,16 @@ impl Gpu {
         &self,
         host: &[T],
     ) -> Result<(CudaSlice<T>, u64)> {
-        GpuStats::bump(&self.stats.uploads);
         let mut g = self.load.lock().unwrap_or_else(|p| p.into_inner());
         match g.as_mut() {
-            Some(l) => l.upload_hashed(self, host),
+            Some(l) => {
+                GpuStats::bump(&self.stats.uploads);
+                l.upload_hashed(self, host)
+            }
             None => {
+                drop(g);
                 let h = crate::xxh3::xxh3_64_par(bytemuck::cast_slice(host));
-                self.drain()?;
-                Ok((self.stream.clone_htod(host).map_err(drv("upload"))?, h))
+                Ok((self.upload(host)?, h))
             }
         }
     }

@@ -23,6 +23,15 @@ pub fn pair_dir() -> PathBuf {
     .expect("models/kdtree-tiny (with drafter/) not found at the build path, ./models or ../models")
 }
 
+/// The synthetic `tiny` preset (seed 0, with its drafter: `kdtree-convert synth tiny --seed 0 --drafter`, as the
+/// GPU suite's end-to-end runs have it) written under `tmp` and converted for one rank: the converted folder.
+pub fn synth_tiny_one_rank(tmp: &Path) -> PathBuf {
+    let hf = tmp.join("hf");
+    kdtree_convert::synth::write("tiny", &hf, 0, true, None).unwrap();
+    convert(&hf, &tmp.join("tiny1"), 1);
+    tmp.join("tiny1")
+}
+
 /// Converts `src` (an HF checkpoint with a drafter/ folder) for `ranks` ranks into `out`.
 pub fn convert(src: &Path, out: &Path, ranks: usize) {
     repack(&RepackOptions {

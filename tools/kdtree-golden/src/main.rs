@@ -43,7 +43,8 @@ struct Args {
     #[arg(long, value_name = "LOGITS", requires = "score")]
     bound: Option<f32>,
     /// With --bound: accept a larger gap, up to GAP, only where the CPU router's decision margin at that token
-    /// is below MARGIN (a route flip at a router near-tie); both measured (see the README).
+    /// is below MARGIN (a route flip at a router near-tie); both measured (see the README). Later positions of a
+    /// record with an accepted flip are reported, not judged (the run's cache holds the flipped rows).
     #[arg(long, value_name = "MARGIN,GAP", requires = "bound", value_parser = parse_flip)]
     route_flip: Option<(f32, f32)>,
     /// Greedy tokens generated per prompt.
@@ -165,9 +166,18 @@ fn score(a: &Args) -> Result<bool> {
             String::new()
         } else {
             format!(
-                " (+{} accepted as route flips: {:?})",
+                " (+{} accepted as route flips: {:?}{})",
                 r.route_flips.len(),
-                r.route_flips
+                r.route_flips,
+                if r.after_flip.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        "; {} over the bound after a flip, not judged: {:?}",
+                        r.after_flip.len(),
+                        r.after_flip
+                    )
+                }
             )
         },
         if r.sampled_positions > 0 {

@@ -76,6 +76,10 @@ pub struct Report {
     pub route_flip: Option<(f32, f32)>,
     /// (file, id, position, gap, router margin) of every gap above the bound accepted as a route flip.
     pub route_flips: Vec<(String, String, usize, f32, f32)>,
+    /// (file, id, position, gap) of every gap above the bound after an accepted route flip in the same record:
+    /// the run's own cache rows from the flip on hold another expert set's output, which the CPU's teacher-forced
+    /// rows never see, so those positions are reported, not judged.
+    pub after_flip: Vec<(String, String, usize, f32)>,
     /// Sampled records: positions scored, and those where the CPU would have sampled another token.
     pub sampled_positions: usize,
     pub sampled_disagree: usize,
@@ -463,14 +467,17 @@ pub fn score(
             }
         }
     }
-    let (mut over_bound, mut route_flips) = (0, Vec::new());
+    let (mut over_bound, mut route_flips, mut after_flip) = (0, Vec::new(), Vec::new());
     if let Some(b) = bound {
         for r in &records {
+            let mut flipped = false;
             for (j, &g) in r.gaps.iter().enumerate() {
                 let m = r.router_margins.get(j).copied().unwrap_or(f32::INFINITY);
                 match route_flip {
                     _ if g <= b => {}
+                    Some(_) if flipped => after_flip.push((r.file.clone(), r.id.clone(), j, g)),
                     Some((eps, max)) if m < eps && g <= max => {
+                        flipped = true;
                         route_flips.push((r.file.clone(), r.id.clone(), j, g, m))
                     }
                     _ => over_bound += 1,
@@ -490,6 +497,7 @@ pub fn score(
         over_bound,
         route_flip,
         route_flips,
+        after_flip,
         sampled_positions: records.iter().map(|r| r.sampled_agree.len()).sum(),
         sampled_disagree: records
             .iter()

@@ -145,6 +145,26 @@ fn the_cpu_scores_its_own_tokens_zero_and_a_changed_token_fails() {
         );
         assert_eq!(code, Some(want), "--route-flip {flip}: {err}");
     }
+    // The accepted flip is the record's first gap over the bound; every later one is reported after it, not
+    // judged (the run's own cache holds the flipped row from there on).
+    let r = report(&out2);
+    let over: Vec<usize> = gaps
+        .iter()
+        .enumerate()
+        .filter(|(_, g)| g.as_f64().unwrap() > 0.01)
+        .map(|(j, _)| j)
+        .collect();
+    let flips = r["route_flips"].as_array().unwrap();
+    assert_eq!(flips.len(), 1, "{r}");
+    assert_eq!(flips[0][2].as_u64(), Some(2), "{r}");
+    let after: Vec<u64> = r["after_flip"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x[2].as_u64().unwrap())
+        .collect();
+    assert_eq!(after, over[1..].iter().map(|&j| j as u64).collect::<Vec<_>>(), "{r}");
+    assert_eq!(r["over_bound"].as_u64(), Some(0), "{r}");
 }
 
 #[test]

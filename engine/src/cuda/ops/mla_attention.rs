@@ -1,6 +1,7 @@
 //! MLA latent attention wrapper for kernels/cuda/mla_attention.cu (split-KV partials, then the
 //! log-sum-exp merge). CPU twin: the latent core of `crate::cpu::ops::mla_attention` (absorbed form).
 
+use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaView, CudaViewMut, PushKernelArg};
 use half::bf16;
 
@@ -8,11 +9,94 @@ use super::{as_i32, launch_cfg, need_len};
 use crate::cuda::{drv, ensure, Gpu, Result};
 
 const OP: &str = "mla_attention";
-/// Heads per CTA and latent rows per chunk of the kernel (rows per split are a multiple of this).
-const HEADS_PER_CTA: usize = 16;
-const ROWS_PER_CHUNK: usize = 16;
+/// Latent rows per chunk of the kernel (rows per split are a multiple of this).
+const ROWS_PER_CHUNK: usize = 32;
 /// The largest grid y (and z) dimension a launch may have.
 const GRID_Y_MAX: usize = 65535;
+/// Shared memory row of the kernel (bf16): C + P <= 576, padded.
+const LDS: usize = 576 + 8;
+
+/// One form of the split kernel (`mla_split_kernel<MT, NB>` in mla_attention.cu): `16·MT` query rows per CTA,
+/// `NB` latent chunk buffers. Both give the same bits; the large one needs 157 KiB of shared memory a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MlaForm {
+    m_tiles: usize,
+    buffers: usize,
+    split: &'static str,
+    seg: &'static str,
+    heads: &'static str,
+}
+
+const LARGE: MlaForm = MlaForm {
+    m_tiles: 4,
+    buffers: 2,
+    split: "kdtree_mla_attention_split_bf16",
+    seg: "kdtree_mla_attention_split_seg_bf16",
+    heads: "kdtree_mla_attention_split_heads_bf16",
+};
+const SMALL: MlaForm = MlaForm {
+    m_tiles: 2,
+    buffers: 1,
+    split: "kdtree_mla_attention_split_small_bf16",
+    seg: "kdtree_mla_attention_split_seg_small_bf16",
+    heads: "kdtree_mla_attention_split_heads_small_bf16",
+};
+
+impl MlaForm {
+    /// The form this GPU runs: the large one where a block may have its shared memory.
+    pub fn of(gpu: &Gpu) -> MlaForm {
+        if LARGE.smem_bytes() <= gpu.max_smem {
+            LARGE
+        } else {
+            SMALL
+        }
+    }
+    /// Query rows (node, head) per CTA.
+    pub fn rows(&self) -> usize {
+        16 * self.m_tiles
+    }
+    fn threads(&self) -> u32 {
+        64 * self.m_tiles as u32
+    }
+    /// Dynamic shared memory (mirror of `mla_smem_bytes` in the kernel): queries, latent chunks, P (its bf16
+    /// rounding and remainder), two row reductions.
+    pub fn smem_bytes(&self) -> usize {
+        let rows = self.rows();
+        (rows * LDS + self.buffers * ROWS_PER_CHUNK * LDS + 2 * rows * (ROWS_PER_CHUNK + 8)) * 2 + 2 * 2 * rows * 4
+    }
+    /// The query tiles of `t` nodes of `heads` heads: (node tiles, head tiles). A tile holds min(Hr, rows) heads
+    /// of max(1, rows / that) consecutive nodes.
+    pub fn tiles(&self, t: usize, heads: usize) -> (usize, usize) {
+        let hpt = heads.clamp(1, self.rows());
+        let npt = (self.rows() / hpt).max(1);
+        (t.div_ceil(npt), heads.div_ceil(hpt))
+    }
+    /// The query tiles of the expanded form ([`mla_attention_heads`]): `rows` consecutive nodes of one head.
+    pub fn head_tiles(&self, t: usize, heads: usize) -> (usize, usize) {
+        (t.div_ceil(self.rows()), heads)
+    }
+}
+
+/// Raises the split kernels' dynamic shared memory limit to their form's need (called once by `Gpu::new`).
+pub(crate) fn configure(gpu: &Gpu) -> Result<()> {
+    let f = MlaForm::of(gpu);
+    ensure(OP, f.smem_bytes() <= gpu.max_smem, || {
+        format!(
+            "needs {} bytes of shared memory, the device allows {}",
+            f.smem_bytes(),
+            gpu.max_smem
+        )
+    })?;
+    for name in [f.split, f.seg, f.heads] {
+        gpu.func(name)
+            .set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                f.smem_bytes() as i32,
+            )
+            .map_err(drv("mla_attention configure"))?;
+    }
+    Ok(())
+}
 
 /// Shapes of one MLA attention call on one rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,11 +120,20 @@ pub struct MlaSplit {
 }
 
 impl MlaSplit {
-    /// Enough CTAs to fill the GPU about twice (flash-decoding), at least 64 rows each.
+    /// As many splits as fit the GPU in one wave (flash-decoding; a CTA holds an SM's shared memory, and a
+    /// second wave of a few CTAs would double the time), at least 64 rows each.
     pub fn choose(gpu: &Gpu, s: &MlaShape) -> MlaSplit {
+        let (nt, ht) = MlaForm::of(gpu).tiles(s.t, s.heads);
+        Self::for_ctas(gpu, s, nt * ht)
+    }
+    /// [`MlaSplit::choose`] for the expanded form ([`mla_attention_heads`]: its tiles hold one head each).
+    pub fn choose_heads(gpu: &Gpu, s: &MlaShape) -> MlaSplit {
+        let (nt, ht) = MlaForm::of(gpu).head_tiles(s.t, s.heads);
+        Self::for_ctas(gpu, s, nt * ht)
+    }
+    fn for_ctas(gpu: &Gpu, s: &MlaShape, ctas_per_split: usize) -> MlaSplit {
         let rows = s.committed + s.t;
-        let ctas_per_split = s.t * s.heads.div_ceil(HEADS_PER_CTA);
-        let want = (2 * gpu.sms).div_ceil(ctas_per_split.max(1)).max(1);
+        let want = (gpu.sms / ctas_per_split.max(1)).max(1);
         let max_splits = rows.div_ceil(64).max(1);
         let splits = want.min(max_splits);
         let rows_per_split = rows.div_ceil(splits).div_ceil(ROWS_PER_CHUNK) * ROWS_PER_CHUNK;
@@ -147,14 +240,21 @@ pub fn mla_attention(
         as_i32(OP, "words", words)?,
         as_i32(OP, "rows_per_split", split.rows_per_split)?,
     );
-    // Nodes go in grid y (at most 65535): a longer forward (a prefill chunk, a batched round's rows) is split by
-    // the caller; past the limit the launch would fail with an opaque driver error, so say it here.
-    ensure(OP, s.t <= GRID_Y_MAX, || {
-        format!("{} nodes in one launch exceed the grid limit {GRID_Y_MAX}", s.t)
+    // Node tiles go in grid y (at most 65535): a longer forward is split by the caller; past the limit the launch
+    // would fail with an opaque driver error, so say it here.
+    let form = MlaForm::of(gpu);
+    let (nt, ht) = form.tiles(s.t, s.heads);
+    ensure(OP, nt <= GRID_Y_MAX && ht <= GRID_Y_MAX, || {
+        format!(
+            "{} nodes of {} heads ({nt} tiles of {} query rows) in one launch exceed the grid limit {GRID_Y_MAX}",
+            s.t,
+            s.heads,
+            form.rows()
+        )
     })?;
-    let grid = (split.splits as u32, s.t as u32, s.heads.div_ceil(HEADS_PER_CTA) as u32);
+    let grid = (split.splits as u32, nt as u32, ht as u32);
     let null: u64 = 0;
-    let mut b = gpu.stream.launch_builder(gpu.func("kdtree_mla_attention_split_bf16"));
+    let mut b = gpu.stream.launch_builder(gpu.func(form.split));
     b.arg(q).arg(lat);
     match mask {
         Some((m, _)) => b.arg(m),
@@ -174,8 +274,125 @@ pub fn mla_attention(
     b.arg(&w).arg(&rps).arg(&scale);
     // SAFETY: every buffer the kernel reads or writes was length-checked above for these shapes; the mask
     // argument is a device pointer or 0 (the kernel's causal case).
-    unsafe { b.launch(launch_cfg(grid, 256, 0)) }.map_err(drv(OP))?;
+    unsafe { b.launch(launch_cfg(grid, form.threads(), form.smem_bytes() as u32)) }.map_err(drv(OP))?;
     merge(gpu, part_o, part_ml, out, (s.t, split.splits, s.heads), hr, c)
+}
+
+/// The expanded (multi-head) form for prefill: `out[t, h, :C] = Σ_s softmax_s(scale · q[t, h, :] · k_h[s, :]) ·
+/// v_h[s, :]` over the rows node t sees (as [`mla_attention`]), each head over its own rows: head h's rows are
+/// `lat[h · head_stride ..]`, `[S, C + P]` bf16, each `v_h (C) | k_h (P)`, and `q` is `[T, Hr, QW]` bf16 with QW = the
+/// key width P (its keys are the rows' last QW columns; P a multiple of 16). `s.kv_lora` = C (the value width, <= 512),
+/// `s.rope` = P (C + P <= 576). Partials and merge as [`mla_attention`], `split` from [`MlaSplit::choose_heads`].
+/// Launch contract: two kernels, no allocation, no host sync.
+#[allow(clippy::too_many_arguments)]
+pub fn mla_attention_heads(
+    gpu: &Gpu,
+    q: &CudaView<'_, bf16>,
+    lat: &CudaView<'_, bf16>,
+    head_stride: usize,
+    mask: Option<(&CudaView<'_, u64>, usize)>,
+    s: &MlaShape,
+    split: &MlaSplit,
+    scale: f32,
+    part_o: &mut CudaViewMut<'_, f32>,
+    part_ml: &mut CudaViewMut<'_, f32>,
+    out: &mut CudaViewMut<'_, bf16>,
+) -> Result<()> {
+    let (c, p) = (s.kv_lora, s.rope);
+    let lw = c + p;
+    ensure(
+        OP,
+        c.is_multiple_of(16) && c > 0 && c <= 512 && p.is_multiple_of(16) && p > 0 && lw <= 576,
+        || format!("value width {c} and key width {p}: multiples of 16, C <= 512, C + P <= 576"),
+    )?;
+    ensure(
+        OP,
+        split.splits > 0
+            && split.splits <= MERGE_MAX_SPLITS
+            && split.rows_per_split.is_multiple_of(ROWS_PER_CHUNK)
+            && split.splits * split.rows_per_split >= s.committed + s.t,
+        || {
+            format!(
+                "{} splits x {} rows for {} rows",
+                split.splits,
+                split.rows_per_split,
+                s.committed + s.t
+            )
+        },
+    )?;
+    let rows = s.committed + s.t;
+    ensure(OP, head_stride >= rows * lw, || {
+        format!("head stride {head_stride} < {rows} rows x {lw}")
+    })?;
+    need_len(OP, "q", q.len(), s.t * s.heads * p)?;
+    need_len(OP, "lat", lat.len(), (s.heads.max(1) - 1) * head_stride + rows * lw)?;
+    let (wo, wml) = split.workspace(s);
+    need_len(OP, "part_o", part_o.len(), wo)?;
+    need_len(OP, "part_ml", part_ml.len(), wml)?;
+    need_len(OP, "out", out.len(), s.t * s.heads * c)?;
+    let words = match mask {
+        Some((m, w)) => {
+            ensure(OP, w * 64 >= s.t, || {
+                format!("{w} mask words per node cannot hold {} nodes", s.t)
+            })?;
+            need_len(OP, "mask", m.len(), s.t * w)?;
+            w
+        }
+        None => 0,
+    };
+    if s.t == 0 || s.heads == 0 {
+        return Ok(());
+    }
+    let form = MlaForm::of(gpu);
+    let (nt, ht) = form.head_tiles(s.t, s.heads);
+    ensure(OP, nt <= GRID_Y_MAX && ht <= GRID_Y_MAX, || {
+        format!(
+            "{} nodes of {} heads ({nt} tiles) exceed the grid limit {GRID_Y_MAX}",
+            s.t, s.heads
+        )
+    })?;
+    let (t, hr, ci, pi) = (
+        as_i32(OP, "t", s.t)?,
+        as_i32(OP, "heads", s.heads)?,
+        as_i32(OP, "value width", c)?,
+        as_i32(OP, "key width", p)?,
+    );
+    let (committed, w, rps, qw) = (
+        as_i32(OP, "committed", s.committed)?,
+        as_i32(OP, "words", words)?,
+        as_i32(OP, "rows_per_split", split.rows_per_split)?,
+        pi,
+    );
+    let (null, stride) = (0u64, head_stride as u64);
+    let mut b = gpu.stream.launch_builder(gpu.func(form.heads));
+    b.arg(q).arg(lat);
+    match mask {
+        Some((m, _)) => b.arg(m),
+        None => b.arg(&null),
+    };
+    b.arg(&mut *part_o)
+        .arg(&mut *part_ml)
+        .arg(&t)
+        .arg(&hr)
+        .arg(&ci)
+        .arg(&pi)
+        .arg(&committed)
+        .arg(&null)
+        .arg(&w)
+        .arg(&rps)
+        .arg(&scale)
+        .arg(&qw)
+        .arg(&stride);
+    // SAFETY: q, every head's rows, the mask and the partials were length-checked above for these shapes.
+    unsafe {
+        b.launch(launch_cfg(
+            (split.splits as u32, nt as u32, ht as u32),
+            form.threads(),
+            form.smem_bytes() as u32,
+        ))
+    }
+    .map_err(drv(OP))?;
+    merge(gpu, part_o, part_ml, out, (s.t, split.splits, s.heads), hr, ci)
 }
 
 /// The log-sum-exp merge of `splits` partials of `(t, heads)` nodes into `out` `[t, Hr, C]` bf16 (the
@@ -194,7 +411,8 @@ fn merge(
     let (po, pml) = (part_o.as_view(), part_ml.as_view());
     b.arg(&po).arg(&pml).arg(&mut *out).arg(&sp).arg(&hr).arg(&c);
     // SAFETY: the merge reads the partials the split kernel wrote and writes out [T, Hr, C].
-    unsafe { b.launch(launch_cfg((t as u32, heads as u32, 1), 128, 0)) }.map_err(drv(OP))?;
+    let col_blocks = (c as u32).div_ceil(128);
+    unsafe { b.launch(launch_cfg((t as u32, heads as u32, col_blocks), 256, 0)) }.map_err(drv(OP))?;
     Ok(())
 }
 
@@ -223,6 +441,7 @@ struct MlaSegsArg {
     mask: [u64; MAX_SEGS],
     pos: [u64; MAX_SEGS],
     row0: [i32; MAX_SEGS + 1],
+    tile0: [i32; MAX_SEGS + 1],
     words: [i32; MAX_SEGS],
     splits: [i32; MAX_SEGS],
     nseg: i32,
@@ -274,12 +493,14 @@ pub fn mla_attention_seg(
         mask: [0; MAX_SEGS],
         pos: [0; MAX_SEGS],
         row0: [0; MAX_SEGS + 1],
+        tile0: [0; MAX_SEGS + 1],
         words: [0; MAX_SEGS],
         splits: [0; MAX_SEGS],
         nseg: segs.len() as i32,
     };
+    let form = MlaForm::of(gpu);
     let mut guards = Vec::with_capacity(3 * segs.len());
-    let mut row = 0;
+    let (mut row, mut tile) = (0, 0);
     for (i, s) in segs.iter().enumerate() {
         ensure(OP, s.splits >= 1 && s.words * 64 >= s.t, || {
             format!(
@@ -296,26 +517,28 @@ pub fn mla_attention_seg(
         let (pp, gp) = s.pos.device_ptr(&gpu.stream);
         guards.extend([gl, gm, gp]);
         (arg.lat[i], arg.mask[i], arg.pos[i]) = (pl, pm, pp);
-        (arg.row0[i], arg.words[i], arg.splits[i]) = (
+        (arg.row0[i], arg.tile0[i], arg.words[i], arg.splits[i]) = (
             as_i32(OP, "row", row)?,
+            as_i32(OP, "tile", tile)?,
             as_i32(OP, "words", s.words)?,
             as_i32(OP, "splits", s.splits)?,
         );
         row += s.t;
+        tile += form.tiles(s.t, heads).0;
     }
     arg.row0[segs.len()] = as_i32(OP, "rows", row)?;
+    arg.tile0[segs.len()] = as_i32(OP, "tiles", tile)?;
     let (hr, c, p) = (
         as_i32(OP, "heads", heads)?,
         as_i32(OP, "kv_lora", kv_lora)?,
         as_i32(OP, "rope", rope)?,
     );
-    ensure(OP, t <= GRID_Y_MAX, || {
-        format!("{t} rows in one launch exceed the grid limit {GRID_Y_MAX}")
+    let ht = form.tiles(1, heads).1;
+    ensure(OP, tile <= GRID_Y_MAX && ht <= GRID_Y_MAX, || {
+        format!("{t} rows ({tile} tiles) in one launch exceed the grid limit {GRID_Y_MAX}")
     })?;
-    let grid = (splits as u32, t as u32, heads.div_ceil(HEADS_PER_CTA) as u32);
-    let mut b = gpu
-        .stream
-        .launch_builder(gpu.func("kdtree_mla_attention_split_seg_bf16"));
+    let grid = (splits as u32, tile as u32, ht as u32);
+    let mut b = gpu.stream.launch_builder(gpu.func(form.seg));
     b.arg(q)
         .arg(&arg)
         .arg(&mut *part_o)
@@ -326,7 +549,7 @@ pub fn mla_attention_seg(
         .arg(&scale);
     // SAFETY: every segment's buffers were length-checked above; the table holds their device addresses,
     // alive (guards) until the launch is queued; q, part_o, part_ml were checked for the launch's rows.
-    unsafe { b.launch(launch_cfg(grid, 256, 0)) }.map_err(drv(OP))?;
+    unsafe { b.launch(launch_cfg(grid, form.threads(), form.smem_bytes() as u32)) }.map_err(drv(OP))?;
     drop(guards);
     merge(gpu, part_o, part_ml, out, (t, splits, heads), hr, c)
 }
