@@ -36,9 +36,8 @@ const DENSE: [&str; 3] = [
 const LARGE: &str = "kdtree_moe_w4a16_gemm_i4g32_large";
 /// Its dynamic shared memory (4 stages of x 128 x 64 bf16, weights 128 x 32 bytes, scales 128 x 4 bytes).
 const LARGE_SMEM: usize = 4 * (128 * 64 * 2 + 128 * 32 + 128 * 4);
-/// Its row tile, and the k it steps by.
+/// Its row tile (it steps K by 64, which K_STEP is a multiple of).
 const LARGE_TILE: usize = 128;
-const LARGE_K_STEP: usize = 64;
 /// Mean rows per active expert from which the grouped GEMM takes the large-M form. Below it a 128-row tile
 /// would be mostly empty; above it the small form dequantises every weight once per 32 rows and sums splits
 /// through an f32 workspace.
@@ -171,10 +170,9 @@ pub fn plan_dense(gpu: &Gpu, m: usize, n: usize, k: usize) -> Plan {
     plan_for(gpu, mt, m.div_ceil(8 * mt), m, n, k)
 }
 
-/// Whether the grouped GEMM over `pairs` rows and `n_experts` experts takes the large-M form (the row tile then
-/// is 128 for every projection of the layer; shapes it cannot take fall back to the small form, whose tile is
-/// 32 from 32 rows an expert, so one routing serves a layer's projections either way only when all of them
-/// qualify: K2.6's do, K % 64 and N % 8).
+/// Whether the grouped GEMM over `pairs` rows and `n_experts` experts takes the large-M form. It depends on
+/// these two only, so the gate/up and down plans of one layer agree and one routing (row tile 128) serves
+/// them; every shape the grouped GEMM takes (K % 128, N % 32) suits the large form.
 pub fn large_moe(pairs: usize, n_experts: usize) -> bool {
     pairs.div_ceil(pairs.min(n_experts).max(1)) >= LARGE_MIN_ROWS
 }
@@ -183,11 +181,7 @@ pub fn large_moe(pairs: usize, n_experts: usize) -> bool {
 /// tile follows the mean rows per active expert, the split count assumes `min(E, P)` active experts.
 pub fn plan_moe(gpu: &Gpu, pairs: usize, n_experts: usize, n: usize, k: usize) -> Plan {
     let active = pairs.min(n_experts).max(1);
-    if large_moe(pairs, n_experts)
-        && k.is_multiple_of(LARGE_K_STEP)
-        && n.is_multiple_of(8)
-        && gpu.max_smem >= LARGE_SMEM
-    {
+    if large_moe(pairs, n_experts) && gpu.max_smem >= LARGE_SMEM {
         return Plan {
             mt: LARGE_TILE / 8,
             splits: 1,
