@@ -872,7 +872,7 @@ fn moe_w4a16_large_parity() {
         (
             3072usize, 8usize, 384usize, 384usize, 256usize, 7168usize, 1usize, false,
         ),
-        (2304, 8, 384, 384, 256, 7168, 2, false),
+        (3072, 8, 384, 384, 256, 7168, 2, false),
         (1100, 8, 96, 96, 7168, 256, 1, true),
         (700, 2, 8, 5, 96, 384, 1, false),
     ];
