@@ -28,9 +28,11 @@ fn sigmoid(z: f32) -> f64 {
 
 /// One-row decode steps after each prompt's prefill: the AR path's M = 1 GEMMs and split attention.
 const DECODE_STEPS: usize = 16;
+/// One MoE layer of a forward: every row's router logits, and the expert ids it chose.
+type RouterLayer = (Vec<f32>, Vec<i32>);
 
 /// A trace's MoE layers in order: (router logits [T, E], chosen ids [T, k]).
-fn router_layers(label: &str, t: &kdtree_engine::model::Trace) -> Vec<(Vec<f32>, Vec<i32>)> {
+fn router_layers(label: &str, t: &kdtree_engine::model::Trace) -> Vec<RouterLayer> {
     t.tensors
         .iter()
         .filter(|x| x.name.ends_with("router.logits"))
@@ -64,7 +66,7 @@ fn measure(label: &str, dir: &Path) {
         let chain: Vec<i32> = (0..len as i32).map(|i| i - 1).collect();
         // Per backend, per forward (the prefill, then one-row decode steps teacher-forced on the same tokens):
         // every MoE layer's (router logits, chosen ids), in layer order.
-        let mut calls: Vec<Vec<Vec<(Vec<f32>, Vec<i32>)>>> = Vec::new();
+        let mut calls: Vec<Vec<Vec<RouterLayer>>> = Vec::new();
         for t in [&mut cpu.target as &mut dyn kdtree_engine::api::Target, &mut *gpu.target] {
             t.reset();
             let mut per = Vec::new();
@@ -100,16 +102,16 @@ fn measure(label: &str, dir: &Path) {
                         .map(|(&p, &q)| (sigmoid(p) - sigmoid(q)).abs()),
                 );
                 rows += clean;
-                for p in 0..clean {
+                let flipped = (0..clean).find(|&p| {
                     let (mut sa, mut sb) = (xi[p * k..(p + 1) * k].to_vec(), yi[p * k..(p + 1) * k].to_vec());
                     sa.sort_unstable();
                     sb.sort_unstable();
-                    if sa != sb {
-                        flips += 1;
-                        clean = p;
-                        cap = cap.min(i);
-                        break;
-                    }
+                    sa != sb
+                });
+                if let Some(p) = flipped {
+                    flips += 1;
+                    clean = p;
+                    cap = cap.min(i);
                 }
             }
         }
