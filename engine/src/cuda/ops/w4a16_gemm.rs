@@ -452,17 +452,8 @@ pub fn moe_w4a16(
         as_i32(OP_MOE, "kbps", p.kbps)?,
         as_i32(OP_MOE, "ld_out", ld_out)?,
     );
-    let (mut xp, mut sorted, mut tiles, mut n_tiles) = (
-        addr(gpu, x),
-        addr(gpu, r.sorted),
-        addr(gpu, r.tiles),
-        addr(gpu, r.n_tiles),
-    );
-    let (mut p0, mut s0) = (addr(gpu, mats[0].0), addr(gpu, mats[0].1));
-    let (mut p1, mut s1) = match mats.get(1) {
-        Some((pk, sc)) => (addr(gpu, pk), addr(gpu, sc)),
-        None => (p0, s0),
-    };
+    let mut xp = addr(gpu, x);
+    let [mut sorted, mut tiles, mut n_tiles, mut p0, mut s0, mut p1, mut s1] = grouped_addrs(gpu, r, mats);
     let (mut wsp, mut op, mut cp) = (addr_mut(gpu, ws), addr_mut(gpu, out), counters(gpu));
     let mut params = [
         arg(&mut xp),
@@ -491,6 +482,25 @@ pub fn moe_w4a16(
     // SAFETY: as the dense form; expert ids come from moe_align, which drops ids outside [0, E); with silu
     // the x rows hold 2k elements (checked).
     unsafe { launch_pdl(gpu, OP_MOE, name, launch_cfg(grid, 128, p.smem as u32), &mut params) }
+}
+
+/// Device addresses both grouped forms take: the routing (sorted, tiles, n_tiles), then the first matrix's packed
+/// weights and scales and the second's (the first's again when there is one).
+fn grouped_addrs(gpu: &Gpu, r: &Routing<'_>, mats: &[(&CudaView<'_, u8>, &CudaView<'_, bf16>)]) -> [u64; 7] {
+    let (p0, s0) = (addr(gpu, mats[0].0), addr(gpu, mats[0].1));
+    let (p1, s1) = match mats.get(1) {
+        Some((pk, sc)) => (addr(gpu, pk), addr(gpu, sc)),
+        None => (p0, s0),
+    };
+    [
+        addr(gpu, r.sorted),
+        addr(gpu, r.tiles),
+        addr(gpu, r.n_tiles),
+        p0,
+        s0,
+        p1,
+        s1,
+    ]
 }
 
 /// The large-M grouped form of [`moe_w4a16`] (checked there: weights, x, out, routing).
@@ -528,12 +538,7 @@ fn launch_large(
         as_i32(OP_MOE, "K", k)?,
         as_i32(OP_MOE, "ld_out", ld_out)?,
     );
-    let (mut sorted, mut tiles, mut n_tiles) = (addr(gpu, r.sorted), addr(gpu, r.tiles), addr(gpu, r.n_tiles));
-    let (mut p0, mut s0) = (addr(gpu, mats[0].0), addr(gpu, mats[0].1));
-    let (mut p1, mut s1) = match mats.get(1) {
-        Some((pk, sc)) => (addr(gpu, pk), addr(gpu, sc)),
-        None => (p0, s0),
-    };
+    let [mut sorted, mut tiles, mut n_tiles, mut p0, mut s0, mut p1, mut s1] = grouped_addrs(gpu, r, mats);
     let mut params = [
         arg(&mut xp),
         arg(&mut lx),
