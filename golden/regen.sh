@@ -5,6 +5,8 @@
 #   golden/k26-gate/     with KDTREE_GOLDEN_K26=1 only (~35 GB of disk, minutes of CPU): the real-width model
 #                        manifests/presets/k26-gate.toml (synth --seed 1 --drafter, --ranks 1), flags in its FLAGS file;
 #                        scripts/gpu-test-k26.sh rebuilds and compares it on every run of the real-width gate
+#   golden/k26-long/     with KDTREE_GOLDEN_K26=1 only: the same model, one prompt of 3,200 tokens (the prefill's
+#                        large-M grouped GEMM at 67 rows an expert), flags in its FLAGS file
 #
 #   golden/regen.sh           convert -> kdtree-golden -> replace each set's index.json + *.safetensors
 #   golden/regen.sh --check   the same into a temp dir, twice (RAYON_NUM_THREADS=1 and =2); fail (exit 1) on
@@ -80,5 +82,7 @@ if [ "${KDTREE_GOLDEN_K26:-0}" = 1 ]; then
     rm -rf "$work/k26-hf"
     # shellcheck disable=SC2046 # the flags file holds several words
     run_set k26-gate "$work/k26" golden/k26-gate $(cat golden/k26-gate/FLAGS)
+    # shellcheck disable=SC2046
+    [ -f golden/k26-long/prompts.jsonl ] && run_set k26-long "$work/k26" golden/k26-long $(cat golden/k26-long/FLAGS)
 fi
 exit $status

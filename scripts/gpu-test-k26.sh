@@ -27,6 +27,10 @@
 #     measured |Δ| is far above the bf16 error are listed with their router margins;
 #  3. `kdtree-run --device cuda --verify golden/k26-gate` against the committed CPU bundle, and the CPU
 #     bundle rebuilt here from the same conversion equals the committed one byte for byte;
+#  3b. a long prompt (golden/k26-long: 3,200 tokens, so 67 rows an expert: the prefill's large-M grouped W4A16
+#     form, and MLA over 3,200 rows), greedy AR, on every conversion (1 rank, tp8, ep8) twice: `--verify
+#     golden/k26-long` against the committed CPU bundle (unverified, said so, while none is committed), and the two
+#     runs' records identical;
 #  4. compute-sanitizer memcheck on a real-width AR run (prefill and captured decode steps): zero errors;
 #  5. the host load check (the default): a byte flipped in the middle of the largest tensor, or in the last
 #     bytes of the largest bf16 one, is refused (exit 2, the tensor named); its cost is measured after.
@@ -75,6 +79,25 @@ for conv in m1 tp8 ep8; do
     runs "$conv" "$conv" "$rep"
     [ "$conv" = m1 ] || CUDA_MODULE_LOADING=EAGER runs "${conv}g" "$conv" "$rep" --gpus 8 --share-gpu
   done
+  # 3b: the long prompt, twice, each run verified against the committed CPU bundle (until that is committed, the
+  # two runs only: the CPU reference takes over an hour of a core for it, too long for this gate to build).
+  s=$(date +%s)
+  verify=(--verify golden/k26-long)
+  [ -f golden/k26-long/index.json ] || { verify=(); say "golden/k26-long has no bundle yet: the long prompt runs unverified"; }
+  for rep in 1 2; do
+    if ! "$dir/kdtree-run" "$k/$conv" --prompts golden/k26-long/prompts.jsonl --out "$k/long-$conv-$rep.jsonl" \
+        --device cuda --mode ar "${verify[@]}" > "$k/long-$conv-$rep.log" 2>&1; then
+      fail "kdtree-run ${verify[*]} (the long prompt), $conv, run $rep: failed"; tail -20 "$k/long-$conv-$rep.log" | tee -a "$log"
+    fi
+  done
+  grep -E "note|route|near-tie|match|MISMATCH" "$k/long-$conv-1.log" | head -6 | sed "s/^/K26 long $conv: /" | tee -a "$log"
+  if python3 -c 'import json, sys
+a, b = ([{k: v for k, v in json.loads(l).items() if k != "timing"} for l in open(f)] for f in sys.argv[1:3])
+sys.exit(a != b or not a)' "$k/long-$conv-1.jsonl" "$k/long-$conv-2.jsonl"; then
+    say "long prompt ($conv, 3,200 tokens): ${verify[*]:-unverified} twice, records identical ($(( $(date +%s) - s )) s)"
+  else
+    fail "long prompt ($conv): the two runs' records differ"
+  fi
   if [ "$conv" = m1 ]; then
     # Sampled (T = 1, seed 7), AR and DDTree b16: how often the CPU, teacher-forced with the same settings and the
     # same position-keyed uniform, would sample another token (measured, not gated: README "Sampling on two devices").

@@ -196,8 +196,10 @@ PY
     --full-logits-steps 0 --topk 2 --trace-step 0 --no-ddtree --quiet || status=1
   # Every rank run teacher-forced through the CPU reference of the 1-rank conversion (the same math), with the
   # bound and this run's measured route-flip rule: the second judge of a line that differs from the 1-rank run.
-  "$dir/kdtree-golden" "$e2e/pair1" --prompts examples/heldout.jsonl --score "$e2e"/ranks-*.jsonl --bound 0.15 \
-    --route-flip "${m_pair:-0},4.0" --out "$e2e/ranks-score.json" --quiet 2>> "$e2e/ranks.err"
+  # The batched greedy runs too: a batch's rows go through GEMMs of other shapes (from 64 rows an expert the
+  # grouped W4A16 takes its large-M form), so a line may leave the batch-1 line at a measured route flip.
+  "$dir/kdtree-golden" "$e2e/pair1" --prompts examples/heldout.jsonl --score "$e2e"/ranks-*.jsonl "$e2e"/batch8-*-t0.jsonl \
+    --bound 0.15 --route-flip "${m_pair:-0},4.0" --out "$e2e/ranks-score.json" --quiet 2>> "$e2e/ranks.err"
   python3 - "$e2e" <<'PY' | tee -a "$log"
 import json, os, struct, sys
 e2e = sys.argv[1]
@@ -276,7 +278,8 @@ for plan in ("tp2", "tp4", "tp8", "ep2", "ep4", "ep8"):
         if (plan, mode) == ("tp8", "ddtree16"):
             bad += same_lines(f"groups-eager-{plan}-{mode}", f"groups {plan} {mode} eager: {plan[2:]} rank groups without graphs", got)
 # --max-batch 8 against --max-batch 1 (the same prompts and settings): greedy lines must be equal up to
-# near-ties of the 1-rank AR run (a batched GEMM may sum in another order); sampled lines are counted.
+# near-ties of the 1-rank AR run (a batched GEMM may sum in another order) or a route flip that the teacher-forced
+# score accepts (CPU router margin under the measured one); sampled lines are counted.
 for temp in (0, 1):
     for mode in ("ar", "ddtree16", "ddtree64"):
         try:
@@ -284,7 +287,7 @@ for temp in (0, 1):
             s1, s8 = json.load(open(f"{e2e}/pair-{mode}-t{temp}.json")), json.load(open(f"{e2e}/batch8-{mode}-t{temp}.json"))
         except (OSError, ValueError) as e:
             print(f"E2E batch {mode} T={temp}: no output ({e})"); bad += 1; continue
-        same, ties, fails = 0, [], []
+        same, ties, flipped, fails = 0, [], [], []
         for k, a in one_b.items():
             d = got.get(k)
             if d == a:
@@ -297,11 +300,19 @@ for temp in (0, 1):
                 margin = lg[2 * i] - lg[2 * i + 1] if toks[:len(a)] == a and 2 * i + 1 < len(lg) else float("inf")
             except (OSError, KeyError, ValueError):
                 margin = float("inf")
-            (ties if margin <= 0.15 else fails).append(f"{k} at token {i} (top-2 margin {margin:.3g})")
+            what = f"{k} at token {i} (top-2 margin {margin:.3g})"
+            if margin <= 0.15:
+                ties.append(what)
+            elif forced.get((f"batch8-{mode}-t0.jsonl", k)):
+                flipped.append(what)
+            else:
+                fails.append(what)
         if temp == 0:
             bad += len(fails)
         print(f"E2E batch {mode} T={temp} --max-batch 8 vs 1: {same} of {len(one_b)} lines identical"
-              + (f", near-ties {ties}" if ties else "") + (f", {'FAIL' if temp == 0 else 'differ'} {fails}" if fails else "")
+              + (f", near-ties {ties}" if ties else "")
+              + (f", teacher-forced within the bound but for measured route flips {flipped}" if flipped else "")
+              + (f", {'FAIL' if temp == 0 else 'differ'} {fails}" if fails else "")
               + f"; throughput {s8.get('throughput_tok_s') or 0:.0f} vs {s1.get('throughput_tok_s') or 0:.0f} tok/s")
 try:
     m1, m8 = load(f"{e2e}/mixed-b1.jsonl"), load(f"{e2e}/mixed-b8.jsonl")
@@ -316,6 +327,7 @@ except (OSError, ValueError) as e:
 sys.exit(1 if bad else 0)
 PY
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  tar -C "$e2e" -cf "$out/batch-runs.tar" $(cd "$e2e" && ls batch8-*.json* mixed-*.json* ranks-score.json) 2>/dev/null
   san_pair="$e2e/pair1"
 fi
 if [ "${KDTREE_GPU_BENCH:-1}" = 1 ]; then

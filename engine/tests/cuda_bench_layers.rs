@@ -842,3 +842,169 @@ fn forced_routes_and_tree_masks() {
         );
     }
 }
+
+/// The routed experts of one K2.6 layer at prefill sizes on the TP8 rank-0 slice (384 experts of 256 x 7168
+/// and 7168 x 256): gate | up in one grouped launch, SwiGLU, down, for T = 1024, 4096, 16384 tokens routed
+/// uniformly (8 distinct experts a token). The form is `plan_moe`'s (the large-M form from
+/// `w4a16_gemm::LARGE_MIN_ROWS` rows an expert); time per layer (CUDA events, warm), against the FLOP floor at
+/// the bf16 peak measured in the same run (cuBLAS 8192^3) and the weight bytes at the copy rate.
+#[test]
+#[ignore = "timing; run by bench/gpu-bench.sh"]
+fn moe_prefill() {
+    use kdtree_engine::cuda::ops::silu_mul;
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(g) = gpu() else { return };
+    let mut r = rng(3100);
+    let pools = Pools::new(&g, &mut r);
+    let copy = copy_gbps(&g);
+    let peak = matmul_tflops(&g, &pools.weights);
+    let mi = MI / 8;
+    let i4 = |n: usize, k: usize| {
+        (
+            fill(&g, &pools.bytes, E * n * k / 2),
+            fill(&g, &pools.scales, E * n * k / 32),
+        )
+    };
+    let (gate, up, down) = (i4(mi, H), i4(mi, H), i4(H, mi));
+    println!(
+        "\nmoe_prefill: device {}, copy {copy:.0} GB/s, bf16 peak {peak:.0} TFLOP/s",
+        g.describe()
+    );
+    for t in [1024usize, 4096, 16384] {
+        let p = t * TOP_K;
+        let ids: Vec<i32> = (0..t)
+            .flat_map(|_| {
+                rand::seq::index::sample(&mut r, E, TOP_K)
+                    .into_iter()
+                    .map(|e| e as i32)
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let x = fill(&g, &pools.weights, t * H);
+        let plan_gu = w4a16_gemm::plan_moe(&g, p, E, 2 * mi, H);
+        let plan_d = w4a16_gemm::plan_moe(&g, p, E, H, mi);
+        let tile = plan_gu.tile_rows();
+        let mt = moe_align::max_tiles(p, E, tile);
+        let di = g.upload(&ids).unwrap();
+        let (mut sorted, mut tiles, mut nt) = (
+            g.zeros::<i32>(p).unwrap(),
+            g.zeros::<i32>(3 * mt).unwrap(),
+            g.zeros::<i32>(1).unwrap(),
+        );
+        moe_align::moe_align(
+            &g,
+            &di.as_view(),
+            E,
+            tile,
+            &mut sorted.as_view_mut(),
+            &mut tiles.as_view_mut(),
+            &mut nt.as_view_mut(),
+        )
+        .unwrap();
+        let wsl = plan_gu.workspace_len(p, 2 * mi).max(plan_d.workspace_len(p, H)).max(1);
+        let mut ws = g.zeros::<f32>(wsl).unwrap();
+        let mut gu = g.zeros::<bf16>(p * 2 * mi).unwrap();
+        let mut act = g.zeros::<bf16>(p * mi).unwrap();
+        let mut y = g.zeros::<bf16>(p * H).unwrap();
+        let (sv, tv, nv) = (sorted.as_view(), tiles.as_view(), nt.as_view());
+        let routing = w4a16_gemm::Routing {
+            sorted: &sv,
+            tiles: &tv,
+            max_tiles: mt,
+            n_tiles: &nv,
+            tile_rows: tile,
+        };
+        let (gp, gs, upk, us, dp, ds) = (
+            gate.0.as_view(),
+            gate.1.as_view(),
+            up.0.as_view(),
+            up.1.as_view(),
+            down.0.as_view(),
+            down.1.as_view(),
+        );
+        let xv = x.as_view();
+        let dims = |n: usize, k: usize| w4a16_gemm::MoeDims {
+            pairs: p,
+            n_experts: E,
+            n,
+            k,
+        };
+        let ms_gu = time_ms(&g, 2, 5, |_| {
+            let xr = w4a16_gemm::MoeX::Rows {
+                x: &xv,
+                ld: H,
+                row_div: TOP_K,
+            };
+            w4a16_gemm::moe_w4a16(
+                &g,
+                xr,
+                &routing,
+                &[(&gp, &gs), (&upk, &us)],
+                dims(mi, H),
+                &mut ws.as_view_mut(),
+                (&mut gu.as_view_mut(), 2 * mi),
+            )
+            .unwrap();
+        });
+        let ms_down = time_ms(&g, 2, 5, |_| {
+            if plan_d.large {
+                silu_mul::silu_mul(
+                    &g,
+                    &gu.as_view(),
+                    &gu.slice(mi..),
+                    &mut act.as_view_mut(),
+                    p,
+                    mi,
+                    2 * mi,
+                )
+                .unwrap();
+                let av = act.as_view();
+                let xr = w4a16_gemm::MoeX::Rows {
+                    x: &av,
+                    ld: mi,
+                    row_div: 1,
+                };
+                w4a16_gemm::moe_w4a16(
+                    &g,
+                    xr,
+                    &routing,
+                    &[(&dp, &ds)],
+                    dims(H, mi),
+                    &mut ws.as_view_mut(),
+                    (&mut y.as_view_mut(), H),
+                )
+                .unwrap();
+            } else {
+                let guv = gu.as_view();
+                let xr = w4a16_gemm::MoeX::SiluGateUp { gu: &guv, ld: 2 * mi };
+                w4a16_gemm::moe_w4a16(
+                    &g,
+                    xr,
+                    &routing,
+                    &[(&dp, &ds)],
+                    dims(H, mi),
+                    &mut ws.as_view_mut(),
+                    (&mut y.as_view_mut(), H),
+                )
+                .unwrap();
+            }
+        });
+        let flops = 2.0 * p as f64 * 3.0 * (mi * H) as f64;
+        let ms = ms_gu + ms_down;
+        let floor_ms = flops / (peak * 1e12) * 1e3;
+        let bytes_ms = (3 * E * mi * H) as f64 * 9.0 / 16.0 / (copy * 1e9) * 1e3;
+        println!(
+            "moe_prefill T={t:>5}: {} form, gate|up {ms_gu:.3} ms + down {ms_down:.3} ms = {ms:.3} ms, {:.0} TFLOP/s; \
+             floor {floor_ms:.3} ms (flops) / {bytes_ms:.3} ms (weights): {:.1}x",
+            if plan_gu.large { "large-M" } else { "small-M" },
+            flops / (ms * 1e-3) / 1e12,
+            ms / floor_ms.max(bytes_ms)
+        );
+        println!(
+            "BENCH moe_prefill t={t} large={} gate_up_ms={ms_gu:.4} down_ms={ms_down:.4} tflops={:.1} floor_ms={:.4}",
+            plan_gu.large,
+            flops / (ms * 1e-3) / 1e12,
+            floor_ms.max(bytes_ms)
+        );
+    }
+}

@@ -858,3 +858,134 @@ fn w4a16_chain_same_with_and_without_pdl() {
     }
     g.set_pdl(was);
 }
+
+/// The large-M grouped form (prefill: `plan_moe` takes it from `LARGE_MIN_ROWS` rows per expert on): K2.6's
+/// TP8 gate and gate|up (384 experts, 256 x 7168), its down (7168 x 256, x per pair), and an odd small case
+/// (N = 96, not a multiple of the 128-row block; 5 of 8 experts used, so tiles end part full). Every output
+/// row must be written (NaN-poisoned before); the CPU twin is checked on every pair of the first expert and
+/// the last, plus 384 random pairs.
+#[test]
+fn moe_w4a16_large_parity() {
+    let Some(g) = gpu() else { return };
+    // (T, top_k, E, experts used, N, K, matrices, x per pair)
+    let cases = [
+        (
+            3072usize, 8usize, 384usize, 384usize, 256usize, 7168usize, 1usize, false,
+        ),
+        (3072, 8, 384, 384, 256, 7168, 2, false),
+        (1100, 8, 96, 96, 7168, 256, 1, true),
+        (700, 2, 8, 5, 96, 384, 1, false),
+    ];
+    for (ci, &(t, top_k, e, used, n, k, nmat, per_pair)) in cases.iter().enumerate() {
+        let case = format!(
+            "moe_w4a16_large(T={t},top_k={top_k},E={e},used={used},N={n},K={k},mats={nmat},x_per_pair={per_pair})"
+        );
+        let mut r = rng(1600 + ci as u64);
+        let p = t * top_k;
+        let mut pool: Vec<i32> = (0..e as i32).collect();
+        pool.shuffle(&mut r);
+        pool.truncate(used);
+        let ids: Vec<i32> = (0..t)
+            .flat_map(|_| pool.choose_multiple(&mut r, top_k).copied().collect::<Vec<_>>())
+            .collect();
+        let xrows = if per_pair { p } else { t };
+        let x = rand_bf16(&mut r, xrows * k, 0.01, 1.0);
+        let mats: Vec<(Vec<u8>, Vec<bf16>)> = (0..nmat).map(|_| int4_weights(&mut r, e, n, k)).collect();
+        let width = nmat * n;
+        let plan = ops::w4a16_gemm::plan_moe(&g, p, e, width, k);
+        assert!(
+            plan.large,
+            "{case}: {} rows an expert should take the large form",
+            p / used
+        );
+        let tile = plan.tile_rows();
+        let mt = ops::moe_align::max_tiles(p, e, tile);
+        let di = g.upload(&ids).unwrap();
+        let (mut sorted, mut tiles, mut nt) = (
+            g.upload(&vec![-1i32; p]).unwrap(),
+            g.upload(&vec![-1i32; 3 * mt]).unwrap(),
+            g.upload(&[-1i32]).unwrap(),
+        );
+        ops::moe_align::moe_align(
+            &g,
+            &di.as_view(),
+            e,
+            tile,
+            &mut sorted.as_view_mut(),
+            &mut tiles.as_view_mut(),
+            &mut nt.as_view_mut(),
+        )
+        .unwrap();
+        let (sv, tv, nv) = (sorted.as_view(), tiles.as_view(), nt.as_view());
+        let routing = ops::w4a16_gemm::Routing {
+            sorted: &sv,
+            tiles: &tv,
+            max_tiles: mt,
+            n_tiles: &nv,
+            tile_rows: tile,
+        };
+        let dx = g.upload(&x).unwrap();
+        let dm: Vec<_> = mats
+            .iter()
+            .map(|(pk, sc)| (g.upload(pk).unwrap(), g.upload(sc).unwrap()))
+            .collect();
+        let views: Vec<_> = dm.iter().map(|(pk, sc)| (pk.as_view(), sc.as_view())).collect();
+        let refs: Vec<_> = views.iter().map(|(pk, sc)| (pk, sc)).collect();
+        let mut ws = g.upload(&nan_f32(plan.workspace_len(p, width).max(1))).unwrap();
+        let mut out = g.upload(&nan_bf16(p * width)).unwrap();
+        let t0 = std::time::Instant::now();
+        ops::w4a16_gemm::moe_w4a16(
+            &g,
+            ops::w4a16_gemm::MoeX::Rows {
+                x: &dx.as_view(),
+                ld: k,
+                row_div: if per_pair { 1 } else { top_k },
+            },
+            &routing,
+            &refs,
+            ops::w4a16_gemm::MoeDims {
+                pairs: p,
+                n_experts: e,
+                n,
+                k,
+            },
+            &mut ws.as_view_mut(),
+            (&mut out.as_view_mut(), width),
+        )
+        .unwrap();
+        let got = g.download(&out).unwrap();
+        let first_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let unwritten = got.iter().filter(|v| v.is_nan()).count();
+        assert_eq!(unwritten, 0, "{case}: {unwritten} outputs never written");
+        let (lo_e, hi_e) = (*pool.iter().min().unwrap(), *pool.iter().max().unwrap());
+        let mut check: Vec<usize> = (0..p).filter(|&q| ids[q] == lo_e || ids[q] == hi_e).collect();
+        check.extend((0..384).map(|_| (r.next_u32() as usize) % p));
+        let xf = widen(&x);
+        let (eb, es) = (n * k / 2, n * k / 32);
+        let (mut want, mut got_c) = (Vec::new(), Vec::new());
+        for &q in &check {
+            let xr = if per_pair { q } else { q / top_k };
+            let ex = ids[q] as usize;
+            for (m, (pk, sc)) in mats.iter().enumerate() {
+                want.extend(matmul_i4g32(
+                    &xf[xr * k..(xr + 1) * k],
+                    &pk[ex * eb..(ex + 1) * eb],
+                    &sc[ex * es..(ex + 1) * es],
+                    1,
+                    k,
+                    n,
+                ));
+                got_c.extend_from_slice(&got[q * width + m * n..q * width + (m + 1) * n]);
+            }
+        }
+        check_bf16(
+            &format!(
+                "{case} [tile {tile}, {} pairs checked, first call {first_ms:.1} ms]",
+                check.len()
+            ),
+            &got_c,
+            &want,
+            W4A16_TOL,
+        );
+    }
+}

@@ -169,10 +169,17 @@ fn rope_parity() {
 #[test]
 fn silu_mul_parity() {
     let Some(g) = gpu() else { return };
-    // (rows, i, fused): fused = gate and up halves of one [rows, 2i] buffer.
-    for (n, &(rows, i, fused)) in [(1, 2048, true), (8, 256, false), (64, 18432 / 8, true), (3, 100, false)]
-        .iter()
-        .enumerate()
+    // (rows, i, fused): fused = gate and up halves of one [rows, 2i] buffer. 131077 rows: the (token, slot) pairs of a
+    // 16K-token prefill chunk on the K2.6 TP8 slice, past the grid's 65535 rows.
+    for (n, &(rows, i, fused)) in [
+        (1, 2048, true),
+        (8, 256, false),
+        (64, 18432 / 8, true),
+        (3, 100, false),
+        (131077, 256, true),
+    ]
+    .iter()
+    .enumerate()
     {
         let case = format!("silu_mul(rows={rows},i={i},fused={fused},bf16)");
         let mut r = rng(300 + n as u64);

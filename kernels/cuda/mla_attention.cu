@@ -35,30 +35,12 @@ constexpr int LW_MAX = 576;    // C + P
 constexpr int LDS = LW_MAX + 8;  // smem row (bf16): 1168 bytes, 16-byte aligned, consecutive rows 4 banks apart
 constexpr int PLD = R + 8;       // P row (bf16): 80 bytes, conflict-free ldmatrix
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-// 16 bytes global -> shared, asynchronous; `full` false writes 16 zero bytes and reads nothing.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool full) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(full ? 16 : 0)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
-// Four 8x8 bf16 matrices; lane i gives the address of row i % 8 of matrix i / 8. Plain: lane (g, t) gets
-// M[g][2t], M[g][2t+1] of each; trans: M[2t][g], M[2t+1][g].
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p))
-                 : "memory");
-}
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p))
-                 : "memory");
-}
+using kdtree::cp_async16;
+using kdtree::cp_async_commit;
+using kdtree::cp_async_wait_all;
+using kdtree::ldsm_x4;
+using kdtree::ldsm_x4_trans;
+
 // (a, b) as two bf16 pairs: the rounded values, and what rounding left (exact in f32, then rounded): a = hi + lo
 // to about 2^-17 relative, so the value mma with both equals a product with P in f32 up to that.
 __device__ __forceinline__ void split_bf16(float a, float b, uint32_t& hi, uint32_t& lo) {

@@ -361,3 +361,189 @@ DENSE_KERNEL(4)
 GROUPED_KERNEL(1)
 GROUPED_KERNEL(2)
 GROUPED_KERNEL(4)
+
+// ---------------------------------------------------------------------------------------------------------
+// Large-M grouped form (prefill: tens to thousands of rows per expert), kdtree_moe_w4a16_gemm_i4g32_large.
+// The small-M form above dequantises a weight once per 32-row tile and sums k-splits through an f32
+// workspace; at prefill sizes that runs at ~22 TFLOP/s (ncu, 16K-token prefill of the K2.6 TP8 rank-0
+// slice, run 78). Here a CTA computes a 128 (weight rows n) x 128 (pairs) tile over the whole K, so each weight
+// is dequantised once per 128 pairs, with no workspace and no split:
+//   * stages of BK = 64 k through shared memory by cp.async, STAGES deep: x rows of the tile (gathered by the
+//     routing, 128 bytes a row, 16-byte chunks XOR-swizzled by row % 8 for conflict-free ldmatrix; rows past
+//     the tile's count are zero-filled), the weight rows' 32 packed bytes (halves swizzled by (row / 4) % 2),
+//     and their two group scales;
+//   * 4 warps, 2 (n) x 2 (pairs), each 64 n x 64 pairs: A = weights (m16 tiles over n), dequantised in
+//     registers from its own packed bytes (byte t of a k16 word holds k = 2t, 2t + 1: one prmt, imad and lop3
+//     make bf16x2 (128 + q_lo, 128 + q_hi), then the same sub and mul as deq2: bf16((q - 8) s), rounded once,
+//     the values the small form uses); B = x by ldmatrix; mma.sync m16n8k16, f32 accumulate over all of K in
+//     one order (k ascending), so a pair's output does not depend on which other pairs share its tile;
+//   * the tile goes out through shared memory as 16-byte row segments, rounded to bf16.
+// Rows: pair p = sorted[start + r] of tile (expert, start, count) from kdtree_moe_align_i32 at 128 rows a
+// tile; x row p / x_row_div; out row p, columns col0 + n (col0 = matrix * N: gate and up side by side).
+// Limits (wrapper checks): K % 64 == 0, N % 8 == 0, ld_x and ld_out multiples of 8, x and out 16-byte aligned.
+namespace w4a16_large {
+
+constexpr int BM = 128;     // pairs per tile
+constexpr int BN = 128;     // weight rows per CTA
+constexpr int BK = 64;      // k per stage (two groups)
+constexpr int STAGES = 4;
+constexpr int THREADS = 128;
+constexpr int X_BYTES = BM * BK * 2;      // 16384
+constexpr int W_BYTES = BN * BK / 2;      // 4096
+constexpr int S_BYTES = BN * 4;           // 512: two bf16 scales a row
+constexpr int STAGE_BYTES = X_BYTES + W_BYTES + S_BYTES;
+constexpr int SMEM = STAGES * STAGE_BYTES;  // 83968
+constexpr int C_LD = BN + 8;                // epilogue tile row (bf16), 272 bytes
+static_assert(2 * SMEM <= 227 * 1024, "two CTAs an SM on sm_90");
+static_assert(BM * C_LD * 2 <= SMEM, "the epilogue tile fits the stages' memory");
+
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool full) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(kdtree::smem_addr(dst)), "l"(src),
+                 "r"(full ? 4 : 0)
+                 : "memory");
+}
+
+// Byte t of w (k = 2t low nibble, 2t + 1 high nibble) -> bf16x2 (bf16((lo - 8) s), bf16((hi - 8) s)).
+__device__ __forceinline__ uint32_t deq_byte(uint32_t w, uint32_t sel, bf162 s2) {
+    const uint32_t y = __byte_perm(w, 0u, sel);                // byte t in byte 0, zeros above
+    const uint32_t m = ((y * 0x1001u) & 0x000F000Fu) | 0x43004300u;  // bf16x2 (128 + lo, 128 + hi)
+    bf162 v = *reinterpret_cast<const bf162*>(&m);
+    v = __hsub2(v, __floats2bfloat162_rn(136.f, 136.f));        // exact: q - 8
+    return as_u32(__hmul2(v, s2));
+}
+
+}  // namespace w4a16_large
+
+// Grid (nmat * ceil(N / 128), max_tiles), block 128, dynamic smem w4a16_large::SMEM. Arguments as the grouped
+// small-M form, without silu, split and workspace.
+extern "C" __global__ void __launch_bounds__(w4a16_large::THREADS, 2) kdtree_moe_w4a16_gemm_i4g32_large(
+    const bf16* __restrict__ x, int ld_x, int x_row_div, const int* __restrict__ sorted,
+    const int* __restrict__ tiles, int max_tiles, const int* __restrict__ n_tiles,
+    const uint8_t* __restrict__ packed0, const bf16* __restrict__ scales0, const uint8_t* __restrict__ packed1,
+    const bf16* __restrict__ scales1, int nmat, int N, int K, bf16* __restrict__ out, int ld_out) {
+    using namespace w4a16_large;
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ int xrow[BM], orow[BM];
+    const int z = blockIdx.y;
+    pdl_wait();  // the routing and x come from the kernels before
+    pdl_trigger();
+    if (z >= *n_tiles) return;
+    const int e = tiles[z], start = tiles[max_tiles + z], count = tiles[2 * max_tiles + z];
+    const int nbx = gridDim.x / nmat, mat = blockIdx.x / nbx, n0 = (blockIdx.x % nbx) * BN;
+    const uint8_t* packed = (mat == 0 ? packed0 : packed1) + (size_t)e * N * (K / 2);
+    const bf16* scales = (mat == 0 ? scales0 : scales1) + (size_t)e * N * (K / 32);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    for (int r = tid; r < BM; r += THREADS) {
+        const int p = r < count ? sorted[start + r] : -1;
+        orow[r] = p;
+        xrow[r] = p < 0 ? -1 : p / x_row_div;
+    }
+    __syncthreads();
+
+    const int nk = K / BK;
+    // Stage kt into slot: x 1024 chunks (8 a thread), weights 256 (2 a thread), scales 128 (1 a thread).
+    auto load = [&](int slot, int kt) {
+        unsigned char* xs = smem + slot * STAGE_BYTES;
+        unsigned char* wsm = xs + X_BYTES;
+        unsigned char* ssm = wsm + W_BYTES;
+        const int k0 = kt * BK;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const int c = tid + j * THREADS, r = c >> 3, ch = c & 7;
+            const int xr = xrow[r];
+            const bf16* src = x + (size_t)(xr < 0 ? 0 : xr) * ld_x + k0 + ch * 8;
+            kdtree::cp_async16(xs + r * 128 + ((ch ^ (r & 7)) << 4), src, xr >= 0);
+        }
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const int c = tid + j * THREADS, r = c >> 1, h = c & 1;
+            const bool ok = n0 + r < N;
+            const uint8_t* src = packed + (size_t)(ok ? n0 + r : 0) * (K / 2) + k0 / 2 + h * 16;
+            kdtree::cp_async16(wsm + r * 32 + ((h ^ ((r >> 2) & 1)) << 4), src, ok);
+        }
+        {
+            const bool ok = n0 + tid < N;
+            cp_async4(ssm + tid * 4, scales + (size_t)(ok ? n0 + tid : 0) * (K / 32) + k0 / 32, ok);
+        }
+    };
+
+    const int wn = warp & 1, wm = warp >> 1;  // warp's 64 weight rows and 64 pairs
+    const int g = lane >> 2, t = lane & 3;
+    const uint32_t sel = 0x4440u | (uint32_t)t;
+    float acc[4][8][4];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) acc[i][j][q] = 0.f;
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < nk) load(s, s);
+        kdtree::cp_async_commit();
+    }
+    for (int kt = 0; kt < nk; kt++) {
+        kdtree::cp_async_wait<STAGES - 2>();
+        __syncthreads();  // stage kt landed for every thread; slot (kt - 1) % STAGES is free
+        if (kt + STAGES - 1 < nk) load((kt + STAGES - 1) % STAGES, kt + STAGES - 1);
+        kdtree::cp_async_commit();
+        const unsigned char* xs = smem + (kt % STAGES) * STAGE_BYTES;
+        const unsigned char* wsm = xs + X_BYTES;
+        const bf16* ssm = reinterpret_cast<const bf16*>(wsm + W_BYTES);
+#pragma unroll
+        for (int s = 0; s < 4; s++) {  // k16 steps
+            uint32_t b[8][2];
+#pragma unroll
+            for (int jj = 0; jj < 4; jj++) {
+                const int r = wm * 64 + jj * 16 + (lane & 7) + ((lane >> 4) << 3);
+                const int ch = 2 * s + ((lane >> 3) & 1);
+                uint32_t v[4];
+                kdtree::ldsm_x4(v, xs + r * 128 + ((ch ^ (r & 7)) << 4));
+                b[2 * jj][0] = v[0];
+                b[2 * jj][1] = v[1];
+                b[2 * jj + 1][0] = v[2];
+                b[2 * jj + 1][1] = v[3];
+            }
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int r0 = wn * 64 + i * 16 + g, r1 = r0 + 8;
+                // k16 step s: bytes 8s .. 8s + 7 of the row's 32 (half s / 2, swizzled), scale group s / 2.
+                const int h0 = ((s >> 1) ^ ((r0 >> 2) & 1)) << 4, h1 = ((s >> 1) ^ ((r1 >> 2) & 1)) << 4;
+                const uint2 w0 = *reinterpret_cast<const uint2*>(wsm + r0 * 32 + h0 + (s & 1) * 8);
+                const uint2 w1 = *reinterpret_cast<const uint2*>(wsm + r1 * 32 + h1 + (s & 1) * 8);
+                const bf16 s0 = ssm[r0 * 2 + (s >> 1)], s1 = ssm[r1 * 2 + (s >> 1)];
+                const bf162 s02 = __halves2bfloat162(s0, s0), s12 = __halves2bfloat162(s1, s1);
+                const uint32_t a0 = deq_byte(w0.x, sel, s02), a1 = deq_byte(w1.x, sel, s12);
+                const uint32_t a2 = deq_byte(w0.y, sel, s02), a3 = deq_byte(w1.y, sel, s12);
+#pragma unroll
+                for (int j = 0; j < 8; j++) kdtree::mma_bf16(acc[i][j], a0, a1, a2, a3, b[j][0], b[j][1]);
+            }
+        }
+    }
+    kdtree::cp_async_wait<0>();
+    __syncthreads();  // every warp is done with the stages: the epilogue tile reuses their memory
+
+    // C[n][pair] -> smem [pair][n] bf16, then 16-byte segments of out rows.
+    bf16* ct = reinterpret_cast<bf16*>(smem);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const int n = wn * 64 + i * 16 + g, r = wm * 64 + j * 8 + 2 * t;
+            ct[r * C_LD + n] = __float2bfloat16_rn(acc[i][j][0]);
+            ct[(r + 1) * C_LD + n] = __float2bfloat16_rn(acc[i][j][1]);
+            ct[r * C_LD + n + 8] = __float2bfloat16_rn(acc[i][j][2]);
+            ct[(r + 1) * C_LD + n + 8] = __float2bfloat16_rn(acc[i][j][3]);
+        }
+    }
+    __syncthreads();
+    const int cols = min(BN, N - n0);
+    for (int c = tid; c < BM * (BN / 8); c += THREADS) {
+        const int r = c / (BN / 8), seg = c % (BN / 8);
+        if (r < count && seg * 8 < cols) {
+            *reinterpret_cast<uint4*>(out + (size_t)orow[r] * ld_out + mat * N + n0 + seg * 8) =
+                *reinterpret_cast<const uint4*>(ct + r * C_LD + seg * 8);
+        }
+    }
+}

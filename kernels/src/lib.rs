@@ -79,6 +79,7 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("w4a16_gemm.cu", "kdtree_moe_w4a16_gemm_i4g32_m1"),
     ("w4a16_gemm.cu", "kdtree_moe_w4a16_gemm_i4g32_m2"),
     ("w4a16_gemm.cu", "kdtree_moe_w4a16_gemm_i4g32_m4"),
+    ("w4a16_gemm.cu", "kdtree_moe_w4a16_gemm_i4g32_large"),
     ("xxh3.cu", "kdtree_xxh3_init"),
     ("xxh3.cu", "kdtree_xxh3_deltas"),
     ("xxh3.cu", "kdtree_xxh3_chain"),

@@ -9,7 +9,7 @@ use super::backend::CudaBackend;
 use super::ops::mla_absorb::{absorb_q, apply_uv, AbsorbDims};
 use super::ops::mla_attention::{self as seg_op, mla_attention, MlaShape, MlaSplit};
 use super::ops::w4a16_gemm::{MoeDims, MoeX};
-use super::ops::{copy_rows, embed, fill, gemm_bf16, moe_align, moe_combine, w4a16_gemm};
+use super::ops::{copy_rows, embed, fill, gemm_bf16, moe_align, moe_combine, silu_mul, w4a16_gemm};
 use super::tree::DMask;
 use super::types::{storage_id, DKv, DMat, DRoutes, DI4};
 use super::CudaError;
@@ -405,7 +405,7 @@ impl CudaBackend {
             .workspace_len(pairs, 2 * mi)
             .max(plan_one.workspace_len(pairs, mi))
             .max(plan_d.workspace_len(pairs, h));
-        let mut ws = g.out::<f32>(ws_len)?;
+        let mut ws = g.out::<f32>(ws_len.max(1))?;
         let (sv, tv, nv) = (sorted.as_view(), tiles.as_view(), n_tiles.as_view());
         let routing = w4a16_gemm::Routing {
             sorted: &sv,
@@ -465,12 +465,35 @@ impl CudaBackend {
             gu
         };
         let mut y = g.zeros::<bf16>(pairs * h)?;
+        // The large-M form (prefill) reads plain x rows: the SwiGLU goes first, into its own rows (the same
+        // bits as the small form's fused staging).
+        let act = if plan_d.large {
+            let mut a = g.out::<bf16>(pairs * kp)?;
+            silu_mul::silu_mul(
+                g,
+                &gu.as_view(),
+                &gu.slice(kp..),
+                &mut a.as_view_mut(),
+                pairs,
+                kp,
+                2 * kp,
+            )?;
+            Some(a)
+        } else {
+            None
+        };
+        let (act_v, gu_v) = (act.as_ref().map(|a| a.as_view()), gu.as_view());
+        let down_x = match &act_v {
+            Some(a) => MoeX::Rows {
+                x: a,
+                ld: kp,
+                row_div: 1,
+            },
+            None => MoeX::SiluGateUp { gu: &gu_v, ld: 2 * kp },
+        };
         w4a16_gemm::moe_w4a16(
             g,
-            MoeX::SiluGateUp {
-                gu: &gu.as_view(),
-                ld: 2 * kp,
-            },
+            down_x,
             &routing,
             &[(&down.packed.as_view(), &down.scales.as_view())],
             MoeDims {

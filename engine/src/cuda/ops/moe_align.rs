@@ -17,7 +17,7 @@ pub fn max_tiles(pairs: usize, n_experts: usize, tile_rows: usize) -> usize {
 
 /// Device-side grouping of `ids` `[P]` (row-major `[T, top_k]` expert ids from the router):
 /// `sorted [P]` pair indices by ascending expert (stable), `tiles [3, max_tiles]` (expert, start, count)
-/// and `n_tiles [1]`. `tile_rows` must be the GEMM's row tile (8, 16 or 32). One block of 1024 threads.
+/// and `n_tiles [1]`. `tile_rows` must be the GEMM's row tile (8, 16 or 32; 128 for the large-M form). One block of 1024 threads.
 /// Launch contract: no allocation, no host sync, graph-capturable.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_align(
@@ -49,8 +49,8 @@ pub fn moe_align_rank(
     ensure(OP, (1..=1024).contains(&n_experts), || {
         format!("n_experts={n_experts} must be in 1..=1024")
     })?;
-    ensure(OP, matches!(tile_rows, 8 | 16 | 32), || {
-        format!("tile_rows={tile_rows} must be 8, 16 or 32")
+    ensure(OP, matches!(tile_rows, 8 | 16 | 32 | 128), || {
+        format!("tile_rows={tile_rows} must be 8, 16, 32 or 128")
     })?;
     let mt = max_tiles(p, n_experts, tile_rows);
     need_len(OP, "sorted", sorted.len(), p)?;

@@ -27,13 +27,15 @@ pub fn silu_mul(
     if rows == 0 || i == 0 {
         return Ok(());
     }
-    let (ii, ld) = (as_i32(OP, "i", i)?, as_i32(OP, "ld_in", ld_in)?);
-    ensure(OP, rows <= 65535, || {
-        format!("rows={rows} exceeds the grid limit 65535")
-    })?;
+    let (ii, ld, tt) = (
+        as_i32(OP, "i", i)?,
+        as_i32(OP, "ld_in", ld_in)?,
+        as_i32(OP, "rows", rows)?,
+    );
     let mut b = gpu.stream.launch_builder(gpu.func("kdtree_silu_mul_bf16"));
-    b.arg(gate).arg(up).arg(out).arg(&ii).arg(&ld);
-    // SAFETY: lengths checked above.
-    unsafe { b.launch(launch_cfg((i.div_ceil(256) as u32, rows as u32, 1), 256, 0)) }.map_err(drv(OP))?;
+    b.arg(gate).arg(up).arg(out).arg(&ii).arg(&ld).arg(&tt);
+    // SAFETY: lengths checked above; block rows stride over the rows past the grid's 65535.
+    let grid = (i.div_ceil(256) as u32, rows.min(65535) as u32, 1);
+    unsafe { b.launch(launch_cfg(grid, 256, 0)) }.map_err(drv(OP))?;
     Ok(())
 }

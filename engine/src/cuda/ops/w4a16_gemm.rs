@@ -32,6 +32,17 @@ const DENSE: [&str; 3] = [
     "kdtree_w4a16_gemm_i4g32_m2",
     "kdtree_w4a16_gemm_i4g32_m4",
 ];
+/// The large-M grouped form (prefill): 128 x 128 tiles over the whole K, no split, no workspace.
+const LARGE: &str = "kdtree_moe_w4a16_gemm_i4g32_large";
+/// Its dynamic shared memory (4 stages of x 128 x 64 bf16, weights 128 x 32 bytes, scales 128 x 4 bytes).
+const LARGE_SMEM: usize = 4 * (128 * 64 * 2 + 128 * 32 + 128 * 4);
+/// Its row tile (it steps K by 64, which K_STEP is a multiple of).
+const LARGE_TILE: usize = 128;
+/// Mean rows per active expert from which the grouped GEMM takes the large-M form. Below it a 128-row tile
+/// would be mostly empty; above it the small form dequantises every weight once per 32 rows and sums splits
+/// through an f32 workspace.
+pub const LARGE_MIN_ROWS: usize = 64;
+
 const GROUPED: [&str; 3] = [
     "kdtree_moe_w4a16_gemm_i4g32_m1",
     "kdtree_moe_w4a16_gemm_i4g32_m2",
@@ -42,7 +53,7 @@ const GROUPED: [&str; 3] = [
 /// by `Gpu::new`).
 pub(crate) fn configure(gpu: &Gpu) -> Result<()> {
     let smem = gpu.max_smem.saturating_sub(1024) as i32;
-    for name in DENSE.iter().chain(GROUPED.iter()) {
+    for name in DENSE.iter().chain(GROUPED.iter()).chain([LARGE].iter()) {
         gpu.func(name)
             .set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -70,6 +81,9 @@ pub struct Plan {
     pub kbps: usize,
     /// Dynamic shared memory per block (bytes).
     pub smem: usize,
+    /// The grouped large-M form (`kdtree_moe_w4a16_gemm_i4g32_large`): row tiles of 128, the whole K per
+    /// block, no workspace; x must be plain rows ([`MoeX::Rows`]).
+    pub large: bool,
 }
 
 impl Plan {
@@ -78,7 +92,11 @@ impl Plan {
     }
     /// Workspace elements (f32) for `rows` output rows of width `n`: `[splits, rows, n]`.
     pub fn workspace_len(&self, rows: usize, n: usize) -> usize {
-        self.splits * rows * n
+        if self.large {
+            0
+        } else {
+            self.splits * rows * n
+        }
     }
 }
 
@@ -142,6 +160,7 @@ fn plan_on(gpu: Device, mt: usize, row_tiles: usize, rows: usize, n: usize, k: u
         splits: nkb.div_ceil(kbps),
         kbps,
         smem: 8 * mt * smem_row_stride(kbps),
+        large: false,
     }
 }
 
@@ -151,10 +170,26 @@ pub fn plan_dense(gpu: &Gpu, m: usize, n: usize, k: usize) -> Plan {
     plan_for(gpu, mt, m.div_ceil(8 * mt), m, n, k)
 }
 
+/// Whether the grouped GEMM over `pairs` rows and `n_experts` experts takes the large-M form. It depends on
+/// these two only, so the gate/up and down plans of one layer agree and one routing (row tile 128) serves
+/// them; every shape the grouped GEMM takes (K % 128, N % 32) suits the large form.
+pub fn large_moe(pairs: usize, n_experts: usize) -> bool {
+    pairs.div_ceil(pairs.min(n_experts).max(1)) >= LARGE_MIN_ROWS
+}
+
 /// Plan of the grouped form for `pairs` (token, slot) rows over `n_experts` experts of `[n, k]`: the row
 /// tile follows the mean rows per active expert, the split count assumes `min(E, P)` active experts.
 pub fn plan_moe(gpu: &Gpu, pairs: usize, n_experts: usize, n: usize, k: usize) -> Plan {
     let active = pairs.min(n_experts).max(1);
+    if large_moe(pairs, n_experts) && gpu.max_smem >= LARGE_SMEM {
+        return Plan {
+            mt: LARGE_TILE / 8,
+            splits: 1,
+            kbps: k / K_STEP,
+            smem: LARGE_SMEM,
+            large: true,
+        };
+    }
     let mt = mt_for(pairs.div_ceil(active));
     plan_for(gpu, mt, active, pairs, n, k)
 }
@@ -396,6 +431,9 @@ pub fn moe_w4a16(
     ensure(OP_MOE, r.max_tiles <= 65535, || {
         format!("max_tiles={} exceeds the grid limit 65535", r.max_tiles)
     })?;
+    if p.large {
+        return launch_large(gpu, x, ld_x, x_row_div, silu, r, mats, d, (out, ld_out));
+    }
     let grid = (
         (nmat * n.div_ceil(ROWS_PER_CTA)) as u32,
         p.splits as u32,
@@ -414,17 +452,8 @@ pub fn moe_w4a16(
         as_i32(OP_MOE, "kbps", p.kbps)?,
         as_i32(OP_MOE, "ld_out", ld_out)?,
     );
-    let (mut xp, mut sorted, mut tiles, mut n_tiles) = (
-        addr(gpu, x),
-        addr(gpu, r.sorted),
-        addr(gpu, r.tiles),
-        addr(gpu, r.n_tiles),
-    );
-    let (mut p0, mut s0) = (addr(gpu, mats[0].0), addr(gpu, mats[0].1));
-    let (mut p1, mut s1) = match mats.get(1) {
-        Some((pk, sc)) => (addr(gpu, pk), addr(gpu, sc)),
-        None => (p0, s0),
-    };
+    let mut xp = addr(gpu, x);
+    let [mut sorted, mut tiles, mut n_tiles, mut p0, mut s0, mut p1, mut s1] = grouped_addrs(gpu, r, mats);
     let (mut wsp, mut op, mut cp) = (addr_mut(gpu, ws), addr_mut(gpu, out), counters(gpu));
     let mut params = [
         arg(&mut xp),
@@ -453,6 +482,92 @@ pub fn moe_w4a16(
     // SAFETY: as the dense form; expert ids come from moe_align, which drops ids outside [0, E); with silu
     // the x rows hold 2k elements (checked).
     unsafe { launch_pdl(gpu, OP_MOE, name, launch_cfg(grid, 128, p.smem as u32), &mut params) }
+}
+
+/// Device addresses both grouped forms take: the routing (sorted, tiles, n_tiles), then the first matrix's packed
+/// weights and scales and the second's (the first's again when there is one).
+fn grouped_addrs(gpu: &Gpu, r: &Routing<'_>, mats: &[(&CudaView<'_, u8>, &CudaView<'_, bf16>)]) -> [u64; 7] {
+    let (p0, s0) = (addr(gpu, mats[0].0), addr(gpu, mats[0].1));
+    let (p1, s1) = match mats.get(1) {
+        Some((pk, sc)) => (addr(gpu, pk), addr(gpu, sc)),
+        None => (p0, s0),
+    };
+    [
+        addr(gpu, r.sorted),
+        addr(gpu, r.tiles),
+        addr(gpu, r.n_tiles),
+        p0,
+        s0,
+        p1,
+        s1,
+    ]
+}
+
+/// The large-M grouped form of [`moe_w4a16`] (checked there: weights, x, out, routing).
+#[allow(clippy::too_many_arguments)]
+fn launch_large(
+    gpu: &Gpu,
+    x: &CudaView<'_, bf16>,
+    ld_x: usize,
+    x_row_div: usize,
+    silu: bool,
+    r: &Routing<'_>,
+    mats: &[(&CudaView<'_, u8>, &CudaView<'_, bf16>)],
+    d: MoeDims,
+    (out, ld_out): (&mut CudaViewMut<'_, bf16>, usize),
+) -> Result<()> {
+    let MoeDims { pairs, n, k, .. } = d;
+    ensure(OP_MOE, !silu, || {
+        format!("{pairs} pairs take the large-M form, whose x is plain rows: run silu_mul before the down GEMM")
+    })?;
+    ensure(OP_MOE, ld_x.is_multiple_of(8) && ld_out.is_multiple_of(8), || {
+        format!("the large-M form needs ld_x ({ld_x}) and ld_out ({ld_out}) multiples of 8")
+    })?;
+    let (mut xp, mut op) = (addr(gpu, x), addr_mut(gpu, out));
+    ensure(OP_MOE, xp % 16 == 0 && op % 16 == 0, || {
+        "the large-M form needs x and out 16-byte aligned".into()
+    })?;
+    let nmat = mats.len();
+    let grid = ((nmat * n.div_ceil(LARGE_TILE)) as u32, r.max_tiles as u32, 1);
+    let (mut lx, mut div, mut mt, mut nm, mut nn, mut kk, mut lo) = (
+        as_i32(OP_MOE, "ld_x", ld_x)?,
+        as_i32(OP_MOE, "x_row_div", x_row_div)?,
+        as_i32(OP_MOE, "max_tiles", r.max_tiles)?,
+        nmat as i32,
+        as_i32(OP_MOE, "N", n)?,
+        as_i32(OP_MOE, "K", k)?,
+        as_i32(OP_MOE, "ld_out", ld_out)?,
+    );
+    let [mut sorted, mut tiles, mut n_tiles, mut p0, mut s0, mut p1, mut s1] = grouped_addrs(gpu, r, mats);
+    let mut params = [
+        arg(&mut xp),
+        arg(&mut lx),
+        arg(&mut div),
+        arg(&mut sorted),
+        arg(&mut tiles),
+        arg(&mut mt),
+        arg(&mut n_tiles),
+        arg(&mut p0),
+        arg(&mut s0),
+        arg(&mut p1),
+        arg(&mut s1),
+        arg(&mut nm),
+        arg(&mut nn),
+        arg(&mut kk),
+        arg(&mut op),
+        arg(&mut lo),
+    ];
+    // SAFETY: shapes, lengths and alignment checked here and by moe_w4a16; rows come from moe_align (ids
+    // outside [0, E) dropped), every x row read is < ceil(pairs / x_row_div) and every out row < pairs.
+    unsafe {
+        launch_pdl(
+            gpu,
+            OP_MOE,
+            LARGE,
+            launch_cfg(grid, LARGE_TILE as u32, LARGE_SMEM as u32),
+            &mut params,
+        )
+    }
 }
 
 #[cfg(test)]
