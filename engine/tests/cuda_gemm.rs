@@ -1037,7 +1037,10 @@ fn moe_w4a16_large_parity() {
 #[test]
 fn moe_w4a16_large_equals_small_one_split() {
     let Some(g) = gpu() else { return };
-    for (ci, &c) in LARGE_CASES.iter().enumerate() {
+    // At K = 7168 the small form always splits K (its x slice must fit the shared memory), so K2.6's gate|up
+    // rows differ between the forms in their last bits; the down projection (K = 256 on a TP8 rank) and the
+    // trained pair do not split.
+    for (ci, &c) in LARGE_CASES.iter().enumerate().filter(|(_, c)| c.5 <= 512) {
         let (t, top_k, e, _used, n, k, nmat, per_pair) = c;
         let case = format!("large == small (T={t},top_k={top_k},E={e},N={n},K={k},mats={nmat},x_per_pair={per_pair})");
         let (ids, x, _mats, dm, _pool) = large_case(&g, 1800 + ci as u64, c);

@@ -368,9 +368,10 @@ GROUPED_KERNEL(4)
 // workspace; at prefill sizes that runs at ~22 TFLOP/s (ncu, 16K-token prefill of the K2.6 TP8 rank-0
 // slice, run 78). Here a CTA computes a 128 (weight rows n) x 128 (pairs) tile over the whole K, so each weight
 // is dequantised once per 128 pairs, with no workspace and no split.
-// Batch invariance: a pair's output is the bits the small form gives it whenever that form runs one split (its
-// plan does from 64 pairs on at K = 7168, from 5 at K <= 512), so a row does not change when more rows (a
-// batch) tip the engine into this form. Hence the same k order inside every mma as the small form (per 128-k block,
+// Batch invariance: a pair's output is the bits the small form gives it whenever that form runs one split (at
+// K <= 512 from 5 pairs on: the trained pair's experts, a TP8 rank's down projection), so a row does not change
+// when more rows (a batch) tip the engine into this form. At K = 7168 the small form always splits K (its x
+// slice must fit the shared memory), so K2.6's gate|up rows still differ between the forms in their last bits. Hence the same k order inside every mma as the small form (per 128-k block,
 // steps st = 0..7: lane quad t supplies group t's word st / 2, nibble pairs (j, j + 4) and (j + 1, j + 5),
 // j = 2 (st % 2)), the same dequantisation (deq2: bf16((q - 8) s), rounded once), one f32 accumulator chain
 // per output (k blocks ascending, steps in order) and the same final rounding (bf16(0 + acc)).

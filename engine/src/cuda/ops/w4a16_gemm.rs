@@ -37,7 +37,7 @@ const LARGE: &str = "kdtree_moe_w4a16_gemm_i4g32_large";
 /// Its dynamic shared memory (2 stages of x 128 x 128 bf16, weights 128 x 64 bytes, scales 128 x 8 bytes).
 const LARGE_SMEM: usize = 2 * (128 * 128 * 2 + 128 * 64 + 128 * 8);
 /// Its row tile (it steps K by K_STEP = 128, the small form's block, in the small form's k order: a pair's
-/// output is the small form's bits whenever that form runs one split).
+/// output is the small form's bits whenever that form runs one split, as it does at K <= 512).
 const LARGE_TILE: usize = 128;
 /// Mean rows per active expert from which the grouped GEMM takes the large-M form. Below it a 128-row tile
 /// would be mostly empty; above it the small form dequantises every weight once per 32 rows and sums splits
