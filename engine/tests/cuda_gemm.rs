@@ -862,7 +862,7 @@ fn w4a16_chain_same_with_and_without_pdl() {
 /// One grouped launch as the engine makes it: `ids` (token-major (token, slot) pairs, `top_k` a token), x rows
 /// (one a token, or one a pair with `per_pair`), weight matrices on the device; the plan `plan_moe` picks for
 /// these pairs (returned with the output, which is NaN-poisoned first).
-#[allow(clippy::type_complexity)]
+#[allow(clippy::too_many_arguments)]
 fn moe_run(
     g: &Gpu,
     ids: &[i32],
@@ -871,7 +871,7 @@ fn moe_run(
     per_pair: bool,
     e: usize,
     (n, k): (usize, usize),
-    dm: &[(cudarc::driver::CudaSlice<u8>, cudarc::driver::CudaSlice<bf16>)],
+    dm: &DevMats,
 ) -> (Vec<bf16>, ops::w4a16_gemm::Plan) {
     let p = ids.len();
     let width = dm.len() * n;
@@ -929,19 +929,18 @@ fn moe_run(
     (g.download(&out).unwrap(), plan)
 }
 
-/// A large-form case: (T, top_k, E, experts used, N, K, matrices, x per pair) -> ids, x, host and device weights.
-#[allow(clippy::type_complexity)]
+/// Weight matrices (packed, scales) on the host and on the device.
+type HostMats = Vec<(Vec<u8>, Vec<bf16>)>;
+type DevMats = [(cudarc::driver::CudaSlice<u8>, cudarc::driver::CudaSlice<bf16>)];
+/// (T, top_k, E, experts used, N, K, matrices, x per pair).
+type LargeCase = (usize, usize, usize, usize, usize, usize, usize, bool);
+
+/// A large-form case -> ids, x, host and device weights, the experts used.
 fn large_case(
     g: &Gpu,
     seed: u64,
-    (t, top_k, e, used, n, k, nmat, per_pair): (usize, usize, usize, usize, usize, usize, usize, bool),
-) -> (
-    Vec<i32>,
-    Vec<bf16>,
-    Vec<(Vec<u8>, Vec<bf16>)>,
-    Vec<(cudarc::driver::CudaSlice<u8>, cudarc::driver::CudaSlice<bf16>)>,
-    Vec<i32>,
-) {
+    (t, top_k, e, used, n, k, nmat, per_pair): LargeCase,
+) -> (Vec<i32>, Vec<bf16>, HostMats, Box<DevMats>, Vec<i32>) {
     let mut r = rng(seed);
     let mut pool: Vec<i32> = (0..e as i32).collect();
     pool.shuffle(&mut r);
@@ -951,7 +950,7 @@ fn large_case(
         .collect();
     let xrows = if per_pair { t * top_k } else { t };
     let x = rand_bf16(&mut r, xrows * k, 0.01, 1.0);
-    let mats: Vec<(Vec<u8>, Vec<bf16>)> = (0..nmat).map(|_| int4_weights(&mut r, e, n, k)).collect();
+    let mats: HostMats = (0..nmat).map(|_| int4_weights(&mut r, e, n, k)).collect();
     let dm = mats
         .iter()
         .map(|(pk, sc)| (g.upload(pk).unwrap(), g.upload(sc).unwrap()))
@@ -962,7 +961,7 @@ fn large_case(
 /// The large-M form's cases: K2.6's TP8 gate and gate|up (384 experts, 256 x 7168), its down (7168 x 256, x per
 /// pair), an odd small case (N = 96, not a multiple of the 128-row block; 5 of 8 experts used, so tiles end part
 /// full), and the trained pair's shapes (32 experts, top-4, 256 x 256 gate|up and down).
-const LARGE_CASES: [(usize, usize, usize, usize, usize, usize, usize, bool); 6] = [
+const LARGE_CASES: [LargeCase; 6] = [
     (3072, 8, 384, 384, 256, 7168, 1, false),
     (3072, 8, 384, 384, 256, 7168, 2, false),
     (1100, 8, 96, 96, 7168, 256, 1, true),
@@ -1073,7 +1072,8 @@ fn moe_w4a16_large_equals_small_one_split() {
             .count();
         let nan = big.iter().filter(|v| v.is_nan()).count();
         println!(
-            "PARITY {case}: {} outputs, {differ} differ in bits from the small form at one split (chunks of {chunk} tokens); {nan} NaN",
+            "PARITY {case}: {} outputs, {differ} differ in bits from the small form at one split \
+             (chunks of {chunk} tokens); {nan} NaN",
             big.len()
         );
         assert_eq!(nan, 0, "{case}: unwritten outputs");

@@ -624,4 +624,32 @@ mod tests {
             }
         }
     }
+
+    /// The large form gives the small form's bits where the small form runs one split (the kernel's comment): at
+    /// K <= 512 from 5 rows on, at every row tile and tile count, on the H200's figures; at K = 7168 never.
+    #[test]
+    fn small_form_runs_one_split_at_k_up_to_512() {
+        for k in [128, 256, 384, 512] {
+            for n in [96, 256, 512, 7168] {
+                for mt in [1, 2, 4] {
+                    for tiles in [1, 2, 8, 40, 400] {
+                        for rows in [5, 8 * mt * tiles, 10_000] {
+                            let p = plan_on(H200, mt, tiles, rows, n, k);
+                            assert_eq!(p.splits, 1, "{p:?} for N={n} K={k} rows={rows}");
+                        }
+                    }
+                }
+            }
+        }
+        for mt in [1, 2, 4] {
+            for tiles in [1, 8, 400] {
+                let p = plan_on(H200, mt, tiles, 100_000, 256, 7168);
+                assert!(
+                    p.splits > 1,
+                    "{p:?}: K = 7168 in one split would need {} B of x",
+                    8 * mt * 7168 * 2
+                );
+            }
+        }
+    }
 }
