@@ -859,106 +859,144 @@ fn w4a16_chain_same_with_and_without_pdl() {
     g.set_pdl(was);
 }
 
-/// The large-M grouped form (prefill: `plan_moe` takes it from `LARGE_MIN_ROWS` rows per expert on): K2.6's
-/// TP8 gate and gate|up (384 experts, 256 x 7168), its down (7168 x 256, x per pair), and an odd small case
-/// (N = 96, not a multiple of the 128-row block; 5 of 8 experts used, so tiles end part full). Every output
-/// row must be written (NaN-poisoned before); the CPU twin is checked on every pair of the first expert and
-/// the last, plus 384 random pairs.
+/// One grouped launch as the engine makes it: `ids` (token-major (token, slot) pairs, `top_k` a token), x rows
+/// (one a token, or one a pair with `per_pair`), weight matrices on the device; the plan `plan_moe` picks for
+/// these pairs (returned with the output, which is NaN-poisoned first).
+#[allow(clippy::too_many_arguments)]
+fn moe_run(
+    g: &Gpu,
+    ids: &[i32],
+    top_k: usize,
+    x: &[bf16],
+    per_pair: bool,
+    e: usize,
+    (n, k): (usize, usize),
+    dm: &DevMats,
+) -> (Vec<bf16>, ops::w4a16_gemm::Plan) {
+    let p = ids.len();
+    let width = dm.len() * n;
+    let plan = ops::w4a16_gemm::plan_moe(g, p, e, width, k);
+    let tile = plan.tile_rows();
+    let mt = ops::moe_align::max_tiles(p, e, tile);
+    let di = g.upload(ids).unwrap();
+    let (mut sorted, mut tiles, mut nt) = (
+        g.upload(&vec![-1i32; p]).unwrap(),
+        g.upload(&vec![-1i32; 3 * mt]).unwrap(),
+        g.upload(&[-1i32]).unwrap(),
+    );
+    ops::moe_align::moe_align(
+        g,
+        &di.as_view(),
+        e,
+        tile,
+        &mut sorted.as_view_mut(),
+        &mut tiles.as_view_mut(),
+        &mut nt.as_view_mut(),
+    )
+    .unwrap();
+    let (sv, tv, nv) = (sorted.as_view(), tiles.as_view(), nt.as_view());
+    let routing = ops::w4a16_gemm::Routing {
+        sorted: &sv,
+        tiles: &tv,
+        max_tiles: mt,
+        n_tiles: &nv,
+        tile_rows: tile,
+    };
+    let dx = g.upload(x).unwrap();
+    let views: Vec<_> = dm.iter().map(|(pk, sc)| (pk.as_view(), sc.as_view())).collect();
+    let refs: Vec<_> = views.iter().map(|(pk, sc)| (pk, sc)).collect();
+    let mut ws = g.upload(&nan_f32(plan.workspace_len(p, width).max(1))).unwrap();
+    let mut out = g.upload(&nan_bf16(p * width)).unwrap();
+    ops::w4a16_gemm::moe_w4a16(
+        g,
+        ops::w4a16_gemm::MoeX::Rows {
+            x: &dx.as_view(),
+            ld: k,
+            row_div: if per_pair { 1 } else { top_k },
+        },
+        &routing,
+        &refs,
+        ops::w4a16_gemm::MoeDims {
+            pairs: p,
+            n_experts: e,
+            n,
+            k,
+        },
+        &mut ws.as_view_mut(),
+        (&mut out.as_view_mut(), width),
+    )
+    .unwrap();
+    (g.download(&out).unwrap(), plan)
+}
+
+/// Weight matrices (packed, scales) on the host and on the device.
+type HostMats = Vec<(Vec<u8>, Vec<bf16>)>;
+type DevMats = [(cudarc::driver::CudaSlice<u8>, cudarc::driver::CudaSlice<bf16>)];
+/// (T, top_k, E, experts used, N, K, matrices, x per pair).
+type LargeCase = (usize, usize, usize, usize, usize, usize, usize, bool);
+
+/// A large-form case -> ids, x, host and device weights, the experts used.
+fn large_case(
+    g: &Gpu,
+    seed: u64,
+    (t, top_k, e, used, n, k, nmat, per_pair): LargeCase,
+) -> (Vec<i32>, Vec<bf16>, HostMats, Box<DevMats>, Vec<i32>) {
+    let mut r = rng(seed);
+    let mut pool: Vec<i32> = (0..e as i32).collect();
+    pool.shuffle(&mut r);
+    pool.truncate(used);
+    let ids: Vec<i32> = (0..t)
+        .flat_map(|_| pool.choose_multiple(&mut r, top_k).copied().collect::<Vec<_>>())
+        .collect();
+    let xrows = if per_pair { t * top_k } else { t };
+    let x = rand_bf16(&mut r, xrows * k, 0.01, 1.0);
+    let mats: HostMats = (0..nmat).map(|_| int4_weights(&mut r, e, n, k)).collect();
+    let dm = mats
+        .iter()
+        .map(|(pk, sc)| (g.upload(pk).unwrap(), g.upload(sc).unwrap()))
+        .collect();
+    (ids, x, mats, dm, pool)
+}
+
+/// The large-M form's cases: K2.6's TP8 gate and gate|up (384 experts, 256 x 7168), its down (7168 x 256, x per
+/// pair), an odd small case (N = 96, not a multiple of the 128-row block; 5 of 8 experts used, so tiles end part
+/// full), and the trained pair's shapes (32 experts, top-4, 256 x 256 gate|up and down).
+const LARGE_CASES: [LargeCase; 6] = [
+    (3072, 8, 384, 384, 256, 7168, 1, false),
+    (3072, 8, 384, 384, 256, 7168, 2, false),
+    (1100, 8, 96, 96, 7168, 256, 1, true),
+    (700, 2, 8, 5, 96, 384, 1, false),
+    (600, 4, 32, 32, 256, 256, 2, false),
+    (600, 4, 32, 32, 256, 256, 1, true),
+];
+
+/// The large-M grouped form (prefill: `plan_moe` takes it from `LARGE_MIN_ROWS` rows per expert on) against the
+/// CPU twin. Every output row must be written (NaN-poisoned before); the twin is checked on every pair of the
+/// first expert and the last, plus 384 random pairs.
 #[test]
 fn moe_w4a16_large_parity() {
     let Some(g) = gpu() else { return };
-    // (T, top_k, E, experts used, N, K, matrices, x per pair)
-    let cases = [
-        (
-            3072usize, 8usize, 384usize, 384usize, 256usize, 7168usize, 1usize, false,
-        ),
-        (3072, 8, 384, 384, 256, 7168, 2, false),
-        (1100, 8, 96, 96, 7168, 256, 1, true),
-        (700, 2, 8, 5, 96, 384, 1, false),
-    ];
-    for (ci, &(t, top_k, e, used, n, k, nmat, per_pair)) in cases.iter().enumerate() {
+    for (ci, &c) in LARGE_CASES.iter().enumerate() {
+        let (t, top_k, e, used, n, k, nmat, per_pair) = c;
         let case = format!(
             "moe_w4a16_large(T={t},top_k={top_k},E={e},used={used},N={n},K={k},mats={nmat},x_per_pair={per_pair})"
         );
-        let mut r = rng(1600 + ci as u64);
+        let (ids, x, mats, dm, pool) = large_case(&g, 1600 + ci as u64, c);
         let p = t * top_k;
-        let mut pool: Vec<i32> = (0..e as i32).collect();
-        pool.shuffle(&mut r);
-        pool.truncate(used);
-        let ids: Vec<i32> = (0..t)
-            .flat_map(|_| pool.choose_multiple(&mut r, top_k).copied().collect::<Vec<_>>())
-            .collect();
-        let xrows = if per_pair { p } else { t };
-        let x = rand_bf16(&mut r, xrows * k, 0.01, 1.0);
-        let mats: Vec<(Vec<u8>, Vec<bf16>)> = (0..nmat).map(|_| int4_weights(&mut r, e, n, k)).collect();
         let width = nmat * n;
-        let plan = ops::w4a16_gemm::plan_moe(&g, p, e, width, k);
+        let t0 = std::time::Instant::now();
+        let (got, plan) = moe_run(&g, &ids, top_k, &x, per_pair, e, (n, k), &dm);
+        let first_ms = t0.elapsed().as_secs_f64() * 1e3;
         assert!(
             plan.large,
             "{case}: {} rows an expert should take the large form",
             p / used
         );
-        let tile = plan.tile_rows();
-        let mt = ops::moe_align::max_tiles(p, e, tile);
-        let di = g.upload(&ids).unwrap();
-        let (mut sorted, mut tiles, mut nt) = (
-            g.upload(&vec![-1i32; p]).unwrap(),
-            g.upload(&vec![-1i32; 3 * mt]).unwrap(),
-            g.upload(&[-1i32]).unwrap(),
-        );
-        ops::moe_align::moe_align(
-            &g,
-            &di.as_view(),
-            e,
-            tile,
-            &mut sorted.as_view_mut(),
-            &mut tiles.as_view_mut(),
-            &mut nt.as_view_mut(),
-        )
-        .unwrap();
-        let (sv, tv, nv) = (sorted.as_view(), tiles.as_view(), nt.as_view());
-        let routing = ops::w4a16_gemm::Routing {
-            sorted: &sv,
-            tiles: &tv,
-            max_tiles: mt,
-            n_tiles: &nv,
-            tile_rows: tile,
-        };
-        let dx = g.upload(&x).unwrap();
-        let dm: Vec<_> = mats
-            .iter()
-            .map(|(pk, sc)| (g.upload(pk).unwrap(), g.upload(sc).unwrap()))
-            .collect();
-        let views: Vec<_> = dm.iter().map(|(pk, sc)| (pk.as_view(), sc.as_view())).collect();
-        let refs: Vec<_> = views.iter().map(|(pk, sc)| (pk, sc)).collect();
-        let mut ws = g.upload(&nan_f32(plan.workspace_len(p, width).max(1))).unwrap();
-        let mut out = g.upload(&nan_bf16(p * width)).unwrap();
-        let t0 = std::time::Instant::now();
-        ops::w4a16_gemm::moe_w4a16(
-            &g,
-            ops::w4a16_gemm::MoeX::Rows {
-                x: &dx.as_view(),
-                ld: k,
-                row_div: if per_pair { 1 } else { top_k },
-            },
-            &routing,
-            &refs,
-            ops::w4a16_gemm::MoeDims {
-                pairs: p,
-                n_experts: e,
-                n,
-                k,
-            },
-            &mut ws.as_view_mut(),
-            (&mut out.as_view_mut(), width),
-        )
-        .unwrap();
-        let got = g.download(&out).unwrap();
-        let first_ms = t0.elapsed().as_secs_f64() * 1e3;
         let unwritten = got.iter().filter(|v| v.is_nan()).count();
         assert_eq!(unwritten, 0, "{case}: {unwritten} outputs never written");
         let (lo_e, hi_e) = (*pool.iter().min().unwrap(), *pool.iter().max().unwrap());
         let mut check: Vec<usize> = (0..p).filter(|&q| ids[q] == lo_e || ids[q] == hi_e).collect();
+        let mut r = rng(1700 + ci as u64);
         check.extend((0..384).map(|_| (r.next_u32() as usize) % p));
         let xf = widen(&x);
         let (eb, es) = (n * k / 2, n * k / 32);
@@ -980,12 +1018,65 @@ fn moe_w4a16_large_parity() {
         }
         check_bf16(
             &format!(
-                "{case} [tile {tile}, {} pairs checked, first call {first_ms:.1} ms]",
+                "{case} [tile {}, {} pairs checked, first call {first_ms:.1} ms]",
+                plan.tile_rows(),
                 check.len()
             ),
             &got_c,
             &want,
             W4A16_TOL,
         );
+    }
+}
+
+/// Batch invariance across the two grouped forms: every pair's output from the large form (all T tokens in one
+/// launch) equals, bit for bit, what the small form gives it when the same tokens come a few at a time (chunks
+/// of at most E pairs: one row an expert, so the small form, at one split), in every large-form case. So a
+/// sequence's rows do not change when a batch tips the engine's MoE into the large form.
+#[test]
+fn moe_w4a16_large_equals_small_one_split() {
+    let Some(g) = gpu() else { return };
+    // At K = 7168 the small form always splits K (its x slice must fit the shared memory), so K2.6's gate|up
+    // rows differ between the forms in their last bits; the down projection (K = 256 on a TP8 rank) and the
+    // trained pair do not split.
+    for (ci, &c) in LARGE_CASES.iter().enumerate().filter(|(_, c)| c.5 <= 512) {
+        let (t, top_k, e, _used, n, k, nmat, per_pair) = c;
+        let case = format!("large == small (T={t},top_k={top_k},E={e},N={n},K={k},mats={nmat},x_per_pair={per_pair})");
+        let (ids, x, _mats, dm, _pool) = large_case(&g, 1800 + ci as u64, c);
+        let (big, plan) = moe_run(&g, &ids, top_k, &x, per_pair, e, (n, k), &dm);
+        assert!(plan.large, "{case}: not the large form");
+        // Tokens a chunk: at most E pairs, and at K = 7168 at least 64 rows (the small form's one-split plan).
+        let chunk = (e / top_k).clamp(1, 16);
+        let (mut small, mut splits) = (Vec::with_capacity(big.len()), std::collections::BTreeSet::new());
+        for t0 in (0..t).step_by(chunk) {
+            let t1 = (t0 + chunk).min(t);
+            let xs = if per_pair {
+                &x[t0 * top_k * k..t1 * top_k * k]
+            } else {
+                &x[t0 * k..t1 * k]
+            };
+            let (o, pl) = moe_run(&g, &ids[t0 * top_k..t1 * top_k], top_k, xs, per_pair, e, (n, k), &dm);
+            assert!(!pl.large, "{case}: chunk at token {t0} took the large form");
+            splits.insert(pl.splits);
+            small.extend(o);
+        }
+        assert_eq!(
+            splits.iter().copied().collect::<Vec<_>>(),
+            vec![1],
+            "{case}: the small form's splits"
+        );
+        let differ = big
+            .iter()
+            .zip(&small)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        let nan = big.iter().filter(|v| v.is_nan()).count();
+        println!(
+            "PARITY {case}: {} outputs, {differ} differ in bits from the small form at one split \
+             (chunks of {chunk} tokens); {nan} NaN",
+            big.len()
+        );
+        assert_eq!(nan, 0, "{case}: unwritten outputs");
+        assert_eq!(differ, 0, "{case}: the large form is not the small form's bits");
     }
 }

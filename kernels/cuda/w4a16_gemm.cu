@@ -367,50 +367,49 @@ GROUPED_KERNEL(4)
 // The small-M form above dequantises a weight once per 32-row tile and sums k-splits through an f32
 // workspace; at prefill sizes that runs at ~22 TFLOP/s (ncu, 16K-token prefill of the K2.6 TP8 rank-0
 // slice, run 78). Here a CTA computes a 128 (weight rows n) x 128 (pairs) tile over the whole K, so each weight
-// is dequantised once per 128 pairs, with no workspace and no split:
-//   * stages of BK = 64 k through shared memory by cp.async, STAGES deep: x rows of the tile (gathered by the
-//     routing, 128 bytes a row, 16-byte chunks XOR-swizzled by row % 8 for conflict-free ldmatrix; rows past
-//     the tile's count are zero-filled), the weight rows' 32 packed bytes (halves swizzled by (row / 4) % 2),
-//     and their two group scales;
-//   * 4 warps, 2 (n) x 2 (pairs), each 64 n x 64 pairs: A = weights (m16 tiles over n), dequantised in
-//     registers from its own packed bytes (byte t of a k16 word holds k = 2t, 2t + 1: one prmt, imad and lop3
-//     make bf16x2 (128 + q_lo, 128 + q_hi), then the same sub and mul as deq2: bf16((q - 8) s), rounded once,
-//     the values the small form uses); B = x by ldmatrix; mma.sync m16n8k16, f32 accumulate over all of K in
-//     one order (k ascending), so a pair's output does not depend on which other pairs share its tile;
+// is dequantised once per 128 pairs, with no workspace and no split.
+// Batch invariance: a pair's output is the bits the small form gives it whenever that form runs one split (at
+// K <= 512 from 5 pairs on: the trained pair's experts, a TP8 rank's down projection), so a row does not change
+// when more rows (a batch) tip the engine into this form. At K = 7168 the small form always splits K (its x
+// slice must fit the shared memory), so K2.6's gate|up rows still differ between the forms in their last bits. Hence the same k order inside every mma as the small form (per 128-k block,
+// steps st = 0..7: lane quad t supplies group t's word st / 2, nibble pairs (j, j + 4) and (j + 1, j + 5),
+// j = 2 (st % 2)), the same dequantisation (deq2: bf16((q - 8) s), rounded once), one f32 accumulator chain
+// per output (k blocks ascending, steps in order) and the same final rounding (bf16(0 + acc)).
+//   * stages of BK = 128 k through shared memory by cp.async, double-buffered: x rows of the tile (gathered by
+//     the routing, 256 bytes a row, 16-byte chunk c = 4 group + word stored at c ^ 2 (c / 8 % 2) ^ (row % 2):
+//     a quarter-warp's eight 16-byte reads (two rows, four groups) hit eight distinct bank groups; rows past
+//     the tile's count are zero-filled), the weight rows' 64 packed bytes and their four group scales;
+//   * 4 warps, 2 (n) x 2 (pairs), each 64 n x 64 pairs: A = weights (m16 tiles over n) dequantised in
+//     registers from a 4-byte word of its group, B = x, one 16-byte read per n8 tile and word, its (k, k + 4)
+//     pairs made by byte_perm; mma.sync m16n8k16, f32 accumulate;
 //   * the tile goes out through shared memory as 16-byte row segments, rounded to bf16.
 // Rows: pair p = sorted[start + r] of tile (expert, start, count) from kdtree_moe_align_i32 at 128 rows a
 // tile; x row p / x_row_div; out row p, columns col0 + n (col0 = matrix * N: gate and up side by side).
-// Limits (wrapper checks): K % 64 == 0, N % 8 == 0, ld_x and ld_out multiples of 8, x and out 16-byte aligned.
+// Limits (wrapper checks): K % 128 == 0, N % 8 == 0, ld_x and ld_out multiples of 8, x and out 16-byte aligned.
 namespace w4a16_large {
 
 constexpr int BM = 128;     // pairs per tile
 constexpr int BN = 128;     // weight rows per CTA
-constexpr int BK = 64;      // k per stage (two groups)
-constexpr int STAGES = 4;
+constexpr int BK = 128;     // k per stage (four groups: one block of the small form)
+constexpr int STAGES = 2;
 constexpr int THREADS = 128;
-constexpr int X_BYTES = BM * BK * 2;      // 16384
-constexpr int W_BYTES = BN * BK / 2;      // 4096
-constexpr int S_BYTES = BN * 4;           // 512: two bf16 scales a row
+constexpr int X_BYTES = BM * BK * 2;      // 32768
+constexpr int W_BYTES = BN * BK / 2;      // 8192
+constexpr int S_BYTES = BN * 8;           // 1024: four bf16 scales a row
 constexpr int STAGE_BYTES = X_BYTES + W_BYTES + S_BYTES;
 constexpr int SMEM = STAGES * STAGE_BYTES;  // 83968
 constexpr int C_LD = BN + 8;                // epilogue tile row (bf16), 272 bytes
 static_assert(2 * SMEM <= 227 * 1024, "two CTAs an SM on sm_90");
 static_assert(BM * C_LD * 2 <= SMEM, "the epilogue tile fits the stages' memory");
 
-__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool full) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(kdtree::smem_addr(dst)), "l"(src),
-                 "r"(full ? 4 : 0)
+__device__ __forceinline__ void cp_async8(void* dst, const void* src, bool full) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(kdtree::smem_addr(dst)), "l"(src),
+                 "r"(full ? 8 : 0)
                  : "memory");
 }
 
-// Byte t of w (k = 2t low nibble, 2t + 1 high nibble) -> bf16x2 (bf16((lo - 8) s), bf16((hi - 8) s)).
-__device__ __forceinline__ uint32_t deq_byte(uint32_t w, uint32_t sel, bf162 s2) {
-    const uint32_t y = __byte_perm(w, 0u, sel);                // byte t in byte 0, zeros above
-    const uint32_t m = ((y * 0x1001u) & 0x000F000Fu) | 0x43004300u;  // bf16x2 (128 + lo, 128 + hi)
-    bf162 v = *reinterpret_cast<const bf162*>(&m);
-    v = __hsub2(v, __floats2bfloat162_rn(136.f, 136.f));        // exact: q - 8
-    return as_u32(__hmul2(v, s2));
-}
+// Byte offset of x chunk c (0..15: group c / 4, word c % 4) of tile row r in a stage.
+__device__ __forceinline__ int x_off(int r, int c) { return r * (BK * 2) + ((c ^ (((c >> 3) & 1) << 1) ^ (r & 1)) << 4); }
 
 }  // namespace w4a16_large
 
@@ -441,35 +440,34 @@ extern "C" __global__ void __launch_bounds__(w4a16_large::THREADS, 2) kdtree_moe
     __syncthreads();
 
     const int nk = K / BK;
-    // Stage kt into slot: x 1024 chunks (8 a thread), weights 256 (2 a thread), scales 128 (1 a thread).
+    // Stage kt into slot: x 2048 chunks (16 a thread), weights 512 (4 a thread), scales 128 x 8 bytes (1 a thread).
     auto load = [&](int slot, int kt) {
         unsigned char* xs = smem + slot * STAGE_BYTES;
         unsigned char* wsm = xs + X_BYTES;
         unsigned char* ssm = wsm + W_BYTES;
         const int k0 = kt * BK;
 #pragma unroll
-        for (int j = 0; j < 8; j++) {
-            const int c = tid + j * THREADS, r = c >> 3, ch = c & 7;
+        for (int j = 0; j < 16; j++) {
+            const int c = tid + j * THREADS, r = c >> 4, ch = c & 15;
             const int xr = xrow[r];
             const bf16* src = x + (size_t)(xr < 0 ? 0 : xr) * ld_x + k0 + ch * 8;
-            kdtree::cp_async16(xs + r * 128 + ((ch ^ (r & 7)) << 4), src, xr >= 0);
+            kdtree::cp_async16(xs + x_off(r, ch), src, xr >= 0);
         }
 #pragma unroll
-        for (int j = 0; j < 2; j++) {
-            const int c = tid + j * THREADS, r = c >> 1, h = c & 1;
+        for (int j = 0; j < 4; j++) {
+            const int c = tid + j * THREADS, r = c >> 2, h = c & 3;
             const bool ok = n0 + r < N;
             const uint8_t* src = packed + (size_t)(ok ? n0 + r : 0) * (K / 2) + k0 / 2 + h * 16;
-            kdtree::cp_async16(wsm + r * 32 + ((h ^ ((r >> 2) & 1)) << 4), src, ok);
+            kdtree::cp_async16(wsm + r * 64 + h * 16, src, ok);
         }
         {
             const bool ok = n0 + tid < N;
-            cp_async4(ssm + tid * 4, scales + (size_t)(ok ? n0 + tid : 0) * (K / 32) + k0 / 32, ok);
+            cp_async8(ssm + tid * 8, scales + (size_t)(ok ? n0 + tid : 0) * (K / 32) + k0 / 32, ok);
         }
     };
 
     const int wn = warp & 1, wm = warp >> 1;  // warp's 64 weight rows and 64 pairs
     const int g = lane >> 2, t = lane & 3;
-    const uint32_t sel = 0x4440u | (uint32_t)t;
     float acc[4][8][4];
 #pragma unroll
     for (int i = 0; i < 4; i++)
@@ -491,50 +489,51 @@ extern "C" __global__ void __launch_bounds__(w4a16_large::THREADS, 2) kdtree_moe
         const unsigned char* xs = smem + (kt % STAGES) * STAGE_BYTES;
         const unsigned char* wsm = xs + X_BYTES;
         const bf16* ssm = reinterpret_cast<const bf16*>(wsm + W_BYTES);
+#pragma unroll 1  // unrolled, ptxas hoists the four words' addresses and spills (255 registers); rolled, 216
+        for (int w = 0; w < 4; w++) {  // word w of group t: small-form steps 2w (j = 0) and 2w + 1 (j = 2)
+            uint32_t b[8][2][2];
 #pragma unroll
-        for (int s = 0; s < 4; s++) {  // k16 steps
-            uint32_t b[8][2];
-#pragma unroll
-            for (int jj = 0; jj < 4; jj++) {
-                const int r = wm * 64 + jj * 16 + (lane & 7) + ((lane >> 4) << 3);
-                const int ch = 2 * s + ((lane >> 3) & 1);
-                uint32_t v[4];
-                kdtree::ldsm_x4(v, xs + r * 128 + ((ch ^ (r & 7)) << 4));
-                b[2 * jj][0] = v[0];
-                b[2 * jj][1] = v[1];
-                b[2 * jj + 1][0] = v[2];
-                b[2 * jj + 1][1] = v[3];
+            for (int jt = 0; jt < 8; jt++) {
+                const uint4 v = *reinterpret_cast<const uint4*>(xs + x_off(wm * 64 + jt * 8 + g, 4 * t + w));
+                b[jt][0][0] = __byte_perm(v.x, v.z, 0x5410);  // (k0, k4)
+                b[jt][0][1] = __byte_perm(v.x, v.z, 0x7632);  // (k1, k5)
+                b[jt][1][0] = __byte_perm(v.y, v.w, 0x5410);  // (k2, k6)
+                b[jt][1][1] = __byte_perm(v.y, v.w, 0x7632);  // (k3, k7)
             }
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                const int r0 = wn * 64 + i * 16 + g, r1 = r0 + 8;
-                // k16 step s: bytes 8s .. 8s + 7 of the row's 32 (half s / 2, swizzled), scale group s / 2.
-                const int h0 = ((s >> 1) ^ ((r0 >> 2) & 1)) << 4, h1 = ((s >> 1) ^ ((r1 >> 2) & 1)) << 4;
-                const uint2 w0 = *reinterpret_cast<const uint2*>(wsm + r0 * 32 + h0 + (s & 1) * 8);
-                const uint2 w1 = *reinterpret_cast<const uint2*>(wsm + r1 * 32 + h1 + (s & 1) * 8);
-                const bf16 s0 = ssm[r0 * 2 + (s >> 1)], s1 = ssm[r1 * 2 + (s >> 1)];
-                const bf162 s02 = __halves2bfloat162(s0, s0), s12 = __halves2bfloat162(s1, s1);
-                const uint32_t a0 = deq_byte(w0.x, sel, s02), a1 = deq_byte(w1.x, sel, s12);
-                const uint32_t a2 = deq_byte(w0.y, sel, s02), a3 = deq_byte(w1.y, sel, s12);
+                const int r0 = wn * 64 + i * 16 + g;
+                const uint32_t w0 = *reinterpret_cast<const uint32_t*>(wsm + r0 * 64 + t * 16 + w * 4);
+                const uint32_t w1 = *reinterpret_cast<const uint32_t*>(wsm + (r0 + 8) * 64 + t * 16 + w * 4);
+                const bf16 s0 = ssm[r0 * 4 + t], s1 = ssm[(r0 + 8) * 4 + t];  // group t's scales
+                const bf162 sc0 = __halves2bfloat162(s0, s0), sc1 = __halves2bfloat162(s1, s1);
 #pragma unroll
-                for (int j = 0; j < 8; j++) kdtree::mma_bf16(acc[i][j], a0, a1, a2, a3, b[j][0], b[j][1]);
+                for (int h = 0; h < 2; h++) {
+                    const int j = 2 * h;
+                    const uint32_t lo0 = deq2(w0, 4 * j, sc0), lo1 = deq2(w1, 4 * j, sc1);
+                    const uint32_t hi0 = deq2(w0, 4 * (j + 1), sc0), hi1 = deq2(w1, 4 * (j + 1), sc1);
+#pragma unroll
+                    for (int jt = 0; jt < 8; jt++)
+                        kdtree::mma_bf16(acc[i][jt], lo0, lo1, hi0, hi1, b[jt][h][0], b[jt][h][1]);
+                }
             }
         }
     }
     kdtree::cp_async_wait<0>();
     __syncthreads();  // every warp is done with the stages: the epilogue tile reuses their memory
 
-    // C[n][pair] -> smem [pair][n] bf16, then 16-byte segments of out rows.
+    // C[n][pair] -> smem [pair][n] bf16 (0 + acc, rounded as the small form's split sum), then 16-byte
+    // segments of out rows.
     bf16* ct = reinterpret_cast<bf16*>(smem);
 #pragma unroll
     for (int i = 0; i < 4; i++) {
 #pragma unroll
         for (int j = 0; j < 8; j++) {
             const int n = wn * 64 + i * 16 + g, r = wm * 64 + j * 8 + 2 * t;
-            ct[r * C_LD + n] = __float2bfloat16_rn(acc[i][j][0]);
-            ct[(r + 1) * C_LD + n] = __float2bfloat16_rn(acc[i][j][1]);
-            ct[r * C_LD + n + 8] = __float2bfloat16_rn(acc[i][j][2]);
-            ct[(r + 1) * C_LD + n + 8] = __float2bfloat16_rn(acc[i][j][3]);
+            ct[r * C_LD + n] = __float2bfloat16_rn(__fadd_rn(0.f, acc[i][j][0]));
+            ct[(r + 1) * C_LD + n] = __float2bfloat16_rn(__fadd_rn(0.f, acc[i][j][1]));
+            ct[r * C_LD + n + 8] = __float2bfloat16_rn(__fadd_rn(0.f, acc[i][j][2]));
+            ct[(r + 1) * C_LD + n + 8] = __float2bfloat16_rn(__fadd_rn(0.f, acc[i][j][3]));
         }
     }
     __syncthreads();

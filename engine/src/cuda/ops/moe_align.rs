@@ -17,7 +17,8 @@ pub fn max_tiles(pairs: usize, n_experts: usize, tile_rows: usize) -> usize {
 
 /// Device-side grouping of `ids` `[P]` (row-major `[T, top_k]` expert ids from the router):
 /// `sorted [P]` pair indices by ascending expert (stable), `tiles [3, max_tiles]` (expert, start, count)
-/// and `n_tiles [1]`. `tile_rows` must be the GEMM's row tile (8, 16 or 32; 128 for the large-M form). One block of 1024 threads.
+/// and `n_tiles [1]`. `tile_rows` must be the GEMM's row tile (8, 16 or 32; 128 for the large-M form). One block
+/// of 1024 threads.
 /// Launch contract: no allocation, no host sync, graph-capturable.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_align(

@@ -34,9 +34,10 @@ const DENSE: [&str; 3] = [
 ];
 /// The large-M grouped form (prefill): 128 x 128 tiles over the whole K, no split, no workspace.
 const LARGE: &str = "kdtree_moe_w4a16_gemm_i4g32_large";
-/// Its dynamic shared memory (4 stages of x 128 x 64 bf16, weights 128 x 32 bytes, scales 128 x 4 bytes).
-const LARGE_SMEM: usize = 4 * (128 * 64 * 2 + 128 * 32 + 128 * 4);
-/// Its row tile (it steps K by 64, which K_STEP is a multiple of).
+/// Its dynamic shared memory (2 stages of x 128 x 128 bf16, weights 128 x 64 bytes, scales 128 x 8 bytes).
+const LARGE_SMEM: usize = 2 * (128 * 128 * 2 + 128 * 64 + 128 * 8);
+/// Its row tile (it steps K by K_STEP = 128, the small form's block, in the small form's k order: a pair's
+/// output is the small form's bits whenever that form runs one split, as it does at K <= 512).
 const LARGE_TILE: usize = 128;
 /// Mean rows per active expert from which the grouped GEMM takes the large-M form. Below it a 128-row tile
 /// would be mostly empty; above it the small form dequantises every weight once per 32 rows and sums splits
@@ -620,6 +621,34 @@ mod tests {
                     );
                     assert_eq!(p.smem, 8 * mt * smem_row_stride(p.kbps));
                 }
+            }
+        }
+    }
+
+    /// The large form gives the small form's bits where the small form runs one split (the kernel's comment): at
+    /// K <= 512 from 5 rows on, at every row tile and tile count, on the H200's figures; at K = 7168 never.
+    #[test]
+    fn small_form_runs_one_split_at_k_up_to_512() {
+        for k in [128, 256, 384, 512] {
+            for n in [96, 256, 512, 7168] {
+                for mt in [1, 2, 4] {
+                    for tiles in [1, 2, 8, 40, 400] {
+                        for rows in [5, 8 * mt * tiles, 10_000] {
+                            let p = plan_on(H200, mt, tiles, rows, n, k);
+                            assert_eq!(p.splits, 1, "{p:?} for N={n} K={k} rows={rows}");
+                        }
+                    }
+                }
+            }
+        }
+        for mt in [1, 2, 4] {
+            for tiles in [1, 8, 400] {
+                let p = plan_on(H200, mt, tiles, 100_000, 256, 7168);
+                assert!(
+                    p.splits > 1,
+                    "{p:?}: K = 7168 in one split would need {} B of x",
+                    8 * mt * 7168 * 2
+                );
             }
         }
     }
