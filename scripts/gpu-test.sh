@@ -46,7 +46,7 @@ suite_start=$(date +%s)
 # context) invalidates a capture in flight. One process per GPU, as kdtree-run is, never meets that.
 # Rank groups on one GPU (cuda_tp, kdtree-run --share-gpu) pace their launches at launch gates
 # (engine/src/cuda/comm.rs), so that none fills the launch queues.
-for t in cuda_ddtree cuda_sample cuda_drafter cuda_round cuda_ops cuda_gemm cuda_mla cuda_mla_expanded cuda_target cuda_router_error cuda_comm cuda_tp; do
+for t in cuda_ddtree cuda_sample cuda_drafter cuda_round cuda_ops cuda_gemm cuda_mla cuda_mla_prefill cuda_mla_expanded cuda_target cuda_router_error cuda_comm cuda_tp; do
   echo "== $t (parity)"
   case $t in cuda_ddtree|cuda_round|cuda_ops|cuda_target|cuda_comm|cuda_tp) threads="--test-threads=1";; *) threads="";; esac
   # Poisoned: buffers an op should write in full start as NaN bytes (Gpu::out), so reading unwritten memory fails.

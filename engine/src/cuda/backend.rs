@@ -362,6 +362,7 @@ impl Resources for CudaBackend {
             bits,
             rows: v.rows,
             words: v.words,
+            causal: v.is_causal(),
         }
     }
     fn ids_from_host(&self, ids: &[u32]) -> CudaSlice<u32> {

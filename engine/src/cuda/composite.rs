@@ -9,7 +9,7 @@ use super::backend::CudaBackend;
 use super::ops::mla_absorb::{absorb_q, apply_uv, AbsorbDims};
 use super::ops::mla_attention::{self as seg_op, mla_attention, MlaShape, MlaSplit};
 use super::ops::w4a16_gemm::{MoeDims, MoeX};
-use super::ops::{copy_rows, embed, fill, gemm_bf16, moe_align, moe_combine, silu_mul, w4a16_gemm};
+use super::ops::{copy_rows, embed, fill, gemm_bf16, mla_prefill, moe_align, moe_combine, silu_mul, w4a16_gemm};
 use super::tree::DMask;
 use super::types::{storage_id, DKv, DMat, DRoutes, DI4};
 use super::CudaError;
@@ -343,10 +343,23 @@ impl CudaBackend {
             rope: dn + p,
             committed: kv.committed,
         };
+        let mut o = self.gpu.out::<bf16>(t * hr * dv)?;
+        // A chain (a prefill) through the one-kernel causal form where it is built for these widths.
+        if mask.causal && self.gpu.options().mla_prefill_flash && mla_prefill::supported(&self.gpu, dn + p, dv) {
+            mla_prefill::mla_prefill(
+                &self.gpu,
+                &qb.as_view(),
+                &ex.as_view(),
+                hs,
+                &s,
+                d.scale,
+                &mut o.as_view_mut(),
+            )?;
+            return self.to_f32(&o);
+        }
         let split = MlaSplit::choose_heads(&self.gpu, &s);
         let (wo, wml) = split.workspace(&s);
         let (mut po, mut pml) = (self.new_f32(wo)?, self.new_f32(wml)?);
-        let mut o = self.gpu.out::<bf16>(t * hr * dv)?;
         let mv = mask.bits.as_view();
         seg_op::mla_attention_heads(
             &self.gpu,

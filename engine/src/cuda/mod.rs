@@ -337,6 +337,7 @@ impl Gpu {
         ops::w4a16_gemm::configure(&gpu)?;
         ops::gqa_attention::configure(&gpu)?;
         ops::mla_attention::configure(&gpu)?;
+        ops::mla_prefill::configure(&gpu)?;
         ops::ddtree_build::configure(&gpu)?;
         Ok(gpu)
     }
