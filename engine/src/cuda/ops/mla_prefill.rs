@@ -6,7 +6,7 @@ use cudarc::driver::{CudaView, CudaViewMut, PushKernelArg};
 use half::bf16;
 
 use super::mla_attention::MlaShape;
-use super::{as_i32, launch_cfg, need_len};
+use super::{addr, addr_mut, as_i32, launch_cfg, need_len};
 use crate::cuda::{drv, ensure, Gpu, Result};
 
 const OP: &str = "mla_prefill";
@@ -87,6 +87,15 @@ pub fn mla_prefill(
     ensure(OP, head_stride >= rows * ew, || {
         format!("head stride {head_stride} < {rows} rows x {ew}")
     })?;
+    // 16-byte cp.async rows: q, kv and every head's rows 16-byte aligned; the output's bf16 pairs 4-byte aligned.
+    ensure(OP, head_stride.is_multiple_of(8), || {
+        format!("head stride {head_stride} must be a multiple of 8 elements")
+    })?;
+    ensure(
+        OP,
+        addr(gpu, q).is_multiple_of(16) && addr(gpu, kv).is_multiple_of(16) && addr_mut(gpu, out).is_multiple_of(4),
+        || "q and kv must be 16-byte aligned, out 4-byte aligned".into(),
+    )?;
     need_len(OP, "q", q.len(), s.t * s.heads * qw)?;
     need_len(OP, "kv", kv.len(), (s.heads.max(1) - 1) * head_stride + rows * ew)?;
     need_len(OP, "out", out.len(), s.t * s.heads * dv)?;
