@@ -224,7 +224,9 @@ impl CudaBackend {
             .iter()
             .map(|(s, sp)| sp.workspace(s))
             .fold((0, 0), |a, w| (a.0.max(w.0), a.1.max(w.1)));
-        let (mut po, mut pml) = (self.new_f32(wo)?, self.new_f32(wml)?);
+        // Not zero-filled: every split CTA writes the partials of each of its (node, head) rows (an empty split
+        // m = -inf, l = 0, o = 0), and the merge reads only those.
+        let (mut po, mut pml) = (self.gpu.out::<f32>(wo)?, self.gpu.out::<f32>(wml)?);
         let mut at = 0;
         for (&(kv, mask, ts), (s, split)) in segs.iter().zip(&shapes) {
             if mask.rows < ts {
