@@ -423,6 +423,99 @@ fn moe_router_parity() {
     }
 }
 
+/// The one-warp-a-token router (taken without expert groups) against the one-block form on the same logits: ids
+/// and weights bit for bit, over expert counts that fill 4, 12 and 32 values a lane (and part of one), top-k up
+/// to 32, ties (logits quantized to a few values), no bias, no normalisation, NaN logits (fewer valid experts
+/// than top_k: both forms write id -1 and weight 0 for the missing ones).
+#[test]
+fn moe_router_warp_equals_block() {
+    let Some(g) = gpu() else { return };
+    // (tokens, E, top_k, bias, norm, quantized, NaN logits a token)
+    let cases = [
+        (1, 384, 8, true, true, false, 0),
+        (300, 384, 8, true, true, false, 0),
+        (37, 384, 8, false, true, true, 0),
+        (9, 100, 4, true, false, false, 0),
+        (64, 32, 4, true, true, true, 0),
+        (17, 1000, 32, true, true, false, 0),
+        (11, 1024, 8, false, true, true, 0),
+        (5, 40, 8, true, true, false, 35),
+    ];
+    for (n, &(t, e, k, with_bias, norm, quant, nans)) in cases.iter().enumerate() {
+        let case = format!(
+            "moe_router warp == block (T={t},E={e},top_k={k},bias={with_bias},norm={norm},ties={quant},NaN={nans})"
+        );
+        let mut r = rng(750 + n as u64);
+        let mut logits = rand_f32(&mut r, t * e, -6.0, 6.0);
+        if quant {
+            logits.iter_mut().for_each(|x| *x = (*x).round());
+        }
+        for tt in 0..t {
+            for i in 0..nans {
+                logits[tt * e + (i * 7 + tt) % e] = f32::NAN;
+            }
+        }
+        let bias = with_bias.then(|| rand_f32(&mut r, e, -0.1, 0.1));
+        let rc = ops::moe_router::RouterCfg {
+            n_experts: e,
+            n_group: 1,
+            topk_group: 1,
+            top_k: k,
+            norm_topk_prob: norm,
+            routed_scaling: 2.827,
+        };
+        let dl = g.upload(&logits).unwrap();
+        let db = bias.as_ref().map(|b| g.upload(b).unwrap());
+        let bv = db.as_ref().map(|b| b.as_view());
+        let run = |warp: bool| {
+            let mut di = g.upload(&vec![-7i32; t * k]).unwrap();
+            let mut dw = g.upload(&nan_f32(t * k)).unwrap();
+            let f = if warp {
+                ops::moe_router::moe_router
+            } else {
+                ops::moe_router::moe_router_block
+            };
+            f(
+                &g,
+                &dl.as_view(),
+                bv.as_ref(),
+                t,
+                rc,
+                &mut di.as_view_mut(),
+                &mut dw.as_view_mut(),
+            )
+            .unwrap();
+            (g.download(&di).unwrap(), g.download(&dw).unwrap())
+        };
+        let ((iw, ww), (ib, wb)) = (run(true), run(false));
+        let valid = e - nans.min(e);
+        let mut compared = 0;
+        for tt in 0..t {
+            for j in 0..k {
+                let at = tt * k + j;
+                if j >= valid {
+                    assert_eq!(
+                        (iw[at], ww[at]),
+                        (-1, 0.0),
+                        "{case}: token {tt} slot {j} past the valid experts"
+                    );
+                    continue;
+                }
+                assert_eq!(iw[at], ib[at], "{case}: token {tt} slot {j}: ids differ");
+                if nans == 0 {
+                    assert_eq!(
+                        ww[at].to_bits(),
+                        wb[at].to_bits(),
+                        "{case}: token {tt} slot {j}: weights differ"
+                    );
+                }
+                compared += 1;
+            }
+        }
+        println!("PARITY {case} exact ({compared} slots)");
+    }
+}
+
 #[test]
 fn moe_align_parity() {
     let Some(g) = gpu() else { return };
