@@ -519,17 +519,22 @@ fn moe_router_warp_equals_block() {
 #[test]
 fn moe_align_parity() {
     let Some(g) = gpu() else { return };
-    // (tokens, top_k, E, experts actually used, tile_rows)
-    for (n, &(t, k, e, used, tile)) in [
-        (1, 8, 384, 384, 8),
-        (40, 8, 384, 24, 16),
-        (256, 8, 384, 384, 32),
-        (5, 2, 8, 8, 8),
-    ]
-    .iter()
-    .enumerate()
-    {
-        let case = format!("moe_align(T={t},top_k={k},E={e},used={used},tile_rows={tile})");
+    // (tokens, top_k, E, experts actually used, tile_rows, this rank's first expert and count): decode sizes (warp 0
+    // places the pairs), and from 513 pairs on the chunked placement by 8 warps (a 16K-token prefill chunk, few
+    // experts taking many pairs, 1024 experts (its largest shared memory), an expert-parallel rank's share).
+    let cases: [(usize, usize, usize, usize, usize, usize, usize); 9] = [
+        (1, 8, 384, 384, 8, 0, 384),
+        (40, 8, 384, 24, 16, 0, 384),
+        (256, 8, 384, 384, 32, 0, 384),
+        (5, 2, 8, 8, 8, 0, 8),
+        (65, 8, 384, 384, 16, 0, 384),
+        (16384, 8, 384, 384, 128, 0, 384),
+        (3000, 8, 384, 9, 128, 0, 384),
+        (700, 8, 1024, 1024, 32, 0, 1024),
+        (4100, 8, 384, 384, 128, 48, 48),
+    ];
+    for (n, &(t, k, e, used, tile, first, local)) in cases.iter().enumerate() {
+        let case = format!("moe_align(T={t},top_k={k},E={e},used={used},tile_rows={tile},experts {first}..+{local})");
         let mut r = rng(800 + n as u64);
         let mut pool: Vec<i32> = (0..e as i32).collect();
         pool.shuffle(&mut r);
@@ -538,27 +543,36 @@ fn moe_align_parity() {
             .flat_map(|_| pool.choose_multiple(&mut r, k).copied().collect::<Vec<_>>())
             .collect();
         let p = t * k;
-        let mt = ops::moe_align::max_tiles(p, e, tile);
+        let mt = ops::moe_align::max_tiles(p, local, tile);
         let di = g.upload(&ids).unwrap();
         let mut ds = g.upload(&vec![-1i32; p]).unwrap();
         let mut dt = g.upload(&vec![-1i32; 3 * mt]).unwrap();
         let mut dn = g.upload(&[-1i32]).unwrap();
-        ops::moe_align::moe_align(
+        ops::moe_align::moe_align_rank(
             &g,
             &di.as_view(),
-            e,
+            first,
+            local,
             tile,
             &mut ds.as_view_mut(),
             &mut dt.as_view_mut(),
             &mut dn.as_view_mut(),
         )
         .unwrap();
-        // Reference: the per-expert lists of model::ffn::moe (ascending expert, pairs in order), cut in tiles.
-        let mut want_sorted = Vec::new();
+        // Reference: the per-expert lists of model::ffn::moe (ascending expert, pairs in order), cut in tiles;
+        // pairs of experts outside this rank's are in no list.
+        let mut want_sorted: Vec<i32> = Vec::new();
         let mut want_tiles = (Vec::new(), Vec::new(), Vec::new());
-        for ex in 0..e as i32 {
+        let mut by_expert = vec![Vec::new(); local];
+        for (q, &id) in ids.iter().enumerate() {
+            if (first as i32..(first + local) as i32).contains(&id) {
+                by_expert[id as usize - first].push(q as i32);
+            }
+        }
+        for (ex, list) in by_expert.iter().enumerate() {
+            let ex = ex as i32;
             let start = want_sorted.len();
-            want_sorted.extend((0..p as i32).filter(|&q| ids[q as usize] == ex));
+            want_sorted.extend(list);
             let c = want_sorted.len() - start;
             for j in (0..c).step_by(tile) {
                 want_tiles.0.push(ex);
@@ -568,7 +582,16 @@ fn moe_align_parity() {
         }
         let nt = g.download(&dn).unwrap()[0] as usize;
         assert_eq!(nt, want_tiles.0.len(), "{case}: tile count");
-        assert_eq!(g.download(&ds).unwrap(), want_sorted, "{case}: sorted pairs");
+        let got_sorted = g.download(&ds).unwrap();
+        assert_eq!(
+            &got_sorted[..want_sorted.len()],
+            &want_sorted[..],
+            "{case}: sorted pairs"
+        );
+        assert!(
+            got_sorted[want_sorted.len()..].iter().all(|&x| x == -1),
+            "{case}: entries past the rank's pairs"
+        );
         let tiles = g.download(&dt).unwrap();
         assert_eq!(&tiles[..nt], &want_tiles.0[..], "{case}: tile experts");
         assert_eq!(&tiles[mt..mt + nt], &want_tiles.1[..], "{case}: tile starts");

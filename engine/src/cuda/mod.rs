@@ -338,6 +338,7 @@ impl Gpu {
         ops::gqa_attention::configure(&gpu)?;
         ops::mla_attention::configure(&gpu)?;
         ops::mla_prefill::configure(&gpu)?;
+        ops::moe_align::configure(&gpu)?;
         ops::ddtree_build::configure(&gpu)?;
         if opts.pool_keep {
             gpu.pool_keep()?;
