@@ -62,6 +62,7 @@ fn cpu_pos<'a>(p: PosOf<'a, Rec>) -> PosOf<'a, C> {
 
 impl Resources for Rec {
     type Act = <C as Resources>::Act;
+    type LinIn = <C as Resources>::LinIn;
     type Mat = <C as Resources>::Mat;
     type I4 = <C as Resources>::I4;
     type Vector = <C as Resources>::Vector;
@@ -313,6 +314,14 @@ impl Compute for Rec {
         rec!(self, "linear", x.len(), t, self.inner.mat_rows(w));
         self.inner.linear(x, t, w)
     }
+    fn lin_in(&self, x: &Self::Act) -> Self::LinIn {
+        rec!(self, "lin_in", x.len());
+        self.inner.lin_in(x)
+    }
+    fn linear_in(&self, x: &Self::LinIn, t: usize, w: &Self::Mat) -> Self::Act {
+        rec!(self, "linear", x.len(), t, self.inner.mat_rows(w));
+        self.inner.linear_in(x, t, w)
+    }
     fn rms_norm(&self, x: &Self::Act, w: &Self::Vector, eps: f32) -> Self::Act {
         rec!(self, "rms_norm", x.len(), w.len());
         self.inner.rms_norm(x, w, eps)
@@ -428,7 +437,7 @@ impl Compute for Rec {
     }
     fn moe_experts(
         &self,
-        x: &Self::Act,
+        x: &Self::LinIn,
         t: usize,
         h: usize,
         routes: &Self::Routes,

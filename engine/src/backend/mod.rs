@@ -54,6 +54,9 @@ pub enum PosOf<'a, B: Resources> {
 /// cache of all layers, `Routes` one MoE layer's router decisions.
 pub trait Resources: Clone + Send + Sync + 'static {
     type Act: Send + Sync;
+    /// An activation in the form the linear ops read ([`Compute::lin_in`]: bf16 rows on the CUDA backend, the f32
+    /// rows themselves on the CPU), so that the linears of one input (and its routed experts) share one conversion.
+    type LinIn: Send + Sync;
     /// A bf16 matrix `[rows, cols]` (torch Linear `[out, in]`).
     type Mat: Send + Sync;
     /// An INT4 group-32 expert stack of one rank (`[count, n, k]`, global experts `first..first+count`).
@@ -252,6 +255,10 @@ pub trait Compute: Resources {
     // ---- dense ops ----
     /// `x[T, K] · W[N, K]^T` → `[T, N]`.
     fn linear(&self, x: &Self::Act, t: usize, w: &Self::Mat) -> Self::Act;
+    /// `x` made ready for the linear ops once ([`Compute::linear_in`], [`Compute::moe_experts`]).
+    fn lin_in(&self, x: &Self::Act) -> Self::LinIn;
+    /// [`Compute::linear`] of an input already made ready ([`Compute::lin_in`]): the same values.
+    fn linear_in(&self, x: &Self::LinIn, t: usize, w: &Self::Mat) -> Self::Act;
     /// RMSNorm of every `[D]` row of `x` (D = the weight's length).
     fn rms_norm(&self, x: &Self::Act, w: &Self::Vector, eps: f32) -> Self::Act;
     /// `acc += x`.
@@ -363,7 +370,7 @@ pub trait Compute: Resources {
     #[allow(clippy::too_many_arguments)]
     fn moe_experts(
         &self,
-        x: &Self::Act,
+        x: &Self::LinIn,
         t: usize,
         h: usize,
         routes: &Self::Routes,

@@ -55,6 +55,12 @@ impl Compute for CpuBackend {
         };
         RopeTable::new(inv_freq, offs.into_iter().map(|o| b + o), factor)
     }
+    fn lin_in(&self, x: &Vec<f32>) -> Vec<f32> {
+        x.clone()
+    }
+    fn linear_in(&self, x: &Vec<f32>, t: usize, w: &Mat) -> Vec<f32> {
+        self.linear(x, t, w)
+    }
     fn linear(&self, x: &Vec<f32>, t: usize, w: &Mat) -> Vec<f32> {
         ops::matmul_bf16(x, &w.w, t, w.cols, w.rows)
     }

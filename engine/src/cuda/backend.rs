@@ -146,6 +146,7 @@ impl CudaBackend {
 
 impl Resources for CudaBackend {
     type Act = CudaSlice<f32>;
+    type LinIn = CudaSlice<bf16>;
     type Mat = DMat;
     type I4 = DI4;
     type Vector = CudaSlice<bf16>;

@@ -48,7 +48,10 @@ impl CudaBackend {
         Ok(x)
     }
     pub(super) fn gemm_f32(&self, x: &CudaSlice<f32>, t: usize, w: &DMat) -> R<CudaSlice<f32>> {
-        let xb = self.to_bf16(x)?;
+        self.gemm_bf16_in(&self.to_bf16(x)?, t, w)
+    }
+    /// `x[T, K] · W^T` for bf16 rows `x` (one [`Compute::lin_in`] conversion shared by several linears), f32 out.
+    pub(super) fn gemm_bf16_in(&self, xb: &CudaSlice<bf16>, t: usize, w: &DMat) -> R<CudaSlice<f32>> {
         let mut y = self.gpu.out::<f32>(t * w.rows)?;
         gemm_bf16::gemm_bf16(
             &self.gpu,
@@ -381,7 +384,7 @@ impl CudaBackend {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn experts(
         &self,
-        x: &CudaSlice<f32>,
+        xb: &CudaSlice<bf16>,
         t: usize,
         h: usize,
         r: &DRoutes,
@@ -397,7 +400,6 @@ impl CudaBackend {
         // step at upload (tp4 / tp8 of small models, `pad_k`); gate and up then go to a [gate | up] row of the
         // padded width, their padded columns zero (silu(0) * 0 = 0 meets the zero weights).
         let kp = down.k;
-        let xb = self.to_bf16(x)?;
         // gate and up in one launch into [gate | up] rows, the SwiGLU inside the down GEMM's x staging.
         let plan_gu = w4a16_gemm::plan_moe(g, pairs, e, 2 * mi, h);
         let plan_one = w4a16_gemm::plan_moe(g, pairs, e, mi, h);

@@ -97,6 +97,14 @@ impl Compute for CudaBackend {
         self.run("linear", || self.gemm_f32(x, t, w))
             .unwrap_or_else(|| self.empty())
     }
+    fn lin_in(&self, x: &CudaSlice<f32>) -> CudaSlice<bf16> {
+        self.run("lin_in", || self.to_bf16(x))
+            .unwrap_or_else(|| self.empty_of::<bf16>())
+    }
+    fn linear_in(&self, x: &CudaSlice<bf16>, t: usize, w: &DMat) -> CudaSlice<f32> {
+        self.run("linear", || self.gemm_bf16_in(x, t, w))
+            .unwrap_or_else(|| self.empty())
+    }
     fn rms_norm(&self, x: &CudaSlice<f32>, w: &CudaSlice<bf16>, eps: f32) -> CudaSlice<f32> {
         self.run("rms_norm", || {
             let d = w.len();
@@ -477,7 +485,7 @@ impl Compute for CudaBackend {
     }
     fn moe_experts(
         &self,
-        x: &CudaSlice<f32>,
+        x: &CudaSlice<bf16>,
         t: usize,
         h: usize,
         routes: &DRoutes,

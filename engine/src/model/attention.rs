@@ -44,17 +44,19 @@ pub fn mla<B: Backend>(
 ) -> B::Act {
     let (b, cfg) = (&w.backend, &w.cfg);
     let a0 = &w.ranks[0].layers[l].attn;
+    // One conversion of x for q_a and kv_a (the CUDA backend's bf16 rows).
+    let xi = b.lin_in(x);
     // Query input: normed q_a latent [T, q_lora], or x itself when q_lora_rank is None.
     let q_lat;
     let q_in = match &a0.q_a {
         Some((q_a, q_norm)) => {
-            q_lat = b.rms_norm(&b.linear(x, t, q_a), q_norm, cfg.latent_eps);
+            q_lat = b.rms_norm(&b.linear_in(&xi, t, q_a), q_norm, cfg.latent_eps);
             &q_lat
         }
         None => x,
     };
     // New latent rows [T, C + P]: rms_norm(c_kv) | rope(k_pe), each segment's into its own cache.
-    let ckv = b.linear(x, t, &a0.kv_a); // [T, C + P]
+    let ckv = b.linear_in(&xi, t, &a0.kv_a); // [T, C + P]
     let cat;
     let rope_all = match (&*segs, rope_all) {
         ([_], _) => None,
