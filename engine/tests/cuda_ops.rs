@@ -117,6 +117,99 @@ fn rms_norm_f32_parity() {
     }
 }
 
+/// The fused residual add + RMSNorm + bf16 conversion of the decoder layers (`act_f32::add_rms_norm_bf16`, and
+/// `rms_norm_bf16_out` without the add) against the three kernels it replaces (`add_f32`, `rms_norm_f32`,
+/// `f32_to_bf16`) on the same inputs: the sum written back to x and the bf16 output, bit for bit, on the register
+/// path and the strided fallback (odd width, odd strides), at decode's one row and a prefill's many.
+#[test]
+fn add_rms_norm_bf16_equals_the_three_kernels() {
+    let Some(g) = gpu() else { return };
+    // (rows, h, ld): K2.6 hidden (decode, a tree, a prefill chunk's worth), q_lora, a width past the register path,
+    // an odd width, an odd stride.
+    for (i, &(rows, h, ld)) in [
+        (1, 7168, 7168),
+        (65, 7168, 7168),
+        (4096, 7168, 7168),
+        (3, 1536, 1536),
+        (2, 40000, 40000),
+        (5, 100, 100),
+        (4, 64, 66),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let case = format!("add_rms_norm_bf16(rows={rows},h={h},ld={ld})");
+        let mut r = rng(170 + i as u64);
+        let x = rand_f32(&mut r, rows * ld, -2.0, 2.0);
+        let a = rand_f32(&mut r, rows * ld, -1.0, 1.0);
+        let w = rand_bf16(&mut r, h, 0.5, 1.5);
+        let (da, dw) = (g.upload(&a).unwrap(), g.upload(&w).unwrap());
+        // The three kernels.
+        let mut dx3 = g.upload(&x).unwrap();
+        ops::act_f32::add_f32(&g, &mut dx3.as_view_mut(), &da.as_view()).unwrap();
+        let mut dn = g.upload(&nan_f32(rows * ld)).unwrap();
+        ops::act_f32::rms_norm_f32(
+            &g,
+            &dx3.as_view(),
+            ld,
+            &dw.as_view(),
+            &mut dn.as_view_mut(),
+            ld,
+            rows,
+            1e-5,
+        )
+        .unwrap();
+        let mut dy3 = g.upload(&nan_bf16(rows * ld)).unwrap();
+        ops::act_f32::f32_to_bf16(&g, &dn.as_view(), &mut dy3.as_view_mut()).unwrap();
+        // The fused one, and the norm alone on the sum.
+        let mut dx1 = g.upload(&x).unwrap();
+        let mut dy1 = g.upload(&nan_bf16(rows * ld)).unwrap();
+        ops::act_f32::add_rms_norm_bf16(
+            &g,
+            &mut dx1.as_view_mut(),
+            ld,
+            (&da.as_view(), ld),
+            &dw.as_view(),
+            &mut dy1.as_view_mut(),
+            ld,
+            rows,
+            1e-5,
+        )
+        .unwrap();
+        let mut dy0 = g.upload(&nan_bf16(rows * ld)).unwrap();
+        ops::act_f32::rms_norm_bf16_out(
+            &g,
+            &dx3.as_view(),
+            ld,
+            &dw.as_view(),
+            &mut dy0.as_view_mut(),
+            ld,
+            rows,
+            1e-5,
+        )
+        .unwrap();
+        let cols = |v: Vec<bf16>| -> Vec<u16> {
+            v.chunks(ld)
+                .flat_map(|c| c[..h].iter().map(|b| b.to_bits()).collect::<Vec<_>>())
+                .collect()
+        };
+        let (x3, x1) = (g.download(&dx3).unwrap(), g.download(&dx1).unwrap());
+        let xs = |v: &[f32]| -> Vec<u32> { v.chunks(ld).flat_map(|c| c[..h].iter().map(|f| f.to_bits())).collect() };
+        assert_eq!(xs(&x1), xs(&x3), "{case}: the sums written back differ");
+        let (y3, y1, y0) = (
+            cols(g.download(&dy3).unwrap()),
+            cols(g.download(&dy1).unwrap()),
+            cols(g.download(&dy0).unwrap()),
+        );
+        assert_eq!(y1, y3, "{case}: fused output differs from the three kernels");
+        assert_eq!(y0, y3, "{case}: the norm alone differs from rms_norm_f32 + f32_to_bf16");
+        println!(
+            "PARITY {case} exact (sum, fused output and the norm alone, {} values)",
+            y1.len()
+        );
+    }
+}
+
 #[test]
 fn rope_parity() {
     let Some(g) = gpu() else { return };

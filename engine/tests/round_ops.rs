@@ -314,6 +314,14 @@ impl Compute for Rec {
         rec!(self, "linear", x.len(), t, self.inner.mat_rows(w));
         self.inner.linear(x, t, w)
     }
+    fn rms_norm_in(&self, x: &Self::Act, w: &Self::Vector, eps: f32) -> Self::LinIn {
+        rec!(self, "rms_norm_in", x.len(), w.len());
+        self.inner.rms_norm_in(x, w, eps)
+    }
+    fn add_rms_norm_in(&self, x: &mut Self::Act, a: &Self::Act, w: &Self::Vector, eps: f32) -> Self::LinIn {
+        rec!(self, "add_rms_norm_in", x.len(), w.len());
+        self.inner.add_rms_norm_in(x, a, w, eps)
+    }
     fn lin_in(&self, x: &Self::Act) -> Self::LinIn {
         rec!(self, "lin_in", x.len());
         self.inner.lin_in(x)

@@ -19,6 +19,7 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("act_f32.cu", "kdtree_add_f32"),
     ("act_f32.cu", "kdtree_silu_mul_f32"),
     ("act_f32.cu", "kdtree_rms_norm_f32"),
+    ("act_f32.cu", "kdtree_add_rms_norm_bf16"),
     ("act_f32.cu", "kdtree_rope_table_f32"),
     ("act_f32.cu", "kdtree_copy_rows_f32"),
     ("argmax.cu", "kdtree_argmax_f32"),

@@ -261,6 +261,12 @@ pub trait Compute: Resources {
     fn linear_in(&self, x: &Self::LinIn, t: usize, w: &Self::Mat) -> Self::Act;
     /// RMSNorm of every `[D]` row of `x` (D = the weight's length).
     fn rms_norm(&self, x: &Self::Act, w: &Self::Vector, eps: f32) -> Self::Act;
+    /// [`Compute::lin_in`] of [`Compute::rms_norm`]: the same values in one op (a norm whose output only feeds
+    /// linears).
+    fn rms_norm_in(&self, x: &Self::Act, w: &Self::Vector, eps: f32) -> Self::LinIn;
+    /// `x += a`, then [`Compute::rms_norm_in`] of the sum: the same values as the three ops, in one (a decoder
+    /// layer's residual add and the next norm).
+    fn add_rms_norm_in(&self, x: &mut Self::Act, a: &Self::Act, w: &Self::Vector, eps: f32) -> Self::LinIn;
     /// `acc += x`.
     fn add(&self, acc: &mut Self::Act, x: &Self::Act);
     /// `silu(gate) ⊙ up`.

@@ -55,6 +55,13 @@ impl Compute for CpuBackend {
         };
         RopeTable::new(inv_freq, offs.into_iter().map(|o| b + o), factor)
     }
+    fn rms_norm_in(&self, x: &Vec<f32>, w: &Slab<bf16>, eps: f32) -> Vec<f32> {
+        self.rms_norm(x, w, eps)
+    }
+    fn add_rms_norm_in(&self, x: &mut Vec<f32>, a: &Vec<f32>, w: &Slab<bf16>, eps: f32) -> Vec<f32> {
+        self.add(x, a);
+        self.rms_norm(x, w, eps)
+    }
     fn lin_in(&self, x: &Vec<f32>) -> Vec<f32> {
         x.clone()
     }
