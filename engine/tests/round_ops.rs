@@ -400,6 +400,40 @@ impl Compute for Rec {
         rec!(self, "mla_attention", q.len(), t, l, format!("{mode:?}"));
         self.inner.mla_attention(q, t, kv, l, mask, kv_b, d, mode)
     }
+    fn mla_attention_in(
+        &self,
+        q: &Self::Act,
+        t: usize,
+        kv: &Self::Kv,
+        l: usize,
+        mask: &Self::Mask,
+        kv_b: &Self::Mat,
+        d: &MlaDims,
+        mode: AttnMode,
+    ) -> Self::LinIn {
+        rec!(self, "mla_attention", q.len(), t, l, format!("{mode:?}"));
+        self.inner.mla_attention_in(q, t, kv, l, mask, kv_b, d, mode)
+    }
+    fn mla_attention_segs_in(
+        &self,
+        q: &Self::Act,
+        segs: &[(&Self::Kv, &Self::Mask, usize)],
+        l: usize,
+        kv_b: &Self::Mat,
+        d: &MlaDims,
+        mode: AttnMode,
+    ) -> Self::LinIn {
+        let ts: Vec<usize> = segs.iter().map(|s| s.2).collect();
+        rec!(
+            self,
+            "mla_attention_segs",
+            q.len(),
+            format!("{ts:?}"),
+            l,
+            format!("{mode:?}")
+        );
+        self.inner.mla_attention_segs_in(q, segs, l, kv_b, d, mode)
+    }
     fn mla_attention_segs(
         &self,
         q: &Self::Act,

@@ -346,6 +346,36 @@ pub trait Compute: Resources {
         }
         out
     }
+    /// [`Compute::mla_attention`] made ready for the o_proj linear ([`Compute::lin_in`]): the same values; a
+    /// backend whose attention writes the linears' form hands it over without a round trip.
+    #[allow(clippy::too_many_arguments)]
+    fn mla_attention_in(
+        &self,
+        q: &Self::Act,
+        t: usize,
+        kv: &Self::Kv,
+        l: usize,
+        mask: &Self::Mask,
+        kv_b: &Self::Mat,
+        d: &MlaDims,
+        mode: AttnMode,
+    ) -> Self::LinIn {
+        self.lin_in(&self.mla_attention(q, t, kv, l, mask, kv_b, d, mode))
+    }
+    /// [`Compute::mla_attention_segs`] made ready for the o_proj linear ([`Compute::lin_in`]): the same values; a
+    /// backend whose attention writes the linears' form hands it over without a round trip.
+    #[allow(clippy::too_many_arguments)]
+    fn mla_attention_segs_in(
+        &self,
+        q: &Self::Act,
+        segs: &[(&Self::Kv, &Self::Mask, usize)],
+        l: usize,
+        kv_b: &Self::Mat,
+        d: &MlaDims,
+        mode: AttnMode,
+    ) -> Self::LinIn {
+        self.lin_in(&self.mla_attention_segs(q, segs, l, kv_b, d, mode))
+    }
     /// [`Compute::kv_append_latent`] of a batch: segment s's rows of `ckv` (consecutive, in order) into its
     /// cache, roped with its own table (`rope_all`: the tables stacked, [`Resources::rope_cat`]).
     #[allow(clippy::too_many_arguments)]

@@ -62,6 +62,30 @@ impl Compute for CpuBackend {
         self.add(x, a);
         self.rms_norm(x, w, eps)
     }
+    fn mla_attention_in(
+        &self,
+        q: &Vec<f32>,
+        t: usize,
+        kv: &LatentCache,
+        l: usize,
+        mask: &Visibility,
+        kv_b: &Mat,
+        d: &ops::MlaDims,
+        mode: AttnMode,
+    ) -> Vec<f32> {
+        self.mla_attention(q, t, kv, l, mask, kv_b, d, mode)
+    }
+    fn mla_attention_segs_in(
+        &self,
+        q: &Vec<f32>,
+        segs: &[(&LatentCache, &Visibility, usize)],
+        l: usize,
+        kv_b: &Mat,
+        d: &ops::MlaDims,
+        mode: AttnMode,
+    ) -> Vec<f32> {
+        self.mla_attention_segs(q, segs, l, kv_b, d, mode)
+    }
     fn lin_in(&self, x: &Vec<f32>) -> Vec<f32> {
         x.clone()
     }

@@ -98,6 +98,18 @@ impl CudaBackend {
         kv_b: &DMat,
         d: &MlaDims,
     ) -> R<CudaSlice<f32>> {
+        self.to_f32(&self.mla_segs_bf16(q, segs, l, kv_b, d)?)
+    }
+    /// [`CudaBackend::mla_segs`] as the kernels write it, `[T, Hr·Dv]` bf16 (the o_proj GEMM's input as is: the
+    /// f32 copy would convert back to the same bits).
+    pub(super) fn mla_segs_bf16(
+        &self,
+        q: &CudaSlice<f32>,
+        segs: &[(&DKv, &DMask, usize)],
+        l: usize,
+        kv_b: &DMat,
+        d: &MlaDims,
+    ) -> R<CudaSlice<bf16>> {
         let (hr, c, p, dn, dv) = (d.heads, d.kv_lora, d.rope, d.nope, d.v);
         let t: usize = segs.iter().map(|s| s.2).sum();
         // A long forward of one sequence (a prefill) in the expanded form where it is switched on and its widths fit
@@ -221,7 +233,7 @@ impl CudaBackend {
             }
             let mut o = self.gpu.out::<bf16>(t * hr * dv)?;
             apply_uv(&self.gpu, &olat.as_view(), &kv_b.w.as_view(), &mut o.as_view_mut(), ad)?;
-            return self.to_f32(&o);
+            return Ok(o);
         }
         let (wo, wml) = shapes
             .iter()
@@ -267,13 +279,13 @@ impl CudaBackend {
         }
         let mut o = self.gpu.out::<bf16>(t * hr * dv)?;
         apply_uv(&self.gpu, &olat.as_view(), &kv_b.w.as_view(), &mut o.as_view_mut(), ad)?;
-        self.to_f32(&o)
+        Ok(o)
     }
     /// The expanded (multi-head) MLA of one sequence's `t` new rows (a prefill; [`seg_op::mla_attention_heads`]):
     /// kv_b expands each of the layer's `committed + t` latent rows into every head's row `v_h | k_nope_h | k_pe`
     /// (two GEMMs and a copy a head), and the queries `q_nope | q_pe` score against the keys directly: 320
     /// multiply-adds a head and row pair at K2.6's widths where the latent form takes 1088. Output `[t, Hr·Dv]`
-    /// f32, as the latent form's after W_UV.
+    /// bf16, as the latent form's after W_UV.
     #[allow(clippy::too_many_arguments)]
     fn mla_expanded(
         &self,
@@ -284,7 +296,7 @@ impl CudaBackend {
         l: usize,
         kv_b: &DMat,
         d: &MlaDims,
-    ) -> R<CudaSlice<f32>> {
+    ) -> R<CudaSlice<bf16>> {
         let (hr, c, p, dn, dv) = (d.heads, d.kv_lora, d.rope, d.nope, d.v);
         let (rows, ew) = (kv.committed + t, dv + dn + p);
         if mask.rows < t || rows > kv.cap {
@@ -360,7 +372,7 @@ impl CudaBackend {
                 d.scale,
                 &mut o.as_view_mut(),
             )?;
-            return self.to_f32(&o);
+            return Ok(o);
         }
         let split = MlaSplit::choose_heads(&self.gpu, &s);
         let (wo, wml) = split.workspace(&s);
@@ -379,7 +391,7 @@ impl CudaBackend {
             &mut pml.as_view_mut(),
             &mut o.as_view_mut(),
         )?;
-        self.to_f32(&o)
+        Ok(o)
     }
     #[allow(clippy::too_many_arguments)]
     pub(super) fn experts(

@@ -431,6 +431,32 @@ impl Compute for CudaBackend {
         self.run("mla_attention", || self.mla_segs(q, segs, l, kv_b, d))
             .unwrap_or_else(|| self.empty())
     }
+    fn mla_attention_in(
+        &self,
+        q: &CudaSlice<f32>,
+        t: usize,
+        kv: &DKv,
+        l: usize,
+        mask: &DMask,
+        kv_b: &DMat,
+        d: &MlaDims,
+        _mode: AttnMode,
+    ) -> CudaSlice<bf16> {
+        self.run("mla_attention", || self.mla_segs_bf16(q, &[(kv, mask, t)], l, kv_b, d))
+            .unwrap_or_else(|| self.empty_of::<bf16>())
+    }
+    fn mla_attention_segs_in(
+        &self,
+        q: &CudaSlice<f32>,
+        segs: &[(&DKv, &DMask, usize)],
+        l: usize,
+        kv_b: &DMat,
+        d: &MlaDims,
+        _mode: AttnMode,
+    ) -> CudaSlice<bf16> {
+        self.run("mla_attention", || self.mla_segs_bf16(q, segs, l, kv_b, d))
+            .unwrap_or_else(|| self.empty_of::<bf16>())
+    }
     fn kv_append_latent_segs(
         &self,
         segs: &mut [(&mut DKv, &DRope, usize)],

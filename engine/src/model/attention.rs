@@ -102,17 +102,17 @@ pub fn mla<B: Backend>(
             let heads_out = match (&*segs, rope_all) {
                 ([seg], _) => {
                     b.rope_q(&mut q, hr, cfg.nope, seg.rope);
-                    b.mla_attention(&q, t, seg.kv, l, seg.mask, &at.kv_b, &d, mode)
+                    b.mla_attention_in(&q, t, seg.kv, l, seg.mask, &at.kv_b, &d, mode)
                     // [T, Hr * Dv]
                 }
                 (many, rope) => {
                     let rope = rope.expect("several segments have their stacked table");
                     b.rope_q(&mut q, hr, cfg.nope, rope);
                     let parts: Vec<(&B::Kv, &B::Mask, usize)> = many.iter().map(|s| (&*s.kv, s.mask, s.t)).collect();
-                    b.mla_attention_segs(&q, &parts, l, &at.kv_b, &d, mode)
+                    b.mla_attention_segs_in(&q, &parts, l, &at.kv_b, &d, mode)
                 }
             };
-            b.linear(&heads_out, t, &at.o_proj) // [T, H]
+            b.linear_in(&heads_out, t, &at.o_proj) // [T, H]
         })
         .collect();
     b.all_reduce(partials)
