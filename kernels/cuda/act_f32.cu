@@ -77,9 +77,17 @@ __device__ __forceinline__ void rms_norm_row(float* __restrict__ x, int ld_x, co
                 reinterpret_cast<float4*>(xr)[i] = v[j];
             }
         }
+        // The sum of squares with explicit roundings (no contraction left to the compiler), so that every form
+        // of the kernel sums the same way.
         float ss = 0.f;
 #pragma unroll
-        for (int j = 0; j < RMS_VEC; j++) ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+        for (int j = 0; j < RMS_VEC; j++) {
+            float q = __fmul_rn(v[j].x, v[j].x);
+            q = __fmaf_rn(v[j].y, v[j].y, q);
+            q = __fmaf_rn(v[j].z, v[j].z, q);
+            q = __fmaf_rn(v[j].w, v[j].w, q);
+            ss = __fadd_rn(ss, q);
+        }
         ss = kdtree::block_sum(ss, scratch);
         const float r = 1.0f / sqrtf(ss / (float)D + eps);
 #pragma unroll
@@ -98,7 +106,7 @@ __device__ __forceinline__ void rms_norm_row(float* __restrict__ x, int ld_x, co
         __syncthreads();  // (each thread reads back only what it wrote; kept for clarity of the two phases)
     }
     float ss = 0.f;
-    for (int i = threadIdx.x; i < D; i += blockDim.x) ss += xr[i] * xr[i];
+    for (int i = threadIdx.x; i < D; i += blockDim.x) ss = __fmaf_rn(xr[i], xr[i], ss);
     ss = kdtree::block_sum(ss, scratch);
     const float r = 1.0f / sqrtf(ss / (float)D + eps);
     for (int i = threadIdx.x; i < D; i += blockDim.x) {
