@@ -96,26 +96,13 @@ pub fn rms_norm_f32(
     eps: f32,
 ) -> Result<()> {
     const OP: &str = "rms_norm_f32";
-    let d = w.len();
-    ensure(OP, d > 0 && ld_x >= d && ld_y >= d, || {
-        format!("width {d} with strides ld_x={ld_x}, ld_y={ld_y}")
-    })?;
-    need_len(OP, "x", x.len(), span(rows, ld_x, d))?;
-    need_len(OP, "y", y.len(), span(rows, ld_y, d))?;
-    if rows == 0 {
+    let Some((lx, _, ly, dd)) = norm_args(OP, (x.len(), ld_x), None, w.len(), (y.len(), ld_y), rows)? else {
         return Ok(());
-    }
-    ensure(OP, rows <= i32::MAX as usize, || format!("rows={rows}"))?;
-    let (lx, ly, dd) = (
-        as_i32(OP, "ld_x", ld_x)?,
-        as_i32(OP, "ld_y", ld_y)?,
-        as_i32(OP, "D", d)?,
-    );
+    };
     let mut b = gpu.stream.launch_builder(gpu.func("kdtree_rms_norm_f32"));
     b.arg(x).arg(&lx).arg(w).arg(y).arg(&ly).arg(&dd).arg(&eps);
-    // SAFETY: spans checked above.
-    // Enough threads that a row's float4s fit RMS_VEC (8) per thread: one round of loads per row (norm_threads).
-    unsafe { b.launch(launch_cfg((rows as u32, 1, 1), norm_threads(d), 0)) }.map_err(drv(OP))?;
+    // SAFETY: spans checked by norm_args.
+    unsafe { b.launch(launch_cfg((rows as u32, 1, 1), norm_threads(w.len()), 0)) }.map_err(drv(OP))?;
     Ok(())
 }
 
@@ -193,7 +180,8 @@ pub fn rms_norm_bf16_out(
     Ok(())
 }
 
-/// Threads of a norm over rows of `d` (the same in every norm form: the same sums in the same order).
+/// Threads of a norm over rows of `d` (the same in every norm form: the same sums in the same order): enough that a
+/// row's float4s fit RMS_VEC (8) a thread, one round of loads a row.
 fn norm_threads(d: usize) -> u32 {
     d.div_ceil(4 * 8).next_multiple_of(32).clamp(128, 1024) as u32
 }
@@ -208,8 +196,9 @@ fn norm_args(
     rows: usize,
 ) -> Result<Option<(i32, i32, i32, i32)>> {
     let ld_a = a.map_or(d, |(_, l)| l);
-    ensure(op, d > 0 && ld_x >= d && ld_y >= d && ld_a >= d, || {
-        format!("width {d} with strides ld_x={ld_x}, ld_a={ld_a}, ld_y={ld_y}")
+    ensure(op, d > 0 && ld_x >= d && ld_y >= d && ld_a >= d, || match a {
+        Some(_) => format!("width {d} with strides ld_x={ld_x}, ld_a={ld_a}, ld_y={ld_y}"),
+        None => format!("width {d} with strides ld_x={ld_x}, ld_y={ld_y}"),
     })?;
     need_len(op, "x", x_len, span(rows, ld_x, d))?;
     if let Some((a_len, _)) = a {
