@@ -43,6 +43,7 @@ gpu-stage:
 	bash scripts/gpu-test.sh --stage .dev-gpu
 
 ## gpu-test: on the GPU machine (driver + CUDA 13 libraries only): the whole GPU suite from .dev-gpu/, a table last
+## (KDTREE_GPU_SANITIZE=0: all but the compute-sanitizer runs; =only: those alone)
 gpu-test:
 	bash .dev-gpu/gpu-test.sh .dev-gpu
 

@@ -41,28 +41,43 @@ source "$(dirname "$0")/gpu-env.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/gpu: /'
 status=0
 suite_start=$(date +%s)
+# KDTREE_GPU_SANITIZE: 1 (default) the whole suite; 0 everything but the compute-sanitizer runs; only: those runs
+# alone (on the trained pair converted here). The device tool allows 10 minutes a call: run 0, then only.
+san_mode="${KDTREE_GPU_SANITIZE:-1}"
+case $san_mode in 0|1|only) ;; *) echo "KDTREE_GPU_SANITIZE=$san_mode: 0, 1 or only" >&2; exit 2;; esac
 # Suites that capture CUDA graphs run their tests one at a time: the tests of one binary share the device's
 # primary context, and another test's teardown (cuBLAS handle, module unload, pinned frees synchronise the
 # context) invalidates a capture in flight. One process per GPU, as kdtree-run is, never meets that.
 # Rank groups on one GPU (cuda_tp, kdtree-run --share-gpu) pace their launches at launch gates
 # (engine/src/cuda/comm.rs), so that none fills the launch queues.
-for t in cuda_ddtree cuda_sample cuda_drafter cuda_round cuda_ops cuda_gemm cuda_mla cuda_mla_expanded cuda_target cuda_router_error cuda_comm cuda_tp; do
+suites=(cuda_ddtree cuda_sample cuda_drafter cuda_round cuda_ops cuda_gemm cuda_mla cuda_mla_prefill cuda_mla_expanded cuda_target
+  cuda_router_error cuda_comm cuda_tp)
+[ "$san_mode" = only ] && suites=()
+for t in "${suites[@]}"; do
   echo "== $t (parity)"
   case $t in cuda_ddtree|cuda_round|cuda_ops|cuda_target|cuda_comm|cuda_tp) threads="--test-threads=1";; *) threads="";; esac
   # Poisoned: buffers an op should write in full start as NaN bytes (Gpu::out), so reading unwritten memory fails.
   KDTREE_CUDA_POISON=1 "$dir/$t" --nocapture $threads 2>&1 | tee -a "$log" | grep -E "^(PARITY|BOUNDARY|MEASURE|test |test result|thread|  left|  right|SKIP)|panicked"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
-echo "== cuda_tp (parity, eager: the launches paced by the gates alone)"
-KDTREE_CUDA_GRAPHS=0 KDTREE_CUDA_POISON=1 "$dir/cuda_tp" --nocapture --test-threads=1 rank_groups 2>&1 | tee -a "$log" | sed -n 's/^.*\(PARITY\)/\1 eager:/p; /panicked\|test result/p'
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+if [ "$san_mode" != only ]; then
+  echo "== cuda_tp (parity, eager: the launches paced by the gates alone)"
+  KDTREE_CUDA_GRAPHS=0 KDTREE_CUDA_POISON=1 "$dir/cuda_tp" --nocapture --test-threads=1 rank_groups 2>&1 | tee -a "$log" | sed -n 's/^.*\(PARITY\)/\1 eager:/p; /panicked\|test result/p'
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
 # The route-flip rule of the teacher-forced checks below, from this run's measurement (cuda_router_error): a token's
 # experts may differ on the GPU only where the CPU's router margin is below 2 max |Δ selection score|.
 flip_margin() { grep -oE "MEASURE router_score_error model=$1 .*flip_margin=[0-9.e+-]+" "$log" | tail -1 | sed 's/.*flip_margin=//'; }
 m_tiny="$(flip_margin tiny-synth)"; m_pair="$(flip_margin kdtree-tiny-pair)"
 echo "route-flip margins measured: tiny-synth ${m_tiny:-none}, kdtree-tiny-pair ${m_pair:-none}" | tee -a "$log"
-[ -n "$m_tiny" ] && [ -n "$m_pair" ] || status=1
-if [ -x "$dir/kdtree-run" ]; then
+if [ "$san_mode" != only ]; then
+  [ -n "$m_tiny" ] && [ -n "$m_pair" ] || status=1
+fi
+if [ "$san_mode" = only ] && [ -x "$dir/kdtree-run" ]; then
+  e2e="$(mktemp -d)"
+  "$dir/kdtree-convert" repack models/kdtree-tiny "$e2e/pair1" --drafter models/kdtree-tiny/drafter --ranks 1 --quiet || status=1
+  san_pair="$e2e/pair1"
+elif [ -x "$dir/kdtree-run" ]; then
   # End to end, from the repository root: models converted for one rank here, CPU vs CUDA greedy tokens,
   # --verify against the committed CPU bundles, bundles recorded on the GPU (for measuring |Δ| against
   # the CPU elsewhere), and the trained pair on the GPU (AR and DDTree, the drafter on the GPU too).
@@ -330,7 +345,7 @@ PY
   tar -C "$e2e" -cf "$out/batch-runs.tar" $(cd "$e2e" && ls batch8-*.json* mixed-*.json* ranks-score.json) 2>/dev/null
   san_pair="$e2e/pair1"
 fi
-if [ "${KDTREE_GPU_BENCH:-1}" = 1 ]; then
+if [ "${KDTREE_GPU_BENCH:-1}" = 1 ] && [ "$san_mode" != only ]; then
   echo "== cuda_bench (timings)"
   # KDTREE_GPU_BENCH_FILTER: only the timings whose test name contains it (e.g. ddtree_tree_stages).
   "$dir/cuda_bench" --ignored --nocapture --test-threads=1 ${KDTREE_GPU_BENCH_FILTER:-} 2>&1 | tee -a "$log" | grep -E "^(BENCH|test result)|panicked"
@@ -361,7 +376,9 @@ fi
 #   and a read of an allocated buffer its op left unwritten reads NaN, which the run's tokens would show: they
 #   must equal the run without the sanitizer.
 # (memcheck runs at real width in scripts/gpu-test-k26.sh.)
-if [ -n "$sanitizer" ] && [ -n "${san_pair:-}" ]; then
+if [ "$san_mode" = 0 ]; then
+  echo "E2E compute-sanitizer: skipped (KDTREE_GPU_SANITIZE=0; run KDTREE_GPU_SANITIZE=only for them)" | tee -a "$log"
+elif [ -n "$sanitizer" ] && [ -n "${san_pair:-}" ]; then
   python3 - "$e2e" <<'PY'
 import json, sys
 e = sys.argv[1]

@@ -28,6 +28,12 @@ pub struct GpuOptions {
     /// latent rows into per-head keys and values: 320 multiply-adds a head and row pair against the latent form's
     /// 1088); 0: the latent (absorbed) form everywhere.
     pub mla_expanded_min_rows: usize,
+    /// The expanded form of a causal prefill through the one-kernel flash-attention form (`ops::mla_prefill`)
+    /// where it is built for the widths; off: the split kernel's expanded form (the A/B of the bench).
+    pub mla_prefill_flash: bool,
+    /// The device's memory pool keeps what it reserved instead of unmapping unused memory at every
+    /// synchronisation (`Gpu::pool_keep`; rank groups always do).
+    pub pool_keep: bool,
     /// Log every tensor-parallel group's calls and stream drains on stderr.
     pub tp_trace: bool,
     /// How long a rank waits for the others inside a device-side sum (one GPU, several groups) before the
@@ -47,6 +53,8 @@ impl Default for GpuOptions {
             w4a16_blocks_per_sm: 4,
             w4a16_max_splits: 64,
             mla_expanded_min_rows: 0,
+            mla_prefill_flash: true,
+            pool_keep: false,
             tp_trace: false,
             group_timeout: Duration::from_secs(20),
             gate_timeout: Duration::from_secs(60),
@@ -59,7 +67,7 @@ pub const ENV_PREFIX: &str = "KDTREE_";
 
 /// Every switch: (variable, field of [`GpuOptions`], values and default). The variables keep the meaning
 /// they had when the library read them itself.
-pub const KNOBS: [(&str, &str, &str); 10] = [
+pub const KNOBS: [(&str, &str, &str); 12] = [
     ("KDTREE_CUDA_GRAPHS", "graphs", "`0`: off; anything else or unset: on"),
     ("KDTREE_CUDA_POISON", "poison", "`1`: on; otherwise off"),
     ("KDTREE_PDL", "pdl", "`0`: off; anything else or unset: on (sm_90+)"),
@@ -79,6 +87,12 @@ pub const KNOBS: [(&str, &str, &str); 10] = [
         "mla_expanded_min_rows",
         "an integer; unset or not a number: 0 (off)",
     ),
+    (
+        "KDTREE_MLA_PREFILL_FLASH",
+        "mla_prefill_flash",
+        "`0`: off; anything else or unset: on",
+    ),
+    ("KDTREE_POOL_KEEP", "pool_keep", "`1`: on; otherwise off"),
     ("KDTREE_TP_TRACE", "tp_trace", "`1`: on; otherwise off"),
     ("KDTREE_GROUP_TIMEOUT_S", "group_timeout", "seconds > 0; otherwise 20"),
     ("KDTREE_GATE_TIMEOUT_S", "gate_timeout", "seconds > 0; otherwise 60"),
@@ -111,6 +125,8 @@ impl GpuOptions {
             w4a16_blocks_per_sm: count("W4A16_BLOCKS_PER_SM", d.w4a16_blocks_per_sm),
             w4a16_max_splits: count("W4A16_MAX_SPLITS", d.w4a16_max_splits),
             mla_expanded_min_rows: count("MLA_EXPANDED_MIN_ROWS", d.mla_expanded_min_rows),
+            mla_prefill_flash: not_zero("MLA_PREFILL_FLASH", d.mla_prefill_flash),
+            pool_keep: one("POOL_KEEP"),
             tp_trace: one("TP_TRACE"),
             group_timeout: seconds("GROUP_TIMEOUT_S", d.group_timeout),
             gate_timeout: seconds("GATE_TIMEOUT_S", d.gate_timeout),

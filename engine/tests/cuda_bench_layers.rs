@@ -1008,3 +1008,78 @@ fn moe_prefill() {
         );
     }
 }
+
+/// Causal prefill attention in MLA's expanded form at the K2.6 TP8 rank-0 slice's widths (8 heads, keys 192 =
+/// nope 128 + rope 64, values 128): the one-kernel flash form (`mla_prefill`) against the split kernel's expanded
+/// form (`mla_attention_heads` + merge), for one chunk of T new rows after `committed` cached ones (a 4K prompt, a
+/// 16K chunk, the second 16K chunk of a 32K prompt). Time per layer (CUDA events, warm) against the FLOP floor
+/// (2 (QW + DV) multiply-adds a visible (row, key) pair and head) at the bf16 peak measured in the same run.
+#[test]
+#[ignore = "timing; run by bench/gpu-bench.sh"]
+fn mla_prefill() {
+    use kdtree_engine::cuda::ops::mla_prefill as flash;
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(g) = gpu() else { return };
+    let (hr, qw, dv) = (8usize, 192usize, 128usize);
+    if !flash::supported(&g, qw, dv) {
+        println!("mla_prefill: the flash form is not supported on {}", g.describe());
+        return;
+    }
+    let mut r = rng(3200);
+    let pools = Pools::new(&g, &mut r);
+    let peak = matmul_tflops(&g, &pools.weights);
+    println!("\nmla_prefill: device {}, bf16 peak {peak:.0} TFLOP/s", g.describe());
+    for (t, committed) in [(4096usize, 0usize), (16384, 0), (16384, 16384)] {
+        let rows = committed + t;
+        let hs = rows * (qw + dv);
+        let q = fill(&g, &pools.weights, t * hr * qw);
+        let kv = fill(&g, &pools.weights, hr * hs);
+        let s = MlaShape {
+            t,
+            heads: hr,
+            kv_lora: dv,
+            rope: qw,
+            committed,
+        };
+        let mut out = g.zeros::<bf16>(t * hr * dv).unwrap();
+        let scale = 1.0 / (qw as f32).sqrt();
+        let ms_flash = time_ms(&g, 2, 5, |_| {
+            flash::mla_prefill(&g, &q.as_view(), &kv.as_view(), hs, &s, scale, &mut out.as_view_mut()).unwrap();
+        });
+        let split = MlaSplit::choose_heads(&g, &s);
+        let (wo, wml) = split.workspace(&s);
+        let (mut po, mut pml) = (g.zeros::<f32>(wo).unwrap(), g.zeros::<f32>(wml).unwrap());
+        let ms_split = time_ms(&g, 1, 3, |_| {
+            mla_attention::mla_attention_heads(
+                &g,
+                &q.as_view(),
+                &kv.as_view(),
+                hs,
+                None,
+                &s,
+                &split,
+                scale,
+                &mut po.as_view_mut(),
+                &mut pml.as_view_mut(),
+                &mut out.as_view_mut(),
+            )
+            .unwrap();
+        });
+        let pairs = (t * committed + t * (t + 1) / 2) as f64;
+        let flops = 2.0 * pairs * (qw + dv) as f64 * hr as f64;
+        let floor_ms = flops / (peak * 1e12) * 1e3;
+        let tf = |ms: f64| flops / (ms * 1e-3) / 1e12;
+        println!(
+            "mla_prefill T={t:>5} after {committed:>5}: flash {ms_flash:.3} ms = {:.0} TFLOP/s ({:.1}x the floor \
+             {floor_ms:.3} ms); split form {ms_split:.3} ms = {:.0} TFLOP/s",
+            tf(ms_flash),
+            ms_flash / floor_ms,
+            tf(ms_split)
+        );
+        println!(
+            "BENCH mla_prefill t={t} committed={committed} flash_ms={ms_flash:.4} split_ms={ms_split:.4} \
+             flash_tflops={:.1} floor_ms={floor_ms:.4}",
+            tf(ms_flash)
+        );
+    }
+}

@@ -117,6 +117,99 @@ fn rms_norm_f32_parity() {
     }
 }
 
+/// The fused residual add + RMSNorm + bf16 conversion of the decoder layers (`act_f32::add_rms_norm_bf16`, and
+/// `rms_norm_bf16_out` without the add) against the three kernels it replaces (`add_f32`, `rms_norm_f32`,
+/// `f32_to_bf16`) on the same inputs: the sum written back to x and the bf16 output, bit for bit, on the register
+/// path and the strided fallback (odd width, odd strides), at decode's one row and a prefill's many.
+#[test]
+fn add_rms_norm_bf16_equals_the_three_kernels() {
+    let Some(g) = gpu() else { return };
+    // (rows, h, ld): K2.6 hidden (decode, a tree, a prefill chunk's worth), q_lora, a width past the register path,
+    // an odd width, an odd stride.
+    for (i, &(rows, h, ld)) in [
+        (1, 7168, 7168),
+        (65, 7168, 7168),
+        (4096, 7168, 7168),
+        (3, 1536, 1536),
+        (2, 40000, 40000),
+        (5, 100, 100),
+        (4, 64, 66),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let case = format!("add_rms_norm_bf16(rows={rows},h={h},ld={ld})");
+        let mut r = rng(170 + i as u64);
+        let x = rand_f32(&mut r, rows * ld, -2.0, 2.0);
+        let a = rand_f32(&mut r, rows * ld, -1.0, 1.0);
+        let w = rand_bf16(&mut r, h, 0.5, 1.5);
+        let (da, dw) = (g.upload(&a).unwrap(), g.upload(&w).unwrap());
+        // The three kernels.
+        let mut dx3 = g.upload(&x).unwrap();
+        ops::act_f32::add_f32(&g, &mut dx3.as_view_mut(), &da.as_view()).unwrap();
+        let mut dn = g.upload(&nan_f32(rows * ld)).unwrap();
+        ops::act_f32::rms_norm_f32(
+            &g,
+            &dx3.as_view(),
+            ld,
+            &dw.as_view(),
+            &mut dn.as_view_mut(),
+            ld,
+            rows,
+            1e-5,
+        )
+        .unwrap();
+        let mut dy3 = g.upload(&nan_bf16(rows * ld)).unwrap();
+        ops::act_f32::f32_to_bf16(&g, &dn.as_view(), &mut dy3.as_view_mut()).unwrap();
+        // The fused one, and the norm alone on the sum.
+        let mut dx1 = g.upload(&x).unwrap();
+        let mut dy1 = g.upload(&nan_bf16(rows * ld)).unwrap();
+        ops::act_f32::add_rms_norm_bf16(
+            &g,
+            &mut dx1.as_view_mut(),
+            ld,
+            (&da.as_view(), ld),
+            &dw.as_view(),
+            &mut dy1.as_view_mut(),
+            ld,
+            rows,
+            1e-5,
+        )
+        .unwrap();
+        let mut dy0 = g.upload(&nan_bf16(rows * ld)).unwrap();
+        ops::act_f32::rms_norm_bf16_out(
+            &g,
+            &dx3.as_view(),
+            ld,
+            &dw.as_view(),
+            &mut dy0.as_view_mut(),
+            ld,
+            rows,
+            1e-5,
+        )
+        .unwrap();
+        let cols = |v: Vec<bf16>| -> Vec<u16> {
+            v.chunks(ld)
+                .flat_map(|c| c[..h].iter().map(|b| b.to_bits()).collect::<Vec<_>>())
+                .collect()
+        };
+        let (x3, x1) = (g.download(&dx3).unwrap(), g.download(&dx1).unwrap());
+        let xs = |v: &[f32]| -> Vec<u32> { v.chunks(ld).flat_map(|c| c[..h].iter().map(|f| f.to_bits())).collect() };
+        assert_eq!(xs(&x1), xs(&x3), "{case}: the sums written back differ");
+        let (y3, y1, y0) = (
+            cols(g.download(&dy3).unwrap()),
+            cols(g.download(&dy1).unwrap()),
+            cols(g.download(&dy0).unwrap()),
+        );
+        assert_eq!(y1, y3, "{case}: fused output differs from the three kernels");
+        assert_eq!(y0, y3, "{case}: the norm alone differs from rms_norm_f32 + f32_to_bf16");
+        println!(
+            "PARITY {case} exact (sum, fused output and the norm alone, {} values)",
+            y1.len()
+        );
+    }
+}
+
 #[test]
 fn rope_parity() {
     let Some(g) = gpu() else { return };
@@ -423,20 +516,118 @@ fn moe_router_parity() {
     }
 }
 
+/// The one-warp-a-token router (taken without expert groups) against the one-block form on the same logits: ids
+/// and weights bit for bit, over expert counts that fill 4, 12 and 32 values a lane (and part of one), top-k up
+/// to 32, ties (logits quantized to a few values), no bias, no normalisation, NaN logits (fewer valid experts
+/// than top_k: both forms write id -1 and weight 0 for the missing ones).
+#[test]
+fn moe_router_warp_equals_block() {
+    let Some(g) = gpu() else { return };
+    // (tokens, E, top_k, bias, norm, quantized, NaN logits a token)
+    let cases = [
+        (1, 384, 8, true, true, false, 0),
+        (300, 384, 8, true, true, false, 0),
+        (37, 384, 8, false, true, true, 0),
+        (9, 100, 4, true, false, false, 0),
+        (64, 32, 4, true, true, true, 0),
+        (17, 1000, 32, true, true, false, 0),
+        (11, 1024, 8, false, true, true, 0),
+        (5, 40, 8, true, true, false, 35),
+    ];
+    for (n, &(t, e, k, with_bias, norm, quant, nans)) in cases.iter().enumerate() {
+        let case = format!(
+            "moe_router warp == block (T={t},E={e},top_k={k},bias={with_bias},norm={norm},ties={quant},NaN={nans})"
+        );
+        let mut r = rng(750 + n as u64);
+        let mut logits = rand_f32(&mut r, t * e, -6.0, 6.0);
+        if quant {
+            logits.iter_mut().for_each(|x| *x = (*x).round());
+        }
+        for tt in 0..t {
+            for i in 0..nans {
+                logits[tt * e + (i * 7 + tt) % e] = f32::NAN;
+            }
+        }
+        let bias = with_bias.then(|| rand_f32(&mut r, e, -0.1, 0.1));
+        let rc = ops::moe_router::RouterCfg {
+            n_experts: e,
+            n_group: 1,
+            topk_group: 1,
+            top_k: k,
+            norm_topk_prob: norm,
+            routed_scaling: 2.827,
+        };
+        let dl = g.upload(&logits).unwrap();
+        let db = bias.as_ref().map(|b| g.upload(b).unwrap());
+        let bv = db.as_ref().map(|b| b.as_view());
+        let run = |warp: bool| {
+            let mut di = g.upload(&vec![-7i32; t * k]).unwrap();
+            let mut dw = g.upload(&nan_f32(t * k)).unwrap();
+            let f = if warp {
+                ops::moe_router::moe_router
+            } else {
+                ops::moe_router::moe_router_block
+            };
+            f(
+                &g,
+                &dl.as_view(),
+                bv.as_ref(),
+                t,
+                rc,
+                &mut di.as_view_mut(),
+                &mut dw.as_view_mut(),
+            )
+            .unwrap();
+            (g.download(&di).unwrap(), g.download(&dw).unwrap())
+        };
+        let ((iw, ww), (ib, wb)) = (run(true), run(false));
+        let valid = e - nans.min(e);
+        let mut compared = 0;
+        for tt in 0..t {
+            for j in 0..k {
+                let at = tt * k + j;
+                if j >= valid {
+                    assert_eq!(
+                        (iw[at], ww[at]),
+                        (-1, 0.0),
+                        "{case}: token {tt} slot {j} past the valid experts"
+                    );
+                    continue;
+                }
+                assert_eq!(iw[at], ib[at], "{case}: token {tt} slot {j}: ids differ");
+                if nans == 0 {
+                    assert_eq!(
+                        ww[at].to_bits(),
+                        wb[at].to_bits(),
+                        "{case}: token {tt} slot {j}: weights differ"
+                    );
+                }
+                compared += 1;
+            }
+        }
+        println!("PARITY {case} exact ({compared} slots)");
+    }
+}
+
 #[test]
 fn moe_align_parity() {
     let Some(g) = gpu() else { return };
-    // (tokens, top_k, E, experts actually used, tile_rows)
-    for (n, &(t, k, e, used, tile)) in [
-        (1, 8, 384, 384, 8),
-        (40, 8, 384, 24, 16),
-        (256, 8, 384, 384, 32),
-        (5, 2, 8, 8, 8),
-    ]
-    .iter()
-    .enumerate()
-    {
-        let case = format!("moe_align(T={t},top_k={k},E={e},used={used},tile_rows={tile})");
+    // (tokens, top_k, E, experts actually used, tile_rows, this rank's first expert and count): decode sizes (warp 0
+    // places the pairs), and from 513 pairs on the chunked placement by 8 warps (a 16K-token prefill chunk, few
+    // experts taking many pairs, 1024 experts (its largest shared memory), an expert-parallel rank's share).
+    let cases: [(usize, usize, usize, usize, usize, usize, usize); 9] = [
+        (1, 8, 384, 384, 8, 0, 384),
+        (40, 8, 384, 24, 16, 0, 384),
+        (256, 8, 384, 384, 32, 0, 384),
+        (5, 2, 8, 8, 8, 0, 8),
+        (65, 8, 384, 384, 16, 0, 384),
+        (16384, 8, 384, 384, 128, 0, 384),
+        (3000, 8, 384, 9, 128, 0, 384),
+        (700, 8, 1024, 1024, 32, 0, 1024),
+        (4100, 8, 384, 384, 128, 48, 48),
+    ];
+    for (n, &(t, k, e, used, tile, first, local)) in cases.iter().enumerate() {
+        let case = format!("moe_align(T={t},top_k={k},E={e},used={used},tile_rows={tile},experts {first}..+{local})");
         let mut r = rng(800 + n as u64);
         let mut pool: Vec<i32> = (0..e as i32).collect();
         pool.shuffle(&mut r);
@@ -445,27 +636,36 @@ fn moe_align_parity() {
             .flat_map(|_| pool.choose_multiple(&mut r, k).copied().collect::<Vec<_>>())
             .collect();
         let p = t * k;
-        let mt = ops::moe_align::max_tiles(p, e, tile);
+        let mt = ops::moe_align::max_tiles(p, local, tile);
         let di = g.upload(&ids).unwrap();
         let mut ds = g.upload(&vec![-1i32; p]).unwrap();
         let mut dt = g.upload(&vec![-1i32; 3 * mt]).unwrap();
         let mut dn = g.upload(&[-1i32]).unwrap();
-        ops::moe_align::moe_align(
+        ops::moe_align::moe_align_rank(
             &g,
             &di.as_view(),
-            e,
+            first,
+            local,
             tile,
             &mut ds.as_view_mut(),
             &mut dt.as_view_mut(),
             &mut dn.as_view_mut(),
         )
         .unwrap();
-        // Reference: the per-expert lists of model::ffn::moe (ascending expert, pairs in order), cut in tiles.
-        let mut want_sorted = Vec::new();
+        // Reference: the per-expert lists of model::ffn::moe (ascending expert, pairs in order), cut in tiles;
+        // pairs of experts outside this rank's are in no list.
+        let mut want_sorted: Vec<i32> = Vec::new();
         let mut want_tiles = (Vec::new(), Vec::new(), Vec::new());
-        for ex in 0..e as i32 {
+        let mut by_expert = vec![Vec::new(); local];
+        for (q, &id) in ids.iter().enumerate() {
+            if (first as i32..(first + local) as i32).contains(&id) {
+                by_expert[id as usize - first].push(q as i32);
+            }
+        }
+        for (ex, list) in by_expert.iter().enumerate() {
+            let ex = ex as i32;
             let start = want_sorted.len();
-            want_sorted.extend((0..p as i32).filter(|&q| ids[q as usize] == ex));
+            want_sorted.extend(list);
             let c = want_sorted.len() - start;
             for j in (0..c).step_by(tile) {
                 want_tiles.0.push(ex);
@@ -475,7 +675,16 @@ fn moe_align_parity() {
         }
         let nt = g.download(&dn).unwrap()[0] as usize;
         assert_eq!(nt, want_tiles.0.len(), "{case}: tile count");
-        assert_eq!(g.download(&ds).unwrap(), want_sorted, "{case}: sorted pairs");
+        let got_sorted = g.download(&ds).unwrap();
+        assert_eq!(
+            &got_sorted[..want_sorted.len()],
+            &want_sorted[..],
+            "{case}: sorted pairs"
+        );
+        assert!(
+            got_sorted[want_sorted.len()..].iter().all(|&x| x == -1),
+            "{case}: entries past the rank's pairs"
+        );
         let tiles = g.download(&dt).unwrap();
         assert_eq!(&tiles[..nt], &want_tiles.0[..], "{case}: tile experts");
         assert_eq!(&tiles[mt..mt + nt], &want_tiles.1[..], "{case}: tile starts");

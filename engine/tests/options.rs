@@ -28,6 +28,8 @@ fn changed(a: &GpuOptions, b: &GpuOptions) -> Vec<&'static str> {
         "mla_expanded_min_rows",
         a.mla_expanded_min_rows != b.mla_expanded_min_rows,
     );
+    check("mla_prefill_flash", a.mla_prefill_flash != b.mla_prefill_flash);
+    check("pool_keep", a.pool_keep != b.pool_keep);
     check("tp_trace", a.tp_trace != b.tp_trace);
     check("group_timeout", a.group_timeout != b.group_timeout);
     check("gate_timeout", a.gate_timeout != b.gate_timeout);
@@ -38,7 +40,7 @@ fn changed(a: &GpuOptions, b: &GpuOptions) -> Vec<&'static str> {
 fn nothing_set_is_the_default() {
     let d = GpuOptions::default();
     assert_eq!(from(&[]), d);
-    assert!(d.graphs && d.pdl && !d.poison && !d.gemv && !d.tp_trace);
+    assert!(d.graphs && d.pdl && d.mla_prefill_flash && !d.poison && !d.gemv && !d.tp_trace && !d.pool_keep);
     assert_eq!((d.w4a16_blocks_per_sm, d.w4a16_max_splits), (4, 64));
     assert_eq!(
         (d.group_timeout, d.gate_timeout),
@@ -50,14 +52,14 @@ fn nothing_set_is_the_default() {
 fn each_variable_sets_its_own_field_and_no_other() {
     // A value that moves each switch off its default.
     let moved = |name: &str| match name {
-        "KDTREE_CUDA_GRAPHS" | "KDTREE_PDL" => "0",
+        "KDTREE_CUDA_GRAPHS" | "KDTREE_PDL" | "KDTREE_MLA_PREFILL_FLASH" => "0",
         "KDTREE_W4A16_BLOCKS_PER_SM" => "2",
         "KDTREE_W4A16_MAX_SPLITS" => "16",
         "KDTREE_MLA_EXPANDED_MIN_ROWS" => "512",
         "KDTREE_GROUP_TIMEOUT_S" | "KDTREE_GATE_TIMEOUT_S" => "1.5",
         _ => "1",
     };
-    assert_eq!(KNOBS.len(), 10);
+    assert_eq!(KNOBS.len(), 12);
     for (var, field, _) in KNOBS {
         assert!(var.starts_with(kdtree_engine::options::ENV_PREFIX), "{var}");
         let got = from(&[(var, moved(var))]);
@@ -70,7 +72,7 @@ fn each_variable_sets_its_own_field_and_no_other() {
     }
     let all: Vec<(&str, &str)> = KNOBS.iter().map(|(v, _, _)| (*v, moved(v))).collect();
     let o = from(&all);
-    assert!(!o.graphs && !o.pdl && o.poison && o.gemv && o.tp_trace);
+    assert!(!o.graphs && !o.pdl && !o.mla_prefill_flash && o.poison && o.gemv && o.tp_trace && o.pool_keep);
     assert_eq!((o.w4a16_blocks_per_sm, o.w4a16_max_splits), (2, 16));
     assert_eq!(o.mla_expanded_min_rows, 512);
     assert_eq!(

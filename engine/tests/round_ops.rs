@@ -62,6 +62,7 @@ fn cpu_pos<'a>(p: PosOf<'a, Rec>) -> PosOf<'a, C> {
 
 impl Resources for Rec {
     type Act = <C as Resources>::Act;
+    type LinIn = <C as Resources>::LinIn;
     type Mat = <C as Resources>::Mat;
     type I4 = <C as Resources>::I4;
     type Vector = <C as Resources>::Vector;
@@ -313,6 +314,22 @@ impl Compute for Rec {
         rec!(self, "linear", x.len(), t, self.inner.mat_rows(w));
         self.inner.linear(x, t, w)
     }
+    fn rms_norm_in(&self, x: &Self::Act, w: &Self::Vector, eps: f32) -> Self::LinIn {
+        rec!(self, "rms_norm_in", x.len(), w.len());
+        self.inner.rms_norm_in(x, w, eps)
+    }
+    fn add_rms_norm_in(&self, x: &mut Self::Act, a: &Self::Act, w: &Self::Vector, eps: f32) -> Self::LinIn {
+        rec!(self, "add_rms_norm_in", x.len(), w.len());
+        self.inner.add_rms_norm_in(x, a, w, eps)
+    }
+    fn lin_in(&self, x: &Self::Act) -> Self::LinIn {
+        rec!(self, "lin_in", x.len());
+        self.inner.lin_in(x)
+    }
+    fn linear_in(&self, x: &Self::LinIn, t: usize, w: &Self::Mat) -> Self::Act {
+        rec!(self, "linear", x.len(), t, self.inner.mat_rows(w));
+        self.inner.linear_in(x, t, w)
+    }
     fn rms_norm(&self, x: &Self::Act, w: &Self::Vector, eps: f32) -> Self::Act {
         rec!(self, "rms_norm", x.len(), w.len());
         self.inner.rms_norm(x, w, eps)
@@ -383,6 +400,40 @@ impl Compute for Rec {
         rec!(self, "mla_attention", q.len(), t, l, format!("{mode:?}"));
         self.inner.mla_attention(q, t, kv, l, mask, kv_b, d, mode)
     }
+    fn mla_attention_in(
+        &self,
+        q: &Self::Act,
+        t: usize,
+        kv: &Self::Kv,
+        l: usize,
+        mask: &Self::Mask,
+        kv_b: &Self::Mat,
+        d: &MlaDims,
+        mode: AttnMode,
+    ) -> Self::LinIn {
+        rec!(self, "mla_attention", q.len(), t, l, format!("{mode:?}"));
+        self.inner.mla_attention_in(q, t, kv, l, mask, kv_b, d, mode)
+    }
+    fn mla_attention_segs_in(
+        &self,
+        q: &Self::Act,
+        segs: &[(&Self::Kv, &Self::Mask, usize)],
+        l: usize,
+        kv_b: &Self::Mat,
+        d: &MlaDims,
+        mode: AttnMode,
+    ) -> Self::LinIn {
+        let ts: Vec<usize> = segs.iter().map(|s| s.2).collect();
+        rec!(
+            self,
+            "mla_attention_segs",
+            q.len(),
+            format!("{ts:?}"),
+            l,
+            format!("{mode:?}")
+        );
+        self.inner.mla_attention_segs_in(q, segs, l, kv_b, d, mode)
+    }
     fn mla_attention_segs(
         &self,
         q: &Self::Act,
@@ -428,7 +479,7 @@ impl Compute for Rec {
     }
     fn moe_experts(
         &self,
-        x: &Self::Act,
+        x: &Self::LinIn,
         t: usize,
         h: usize,
         routes: &Self::Routes,

@@ -37,23 +37,57 @@ extern "C" __global__ void kdtree_silu_mul_f32(const float* __restrict__ gate, c
 // are 16-byte aligned and D / 4 <= RMS_VEC * blockDim.x, each thread loads its float4s at once and keeps
 // them in registers for the scaling (one read of x, every load in flight together: a decode step's single
 // row is one block, so the loads must not wait on each other); otherwise the plain strided loop.
+// ADD: x[r] += a[r] first (written back, as kdtree_add_f32 adds), then the norm of the sum; BF16: y is bf16, the
+// f32 value rounded once (as kdtree_f32_to_bf16 rounds it). The same threads and order in every form, so the
+// fused forms give the bits of the separate kernels.
 constexpr int RMS_VEC = 8;
-extern "C" __global__ void kdtree_rms_norm_f32(const float* __restrict__ x, int ld_x, const bf16* __restrict__ w, float* __restrict__ y,
-                                               int ld_y, int D, float eps) {
+template <bool ADD, typename Y>
+__device__ __forceinline__ void rms_norm_row(float* __restrict__ x, int ld_x, const float* __restrict__ a, int ld_a,
+                                             const bf16* __restrict__ w, Y* __restrict__ y, int ld_y, int D, float eps) {
     __shared__ float scratch[32];
-    const float* xr = x + (size_t)blockIdx.x * ld_x;
-    float* yr = y + (size_t)blockIdx.x * ld_y;
+    float* xr = x + (size_t)blockIdx.x * ld_x;
+    const float* ar = ADD ? a + (size_t)blockIdx.x * ld_a : nullptr;
+    Y* yr = y + (size_t)blockIdx.x * ld_y;
     const int n4 = D / 4;
-    if (D % 4 == 0 && kdtree::aligned16(xr) && kdtree::aligned16(yr) && kdtree::aligned16(w) && n4 <= RMS_VEC * (int)blockDim.x) {
+    const auto store4 = [&](int i, float4 f) {
+        if constexpr (sizeof(Y) == 4) {
+            reinterpret_cast<float4*>(yr)[i] = f;
+        } else {
+            const bf162 lo = __floats2bfloat162_rn(f.x, f.y), hi = __floats2bfloat162_rn(f.z, f.w);
+            uint2 u;
+            u.x = *reinterpret_cast<const uint32_t*>(&lo);
+            u.y = *reinterpret_cast<const uint32_t*>(&hi);
+            reinterpret_cast<uint2*>(yr)[i] = u;
+        }
+    };
+    const bool vec = D % 4 == 0 && kdtree::aligned16(xr) && (!ADD || kdtree::aligned16(ar)) && kdtree::aligned16(yr) &&
+                     kdtree::aligned16(w) && n4 <= RMS_VEC * (int)blockDim.x;
+    if (vec) {
         float4 v[RMS_VEC];
 #pragma unroll
         for (int j = 0; j < RMS_VEC; j++) {
             const int i = threadIdx.x + j * blockDim.x;
             v[j] = i < n4 ? reinterpret_cast<const float4*>(xr)[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+            if (ADD && i < n4) {
+                const float4 av = reinterpret_cast<const float4*>(ar)[i];
+                v[j].x += av.x;
+                v[j].y += av.y;
+                v[j].z += av.z;
+                v[j].w += av.w;
+                reinterpret_cast<float4*>(xr)[i] = v[j];
+            }
         }
+        // The sum of squares with explicit roundings (no contraction left to the compiler), so that every form
+        // of the kernel sums the same way.
         float ss = 0.f;
 #pragma unroll
-        for (int j = 0; j < RMS_VEC; j++) ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+        for (int j = 0; j < RMS_VEC; j++) {
+            float q = __fmul_rn(v[j].x, v[j].x);
+            q = __fmaf_rn(v[j].y, v[j].y, q);
+            q = __fmaf_rn(v[j].z, v[j].z, q);
+            q = __fmaf_rn(v[j].w, v[j].w, q);
+            ss = __fadd_rn(ss, q);
+        }
         ss = kdtree::block_sum(ss, scratch);
         const float r = 1.0f / sqrtf(ss / (float)D + eps);
 #pragma unroll
@@ -63,15 +97,41 @@ extern "C" __global__ void kdtree_rms_norm_f32(const float* __restrict__ x, int 
             const uint2 wb = reinterpret_cast<const uint2*>(w)[i];
             const float2 w01 = __bfloat1622float2(*reinterpret_cast<const bf162*>(&wb.x));
             const float2 w23 = __bfloat1622float2(*reinterpret_cast<const bf162*>(&wb.y));
-            reinterpret_cast<float4*>(yr)[i] = make_float4(w01.x * (v[j].x * r), w01.y * (v[j].y * r), w23.x * (v[j].z * r), w23.y * (v[j].w * r));
+            store4(i, make_float4(w01.x * (v[j].x * r), w01.y * (v[j].y * r), w23.x * (v[j].z * r), w23.y * (v[j].w * r)));
         }
         return;
     }
+    if (ADD) {
+        for (int i = threadIdx.x; i < D; i += blockDim.x) xr[i] += ar[i];
+        __syncthreads();  // (each thread reads back only what it wrote; kept for clarity of the two phases)
+    }
     float ss = 0.f;
-    for (int i = threadIdx.x; i < D; i += blockDim.x) ss += xr[i] * xr[i];
+    for (int i = threadIdx.x; i < D; i += blockDim.x) ss = __fmaf_rn(xr[i], xr[i], ss);
     ss = kdtree::block_sum(ss, scratch);
     const float r = 1.0f / sqrtf(ss / (float)D + eps);
-    for (int i = threadIdx.x; i < D; i += blockDim.x) yr[i] = __bfloat162float(w[i]) * (xr[i] * r);
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+        const float f = __bfloat162float(w[i]) * (xr[i] * r);
+        if constexpr (sizeof(Y) == 4) {
+            yr[i] = f;
+        } else {
+            yr[i] = __float2bfloat16_rn(f);
+        }
+    }
+}
+extern "C" __global__ void kdtree_rms_norm_f32(const float* __restrict__ x, int ld_x, const bf16* __restrict__ w, float* __restrict__ y,
+                                               int ld_y, int D, float eps) {
+    rms_norm_row<false, float>(const_cast<float*>(x), ld_x, nullptr, 0, w, y, ld_y, D, eps);
+}
+// x += a (if a is not null), then y = bf16(rms_norm(x)): the bits of kdtree_add_f32, kdtree_rms_norm_f32 and
+// kdtree_f32_to_bf16 in one launch (the residual add and the next norm of a decoder layer, its output the
+// linears' bf16 input).
+extern "C" __global__ void kdtree_add_rms_norm_bf16(float* __restrict__ x, int ld_x, const float* __restrict__ a, int ld_a,
+                                                    const bf16* __restrict__ w, bf16* __restrict__ y, int ld_y, int D,
+                                                    float eps) {
+    if (a)
+        rms_norm_row<true, bf16>(x, ld_x, a, ld_a, w, y, ld_y, D, eps);
+    else
+        rms_norm_row<false, bf16>(x, ld_x, nullptr, 0, w, y, ld_y, D, eps);
 }
 
 // RoPE in place on x (f32) from a cos/sin table [T, D/2] (row t for token t): element (t, h, d) at

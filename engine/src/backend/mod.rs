@@ -54,6 +54,9 @@ pub enum PosOf<'a, B: Resources> {
 /// cache of all layers, `Routes` one MoE layer's router decisions.
 pub trait Resources: Clone + Send + Sync + 'static {
     type Act: Send + Sync;
+    /// An activation in the form the linear ops read ([`Compute::lin_in`]: bf16 rows on the CUDA backend, the f32
+    /// rows themselves on the CPU), so that the linears of one input (and its routed experts) share one conversion.
+    type LinIn: Send + Sync;
     /// A bf16 matrix `[rows, cols]` (torch Linear `[out, in]`).
     type Mat: Send + Sync;
     /// An INT4 group-32 expert stack of one rank (`[count, n, k]`, global experts `first..first+count`).
@@ -252,8 +255,18 @@ pub trait Compute: Resources {
     // ---- dense ops ----
     /// `x[T, K] · W[N, K]^T` → `[T, N]`.
     fn linear(&self, x: &Self::Act, t: usize, w: &Self::Mat) -> Self::Act;
+    /// `x` made ready for the linear ops once ([`Compute::linear_in`], [`Compute::moe_experts`]).
+    fn lin_in(&self, x: &Self::Act) -> Self::LinIn;
+    /// [`Compute::linear`] of an input already made ready ([`Compute::lin_in`]): the same values.
+    fn linear_in(&self, x: &Self::LinIn, t: usize, w: &Self::Mat) -> Self::Act;
     /// RMSNorm of every `[D]` row of `x` (D = the weight's length).
     fn rms_norm(&self, x: &Self::Act, w: &Self::Vector, eps: f32) -> Self::Act;
+    /// [`Compute::lin_in`] of [`Compute::rms_norm`]: the same values in one op (a norm whose output only feeds
+    /// linears).
+    fn rms_norm_in(&self, x: &Self::Act, w: &Self::Vector, eps: f32) -> Self::LinIn;
+    /// `x += a`, then [`Compute::rms_norm_in`] of the sum: the same values as the three ops, in one (a decoder
+    /// layer's residual add and the next norm).
+    fn add_rms_norm_in(&self, x: &mut Self::Act, a: &Self::Act, w: &Self::Vector, eps: f32) -> Self::LinIn;
     /// `acc += x`.
     fn add(&self, acc: &mut Self::Act, x: &Self::Act);
     /// `silu(gate) ⊙ up`.
@@ -333,6 +346,36 @@ pub trait Compute: Resources {
         }
         out
     }
+    /// [`Compute::mla_attention`] made ready for the o_proj linear ([`Compute::lin_in`]): the same values; a
+    /// backend whose attention writes the linears' form hands it over without a round trip.
+    #[allow(clippy::too_many_arguments)]
+    fn mla_attention_in(
+        &self,
+        q: &Self::Act,
+        t: usize,
+        kv: &Self::Kv,
+        l: usize,
+        mask: &Self::Mask,
+        kv_b: &Self::Mat,
+        d: &MlaDims,
+        mode: AttnMode,
+    ) -> Self::LinIn {
+        self.lin_in(&self.mla_attention(q, t, kv, l, mask, kv_b, d, mode))
+    }
+    /// [`Compute::mla_attention_segs`] made ready for the o_proj linear ([`Compute::lin_in`]): the same values; a
+    /// backend whose attention writes the linears' form hands it over without a round trip.
+    #[allow(clippy::too_many_arguments)]
+    fn mla_attention_segs_in(
+        &self,
+        q: &Self::Act,
+        segs: &[(&Self::Kv, &Self::Mask, usize)],
+        l: usize,
+        kv_b: &Self::Mat,
+        d: &MlaDims,
+        mode: AttnMode,
+    ) -> Self::LinIn {
+        self.lin_in(&self.mla_attention_segs(q, segs, l, kv_b, d, mode))
+    }
     /// [`Compute::kv_append_latent`] of a batch: segment s's rows of `ckv` (consecutive, in order) into its
     /// cache, roped with its own table (`rope_all`: the tables stacked, [`Resources::rope_cat`]).
     #[allow(clippy::too_many_arguments)]
@@ -363,7 +406,7 @@ pub trait Compute: Resources {
     #[allow(clippy::too_many_arguments)]
     fn moe_experts(
         &self,
-        x: &Self::Act,
+        x: &Self::LinIn,
         t: usize,
         h: usize,
         routes: &Self::Routes,

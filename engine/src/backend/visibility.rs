@@ -49,6 +49,20 @@ impl Visibility {
             bits: vec![1],
         }
     }
+    /// Whether this is a chain: node i sees exactly nodes 0..=i (a prefill's mask), so attention may take it as
+    /// plain causal.
+    pub fn is_causal(&self) -> bool {
+        (0..self.rows).all(|i| {
+            self.row(i).iter().enumerate().all(|(w, &word)| {
+                let want = match (i + 1).saturating_sub(64 * w) {
+                    0 => 0,
+                    n if n >= 64 => u64::MAX,
+                    n => (1u64 << n) - 1,
+                };
+                word == want
+            })
+        })
+    }
     /// Row i: [words] u64.
     pub fn row(&self, i: usize) -> &[u64] {
         &self.bits[i * self.words..(i + 1) * self.words]
@@ -139,5 +153,20 @@ mod tests {
             assert!(e.contains("parents["), "{bad:?}: {e}");
         }
         assert_eq!(Visibility::from_parents(&[]).unwrap().rows, 0);
+    }
+
+    #[test]
+    fn is_causal_only_for_chains() {
+        for n in [1usize, 2, 63, 64, 65, 130] {
+            let chain: Vec<i32> = (0..n as i32).map(|i| i - 1).collect();
+            assert!(Visibility::from_parents(&chain).unwrap().is_causal(), "chain of {n}");
+            if n > 2 {
+                let mut tree = chain.clone();
+                tree[n - 1] = 0; // the last node skips its predecessor
+                assert!(!Visibility::from_parents(&tree).unwrap().is_causal(), "tree of {n}");
+            }
+        }
+        let siblings = Visibility::from_parents(&[-1, 0, 0]).unwrap();
+        assert!(!siblings.is_causal());
     }
 }

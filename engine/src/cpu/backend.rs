@@ -68,6 +68,7 @@ pub struct CpuRoutes {
 
 impl Resources for CpuBackend {
     type Act = Vec<f32>;
+    type LinIn = Vec<f32>;
     type Mat = Mat;
     type I4 = I4Stack;
     type Vector = Slab<bf16>;

@@ -55,6 +55,43 @@ impl Compute for CpuBackend {
         };
         RopeTable::new(inv_freq, offs.into_iter().map(|o| b + o), factor)
     }
+    fn rms_norm_in(&self, x: &Vec<f32>, w: &Slab<bf16>, eps: f32) -> Vec<f32> {
+        self.rms_norm(x, w, eps)
+    }
+    fn add_rms_norm_in(&self, x: &mut Vec<f32>, a: &Vec<f32>, w: &Slab<bf16>, eps: f32) -> Vec<f32> {
+        self.add(x, a);
+        self.rms_norm(x, w, eps)
+    }
+    fn mla_attention_in(
+        &self,
+        q: &Vec<f32>,
+        t: usize,
+        kv: &LatentCache,
+        l: usize,
+        mask: &Visibility,
+        kv_b: &Mat,
+        d: &ops::MlaDims,
+        mode: AttnMode,
+    ) -> Vec<f32> {
+        self.mla_attention(q, t, kv, l, mask, kv_b, d, mode)
+    }
+    fn mla_attention_segs_in(
+        &self,
+        q: &Vec<f32>,
+        segs: &[(&LatentCache, &Visibility, usize)],
+        l: usize,
+        kv_b: &Mat,
+        d: &ops::MlaDims,
+        mode: AttnMode,
+    ) -> Vec<f32> {
+        self.mla_attention_segs(q, segs, l, kv_b, d, mode)
+    }
+    fn lin_in(&self, x: &Vec<f32>) -> Vec<f32> {
+        x.clone()
+    }
+    fn linear_in(&self, x: &Vec<f32>, t: usize, w: &Mat) -> Vec<f32> {
+        self.linear(x, t, w)
+    }
     fn linear(&self, x: &Vec<f32>, t: usize, w: &Mat) -> Vec<f32> {
         ops::matmul_bf16(x, &w.w, t, w.cols, w.rows)
     }

@@ -146,6 +146,7 @@ impl CudaBackend {
 
 impl Resources for CudaBackend {
     type Act = CudaSlice<f32>;
+    type LinIn = CudaSlice<bf16>;
     type Mat = DMat;
     type I4 = DI4;
     type Vector = CudaSlice<bf16>;
@@ -362,6 +363,7 @@ impl Resources for CudaBackend {
             bits,
             rows: v.rows,
             words: v.words,
+            causal: v.is_causal(),
         }
     }
     fn ids_from_host(&self, ids: &[u32]) -> CudaSlice<u32> {

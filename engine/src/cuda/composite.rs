@@ -9,7 +9,7 @@ use super::backend::CudaBackend;
 use super::ops::mla_absorb::{absorb_q, apply_uv, AbsorbDims};
 use super::ops::mla_attention::{self as seg_op, mla_attention, MlaShape, MlaSplit};
 use super::ops::w4a16_gemm::{MoeDims, MoeX};
-use super::ops::{copy_rows, embed, fill, gemm_bf16, moe_align, moe_combine, silu_mul, w4a16_gemm};
+use super::ops::{copy_rows, embed, fill, gemm_bf16, mla_prefill, moe_align, moe_combine, silu_mul, w4a16_gemm};
 use super::tree::DMask;
 use super::types::{storage_id, DKv, DMat, DRoutes, DI4};
 use super::CudaError;
@@ -48,7 +48,10 @@ impl CudaBackend {
         Ok(x)
     }
     pub(super) fn gemm_f32(&self, x: &CudaSlice<f32>, t: usize, w: &DMat) -> R<CudaSlice<f32>> {
-        let xb = self.to_bf16(x)?;
+        self.gemm_bf16_in(&self.to_bf16(x)?, t, w)
+    }
+    /// `x[T, K] · W^T` for bf16 rows `x` (one [`Compute::lin_in`] conversion shared by several linears), f32 out.
+    pub(super) fn gemm_bf16_in(&self, xb: &CudaSlice<bf16>, t: usize, w: &DMat) -> R<CudaSlice<f32>> {
         let mut y = self.gpu.out::<f32>(t * w.rows)?;
         gemm_bf16::gemm_bf16(
             &self.gpu,
@@ -95,6 +98,18 @@ impl CudaBackend {
         kv_b: &DMat,
         d: &MlaDims,
     ) -> R<CudaSlice<f32>> {
+        self.to_f32(&self.mla_segs_bf16(q, segs, l, kv_b, d)?)
+    }
+    /// [`CudaBackend::mla_segs`] as the kernels write it, `[T, Hr·Dv]` bf16 (the o_proj GEMM's input as is: the
+    /// f32 copy would convert back to the same bits).
+    pub(super) fn mla_segs_bf16(
+        &self,
+        q: &CudaSlice<f32>,
+        segs: &[(&DKv, &DMask, usize)],
+        l: usize,
+        kv_b: &DMat,
+        d: &MlaDims,
+    ) -> R<CudaSlice<bf16>> {
         let (hr, c, p, dn, dv) = (d.heads, d.kv_lora, d.rope, d.nope, d.v);
         let t: usize = segs.iter().map(|s| s.2).sum();
         // A long forward of one sequence (a prefill) in the expanded form where it is switched on and its widths fit
@@ -218,13 +233,15 @@ impl CudaBackend {
             }
             let mut o = self.gpu.out::<bf16>(t * hr * dv)?;
             apply_uv(&self.gpu, &olat.as_view(), &kv_b.w.as_view(), &mut o.as_view_mut(), ad)?;
-            return self.to_f32(&o);
+            return Ok(o);
         }
         let (wo, wml) = shapes
             .iter()
             .map(|(s, sp)| sp.workspace(s))
             .fold((0, 0), |a, w| (a.0.max(w.0), a.1.max(w.1)));
-        let (mut po, mut pml) = (self.new_f32(wo)?, self.new_f32(wml)?);
+        // Not zero-filled: every split CTA writes the partials of each of its (node, head) rows (an empty split
+        // m = -inf, l = 0, o = 0), and the merge reads only those.
+        let (mut po, mut pml) = (self.gpu.out::<f32>(wo)?, self.gpu.out::<f32>(wml)?);
         let mut at = 0;
         for (&(kv, mask, ts), (s, split)) in segs.iter().zip(&shapes) {
             if mask.rows < ts {
@@ -262,13 +279,13 @@ impl CudaBackend {
         }
         let mut o = self.gpu.out::<bf16>(t * hr * dv)?;
         apply_uv(&self.gpu, &olat.as_view(), &kv_b.w.as_view(), &mut o.as_view_mut(), ad)?;
-        self.to_f32(&o)
+        Ok(o)
     }
     /// The expanded (multi-head) MLA of one sequence's `t` new rows (a prefill; [`seg_op::mla_attention_heads`]):
     /// kv_b expands each of the layer's `committed + t` latent rows into every head's row `v_h | k_nope_h | k_pe`
     /// (two GEMMs and a copy a head), and the queries `q_nope | q_pe` score against the keys directly: 320
     /// multiply-adds a head and row pair at K2.6's widths where the latent form takes 1088. Output `[t, Hr·Dv]`
-    /// f32, as the latent form's after W_UV.
+    /// bf16, as the latent form's after W_UV.
     #[allow(clippy::too_many_arguments)]
     fn mla_expanded(
         &self,
@@ -279,7 +296,7 @@ impl CudaBackend {
         l: usize,
         kv_b: &DMat,
         d: &MlaDims,
-    ) -> R<CudaSlice<f32>> {
+    ) -> R<CudaSlice<bf16>> {
         let (hr, c, p, dn, dv) = (d.heads, d.kv_lora, d.rope, d.nope, d.v);
         let (rows, ew) = (kv.committed + t, dv + dn + p);
         if mask.rows < t || rows > kv.cap {
@@ -343,10 +360,23 @@ impl CudaBackend {
             rope: dn + p,
             committed: kv.committed,
         };
+        let mut o = self.gpu.out::<bf16>(t * hr * dv)?;
+        // A chain (a prefill) through the one-kernel causal form where it is built for these widths.
+        if mask.causal && self.gpu.options().mla_prefill_flash && mla_prefill::supported(&self.gpu, dn + p, dv) {
+            mla_prefill::mla_prefill(
+                &self.gpu,
+                &qb.as_view(),
+                &ex.as_view(),
+                hs,
+                &s,
+                d.scale,
+                &mut o.as_view_mut(),
+            )?;
+            return Ok(o);
+        }
         let split = MlaSplit::choose_heads(&self.gpu, &s);
         let (wo, wml) = split.workspace(&s);
         let (mut po, mut pml) = (self.new_f32(wo)?, self.new_f32(wml)?);
-        let mut o = self.gpu.out::<bf16>(t * hr * dv)?;
         let mv = mask.bits.as_view();
         seg_op::mla_attention_heads(
             &self.gpu,
@@ -361,12 +391,12 @@ impl CudaBackend {
             &mut pml.as_view_mut(),
             &mut o.as_view_mut(),
         )?;
-        self.to_f32(&o)
+        Ok(o)
     }
     #[allow(clippy::too_many_arguments)]
     pub(super) fn experts(
         &self,
-        x: &CudaSlice<f32>,
+        xb: &CudaSlice<bf16>,
         t: usize,
         h: usize,
         r: &DRoutes,
@@ -382,15 +412,15 @@ impl CudaBackend {
         // step at upload (tp4 / tp8 of small models, `pad_k`); gate and up then go to a [gate | up] row of the
         // padded width, their padded columns zero (silu(0) * 0 = 0 meets the zero weights).
         let kp = down.k;
-        let xb = self.to_bf16(x)?;
         // gate and up in one launch into [gate | up] rows, the SwiGLU inside the down GEMM's x staging.
         let plan_gu = w4a16_gemm::plan_moe(g, pairs, e, 2 * mi, h);
         let plan_one = w4a16_gemm::plan_moe(g, pairs, e, mi, h);
         let plan_d = w4a16_gemm::plan_moe(g, pairs, e, h, kp);
         let tile = plan_gu.tile_rows();
         let mt = moe_align::max_tiles(pairs, e, tile);
-        let (mut sorted, mut tiles, mut n_tiles) =
-            (g.zeros::<i32>(pairs)?, g.zeros::<i32>(3 * mt)?, g.zeros::<i32>(1)?);
+        // Not zero-filled: moe_align writes n_tiles, the tiles below it and the local pairs' sorted entries, and the
+        // GEMMs read only those (blocks past n_tiles exit first; a tile reads its own count of entries).
+        let (mut sorted, mut tiles, mut n_tiles) = (g.out::<i32>(pairs)?, g.out::<i32>(3 * mt)?, g.out::<i32>(1)?);
         moe_align::moe_align_rank(
             g,
             &r.ids.as_view(),
@@ -464,7 +494,9 @@ impl CudaBackend {
             }
             gu
         };
-        let mut y = g.zeros::<bf16>(pairs * h)?;
+        // Not zero-filled (1.9 GB at a 16K-token prefill): the down GEMM writes every local pair's row, and the
+        // combine skips the pairs of other ranks' experts (expert parallel), the only rows left unwritten.
+        let mut y = g.out::<bf16>(pairs * h)?;
         // The large-M form (prefill) reads plain x rows: the SwiGLU goes first, into its own rows (the same
         // bits as the small form's fused staging).
         let act = if plan_d.large {

@@ -97,6 +97,64 @@ impl Compute for CudaBackend {
         self.run("linear", || self.gemm_f32(x, t, w))
             .unwrap_or_else(|| self.empty())
     }
+    fn rms_norm_in(&self, x: &CudaSlice<f32>, w: &CudaSlice<bf16>, eps: f32) -> CudaSlice<bf16> {
+        self.run("rms_norm_in", || {
+            let d = w.len();
+            let mut y = self.gpu.out::<bf16>(x.len())?;
+            act_f32::rms_norm_bf16_out(
+                &self.gpu,
+                &x.as_view(),
+                d,
+                &w.as_view(),
+                &mut y.as_view_mut(),
+                d,
+                x.len() / d.max(1),
+                eps,
+            )?;
+            Ok(y)
+        })
+        .unwrap_or_else(|| self.empty_of::<bf16>())
+    }
+    fn add_rms_norm_in(
+        &self,
+        x: &mut CudaSlice<f32>,
+        a: &CudaSlice<f32>,
+        w: &CudaSlice<bf16>,
+        eps: f32,
+    ) -> CudaSlice<bf16> {
+        self.run("add_rms_norm_in", || {
+            let d = w.len();
+            if a.len() != x.len() {
+                return Err(CudaError::Shape {
+                    op: "add_rms_norm_in",
+                    msg: format!("adding {} elements to {}", a.len(), x.len()),
+                });
+            }
+            let mut y = self.gpu.out::<bf16>(x.len())?;
+            let rows = x.len() / d.max(1);
+            act_f32::add_rms_norm_bf16(
+                &self.gpu,
+                &mut x.as_view_mut(),
+                d,
+                (&a.as_view(), d),
+                &w.as_view(),
+                &mut y.as_view_mut(),
+                d,
+                rows,
+                eps,
+            )?;
+            Ok(y)
+        })
+        .unwrap_or_else(|| self.empty_of::<bf16>())
+    }
+    fn lin_in(&self, x: &CudaSlice<f32>) -> CudaSlice<bf16> {
+        self.run("lin_in", || self.to_bf16(x))
+            .unwrap_or_else(|| self.empty_of::<bf16>())
+    }
+    fn linear_in(&self, x: &CudaSlice<bf16>, t: usize, w: &DMat) -> CudaSlice<f32> {
+        self.run("linear", || self.gemm_bf16_in(x, t, w))
+            .unwrap_or_else(|| self.empty())
+    }
     fn rms_norm(&self, x: &CudaSlice<f32>, w: &CudaSlice<bf16>, eps: f32) -> CudaSlice<f32> {
         self.run("rms_norm", || {
             let d = w.len();
@@ -373,6 +431,32 @@ impl Compute for CudaBackend {
         self.run("mla_attention", || self.mla_segs(q, segs, l, kv_b, d))
             .unwrap_or_else(|| self.empty())
     }
+    fn mla_attention_in(
+        &self,
+        q: &CudaSlice<f32>,
+        t: usize,
+        kv: &DKv,
+        l: usize,
+        mask: &DMask,
+        kv_b: &DMat,
+        d: &MlaDims,
+        _mode: AttnMode,
+    ) -> CudaSlice<bf16> {
+        self.run("mla_attention", || self.mla_segs_bf16(q, &[(kv, mask, t)], l, kv_b, d))
+            .unwrap_or_else(|| self.empty_of::<bf16>())
+    }
+    fn mla_attention_segs_in(
+        &self,
+        q: &CudaSlice<f32>,
+        segs: &[(&DKv, &DMask, usize)],
+        l: usize,
+        kv_b: &DMat,
+        d: &MlaDims,
+        _mode: AttnMode,
+    ) -> CudaSlice<bf16> {
+        self.run("mla_attention", || self.mla_segs_bf16(q, segs, l, kv_b, d))
+            .unwrap_or_else(|| self.empty_of::<bf16>())
+    }
     fn kv_append_latent_segs(
         &self,
         segs: &mut [(&mut DKv, &DRope, usize)],
@@ -477,7 +561,7 @@ impl Compute for CudaBackend {
     }
     fn moe_experts(
         &self,
-        x: &CudaSlice<f32>,
+        x: &CudaSlice<bf16>,
         t: usize,
         h: usize,
         routes: &DRoutes,

@@ -337,7 +337,12 @@ impl Gpu {
         ops::w4a16_gemm::configure(&gpu)?;
         ops::gqa_attention::configure(&gpu)?;
         ops::mla_attention::configure(&gpu)?;
+        ops::mla_prefill::configure(&gpu)?;
+        ops::moe_align::configure(&gpu)?;
         ops::ddtree_build::configure(&gpu)?;
+        if opts.pool_keep {
+            gpu.pool_keep()?;
+        }
         Ok(gpu)
     }
 
@@ -389,6 +394,19 @@ impl Gpu {
         }
         .result()
         .map_err(drv("memory pool"))?;
+        self.pool_keep()
+    }
+    /// The device's default memory pool keeps the memory it has reserved (a release threshold of all of it)
+    /// instead of unmapping what is unused at every synchronisation (a threshold of 0, CUDA's default): a long
+    /// prefill's transient buffers (hundreds of MB a layer) are then reused, not mapped again after each sync.
+    /// On for rank groups ([`Gpu::pool_for_groups`]); `GpuOptions::pool_keep` for one controller.
+    pub fn pool_keep(&self) -> Result<()> {
+        use cudarc::driver::sys::{self, CUmemPool_attribute as A};
+        let mut pool = std::ptr::null_mut();
+        // SAFETY: the device handle is this context's; the pool handle is written by the call.
+        unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device()) }
+            .result()
+            .map_err(drv("memory pool"))?;
         let mut keep: u64 = u64::MAX;
         // SAFETY: the release threshold is a u64 byte count.
         unsafe {

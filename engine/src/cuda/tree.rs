@@ -21,6 +21,8 @@ pub struct DMask {
     pub bits: CudaSlice<u64>,
     pub rows: usize,
     pub words: usize,
+    /// Known to be a chain (row i sees exactly rows 0..=i: a prefill), so attention may run it as causal.
+    pub causal: bool,
 }
 
 /// Device buffers of one sequence's tree, for a fixed budget (root excluded), draft rows (depths) and vocab.
@@ -98,6 +100,7 @@ impl DeviceTree {
                 bits: gpu.zeros(n * words)?,
                 rows: n,
                 words,
+                causal: false,
             },
             decisions: gpu.zeros(n)?,
             walk_out: gpu.zeros(Self::log_q_at_for(rows) + 2 * n)?,

@@ -29,14 +29,15 @@ pub struct Seg<'s, B: Backend> {
     pub rope: &'s B::Rope,
 }
 
-/// Attention output `[T, H]` (after o_proj, ranks reduced) for normed input `x` `[T, H]` of layer `l`,
+/// Attention output `[T, H]` (after o_proj, ranks reduced) for normed input `x` `[T, H]` of layer `l`, made ready
+/// for the linears ([`crate::backend::Compute::rms_norm_in`]: one conversion for q_a and kv_a),
 /// `T` = the segments' nodes; appends each segment's latent rows to its cache as scratch. With one segment
 /// no row is copied (the single-sequence forward).
 /// `rope_all`: the segments' tables stacked ([`crate::backend::Resources::rope_cat`]), for a batch of several segments.
 pub fn mla<B: Backend>(
     w: &Weights<B>,
     l: usize,
-    x: &B::Act,
+    x: &B::LinIn,
     t: usize,
     segs: &mut [Seg<'_, B>],
     rope_all: Option<&B::Rope>,
@@ -44,17 +45,17 @@ pub fn mla<B: Backend>(
 ) -> B::Act {
     let (b, cfg) = (&w.backend, &w.cfg);
     let a0 = &w.ranks[0].layers[l].attn;
-    // Query input: normed q_a latent [T, q_lora], or x itself when q_lora_rank is None.
+    // Query input: normed q_a latent [T, q_lora], or x itself when q_lora_rank is None (both ready for the linears).
     let q_lat;
     let q_in = match &a0.q_a {
         Some((q_a, q_norm)) => {
-            q_lat = b.rms_norm(&b.linear(x, t, q_a), q_norm, cfg.latent_eps);
+            q_lat = b.rms_norm_in(&b.linear_in(x, t, q_a), q_norm, cfg.latent_eps);
             &q_lat
         }
         None => x,
     };
     // New latent rows [T, C + P]: rms_norm(c_kv) | rope(k_pe), each segment's into its own cache.
-    let ckv = b.linear(x, t, &a0.kv_a); // [T, C + P]
+    let ckv = b.linear_in(x, t, &a0.kv_a); // [T, C + P]
     let cat;
     let rope_all = match (&*segs, rope_all) {
         ([_], _) => None,
@@ -97,21 +98,21 @@ pub fn mla<B: Backend>(
                 kv_lora: cfg.kv_lora,
                 scale: cfg.softmax_scale,
             };
-            let mut q = b.linear(q_in, t, &at.q); // [T, Hr * qk]: per head q_nope (Dn) | q_pe (P)
+            let mut q = b.linear_in(q_in, t, &at.q); // [T, Hr * qk]: per head q_nope (Dn) | q_pe (P)
             let heads_out = match (&*segs, rope_all) {
                 ([seg], _) => {
                     b.rope_q(&mut q, hr, cfg.nope, seg.rope);
-                    b.mla_attention(&q, t, seg.kv, l, seg.mask, &at.kv_b, &d, mode)
+                    b.mla_attention_in(&q, t, seg.kv, l, seg.mask, &at.kv_b, &d, mode)
                     // [T, Hr * Dv]
                 }
                 (many, rope) => {
                     let rope = rope.expect("several segments have their stacked table");
                     b.rope_q(&mut q, hr, cfg.nope, rope);
                     let parts: Vec<(&B::Kv, &B::Mask, usize)> = many.iter().map(|s| (&*s.kv, s.mask, s.t)).collect();
-                    b.mla_attention_segs(&q, &parts, l, &at.kv_b, &d, mode)
+                    b.mla_attention_segs_in(&q, &parts, l, &at.kv_b, &d, mode)
                 }
             };
-            b.linear(&heads_out, t, &at.o_proj) // [T, H]
+            b.linear_in(&heads_out, t, &at.o_proj) // [T, H]
         })
         .collect();
     b.all_reduce(partials)

@@ -12,24 +12,25 @@ use super::trace::Trace;
 use super::weights::{Ffn, Mlp, Weights};
 use crate::backend::Backend;
 
-/// Per-rank SwiGLU partial `down(silu(gate x) ⊙ up x)` `[T, H]`.
-fn swiglu<B: Backend>(b: &B, m: &Mlp<B>, x: &B::Act, t: usize) -> B::Act {
-    let a = b.silu_mul(&b.linear(x, t, &m.gate), &b.linear(x, t, &m.up)); // [T, I/R]
+/// Per-rank SwiGLU partial `down(silu(gate x) ⊙ up x)` `[T, H]`, `x` made ready for the linears once.
+fn swiglu<B: Backend>(b: &B, m: &Mlp<B>, x: &B::LinIn, t: usize) -> B::Act {
+    let a = b.silu_mul(&b.linear_in(x, t, &m.gate), &b.linear_in(x, t, &m.up)); // [T, I/R]
     b.linear(&a, t, &m.down)
 }
 
-/// FFN output `[T, H]` of layer `l` for normed input `x` `[T, H]`. Records MoE router decisions under
-/// `layers.{l}.router.*`.
-pub fn ffn<B: Backend>(w: &Weights<B>, l: usize, x: &B::Act, t: usize, trace: Option<&mut Trace>) -> B::Act {
+/// FFN output `[T, H]` of layer `l` for normed input `xi` `[T, H]`, made ready for the linears
+/// ([`crate::backend::Compute::rms_norm_in`]): one conversion for the router, the experts and the shared expert.
+/// Records MoE router decisions under `layers.{l}.router.*`.
+pub fn ffn<B: Backend>(w: &Weights<B>, l: usize, xi: &B::LinIn, t: usize, trace: Option<&mut Trace>) -> B::Act {
     let (b, cfg) = (&w.backend, &w.cfg);
     let Ffn::Moe(m0) = &w.ranks[0].layers[l].ffn else {
         let partials = w.ranks.iter().map(|rw| match &rw.layers[l].ffn {
-            Ffn::Dense(m) => swiglu(b, m, x, t),
+            Ffn::Dense(m) => swiglu(b, m, xi, t),
             Ffn::Moe(_) => unreachable!("layer {l}: rank 0 is dense, every rank loads the same plan"),
         });
         return b.all_reduce(partials.collect());
     };
-    let logits = b.linear(x, t, &m0.router); // [T, E] f32 (bf16 weights widened exactly, as weight.float())
+    let logits = b.linear_in(xi, t, &m0.router); // [T, E] f32 (bf16 weights widened exactly, as weight.float())
     let routes = b.moe_route(&logits, t, &cfg.router(), m0.bias.as_ref());
     if let Some(tr) = trace {
         let (ids, wts) = b.routes_to_host(&routes);
@@ -46,9 +47,9 @@ pub fn ffn<B: Backend>(w: &Weights<B>, l: usize, x: &B::Act, t: usize, trace: Op
             unreachable!("layer {l}: rank 0 is MoE, every rank loads the same plan")
         };
         // [T, H] this rank's routed experts, ascending id, then its shared-expert slice.
-        let mut part = b.moe_experts(x, t, cfg.hidden, &routes, &m.gate, &m.up, &m.down);
+        let mut part = b.moe_experts(xi, t, cfg.hidden, &routes, &m.gate, &m.up, &m.down);
         if let Some(sh) = &m.shared {
-            b.add(&mut part, &swiglu(b, sh, x, t));
+            b.add(&mut part, &swiglu(b, sh, xi, t));
         }
         part
     });

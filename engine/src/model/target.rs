@@ -244,19 +244,26 @@ pub(crate) fn decoder_layers<B: Backend>(
     let mut taps = (taps_n > 0).then(|| b.zeros(t * taps_n * h));
     segs.iter_mut().for_each(|s| b.kv_drop_scratch(s.kv));
     let rope_all = (segs.len() > 1).then(|| b.rope_cat(&segs.iter().map(|s| s.rope).collect::<Vec<_>>()));
-    for (l, layer) in w.ranks[0].layers.iter().enumerate() {
+    let layers = &w.ranks[0].layers;
+    // Each residual add and the norm after it are one op (`add_rms_norm_in`), its output the linears' input: the
+    // same values as add, rms_norm and the conversion apart.
+    let mut xn = layers.first().map(|l0| b.rms_norm_in(&x, &l0.input_norm, c.eps));
+    for (l, layer) in layers.iter().enumerate() {
         let a = mla(
             w,
             l,
-            &b.rms_norm(&x, &layer.input_norm, c.eps),
+            &xn.take().expect("the layer's normed input"),
             t,
             segs,
             rope_all.as_ref(),
             mode,
         );
-        b.add(&mut x, &a);
-        let m = ffn(w, l, &b.rms_norm(&x, &layer.post_norm, c.eps), t, trace.as_deref_mut());
-        b.add(&mut x, &m);
+        let hn = b.add_rms_norm_in(&mut x, &a, &layer.post_norm, c.eps);
+        let m = ffn(w, l, &hn, t, trace.as_deref_mut());
+        match layers.get(l + 1) {
+            Some(next) => xn = Some(b.add_rms_norm_in(&mut x, &m, &next.input_norm, c.eps)),
+            None => b.add(&mut x, &m),
+        }
         if let Some(tr) = trace.as_deref_mut() {
             tr.f32(format!("layers.{l}.attn_out"), &[t, h], &b.to_host(&a));
             tr.f32(format!("layers.{l}.mlp_out"), &[t, h], &b.to_host(&m));

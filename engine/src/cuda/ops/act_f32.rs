@@ -96,28 +96,125 @@ pub fn rms_norm_f32(
     eps: f32,
 ) -> Result<()> {
     const OP: &str = "rms_norm_f32";
-    let d = w.len();
-    ensure(OP, d > 0 && ld_x >= d && ld_y >= d, || {
-        format!("width {d} with strides ld_x={ld_x}, ld_y={ld_y}")
-    })?;
-    need_len(OP, "x", x.len(), span(rows, ld_x, d))?;
-    need_len(OP, "y", y.len(), span(rows, ld_y, d))?;
-    if rows == 0 {
+    let Some((lx, _, ly, dd)) = norm_args(OP, (x.len(), ld_x), None, w.len(), (y.len(), ld_y), rows)? else {
         return Ok(());
-    }
-    ensure(OP, rows <= i32::MAX as usize, || format!("rows={rows}"))?;
-    let (lx, ly, dd) = (
-        as_i32(OP, "ld_x", ld_x)?,
-        as_i32(OP, "ld_y", ld_y)?,
-        as_i32(OP, "D", d)?,
-    );
+    };
     let mut b = gpu.stream.launch_builder(gpu.func("kdtree_rms_norm_f32"));
     b.arg(x).arg(&lx).arg(w).arg(y).arg(&ly).arg(&dd).arg(&eps);
-    // SAFETY: spans checked above.
-    // Enough threads that a row's float4s fit RMS_VEC (8) per thread: one round of loads per row.
-    let threads = d.div_ceil(4 * 8).next_multiple_of(32).clamp(128, 1024) as u32;
-    unsafe { b.launch(launch_cfg((rows as u32, 1, 1), threads, 0)) }.map_err(drv(OP))?;
+    // SAFETY: spans checked by norm_args.
+    unsafe { b.launch(launch_cfg((rows as u32, 1, 1), norm_threads(w.len()), 0)) }.map_err(drv(OP))?;
     Ok(())
+}
+
+/// `x += a`, then `y = bf16(rms_norm(x))` with weight `w` over `rows` rows of `D = w.len()`: the bits of
+/// [`add_f32`], [`rms_norm_f32`] and [`f32_to_bf16`] in one launch (a decoder layer's residual add and the next
+/// norm, its output the linears' bf16 input). Rows `ld_x` / `ld_a` / `ld_y` apart.
+#[allow(clippy::too_many_arguments)]
+pub fn add_rms_norm_bf16(
+    gpu: &Gpu,
+    x: &mut CudaViewMut<'_, f32>,
+    ld_x: usize,
+    (a, ld_a): (&CudaView<'_, f32>, usize),
+    w: &CudaView<'_, bf16>,
+    y: &mut CudaViewMut<'_, bf16>,
+    ld_y: usize,
+    rows: usize,
+    eps: f32,
+) -> Result<()> {
+    const OP: &str = "add_rms_norm_bf16";
+    let Some(args) = norm_args(
+        OP,
+        (x.len(), ld_x),
+        Some((a.len(), ld_a)),
+        w.len(),
+        (y.len(), ld_y),
+        rows,
+    )?
+    else {
+        return Ok(());
+    };
+    let mut b = gpu.stream.launch_builder(gpu.func("kdtree_add_rms_norm_bf16"));
+    b.arg(x)
+        .arg(&args.0)
+        .arg(a)
+        .arg(&args.1)
+        .arg(w)
+        .arg(y)
+        .arg(&args.2)
+        .arg(&args.3)
+        .arg(&eps);
+    // SAFETY: spans checked by norm_args.
+    unsafe { b.launch(launch_cfg((rows as u32, 1, 1), norm_threads(w.len()), 0)) }.map_err(drv(OP))?;
+    Ok(())
+}
+
+/// `y = bf16(rms_norm(x))`: the bits of [`rms_norm_f32`] and [`f32_to_bf16`] in one launch (x is only read).
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm_bf16_out(
+    gpu: &Gpu,
+    x: &CudaView<'_, f32>,
+    ld_x: usize,
+    w: &CudaView<'_, bf16>,
+    y: &mut CudaViewMut<'_, bf16>,
+    ld_y: usize,
+    rows: usize,
+    eps: f32,
+) -> Result<()> {
+    const OP: &str = "rms_norm_bf16_out";
+    let Some(args) = norm_args(OP, (x.len(), ld_x), None, w.len(), (y.len(), ld_y), rows)? else {
+        return Ok(());
+    };
+    let null: u64 = 0;
+    let mut b = gpu.stream.launch_builder(gpu.func("kdtree_add_rms_norm_bf16"));
+    b.arg(x)
+        .arg(&args.0)
+        .arg(&null)
+        .arg(&args.1)
+        .arg(w)
+        .arg(y)
+        .arg(&args.2)
+        .arg(&args.3)
+        .arg(&eps);
+    // SAFETY: spans checked by norm_args; with a null `a` the kernel does not write x.
+    unsafe { b.launch(launch_cfg((rows as u32, 1, 1), norm_threads(w.len()), 0)) }.map_err(drv(OP))?;
+    Ok(())
+}
+
+/// Threads of a norm over rows of `d` (the same in every norm form: the same sums in the same order): enough that a
+/// row's float4s fit RMS_VEC (8) a thread, one round of loads a row.
+fn norm_threads(d: usize) -> u32 {
+    d.div_ceil(4 * 8).next_multiple_of(32).clamp(128, 1024) as u32
+}
+
+/// Checks a norm's spans; the kernel's (ld_x, ld_a, ld_y, D), or None when there are no rows.
+fn norm_args(
+    op: &'static str,
+    (x_len, ld_x): (usize, usize),
+    a: Option<(usize, usize)>,
+    d: usize,
+    (y_len, ld_y): (usize, usize),
+    rows: usize,
+) -> Result<Option<(i32, i32, i32, i32)>> {
+    let ld_a = a.map_or(d, |(_, l)| l);
+    ensure(op, d > 0 && ld_x >= d && ld_y >= d && ld_a >= d, || match a {
+        Some(_) => format!("width {d} with strides ld_x={ld_x}, ld_a={ld_a}, ld_y={ld_y}"),
+        None => format!("width {d} with strides ld_x={ld_x}, ld_y={ld_y}"),
+    })?;
+    need_len(op, "x", x_len, span(rows, ld_x, d))?;
+    if let Some((a_len, _)) = a {
+        need_len(op, "a", a_len, span(rows, ld_a, d))?;
+    }
+    need_len(op, "y", y_len, span(rows, ld_y, d))?;
+    if rows == 0 {
+        return Ok(None);
+    }
+    ensure(op, rows <= i32::MAX as usize, || format!("rows={rows}"))?;
+    Ok(Some((
+        as_i32(op, "ld_x", ld_x)?,
+        as_i32(op, "ld_a", ld_a)?,
+        as_i32(op, "ld_y", ld_y)?,
+        as_i32(op, "D", d)?,
+    )))
 }
 
 /// RoPE in place from `cos`/`sin` `[tokens, dim/2]` (the host table of `backend::RopeTable`) on the slice

@@ -2,12 +2,32 @@
 //! the grouped expert GEMM ([`super::w4a16_gemm::moe_w4a16`]). CPU twin: the per-expert token lists
 //! built in `crate::model::ffn::moe` (ascending expert, tokens in order).
 
+use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaView, CudaViewMut, PushKernelArg};
 
 use super::{as_i32, launch_cfg, need_len};
 use crate::cuda::{drv, ensure, Gpu, Result};
 
 const OP: &str = "moe_align";
+
+/// Warps of the kernel's chunked placement (`ALIGN_PW`): its dynamic shared memory is this many cursors an expert.
+const PLACE_WARPS: usize = 8;
+
+/// Dynamic shared memory of a launch over `n_experts` experts.
+fn smem_bytes(n_experts: usize) -> usize {
+    PLACE_WARPS * n_experts * 4
+}
+
+/// Lets the kernel take the dynamic shared memory of 1024 experts next to its static 16.3 KiB (over the 48 KiB a
+/// block gets without asking; called once by `Gpu::new`).
+pub(crate) fn configure(gpu: &Gpu) -> Result<()> {
+    gpu.func("kdtree_moe_align_i32")
+        .set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem_bytes(1024) as i32,
+        )
+        .map_err(drv("moe_align configure"))
+}
 
 /// Upper bound on the row tiles for `pairs` (token, slot) pairs over `n_experts` experts with tiles of
 /// `tile_rows`: `min(E, P) + ceil(P / tile_rows)`. Known on the host without reading the ids.
@@ -75,6 +95,6 @@ pub fn moe_align_rank(
         .arg(tiles)
         .arg(n_tiles);
     // SAFETY: lengths checked above; the kernel writes sorted[< P], tiles[< 3 max_tiles], n_tiles[0].
-    unsafe { b.launch(launch_cfg((1, 1, 1), 1024, 0)) }.map_err(drv(OP))?;
+    unsafe { b.launch(launch_cfg((1, 1, 1), 1024, smem_bytes(n_experts) as u32)) }.map_err(drv(OP))?;
     Ok(())
 }

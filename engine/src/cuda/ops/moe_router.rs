@@ -13,7 +13,8 @@ pub use crate::backend::Router as RouterCfg;
 
 /// For each of `tokens` rows of f32 `logits` `[tokens, n_experts]`: selected expert ids
 /// `ids [tokens, top_k]` (selection order) and weights `weights [tokens, top_k]` f32. `bias` is
-/// `e_score_correction_bias` `[n_experts]` (selection only). One block per token.
+/// `e_score_correction_bias` `[n_experts]` (selection only). Without expert groups (`n_group == 1`) one warp a
+/// token, else one block a token ([`moe_router_block`]); the two give the same ids and weights.
 /// Launch contract: no allocation, no host sync, graph-capturable.
 pub fn moe_router(
     gpu: &Gpu,
@@ -23,6 +24,33 @@ pub fn moe_router(
     c: RouterCfg,
     ids: &mut CudaViewMut<'_, i32>,
     weights: &mut CudaViewMut<'_, f32>,
+) -> Result<()> {
+    route(gpu, logits, bias, tokens, c, ids, weights, c.n_group == 1)
+}
+
+/// [`moe_router`] in its one-block-a-token form whatever the groups (the tests compare the two forms).
+pub fn moe_router_block(
+    gpu: &Gpu,
+    logits: &CudaView<'_, f32>,
+    bias: Option<&CudaView<'_, f32>>,
+    tokens: usize,
+    c: RouterCfg,
+    ids: &mut CudaViewMut<'_, i32>,
+    weights: &mut CudaViewMut<'_, f32>,
+) -> Result<()> {
+    route(gpu, logits, bias, tokens, c, ids, weights, false)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn route(
+    gpu: &Gpu,
+    logits: &CudaView<'_, f32>,
+    bias: Option<&CudaView<'_, f32>>,
+    tokens: usize,
+    c: RouterCfg,
+    ids: &mut CudaViewMut<'_, i32>,
+    weights: &mut CudaViewMut<'_, f32>,
+    warp: bool,
 ) -> Result<()> {
     let e = c.n_experts;
     ensure(OP, (1..=1024).contains(&e), || {
@@ -69,6 +97,31 @@ pub fn moe_router(
     );
     let norm = c.norm_topk_prob as i32;
     let null: u64 = 0;
+    if warp {
+        let name = match e {
+            0..=128 => "kdtree_moe_router_warp4_f32",
+            129..=384 => "kdtree_moe_router_warp12_f32",
+            _ => "kdtree_moe_router_warp32_f32",
+        };
+        let t = as_i32(OP, "tokens", tokens)?;
+        let mut b = gpu.stream.launch_builder(gpu.func(name));
+        b.arg(logits);
+        match bias {
+            Some(v) => b.arg(v),
+            None => b.arg(&null),
+        };
+        b.arg(&t)
+            .arg(&ee)
+            .arg(&k)
+            .arg(&norm)
+            .arg(&c.routed_scaling)
+            .arg(ids)
+            .arg(weights);
+        // SAFETY: lengths checked above (E <= 1024 = 32 lanes x 32, top_k <= 32); a null bias is handled by the
+        // kernel; warps past the last token return at once.
+        unsafe { b.launch(launch_cfg((tokens.div_ceil(8) as u32, 1, 1), 256, 0)) }.map_err(drv(OP))?;
+        return Ok(());
+    }
     let mut b = gpu.stream.launch_builder(gpu.func("kdtree_moe_router_f32"));
     b.arg(logits);
     match bias {
