@@ -118,16 +118,18 @@ impl CostModel {
     }
 
     /// The model of measured round times `(budget, µs)` (budgets strictly increasing): C_d = the round time
-    /// extrapolated to 0 drafted nodes through the first two points (clamped to [0, 0.95 × first]: when noise
-    /// makes the second round no slower than the first, the line says the whole first round is drafting and
-    /// its verify would cost 0; with one point, 0), C_v(B + 1) = round(B) − C_d made non-decreasing (a
-    /// running max: timing noise must not make a larger tree look cheaper), so every verify cost is > 0.
+    /// extrapolated to 0 drafted nodes through the first two points, clamped to [0.05, 0.95] × the first round
+    /// (a round always drafts, and noise can tilt the line either way: no slower second round puts all of the
+    /// first round in C_d and none in its verify; a much slower one meets 0 nodes below zero, and C_v extended
+    /// down from the first point would make a round of 0 nodes free; with one point, 0.05 × it), C_v(B + 1) =
+    /// round(B) − C_d made non-decreasing (a running max: timing noise must not make a larger tree look
+    /// cheaper), so every verify cost is > 0 and a round costs at least C_d > 0.
     pub fn from_rounds(device: &str, rounds: &[(usize, f64)], note: String) -> Result<CostModel> {
         ensure!(!rounds.is_empty(), "no measured rounds");
         let (b0, t0) = rounds[0];
         let draft = match rounds.get(1) {
-            Some(&(b1, t1)) => (t0 - b0 as f64 * (t1 - t0) / (b1 as f64 - b0 as f64)).clamp(0.0, 0.95 * t0),
-            None => 0.0,
+            Some(&(b1, t1)) => (t0 - b0 as f64 * (t1 - t0) / (b1 as f64 - b0 as f64)).clamp(0.05 * t0, 0.95 * t0),
+            None => 0.05 * t0,
         };
         let ns = |x: f64| (x * 1e3).round() / 1e3; // to the nanosecond: a readable file, no float residue
         let mut top = 0.0f64;
@@ -399,6 +401,24 @@ mod tests {
             assert!((c.draft_us - 0.95 * rounds[0].1).abs() < 1e-9, "{rounds:?}");
             assert!(c.verify_us(rounds[0].0 + 1) > 0.0, "{rounds:?}");
             assert!((c.round_us(rounds[0].0) - rounds[0].1).abs() < 1e-9, "{rounds:?}");
+        }
+    }
+
+    /// The other tilt (CI, 2026-12-03, `auto_cli` on a loaded 2-core machine): the second round far slower than
+    /// the first, so the line met 0 nodes below zero, C_d was clamped to 0, C_v extended down from the first
+    /// point reached 0 at one node, and `calibrate` refused its own model ("a round of 0 drafted nodes costs 0
+    /// µs"). C_d now keeps at least 5 % of the first round.
+    #[test]
+    fn steep_noisy_rounds_still_give_a_valid_model() {
+        let measured = [(4, 19258.9), (8, 43281.9), (16, 67393.0)];
+        for rounds in [&measured[..], &[(4, 100.0), (8, 300.0)], &[(4, 50.0)]] {
+            let c = CostModel::from_rounds("cpu", rounds, "t".into()).unwrap();
+            assert!((c.draft_us - 0.05 * rounds[0].1).abs() < 1e-9, "{rounds:?}: {c:?}");
+            assert!(c.round_us(0) > 0.0, "{rounds:?}");
+            for &(b, t) in rounds {
+                assert!((c.round_us(b) - t).abs() < 1e-6, "{rounds:?}: round {b}");
+            }
+            CostModel::from_json(&c.to_json()).unwrap();
         }
     }
 

@@ -157,7 +157,7 @@ pub fn run(a: &CalibrateArgs) -> Result<()> {
         }
     };
     // One bucket cannot tell the draft's share of a round from the verify's (`CostModel::from_rounds` would
-    // write draft_us 0 over whatever an earlier calibration measured): refuse before loading anything.
+    // guess 5 % of it over whatever an earlier calibration measured): refuse before loading anything.
     let measured_buckets = buckets(a.budget_max as usize);
     ensure!(
         measured_buckets.len() >= 2,
