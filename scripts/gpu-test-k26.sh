@@ -28,9 +28,10 @@
 #  3. `kdtree-run --device cuda --verify golden/k26-gate` against the committed CPU bundle, and the CPU
 #     bundle rebuilt here from the same conversion equals the committed one byte for byte;
 #  3b. a long prompt (golden/k26-long: 3,200 tokens, so 67 rows an expert: the prefill's large-M grouped W4A16
-#     form, and MLA over 3,200 rows), greedy AR, on every conversion (1 rank, tp8, ep8) twice: `--verify
-#     golden/k26-long` against the committed CPU bundle (unverified, said so, while none is committed), and the two
-#     runs' records identical; on 1 rank and tp8 also with MLA's expanded form (the causal prefill kernel);
+#     form, and MLA over 3,200 rows in its expanded form, the default from 1,024 rows: the causal prefill kernel),
+#     greedy AR, on every conversion (1 rank, tp8, ep8) twice: `--verify golden/k26-long` against the committed
+#     CPU bundle (unverified, said so, while none is committed), and the two runs' records identical; on 1 rank
+#     and tp8 also with MLA's latent form throughout (KDTREE_MLA_EXPANDED_MIN_ROWS=0);
 #  4. compute-sanitizer memcheck on a real-width AR run (prefill and captured decode steps): zero errors;
 #  5. the host load check (the default): a byte flipped in the middle of the largest tensor, or in the last
 #     bytes of the largest bf16 one, is refused (exit 2, the tensor named); its cost is measured after.
@@ -84,6 +85,8 @@ for conv in m1 tp8 ep8; do
   s=$(date +%s)
   verify=(--verify golden/k26-long)
   [ -f golden/k26-long/index.json ] || { verify=(); say "golden/k26-long has no bundle yet: the long prompt runs unverified"; }
+  # The default form: a 3,200-row prefill takes MLA's expanded form (KDTREE_MLA_EXPANDED_MIN_ROWS, 1,024 rows; a
+  # chain, so the one-kernel causal form of kernels/cuda/mla_prefill.cu where the device has its shared memory).
   for rep in 1 2; do
     if ! "$dir/kdtree-run" "$k/$conv" --prompts golden/k26-long/prompts.jsonl --out "$k/long-$conv-$rep.jsonl" \
         --device cuda --mode ar "${verify[@]}" > "$k/long-$conv-$rep.log" 2>&1; then
@@ -94,29 +97,28 @@ for conv in m1 tp8 ep8; do
   if python3 -c 'import json, sys
 a, b = ([{k: v for k, v in json.loads(l).items() if k != "timing"} for l in open(f)] for f in sys.argv[1:3])
 sys.exit(a != b or not a)' "$k/long-$conv-1.jsonl" "$k/long-$conv-2.jsonl"; then
-    say "long prompt ($conv, 3,200 tokens): ${verify[*]:-unverified} twice, records identical ($(( $(date +%s) - s )) s)"
+    say "long prompt ($conv, 3,200 tokens, expanded MLA): ${verify[*]:-unverified} twice, records identical ($(( $(date +%s) - s )) s)"
   else
     fail "long prompt ($conv): the two runs' records differ"
   fi
-  # The same prompt with MLA in its expanded form (KDTREE_MLA_EXPANDED_MIN_ROWS: a 3,200-row prefill takes it; a
-  # chain, so the one-kernel causal form of kernels/cuda/mla_prefill.cu where the device has its shared memory):
-  # K2.6's widths at 64 heads (1 rank) and 8 (tp8), against the same CPU bundle, twice.
+  # The same prompt with MLA in its latent (absorbed) form throughout (KDTREE_MLA_EXPANDED_MIN_ROWS=0): K2.6's
+  # widths at 64 heads (1 rank) and 8 (tp8), against the same CPU bundle, twice.
   if [ "$conv" != ep8 ]; then
     s=$(date +%s)
     for rep in 1 2; do
-      if ! KDTREE_MLA_EXPANDED_MIN_ROWS=1024 "$dir/kdtree-run" "$k/$conv" --prompts golden/k26-long/prompts.jsonl \
+      if ! KDTREE_MLA_EXPANDED_MIN_ROWS=0 "$dir/kdtree-run" "$k/$conv" --prompts golden/k26-long/prompts.jsonl \
           --out "$k/longx-$conv-$rep.jsonl" --device cuda --mode ar "${verify[@]}" > "$k/longx-$conv-$rep.log" 2>&1; then
-        fail "kdtree-run ${verify[*]} (the long prompt, expanded MLA), $conv, run $rep: failed"
+        fail "kdtree-run ${verify[*]} (the long prompt, latent MLA), $conv, run $rep: failed"
         tail -20 "$k/longx-$conv-$rep.log" | tee -a "$log"
       fi
     done
-    grep -E "note|route|near-tie|match|MISMATCH" "$k/longx-$conv-1.log" | head -6 | sed "s/^/K26 long expanded $conv: /" | tee -a "$log"
+    grep -E "note|route|near-tie|match|MISMATCH" "$k/longx-$conv-1.log" | head -6 | sed "s/^/K26 long latent $conv: /" | tee -a "$log"
     if python3 -c 'import json, sys
 a, b = ([{k: v for k, v in json.loads(l).items() if k != "timing"} for l in open(f)] for f in sys.argv[1:3])
 sys.exit(a != b or not a)' "$k/longx-$conv-1.jsonl" "$k/longx-$conv-2.jsonl"; then
-      say "long prompt, expanded MLA ($conv): ${verify[*]:-unverified} twice, records identical ($(( $(date +%s) - s )) s)"
+      say "long prompt, latent MLA ($conv): ${verify[*]:-unverified} twice, records identical ($(( $(date +%s) - s )) s)"
     else
-      fail "long prompt, expanded MLA ($conv): the two runs' records differ"
+      fail "long prompt, latent MLA ($conv): the two runs' records differ"
     fi
   fi
   if [ "$conv" = m1 ]; then

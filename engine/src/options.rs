@@ -18,8 +18,14 @@ pub struct GpuOptions {
     /// Launch the W4A16 GEMMs with programmatic dependent launch (sm_90+ only; off on older GPUs whatever this
     /// says).
     pub pdl: bool,
-    /// bf16 GEMMs of <= 4 rows through the GEMV kernel instead of cuBLAS (opt in; see `cuda::Gpu`).
+    /// bf16 GEMMs of <= `gemv_rows` rows through the GEMV kernel instead of cuBLAS (opt in; see `cuda::Gpu`).
     pub gemv: bool,
+    /// Rows up to which the GEMV takes a GEMM when it is on (4; any count: a row's bits do not depend on it, so
+    /// a bound above a tree's rows makes the decode step and the tree verify sum their linears alike).
+    pub gemv_rows: usize,
+    /// A forward's sums independent of the call's rows, so that greedy DDTree == AR bit for bit
+    /// (`cuda::Gpu::batch_invariant`; opt in).
+    pub batch_invariant: bool,
     /// Blocks per SM the W4A16 split count aims at (1..=4).
     pub w4a16_blocks_per_sm: usize,
     /// At most this many W4A16 k-splits.
@@ -36,6 +42,9 @@ pub struct GpuOptions {
     pub pool_keep: bool,
     /// Log every tensor-parallel group's calls and stream drains on stderr.
     pub tp_trace: bool,
+    /// Time every eager backend op (host time, device time by CUDA events, the GPU's idle time before it) and
+    /// print the table on stderr when the GPU is dropped (`cuda::profile`).
+    pub op_profile: bool,
     /// How long a rank waits for the others inside a device-side sum (one GPU, several groups) before the
     /// kernel traps: an error, not a hang.
     pub group_timeout: Duration,
@@ -50,12 +59,15 @@ impl Default for GpuOptions {
             poison: false,
             pdl: true,
             gemv: false,
+            gemv_rows: 4,
+            batch_invariant: false,
             w4a16_blocks_per_sm: 4,
             w4a16_max_splits: 64,
-            mla_expanded_min_rows: 0,
+            mla_expanded_min_rows: 1024,
             mla_prefill_flash: true,
             pool_keep: false,
             tp_trace: false,
+            op_profile: false,
             group_timeout: Duration::from_secs(20),
             gate_timeout: Duration::from_secs(60),
         }
@@ -67,11 +79,17 @@ pub const ENV_PREFIX: &str = "KDTREE_";
 
 /// Every switch: (variable, field of [`GpuOptions`], values and default). The variables keep the meaning
 /// they had when the library read them itself.
-pub const KNOBS: [(&str, &str, &str); 12] = [
+pub const KNOBS: [(&str, &str, &str); 15] = [
     ("KDTREE_CUDA_GRAPHS", "graphs", "`0`: off; anything else or unset: on"),
     ("KDTREE_CUDA_POISON", "poison", "`1`: on; otherwise off"),
     ("KDTREE_PDL", "pdl", "`0`: off; anything else or unset: on (sm_90+)"),
     ("KDTREE_GEMV", "gemv", "`1`: on; otherwise off"),
+    (
+        "KDTREE_GEMV_ROWS",
+        "gemv_rows",
+        "an integer >= 1; unset or not a number: 4",
+    ),
+    ("KDTREE_BATCH_INVARIANT", "batch_invariant", "`1`: on; otherwise off"),
     (
         "KDTREE_W4A16_BLOCKS_PER_SM",
         "w4a16_blocks_per_sm",
@@ -85,7 +103,7 @@ pub const KNOBS: [(&str, &str, &str); 12] = [
     (
         "KDTREE_MLA_EXPANDED_MIN_ROWS",
         "mla_expanded_min_rows",
-        "an integer; unset or not a number: 0 (off)",
+        "an integer (0: off); unset or not a number: 1024",
     ),
     (
         "KDTREE_MLA_PREFILL_FLASH",
@@ -94,6 +112,7 @@ pub const KNOBS: [(&str, &str, &str); 12] = [
     ),
     ("KDTREE_POOL_KEEP", "pool_keep", "`1`: on; otherwise off"),
     ("KDTREE_TP_TRACE", "tp_trace", "`1`: on; otherwise off"),
+    ("KDTREE_OP_PROFILE", "op_profile", "`1`: on; otherwise off"),
     ("KDTREE_GROUP_TIMEOUT_S", "group_timeout", "seconds > 0; otherwise 20"),
     ("KDTREE_GATE_TIMEOUT_S", "gate_timeout", "seconds > 0; otherwise 60"),
 ];
@@ -122,12 +141,15 @@ impl GpuOptions {
             poison: one("CUDA_POISON"),
             pdl: not_zero("PDL", d.pdl),
             gemv: one("GEMV"),
+            gemv_rows: count("GEMV_ROWS", d.gemv_rows).max(1),
+            batch_invariant: one("BATCH_INVARIANT"),
             w4a16_blocks_per_sm: count("W4A16_BLOCKS_PER_SM", d.w4a16_blocks_per_sm),
             w4a16_max_splits: count("W4A16_MAX_SPLITS", d.w4a16_max_splits),
             mla_expanded_min_rows: count("MLA_EXPANDED_MIN_ROWS", d.mla_expanded_min_rows),
             mla_prefill_flash: not_zero("MLA_PREFILL_FLASH", d.mla_prefill_flash),
             pool_keep: one("POOL_KEEP"),
             tp_trace: one("TP_TRACE"),
+            op_profile: one("OP_PROFILE"),
             group_timeout: seconds("GROUP_TIMEOUT_S", d.group_timeout),
             gate_timeout: seconds("GATE_TIMEOUT_S", d.gate_timeout),
         }

@@ -364,6 +364,175 @@ fn gemm_bf16_parity() {
     g.set_gemv(false);
 }
 
+/// The GEMV's rows do not depend on the row count (`KDTREE_GEMV_ROWS`: a decode step of 1 row and a tree verify of
+/// 65 sum their shared rows alike): every row of a T-row call, bit for bit, equals that row alone, for T across
+/// the block sizes (16, 8, 4, 3, 2, 1 and their sums), on K2.6 TP8 rank-0 shapes, f32 and bf16 out; and within
+/// the bf16 bound of the CPU.
+#[test]
+fn gemv_rows_do_not_depend_on_the_row_count() {
+    let Some(g) = gpu() else { return };
+    g.set_gemv(true);
+    g.set_gemv_rows(1024);
+    // (K, N, f32 out): q_a|kv_a, o_proj, the router (f32 logits), the shared expert's down.
+    for (i, &(k, n, f32_out)) in [
+        (7168, 2112, false),
+        (1024, 7168, false),
+        (7168, 384, true),
+        (256, 7168, false),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let t_max = 130;
+        let mut r = rng(1400 + i as u64);
+        let x = rand_bf16(&mut r, t_max * k, -1.0, 1.0);
+        let w = fast_bf16(&mut r, n * k);
+        let dw = g.upload(&w).unwrap();
+        let run = |rows: &[usize]| -> Vec<u32> {
+            // Rows `rows` of x as one call; each output row's bits (f32 bits, or bf16 bits widened).
+            let xs: Vec<bf16> = rows
+                .iter()
+                .flat_map(|&row| x[row * k..(row + 1) * k].to_vec())
+                .collect();
+            let dxs = g.upload(&xs).unwrap();
+            let t = rows.len();
+            if f32_out {
+                let mut dy = g.upload(&nan_f32(t * n)).unwrap();
+                ops::gemm_bf16::gemm_bf16(&g, &dxs.as_view(), &dw.as_view(), &mut dy.as_view_mut(), t, k, n).unwrap();
+                g.download(&dy).unwrap().iter().map(|v| v.to_bits()).collect()
+            } else {
+                let mut dy = g.upload(&nan_bf16(t * n)).unwrap();
+                ops::gemm_bf16::gemm_bf16(&g, &dxs.as_view(), &dw.as_view(), &mut dy.as_view_mut(), t, k, n).unwrap();
+                g.download(&dy).unwrap().iter().map(|v| v.to_bits() as u32).collect()
+            }
+        };
+        let alone: Vec<Vec<u32>> = (0..t_max).map(|row| run(&[row])).collect();
+        for t in [2usize, 3, 4, 5, 8, 15, 16, 17, 31, 33, 65, 130] {
+            // Rows taken out of order (a batch's rows are not the first ones), so block boundaries move.
+            let rows: Vec<usize> = (0..t).map(|j| (j * 37 + 11 * t) % t_max).collect();
+            let got = run(&rows);
+            for (j, &row) in rows.iter().enumerate() {
+                assert_eq!(
+                    &got[j * n..(j + 1) * n],
+                    &alone[row][..],
+                    "K={k} N={n}: row {row} at position {j} of a {t}-row call differs from the row alone"
+                );
+            }
+        }
+        let want = matmul_bf16(&widen(&x[..17 * k]), &w, 17, k, n);
+        let got17: Vec<f32> = run(&(0..17).collect::<Vec<_>>())
+            .iter()
+            .map(|&b| {
+                if f32_out {
+                    f32::from_bits(b)
+                } else {
+                    bf16::from_bits(b as u16).to_f32()
+                }
+            })
+            .collect();
+        let tol = if f32_out { GEMM_F32_TOL } else { GEMM_BF16_TOL };
+        check(&format!("gemv(T=17,K={k},N={n}) vs the CPU"), &got17, &want, tol);
+        println!(
+            "PARITY gemv rows (K={k},N={n},f32_out={f32_out}): T = 2 .. 130, every row == the row alone, bit for bit"
+        );
+    }
+    g.set_gemv_rows(ops::gemm_bf16::GEMV_MAX_ROWS);
+    g.set_gemv(false);
+}
+
+/// With `batch_invariant` on, a W4A16 row's bits do not depend on the call's rows: every token of a T-token grouped
+/// call (K2.6 TP8 gate|up and down, the trained pair's gate|up) equals that token alone, bit for bit, for T from 1
+/// to 257 (a budget-256 tree) — one k-split per shape, the small form throughout; and a dense call's rows likewise.
+#[test]
+fn w4a16_rows_do_not_depend_on_the_row_count_when_invariant() {
+    let Some(g) = gpu() else { return };
+    g.set_batch_invariant(true);
+    // (T max, top_k, E, used, N, K, matrices, x per pair)
+    let cases: [LargeCase; 3] = [
+        (257, 8, 384, 384, 256, 7168, 2, false),
+        (257, 8, 384, 384, 7168, 256, 1, true),
+        (257, 4, 32, 32, 256, 256, 2, false),
+    ];
+    for (ci, &c) in cases.iter().enumerate() {
+        let (t_max, top_k, e, _used, n, k, nmat, per_pair) = c;
+        let (ids, x, _mats, dm, _pool) = large_case(&g, 1900 + ci as u64, c);
+        let xrow = |t: usize| {
+            if per_pair {
+                t * top_k * k..(t + 1) * top_k * k
+            } else {
+                t * k..(t + 1) * k
+            }
+        };
+        let width = nmat * n;
+        let alone: Vec<(Vec<bf16>, usize)> = (0..t_max)
+            .map(|t| {
+                let (o, plan) = moe_run(
+                    &g,
+                    &ids[t * top_k..(t + 1) * top_k],
+                    top_k,
+                    &x[xrow(t)],
+                    per_pair,
+                    e,
+                    (n, k),
+                    &dm,
+                );
+                (o, plan.splits)
+            })
+            .collect();
+        let splits = alone[0].1;
+        for tt in [2usize, 9, 65, 257] {
+            let (o, plan) = moe_run(
+                &g,
+                &ids[..tt * top_k],
+                top_k,
+                &x[xrow(0).start..xrow(tt - 1).end],
+                per_pair,
+                e,
+                (n, k),
+                &dm,
+            );
+            assert!(
+                !plan.large && plan.splits == splits,
+                "T={tt}: {plan:?}, one token's splits {splits}"
+            );
+            for (t, (a, _)) in alone.iter().enumerate().take(tt) {
+                let got = &o[t * top_k * width..(t + 1) * top_k * width];
+                let differ = got.iter().zip(a).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
+                assert_eq!(
+                    differ, 0,
+                    "case {ci} (N={n},K={k}): token {t} of {tt} differs from the token alone in {differ} outputs"
+                );
+            }
+        }
+        println!(
+            "PARITY w4a16 invariant (E={e},top_k={top_k},N={n},K={k},mats={nmat}): {splits} splits; \
+             T = 2 .. {t_max}, every token == the token alone, bit for bit"
+        );
+    }
+    // Dense: rows 1 .. 130 against each row alone.
+    let (n, k) = (2048, 7168);
+    let mut r = rng(1950);
+    let (packed, scales) = int4_weights(&mut r, 1, n, k);
+    let x = rand_bf16(&mut r, 130 * k, 0.01, 1.0);
+    let alone: Vec<Vec<bf16>> = (0..130)
+        .map(|row| run_dense(&g, &x[row * k..(row + 1) * k], 1, &packed, &scales, n, k))
+        .collect();
+    for m in [3usize, 17, 130] {
+        let o = run_dense(&g, &x[..m * k], m, &packed, &scales, n, k);
+        for (row, a) in alone.iter().enumerate().take(m) {
+            assert!(
+                o[row * n..(row + 1) * n]
+                    .iter()
+                    .zip(a)
+                    .all(|(p, q)| p.to_bits() == q.to_bits()),
+                "dense N={n} K={k}: row {row} of {m} differs from the row alone"
+            );
+        }
+    }
+    println!("PARITY w4a16 invariant dense (N={n},K={k}): M = 3, 17, 130, every row == the row alone, bit for bit");
+    g.set_batch_invariant(false);
+}
+
 /// A decode-step-shaped chain of every custom op (embed → rms_norm → W4A16 gate+up → silu_mul → W4A16
 /// down → residual add → rope → router → align → grouped W4A16 → argmax) captured into one CUDA graph and
 /// replayed: bit-identical to the eager run, which shows the launches do no host sync and no allocation.

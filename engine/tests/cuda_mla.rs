@@ -57,6 +57,27 @@ fn run_mla(
     g.download(&out).unwrap()
 }
 
+/// The CPU twin's setup that makes it compute the latent core itself: Dn = Dv = C and kv_b = [I; I] per head
+/// (the absorption and W_UV exact identities).
+fn identity_twin(heads: usize, c: usize, p: usize) -> (Vec<bf16>, MlaDims) {
+    let mut kvb = vec![bf16::ZERO; heads * 2 * c * c];
+    for h in 0..heads {
+        for k in 0..c {
+            kvb[(h * 2 * c + k) * c + k] = bf16::ONE;
+            kvb[(h * 2 * c + c + k) * c + k] = bf16::ONE;
+        }
+    }
+    let dims = MlaDims {
+        heads,
+        nope: c,
+        rope: p,
+        v: c,
+        kv_lora: c,
+        scale: SCALE,
+    };
+    (kvb, dims)
+}
+
 /// Random parents: node 0 a root, later nodes a root with probability 1/8, else a child of an earlier node.
 fn parents(r: &mut rand_chacha::ChaCha8Rng, t: usize, chain: bool) -> Vec<i32> {
     (0..t as i32)
@@ -103,21 +124,7 @@ fn case(
     let par = parents(&mut r, t, !masked);
     let mask = Visibility::from_parents(&par).unwrap();
     // CPU twin: per head q = q_nope (= q_lat, Dn = C) | q_pe; kv_b rows [W_UK_h = I_C; W_UV_h = I_C].
-    let mut kvb = vec![bf16::ZERO; heads * 2 * c * c];
-    for h in 0..heads {
-        for k in 0..c {
-            kvb[(h * 2 * c + k) * c + k] = bf16::ONE;
-            kvb[(h * 2 * c + c + k) * c + k] = bf16::ONE;
-        }
-    }
-    let dims = MlaDims {
-        heads,
-        nope: c,
-        rope: p,
-        v: c,
-        kv_lora: c,
-        scale: SCALE,
-    };
+    let (kvb, dims) = identity_twin(heads, c, p);
     let want = mla_attention(
         &dims,
         &widen(&q),
@@ -584,5 +591,151 @@ fn mla_attention_heads_parity() {
             split.splits
         );
         check_bf16(&name, &g.download(&out).unwrap(), &want, MLA_TOL);
+    }
+}
+
+/// The batch-invariant MLA (`ops::mla_invariant`, `KDTREE_BATCH_INVARIANT`) of `t` nodes over a cache of `cap`
+/// rows, the committed length on the device: `o_lat` `[T, Hr, C]`, on NaN-poisoned partials and output.
+#[allow(clippy::too_many_arguments)]
+fn run_inv(
+    g: &kdtree_engine::cuda::Gpu,
+    q: &[bf16],
+    lat: &[bf16],
+    cap: usize,
+    mask: Option<&Visibility>,
+    s: &MlaShape,
+) -> Vec<bf16> {
+    use kdtree_engine::cuda::ops::mla_invariant as inv;
+    let (wo, wml) = inv::inv_workspace(s, cap);
+    let (mut po, mut pml) = (g.upload(&nan_f32(wo)).unwrap(), g.upload(&nan_f32(wml)).unwrap());
+    let mut out = g.upload(&nan_bf16(s.t * s.heads * s.kv_lora)).unwrap();
+    let (dq, dl, dc) = (
+        g.upload(q).unwrap(),
+        g.upload(lat).unwrap(),
+        g.upload(&[s.committed as i32]).unwrap(),
+    );
+    let dm = mask.map(|m| (g.upload(&m.bits).unwrap(), m.words));
+    let mv = dm.as_ref().map(|(d, w)| (d.as_view(), *w));
+    inv::mla_attention_inv(
+        g,
+        &dq.as_view(),
+        &dl.as_view(),
+        cap,
+        mv.as_ref().map(|(v, w)| (v, *w)),
+        Some(&dc.as_view()),
+        s,
+        SCALE,
+        &mut po.as_view_mut(),
+        &mut pml.as_view_mut(),
+        &mut out.as_view_mut(),
+    )
+    .unwrap();
+    g.download(&out).unwrap()
+}
+
+/// The batch-invariant MLA against the CPU twin (as `case`: Dn = Dv = C, kv_b = [I; I]): a decode step, trees,
+/// causal prefill, K2.6 widths at 8 and 64 heads, prefixes across the 256-position chunk cuts.
+#[test]
+fn mla_invariant_parity() {
+    let Some(g) = gpu() else { return };
+    // (T, heads, committed, C, P, tree, seed)
+    for &(t, heads, committed, c, p, tree, seed) in &[
+        (1usize, 8usize, 1000usize, 512usize, 64usize, true, 1001u64),
+        (65, 8, 255, 512, 64, true, 1002),
+        (65, 8, 256, 512, 64, true, 1003),
+        (257, 3, 40, 64, 16, true, 1004),
+        (100, 8, 0, 512, 64, false, 1005),
+        (17, 64, 4095, 512, 64, true, 1006),
+        (1025, 2, 3, 32, 16, true, 1007),
+    ] {
+        let name = format!(
+            "mla_invariant(T={t},Hr={heads},committed={committed},C={c},P={p},{})",
+            if tree { "tree" } else { "causal" }
+        );
+        let mut r = rng(seed);
+        let lw = c + p;
+        let cap = committed + t + 7;
+        let q = rand_bf16(&mut r, t * heads * lw, 0.1, 2.4);
+        let lat = rand_bf16(&mut r, cap * lw, 0.05, 1.5);
+        let mask = Visibility::from_parents(&parents(&mut r, t, !tree)).unwrap();
+        let (kvb, dims) = identity_twin(heads, c, p);
+        let want = mla_attention(
+            &dims,
+            &widen(&q),
+            &widen(&lat[..(committed + t) * lw]),
+            committed,
+            &mask,
+            MlaKv::Absorbed(&kvb),
+        );
+        let s = MlaShape {
+            t,
+            heads,
+            kv_lora: c,
+            rope: p,
+            committed,
+        };
+        let got = run_inv(&g, &q, &lat, cap, tree.then_some(&mask), &s);
+        assert_eq!(
+            got,
+            run_inv(&g, &q, &lat, cap, tree.then_some(&mask), &s),
+            "{name}: two runs differ"
+        );
+        check_bf16(&name, &got, &want, MLA_TOL);
+    }
+}
+
+/// The point of the invariant form: every node of a verify gets the bits of the AR step that would have computed
+/// it (its ancestors committed in depth order before it, the step's one node seeing itself), on trees across the
+/// chunk cuts, at K2.6 widths; and a node's bits do not depend on the other nodes of its call.
+#[test]
+fn mla_invariant_rows_equal_ar_and_verify() {
+    let Some(g) = gpu() else { return };
+    let (c, p, heads) = (512usize, 64usize, 8usize);
+    let lw = c + p;
+    for &(t, committed, seed) in &[(65usize, 250usize, 1101u64), (257, 500, 1102), (33, 0, 1103)] {
+        let mut r = rng(seed);
+        let par = parents(&mut r, t, false);
+        let mask = Visibility::from_parents(&par).unwrap();
+        let cap = committed + t;
+        let q = rand_bf16(&mut r, t * heads * lw, 0.1, 2.4);
+        let lat = rand_bf16(&mut r, cap * lw, 0.05, 1.5);
+        let s = MlaShape {
+            t,
+            heads,
+            kv_lora: c,
+            rope: p,
+            committed,
+        };
+        let verify = run_inv(&g, &q, &lat, cap, Some(&mask), &s);
+        let one = Visibility::from_parents(&[-1]).unwrap();
+        for i in (0..t).step_by(7).chain([t - 1]) {
+            // Node i's ancestors (and itself) in ascending index: the AR cache holds them after the prefix.
+            let mut anc = vec![i];
+            while let Some(&a) = anc.last() {
+                match par[a] {
+                    -1 => break,
+                    pa => anc.push(pa as usize),
+                }
+            }
+            anc.reverse();
+            let mut ar_lat = lat[..committed * lw].to_vec();
+            for &a in &anc {
+                ar_lat.extend_from_slice(&lat[(committed + a) * lw..(committed + a + 1) * lw]);
+            }
+            let qi = &q[i * heads * lw..(i + 1) * heads * lw];
+            let ar_s = MlaShape {
+                t: 1,
+                committed: committed + anc.len() - 1,
+                ..s
+            };
+            let ar = run_inv(&g, qi, &ar_lat, ar_lat.len() / lw, Some(&one), &ar_s);
+            assert_eq!(
+                &verify[i * heads * c..(i + 1) * heads * c],
+                &ar[..],
+                "T={t} committed={committed}: node {i} (depth {}) differs from its AR step",
+                anc.len() - 1
+            );
+        }
+        println!("PARITY mla_invariant T={t} committed={committed}: sampled nodes == their AR steps, bit for bit");
     }
 }

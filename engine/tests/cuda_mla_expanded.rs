@@ -9,7 +9,7 @@ mod cuda_common;
 mod round_common;
 
 use cuda_common::*;
-use kdtree_engine::api::{LogitRows, Target};
+use kdtree_engine::api::{LogitRows, PrefillItem, Target};
 use kdtree_engine::model::{Trace, TraceData};
 use kdtree_engine::{open_cpu, open_with, AttnMode, Device, OpenOptions};
 use round_common::{convert, pair_dir, synth_tiny_one_rank};
@@ -80,4 +80,90 @@ fn expanded_prefill_matches_the_cpu_reference() {
     case("tiny-synth", &synth_tiny_one_rank(tmp.path()));
     convert(&pair_dir(), &tmp.path().join("pair1"), 1);
     case("kdtree-tiny-pair", &tmp.path().join("pair1"));
+}
+
+/// A batched prefill takes the expanded form per segment (each prompt of at least the switch's rows alone, the
+/// others together in the latent form), so a prompt gets its form whatever batch it is in: the trained pair, three
+/// prompts of 60, 20 and 50 tokens with the switch at 32, against each prompt's prefill alone and the CPU.
+#[test]
+fn batched_prefill_takes_the_expanded_form_per_segment() {
+    if gpu().is_none() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("pair1");
+    convert(&pair_dir(), &dir, 1);
+    let opts = |min_rows: usize| {
+        let mut gpu = gpu_options();
+        gpu.mla_expanded_min_rows = min_rows;
+        OpenOptions {
+            attn_mode: AttnMode::Absorbed,
+            gpu,
+            ..OpenOptions::default()
+        }
+    };
+    let (expanded, latent) = (
+        open_with(&dir, Device::Cuda, opts(32)).unwrap(),
+        open_with(&dir, Device::Cuda, opts(0)).unwrap(),
+    );
+    let mut cpu = open_cpu(&dir, opts(0)).unwrap();
+    let v = expanded.target.info().vocab_size as u32;
+    let prompts: Vec<Vec<u32>> = [60u32, 20, 50]
+        .iter()
+        .map(|&n| (0..n).map(|i| (i * 97 + 13 * n) % v).collect())
+        .collect();
+    let batch = |m: &kdtree_engine::Loaded| -> Vec<Vec<f32>> {
+        let mut ts: Vec<Box<dyn Target>> = prompts.iter().map(|_| m.target.fork().unwrap()).collect();
+        let mut items: Vec<PrefillItem> = ts
+            .iter_mut()
+            .zip(&prompts)
+            .map(|(t, p)| PrefillItem {
+                target: &mut **t,
+                drafter: None,
+                prompt: p,
+            })
+            .collect();
+        m.target.batch_ops().unwrap().prefill(&mut items).unwrap()
+    };
+    let alone = |t: &mut dyn Target, p: &[u32]| -> Vec<f32> {
+        let chain: Vec<i32> = (0..p.len() as i32).map(|i| i - 1).collect();
+        t.reset();
+        t.forward_rows(p, &chain, LogitRows::Last).unwrap().logits
+    };
+    let (b1, b2, b_lat) = (batch(&expanded), batch(&expanded), batch(&latent));
+    assert_eq!(b1, b2, "two batched prefills differ");
+    for (i, p) in prompts.iter().enumerate() {
+        let mut t = expanded.target.fork().unwrap();
+        let own = alone(&mut *t, p);
+        let want = alone(&mut cpu.target, p);
+        let same = b1[i]
+            .iter()
+            .zip(&own)
+            .filter(|(a, b)| a.to_bits() == b.to_bits())
+            .count();
+        println!(
+            "PARITY batched prefill, prompt {i} ({} tokens): {same} of {} logits bit-equal to its prefill alone",
+            p.len(),
+            own.len()
+        );
+        check(
+            &format!("batched prefill prompt {i} ({} tokens) vs alone", p.len()),
+            &b1[i],
+            &own,
+            TOL,
+        );
+        check(
+            &format!("batched prefill prompt {i} ({} tokens) vs the CPU", p.len()),
+            &b1[i],
+            &want,
+            TOL,
+        );
+        // The long prompts' rows took the expanded form in the batch: other roundings than the latent batch's.
+        if p.len() >= 32 {
+            assert_ne!(
+                b1[i], b_lat[i],
+                "prompt {i}: the batched prefill did not take the expanded form"
+            );
+        }
+    }
 }

@@ -301,6 +301,140 @@ fn silu_mul_parity() {
     }
 }
 
+/// The fused SwiGLU to bf16 (`silu_mul_bf16`, the shared expert's and the drafter's down-projection input) gives the
+/// bits of `silu_mul_f32` then `f32_to_bf16`, and the f32 form is within one rounding of the CPU twin.
+#[test]
+fn silu_mul_bf16_equals_silu_mul_f32_then_bf16() {
+    let Some(g) = gpu() else { return };
+    // A decode step's shared-expert slice (K2.6 TP8: 256), a dense layer's, an odd length, a 16K chunk's.
+    for (n, &len) in [256usize, 18432 / 8, 1001, 16384 * 256].iter().enumerate() {
+        let mut r = rng(330 + n as u64);
+        let gate = rand_f32(&mut r, len, -8.0, 8.0);
+        let up = rand_f32(&mut r, len, -3.0, 3.0);
+        let (dg, du) = (g.upload(&gate).unwrap(), g.upload(&up).unwrap());
+        let mut f = g.upload(&nan_f32(len)).unwrap();
+        ops::act_f32::silu_mul_f32(&g, &dg.as_view(), &du.as_view(), &mut f.as_view_mut()).unwrap();
+        let mut two = g.upload(&nan_bf16(len)).unwrap();
+        ops::act_f32::f32_to_bf16(&g, &f.as_view(), &mut two.as_view_mut()).unwrap();
+        let mut one = g.upload(&nan_bf16(len)).unwrap();
+        ops::act_f32::silu_mul_bf16(&g, &dg.as_view(), &du.as_view(), &mut one.as_view_mut()).unwrap();
+        let bits = |v: Vec<bf16>| -> Vec<u16> { v.iter().map(|x| x.to_bits()).collect() };
+        let (one, two) = (bits(g.download(&one).unwrap()), bits(g.download(&two).unwrap()));
+        let differ = one.iter().zip(&two).filter(|(a, b)| a != b).count();
+        assert_eq!(
+            differ, 0,
+            "silu_mul_bf16 (len {len}): {differ} of {len} differ from silu_mul_f32 + f32_to_bf16"
+        );
+        check(
+            &format!("silu_mul_f32(len={len})"),
+            &g.download(&f).unwrap(),
+            &silu_mul(&gate, &up),
+            1e-6,
+        );
+        println!("PARITY silu_mul_bf16(len={len}) == silu_mul_f32 + f32_to_bf16 exact ({len} values)");
+    }
+}
+
+/// The latent cache rows in one launch (`kv_latent_rows_bf16`: kv_append_latent's copy, norm of the c_kv part,
+/// RoPE of k_pe and the bf16 store at the device's committed row) give the four ops' bits, cache rows around them
+/// untouched: K2.6 (576 = 512 + 64) at T = 1 (decode), 65 (a tree) and 300, the trained pair's shape.
+#[test]
+fn kv_latent_rows_equal_the_four_ops() {
+    let Some(g) = gpu() else { return };
+    for (i, &(t, w, c, row0)) in [
+        (1usize, 576usize, 512usize, 37usize),
+        (65, 576, 512, 0),
+        (300, 576, 512, 1000),
+        (9, 80, 64, 5),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let case = format!("kv_latent_rows(T={t},w={w},c={c},row0={row0})");
+        let mut r = rng(360 + i as u64);
+        let ckv = rand_f32(&mut r, t * w, -3.0, 3.0);
+        let weight = rand_bf16(&mut r, c, 0.5, 1.5);
+        let half = (w - c) / 2;
+        let cos = rand_f32(&mut r, t * half, -1.0, 1.0);
+        let sin = rand_f32(&mut r, t * half, -1.0, 1.0);
+        let cap = row0 + t + 3;
+        let (dckv, dw, dcos, dsin) = (
+            g.upload(&ckv).unwrap(),
+            g.upload(&weight).unwrap(),
+            g.upload(&cos).unwrap(),
+            g.upload(&sin).unwrap(),
+        );
+        let dpos = g.upload(&[row0 as i32]).unwrap();
+        // The four ops.
+        let mut rows = g.upload(&ckv).unwrap();
+        ops::act_f32::rms_norm_f32(
+            &g,
+            &dckv.as_view(),
+            w,
+            &dw.as_view(),
+            &mut rows.as_view_mut(),
+            w,
+            t,
+            1e-6,
+        )
+        .unwrap();
+        let layout = ops::rope::RopeLayout {
+            tokens: t,
+            heads: 1,
+            ld_token: w,
+            ld_head: w,
+            offset: c,
+            dim: w - c,
+        };
+        ops::act_f32::rope_table_f32(
+            &g,
+            &mut rows.as_view_mut(),
+            &dcos.as_view(),
+            &dsin.as_view(),
+            layout,
+            false,
+        )
+        .unwrap();
+        let mut four = g.upload(&nan_bf16(cap * w)).unwrap();
+        ops::round_state::store_rows(
+            &g,
+            &mut four.as_view_mut(),
+            w,
+            &dpos.as_view(),
+            row0,
+            &rows.as_view(),
+            t,
+        )
+        .unwrap();
+        // The one launch.
+        let mut one = g.upload(&nan_bf16(cap * w)).unwrap();
+        ops::act_f32::kv_latent_rows_bf16(
+            &g,
+            &dckv.as_view(),
+            (t, w, c),
+            &dw.as_view(),
+            1e-6,
+            (&dcos.as_view(), &dsin.as_view()),
+            &mut one.as_view_mut(),
+            (&dpos.as_view(), row0),
+        )
+        .unwrap();
+        let bits = |v: Vec<bf16>| -> Vec<u16> { v.iter().map(|x| x.to_bits()).collect() };
+        let (one, four) = (bits(g.download(&one).unwrap()), bits(g.download(&four).unwrap()));
+        let differ = one.iter().zip(&four).filter(|(a, b)| a != b).count();
+        assert_eq!(
+            differ,
+            0,
+            "{case}: {differ} of {} cache elements differ from the four ops",
+            one.len()
+        );
+        println!(
+            "PARITY {case} == copy + rms_norm_f32 + rope_table_f32 + store_rows exact ({} values)",
+            one.len()
+        );
+    }
+}
+
 #[test]
 fn embed_gather_parity() {
     let Some(g) = gpu() else { return };
@@ -450,6 +584,49 @@ fn zero_fill_kernel_clears_every_byte() {
         );
     }
     println!("PARITY zero fill kernel (1 .. 1000003 bytes, u8 and f32) exact");
+}
+
+/// The op profile (`KDTREE_OP_PROFILE`, engine/src/cuda/profile.rs): an op's device time between its events, the
+/// GPU's idle time while the host sleeps between two ops, nested ops counted once in the outermost, and nothing
+/// timed inside a capture.
+#[test]
+fn op_profile_times_ops_and_the_gaps_between_them() {
+    use kdtree_engine::cuda::profile::OpProfile;
+    let Some(g) = gpu() else { return };
+    let p = OpProfile::default();
+    let mut d = g.upload(&vec![0xA5u8; 256 << 20]).unwrap();
+    for _ in 0..3 {
+        let probe = p.begin(&g.stream, "zero 256 MB");
+        assert!(
+            p.begin(&g.stream, "nested").is_none(),
+            "a nested op is timed on its own"
+        );
+        p.end(&g.stream, None);
+        ops::fill::zero(&g, &mut d).unwrap();
+        p.end(&g.stream, probe);
+        g.sync().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    g.stream
+        .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .unwrap();
+    let captured = p.begin(&g.stream, "captured");
+    p.end(&g.stream, None);
+    let _ = g.stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+    assert!(captured.is_none(), "an op inside a capture is timed");
+    let (t, wall) = p.totals();
+    let z = t["zero 256 MB"];
+    assert_eq!((t.len(), z.calls), (1, 3), "{t:?}");
+    // 256 MB written at <= ~4.3 TB/s takes >= 0.06 ms a call; the host slept 20 ms before each of the last two.
+    assert!(z.device_ms > 3.0 * 0.05 && z.device_ms < 3.0 * 20.0, "{z:?}");
+    assert!(z.idle_before_ms > 2.0 * 15.0, "{z:?}");
+    assert!(wall.as_secs_f64() > 0.04, "{wall:?}");
+    let report = p.report();
+    assert!(report.contains("zero 256 MB") && report.contains("total"), "{report}");
+    println!(
+        "PARITY op profile: 3 calls, device {:.3} ms, GPU idle before them {:.1} ms",
+        z.device_ms, z.idle_before_ms
+    );
 }
 
 fn router_cfg(e: usize, n_group: usize, topk_group: usize, top_k: usize) -> Router {

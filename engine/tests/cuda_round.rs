@@ -113,6 +113,51 @@ fn ddtree_equals_ar_on_the_gpu() {
     no_capture_failure(&g);
 }
 
+/// With `KDTREE_BATCH_INVARIANT` (`Gpu::set_batch_invariant`) every sum of a forward is in an order that does not
+/// depend on the call's rows, so greedy DDTree emits the AR tokens exactly (no near-tie allowance) at budgets 1 to
+/// 1024, and sampled DDTree the sampled AR tokens (position-keyed uniforms), on the trained pair.
+#[test]
+fn ddtree_equals_ar_exactly_when_batch_invariant() {
+    let tmp = tempfile::tempdir().unwrap();
+    let Some((g, mut m)) = pair_on_gpu(&tmp) else { return };
+    g.set_batch_invariant(true);
+    let n = 24;
+    let sampled = Sampling {
+        temperature: 1.0,
+        top_p: 0.95,
+        seed: 11,
+        ..Sampling::greedy()
+    };
+    for (i, p) in PROMPTS.iter().enumerate() {
+        for (label, smp) in [("greedy", Sampling::greedy()), ("sampled", sampled.clone())] {
+            let run = |m: &mut Loaded, mode: Mode| -> (Vec<u32>, usize) {
+                let mut s = m.session(mode).unwrap();
+                let mut toks = vec![s.prefill(p, &smp).unwrap()];
+                while toks.len() < n {
+                    toks.extend(s.step().unwrap().tokens);
+                }
+                toks.truncate(n);
+                (toks, s.device_rounds())
+            };
+            let (ar, _) = run(&mut m, Mode::Ar);
+            for budget in [1usize, 8, 64, 256, 1024] {
+                let (dd, rounds) = run(&mut m, Mode::DDTree { budget });
+                assert!(rounds > 0, "budget {budget}: no round ran on the device");
+                assert_eq!(
+                    dd, ar,
+                    "prompt {i}, {label}, budget {budget}: DDTree differs from AR with batch-invariant sums"
+                );
+                println!(
+                    "PARITY ddtree == ar (cuda, batch-invariant, prompt {i}, {label}, budget {budget}) exact \
+                     ({n} tokens)"
+                );
+            }
+        }
+    }
+    g.set_batch_invariant(false);
+    no_capture_failure(&g);
+}
+
 /// Where `u` falls in `row`'s adjusted distribution relative to token `tok`'s interval: 0 inside it, else
 /// the distance (in probability) to its nearer end.
 fn distance_to_interval(row: &[f32], s: &Sampling, tok: u32, u: f64) -> f64 {

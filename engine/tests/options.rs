@@ -22,6 +22,8 @@ fn changed(a: &GpuOptions, b: &GpuOptions) -> Vec<&'static str> {
     check("poison", a.poison != b.poison);
     check("pdl", a.pdl != b.pdl);
     check("gemv", a.gemv != b.gemv);
+    check("gemv_rows", a.gemv_rows != b.gemv_rows);
+    check("batch_invariant", a.batch_invariant != b.batch_invariant);
     check("w4a16_blocks_per_sm", a.w4a16_blocks_per_sm != b.w4a16_blocks_per_sm);
     check("w4a16_max_splits", a.w4a16_max_splits != b.w4a16_max_splits);
     check(
@@ -31,6 +33,7 @@ fn changed(a: &GpuOptions, b: &GpuOptions) -> Vec<&'static str> {
     check("mla_prefill_flash", a.mla_prefill_flash != b.mla_prefill_flash);
     check("pool_keep", a.pool_keep != b.pool_keep);
     check("tp_trace", a.tp_trace != b.tp_trace);
+    check("op_profile", a.op_profile != b.op_profile);
     check("group_timeout", a.group_timeout != b.group_timeout);
     check("gate_timeout", a.gate_timeout != b.gate_timeout);
     out
@@ -40,8 +43,19 @@ fn changed(a: &GpuOptions, b: &GpuOptions) -> Vec<&'static str> {
 fn nothing_set_is_the_default() {
     let d = GpuOptions::default();
     assert_eq!(from(&[]), d);
-    assert!(d.graphs && d.pdl && d.mla_prefill_flash && !d.poison && !d.gemv && !d.tp_trace && !d.pool_keep);
+    assert!(
+        d.graphs
+            && d.pdl
+            && d.mla_prefill_flash
+            && !d.pool_keep
+            && !d.poison
+            && !d.gemv
+            && !d.tp_trace
+            && !d.op_profile
+            && !d.batch_invariant
+    );
     assert_eq!((d.w4a16_blocks_per_sm, d.w4a16_max_splits), (4, 64));
+    assert_eq!((d.mla_expanded_min_rows, d.gemv_rows), (1024, 4));
     assert_eq!(
         (d.group_timeout, d.gate_timeout),
         (Duration::from_secs(20), Duration::from_secs(60))
@@ -56,10 +70,11 @@ fn each_variable_sets_its_own_field_and_no_other() {
         "KDTREE_W4A16_BLOCKS_PER_SM" => "2",
         "KDTREE_W4A16_MAX_SPLITS" => "16",
         "KDTREE_MLA_EXPANDED_MIN_ROWS" => "512",
+        "KDTREE_GEMV_ROWS" => "1024",
         "KDTREE_GROUP_TIMEOUT_S" | "KDTREE_GATE_TIMEOUT_S" => "1.5",
         _ => "1",
     };
-    assert_eq!(KNOBS.len(), 12);
+    assert_eq!(KNOBS.len(), 15);
     for (var, field, _) in KNOBS {
         assert!(var.starts_with(kdtree_engine::options::ENV_PREFIX), "{var}");
         let got = from(&[(var, moved(var))]);
@@ -72,9 +87,19 @@ fn each_variable_sets_its_own_field_and_no_other() {
     }
     let all: Vec<(&str, &str)> = KNOBS.iter().map(|(v, _, _)| (*v, moved(v))).collect();
     let o = from(&all);
-    assert!(!o.graphs && !o.pdl && !o.mla_prefill_flash && o.poison && o.gemv && o.tp_trace && o.pool_keep);
+    assert!(
+        !o.graphs
+            && !o.pdl
+            && !o.mla_prefill_flash
+            && o.pool_keep
+            && o.poison
+            && o.gemv
+            && o.tp_trace
+            && o.op_profile
+            && o.batch_invariant
+    );
     assert_eq!((o.w4a16_blocks_per_sm, o.w4a16_max_splits), (2, 16));
-    assert_eq!(o.mla_expanded_min_rows, 512);
+    assert_eq!((o.mla_expanded_min_rows, o.gemv_rows), (512, 1024));
     assert_eq!(
         (o.group_timeout, o.gate_timeout),
         (Duration::from_millis(1500), Duration::from_millis(1500))
@@ -87,6 +112,9 @@ fn values_keep_the_meaning_the_library_gave_them() {
     assert!(from(&[("KDTREE_CUDA_GRAPHS", "1")]).graphs);
     assert!(from(&[("KDTREE_CUDA_GRAPHS", "no")]).graphs);
     assert!(!from(&[("KDTREE_PDL", "0")]).pdl);
+    assert!(!from(&[("KDTREE_POOL_KEEP", "yes")]).pool_keep);
+    // A number: 0 switches the expanded form off.
+    assert_eq!(from(&[("KDTREE_MLA_EXPANDED_MIN_ROWS", "0")]).mla_expanded_min_rows, 0);
     // Opt-in switches: only "1" turns them on.
     assert!(!from(&[("KDTREE_CUDA_POISON", "0")]).poison);
     assert!(!from(&[("KDTREE_CUDA_POISON", "yes")]).poison);

@@ -342,6 +342,10 @@ impl Compute for Rec {
         rec!(self, "silu_mul", gate.len(), up.len());
         self.inner.silu_mul(gate, up)
     }
+    fn silu_mul_in(&self, gate: &Self::Act, up: &Self::Act) -> Self::LinIn {
+        rec!(self, "silu_mul_in", gate.len(), up.len());
+        self.inner.silu_mul_in(gate, up)
+    }
     fn all_reduce(&self, partials: Vec<Self::Act>) -> Self::Act {
         rec!(self, "all_reduce", partials.len());
         self.inner.all_reduce(partials)

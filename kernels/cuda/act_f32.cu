@@ -31,6 +31,16 @@ extern "C" __global__ void kdtree_silu_mul_f32(const float* __restrict__ gate, c
         out[i] = g * (1.0f / (1.0f + expf(-g))) * up[i];
     }
 }
+// The same value rounded once to bf16 (the bits of kdtree_silu_mul_f32 then kdtree_f32_to_bf16): a SwiGLU whose
+// output only feeds the down projection's bf16 GEMM.
+extern "C" __global__ void kdtree_silu_mul_f32_bf16(const float* __restrict__ gate, const float* __restrict__ up, bf16* __restrict__ out,
+                                                long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const float g = gate[i];
+        const float v = g * (1.0f / (1.0f + expf(-g))) * up[i];
+        out[i] = __float2bfloat16_rn(v);
+    }
+}
 
 // y[r, :D] = w * (x[r, :D] * rsqrt(mean(x²) + eps)) for each row r; rows ld_x / ld_y apart; w [D] bf16.
 // One block per row, blockDim.x a multiple of 32 (the wrapper sizes it to the row). When D % 4 == 0, the rows
@@ -63,18 +73,27 @@ __device__ __forceinline__ void rms_norm_row(float* __restrict__ x, int ld_x, co
     const bool vec = D % 4 == 0 && kdtree::aligned16(xr) && (!ADD || kdtree::aligned16(ar)) && kdtree::aligned16(yr) &&
                      kdtree::aligned16(w) && n4 <= RMS_VEC * (int)blockDim.x;
     if (vec) {
-        float4 v[RMS_VEC];
+        // Every load of x and a first, then the sums and stores: with the store of x + a between them the
+        // compiler issued each j's loads only after the last store, 2 RMS_VEC dependent trips to memory (~9 us a
+        // 7,168-wide row, ncu run 92); the weight's loads likewise all at once after the sum. At most 64
+        // registers (launch bounds): the wrapper takes up to 1024 threads a row.
+        float4 v[RMS_VEC], av[RMS_VEC];
 #pragma unroll
         for (int j = 0; j < RMS_VEC; j++) {
             const int i = threadIdx.x + j * blockDim.x;
-            v[j] = i < n4 ? reinterpret_cast<const float4*>(xr)[i] : make_float4(0.f, 0.f, 0.f, 0.f);
-            if (ADD && i < n4) {
-                const float4 av = reinterpret_cast<const float4*>(ar)[i];
-                v[j].x += av.x;
-                v[j].y += av.y;
-                v[j].z += av.z;
-                v[j].w += av.w;
-                reinterpret_cast<float4*>(xr)[i] = v[j];
+            const bool in = i < n4;
+            v[j] = in ? reinterpret_cast<const float4*>(xr)[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+            if (ADD) av[j] = in ? __ldg(reinterpret_cast<const float4*>(ar) + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+        if (ADD) {
+#pragma unroll
+            for (int j = 0; j < RMS_VEC; j++) {
+                const int i = threadIdx.x + j * blockDim.x;
+                v[j].x += av[j].x;
+                v[j].y += av[j].y;
+                v[j].z += av[j].z;
+                v[j].w += av[j].w;
+                if (i < n4) reinterpret_cast<float4*>(xr)[i] = v[j];
             }
         }
         // The sum of squares with explicit roundings (no contraction left to the compiler), so that every form
@@ -90,13 +109,18 @@ __device__ __forceinline__ void rms_norm_row(float* __restrict__ x, int ld_x, co
         }
         ss = kdtree::block_sum(ss, scratch);
         const float r = 1.0f / sqrtf(ss / (float)D + eps);
+        uint2 wb[RMS_VEC];  // all the weight loads in flight together, then the stores
+#pragma unroll
+        for (int j = 0; j < RMS_VEC; j++) {
+            const int i = threadIdx.x + j * blockDim.x;
+            wb[j] = i < n4 ? __ldg(reinterpret_cast<const uint2*>(w) + i) : make_uint2(0u, 0u);
+        }
 #pragma unroll
         for (int j = 0; j < RMS_VEC; j++) {
             const int i = threadIdx.x + j * blockDim.x;
             if (i >= n4) continue;
-            const uint2 wb = reinterpret_cast<const uint2*>(w)[i];
-            const float2 w01 = __bfloat1622float2(*reinterpret_cast<const bf162*>(&wb.x));
-            const float2 w23 = __bfloat1622float2(*reinterpret_cast<const bf162*>(&wb.y));
+            const float2 w01 = __bfloat1622float2(*reinterpret_cast<const bf162*>(&wb[j].x));
+            const float2 w23 = __bfloat1622float2(*reinterpret_cast<const bf162*>(&wb[j].y));
             store4(i, make_float4(w01.x * (v[j].x * r), w01.y * (v[j].y * r), w23.x * (v[j].z * r), w23.y * (v[j].w * r)));
         }
         return;
@@ -118,20 +142,43 @@ __device__ __forceinline__ void rms_norm_row(float* __restrict__ x, int ld_x, co
         }
     }
 }
-extern "C" __global__ void kdtree_rms_norm_f32(const float* __restrict__ x, int ld_x, const bf16* __restrict__ w, float* __restrict__ y,
+extern "C" __global__ void __launch_bounds__(1024) kdtree_rms_norm_f32(const float* __restrict__ x, int ld_x, const bf16* __restrict__ w, float* __restrict__ y,
                                                int ld_y, int D, float eps) {
     rms_norm_row<false, float>(const_cast<float*>(x), ld_x, nullptr, 0, w, y, ld_y, D, eps);
 }
 // x += a (if a is not null), then y = bf16(rms_norm(x)): the bits of kdtree_add_f32, kdtree_rms_norm_f32 and
 // kdtree_f32_to_bf16 in one launch (the residual add and the next norm of a decoder layer, its output the
 // linears' bf16 input).
-extern "C" __global__ void kdtree_add_rms_norm_bf16(float* __restrict__ x, int ld_x, const float* __restrict__ a, int ld_a,
+extern "C" __global__ void __launch_bounds__(1024) kdtree_add_rms_norm_bf16(float* __restrict__ x, int ld_x, const float* __restrict__ a, int ld_a,
                                                     const bf16* __restrict__ w, bf16* __restrict__ y, int ld_y, int D,
                                                     float eps) {
     if (a)
         rms_norm_row<true, bf16>(x, ld_x, a, ld_a, w, y, ld_y, D, eps);
     else
         rms_norm_row<false, bf16>(x, ld_x, nullptr, 0, w, y, ld_y, D, eps);
+}
+
+// The latent cache rows of T new tokens in one launch (kv_append_latent): row *row0 + t of dst [cap, w] bf16 =
+// bf16(rms_norm(ckv[t, :C]) with `weight`) | bf16(interleaved RoPE of ckv[t, C:w] from the table row t): the bits of
+// kdtree_rms_norm_f32, kdtree_rope_table_f32 and kdtree_store_rows_bf16 on a copy of ckv (the same threads, sums
+// and roundings; the wrapper takes it when w % 8 == 0, so that the norm takes the same register path as the f32
+// one). One block a token (blockDim as the norm's wrapper sizes it), then the rope pairs.
+extern "C" __global__ void __launch_bounds__(1024) kdtree_kv_latent_rows_bf16(const float* __restrict__ ckv, int w, int C,
+                                                                               const bf16* __restrict__ weight, float eps,
+                                                                               const float* __restrict__ cos_t,
+                                                                               const float* __restrict__ sin_t,
+                                                                               bf16* __restrict__ dst, const int* __restrict__ row0) {
+    bf16* y = dst + (size_t)row0[0] * w;
+    rms_norm_row<false, bf16>(const_cast<float*>(ckv), w, nullptr, 0, weight, y, w, C, eps);
+    const int t = blockIdx.x, half = (w - C) / 2;
+    const float* v = ckv + (size_t)t * w + C;
+    bf16* o = y + (size_t)t * w + C;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        const float c = cos_t[(size_t)t * half + i], s = sin_t[(size_t)t * half + i];
+        const float a = v[2 * i], b = v[2 * i + 1];
+        o[2 * i] = __float2bfloat16_rn(__fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)));
+        o[2 * i + 1] = __float2bfloat16_rn(__fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s)));
+    }
 }
 
 // RoPE in place on x (f32) from a cos/sin table [T, D/2] (row t for token t): element (t, h, d) at

@@ -1,14 +1,18 @@
-// bf16 GEMV for decode: y[m, n] = sum_k x[m, k] * w[n, k] for M <= 4 rows of x (bf16 x and W as nn.Linear
-// weight [N, K], f32 accumulate), y f32 or bf16 with rows ld_y apart. cuBLAS picks split-K plus a reduce
+// bf16 GEMV for decode: y[m, n] = sum_k x[m, k] * w[n, k] for M rows of x (M = 1, 2, 3, 4, 8 or 16 a block; bf16
+// x and W as nn.Linear weight [N, K], f32 accumulate), y f32 or bf16 with rows ld_y apart; grid.y row groups of
+// M rows each (the wrapper covers any row count with a few launches). cuBLAS picks split-K plus a reduce
 // kernel for these shapes at M = 1 and streams a few hundred GB/s on a decode step's 2–22 MB projections
 // (bench/RESULTS.md, "Speed on the H200" §5); here every lane keeps UNROLL 16-byte weight loads in flight
 // and the row's partial sums stay in the block.
 // CPU twin: engine cpu::ops::matmul_bf16 (same products, f32 sums in another order). Test:
-// engine/tests/cuda_gemm.rs (gemv cases through gemm_bf16). Wrapper: engine/src/cuda/ops/gemm_bf16.rs (taken
-// for M <= 4, K % 8 == 0 and 16-byte aligned x and W when the GPU's GEMV switch is on: opt in, KDTREE_GEMV=1).
+// engine/tests/cuda_gemm.rs (gemv cases through gemm_bf16; `gemv_rows_do_not_depend_on_the_row_count`).
+// Wrapper: engine/src/cuda/ops/gemm_bf16.rs (taken for up to KDTREE_GEMV_ROWS rows, 4 by default, K % 8 == 0 and
+// 16-byte aligned x and W when the GPU's GEMV switch is on: opt in, KDTREE_GEMV=1).
 // Layout: WPR warps per row (1, 2, 4 or 8; more for short N so that the GPU has enough loads in flight), 8
 // warps per block (8 / WPR rows). Warp j of a row takes the 16-byte chunks c = lane + 32 (j + WPR i); each lane
-// sums its chunks in order, the warp by a fixed butterfly, the row's warps in warp order: deterministic.
+// sums its chunks in order, the warp by a fixed butterfly, the row's warps in warp order: deterministic, and the
+// same order for a row whatever M and the row group (WPR depends on N only): a row's bits do not depend on how
+// many rows the call has, so a decode step (1 row) and a tree verify (65) agree on the rows they share.
 #include "common.cuh"
 
 namespace gemv {
@@ -19,6 +23,9 @@ template <int M, typename O>
 __device__ __forceinline__ void gemv_row(const bf16* __restrict__ x, int ld_x, const bf16* __restrict__ w, O* __restrict__ y,
                                          int ld_y, int N, int K, int wpr) {
     __shared__ float part[8][M];
+    // Row group blockIdx.y: rows [M y, M y + M) of x and y (one launch covers any multiple of M rows).
+    x += (size_t)blockIdx.y * M * ld_x;
+    y += (size_t)blockIdx.y * M * ld_y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int row_in_block = warp / wpr, j = warp % wpr;
     const int n = blockIdx.x * (8 / wpr) + row_in_block;
@@ -89,7 +96,11 @@ GEMV_F32_KERNEL(1)
 GEMV_F32_KERNEL(2)
 GEMV_F32_KERNEL(3)
 GEMV_F32_KERNEL(4)
+GEMV_F32_KERNEL(8)
+GEMV_F32_KERNEL(16)
 GEMV_BF16_KERNEL(1)
 GEMV_BF16_KERNEL(2)
 GEMV_BF16_KERNEL(3)
 GEMV_BF16_KERNEL(4)
+GEMV_BF16_KERNEL(8)
+GEMV_BF16_KERNEL(16)

@@ -271,6 +271,9 @@ pub trait Compute: Resources {
     fn add(&self, acc: &mut Self::Act, x: &Self::Act);
     /// `silu(gate) ⊙ up`.
     fn silu_mul(&self, gate: &Self::Act, up: &Self::Act) -> Self::Act;
+    /// [`Compute::lin_in`] of [`Compute::silu_mul`]: the same values in one op (a SwiGLU whose output only feeds
+    /// the down projection).
+    fn silu_mul_in(&self, gate: &Self::Act, up: &Self::Act) -> Self::LinIn;
     /// Sum of rank partials in rank order 0..R (the tensor-parallel all-reduce).
     fn all_reduce(&self, partials: Vec<Self::Act>) -> Self::Act;
 

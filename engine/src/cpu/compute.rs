@@ -58,6 +58,9 @@ impl Compute for CpuBackend {
     fn rms_norm_in(&self, x: &Vec<f32>, w: &Slab<bf16>, eps: f32) -> Vec<f32> {
         self.rms_norm(x, w, eps)
     }
+    fn silu_mul_in(&self, gate: &Vec<f32>, up: &Vec<f32>) -> Vec<f32> {
+        self.silu_mul(gate, up)
+    }
     fn add_rms_norm_in(&self, x: &mut Vec<f32>, a: &Vec<f32>, w: &Slab<bf16>, eps: f32) -> Vec<f32> {
         self.add(x, a);
         self.rms_norm(x, w, eps)

@@ -86,7 +86,12 @@ impl CudaBackend {
     }
     /// Run `f`; on error keep the first message and return None.
     pub(super) fn run<T>(&self, op: &str, f: impl FnOnce() -> R<T>) -> Option<T> {
-        match f() {
+        let probe = self.gpu.profile.as_ref().map(|p| (p, p.begin(&self.gpu.stream, op)));
+        let r = f();
+        if let Some((p, probe)) = probe {
+            p.end(&self.gpu.stream, probe);
+        }
+        match r {
             Ok(v) => Some(v),
             Err(e) => {
                 let mut g = self.err.lock().unwrap_or_else(|p| p.into_inner());
@@ -133,7 +138,7 @@ impl CudaBackend {
         }
     }
     pub(super) fn copy(&self, src: &CudaSlice<f32>, from: usize, to: usize) -> R<CudaSlice<f32>> {
-        let mut y = self.new_f32(to - from)?;
+        let mut y = self.gpu.out::<f32>(to - from)?; // the copy writes every element
         if to > from {
             self.gpu
                 .stream
@@ -442,7 +447,7 @@ impl Resources for CudaBackend {
     fn append_rows(&self, acc: &mut CudaSlice<f32>, x: &CudaSlice<f32>) {
         let n = acc.len();
         if let Some(y) = self.run("append_rows", || {
-            let mut y = self.new_f32(n + x.len())?;
+            let mut y = self.gpu.out::<f32>(n + x.len())?; // the two copies write every element
             let s = &self.gpu.stream;
             if n > 0 {
                 s.memcpy_dtod(acc, &mut y.slice_mut(..n))

@@ -112,18 +112,22 @@ impl CudaBackend {
     ) -> R<CudaSlice<bf16>> {
         let (hr, c, p, dn, dv) = (d.heads, d.kv_lora, d.rope, d.nope, d.v);
         let t: usize = segs.iter().map(|s| s.2).sum();
-        // A long forward of one sequence (a prefill) in the expanded form where it is switched on and its widths fit
-        // the kernel; never inside a capture (it reads the committed length on the host).
+        // A long causal segment (a prefill's chunk; never a tree) in the expanded form where it is switched on and
+        // its widths fit the kernel; never inside a capture (it reads the committed length on the host). The
+        // choice is each segment's own, so a prompt gets the same form alone and in a batched prefill.
         let min_rows = self.gpu.options().mla_expanded_min_rows;
-        if let [(kv, mask, ts)] = segs {
-            let fits = dv.is_multiple_of(16) && (dn + p).is_multiple_of(16) && dv <= 512 && dv + dn + p <= 576;
-            if min_rows > 0 && *ts >= min_rows && fits && self.not_capturing("").is_ok() {
+        let fits = dv.is_multiple_of(16) && (dn + p).is_multiple_of(16) && dv <= 512 && dv + dn + p <= 576;
+        let expand = |m: &DMask, ts: usize| min_rows > 0 && ts >= min_rows && fits && m.causal;
+        if segs.iter().any(|s| expand(s.1, s.2)) && self.not_capturing("").is_ok() {
+            if let [(kv, mask, ts)] = segs {
                 return self.mla_expanded(q, kv, mask, *ts, l, kv_b, d);
             }
+            return self.mla_segs_runs(q, segs, l, kv_b, d, expand);
         }
-        let qb = self.to_bf16(q)?; // [T, Hr·(Dn+P)]
+        if self.gpu.batch_invariant() && t <= w4a16_gemm::INVARIANT_MAX_ROWS {
+            return self.mla_segs_invariant(q, segs, l, kv_b, d);
+        }
         let lw = c + p;
-        let mut qcat = self.gpu.out::<bf16>(t * hr * lw)?; // [T, Hr, C+P]
         let ad = AbsorbDims {
             t,
             heads: hr,
@@ -131,24 +135,7 @@ impl CudaBackend {
             v: dv,
             kv_lora: c,
         };
-        absorb_q(
-            &self.gpu,
-            &qb.as_view(),
-            p,
-            &kv_b.w.as_view(),
-            &mut qcat.as_view_mut(),
-            ad,
-        )?;
-        // q_pe (already roped) next to q_lat: rows (t, h) of width P, from offset Dn (stride Dn+P) to C.
-        copy_rows::copy_rows(
-            &self.gpu,
-            &qb.slice(dn..),
-            dn + p,
-            &mut qcat.slice_mut(c..),
-            lw,
-            t * hr,
-            p,
-        )?;
+        let qcat = self.mla_qcat(q, t, kv_b, d, false)?;
         let mut olat = self.gpu.out::<bf16>(t * hr * c)?;
         // Each segment's split (by its cache's room), and one workspace for the largest (the segments run in
         // stream order, one after another).
@@ -280,6 +267,142 @@ impl CudaBackend {
         let mut o = self.gpu.out::<bf16>(t * hr * dv)?;
         apply_uv(&self.gpu, &olat.as_view(), &kv_b.w.as_view(), &mut o.as_view_mut(), ad)?;
         Ok(o)
+    }
+    /// The latent queries `[T, Hr, C+P]` bf16 of the `t` rows of `q` `[T, Hr·(Dn+P)]` f32: q_nope absorbed through
+    /// W_UK (cuBLAS, or the one-order kernel when `invariant`), then q_pe (already roped) copied next to it.
+    fn mla_qcat(&self, q: &CudaSlice<f32>, t: usize, kv_b: &DMat, d: &MlaDims, invariant: bool) -> R<CudaSlice<bf16>> {
+        let (hr, c, p, dn, dv) = (d.heads, d.kv_lora, d.rope, d.nope, d.v);
+        let lw = c + p;
+        let qb = self.to_bf16(q)?; // [T, Hr·(Dn+P)]
+        let ad = AbsorbDims {
+            t,
+            heads: hr,
+            nope: dn,
+            v: dv,
+            kv_lora: c,
+        };
+        let mut qcat = self.gpu.out::<bf16>(t * hr * lw)?;
+        let (qv, wv) = (qb.as_view(), kv_b.w.as_view());
+        if invariant {
+            super::ops::mla_invariant::absorb_q_inv(&self.gpu, &qv, p, &wv, &mut qcat.as_view_mut(), ad)?;
+        } else {
+            absorb_q(&self.gpu, &qv, p, &wv, &mut qcat.as_view_mut(), ad)?;
+        }
+        // q_pe (already roped) next to q_lat: rows (t, h) of width P, from offset Dn (stride Dn+P) to C.
+        copy_rows::copy_rows(
+            &self.gpu,
+            &qb.slice(dn..),
+            dn + p,
+            &mut qcat.slice_mut(c..),
+            lw,
+            t * hr,
+            p,
+        )?;
+        Ok(qcat)
+    }
+    /// [`CudaBackend::mla_segs_bf16`] in the batch-invariant form (`Gpu::batch_invariant`, ops::mla_invariant):
+    /// every output's sum in one order that depends on its node's own keys, so that a token gets the same bits in an
+    /// AR step and in a tree verify. Segments one after another, each over its own cache.
+    fn mla_segs_invariant(
+        &self,
+        q: &CudaSlice<f32>,
+        segs: &[(&DKv, &DMask, usize)],
+        l: usize,
+        kv_b: &DMat,
+        d: &MlaDims,
+    ) -> R<CudaSlice<bf16>> {
+        use super::ops::mla_invariant as inv;
+        let (hr, c, p, dn, dv) = (d.heads, d.kv_lora, d.rope, d.nope, d.v);
+        let t: usize = segs.iter().map(|s| s.2).sum();
+        let lw = c + p;
+        let ad = AbsorbDims {
+            t,
+            heads: hr,
+            nope: dn,
+            v: dv,
+            kv_lora: c,
+        };
+        let qcat = self.mla_qcat(q, t, kv_b, d, true)?;
+        let shape = |kv: &DKv, ts: usize| MlaShape {
+            t: ts,
+            heads: hr,
+            kv_lora: c,
+            rope: p,
+            committed: kv.committed,
+        };
+        let (wo, wml) = segs
+            .iter()
+            .map(|&(kv, _, ts)| inv::inv_workspace(&shape(kv, ts), kv.cap))
+            .fold((0, 0), |a, w| (a.0.max(w.0), a.1.max(w.1)));
+        let (mut po, mut pml) = (self.gpu.out::<f32>(wo.max(1))?, self.gpu.out::<f32>(wml.max(1))?);
+        let mut olat = self.gpu.out::<bf16>(t * hr * c)?;
+        let mut at = 0;
+        for &(kv, mask, ts) in segs {
+            if mask.rows < ts {
+                return Err(CudaError::Shape {
+                    op: "mla_attention",
+                    msg: format!("a mask of {} rows for {ts} nodes", mask.rows),
+                });
+            }
+            let s = shape(kv, ts);
+            let (so, sml) = inv::inv_workspace(&s, kv.cap);
+            let base = l * kv.cap * kv.width;
+            let lat = kv.buf.slice(base..base + kv.cap * kv.width);
+            inv::mla_attention_inv(
+                &self.gpu,
+                &qcat.slice(at * hr * lw..(at + ts) * hr * lw),
+                &lat,
+                kv.cap,
+                Some((&mask.bits.as_view(), mask.words)),
+                Some(&kv.pos.as_view()),
+                &s,
+                d.scale,
+                &mut po.slice_mut(..so),
+                &mut pml.slice_mut(..sml),
+                &mut olat.slice_mut(at * hr * c..(at + ts) * hr * c),
+            )?;
+            at += ts;
+        }
+        let mut o = self.gpu.out::<bf16>(t * hr * dv)?;
+        inv::apply_uv_inv(&self.gpu, &olat.as_view(), &kv_b.w.as_view(), &mut o.as_view_mut(), ad)?;
+        Ok(o)
+    }
+    /// [`CudaBackend::mla_segs_bf16`] of several segments some of which take the expanded form: each of those
+    /// alone, each run of consecutive others together (the latent form), their rows copied in and out.
+    fn mla_segs_runs(
+        &self,
+        q: &CudaSlice<f32>,
+        segs: &[(&DKv, &DMask, usize)],
+        l: usize,
+        kv_b: &DMat,
+        d: &MlaDims,
+        expand: impl Fn(&DMask, usize) -> bool,
+    ) -> R<CudaSlice<bf16>> {
+        let (qw, ow) = (d.heads * (d.nope + d.rope), d.heads * d.v);
+        let t: usize = segs.iter().map(|s| s.2).sum();
+        let mut out = self.gpu.out::<bf16>(t * ow)?;
+        let (mut i, mut r0) = (0, 0);
+        while i < segs.len() {
+            let mut j = i + 1;
+            if !expand(segs[i].1, segs[i].2) {
+                while j < segs.len() && !expand(segs[j].1, segs[j].2) {
+                    j += 1;
+                }
+            }
+            let rows: usize = segs[i..j].iter().map(|s| s.2).sum();
+            let mut qs = self.gpu.out::<f32>(rows * qw)?;
+            self.gpu
+                .stream
+                .memcpy_dtod(&q.slice(r0 * qw..(r0 + rows) * qw), &mut qs)
+                .map_err(super::drv("mla rows"))?;
+            let o = self.mla_segs_bf16(&qs, &segs[i..j], l, kv_b, d)?;
+            self.gpu
+                .stream
+                .memcpy_dtod(&o, &mut out.slice_mut(r0 * ow..(r0 + rows) * ow))
+                .map_err(super::drv("mla rows"))?;
+            (i, r0) = (j, r0 + rows);
+        }
+        Ok(out)
     }
     /// The expanded (multi-head) MLA of one sequence's `t` new rows (a prefill; [`seg_op::mla_attention_heads`]):
     /// kv_b expands each of the layer's `committed + t` latent rows into every head's row `v_h | k_nope_h | k_pe`

@@ -186,6 +186,14 @@ impl Compute for CudaBackend {
         })
         .unwrap_or_else(|| self.empty())
     }
+    fn silu_mul_in(&self, gate: &CudaSlice<f32>, up: &CudaSlice<f32>) -> CudaSlice<bf16> {
+        self.run("silu_mul_in", || {
+            let mut y = self.gpu.out::<bf16>(gate.len())?;
+            act_f32::silu_mul_bf16(&self.gpu, &gate.as_view(), &up.as_view(), &mut y.as_view_mut())?;
+            Ok(y)
+        })
+        .unwrap_or_else(|| self.empty_of::<bf16>())
+    }
     fn all_reduce(&self, partials: Vec<CudaSlice<f32>>) -> CudaSlice<f32> {
         let mut it = partials.into_iter();
         let Some(mut acc) = it.next() else { return self.empty() };
@@ -340,6 +348,20 @@ impl Compute for CudaBackend {
             let (w, c) = (kv.width, norm.len());
             let t = ckv.len() / w;
             self.grow(kv, kv.committed + t)?;
+            let base = l * kv.cap * w;
+            if act_f32::kv_latent_rows_fit(w, c) {
+                // One launch: the bits of the four below (copy, norm, rope, store).
+                return act_f32::kv_latent_rows_bf16(
+                    &self.gpu,
+                    &ckv.as_view(),
+                    (t, w, c),
+                    &norm.as_view(),
+                    eps,
+                    (&rope.cos.as_view(), &rope.sin.as_view()),
+                    &mut kv.buf.slice_mut(base..base + kv.cap * w),
+                    (&kv.pos.as_view(), kv.committed),
+                );
+            }
             // [T, C+P] f32: rms_norm of the c_kv part, k_pe copied, then RoPE on it; stored as bf16.
             let mut rows = self.copy(ckv, 0, ckv.len())?;
             act_f32::rms_norm_f32(
@@ -369,7 +391,6 @@ impl Compute for CudaBackend {
                 false,
             )?;
             // At the committed length read on the device (a captured round replays at any length).
-            let base = l * kv.cap * w;
             round_state::store_rows(
                 &self.gpu,
                 &mut kv.buf.slice_mut(base..base + kv.cap * w),

@@ -13,6 +13,7 @@ mod composite;
 mod compute;
 mod load;
 pub mod ops;
+pub mod profile;
 pub mod tree;
 mod tree_ops;
 pub mod types;
@@ -106,6 +107,10 @@ pub struct Gpu {
     /// from the tree verify's cuBLAS ones more often at bf16 rounding boundaries (sampled DDTree == sampled AR
     /// exactly on 0 of 8 runs instead of >= 4, every difference a boundary case within 2e-3).
     gemv: std::sync::atomic::AtomicBool,
+    /// Rows up to which the GEMV takes a bf16 GEMM when it is on (`GpuOptions::gemv_rows`, default 4).
+    gemv_rows: std::sync::atomic::AtomicUsize,
+    /// Sums that do not depend on the row count (`GpuOptions::batch_invariant`; [`Gpu::batch_invariant`]).
+    batch_invariant: std::sync::atomic::AtomicBool,
     /// Fill [`Gpu::out`] buffers with NaN bytes (`GpuOptions::poison`; test runs).
     poison: bool,
     /// The switches this GPU was opened with.
@@ -118,6 +123,16 @@ pub struct Gpu {
     drain_copies: std::sync::atomic::AtomicBool,
     /// The load check of weights loaded onto this GPU ([`Gpu::set_weight_check`]).
     weight_check: std::sync::Mutex<WeightCheck>,
+    /// The op profile of eager work (`GpuOptions::op_profile`), printed on stderr when the GPU is dropped.
+    pub profile: Option<profile::OpProfile>,
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        if let Some(p) = &self.profile {
+            eprint!("{}", p.report());
+        }
+    }
 }
 
 /// What a captured CUDA graph holds, by node type (cuBLAS calls appear as their kernels; stream-ordered
@@ -327,12 +342,15 @@ impl Gpu {
             w4a16_bps: std::sync::atomic::AtomicUsize::new(opts.w4a16_blocks_per_sm),
             w4a16_max_splits: std::sync::atomic::AtomicUsize::new(opts.w4a16_max_splits),
             gemv: std::sync::atomic::AtomicBool::new(opts.gemv),
+            gemv_rows: std::sync::atomic::AtomicUsize::new(opts.gemv_rows.max(1)),
+            batch_invariant: std::sync::atomic::AtomicBool::new(opts.batch_invariant),
             poison: opts.poison,
             opts,
             pdl: std::sync::atomic::AtomicBool::new(pdl),
             comm: std::sync::RwLock::new(Arc::new(comm::OneGpu)),
             drain_copies: std::sync::atomic::AtomicBool::new(false),
             weight_check: std::sync::Mutex::new(WeightCheck::Off),
+            profile: opts.op_profile.then(profile::OpProfile::default),
         };
         ops::w4a16_gemm::configure(&gpu)?;
         ops::gqa_attention::configure(&gpu)?;
@@ -399,7 +417,9 @@ impl Gpu {
     /// The device's default memory pool keeps the memory it has reserved (a release threshold of all of it)
     /// instead of unmapping what is unused at every synchronisation (a threshold of 0, CUDA's default): a long
     /// prefill's transient buffers (hundreds of MB a layer) are then reused, not mapped again after each sync.
-    /// On for rank groups ([`Gpu::pool_for_groups`]); `GpuOptions::pool_keep` for one controller.
+    /// On for rank groups ([`Gpu::pool_for_groups`]); `GpuOptions::pool_keep` (off by default: a 32K prefill of
+    /// the K2.6 rank-0 slice took 6.90 s with it, 5.78 s without, run 93) for one controller.
+    /// [`Gpu::mem_info`] counts what the pool keeps unused as free.
     pub fn pool_keep(&self) -> Result<()> {
         use cudarc::driver::sys::{self, CUmemPool_attribute as A};
         let mut pool = std::ptr::null_mut();
@@ -517,6 +537,25 @@ impl Gpu {
     /// Turns the GEMV path on or off (tests and the bench compare it with cuBLAS).
     pub fn set_gemv(&self, on: bool) {
         self.gemv.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+    /// Rows of x up to which the GEMV takes a bf16 GEMM when [`Gpu::gemv`] is on (`GpuOptions::gemv_rows`).
+    pub fn gemv_rows(&self) -> usize {
+        self.gemv_rows.load(std::sync::atomic::Ordering::Relaxed)
+    }
+    /// Whether a forward's sums do not depend on how many rows a call has (`GpuOptions::batch_invariant`, opt in),
+    /// up to [`ops::w4a16_gemm::INVARIANT_MAX_ROWS`] tokens: the bf16 GEMMs through the GEMV (its row blocks keep
+    /// a row's order), the W4A16 GEMMs at one k-split per weight shape (one token's plan) in the small form, and
+    /// MLA through `ops::mla_invariant` (each node's key list in absolute chunks). docs/design/batch-invariance.md.
+    pub fn batch_invariant(&self) -> bool {
+        self.batch_invariant.load(std::sync::atomic::Ordering::Relaxed)
+    }
+    /// Turns [`Gpu::batch_invariant`] on or off (tests compare both).
+    pub fn set_batch_invariant(&self, on: bool) {
+        self.batch_invariant.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+    /// Sets [`Gpu::gemv_rows`] (at least 1).
+    pub fn set_gemv_rows(&self, rows: usize) {
+        self.gemv_rows.store(rows.max(1), std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether the W4A16 GEMMs launch with programmatic dependent launch (on by default on sm_90+).
@@ -668,10 +707,34 @@ impl Gpu {
         Ok(b)
     }
 
-    /// (free, total) device memory in bytes (`cuMemGetInfo`).
+    /// (free, total) device memory in bytes: `cuMemGetInfo`'s free memory plus what the device's memory pool holds
+    /// reserved but unused (it kept it, [`Gpu::pool_keep`]; this process's allocations reuse it).
     pub fn mem_info(&self) -> Result<(usize, usize)> {
         self.ctx.bind_to_thread().map_err(drv("mem_info"))?;
-        cudarc::driver::result::mem_get_info().map_err(drv("mem_info"))
+        let (free, total) = cudarc::driver::result::mem_get_info().map_err(drv("mem_info"))?;
+        Ok((free + self.pool_idle()?, total))
+    }
+    /// Bytes the device's default memory pool has reserved and not handed out.
+    fn pool_idle(&self) -> Result<usize> {
+        use cudarc::driver::sys::{self, CUmemPool_attribute as A};
+        let mut pool = std::ptr::null_mut();
+        // SAFETY: the device handle is this context's; the pool handle is written by the call.
+        unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device()) }
+            .result()
+            .map_err(drv("memory pool"))?;
+        let get = |attr| -> Result<u64> {
+            let mut v: u64 = 0;
+            // SAFETY: both attributes are u64 byte counts; `pool` is the device's default pool.
+            unsafe { sys::cuMemPoolGetAttribute(pool, attr, (&mut v as *mut u64).cast()) }
+                .result()
+                .map_err(drv("memory pool"))?;
+            Ok(v)
+        };
+        let (reserved, used) = (
+            get(A::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?,
+            get(A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
+        );
+        Ok(reserved.saturating_sub(used) as usize)
     }
 
     /// Blocks until all work queued on the stream is done.

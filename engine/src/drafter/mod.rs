@@ -508,7 +508,7 @@ impl<B: Backend> DFlashDrafter<B> {
             let hn = b.rms_norm(&x, &lw.post_attention_layernorm, eps);
             let g = b.linear(&hn, bl, &lw.gate_proj); // [B, I]
             let u = b.linear(&hn, bl, &lw.up_proj); // [B, I]
-            b.add(&mut x, &b.linear(&b.silu_mul(&g, &u), bl, &lw.down_proj));
+            b.add(&mut x, &b.linear_in(&b.silu_mul_in(&g, &u), bl, &lw.down_proj));
         }
         let xn = b.rms_norm(&b.rows(&x, h, 1, bl), &self.p.norm, eps); // [B-1, H]: block positions 1..B-1
         let logits = self.tables.lm_head(&xn, bl - 1);
@@ -581,7 +581,7 @@ impl<B: Backend> DFlashDrafter<B> {
             let hn = b.rms_norm(&x, &lw.post_attention_layernorm, eps);
             let g = b.linear(&hn, rows, &lw.gate_proj);
             let u = b.linear(&hn, rows, &lw.up_proj);
-            b.add(&mut x, &b.linear(&b.silu_mul(&g, &u), rows, &lw.down_proj));
+            b.add(&mut x, &b.linear_in(&b.silu_mul_in(&g, &u), rows, &lw.down_proj));
         }
         // Block positions 1..B−1 of every session, stacked.
         let mut tail = b.zeros(n * (bl - 1) * h);

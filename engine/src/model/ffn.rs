@@ -14,8 +14,8 @@ use crate::backend::Backend;
 
 /// Per-rank SwiGLU partial `down(silu(gate x) ⊙ up x)` `[T, H]`, `x` made ready for the linears once.
 fn swiglu<B: Backend>(b: &B, m: &Mlp<B>, x: &B::LinIn, t: usize) -> B::Act {
-    let a = b.silu_mul(&b.linear_in(x, t, &m.gate), &b.linear_in(x, t, &m.up)); // [T, I/R]
-    b.linear(&a, t, &m.down)
+    let a = b.silu_mul_in(&b.linear_in(x, t, &m.gate), &b.linear_in(x, t, &m.up)); // [T, I/R]
+    b.linear_in(&a, t, &m.down)
 }
 
 /// FFN output `[T, H]` of layer `l` for normed input `xi` `[T, H]`, made ready for the linears

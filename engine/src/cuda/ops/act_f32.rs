@@ -68,18 +68,39 @@ pub fn silu_mul_f32(
     up: &CudaView<'_, f32>,
     out: &mut CudaViewMut<'_, f32>,
 ) -> Result<()> {
+    silu_mul_launch(gpu, ("silu_mul_f32", "kdtree_silu_mul_f32"), gate, up, out)
+}
+
+/// [`silu_mul_f32`] rounded once to bf16 (the bits of it followed by [`f32_to_bf16`]), in one launch.
+pub fn silu_mul_bf16(
+    gpu: &Gpu,
+    gate: &CudaView<'_, f32>,
+    up: &CudaView<'_, f32>,
+    out: &mut CudaViewMut<'_, bf16>,
+) -> Result<()> {
+    silu_mul_launch(gpu, ("silu_mul_bf16", "kdtree_silu_mul_f32_bf16"), gate, up, out)
+}
+
+/// The SwiGLU kernel `kernel` (f32 gate and up, `O` out) over `gate.len()` elements.
+fn silu_mul_launch<O: cudarc::driver::DeviceRepr>(
+    gpu: &Gpu,
+    (op, kernel): (&'static str, &'static str),
+    gate: &CudaView<'_, f32>,
+    up: &CudaView<'_, f32>,
+    out: &mut CudaViewMut<'_, O>,
+) -> Result<()> {
     let n = gate.len();
-    ensure("silu_mul_f32", up.len() == n && out.len() >= n, || {
+    ensure(op, up.len() == n && out.len() >= n, || {
         format!("gate {n}, up {}, out {} elements", up.len(), out.len())
     })?;
     if n == 0 {
         return Ok(());
     }
     let nn = n as i64;
-    let mut b = gpu.stream.launch_builder(gpu.func("kdtree_silu_mul_f32"));
+    let mut b = gpu.stream.launch_builder(gpu.func(kernel));
     b.arg(gate).arg(up).arg(out).arg(&nn);
-    // SAFETY: all hold n elements.
-    unsafe { b.launch(launch_cfg(grid_1d(n), 256, 0)) }.map_err(drv("silu_mul_f32"))?;
+    // SAFETY: gate and up hold n elements, out at least n.
+    unsafe { b.launch(launch_cfg(grid_1d(n), 256, 0)) }.map_err(drv(op))?;
     Ok(())
 }
 
@@ -146,6 +167,59 @@ pub fn add_rms_norm_bf16(
     // SAFETY: spans checked by norm_args.
     unsafe { b.launch(launch_cfg((rows as u32, 1, 1), norm_threads(w.len()), 0)) }.map_err(drv(OP))?;
     Ok(())
+}
+
+/// The latent cache rows of `t` new tokens in one launch: rows `row0[0] + i` of `dst` (`[cap, w]` bf16) =
+/// bf16(rms_norm(ckv[i, :c]) with `weight`) | bf16(interleaved RoPE of ckv[i, c..w] by the table row i), the bits of
+/// a copy of `ckv`, [`rms_norm_f32`], [`rope_table_f32`] and `round_state::store_rows` (`row0_host` is the host's
+/// copy of `row0`, for the bounds). Needs `w % 8 == 0` and `c % 4 == 0` ([`kv_latent_rows_fit`]).
+#[allow(clippy::too_many_arguments)]
+pub fn kv_latent_rows_bf16(
+    gpu: &Gpu,
+    ckv: &CudaView<'_, f32>,
+    (t, w, c): (usize, usize, usize),
+    weight: &CudaView<'_, bf16>,
+    eps: f32,
+    (cos, sin): (&CudaView<'_, f32>, &CudaView<'_, f32>),
+    dst: &mut CudaViewMut<'_, bf16>,
+    (row0, row0_host): (&CudaView<'_, i32>, usize),
+) -> Result<()> {
+    const OP: &str = "kv_latent_rows_bf16";
+    ensure(OP, kv_latent_rows_fit(w, c) && weight.len() == c, || {
+        format!(
+            "width {w}, norm {c} (weight {}): needs w % 8 == 0, c % 4 == 0, c < w",
+            weight.len()
+        )
+    })?;
+    need_len(OP, "ckv", ckv.len(), t * w)?;
+    need_len(OP, "cos", cos.len(), t * (w - c) / 2)?;
+    need_len(OP, "sin", sin.len(), t * (w - c) / 2)?;
+    need_len(OP, "row0", row0.len(), 1)?;
+    need_len(OP, "dst", dst.len(), (row0_host + t) * w)?;
+    if t == 0 {
+        return Ok(());
+    }
+    ensure(OP, t <= 65535, || format!("{t} tokens exceed the grid limit 65535"))?;
+    let (wi, ci) = (as_i32(OP, "w", w)?, as_i32(OP, "c", c)?);
+    let mut b = gpu.stream.launch_builder(gpu.func("kdtree_kv_latent_rows_bf16"));
+    b.arg(ckv)
+        .arg(&wi)
+        .arg(&ci)
+        .arg(weight)
+        .arg(&eps)
+        .arg(cos)
+        .arg(sin)
+        .arg(dst)
+        .arg(row0);
+    // SAFETY: ckv holds t rows of w, the tables t rows of (w - c) / 2, dst row0 + t rows of w (against the host
+    // mirror of row0, checked); the norm's threads as rms_norm_f32 takes them.
+    unsafe { b.launch(launch_cfg((t as u32, 1, 1), norm_threads(c), 0)) }.map_err(drv(OP))?;
+    Ok(())
+}
+
+/// Whether [`kv_latent_rows_bf16`] takes a latent row of width `w` normed over its first `c` columns.
+pub fn kv_latent_rows_fit(w: usize, c: usize) -> bool {
+    w.is_multiple_of(8) && c.is_multiple_of(4) && c > 0 && c < w && (w - c).is_multiple_of(2)
 }
 
 /// `y = bf16(rms_norm(x))`: the bits of [`rms_norm_f32`] and [`f32_to_bf16`] in one launch (x is only read).

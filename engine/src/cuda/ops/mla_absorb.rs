@@ -86,17 +86,7 @@ pub fn absorb_q(
     d: AbsorbDims,
 ) -> Result<()> {
     let (qk, kvw, lw) = (d.nope + p, d.nope + d.v, d.kv_lora + p);
-    ensure(OP, kv_b.len() == d.heads * kvw * d.kv_lora, || {
-        format!(
-            "kv_b has {} elements, expected Hr={} x (Dn+Dv)={kvw} x C={}",
-            kv_b.len(),
-            d.heads,
-            d.kv_lora
-        )
-    })?;
-    need_len(OP, "q", q.len(), d.t * d.heads * qk)?;
-    need_len(OP, "qcat", qcat.len(), span(d.t, d.heads * lw, d.heads * lw))?;
-    if d.t == 0 || d.heads == 0 {
+    if !check_absorb(OP, (q.len(), kv_b.len(), qcat.len()), p, d)? {
         return Ok(());
     }
     let (pw, _a) = kv_b.device_ptr(&gpu.stream);
@@ -123,6 +113,39 @@ pub fn absorb_q(
     }
 }
 
+/// The lengths of an absorption's `(q, kv_b, qcat)` for `d` and P = `p`; Ok(false) when there is nothing to do.
+pub(crate) fn check_absorb(
+    op: &'static str,
+    (q, kv_b, qcat): (usize, usize, usize),
+    p: usize,
+    d: AbsorbDims,
+) -> Result<bool> {
+    let (qk, kvw, lw) = (d.nope + p, d.nope + d.v, d.kv_lora + p);
+    ensure(op, kv_b == d.heads * kvw * d.kv_lora, || {
+        format!(
+            "kv_b has {kv_b} elements, expected Hr={} x (Dn+Dv)={kvw} x C={}",
+            d.heads, d.kv_lora
+        )
+    })?;
+    need_len(op, "q", q, d.t * d.heads * qk)?;
+    need_len(op, "qcat", qcat, span(d.t, d.heads * lw, d.heads * lw))?;
+    Ok(d.t > 0 && d.heads > 0 && d.kv_lora > 0)
+}
+
+/// The lengths of a W_UV's `(o_lat, kv_b, o)` for `d`; Ok(false) when there is nothing to do.
+pub(crate) fn check_uv(op: &'static str, (o_lat, kv_b, o): (usize, usize, usize), d: AbsorbDims) -> Result<bool> {
+    let kvw = d.nope + d.v;
+    ensure(op, kv_b == d.heads * kvw * d.kv_lora, || {
+        format!(
+            "kv_b has {kv_b} elements, expected Hr={} x (Dn+Dv)={kvw} x C={}",
+            d.heads, d.kv_lora
+        )
+    })?;
+    need_len(op, "o_lat", o_lat, d.t * d.heads * d.kv_lora)?;
+    need_len(op, "o", o, d.t * d.heads * d.v)?;
+    Ok(d.t > 0 && d.heads > 0 && d.v > 0)
+}
+
 /// `o` `[T, Hr·Dv]` bf16 from `o_lat` `[T, Hr, C]` bf16 and `kv_b` `[Hr·(Dn+Dv), C]`.
 /// Launch contract: no allocation, no host sync.
 pub fn apply_uv(
@@ -133,17 +156,7 @@ pub fn apply_uv(
     d: AbsorbDims,
 ) -> Result<()> {
     let kvw = d.nope + d.v;
-    ensure(OP, kv_b.len() == d.heads * kvw * d.kv_lora, || {
-        format!(
-            "kv_b has {} elements, expected Hr={} x (Dn+Dv)={kvw} x C={}",
-            kv_b.len(),
-            d.heads,
-            d.kv_lora
-        )
-    })?;
-    need_len(OP, "o_lat", o_lat.len(), d.t * d.heads * d.kv_lora)?;
-    need_len(OP, "o", o.len(), d.t * d.heads * d.v)?;
-    if d.t == 0 || d.heads == 0 {
+    if !check_uv(OP, (o_lat.len(), kv_b.len(), o.len()), d)? {
         return Ok(());
     }
     let (pw, _a) = kv_b.device_ptr(&gpu.stream);

@@ -148,6 +148,16 @@ impl MlaSplit {
     }
 }
 
+/// The words per node of an ancestor mask for `t` nodes (checked to hold them and to fill `t` rows), 0 without one.
+pub(crate) fn mask_words(op: &'static str, mask: Option<(&CudaView<'_, u64>, usize)>, t: usize) -> Result<usize> {
+    let Some((m, w)) = mask else { return Ok(0) };
+    ensure(op, w * 64 >= t, || {
+        format!("{w} mask words per node cannot hold {t} nodes")
+    })?;
+    need_len(op, "mask", m.len(), t * w)?;
+    Ok(w)
+}
+
 /// Splits the merge kernel holds in shared memory (`MLA_MERGE_MAX_SPLITS` in mla_attention.cu).
 const MERGE_MAX_SPLITS: usize = 1024;
 
@@ -216,16 +226,7 @@ pub fn mla_attention(
     need_len(OP, "part_o", part_o.len(), wo)?;
     need_len(OP, "part_ml", part_ml.len(), wml)?;
     need_len(OP, "out", out.len(), s.t * s.heads * s.kv_lora)?;
-    let words = match mask {
-        Some((m, w)) => {
-            ensure(OP, w * 64 >= s.t, || {
-                format!("{w} mask words per node cannot hold {} nodes", s.t)
-            })?;
-            need_len(OP, "mask", m.len(), s.t * w)?;
-            w
-        }
-        None => 0,
-    };
+    let words = mask_words(OP, mask, s.t)?;
     if s.t == 0 || s.heads == 0 {
         return Ok(());
     }
@@ -330,16 +331,7 @@ pub fn mla_attention_heads(
     need_len(OP, "part_o", part_o.len(), wo)?;
     need_len(OP, "part_ml", part_ml.len(), wml)?;
     need_len(OP, "out", out.len(), s.t * s.heads * c)?;
-    let words = match mask {
-        Some((m, w)) => {
-            ensure(OP, w * 64 >= s.t, || {
-                format!("{w} mask words per node cannot hold {} nodes", s.t)
-            })?;
-            need_len(OP, "mask", m.len(), s.t * w)?;
-            w
-        }
-        None => 0,
-    };
+    let words = mask_words(OP, mask, s.t)?;
     if s.t == 0 || s.heads == 0 {
         return Ok(());
     }

@@ -148,11 +148,7 @@ fn plan_on(gpu: Device, mt: usize, row_tiles: usize, rows: usize, n: usize, k: u
         .min(by_traffic)
         .min(gpu.max_splits.max(1));
     let mut kbps = nkb.div_ceil(want);
-    // Shared memory per block small enough for `bps` blocks to be resident (1 KB per block is reserved by
-    // the system, plus the static row maps).
-    let budget = (gpu.smem_per_sm / bps)
-        .saturating_sub(1024 + 512)
-        .min(gpu.max_smem.saturating_sub(1024));
+    let budget = smem_budget(gpu.smem_per_sm, gpu.max_smem, bps);
     while kbps > 1 && 8 * mt * smem_row_stride(kbps) > budget {
         kbps -= 1;
     }
@@ -165,10 +161,46 @@ fn plan_on(gpu: Device, mt: usize, row_tiles: usize, rows: usize, n: usize, k: u
     }
 }
 
+/// Shared memory per block small enough for `bps` blocks to be resident on an SM of `smem_per_sm` bytes (1 KB per
+/// block is reserved by the system, plus the static row maps), within the opt-in limit `max_smem`.
+fn smem_budget(smem_per_sm: usize, max_smem: usize, bps: usize) -> usize {
+    (smem_per_sm / bps.max(1))
+        .saturating_sub(1024 + 512)
+        .min(max_smem.saturating_sub(1024))
+}
+
 /// Plan of the dense form for `m` rows of x over an `[n, k]` matrix.
 pub fn plan_dense(gpu: &Gpu, m: usize, n: usize, k: usize) -> Plan {
     let mt = mt_for(m);
+    if gpu.batch_invariant() && m <= INVARIANT_MAX_ROWS {
+        return invariant_plan(gpu, mt, plan_for(gpu, 1, 1, 1, n, k).kbps, n, k);
+    }
     plan_for(gpu, mt, m.div_ceil(8 * mt), m, n, k)
+}
+
+/// Rows (dense) or pairs / 8 (grouped) up to which a batch-invariant GPU ([`Gpu::batch_invariant`]) keeps one
+/// k-split per weight shape: a decode step, a tree verify of up to 2,047 nodes (a budget of 2,046), a batch of them.
+pub const INVARIANT_MAX_ROWS: usize = 2048;
+
+/// The small form with `kbps` k-blocks a split whatever the rows: a row's sums are then the same in any call (the
+/// row tile changes only which rows share a CTA, not a row's order), capped so that the largest row tile's x
+/// slice fits the shared memory at the blocks per SM the plans aim at.
+fn invariant_plan(gpu: &Gpu, mt: usize, kbps: usize, _n: usize, k: usize) -> Plan {
+    // The shared-memory budget of a block as plan_on computes it, for the largest row tile (32 rows).
+    let bps = gpu.w4a16_blocks_per_sm().clamp(1, BLOCKS_PER_SM);
+    let budget = smem_budget(gpu.smem_per_sm, gpu.max_smem, bps);
+    let nkb = (k / K_STEP).max(1);
+    let mut kbps = kbps.clamp(1, nkb);
+    while kbps > 1 && 32 * smem_row_stride(kbps) > budget {
+        kbps -= 1;
+    }
+    Plan {
+        mt,
+        splits: nkb.div_ceil(kbps),
+        kbps,
+        smem: 8 * mt * smem_row_stride(kbps),
+        large: false,
+    }
 }
 
 /// Whether the grouped GEMM over `pairs` rows and `n_experts` experts takes the large-M form. It depends on
@@ -182,6 +214,11 @@ pub fn large_moe(pairs: usize, n_experts: usize) -> bool {
 /// tile follows the mean rows per active expert, the split count assumes `min(E, P)` active experts.
 pub fn plan_moe(gpu: &Gpu, pairs: usize, n_experts: usize, n: usize, k: usize) -> Plan {
     let active = pairs.min(n_experts).max(1);
+    if gpu.batch_invariant() && pairs <= 8 * INVARIANT_MAX_ROWS {
+        // One token's plan (its top-8 experts, a row each) for every row count.
+        let one = plan_for(gpu, 1, 8.min(n_experts.max(1)), 8, n, k).kbps;
+        return invariant_plan(gpu, mt_for(pairs.div_ceil(active)), one, n, k);
+    }
     if large_moe(pairs, n_experts) && gpu.max_smem >= LARGE_SMEM {
         return Plan {
             mt: LARGE_TILE / 8,
