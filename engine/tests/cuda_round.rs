@@ -515,3 +515,76 @@ fn auto_budget_on_the_gpu_equals_the_host_rounds() {
         runs[0].len()
     );
 }
+
+/// The prefill where the ops run (`Session::set_device_prefill`, the default: each chunk's forward and commit, the
+/// drafter's context from taps that stay on the device, none computed in AR) leaves the host prefill's state on
+/// the GPU bit for bit (the last row's logits, the tokens and their rounds, every round's draft logits), with
+/// one read back fewer per chunk (its taps) and, in DDTree, one upload fewer (the taps sent back for the context).
+#[test]
+fn device_prefill_equals_the_host_prefill_on_the_gpu() {
+    let tmp = tempfile::tempdir().unwrap();
+    let Some((g, mut m)) = pair_on_gpu(&tmp) else { return };
+    let prompt: Vec<u32> = (0..300u32).map(|i| (i * 53 + 11) % 1000).collect();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    for mode in [Mode::Ar, Mode::DDTree { budget: 16 }] {
+        for (chunk, chunks) in [(0usize, 1u64), (128, 3)] {
+            let mut runs = Vec::new();
+            for device in [true, false] {
+                let mut s = m.session(mode).unwrap();
+                s.set_prefill_chunk(chunk);
+                s.set_device_prefill(device);
+                s.set_probes(ProbeSet {
+                    logits: true,
+                    rounds: true,
+                    ..ProbeSet::default()
+                });
+                let before = g.stats.snapshot();
+                let first = s.prefill(&prompt, &Sampling::greedy()).unwrap();
+                let after = g.stats.snapshot();
+                let mut steps = vec![vec![first]];
+                for _ in 0..6 {
+                    steps.push(s.step().unwrap().tokens);
+                }
+                let p = s.take_probes();
+                let drafts: Vec<Vec<u32>> = p.rounds.iter().map(|r| bits(&r.draft_logits)).collect();
+                let (reads, uploads) = (after[3] - before[3], after[2] - before[2]);
+                runs.push((
+                    bits(&p.logits[0]),
+                    steps,
+                    drafts,
+                    s.device_prefills() as u64,
+                    reads,
+                    uploads,
+                ));
+            }
+            let (dev, host) = (&runs[0], &runs[1]);
+            assert_eq!(
+                (dev.3, host.3),
+                (chunks, 0),
+                "{mode:?} chunk {chunk}: chunks where the ops run"
+            );
+            assert!(dev.0 == host.0, "{mode:?} chunk {chunk}: the last row's logits differ");
+            assert_eq!(
+                dev.1, host.1,
+                "{mode:?} chunk {chunk}: the tokens or their rounds differ"
+            );
+            assert!(dev.2 == host.2, "{mode:?} chunk {chunk}: a round's draft logits differ");
+            assert_eq!(
+                host.4 - dev.4,
+                chunks,
+                "{mode:?} chunk {chunk}: a read back fewer per chunk"
+            );
+            let sent_back = if mode == Mode::Ar { 0 } else { chunks };
+            assert_eq!(host.5 - dev.5, sent_back, "{mode:?} chunk {chunk}: uploads of taps");
+            println!(
+                "PARITY device prefill == host prefill (cuda, {mode:?}, 300 tokens, chunk {chunk}): last-row logits, \
+                 tokens, {} rounds' draft logits bit for bit; reads back {} vs {}, uploads {} vs {}",
+                dev.2.len(),
+                dev.4,
+                host.4,
+                dev.5,
+                host.5
+            );
+        }
+    }
+}
