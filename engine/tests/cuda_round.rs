@@ -18,6 +18,9 @@
 //!   equal the CPU builder's `log_q` bit for bit on the same draft logits, budgets 4 to 256;
 //! * `auto_budget_on_the_gpu_equals_the_host_rounds`: `--budget auto` (rounds captured per bucket) gives
 //!   the host rounds' steps, budgets included, one read back per round.
+//! * `device_prefill_equals_the_host_prefill_on_the_gpu`: the prefill where the ops run (the drafter's context
+//!   from taps that stay on the device; none in AR) leaves the host prefill's state bit for bit, with a read back
+//!   fewer per chunk and, in DDTree, an upload fewer.
 //!
 //! Needs a GPU: skips without one unless KDTREE_REQUIRE_GPU=1.
 #![cfg(feature = "cuda")]
