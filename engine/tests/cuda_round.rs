@@ -531,8 +531,10 @@ fn device_prefill_equals_the_host_prefill_on_the_gpu() {
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
     for mode in [Mode::Ar, Mode::DDTree { budget: 16 }] {
         for (chunk, chunks) in [(0usize, 1u64), (128, 3)] {
+            // Device, host, device: the last two each after a run (a reset of a used cache uploads its length),
+            // so that their counters compare; the first and the last give the same bits.
             let mut runs = Vec::new();
-            for device in [true, false] {
+            for device in [true, false, true] {
                 let mut s = m.session(mode).unwrap();
                 s.set_prefill_chunk(chunk);
                 s.set_device_prefill(device);
@@ -560,7 +562,11 @@ fn device_prefill_equals_the_host_prefill_on_the_gpu() {
                     uploads,
                 ));
             }
-            let (dev, host) = (&runs[0], &runs[1]);
+            let (dev, host) = (&runs[2], &runs[1]);
+            assert!(
+                runs[0].0 == dev.0 && runs[0].1 == dev.1 && runs[0].2 == dev.2,
+                "{mode:?} chunk {chunk}: the device prefill gave other bits the second time"
+            );
             assert_eq!(
                 (dev.3, host.3),
                 (chunks, 0),
