@@ -37,6 +37,10 @@ pub struct GpuOptions {
     /// The expanded form of a causal prefill through the one-kernel flash-attention form (`ops::mla_prefill`)
     /// where it is built for the widths; off: the split kernel's expanded form (the A/B of the bench).
     pub mla_prefill_flash: bool,
+    /// The flash prefill feeds P to the value mma as one bf16 operand (FlashAttention's and torch SDPA's form: half
+    /// the value mma's) instead of its rounding and remainder (K2.6's widths; opt in: the A/B of its speed against
+    /// its measured error).
+    pub mla_prefill_p1: bool,
     /// The device's memory pool keeps what it reserved instead of unmapping unused memory at every
     /// synchronisation (`Gpu::pool_keep`; rank groups always do).
     pub pool_keep: bool,
@@ -65,6 +69,7 @@ impl Default for GpuOptions {
             w4a16_max_splits: 64,
             mla_expanded_min_rows: 1024,
             mla_prefill_flash: true,
+            mla_prefill_p1: false,
             pool_keep: false,
             tp_trace: false,
             op_profile: false,
@@ -79,7 +84,7 @@ pub const ENV_PREFIX: &str = "KDTREE_";
 
 /// Every switch: (variable, field of [`GpuOptions`], values and default). The variables keep the meaning
 /// they had when the library read them itself.
-pub const KNOBS: [(&str, &str, &str); 15] = [
+pub const KNOBS: [(&str, &str, &str); 16] = [
     ("KDTREE_CUDA_GRAPHS", "graphs", "`0`: off; anything else or unset: on"),
     ("KDTREE_CUDA_POISON", "poison", "`1`: on; otherwise off"),
     ("KDTREE_PDL", "pdl", "`0`: off; anything else or unset: on (sm_90+)"),
@@ -110,6 +115,7 @@ pub const KNOBS: [(&str, &str, &str); 15] = [
         "mla_prefill_flash",
         "`0`: off; anything else or unset: on",
     ),
+    ("KDTREE_MLA_PREFILL_P1", "mla_prefill_p1", "`1`: on; otherwise off"),
     ("KDTREE_POOL_KEEP", "pool_keep", "`1`: on; otherwise off"),
     ("KDTREE_TP_TRACE", "tp_trace", "`1`: on; otherwise off"),
     ("KDTREE_OP_PROFILE", "op_profile", "`1`: on; otherwise off"),
@@ -147,6 +153,7 @@ impl GpuOptions {
             w4a16_max_splits: count("W4A16_MAX_SPLITS", d.w4a16_max_splits),
             mla_expanded_min_rows: count("MLA_EXPANDED_MIN_ROWS", d.mla_expanded_min_rows),
             mla_prefill_flash: not_zero("MLA_PREFILL_FLASH", d.mla_prefill_flash),
+            mla_prefill_p1: one("MLA_PREFILL_P1"),
             pool_keep: one("POOL_KEEP"),
             tp_trace: one("TP_TRACE"),
             op_profile: one("OP_PROFILE"),

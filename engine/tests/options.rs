@@ -31,6 +31,7 @@ fn changed(a: &GpuOptions, b: &GpuOptions) -> Vec<&'static str> {
         a.mla_expanded_min_rows != b.mla_expanded_min_rows,
     );
     check("mla_prefill_flash", a.mla_prefill_flash != b.mla_prefill_flash);
+    check("mla_prefill_p1", a.mla_prefill_p1 != b.mla_prefill_p1);
     check("pool_keep", a.pool_keep != b.pool_keep);
     check("tp_trace", a.tp_trace != b.tp_trace);
     check("op_profile", a.op_profile != b.op_profile);
@@ -74,7 +75,7 @@ fn each_variable_sets_its_own_field_and_no_other() {
         "KDTREE_GROUP_TIMEOUT_S" | "KDTREE_GATE_TIMEOUT_S" => "1.5",
         _ => "1",
     };
-    assert_eq!(KNOBS.len(), 15);
+    assert_eq!(KNOBS.len(), 16);
     for (var, field, _) in KNOBS {
         assert!(var.starts_with(kdtree_engine::options::ENV_PREFIX), "{var}");
         let got = from(&[(var, moved(var))]);

@@ -2,8 +2,9 @@
 //! pair converted for R = 2, 4 and 8 ranks (tp and ep experts) and run as R groups of one rank, each group on
 //! its own thread with its own weights (its shards only) and the host communicator, gives one controller's
 //! R-rank run bit for bit: every logit of the prefill, then whole generations (AR, DDTree, the chain; greedy
-//! and sampled; alone and batched; the groups' prefill where the ops run against the controller's host prefill). Groups of several ranks run too (their sums group differently, so the
-//! check there is closeness). Clear refusals: a rank count that does not divide, a group count of 0.
+//! and sampled; alone and batched; the groups' prefill where the ops run against the controller's host
+//! prefill). Groups of several ranks run too (their sums group differently, so the check there is closeness).
+//! Clear refusals: a rank count that does not divide, a group count of 0.
 
 mod round_common;
 
