@@ -291,8 +291,10 @@ __device__ __forceinline__ void w4a16_cta(const bf16* __restrict__ x, int ld_x, 
     }
 }
 
-// Steps in flight per lane by row tile (registers: 16 per step, plus 8 MT accumulators).
-template <int MT> struct Stages { static constexpr int value = MT == 4 ? 2 : 4; };
+// Steps in flight per lane by row tile (registers: 16 per step, plus 8 MT accumulators). The SwiGLU staging (the
+// down projection, K = a TP slice of the expert's width: 2 k-steps on a K2.6 TP8 rank) keeps 2: 112 / 127 registers
+// at m1 / m2 instead of 167 / 168, four CTAs an SM. The stages change when a load is issued, not the sums' order.
+template <int MT, bool SILU = false> struct Stages { static constexpr int value = (MT == 4 || SILU) ? 2 : 4; };
 
 }  // namespace w4a16
 
@@ -330,7 +332,7 @@ DENSE_KERNEL(4)
 // [max_tiles * nmat * ceil(N / 128)]. Grid (nmat * ceil(N / 128), S, max_tiles).
 // Two kernels a tile size: `_m*` reads plain x rows (silu_off must be 0; without the SwiGLU path the m1 kernel
 // takes 127 registers, so four CTAs an SM fit, against 167 and three with it), `_silu_m*` the SwiGLU of
-// [gate | up] rows (silu_off > 0). The same arithmetic either way.
+// [gate | up] rows (silu_off > 0; two stages: 112 registers at m1). The same arithmetic either way.
 #define GROUPED_ARGS                                                                                            \
         const bf16* __restrict__ x, int ld_x, int x_row_div, int silu_off, int P,                               \
         const int* __restrict__ sorted, const int* __restrict__ tiles, int max_tiles,                           \
@@ -358,7 +360,7 @@ DENSE_KERNEL(4)
         Tile tile{count, xrow, orow};                                                                           \
         Out o{ws, P, nmat * N, mat * N, out, ld_out, counters + z * gridDim.x + blockIdx.x, (int)gridDim.y};    \
         __syncthreads();                                                                                        \
-        w4a16_cta<MT, Stages<MT>::value>(x, ld_x, SILU ? silu_off : 0, packed + (size_t)e * N * (K / 2),        \
+        w4a16_cta<MT, Stages<MT, SILU>::value>(x, ld_x, SILU ? silu_off : 0, packed + (size_t)e * N * (K / 2), \
                                          scales + (size_t)e * N * (K / 32), N, K, kbps, kb_lo, kb_hi,           \
                                          (blockIdx.x % nbx) * ROWS_PER_CTA, tile, o, smem);                     \
     }
