@@ -48,6 +48,7 @@ fn nothing_set_is_the_default() {
         d.graphs
             && d.pdl
             && d.mla_prefill_flash
+            && d.mla_prefill_p1
             && !d.pool_keep
             && !d.poison
             && !d.gemv
@@ -67,7 +68,7 @@ fn nothing_set_is_the_default() {
 fn each_variable_sets_its_own_field_and_no_other() {
     // A value that moves each switch off its default.
     let moved = |name: &str| match name {
-        "KDTREE_CUDA_GRAPHS" | "KDTREE_PDL" | "KDTREE_MLA_PREFILL_FLASH" => "0",
+        "KDTREE_CUDA_GRAPHS" | "KDTREE_PDL" | "KDTREE_MLA_PREFILL_FLASH" | "KDTREE_MLA_PREFILL_P1" => "0",
         "KDTREE_W4A16_BLOCKS_PER_SM" => "2",
         "KDTREE_W4A16_MAX_SPLITS" => "16",
         "KDTREE_MLA_EXPANDED_MIN_ROWS" => "512",
@@ -92,6 +93,7 @@ fn each_variable_sets_its_own_field_and_no_other() {
         !o.graphs
             && !o.pdl
             && !o.mla_prefill_flash
+            && !o.mla_prefill_p1
             && o.pool_keep
             && o.poison
             && o.gemv
