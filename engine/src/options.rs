@@ -38,7 +38,7 @@ pub struct GpuOptions {
     /// where it is built for the widths; off: the split kernel's expanded form (the A/B of the bench).
     pub mla_prefill_flash: bool,
     /// The flash prefill feeds P to the value mma as one bf16 operand (FlashAttention's and torch SDPA's form: half
-    /// the value mma's) instead of its rounding and remainder (K2.6's widths). On by default since run 100: 15 %
+    /// the value mma's) instead of its rounding and remainder (K2.6's widths). On by default since run 99: 15 %
     /// faster (8.16 against 9.65 ms a 16K chunk after 16K), max error 2.9e-3 of the largest output against the f32
     /// reference (1.95e-3 for the split P), within the derived 8e-3; off: the A/B.
     pub mla_prefill_p1: bool,
