@@ -10,7 +10,8 @@
 # peers.jsonl, peers.stderr, bench-status.tsv, w4a16-table.md, ncu-*. Exit 0 every part passed, 1 a part failed,
 # 2 bad usage. KDTREE_BENCH_BUDGET (s, default 540): the whole run fits in it (each part's timeout shrinks to
 # what is left, 20 s kept for the table); KDTREE_BENCH_BINS (default 'cuda_bench* cuda_k26_slice'): which binaries run;
-# KDTREE_BENCH_FILTER: only the timings whose test name contains it (e.g. w4a16_bandwidth).
+# KDTREE_BENCH_FILTER: only the timings whose test name contains it (e.g. w4a16_bandwidth); KDTREE_BENCH_LONGCTX
+# (default '1024 4096 16384 32768 131072'): the prompt lengths of bench/long-context.sh's table, printed last.
 set -uo pipefail
 dir="${1:?usage: bench/gpu-bench.sh DIR-with-staged-binaries (make gpu-stage)}"
 dir="$(cd "$dir" 2>/dev/null && pwd)" || { echo "gpu-bench: $1 is not a folder (run make gpu-stage first)" >&2; exit 2; }
@@ -69,6 +70,14 @@ if [ -x "$dir/kdtree-run" ] && [ "$(left 300)" -gt 60 ]; then
   timeout "$(left 200)" bash "$root/bench/auto.sh" "$dir" "$out" 2>> "$out/auto.stderr" | tee -a "$rust"
   part auto.sh "${PIPESTATUS[0]}"
 fi
+longctx="$out/long-context.txt"
+if [ -x "$dir/kdtree-run" ] && [ "$(left 300)" -gt 90 ]; then
+  read -r -a lens <<< "${KDTREE_BENCH_LONGCTX:-1024 4096 16384 32768 131072}"
+  echo "== bench/long-context.sh ${lens[*]} (TTFT, AR step, DDTree b16 / b64 rounds on the K2.6 TP8 rank-0 slice)"
+  timeout "$(left 240)" bash "$root/bench/long-context.sh" "$dir" "${lens[@]}" > "$longctx" 2>&1
+  part long-context.sh "$?"
+  grep '^LONGCTX' "$longctx" | tee -a "$rust"
+fi
 if [ -x "$dir/cuda_bench" ] && [ "$(left 300)" -gt 60 ]; then
   echo "== bench/ncu.sh (busy fraction of a captured step and round; ddtree_build and W4A16 profiles)"
   bash "$root/bench/ncu.sh" "$dir" "$out" "$rust" 2>> "$out/ncu.stderr" | tee -a "$rust"
@@ -78,6 +87,8 @@ echo
 python3 "$root/bench/table.py" --rust "$rust" --peers "$peers" --status "$status" --commit-file "$dir/COMMIT" \
   ${gpu:+--gpu "$gpu"} --md-out "$out/w4a16-table.md"
 [ $? -eq 0 ] || { echo "gpu-bench: bench/table.py failed (logs in $out)"; fail=1; }
+# The long-context table (issue 27) after the W4A16 one.
+[ -s "$longctx" ] && { echo; sed -n '/^Long context/,$p' "$longctx"; }
 # The device tool returns at most 8 files: everything in one archive too.
 tar -C "$out" -czf "$out/bench-all.tgz" --exclude bench-all.tgz . 2>/dev/null
 exit $fail

@@ -103,6 +103,19 @@ pub trait Target {
     ) -> Option<Result<DeviceRound>> {
         None
     }
+    /// One chunk of a prefill where the target's ops run: `tokens` as a chain after the committed prefix,
+    /// committed, and, with `drafter` (this model's own), its context extended by the chunk's taps without their
+    /// being read back. Returns the last row's logits `[V]` when `last`, else nothing. None when this target
+    /// cannot (another backend, another model's drafter, a recording trace): the caller runs
+    /// [`Target::forward_rows`], [`Target::commit`] and [`Drafter::extend_context`], which leave the same state.
+    fn device_prefill(
+        &mut self,
+        _drafter: Option<&mut dyn Drafter>,
+        _tokens: &[u32],
+        _last: bool,
+    ) -> Option<Result<Vec<f32>>> {
+        None
+    }
     /// One AR step from root token `root` (at position `committed()`) where the target's ops run: the forward
     /// of the one token, the decision (greedy, or sampled at position `committed() + 1`) and the commit, with
     /// one read back (the token); a device backend captures it as one CUDA graph. None when this target
@@ -299,6 +312,14 @@ impl<T: Target + ?Sized> Target for &mut T {
         s: &crate::sampling::Sampling,
     ) -> Option<Result<DeviceRound>> {
         (**self).device_chain(drafter, root, s)
+    }
+    fn device_prefill(
+        &mut self,
+        drafter: Option<&mut dyn Drafter>,
+        tokens: &[u32],
+        last: bool,
+    ) -> Option<Result<Vec<f32>>> {
+        (**self).device_prefill(drafter, tokens, last)
     }
     fn device_step(&mut self, root: u32, s: &crate::sampling::Sampling) -> Option<Result<u32>> {
         (**self).device_step(root, s)

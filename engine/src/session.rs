@@ -152,6 +152,11 @@ pub struct Session<'a> {
     auto: Option<AutoBudget>,
     /// Prompt rows one prefill forward takes at most (0: all); [`Session::set_prefill_chunk`].
     prefill_chunk: usize,
+    /// Run prefill chunks where the target's ops run when it can ([`Target::device_prefill`]); off = the host
+    /// prefill (forward, taps read back, the drafter's context from them), the reference it is tested against.
+    device_prefill: bool,
+    /// Prefill chunks this session ran where the target's ops run.
+    device_prefills: usize,
 }
 
 /// Prompt rows one prefill forward takes by default: a 128K-token prompt runs as 8 forwards whose ancestor mask
@@ -190,6 +195,8 @@ impl<'a> Session<'a> {
             device_steps: 0,
             auto: None,
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
+            device_prefill: true,
+            device_prefills: 0,
         })
     }
 
@@ -265,6 +272,24 @@ impl<'a> Session<'a> {
         let mut logits = Vec::new();
         for (i, part) in prompt.chunks(chunk).enumerate() {
             let last = (i + 1) * chunk >= prompt.len();
+            // Where the target's ops run, the drafter's context from taps that never leave the device (a 32K
+            // prompt's taps are gigabytes: read back and sent again they took 3.5 s of a 5.9 s TTFT on the
+            // K2.6 rank-0 slice), and none at all in AR.
+            if self.device_prefill && !self.probes.layers {
+                let d = match self.mode.drafts() {
+                    true => Some(
+                        self.drafter
+                            .as_deref_mut()
+                            .context("DDTree session without a drafter")?,
+                    ),
+                    false => None,
+                };
+                if let Some(out) = self.target.device_prefill(d.map(|d| d as &mut dyn Drafter), part, last) {
+                    logits = out?;
+                    self.device_prefills += 1;
+                    continue;
+                }
+            }
             let rows = if last { LogitRows::Last } else { LogitRows::None };
             let out = self.traced(|s| {
                 let parents: Vec<i32> = (0..part.len() as i32).map(|i| i - 1).collect();
@@ -558,9 +583,20 @@ impl<'a> Session<'a> {
         self.device_round = on;
     }
 
+    /// Whether prefill chunks may run where the target's ops run, the drafter's context from taps that stay
+    /// there (default on; the state, logits and tokens are the same bit for bit).
+    pub fn set_device_prefill(&mut self, on: bool) {
+        self.device_prefill = on;
+    }
+
     /// DDTree rounds so far that ran where the target's ops run ([`Session::set_device_round`]).
     pub fn device_rounds(&self) -> usize {
         self.device_rounds
+    }
+
+    /// Prefill chunks so far that ran where the target's ops run ([`Session::set_device_prefill`]).
+    pub fn device_prefills(&self) -> usize {
+        self.device_prefills
     }
 
     /// AR steps so far that ran where the target's ops run ([`Target::device_step`]; the same switch).

@@ -1043,9 +1043,13 @@ fn mla_prefill() {
         };
         let mut out = g.zeros::<bf16>(t * hr * dv).unwrap();
         let scale = 1.0 / (qw as f32).sqrt();
-        let ms_flash = time_ms(&g, 2, 5, |_| {
-            flash::mla_prefill(&g, &q.as_view(), &kv.as_view(), hs, &s, scale, &mut out.as_view_mut()).unwrap();
-        });
+        let flash_p = |p1: bool, out: &mut cudarc::driver::CudaSlice<bf16>| {
+            time_ms(&g, 2, 5, |_| {
+                let o = &mut out.as_view_mut();
+                flash::mla_prefill_with(&g, &q.as_view(), &kv.as_view(), hs, &s, scale, p1, o).unwrap();
+            })
+        };
+        let (ms_flash, ms_p1) = (flash_p(false, &mut out), flash_p(true, &mut out));
         let split = MlaSplit::choose_heads(&g, &s);
         let (wo, wml) = split.workspace(&s);
         let (mut po, mut pml) = (g.zeros::<f32>(wo).unwrap(), g.zeros::<f32>(wml).unwrap());
@@ -1071,14 +1075,16 @@ fn mla_prefill() {
         let tf = |ms: f64| flops / (ms * 1e-3) / 1e12;
         println!(
             "mla_prefill T={t:>5} after {committed:>5}: flash {ms_flash:.3} ms = {:.0} TFLOP/s ({:.1}x the floor \
-             {floor_ms:.3} ms); split form {ms_split:.3} ms = {:.0} TFLOP/s",
+             {floor_ms:.3} ms); P as one bf16 {ms_p1:.3} ms = {:.0} TFLOP/s; split form {ms_split:.3} ms = {:.0} \
+             TFLOP/s",
             tf(ms_flash),
             ms_flash / floor_ms,
+            tf(ms_p1),
             tf(ms_split)
         );
         println!(
-            "BENCH mla_prefill t={t} committed={committed} flash_ms={ms_flash:.4} split_ms={ms_split:.4} \
-             flash_tflops={:.1} floor_ms={floor_ms:.4}",
+            "BENCH mla_prefill t={t} committed={committed} flash_ms={ms_flash:.4} p1_ms={ms_p1:.4} \
+             split_ms={ms_split:.4} flash_tflops={:.1} floor_ms={floor_ms:.4}",
             tf(ms_flash)
         );
     }

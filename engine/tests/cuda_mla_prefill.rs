@@ -3,8 +3,9 @@
 //! (`mla_attention_heads`, causal), and against itself (two runs, the same bits). K2.6's widths (key 192, value
 //! 128) at 8 and 64 heads, the trained pair's (64 / 32) and the synthetic tiny model's (48 / 32); odd T, T
 //! crossing the 64-row key tiles and the 128-row query tiles, committed prefixes (a second prefill chunk), a
-//! head stride past the rows, and a 16,384-row chunk (128 query tiles of 8 heads, checked on sampled rows). The
-//! output is NaN-poisoned first: every row must be written. Needs a GPU.
+//! head stride past the rows, and a 16,384-row chunk (128 query tiles of 8 heads, checked on sampled rows); at
+//! K2.6's widths also the `_p1` kernel (P as one bf16 operand, `KDTREE_MLA_PREFILL_P1`). The output is
+//! NaN-poisoned first: every row must be written. Needs a GPU.
 #![cfg(feature = "cuda")]
 
 mod cuda_common;
@@ -12,13 +13,18 @@ mod cuda_common;
 use cuda_common::*;
 use half::bf16;
 use kdtree_engine::cuda::ops::mla_attention::{mla_attention_heads, MlaShape, MlaSplit};
-use kdtree_engine::cuda::ops::mla_prefill::{mla_prefill, supported};
+use kdtree_engine::cuda::ops::mla_prefill::{mla_prefill, mla_prefill_with, supported};
 use kdtree_engine::cuda::Gpu;
 use rand::RngCore;
 
 /// Relative to the largest |output| of a case: the output's bf16 rounding (2^-9 of a value) dominates; P keeps
 /// ~17 bits, the scores' f32 sums and exp2 add ~1e-6.
 const TOL: f64 = 4.0e-3;
+/// The `_p1` kernel (P as one bf16 operand, K2.6's widths): P's rounding moves a weight by up to 2^-9 of itself,
+/// so an output by up to 2^-9 of the largest |value| it averages (1 here: values in [-1, 1]; the outputs of these
+/// peaked softmaxes reach ~0.5-1), on top of the output's own bf16 rounding (2^-9): 2 x (2^-9 + 2^-9) ~ 8e-3.
+/// The measured figure is printed with each case.
+const TOL_P1: f64 = 8.0e-3;
 /// The two GPU forms against each other: both round their outputs to bf16 (one unit each at most) and sum in
 /// other orders.
 const TOL_FORMS: f64 = 6.0e-3;
@@ -75,15 +81,21 @@ fn reference_row(
 }
 
 fn run(g: &Gpu, q: &[bf16], kv: &[bf16], head_stride: usize, s: &MlaShape, scale: f32) -> Vec<bf16> {
+    run_p(g, q, kv, head_stride, s, scale, false)
+}
+
+/// [`run`] with P's form given (`p1`: one bf16 operand).
+fn run_p(g: &Gpu, q: &[bf16], kv: &[bf16], head_stride: usize, s: &MlaShape, scale: f32, p1: bool) -> Vec<bf16> {
     let (dq, dkv) = (g.upload(q).unwrap(), g.upload(kv).unwrap());
     let mut out = g.upload(&nan_bf16(s.t * s.heads * s.kv_lora)).unwrap();
-    mla_prefill(
+    mla_prefill_with(
         g,
         &dq.as_view(),
         &dkv.as_view(),
         head_stride,
         s,
         scale,
+        p1,
         &mut out.as_view_mut(),
     )
     .unwrap();
@@ -167,6 +179,27 @@ fn mla_prefill_parity() {
             &want,
             TOL,
         );
+        // P as one bf16 operand (K2.6's widths): poisoned, twice the same bits, against the same reference.
+        if (qw, dv) == (192, 128) {
+            let p1 = run_p(&g, &q, &kv, head_stride, &s, scale, true);
+            let again = run_p(&g, &q, &kv, head_stride, &s, scale, true);
+            let unwritten = p1.iter().filter(|v| v.is_nan()).count();
+            assert_eq!(unwritten, 0, "{case} p1: {unwritten} outputs never written");
+            assert!(
+                p1.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{case} p1: two runs differ"
+            );
+            let p1_c: Vec<bf16> = check
+                .iter()
+                .flat_map(|&row| p1[row * hr * dv..(row + 1) * hr * dv].iter().copied())
+                .collect();
+            check_bf16(
+                &format!("{case} P as one bf16 [two runs identical]"),
+                &p1_c,
+                &want,
+                TOL_P1,
+            );
+        }
 
         // The split kernel's expanded form on the same inputs (causal: no mask), every row.
         let split = MlaSplit::choose_heads(&g, &s);
@@ -235,4 +268,18 @@ fn mla_prefill_rejects_bad_shapes() {
     if supported(&g, 192, 128) {
         assert_eq!(err(s(4, 192, 128), 7 * 320, &mut out), None);
     }
+    let e = mla_prefill_with(
+        &g,
+        &q.as_view(),
+        &kv.as_view(),
+        7 * 96,
+        &s(4, 64, 32),
+        0.1,
+        true,
+        &mut out.as_view_mut(),
+    )
+    .err()
+    .map(|e| e.to_string())
+    .expect("no P-as-one-bf16 kernel for 64/32");
+    assert!(e.contains("no kernel") && e.contains("one bf16"), "{e}");
 }

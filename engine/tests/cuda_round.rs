@@ -18,6 +18,9 @@
 //!   equal the CPU builder's `log_q` bit for bit on the same draft logits, budgets 4 to 256;
 //! * `auto_budget_on_the_gpu_equals_the_host_rounds`: `--budget auto` (rounds captured per bucket) gives
 //!   the host rounds' steps, budgets included, one read back per round.
+//! * `device_prefill_equals_the_host_prefill_on_the_gpu`: the prefill where the ops run (the drafter's context
+//!   from taps that stay on the device; none in AR) leaves the host prefill's state bit for bit, with a read back
+//!   fewer per chunk and, in DDTree, an upload fewer.
 //!
 //! Needs a GPU: skips without one unless KDTREE_REQUIRE_GPU=1.
 #![cfg(feature = "cuda")]
@@ -514,4 +517,83 @@ fn auto_budget_on_the_gpu_equals_the_host_rounds() {
         "PARITY auto_budget(cuda, device == host rounds) exact over {} rounds, buckets {budgets:?}",
         runs[0].len()
     );
+}
+
+/// The prefill where the ops run (`Session::set_device_prefill`, the default: each chunk's forward and commit, the
+/// drafter's context from taps that stay on the device, none computed in AR) leaves the host prefill's state on
+/// the GPU bit for bit (the last row's logits, the tokens and their rounds, every round's draft logits), with
+/// one read back fewer per chunk (its taps) and, in DDTree, one upload fewer (the taps sent back for the context).
+#[test]
+fn device_prefill_equals_the_host_prefill_on_the_gpu() {
+    let tmp = tempfile::tempdir().unwrap();
+    let Some((g, mut m)) = pair_on_gpu(&tmp) else { return };
+    let prompt: Vec<u32> = (0..300u32).map(|i| (i * 53 + 11) % 1000).collect();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    for mode in [Mode::Ar, Mode::DDTree { budget: 16 }] {
+        for (chunk, chunks) in [(0usize, 1u64), (128, 3)] {
+            // Device, host, device: the last two each after a run (a reset of a used cache uploads its length),
+            // so that their counters compare; the first and the last give the same bits.
+            let mut runs = Vec::new();
+            for device in [true, false, true] {
+                let mut s = m.session(mode).unwrap();
+                s.set_prefill_chunk(chunk);
+                s.set_device_prefill(device);
+                s.set_probes(ProbeSet {
+                    logits: true,
+                    rounds: true,
+                    ..ProbeSet::default()
+                });
+                let before = g.stats.snapshot();
+                let first = s.prefill(&prompt, &Sampling::greedy()).unwrap();
+                let after = g.stats.snapshot();
+                let mut steps = vec![vec![first]];
+                for _ in 0..6 {
+                    steps.push(s.step().unwrap().tokens);
+                }
+                let p = s.take_probes();
+                let drafts: Vec<Vec<u32>> = p.rounds.iter().map(|r| bits(&r.draft_logits)).collect();
+                let (reads, uploads) = (after[3] - before[3], after[2] - before[2]);
+                runs.push((
+                    bits(&p.logits[0]),
+                    steps,
+                    drafts,
+                    s.device_prefills() as u64,
+                    reads,
+                    uploads,
+                ));
+            }
+            let (dev, host) = (&runs[2], &runs[1]);
+            assert!(
+                runs[0].0 == dev.0 && runs[0].1 == dev.1 && runs[0].2 == dev.2,
+                "{mode:?} chunk {chunk}: the device prefill gave other bits the second time"
+            );
+            assert_eq!(
+                (dev.3, host.3),
+                (chunks, 0),
+                "{mode:?} chunk {chunk}: chunks where the ops run"
+            );
+            assert!(dev.0 == host.0, "{mode:?} chunk {chunk}: the last row's logits differ");
+            assert_eq!(
+                dev.1, host.1,
+                "{mode:?} chunk {chunk}: the tokens or their rounds differ"
+            );
+            assert!(dev.2 == host.2, "{mode:?} chunk {chunk}: a round's draft logits differ");
+            assert_eq!(
+                host.4 - dev.4,
+                chunks,
+                "{mode:?} chunk {chunk}: a read back fewer per chunk"
+            );
+            let sent_back = if mode == Mode::Ar { 0 } else { chunks };
+            assert_eq!(host.5 - dev.5, sent_back, "{mode:?} chunk {chunk}: uploads of taps");
+            println!(
+                "PARITY device prefill == host prefill (cuda, {mode:?}, 300 tokens, chunk {chunk}): last-row logits, \
+                 tokens, {} rounds' draft logits bit for bit; reads back {} vs {}, uploads {} vs {}",
+                dev.2.len(),
+                dev.4,
+                host.4,
+                dev.5,
+                host.5
+            );
+        }
+    }
 }

@@ -2,8 +2,9 @@
 //! pair converted for R = 2, 4 and 8 ranks (tp and ep experts) and run as R groups of one rank, each group on
 //! its own thread with its own weights (its shards only) and the host communicator, gives one controller's
 //! R-rank run bit for bit: every logit of the prefill, then whole generations (AR, DDTree, the chain; greedy
-//! and sampled; alone and batched). Groups of several ranks run too (their sums group differently, so the
-//! check there is closeness). Clear refusals: a rank count that does not divide, a group count of 0.
+//! and sampled; alone and batched; the groups' prefill where the ops run against the controller's host
+//! prefill). Groups of several ranks run too (their sums group differently, so the check there is closeness).
+//! Clear refusals: a rank count that does not divide, a group count of 0.
 
 mod round_common;
 
@@ -138,6 +139,30 @@ fn rank_groups_on_threads_equal_one_controller_bit_for_bit() {
                 (&g.tokens, &g.spec),
                 "R = {ranks} {experts:?}: request {i} ({:?}) differs",
                 reqs[i].mode
+            );
+        }
+        // The prefill where the ops run, through the groups (each group's drafter context from its own taps),
+        // == the controller's host prefill (its taps read back and sent again), in chunks of 4 rows.
+        for mode in [Mode::Ar, Mode::DDTree { budget: 16 }] {
+            let steps = |m: &mut Loaded, device: bool| {
+                let mut s = m.session(mode).unwrap();
+                s.set_prefill_chunk(4);
+                s.set_device_prefill(device);
+                let mut out = vec![vec![s.prefill(&prompt, &Sampling::greedy()).unwrap()]];
+                for _ in 0..4 {
+                    out.push(s.step().unwrap().tokens);
+                }
+                (out, s.device_prefills())
+            };
+            let (g, h) = (steps(&mut tp, true), steps(&mut one, false));
+            assert_eq!(
+                (g.1, h.1),
+                (2, 0),
+                "R = {ranks} {experts:?} {mode:?}: the groups' device prefill ran"
+            );
+            assert_eq!(
+                g.0, h.0,
+                "R = {ranks} {experts:?} {mode:?}: device prefill through the groups differs"
             );
         }
         // Batched: every request of one mode in one batch.

@@ -18,7 +18,9 @@
 //   * per tile a warp computes S = Q · Kᵀ (16 x 64, mma m16n8k16, f32), the online softmax in registers (row max
 //     over the quad by shuffles; scale folded into exp2), and O += P · V with P as mma A fragments straight from
 //     the S accumulators: two bf16 operands, its rounding and the remainder (as the split kernel does: one bf16
-//     P moved the tiny model's attention far enough to flip a router near-tie), so P keeps ~17 bits;
+//     P moved the tiny model's attention far enough to flip a router near-tie), so P keeps ~17 bits; the `_p1`
+//     kernel (K2.6's widths, `KDTREE_MLA_PREFILL_P1=1`) feeds P as one bf16 operand, as FlashAttention and torch's
+//     SDPA do: half the value mma's, for the A/B of its speed against its measured error;
 //   * causality: a CTA reads key tiles up to its last row only; a tile past a warp's last row is skipped by that
 //     warp; the mask is applied on the tiles that cross a warp's rows; the largest query tiles launch first.
 // A row's arithmetic depends on its own query, the key tiles (64-row boundaries from row 0) and the row's own
@@ -53,7 +55,8 @@ __device__ __forceinline__ void split2(float a, float b, uint32_t& hi, uint32_t&
     lo = *reinterpret_cast<const uint32_t*>(&l);
 }
 
-template <int QW, int DV>
+// PLO: P as two bf16 operands (its rounding and the remainder); false: one (the rounding alone).
+template <int QW, int DV, bool PLO>
 __device__ __forceinline__ void prefill_tile(const bf16* __restrict__ q, const bf16* __restrict__ kv,
                                              size_t head_stride, int T, int Hr, int committed, float scale_log2,
                                              bf16* __restrict__ out) {
@@ -190,8 +193,10 @@ __device__ __forceinline__ void prefill_tile(const bf16* __restrict__ q, const b
                     kdtree::ldsm_x4_trans(b, ks + (16 * kk2 + rr + (jm & 1) * 8) * LDK + 16 * dj + (jm >> 1) * 8);
                     kdtree::mma_bf16(o[2 * dj], ph[0], ph[1], ph[2], ph[3], b[0], b[1]);
                     kdtree::mma_bf16(o[2 * dj + 1], ph[0], ph[1], ph[2], ph[3], b[2], b[3]);
-                    kdtree::mma_bf16(o[2 * dj], pl[0], pl[1], pl[2], pl[3], b[0], b[1]);
-                    kdtree::mma_bf16(o[2 * dj + 1], pl[0], pl[1], pl[2], pl[3], b[2], b[3]);
+                    if (PLO) {
+                        kdtree::mma_bf16(o[2 * dj], pl[0], pl[1], pl[2], pl[3], b[0], b[1]);
+                        kdtree::mma_bf16(o[2 * dj + 1], pl[0], pl[1], pl[2], pl[3], b[2], b[3]);
+                    }
                 }
             }
         }
@@ -224,14 +229,17 @@ static_assert(mla_prefill::THREADS == 256, "the launch bounds below");
 #define KDTREE_MLA_PREFILL_ARGS                                                                                \
     const bf16 *__restrict__ q, const bf16 *__restrict__ kv, unsigned long long head_stride, int T, int Hr,     \
         int committed, float scale_log2, bf16 *__restrict__ out
-#define KDTREE_MLA_PREFILL_BODY(QW, DV) \
-    mla_prefill::prefill_tile<QW, DV>(q, kv, (size_t)head_stride, T, Hr, committed, scale_log2, out)
+#define KDTREE_MLA_PREFILL_BODY(QW, DV, PLO) \
+    mla_prefill::prefill_tile<QW, DV, PLO>(q, kv, (size_t)head_stride, T, Hr, committed, scale_log2, out)
 extern "C" __global__ void __launch_bounds__(256, 1) kdtree_mla_prefill_bf16_q192_v128(KDTREE_MLA_PREFILL_ARGS) {
-    KDTREE_MLA_PREFILL_BODY(192, 128);
+    KDTREE_MLA_PREFILL_BODY(192, 128, true);
+}
+extern "C" __global__ void __launch_bounds__(256, 1) kdtree_mla_prefill_bf16_q192_v128_p1(KDTREE_MLA_PREFILL_ARGS) {
+    KDTREE_MLA_PREFILL_BODY(192, 128, false);
 }
 extern "C" __global__ void __launch_bounds__(256, 1) kdtree_mla_prefill_bf16_q64_v32(KDTREE_MLA_PREFILL_ARGS) {
-    KDTREE_MLA_PREFILL_BODY(64, 32);
+    KDTREE_MLA_PREFILL_BODY(64, 32, true);
 }
 extern "C" __global__ void __launch_bounds__(256, 1) kdtree_mla_prefill_bf16_q48_v32(KDTREE_MLA_PREFILL_ARGS) {
-    KDTREE_MLA_PREFILL_BODY(48, 32);
+    KDTREE_MLA_PREFILL_BODY(48, 32, true);
 }

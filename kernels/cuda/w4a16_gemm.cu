@@ -291,8 +291,10 @@ __device__ __forceinline__ void w4a16_cta(const bf16* __restrict__ x, int ld_x, 
     }
 }
 
-// Steps in flight per lane by row tile (registers: 16 per step, plus 8 MT accumulators).
-template <int MT> struct Stages { static constexpr int value = MT == 4 ? 2 : 4; };
+// Steps in flight per lane by row tile (registers: 16 per step, plus 8 MT accumulators). The SwiGLU staging (the
+// down projection, K = a TP slice of the expert's width: 2 k-steps on a K2.6 TP8 rank) keeps 2: 112 / 127 registers
+// at m1 / m2 instead of 167 / 168, four CTAs an SM. The stages change when a load is issued, not the sums' order.
+template <int MT, bool SILU = false> struct Stages { static constexpr int value = (MT == 4 || SILU) ? 2 : 4; };
 
 }  // namespace w4a16
 
@@ -328,39 +330,52 @@ DENSE_KERNEL(4)
 // [gate | up], 2N wide): packed{0,1} [E, N, K/2], scales{0,1} [E, N, K/32]; sorted [P], tiles [3, max_tiles]
 // (expert, start, count) and n_tiles [1] come from kdtree_moe_align_i32. ws [S, P, nmat N] f32, counters
 // [max_tiles * nmat * ceil(N / 128)]. Grid (nmat * ceil(N / 128), S, max_tiles).
-#define GROUPED_KERNEL(MT)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(128) kdtree_moe_w4a16_gemm_i4g32_m##MT(                     \
-        const bf16* __restrict__ x, int ld_x, int x_row_div, int silu_off, int P,                            \
-        const int* __restrict__ sorted, const int* __restrict__ tiles, int max_tiles,                         \
-        const int* __restrict__ n_tiles, const uint8_t* __restrict__ packed0,                                 \
-        const bf16* __restrict__ scales0, const uint8_t* __restrict__ packed1,                                \
-        const bf16* __restrict__ scales1, int nmat, int N, int K, int kbps, float* __restrict__ ws,          \
-        bf16* __restrict__ out, int ld_out, unsigned* __restrict__ counters) {                               \
-        extern __shared__ __align__(16) unsigned char smem[];                                                \
-        __shared__ int xrow[8 * MT], orow[8 * MT];                                                           \
-        const int z = blockIdx.z;                                                                             \
-        pdl_wait(); /* the routing comes from the kernel before: no weight prefetch ahead of it here */      \
-        if (z >= *n_tiles) return;                                                                            \
-        const int e = tiles[z], start = tiles[max_tiles + z], count = tiles[2 * max_tiles + z];              \
-        if (threadIdx.x < 8 * MT) {                                                                           \
-            const int p = threadIdx.x < count ? sorted[start + threadIdx.x] : 0;                              \
-            orow[threadIdx.x] = p;                                                                            \
-            xrow[threadIdx.x] = p / x_row_div;                                                               \
-        }                                                                                                      \
-        const int nbx = gridDim.x / nmat, mat = blockIdx.x / nbx;                                            \
-        const uint8_t* packed = mat == 0 ? packed0 : packed1;                                                 \
-        const bf16* scales = mat == 0 ? scales0 : scales1;                                                    \
-        const int nkb = K / KB, kb_lo = blockIdx.y * kbps, kb_hi = min(nkb, kb_lo + kbps);                   \
-        Tile tile{count, xrow, orow};                                                                         \
-        Out o{ws, P, nmat * N, mat * N, out, ld_out, counters + z * gridDim.x + blockIdx.x, (int)gridDim.y}; \
-        __syncthreads();                                                                                       \
-        w4a16_cta<MT, Stages<MT>::value>(x, ld_x, silu_off, packed + (size_t)e * N * (K / 2),                \
-                                         scales + (size_t)e * N * (K / 32), N, K, kbps, kb_lo, kb_hi,        \
-                                         (blockIdx.x % nbx) * ROWS_PER_CTA, tile, o, smem);                  \
+// Two kernels a tile size: `_m*` reads plain x rows (silu_off must be 0; without the SwiGLU path the m1 kernel
+// takes 127 registers, so four CTAs an SM fit, against 167 and three with it), `_silu_m*` the SwiGLU of
+// [gate | up] rows (silu_off > 0; two stages: 112 registers at m1). The same arithmetic either way.
+#define GROUPED_ARGS                                                                                            \
+        const bf16* __restrict__ x, int ld_x, int x_row_div, int silu_off, int P,                               \
+        const int* __restrict__ sorted, const int* __restrict__ tiles, int max_tiles,                           \
+        const int* __restrict__ n_tiles, const uint8_t* __restrict__ packed0,                                   \
+        const bf16* __restrict__ scales0, const uint8_t* __restrict__ packed1,                                  \
+        const bf16* __restrict__ scales1, int nmat, int N, int K, int kbps, float* __restrict__ ws,             \
+        bf16* __restrict__ out, int ld_out, unsigned* __restrict__ counters
+#define GROUPED_BODY(MT, SILU)                                                                                  \
+    {                                                                                                           \
+        extern __shared__ __align__(16) unsigned char smem[];                                                   \
+        __shared__ int xrow[8 * MT], orow[8 * MT];                                                              \
+        const int z = blockIdx.z;                                                                               \
+        pdl_wait(); /* the routing comes from the kernel before: no weight prefetch ahead of it here */         \
+        if (z >= *n_tiles) return;                                                                              \
+        const int e = tiles[z], start = tiles[max_tiles + z], count = tiles[2 * max_tiles + z];                 \
+        if (threadIdx.x < 8 * MT) {                                                                             \
+            const int p = threadIdx.x < count ? sorted[start + threadIdx.x] : 0;                                \
+            orow[threadIdx.x] = p;                                                                              \
+            xrow[threadIdx.x] = p / x_row_div;                                                                  \
+        }                                                                                                       \
+        const int nbx = gridDim.x / nmat, mat = blockIdx.x / nbx;                                               \
+        const uint8_t* packed = mat == 0 ? packed0 : packed1;                                                   \
+        const bf16* scales = mat == 0 ? scales0 : scales1;                                                      \
+        const int nkb = K / KB, kb_lo = blockIdx.y * kbps, kb_hi = min(nkb, kb_lo + kbps);                      \
+        Tile tile{count, xrow, orow};                                                                           \
+        Out o{ws, P, nmat * N, mat * N, out, ld_out, counters + z * gridDim.x + blockIdx.x, (int)gridDim.y};    \
+        __syncthreads();                                                                                        \
+        w4a16_cta<MT, Stages<MT, SILU>::value>(x, ld_x, SILU ? silu_off : 0, packed + (size_t)e * N * (K / 2), \
+                                         scales + (size_t)e * N * (K / 32), N, K, kbps, kb_lo, kb_hi,           \
+                                         (blockIdx.x % nbx) * ROWS_PER_CTA, tile, o, smem);                     \
     }
+#define GROUPED_KERNEL(MT)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(128) kdtree_moe_w4a16_gemm_i4g32_m##MT(GROUPED_ARGS)         \
+        GROUPED_BODY(MT, false)
+#define GROUPED_SILU_KERNEL(MT)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(128) kdtree_moe_w4a16_gemm_i4g32_silu_m##MT(GROUPED_ARGS)    \
+        GROUPED_BODY(MT, true)
 GROUPED_KERNEL(1)
 GROUPED_KERNEL(2)
 GROUPED_KERNEL(4)
+GROUPED_SILU_KERNEL(1)
+GROUPED_SILU_KERNEL(2)
+GROUPED_SILU_KERNEL(4)
 
 // ---------------------------------------------------------------------------------------------------------
 // Large-M grouped form (prefill: tens to thousands of rows per expert), kdtree_moe_w4a16_gemm_i4g32_large.

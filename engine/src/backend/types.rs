@@ -188,6 +188,9 @@ impl I4Stack {
     }
 }
 
+/// Rows from which [`RopeTable::new`] computes on all cores.
+const PARALLEL_ROPE_ROWS: usize = 512;
+
 /// cos/sin of the rows' positions, `[T, D/2]` each (computed once per forward, host side: positions are
 /// known on the host; a GPU backend uploads these T·D floats with the tokens).
 #[derive(Debug, Clone)]
@@ -199,18 +202,30 @@ pub struct RopeTable {
 
 impl RopeTable {
     /// cos/sin of `positions` ([`rope_cos_sin`]: angle in f32, cos/sin in f64, times `factor`).
+    /// Rows are independent (each from its position alone), so a long prefill's table (16K rows: ~16 ms on one
+    /// core, the GPU idle meanwhile) is computed on all cores: the same values.
     pub fn new(inv_freq: &[f32], positions: impl IntoIterator<Item = usize>, factor: f64) -> RopeTable {
-        let (mut cos, mut sin) = (Vec::new(), Vec::new());
-        for pos in positions {
-            let (c, s) = rope_cos_sin(inv_freq, pos, factor);
-            cos.extend(c);
-            sin.extend(s);
+        use rayon::prelude::*;
+        let positions: Vec<usize> = positions.into_iter().collect();
+        let half = inv_freq.len();
+        let (mut cos, mut sin) = (vec![0f32; positions.len() * half], vec![0f32; positions.len() * half]);
+        let row = |((c, s), &pos): ((&mut [f32], &mut [f32]), &usize)| {
+            let (rc, rs) = rope_cos_sin(inv_freq, pos, factor);
+            c.copy_from_slice(&rc);
+            s.copy_from_slice(&rs);
+        };
+        if half > 0 && positions.len() >= PARALLEL_ROPE_ROWS {
+            cos.par_chunks_mut(half)
+                .zip(sin.par_chunks_mut(half))
+                .zip(positions.par_iter())
+                .for_each(row);
+        } else if half > 0 {
+            cos.chunks_mut(half)
+                .zip(sin.chunks_mut(half))
+                .zip(positions.iter())
+                .for_each(row);
         }
-        RopeTable {
-            half: inv_freq.len(),
-            cos,
-            sin,
-        }
+        RopeTable { half, cos, sin }
     }
     /// Row `i`'s (cos, sin), `[D/2]` each.
     pub fn row(&self, i: usize) -> (&[f32], &[f32]) {

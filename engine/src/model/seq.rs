@@ -195,6 +195,25 @@ impl<B: Backend> Target for ModelTarget<B> {
         (drafter.model_id()? == id_of(&self.m)).then_some(())?;
         self.target().round(root, None, s)
     }
+    fn device_prefill(
+        &mut self,
+        drafter: Option<&mut dyn Drafter>,
+        tokens: &[u32],
+        last: bool,
+    ) -> Option<Result<Vec<f32>>> {
+        // Only with this model's own drafter (another drafter: the host prefill).
+        let drafts = match drafter {
+            Some(d) => (d.model_id()? == id_of(&self.m)).then_some(true)?,
+            None => false,
+        };
+        let mut m = self.target();
+        let Model { target, drafter } = &mut *m;
+        let d = match drafts {
+            true => Some(drafter.as_mut()?),
+            false => None,
+        };
+        target.prefill_chunk(tokens, last, d)
+    }
     fn device_step(&mut self, root: u32, s: &Sampling) -> Option<Result<u32>> {
         self.target().step(root, s)
     }

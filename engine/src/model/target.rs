@@ -22,7 +22,7 @@ use crate::cpu::CpuBackend;
 use crate::ddtree::Visibility;
 use crate::drafter::DFlashDrafter;
 use crate::sampling::Sampling;
-use anyhow::{ensure, Result};
+use anyhow::{ensure, Context, Result};
 use std::sync::Arc;
 
 /// A target session on backend `B`.
@@ -124,6 +124,19 @@ impl<B: Backend> TargetModel<B> {
     /// The decoder layers over embedded rows `x` `[T, H]` (their latent rows go to the cache as scratch):
     /// the residual stream after the last layer and the taps `[T, n_taps·H]` (None without tap layers).
     fn layers(&mut self, x: B::Act, t: usize, mask: &B::Mask, rope: &B::Rope) -> (B::Act, Option<B::Act>) {
+        let taps = self.info.tap_layers.clone();
+        self.layers_tapping(x, t, mask, rope, &taps)
+    }
+
+    /// [`TargetModel::layers`] tapping `tap_layers` (none: no taps computed).
+    fn layers_tapping(
+        &mut self,
+        x: B::Act,
+        t: usize,
+        mask: &B::Mask,
+        rope: &B::Rope,
+        tap_layers: &[usize],
+    ) -> (B::Act, Option<B::Act>) {
         let w = self.w.clone();
         let mut segs = [Seg {
             kv: &mut self.cache,
@@ -131,7 +144,99 @@ impl<B: Backend> TargetModel<B> {
             mask,
             rope,
         }];
-        decoder_layers(&w, &mut segs, x, &self.info.tap_layers, self.mode, self.trace.as_mut())
+        decoder_layers(&w, &mut segs, x, tap_layers, self.mode, self.trace.as_mut())
+    }
+
+    /// One chunk of a prefill where the ops run: `tokens` as a chain after the committed prefix, committed; when
+    /// `d` is given, its context extended by the chunk's taps without their leaving the device (no taps are
+    /// computed without it: an AR session's prefill needs none). Returns the last row's logits `[V]` when `last`,
+    /// else nothing. The state it leaves is that of `forward_rows`, `commit` and the drafter's `extend_context`
+    /// with the taps read back (the same values), which is what a recording trace still runs: None then.
+    pub fn prefill_chunk(
+        &mut self,
+        tokens: &[u32],
+        last: bool,
+        d: Option<&mut crate::drafter::DFlashDrafter<B>>,
+    ) -> Option<Result<Vec<f32>>> {
+        if self.trace.is_some() {
+            return None;
+        }
+        let run = || -> Result<Vec<f32>> {
+            let t = tokens.len();
+            let parents: Vec<i32> = (0..t as i32).map(|i| i - 1).collect();
+            let rows = if last { LogitRows::Last } else { LogitRows::None };
+            let tap_layers = if d.is_some() {
+                self.info.tap_layers.clone()
+            } else {
+                Vec::new()
+            };
+            let (logits, taps) = self.forward_tapping(tokens, &parents, rows, &tap_layers)?;
+            self.commit(&(0..t).collect::<Vec<_>>())?;
+            if let Some(d) = d {
+                let taps = taps.context("prefill: a drafter's context needs the target's tap layers")?;
+                d.extend_context_act(&taps, t)?;
+            }
+            Ok(logits)
+        };
+        Some(run())
+    }
+
+    /// A forward of `tokens` (a tree by `parents`) after the committed prefix: the logits of `rows`, read back,
+    /// and the taps of `tap_layers` `[T, n_taps·H]` where the ops run (None without tap layers).
+    fn forward_tapping(
+        &mut self,
+        tokens: &[u32],
+        parents: &[i32],
+        rows: LogitRows,
+        tap_layers: &[usize],
+    ) -> Result<(Vec<f32>, Option<B::Act>)> {
+        (self.dev_root, self.step_root) = (None, None);
+        let w = self.w.clone();
+        let (b, c) = (&w.backend, &w.cfg);
+        let t = tokens.len();
+        ensure!(t > 0, "forward: no tokens");
+        ensure!(parents.len() == t, "forward: {t} tokens but {} parents", parents.len());
+        for (i, &tok) in tokens.iter().enumerate() {
+            ensure!(
+                (tok as usize) < c.vocab,
+                "forward: tokens[{i}] = {tok} >= vocab {}",
+                c.vocab
+            );
+        }
+        let vis = Visibility::from_parents(parents)?;
+        let committed = b.kv_committed(&self.cache);
+        let positions: Vec<usize> = vis.depths().iter().map(|&d| committed + d).collect();
+        let maxpos = positions.iter().copied().max().unwrap_or(0);
+        ensure!(
+            maxpos < c.max_positions,
+            "forward: position {maxpos} >= max_positions {}",
+            c.max_positions
+        );
+        let rope = b.rope_upload(RopeTable::new(&c.inv_freq, positions, c.rope_attention_factor));
+        let mask = b.mask_upload(&vis);
+        let (x, taps) = self.layers_tapping(w.embed(tokens), t, &mask, &rope, tap_layers);
+        self.last_parents = parents.to_vec();
+        // Only the rows asked for go through the final norm and lm_head (a row's result does not depend
+        // on the other rows, so the values equal those of an all-rows forward bit for bit).
+        let first = match rows {
+            LogitRows::All => 0,
+            LogitRows::Last => t - 1,
+            LogitRows::None => t,
+        };
+        let n = t - first;
+        let h = c.hidden;
+        let xn = w.final_norm(&b.rows(&x, h, first, t));
+        let logits = if n > 0 {
+            b.to_host(&w.lm_head(&xn, n))
+        } else {
+            Vec::new()
+        }; // [n, V]
+        b.check()?;
+        if let Some(tr) = self.trace.as_mut() {
+            tr.f32("final_norm".into(), &[n, h], &b.to_host(&xn));
+            tr.f32("logits".into(), &[n, c.vocab], &logits);
+        }
+        Ok((logits, taps))
     }
 
     /// The verify forward of the device round: the `t` nodes of `tree` (tokens, depths and mask where the
@@ -288,53 +393,10 @@ impl<B: Backend> Target for TargetModel<B> {
     }
 
     fn forward_rows(&mut self, tokens: &[u32], parents: &[i32], rows: LogitRows) -> Result<StepOut> {
-        (self.dev_root, self.step_root) = (None, None);
-        let w = self.w.clone();
-        let (b, c) = (&w.backend, &w.cfg);
-        let t = tokens.len();
-        ensure!(t > 0, "forward: no tokens");
-        ensure!(parents.len() == t, "forward: {t} tokens but {} parents", parents.len());
-        for (i, &tok) in tokens.iter().enumerate() {
-            ensure!(
-                (tok as usize) < c.vocab,
-                "forward: tokens[{i}] = {tok} >= vocab {}",
-                c.vocab
-            );
-        }
-        let vis = Visibility::from_parents(parents)?;
-        let committed = b.kv_committed(&self.cache);
-        let positions: Vec<usize> = vis.depths().iter().map(|&d| committed + d).collect();
-        let maxpos = positions.iter().copied().max().unwrap_or(0);
-        ensure!(
-            maxpos < c.max_positions,
-            "forward: position {maxpos} >= max_positions {}",
-            c.max_positions
-        );
-        let rope = b.rope_upload(RopeTable::new(&c.inv_freq, positions, c.rope_attention_factor));
-        let mask = b.mask_upload(&vis);
-        let (x, taps) = self.layers(w.embed(tokens), t, &mask, &rope);
-        self.last_parents = parents.to_vec();
-        // Only the rows asked for go through the final norm and lm_head (a row's result does not depend
-        // on the other rows, so the values equal those of an all-rows forward bit for bit).
-        let first = match rows {
-            LogitRows::All => 0,
-            LogitRows::Last => t - 1,
-            LogitRows::None => t,
-        };
-        let n = t - first;
-        let h = c.hidden;
-        let xn = w.final_norm(&b.rows(&x, h, first, t));
-        let logits = if n > 0 {
-            b.to_host(&w.lm_head(&xn, n))
-        } else {
-            Vec::new()
-        }; // [n, V]
-        let taps = taps.map(|a| b.to_host(&a)).unwrap_or_default();
-        b.check()?;
-        if let Some(tr) = self.trace.as_mut() {
-            tr.f32("final_norm".into(), &[n, h], &b.to_host(&xn));
-            tr.f32("logits".into(), &[n, c.vocab], &logits);
-        }
+        let tap_layers = self.info.tap_layers.clone();
+        let (logits, taps) = self.forward_tapping(tokens, parents, rows, &tap_layers)?;
+        let taps = taps.map(|a| self.w.backend.to_host(&a)).unwrap_or_default();
+        self.w.backend.check()?;
         Ok(StepOut { logits, taps })
     }
 
@@ -383,6 +445,18 @@ impl<B: Backend> Target for TargetModel<B> {
         self.trace.take()
     }
 
+    fn device_prefill(
+        &mut self,
+        drafter: Option<&mut dyn Drafter>,
+        tokens: &[u32],
+        last: bool,
+    ) -> Option<Result<Vec<f32>>> {
+        // A target alone reaches no drafter's concrete type (a `Model` pairs them): with one, the host prefill.
+        if drafter.is_some() {
+            return None;
+        }
+        self.prefill_chunk(tokens, last, None)
+    }
     fn device_step(&mut self, root: u32, s: &Sampling) -> Option<Result<u32>> {
         let start = self.w.backend.kv_committed(&self.cache);
         if self.trace.is_some() || start + 1 >= self.info.max_positions || root as usize >= self.info.vocab_size {

@@ -159,6 +159,51 @@ impl Target for TpTarget {
         });
         settle(self, d, r)
     }
+    fn device_prefill(
+        &mut self,
+        drafter: Option<&mut dyn Drafter>,
+        tokens: &[u32],
+        last: bool,
+    ) -> Option<Result<Vec<f32>>> {
+        let d = match drafter {
+            Some(d) => Some(d.as_any_mut()?.downcast_mut::<TpDrafter>()?),
+            None => None,
+        };
+        let (tid, did, tokens) = (self.id, d.as_ref().map(|d| d.id), tokens.to_vec());
+        type Out = (Option<Vec<f32>>, usize, Option<usize>);
+        let same = |a: &Out, b: &Out| {
+            a.1 == b.1
+                && a.2 == b.2
+                && match (&a.0, &b.0) {
+                    (Some(x), Some(y)) => same_f32(x, y),
+                    (x, y) => x.is_none() && y.is_none(),
+                }
+        };
+        // Every group's own prefill, its drafter's context from its own taps (the groups' taps agree, as their
+        // rounds' do); the logits compared bitwise.
+        let r = self.pool.agreed("prefill", same, move |st| match did {
+            Some(did) => {
+                let (t, d) = st.pair(tid, did)?;
+                let v = t.device_prefill(Some(d), &tokens, last).transpose()?;
+                Ok((v, t.committed(), Some(d.context_len())))
+            }
+            None => {
+                let t = st.target(tid)?;
+                let v = t.device_prefill(None, &tokens, last).transpose()?;
+                Ok((v, t.committed(), None))
+            }
+        });
+        match r {
+            Ok((v, c, l)) => {
+                self.committed = c;
+                if let (Some(d), Some(l)) = (d, l) {
+                    d.ctx_len = l;
+                }
+                v.map(Ok)
+            }
+            Err(e) => Some(Err(e)),
+        }
+    }
     fn device_step(&mut self, root: u32, s: &Sampling) -> Option<Result<u32>> {
         let s = s.clone();
         self.call("AR step", eq, move |t| flip(t.device_step(root, &s)))

@@ -17,12 +17,14 @@ const BN: usize = 64;
 /// The largest grid x dimension is 2^31 - 1; y (heads) 65535.
 const GRID_Y_MAX: usize = 65535;
 
-/// The kernel of a (key width QW, value width DV), if one is built.
-fn kernel(qw: usize, dv: usize) -> Option<&'static str> {
-    match (qw, dv) {
-        (192, 128) => Some("kdtree_mla_prefill_bf16_q192_v128"),
-        (64, 32) => Some("kdtree_mla_prefill_bf16_q64_v32"),
-        (48, 32) => Some("kdtree_mla_prefill_bf16_q48_v32"),
+/// The kernel of a (key width QW, value width DV), if one is built; `p1`: the one that feeds P to the value mma as
+/// one bf16 operand (K2.6's widths only; the others feed its rounding and remainder).
+fn kernel(qw: usize, dv: usize, p1: bool) -> Option<&'static str> {
+    match (qw, dv, p1) {
+        (192, 128, false) => Some("kdtree_mla_prefill_bf16_q192_v128"),
+        (192, 128, true) => Some("kdtree_mla_prefill_bf16_q192_v128_p1"),
+        (64, 32, false) => Some("kdtree_mla_prefill_bf16_q64_v32"),
+        (48, 32, false) => Some("kdtree_mla_prefill_bf16_q48_v32"),
         _ => None,
     }
 }
@@ -35,7 +37,7 @@ fn smem_bytes(qw: usize, dv: usize) -> usize {
 /// Whether this device runs the causal prefill kernel for key width `qw` and value width `dv` (a kernel is built
 /// for it and its shared memory fits: K2.6's needs 132 KiB, more than sm_120's 99 KiB).
 pub fn supported(gpu: &Gpu, qw: usize, dv: usize) -> bool {
-    kernel(qw, dv).is_some() && smem_bytes(qw, dv) <= gpu.max_smem
+    kernel(qw, dv, false).is_some() && smem_bytes(qw, dv) <= gpu.max_smem
 }
 
 /// Raises the kernels' dynamic shared memory limit where the device has it (called once by `Gpu::new`).
@@ -44,13 +46,14 @@ pub(crate) fn configure(gpu: &Gpu) -> Result<()> {
         if !supported(gpu, qw, dv) {
             continue;
         }
-        let name = kernel(qw, dv).unwrap_or_default();
-        gpu.func(name)
-            .set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem_bytes(qw, dv) as i32,
-            )
-            .map_err(drv("mla_prefill configure"))?;
+        for name in [kernel(qw, dv, false), kernel(qw, dv, true)].into_iter().flatten() {
+            gpu.func(name)
+                .set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem_bytes(qw, dv) as i32,
+                )
+                .map_err(drv("mla_prefill configure"))?;
+        }
     }
     Ok(())
 }
@@ -60,7 +63,9 @@ pub(crate) fn configure(gpu: &Gpu) -> Result<()> {
 /// rows `kv[h · head_stride + s · (DV + QW) ..] = v_h (DV) | k_h (QW)` (as
 /// [`super::mla_attention::mla_attention_heads`] takes them), queries `q [T, Hr, QW]`. `s.kv_lora` = DV, `s.rope` =
 /// QW (the key width). Errors when no kernel is built for the widths or the device lacks the shared memory
-/// ([`supported`]). Launch contract: one kernel, no allocation, no host sync.
+/// ([`supported`]). P goes to the value mma as its bf16 rounding and remainder, or, with the GPU's
+/// `mla_prefill_p1` option where that kernel is built (K2.6's widths), as one bf16 operand. Launch contract: one
+/// kernel, no allocation, no host sync.
 pub fn mla_prefill(
     gpu: &Gpu,
     q: &CudaView<'_, bf16>,
@@ -70,10 +75,30 @@ pub fn mla_prefill(
     scale: f32,
     out: &mut CudaViewMut<'_, bf16>,
 ) -> Result<()> {
+    let p1 = gpu.options().mla_prefill_p1 && kernel(s.rope, s.kv_lora, true).is_some();
+    mla_prefill_with(gpu, q, kv, head_stride, s, scale, p1, out)
+}
+
+/// [`mla_prefill`] with P's form given: `p1` one bf16 operand (an error where that kernel is not built), else two.
+#[allow(clippy::too_many_arguments)]
+pub fn mla_prefill_with(
+    gpu: &Gpu,
+    q: &CudaView<'_, bf16>,
+    kv: &CudaView<'_, bf16>,
+    head_stride: usize,
+    s: &MlaShape,
+    scale: f32,
+    p1: bool,
+    out: &mut CudaViewMut<'_, bf16>,
+) -> Result<()> {
     let (dv, qw) = (s.kv_lora, s.rope);
-    let name = kernel(qw, dv);
+    let name = kernel(qw, dv, p1);
     ensure(OP, name.is_some(), || {
-        format!("no kernel for key width {qw} and value width {dv} (built: 192/128, 64/32, 48/32)")
+        format!(
+            "no kernel for key width {qw} and value width {dv}{} (built: 192/128, 64/32, 48/32; P as one bf16: \
+             192/128)",
+            if p1 { " with P as one bf16" } else { "" }
+        )
     })?;
     ensure(OP, smem_bytes(qw, dv) <= gpu.max_smem, || {
         format!(
