@@ -4,8 +4,8 @@
 //! 128) at 8 and 64 heads, the trained pair's (64 / 32) and the synthetic tiny model's (48 / 32); odd T, T
 //! crossing the 64-row key tiles and the 128-row query tiles, committed prefixes (a second prefill chunk), a
 //! head stride past the rows, and a 16,384-row chunk (128 query tiles of 8 heads, checked on sampled rows); at
-//! K2.6's widths also the `_p1` kernel (P as one bf16 operand, `KDTREE_MLA_PREFILL_P1`). The output is
-//! NaN-poisoned first: every row must be written. Needs a GPU.
+//! K2.6's widths also the `_p1` kernel (P as one bf16 operand; the default, `KDTREE_MLA_PREFILL_P1=0` off).
+//! The output is NaN-poisoned first: every row must be written. Needs a GPU.
 #![cfg(feature = "cuda")]
 
 mod cuda_common;
