@@ -30,6 +30,10 @@ pub struct GpuOptions {
     pub w4a16_blocks_per_sm: usize,
     /// At most this many W4A16 k-splits.
     pub w4a16_max_splits: usize,
+    /// The grouped W4A16 small form's launches over more than 8 expert tiles (DDTree rounds, batches): at most this
+    /// many CTAs an SM, by padding their dynamic shared memory; 0: no cap (the A/B of run 101: four CTAs an SM
+    /// sped the AR step up and slowed the b16 / b64 rounds, three did the reverse).
+    pub w4a16_round_ctas_per_sm: usize,
     /// Forwards of at least this many rows (a prefill) run MLA in its expanded, multi-head form (kv_b expands the
     /// latent rows into per-head keys and values: 320 multiply-adds a head and row pair against the latent form's
     /// 1088); 0: the latent (absorbed) form everywhere.
@@ -68,6 +72,7 @@ impl Default for GpuOptions {
             batch_invariant: false,
             w4a16_blocks_per_sm: 4,
             w4a16_max_splits: 64,
+            w4a16_round_ctas_per_sm: 0,
             mla_expanded_min_rows: 1024,
             mla_prefill_flash: true,
             mla_prefill_p1: true,
@@ -85,7 +90,7 @@ pub const ENV_PREFIX: &str = "KDTREE_";
 
 /// Every switch: (variable, field of [`GpuOptions`], values and default). The variables keep the meaning
 /// they had when the library read them itself.
-pub const KNOBS: [(&str, &str, &str); 16] = [
+pub const KNOBS: [(&str, &str, &str); 17] = [
     ("KDTREE_CUDA_GRAPHS", "graphs", "`0`: off; anything else or unset: on"),
     ("KDTREE_CUDA_POISON", "poison", "`1`: on; otherwise off"),
     ("KDTREE_PDL", "pdl", "`0`: off; anything else or unset: on (sm_90+)"),
@@ -105,6 +110,11 @@ pub const KNOBS: [(&str, &str, &str); 16] = [
         "KDTREE_W4A16_MAX_SPLITS",
         "w4a16_max_splits",
         "an integer; unset or not a number: 64",
+    ),
+    (
+        "KDTREE_W4A16_ROUND_CTAS_PER_SM",
+        "w4a16_round_ctas_per_sm",
+        "an integer (0: no cap); unset or not a number: 0",
     ),
     (
         "KDTREE_MLA_EXPANDED_MIN_ROWS",
@@ -156,6 +166,7 @@ impl GpuOptions {
             batch_invariant: one("BATCH_INVARIANT"),
             w4a16_blocks_per_sm: count("W4A16_BLOCKS_PER_SM", d.w4a16_blocks_per_sm),
             w4a16_max_splits: count("W4A16_MAX_SPLITS", d.w4a16_max_splits),
+            w4a16_round_ctas_per_sm: count("W4A16_ROUND_CTAS_PER_SM", d.w4a16_round_ctas_per_sm),
             mla_expanded_min_rows: count("MLA_EXPANDED_MIN_ROWS", d.mla_expanded_min_rows),
             mla_prefill_flash: not_zero("MLA_PREFILL_FLASH", d.mla_prefill_flash),
             mla_prefill_p1: not_zero("MLA_PREFILL_P1", d.mla_prefill_p1),
