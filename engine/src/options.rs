@@ -46,6 +46,9 @@ pub struct GpuOptions {
     /// faster (8.16 against 9.65 ms a 16K chunk after 16K), max error 2.9e-3 of the largest output against the f32
     /// reference (1.95e-3 for the split P), within the derived 8e-3; off: the A/B.
     pub mla_prefill_p1: bool,
+    /// One-node MLA (the AR step) through the decode kernel (`ops::mla_decode`: latent rows as the mma's rows, the
+    /// heads as its columns) where it is built for the widths (K2.6's, sm_90); opt in until it is measured.
+    pub mla_decode: bool,
     /// The device's memory pool keeps what it reserved instead of unmapping unused memory at every
     /// synchronisation (`Gpu::pool_keep`; rank groups always do).
     pub pool_keep: bool,
@@ -76,6 +79,7 @@ impl Default for GpuOptions {
             mla_expanded_min_rows: 1024,
             mla_prefill_flash: true,
             mla_prefill_p1: true,
+            mla_decode: false,
             pool_keep: false,
             tp_trace: false,
             op_profile: false,
@@ -90,7 +94,7 @@ pub const ENV_PREFIX: &str = "KDTREE_";
 
 /// Every switch: (variable, field of [`GpuOptions`], values and default). The variables keep the meaning
 /// they had when the library read them itself.
-pub const KNOBS: [(&str, &str, &str); 17] = [
+pub const KNOBS: [(&str, &str, &str); 18] = [
     ("KDTREE_CUDA_GRAPHS", "graphs", "`0`: off; anything else or unset: on"),
     ("KDTREE_CUDA_POISON", "poison", "`1`: on; otherwise off"),
     ("KDTREE_PDL", "pdl", "`0`: off; anything else or unset: on (sm_90+)"),
@@ -131,6 +135,7 @@ pub const KNOBS: [(&str, &str, &str); 17] = [
         "mla_prefill_p1",
         "`0`: off; anything else or unset: on",
     ),
+    ("KDTREE_MLA_DECODE", "mla_decode", "`1`: on; otherwise off"),
     ("KDTREE_POOL_KEEP", "pool_keep", "`1`: on; otherwise off"),
     ("KDTREE_TP_TRACE", "tp_trace", "`1`: on; otherwise off"),
     ("KDTREE_OP_PROFILE", "op_profile", "`1`: on; otherwise off"),
@@ -170,6 +175,7 @@ impl GpuOptions {
             mla_expanded_min_rows: count("MLA_EXPANDED_MIN_ROWS", d.mla_expanded_min_rows),
             mla_prefill_flash: not_zero("MLA_PREFILL_FLASH", d.mla_prefill_flash),
             mla_prefill_p1: not_zero("MLA_PREFILL_P1", d.mla_prefill_p1),
+            mla_decode: one("MLA_DECODE"),
             pool_keep: one("POOL_KEEP"),
             tp_trace: one("TP_TRACE"),
             op_profile: one("OP_PROFILE"),

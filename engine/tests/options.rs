@@ -36,6 +36,7 @@ fn changed(a: &GpuOptions, b: &GpuOptions) -> Vec<&'static str> {
     );
     check("mla_prefill_flash", a.mla_prefill_flash != b.mla_prefill_flash);
     check("mla_prefill_p1", a.mla_prefill_p1 != b.mla_prefill_p1);
+    check("mla_decode", a.mla_decode != b.mla_decode);
     check("pool_keep", a.pool_keep != b.pool_keep);
     check("tp_trace", a.tp_trace != b.tp_trace);
     check("op_profile", a.op_profile != b.op_profile);
@@ -54,6 +55,7 @@ fn nothing_set_is_the_default() {
             && d.mla_prefill_flash
             && d.mla_prefill_p1
             && !d.pool_keep
+            && !d.mla_decode
             && !d.poison
             && !d.gemv
             && !d.tp_trace
@@ -82,7 +84,7 @@ fn each_variable_sets_its_own_field_and_no_other() {
         "KDTREE_GROUP_TIMEOUT_S" | "KDTREE_GATE_TIMEOUT_S" => "1.5",
         _ => "1",
     };
-    assert_eq!(KNOBS.len(), 17);
+    assert_eq!(KNOBS.len(), 18);
     for (var, field, _) in KNOBS {
         assert!(var.starts_with(kdtree_engine::options::ENV_PREFIX), "{var}");
         let got = from(&[(var, moved(var))]);
@@ -101,6 +103,7 @@ fn each_variable_sets_its_own_field_and_no_other() {
             && !o.mla_prefill_flash
             && !o.mla_prefill_p1
             && o.pool_keep
+            && o.mla_decode
             && o.poison
             && o.gemv
             && o.tp_trace
