@@ -20,7 +20,9 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 use kdtree_engine::cuda::ops::mla_attention::{MlaShape, MlaSplit};
 use kdtree_engine::cuda::ops::moe_router::RouterCfg;
-use kdtree_engine::cuda::ops::{act_f32, gemm_bf16, mla_attention, moe_align, moe_combine, moe_router, w4a16_gemm};
+use kdtree_engine::cuda::ops::{
+    act_f32, gemm_bf16, mla_attention, mla_decode, moe_align, moe_combine, moe_router, w4a16_gemm,
+};
 use kdtree_engine::cuda::Gpu;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -765,6 +767,52 @@ fn mla_verify() {
                     kernels / n,
                     split.splits
                 );
+                // The decode kernel (ops::mla_decode) on the same call, whatever KDTREE_MLA_DECODE says: the A/B.
+                if mla_decode::supported(&g, &s) {
+                    let mut call = |i: usize| {
+                        let l = i % LAYERS;
+                        let lat = cache.slice(l * cap * LAT..(l + 1) * cap * LAT);
+                        let cv = committed.as_view();
+                        mla_decode::mla_decode(
+                            &g,
+                            &q.as_view(),
+                            &lat,
+                            Some(&cv),
+                            &s,
+                            &split,
+                            scale,
+                            &mut po.as_view_mut(),
+                            &mut pml.as_view_mut(),
+                            &mut out.as_view_mut(),
+                        )
+                        .unwrap();
+                    };
+                    call(0);
+                    let graph = capture(&g, n, &mut call);
+                    let (dk, _) = graph_nodes(&graph);
+                    let (dms, dreps) = replay_median_ms(&g, &graph, 100.0, 3);
+                    let dus = dms * 1e3 / n as f64;
+                    g.stream
+                        .memcpy_htod(&nan_bf16(t * heads * KV_LORA)[..], &mut out)
+                        .unwrap();
+                    graph.launch().unwrap();
+                    let got = g.download(&out).unwrap();
+                    if let Some(at) = got.iter().position(|v| !v.to_f32().is_finite()) {
+                        panic!("mla_decode ctx={ctx} heads={heads}: output {at} not written or not finite");
+                    }
+                    println!(
+                        "mla_decode ctx={ctx} heads={heads} T=1: {dus:.1} us per layer (median of {dreps}), {:.2}x the \
+                         byte floor {floor_us:.1} us; the split kernel above {us:.1} us",
+                        dus / floor_us
+                    );
+                    println!(
+                        "BENCH mla_decode ctx={ctx} heads={heads} us={dus:.2} floor_us={floor_us:.2} ratio={:.3} \
+                         split_us={us:.2} kernels={} splits={}",
+                        dus / floor_us,
+                        dk / n,
+                        split.splits
+                    );
+                }
             }
         }
         drop(cache);
