@@ -30,10 +30,6 @@ pub struct GpuOptions {
     pub w4a16_blocks_per_sm: usize,
     /// At most this many W4A16 k-splits.
     pub w4a16_max_splits: usize,
-    /// The grouped W4A16 small form's launches over more than 8 expert tiles (DDTree rounds, batches): at most this
-    /// many CTAs an SM, by padding their dynamic shared memory; 0: no cap (the A/B of run 101: four CTAs an SM
-    /// sped the AR step up and slowed the b16 / b64 rounds, three did the reverse).
-    pub w4a16_round_ctas_per_sm: usize,
     /// Forwards of at least this many rows (a prefill) run MLA in its expanded, multi-head form (kv_b expands the
     /// latent rows into per-head keys and values: 320 multiply-adds a head and row pair against the latent form's
     /// 1088); 0: the latent (absorbed) form everywhere.
@@ -47,7 +43,8 @@ pub struct GpuOptions {
     /// reference (1.95e-3 for the split P), within the derived 8e-3; off: the A/B.
     pub mla_prefill_p1: bool,
     /// One-node MLA (the AR step) through the decode kernel (`ops::mla_decode`: latent rows as the mma's rows, the
-    /// heads as its columns) where it is built for the widths (K2.6's, sm_90); opt in until it is measured.
+    /// heads as its columns) where it is built for the widths (K2.6's, up to 8 heads, sm_90); off: the split kernel.
+    /// Run 103: 24.0 against 50.9 us a layer at 32K rows (13.7 against 19.3 at 4K).
     pub mla_decode: bool,
     /// The device's memory pool keeps what it reserved instead of unmapping unused memory at every
     /// synchronisation (`Gpu::pool_keep`; rank groups always do).
@@ -75,11 +72,10 @@ impl Default for GpuOptions {
             batch_invariant: false,
             w4a16_blocks_per_sm: 4,
             w4a16_max_splits: 64,
-            w4a16_round_ctas_per_sm: 0,
             mla_expanded_min_rows: 1024,
             mla_prefill_flash: true,
             mla_prefill_p1: true,
-            mla_decode: false,
+            mla_decode: true,
             pool_keep: false,
             tp_trace: false,
             op_profile: false,
@@ -94,7 +90,7 @@ pub const ENV_PREFIX: &str = "KDTREE_";
 
 /// Every switch: (variable, field of [`GpuOptions`], values and default). The variables keep the meaning
 /// they had when the library read them itself.
-pub const KNOBS: [(&str, &str, &str); 18] = [
+pub const KNOBS: [(&str, &str, &str); 17] = [
     ("KDTREE_CUDA_GRAPHS", "graphs", "`0`: off; anything else or unset: on"),
     ("KDTREE_CUDA_POISON", "poison", "`1`: on; otherwise off"),
     ("KDTREE_PDL", "pdl", "`0`: off; anything else or unset: on (sm_90+)"),
@@ -116,11 +112,6 @@ pub const KNOBS: [(&str, &str, &str); 18] = [
         "an integer; unset or not a number: 64",
     ),
     (
-        "KDTREE_W4A16_ROUND_CTAS_PER_SM",
-        "w4a16_round_ctas_per_sm",
-        "an integer (0: no cap); unset or not a number: 0",
-    ),
-    (
         "KDTREE_MLA_EXPANDED_MIN_ROWS",
         "mla_expanded_min_rows",
         "an integer (0: off); unset or not a number: 1024",
@@ -135,7 +126,11 @@ pub const KNOBS: [(&str, &str, &str); 18] = [
         "mla_prefill_p1",
         "`0`: off; anything else or unset: on",
     ),
-    ("KDTREE_MLA_DECODE", "mla_decode", "`1`: on; otherwise off"),
+    (
+        "KDTREE_MLA_DECODE",
+        "mla_decode",
+        "`0`: off; anything else or unset: on",
+    ),
     ("KDTREE_POOL_KEEP", "pool_keep", "`1`: on; otherwise off"),
     ("KDTREE_TP_TRACE", "tp_trace", "`1`: on; otherwise off"),
     ("KDTREE_OP_PROFILE", "op_profile", "`1`: on; otherwise off"),
@@ -171,11 +166,10 @@ impl GpuOptions {
             batch_invariant: one("BATCH_INVARIANT"),
             w4a16_blocks_per_sm: count("W4A16_BLOCKS_PER_SM", d.w4a16_blocks_per_sm),
             w4a16_max_splits: count("W4A16_MAX_SPLITS", d.w4a16_max_splits),
-            w4a16_round_ctas_per_sm: count("W4A16_ROUND_CTAS_PER_SM", d.w4a16_round_ctas_per_sm),
             mla_expanded_min_rows: count("MLA_EXPANDED_MIN_ROWS", d.mla_expanded_min_rows),
             mla_prefill_flash: not_zero("MLA_PREFILL_FLASH", d.mla_prefill_flash),
             mla_prefill_p1: not_zero("MLA_PREFILL_P1", d.mla_prefill_p1),
-            mla_decode: one("MLA_DECODE"),
+            mla_decode: not_zero("MLA_DECODE", d.mla_decode),
             pool_keep: one("POOL_KEEP"),
             tp_trace: one("TP_TRACE"),
             op_profile: one("OP_PROFILE"),

@@ -8,6 +8,15 @@
 
 mod cuda_common;
 
+/// The GPU with the decode kernel off (`KDTREE_MLA_DECODE=0`), so that `mla_attention` takes the split kernel at
+/// T = 1 too: this file tests that kernel; `mla_decode_parity` calls the decode kernel itself and compares.
+fn split_gpu() -> Option<kdtree_engine::cuda::Gpu> {
+    gpu_with(kdtree_engine::GpuOptions {
+        mla_decode: false,
+        ..gpu_options()
+    })
+}
+
 // CPU twin (one block so the paths are easy to follow if the CPU ops move).
 use kdtree_engine::cpu::ops::{mla_attention, MlaDims, MlaKv};
 use kdtree_engine::ddtree::Visibility;
@@ -175,7 +184,7 @@ fn case(
 
 #[test]
 fn mla_attention_parity() {
-    let Some(g) = gpu() else { return };
+    let Some(g) = split_gpu() else { return };
     // (T, Hr, committed, C, P, tree mask)
     let cases = [
         (1, 8, 0, 512, 64, true),
@@ -239,7 +248,7 @@ fn mla_attention_parity() {
 #[test]
 fn mla_decode_parity() {
     use kdtree_engine::cuda::ops::mla_decode::{mla_decode, supported};
-    let Some(g) = gpu() else { return };
+    let Some(g) = split_gpu() else { return };
     let (c, p) = (512usize, 64usize);
     let lw = c + p;
     // (heads, committed, room: None = the host's length and split, Some(rows) = the device's)
@@ -339,16 +348,14 @@ fn mla_decode_parity() {
             );
             eprintln!("{name}: {} splits x {} rows", split.splits, split.rows_per_split);
             check_bf16(&format!("{name} [two runs identical]"), &got, &want, MLA_TOL);
-            // The split kernel on the same inputs (the option off: mla_attention takes it).
+            // The split kernel on the same inputs (split_gpu: mla_attention takes it).
             let split_form = run_mla(&g, &dq.as_view(), &dl.as_view(), None, room.map(|_| &dcv), &s, &split);
-            if !g.options().mla_decode {
-                check_bf16(
-                    &format!("{name} vs the split kernel"),
-                    &got,
-                    &widen(&split_form),
-                    MLA_TOL,
-                );
-            }
+            check_bf16(
+                &format!("{name} vs the split kernel"),
+                &got,
+                &widen(&split_form),
+                MLA_TOL,
+            );
             ran += 1;
         }
     }
@@ -362,7 +369,7 @@ fn mla_decode_parity() {
 fn mla_attention_segments_equal_their_own_launches() {
     use kdtree_engine::cuda::ops::mla_attention::{mla_attention_seg, MlaSeg};
     use kdtree_engine::cuda::ops::round_state::{store_rows, store_rows_seg_bf16, StoreSeg};
-    let Some(g) = gpu() else { return };
+    let Some(g) = split_gpu() else { return };
     let (heads, c, p) = (8usize, 512usize, 64usize);
     let lw = c + p;
     // (T, committed, room)
@@ -524,7 +531,7 @@ fn mla_attention_segments_equal_their_own_launches() {
 /// itself runs: a causal prefill of 65535 nodes, every row of it visible in its triangle.
 #[test]
 fn mla_attention_refuses_more_nodes_than_the_grid_holds() {
-    let Some(g) = gpu() else { return };
+    let Some(g) = split_gpu() else { return };
     for (t, ok) in [(65535usize, true), (65536, false)] {
         let heads = 64;
         let s = MlaShape {
@@ -577,7 +584,7 @@ fn mla_attention_refuses_more_nodes_than_the_grid_holds() {
 /// With 8 heads a tile is 8 nodes; with 3 heads 21.
 #[test]
 fn mla_attention_rows_do_not_depend_on_their_tile() {
-    let Some(g) = gpu() else { return };
+    let Some(g) = split_gpu() else { return };
     let (c, p, committed) = (512usize, 64usize, 27usize);
     let lw = c + p;
     for heads in [8usize, 3] {
@@ -630,7 +637,7 @@ fn mla_attention_rows_do_not_depend_on_their_tile() {
 #[test]
 fn mla_attention_heads_parity() {
     use kdtree_engine::cuda::ops::mla_attention::mla_attention_heads;
-    let Some(g) = gpu() else { return };
+    let Some(g) = split_gpu() else { return };
     // (T, heads, committed, value width C, key width P, tree mask, query magnitude)
     for (i, &(t, heads, committed, c, p, masked, qhi)) in [
         (100usize, 8usize, 0usize, 128usize, 192usize, false, 0.12f32),
@@ -761,7 +768,7 @@ fn run_inv(
 /// causal prefill, K2.6 widths at 8 and 64 heads, prefixes across the 256-position chunk cuts.
 #[test]
 fn mla_invariant_parity() {
-    let Some(g) = gpu() else { return };
+    let Some(g) = split_gpu() else { return };
     // (T, heads, committed, C, P, tree, seed)
     for &(t, heads, committed, c, p, tree, seed) in &[
         (1usize, 8usize, 1000usize, 512usize, 64usize, true, 1001u64),
@@ -813,7 +820,7 @@ fn mla_invariant_parity() {
 /// chunk cuts, at K2.6 widths; and a node's bits do not depend on the other nodes of its call.
 #[test]
 fn mla_invariant_rows_equal_ar_and_verify() {
-    let Some(g) = gpu() else { return };
+    let Some(g) = split_gpu() else { return };
     let (c, p, heads) = (512usize, 64usize, 8usize);
     let lw = c + p;
     for &(t, committed, seed) in &[(65usize, 250usize, 1101u64), (257, 500, 1102), (33, 0, 1103)] {

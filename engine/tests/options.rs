@@ -27,10 +27,6 @@ fn changed(a: &GpuOptions, b: &GpuOptions) -> Vec<&'static str> {
     check("w4a16_blocks_per_sm", a.w4a16_blocks_per_sm != b.w4a16_blocks_per_sm);
     check("w4a16_max_splits", a.w4a16_max_splits != b.w4a16_max_splits);
     check(
-        "w4a16_round_ctas_per_sm",
-        a.w4a16_round_ctas_per_sm != b.w4a16_round_ctas_per_sm,
-    );
-    check(
         "mla_expanded_min_rows",
         a.mla_expanded_min_rows != b.mla_expanded_min_rows,
     );
@@ -55,7 +51,7 @@ fn nothing_set_is_the_default() {
             && d.mla_prefill_flash
             && d.mla_prefill_p1
             && !d.pool_keep
-            && !d.mla_decode
+            && d.mla_decode
             && !d.poison
             && !d.gemv
             && !d.tp_trace
@@ -63,7 +59,6 @@ fn nothing_set_is_the_default() {
             && !d.batch_invariant
     );
     assert_eq!((d.w4a16_blocks_per_sm, d.w4a16_max_splits), (4, 64));
-    assert_eq!(d.w4a16_round_ctas_per_sm, 0);
     assert_eq!((d.mla_expanded_min_rows, d.gemv_rows), (1024, 4));
     assert_eq!(
         (d.group_timeout, d.gate_timeout),
@@ -75,16 +70,19 @@ fn nothing_set_is_the_default() {
 fn each_variable_sets_its_own_field_and_no_other() {
     // A value that moves each switch off its default.
     let moved = |name: &str| match name {
-        "KDTREE_CUDA_GRAPHS" | "KDTREE_PDL" | "KDTREE_MLA_PREFILL_FLASH" | "KDTREE_MLA_PREFILL_P1" => "0",
+        "KDTREE_CUDA_GRAPHS"
+        | "KDTREE_PDL"
+        | "KDTREE_MLA_PREFILL_FLASH"
+        | "KDTREE_MLA_PREFILL_P1"
+        | "KDTREE_MLA_DECODE" => "0",
         "KDTREE_W4A16_BLOCKS_PER_SM" => "2",
         "KDTREE_W4A16_MAX_SPLITS" => "16",
-        "KDTREE_W4A16_ROUND_CTAS_PER_SM" => "3",
         "KDTREE_MLA_EXPANDED_MIN_ROWS" => "512",
         "KDTREE_GEMV_ROWS" => "1024",
         "KDTREE_GROUP_TIMEOUT_S" | "KDTREE_GATE_TIMEOUT_S" => "1.5",
         _ => "1",
     };
-    assert_eq!(KNOBS.len(), 18);
+    assert_eq!(KNOBS.len(), 17);
     for (var, field, _) in KNOBS {
         assert!(var.starts_with(kdtree_engine::options::ENV_PREFIX), "{var}");
         let got = from(&[(var, moved(var))]);
@@ -103,7 +101,7 @@ fn each_variable_sets_its_own_field_and_no_other() {
             && !o.mla_prefill_flash
             && !o.mla_prefill_p1
             && o.pool_keep
-            && o.mla_decode
+            && !o.mla_decode
             && o.poison
             && o.gemv
             && o.tp_trace
@@ -111,7 +109,6 @@ fn each_variable_sets_its_own_field_and_no_other() {
             && o.batch_invariant
     );
     assert_eq!((o.w4a16_blocks_per_sm, o.w4a16_max_splits), (2, 16));
-    assert_eq!(o.w4a16_round_ctas_per_sm, 3);
     assert_eq!((o.mla_expanded_min_rows, o.gemv_rows), (512, 1024));
     assert_eq!(
         (o.group_timeout, o.gate_timeout),

@@ -173,18 +173,6 @@ fn plan_on(gpu: Device, mt: usize, row_tiles: usize, rows: usize, n: usize, k: u
     }
 }
 
-/// The dynamic shared memory to launch a small-form block with so that at most `cap` blocks are resident on an SM
-/// of `smem_per_sm` bytes (`cap` 0: `smem` as it is; never less than `smem`, never more than the maximum that
-/// [`configure`] sets): per block the system reserves 1 KB and the kernel's static arrays take up to 512 bytes, so
-/// `cap` blocks of `smem_per_sm / cap - 1.5 KB` fit and `cap + 1` do not. Only where a block sits changes.
-fn capped_smem(smem: usize, smem_per_sm: usize, max_smem: usize, cap: usize) -> usize {
-    if cap == 0 {
-        return smem;
-    }
-    let pad = (smem_per_sm / cap).saturating_sub(1024 + 512);
-    smem.max(pad.min(max_smem.saturating_sub(1024)))
-}
-
 /// Shared memory per block small enough for `bps` blocks to be resident on an SM of `smem_per_sm` bytes (1 KB per
 /// block is reserved by the system, plus the static row maps), within the opt-in limit `max_smem`.
 fn smem_budget(smem_per_sm: usize, max_smem: usize, bps: usize) -> usize {
@@ -541,15 +529,9 @@ pub fn moe_w4a16(
         arg(&mut cp),
     ];
     let name = if silu { GROUPED_SILU } else { GROUPED }[p.mt.trailing_zeros() as usize];
-    let cap = if pairs.min(n_experts) > 8 {
-        gpu.options().w4a16_round_ctas_per_sm
-    } else {
-        0
-    };
-    let smem = capped_smem(p.smem, gpu.smem_per_sm, gpu.max_smem, cap);
     // SAFETY: as the dense form; expert ids come from moe_align, which drops ids outside [0, E); with silu
-    // the x rows hold 2k elements (checked); the padded shared memory is within the configured maximum.
-    unsafe { launch_pdl(gpu, OP_MOE, name, launch_cfg(grid, 128, smem as u32), &mut params) }
+    // the x rows hold 2k elements (checked).
+    unsafe { launch_pdl(gpu, OP_MOE, name, launch_cfg(grid, 128, p.smem as u32), &mut params) }
 }
 
 /// Device addresses both grouped forms take: the routing (sorted, tiles, n_tiles), then the first matrix's packed
@@ -650,30 +632,6 @@ mod tests {
         blocks_per_sm: BLOCKS_PER_SM,
         max_splits: 64,
     };
-
-    #[test]
-    fn capped_smem_leaves_room_for_cap_blocks_and_no_more() {
-        let (sm, max) = (H200.smem_per_sm, H200.max_smem);
-        assert_eq!(capped_smem(40_000, sm, max, 0), 40_000);
-        for cap in 2..=8 {
-            for need in [0, 9_000, 40_000] {
-                let s = capped_smem(need, sm, max, cap);
-                assert!(s >= need && s <= max - 1024, "cap {cap}: {s}");
-                if need * cap < sm / 2 {
-                    // cap blocks fit with the system's 1 KB and 512 static bytes each; cap + 1 do not.
-                    assert!(
-                        cap * (s + 1024 + 512) <= sm,
-                        "cap {cap}: {s} leaves no room for {cap} blocks"
-                    );
-                    assert!((cap + 1) * (s + 1024) > sm, "cap {cap}: {s} lets {} blocks in", cap + 1);
-                }
-            }
-        }
-        // A cap of one block: the configured maximum, which no two blocks share.
-        let one = capped_smem(0, sm, max, 1);
-        assert_eq!(one, max - 1024);
-        assert!(2 * (one + 1024) > sm);
-    }
 
     #[test]
     fn smem_row_stride_avoids_bank_conflicts_and_holds_the_slice() {
