@@ -807,8 +807,9 @@ fn mla_verify() {
     }
 }
 
-/// `n` calls of `call` (one a layer, writing `out`) captured as one graph and replayed (the median): microseconds a call,
-/// kernels a call, replays. Then one replay over a NaN-filled `out`, which must come back written and finite.
+/// `n` calls of `call` (one a layer, writing `out`) captured as one graph and replayed (the median): microseconds
+/// a call, kernels a call, replays. Then one replay over a NaN-filled `out`, which must come back written and
+/// finite.
 fn time_layers(
     g: &Gpu,
     n: usize,
