@@ -42,6 +42,10 @@ pub struct GpuOptions {
     /// faster (8.16 against 9.65 ms a 16K chunk after 16K), max error 2.9e-3 of the largest output against the f32
     /// reference (1.95e-3 for the split P), within the derived 8e-3; off: the A/B.
     pub mla_prefill_p1: bool,
+    /// One-node MLA (the AR step) through the decode kernel (`ops::mla_decode`: latent rows as the mma's rows, the
+    /// heads as its columns) where it is built for the widths (K2.6's, up to 8 heads, sm_90); off: the split kernel.
+    /// Run 103: 24.0 against 50.9 us a layer at 32K rows (13.7 against 19.3 at 4K).
+    pub mla_decode: bool,
     /// The device's memory pool keeps what it reserved instead of unmapping unused memory at every
     /// synchronisation (`Gpu::pool_keep`; rank groups always do).
     pub pool_keep: bool,
@@ -71,6 +75,7 @@ impl Default for GpuOptions {
             mla_expanded_min_rows: 1024,
             mla_prefill_flash: true,
             mla_prefill_p1: true,
+            mla_decode: true,
             pool_keep: false,
             tp_trace: false,
             op_profile: false,
@@ -85,7 +90,7 @@ pub const ENV_PREFIX: &str = "KDTREE_";
 
 /// Every switch: (variable, field of [`GpuOptions`], values and default). The variables keep the meaning
 /// they had when the library read them itself.
-pub const KNOBS: [(&str, &str, &str); 16] = [
+pub const KNOBS: [(&str, &str, &str); 17] = [
     ("KDTREE_CUDA_GRAPHS", "graphs", "`0`: off; anything else or unset: on"),
     ("KDTREE_CUDA_POISON", "poison", "`1`: on; otherwise off"),
     ("KDTREE_PDL", "pdl", "`0`: off; anything else or unset: on (sm_90+)"),
@@ -119,6 +124,11 @@ pub const KNOBS: [(&str, &str, &str); 16] = [
     (
         "KDTREE_MLA_PREFILL_P1",
         "mla_prefill_p1",
+        "`0`: off; anything else or unset: on",
+    ),
+    (
+        "KDTREE_MLA_DECODE",
+        "mla_decode",
         "`0`: off; anything else or unset: on",
     ),
     ("KDTREE_POOL_KEEP", "pool_keep", "`1`: on; otherwise off"),
@@ -159,6 +169,7 @@ impl GpuOptions {
             mla_expanded_min_rows: count("MLA_EXPANDED_MIN_ROWS", d.mla_expanded_min_rows),
             mla_prefill_flash: not_zero("MLA_PREFILL_FLASH", d.mla_prefill_flash),
             mla_prefill_p1: not_zero("MLA_PREFILL_P1", d.mla_prefill_p1),
+            mla_decode: not_zero("MLA_DECODE", d.mla_decode),
             pool_keep: one("POOL_KEEP"),
             tp_trace: one("TP_TRACE"),
             op_profile: one("OP_PROFILE"),

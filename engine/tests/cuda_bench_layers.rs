@@ -20,7 +20,9 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 use kdtree_engine::cuda::ops::mla_attention::{MlaShape, MlaSplit};
 use kdtree_engine::cuda::ops::moe_router::RouterCfg;
-use kdtree_engine::cuda::ops::{act_f32, gemm_bf16, mla_attention, moe_align, moe_combine, moe_router, w4a16_gemm};
+use kdtree_engine::cuda::ops::{
+    act_f32, gemm_bf16, mla_attention, mla_decode, moe_align, moe_combine, moe_router, w4a16_gemm,
+};
 use kdtree_engine::cuda::Gpu;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -663,7 +665,14 @@ fn tree_mask(r: &mut ChaCha8Rng, t: usize) -> (Vec<u64>, usize, Vec<usize>) {
 #[ignore = "timing; run by bench/gpu-bench.sh"]
 fn mla_verify() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
-    let Some(g) = gpu() else { return };
+    // The decode kernel off, so that mla_attention times the split kernel at T = 1; the decode kernel is timed by
+    // its own call below.
+    let Some(g) = gpu_with(kdtree_engine::GpuOptions {
+        mla_decode: false,
+        ..gpu_options()
+    }) else {
+        return;
+    };
     let copy = copy_gbps(&g);
     let mut r = rng(2950);
     let pools = Pools::new(&g, &mut r);
@@ -702,7 +711,7 @@ fn mla_verify() {
                 let (mut po, mut pml) = (g.zeros::<f32>(wo).unwrap(), g.zeros::<f32>(wml).unwrap());
                 let mut out = g.zeros::<bf16>(t * heads * KV_LORA).unwrap();
                 let bytes = (ctx + t) * LAT * 2 + t * heads * (LAT + KV_LORA) * 2 + t * words * 8;
-                let mut call = |i: usize| {
+                let mut call = |i: usize, out: &mut CudaSlice<bf16>| {
                     let l = i % LAYERS;
                     let lat = cache.slice(l * cap * LAT..(l + 1) * cap * LAT);
                     let (mv, cv) = (mask.as_view(), committed.as_view());
@@ -721,23 +730,13 @@ fn mla_verify() {
                     )
                     .unwrap();
                 };
-                call(0);
-                let est = time_ms(&g, 1, 3, &mut call);
+                call(0, &mut out);
+                let est = time_ms(&g, 1, 3, |i| call(i, &mut out));
                 let by_bytes = (256usize << 20).div_ceil(bytes).max(4);
                 let by_time = ((50.0 / est.max(1e-4)) as usize).max(4);
                 let n = by_bytes.min(by_time).min(LAYERS);
-                let graph = capture(&g, n, &mut call);
-                let (kernels, _) = graph_nodes(&graph);
-                let (ms, reps) = replay_median_ms(&g, &graph, 100.0, 3);
-                let us = ms * 1e3 / n as f64;
-                g.stream
-                    .memcpy_htod(&nan_bf16(t * heads * KV_LORA)[..], &mut out)
-                    .unwrap();
-                graph.launch().unwrap();
-                let got = g.download(&out).unwrap();
-                if let Some(at) = got.iter().position(|v| !v.to_f32().is_finite()) {
-                    panic!("mla_verify ctx={ctx} heads={heads} T={t}: output {at} not written or not finite");
-                }
+                let what = format!("mla_verify ctx={ctx} heads={heads} T={t}");
+                let (us, kernels, reps) = time_layers(&g, n, &mut call, &mut out, &what);
                 let floor_us = bytes as f64 / (copy * 1e9) * 1e6;
                 let flops =
                     2.0 * heads as f64 * vis.iter().map(|&v| (ctx + v) as f64).sum::<f64>() * (LAT + KV_LORA) as f64;
@@ -752,7 +751,7 @@ fn mla_verify() {
                     us / floor_us,
                     flops / (us * 1e-6) / 1e12,
                     flops / 1e9,
-                    kernels / n,
+                    kernels,
                     split.splits
                 );
                 println!(
@@ -762,14 +761,72 @@ fn mla_verify() {
                     us / floor_us,
                     flops / 1e9,
                     flops / (us * 1e-6) / 1e12,
-                    kernels / n,
+                    kernels,
                     split.splits
                 );
+                // The decode kernel (ops::mla_decode) on the same call: the A/B.
+                if mla_decode::supported(&g, &s) {
+                    let mut call = |i: usize, out: &mut CudaSlice<bf16>| {
+                        let l = i % LAYERS;
+                        let lat = cache.slice(l * cap * LAT..(l + 1) * cap * LAT);
+                        let cv = committed.as_view();
+                        mla_decode::mla_decode(
+                            &g,
+                            &q.as_view(),
+                            &lat,
+                            Some(&cv),
+                            &s,
+                            &split,
+                            scale,
+                            &mut po.as_view_mut(),
+                            &mut pml.as_view_mut(),
+                            &mut out.as_view_mut(),
+                        )
+                        .unwrap();
+                    };
+                    call(0, &mut out);
+                    let what = format!("mla_decode ctx={ctx} heads={heads}");
+                    let (dus, dk, dreps) = time_layers(&g, n, &mut call, &mut out, &what);
+                    println!(
+                        "mla_decode ctx={ctx} heads={heads} T=1: {dus:.1} us per layer (median of {dreps}), {:.2}x the \
+                         byte floor {floor_us:.1} us; the split kernel above {us:.1} us",
+                        dus / floor_us
+                    );
+                    println!(
+                        "BENCH mla_decode ctx={ctx} heads={heads} us={dus:.2} floor_us={floor_us:.2} ratio={:.3} \
+                         split_us={us:.2} kernels={} splits={}",
+                        dus / floor_us,
+                        dk,
+                        split.splits
+                    );
+                }
             }
         }
         drop(cache);
         g.sync().unwrap();
     }
+}
+
+/// `n` calls of `call` (one a layer, writing `out`) captured as one graph and replayed (the median): microseconds
+/// a call, kernels a call, replays. Then one replay over a NaN-filled `out`, which must come back written and
+/// finite.
+fn time_layers(
+    g: &Gpu,
+    n: usize,
+    call: &mut impl FnMut(usize, &mut CudaSlice<bf16>),
+    out: &mut CudaSlice<bf16>,
+    what: &str,
+) -> (f64, usize, usize) {
+    let graph = capture(g, n, |i| call(i, out));
+    let (kernels, _) = graph_nodes(&graph);
+    let (ms, reps) = replay_median_ms(g, &graph, 100.0, 3);
+    g.stream.memcpy_htod(&nan_bf16(out.len())[..], out).unwrap();
+    graph.launch().unwrap();
+    let got = g.download(out).unwrap();
+    if let Some(at) = got.iter().position(|v| !v.to_f32().is_finite()) {
+        panic!("{what}: output {at} not written or not finite");
+    }
+    (ms * 1e3 / n as f64, kernels / n, reps)
 }
 
 /// No GPU needed: the forced routes come out of K2.6's router (logits from [`router_host`]'s bf16 weights

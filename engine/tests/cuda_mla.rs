@@ -8,6 +8,15 @@
 
 mod cuda_common;
 
+/// The GPU with the decode kernel off (`KDTREE_MLA_DECODE=0`), so that `mla_attention` takes the split kernel at
+/// T = 1 too: this file tests that kernel; `mla_decode_parity` calls the decode kernel itself and compares.
+fn split_gpu() -> Option<kdtree_engine::cuda::Gpu> {
+    gpu_with(kdtree_engine::GpuOptions {
+        mla_decode: false,
+        ..gpu_options()
+    })
+}
+
 // CPU twin (one block so the paths are easy to follow if the CPU ops move).
 use kdtree_engine::cpu::ops::{mla_attention, MlaDims, MlaKv};
 use kdtree_engine::ddtree::Visibility;
@@ -175,7 +184,7 @@ fn case(
 
 #[test]
 fn mla_attention_parity() {
-    let Some(g) = gpu() else { return };
+    let Some(g) = split_gpu() else { return };
     // (T, Hr, committed, C, P, tree mask)
     let cases = [
         (1, 8, 0, 512, 64, true),
@@ -231,6 +240,128 @@ fn mla_attention_parity() {
     }
 }
 
+/// The decode kernel (`ops::mla_decode`: one node, K2.6's widths, latent rows as the mma's rows) against the CPU
+/// twin and the split kernel on the same inputs, NaN-poisoned partials and output, twice the same bits; committed
+/// lengths around its 16-row tiles, its four warps' 64 rows and the splits' 32-row rounding, up to 32K rows; 8, 5
+/// and 1 heads; the host's and the device's committed length (a captured step: rows divided in the kernel, a
+/// split count chosen for a larger room); small and peaked softmaxes.
+#[test]
+fn mla_decode_parity() {
+    use kdtree_engine::cuda::ops::mla_decode::{mla_decode, supported};
+    let Some(g) = split_gpu() else { return };
+    let (c, p) = (512usize, 64usize);
+    let lw = c + p;
+    // (heads, committed, room: None = the host's length and split, Some(rows) = the device's)
+    let cases: [(usize, usize, Option<usize>); 16] = [
+        (8, 0, None),
+        (8, 1, None),
+        (8, 14, None),
+        (8, 15, None),
+        (8, 16, None),
+        (8, 63, None),
+        (8, 64, None),
+        (8, 100, None),
+        (5, 777, None),
+        (1, 2000, None),
+        (8, 4095, None),
+        (8, 32767, None),
+        (8, 0, Some(4096)),
+        (8, 1000, Some(4096)),
+        (3, 5000, Some(32768)),
+        (8, 32767, Some(32768)),
+    ];
+    let mut ran = 0;
+    for (i, &(heads, committed, room)) in cases.iter().enumerate() {
+        let s = MlaShape {
+            t: 1,
+            heads,
+            kv_lora: c,
+            rope: p,
+            committed,
+        };
+        if !supported(&g, &s) {
+            println!("SKIP mla_decode(Hr={heads}): the kernel's shared memory exceeds this device's block");
+            continue;
+        }
+        for peaked in [false, true] {
+            let seed = 1200 + 2 * i as u64 + peaked as u64;
+            let name = format!(
+                "mla_decode(Hr={heads},committed={committed}{}{})",
+                room.map(|r| format!(",committed on the device,room {r}"))
+                    .unwrap_or_default(),
+                if peaked { ",peaked" } else { "" }
+            );
+            let mut r = rng(seed);
+            let qhi = if peaked { 2.4 } else { 0.12 };
+            let q = rand_bf16(&mut r, heads * lw, qhi / 12.0, qhi);
+            let lat = rand_bf16(&mut r, room.unwrap_or(committed + 1) * lw, 0.05, 1.5);
+            let (kvb, dims) = identity_twin(heads, c, p);
+            let want = mla_attention(
+                &dims,
+                &widen(&q),
+                &widen(&lat[..(committed + 1) * lw]),
+                committed,
+                &Visibility::from_parents(&[-1]).unwrap(),
+                MlaKv::Absorbed(&kvb),
+            );
+            let split = match room {
+                None => MlaSplit::choose(&g, &s),
+                Some(rows) => MlaSplit {
+                    splits: MlaSplit::choose(
+                        &g,
+                        &MlaShape {
+                            committed: rows - 1,
+                            ..s
+                        },
+                    )
+                    .splits,
+                    rows_per_split: 0,
+                },
+            };
+            let (dq, dl) = (g.upload(&q).unwrap(), g.upload(&lat).unwrap());
+            let dc = g.upload(&[committed as i32]).unwrap();
+            let dcv = dc.as_view();
+            let run = || {
+                let (wo, wml) = split.workspace(&s);
+                let mut po = g.upload(&nan_f32(wo)).unwrap();
+                let mut pml = g.upload(&nan_f32(wml)).unwrap();
+                let mut out = g.upload(&nan_bf16(heads * c)).unwrap();
+                mla_decode(
+                    &g,
+                    &dq.as_view(),
+                    &dl.as_view(),
+                    room.map(|_| &dcv),
+                    &s,
+                    &split,
+                    SCALE,
+                    &mut po.as_view_mut(),
+                    &mut pml.as_view_mut(),
+                    &mut out.as_view_mut(),
+                )
+                .unwrap();
+                g.download(&out).unwrap()
+            };
+            let (got, again) = (run(), run());
+            assert!(
+                got.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{name}: two runs differ"
+            );
+            eprintln!("{name}: {} splits x {} rows", split.splits, split.rows_per_split);
+            check_bf16(&format!("{name} [two runs identical]"), &got, &want, MLA_TOL);
+            // The split kernel on the same inputs (split_gpu: mla_attention takes it).
+            let split_form = run_mla(&g, &dq.as_view(), &dl.as_view(), None, room.map(|_| &dcv), &s, &split);
+            check_bf16(
+                &format!("{name} vs the split kernel"),
+                &got,
+                &widen(&split_form),
+                MLA_TOL,
+            );
+            ran += 1;
+        }
+    }
+    println!("mla_decode: {ran} cases");
+}
+
 /// A batch's MLA in one launch (`mla_attention_seg`: each sequence its own cache, mask, committed length on
 /// the device and split) gives every node the bits its own sequence's launch gives; and the batch's latent
 /// store (`store_rows_seg_bf16`) writes each sequence's rows where `store_rows` into bf16 does.
@@ -238,7 +369,7 @@ fn mla_attention_parity() {
 fn mla_attention_segments_equal_their_own_launches() {
     use kdtree_engine::cuda::ops::mla_attention::{mla_attention_seg, MlaSeg};
     use kdtree_engine::cuda::ops::round_state::{store_rows, store_rows_seg_bf16, StoreSeg};
-    let Some(g) = gpu() else { return };
+    let Some(g) = split_gpu() else { return };
     let (heads, c, p) = (8usize, 512usize, 64usize);
     let lw = c + p;
     // (T, committed, room)
@@ -400,7 +531,7 @@ fn mla_attention_segments_equal_their_own_launches() {
 /// itself runs: a causal prefill of 65535 nodes, every row of it visible in its triangle.
 #[test]
 fn mla_attention_refuses_more_nodes_than_the_grid_holds() {
-    let Some(g) = gpu() else { return };
+    let Some(g) = split_gpu() else { return };
     for (t, ok) in [(65535usize, true), (65536, false)] {
         let heads = 64;
         let s = MlaShape {
@@ -453,7 +584,7 @@ fn mla_attention_refuses_more_nodes_than_the_grid_holds() {
 /// With 8 heads a tile is 8 nodes; with 3 heads 21.
 #[test]
 fn mla_attention_rows_do_not_depend_on_their_tile() {
-    let Some(g) = gpu() else { return };
+    let Some(g) = split_gpu() else { return };
     let (c, p, committed) = (512usize, 64usize, 27usize);
     let lw = c + p;
     for heads in [8usize, 3] {
@@ -506,7 +637,7 @@ fn mla_attention_rows_do_not_depend_on_their_tile() {
 #[test]
 fn mla_attention_heads_parity() {
     use kdtree_engine::cuda::ops::mla_attention::mla_attention_heads;
-    let Some(g) = gpu() else { return };
+    let Some(g) = split_gpu() else { return };
     // (T, heads, committed, value width C, key width P, tree mask, query magnitude)
     for (i, &(t, heads, committed, c, p, masked, qhi)) in [
         (100usize, 8usize, 0usize, 128usize, 192usize, false, 0.12f32),
@@ -637,7 +768,7 @@ fn run_inv(
 /// causal prefill, K2.6 widths at 8 and 64 heads, prefixes across the 256-position chunk cuts.
 #[test]
 fn mla_invariant_parity() {
-    let Some(g) = gpu() else { return };
+    let Some(g) = split_gpu() else { return };
     // (T, heads, committed, C, P, tree, seed)
     for &(t, heads, committed, c, p, tree, seed) in &[
         (1usize, 8usize, 1000usize, 512usize, 64usize, true, 1001u64),
@@ -689,7 +820,7 @@ fn mla_invariant_parity() {
 /// chunk cuts, at K2.6 widths; and a node's bits do not depend on the other nodes of its call.
 #[test]
 fn mla_invariant_rows_equal_ar_and_verify() {
-    let Some(g) = gpu() else { return };
+    let Some(g) = split_gpu() else { return };
     let (c, p, heads) = (512usize, 64usize, 8usize);
     let lw = c + p;
     for &(t, committed, seed) in &[(65usize, 250usize, 1101u64), (257, 500, 1102), (33, 0, 1103)] {

@@ -32,6 +32,7 @@ fn changed(a: &GpuOptions, b: &GpuOptions) -> Vec<&'static str> {
     );
     check("mla_prefill_flash", a.mla_prefill_flash != b.mla_prefill_flash);
     check("mla_prefill_p1", a.mla_prefill_p1 != b.mla_prefill_p1);
+    check("mla_decode", a.mla_decode != b.mla_decode);
     check("pool_keep", a.pool_keep != b.pool_keep);
     check("tp_trace", a.tp_trace != b.tp_trace);
     check("op_profile", a.op_profile != b.op_profile);
@@ -50,6 +51,7 @@ fn nothing_set_is_the_default() {
             && d.mla_prefill_flash
             && d.mla_prefill_p1
             && !d.pool_keep
+            && d.mla_decode
             && !d.poison
             && !d.gemv
             && !d.tp_trace
@@ -68,7 +70,11 @@ fn nothing_set_is_the_default() {
 fn each_variable_sets_its_own_field_and_no_other() {
     // A value that moves each switch off its default.
     let moved = |name: &str| match name {
-        "KDTREE_CUDA_GRAPHS" | "KDTREE_PDL" | "KDTREE_MLA_PREFILL_FLASH" | "KDTREE_MLA_PREFILL_P1" => "0",
+        "KDTREE_CUDA_GRAPHS"
+        | "KDTREE_PDL"
+        | "KDTREE_MLA_PREFILL_FLASH"
+        | "KDTREE_MLA_PREFILL_P1"
+        | "KDTREE_MLA_DECODE" => "0",
         "KDTREE_W4A16_BLOCKS_PER_SM" => "2",
         "KDTREE_W4A16_MAX_SPLITS" => "16",
         "KDTREE_MLA_EXPANDED_MIN_ROWS" => "512",
@@ -76,7 +82,7 @@ fn each_variable_sets_its_own_field_and_no_other() {
         "KDTREE_GROUP_TIMEOUT_S" | "KDTREE_GATE_TIMEOUT_S" => "1.5",
         _ => "1",
     };
-    assert_eq!(KNOBS.len(), 16);
+    assert_eq!(KNOBS.len(), 17);
     for (var, field, _) in KNOBS {
         assert!(var.starts_with(kdtree_engine::options::ENV_PREFIX), "{var}");
         let got = from(&[(var, moved(var))]);
@@ -95,6 +101,7 @@ fn each_variable_sets_its_own_field_and_no_other() {
             && !o.mla_prefill_flash
             && !o.mla_prefill_p1
             && o.pool_keep
+            && !o.mla_decode
             && o.poison
             && o.gemv
             && o.tp_trace

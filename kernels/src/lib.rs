@@ -65,6 +65,7 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("mla_invariant.cu", "kdtree_mla_inv_uv_bf16"),
     ("mla_invariant.cu", "kdtree_mla_inv_partial_bf16"),
     ("mla_invariant.cu", "kdtree_mla_inv_merge_bf16"),
+    ("mla_decode.cu", "kdtree_mla_decode_bf16"),
     ("mla_prefill.cu", "kdtree_mla_prefill_bf16_q192_v128"),
     ("mla_prefill.cu", "kdtree_mla_prefill_bf16_q192_v128_p1"),
     ("mla_prefill.cu", "kdtree_mla_prefill_bf16_q64_v32"),

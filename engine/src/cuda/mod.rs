@@ -356,6 +356,7 @@ impl Gpu {
         ops::gqa_attention::configure(&gpu)?;
         ops::mla_attention::configure(&gpu)?;
         ops::mla_prefill::configure(&gpu)?;
+        ops::mla_decode::configure(&gpu)?;
         ops::moe_align::configure(&gpu)?;
         ops::ddtree_build::configure(&gpu)?;
         if opts.pool_keep {

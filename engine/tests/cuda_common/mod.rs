@@ -23,7 +23,12 @@ pub fn gpu_options() -> GpuOptions {
 /// Models loaded onto it check every weight's device bytes against the manifest (the load check is always on
 /// in the suite).
 pub fn gpu() -> Option<Gpu> {
-    match Gpu::new(0, gpu_options()) {
+    gpu_with(gpu_options())
+}
+
+/// [`gpu`] with these switches.
+pub fn gpu_with(opts: GpuOptions) -> Option<Gpu> {
+    match Gpu::new(0, opts) {
         Ok(g) => {
             g.set_weight_check(kdtree_engine::backend::WeightCheck::Device);
             Some(g)

@@ -159,7 +159,7 @@ pub(crate) fn mask_words(op: &'static str, mask: Option<(&CudaView<'_, u64>, usi
 }
 
 /// Splits the merge kernel holds in shared memory (`MLA_MERGE_MAX_SPLITS` in mla_attention.cu).
-const MERGE_MAX_SPLITS: usize = 1024;
+pub(crate) const MERGE_MAX_SPLITS: usize = 1024;
 
 /// `out[t, h, :C] = Σ_s softmax_s(scale · q[t, h, :] · lat[s, :]) · lat[s, :C]` over the rows node t sees:
 /// the committed prefix `[0, committed)` and `committed + j` for each node j set in `mask` row t (`words`
@@ -229,6 +229,10 @@ pub fn mla_attention(
     let words = mask_words(OP, mask, s.t)?;
     if s.t == 0 || s.heads == 0 {
         return Ok(());
+    }
+    // One node sees every row up to its own whatever its mask (the diagonal): the decode kernel's case.
+    if gpu.options().mla_decode && super::mla_decode::supported(gpu, s) {
+        return super::mla_decode::mla_decode(gpu, q, lat, committed_dev, s, split, scale, part_o, part_ml, out);
     }
     let (t, hr, c, p) = (
         as_i32(OP, "t", s.t)?,
@@ -389,7 +393,7 @@ pub fn mla_attention_heads(
 
 /// The log-sum-exp merge of `splits` partials of `(t, heads)` nodes into `out` `[t, Hr, C]` bf16 (the
 /// partials' lengths were checked by the caller).
-fn merge(
+pub(crate) fn merge(
     gpu: &Gpu,
     part_o: &CudaViewMut<'_, f32>,
     part_ml: &CudaViewMut<'_, f32>,

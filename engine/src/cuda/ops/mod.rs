@@ -16,6 +16,7 @@ pub mod gqa_attention;
 pub mod kv_compact;
 pub mod mla_absorb;
 pub mod mla_attention;
+pub mod mla_decode;
 pub mod mla_invariant;
 pub mod mla_prefill;
 pub mod moe_align;
