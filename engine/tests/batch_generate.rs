@@ -275,6 +275,7 @@ fn batched_auto_budget_gives_the_alone_tokens() {
         device: "test".into(),
         draft_us: 100.0,
         verify: vec![(1, 4.0), (257, 1028.0)],
+        feed_us: None,
         note: String::new(),
     };
     let mode = Mode::DDTreeAuto { max: 64 };

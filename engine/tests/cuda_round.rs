@@ -57,7 +57,7 @@ fn device_round_equals_the_host_round_on_the_gpu() {
     let tmp = tempfile::tempdir().unwrap();
     let Some((g, mut m)) = pair_on_gpu(&tmp) else { return };
     let prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|p| p.to_vec()).collect();
-    let (rounds, tau) = compare(&mut m, "kdtree-tiny pair, cuda", &prompts, &[1, 8, 64, 256, 1024], 6);
+    let (rounds, tau) = compare(&mut m, "kdtree-tiny pair, cuda", &prompts, &[0, 1, 8, 64, 256, 1024], 6);
     let chain = compare_chain(&mut m, "kdtree-tiny pair, cuda", &prompts, 6);
     no_capture_failure(&g);
     println!("PARITY device_chain(cuda) exact over {chain} rounds");
@@ -488,6 +488,7 @@ fn auto_budget_on_the_gpu_equals_the_host_rounds() {
         device: "test".into(),
         draft_us: 100.0,
         verify: vec![(1, 4.0), (257, 1028.0)],
+        feed_us: None,
         note: String::new(),
     };
     let mut runs = Vec::new();

@@ -22,6 +22,7 @@ fn cost() -> CostModel {
         device: "test".into(),
         draft_us: 100.0,
         verify: vec![(1, 4.0), (257, 1028.0)],
+        feed_us: None,
         note: String::new(),
     }
 }

@@ -541,6 +541,10 @@ impl TreeOps for Rec {
         rec!(self, "tree_build", draft.len(), row0);
         self.inner.tree_build(tree, draft, row0)
     }
+    fn tree_root_only(&self, tree: &mut Self::Tree) -> anyhow::Result<()> {
+        rec!(self, "tree_root_only");
+        self.inner.tree_root_only(tree)
+    }
     fn tree_set_root(&self, tree: &mut Self::Tree, root: u32) -> anyhow::Result<()> {
         rec!(self, "tree_set_root");
         self.inner.tree_set_root(tree, root)

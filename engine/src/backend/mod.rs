@@ -454,6 +454,8 @@ pub trait TreeOps: Resources {
     /// of the root token ([`TreeOps::tree_root`]) and its ancestor mask (`ddtree::build_tree`). The tree has
     /// `budget + 1` nodes when [`crate::ddtree::tree_is_full`] holds.
     fn tree_build(&self, tree: &mut Self::Tree, draft: &Self::Act, row0: usize) -> Result<()>;
+    /// A feed round's tree (a tree of budget 0): the root token alone, no draft read.
+    fn tree_root_only(&self, tree: &mut Self::Tree) -> Result<()>;
     /// Sets the root token (the next round's is the last walk's bonus, set by [`TreeOps::tree_commit`]).
     fn tree_set_root(&self, tree: &mut Self::Tree, root: u32) -> Result<()>;
     /// The root token `[1]` where the ops read it.

@@ -47,6 +47,14 @@ impl TreeOps for CpuBackend {
         t.walk = None;
         Ok(())
     }
+    fn tree_root_only(&self, t: &mut CpuTree) -> Result<()> {
+        anyhow::ensure!(t.budget == 0, "tree_root_only on a tree of budget {}", t.budget);
+        t.tree = DraftTree::root_only(t.root[0]);
+        t.depths = t.tree.depths.clone();
+        t.mask = t.tree.visibility.clone();
+        t.walk = None;
+        Ok(())
+    }
     fn tree_set_root(&self, t: &mut CpuTree, root: u32) -> Result<()> {
         t.root[0] = root;
         Ok(())

@@ -9,6 +9,11 @@
 //! µs of a round of n nodes (the surrogate acceptance of DDTree Prop. 1 plus the bonus); n* is the first n
 //! with θ(n + 1) <= θ(n), or the tree's size when θ never stops rising. CaDDTree proves θ unimodal when
 //! C_v is convex, so the greedy stop is the maximum then.
+//! A feed round (budget 0: the AR step and the root's taps into the drafter's context, no draft) commits one
+//! token for `feed_us` (measured by calibrate too): when its 1 / C_feed beats the best θ of the last drafted
+//! round, the sequence feeds instead of drafting, and drafts again to probe after 1, 2, 4, ... up to
+//! [`MAX_FEED_RUN`] feed rounds (a feed round learns nothing about the drafter's acceptance). A cost file
+//! without `feed_us` never feeds.
 //! The JSON form (schema [`COST_SCHEMA`]) is parsed and checked here; the tools own its file.
 //! Tests: below; the session's use in engine/tests/generate_tiny_model.rs; the file in kdtree-run.
 
@@ -24,6 +29,9 @@ pub const BUCKETS: [usize; 7] = [4, 8, 16, 32, 64, 128, 256];
 /// The bucket of a sequence's first round (before any tree has been seen).
 pub const START_BUCKET: usize = 16;
 
+/// The longest run of feed rounds between two probing (drafting) rounds.
+pub const MAX_FEED_RUN: usize = 64;
+
 /// Measured round cost on one device.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -38,6 +46,10 @@ pub struct CostModel {
     /// (nodes verified, root included; µs) points of C_v, nodes strictly increasing, µs non-decreasing;
     /// linear between points and beyond them (clamped at 0).
     pub verify: Vec<(usize, f64)>,
+    /// A feed round (budget 0: the AR step plus the root's taps into the drafter's context, no draft), µs;
+    /// None (a file from before feed rounds): `--budget auto` always drafts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub feed_us: Option<f64>,
     /// How it was measured (free text: rounds per point, prompt, context).
     #[serde(default)]
     pub note: String,
@@ -90,7 +102,30 @@ impl CostModel {
             "cost model: a round of 0 drafted nodes costs {} µs (must be > 0)",
             self.round_us(0)
         );
+        if let Some(f) = self.feed_us {
+            ensure!(
+                f.is_finite() && f > 0.0,
+                "cost model: feed_us {f} is not a finite time > 0"
+            );
+        }
         Ok(())
+    }
+
+    /// The model with the measured feed round `us` (µs), checked.
+    pub fn with_feed(self, us: f64) -> Result<CostModel> {
+        let m = CostModel {
+            feed_us: Some((us * 1e3).round() / 1e3),
+            ..self
+        };
+        m.check()?;
+        Ok(m)
+    }
+
+    /// A feed round of `rows` sequences in one forward, µs: the measured feed round with the verify of the
+    /// other rows added (C_v(rows) − C_v(1)); None without a measured feed round.
+    pub fn feed_round_us(&self, rows: usize) -> Option<f64> {
+        let extra = (self.verify_us(rows.max(1)) - self.verify_us(1)).max(0.0);
+        self.feed_us.map(|f| f + extra)
     }
 
     /// C_v of a tree of `nodes` nodes (root included), µs: linear between the points, extended linearly past
@@ -145,6 +180,7 @@ impl CostModel {
             device: device.to_string(),
             draft_us: ns(draft),
             verify,
+            feed_us: None,
             note,
         };
         m.check()?;
@@ -156,6 +192,11 @@ impl CostModel {
 /// θ(n) = (1 + Σ_{i<=n} exp(log_q_i)) / round_us(n) under `cost`, found as the first n with θ(n + 1) <= θ(n)
 /// (at most `log_q.len()`). A NaN score counts as probability 0 (as the builder counts it as -inf).
 pub fn best_nodes(log_q: &[f64], cost: &CostModel) -> usize {
+    best_theta(log_q, cost).0
+}
+
+/// [`best_nodes`] and θ there: the expected tokens per µs of a round of that many nodes.
+pub fn best_theta(log_q: &[f64], cost: &CostModel) -> (usize, f64) {
     let mut phi = 1.0; // the bonus token always commits
     let mut theta = phi / cost.round_us(0);
     for (n, &lq) in log_q.iter().enumerate() {
@@ -163,11 +204,11 @@ pub fn best_nodes(log_q: &[f64], cost: &CostModel) -> usize {
         let next_phi = phi + if p.is_nan() { 0.0 } else { p };
         let next = next_phi / cost.round_us(n + 1);
         if next <= theta || next.is_nan() {
-            return n;
+            return (n, theta);
         }
         (phi, theta) = (next_phi, next);
     }
-    log_q.len()
+    (log_q.len(), theta)
 }
 
 /// One budget for all sequences of a batched round in auto mode (`--budget auto --max-batch N`): the bucket that
@@ -223,16 +264,23 @@ pub fn buckets(max: usize) -> Vec<usize> {
 /// The budget of each round of one session in auto mode, chosen one round late: round r runs at bucket
 /// B_r; from round r's popped-node scores, n* = [`best_nodes`]; B_{r+1} = the smallest bucket >= n* when the
 /// rule stopped inside the tree (n* < B_r), else the next larger bucket (the tree was too small to stop).
-/// Each sequence starts at [`START_BUCKET`] (or the largest bucket below it).
+/// Each sequence starts at [`START_BUCKET`] (or the largest bucket below it). With a measured feed round
+/// ([`CostModel::feed_us`]): when 1 / C_feed >= θ(n*), the next rounds feed (budget 0) instead, `run` of them,
+/// then one drafts at B_{r+1} to probe; `run` doubles (up to [`MAX_FEED_RUN`]) each time a probe says feed
+/// again and is back to 1 when drafting wins.
 #[derive(Debug, Clone)]
 pub struct AutoBudget {
     cost: CostModel,
     buckets: Vec<usize>,
-    /// Index of this round's bucket.
+    /// Index of the next drafting round's bucket.
     at: usize,
-    /// The popped nodes' scores of this sequence's last round (empty before its first): what
+    /// The popped nodes' scores of this sequence's last drafted round (empty before its first): what
     /// [`batch_bucket`] weighs.
     last: Vec<f64>,
+    /// Feed rounds left before the next drafting round (0: this round drafts).
+    feeds: usize,
+    /// The length of the next run of feed rounds.
+    run: usize,
 }
 
 impl AutoBudget {
@@ -247,6 +295,8 @@ impl AutoBudget {
             buckets,
             at: 0,
             last: Vec::new(),
+            feeds: 0,
+            run: 1,
         };
         a.restart();
         Ok(a)
@@ -255,14 +305,23 @@ impl AutoBudget {
     pub fn restart(&mut self) {
         self.at = self.buckets.iter().rposition(|&b| b <= START_BUCKET).unwrap_or(0);
         self.last.clear();
+        (self.feeds, self.run) = (0, 1);
     }
     /// The popped nodes' scores of this sequence's last round (empty before its first).
     pub fn last_scores(&self) -> &[f64] {
         &self.last
     }
-    /// This round's budget.
+    /// This round's budget: 0 for a feed round.
     pub fn budget(&self) -> usize {
-        self.buckets[self.at]
+        if self.feeds > 0 {
+            0
+        } else {
+            self.buckets[self.at]
+        }
+    }
+    /// Whether this round feeds (budget 0).
+    pub fn feeding(&self) -> bool {
+        self.feeds > 0
     }
     pub fn buckets(&self) -> &[usize] {
         &self.buckets
@@ -270,17 +329,29 @@ impl AutoBudget {
     pub fn cost(&self) -> &CostModel {
         &self.cost
     }
-    /// After a round at [`AutoBudget::budget`] whose popped nodes scored `log_q`: set the next round's
-    /// bucket; returns n*.
+    /// After a round whose popped nodes scored `log_q` (empty: a feed round, or a drafted round of no nodes):
+    /// set the next round's budget; returns n* (0 after a feed round).
     pub fn update(&mut self, log_q: &[f64]) -> usize {
+        if log_q.is_empty() {
+            // A feed round: one fewer before the probe (the last drafted round's scores stay).
+            self.feeds = self.feeds.saturating_sub(1);
+            return 0;
+        }
         self.last.clear();
         self.last.extend_from_slice(log_q);
-        let n = best_nodes(log_q, &self.cost);
-        self.at = if n < self.budget() {
+        let (n, theta) = best_theta(log_q, &self.cost);
+        self.at = if n < self.buckets[self.at] {
             self.buckets.iter().position(|&b| b >= n).unwrap_or(self.at)
         } else {
             (self.at + 1).min(self.buckets.len() - 1)
         };
+        match self.cost.feed_round_us(1) {
+            Some(feed) if 1.0 / feed >= theta => {
+                self.feeds = self.run;
+                self.run = (2 * self.run).min(MAX_FEED_RUN);
+            }
+            _ => (self.feeds, self.run) = (0, 1),
+        }
         n
     }
 }
@@ -296,6 +367,7 @@ mod tests {
             device: "test".into(),
             draft_us: fixed,
             verify: vec![(1, per_node), (257, 257.0 * per_node)],
+            feed_us: None,
             note: String::new(),
         }
     }

@@ -185,7 +185,8 @@ pub(crate) fn rounds<B: Backend>(
                 walk: r.walk,
                 log_q: r.log_q,
                 drafted: p.budget,
-                draft_rows: p.d.block_size() - 1,
+                // A feed round drafts no rows.
+                draft_rows: if p.budget == 0 { 0 } else { p.d.block_size() - 1 },
             });
         }
         Ok(outs)
@@ -216,8 +217,13 @@ fn one_round<B: Backend>(w: &Weights<B>, p: &mut Part<'_, B>, slot: usize, key: 
     // pairs through the communicator instead of the `[t, V]` logits); otherwise the walk reads the logits.
     let pairs = s.is_greedy() && w.vocab_split();
     let r = b.graph_run(graph, key, &mut || {
-        let draft = d.draft_from_root(b.tree_root(tree))?; // [rows, V]
-        b.tree_build(tree, &draft, 0)?;
+        if t == 1 {
+            // A feed round: the root alone, no draft.
+            b.tree_root_only(tree)?;
+        } else {
+            let draft = d.draft_from_root(b.tree_root(tree))?; // [rows, V]
+            b.tree_build(tree, &draft, 0)?;
+        }
         let (xn, taps) = tm.forward_tree(tree, t, rows)?;
         if pairs {
             w.lm_head_argmax_into(&xn, t, decisions, 0)?;
@@ -265,19 +271,26 @@ fn batch_round<B: Backend>(
     let (tokens, stage) = (&mut st.tokens, &mut st.stage);
     let graph = &mut st.graphs[gi].1;
     let r = b.graph_run(graph, gkey, &mut || {
-        // Every block drafted in one forward, every tree built from its rows, then their nodes gathered.
-        let draft = {
-            let (mut roots, mut ds): (Vec<&B::Ids>, Vec<&mut DFlashDrafter<B>>) = (Vec::new(), Vec::new());
-            for (p, &i) in parts.iter_mut().zip(slots) {
-                roots.push(b.tree_root(&p.t.rounds[i].tree));
-                ds.push(&mut *p.d);
+        // Every block drafted in one forward, every tree built from its rows, then their nodes gathered. Feed
+        // rounds (budget 0) draft nothing: a batch of them only, none drafts.
+        let draft = match parts.iter().any(|p| p.budget > 0) {
+            true => {
+                let (mut roots, mut ds): (Vec<&B::Ids>, Vec<&mut DFlashDrafter<B>>) = (Vec::new(), Vec::new());
+                for (p, &i) in parts.iter_mut().zip(slots) {
+                    roots.push(b.tree_root(&p.t.rounds[i].tree));
+                    ds.push(&mut *p.d);
+                }
+                Some(DFlashDrafter::draft_batch(&mut ds, &roots, tokens)?) // [N·(B−1), V]
             }
-            DFlashDrafter::draft_batch(&mut ds, &roots, tokens)? // [N·(B−1), V]
+            false => None,
         };
         let mut at = 0;
         for (s, (p, &i)) in parts.iter_mut().zip(slots).enumerate() {
             let tree = &mut p.t.rounds[i].tree;
-            b.tree_build(tree, &draft, s * (block - 1))?;
+            match (&draft, p.budget) {
+                (Some(draft), 1..) => b.tree_build(tree, draft, s * (block - 1))?,
+                _ => b.tree_root_only(tree)?,
+            }
             b.ids_copy(tokens, at, b.tree_tokens(tree), nodes[s]);
             at += nodes[s];
         }
