@@ -344,9 +344,13 @@ impl Batch {
             Some(ops) => {
                 // `--budget auto`: one bucket for all, the one that maximizes the batch's expected committed tokens
                 // per µs over the forward's rows (ddtree::cost::batch_bucket); before any sequence has a round,
-                // the bucket most of them chose (ties: the larger).
-                let auto = {
-                    let autos: Vec<_> = active.iter().filter_map(|&i| self.slots[i].auto_budget()).collect();
+                // the bucket most of them chose (ties: the larger). A feed round (budget 0) when every sequence's
+                // own rule feeds; one that probes makes the batch draft.
+                let autos: Vec<_> = active.iter().filter_map(|&i| self.slots[i].auto_budget()).collect();
+                let feed = !autos.is_empty() && autos.iter().all(|a| a.feeding());
+                let auto = if feed {
+                    Some(0)
+                } else {
                     // The rows of the forward: the active sequences and the idle ones that join as ghosts.
                     let rows = (0..self.slots.len())
                         .filter(|&i| active.contains(&i) || self.ghosts[i].is_some() || self.slots[i].mark().is_some())
@@ -364,7 +368,7 @@ impl Batch {
                         None => None,
                     }
                     .or_else(|| {
-                        let mut votes: Vec<usize> = autos.iter().map(|a| a.budget()).collect();
+                        let mut votes: Vec<usize> = autos.iter().filter(|a| !a.feeding()).map(|a| a.budget()).collect();
                         votes.sort_unstable();
                         let mut best: Option<(usize, usize)> = None; // (count, budget)
                         for c in votes.chunk_by(|a, b| a == b) {

@@ -601,4 +601,59 @@ mod tests {
         assert_eq!(AutoBudget::new(8, c.clone()).unwrap().budget(), 8);
         assert!(AutoBudget::new(0, c).is_err());
     }
+
+    #[test]
+    fn feed_rounds_run_where_drafting_does_not_pay_and_probes_back_off() {
+        // Fixed cost 100, 1 a node; a feed round 50: 1/50 beats any θ below 0.02.
+        let c = linear(100.0, 1.0).with_feed(50.0).unwrap();
+        assert_eq!(c.feed_round_us(1), Some(50.0));
+        // A batch of 4 rows pays 3 more rows of verify.
+        assert_eq!(c.feed_round_us(4), Some(53.0));
+        assert_eq!(linear(100.0, 1.0).feed_round_us(1), None);
+        let mut a = AutoBudget::new(64, c.clone()).unwrap();
+        assert_eq!((a.budget(), a.feeding()), (16, false));
+        // Hopeless scores: θ(0) = 1/101 < 1/50: feed one round, then probe at the smallest bucket.
+        let hopeless = [-20.0; 16];
+        assert_eq!(a.update(&hopeless), 0);
+        assert_eq!((a.budget(), a.feeding()), (0, true));
+        assert_eq!(a.update(&[]), 0);
+        assert_eq!(a.budget(), 4, "the probe drafts at the bucket the rule chose");
+        // Each probe that says feed again doubles the run: 2, 4, ... up to MAX_FEED_RUN.
+        let mut runs = Vec::new();
+        for _ in 0..9 {
+            a.update(&hopeless[..a.budget()]);
+            let mut n = 0;
+            while a.feeding() {
+                assert_eq!(a.budget(), 0);
+                a.update(&[]);
+                n += 1;
+            }
+            runs.push(n);
+        }
+        assert_eq!(runs, vec![2, 4, 8, 16, 32, 64, 64, 64, 64]);
+        // A probe where drafting pays (every node certain: θ(4) = 5/105 > 1/50) drafts on, and the next
+        // hopeless probe feeds one round again.
+        assert_eq!(a.update(&[0.0; 4]), 4);
+        assert_eq!((a.budget(), a.feeding()), (8, false));
+        a.update(&hopeless[..8]);
+        assert!(a.feeding());
+        a.update(&[]);
+        assert!(!a.feeding(), "the run was back to 1");
+        // The last drafted round's scores stay through the feed rounds (what a batch weighs).
+        assert_eq!(a.last_scores(), &hopeless[..8]);
+        a.restart();
+        assert_eq!((a.budget(), a.feeding(), a.last_scores().len()), (16, false, 0));
+        // Without a measured feed round, hopeless scores keep drafting at the smallest bucket.
+        let mut a = AutoBudget::new(64, linear(100.0, 1.0)).unwrap();
+        a.update(&hopeless);
+        assert_eq!((a.budget(), a.feeding()), (4, false));
+        // The JSON form keeps the feed round; a file without it still loads.
+        let back = CostModel::from_json(&c.to_json()).unwrap();
+        assert_eq!(back, c);
+        let old = linear(100.0, 1.0).to_json();
+        assert!(!old.contains("feed_us"));
+        assert_eq!(CostModel::from_json(&old).unwrap().feed_us, None);
+        assert!(linear(100.0, 1.0).with_feed(0.0).is_err());
+        assert!(linear(100.0, 1.0).with_feed(f64::NAN).is_err());
+    }
 }
