@@ -4,8 +4,9 @@
 //! all-reduces. `#[ignore]` (needs an H200-class GPU and ~2 minutes): run with
 //! `cargo test -p kdtree-engine --features cuda --release --test cuda_k26_slice -- --ignored --nocapture`.
 //! Prints one `BENCH k26r0 ...` line per figure: the fill (GB, s), then the AR step, the feed round (budget
-//! 0) and DDTree rounds at budgets 16, 64, 256 through `Session::step` (device step / device round, captured as CUDA graphs and
-//! replayed; wall time per step including its one host read, median / p10 / p90 of N after a warm-up), with
+//! 0) and DDTree rounds at budgets 16, 64, 256 through `Session::step` (device step / device round, captured
+//! as CUDA graphs and replayed; wall time per step including its one host read, median / p10 / p90 of N
+//! after a warm-up), with
 //! the GPU's counters per step (graph launches, eager kernel launches, reads) and the byte floor under
 //! uniform routing (distinct experts of T nodes × top-8 of 384: 384·(1 − (1 − 8/384)^T)) at 4.3 TB/s.
 #![cfg(feature = "cuda")]
