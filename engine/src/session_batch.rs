@@ -18,6 +18,7 @@
 //! Tests: engine/tests/batch_generate.rs (CPU: batched == one by one, every line).
 
 use crate::api::{BatchItem, BatchOps};
+use crate::ddtree::cost::FeedRuns;
 use crate::session::{Emitted, Mode, Session};
 use anyhow::{ensure, Context, Result};
 
@@ -93,6 +94,12 @@ pub struct Batch {
     pub batched_slot_steps: usize,
     pub ghost_slot_steps: usize,
     pub alone_steps: usize,
+    /// `--budget auto`: the batch's runs of feed rounds, and whether the next batched round must draft (a probe:
+    /// the scores the decision weighs are the last drafted round's).
+    feed: FeedRuns,
+    probe: bool,
+    /// Batched feed rounds run.
+    pub feed_steps: usize,
 }
 
 impl Batch {
@@ -150,6 +157,9 @@ impl Batch {
             batched_slot_steps: 0,
             ghost_slot_steps: 0,
             alone_steps: 0,
+            feed: FeedRuns::default(),
+            probe: false,
+            feed_steps: 0,
         })
     }
 }
@@ -343,29 +353,43 @@ impl Batch {
             None => alone = (0..active.len()).collect(),
             Some(ops) => {
                 // `--budget auto`: one bucket for all, the one that maximizes the batch's expected committed tokens
-                // per µs over the forward's rows (ddtree::cost::batch_bucket); before any sequence has a round,
-                // the bucket most of them chose (ties: the larger). A feed round (budget 0) when every sequence's
-                // own rule feeds; one that probes makes the batch draft.
+                // per µs over the forward's rows (ddtree::cost::batch_choice); before any sequence has a round,
+                // the bucket most of them chose (ties: the larger). A feed round for all (budget 0) when its
+                // tokens per µs over the batch's rows beat that bucket's, in runs that double while the probe
+                // after each run says feed again (ddtree::cost::FeedRuns).
                 let autos: Vec<_> = active.iter().filter_map(|&i| self.slots[i].auto_budget()).collect();
-                let feed = !autos.is_empty() && autos.iter().all(|a| a.feeding());
-                let auto = if feed {
+                // The rows of the forward: the active sequences and the idle ones that join as ghosts.
+                let rows = (0..self.slots.len())
+                    .filter(|&i| active.contains(&i) || self.ghosts[i].is_some() || self.slots[i].mark().is_some())
+                    .count();
+                let auto = if autos.is_empty() {
+                    None
+                } else if self.feed.feeding() {
+                    self.feed.fed();
+                    self.probe = !self.feed.feeding();
                     Some(0)
                 } else {
-                    // The rows of the forward: the active sequences and the idle ones that join as ghosts.
-                    let rows = (0..self.slots.len())
-                        .filter(|&i| active.contains(&i) || self.ghosts[i].is_some() || self.slots[i].mark().is_some())
-                        .count();
                     let scores: Vec<&[f64]> = autos.iter().map(|a| a.last_scores()).collect();
-                    match autos.first() {
-                        Some(a) => {
-                            // A batch may also draft 1 or 2 nodes a sequence: below the smallest bucket of a
-                            // sequence alone, for when the batch's rows make every extra node dear.
-                            let mut choices: Vec<usize> =
-                                BATCH_SMALL.iter().copied().filter(|&b| b < a.buckets()[0]).collect();
-                            choices.extend_from_slice(a.buckets());
-                            crate::ddtree::cost::batch_bucket(&scores, rows, &choices, a.cost())
+                    let a = autos[0];
+                    // A batch may also draft 1 or 2 nodes a sequence: below the smallest bucket of a sequence
+                    // alone, for when the batch's rows make every extra node dear.
+                    let mut choices: Vec<usize> = BATCH_SMALL.iter().copied().filter(|&b| b < a.buckets()[0]).collect();
+                    choices.extend_from_slice(a.buckets());
+                    let choice = crate::ddtree::cost::batch_choice(&scores, rows, &choices, a.cost());
+                    let probe = std::mem::take(&mut self.probe);
+                    match choice {
+                        Some((_, theta)) if !probe => {
+                            self.feed
+                                .decide(crate::ddtree::cost::batch_feeds(scores.len(), rows, theta, a.cost()))
                         }
-                        None => None,
+                        _ => {}
+                    }
+                    if self.feed.feeding() {
+                        self.feed.fed();
+                        self.probe = !self.feed.feeding();
+                        Some(0)
+                    } else {
+                        choice.map(|(b, _)| b)
                     }
                     .or_else(|| {
                         let mut votes: Vec<usize> = autos.iter().filter(|a| !a.feeding()).map(|a| a.budget()).collect();
@@ -421,6 +445,7 @@ impl Batch {
                         joined.len()
                     );
                     self.batched_steps += 1;
+                    self.feed_steps += usize::from(auto == Some(0));
                     self.batched_slot_steps += real;
                     self.ghost_slot_steps += joined.len() - real;
                     for ((i, k, start), r) in joined.into_iter().zip(results) {

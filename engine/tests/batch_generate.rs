@@ -336,6 +336,15 @@ fn batched_auto(feed: Option<f64>) {
     )
     .unwrap();
     assert!(batch.batched_steps > 0);
+    if feed.is_some() {
+        assert!(batch.feed_steps > 0, "no batched feed round");
+    } else {
+        assert_eq!(batch.feed_steps, 0, "a feed round without a measured feed cost");
+    }
+    eprintln!(
+        "batched auto (feed {feed:?}): {} batched steps, {} of them feed rounds",
+        batch.batched_steps, batch.feed_steps
+    );
     for (i, w) in want.iter().enumerate() {
         assert_eq!(
             (&got[&i].tokens, got[&i].finish_reason),

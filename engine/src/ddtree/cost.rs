@@ -222,6 +222,11 @@ pub fn best_theta(log_q: &[f64], cost: &CostModel) -> (usize, f64) {
 /// that largest tree and its last node still paid off, the next larger bucket is tried (as [`AutoBudget`]
 /// grows a tree that was too small to stop). None when no sequence has a round yet.
 pub fn batch_bucket(scores: &[&[f64]], rows: usize, buckets: &[usize], cost: &CostModel) -> Option<usize> {
+    batch_choice(scores, rows, buckets, cost).map(|(b, _)| b)
+}
+
+/// [`batch_bucket`] and the batch's θ there (expected committed tokens per µs of the batch's round).
+pub fn batch_choice(scores: &[&[f64]], rows: usize, buckets: &[usize], cost: &CostModel) -> Option<(usize, f64)> {
     let seen = scores.iter().map(|s| s.len()).max().filter(|&n| n > 0)?;
     let p = |lq: f64| {
         let p = lq.exp();
@@ -241,7 +246,7 @@ pub fn batch_bucket(scores: &[&[f64]], rows: usize, buckets: &[usize], cost: &Co
     };
     let known: Vec<usize> = buckets.iter().copied().filter(|&b| b <= seen).collect();
     let Some(&first) = known.first() else {
-        return buckets.first().copied();
+        return buckets.first().map(|&b| (b, theta(b)));
     };
     let best = known
         .iter()
@@ -249,9 +254,53 @@ pub fn batch_bucket(scores: &[&[f64]], rows: usize, buckets: &[usize], cost: &Co
         .fold(first, |a, b| if theta(b) > theta(a) { b } else { a });
     let grows = best == seen && theta(seen) > theta(seen - 1);
     Some(match buckets.iter().find(|&&b| b > best) {
-        Some(&next) if grows => next,
-        _ => best,
+        Some(&next) if grows => (next, theta(best)),
+        _ => (best, theta(best)),
     })
+}
+
+/// Whether a feed round of the batch (`seqs` sequences, each committing one token, in a forward of `rows`
+/// rows) beats `theta`, the batch's best drafted round ([`batch_choice`]); false without a measured feed round.
+pub fn batch_feeds(seqs: usize, rows: usize, theta: f64, cost: &CostModel) -> bool {
+    cost.feed_round_us(rows.max(seqs).max(1))
+        .is_some_and(|f| seqs as f64 / f >= theta)
+}
+
+/// Runs of feed rounds between probing rounds, for one sequence or a batch: a run of `run` feed rounds when
+/// feeding wins after a drafted round, doubling (up to [`MAX_FEED_RUN`]) each time it wins again after the
+/// probe, back to 1 when drafting wins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FeedRuns {
+    /// Feed rounds left in the current run (0: the next round drafts).
+    pub left: usize,
+    /// The next run's length.
+    pub run: usize,
+}
+
+impl Default for FeedRuns {
+    fn default() -> FeedRuns {
+        FeedRuns { left: 0, run: 1 }
+    }
+}
+
+impl FeedRuns {
+    /// After a drafted round: whether feeding won; starts a run (or ends the doubling).
+    pub fn decide(&mut self, feed_wins: bool) {
+        if feed_wins {
+            self.left = self.run;
+            self.run = (2 * self.run).min(MAX_FEED_RUN);
+        } else {
+            *self = FeedRuns::default();
+        }
+    }
+    /// Whether the next round feeds.
+    pub fn feeding(&self) -> bool {
+        self.left > 0
+    }
+    /// After a feed round.
+    pub fn fed(&mut self) {
+        self.left = self.left.saturating_sub(1);
+    }
 }
 
 /// The budgets [`AutoBudget`] chooses from under a cap `max` (>= 1): the [`BUCKETS`] below it, then `max`.
@@ -277,10 +326,8 @@ pub struct AutoBudget {
     /// The popped nodes' scores of this sequence's last drafted round (empty before its first): what
     /// [`batch_bucket`] weighs.
     last: Vec<f64>,
-    /// Feed rounds left before the next drafting round (0: this round drafts).
-    feeds: usize,
-    /// The length of the next run of feed rounds.
-    run: usize,
+    /// The feed rounds' runs.
+    feed: FeedRuns,
 }
 
 impl AutoBudget {
@@ -295,8 +342,7 @@ impl AutoBudget {
             buckets,
             at: 0,
             last: Vec::new(),
-            feeds: 0,
-            run: 1,
+            feed: FeedRuns::default(),
         };
         a.restart();
         Ok(a)
@@ -305,7 +351,7 @@ impl AutoBudget {
     pub fn restart(&mut self) {
         self.at = self.buckets.iter().rposition(|&b| b <= START_BUCKET).unwrap_or(0);
         self.last.clear();
-        (self.feeds, self.run) = (0, 1);
+        self.feed = FeedRuns::default();
     }
     /// The popped nodes' scores of this sequence's last round (empty before its first).
     pub fn last_scores(&self) -> &[f64] {
@@ -313,7 +359,7 @@ impl AutoBudget {
     }
     /// This round's budget: 0 for a feed round.
     pub fn budget(&self) -> usize {
-        if self.feeds > 0 {
+        if self.feed.feeding() {
             0
         } else {
             self.buckets[self.at]
@@ -321,7 +367,7 @@ impl AutoBudget {
     }
     /// Whether this round feeds (budget 0).
     pub fn feeding(&self) -> bool {
-        self.feeds > 0
+        self.feed.feeding()
     }
     pub fn buckets(&self) -> &[usize] {
         &self.buckets
@@ -334,7 +380,7 @@ impl AutoBudget {
     pub fn update(&mut self, log_q: &[f64]) -> usize {
         if log_q.is_empty() {
             // A feed round: one fewer before the probe (the last drafted round's scores stay).
-            self.feeds = self.feeds.saturating_sub(1);
+            self.feed.fed();
             return 0;
         }
         self.last.clear();
@@ -345,13 +391,7 @@ impl AutoBudget {
         } else {
             (self.at + 1).min(self.buckets.len() - 1)
         };
-        match self.cost.feed_round_us(1) {
-            Some(feed) if 1.0 / feed >= theta => {
-                self.feeds = self.run;
-                self.run = (2 * self.run).min(MAX_FEED_RUN);
-            }
-            _ => (self.feeds, self.run) = (0, 1),
-        }
+        self.feed.decide(batch_feeds(1, 1, theta, &self.cost));
         n
     }
 }
@@ -655,5 +695,43 @@ mod tests {
         assert_eq!(CostModel::from_json(&old).unwrap().feed_us, None);
         assert!(linear(100.0, 1.0).with_feed(0.0).is_err());
         assert!(linear(100.0, 1.0).with_feed(f64::NAN).is_err());
+    }
+
+    #[test]
+    fn a_batch_feeds_when_its_rows_make_drafting_dear() {
+        // Fixed 100, 1 a node verified; a feed round 50 (+ 1 a row beyond the first in a batch).
+        let c = linear(100.0, 1.0).with_feed(50.0).unwrap();
+        // Every sequence's tree certain to 4 nodes then hopeless.
+        let sure: Vec<f64> = [0.0, 0.0, 0.0, 0.0].into_iter().chain([-20.0; 60]).collect();
+        let scores: Vec<&[f64]> = vec![&sure; 8];
+        let choices = [1, 2, 4, 8, 16, 32, 64];
+        // 8 rows: θ(4) = 8·5 / (100 + 40) = 0.286 against feeding's 8 / 57 = 0.140: draft 4.
+        let (b, theta) = batch_choice(&scores, 8, &choices, &c).unwrap();
+        assert_eq!(b, 4);
+        assert!((theta - 40.0 / 140.0).abs() < 1e-12, "{theta}");
+        assert!(!batch_feeds(8, 8, theta, &c));
+        // 64 rows of the same trees: θ(4) = 64·5 / (100 + 320) = 0.762; θ(2) = 64·3 / 292 = 0.658; feeding
+        // 64 / 113 = 0.566: still draft. Hopeless trees instead: θ(1) = 64 / 228 = 0.281 < 0.566: feed.
+        let (b, theta) = batch_choice(&vec![&sure[..]; 64], 64, &choices, &c).unwrap();
+        assert_eq!(b, 4);
+        assert!(!batch_feeds(64, 64, theta, &c));
+        let hopeless = [-20.0; 64];
+        let (_, theta) = batch_choice(&vec![&hopeless[..]; 64], 64, &choices, &c).unwrap();
+        assert!(batch_feeds(64, 64, theta, &c));
+        // Without a measured feed round a batch never feeds.
+        assert!(!batch_feeds(64, 64, 0.0, &linear(100.0, 1.0)));
+        // The runs: 1, then doubling while feeding wins, back to 1 when drafting wins.
+        let mut f = FeedRuns::default();
+        let mut lens = Vec::new();
+        for win in [true, true, true, false, true] {
+            f.decide(win);
+            let mut n = 0;
+            while f.feeding() {
+                f.fed();
+                n += 1;
+            }
+            lens.push(n);
+        }
+        assert_eq!(lens, vec![1, 2, 4, 0, 1]);
     }
 }
