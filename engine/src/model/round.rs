@@ -207,7 +207,7 @@ pub(crate) fn rounds<B: Backend>(
 /// list: its new index is returned.
 fn one_round<B: Backend>(w: &Weights<B>, p: &mut Part<'_, B>, slot: usize, key: u64) -> Result<usize> {
     let b = &w.backend;
-    let (rows, t) = (p.d.block_size() - 1, p.budget + 1);
+    let (rows, t, feed) = (p.d.block_size() - 1, p.budget + 1, p.budget == 0);
     let (tm, d, s) = (&mut *p.t, &mut *p.d, p.s);
     let mut slot = tm.rounds.swap_remove(slot);
     let RoundSlot {
@@ -217,7 +217,7 @@ fn one_round<B: Backend>(w: &Weights<B>, p: &mut Part<'_, B>, slot: usize, key: 
     // pairs through the communicator instead of the `[t, V]` logits); otherwise the walk reads the logits.
     let pairs = s.is_greedy() && w.vocab_split();
     let r = b.graph_run(graph, key, &mut || {
-        if t == 1 {
+        if feed {
             // A feed round: the root alone, no draft.
             b.tree_root_only(tree)?;
         } else {
