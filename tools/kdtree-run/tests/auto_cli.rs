@@ -188,6 +188,12 @@ fn auto_needs_calibrate_then_runs_losslessly() {
     // feed round beats a drafted round): the mean is at most the cap.
     let mean = sum["mean_budget"].as_f64().unwrap();
     assert!((0.0..=16.0).contains(&mean), "mean budget {mean}");
+    // Feed rounds are counted, at most every round.
+    let (feeds, rounds) = (
+        sum["feed_rounds"].as_u64().unwrap(),
+        sum["verify_steps"].as_u64().unwrap(),
+    );
+    assert!(feeds <= rounds && rounds > 0, "{feeds} feed rounds of {rounds}");
 
     // A bad cost file is refused, naming it.
     std::fs::write(&cost, "{").unwrap();
