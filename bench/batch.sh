@@ -8,7 +8,8 @@
 #     lines of 8..64 token ids, 32 tokens each.
 # Each run's --summary gives the whole file's output tokens per wall second of generation (`throughput_tok_s`)
 # and the per-line latency; the table prints last (markdown, for bench/RESULTS.md), with the goals: AR
-# throughput at batch 64 >= 10x batch 1; DDTree at batch 16 above AR at batch 16.
+# throughput at batch 64 >= 10x batch 1; DDTree at batch 16 above AR at batch 16; `--budget auto` >= AR at every
+# batch (auto rows add its mean budget and the share of feed rounds).
 # Usage: bench/batch.sh DIR (binaries staged by `make gpu-stage`; `make bench-batch` on the GPU machine).
 # Logs and summaries go to $OUT (or a temporary folder). KDTREE_BENCH_BUDGET (s, default 300): runs that would
 # start past it are skipped (and named). KDTREE_BATCH_MODELS / KDTREE_BATCH_MODES narrow the CLI runs
@@ -123,9 +124,14 @@ for model in ("pair", "k26"):
             tp[(model, mode, b)] = t
             base = tp.get((model, mode, 1))
             lat = s.get("latency_ms") or {}
-            tau = s.get("acceptance_length") or 0
-            print(f"| {model} | {mode} | {b} | {t:.0f} | {t / base:.1f}x | {lat.get('p50', 0):.0f} / {lat.get('p90', 0):.0f} | {s.get('completion_tokens')} | {tau:.2f} |"
-                  if base else f"| {model} | {mode} | {b} | {t:.0f} | | | {s.get('completion_tokens')} | {tau:.2f} |")
+            tau = f"{s.get('acceptance_length') or 0:.2f}"
+            if mode == "auto":
+                # auto: the mean budget, and the share of feed rounds (budget 0: no draft) among its rounds
+                rounds = s.get("verify_steps") or 0
+                feed = 100.0 * (s.get("feed_rounds") or 0) / rounds if rounds else 0.0
+                tau += f" (mean budget {s.get('mean_budget') or 0:.1f}, {feed:.0f} % feed rounds)"
+            print(f"| {model} | {mode} | {b} | {t:.0f} | {t / base:.1f}x | {lat.get('p50', 0):.0f} / {lat.get('p90', 0):.0f} | {s.get('completion_tokens')} | {tau} |"
+                  if base else f"| {model} | {mode} | {b} | {t:.0f} | | | {s.get('completion_tokens')} | {tau} |")
 print()
 for model in ("pair", "k26"):
     a1, a64 = tp.get((model, "ar", 1)), tp.get((model, "ar", 64))
@@ -134,6 +140,10 @@ for model in ("pair", "k26"):
     a16, d16 = tp.get((model, "ar", 16)), max(tp.get((model, m, 16), 0) for m in ("dd16", "dd64", "auto"))
     if a16 and d16:
         print(f"- goal {model}: DDTree batch 16 above AR batch 16: {d16:.0f} vs {a16:.0f} tok/s — {'met' if d16 > a16 else 'NOT met'}")
+    for b in (1, 4, 16, 64):
+        a, u = tp.get((model, "ar", b)), tp.get((model, "auto", b))
+        if a and u:
+            print(f"- goal {model}: --budget auto >= AR at batch {b}: {u:.0f} vs {a:.0f} tok/s ({u / a:.2f}x) — {'met' if u >= a else 'NOT met'}")
 PY
 rm -rf "$work"
 exit $fail
