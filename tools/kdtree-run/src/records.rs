@@ -396,7 +396,13 @@ mod tests {
         };
         let s = spec(auto.mode, &auto.spec);
         assert_eq!(
-            (&s["mode"], &s["budget"], &s["budget_max"], &s["mean_budget"], &s["feed_rounds"]),
+            (
+                &s["mode"],
+                &s["budget"],
+                &s["budget_max"],
+                &s["mean_budget"],
+                &s["feed_rounds"]
+            ),
             (&json!("ddtree"), &json!("auto"), &json!(32), &json!(6.0), &json!(1))
         );
         assert_eq!(r["timing"]["ttft_ms"], json!(1.235));
