@@ -20,7 +20,8 @@
 //! verify_steps = tokens committed per verify step including the bonus token (SGLang's definition when every token
 //! comes from a verify step), `acceptance_rate` = accepted / drafted; `budget` = the fixed budget or "auto" (then
 //! `budget_max`), `budgets` = the rounds' budgets summed (auto: the buckets chosen, 0 for a feed round),
-//! `mean_budget` = budgets / verify_steps, `feed_rounds` = the rounds of budget 0. Tests: bottom of this file; shapes end to end in tests/run_cli.rs.
+//! `mean_budget` = budgets / verify_steps, `feed_rounds` = the rounds of budget 0. Tests: bottom of this file;
+//! shapes end to end in tests/run_cli.rs.
 
 use std::path::Path;
 
