@@ -39,14 +39,15 @@ type PromptRun = (Vec<u32>, Vec<Emitted>, Vec<Vec<f64>>);
 /// `n` tokens of greedy auto on `prompt` (two prompts in one session: the second restarts), the device path
 /// on or off, round trees recorded when `probes`.
 fn auto_run(m: &mut Loaded, device: bool, probes: bool, n: usize) -> Vec<PromptRun> {
-    auto_run_with(m, &cost(), device, probes, n).0
+    auto_run_with(m, &cost(), &Sampling::greedy(), device, probes, n).0
 }
 
-/// [`auto_run`] under `cost`; also each prompt's recorded draft logits (one per drafted round, empty for
-/// feed rounds) when `probes`.
+/// [`auto_run`] under `cost` and sampling `sampling`; also each prompt's recorded draft logits (one per
+/// drafted round, empty for feed rounds) when `probes`.
 fn auto_run_with(
     m: &mut Loaded,
     cost: &CostModel,
+    sampling: &Sampling,
     device: bool,
     probes: bool,
     n: usize,
@@ -60,7 +61,7 @@ fn auto_run_with(
     });
     let (mut out, mut drafts) = (Vec::new(), Vec::new());
     for p in PROMPTS {
-        let mut toks = vec![s.prefill(p, &Sampling::greedy()).unwrap()];
+        let mut toks = vec![s.prefill(p, sampling).unwrap()];
         let mut steps = Vec::new();
         while toks.len() < n {
             let e = s.step().unwrap();
@@ -153,8 +154,9 @@ fn auto_feeds_where_drafting_does_not_pay_and_keeps_the_drafter_context() {
     let mut m = open(&tmp.path().join("pair1"), Device::Cpu).unwrap();
     let cost = cost().with_feed(40.0).unwrap();
     let n = 48;
-    let (dev, _) = auto_run_with(&mut m, &cost, true, false, n);
-    let (host, drafts) = auto_run_with(&mut m, &cost, false, true, n);
+    let greedy = Sampling::greedy();
+    let (dev, _) = auto_run_with(&mut m, &cost, &greedy, true, false, n);
+    let (host, drafts) = auto_run_with(&mut m, &cost, &greedy, false, true, n);
     let (mut fed, mut probed) = (0, 0);
     for (i, p) in PROMPTS.iter().enumerate() {
         let (ar, _) = run_ar(&mut m, p, &Sampling::greedy(), false, n - 1);
@@ -210,4 +212,24 @@ fn auto_feeds_where_drafting_does_not_pay_and_keeps_the_drafter_context() {
         fed > 0 && probed > 0,
         "{fed} feed rounds, {probed} probes after them: the cost does not exercise them"
     );
+    // Sampled: a feed round draws its token with the uniform of the AR step at that position, so sampled auto
+    // with feed rounds emits sampled AR's tokens for the same seed.
+    let t1 = Sampling {
+        temperature: 1.0,
+        top_p: 1.0,
+        top_k: 0,
+        seed: 13,
+    };
+    let (sampled, _) = auto_run_with(&mut m, &cost, &t1, true, false, n);
+    for (i, p) in PROMPTS.iter().enumerate() {
+        let (ar, _) = run_ar(&mut m, p, &t1, false, n - 1);
+        assert_eq!(
+            sampled[i].0, ar,
+            "prompt {i}: sampled auto with feed rounds differs from sampled AR"
+        );
+        assert!(
+            sampled[i].1.iter().any(|e| e.budget == 0),
+            "prompt {i}: no sampled feed round"
+        );
+    }
 }
