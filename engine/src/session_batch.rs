@@ -18,7 +18,7 @@
 //! Tests: engine/tests/batch_generate.rs (CPU: batched == one by one, every line).
 
 use crate::api::{BatchItem, BatchOps};
-use crate::ddtree::cost::FeedRuns;
+use crate::ddtree::cost::{batch_choice, batch_feeds, FeedRuns};
 use crate::session::{Emitted, Mode, Session};
 use anyhow::{ensure, Context, Result};
 
@@ -364,26 +364,25 @@ impl Batch {
                     .count();
                 let auto = if autos.is_empty() {
                     None
-                } else if self.feed.feeding() {
-                    self.feed.fed();
-                    self.probe = !self.feed.feeding();
-                    Some(0)
                 } else {
-                    let scores: Vec<&[f64]> = autos.iter().map(|a| a.last_scores()).collect();
-                    let a = autos[0];
-                    // A batch may also draft 1 or 2 nodes a sequence: below the smallest bucket of a sequence
-                    // alone, for when the batch's rows make every extra node dear.
-                    let mut choices: Vec<usize> = BATCH_SMALL.iter().copied().filter(|&b| b < a.buckets()[0]).collect();
-                    choices.extend_from_slice(a.buckets());
-                    let choice = crate::ddtree::cost::batch_choice(&scores, rows, &choices, a.cost());
-                    let probe = std::mem::take(&mut self.probe);
-                    match choice {
-                        Some((_, theta)) if !probe => {
-                            self.feed
-                                .decide(crate::ddtree::cost::batch_feeds(scores.len(), rows, theta, a.cost()))
+                    // Outside a run of feed rounds: the best bucket, and (unless this round is the probe after a
+                    // run) whether a run of feed rounds starts instead.
+                    let choice = if self.feed.feeding() {
+                        None
+                    } else {
+                        let scores: Vec<&[f64]> = autos.iter().map(|a| a.last_scores()).collect();
+                        let a = autos[0];
+                        // A batch may also draft 1 or 2 nodes a sequence: below the smallest bucket of a sequence
+                        // alone, for when the batch's rows make every extra node dear.
+                        let mut choices: Vec<usize> =
+                            BATCH_SMALL.iter().copied().filter(|&b| b < a.buckets()[0]).collect();
+                        choices.extend_from_slice(a.buckets());
+                        let choice = batch_choice(&scores, rows, &choices, a.cost());
+                        if let (Some((_, theta)), false) = (choice, std::mem::take(&mut self.probe)) {
+                            self.feed.decide(batch_feeds(scores.len(), rows, theta, a.cost()));
                         }
-                        _ => {}
-                    }
+                        choice
+                    };
                     if self.feed.feeding() {
                         self.feed.fed();
                         self.probe = !self.feed.feeding();

@@ -60,6 +60,16 @@ pub struct CpuTree {
     pub root: Vec<u32>,
 }
 
+impl CpuTree {
+    /// A new build's tree, with its depths and mask; no walk yet.
+    pub(crate) fn set(&mut self, tree: DraftTree) {
+        self.depths = tree.depths.clone();
+        self.mask = tree.visibility.clone();
+        self.tree = tree;
+        self.walk = None;
+    }
+}
+
 /// One MoE layer's router decisions: per token (experts, weights), and per expert its (token, weight)s.
 pub struct CpuRoutes {
     pub per_token: Vec<(Vec<usize>, Vec<f32>)>,

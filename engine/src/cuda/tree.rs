@@ -85,7 +85,7 @@ impl DeviceTree {
         // Budget 0: the root-only tree's fixed arrays, written once (no build ever rewrites them); the root's
         // token is copied in by each round (`root_only`).
         let one = |v: i32| if budget == 0 { gpu.upload(&[v]) } else { gpu.zeros(n) };
-        let tree = DeviceTree {
+        Ok(DeviceTree {
             budget,
             rows,
             vocab,
@@ -113,8 +113,7 @@ impl DeviceTree {
             decisions: gpu.zeros(n)?,
             walk_out: gpu.zeros(Self::log_q_at_for(rows) + 2 * n)?,
             topk: topk_logprobs::TopkWork::new(gpu, rows, vocab, k)?,
-        };
-        Ok(tree)
+        })
     }
 
     /// A feed round's tree (budget 0): the root alone, its token copied from [`DeviceTree::bonus`] where the
