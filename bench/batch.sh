@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 15's throughput table in one device call, from the repository root on the GPU machine: kdtree-run over
-# one prompt file at --max-batch 1, 4, 16, 64, in AR and DDTree (budgets 16, 64 and auto: the pair only), greedy, on
+# one prompt file at --max-batch 1, 4, 16, 64, in AR and DDTree (budgets 16, 64 and auto, each model calibrated first), greedy, on
 #   * the trained pair (models/kdtree-tiny, converted here for one rank): 128 lines cycling examples/heldout.jsonl,
 #     64 tokens each (a line may stop earlier at its end-of-text token);
 #   * a k26-slice model (real K2.6 widths: hidden 7168, 64 heads, 384 experts top-8, vocab 163840; 3 layers) from
@@ -86,13 +86,14 @@ for k, v in tot.most_common(12):
     print(f"BENCH ncu {sys.argv[2]}:   {v / 1e3:9.1f} us {100 * v / s:5.1f}% x{cnt[k]:5d} {k}")
 PY
 done
-# `--budget auto` on the trained pair: its cost file measured here first (kdtree-run calibrate).
+# `--budget auto`: each model's cost file measured here first (kdtree-run calibrate; k26 on its dummy weights).
 if [ "${KDTREE_BATCH_CLI:-1}" = 1 ]; then
   for model in ${KDTREE_BATCH_MODELS:-pair k26}; do
     for mode in ${KDTREE_BATCH_MODES:-ar dd16 dd64 auto}; do
-      [ "$mode" = auto ] && [ "$model" != pair ] && continue
-      if [ "$mode" = auto ] && [ ! -f "$out/calibrated" ]; then
-        "$dir/kdtree-run" calibrate "$work/pair" --device cuda --quiet 2> "$out/calibrate.err" && touch "$out/calibrated" || { echo "FAIL calibrate: $(tail -2 "$out/calibrate.err")"; fail=1; }
+      if [ "$mode" = auto ] && [ ! -f "$out/calibrated-$model" ]; then
+        cx=""; [ "$model" = k26 ] && cx="--load-format dummy"
+        "$dir/kdtree-run" calibrate "$work/$model" --device cuda $cx 2> "$out/calibrate-$model.err" && touch "$out/calibrated-$model" || { echo "FAIL calibrate $model: $(tail -2 "$out/calibrate-$model.err")"; fail=1; }
+        grep -E "budget|feed round" "$out/calibrate-$model.err" | sed "s/^/calibrate $model: /"
       fi
       for b in 1 4 16 64; do run $model $mode $b; done
     done

@@ -167,16 +167,24 @@ pub fn run(a: &CalibrateArgs) -> Result<()> {
         a.budget_max,
         MIN_BUDGET_MAX
     );
-    let mut model = crate::load::load(
-        &a.model,
-        a.device,
-        (
+    let mut model = match a.load_format {
+        crate::args::LoadFormat::Dummy => crate::load::load_dummy(
+            &a.model,
+            a.device,
             !a.quiet,
-            crate::args::weight_check(a.check_weights, a.no_check_weights),
-            true,
-        ),
-        None,
-    )?;
+            (a.ranks as usize, a.rank as usize, a.dummy_seed),
+        )?,
+        crate::args::LoadFormat::Auto => crate::load::load(
+            &a.model,
+            a.device,
+            (
+                !a.quiet,
+                crate::args::weight_check(a.check_weights, a.no_check_weights),
+                true,
+            ),
+            None,
+        )?,
+    };
     ensure!(
         model.loaded.has_drafter(),
         "{} has no drafter: --budget auto is for DDTree",
