@@ -59,6 +59,10 @@ fn device_round_equals_the_host_round_on_the_gpu() {
     let prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|p| p.to_vec()).collect();
     let (rounds, tau) = compare(&mut m, "kdtree-tiny pair, cuda", &prompts, &[0, 1, 8, 64, 256, 1024], 6);
     let chain = compare_chain(&mut m, "kdtree-tiny pair, cuda", &prompts, 6);
+    // Feed rounds stash their taps; the flush writes a stash's rows in one GEMM of their count, the prefill
+    // in one of the prompt's, so the context may round differently (a missing or misplaced row moves the
+    // draft by O(1) of its largest logit).
+    compare_stash(&mut m, "kdtree-tiny pair, cuda", PROMPTS[0], 140, false, 1e-3);
     no_capture_failure(&g);
     println!("PARITY device_chain(cuda) exact over {chain} rounds");
     println!("PARITY device_round(cuda) exact over {rounds} rounds (greedy tau {tau:.2})");

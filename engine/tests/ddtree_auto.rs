@@ -158,6 +158,7 @@ fn auto_feeds_where_drafting_does_not_pay_and_keeps_the_drafter_context() {
     let (dev, _) = auto_run_with(&mut m, &cost, &greedy, true, false, n);
     let (host, drafts) = auto_run_with(&mut m, &cost, &greedy, false, true, n);
     let (mut fed, mut probed) = (0, 0);
+    let mut a = AutoBudget::new(MAX, cost.clone()).unwrap();
     for (i, p) in PROMPTS.iter().enumerate() {
         let (ar, _) = run_ar(&mut m, p, &Sampling::greedy(), false, n - 1);
         let ((dt, ds, _), (ht, hs, scores)) = (&dev[i], &host[i]);
@@ -170,8 +171,9 @@ fn auto_feeds_where_drafting_does_not_pay_and_keeps_the_drafter_context() {
             "prompt {i}: greedy auto with feed rounds (host rounds) differs from AR"
         );
         assert_eq!(ds, hs, "prompt {i}: device-path rounds differ from host rounds");
-        // The rule replayed: feed rounds draft nothing and emit one token.
-        let mut a = AutoBudget::new(MAX, cost.clone()).unwrap();
+        // The rule replayed: feed rounds draft nothing and emit one token; a new prompt restarts the rule (its
+        // feed runs go on).
+        a.restart();
         let mut at = 1; // tokens before round r: the prefill's
         for (r, (e, lq)) in hs.iter().zip(scores).enumerate() {
             assert_eq!(e.budget, a.budget(), "prompt {i} round {r}: budget");

@@ -167,6 +167,9 @@ pub trait Resources: Clone + Send + Sync + 'static {
     fn pos_set(&self, p: &mut Self::Pos, v: usize);
     /// `+= n` (where the ops run and on the host).
     fn pos_add(&self, p: &mut Self::Pos, n: usize);
+    /// `+= n` on the host copy only: it follows a count that a captured step advanced where the ops run
+    /// ([`Resources::stash_rows`]; the pair of `kv_commit_rows` / `kv_commit_rows_host`).
+    fn pos_add_host(&self, p: &mut Self::Pos, n: usize);
 
     // ---- activations ----
     fn act_from_host(&self, x: Vec<f32>) -> Self::Act;
@@ -190,6 +193,10 @@ pub trait Resources: Clone + Send + Sync + 'static {
     /// Rows `[at, at + n)` of the row cache `dst` (room reserved) = `src` `[n, cols]`, `at` read where the
     /// ops run.
     fn write_rows_at(&self, dst: &mut Self::Act, cols: usize, at: &Self::Pos, src: &Self::Act, n: usize);
+    /// For each s: row s of `src` `[dsts.len(), cols]` into row `pos_s` of the row cache `dst_s` (room
+    /// reserved), then `pos_s += 1` where the ops run (one launch for a batch's feed step; the host copies
+    /// follow in [`Resources::pos_add_host`]).
+    fn stash_rows(&self, dsts: &mut [(&mut Self::Act, &mut Self::Pos)], cols: usize, src: &Self::Act) -> Result<()>;
 
     // ---- MLA ----
     fn kv_new(&self, layers: usize, width: usize) -> Self::Kv;

@@ -29,8 +29,10 @@ pub const BUCKETS: [usize; 7] = [4, 8, 16, 32, 64, 128, 256];
 /// The bucket of a sequence's first round (before any tree has been seen).
 pub const START_BUCKET: usize = 16;
 
-/// The longest run of feed rounds between two probing (drafting) rounds.
-pub const MAX_FEED_RUN: usize = 64;
+/// The longest run of feed rounds between two probing (drafting) rounds: a probe that does not pay costs a
+/// drafted round instead of a feed round once in this many tokens (on the K2.6 rank-0 slice with 3 layers,
+/// where the drafter weighs most, a b4 probe is ~3.4 feed rounds: under 1 % of a run).
+pub const MAX_FEED_RUN: usize = 256;
 
 /// Measured round cost on one device.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -347,11 +349,12 @@ impl AutoBudget {
         a.restart();
         Ok(a)
     }
-    /// A new sequence: back to the start bucket.
+    /// A new sequence: back to the start bucket. The feed runs go on: the last sequence's probes are the
+    /// best guess for this one (the same pair), so a run in progress continues and the run length stays;
+    /// the first probe where drafting pays ends them.
     pub fn restart(&mut self) {
         self.at = self.buckets.iter().rposition(|&b| b <= START_BUCKET).unwrap_or(0);
         self.last.clear();
-        self.feed = FeedRuns::default();
     }
     /// The popped nodes' scores of this sequence's last round (empty before its first).
     pub fn last_scores(&self) -> &[f64] {
@@ -670,17 +673,28 @@ mod tests {
             }
             runs.push(n);
         }
-        assert_eq!(runs, vec![2, 4, 8, 16, 32, 64, 64, 64, 64]);
-        // A probe where drafting pays (every node certain: θ(4) = 5/105 > 1/50) drafts on, and the next
-        // hopeless probe feeds one round again.
-        assert_eq!(a.update(&[0.0; 4]), 4);
-        assert_eq!((a.budget(), a.feeding()), (8, false));
-        a.update(&hopeless[..8]);
+        assert_eq!(runs, vec![2, 4, 8, 16, 32, 64, 128, 256, 256]);
+        // A new sequence goes on with the run in progress.
+        a.update(&hopeless[..a.budget()]);
+        a.update(&[]);
+        a.restart();
+        assert_eq!((a.budget(), a.feeding()), (0, true));
+        while a.feeding() {
+            a.update(&[]);
+        }
+        // The probe drafts at the start bucket (16). One where drafting pays (4 certain nodes, then hopeless
+        // ones: θ(4) = 5/105 > 1/50) drafts on at the smallest bucket holding them, and the next hopeless
+        // probe feeds one round again.
+        assert_eq!(a.budget(), 16);
+        let four: Vec<f64> = [0.0; 4].iter().chain(&hopeless[..12]).copied().collect();
+        assert_eq!(a.update(&four), 4);
+        assert_eq!((a.budget(), a.feeding()), (4, false));
+        a.update(&hopeless[..4]);
         assert!(a.feeding());
         a.update(&[]);
         assert!(!a.feeding(), "the run was back to 1");
         // The last drafted round's scores stay through the feed rounds (what a batch weighs).
-        assert_eq!(a.last_scores(), &hopeless[..8]);
+        assert_eq!(a.last_scores(), &hopeless[..4]);
         a.restart();
         assert_eq!((a.budget(), a.feeding(), a.last_scores().len()), (16, false, 0));
         // Without a measured feed round, hopeless scores keep drafting at the smallest bucket.

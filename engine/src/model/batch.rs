@@ -68,6 +68,7 @@ impl<B: Backend> BatchEngine<B> {
                 t: &mut g.target,
                 root: it.root,
                 s: it.sampling,
+                feed: None,
             });
         }
         let toks = round::steps(&self.w, &mut parts, Some(&mut self.staging))?;

@@ -62,7 +62,9 @@ impl<B: Backend> Model<B> {
         }
         // A backend whose tree kernels cannot hold this shape (e.g. a budget over the device builder's 2048)
         // leaves the round to the host.
-        round::slot_of(t, budget, k, rows).ok()?;
+        if budget > 0 {
+            round::slot_of(t, budget, k, rows).ok()?;
+        }
         let w = t.w.clone();
         let mut part = [round::Part {
             t,
