@@ -9,11 +9,11 @@
 //! µs of a round of n nodes (the surrogate acceptance of DDTree Prop. 1 plus the bonus); n* is the first n
 //! with θ(n + 1) <= θ(n), or the tree's size when θ never stops rising. CaDDTree proves θ unimodal when
 //! C_v is convex, so the greedy stop is the maximum then.
-//! A feed round (budget 0: the AR step and the root's taps into the drafter's context, no draft) commits one
-//! token for `feed_us` (measured by calibrate too): when its 1 / C_feed beats the best θ of the last drafted
-//! round, the sequence feeds instead of drafting, and drafts again to probe after 1, 2, 4, ... up to
-//! [`MAX_FEED_RUN`] feed rounds (a feed round learns nothing about the drafter's acceptance). A cost file
-//! without `feed_us` never feeds.
+//! A feed round (budget 0: the AR step, whose drafter stashes the root's taps for its context, no draft)
+//! commits one token for `feed_us` (measured by calibrate too): when its 1 / C_feed beats the best θ of the
+//! last drafted round, the sequence feeds instead of drafting, and drafts again to probe after 1, 2, 4, ... up
+//! to [`MAX_FEED_RUN`] feed rounds (a feed round learns nothing about the drafter's acceptance); the runs go on
+//! from one sequence to the next. A cost file without `feed_us` never feeds.
 //! The JSON form (schema [`COST_SCHEMA`]) is parsed and checked here; the tools own its file.
 //! Tests: below; the session's use in engine/tests/generate_tiny_model.rs; the file in kdtree-run.
 
