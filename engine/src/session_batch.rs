@@ -18,7 +18,7 @@
 //! Tests: engine/tests/batch_generate.rs (CPU: batched == one by one, every line).
 
 use crate::api::{BatchItem, BatchOps};
-use crate::ddtree::cost::{batch_choice, batch_feeds, FeedRuns};
+use crate::ddtree::cost::{batch_choice, FeedRuns};
 use crate::session::{Emitted, Mode, Session};
 use anyhow::{ensure, Context, Result};
 
@@ -98,6 +98,11 @@ pub struct Batch {
     /// the scores the decision weighs are the last drafted round's).
     feed: FeedRuns,
     probe: bool,
+    /// `--budget auto`: the fastest wall time (µs) of the batch's steps so far by (rows of the forward, budget;
+    /// 0 = a feed round): what its rounds cost at this load, where the cost model (one sequence's rounds,
+    /// calibrated) does not know the batch's per-sequence work (the fastest: a step that captured its graph
+    /// counts the capture).
+    timed: std::collections::HashMap<(usize, usize), f64>,
     /// Batched feed rounds run.
     pub feed_steps: usize,
 }
@@ -159,6 +164,7 @@ impl Batch {
             alone_steps: 0,
             feed: FeedRuns::default(),
             probe: false,
+            timed: std::collections::HashMap::new(),
             feed_steps: 0,
         })
     }
@@ -356,7 +362,8 @@ impl Batch {
                 // per µs over the forward's rows (ddtree::cost::batch_choice); before any sequence has a round,
                 // the bucket most of them chose (ties: the larger). A feed round for all (budget 0) when its
                 // tokens per µs over the batch's rows beat that bucket's, in runs that double while the probe
-                // after each run says feed again (ddtree::cost::FeedRuns).
+                // after each run says feed again (ddtree::cost::FeedRuns). Both costs are the batch's own where
+                // it has timed them at these rows ([`costs`]).
                 let autos: Vec<_> = active.iter().filter_map(|&i| self.slots[i].auto_budget()).collect();
                 // The rows of the forward: the active sequences and the idle ones that join as ghosts.
                 let rows = (0..self.slots.len())
@@ -378,8 +385,10 @@ impl Batch {
                             BATCH_SMALL.iter().copied().filter(|&b| b < a.buckets()[0]).collect();
                         choices.extend_from_slice(a.buckets());
                         let choice = batch_choice(&scores, rows, &choices, a.cost());
-                        if let (Some((_, theta)), false) = (choice, std::mem::take(&mut self.probe)) {
-                            self.feed.decide(batch_feeds(scores.len(), rows, theta, a.cost()));
+                        if let (Some((b, theta)), false) = (choice, std::mem::take(&mut self.probe)) {
+                            let (scale, probe_us, feed_us) = costs(&self.timed, rows, b, a.cost());
+                            let wins = feed_us.is_some_and(|f| scores.len() as f64 / f >= theta * scale);
+                            self.feed.decide(wins, probe_us, feed_us.unwrap_or(f64::NAN));
                         }
                         choice
                     };
@@ -435,8 +444,14 @@ impl Batch {
                 }
                 let real = joined.iter().filter(|(_, k, _)| k.is_some()).count();
                 if real >= 2 {
+                    let t0 = std::time::Instant::now();
                     let results = ops.step(&mut items)?;
                     drop(items);
+                    if let Some(b) = auto {
+                        let us = t0.elapsed().as_secs_f64() * 1e6;
+                        let t = self.timed.entry((joined.len(), b)).or_insert(us);
+                        *t = t.min(us);
+                    }
                     ensure!(
                         results.len() == joined.len(),
                         "a batched step gave {} results for {} sequences",
@@ -467,6 +482,29 @@ impl Batch {
         }
         out.into_iter().map(|e| e.context("a slot got no step")).collect()
     }
+}
+
+/// The costs a batch of `rows` rows decides with, between drafting bucket `b` and a feed round, from its
+/// steps' fastest times `timed` ([`Batch`]): the factor that turns the cost model's θ into the batch's (the
+/// model's round time over the batch's own, timed at `b`, else at the nearest bucket timed at these rows; 1
+/// before any), the probe's time (µs) and the feed round's (timed, else the model's; None without a measured
+/// feed round in the cost file).
+fn costs(
+    timed: &std::collections::HashMap<(usize, usize), f64>,
+    rows: usize,
+    b: usize,
+    cost: &crate::ddtree::cost::CostModel,
+) -> (f64, f64, Option<f64>) {
+    let model = |b: usize| cost.round_us_rows(rows, b);
+    let near = timed
+        .iter()
+        .filter(|((r, tb), _)| *r == rows && *tb > 0)
+        .min_by_key(|((_, tb), _)| (tb.abs_diff(b), *tb))
+        .map(|((_, tb), &us)| model(*tb) / us);
+    let scale = near.unwrap_or(1.0);
+    let probe = timed.get(&(rows, b)).copied().unwrap_or(model(b) / scale);
+    let feed = timed.get(&(rows, 0)).copied().or_else(|| cost.feed_round_us(rows));
+    (scale, probe, feed.filter(|_| cost.feed_us.is_some()))
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
