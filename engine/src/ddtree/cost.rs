@@ -291,8 +291,9 @@ impl Default for FeedRuns {
 
 impl FeedRuns {
     /// After a drafted round that took `probe_us` where a feed round takes `feed_us`: whether feeding won;
-    /// starts a run (or ends the doubling). The run is long enough that the next probe costs at most
-    /// [`PROBE_SHARE`] of it beyond a feed round, and no longer than [`MAX_FEED_RUN`].
+    /// starts a run (or ends the doubling). A first win feeds one round (one round's scores may be a bad
+    /// position of a drafter that pays); from the second win in a row the run is long enough that the next
+    /// probe costs at most [`PROBE_SHARE`] of it beyond a feed round, and no longer than [`MAX_FEED_RUN`].
     pub fn decide(&mut self, feed_wins: bool, probe_us: f64, feed_us: f64) {
         if feed_wins {
             let least = ((probe_us - feed_us) / (PROBE_SHARE * feed_us)).ceil();
@@ -301,7 +302,7 @@ impl FeedRuns {
             } else {
                 1
             };
-            self.left = self.run.max(least);
+            self.left = if self.run == 1 { 1 } else { self.run.max(least) };
             self.run = (2 * self.left).min(MAX_FEED_RUN);
         } else {
             *self = FeedRuns::default();
@@ -672,20 +673,16 @@ mod tests {
         assert_eq!(linear(100.0, 1.0).feed_round_us(1), None);
         let mut a = AutoBudget::new(64, c.clone()).unwrap();
         assert_eq!((a.budget(), a.feeding()), (16, false));
-        // Hopeless scores: θ(0) = 1/101 < 1/50: feed, then probe at the smallest bucket. The run is long enough
-        // that the probe (a round of 4 nodes) costs PROBE_SHARE of it beyond a feed round: 36 rounds.
-        let least = ((c.round_us(4) - 50.0) / (PROBE_SHARE * 50.0)).ceil() as usize;
-        assert_eq!(least, 36);
+        // Hopeless scores: θ(0) = 1/101 < 1/50: feed one round, then probe at the smallest bucket.
         let hopeless = [-20.0; 16];
         assert_eq!(a.update(&hopeless), 0);
-        let mut n = 0;
-        while a.feeding() {
-            assert_eq!((a.budget(), a.update(&[])), (0, 0));
-            n += 1;
-        }
-        assert_eq!(n, least);
+        assert_eq!((a.budget(), a.feeding()), (0, true));
+        assert_eq!(a.update(&[]), 0);
         assert_eq!(a.budget(), 4, "the probe drafts at the bucket the rule chose");
-        // Each probe that says feed again doubles the run, up to MAX_FEED_RUN.
+        // Each probe that says feed again: a run long enough that the probe (a round of 4 nodes) costs
+        // PROBE_SHARE of it beyond a feed round (36 rounds), then doubling up to MAX_FEED_RUN.
+        let least = ((c.round_us(4) - 50.0) / (PROBE_SHARE * 50.0)).ceil() as usize;
+        assert_eq!(least, 36);
         let mut runs = Vec::new();
         for _ in 0..5 {
             a.update(&hopeless[..a.budget()]);
@@ -697,7 +694,7 @@ mod tests {
             }
             runs.push(n);
         }
-        assert_eq!(runs, vec![72, 144, 256, 256, 256]);
+        assert_eq!(runs, vec![36, 72, 144, 256, 256]);
         // A new sequence goes on with the run in progress.
         a.update(&hopeless[..a.budget()]);
         a.update(&[]);
@@ -708,18 +705,15 @@ mod tests {
         }
         // The probe drafts at the start bucket (16). One where drafting pays (4 certain nodes, then hopeless
         // ones: θ(4) = 5/105 > 1/50) drafts on at the smallest bucket holding them, and the next hopeless
-        // probe feeds the shortest run again.
+        // probe feeds one round again.
         assert_eq!(a.budget(), 16);
         let four: Vec<f64> = [0.0; 4].iter().chain(&hopeless[..12]).copied().collect();
         assert_eq!(a.update(&four), 4);
         assert_eq!((a.budget(), a.feeding()), (4, false));
         a.update(&hopeless[..4]);
-        let mut n = 0;
-        while a.feeding() {
-            a.update(&[]);
-            n += 1;
-        }
-        assert_eq!(n, least, "the run was back to the shortest");
+        assert!(a.feeding());
+        a.update(&[]);
+        assert!(!a.feeding(), "the run was back to 1");
         // The last drafted round's scores stay through the feed rounds (what a batch weighs).
         assert_eq!(a.last_scores(), &hopeless[..4]);
         a.restart();
@@ -762,8 +756,9 @@ mod tests {
         // Without a measured feed round a batch never feeds.
         assert!(!batch_feeds(64, 64, 0.0, &linear(100.0, 1.0)));
         // The runs: 1, then doubling while feeding wins, back to 1 when drafting wins (a probe that costs
-        // little more than a feed round); at least enough feed rounds that the probe's extra cost is
-        // PROBE_SHARE of the run, capped at MAX_FEED_RUN (a probe of 2 and of 100 feed rounds).
+        // little more than a feed round); from the second win in a row at least enough feed rounds that the
+        // probe's extra cost is PROBE_SHARE of the run, capped at MAX_FEED_RUN (a probe of 2 and of 100 feed
+        // rounds).
         let runs = |probe: f64, wins: &[bool]| {
             let (mut f, mut lens) = (FeedRuns::default(), Vec::new());
             for &win in wins {
@@ -778,8 +773,8 @@ mod tests {
             lens
         };
         assert_eq!(runs(10.2, &[true, true, true, false, true]), vec![1, 2, 4, 0, 1]);
-        assert_eq!(runs(20.0, &[true, true, true, false, true]), vec![32, 64, 128, 0, 32]);
-        assert_eq!(runs(1000.0, &[true, true]), vec![MAX_FEED_RUN; 2]);
+        assert_eq!(runs(20.0, &[true, true, true, false, true]), vec![1, 32, 64, 0, 1]);
+        assert_eq!(runs(1000.0, &[true, true, true]), vec![1, MAX_FEED_RUN, MAX_FEED_RUN]);
         assert_eq!(runs(f64::NAN, &[true, true]), vec![1, 2]);
     }
 }
