@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A/B of the engine's switches (docs/design/options.md) on the K2.6 TP8 rank-0 slice, on the GPU machine: for each
-# setting (a space-separated list of VAR=VALUE, or `-` for the defaults) the slice's AR step and DDTree rounds
-# (`cuda_k26_slice`: 40 steps after 4, the median) and, with KDTREE_AB_LONGCTX set (prompt lengths), the
+# setting (a space-separated list of VAR=VALUE, or `-` for the defaults) the slice's AR step, feed round (budget 0)
+# and DDTree rounds (`cuda_k26_slice`: 40 steps after 4, the median) and, with KDTREE_AB_LONGCTX set (prompt lengths), the
 # long-context figures (bench/long-context.sh: TTFT, AR step, b16 / b64 rounds). One table last, a row a setting.
 # Usage: bench/ab.sh DIR SETTING... (DIR: the staged .dev-gpu/), e.g.
 #   bench/ab.sh .dev-gpu - KDTREE_W4A16_BLOCKS_PER_SM=3 'KDTREE_MLA_PREFILL_P1=1 KDTREE_PDL=0'
@@ -30,7 +30,7 @@ for setting in "$@"; do
   log="$out/ab-$i.txt"
   echo "== setting $i: ${setting} (log $log)"
   env "${envs[@]}" "$dir/cuda_k26_slice" --ignored --nocapture > "$log" 2>&1 || status=1
-  row="| ${setting} | $(median ar_step "$log") | $(median 'ddtree_round budget=16' "$log") | $(median 'ddtree_round budget=64' "$log") | $(median 'ddtree_round budget=256' "$log") |"
+  row="| ${setting} | $(median ar_step "$log") | $(median 'feed_round budget=0' "$log") | $(median 'ddtree_round budget=16' "$log") | $(median 'ddtree_round budget=64' "$log") | $(median 'ddtree_round budget=256' "$log") |"
   if [ -n "${KDTREE_AB_LONGCTX:-}" ]; then
     read -r -a lens <<< "$KDTREE_AB_LONGCTX"
     env "${envs[@]}" bash "$root/bench/long-context.sh" "$dir" "${lens[@]}" > "$out/ab-$i-longctx.txt" 2>&1 || status=1
@@ -40,8 +40,8 @@ for setting in "$@"; do
 done
 echo
 echo "A/B on the K2.6 TP8 rank-0 slice, $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), commit $(cat "$dir/COMMIT" 2>/dev/null || echo unknown)"
-head="| setting | AR step ms | b16 round ms | b64 round ms | b256 round ms |"
-sep="|---|---|---|---|---|"
+head="| setting | AR step ms | feed round ms | b16 round ms | b64 round ms | b256 round ms |"
+sep="|---|---|---|---|---|---|"
 [ -n "${KDTREE_AB_LONGCTX:-}" ] && head+=" long context (tokens: TTFT ms / AR step / b16 / b64 round ms) |" && sep+="---|"
 echo "$head"; echo "$sep"
 printf '%s\n' "${rows[@]}"

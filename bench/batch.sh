@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 15's throughput table in one device call, from the repository root on the GPU machine: kdtree-run over
-# one prompt file at --max-batch 1, 4, 16, 64, in AR and DDTree (budgets 16, 64 and auto: the pair only), greedy, on
+# one prompt file at --max-batch 1, 4, 16, 64, in AR and DDTree (budgets 16, 64 and auto, each model calibrated first), greedy, on
 #   * the trained pair (models/kdtree-tiny, converted here for one rank): 128 lines cycling examples/heldout.jsonl,
 #     64 tokens each (a line may stop earlier at its end-of-text token);
 #   * a k26-slice model (real K2.6 widths: hidden 7168, 64 heads, 384 experts top-8, vocab 163840; 3 layers) from
@@ -8,7 +8,8 @@
 #     lines of 8..64 token ids, 32 tokens each.
 # Each run's --summary gives the whole file's output tokens per wall second of generation (`throughput_tok_s`)
 # and the per-line latency; the table prints last (markdown, for bench/RESULTS.md), with the goals: AR
-# throughput at batch 64 >= 10x batch 1; DDTree at batch 16 above AR at batch 16.
+# throughput at batch 64 >= 10x batch 1; DDTree at batch 16 above AR at batch 16; `--budget auto` >= AR at every
+# batch (auto rows add its mean budget and the share of feed rounds).
 # Usage: bench/batch.sh DIR (binaries staged by `make gpu-stage`; `make bench-batch` on the GPU machine).
 # Logs and summaries go to $OUT (or a temporary folder). KDTREE_BENCH_BUDGET (s, default 300): runs that would
 # start past it are skipped (and named). KDTREE_BATCH_MODELS / KDTREE_BATCH_MODES narrow the CLI runs
@@ -85,13 +86,14 @@ for k, v in tot.most_common(12):
     print(f"BENCH ncu {sys.argv[2]}:   {v / 1e3:9.1f} us {100 * v / s:5.1f}% x{cnt[k]:5d} {k}")
 PY
 done
-# `--budget auto` on the trained pair: its cost file measured here first (kdtree-run calibrate).
+# `--budget auto`: each model's cost file measured here first (kdtree-run calibrate; k26 on its dummy weights).
 if [ "${KDTREE_BATCH_CLI:-1}" = 1 ]; then
   for model in ${KDTREE_BATCH_MODELS:-pair k26}; do
     for mode in ${KDTREE_BATCH_MODES:-ar dd16 dd64 auto}; do
-      [ "$mode" = auto ] && [ "$model" != pair ] && continue
-      if [ "$mode" = auto ] && [ ! -f "$out/calibrated" ]; then
-        "$dir/kdtree-run" calibrate "$work/pair" --device cuda --quiet 2> "$out/calibrate.err" && touch "$out/calibrated" || { echo "FAIL calibrate: $(tail -2 "$out/calibrate.err")"; fail=1; }
+      if [ "$mode" = auto ] && [ ! -f "$out/calibrated-$model" ]; then
+        cx=""; [ "$model" = k26 ] && cx="--load-format dummy"
+        "$dir/kdtree-run" calibrate "$work/$model" --device cuda $cx 2> "$out/calibrate-$model.err" && touch "$out/calibrated-$model" || { echo "FAIL calibrate $model: $(tail -2 "$out/calibrate-$model.err")"; fail=1; }
+        grep -E "budget|feed round" "$out/calibrate-$model.err" | sed "s/^/calibrate $model: /"
       fi
       for b in 1 4 16 64; do run $model $mode $b; done
     done
@@ -123,9 +125,14 @@ for model in ("pair", "k26"):
             tp[(model, mode, b)] = t
             base = tp.get((model, mode, 1))
             lat = s.get("latency_ms") or {}
-            tau = s.get("acceptance_length") or 0
-            print(f"| {model} | {mode} | {b} | {t:.0f} | {t / base:.1f}x | {lat.get('p50', 0):.0f} / {lat.get('p90', 0):.0f} | {s.get('completion_tokens')} | {tau:.2f} |"
-                  if base else f"| {model} | {mode} | {b} | {t:.0f} | | | {s.get('completion_tokens')} | {tau:.2f} |")
+            tau = f"{s.get('acceptance_length') or 0:.2f}"
+            if mode == "auto":
+                # auto: the mean budget, and the share of feed rounds (budget 0: no draft) among its rounds
+                rounds = s.get("verify_steps") or 0
+                feed = 100.0 * (s.get("feed_rounds") or 0) / rounds if rounds else 0.0
+                tau += f" (mean budget {s.get('mean_budget') or 0:.1f}, {feed:.0f} % feed rounds)"
+            print(f"| {model} | {mode} | {b} | {t:.0f} | {t / base:.1f}x | {lat.get('p50', 0):.0f} / {lat.get('p90', 0):.0f} | {s.get('completion_tokens')} | {tau} |"
+                  if base else f"| {model} | {mode} | {b} | {t:.0f} | | | {s.get('completion_tokens')} | {tau} |")
 print()
 for model in ("pair", "k26"):
     a1, a64 = tp.get((model, "ar", 1)), tp.get((model, "ar", 64))
@@ -134,6 +141,10 @@ for model in ("pair", "k26"):
     a16, d16 = tp.get((model, "ar", 16)), max(tp.get((model, m, 16), 0) for m in ("dd16", "dd64", "auto"))
     if a16 and d16:
         print(f"- goal {model}: DDTree batch 16 above AR batch 16: {d16:.0f} vs {a16:.0f} tok/s — {'met' if d16 > a16 else 'NOT met'}")
+    for b in (1, 4, 16, 64):
+        a, u = tp.get((model, "ar", b)), tp.get((model, "auto", b))
+        if a and u:
+            print(f"- goal {model}: --budget auto >= AR at batch {b}: {u:.0f} vs {a:.0f} tok/s ({u / a:.2f}x) — {'met' if u >= a else 'NOT met'}")
 PY
 rm -rf "$work"
 exit $fail

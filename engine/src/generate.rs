@@ -48,6 +48,8 @@ pub struct SpecStats {
     pub drafted: u64,
     /// Round budgets ([`crate::Emitted::budget`]: `--budget auto`'s bucket), summed over rounds.
     pub budgets: u64,
+    /// Feed rounds among the rounds (budget 0: `--budget auto` where drafting does not pay).
+    pub feed_rounds: u64,
     /// Tree nodes accepted (root excluded), summed over rounds.
     pub accepted: u64,
     /// [B−1]: entry d−1 = rounds whose accepted path reached depth d.
@@ -68,6 +70,7 @@ impl SpecStats {
         self.verify_steps += o.verify_steps;
         self.drafted += o.drafted;
         self.budgets += o.budgets;
+        self.feed_rounds += o.feed_rounds;
         self.accepted += o.accepted;
         add(&mut self.accepted_per_depth, &o.accepted_per_depth);
         add(&mut self.acceptance_histogram, &o.acceptance_histogram);
@@ -104,6 +107,7 @@ impl SpecStats {
         self.verify_steps += 1;
         self.drafted += drafted as u64;
         self.budgets += budget as u64;
+        self.feed_rounds += u64::from(budget == 0);
         self.accepted += accepted as u64;
         self.accepted_per_depth[..accepted].iter_mut().for_each(|c| *c += 1);
         self.acceptance_histogram[accepted] += 1;

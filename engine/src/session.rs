@@ -43,7 +43,9 @@ use anyhow::{bail, ensure, Context, Result};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
     Ar,
-    /// DDTree with a node budget (root excluded).
+    /// DDTree with a node budget (root excluded). Budget 0: feed rounds, each an AR step whose root's taps
+    /// keep the drafter's context current (`kdtree-run calibrate` times them; `--budget auto` runs them where
+    /// drafting does not pay, ddtree/cost.rs).
     DDTree {
         budget: usize,
     },
@@ -685,7 +687,8 @@ fn round_emitted(r: DeviceRound, budget: Option<usize>) -> (Emitted, Vec<f64>) {
 
 /// One DDTree round from root token `root` (at position `target.committed()`): draft, build the tree,
 /// verify, walk (the decision at depth d draws the uniform of position committed + d + 1). Commits
-/// nothing. The tree depth is min(B−1, max_positions − 1 − committed).
+/// nothing. The tree depth is min(B−1, max_positions − 1 − committed). Budget 0 is a feed round: no draft,
+/// the root-only tree (an AR step's forward and decision, with the taps the drafter's context needs).
 /// `budget` None: the chain (top-1 of each draft row, one path of the rows' length).
 fn ddtree_round(
     target: &mut dyn Target,
@@ -702,14 +705,19 @@ fn ddtree_round(
         drafter.context_len()
     );
     let l = drafter.block_size() - 1;
-    let draft = drafter.draft(root, start)?;
-    ensure!(
-        draft.len() == l * v,
-        "drafter returned {} logits, expected {l} rows x vocab {v}",
-        draft.len()
-    );
-    let rows = l.min(max - 1 - start);
-    let draft_logits = draft[..rows * v].to_vec();
+    // A feed round (budget 0) drafts nothing: the root alone is verified, its taps feed the drafter's context.
+    let (rows, draft_logits) = if budget == Some(0) {
+        (0, Vec::new())
+    } else {
+        let draft = drafter.draft(root, start)?;
+        ensure!(
+            draft.len() == l * v,
+            "drafter returned {} logits, expected {l} rows x vocab {v}",
+            draft.len()
+        );
+        let rows = l.min(max - 1 - start);
+        (rows, draft[..rows * v].to_vec())
+    };
     let tree = match budget {
         Some(budget) => build_tree(root, &draft_logits, rows, v, budget),
         None => build_tree_from_top_k(root, &top_k_log_probs(&draft_logits, rows, v, 1), rows),

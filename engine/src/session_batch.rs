@@ -18,6 +18,7 @@
 //! Tests: engine/tests/batch_generate.rs (CPU: batched == one by one, every line).
 
 use crate::api::{BatchItem, BatchOps};
+use crate::ddtree::cost::{batch_choice, FeedRuns};
 use crate::session::{Emitted, Mode, Session};
 use anyhow::{ensure, Context, Result};
 
@@ -93,6 +94,17 @@ pub struct Batch {
     pub batched_slot_steps: usize,
     pub ghost_slot_steps: usize,
     pub alone_steps: usize,
+    /// `--budget auto`: the batch's runs of feed rounds, and whether the next batched round must draft (a probe:
+    /// the scores the decision weighs are the last drafted round's).
+    feed: FeedRuns,
+    probe: bool,
+    /// `--budget auto`: the fastest wall time (µs) of the batch's steps so far by (rows of the forward, budget;
+    /// 0 = a feed round): what its rounds cost at this load, where the cost model (one sequence's rounds,
+    /// calibrated) does not know the batch's per-sequence work (the fastest: a step that captured its graph
+    /// counts the capture).
+    timed: std::collections::HashMap<(usize, usize), f64>,
+    /// Batched feed rounds run.
+    pub feed_steps: usize,
 }
 
 impl Batch {
@@ -150,6 +162,10 @@ impl Batch {
             batched_slot_steps: 0,
             ghost_slot_steps: 0,
             alone_steps: 0,
+            feed: FeedRuns::default(),
+            probe: false,
+            timed: std::collections::HashMap::new(),
+            feed_steps: 0,
         })
     }
 }
@@ -343,28 +359,48 @@ impl Batch {
             None => alone = (0..active.len()).collect(),
             Some(ops) => {
                 // `--budget auto`: one bucket for all, the one that maximizes the batch's expected committed tokens
-                // per µs over the forward's rows (ddtree::cost::batch_bucket); before any sequence has a round,
-                // the bucket most of them chose (ties: the larger).
-                let auto = {
-                    let autos: Vec<_> = active.iter().filter_map(|&i| self.slots[i].auto_budget()).collect();
-                    // The rows of the forward: the active sequences and the idle ones that join as ghosts.
-                    let rows = (0..self.slots.len())
-                        .filter(|&i| active.contains(&i) || self.ghosts[i].is_some() || self.slots[i].mark().is_some())
-                        .count();
-                    let scores: Vec<&[f64]> = autos.iter().map(|a| a.last_scores()).collect();
-                    match autos.first() {
-                        Some(a) => {
-                            // A batch may also draft 1 or 2 nodes a sequence: below the smallest bucket of a
-                            // sequence alone, for when the batch's rows make every extra node dear.
-                            let mut choices: Vec<usize> =
-                                BATCH_SMALL.iter().copied().filter(|&b| b < a.buckets()[0]).collect();
-                            choices.extend_from_slice(a.buckets());
-                            crate::ddtree::cost::batch_bucket(&scores, rows, &choices, a.cost())
+                // per µs over the forward's rows (ddtree::cost::batch_choice); before any sequence has a round,
+                // the bucket most of them chose (ties: the larger). A feed round for all (budget 0) when its
+                // tokens per µs over the batch's rows beat that bucket's, in runs that double while the probe
+                // after each run says feed again (ddtree::cost::FeedRuns). Both costs are the batch's own where
+                // it has timed them at these rows ([`costs`]).
+                let autos: Vec<_> = active.iter().filter_map(|&i| self.slots[i].auto_budget()).collect();
+                // The rows of the forward: the active sequences and the idle ones that join as ghosts.
+                let rows = (0..self.slots.len())
+                    .filter(|&i| active.contains(&i) || self.ghosts[i].is_some() || self.slots[i].mark().is_some())
+                    .count();
+                let auto = if autos.is_empty() {
+                    None
+                } else {
+                    // Outside a run of feed rounds: the best bucket, and (unless this round is the probe after a
+                    // run) whether a run of feed rounds starts instead.
+                    let choice = if self.feed.feeding() {
+                        None
+                    } else {
+                        let scores: Vec<&[f64]> = autos.iter().map(|a| a.last_scores()).collect();
+                        let a = autos[0];
+                        // A batch may also draft 1 or 2 nodes a sequence: below the smallest bucket of a sequence
+                        // alone, for when the batch's rows make every extra node dear.
+                        let mut choices: Vec<usize> =
+                            BATCH_SMALL.iter().copied().filter(|&b| b < a.buckets()[0]).collect();
+                        choices.extend_from_slice(a.buckets());
+                        let choice = batch_choice(&scores, rows, &choices, a.cost());
+                        if let (Some((b, theta)), false) = (choice, std::mem::take(&mut self.probe)) {
+                            let (scale, probe_us, feed_us) = costs(&self.timed, rows, b, a.cost());
+                            let wins = feed_us.is_some_and(|f| scores.len() as f64 / f >= theta * scale);
+                            self.feed.decide(wins, probe_us, feed_us.unwrap_or(f64::NAN));
                         }
-                        None => None,
+                        choice
+                    };
+                    if self.feed.feeding() {
+                        self.feed.fed();
+                        self.probe = !self.feed.feeding();
+                        Some(0)
+                    } else {
+                        choice.map(|(b, _)| b)
                     }
                     .or_else(|| {
-                        let mut votes: Vec<usize> = autos.iter().map(|a| a.budget()).collect();
+                        let mut votes: Vec<usize> = autos.iter().filter(|a| !a.feeding()).map(|a| a.budget()).collect();
                         votes.sort_unstable();
                         let mut best: Option<(usize, usize)> = None; // (count, budget)
                         for c in votes.chunk_by(|a, b| a == b) {
@@ -408,8 +444,14 @@ impl Batch {
                 }
                 let real = joined.iter().filter(|(_, k, _)| k.is_some()).count();
                 if real >= 2 {
+                    let t0 = std::time::Instant::now();
                     let results = ops.step(&mut items)?;
                     drop(items);
+                    if let Some(b) = auto {
+                        let us = t0.elapsed().as_secs_f64() * 1e6;
+                        let t = self.timed.entry((joined.len(), b)).or_insert(us);
+                        *t = t.min(us);
+                    }
                     ensure!(
                         results.len() == joined.len(),
                         "a batched step gave {} results for {} sequences",
@@ -417,6 +459,7 @@ impl Batch {
                         joined.len()
                     );
                     self.batched_steps += 1;
+                    self.feed_steps += usize::from(auto == Some(0));
                     self.batched_slot_steps += real;
                     self.ghost_slot_steps += joined.len() - real;
                     for ((i, k, start), r) in joined.into_iter().zip(results) {
@@ -439,6 +482,29 @@ impl Batch {
         }
         out.into_iter().map(|e| e.context("a slot got no step")).collect()
     }
+}
+
+/// The costs a batch of `rows` rows decides with, between drafting bucket `b` and a feed round, from its
+/// steps' fastest times `timed` ([`Batch`]): the factor that turns the cost model's θ into the batch's (the
+/// model's round time over the batch's own, timed at `b`, else at the nearest bucket timed at these rows; 1
+/// before any), the probe's time (µs) and the feed round's (timed, else the model's; None without a measured
+/// feed round in the cost file).
+fn costs(
+    timed: &std::collections::HashMap<(usize, usize), f64>,
+    rows: usize,
+    b: usize,
+    cost: &crate::ddtree::cost::CostModel,
+) -> (f64, f64, Option<f64>) {
+    let model = |b: usize| cost.round_us_rows(rows, b);
+    let near = timed
+        .iter()
+        .filter(|((r, tb), _)| *r == rows && *tb > 0)
+        .min_by_key(|((_, tb), _)| (tb.abs_diff(b), *tb))
+        .map(|((_, tb), &us)| model(*tb) / us);
+    let scale = near.unwrap_or(1.0);
+    let probe = timed.get(&(rows, b)).copied().unwrap_or(model(b) / scale);
+    let feed = timed.get(&(rows, 0)).copied().or_else(|| cost.feed_round_us(rows));
+    (scale, probe, feed.filter(|_| cost.feed_us.is_some()))
 }
 
 const GIB: f64 = (1u64 << 30) as f64;

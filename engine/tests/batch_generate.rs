@@ -263,9 +263,16 @@ fn kv_admission_serialises_what_does_not_fit_and_refuses_what_never_fits() {
 }
 
 /// `--budget auto` in a batch: each round takes one bucket for every sequence (the one most of them chose),
-/// so the budgets — and the speculation counters — may differ from a run alone, never the tokens.
+/// so the budgets — and the speculation counters — may differ from a run alone, never the tokens. Also with
+/// a measured feed round (40 µs: the sequences feed alone, and the batch feeds when all of them do).
 #[test]
 fn batched_auto_budget_gives_the_alone_tokens() {
+    for feed in [None, Some(40.0)] {
+        batched_auto(feed);
+    }
+}
+
+fn batched_auto(feed: Option<f64>) {
     use kdtree_engine::ddtree::cost::{CostModel, COST_SCHEMA};
     let tmp = tempfile::tempdir().unwrap();
     convert(&pair_dir(), &tmp.path().join("pair1"), 1);
@@ -275,6 +282,7 @@ fn batched_auto_budget_gives_the_alone_tokens() {
         device: "test".into(),
         draft_us: 100.0,
         verify: vec![(1, 4.0), (257, 1028.0)],
+        feed_us: feed,
         note: String::new(),
     };
     let mode = Mode::DDTreeAuto { max: 64 };
@@ -293,6 +301,15 @@ fn batched_auto_budget_gives_the_alone_tokens() {
             generate(&mut s, &c.req, &mut callback(c.callback_stop)).unwrap()
         })
         .collect();
+    if feed.is_some() {
+        let (drafted, rounds) = want
+            .iter()
+            .fold((0, 0), |(d, r), w| (d + w.spec.drafted, r + w.spec.verify_steps));
+        assert!(
+            rounds > 0 && drafted < 4 * rounds,
+            "no feed round alone ({drafted} drafted in {rounds} rounds)"
+        );
+    }
     let mut batch = m.batch(mode, 4, None).unwrap();
     for i in 0..4 {
         batch.session(i).set_cost_model(cost.clone()).unwrap();
@@ -319,11 +336,20 @@ fn batched_auto_budget_gives_the_alone_tokens() {
     )
     .unwrap();
     assert!(batch.batched_steps > 0);
+    if feed.is_some() {
+        assert!(batch.feed_steps > 0, "no batched feed round");
+    } else {
+        assert_eq!(batch.feed_steps, 0, "a feed round without a measured feed cost");
+    }
+    eprintln!(
+        "batched auto (feed {feed:?}): {} batched steps, {} of them feed rounds",
+        batch.batched_steps, batch.feed_steps
+    );
     for (i, w) in want.iter().enumerate() {
         assert_eq!(
             (&got[&i].tokens, got[&i].finish_reason),
             (&w.tokens, w.finish_reason),
-            "request {i}: batched auto differs from alone"
+            "request {i}: batched auto (feed {feed:?}) differs from alone"
         );
     }
 }

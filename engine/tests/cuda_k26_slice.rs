@@ -3,9 +3,10 @@
 //! filled on the device from a seed; ~74 GB, no files). What one GPU of eight computes, minus the
 //! all-reduces. `#[ignore]` (needs an H200-class GPU and ~2 minutes): run with
 //! `cargo test -p kdtree-engine --features cuda --release --test cuda_k26_slice -- --ignored --nocapture`.
-//! Prints one `BENCH k26r0 ...` line per figure: the fill (GB, s), then the AR step and DDTree rounds at
-//! budgets 16, 64, 256 through `Session::step` (device step / device round, captured as CUDA graphs and
-//! replayed; wall time per step including its one host read, median / p10 / p90 of N after a warm-up), with
+//! Prints one `BENCH k26r0 ...` line per figure: the fill (GB, s), then the AR step, the feed round (budget
+//! 0) and DDTree rounds at budgets 16, 64, 256 through `Session::step` (device step / device round, captured
+//! as CUDA graphs and replayed; wall time per step including its one host read, median / p10 / p90 of N
+//! after a warm-up), with
 //! the GPU's counters per step (graph launches, eager kernel launches, reads) and the byte floor under
 //! uniform routing (distinct experts of T nodes × top-8 of 384: 384·(1 − (1 − 8/384)^T)) at 4.3 TB/s.
 #![cfg(feature = "cuda")]
@@ -84,6 +85,8 @@ fn k26_rank0_slice_timing() {
     let profile = std::env::var("KDTREE_PROFILE").unwrap_or_default();
     for (name, tag, mode) in [
         ("ar_step", "k26ar", Mode::Ar),
+        // The feed round (`--budget auto` where drafting does not pay): the AR step plus the drafter's context.
+        ("feed_round budget=0", "k26feed", Mode::DDTree { budget: 0 }),
         ("ddtree_round budget=16", "k26dd16", Mode::DDTree { budget: 16 }),
         ("ddtree_round budget=64", "k26dd64", Mode::DDTree { budget: 64 }),
         ("ddtree_round budget=256", "k26dd256", Mode::DDTree { budget: 256 }),
@@ -130,7 +133,7 @@ fn k26_rank0_slice_timing() {
             _ => 1,
         };
         let (med, p10, p90) = (pct(&mut ms, 0.5), pct(&mut ms, 0.1), pct(&mut ms, 0.9));
-        let floor = floor_ms(nodes, mode != Mode::Ar);
+        let floor = floor_ms(nodes, nodes > 1);
         println!(
             "BENCH k26r0 {name}: median {med:.3} ms (p10 {p10:.3}, p90 {p90:.3}; {STEPS} steps after {WARM}), {:.2} \
              tokens/step, uniform-routing byte floor {floor:.3} ms ({:.2}x), per step: {:.2} graph launches, {:.1} \

@@ -586,6 +586,65 @@ fn zero_fill_kernel_clears_every_byte() {
     println!("PARITY zero fill kernel (1 .. 1000003 bytes, u8 and f32) exact");
 }
 
+/// A batch's feed step stashes row s of the taps into stash s at its count and moves the count (one launch,
+/// round_state.cu `kdtree_stash_rows_seg_f32`): twice in a row at K2.6's tap width, up to the table's 64
+/// segments, every other row left as it was (NaN-poisoned), and a 65-segment table refused.
+#[test]
+fn stash_rows_seg_writes_each_row_at_its_count() {
+    let Some(g) = gpu() else { return };
+    let mut r = rng(31);
+    let (w, cap) = (5 * 7168, 6);
+    for nseg in [1usize, 3, 64] {
+        let at: Vec<usize> = (0..nseg).map(|_| r.random_range(0..cap - 1)).collect();
+        let mut dst: Vec<_> = (0..nseg).map(|_| g.upload(&nan_f32(cap * w)).unwrap()).collect();
+        let mut pos: Vec<_> = at.iter().map(|&a| g.upload(&[a as i32]).unwrap()).collect();
+        let srcs = [
+            rand_f32(&mut r, nseg * w, -3.0, 3.0),
+            rand_f32(&mut r, nseg * w, -3.0, 3.0),
+        ];
+        for (k, src) in srcs.iter().enumerate() {
+            let dsrc = g.upload(src).unwrap();
+            let mut segs: Vec<ops::round_state::StashSeg<'_>> = dst
+                .iter_mut()
+                .zip(pos.iter_mut())
+                .zip(&at)
+                .map(|((d, p), &a)| ops::round_state::StashSeg {
+                    dst: d.as_view_mut(),
+                    pos: p.as_view_mut(),
+                    at: a + k,
+                })
+                .collect();
+            ops::round_state::stash_rows_seg_f32(&g, &mut segs, w, &dsrc.as_view()).unwrap();
+        }
+        for s in 0..nseg {
+            let (got, p) = (g.download(&dst[s]).unwrap(), g.download(&pos[s]).unwrap());
+            assert_eq!(p[0] as usize, at[s] + 2, "nseg {nseg} segment {s}: the count");
+            for row in 0..cap {
+                let want: Vec<u32> = match row.checked_sub(at[s]) {
+                    Some(k) if k < 2 => srcs[k][s * w..(s + 1) * w].iter().map(|x| x.to_bits()).collect(),
+                    _ => vec![f32::NAN.to_bits(); w],
+                };
+                let have: Vec<u32> = got[row * w..(row + 1) * w].iter().map(|x| x.to_bits()).collect();
+                assert!(have == want, "nseg {nseg} segment {s} row {row} (count {})", at[s]);
+            }
+        }
+    }
+    let mut dst: Vec<_> = (0..65).map(|_| g.upload(&nan_f32(w)).unwrap()).collect();
+    let mut pos: Vec<_> = (0..65).map(|_| g.upload(&[0i32]).unwrap()).collect();
+    let src = g.upload(&vec![0f32; 65 * w]).unwrap();
+    let mut segs: Vec<_> = dst
+        .iter_mut()
+        .zip(pos.iter_mut())
+        .map(|(d, p)| ops::round_state::StashSeg {
+            dst: d.as_view_mut(),
+            pos: p.as_view_mut(),
+            at: 0,
+        })
+        .collect();
+    assert!(ops::round_state::stash_rows_seg_f32(&g, &mut segs, w, &src.as_view()).is_err());
+    println!("PARITY stash_rows_seg_f32 (1, 3, 64 segments of {w}, twice) exact");
+}
+
 /// The op profile (`KDTREE_OP_PROFILE`, engine/src/cuda/profile.rs): an op's device time between its events, the
 /// GPU's idle time while the host sleeps between two ops, nested ops counted once in the outermost, and nothing
 /// timed inside a capture.

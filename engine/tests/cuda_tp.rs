@@ -169,7 +169,8 @@ fn gen_batch(m: &Loaded, mode: Mode, prompts: &[Vec<u32>]) -> Vec<Vec<u32>> {
     outs.into_values().collect()
 }
 
-/// Every run of the comparison: greedy AR, greedy b16, sampled b16, batched AR.
+/// Every run of the comparison: greedy AR, greedy b16, sampled b16, batched AR, greedy feed rounds (budget 0)
+/// alone and batched.
 fn runs(m: &mut Loaded, prompts: &[Vec<u32>]) -> Vec<Vec<Vec<u32>>> {
     let t1 = Sampling {
         temperature: 1.0,
@@ -182,6 +183,8 @@ fn runs(m: &mut Loaded, prompts: &[Vec<u32>]) -> Vec<Vec<Vec<u32>>> {
         gen(m, Mode::DDTree { budget: 16 }, &Sampling::greedy(), prompts),
         gen(m, Mode::DDTree { budget: 16 }, &t1, prompts),
         gen_batch(m, Mode::Ar, prompts),
+        gen(m, Mode::DDTree { budget: 0 }, &Sampling::greedy(), prompts),
+        gen_batch(m, Mode::DDTree { budget: 0 }, prompts),
     ]
 }
 
@@ -216,11 +219,14 @@ fn rank_groups_on_one_gpu_equal_one_controller() {
         let graphs: Vec<u64> = gpus.iter().map(|g| g.stats.graph_launches.load(Relaxed)).collect();
         println!(
             "PARITY {ranks} rank groups ({experts:?}) on one GPU vs one controller: AR {} b16 {} b16 T=1 {} batched \
-             AR {}; graph launches per group {graphs:?}, {failures} capture failures",
+             AR {} feed rounds {} batched feed rounds {}; graph launches per group {graphs:?}, {failures} capture \
+             failures",
             want[0] == got[0],
             want[1] == got[1],
             want[2] == got[2],
-            want[3] == got[3]
+            want[3] == got[3],
+            want[4] == got[4],
+            want[5] == got[5]
         );
         assert_eq!(failures, 0, "a group's capture failed");
         // Every group captures its rounds and steps, the sums inside (unless KDTREE_CUDA_GRAPHS=0 runs them eagerly).

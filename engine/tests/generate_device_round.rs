@@ -20,8 +20,10 @@ fn device_round_equals_the_host_round_on_the_cpu() {
         vec![1u32, 17, 305, 42, 7, 900, 12, 3, 64, 5, 2000, 11],
         vec![400, 401, 402, 9],
     ];
-    let (rounds, tau) = compare(&mut m, "kdtree-tiny pair, cpu", &prompts, &[1, 8, 64], 6);
+    let (rounds, tau) = compare(&mut m, "kdtree-tiny pair, cpu", &prompts, &[0, 1, 8, 64], 6);
     compare_ar(&mut m, "kdtree-tiny pair, cpu", &prompts, 8);
+    // Past two full stashes (64 rows each).
+    compare_stash(&mut m, "kdtree-tiny pair, cpu", &prompts[0], 140, true, 0.0);
     compare_chain(&mut m, "kdtree-tiny pair, cpu", &prompts, 6);
     assert!(
         tau > 1.5,

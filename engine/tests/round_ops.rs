@@ -173,6 +173,10 @@ impl Resources for Rec {
         rec!(self, "pos_add", n);
         self.inner.pos_add(p, n)
     }
+    fn pos_add_host(&self, p: &mut Self::Pos, n: usize) {
+        rec!(self, "pos_add_host", n);
+        self.inner.pos_add_host(p, n)
+    }
     fn act_from_host(&self, x: Vec<f32>) -> Self::Act {
         rec!(self, "act_from_host", x.len());
         self.inner.act_from_host(x)
@@ -208,6 +212,15 @@ impl Resources for Rec {
     fn reserve_rows(&self, x: &mut Self::Act, cols: usize, rows: usize) -> bool {
         rec!(self, "reserve_rows", x.len(), cols, rows);
         self.inner.reserve_rows(x, cols, rows)
+    }
+    fn stash_rows(
+        &self,
+        dsts: &mut [(&mut Self::Act, &mut Self::Pos)],
+        cols: usize,
+        src: &Self::Act,
+    ) -> anyhow::Result<()> {
+        rec!(self, "stash_rows", dsts.len(), cols, src.len());
+        self.inner.stash_rows(dsts, cols, src)
     }
     fn write_rows_at(&self, dst: &mut Self::Act, cols: usize, at: &Self::Pos, src: &Self::Act, n: usize) {
         rec!(self, "write_rows_at", cols, src.len(), n);
@@ -540,6 +553,10 @@ impl TreeOps for Rec {
     fn tree_build(&self, tree: &mut Self::Tree, draft: &Self::Act, row0: usize) -> anyhow::Result<()> {
         rec!(self, "tree_build", draft.len(), row0);
         self.inner.tree_build(tree, draft, row0)
+    }
+    fn tree_root_only(&self, tree: &mut Self::Tree) -> anyhow::Result<()> {
+        rec!(self, "tree_root_only");
+        self.inner.tree_root_only(tree)
     }
     fn tree_set_root(&self, tree: &mut Self::Tree, root: u32) -> anyhow::Result<()> {
         rec!(self, "tree_set_root");

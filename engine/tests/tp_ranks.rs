@@ -31,11 +31,12 @@ fn convert(out: &Path, ranks: usize, experts: ExpertsMode) {
 }
 
 fn requests(vocab: u32) -> Vec<GenRequest> {
-    let prompts: [&[u32]; 4] = [
+    let prompts: [&[u32]; 5] = [
         &[1, 17, 305, 42, 7, 900, 12, 3],
         &[400, 401, 402, 9],
         &[5, 6],
         &[88, 99, 1000, 3, 3, 3, 77],
+        &[31, 4, 159, 26],
     ];
     let settings = [
         Sampling::greedy(),
@@ -52,12 +53,20 @@ fn requests(vocab: u32) -> Vec<GenRequest> {
             seed: 9,
         },
         Sampling::greedy(),
+        Sampling {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: 11,
+        },
     ];
     let modes = [
         Mode::Ar,
         Mode::DDTree { budget: 16 },
         Mode::Chain,
         Mode::DDTree { budget: 6 },
+        // Feed rounds (budget 0): no draft, the root's taps into every group's drafter context.
+        Mode::DDTree { budget: 0 },
     ];
     let mut out = Vec::new();
     for (i, p) in prompts.iter().enumerate() {
@@ -166,7 +175,7 @@ fn rank_groups_on_threads_equal_one_controller_bit_for_bit() {
             );
         }
         // Batched: every request of one mode in one batch.
-        for mode in [Mode::Ar, Mode::DDTree { budget: 16 }] {
+        for mode in [Mode::Ar, Mode::DDTree { budget: 16 }, Mode::DDTree { budget: 0 }] {
             let rs: Vec<GenRequest> = reqs
                 .iter()
                 .cloned()
@@ -182,7 +191,8 @@ fn rank_groups_on_threads_equal_one_controller_bit_for_bit() {
             );
         }
         eprintln!(
-            "R = {ranks} {experts:?}: {ranks} rank threads == one controller ({} requests, batched AR and b16)",
+            "R = {ranks} {experts:?}: {ranks} rank threads == one controller ({} requests, batched AR, b16 and feed \
+             rounds)",
             reqs.len()
         );
     }

@@ -6,10 +6,12 @@
 //   (float)pos * inv_freq in f32, cos/sin in f64, times the attention factor, rounded to f32.
 // - store_rows: rows [*row0, *row0 + n) of a [cap, w] buffer = src [n, w] (f32 -> bf16 for the latent cache,
 //   f32 -> f32 for the drafter's context K/V).
+// - stash_rows_seg: a feed step's row per sequence into that sequence's drafter stash at its counter, counter
+//   += 1 (the taps whose context rows the drafter writes before its next draft).
 // - path_rows: out[i] = x[path[i]] for i < len of the walk, zero rows up to `rows_out`.
-// CPU twins: engine backend.rs RopeTable / cpu::ops::rope_cos_sin, cpu backend write_rows_at, tree_path_rows,
-// tree_commit. Wrappers: engine/src/cuda/ops/round_state.rs. Tests: engine/tests/cuda_ops.rs (rope_at,
-// store_rows, path_rows), engine/tests/cuda_round.rs (the captured round).
+// CPU twins: engine backend.rs RopeTable / cpu::ops::rope_cos_sin, cpu backend write_rows_at, stash_rows,
+// tree_path_rows, tree_commit. Wrappers: engine/src/cuda/ops/round_state.rs. Tests: engine/tests/cuda_ops.rs
+// (rope_at, store_rows, stash_rows_seg, path_rows), engine/tests/cuda_round.rs (the captured round).
 #include "common.cuh"
 
 // pos [1] += n. One thread.
@@ -67,6 +69,25 @@ extern "C" __global__ void kdtree_store_rows_seg_bf16(const StoreSegs segs, int 
     const size_t total = (size_t)(segs.row0[s + 1] - segs.row0[s]) * w;
     for (size_t k = (size_t)blockIdx.x * blockDim.x + threadIdx.x; k < total; k += (size_t)gridDim.x * blockDim.x)
         dst[at + k] = __float2bfloat16_rn(src[from + k]);
+}
+
+// A batch's feed step: row s of src [nseg, w] f32 into row *pos[s] of stash s ([cap, w] f32), then
+// *pos[s] += 1. One block a segment: every thread reads the count before thread 0 moves it.
+constexpr int STASH_SEGS = 64;
+struct StashSegs {
+    unsigned long long dst[STASH_SEGS], pos[STASH_SEGS];
+    int nseg;
+};
+extern "C" __global__ void kdtree_stash_rows_seg_f32(const StashSegs segs, int w, const float* __restrict__ src) {
+    const int s = blockIdx.x;
+    if (s >= segs.nseg) return;
+    int* pos = reinterpret_cast<int*>(segs.pos[s]);
+    const int at = pos[0];
+    float* dst = reinterpret_cast<float*>(segs.dst[s]) + (size_t)at * w;
+    const float* row = src + (size_t)s * w;
+    for (int k = threadIdx.x; k < w; k += blockDim.x) dst[k] = row[k];
+    __syncthreads();
+    if (threadIdx.x == 0) pos[0] = at + 1;
 }
 
 // dst [cap, w] f32; rows [*row0, *row0 + n) = src [n, w]. grid-stride.

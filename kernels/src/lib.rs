@@ -85,6 +85,7 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("round_state.cu", "kdtree_store_rows_bf16"),
     ("round_state.cu", "kdtree_store_rows_f32"),
     ("round_state.cu", "kdtree_store_rows_seg_bf16"),
+    ("round_state.cu", "kdtree_stash_rows_seg_f32"),
     ("round_state.cu", "kdtree_path_rows_f32"),
     ("sample_rows.cu", "kdtree_sample_rows_f32"),
     ("silu_mul.cu", "kdtree_silu_mul_bf16"),

@@ -167,6 +167,9 @@ pub trait Resources: Clone + Send + Sync + 'static {
     fn pos_set(&self, p: &mut Self::Pos, v: usize);
     /// `+= n` (where the ops run and on the host).
     fn pos_add(&self, p: &mut Self::Pos, n: usize);
+    /// `+= n` on the host copy only: it follows a count that a captured step advanced where the ops run
+    /// ([`Resources::stash_rows`]; the pair of `kv_commit_rows` / `kv_commit_rows_host`).
+    fn pos_add_host(&self, p: &mut Self::Pos, n: usize);
 
     // ---- activations ----
     fn act_from_host(&self, x: Vec<f32>) -> Self::Act;
@@ -190,6 +193,10 @@ pub trait Resources: Clone + Send + Sync + 'static {
     /// Rows `[at, at + n)` of the row cache `dst` (room reserved) = `src` `[n, cols]`, `at` read where the
     /// ops run.
     fn write_rows_at(&self, dst: &mut Self::Act, cols: usize, at: &Self::Pos, src: &Self::Act, n: usize);
+    /// For each s: row s of `src` `[dsts.len(), cols]` into row `pos_s` of the row cache `dst_s` (room
+    /// reserved), then `pos_s += 1` where the ops run (one launch for a batch's feed step; the host copies
+    /// follow in [`Resources::pos_add_host`]).
+    fn stash_rows(&self, dsts: &mut [(&mut Self::Act, &mut Self::Pos)], cols: usize, src: &Self::Act) -> Result<()>;
 
     // ---- MLA ----
     fn kv_new(&self, layers: usize, width: usize) -> Self::Kv;
@@ -454,6 +461,8 @@ pub trait TreeOps: Resources {
     /// of the root token ([`TreeOps::tree_root`]) and its ancestor mask (`ddtree::build_tree`). The tree has
     /// `budget + 1` nodes when [`crate::ddtree::tree_is_full`] holds.
     fn tree_build(&self, tree: &mut Self::Tree, draft: &Self::Act, row0: usize) -> Result<()>;
+    /// A feed round's tree (a tree of budget 0): the root token alone, no draft read.
+    fn tree_root_only(&self, tree: &mut Self::Tree) -> Result<()>;
     /// Sets the root token (the next round's is the last walk's bonus, set by [`TreeOps::tree_commit`]).
     fn tree_set_root(&self, tree: &mut Self::Tree, root: u32) -> Result<()>;
     /// The root token `[1]` where the ops read it.

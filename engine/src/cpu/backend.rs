@@ -60,6 +60,16 @@ pub struct CpuTree {
     pub root: Vec<u32>,
 }
 
+impl CpuTree {
+    /// A new build's tree, with its depths and mask; no walk yet.
+    pub(crate) fn set(&mut self, tree: DraftTree) {
+        self.depths = tree.depths.clone();
+        self.mask = tree.visibility.clone();
+        self.tree = tree;
+        self.walk = None;
+    }
+}
+
 /// One MoE layer's router decisions: per token (experts, weights), and per expert its (token, weight)s.
 pub struct CpuRoutes {
     pub per_token: Vec<(Vec<usize>, Vec<f32>)>,
@@ -157,6 +167,9 @@ impl Resources for CpuBackend {
     fn pos_add(&self, p: &mut usize, n: usize) {
         *p += n;
     }
+    fn pos_add_host(&self, _p: &mut usize, _n: usize) {
+        // stash_rows already moved it: the CPU has no other copy.
+    }
     fn act_from_host(&self, x: Vec<f32>) -> Vec<f32> {
         x
     }
@@ -193,6 +206,19 @@ impl Resources for CpuBackend {
             dst.resize(to, 0.0);
         }
         dst[from..to].copy_from_slice(&src[..n * cols]);
+    }
+    fn stash_rows(&self, dsts: &mut [(&mut Vec<f32>, &mut usize)], cols: usize, src: &Vec<f32>) -> Result<()> {
+        anyhow::ensure!(
+            src.len() >= dsts.len() * cols,
+            "stash_rows: {} values for {} rows",
+            src.len(),
+            dsts.len()
+        );
+        for (s, (dst, pos)) in dsts.iter_mut().enumerate() {
+            self.write_rows_at(dst, cols, pos, &src[s * cols..(s + 1) * cols].to_vec(), 1);
+            **pos += 1;
+        }
+        Ok(())
     }
     fn kv_new(&self, layers: usize, width: usize) -> LatentCache {
         LatentCache::new(layers, width)

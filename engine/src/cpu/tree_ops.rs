@@ -25,7 +25,7 @@ impl TreeOps for CpuBackend {
     }
     fn tree_build(&self, t: &mut CpuTree, draft: &Vec<f32>, row0: usize) -> Result<()> {
         // build_tree is this with k = min(budget, vocab); the chain takes k = 1.
-        t.tree = if t.budget == 0 || t.rows == 0 {
+        let tree = if t.budget == 0 || t.rows == 0 {
             DraftTree::root_only(t.root[0])
         } else {
             let (from, to) = (row0 * t.vocab, (row0 + t.rows) * t.vocab);
@@ -42,9 +42,12 @@ impl TreeOps for CpuBackend {
                 t.budget,
             )
         };
-        t.depths = t.tree.depths.clone();
-        t.mask = t.tree.visibility.clone();
-        t.walk = None;
+        t.set(tree);
+        Ok(())
+    }
+    fn tree_root_only(&self, t: &mut CpuTree) -> Result<()> {
+        anyhow::ensure!(t.budget == 0, "tree_root_only on a tree of budget {}", t.budget);
+        t.set(DraftTree::root_only(t.root[0]));
         Ok(())
     }
     fn tree_set_root(&self, t: &mut CpuTree, root: u32) -> Result<()> {

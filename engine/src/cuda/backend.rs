@@ -430,6 +430,9 @@ impl Resources for CudaBackend {
             p.host += n;
         }
     }
+    fn pos_add_host(&self, p: &mut DPos, n: usize) {
+        p.host += n;
+    }
     fn act_from_host(&self, x: Vec<f32>) -> CudaSlice<f32> {
         if x.is_empty() {
             return self.empty(); // (the drafter's empty context cache) no copy of nothing
@@ -544,6 +547,36 @@ impl Resources for CudaBackend {
                 n,
             )
         });
+    }
+    fn stash_rows(
+        &self,
+        dsts: &mut [(&mut CudaSlice<f32>, &mut DPos)],
+        cols: usize,
+        src: &CudaSlice<f32>,
+    ) -> Result<()> {
+        self.run("stash_rows", || {
+            let mut from = 0;
+            for chunk in dsts.chunks_mut(round_state::MAX_SEGS) {
+                let n = chunk.len();
+                let mut segs: Vec<round_state::StashSeg<'_>> = chunk
+                    .iter_mut()
+                    .map(|(dst, pos)| round_state::StashSeg {
+                        dst: dst.as_view_mut(),
+                        pos: pos.dev.as_view_mut(),
+                        at: pos.host,
+                    })
+                    .collect();
+                round_state::stash_rows_seg_f32(
+                    &self.gpu,
+                    &mut segs,
+                    cols,
+                    &src.slice(from * cols..(from + n) * cols),
+                )?;
+                from += n;
+            }
+            Ok(())
+        });
+        self.check()
     }
     fn kv_new(&self, layers: usize, width: usize) -> DKv {
         let buf = self

@@ -61,7 +61,8 @@ pub struct DeviceTree {
 }
 
 impl DeviceTree {
-    /// Allocates every buffer once (budget 1..=2048, draft rows 1..=255, K = min(budget, vocab) <= 2048).
+    /// Allocates every buffer once (budget 0..=2048, draft rows 1..=255, K = min(budget, vocab) <= 2048; budget 0:
+    /// a feed round's root-only tree, see [`DeviceTree::root_only`]).
     pub fn new(gpu: &Gpu, budget: usize, rows: usize, vocab: usize) -> Result<DeviceTree> {
         Self::with_k(gpu, budget, rows, vocab, budget.min(vocab))
     }
@@ -69,8 +70,8 @@ impl DeviceTree {
     /// [`DeviceTree::new`] with the top-`k` of each draft row given (1 for the chain), `k <= min(2048, vocab)`.
     pub fn with_k(gpu: &Gpu, budget: usize, rows: usize, vocab: usize, k: usize) -> Result<DeviceTree> {
         let op = "device_tree";
-        ensure(op, (1..=ddtree_build::MAX_BUDGET).contains(&budget), || {
-            format!("budget {budget} must be in 1..={}", ddtree_build::MAX_BUDGET)
+        ensure(op, budget <= ddtree_build::MAX_BUDGET, || {
+            format!("budget {budget} must be in 0..={}", ddtree_build::MAX_BUDGET)
         })?;
         ensure(op, (1..=ddtree_build::MAX_DEPTH).contains(&rows), || {
             format!("{rows} draft rows must be in 1..={}", ddtree_build::MAX_DEPTH)
@@ -81,6 +82,9 @@ impl DeviceTree {
         })?;
         let n = budget + 1;
         let words = n.div_ceil(64);
+        // Budget 0: the root-only tree's fixed arrays, written once (no build ever rewrites them); the root's
+        // token is copied in by each round (`root_only`).
+        let one = |v: i32| if budget == 0 { gpu.upload(&[v]) } else { gpu.zeros(n) };
         Ok(DeviceTree {
             budget,
             rows,
@@ -92,12 +96,16 @@ impl DeviceTree {
             bonus: gpu.zeros(1)?,
             tokens: gpu.zeros(n)?,
             depths: gpu.zeros(n)?,
-            parents: gpu.zeros(n)?,
-            first_child: gpu.zeros(n)?,
-            next_sibling: gpu.zeros(n)?,
-            n_nodes: gpu.zeros(1)?,
+            parents: one(-1)?,
+            first_child: one(-1)?,
+            next_sibling: one(-1)?,
+            n_nodes: if budget == 0 { gpu.upload(&[1])? } else { gpu.zeros(1)? },
             mask: DMask {
-                bits: gpu.zeros(n * words)?,
+                bits: if budget == 0 {
+                    gpu.upload(&[1u64])?
+                } else {
+                    gpu.zeros(n * words)?
+                },
                 rows: n,
                 words,
                 causal: false,
@@ -106,6 +114,17 @@ impl DeviceTree {
             walk_out: gpu.zeros(Self::log_q_at_for(rows) + 2 * n)?,
             topk: topk_logprobs::TopkWork::new(gpu, rows, vocab, k)?,
         })
+    }
+
+    /// A feed round's tree (budget 0): the root alone, its token copied from [`DeviceTree::bonus`] where the
+    /// round runs (the other arrays were written at allocation; `log_q` is the zeroed buffer's 0).
+    pub fn root_only(&mut self, gpu: &Gpu) -> Result<()> {
+        ensure("device_tree", self.budget == 0, || {
+            format!("root_only on a tree of budget {}", self.budget)
+        })?;
+        gpu.stream
+            .memcpy_dtod(&self.bonus, &mut self.tokens)
+            .map_err(super::drv("device_tree root_only"))
     }
 
     /// Where the f64 `log_q` starts in [`DeviceTree::walk_out`] (i32 index): after the walk, rounded up to

@@ -29,6 +29,10 @@ impl TreeOps for CudaBackend {
         tree.build(&self.gpu, &draft.slice(from..to), tree.vocab)?;
         self.check()
     }
+    fn tree_root_only(&self, tree: &mut DeviceTree) -> Result<()> {
+        tree.root_only(&self.gpu)?;
+        self.check()
+    }
     fn tree_set_root(&self, tree: &mut DeviceTree, root: u32) -> Result<()> {
         Ok(tree.set_bonus(&self.gpu, root)?)
     }

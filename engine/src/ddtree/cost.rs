@@ -9,6 +9,11 @@
 //! µs of a round of n nodes (the surrogate acceptance of DDTree Prop. 1 plus the bonus); n* is the first n
 //! with θ(n + 1) <= θ(n), or the tree's size when θ never stops rising. CaDDTree proves θ unimodal when
 //! C_v is convex, so the greedy stop is the maximum then.
+//! A feed round (budget 0: the AR step, whose drafter stashes the root's taps for its context, no draft)
+//! commits one token for `feed_us` (measured by calibrate too): when its 1 / C_feed beats the best θ of the
+//! last drafted round, the sequence feeds instead of drafting, and drafts again to probe after 1, 2, 4, ... up
+//! to [`MAX_FEED_RUN`] feed rounds (a feed round learns nothing about the drafter's acceptance); the runs go on
+//! from one sequence to the next. A cost file without `feed_us` never feeds.
 //! The JSON form (schema [`COST_SCHEMA`]) is parsed and checked here; the tools own its file.
 //! Tests: below; the session's use in engine/tests/generate_tiny_model.rs; the file in kdtree-run.
 
@@ -24,6 +29,15 @@ pub const BUCKETS: [usize; 7] = [4, 8, 16, 32, 64, 128, 256];
 /// The bucket of a sequence's first round (before any tree has been seen).
 pub const START_BUCKET: usize = 16;
 
+/// The share of a run's time a probe may cost beyond the feed round it replaces: a run is at least
+/// (C_probe − C_feed) / (PROBE_SHARE · C_feed) feed rounds ([`FeedRuns::decide`]).
+pub const PROBE_SHARE: f64 = 1.0 / 32.0;
+
+/// The longest run of feed rounds between two probing (drafting) rounds: a probe that does not pay costs a
+/// drafted round instead of a feed round once in this many tokens (on the K2.6 rank-0 slice with 3 layers,
+/// where the drafter weighs most, a b4 probe is ~3.4 feed rounds: under 1 % of a run).
+pub const MAX_FEED_RUN: usize = 256;
+
 /// Measured round cost on one device.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -38,6 +52,10 @@ pub struct CostModel {
     /// (nodes verified, root included; µs) points of C_v, nodes strictly increasing, µs non-decreasing;
     /// linear between points and beyond them (clamped at 0).
     pub verify: Vec<(usize, f64)>,
+    /// A feed round (budget 0: the AR step plus the root's taps into the drafter's context, no draft), µs;
+    /// None (a file from before feed rounds): `--budget auto` always drafts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub feed_us: Option<f64>,
     /// How it was measured (free text: rounds per point, prompt, context).
     #[serde(default)]
     pub note: String,
@@ -90,7 +108,30 @@ impl CostModel {
             "cost model: a round of 0 drafted nodes costs {} µs (must be > 0)",
             self.round_us(0)
         );
+        if let Some(f) = self.feed_us {
+            ensure!(
+                f.is_finite() && f > 0.0,
+                "cost model: feed_us {f} is not a finite time > 0"
+            );
+        }
         Ok(())
+    }
+
+    /// The model with the measured feed round `us` (µs), checked.
+    pub fn with_feed(self, us: f64) -> Result<CostModel> {
+        let m = CostModel {
+            feed_us: Some((us * 1e3).round() / 1e3),
+            ..self
+        };
+        m.check()?;
+        Ok(m)
+    }
+
+    /// A feed round of `rows` sequences in one forward, µs: the measured feed round with the verify of the
+    /// other rows added (C_v(rows) − C_v(1)); None without a measured feed round.
+    pub fn feed_round_us(&self, rows: usize) -> Option<f64> {
+        let extra = (self.verify_us(rows.max(1)) - self.verify_us(1)).max(0.0);
+        self.feed_us.map(|f| f + extra)
     }
 
     /// C_v of a tree of `nodes` nodes (root included), µs: linear between the points, extended linearly past
@@ -145,6 +186,7 @@ impl CostModel {
             device: device.to_string(),
             draft_us: ns(draft),
             verify,
+            feed_us: None,
             note,
         };
         m.check()?;
@@ -156,6 +198,11 @@ impl CostModel {
 /// θ(n) = (1 + Σ_{i<=n} exp(log_q_i)) / round_us(n) under `cost`, found as the first n with θ(n + 1) <= θ(n)
 /// (at most `log_q.len()`). A NaN score counts as probability 0 (as the builder counts it as -inf).
 pub fn best_nodes(log_q: &[f64], cost: &CostModel) -> usize {
+    best_theta(log_q, cost).0
+}
+
+/// [`best_nodes`] and θ there: the expected tokens per µs of a round of that many nodes.
+pub fn best_theta(log_q: &[f64], cost: &CostModel) -> (usize, f64) {
     let mut phi = 1.0; // the bonus token always commits
     let mut theta = phi / cost.round_us(0);
     for (n, &lq) in log_q.iter().enumerate() {
@@ -163,11 +210,11 @@ pub fn best_nodes(log_q: &[f64], cost: &CostModel) -> usize {
         let next_phi = phi + if p.is_nan() { 0.0 } else { p };
         let next = next_phi / cost.round_us(n + 1);
         if next <= theta || next.is_nan() {
-            return n;
+            return (n, theta);
         }
         (phi, theta) = (next_phi, next);
     }
-    log_q.len()
+    (log_q.len(), theta)
 }
 
 /// One budget for all sequences of a batched round in auto mode (`--budget auto --max-batch N`): the bucket that
@@ -181,6 +228,11 @@ pub fn best_nodes(log_q: &[f64], cost: &CostModel) -> usize {
 /// that largest tree and its last node still paid off, the next larger bucket is tried (as [`AutoBudget`]
 /// grows a tree that was too small to stop). None when no sequence has a round yet.
 pub fn batch_bucket(scores: &[&[f64]], rows: usize, buckets: &[usize], cost: &CostModel) -> Option<usize> {
+    batch_choice(scores, rows, buckets, cost).map(|(b, _)| b)
+}
+
+/// [`batch_bucket`] and the batch's θ there (expected committed tokens per µs of the batch's round).
+pub fn batch_choice(scores: &[&[f64]], rows: usize, buckets: &[usize], cost: &CostModel) -> Option<(usize, f64)> {
     let seen = scores.iter().map(|s| s.len()).max().filter(|&n| n > 0)?;
     let p = |lq: f64| {
         let p = lq.exp();
@@ -200,7 +252,7 @@ pub fn batch_bucket(scores: &[&[f64]], rows: usize, buckets: &[usize], cost: &Co
     };
     let known: Vec<usize> = buckets.iter().copied().filter(|&b| b <= seen).collect();
     let Some(&first) = known.first() else {
-        return buckets.first().copied();
+        return buckets.first().map(|&b| (b, theta(b)));
     };
     let best = known
         .iter()
@@ -208,9 +260,62 @@ pub fn batch_bucket(scores: &[&[f64]], rows: usize, buckets: &[usize], cost: &Co
         .fold(first, |a, b| if theta(b) > theta(a) { b } else { a });
     let grows = best == seen && theta(seen) > theta(seen - 1);
     Some(match buckets.iter().find(|&&b| b > best) {
-        Some(&next) if grows => next,
-        _ => best,
+        Some(&next) if grows => (next, theta(best)),
+        _ => (best, theta(best)),
     })
+}
+
+/// Whether a feed round of the batch (`seqs` sequences, each committing one token, in a forward of `rows`
+/// rows) beats `theta`, the batch's best drafted round ([`batch_choice`]); false without a measured feed round.
+pub fn batch_feeds(seqs: usize, rows: usize, theta: f64, cost: &CostModel) -> bool {
+    cost.feed_round_us(rows.max(seqs).max(1))
+        .is_some_and(|f| seqs as f64 / f >= theta)
+}
+
+/// Runs of feed rounds between probing rounds, for one sequence or a batch: a run of `run` feed rounds when
+/// feeding wins after a drafted round, doubling (up to [`MAX_FEED_RUN`]) each time it wins again after the
+/// probe, back to 1 when drafting wins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FeedRuns {
+    /// Feed rounds left in the current run (0: the next round drafts).
+    pub left: usize,
+    /// The next run's length.
+    pub run: usize,
+}
+
+impl Default for FeedRuns {
+    fn default() -> FeedRuns {
+        FeedRuns { left: 0, run: 1 }
+    }
+}
+
+impl FeedRuns {
+    /// After a drafted round that took `probe_us` where a feed round takes `feed_us`: whether feeding won;
+    /// starts a run (or ends the doubling). A first win feeds one round (one round's scores may be a bad
+    /// position of a drafter that pays); from the second win in a row the run is long enough that the next
+    /// probe costs at most [`PROBE_SHARE`] of it beyond a feed round, and no longer than [`MAX_FEED_RUN`].
+    pub fn decide(&mut self, feed_wins: bool, probe_us: f64, feed_us: f64) {
+        if feed_wins {
+            let least = ((probe_us - feed_us) / (PROBE_SHARE * feed_us)).ceil();
+            let least = if least.is_finite() {
+                least.clamp(1.0, MAX_FEED_RUN as f64) as usize
+            } else {
+                1
+            };
+            self.left = if self.run == 1 { 1 } else { self.run.max(least) };
+            self.run = (2 * self.left).min(MAX_FEED_RUN);
+        } else {
+            *self = FeedRuns::default();
+        }
+    }
+    /// Whether the next round feeds.
+    pub fn feeding(&self) -> bool {
+        self.left > 0
+    }
+    /// After a feed round.
+    pub fn fed(&mut self) {
+        self.left = self.left.saturating_sub(1);
+    }
 }
 
 /// The budgets [`AutoBudget`] chooses from under a cap `max` (>= 1): the [`BUCKETS`] below it, then `max`.
@@ -223,16 +328,21 @@ pub fn buckets(max: usize) -> Vec<usize> {
 /// The budget of each round of one session in auto mode, chosen one round late: round r runs at bucket
 /// B_r; from round r's popped-node scores, n* = [`best_nodes`]; B_{r+1} = the smallest bucket >= n* when the
 /// rule stopped inside the tree (n* < B_r), else the next larger bucket (the tree was too small to stop).
-/// Each sequence starts at [`START_BUCKET`] (or the largest bucket below it).
+/// Each sequence starts at [`START_BUCKET`] (or the largest bucket below it). With a measured feed round
+/// ([`CostModel::feed_us`]): when 1 / C_feed >= θ(n*), the next rounds feed (budget 0) instead, `run` of them,
+/// then one drafts at B_{r+1} to probe; `run` doubles (up to [`MAX_FEED_RUN`]) each time a probe says feed
+/// again and is back to 1 when drafting wins.
 #[derive(Debug, Clone)]
 pub struct AutoBudget {
     cost: CostModel,
     buckets: Vec<usize>,
-    /// Index of this round's bucket.
+    /// Index of the next drafting round's bucket.
     at: usize,
-    /// The popped nodes' scores of this sequence's last round (empty before its first): what
+    /// The popped nodes' scores of this sequence's last drafted round (empty before its first): what
     /// [`batch_bucket`] weighs.
     last: Vec<f64>,
+    /// The feed rounds' runs.
+    feed: FeedRuns,
 }
 
 impl AutoBudget {
@@ -247,11 +357,14 @@ impl AutoBudget {
             buckets,
             at: 0,
             last: Vec::new(),
+            feed: FeedRuns::default(),
         };
         a.restart();
         Ok(a)
     }
-    /// A new sequence: back to the start bucket.
+    /// A new sequence: back to the start bucket. The feed runs go on: the last sequence's probes are the
+    /// best guess for this one (the same pair), so a run in progress continues and the run length stays;
+    /// the first probe where drafting pays ends them.
     pub fn restart(&mut self) {
         self.at = self.buckets.iter().rposition(|&b| b <= START_BUCKET).unwrap_or(0);
         self.last.clear();
@@ -260,9 +373,17 @@ impl AutoBudget {
     pub fn last_scores(&self) -> &[f64] {
         &self.last
     }
-    /// This round's budget.
+    /// This round's budget: 0 for a feed round.
     pub fn budget(&self) -> usize {
-        self.buckets[self.at]
+        if self.feed.feeding() {
+            0
+        } else {
+            self.buckets[self.at]
+        }
+    }
+    /// Whether this round feeds (budget 0).
+    pub fn feeding(&self) -> bool {
+        self.feed.feeding()
     }
     pub fn buckets(&self) -> &[usize] {
         &self.buckets
@@ -270,17 +391,28 @@ impl AutoBudget {
     pub fn cost(&self) -> &CostModel {
         &self.cost
     }
-    /// After a round at [`AutoBudget::budget`] whose popped nodes scored `log_q`: set the next round's
-    /// bucket; returns n*.
+    /// After a round whose popped nodes scored `log_q` (empty: a feed round, or a drafted round of no nodes):
+    /// set the next round's budget; returns n* (0 after a feed round).
     pub fn update(&mut self, log_q: &[f64]) -> usize {
+        if log_q.is_empty() {
+            // A feed round: one fewer before the probe (the last drafted round's scores stay).
+            self.feed.fed();
+            return 0;
+        }
         self.last.clear();
         self.last.extend_from_slice(log_q);
-        let n = best_nodes(log_q, &self.cost);
-        self.at = if n < self.budget() {
+        let (n, theta) = best_theta(log_q, &self.cost);
+        self.at = if n < self.buckets[self.at] {
             self.buckets.iter().position(|&b| b >= n).unwrap_or(self.at)
         } else {
             (self.at + 1).min(self.buckets.len() - 1)
         };
+        // The next probe drafts at the bucket just chosen.
+        let (probe, feed) = (
+            self.cost.round_us(self.buckets[self.at]),
+            self.cost.feed_us.unwrap_or(f64::NAN),
+        );
+        self.feed.decide(batch_feeds(1, 1, theta, &self.cost), probe, feed);
         n
     }
 }
@@ -296,6 +428,7 @@ mod tests {
             device: "test".into(),
             draft_us: fixed,
             verify: vec![(1, per_node), (257, 257.0 * per_node)],
+            feed_us: None,
             note: String::new(),
         }
     }
@@ -528,5 +661,120 @@ mod tests {
         assert_eq!(a.budget(), 16);
         assert_eq!(AutoBudget::new(8, c.clone()).unwrap().budget(), 8);
         assert!(AutoBudget::new(0, c).is_err());
+    }
+
+    #[test]
+    fn feed_rounds_run_where_drafting_does_not_pay_and_probes_back_off() {
+        // Fixed cost 100, 1 a node; a feed round 50: 1/50 beats any θ below 0.02.
+        let c = linear(100.0, 1.0).with_feed(50.0).unwrap();
+        assert_eq!(c.feed_round_us(1), Some(50.0));
+        // A batch of 4 rows pays 3 more rows of verify.
+        assert_eq!(c.feed_round_us(4), Some(53.0));
+        assert_eq!(linear(100.0, 1.0).feed_round_us(1), None);
+        let mut a = AutoBudget::new(64, c.clone()).unwrap();
+        assert_eq!((a.budget(), a.feeding()), (16, false));
+        // Hopeless scores: θ(0) = 1/101 < 1/50: feed one round, then probe at the smallest bucket.
+        let hopeless = [-20.0; 16];
+        assert_eq!(a.update(&hopeless), 0);
+        assert_eq!((a.budget(), a.feeding()), (0, true));
+        assert_eq!(a.update(&[]), 0);
+        assert_eq!(a.budget(), 4, "the probe drafts at the bucket the rule chose");
+        // Each probe that says feed again: a run long enough that the probe (a round of 4 nodes) costs
+        // PROBE_SHARE of it beyond a feed round (36 rounds), then doubling up to MAX_FEED_RUN.
+        let least = ((c.round_us(4) - 50.0) / (PROBE_SHARE * 50.0)).ceil() as usize;
+        assert_eq!(least, 36);
+        let mut runs = Vec::new();
+        for _ in 0..5 {
+            a.update(&hopeless[..a.budget()]);
+            let mut n = 0;
+            while a.feeding() {
+                assert_eq!(a.budget(), 0);
+                a.update(&[]);
+                n += 1;
+            }
+            runs.push(n);
+        }
+        assert_eq!(runs, vec![36, 72, 144, 256, 256]);
+        // A new sequence goes on with the run in progress.
+        a.update(&hopeless[..a.budget()]);
+        a.update(&[]);
+        a.restart();
+        assert_eq!((a.budget(), a.feeding()), (0, true));
+        while a.feeding() {
+            a.update(&[]);
+        }
+        // The probe drafts at the start bucket (16). One where drafting pays (4 certain nodes, then hopeless
+        // ones: θ(4) = 5/105 > 1/50) drafts on at the smallest bucket holding them, and the next hopeless
+        // probe feeds one round again.
+        assert_eq!(a.budget(), 16);
+        let four: Vec<f64> = [0.0; 4].iter().chain(&hopeless[..12]).copied().collect();
+        assert_eq!(a.update(&four), 4);
+        assert_eq!((a.budget(), a.feeding()), (4, false));
+        a.update(&hopeless[..4]);
+        assert!(a.feeding());
+        a.update(&[]);
+        assert!(!a.feeding(), "the run was back to 1");
+        // The last drafted round's scores stay through the feed rounds (what a batch weighs).
+        assert_eq!(a.last_scores(), &hopeless[..4]);
+        a.restart();
+        assert_eq!((a.budget(), a.feeding(), a.last_scores().len()), (16, false, 0));
+        // Without a measured feed round, hopeless scores keep drafting at the smallest bucket.
+        let mut a = AutoBudget::new(64, linear(100.0, 1.0)).unwrap();
+        a.update(&hopeless);
+        assert_eq!((a.budget(), a.feeding()), (4, false));
+        // The JSON form keeps the feed round; a file without it still loads.
+        let back = CostModel::from_json(&c.to_json()).unwrap();
+        assert_eq!(back, c);
+        let old = linear(100.0, 1.0).to_json();
+        assert!(!old.contains("feed_us"));
+        assert_eq!(CostModel::from_json(&old).unwrap().feed_us, None);
+        assert!(linear(100.0, 1.0).with_feed(0.0).is_err());
+        assert!(linear(100.0, 1.0).with_feed(f64::NAN).is_err());
+    }
+
+    #[test]
+    fn a_batch_feeds_when_its_rows_make_drafting_dear() {
+        // Fixed 100, 1 a node verified; a feed round 50 (+ 1 a row beyond the first in a batch).
+        let c = linear(100.0, 1.0).with_feed(50.0).unwrap();
+        // Every sequence's tree certain to 4 nodes then hopeless.
+        let sure: Vec<f64> = [0.0, 0.0, 0.0, 0.0].into_iter().chain([-20.0; 60]).collect();
+        let scores: Vec<&[f64]> = vec![&sure; 8];
+        let choices = [1, 2, 4, 8, 16, 32, 64];
+        // 8 rows: θ(4) = 8·5 / (100 + 40) = 0.286 against feeding's 8 / 57 = 0.140: draft 4.
+        let (b, theta) = batch_choice(&scores, 8, &choices, &c).unwrap();
+        assert_eq!(b, 4);
+        assert!((theta - 40.0 / 140.0).abs() < 1e-12, "{theta}");
+        assert!(!batch_feeds(8, 8, theta, &c));
+        // 64 rows of the same trees: θ(4) = 64·5 / (100 + 320) = 0.762; θ(2) = 64·3 / 292 = 0.658; feeding
+        // 64 / 113 = 0.566: still draft. Hopeless trees instead: θ(1) = 64 / 228 = 0.281 < 0.566: feed.
+        let (b, theta) = batch_choice(&vec![&sure[..]; 64], 64, &choices, &c).unwrap();
+        assert_eq!(b, 4);
+        assert!(!batch_feeds(64, 64, theta, &c));
+        let hopeless = [-20.0; 64];
+        let (_, theta) = batch_choice(&vec![&hopeless[..]; 64], 64, &choices, &c).unwrap();
+        assert!(batch_feeds(64, 64, theta, &c));
+        // Without a measured feed round a batch never feeds.
+        assert!(!batch_feeds(64, 64, 0.0, &linear(100.0, 1.0)));
+        // The runs: 1, then doubling while feeding wins, back to 1 when drafting wins (a probe that costs
+        // little more than a feed round); from the second win in a row at least enough feed rounds that the
+        // probe's extra cost is PROBE_SHARE of the run, capped at MAX_FEED_RUN (a probe of 2 and of 100 feed
+        // rounds).
+        let runs = |probe: f64, wins: &[bool]| {
+            let (mut f, mut lens) = (FeedRuns::default(), Vec::new());
+            for &win in wins {
+                f.decide(win, probe, 10.0);
+                let mut n = 0;
+                while f.feeding() {
+                    f.fed();
+                    n += 1;
+                }
+                lens.push(n);
+            }
+            lens
+        };
+        assert_eq!(runs(10.2, &[true, true, true, false, true]), vec![1, 2, 4, 0, 1]);
+        assert_eq!(runs(20.0, &[true, true, true, false, true]), vec![1, 32, 64, 0, 1]);
+        assert_eq!(runs(1000.0, &[true, true, true]), vec![1, MAX_FEED_RUN, MAX_FEED_RUN]);
+        assert_eq!(runs(f64::NAN, &[true, true]), vec![1, 2]);
     }
 }

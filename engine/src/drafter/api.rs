@@ -11,7 +11,8 @@ impl<B: Backend> Drafter for DFlashDrafter<B> {
     }
 
     fn context_len(&self) -> usize {
-        self.b.pos_get(&self.ctx_pos)
+        // The written rows, then the stash's.
+        self.b.pos_get(&self.ctx_pos) + self.stashed()
     }
 
     fn extend_context(&mut self, taps: &[f32], n: usize) -> Result<()> {
@@ -42,16 +43,25 @@ impl<B: Backend> Drafter for DFlashDrafter<B> {
             len <= have,
             "truncate_context to {len}: the context holds {have} positions"
         );
-        // Rows past the committed length are scratch: only the length moves (the storage stays).
-        self.b.pos_set(&mut self.ctx_pos, len);
+        // Rows past the committed length are scratch: only the lengths move (the storage stays). A cut inside
+        // the stash keeps its first rows.
+        let written = self.b.pos_get(&self.ctx_pos);
+        match len.checked_sub(written) {
+            Some(keep) if self.stashed() > 0 => self.stash_keep(keep),
+            _ => {
+                self.stash_keep(0);
+                self.b.pos_set(&mut self.ctx_pos, len);
+            }
+        }
         Ok(())
     }
 
     fn reset(&mut self) {
         self.b.pos_set(&mut self.ctx_pos, 0);
+        self.stash_keep(0);
     }
     fn reserve(&mut self, rows: usize) {
-        let have = self.context_len();
+        let have = self.b.pos_get(&self.ctx_pos);
         self.reserve_context(rows.saturating_sub(have));
     }
     fn fork(&self) -> Option<Box<dyn Drafter>> {
@@ -63,6 +73,7 @@ impl<B: Backend> Drafter for DFlashDrafter<B> {
     }
     fn release(&mut self) {
         self.b.pos_set(&mut self.ctx_pos, 0);
+        self.stash = None;
         for c in &mut self.cache {
             (c.k, c.v) = (self.b.act_from_host(Vec::new()), self.b.act_from_host(Vec::new()));
         }

@@ -70,6 +70,18 @@ struct LayerCache<B: Backend> {
     v: B::Act, // [>= C, Hk*D]
 }
 
+/// A drafter's stash: taps `[STASH_ROWS, n_taps·H]` of committed tokens whose context rows are not written
+/// yet (feed steps, [`DFlashDrafter::stash_row`]); its first `n` rows follow the written context. The
+/// committed context is the written rows and then these ([`Drafter::context_len`]); a draft or a context
+/// write writes them first ([`DFlashDrafter::flush`]), as one forward of their rows.
+struct Stash<B: Backend> {
+    taps: B::Act,
+    /// The count where the ops read it (a captured step advances it).
+    pos: B::Pos,
+    /// Its host copy.
+    n: usize,
+}
+
 /// A drafter's uploaded weights (shared between sessions).
 struct Params<B: Backend> {
     fc: B::Mat,             // [H, n_tap*H]
@@ -78,6 +90,9 @@ struct Params<B: Backend> {
     layers: Vec<Layer<B>>,
     inv_freq: B::VectorF32, // [D/2], where the ops read it
 }
+
+/// Rows of a drafter's stash (feed steps between two flushes; a full stash is flushed).
+pub const STASH_ROWS: usize = 64;
 
 /// Distinct drafters (a captured round is keyed by the drafter it drafted with).
 static NEXT_UID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -91,8 +106,10 @@ pub struct DFlashDrafter<B: Backend = CpuBackend> {
     tables: Arc<dyn TargetTables<B>>,
     attention_factor: f64,
     cache: Vec<LayerCache<B>>,
-    /// Committed context rows, where the ops read it and on the host.
+    /// Context rows written (K/V cached), where the ops read it and on the host.
     ctx_pos: B::Pos,
+    /// Taps of committed tokens whose context rows are not written yet (feed steps), made on first use.
+    stash: Option<Stash<B>>,
     /// `[bonus, mask × (B−1)]` of the device round (slot 0 copied from the tree's root).
     block_ids: B::Ids,
     /// This drafter, and a count of its caches' moves (both key a captured round).
@@ -360,6 +377,7 @@ impl<B: Backend> DFlashDrafter<B> {
             attention_factor,
             cache,
             ctx_pos,
+            stash: None,
             block_ids,
             uid,
             moves: 0,
@@ -383,12 +401,20 @@ impl<B: Backend> DFlashDrafter<B> {
         self.attention_factor
     }
 
-    /// [`Drafter::extend_context`] from taps `[n, n_taps·H]` already where the ops run. Up to a block of
-    /// rows is padded to the block (zero taps), the device round's fixed shape, so both compute the same.
+    /// [`Drafter::extend_context`] from taps `[n, n_taps·H]` already where the ops run (after the stash's
+    /// rows). Up to a block of rows is padded to the block (zero taps), the device round's fixed shape, so
+    /// both compute the same.
     pub fn extend_context_act(&mut self, taps: &B::Act, n: usize) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
+        self.flush()?;
+        self.write_rows(taps, n)
+    }
+
+    /// Context rows from taps `[n, n_taps·H]` after the written ones (the stash empty), padded as
+    /// [`DFlashDrafter::extend_context_act`] says; outside a captured step.
+    fn write_rows(&mut self, taps: &B::Act, n: usize) -> Result<()> {
         let rows = n.max(self.dims.block);
         let tw = self.dims.n_taps * self.dims.hidden;
         let padded;
@@ -406,7 +432,81 @@ impl<B: Backend> DFlashDrafter<B> {
         self.b.check()
     }
 
-    /// Room for `rows` context rows after the committed ones (outside a captured round).
+    /// Taps of committed tokens held in the stash (their context rows not written yet).
+    pub fn stashed(&self) -> usize {
+        self.stash.as_ref().map_or(0, |s| s.n)
+    }
+
+    /// Write the stash's rows into the context in one forward ([`DFlashDrafter::extend_context_act`]'s), the
+    /// stash then empty; outside a captured step. Nothing when it is empty.
+    pub fn flush(&mut self) -> Result<()> {
+        let tw = self.dims.n_taps * self.dims.hidden;
+        let taps = match self.stash.as_mut() {
+            Some(s) if s.n > 0 => {
+                let taps = self.b.rows(&s.taps, tw, 0, s.n);
+                self.b.pos_set(&mut s.pos, 0);
+                (taps, std::mem::take(&mut s.n))
+            }
+            _ => return Ok(()),
+        };
+        self.write_rows(&taps.0, taps.1)
+    }
+
+    /// Before a captured step that stashes one row (outside it): the stash's storage, and room for the row
+    /// (a full stash is flushed first).
+    pub fn stash_room(&mut self) -> Result<()> {
+        let tw = self.dims.n_taps * self.dims.hidden;
+        if self.stashed() >= STASH_ROWS {
+            self.flush()?;
+        }
+        let b = &self.b;
+        let s = self.stash.get_or_insert_with(|| Stash {
+            taps: b.act_from_host(Vec::new()),
+            pos: b.pos_new(0),
+            n: 0,
+        });
+        if b.reserve_rows(&mut s.taps, tw, STASH_ROWS) {
+            self.moves += 1;
+        }
+        Ok(())
+    }
+
+    /// Inside a captured step (after each one's [`DFlashDrafter::stash_room`]): row s of `taps`
+    /// `[ds.len(), n_taps·H]` (the taps of the token sequence s's step commits) into drafter s's stash, the
+    /// counts advanced where the ops run, in one launch; [`DFlashDrafter::stash_follow`] moves each host copy
+    /// after the step ran.
+    pub fn stash_rows(ds: &mut [&mut DFlashDrafter<B>], taps: &B::Act) -> Result<()> {
+        let Some(d0) = ds.first() else { return Ok(()) };
+        let (b, tw) = (d0.b.clone(), d0.dims.n_taps * d0.dims.hidden);
+        let mut dsts = Vec::with_capacity(ds.len());
+        for d in ds.iter_mut() {
+            ensure!(
+                d.dims.n_taps * d.dims.hidden == tw,
+                "stash_rows: drafters of different tap widths"
+            );
+            let s = d.stash.as_mut().context("stash_rows before stash_room")?;
+            dsts.push((&mut s.taps, &mut s.pos));
+        }
+        b.stash_rows(&mut dsts, tw, taps)
+    }
+
+    /// After a step that ran [`DFlashDrafter::stash_row`]: the host copy of the stash's count.
+    pub fn stash_follow(&mut self) {
+        if let Some(s) = self.stash.as_mut() {
+            self.b.pos_add_host(&mut s.pos, 1);
+            s.n += 1;
+        }
+    }
+
+    /// Keep the first `n` stashed rows (n <= stashed).
+    pub(crate) fn stash_keep(&mut self, n: usize) {
+        if let Some(s) = self.stash.as_mut().filter(|s| s.n != n) {
+            self.b.pos_set(&mut s.pos, n);
+            s.n = n;
+        }
+    }
+
+    /// Room for `rows` context rows after the written ones (outside a captured round).
     pub fn reserve_context(&mut self, rows: usize) {
         let (b, kw) = (&self.b, self.dims.kv_heads * self.dims.head_dim);
         let need = b.pos_get(&self.ctx_pos) + rows;
@@ -443,8 +543,9 @@ impl<B: Backend> DFlashDrafter<B> {
         }
     }
 
-    /// [`Drafter::draft`] leaving the logits `[B−1, V]` where the ops run.
+    /// [`Drafter::draft`] leaving the logits `[B−1, V]` where the ops run (the stash written first).
     pub fn draft_act(&mut self, bonus: u32, start: usize) -> Result<B::Act> {
+        self.flush()?;
         let DrafterDims {
             block: bl,
             mask_token_id,
@@ -462,8 +563,14 @@ impl<B: Backend> DFlashDrafter<B> {
         self.draft_ids(&ids)
     }
 
-    /// The device round's draft: the block's bonus is the root token `root` `[1]` where the ops read it.
+    /// The device round's draft: the block's bonus is the root token `root` `[1]` where the ops read it (the
+    /// stash flushed before the round).
     pub fn draft_from_root(&mut self, root: &B::Ids) -> Result<B::Act> {
+        ensure!(
+            self.stashed() == 0,
+            "draft: {} stashed context rows not flushed",
+            self.stashed()
+        );
         self.b.ids_copy(&mut self.block_ids, 0, root, 1);
         self.draft_ids(&self.block_ids)
     }
@@ -552,6 +659,10 @@ impl<B: Backend> DFlashDrafter<B> {
             ..
         } = dims;
         let n = ds.len();
+        ensure!(
+            ds.iter().all(|d| d.stashed() == 0),
+            "draft_batch: stashed context rows not flushed"
+        );
         let mut ropes = Vec::with_capacity(n);
         for (s, (d, root)) in ds.iter_mut().zip(roots).enumerate() {
             b.ids_copy(&mut d.block_ids, 0, root, 1);
@@ -615,6 +726,10 @@ impl<B: Backend> DFlashDrafter<B> {
             ..
         } = dims;
         let (n, kw) = (ds.len(), kv_heads * head_dim);
+        ensure!(
+            ds.iter().all(|d| d.stashed() == 0),
+            "write_context_batch: stashed context rows not flushed"
+        );
         let ctx = b.rms_norm(&b.linear(taps, n * rows, &p.fc), &p.hidden_norm, eps); // [N·rows, H]
         let ropes: Vec<B::Rope> = ds
             .iter()

@@ -68,6 +68,7 @@ impl<B: Backend> BatchEngine<B> {
                 t: &mut g.target,
                 root: it.root,
                 s: it.sampling,
+                feed: None,
             });
         }
         let toks = round::steps(&self.w, &mut parts, Some(&mut self.staging))?;
@@ -103,7 +104,8 @@ impl<B: Backend> BatchEngine<B> {
     }
 }
 
-/// The (budget, top-K) of an item's tree: a DDTree round's budget and min(budget, V), or the chain's rows and 1.
+/// The (budget, top-K) of an item's tree: a DDTree round's budget and min(budget, V) (a feed round, budget 0:
+/// 1, unused), or the chain's rows and 1.
 fn shape(it: &mut BatchItem<'_>, v: usize) -> Result<(usize, usize)> {
     let rows = it
         .drafter
@@ -112,7 +114,7 @@ fn shape(it: &mut BatchItem<'_>, v: usize) -> Result<(usize, usize)> {
         .unwrap_or(0)
         .saturating_sub(1);
     match it.kind {
-        StepKind::Tree(budget) => Ok((budget, budget.min(v))),
+        StepKind::Tree(budget) => Ok((budget, budget.min(v).max(1))),
         StepKind::Chain => Ok((rows, 1)),
         StepKind::Ar => bail!("an AR step in a batched round"),
     }
@@ -252,7 +254,7 @@ impl<B: Backend> BatchOps for BatchEngine<B> {
             StepKind::Tree(_) | StepKind::Chain => {
                 let Some((budget, _)) = shape else { return false };
                 let full = matches!(it.kind, StepKind::Chain) || tree_is_full(budget, rows, v);
-                full && rows > 0 && budget > 0 && start + rows < max && !t.info.tap_layers.is_empty() && has_drafter
+                full && rows > 0 && start + rows < max && !t.info.tap_layers.is_empty() && has_drafter
             }
         }
     }

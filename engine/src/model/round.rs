@@ -37,11 +37,13 @@ pub(crate) struct Part<'p, B: Backend> {
     pub s: &'p Sampling,
 }
 
-/// One sequence of an AR step: its target, the token going in and its sampling.
+/// One sequence of an AR step: its target, the token going in and its sampling; `feed`: a feed step, whose
+/// drafter stashes the token's taps (its context rows are written before its next draft).
 pub(crate) struct StepPart<'p, B: Backend> {
     pub t: &'p mut TargetModel<B>,
     pub root: u32,
     pub s: &'p Sampling,
+    pub feed: Option<&'p mut DFlashDrafter<B>>,
 }
 
 /// The buffers of a batched step (several sequences), owned by the batch engine: the forward's token ids,
@@ -132,13 +134,18 @@ pub(crate) fn rounds<B: Backend>(
 ) -> Result<Vec<DeviceRound>> {
     let b = &w.backend;
     ensure!(!parts.is_empty(), "a round of no sequences");
-    // Outside the captured round: each tree slot, room for its rows (nothing grows inside), the root where
-    // the ops read it, and the key of everything the round reads.
+    if parts.iter().all(|p| p.budget == 0) {
+        return feed_steps(w, parts, staging);
+    }
+    // Outside the captured round: each drafter's stash written into its context, each tree slot, room for
+    // its rows (nothing grows inside), the root where the ops read it, and the key of everything the round
+    // reads.
     let mut key = std::collections::hash_map::DefaultHasher::new();
     let mut slots = Vec::with_capacity(parts.len());
     for p in parts.iter_mut() {
         let rows = p.d.block_size() - 1;
         let start = b.kv_committed(&p.t.cache);
+        p.d.flush()?;
         ensure!(
             p.d.context_len() == start,
             "drafter context {} != target committed {start}",
@@ -185,7 +192,8 @@ pub(crate) fn rounds<B: Backend>(
                 walk: r.walk,
                 log_q: r.log_q,
                 drafted: p.budget,
-                draft_rows: p.d.block_size() - 1,
+                // A feed round drafts no rows.
+                draft_rows: if p.budget == 0 { 0 } else { p.d.block_size() - 1 },
             });
         }
         Ok(outs)
@@ -199,6 +207,41 @@ pub(crate) fn rounds<B: Backend>(
         p.t.dev_root = None;
     }
     r
+}
+
+/// Feed rounds (budget 0) of every sequence of `parts`: AR steps whose drafters stash the roots' taps
+/// (`DFlashDrafter::stash_row`; written into their contexts in one forward before their next draft), as
+/// rounds of the root alone, with no draft and no scores.
+fn feed_steps<B: Backend>(
+    w: &Weights<B>,
+    parts: &mut [Part<'_, B>],
+    staging: Option<&mut Staging<B>>,
+) -> Result<Vec<DeviceRound>> {
+    if let [p] = parts {
+        p.t.step_slot();
+    }
+    let mut steps_in: Vec<StepPart<'_, B>> = parts
+        .iter_mut()
+        .map(|p| StepPart {
+            t: &mut *p.t,
+            root: p.root,
+            s: p.s,
+            feed: Some(&mut *p.d),
+        })
+        .collect();
+    let toks = steps(w, &mut steps_in, staging)?;
+    Ok(toks
+        .into_iter()
+        .map(|tok| DeviceRound {
+            walk: crate::ddtree::Walk {
+                path: vec![0],
+                decisions: vec![tok],
+            },
+            log_q: Vec::new(),
+            drafted: 0,
+            draft_rows: 0,
+        })
+        .collect())
 }
 
 /// A round of one sequence: the single-sequence kernels (the target's round stages: `forward_tree`,
@@ -265,19 +308,27 @@ fn batch_round<B: Backend>(
     let (tokens, stage) = (&mut st.tokens, &mut st.stage);
     let graph = &mut st.graphs[gi].1;
     let r = b.graph_run(graph, gkey, &mut || {
-        // Every block drafted in one forward, every tree built from its rows, then their nodes gathered.
-        let draft = {
-            let (mut roots, mut ds): (Vec<&B::Ids>, Vec<&mut DFlashDrafter<B>>) = (Vec::new(), Vec::new());
-            for (p, &i) in parts.iter_mut().zip(slots) {
-                roots.push(b.tree_root(&p.t.rounds[i].tree));
-                ds.push(&mut *p.d);
+        // Every block drafted in one forward, every tree built from its rows, then their nodes gathered. Feed
+        // rounds (budget 0) beside drafted ones verify their root alone (a batch of feed rounds only is
+        // `feed_steps`).
+        let draft = match parts.iter().any(|p| p.budget > 0) {
+            true => {
+                let (mut roots, mut ds): (Vec<&B::Ids>, Vec<&mut DFlashDrafter<B>>) = (Vec::new(), Vec::new());
+                for (p, &i) in parts.iter_mut().zip(slots) {
+                    roots.push(b.tree_root(&p.t.rounds[i].tree));
+                    ds.push(&mut *p.d);
+                }
+                Some(DFlashDrafter::draft_batch(&mut ds, &roots, tokens)?) // [N·(B−1), V]
             }
-            DFlashDrafter::draft_batch(&mut ds, &roots, tokens)? // [N·(B−1), V]
+            false => None,
         };
         let mut at = 0;
         for (s, (p, &i)) in parts.iter_mut().zip(slots).enumerate() {
             let tree = &mut p.t.rounds[i].tree;
-            b.tree_build(tree, &draft, s * (block - 1))?;
+            match (&draft, p.budget) {
+                (Some(draft), 1..) => b.tree_build(tree, draft, s * (block - 1))?,
+                _ => b.tree_root_only(tree)?,
+            }
             b.ids_copy(tokens, at, b.tree_tokens(tree), nodes[s]);
             at += nodes[s];
         }
@@ -373,6 +424,15 @@ pub(crate) fn steps<B: Backend>(
     for p in parts.iter_mut() {
         let start = b.kv_committed(&p.t.cache);
         b.kv_reserve(&mut p.t.cache, start + 1)?;
+        if let Some(d) = p.feed.as_deref_mut() {
+            ensure!(
+                d.context_len() == start,
+                "drafter context {} != target committed {start}",
+                d.context_len()
+            );
+            d.stash_room()?;
+            ("feed", d.capture_key()).hash(&mut key);
+        }
         if one && p.t.step_root != Some(p.root) {
             let slot = p.t.step.as_mut().context("a device step without its step slot")?;
             b.ids_write(&mut slot.token, 0, &[p.root])?;
@@ -407,6 +467,9 @@ pub(crate) fn steps<B: Backend>(
     };
     let mut out = Vec::with_capacity(parts.len());
     for (p, &tok) in parts.iter_mut().zip(&toks) {
+        if let Some(d) = p.feed.as_deref_mut() {
+            d.stash_follow();
+        }
         ensure!(
             (tok as usize) < c.vocab,
             "{}: token {tok} >= vocab {}",
@@ -425,7 +488,7 @@ pub(crate) fn steps<B: Backend>(
 /// An AR step of one sequence in its step slot (its token buffer, one-node mask and captured graph).
 fn one_step<B: Backend>(w: &Weights<B>, p: &mut StepPart<'_, B>, key: u64) -> Result<Vec<u32>> {
     let (b, c) = (&w.backend, &w.cfg);
-    let s = p.s;
+    let (s, mut feed) = (p.s, p.feed.as_deref_mut());
     let TargetModel {
         cache,
         step,
@@ -443,7 +506,10 @@ fn one_step<B: Backend>(w: &Weights<B>, p: &mut StepPart<'_, B>, key: u64) -> Re
             mask,
             rope: &rope,
         }];
-        let (x, _taps) = decoder_layers(w, &mut segs, w.embed_ids(token, 1), &info.tap_layers, *mode, None);
+        let (x, taps) = decoder_layers(w, &mut segs, w.embed_ids(token, 1), &info.tap_layers, *mode, None);
+        if let Some(d) = feed.as_deref_mut() {
+            DFlashDrafter::stash_rows(&mut [d], &taps.context("a feed step needs the target's taps")?)?;
+        }
         let xn = w.final_norm(&x);
         if s.is_greedy() && w.vocab_split() {
             // The vocab-parallel argmax: R pairs through the communicator instead of V logits.
@@ -474,6 +540,11 @@ fn batch_step<B: Backend>(
     let roots: Vec<u32> = parts.iter().map(|p| p.root).collect();
     b.ids_write(&mut st.tokens, 0, &roots)?;
     let mode = parts[0].t.mode;
+    // Feed steps keep their taps (each drafter stashes its row).
+    let tap_layers = match parts.iter().any(|p| p.feed.is_some()) {
+        true => parts[0].t.info.tap_layers.clone(),
+        false => Vec::new(),
+    };
     let gkey = key.finish();
     let gi = st.graph(gkey);
     let (tokens, out, mask1) = (&st.tokens, &mut st.out, &st.mask1);
@@ -493,8 +564,17 @@ fn batch_step<B: Backend>(
                 rope,
             })
             .collect();
-        let (x, _taps) = decoder_layers(w, &mut segs, w.embed_ids(tokens, n), &[], mode, None);
+        let (x, taps) = decoder_layers(w, &mut segs, w.embed_ids(tokens, n), &tap_layers, mode, None);
         drop(segs);
+        if !tap_layers.is_empty() {
+            // Every sequence's row into its drafter's stash in one launch (all feed: `feed_steps`).
+            let taps = taps.context("a feed step needs the target's taps")?;
+            let mut ds = Vec::with_capacity(n);
+            for p in parts.iter_mut() {
+                ds.push(p.feed.as_deref_mut().context("a batch of feed and plain AR steps")?);
+            }
+            DFlashDrafter::stash_rows(&mut ds, &taps)?;
+        }
         let logits = w.lm_head(&w.final_norm(&x), n);
         // Greedy decisions do not depend on the position: one argmax over every row when all are greedy.
         let all_greedy = parts.iter().all(|p| p.s.is_greedy());

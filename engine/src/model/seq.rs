@@ -48,6 +48,8 @@ impl<B: Backend> Model<B> {
         let (v, max) = (t.info.vocab_size, t.info.max_positions);
         let rows = d.block_size().checked_sub(1)?;
         let (budget, k) = match budget {
+            // A feed round (budget 0): the root-only tree, no draft (k is unused).
+            Some(0) => (0, 1),
             // The device round's verify shape is budget + 1 nodes: only trees sure to fill it.
             Some(b) if tree_is_full(b, rows, v) => (b, b.min(v)),
             Some(_) => return None,
@@ -55,12 +57,14 @@ impl<B: Backend> Model<B> {
             None => (rows, 1),
         };
         let start = t.w.backend.kv_committed(&t.cache);
-        if t.trace.is_some() || rows == 0 || budget == 0 || start + rows >= max || t.info.tap_layers.is_empty() {
+        if t.trace.is_some() || rows == 0 || start + rows >= max || t.info.tap_layers.is_empty() {
             return None;
         }
         // A backend whose tree kernels cannot hold this shape (e.g. a budget over the device builder's 2048)
         // leaves the round to the host.
-        round::slot_of(t, budget, k, rows).ok()?;
+        if budget > 0 {
+            round::slot_of(t, budget, k, rows).ok()?;
+        }
         let w = t.w.clone();
         let mut part = [round::Part {
             t,

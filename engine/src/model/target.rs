@@ -286,6 +286,19 @@ impl<B: Backend> TargetModel<B> {
         b.check()
     }
 
+    /// The AR step's slot (its token buffer, one-node mask, captured graph), made on first use.
+    pub(crate) fn step_slot(&mut self) {
+        if self.step.is_none() {
+            let b = &self.w.backend;
+            let mask = b.mask_upload(&Visibility::from_parents(&[-1]).expect("a one-node tree"));
+            self.step = Some(StepSlot {
+                token: b.ids_from_host(&[0]),
+                mask,
+                graph: None,
+            });
+        }
+    }
+
     /// The round's one read back (the walk of a `t`-node tree and its popped nodes' scores), checked, then
     /// the host copies of the lengths advance.
     pub fn read_walk(
@@ -462,17 +475,14 @@ impl<B: Backend> Target for TargetModel<B> {
         if self.trace.is_some() || start + 1 >= self.info.max_positions || root as usize >= self.info.vocab_size {
             return None;
         }
-        if self.step.is_none() {
-            let b = &self.w.backend;
-            let mask = b.mask_upload(&Visibility::from_parents(&[-1]).ok()?);
-            self.step = Some(StepSlot {
-                token: b.ids_from_host(&[0]),
-                mask,
-                graph: None,
-            });
-        }
+        self.step_slot();
         let w = self.w.clone();
-        let mut part = [round::StepPart { t: self, root, s }];
+        let mut part = [round::StepPart {
+            t: self,
+            root,
+            s,
+            feed: None,
+        }];
         Some(round::steps(&w, &mut part, None).map(|t| t[0]))
     }
 

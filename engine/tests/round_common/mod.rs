@@ -232,3 +232,95 @@ pub fn compare_chain(m: &mut Loaded, prefix: &str, prompts: &[Vec<u32>], steps: 
     }
     n
 }
+
+/// Prefill `prompt` into `m`'s reset target and drafter where the ops run; returns the greedy next token.
+fn prefill_pair(m: &mut Loaded, prompt: &[u32]) -> u32 {
+    let d = m.drafter.as_deref_mut().expect("a drafter");
+    m.target.reset();
+    d.reset();
+    let logits = m
+        .target
+        .device_prefill(Some(d), prompt, true)
+        .expect("a device prefill")
+        .unwrap();
+    argmax(&logits)
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    (0..v.len()).fold(0, |b, i| if v[i] > v[b] { i } else { b }) as u32
+}
+
+/// Feed rounds (budget 0 where the target's ops run: AR steps whose drafter stashes the taps, written into
+/// its context in one forward before the next draft) over `steps` tokens, past a full stash: the tokens
+/// are greedy AR's, the drafter's context length follows the target's after every step, and a draft after
+/// cutting back inside the stash, and below the written context, equals the draft of a drafter that prefilled
+/// the same tokens (bit for bit where `exact`, else within `tol` of the largest logit; the largest difference
+/// is returned).
+pub fn compare_stash(m: &mut Loaded, prefix: &str, prompt: &[u32], steps: usize, exact: bool, tol: f32) -> f32 {
+    let greedy = Sampling::greedy();
+    // AR's tokens.
+    let mut root = prefill_pair(m, prompt);
+    let mut ar = vec![root];
+    for _ in 0..steps {
+        root = m.target.device_step(root, &greedy).expect("a device step").unwrap();
+        ar.push(root);
+    }
+    // Feed rounds.
+    let mut root = prefill_pair(m, prompt);
+    let mut fed = vec![root];
+    for i in 0..steps {
+        let d = m.drafter.as_deref_mut().unwrap();
+        let r = m
+            .target
+            .device_round(d, root, 0, &greedy)
+            .expect("a device feed round")
+            .unwrap();
+        assert_eq!(
+            (r.drafted, r.walk.path.len(), r.log_q.len()),
+            (0, 1, 0),
+            "{prefix}: feed round {i}"
+        );
+        root = r.walk.bonus();
+        fed.push(root);
+        assert_eq!(
+            d.context_len(),
+            m.target.committed(),
+            "{prefix}: after feed round {i} the drafter's context is not the target's"
+        );
+    }
+    assert_eq!(fed, ar, "{prefix}: feed rounds emit other tokens than AR steps");
+    let seq: Vec<u32> = prompt.iter().chain(&ar).copied().collect();
+    let mut worst = 0f32;
+    // Cut back inside the last stash, then below the written context: the draft from there against a prefill.
+    for len in [seq.len() - 3, prompt.len() + 5] {
+        m.target.truncate(len).unwrap();
+        let d = m.drafter.as_deref_mut().unwrap();
+        d.truncate_context(len).unwrap();
+        let kept = d.draft(seq[len], len).unwrap();
+        prefill_pair(m, &seq[..len]);
+        let fresh = m.drafter.as_deref_mut().unwrap().draft(seq[len], len).unwrap();
+        assert_eq!(kept.len(), fresh.len());
+        let top = fresh.iter().fold(0f32, |a, x| a.max(x.abs()));
+        let diff = kept.iter().zip(&fresh).fold(0f32, |a, (x, y)| a.max((x - y).abs())) / top.max(1e-30);
+        if exact {
+            assert!(
+                kept.iter().zip(&fresh).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{prefix}: the draft at {len} after feed rounds differs from a prefilled drafter's ({diff:.3e})"
+            );
+        } else {
+            assert!(
+                diff <= tol,
+                "{prefix}: the draft at {len} after feed rounds is {diff:.3e} of the largest logit from a prefilled \
+                 drafter's (bound {tol:.1e})"
+            );
+        }
+        worst = worst.max(diff);
+        // Back to the whole sequence for the next cut.
+        prefill_pair(m, &seq[..seq.len() - 1]);
+    }
+    println!(
+        "PARITY feed_stash({prefix}) {} ({steps} feed rounds == AR; drafts after cuts {worst:.3e} of the top logit)",
+        if exact { "exact" } else { "close" }
+    );
+    worst
+}

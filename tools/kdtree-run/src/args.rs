@@ -347,6 +347,23 @@ pub struct CalibrateArgs {
     #[arg(long, value_enum, default_value_t = DeviceArg::Auto)]
     pub device: DeviceArg,
 
+    /// Weights: the converted shards (auto), or dummy: seeded fills of MODEL's config's plan (timing only,
+    /// as `kdtree-run --load-format dummy`; the cost file is written into MODEL).
+    #[arg(long, value_enum, default_value_t = LoadFormat::Auto)]
+    pub load_format: LoadFormat,
+
+    /// Dummy weights: the tensor-parallel plan's rank count R (at most 1024).
+    #[arg(long, value_name = "R", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub ranks: u64,
+
+    /// Dummy weights: the rank r (0-based) whose slice runs alone.
+    #[arg(long, value_name = "r", default_value_t = 0)]
+    pub rank: u64,
+
+    /// Dummy weights: the seed of the fills.
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    pub dummy_seed: u64,
+
     /// Largest bucket measured (the buckets are 4, 8, ..., 256 below it, then it).
     #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=2048))]
     pub budget_max: u64,

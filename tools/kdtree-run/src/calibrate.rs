@@ -167,16 +167,24 @@ pub fn run(a: &CalibrateArgs) -> Result<()> {
         a.budget_max,
         MIN_BUDGET_MAX
     );
-    let mut model = crate::load::load(
-        &a.model,
-        a.device,
-        (
+    let mut model = match a.load_format {
+        crate::args::LoadFormat::Dummy => crate::load::load_dummy(
+            &a.model,
+            a.device,
             !a.quiet,
-            crate::args::weight_check(a.check_weights, a.no_check_weights),
-            true,
-        ),
-        None,
-    )?;
+            (a.ranks as usize, a.rank as usize, a.dummy_seed),
+        )?,
+        crate::args::LoadFormat::Auto => crate::load::load(
+            &a.model,
+            a.device,
+            (
+                !a.quiet,
+                crate::args::weight_check(a.check_weights, a.no_check_weights),
+                true,
+            ),
+            None,
+        )?,
+    };
     ensure!(
         model.loaded.has_drafter(),
         "{} has no drafter: --budget auto is for DDTree",
@@ -211,21 +219,29 @@ pub fn run(a: &CalibrateArgs) -> Result<()> {
         ));
         measured.push((b.budget, med));
     }
+    // The feed round (budget 0: the AR step plus the root's taps into the drafter's context), which auto runs
+    // where drafting does not pay.
+    let feed = measure(&mut model.loaded, &prompt, 0, a.warmup, rounds)?;
+    log(format_args!(
+        "feed round: {:>10.1} µs a round (median of {rounds}; budget 0: no draft, one token)",
+        feed.median()
+    ));
     let note = format!(
-        "kdtree-run calibrate: median of {rounds} greedy rounds after {} warm-up, per bucket, on the built-in prompt \
-         ({} tokens) of {}",
+        "kdtree-run calibrate: median of {rounds} greedy rounds after {} warm-up, per bucket and for the feed round, \
+         on the built-in prompt ({} tokens) of {}",
         a.warmup,
         prompt.len(),
         a.model.display()
     );
-    let cost = CostModel::from_rounds(&slug, &measured, note)?;
+    let cost = CostModel::from_rounds(&slug, &measured, note)?.with_feed(feed.median())?;
     crate::paths::write_atomic(&path, cost.to_json().as_bytes())
         .with_context(|| format!("writing {}", path.display()))?;
     log(format_args!(
-        "wrote {} (draft {:.1} µs, verify at {} points)",
+        "wrote {} (draft {:.1} µs, verify at {} points, feed round {:.1} µs)",
         path.display(),
         cost.draft_us,
-        cost.verify.len()
+        cost.verify.len(),
+        cost.feed_us.unwrap_or(f64::NAN)
     ));
     Ok(())
 }

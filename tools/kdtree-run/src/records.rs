@@ -19,8 +19,9 @@
 //! `acceptance_histogram[k]` (rounds accepting exactly k), `acceptance_length` = (accepted + verify_steps) /
 //! verify_steps = tokens committed per verify step including the bonus token (SGLang's definition when every token
 //! comes from a verify step), `acceptance_rate` = accepted / drafted; `budget` = the fixed budget or "auto" (then
-//! `budget_max`), `budgets` = the rounds' budgets summed (auto: the buckets chosen), `mean_budget` = budgets /
-//! verify_steps. Tests: bottom of this file; shapes end to end in tests/run_cli.rs.
+//! `budget_max`), `budgets` = the rounds' budgets summed (auto: the buckets chosen, 0 for a feed round),
+//! `mean_budget` = budgets / verify_steps, `feed_rounds` = the rounds of budget 0. Tests: bottom of this file;
+//! shapes end to end in tests/run_cli.rs.
 
 use std::path::Path;
 
@@ -266,6 +267,7 @@ pub fn spec_counters(s: &SpecStats) -> serde_json::Map<String, Json> {
         "acceptance_rate": round6(s.acceptance_rate()),
         "budgets": s.budgets,
         "mean_budget": round6(s.mean_budget()),
+        "feed_rounds": s.feed_rounds,
     });
     let Json::Object(m) = j else {
         unreachable!("json! of an object")
@@ -334,6 +336,7 @@ mod tests {
                 verify_steps: 2,
                 drafted: 8,
                 budgets: 8,
+                feed_rounds: 0,
                 accepted: 3,
                 accepted_per_depth: vec![2, 1, 0],
                 acceptance_histogram: vec![0, 1, 1, 0],
@@ -387,14 +390,21 @@ mod tests {
             mode: Mode::DDTreeAuto { max: 32 },
             spec: SpecStats {
                 budgets: 12,
+                feed_rounds: 1,
                 ..completion().spec
             },
             ..completion()
         };
         let s = spec(auto.mode, &auto.spec);
         assert_eq!(
-            (&s["mode"], &s["budget"], &s["budget_max"], &s["mean_budget"]),
-            (&json!("ddtree"), &json!("auto"), &json!(32), &json!(6.0))
+            (
+                &s["mode"],
+                &s["budget"],
+                &s["budget_max"],
+                &s["mean_budget"],
+                &s["feed_rounds"]
+            ),
+            (&json!("ddtree"), &json!("auto"), &json!(32), &json!(6.0), &json!(1))
         );
         assert_eq!(r["timing"]["ttft_ms"], json!(1.235));
         // Changing only timings changes only `timing`.

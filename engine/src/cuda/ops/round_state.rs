@@ -158,6 +158,60 @@ pub fn path_rows(
     Ok(())
 }
 
+/// One sequence of a feed step's stash: its stash (`[cap, w]` f32), its count where the ops read it (host
+/// mirror `at`, checked against the room).
+pub struct StashSeg<'a> {
+    pub dst: CudaViewMut<'a, f32>,
+    pub pos: CudaViewMut<'a, i32>,
+    pub at: usize,
+}
+
+/// The kernel's by-value table (`struct StashSegs`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct StashSegsArg {
+    dst: [u64; MAX_SEGS],
+    pos: [u64; MAX_SEGS],
+    nseg: i32,
+}
+// SAFETY: plain old data with the C layout of `struct StashSegs`, passed by value as a kernel parameter.
+unsafe impl cudarc::driver::DeviceRepr for StashSegsArg {}
+
+/// Up to [`MAX_SEGS`] sequences' feed-step stashes in one launch: row s of `src` (`[nseg, w]` f32) into row
+/// `pos_s` of stash s, then `pos_s += 1` (the kernel writes through the table's device addresses).
+pub fn stash_rows_seg_f32(gpu: &Gpu, segs: &mut [StashSeg<'_>], w: usize, src: &CudaView<'_, f32>) -> Result<()> {
+    let nseg = segs.len();
+    ensure(OP, nseg <= MAX_SEGS, || {
+        format!("{nseg} segments in one launch (at most {MAX_SEGS})")
+    })?;
+    need_len(OP, "src", src.len(), nseg * w)?;
+    if nseg == 0 || w == 0 {
+        return Ok(());
+    }
+    let mut arg = StashSegsArg {
+        dst: [0; MAX_SEGS],
+        pos: [0; MAX_SEGS],
+        nseg: nseg as i32,
+    };
+    let mut guards = Vec::with_capacity(2 * nseg);
+    for (i, s) in segs.iter_mut().enumerate() {
+        need_len(OP, "pos", s.pos.len(), 1)?;
+        need_len(OP, "stash", s.dst.len(), (s.at + 1) * w)?;
+        use cudarc::driver::DevicePtrMut;
+        let (pd, gd) = s.dst.device_ptr_mut(&gpu.stream);
+        let (pp, gp) = s.pos.device_ptr_mut(&gpu.stream);
+        guards.extend([gd, gp]);
+        (arg.dst[i], arg.pos[i]) = (pd, pp);
+    }
+    let wi = as_i32(OP, "w", w)?;
+    let mut b = gpu.stream.launch_builder(gpu.func("kdtree_stash_rows_seg_f32"));
+    b.arg(&arg).arg(&wi).arg(src);
+    // SAFETY: each stash holds its count + 1 rows of w (checked against the host mirrors), src nseg rows.
+    unsafe { b.launch(launch_cfg((nseg as u32, 1, 1), 256, 0)) }.map_err(drv(OP))?;
+    drop(guards);
+    Ok(())
+}
+
 /// Segments one [`store_rows_seg_bf16`] launch takes (`STORE_SEGS` in round_state.cu).
 pub const MAX_SEGS: usize = 64;
 
