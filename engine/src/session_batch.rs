@@ -387,7 +387,9 @@ impl Batch {
                         let choice = batch_choice(&scores, rows, &choices, a.cost());
                         if let (Some((b, theta)), false) = (choice, std::mem::take(&mut self.probe)) {
                             let (scale, probe_us, feed_us) = costs(&self.timed, rows, b, a.cost());
-                            let wins = feed_us.is_some_and(|f| scores.len() as f64 / f >= theta * scale);
+                            // The sequences' realized acceptance over their surrogate's, on average.
+                            let real = autos.iter().map(|a| a.realized()).sum::<f64>() / autos.len() as f64;
+                            let wins = feed_us.is_some_and(|f| scores.len() as f64 / f >= theta * scale * real);
                             self.feed.decide(wins, probe_us, feed_us.unwrap_or(f64::NAN));
                         }
                         choice

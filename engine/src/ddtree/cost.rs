@@ -33,6 +33,11 @@ pub const START_BUCKET: usize = 16;
 /// (C_probe − C_feed) / (PROBE_SHARE · C_feed) feed rounds ([`FeedRuns::decide`]).
 pub const PROBE_SHARE: f64 = 1.0 / 32.0;
 
+/// The weight of the last drafted round in the running ratio of realized to surrogate tokens
+/// ([`AutoBudget::update_seen`]), and the bounds of one round's ratio.
+pub const REAL_WEIGHT: f64 = 0.25;
+pub const REAL_RANGE: (f64, f64) = (0.125, 8.0);
+
 /// The longest run of feed rounds between two probing (drafting) rounds: a probe that does not pay costs a
 /// drafted round instead of a feed round once in this many tokens (on the K2.6 rank-0 slice with 3 layers,
 /// where the drafter weighs most, a b4 probe is ~3.4 feed rounds: under 1 % of a run).
@@ -343,6 +348,10 @@ pub struct AutoBudget {
     last: Vec<f64>,
     /// The feed rounds' runs.
     feed: FeedRuns,
+    /// The drafted rounds' committed tokens over their surrogate's (1 + Σ p over the popped nodes), a running
+    /// average (1 before any): how far the drafter's own probabilities under- or overstate what it gets
+    /// accepted. It scales θ where feeding and drafting are weighed.
+    real: f64,
 }
 
 impl AutoBudget {
@@ -358,6 +367,7 @@ impl AutoBudget {
             at: 0,
             last: Vec::new(),
             feed: FeedRuns::default(),
+            real: 1.0,
         };
         a.restart();
         Ok(a)
@@ -372,6 +382,21 @@ impl AutoBudget {
     /// The popped nodes' scores of this sequence's last round (empty before its first).
     pub fn last_scores(&self) -> &[f64] {
         &self.last
+    }
+    /// The running ratio of realized to surrogate tokens of the drafted rounds (1 before any).
+    pub fn realized(&self) -> f64 {
+        self.real
+    }
+    /// After a drafted round whose popped nodes scored `log_q` and that committed `tokens` tokens (the bonus
+    /// included): its ratio of `tokens` to the surrogate's 1 + Σ p enters [`AutoBudget::realized`], then
+    /// [`AutoBudget::update`]. A feed round (`log_q` empty) is [`AutoBudget::update`] alone.
+    pub fn update_seen(&mut self, log_q: &[f64], tokens: usize) -> usize {
+        if !log_q.is_empty() {
+            let expected = 1.0 + log_q.iter().map(|&q| q.exp()).filter(|p| p.is_finite()).sum::<f64>();
+            let r = (tokens as f64 / expected).clamp(REAL_RANGE.0, REAL_RANGE.1);
+            self.real = (1.0 - REAL_WEIGHT) * self.real + REAL_WEIGHT * r;
+        }
+        self.update(log_q)
     }
     /// This round's budget: 0 for a feed round.
     pub fn budget(&self) -> usize {
@@ -412,7 +437,7 @@ impl AutoBudget {
             self.cost.round_us(self.buckets[self.at]),
             self.cost.feed_us.unwrap_or(f64::NAN),
         );
-        self.feed.decide(batch_feeds(1, 1, theta, &self.cost), probe, feed);
+        self.feed.decide(batch_feeds(1, 1, theta * self.real, &self.cost), probe, feed);
         n
     }
 }
@@ -730,6 +755,47 @@ mod tests {
         assert_eq!(CostModel::from_json(&old).unwrap().feed_us, None);
         assert!(linear(100.0, 1.0).with_feed(0.0).is_err());
         assert!(linear(100.0, 1.0).with_feed(f64::NAN).is_err());
+    }
+
+    #[test]
+    fn realized_acceptance_scales_the_feed_decision() {
+        // Fixed cost 100, 1 a node; a feed round 50. Scores of 4 nodes at p = 0.1: θ(4) = 1.4 / 104 < 1/50,
+        // so the surrogate alone feeds.
+        let c = linear(100.0, 1.0).with_feed(50.0).unwrap();
+        let weak = [0.1f64.ln(); 4];
+        let mut a = AutoBudget::new(4, c.clone()).unwrap();
+        assert_eq!(a.realized(), 1.0);
+        a.update(&weak);
+        assert!(a.feeding(), "the surrogate alone feeds");
+        // The same scores with 5 tokens committed a round (everything accepted): each round's ratio is
+        // 5 / 1.4, capped at 8, and after a few the running ratio makes the tree worth drafting.
+        let mut a = AutoBudget::new(4, c.clone()).unwrap();
+        let mut feeds = 0;
+        for _ in 0..6 {
+            a.update_seen(&weak, 5);
+            while a.feeding() {
+                a.update(&[]);
+                feeds += 1;
+            }
+        }
+        assert!(a.realized() > 2.0, "{}", a.realized());
+        assert!(feeds <= 2, "{feeds} feed rounds where the drafted rounds commit 5 tokens");
+        a.update_seen(&weak, 5);
+        assert!(!a.feeding());
+        // Rounds that commit the bonus alone pull it back down, and feeding wins again.
+        for _ in 0..12 {
+            a.update_seen(&weak, 1);
+            while a.feeding() {
+                a.update(&[]);
+            }
+        }
+        assert!(a.realized() < 1.0, "{}", a.realized());
+        a.update_seen(&weak, 1);
+        assert!(a.feeding());
+        // A feed round's empty scores leave the ratio as it was.
+        let r = a.realized();
+        a.update_seen(&[], 1);
+        assert_eq!(a.realized(), r);
     }
 
     #[test]
