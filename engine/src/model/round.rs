@@ -431,7 +431,7 @@ pub(crate) fn steps<B: Backend>(
                 d.context_len()
             );
             d.stash_room()?;
-            ("feed", d.capture_key()).hash(&mut key);
+            ("feed", d.stash_key()).hash(&mut key);
         }
         if one && p.t.step_root != Some(p.root) {
             let slot = p.t.step.as_mut().context("a device step without its step slot")?;
