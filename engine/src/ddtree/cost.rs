@@ -437,7 +437,8 @@ impl AutoBudget {
             self.cost.round_us(self.buckets[self.at]),
             self.cost.feed_us.unwrap_or(f64::NAN),
         );
-        self.feed.decide(batch_feeds(1, 1, theta * self.real, &self.cost), probe, feed);
+        self.feed
+            .decide(batch_feeds(1, 1, theta * self.real, &self.cost), probe, feed);
         n
     }
 }
@@ -779,7 +780,10 @@ mod tests {
             }
         }
         assert!(a.realized() > 2.0, "{}", a.realized());
-        assert!(feeds <= 2, "{feeds} feed rounds where the drafted rounds commit 5 tokens");
+        assert!(
+            feeds <= 2,
+            "{feeds} feed rounds where the drafted rounds commit 5 tokens"
+        );
         a.update_seen(&weak, 5);
         assert!(!a.feeding());
         // Rounds that commit the bonus alone pull it back down, and feeding wins again.

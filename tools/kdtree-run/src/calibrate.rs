@@ -167,14 +167,10 @@ pub fn run(a: &CalibrateArgs) -> Result<()> {
         a.budget_max,
         MIN_BUDGET_MAX
     );
-    let mut model = match a.load_format {
-        crate::args::LoadFormat::Dummy => crate::load::load_dummy(
-            &a.model,
-            a.device,
-            !a.quiet,
-            (a.ranks as usize, a.rank as usize, a.dummy_seed),
-        )?,
-        crate::args::LoadFormat::Auto => crate::load::load(
+    a.weights.validate()?;
+    let mut model = match a.weights.dummy() {
+        true => crate::load::load_dummy(&a.model, a.device, !a.quiet, a.weights.plan())?,
+        false => crate::load::load(
             &a.model,
             a.device,
             (

@@ -163,7 +163,12 @@ fn prepare(args: &Args) -> Result<Job> {
     let bundle = open_bundle(args, &lines)?;
     let defaults = args.defaults();
     let model_hash = match args.dummy() {
-        true => fingerprint::dummy_model(&args.model, args.ranks, args.rank, args.dummy_seed)?,
+        true => fingerprint::dummy_model(
+            &args.model,
+            args.weights.ranks,
+            args.weights.rank,
+            args.weights.dummy_seed,
+        )?,
         false => fingerprint::with_weights(
             &fingerprint::model_files(&args.model)?,
             &fingerprint::weights(
@@ -218,9 +223,9 @@ fn prepare(args: &Args) -> Result<Job> {
         }),
         None => None,
     };
-    let dummy = args
-        .dummy()
-        .then(|| serde_json::json!({"seed": args.dummy_seed, "rank": args.rank, "ranks": args.ranks}));
+    let dummy = args.dummy().then(
+        || serde_json::json!({"seed": args.weights.dummy_seed, "rank": args.weights.rank, "ranks": args.weights.ranks}),
+    );
     Ok(Job {
         lines,
         fingerprints,
@@ -310,12 +315,7 @@ fn open_model(args: &Args, d: &Defaults, bundle: Option<&(Bundle, HashMap<String
             args.gpus.is_none_or(|n| n == 1) && !args.share_gpu,
             "--gpus / --share-gpu: dummy weights load one rank slice (--rank); use a converted model"
         );
-        load::load_dummy(
-            &args.model,
-            args.device,
-            !args.quiet,
-            (args.ranks as usize, args.rank as usize, args.dummy_seed),
-        )?
+        load::load_dummy(&args.model, args.device, !args.quiet, args.weights.plan())?
     } else {
         let dir = kdtree_formats::ModelDir::open(&args.model)
             .with_context(|| format!("opening model {}", args.model.display()))?;

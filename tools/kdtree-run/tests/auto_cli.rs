@@ -216,3 +216,50 @@ fn budget_flag_takes_a_count_or_auto() {
     assert_eq!(o.status.code(), Some(0));
     assert!(String::from_utf8_lossy(&o.stdout).contains("kdtree-run calibrate"));
 }
+
+/// `calibrate --load-format dummy` measures a model of configs only (dummy weights filled from the seed) and
+/// writes its cost file there, feed round included; the dummy flags are checked as `kdtree-run`'s are.
+#[test]
+fn calibrate_takes_dummy_weights() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("kdtree-run-auto-dummy");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("drafter")).unwrap();
+    // The synthetic model's source configs (the converted folder keeps them in its manifest).
+    let hf = model().parent().unwrap().join("hf-5");
+    for f in ["config.json", "drafter/config.json"] {
+        std::fs::copy(hf.join(f), dir.join(f)).unwrap();
+    }
+    let run = |extra: &[&str]| {
+        let mut a = vec![
+            "calibrate",
+            s(&dir),
+            "--device",
+            "cpu",
+            "--load-format",
+            "dummy",
+            "--quiet",
+        ];
+        a.extend_from_slice(extra);
+        kdtree_run(&a)
+    };
+    let o = run(&[
+        "--budget-max",
+        "8",
+        "--warmup",
+        "1",
+        "--rounds",
+        "2",
+        "--dummy-seed",
+        "3",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let cost: Json = serde_json::from_str(&std::fs::read_to_string(dir.join("kdtree-cost-cpu.json")).unwrap()).unwrap();
+    assert!(cost["feed_us"].as_f64().is_some_and(|f| f > 0.0), "{cost}");
+    assert_eq!(cost["verify"].as_array().map(|v| v.len()), Some(2), "{cost}");
+    let o = run(&["--rank", "1"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("ranks count from 0"), "{}", stderr(&o));
+    let o = kdtree_run(&["calibrate", s(&dir), "--device", "cpu", "--ranks", "2"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("choose dummy weights"), "{}", stderr(&o));
+}
