@@ -71,7 +71,7 @@ struct LayerCache<B: Backend> {
 }
 
 /// A drafter's stash: taps `[STASH_ROWS, n_taps·H]` of committed tokens whose context rows are not written
-/// yet (feed steps, [`DFlashDrafter::stash_row`]); its first `n` rows follow the written context. The
+/// yet (feed steps, [`DFlashDrafter::stash_rows`]); its first `n` rows follow the written context. The
 /// committed context is the written rows and then these ([`Drafter::context_len`]); a draft or a context
 /// write writes them first ([`DFlashDrafter::flush`]), as one forward of their rows.
 struct Stash<B: Backend> {
@@ -500,7 +500,7 @@ impl<B: Backend> DFlashDrafter<B> {
         b.stash_rows(&mut dsts, tw, taps)
     }
 
-    /// After a step that ran [`DFlashDrafter::stash_row`]: the host copy of the stash's count.
+    /// After a step that ran [`DFlashDrafter::stash_rows`]: the host copy of the stash's count.
     pub fn stash_follow(&mut self) {
         if let Some(s) = self.stash.as_mut() {
             self.b.pos_add_host(&mut s.pos, 1);

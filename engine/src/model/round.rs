@@ -210,7 +210,7 @@ pub(crate) fn rounds<B: Backend>(
 }
 
 /// Feed rounds (budget 0) of every sequence of `parts`: AR steps whose drafters stash the roots' taps
-/// (`DFlashDrafter::stash_row`; written into their contexts in one forward before their next draft), as
+/// (`DFlashDrafter::stash_rows`; written into their contexts in one forward before their next draft), as
 /// rounds of the root alone, with no draft and no scores.
 fn feed_steps<B: Backend>(
     w: &Weights<B>,
