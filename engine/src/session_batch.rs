@@ -79,6 +79,56 @@ pub enum Admit {
     Wait,
 }
 
+/// A count and the wall seconds it took.
+#[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize)]
+pub struct Tally {
+    pub n: u64,
+    pub s: f64,
+}
+
+impl Tally {
+    fn add(&mut self, t: std::time::Instant) {
+        self.n += 1;
+        self.s += t.elapsed().as_secs_f64();
+    }
+}
+
+/// Where a batch's wall time went, by kind of call (kdtree-run's `--summary` `time_split`): what the rest of a
+/// generation's wall time is (the caller's own work between steps: records, stop checks, admission) follows
+/// from it. Every figure is host wall time around the call, which ends with the call's read back.
+#[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize)]
+pub struct TimeSplit {
+    /// [`Batch::prefill_many`] calls.
+    pub prefill: Tally,
+    /// Batched steps of AR mode, batched feed rounds (budget 0), batched drafted rounds.
+    pub ar: Tally,
+    pub feed: Tally,
+    pub drafted: Tally,
+    /// Of the batched steps above, those that were the first of their shape (kind, rows, budget) in this batch:
+    /// where a new CUDA graph is captured.
+    pub new_shape: Tally,
+    /// Steps of one session alone ([`Session::step`]): one token (AR or a feed round), or a drafted round.
+    pub alone_one: Tally,
+    pub alone_drafted: Tally,
+}
+
+impl TimeSplit {
+    /// Seconds inside the batch's calls.
+    pub fn total_s(&self) -> f64 {
+        [
+            self.prefill,
+            self.ar,
+            self.feed,
+            self.drafted,
+            self.alone_one,
+            self.alone_drafted,
+        ]
+        .iter()
+        .map(|t| t.s)
+        .sum()
+    }
+}
+
 /// `slots` sequences over one model, stepped together.
 pub struct Batch {
     slots: Vec<Session<'static>>,
@@ -105,6 +155,10 @@ pub struct Batch {
     timed: std::collections::HashMap<(usize, usize), f64>,
     /// Batched feed rounds run.
     pub feed_steps: usize,
+    /// Where the batch's time went.
+    pub times: TimeSplit,
+    /// The shapes (kind, rows, budget) of batched steps run so far ([`TimeSplit::new_shape`]).
+    shapes: std::collections::HashSet<(u8, usize, usize)>,
 }
 
 impl Batch {
@@ -166,6 +220,8 @@ impl Batch {
             probe: false,
             timed: std::collections::HashMap::new(),
             feed_steps: 0,
+            times: TimeSplit::default(),
+            shapes: std::collections::HashSet::new(),
         })
     }
 }
@@ -257,6 +313,13 @@ impl Batch {
     /// what [`Session::prefill`] gives that slot alone (the first token), the prompts run together in
     /// forwards of up to [`PREFILL_ROWS`] rows where the model can batch them.
     pub fn prefill_many(&mut self, items: &[(usize, &[u32], &crate::sampling::Sampling)]) -> Vec<Result<u32>> {
+        let t = std::time::Instant::now();
+        let out = self.prefill_many_untimed(items);
+        self.times.prefill.add(t);
+        out
+    }
+
+    fn prefill_many_untimed(&mut self, items: &[(usize, &[u32], &crate::sampling::Sampling)]) -> Vec<Result<u32>> {
         let mut out: Vec<Option<Result<u32>>> = items.iter().map(|_| None).collect();
         let mut ready = Vec::new();
         for (k, &(slot, prompt, s)) in items.iter().enumerate() {
@@ -454,6 +517,15 @@ impl Batch {
                         let t = self.timed.entry((joined.len(), b)).or_insert(us);
                         *t = t.min(us);
                     }
+                    let (kind, tally) = match (self.mode, auto) {
+                        (Mode::Ar, _) => (0, &mut self.times.ar),
+                        (_, Some(0)) => (1, &mut self.times.feed),
+                        _ => (2, &mut self.times.drafted),
+                    };
+                    tally.add(t0);
+                    if self.shapes.insert((kind, joined.len(), auto.unwrap_or(0))) {
+                        self.times.new_shape.add(t0);
+                    }
                     ensure!(
                         results.len() == joined.len(),
                         "a batched step gave {} results for {} sequences",
@@ -479,7 +551,13 @@ impl Batch {
         }
         alone.sort_unstable();
         for k in alone {
-            out[k] = Some(self.slots[active[k]].step()?);
+            let t = std::time::Instant::now();
+            let e = self.slots[active[k]].step()?;
+            match e.budget {
+                0 => self.times.alone_one.add(t),
+                _ => self.times.alone_drafted.add(t),
+            }
+            out[k] = Some(e);
             self.alone_steps += 1;
         }
         out.into_iter().map(|e| e.context("a slot got no step")).collect()
