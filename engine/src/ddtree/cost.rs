@@ -297,9 +297,10 @@ impl Default for FeedRuns {
 impl FeedRuns {
     /// After a drafted round that took `probe_us` where a feed round takes `feed_us`: whether feeding won;
     /// starts a run (or ends the doubling). A first win feeds one round (one round's scores may be a bad
-    /// position of a drafter that pays); from the second win in a row the run is long enough that the next
-    /// probe costs at most [`PROBE_SHARE`] of it beyond a feed round, and no longer than [`MAX_FEED_RUN`].
-    pub fn decide(&mut self, feed_wins: bool, probe_us: f64, feed_us: f64) {
+    /// position of a drafter that pays) unless the verdict is `sure`; from the second win in a row (or a sure
+    /// first) the run is long enough that the next probe costs at most [`PROBE_SHARE`] of it beyond a feed
+    /// round, and no longer than [`MAX_FEED_RUN`].
+    pub fn decide(&mut self, feed_wins: bool, probe_us: f64, feed_us: f64, sure: bool) {
         if feed_wins {
             let least = ((probe_us - feed_us) / (PROBE_SHARE * feed_us)).ceil();
             let least = if least.is_finite() {
@@ -307,7 +308,7 @@ impl FeedRuns {
             } else {
                 1
             };
-            self.left = if self.run == 1 { 1 } else { self.run.max(least) };
+            self.left = if self.run == 1 && !sure { 1 } else { self.run.max(least) };
             self.run = (2 * self.left).min(MAX_FEED_RUN);
         } else {
             *self = FeedRuns::default();
@@ -334,7 +335,8 @@ pub fn buckets(max: usize) -> Vec<usize> {
 /// B_r; from round r's popped-node scores, n* = [`best_nodes`]; B_{r+1} = the smallest bucket >= n* when the
 /// rule stopped inside the tree (n* < B_r), else the next larger bucket (the tree was too small to stop).
 /// Each sequence starts at [`START_BUCKET`] (or the largest bucket below it). With a measured feed round
-/// ([`CostModel::feed_us`]): when 1 / C_feed >= θ(n*), the next rounds feed (budget 0) instead, `run` of them,
+/// ([`CostModel::feed_us`]): when 1 / C_feed >= the larger of θ(n*) × [`AutoBudget::realized`] and the drafted
+/// rounds' recent tokens per µs ([`AutoBudget::rate`]), the next rounds feed (budget 0) instead, `run` of them,
 /// then one drafts at B_{r+1} to probe; `run` doubles (up to [`MAX_FEED_RUN`]) each time a probe says feed
 /// again and is back to 1 when drafting wins.
 #[derive(Debug, Clone)]
@@ -352,6 +354,9 @@ pub struct AutoBudget {
     /// average (1 before any): how far the drafter's own probabilities under- or overstate what it gets
     /// accepted. It scales θ where feeding and drafting are weighed.
     real: f64,
+    /// The drafted rounds' committed tokens per µs of their modelled cost, a running average with the same
+    /// weight (None before any): what drafting has realized lately. A feed round must beat it too.
+    rate: Option<f64>,
 }
 
 impl AutoBudget {
@@ -368,6 +373,7 @@ impl AutoBudget {
             last: Vec::new(),
             feed: FeedRuns::default(),
             real: 1.0,
+            rate: None,
         };
         a.restart();
         Ok(a)
@@ -387,16 +393,27 @@ impl AutoBudget {
     pub fn realized(&self) -> f64 {
         self.real
     }
+    /// The running average of the drafted rounds' committed tokens per µs (None before any).
+    pub fn rate(&self) -> Option<f64> {
+        self.rate
+    }
     /// After a drafted round whose popped nodes scored `log_q` and that committed `tokens` tokens (the bonus
-    /// included): its ratio of `tokens` to the surrogate's 1 + Σ p enters [`AutoBudget::realized`], then
-    /// [`AutoBudget::update`]. A feed round (`log_q` empty) is [`AutoBudget::update`] alone.
+    /// included): its ratio of `tokens` to the surrogate's 1 + Σ p enters [`AutoBudget::realized`], its tokens
+    /// per µs of a round of that many nodes [`AutoBudget::rate`], then [`AutoBudget::update`]. A feed round
+    /// (`log_q` empty) is [`AutoBudget::update`] alone.
     pub fn update_seen(&mut self, log_q: &[f64], tokens: usize) -> usize {
         if !log_q.is_empty() {
             let expected = 1.0 + log_q.iter().map(|&q| q.exp()).filter(|p| p.is_finite()).sum::<f64>();
             let r = (tokens as f64 / expected).clamp(REAL_RANGE.0, REAL_RANGE.1);
             self.real = (1.0 - REAL_WEIGHT) * self.real + REAL_WEIGHT * r;
+            let now = tokens as f64 / self.cost.round_us(log_q.len());
+            self.rate = Some(self.rate.map_or(now, |a| (1.0 - REAL_WEIGHT) * a + REAL_WEIGHT * now));
         }
         self.update(log_q)
+    }
+    /// The bucket the next drafted round takes (whether or not the next round feeds).
+    pub fn bucket(&self) -> usize {
+        self.buckets[self.at]
     }
     /// This round's budget: 0 for a feed round.
     pub fn budget(&self) -> usize {
@@ -437,8 +454,11 @@ impl AutoBudget {
             self.cost.round_us(self.buckets[self.at]),
             self.cost.feed_us.unwrap_or(f64::NAN),
         );
+        // Feeding must beat both this round's promise (θ at n*, scaled by the realized ratio) and what the drafted
+        // rounds realized lately: one weak round's scores do not start a run where drafting pays on average.
+        let draft = (theta * self.real).max(self.rate.unwrap_or(0.0));
         self.feed
-            .decide(batch_feeds(1, 1, theta * self.real, &self.cost), probe, feed);
+            .decide(batch_feeds(1, 1, draft, &self.cost), probe, feed, false);
         n
     }
 }
@@ -832,7 +852,7 @@ mod tests {
         let runs = |probe: f64, wins: &[bool]| {
             let (mut f, mut lens) = (FeedRuns::default(), Vec::new());
             for &win in wins {
-                f.decide(win, probe, 10.0);
+                f.decide(win, probe, 10.0, false);
                 let mut n = 0;
                 while f.feeding() {
                     f.fed();
@@ -846,5 +866,11 @@ mod tests {
         assert_eq!(runs(20.0, &[true, true, true, false, true]), vec![1, 32, 64, 0, 1]);
         assert_eq!(runs(1000.0, &[true, true, true]), vec![1, MAX_FEED_RUN, MAX_FEED_RUN]);
         assert_eq!(runs(f64::NAN, &[true, true]), vec![1, 2]);
+        // A sure verdict (a batch's, over all its sequences) starts at the floor from its first win.
+        let mut f = FeedRuns::default();
+        f.decide(true, 20.0, 10.0, true);
+        assert_eq!(f.left, 32);
+        f.decide(false, 20.0, 10.0, true);
+        assert_eq!(f, FeedRuns::default());
     }
 }
