@@ -457,15 +457,29 @@ impl Batch {
                         choices.extend_from_slice(a.buckets());
                         let choice = batch_choice(&scores, rows, &choices, a.cost());
                         bucket = choice.map_or_else(|| majority(autos.iter().map(|a| a.bucket())), |(b, _)| b);
-                        if let (Some((b, theta)), false) = (choice, std::mem::take(&mut self.probe)) {
-                            let (scale, probe_us, feed_us) = costs(&self.timed, rows, b, a.cost());
-                            // The sequences' realized acceptance over their surrogate's, on average; and what the
-                            // batch's drafted rounds realized lately: feeding must beat both.
-                            let real = autos.iter().map(|a| a.realized()).sum::<f64>() / autos.len() as f64;
-                            let draft = (theta * scale * real).max(self.rate.unwrap_or(0.0));
-                            let wins = feed_us.is_some_and(|f| scores.len() as f64 / f >= draft);
-                            let sure = scores.len() >= BATCH_SURE;
-                            self.feed.decide(wins, probe_us, feed_us.unwrap_or(f64::NAN), sure);
+                        let seqs = scores.len() as f64;
+                        match (choice, std::mem::take(&mut self.probe)) {
+                            (Some((b, theta)), false) => {
+                                let (scale, probe_us, feed_us) = costs(&self.timed, rows, b, a.cost());
+                                // The sequences' realized acceptance over their surrogate's, on average; and what
+                                // the batch's drafted rounds realized lately: feeding must beat both.
+                                let real = autos.iter().map(|a| a.realized()).sum::<f64>() / autos.len() as f64;
+                                let draft = (theta * scale * real).max(self.rate.unwrap_or(0.0));
+                                let wins = feed_us.is_some_and(|f| seqs / f >= draft);
+                                let sure = scores.len() >= BATCH_SURE;
+                                self.feed.decide(wins, probe_us, feed_us.unwrap_or(f64::NAN), sure);
+                            }
+                            // No sequence has drafted yet (a new batch, or new lines after a run): what the
+                            // calibration's rounds promise at these rows decides, as a measured verdict.
+                            (None, false) => {
+                                if let Some((b, theta)) = a.cost().prior(rows, scores.len()) {
+                                    let (scale, probe_us, feed_us) = costs(&self.timed, rows, b, a.cost());
+                                    let draft = (theta * scale).max(self.rate.unwrap_or(0.0));
+                                    let wins = feed_us.is_some_and(|f| seqs / f >= draft);
+                                    self.feed.decide(wins, probe_us, feed_us.unwrap_or(f64::NAN), true);
+                                }
+                            }
+                            (_, true) => {}
                         }
                     }
                     Some(if self.feed.feeding() {

@@ -283,6 +283,7 @@ fn batched_auto(feed: Option<f64>) {
         draft_us: 100.0,
         verify: vec![(1, 4.0), (257, 1028.0)],
         feed_us: feed,
+        tokens: Vec::new(),
         note: String::new(),
     };
     let mode = Mode::DDTreeAuto { max: 64 };

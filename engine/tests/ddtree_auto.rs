@@ -26,6 +26,7 @@ fn cost() -> CostModel {
         draft_us: 100.0,
         verify: vec![(1, 4.0), (257, 1028.0)],
         feed_us: None,
+        tokens: Vec::new(),
         note: String::new(),
     }
 }

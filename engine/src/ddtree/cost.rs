@@ -61,6 +61,11 @@ pub struct CostModel {
     /// None (a file from before feed rounds): `--budget auto` always drafts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub feed_us: Option<f64>,
+    /// (bucket, committed tokens a round) of the calibration's rounds (greedy, on its prompt): what `--budget
+    /// auto` expects of drafting before a sequence has drafted ([`CostModel::prior`]); empty in a file from
+    /// before them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tokens: Vec<(usize, f64)>,
     /// How it was measured (free text: rounds per point, prompt, context).
     #[serde(default)]
     pub note: String,
@@ -119,7 +124,35 @@ impl CostModel {
                 "cost model: feed_us {f} is not a finite time > 0"
             );
         }
+        for (i, &(b, t)) in self.tokens.iter().enumerate() {
+            ensure!(b >= 1, "cost model: tokens[{i}] is for a budget of {b} (at least 1)");
+            ensure!(
+                t.is_finite() && t >= 1.0,
+                "cost model: tokens[{i}] = {t} tokens a round (a round commits at least its bonus token)"
+            );
+        }
         Ok(())
+    }
+
+    /// The model with the calibration's committed tokens a round at each bucket, checked.
+    pub fn with_tokens(self, tokens: Vec<(usize, f64)>) -> Result<CostModel> {
+        let m = CostModel { tokens, ..self };
+        m.check()?;
+        Ok(m)
+    }
+
+    /// What drafting promises before any round of `seqs` sequences in a forward of `rows` rows: the calibrated
+    /// bucket with the most expected tokens per µs (`seqs` × its tokens a round over
+    /// [`CostModel::round_us_rows`]) and that rate; None without calibrated tokens.
+    pub fn prior(&self, rows: usize, seqs: usize) -> Option<(usize, f64)> {
+        let rows = rows.max(seqs).max(1);
+        self.tokens
+            .iter()
+            .map(|&(b, t)| (b, seqs as f64 * t / self.round_us_rows(rows, b)))
+            .fold(None, |best: Option<(usize, f64)>, (b, th)| match best {
+                Some((_, bt)) if bt >= th => best,
+                _ => Some((b, th)),
+            })
     }
 
     /// The model with the measured feed round `us` (µs), checked.
@@ -192,6 +225,7 @@ impl CostModel {
             draft_us: ns(draft),
             verify,
             feed_us: None,
+            tokens: Vec::new(),
             note,
         };
         m.check()?;
@@ -376,6 +410,12 @@ impl AutoBudget {
             rate: None,
         };
         a.restart();
+        // Before any round: feeding from the start where the calibration's best drafted round commits fewer
+        // tokens per µs than a feed round (a measured verdict: its run starts at the probe-share floor).
+        if let (Some((b, theta)), Some(feed)) = (a.cost.prior(1, 1), a.cost.feed_us) {
+            a.feed
+                .decide(batch_feeds(1, 1, theta, &a.cost), a.cost.round_us(b), feed, true);
+        }
         Ok(a)
     }
     /// A new sequence: back to the start bucket. The feed runs go on: the last sequence's probes are the
@@ -475,6 +515,7 @@ mod tests {
             draft_us: fixed,
             verify: vec![(1, per_node), (257, 257.0 * per_node)],
             feed_us: None,
+            tokens: Vec::new(),
             note: String::new(),
         }
     }
@@ -820,6 +861,42 @@ mod tests {
         let r = a.realized();
         a.update_seen(&[], 1);
         assert_eq!(a.realized(), r);
+    }
+
+    #[test]
+    fn calibrated_tokens_decide_before_any_round() {
+        // Fixed 100, 1 a node verified; a feed round 50.
+        let c = linear(100.0, 1.0).with_feed(50.0).unwrap();
+        assert_eq!(c.prior(1, 1), None, "no calibrated tokens, no prior");
+        assert!(
+            !AutoBudget::new(16, c.clone()).unwrap().feeding(),
+            "without a prior the first round drafts"
+        );
+        // The bonus alone at every bucket (a drafter that never hits): 1 / 105 < 1 / 50, feed from the start, a run
+        // at the floor: (105 − 50) / (50 / 32) = 35.2 → 36 feed rounds before the first probe.
+        let never = c.clone().with_tokens(vec![(4, 1.0), (16, 1.0)]).unwrap();
+        let (b, theta) = never.prior(1, 1).unwrap();
+        assert_eq!(b, 4);
+        assert!((theta - 1.0 / 105.0).abs() < 1e-12, "{theta}");
+        let mut a = AutoBudget::new(16, never.clone()).unwrap();
+        let mut fed = 0;
+        while a.feeding() {
+            a.update(&[]);
+            fed += 1;
+        }
+        assert_eq!(fed, 36);
+        // 4 tokens at bucket 16 (4 / 117 > 1 / 50): draft first, at the start bucket.
+        let good = c.clone().with_tokens(vec![(4, 1.5), (16, 4.0)]).unwrap();
+        assert_eq!(good.prior(1, 1).unwrap().0, 16);
+        let a = AutoBudget::new(16, good.clone()).unwrap();
+        assert_eq!((a.feeding(), a.budget()), (false, START_BUCKET));
+        // A batch's rows: 64 sequences of bucket 16 verify 64 × 17 rows: 256 / 1188 < 64 / 113, so it feeds.
+        let (_, theta) = good.prior(64, 64).unwrap();
+        assert!(batch_feeds(64, 64, theta, &good));
+        // The file form keeps them; a round that commits less than its bonus is refused.
+        assert_eq!(CostModel::from_json(&good.to_json()).unwrap(), good);
+        assert!(c.clone().with_tokens(vec![(4, 0.5)]).is_err());
+        assert!(c.with_tokens(vec![(0, 2.0)]).is_err());
     }
 
     #[test]

@@ -127,6 +127,19 @@ fn auto_needs_calibrate_then_runs_losslessly() {
     );
     // The feed round (budget 0) measured too: a time > 0.
     assert!(file["feed_us"].as_f64().is_some_and(|f| f > 0.0), "{file}");
+    // And the tokens each bucket's rounds committed (auto's expectation before a sequence drafts): at least the
+    // bonus, at most the bucket's nodes and the bonus.
+    let per_bucket: Vec<(u64, f64)> = file["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p[0].as_u64().unwrap(), p[1].as_f64().unwrap()))
+        .collect();
+    assert_eq!(per_bucket.iter().map(|t| t.0).collect::<Vec<_>>(), [4, 8, 16], "{file}");
+    assert!(
+        per_bucket.iter().all(|&(b, t)| (1.0..=b as f64 + 1.0).contains(&t)),
+        "{file}"
+    );
     // The cost file is a run-time file beside the model: `kdtree-convert verify` names it and passes (issue 29
     // item 4; before, "extra file not in the manifest").
     match kdtree_convert::verify::verify(model(), true).unwrap() {
