@@ -99,6 +99,18 @@ if [ "${KDTREE_BATCH_CLI:-1}" = 1 ]; then
     done
   done
 fi
+# Where each run's generation time went (--summary time_split: the batch's calls by kind, the run's own work
+# between them, the graph captures), before the table.
+python3 - "$out" <<'PY'
+import json, sys, glob, os
+for f in sorted(glob.glob(f"{sys.argv[1]}/*-b*.json")):
+    s = json.load(open(f)); t = s.get("time_split")
+    if not t:
+        continue
+    kinds = [f"{k} {t[k]['s']:.3f}s/{t[k]['n']}" for k in ("prefill", "ar", "feed", "drafted", "new_shape", "alone_one", "alone_drafted") if t[k]["n"]]
+    cap = f", captures {t['captures']} ({t['capture_s']:.3f}s)" if "captures" in t else ""
+    print(f"BENCH split {os.path.basename(f)[:-5]}: gen {s.get('gen_wall_s', 0):.3f}s = {', '.join(kinds)}, host {t['host_s']:.3f}s{cap}")
+PY
 python3 - "$out" "${gpu:-unknown}" "$(cat "$dir/COMMIT" 2>/dev/null || echo unknown)" <<'PY' | tee "$out/batch-table.md"
 import json, os, sys, datetime
 out, gpu, commit = sys.argv[1:4]

@@ -33,6 +33,15 @@ pub enum LogitRows {
 }
 
 /// Output of one target forward over a batch of tree nodes.
+/// A device's captured-graph counters ([`Target::graph_stats`]): graphs captured, the host seconds their
+/// captures took (recording, instantiating, the first launch queued), graph launches (captures included).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct GraphStats {
+    pub captures: u64,
+    pub capture_s: f64,
+    pub launches: u64,
+}
+
 #[derive(Debug, Clone, Default)]
 pub struct StepOut {
     /// [rows, vocab] f32 logits: rows = T, 1 or 0 per the forward's [`LogitRows`].
@@ -159,6 +168,10 @@ pub trait Target {
     }
     /// Free memory where the ops run (None: not measured, the host).
     fn mem_free(&self) -> Option<usize> {
+        None
+    }
+    /// The captured graphs' counters of the device this target runs on, since it opened (None: no graphs).
+    fn graph_stats(&self) -> Option<GraphStats> {
         None
     }
 }
@@ -347,6 +360,9 @@ impl<T: Target + ?Sized> Target for &mut T {
     }
     fn mem_free(&self) -> Option<usize> {
         (**self).mem_free()
+    }
+    fn graph_stats(&self) -> Option<GraphStats> {
+        (**self).graph_stats()
     }
 }
 

@@ -30,4 +30,4 @@ pub use model::open::{open_cuda_on, open_cuda_with};
 pub use model::AttnMode;
 pub use options::GpuOptions;
 pub use session::{Emitted, Mode, ProbeSet, Probes, RoundRecord, Session};
-pub use session_batch::{Admit, Batch, KvBudget, KvTooLarge};
+pub use session_batch::{Admit, Batch, KvBudget, KvTooLarge, Tally, TimeSplit};

@@ -398,7 +398,8 @@ impl<'a> Session<'a> {
                     .context("--budget auto needs a cost model (Session::set_cost_model)")?
                     .budget();
                 let (e, log_q) = self.traced(|s| s.ddtree_step(root, Some(budget)))?;
-                self.auto.as_mut().context("auto budget state lost")?.update(&log_q);
+                let a = self.auto.as_mut().context("auto budget state lost")?;
+                a.update_seen(&log_q, e.tokens.len());
                 e
             }
             Mode::Chain => self.traced(|s| s.ddtree_step(root, None))?.0,
@@ -521,7 +522,7 @@ impl<'a> Session<'a> {
                 self.device_rounds += 1;
                 let (e, log_q) = round_emitted(r, budget);
                 if let Some(a) = self.auto.as_mut() {
-                    a.update(&log_q);
+                    a.update_seen(&log_q, e.tokens.len());
                 }
                 e
             }

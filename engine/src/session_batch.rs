@@ -18,7 +18,7 @@
 //! Tests: engine/tests/batch_generate.rs (CPU: batched == one by one, every line).
 
 use crate::api::{BatchItem, BatchOps};
-use crate::ddtree::cost::{batch_choice, FeedRuns};
+use crate::ddtree::cost::{batch_choice, FeedRuns, REAL_WEIGHT};
 use crate::session::{Emitted, Mode, Session};
 use anyhow::{ensure, Context, Result};
 
@@ -79,6 +79,56 @@ pub enum Admit {
     Wait,
 }
 
+/// A count and the wall seconds it took.
+#[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize)]
+pub struct Tally {
+    pub n: u64,
+    pub s: f64,
+}
+
+impl Tally {
+    fn add(&mut self, t: std::time::Instant) {
+        self.n += 1;
+        self.s += t.elapsed().as_secs_f64();
+    }
+}
+
+/// Where a batch's wall time went, by kind of call (kdtree-run's `--summary` `time_split`): what the rest of a
+/// generation's wall time is (the caller's own work between steps: records, stop checks, admission) follows
+/// from it. Every figure is host wall time around the call, which ends with the call's read back.
+#[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize)]
+pub struct TimeSplit {
+    /// [`Batch::prefill_many`] calls.
+    pub prefill: Tally,
+    /// Batched steps of AR mode, batched feed rounds (budget 0), batched drafted rounds.
+    pub ar: Tally,
+    pub feed: Tally,
+    pub drafted: Tally,
+    /// Of the batched steps above, those that were the first of their shape (kind, rows, budget) in this batch:
+    /// where a new CUDA graph is captured.
+    pub new_shape: Tally,
+    /// Steps of one session alone ([`Session::step`]): one token (AR or a feed round), or a drafted round.
+    pub alone_one: Tally,
+    pub alone_drafted: Tally,
+}
+
+impl TimeSplit {
+    /// Seconds inside the batch's calls.
+    pub fn total_s(&self) -> f64 {
+        [
+            self.prefill,
+            self.ar,
+            self.feed,
+            self.drafted,
+            self.alone_one,
+            self.alone_drafted,
+        ]
+        .iter()
+        .map(|t| t.s)
+        .sum()
+    }
+}
+
 /// `slots` sequences over one model, stepped together.
 pub struct Batch {
     slots: Vec<Session<'static>>,
@@ -98,13 +148,22 @@ pub struct Batch {
     /// the scores the decision weighs are the last drafted round's).
     feed: FeedRuns,
     probe: bool,
+    /// `--budget auto`: the batch's drafted rounds' committed tokens per µs (of their shape's fastest time), a
+    /// running average (None before any).
+    rate: Option<f64>,
     /// `--budget auto`: the fastest wall time (µs) of the batch's steps so far by (rows of the forward, budget;
     /// 0 = a feed round): what its rounds cost at this load, where the cost model (one sequence's rounds,
     /// calibrated) does not know the batch's per-sequence work (the fastest: a step that captured its graph
     /// counts the capture).
     timed: std::collections::HashMap<(usize, usize), f64>,
-    /// Batched feed rounds run.
+    /// Batched feed rounds run, and batched rounds that mixed feeding (budget 0) and drafting sequences (a
+    /// root-only tree for each feeding one: `--budget auto` never makes one, a batch decides for all).
     pub feed_steps: usize,
+    pub mixed_steps: usize,
+    /// Where the batch's time went.
+    pub times: TimeSplit,
+    /// The shapes (kind, rows, budget) of batched steps run so far ([`TimeSplit::new_shape`]).
+    shapes: std::collections::HashSet<(u8, usize, usize)>,
 }
 
 impl Batch {
@@ -164,8 +223,12 @@ impl Batch {
             alone_steps: 0,
             feed: FeedRuns::default(),
             probe: false,
+            rate: None,
             timed: std::collections::HashMap::new(),
             feed_steps: 0,
+            mixed_steps: 0,
+            times: TimeSplit::default(),
+            shapes: std::collections::HashSet::new(),
         })
     }
 }
@@ -257,6 +320,13 @@ impl Batch {
     /// what [`Session::prefill`] gives that slot alone (the first token), the prompts run together in
     /// forwards of up to [`PREFILL_ROWS`] rows where the model can batch them.
     pub fn prefill_many(&mut self, items: &[(usize, &[u32], &crate::sampling::Sampling)]) -> Vec<Result<u32>> {
+        let t = std::time::Instant::now();
+        let out = self.prefill_many_untimed(items);
+        self.times.prefill.add(t);
+        out
+    }
+
+    fn prefill_many_untimed(&mut self, items: &[(usize, &[u32], &crate::sampling::Sampling)]) -> Vec<Result<u32>> {
         let mut out: Vec<Option<Result<u32>>> = items.iter().map(|_| None).collect();
         let mut ready = Vec::new();
         for (k, &(slot, prompt, s)) in items.iter().enumerate() {
@@ -372,11 +442,12 @@ impl Batch {
                 let auto = if autos.is_empty() {
                     None
                 } else {
-                    // Outside a run of feed rounds: the best bucket, and (unless this round is the probe after a
-                    // run) whether a run of feed rounds starts instead.
-                    let choice = if self.feed.feeding() {
-                        None
-                    } else {
+                    // Outside a run of feed rounds: the best bucket (before any sequence has scores: the bucket
+                    // most of them are at, ties the larger), and (unless this round is the probe after a run)
+                    // whether a run of feed rounds starts instead. The batch decides for all its sequences, so
+                    // a round never mixes feeding and drafting sequences.
+                    let mut bucket = 0;
+                    if !self.feed.feeding() {
                         let scores: Vec<&[f64]> = autos.iter().map(|a| a.last_scores()).collect();
                         let a = autos[0];
                         // A batch may also draft 1 or 2 nodes a sequence: below the smallest bucket of a sequence
@@ -385,30 +456,38 @@ impl Batch {
                             BATCH_SMALL.iter().copied().filter(|&b| b < a.buckets()[0]).collect();
                         choices.extend_from_slice(a.buckets());
                         let choice = batch_choice(&scores, rows, &choices, a.cost());
-                        if let (Some((b, theta)), false) = (choice, std::mem::take(&mut self.probe)) {
-                            let (scale, probe_us, feed_us) = costs(&self.timed, rows, b, a.cost());
-                            let wins = feed_us.is_some_and(|f| scores.len() as f64 / f >= theta * scale);
-                            self.feed.decide(wins, probe_us, feed_us.unwrap_or(f64::NAN));
+                        bucket = choice.map_or_else(|| majority(autos.iter().map(|a| a.bucket())), |(b, _)| b);
+                        let seqs = scores.len() as f64;
+                        match (choice, std::mem::take(&mut self.probe)) {
+                            (Some((b, theta)), false) => {
+                                let (scale, probe_us, feed_us) = costs(&self.timed, rows, b, a.cost());
+                                // The sequences' realized acceptance over their surrogate's, on average; and what
+                                // the batch's drafted rounds realized lately: feeding must beat both.
+                                let real = autos.iter().map(|a| a.realized()).sum::<f64>() / autos.len() as f64;
+                                let draft = (theta * scale * real).max(self.rate.unwrap_or(0.0));
+                                let wins = feed_us.is_some_and(|f| seqs / f >= draft);
+                                let sure = scores.len() >= BATCH_SURE;
+                                self.feed.decide(wins, probe_us, feed_us.unwrap_or(f64::NAN), sure);
+                            }
+                            // No sequence has drafted yet (a new batch, or new lines after a run): what the
+                            // calibration's rounds promise at these rows decides, as a measured verdict.
+                            (None, false) => {
+                                if let Some((b, theta)) = a.cost().prior(rows, scores.len()) {
+                                    let (scale, probe_us, feed_us) = costs(&self.timed, rows, b, a.cost());
+                                    let draft = (theta * scale).max(self.rate.unwrap_or(0.0));
+                                    let wins = feed_us.is_some_and(|f| seqs / f >= draft);
+                                    self.feed.decide(wins, probe_us, feed_us.unwrap_or(f64::NAN), true);
+                                }
+                            }
+                            (_, true) => {}
                         }
-                        choice
-                    };
-                    if self.feed.feeding() {
+                    }
+                    Some(if self.feed.feeding() {
                         self.feed.fed();
                         self.probe = !self.feed.feeding();
-                        Some(0)
+                        0
                     } else {
-                        choice.map(|(b, _)| b)
-                    }
-                    .or_else(|| {
-                        let mut votes: Vec<usize> = autos.iter().filter(|a| !a.feeding()).map(|a| a.budget()).collect();
-                        votes.sort_unstable();
-                        let mut best: Option<(usize, usize)> = None; // (count, budget)
-                        for c in votes.chunk_by(|a, b| a == b) {
-                            if best.is_none_or(|(n, _)| c.len() >= n) {
-                                best = Some((c.len(), c[0]));
-                            }
-                        }
-                        best.map(|(_, b)| b)
+                        bucket
                     })
                 };
                 // Every slot in index order: the active ones, then idle ones as ghosts.
@@ -443,14 +522,33 @@ impl Batch {
                     }
                 }
                 let real = joined.iter().filter(|(_, k, _)| k.is_some()).count();
+                let budgets: Vec<usize> = items
+                    .iter()
+                    .filter_map(|it| match it.kind {
+                        crate::api::StepKind::Tree(b) => Some(b),
+                        _ => None,
+                    })
+                    .collect();
+                let mixed = budgets.contains(&0) && budgets.iter().any(|&b| b > 0);
                 if real >= 2 {
                     let t0 = std::time::Instant::now();
                     let results = ops.step(&mut items)?;
                     drop(items);
+                    let mut fastest = None;
                     if let Some(b) = auto {
                         let us = t0.elapsed().as_secs_f64() * 1e6;
                         let t = self.timed.entry((joined.len(), b)).or_insert(us);
                         *t = t.min(us);
+                        fastest = Some(*t).filter(|_| b > 0);
+                    }
+                    let (kind, tally) = match (self.mode, auto) {
+                        (Mode::Ar, _) => (0, &mut self.times.ar),
+                        (_, Some(0)) => (1, &mut self.times.feed),
+                        _ => (2, &mut self.times.drafted),
+                    };
+                    tally.add(t0);
+                    if self.shapes.insert((kind, joined.len(), auto.unwrap_or(0))) {
+                        self.times.new_shape.add(t0);
                     }
                     ensure!(
                         results.len() == joined.len(),
@@ -460,13 +558,21 @@ impl Batch {
                     );
                     self.batched_steps += 1;
                     self.feed_steps += usize::from(auto == Some(0));
+                    self.mixed_steps += usize::from(mixed);
                     self.batched_slot_steps += real;
                     self.ghost_slot_steps += joined.len() - real;
+                    let mut tokens = 0;
                     for ((i, k, start), r) in joined.into_iter().zip(results) {
                         let e = self.slots[i].batched(start, r)?;
                         if let Some(k) = k {
+                            tokens += e.tokens.len();
                             out[k] = Some(e);
                         }
+                    }
+                    if let Some(us) = fastest {
+                        // A drafted round: its committed tokens per µs of its shape's fastest time.
+                        let now = tokens as f64 / us;
+                        self.rate = Some(self.rate.map_or(now, |r| (1.0 - REAL_WEIGHT) * r + REAL_WEIGHT * now));
                     }
                 } else {
                     // One sequence gains nothing from a batched forward: it steps as a session would.
@@ -477,7 +583,13 @@ impl Batch {
         }
         alone.sort_unstable();
         for k in alone {
-            out[k] = Some(self.slots[active[k]].step()?);
+            let t = std::time::Instant::now();
+            let e = self.slots[active[k]].step()?;
+            match e.budget {
+                0 => self.times.alone_one.add(t),
+                _ => self.times.alone_drafted.add(t),
+            }
+            out[k] = Some(e);
             self.alone_steps += 1;
         }
         out.into_iter().map(|e| e.context("a slot got no step")).collect()
@@ -508,6 +620,23 @@ fn costs(
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
+
+/// The most common of `budgets` (ties: the larger); 0 for none.
+fn majority(budgets: impl Iterator<Item = usize>) -> usize {
+    let mut v: Vec<usize> = budgets.collect();
+    v.sort_unstable();
+    let mut best: Option<(usize, usize)> = None; // (count, budget)
+    for c in v.chunk_by(|a, b| a == b) {
+        if best.is_none_or(|(n, _)| c.len() >= n) {
+            best = Some((c.len(), c[0]));
+        }
+    }
+    best.map_or(0, |(_, b)| b)
+}
+
+/// A batch of at least this many sequences decides for all of them: its first verdict for feeding starts a run
+/// at the probe-share floor ([`FeedRuns::decide`]'s `sure`), where one sequence's first verdict feeds one round.
+const BATCH_SURE: usize = 4;
 
 /// The budgets below [`crate::ddtree::cost::BUCKETS`] a batch's `--budget auto` may choose (each a round shape of
 /// its own, captured once).

@@ -283,6 +283,7 @@ fn batched_auto(feed: Option<f64>) {
         draft_us: 100.0,
         verify: vec![(1, 4.0), (257, 1028.0)],
         feed_us: feed,
+        tokens: Vec::new(),
         note: String::new(),
     };
     let mode = Mode::DDTreeAuto { max: 64 };
@@ -336,6 +337,18 @@ fn batched_auto(feed: Option<f64>) {
     )
     .unwrap();
     assert!(batch.batched_steps > 0);
+    // The batch decides for all its sequences: no round mixes feeding and drafting ones; its time split
+    // counts every batched round once, as a feed round or a drafted one.
+    assert_eq!(
+        batch.mixed_steps, 0,
+        "a batched round mixed feeding and drafting sequences"
+    );
+    let t = batch.times;
+    assert_eq!(
+        (t.feed.n as usize, (t.feed.n + t.drafted.n) as usize, t.ar.n),
+        (batch.feed_steps, batch.batched_steps, 0)
+    );
+    assert!(t.new_shape.n >= 1 && t.new_shape.n <= t.feed.n + t.drafted.n);
     if feed.is_some() {
         assert!(batch.feed_steps > 0, "no batched feed round");
     } else {

@@ -493,6 +493,7 @@ fn auto_budget_on_the_gpu_equals_the_host_rounds() {
         draft_us: 100.0,
         verify: vec![(1, 4.0), (257, 1028.0)],
         feed_us: None,
+        tokens: Vec::new(),
         note: String::new(),
     };
     let mut runs = Vec::new();

@@ -26,6 +26,7 @@ fn cost() -> CostModel {
         draft_us: 100.0,
         verify: vec![(1, 4.0), (257, 1028.0)],
         feed_us: None,
+        tokens: Vec::new(),
         note: String::new(),
     }
 }
@@ -107,7 +108,7 @@ fn greedy_auto_equals_ar_and_follows_the_lagged_rule() {
         for (r, (e, lq)) in hs.iter().zip(scores).enumerate() {
             assert_eq!(e.budget, a.budget(), "prompt {i} round {r}: budget");
             assert_eq!(lq.len(), e.drafted, "prompt {i} round {r}: one score per drafted node");
-            a.update(lq);
+            a.update_seen(lq, e.tokens.len());
             seen.insert(e.budget);
         }
         let budgets: Vec<usize> = hs.iter().map(|e| e.budget).collect();
@@ -204,7 +205,7 @@ fn auto_feeds_where_drafting_does_not_pay_and_keeps_the_drafter_context() {
                 );
                 probed += 1;
             }
-            a.update(lq);
+            a.update_seen(lq, e.tokens.len());
             at += e.tokens.len();
         }
         let budgets: Vec<usize> = hs.iter().map(|e| e.budget).collect();

@@ -227,6 +227,10 @@ pub trait Resources: Clone + Send + Sync + 'static {
     fn mem_free(&self) -> Option<usize> {
         None
     }
+    /// The captured graphs' counters where the ops run (None: no graphs, the host).
+    fn graph_stats(&self) -> Option<crate::api::GraphStats> {
+        None
+    }
     /// Several tables stacked in row order (a batch's segments: one RoPE op over all their rows).
     fn rope_cat(&self, ropes: &[&Self::Rope]) -> Self::Rope;
 }

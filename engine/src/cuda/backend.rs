@@ -691,6 +691,9 @@ impl Resources for CudaBackend {
     fn mem_free(&self) -> Option<usize> {
         self.gpu.mem_info().ok().map(|(free, _)| free)
     }
+    fn graph_stats(&self) -> Option<crate::api::GraphStats> {
+        Some(self.gpu.stats.graphs())
+    }
     fn rope_cat(&self, ropes: &[&DRope]) -> DRope {
         let half = ropes.first().map_or(0, |r| r.half);
         self.run("rope_cat", || {

@@ -220,6 +220,10 @@ pub struct GpuStats {
     pub graph_launches: std::sync::atomic::AtomicU64,
     /// Captures that failed (the round then ran eagerly); the first reason is in [`Gpu::capture_failure`].
     pub capture_failures: std::sync::atomic::AtomicU64,
+    /// Graphs captured and instantiated, and the host's nanoseconds from the start of each capture to its first
+    /// launch queued (recording the ops, instantiating, uploading the graph).
+    pub captures: std::sync::atomic::AtomicU64,
+    pub capture_ns: std::sync::atomic::AtomicU64,
 }
 
 impl GpuStats {
@@ -235,6 +239,15 @@ impl GpuStats {
     }
     pub(crate) fn bump(c: &std::sync::atomic::AtomicU64) {
         c.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    /// The graph counters now.
+    pub fn graphs(&self) -> crate::api::GraphStats {
+        use std::sync::atomic::Ordering::Relaxed;
+        crate::api::GraphStats {
+            captures: self.captures.load(Relaxed),
+            capture_s: self.capture_ns.load(Relaxed) as f64 * 1e-9,
+            launches: self.graph_launches.load(Relaxed),
+        }
     }
 }
 

@@ -190,6 +190,7 @@ impl TreeOps for CudaBackend {
         }
         *graph = None;
         let s = &self.gpu.stream;
+        let t0 = std::time::Instant::now();
         let before = self.gpu.stats.snapshot();
         s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(super::drv("begin graph capture"))?;
@@ -229,6 +230,12 @@ impl TreeOps for CudaBackend {
         gated?;
         super::GpuStats::bump(&self.gpu.stats.graph_launches);
         g.launch().map_err(super::drv("graph launch"))?;
+        let ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        super::GpuStats::bump(&self.gpu.stats.captures);
+        self.gpu
+            .stats
+            .capture_ns
+            .fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
         *graph = Some(DGraph {
             key,
             graph: g,

@@ -33,6 +33,11 @@ pub const START_BUCKET: usize = 16;
 /// (C_probe − C_feed) / (PROBE_SHARE · C_feed) feed rounds ([`FeedRuns::decide`]).
 pub const PROBE_SHARE: f64 = 1.0 / 32.0;
 
+/// The weight of the last drafted round in the running ratio of realized to surrogate tokens
+/// ([`AutoBudget::update_seen`]), and the bounds of one round's ratio.
+pub const REAL_WEIGHT: f64 = 0.25;
+pub const REAL_RANGE: (f64, f64) = (0.125, 8.0);
+
 /// The longest run of feed rounds between two probing (drafting) rounds: a probe that does not pay costs a
 /// drafted round instead of a feed round once in this many tokens (on the K2.6 rank-0 slice with 3 layers,
 /// where the drafter weighs most, a b4 probe is ~3.4 feed rounds: under 1 % of a run).
@@ -56,6 +61,11 @@ pub struct CostModel {
     /// None (a file from before feed rounds): `--budget auto` always drafts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub feed_us: Option<f64>,
+    /// (bucket, committed tokens a round) of the calibration's rounds (greedy, on its prompt): what `--budget
+    /// auto` expects of drafting before a sequence has drafted ([`CostModel::prior`]); empty in a file from
+    /// before them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tokens: Vec<(usize, f64)>,
     /// How it was measured (free text: rounds per point, prompt, context).
     #[serde(default)]
     pub note: String,
@@ -114,7 +124,35 @@ impl CostModel {
                 "cost model: feed_us {f} is not a finite time > 0"
             );
         }
+        for (i, &(b, t)) in self.tokens.iter().enumerate() {
+            ensure!(b >= 1, "cost model: tokens[{i}] is for a budget of {b} (at least 1)");
+            ensure!(
+                t.is_finite() && t >= 1.0,
+                "cost model: tokens[{i}] = {t} tokens a round (a round commits at least its bonus token)"
+            );
+        }
         Ok(())
+    }
+
+    /// The model with the calibration's committed tokens a round at each bucket, checked.
+    pub fn with_tokens(self, tokens: Vec<(usize, f64)>) -> Result<CostModel> {
+        let m = CostModel { tokens, ..self };
+        m.check()?;
+        Ok(m)
+    }
+
+    /// What drafting promises before any round of `seqs` sequences in a forward of `rows` rows: the calibrated
+    /// bucket with the most expected tokens per µs (`seqs` × its tokens a round over
+    /// [`CostModel::round_us_rows`]) and that rate; None without calibrated tokens.
+    pub fn prior(&self, rows: usize, seqs: usize) -> Option<(usize, f64)> {
+        let rows = rows.max(seqs).max(1);
+        self.tokens
+            .iter()
+            .map(|&(b, t)| (b, seqs as f64 * t / self.round_us_rows(rows, b)))
+            .fold(None, |best: Option<(usize, f64)>, (b, th)| match best {
+                Some((_, bt)) if bt >= th => best,
+                _ => Some((b, th)),
+            })
     }
 
     /// The model with the measured feed round `us` (µs), checked.
@@ -187,6 +225,7 @@ impl CostModel {
             draft_us: ns(draft),
             verify,
             feed_us: None,
+            tokens: Vec::new(),
             note,
         };
         m.check()?;
@@ -292,9 +331,10 @@ impl Default for FeedRuns {
 impl FeedRuns {
     /// After a drafted round that took `probe_us` where a feed round takes `feed_us`: whether feeding won;
     /// starts a run (or ends the doubling). A first win feeds one round (one round's scores may be a bad
-    /// position of a drafter that pays); from the second win in a row the run is long enough that the next
-    /// probe costs at most [`PROBE_SHARE`] of it beyond a feed round, and no longer than [`MAX_FEED_RUN`].
-    pub fn decide(&mut self, feed_wins: bool, probe_us: f64, feed_us: f64) {
+    /// position of a drafter that pays) unless the verdict is `sure`; from the second win in a row (or a sure
+    /// first) the run is long enough that the next probe costs at most [`PROBE_SHARE`] of it beyond a feed
+    /// round, and no longer than [`MAX_FEED_RUN`].
+    pub fn decide(&mut self, feed_wins: bool, probe_us: f64, feed_us: f64, sure: bool) {
         if feed_wins {
             let least = ((probe_us - feed_us) / (PROBE_SHARE * feed_us)).ceil();
             let least = if least.is_finite() {
@@ -302,7 +342,7 @@ impl FeedRuns {
             } else {
                 1
             };
-            self.left = if self.run == 1 { 1 } else { self.run.max(least) };
+            self.left = if self.run == 1 && !sure { 1 } else { self.run.max(least) };
             self.run = (2 * self.left).min(MAX_FEED_RUN);
         } else {
             *self = FeedRuns::default();
@@ -329,7 +369,8 @@ pub fn buckets(max: usize) -> Vec<usize> {
 /// B_r; from round r's popped-node scores, n* = [`best_nodes`]; B_{r+1} = the smallest bucket >= n* when the
 /// rule stopped inside the tree (n* < B_r), else the next larger bucket (the tree was too small to stop).
 /// Each sequence starts at [`START_BUCKET`] (or the largest bucket below it). With a measured feed round
-/// ([`CostModel::feed_us`]): when 1 / C_feed >= θ(n*), the next rounds feed (budget 0) instead, `run` of them,
+/// ([`CostModel::feed_us`]): when 1 / C_feed >= the larger of θ(n*) × [`AutoBudget::realized`] and the drafted
+/// rounds' recent tokens per µs ([`AutoBudget::rate`]), the next rounds feed (budget 0) instead, `run` of them,
 /// then one drafts at B_{r+1} to probe; `run` doubles (up to [`MAX_FEED_RUN`]) each time a probe says feed
 /// again and is back to 1 when drafting wins.
 #[derive(Debug, Clone)]
@@ -343,6 +384,13 @@ pub struct AutoBudget {
     last: Vec<f64>,
     /// The feed rounds' runs.
     feed: FeedRuns,
+    /// The drafted rounds' committed tokens over their surrogate's (1 + Σ p over the popped nodes), a running
+    /// average (1 before any): how far the drafter's own probabilities under- or overstate what it gets
+    /// accepted. It scales θ where feeding and drafting are weighed.
+    real: f64,
+    /// The drafted rounds' committed tokens per µs of their modelled cost, a running average with the same
+    /// weight (None before any): what drafting has realized lately. A feed round must beat it too.
+    rate: Option<f64>,
 }
 
 impl AutoBudget {
@@ -358,8 +406,16 @@ impl AutoBudget {
             at: 0,
             last: Vec::new(),
             feed: FeedRuns::default(),
+            real: 1.0,
+            rate: None,
         };
         a.restart();
+        // Before any round: feeding from the start where the calibration's best drafted round commits fewer
+        // tokens per µs than a feed round (a measured verdict: its run starts at the probe-share floor).
+        if let (Some((b, theta)), Some(feed)) = (a.cost.prior(1, 1), a.cost.feed_us) {
+            a.feed
+                .decide(batch_feeds(1, 1, theta, &a.cost), a.cost.round_us(b), feed, true);
+        }
         Ok(a)
     }
     /// A new sequence: back to the start bucket. The feed runs go on: the last sequence's probes are the
@@ -372,6 +428,32 @@ impl AutoBudget {
     /// The popped nodes' scores of this sequence's last round (empty before its first).
     pub fn last_scores(&self) -> &[f64] {
         &self.last
+    }
+    /// The running ratio of realized to surrogate tokens of the drafted rounds (1 before any).
+    pub fn realized(&self) -> f64 {
+        self.real
+    }
+    /// The running average of the drafted rounds' committed tokens per µs (None before any).
+    pub fn rate(&self) -> Option<f64> {
+        self.rate
+    }
+    /// After a drafted round whose popped nodes scored `log_q` and that committed `tokens` tokens (the bonus
+    /// included): its ratio of `tokens` to the surrogate's 1 + Σ p enters [`AutoBudget::realized`], its tokens
+    /// per µs of a round of that many nodes [`AutoBudget::rate`], then [`AutoBudget::update`]. A feed round
+    /// (`log_q` empty) is [`AutoBudget::update`] alone.
+    pub fn update_seen(&mut self, log_q: &[f64], tokens: usize) -> usize {
+        if !log_q.is_empty() {
+            let expected = 1.0 + log_q.iter().map(|&q| q.exp()).filter(|p| p.is_finite()).sum::<f64>();
+            let r = (tokens as f64 / expected).clamp(REAL_RANGE.0, REAL_RANGE.1);
+            self.real = (1.0 - REAL_WEIGHT) * self.real + REAL_WEIGHT * r;
+            let now = tokens as f64 / self.cost.round_us(log_q.len());
+            self.rate = Some(self.rate.map_or(now, |a| (1.0 - REAL_WEIGHT) * a + REAL_WEIGHT * now));
+        }
+        self.update(log_q)
+    }
+    /// The bucket the next drafted round takes (whether or not the next round feeds).
+    pub fn bucket(&self) -> usize {
+        self.buckets[self.at]
     }
     /// This round's budget: 0 for a feed round.
     pub fn budget(&self) -> usize {
@@ -412,7 +494,11 @@ impl AutoBudget {
             self.cost.round_us(self.buckets[self.at]),
             self.cost.feed_us.unwrap_or(f64::NAN),
         );
-        self.feed.decide(batch_feeds(1, 1, theta, &self.cost), probe, feed);
+        // Feeding must beat both this round's promise (θ at n*, scaled by the realized ratio) and what the drafted
+        // rounds realized lately: one weak round's scores do not start a run where drafting pays on average.
+        let draft = (theta * self.real).max(self.rate.unwrap_or(0.0));
+        self.feed
+            .decide(batch_feeds(1, 1, draft, &self.cost), probe, feed, false);
         n
     }
 }
@@ -429,6 +515,7 @@ mod tests {
             draft_us: fixed,
             verify: vec![(1, per_node), (257, 257.0 * per_node)],
             feed_us: None,
+            tokens: Vec::new(),
             note: String::new(),
         }
     }
@@ -733,6 +820,86 @@ mod tests {
     }
 
     #[test]
+    fn realized_acceptance_scales_the_feed_decision() {
+        // Fixed cost 100, 1 a node; a feed round 50. Scores of 4 nodes at p = 0.1: θ(4) = 1.4 / 104 < 1/50,
+        // so the surrogate alone feeds.
+        let c = linear(100.0, 1.0).with_feed(50.0).unwrap();
+        let weak = [0.1f64.ln(); 4];
+        let mut a = AutoBudget::new(4, c.clone()).unwrap();
+        assert_eq!(a.realized(), 1.0);
+        a.update(&weak);
+        assert!(a.feeding(), "the surrogate alone feeds");
+        // The same scores with 5 tokens committed a round (everything accepted): each round's ratio is
+        // 5 / 1.4, capped at 8, and after a few the running ratio makes the tree worth drafting.
+        let mut a = AutoBudget::new(4, c.clone()).unwrap();
+        let mut feeds = 0;
+        for _ in 0..6 {
+            a.update_seen(&weak, 5);
+            while a.feeding() {
+                a.update(&[]);
+                feeds += 1;
+            }
+        }
+        assert!(a.realized() > 2.0, "{}", a.realized());
+        assert!(
+            feeds <= 2,
+            "{feeds} feed rounds where the drafted rounds commit 5 tokens"
+        );
+        a.update_seen(&weak, 5);
+        assert!(!a.feeding());
+        // Rounds that commit the bonus alone pull it back down, and feeding wins again.
+        for _ in 0..12 {
+            a.update_seen(&weak, 1);
+            while a.feeding() {
+                a.update(&[]);
+            }
+        }
+        assert!(a.realized() < 1.0, "{}", a.realized());
+        a.update_seen(&weak, 1);
+        assert!(a.feeding());
+        // A feed round's empty scores leave the ratio as it was.
+        let r = a.realized();
+        a.update_seen(&[], 1);
+        assert_eq!(a.realized(), r);
+    }
+
+    #[test]
+    fn calibrated_tokens_decide_before_any_round() {
+        // Fixed 100, 1 a node verified; a feed round 50.
+        let c = linear(100.0, 1.0).with_feed(50.0).unwrap();
+        assert_eq!(c.prior(1, 1), None, "no calibrated tokens, no prior");
+        assert!(
+            !AutoBudget::new(16, c.clone()).unwrap().feeding(),
+            "without a prior the first round drafts"
+        );
+        // The bonus alone at every bucket (a drafter that never hits): 1 / 105 < 1 / 50, feed from the start, a run
+        // at the floor: (105 − 50) / (50 / 32) = 35.2 → 36 feed rounds before the first probe.
+        let never = c.clone().with_tokens(vec![(4, 1.0), (16, 1.0)]).unwrap();
+        let (b, theta) = never.prior(1, 1).unwrap();
+        assert_eq!(b, 4);
+        assert!((theta - 1.0 / 105.0).abs() < 1e-12, "{theta}");
+        let mut a = AutoBudget::new(16, never.clone()).unwrap();
+        let mut fed = 0;
+        while a.feeding() {
+            a.update(&[]);
+            fed += 1;
+        }
+        assert_eq!(fed, 36);
+        // 4 tokens at bucket 16 (4 / 117 > 1 / 50): draft first, at the start bucket.
+        let good = c.clone().with_tokens(vec![(4, 1.5), (16, 4.0)]).unwrap();
+        assert_eq!(good.prior(1, 1).unwrap().0, 16);
+        let a = AutoBudget::new(16, good.clone()).unwrap();
+        assert_eq!((a.feeding(), a.budget()), (false, START_BUCKET));
+        // A batch's rows: 64 sequences of bucket 16 verify 64 × 17 rows: 256 / 1188 < 64 / 113, so it feeds.
+        let (_, theta) = good.prior(64, 64).unwrap();
+        assert!(batch_feeds(64, 64, theta, &good));
+        // The file form keeps them; a round that commits less than its bonus is refused.
+        assert_eq!(CostModel::from_json(&good.to_json()).unwrap(), good);
+        assert!(c.clone().with_tokens(vec![(4, 0.5)]).is_err());
+        assert!(c.with_tokens(vec![(0, 2.0)]).is_err());
+    }
+
+    #[test]
     fn a_batch_feeds_when_its_rows_make_drafting_dear() {
         // Fixed 100, 1 a node verified; a feed round 50 (+ 1 a row beyond the first in a batch).
         let c = linear(100.0, 1.0).with_feed(50.0).unwrap();
@@ -762,7 +929,7 @@ mod tests {
         let runs = |probe: f64, wins: &[bool]| {
             let (mut f, mut lens) = (FeedRuns::default(), Vec::new());
             for &win in wins {
-                f.decide(win, probe, 10.0);
+                f.decide(win, probe, 10.0, false);
                 let mut n = 0;
                 while f.feeding() {
                     f.fed();
@@ -776,5 +943,11 @@ mod tests {
         assert_eq!(runs(20.0, &[true, true, true, false, true]), vec![1, 32, 64, 0, 1]);
         assert_eq!(runs(1000.0, &[true, true, true]), vec![1, MAX_FEED_RUN, MAX_FEED_RUN]);
         assert_eq!(runs(f64::NAN, &[true, true]), vec![1, 2]);
+        // A sure verdict (a batch's, over all its sequences) starts at the floor from its first win.
+        let mut f = FeedRuns::default();
+        f.decide(true, 20.0, 10.0, true);
+        assert_eq!(f.left, 32);
+        f.decide(false, 20.0, 10.0, true);
+        assert_eq!(f, FeedRuns::default());
     }
 }

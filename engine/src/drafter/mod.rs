@@ -71,7 +71,7 @@ struct LayerCache<B: Backend> {
 }
 
 /// A drafter's stash: taps `[STASH_ROWS, n_taps·H]` of committed tokens whose context rows are not written
-/// yet (feed steps, [`DFlashDrafter::stash_row`]); its first `n` rows follow the written context. The
+/// yet (feed steps, [`DFlashDrafter::stash_rows`]); its first `n` rows follow the written context. The
 /// committed context is the written rows and then these ([`Drafter::context_len`]); a draft or a context
 /// write writes them first ([`DFlashDrafter::flush`]), as one forward of their rows.
 struct Stash<B: Backend> {
@@ -80,6 +80,8 @@ struct Stash<B: Backend> {
     pos: B::Pos,
     /// Its host copy.
     n: usize,
+    /// Identifies the stash's storage (a captured feed step stays valid while it does not change).
+    id: u64,
 }
 
 /// A drafter's uploaded weights (shared between sessions).
@@ -464,11 +466,19 @@ impl<B: Backend> DFlashDrafter<B> {
             taps: b.act_from_host(Vec::new()),
             pos: b.pos_new(0),
             n: 0,
+            id: 0,
         });
-        if b.reserve_rows(&mut s.taps, tw, STASH_ROWS) {
-            self.moves += 1;
+        if b.reserve_rows(&mut s.taps, tw, STASH_ROWS) || s.id == 0 {
+            s.id = NEXT_UID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         Ok(())
+    }
+
+    /// Identifies the stash a captured feed step writes (its storage and counter; 0 before
+    /// [`DFlashDrafter::stash_room`]): the step does not read the context caches, so their moves do not
+    /// invalidate it.
+    pub fn stash_key(&self) -> u64 {
+        self.stash.as_ref().map_or(0, |s| s.id)
     }
 
     /// Inside a captured step (after each one's [`DFlashDrafter::stash_room`]): row s of `taps`
@@ -490,7 +500,7 @@ impl<B: Backend> DFlashDrafter<B> {
         b.stash_rows(&mut dsts, tw, taps)
     }
 
-    /// After a step that ran [`DFlashDrafter::stash_row`]: the host copy of the stash's count.
+    /// After a step that ran [`DFlashDrafter::stash_rows`]: the host copy of the stash's count.
     pub fn stash_follow(&mut self) {
         if let Some(s) = self.stash.as_mut() {
             self.b.pos_add_host(&mut s.pos, 1);

@@ -62,6 +62,8 @@ pub(crate) struct Staging<B: Backend> {
     /// The mask of a one-node forward (the AR step's).
     mask1: B::Mask,
     graphs: Vec<(u64, Option<B::Graph>)>,
+    /// Keys run once, eagerly ([`Staging::capture_now`]), the newest last.
+    seen: Vec<u64>,
 }
 
 impl<B: Backend> Staging<B> {
@@ -75,6 +77,7 @@ impl<B: Backend> Staging<B> {
             gen: 0,
             mask1: b.mask_upload(&one),
             graphs: Vec::new(),
+            seen: Vec::new(),
         }
     }
 
@@ -90,6 +93,23 @@ impl<B: Backend> Staging<B> {
         self.caps[which] = cap;
         self.gen += 1;
         self.graphs.clear();
+    }
+
+    /// Whether the step of `key` is captured (or replayed) now. A key met for the first time runs eagerly and
+    /// is remembered; met again, it is captured. A batch's probe of a new shape (a drafted round between runs
+    /// of feed rounds, whose drafters' caches have moved since the last) seldom comes back before its key
+    /// changes, and its capture costs several times its eager run (on an H200, a drafted round of 64
+    /// sequences of the trained pair: ~80 ms to capture, ~11 ms to replay); a steady shape pays one eager
+    /// run before its capture.
+    fn capture_now(&mut self, key: u64) -> bool {
+        if self.graphs.iter().any(|(k, _)| *k == key) || self.seen.contains(&key) {
+            return true;
+        }
+        if self.seen.len() >= 2 * GRAPHS {
+            self.seen.remove(0);
+        }
+        self.seen.push(key);
+        false
     }
 
     /// The graph slot of `key` (a new one when absent; the oldest goes when the cache is full).
@@ -210,7 +230,7 @@ pub(crate) fn rounds<B: Backend>(
 }
 
 /// Feed rounds (budget 0) of every sequence of `parts`: AR steps whose drafters stash the roots' taps
-/// (`DFlashDrafter::stash_row`; written into their contexts in one forward before their next draft), as
+/// (`DFlashDrafter::stash_rows`; written into their contexts in one forward before their next draft), as
 /// rounds of the root alone, with no draft and no scores.
 fn feed_steps<B: Backend>(
     w: &Weights<B>,
@@ -304,10 +324,10 @@ fn batch_round<B: Backend>(
     ensure!(tw > 0, "a batched round needs a target with tap layers");
     let (mode, tap_layers) = (parts[0].t.mode, parts[0].t.info.tap_layers.clone());
     let gkey = key.finish();
-    let gi = st.graph(gkey);
+    let gi = st.capture_now(gkey).then(|| st.graph(gkey));
     let (tokens, stage) = (&mut st.tokens, &mut st.stage);
-    let graph = &mut st.graphs[gi].1;
-    let r = b.graph_run(graph, gkey, &mut || {
+    let graph = gi.map(|gi| &mut st.graphs[gi].1);
+    let mut body = || {
         // Every block drafted in one forward, every tree built from its rows, then their nodes gathered. Feed
         // rounds (budget 0) beside drafted ones verify their root alone (a batch of feed rounds only is
         // `feed_steps`).
@@ -397,8 +417,12 @@ fn batch_round<B: Backend>(
             word += nw;
         }
         b.check()
-    });
-    if r.is_err() {
+    };
+    let r = match graph {
+        Some(graph) => b.graph_run(graph, gkey, &mut body),
+        None => body(),
+    };
+    if let (Err(_), Some(gi)) = (&r, gi) {
         st.graphs.remove(gi);
     }
     r?;
@@ -431,7 +455,7 @@ pub(crate) fn steps<B: Backend>(
                 d.context_len()
             );
             d.stash_room()?;
-            ("feed", d.capture_key()).hash(&mut key);
+            ("feed", d.stash_key()).hash(&mut key);
         }
         if one && p.t.step_root != Some(p.root) {
             let slot = p.t.step.as_mut().context("a device step without its step slot")?;
@@ -546,10 +570,10 @@ fn batch_step<B: Backend>(
         false => Vec::new(),
     };
     let gkey = key.finish();
-    let gi = st.graph(gkey);
+    let gi = st.capture_now(gkey).then(|| st.graph(gkey));
     let (tokens, out, mask1) = (&st.tokens, &mut st.out, &st.mask1);
-    let graph = &mut st.graphs[gi].1;
-    let r = b.graph_run(graph, gkey, &mut || {
+    let graph = gi.map(|gi| &mut st.graphs[gi].1);
+    let mut body = || {
         let ropes: Vec<B::Rope> = parts
             .iter()
             .map(|p| b.rope_at(&w.rope_inv, c.rope_attention_factor, PosOf::Kv(&p.t.cache), None, 1))
@@ -590,8 +614,12 @@ fn batch_step<B: Backend>(
             b.kv_commit_rows(&mut p.t.cache, 1)?;
         }
         b.check()
-    });
-    if r.is_err() {
+    };
+    let r = match graph {
+        Some(graph) => b.graph_run(graph, gkey, &mut body),
+        None => body(),
+    };
+    if let (Err(_), Some(gi)) = (&r, gi) {
         st.graphs.remove(gi);
     }
     r?;

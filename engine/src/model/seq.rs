@@ -246,6 +246,9 @@ impl<B: Backend> Target for ModelTarget<B> {
     fn mem_free(&self) -> Option<usize> {
         self.target().target.mem_free()
     }
+    fn graph_stats(&self) -> Option<crate::api::GraphStats> {
+        self.target().target.graph_stats()
+    }
 }
 
 impl<B: Backend> ModelDrafter<B> {

@@ -505,4 +505,7 @@ impl<B: Backend> Target for TargetModel<B> {
     fn mem_free(&self) -> Option<usize> {
         self.w.backend.mem_free()
     }
+    fn graph_stats(&self) -> Option<crate::api::GraphStats> {
+        self.w.backend.graph_stats()
+    }
 }

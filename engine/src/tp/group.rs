@@ -309,6 +309,15 @@ impl Target for TpTarget {
             .min()
             .map(|f| f / self.pool.per_device)
     }
+    fn graph_stats(&self) -> Option<crate::api::GraphStats> {
+        // Every group captures the same rounds: the first one's device says it.
+        let id = self.id;
+        let stats = self
+            .pool
+            .all("graph counters", move |st| Ok(st.target(id)?.graph_stats()))
+            .ok()?;
+        stats.into_iter().next().flatten()
+    }
 }
 
 /// `f` over target `tid` and drafter `did` of every group, agreed; with both sessions' lengths.

@@ -32,25 +32,8 @@ pub struct Args {
     #[arg(value_name = "MODEL")]
     pub model: PathBuf,
 
-    /// Weights: the converted shards (auto), or dummy: every tensor of the plan of MODEL's config filled
-    /// from --dummy-seed where the model runs (vLLM's `--load-format dummy`; timing only, the tokens are
-    /// noise and records say `"load_format": "dummy"`). Dummy runs take prompt_token_ids lines only, stop
-    /// at no token (each line decodes max_tokens) and refuse --verify and --resume.
-    #[arg(long, value_enum, default_value_t = LoadFormat::Auto)]
-    pub load_format: LoadFormat,
-
-    /// Dummy weights: the tensor-parallel plan's rank count R (at most 1024).
-    #[arg(long, value_name = "R", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1024))]
-    pub ranks: u64,
-
-    /// Dummy weights: the rank r (0-based) whose slice runs alone: its heads, expert and MLP slices and
-    /// V/R vocabulary rows (token ids then stay below V/R), without the all-reduces.
-    #[arg(long, value_name = "r", default_value_t = 0)]
-    pub rank: u64,
-
-    /// Dummy weights: the seed of the fills.
-    #[arg(long, value_name = "S", default_value_t = 0)]
-    pub dummy_seed: u64,
+    #[command(flatten)]
+    pub weights: WeightsArgs,
 
     /// Prompt file (JSONL); the whole file is validated before any work starts.
     #[arg(long, value_name = "FILE")]
@@ -231,6 +214,59 @@ impl ModeArg {
     }
 }
 
+/// Where the weights come from (`kdtree-run` and `kdtree-run calibrate`).
+#[derive(clap::Args, Debug, Clone)]
+pub struct WeightsArgs {
+    /// Weights: the converted shards (auto), or dummy: every tensor of the plan of MODEL's config filled
+    /// from --dummy-seed where the model runs (vLLM's `--load-format dummy`; timing only, the tokens are
+    /// noise and records say `"load_format": "dummy"`). kdtree-run's dummy runs take prompt_token_ids lines
+    /// only, stop at no token (each line decodes max_tokens) and refuse --verify and --resume.
+    #[arg(long, value_enum, default_value_t = LoadFormat::Auto)]
+    pub load_format: LoadFormat,
+
+    /// Dummy weights: the tensor-parallel plan's rank count R (at most 1024).
+    #[arg(long, value_name = "R", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub ranks: u64,
+
+    /// Dummy weights: the rank r (0-based) whose slice runs alone: its heads, expert and MLP slices and
+    /// V/R vocabulary rows (token ids then stay below V/R), without the all-reduces.
+    #[arg(long, value_name = "r", default_value_t = 0)]
+    pub rank: u64,
+
+    /// Dummy weights: the seed of the fills.
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    pub dummy_seed: u64,
+}
+
+impl WeightsArgs {
+    /// `--load-format dummy`.
+    pub fn dummy(&self) -> bool {
+        self.load_format == LoadFormat::Dummy
+    }
+    /// The dummy plan: (ranks, rank, seed).
+    pub fn plan(&self) -> (usize, usize, u64) {
+        (self.ranks as usize, self.rank as usize, self.dummy_seed)
+    }
+    /// The rank counts from 0 below the ranks; the dummy flags only with dummy weights.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if self.dummy() {
+            anyhow::ensure!(
+                self.rank < self.ranks,
+                "--rank {} of --ranks {}: ranks count from 0",
+                self.rank,
+                self.ranks
+            );
+        } else {
+            anyhow::ensure!(
+                (self.ranks, self.rank, self.dummy_seed) == (1, 0, 0),
+                "--ranks, --rank and --dummy-seed choose dummy weights; add --load-format dummy (converted shards \
+                 fix their own plan)"
+            );
+        }
+        Ok(())
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum LoadFormat {
     /// The converted shards of MODEL.
@@ -249,7 +285,7 @@ pub enum DeviceArg {
 impl Args {
     /// `--load-format dummy`.
     pub fn dummy(&self) -> bool {
-        self.load_format == LoadFormat::Dummy
+        self.weights.dummy()
     }
     /// The load check of this run (on unless `--no-check-weights`; dummy weights have no checksums).
     pub fn weight_check(&self) -> WeightCheck {
@@ -300,13 +336,8 @@ impl Args {
         if let Some(g) = self.kv_memory {
             anyhow::ensure!(g.is_finite() && g > 0.0, "--kv-memory {g}: a size in GiB above 0");
         }
+        self.weights.validate()?;
         if self.dummy() {
-            anyhow::ensure!(
-                self.rank < self.ranks,
-                "--rank {} of --ranks {}: ranks count from 0",
-                self.rank,
-                self.ranks
-            );
             anyhow::ensure!(
                 self.verify.is_none(),
                 "--verify compares tokens with a golden bundle; dummy weights give noise tokens (use --load-format \
@@ -320,12 +351,6 @@ impl Args {
                 self.check_weights.is_none(),
                 "--check-weights checks shard files against their manifest; dummy weights have neither (drop it, or \
                  use --load-format auto)"
-            );
-        } else {
-            anyhow::ensure!(
-                (self.ranks, self.rank, self.dummy_seed) == (1, 0, 0),
-                "--ranks, --rank and --dummy-seed choose dummy weights; add --load-format dummy (converted shards \
-                 fix their own plan)"
             );
         }
         Ok(())
@@ -347,22 +372,9 @@ pub struct CalibrateArgs {
     #[arg(long, value_enum, default_value_t = DeviceArg::Auto)]
     pub device: DeviceArg,
 
-    /// Weights: the converted shards (auto), or dummy: seeded fills of MODEL's config's plan (timing only,
-    /// as `kdtree-run --load-format dummy`; the cost file is written into MODEL).
-    #[arg(long, value_enum, default_value_t = LoadFormat::Auto)]
-    pub load_format: LoadFormat,
-
-    /// Dummy weights: the tensor-parallel plan's rank count R (at most 1024).
-    #[arg(long, value_name = "R", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1024))]
-    pub ranks: u64,
-
-    /// Dummy weights: the rank r (0-based) whose slice runs alone.
-    #[arg(long, value_name = "r", default_value_t = 0)]
-    pub rank: u64,
-
-    /// Dummy weights: the seed of the fills.
-    #[arg(long, value_name = "S", default_value_t = 0)]
-    pub dummy_seed: u64,
+    /// The weights (with dummy weights the cost file is written into MODEL).
+    #[command(flatten)]
+    pub weights: WeightsArgs,
 
     /// Largest bucket measured (the buckets are 4, 8, ..., 256 below it, then it).
     #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=2048))]

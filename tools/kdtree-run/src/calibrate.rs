@@ -167,14 +167,10 @@ pub fn run(a: &CalibrateArgs) -> Result<()> {
         a.budget_max,
         MIN_BUDGET_MAX
     );
-    let mut model = match a.load_format {
-        crate::args::LoadFormat::Dummy => crate::load::load_dummy(
-            &a.model,
-            a.device,
-            !a.quiet,
-            (a.ranks as usize, a.rank as usize, a.dummy_seed),
-        )?,
-        crate::args::LoadFormat::Auto => crate::load::load(
+    a.weights.validate()?;
+    let mut model = match a.weights.dummy() {
+        true => crate::load::load_dummy(&a.model, a.device, !a.quiet, a.weights.plan())?,
+        false => crate::load::load(
             &a.model,
             a.device,
             (
@@ -208,7 +204,7 @@ pub fn run(a: &CalibrateArgs) -> Result<()> {
         a.warmup,
         prompt.len()
     ));
-    let mut measured = Vec::new();
+    let (mut measured, mut tokens) = (Vec::new(), Vec::new());
     for budget in buckets(a.budget_max as usize) {
         let b = measure(&mut model.loaded, &prompt, budget, a.warmup, rounds)?;
         let (med, tpr) = (b.median(), b.tokens as f64 / rounds as f64);
@@ -218,6 +214,7 @@ pub fn run(a: &CalibrateArgs) -> Result<()> {
             tpr * 1e6 / med
         ));
         measured.push((b.budget, med));
+        tokens.push((b.budget, (tpr * 1e3).round() / 1e3));
     }
     // The feed round (budget 0: the AR step plus the root's taps into the drafter's context), which auto runs
     // where drafting does not pay.
@@ -233,7 +230,9 @@ pub fn run(a: &CalibrateArgs) -> Result<()> {
         prompt.len(),
         a.model.display()
     );
-    let cost = CostModel::from_rounds(&slug, &measured, note)?.with_feed(feed.median())?;
+    let cost = CostModel::from_rounds(&slug, &measured, note)?
+        .with_feed(feed.median())?
+        .with_tokens(tokens)?;
     crate::paths::write_atomic(&path, cost.to_json().as_bytes())
         .with_context(|| format!("writing {}", path.display()))?;
     log(format_args!(

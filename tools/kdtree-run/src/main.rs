@@ -82,7 +82,7 @@ fn run(args: Args) -> Result<bool> {
     }
     let mut job = prepare(&args)?;
     let mut sink = resume::open_output(&args.out, &job.existing)?;
-    let (checks, gen_s) = answer(&args, &mut job, &mut sink)?;
+    let Answered { checks, gen_s, split } = answer(&args, &mut job, &mut sink)?;
     drop(sink);
     let verified = report_verify(&job, &checks);
     if let Some(path) = &args.summary {
@@ -94,6 +94,7 @@ fn run(args: Args) -> Result<bool> {
             gen_s,
             max_batch: args.max_batch as usize,
             dummy: job.dummy.as_ref(),
+            time_split: split.as_ref(),
         };
         summary::write_summary(path, &job.totals, &info)?;
     }
@@ -163,7 +164,12 @@ fn prepare(args: &Args) -> Result<Job> {
     let bundle = open_bundle(args, &lines)?;
     let defaults = args.defaults();
     let model_hash = match args.dummy() {
-        true => fingerprint::dummy_model(&args.model, args.ranks, args.rank, args.dummy_seed)?,
+        true => fingerprint::dummy_model(
+            &args.model,
+            args.weights.ranks,
+            args.weights.rank,
+            args.weights.dummy_seed,
+        )?,
         false => fingerprint::with_weights(
             &fingerprint::model_files(&args.model)?,
             &fingerprint::weights(
@@ -218,9 +224,9 @@ fn prepare(args: &Args) -> Result<Job> {
         }),
         None => None,
     };
-    let dummy = args
-        .dummy()
-        .then(|| serde_json::json!({"seed": args.dummy_seed, "rank": args.rank, "ranks": args.ranks}));
+    let dummy = args.dummy().then(
+        || serde_json::json!({"seed": args.weights.dummy_seed, "rank": args.weights.rank, "ranks": args.weights.ranks}),
+    );
     Ok(Job {
         lines,
         fingerprints,
@@ -310,12 +316,7 @@ fn open_model(args: &Args, d: &Defaults, bundle: Option<&(Bundle, HashMap<String
             args.gpus.is_none_or(|n| n == 1) && !args.share_gpu,
             "--gpus / --share-gpu: dummy weights load one rank slice (--rank); use a converted model"
         );
-        load::load_dummy(
-            &args.model,
-            args.device,
-            !args.quiet,
-            (args.ranks as usize, args.rank as usize, args.dummy_seed),
-        )?
+        load::load_dummy(&args.model, args.device, !args.quiet, args.weights.plan())?
     } else {
         let dir = kdtree_formats::ModelDir::open(&args.model)
             .with_context(|| format!("opening model {}", args.model.display()))?;
@@ -362,11 +363,24 @@ fn open_model(args: &Args, d: &Defaults, bundle: Option<&(Bundle, HashMap<String
 /// generate. A finished record waits until every line before it is written (at most --max-batch are held).
 /// Then, under --verify, each line is re-checked against its bundle record on the same model
 /// (kdtree_golden::reference's sessions: the recording code itself).
-fn answer(args: &Args, job: &mut Job, sink: &mut Sink) -> Result<(Vec<verify::PromptCheck>, f64)> {
+/// What [`answer`] gives: the lines to re-check (`--verify`), the generation's wall seconds, and where they went
+/// (summary::time_split; None without a model).
+struct Answered {
+    checks: Vec<verify::PromptCheck>,
+    gen_s: f64,
+    split: Option<serde_json::Value>,
+}
+
+fn answer(args: &Args, job: &mut Job, sink: &mut Sink) -> Result<Answered> {
     let t_gen = Instant::now();
     let Some(model) = job.model.as_mut() else {
-        return Ok((Vec::new(), 0.0));
+        return Ok(Answered {
+            checks: Vec::new(),
+            gen_s: 0.0,
+            split: None,
+        });
     };
+    let graphs0 = model.loaded.target.graph_stats();
     let runner = Runner {
         info: model.loaded.info().clone(),
         tokenizer: model.tokenizer.as_ref(),
@@ -479,10 +493,25 @@ fn answer(args: &Args, job: &mut Job, sink: &mut Sink) -> Result<(Vec<verify::Pr
     );
     let to_verify = std::mem::take(&mut st.to_verify);
     drop(st);
+    let times = batch.times;
     drop(batch);
     let gen_s = t_gen.elapsed().as_secs_f64();
+    let graphs = match (graphs0, model.loaded.target.graph_stats()) {
+        (Some(a), Some(b)) => Some(kdtree_engine::api::GraphStats {
+            captures: b.captures - a.captures,
+            capture_s: b.capture_s - a.capture_s,
+            launches: b.launches - a.launches,
+        }),
+        _ => None,
+    };
+    let split = summary::time_split(&times, graphs, gen_s);
+    log(args, format_args!("{}", summary::time_split_line(&split)));
     let Some(g) = &job.golden else {
-        return Ok((Vec::new(), gen_s));
+        return Ok(Answered {
+            checks: Vec::new(),
+            gen_s,
+            split: Some(split),
+        });
     };
     let mut checks = Vec::new();
     for (id, prompt, greedy) in to_verify {
@@ -499,7 +528,11 @@ fn answer(args: &Args, job: &mut Job, sink: &mut Sink) -> Result<(Vec<verify::Pr
             &g.tol,
         )?);
     }
-    Ok((checks, gen_s))
+    Ok(Answered {
+        checks,
+        gen_s,
+        split: Some(split),
+    })
 }
 
 /// A line's settled output, waiting for its turn.

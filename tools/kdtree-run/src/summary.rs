@@ -76,6 +76,8 @@ pub struct RunInfo<'a> {
     pub max_batch: usize,
     /// `--load-format dummy`: what the records' `dummy` field says (None: converted shards).
     pub dummy: Option<&'a Json>,
+    /// [`time_split`] of the generation (None: nothing was generated).
+    pub time_split: Option<&'a Json>,
 }
 
 /// sha256 (hex) of `model/manifest.toml`, None when the directory has none.
@@ -117,7 +119,61 @@ pub fn summary_json(t: &Totals, info: &RunInfo) -> Result<Json> {
     if let Some(m) = budget_max {
         j["budget_max"] = m.into();
     }
+    if let Some(split) = info.time_split {
+        j["time_split"] = split.clone();
+    }
     Ok(j)
+}
+
+/// Where the generation's `gen_s` wall seconds went: the batch's calls by kind (`{n, s}` each: calls and seconds;
+/// kdtree_engine::TimeSplit), `host_s` = the rest (the run's own work between the calls: records, stop checks,
+/// admission, the file's reading and writing), and the device's graph captures during it (`captures`,
+/// `capture_s`: the host seconds they took, inside the calls' seconds; absent on the CPU).
+pub fn time_split(t: &kdtree_engine::TimeSplit, graphs: Option<kdtree_engine::api::GraphStats>, gen_s: f64) -> Json {
+    let tally = |t: &kdtree_engine::Tally| json!({"n": t.n, "s": round6(t.s)});
+    let mut j = json!({
+        "prefill": tally(&t.prefill),
+        "ar": tally(&t.ar),
+        "feed": tally(&t.feed),
+        "drafted": tally(&t.drafted),
+        "new_shape": tally(&t.new_shape),
+        "alone_one": tally(&t.alone_one),
+        "alone_drafted": tally(&t.alone_drafted),
+        "host_s": round6((gen_s - t.total_s()).max(0.0)),
+    });
+    if let Some(g) = graphs {
+        j["captures"] = g.captures.into();
+        j["capture_s"] = round6(g.capture_s).into();
+        j["graph_launches"] = g.launches.into();
+    }
+    j
+}
+
+/// [`time_split`] in one log line: each kind that ran, its seconds and calls.
+pub fn time_split_line(j: &Json) -> String {
+    let mut parts = Vec::new();
+    for (key, name) in [
+        ("prefill", "prefill"),
+        ("ar", "batched AR steps"),
+        ("feed", "batched feed rounds"),
+        ("drafted", "batched drafted rounds"),
+        ("new_shape", "of them new shapes"),
+        ("alone_one", "one-token steps alone"),
+        ("alone_drafted", "drafted rounds alone"),
+    ] {
+        let n = j[key]["n"].as_u64().unwrap_or(0);
+        if n > 0 {
+            parts.push(format!("{name} {:.3} s ({n})", j[key]["s"].as_f64().unwrap_or(0.0)));
+        }
+    }
+    parts.push(format!("host {:.3} s", j["host_s"].as_f64().unwrap_or(0.0)));
+    if let Some(c) = j["captures"].as_u64() {
+        parts.push(format!(
+            "graph captures {c} ({:.3} s)",
+            j["capture_s"].as_f64().unwrap_or(0.0)
+        ));
+    }
+    format!("time: {}", parts.join(", "))
 }
 
 /// Mean, median, 90th percentile and largest of this run's per-line e2e milliseconds (nearest rank).
@@ -182,8 +238,10 @@ mod tests {
             gen_s: 0.5,
             max_batch: 4,
             dummy: None,
+            time_split: None,
         };
         let s = summary_json(&t, &info).unwrap();
+        assert!(s.get("time_split").is_none());
         assert_eq!(s["tokens_per_s"], json!(100.0));
         assert_eq!((&s["throughput_tok_s"], &s["max_batch"]), (&json!(20.0), &json!(4)));
         assert_eq!(
@@ -206,5 +264,38 @@ mod tests {
             s["manifest_sha256"],
             "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
         );
+    }
+
+    #[test]
+    fn time_split_names_each_kind_and_the_rest() {
+        let tally = |n, s| kdtree_engine::Tally { n, s };
+        let t = kdtree_engine::TimeSplit {
+            prefill: tally(4, 0.25),
+            feed: tally(90, 1.5),
+            drafted: tally(10, 0.5),
+            new_shape: tally(3, 0.125),
+            alone_one: tally(2, 0.0625),
+            ..Default::default()
+        };
+        let g = kdtree_engine::api::GraphStats {
+            captures: 5,
+            capture_s: 0.1,
+            launches: 102,
+        };
+        let j = time_split(&t, Some(g), 3.0);
+        assert_eq!(j["feed"], json!({"n": 90, "s": 1.5}));
+        assert_eq!(j["ar"], json!({"n": 0, "s": 0.0}));
+        assert_eq!(j["host_s"], json!(3.0 - 0.25 - 1.5 - 0.5 - 0.0625));
+        assert_eq!((&j["captures"], &j["graph_launches"]), (&json!(5), &json!(102)));
+        let line = time_split_line(&j);
+        assert_eq!(
+            line,
+            "time: prefill 0.250 s (4), batched feed rounds 1.500 s (90), batched drafted rounds 0.500 s (10), of \
+             them new shapes 0.125 s (3), one-token steps alone 0.062 s (2), host 0.688 s, graph captures 5 (0.100 s)"
+        );
+        // On the CPU: no graph counters; a generation shorter than its calls' sum (clock rounding) has no rest.
+        let j = time_split(&t, None, 1.0);
+        assert!(j.get("captures").is_none());
+        assert_eq!(j["host_s"], json!(0.0));
     }
 }

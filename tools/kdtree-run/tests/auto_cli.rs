@@ -127,6 +127,19 @@ fn auto_needs_calibrate_then_runs_losslessly() {
     );
     // The feed round (budget 0) measured too: a time > 0.
     assert!(file["feed_us"].as_f64().is_some_and(|f| f > 0.0), "{file}");
+    // And the tokens each bucket's rounds committed (auto's expectation before a sequence drafts): at least the
+    // bonus, at most the bucket's nodes and the bonus.
+    let per_bucket: Vec<(u64, f64)> = file["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p[0].as_u64().unwrap(), p[1].as_f64().unwrap()))
+        .collect();
+    assert_eq!(per_bucket.iter().map(|t| t.0).collect::<Vec<_>>(), [4, 8, 16], "{file}");
+    assert!(
+        per_bucket.iter().all(|&(b, t)| (1.0..=b as f64 + 1.0).contains(&t)),
+        "{file}"
+    );
     // The cost file is a run-time file beside the model: `kdtree-convert verify` names it and passes (issue 29
     // item 4; before, "extra file not in the manifest").
     match kdtree_convert::verify::verify(model(), true).unwrap() {
@@ -215,4 +228,51 @@ fn budget_flag_takes_a_count_or_auto() {
     let o = kdtree_run(&["calibrate", "--help"]);
     assert_eq!(o.status.code(), Some(0));
     assert!(String::from_utf8_lossy(&o.stdout).contains("kdtree-run calibrate"));
+}
+
+/// `calibrate --load-format dummy` measures a model of configs only (dummy weights filled from the seed) and
+/// writes its cost file there, feed round included; the dummy flags are checked as `kdtree-run`'s are.
+#[test]
+fn calibrate_takes_dummy_weights() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("kdtree-run-auto-dummy");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("drafter")).unwrap();
+    // The synthetic model's source configs (the converted folder keeps them in its manifest).
+    let hf = model().parent().unwrap().join("hf-5");
+    for f in ["config.json", "drafter/config.json"] {
+        std::fs::copy(hf.join(f), dir.join(f)).unwrap();
+    }
+    let run = |extra: &[&str]| {
+        let mut a = vec![
+            "calibrate",
+            s(&dir),
+            "--device",
+            "cpu",
+            "--load-format",
+            "dummy",
+            "--quiet",
+        ];
+        a.extend_from_slice(extra);
+        kdtree_run(&a)
+    };
+    let o = run(&[
+        "--budget-max",
+        "8",
+        "--warmup",
+        "1",
+        "--rounds",
+        "2",
+        "--dummy-seed",
+        "3",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let cost: Json = serde_json::from_str(&std::fs::read_to_string(dir.join("kdtree-cost-cpu.json")).unwrap()).unwrap();
+    assert!(cost["feed_us"].as_f64().is_some_and(|f| f > 0.0), "{cost}");
+    assert_eq!(cost["verify"].as_array().map(|v| v.len()), Some(2), "{cost}");
+    let o = run(&["--rank", "1"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("ranks count from 0"), "{}", stderr(&o));
+    let o = kdtree_run(&["calibrate", s(&dir), "--device", "cpu", "--ranks", "2"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("choose dummy weights"), "{}", stderr(&o));
 }
