@@ -105,7 +105,8 @@ pub struct TimeSplit {
     pub feed: Tally,
     pub drafted: Tally,
     /// Of the batched steps above, those that were the first of their shape (kind, rows, budget) in this batch:
-    /// where a new CUDA graph is captured.
+    /// where no graph of the step exists yet (a new graph key runs eagerly once and is captured when it comes
+    /// again: model/round.rs `Staging::capture_now`; keys change within a shape too, as caches move).
     pub new_shape: Tally,
     /// Steps of one session alone ([`Session::step`]): one token (AR or a feed round), or a drafted round.
     pub alone_one: Tally,
