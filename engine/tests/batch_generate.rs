@@ -268,11 +268,15 @@ fn kv_admission_serialises_what_does_not_fit_and_refuses_what_never_fits() {
 #[test]
 fn batched_auto_budget_gives_the_alone_tokens() {
     for feed in [None, Some(40.0)] {
-        batched_auto(feed);
+        batched_auto(feed, Vec::new());
     }
+    // With calibrated tokens that say drafting never pays (the bonus alone at every bucket): the batch feeds from
+    // its first step, a run at the probe-share floor, and the tokens are still the alone ones.
+    let never: Vec<(usize, f64)> = [4, 8, 16, 32, 64].iter().map(|&b| (b, 1.0)).collect();
+    batched_auto(Some(40.0), never);
 }
 
-fn batched_auto(feed: Option<f64>) {
+fn batched_auto(feed: Option<f64>, tokens: Vec<(usize, f64)>) {
     use kdtree_engine::ddtree::cost::{CostModel, COST_SCHEMA};
     let tmp = tempfile::tempdir().unwrap();
     convert(&pair_dir(), &tmp.path().join("pair1"), 1);
@@ -283,7 +287,7 @@ fn batched_auto(feed: Option<f64>) {
         draft_us: 100.0,
         verify: vec![(1, 4.0), (257, 1028.0)],
         feed_us: feed,
-        tokens: Vec::new(),
+        tokens: tokens.clone(),
         note: String::new(),
     };
     let mode = Mode::DDTreeAuto { max: 64 };
@@ -349,14 +353,24 @@ fn batched_auto(feed: Option<f64>) {
         (batch.feed_steps, batch.batched_steps, 0)
     );
     assert!(t.new_shape.n >= 1 && t.new_shape.n <= t.feed.n + t.drafted.n);
+    if !tokens.is_empty() {
+        // The prior's run (at least (180 − 52) / (52 / 32) = 79 feed rounds of 4 rows: a b4 round of 4 sequences is
+        // 100 + 4 × 20 µs, a feed round of 4 rows 40 + 4 × 3) outlasts the file: no batched round drafts.
+        assert_eq!(
+            batch.feed_steps, batch.batched_steps,
+            "a drafted round despite the calibrated prior"
+        );
+    }
     if feed.is_some() {
         assert!(batch.feed_steps > 0, "no batched feed round");
     } else {
         assert_eq!(batch.feed_steps, 0, "a feed round without a measured feed cost");
     }
     eprintln!(
-        "batched auto (feed {feed:?}): {} batched steps, {} of them feed rounds",
-        batch.batched_steps, batch.feed_steps
+        "batched auto (feed {feed:?}, calibrated tokens {}): {} batched steps, {} of them feed rounds",
+        !tokens.is_empty(),
+        batch.batched_steps,
+        batch.feed_steps
     );
     for (i, w) in want.iter().enumerate() {
         assert_eq!(
