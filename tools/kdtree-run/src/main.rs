@@ -498,9 +498,9 @@ fn answer(args: &Args, job: &mut Job, sink: &mut Sink) -> Result<Answered> {
     let gen_s = t_gen.elapsed().as_secs_f64();
     let graphs = match (graphs0, model.loaded.target.graph_stats()) {
         (Some(a), Some(b)) => Some(kdtree_engine::api::GraphStats {
-            captures: b.captures - a.captures,
-            capture_s: b.capture_s - a.capture_s,
-            launches: b.launches - a.launches,
+            captures: b.captures.saturating_sub(a.captures),
+            capture_s: (b.capture_s - a.capture_s).max(0.0),
+            launches: b.launches.saturating_sub(a.launches),
         }),
         _ => None,
     };
