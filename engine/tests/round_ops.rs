@@ -209,6 +209,20 @@ impl Resources for Rec {
         rec!(self, "zeros", n);
         self.inner.zeros(n)
     }
+    fn cols(&self, x: &Self::Act, ld: usize, from: usize, width: usize, t: usize) -> Self::Act {
+        rec!(self, "cols", x.len(), ld, from, width, t);
+        self.inner.cols(x, ld, from, width, t)
+    }
+    fn ids_blocks(&self, dst: &mut Self::Ids, roots: &[&Self::Ids], block: usize, fill: u32) {
+        rec!(self, "ids_blocks", dst.len(), roots.len(), block, fill);
+        self.inner.ids_blocks(dst, roots, block, fill)
+    }
+    fn write_rows_at_segs(&self, dsts: &mut [(&mut Self::Act, &Self::Pos)], cols: usize, src: &Self::Act, n: usize) {
+        rec!(self, "write_rows_at_segs", dsts.len(), cols, src.len(), n);
+        let mut d: Vec<(&mut <C as Resources>::Act, &<C as Resources>::Pos)> =
+            dsts.iter_mut().map(|(a, p)| (&mut **a, *p)).collect();
+        self.inner.write_rows_at_segs(&mut d, cols, src, n)
+    }
     fn reserve_rows(&self, x: &mut Self::Act, cols: usize, rows: usize) -> bool {
         rec!(self, "reserve_rows", x.len(), cols, rows);
         self.inner.reserve_rows(x, cols, rows)
@@ -542,6 +556,53 @@ impl Compute for Rec {
         );
         self.inner
             .gqa_attention(q, b, ctx, ctx_len, block, heads, kv_heads, head_dim)
+    }
+    fn gqa_attention_segs(
+        &self,
+        q: &Self::Act,
+        b: usize,
+        ctx: &[(&Self::Act, &Self::Act, &Self::Pos)],
+        block: (&Self::Act, &Self::Act),
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Self::Act {
+        rec!(
+            self,
+            "gqa_attention_segs",
+            q.len(),
+            b,
+            ctx.len(),
+            block.0.len(),
+            heads,
+            kv_heads,
+            head_dim
+        );
+        self.inner
+            .gqa_attention_segs(q, b, ctx, block, heads, kv_heads, head_dim)
+    }
+    fn rope_at_segs(
+        &self,
+        inv_freq: &Self::VectorF32,
+        factor: f64,
+        segs: &[(PosOf<'_, Self>, Option<&Self::Ids>, usize)],
+    ) -> Self::Rope {
+        let desc: Vec<String> = segs
+            .iter()
+            .map(|(b, o, t)| format!("{}:{}:{t}", pos(b), o.map_or(0, |o| o.len())))
+            .collect();
+        rec!(self, "rope_at_segs", desc.join(","));
+        let cpu: Vec<(PosOf<'_, C>, Option<&<C as Resources>::Ids>, usize)> = segs
+            .iter()
+            .map(|(b, o, t)| {
+                let b = match b {
+                    PosOf::Kv(k) => PosOf::Kv(*k),
+                    PosOf::Pos(p) => PosOf::Pos(*p),
+                };
+                (cpu_pos(b), *o, *t)
+            })
+            .collect();
+        self.inner.rope_at_segs(inv_freq, factor, &cpu)
     }
 }
 

@@ -193,6 +193,21 @@ pub trait Resources: Clone + Send + Sync + 'static {
     /// Rows `[at, at + n)` of the row cache `dst` (room reserved) = `src` `[n, cols]`, `at` read where the
     /// ops run.
     fn write_rows_at(&self, dst: &mut Self::Act, cols: usize, at: &Self::Pos, src: &Self::Act, n: usize);
+    /// [`Resources::write_rows_at`] of a batch: rows `[s·n, (s+1)·n)` of `src` `[dsts.len()·n, cols]` into
+    /// the row cache `dst_s` (room reserved) at its count `at_s` (read where the ops run). The default writes
+    /// each sequence's rows alone; a device backend does it in one launch.
+    fn write_rows_at_segs(&self, dsts: &mut [(&mut Self::Act, &Self::Pos)], cols: usize, src: &Self::Act, n: usize) {
+        for (s, (dst, at)) in dsts.iter_mut().enumerate() {
+            let rows = self.rows(src, cols, s * n, (s + 1) * n);
+            self.write_rows_at(dst, cols, at, &rows, n);
+        }
+    }
+    /// Columns `[from, from + width)` of each of the `t` rows of `x` `[t, ld]`: `[t, width]` (a batch's draft
+    /// blocks without their first rows: `x` `[N, B·H]`, from H, width (B−1)·H).
+    fn cols(&self, x: &Self::Act, ld: usize, from: usize, width: usize, t: usize) -> Self::Act;
+    /// A batch's draft blocks: `dst[s·block] = roots[s][0]` (read where the ops run) and the block's other
+    /// `block − 1` ids `fill`, for each s (room for `roots.len()` blocks).
+    fn ids_blocks(&self, dst: &mut Self::Ids, roots: &[&Self::Ids], block: usize, fill: u32);
     /// For each s: row s of `src` `[dsts.len(), cols]` into row `pos_s` of the row cache `dst_s` (room
     /// reserved), then `pos_s += 1` where the ops run (one launch for a batch's feed step; the host copies
     /// follow in [`Resources::pos_add_host`]).
@@ -262,6 +277,27 @@ pub trait Compute: Resources {
         offsets: Option<&Self::Ids>,
         t: usize,
     ) -> Self::Rope;
+    /// [`Compute::rope_at`] of a batch's segments (base, offsets, rows), stacked in segment order (one table
+    /// for one RoPE op over all their rows). The default computes each and stacks them
+    /// ([`Resources::rope_cat`]); a device backend does it in one launch.
+    fn rope_at_segs(
+        &self,
+        inv_freq: &Self::VectorF32,
+        factor: f64,
+        segs: &[(PosOf<'_, Self>, Option<&Self::Ids>, usize)],
+    ) -> Self::Rope {
+        let ropes: Vec<Self::Rope> = segs
+            .iter()
+            .map(|(base, offsets, t)| {
+                let base = match base {
+                    PosOf::Kv(k) => PosOf::Kv(*k),
+                    PosOf::Pos(p) => PosOf::Pos(*p),
+                };
+                self.rope_at(inv_freq, factor, base, *offsets, *t)
+            })
+            .collect();
+        self.rope_cat(&ropes.iter().collect::<Vec<_>>())
+    }
 
     // ---- dense ops ----
     /// `x[T, K] · W[N, K]^T` → `[T, N]`.
@@ -453,6 +489,35 @@ pub trait Compute: Resources {
         kv_heads: usize,
         head_dim: usize,
     ) -> Self::Act;
+    /// [`Compute::gqa_attention`] of a batch's blocks of `b` rows each: sequence s's queries are rows
+    /// `[s·b, (s+1)·b)` of `q` (and of the block keys/values `block`, and of the output), over its own context
+    /// `ctx[s]` = (keys, values, committed length). The default runs each sequence alone; a device backend
+    /// runs them in one launch, each sequence's values those of its own call.
+    #[allow(clippy::too_many_arguments)]
+    fn gqa_attention_segs(
+        &self,
+        q: &Self::Act,
+        b: usize,
+        ctx: &[(&Self::Act, &Self::Act, &Self::Pos)],
+        block: (&Self::Act, &Self::Act),
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Self::Act {
+        let (qw, kw, n) = (heads * head_dim, kv_heads * head_dim, ctx.len());
+        let mut att = self.zeros(n * b * qw);
+        for (s, &(kc, vc, len)) in ctx.iter().enumerate() {
+            let (r0, r1) = (s * b, (s + 1) * b);
+            let (qs, ks, vs) = (
+                self.rows(q, qw, r0, r1),
+                self.rows(block.0, kw, r0, r1),
+                self.rows(block.1, kw, r0, r1),
+            );
+            let a = self.gqa_attention(&qs, b, (kc, vc), len, (&ks, &vs), heads, kv_heads, head_dim);
+            self.set_rows(&mut att, qw, r0, &a, b);
+        }
+        att
+    }
 }
 
 /// The DDTree round's tree (build, walk, commit, its one read back) and the captured round.

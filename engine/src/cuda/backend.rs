@@ -511,6 +511,44 @@ impl Resources for CudaBackend {
     fn zeros(&self, n: usize) -> CudaSlice<f32> {
         self.run("zeros", || self.new_f32(n)).unwrap_or_else(|| self.empty())
     }
+    fn cols(&self, x: &CudaSlice<f32>, ld: usize, from: usize, width: usize, t: usize) -> CudaSlice<f32> {
+        self.run("cols", || {
+            if from + width > ld || t * ld > x.len() {
+                return Err(CudaError::Shape {
+                    op: "cols",
+                    msg: format!(
+                        "columns {from}..{} of {t} rows of {ld} from {} values",
+                        from + width,
+                        x.len()
+                    ),
+                });
+            }
+            let mut y = self.gpu.out::<f32>(t * width)?; // the copy writes every element
+            if t > 0 && width > 0 {
+                act_f32::copy_rows_f32(&self.gpu, &x.slice(from..), ld, &mut y.as_view_mut(), width, t, width)?;
+            }
+            Ok(y)
+        })
+        .unwrap_or_else(|| self.empty())
+    }
+    fn ids_blocks(&self, dst: &mut CudaSlice<u32>, roots: &[&CudaSlice<u32>], block: usize, fill: u32) {
+        self.run("ids_blocks", || {
+            let mut at = 0;
+            for chunk in roots.chunks(round_state::MAX_SEGS) {
+                let views: Vec<_> = chunk.iter().map(|r| r.as_view()).collect();
+                let n = chunk.len() * block;
+                if at + n > dst.len() {
+                    return Err(CudaError::Shape {
+                        op: "ids_blocks",
+                        msg: format!("{} blocks of {block} into {} ids", roots.len(), dst.len()),
+                    });
+                }
+                round_state::ids_blocks(&self.gpu, &mut dst.slice_mut(at..at + n), &views, block, fill)?;
+                at += n;
+            }
+            Ok(())
+        });
+    }
     fn reserve_rows(&self, x: &mut CudaSlice<f32>, cols: usize, rows: usize) -> bool {
         if rows * cols <= x.len() {
             return false;
@@ -546,6 +584,43 @@ impl Resources for CudaBackend {
                 &src.as_view(),
                 n,
             )
+        });
+    }
+    fn write_rows_at_segs(
+        &self,
+        dsts: &mut [(&mut CudaSlice<f32>, &DPos)],
+        cols: usize,
+        src: &CudaSlice<f32>,
+        n: usize,
+    ) {
+        self.run("write_rows_at", || {
+            let mut from = 0;
+            for chunk in dsts.chunks_mut(round_state::MAX_SEGS) {
+                let k = chunk.len();
+                let mut segs: Vec<round_state::StoreSeg<'_, f32>> = chunk
+                    .iter_mut()
+                    .map(|(dst, at)| round_state::StoreSeg {
+                        dst: dst.as_view_mut(),
+                        pos: at.dev.as_view(),
+                        committed: at.host,
+                        n,
+                    })
+                    .collect();
+                if (from + k) * n * cols > src.len() {
+                    return Err(CudaError::Shape {
+                        op: "write_rows_at",
+                        msg: format!("{} x {n} rows of {cols} from {} values", from + k, src.len()),
+                    });
+                }
+                round_state::store_rows_seg(
+                    &self.gpu,
+                    &mut segs,
+                    cols,
+                    &src.slice(from * n * cols..(from + k) * n * cols),
+                )?;
+                from += k;
+            }
+            Ok(())
         });
     }
     fn stash_rows(

@@ -673,15 +673,13 @@ impl<B: Backend> DFlashDrafter<B> {
             ds.iter().all(|d| d.stashed() == 0),
             "draft_batch: stashed context rows not flushed"
         );
-        let mut ropes = Vec::with_capacity(n);
-        for (s, (d, root)) in ds.iter_mut().zip(roots).enumerate() {
-            b.ids_copy(&mut d.block_ids, 0, root, 1);
-            b.ids_copy(ids, s * bl, &d.block_ids, bl);
-            ropes.push(b.rope_at(&p.inv_freq, factor, PosOf::Pos(&d.ctx_pos), None, bl));
-        }
-        let rope = b.rope_cat(&ropes.iter().collect::<Vec<_>>());
+        // Every block [root, mask × (B−1)] and every block's positions (from its context length), one launch each.
+        b.ids_blocks(ids, roots, bl, dims.mask_token_id);
+        let at: Vec<(PosOf<'_, B>, Option<&B::Ids>, usize)> =
+            ds.iter().map(|d| (PosOf::Pos(&d.ctx_pos), None, bl)).collect();
+        let rope = b.rope_at_segs(&p.inv_freq, factor, &at);
+        drop(at);
         let rows = n * bl;
-        let (qw, kw) = (heads * head_dim, kv_heads * head_dim);
         let mut x = tables.embed_ids(ids, rows); // [N·B, H]
         for (l, lw) in p.layers.iter().enumerate() {
             let hn = b.rms_norm(&x, &lw.input_layernorm, eps);
@@ -690,31 +688,18 @@ impl<B: Backend> DFlashDrafter<B> {
             // kb: [N·B, Hk*D]
             let kb = b.head_norm_rope_neox(&b.linear(&hn, rows, &lw.k_proj), &lw.k_norm, eps, kv_heads, &rope);
             let vb = b.linear(&hn, rows, &lw.v_proj);
-            let mut att = b.zeros(rows * qw);
-            for (s, d) in ds.iter().enumerate() {
-                let (r0, r1) = (s * bl, (s + 1) * bl);
-                let (qs, ks, vs) = (b.rows(&q, qw, r0, r1), b.rows(&kb, kw, r0, r1), b.rows(&vb, kw, r0, r1));
-                let c = &d.cache[l];
-                let a = b.gqa_attention(&qs, bl, (&c.k, &c.v), &d.ctx_pos, (&ks, &vs), heads, kv_heads, head_dim);
-                b.set_rows(&mut att, qw, r0, &a, bl);
-            }
+            // Each block over its own context, every sequence in one call.
+            let ctx: Vec<(&B::Act, &B::Act, &B::Pos)> =
+                ds.iter().map(|d| (&d.cache[l].k, &d.cache[l].v, &d.ctx_pos)).collect();
+            let att = b.gqa_attention_segs(&q, bl, &ctx, (&kb, &vb), heads, kv_heads, head_dim);
             b.add(&mut x, &b.linear(&att, rows, &lw.o_proj));
             let hn = b.rms_norm(&x, &lw.post_attention_layernorm, eps);
             let g = b.linear(&hn, rows, &lw.gate_proj);
             let u = b.linear(&hn, rows, &lw.up_proj);
             b.add(&mut x, &b.linear_in(&b.silu_mul_in(&g, &u), rows, &lw.down_proj));
         }
-        // Block positions 1..B−1 of every session, stacked.
-        let mut tail = b.zeros(n * (bl - 1) * h);
-        for s in 0..n {
-            b.set_rows(
-                &mut tail,
-                h,
-                s * (bl - 1),
-                &b.rows(&x, h, s * bl + 1, (s + 1) * bl),
-                bl - 1,
-            );
-        }
+        // Block positions 1..B−1 of every session, stacked: x as [N, B·H] without each row's first H columns.
+        let tail = b.cols(&x, bl * h, h, (bl - 1) * h, n);
         let logits = tables.lm_head(&b.rms_norm(&tail, &p.norm, eps), n * (bl - 1));
         b.check()?;
         Ok(logits)
@@ -741,20 +726,24 @@ impl<B: Backend> DFlashDrafter<B> {
             "write_context_batch: stashed context rows not flushed"
         );
         let ctx = b.rms_norm(&b.linear(taps, n * rows, &p.fc), &p.hidden_norm, eps); // [N·rows, H]
-        let ropes: Vec<B::Rope> = ds
-            .iter()
-            .map(|d| b.rope_at(&p.inv_freq, factor, PosOf::Pos(&d.ctx_pos), None, rows))
-            .collect();
-        let rope = b.rope_cat(&ropes.iter().collect::<Vec<_>>());
+        let at: Vec<(PosOf<'_, B>, Option<&B::Ids>, usize)> =
+            ds.iter().map(|d| (PosOf::Pos(&d.ctx_pos), None, rows)).collect();
+        let rope = b.rope_at_segs(&p.inv_freq, factor, &at);
+        drop(at);
         for (l, lw) in p.layers.iter().enumerate() {
             let k = b.head_norm_rope_neox(&b.linear(&ctx, n * rows, &lw.k_proj), &lw.k_norm, eps, kv_heads, &rope);
             let v = b.linear(&ctx, n * rows, &lw.v_proj);
-            for (s, d) in ds.iter_mut().enumerate() {
-                let (r0, r1) = (s * rows, (s + 1) * rows);
-                let c = &mut d.cache[l];
-                b.write_rows_at(&mut c.k, kw, &d.ctx_pos, &b.rows(&k, kw, r0, r1), rows);
-                b.write_rows_at(&mut c.v, kw, &d.ctx_pos, &b.rows(&v, kw, r0, r1), rows);
-            }
+            // Every sequence's rows at its own context length, keys then values: one call each.
+            let (mut ks, mut vs): (Vec<_>, Vec<_>) = ds
+                .iter_mut()
+                .map(|d| {
+                    let DFlashDrafter { cache, ctx_pos, .. } = &mut **d;
+                    let c = &mut cache[l];
+                    ((&mut c.k, &*ctx_pos), (&mut c.v, &*ctx_pos))
+                })
+                .unzip();
+            b.write_rows_at_segs(&mut ks, kw, &k, rows);
+            b.write_rows_at_segs(&mut vs, kw, &v, rows);
         }
         b.check()
     }

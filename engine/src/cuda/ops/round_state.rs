@@ -99,12 +99,16 @@ pub fn rope_at(
 /// An element type rows can be stored as: bf16 (rounded from f32) or f32 (copied), each its own kernel.
 pub trait StoreElem: cudarc::driver::DeviceRepr {
     const KERNEL: &'static str;
+    /// The batch form ([`store_rows_seg`]).
+    const SEG_KERNEL: &'static str;
 }
 impl StoreElem for bf16 {
     const KERNEL: &'static str = "kdtree_store_rows_bf16";
+    const SEG_KERNEL: &'static str = "kdtree_store_rows_seg_bf16";
 }
 impl StoreElem for f32 {
     const KERNEL: &'static str = "kdtree_store_rows_f32";
+    const SEG_KERNEL: &'static str = "kdtree_store_rows_seg_f32";
 }
 
 /// Rows `[row0[0], row0[0] + n)` of `dst` (`[cap, w]`, bf16 or f32) = `src` `[n, w]` f32 (rounded to bf16
@@ -217,8 +221,8 @@ pub const MAX_SEGS: usize = 64;
 
 /// One sequence of a batched store: its cache layer (`[cap, w]` bf16), its committed length where the ops
 /// read it (host mirror `committed`, checked), its row count.
-pub struct StoreSeg<'a> {
-    pub dst: CudaViewMut<'a, bf16>,
+pub struct StoreSeg<'a, T = bf16> {
+    pub dst: CudaViewMut<'a, T>,
     pub pos: CudaView<'a, i32>,
     pub committed: usize,
     pub n: usize,
@@ -236,10 +240,15 @@ struct StoreSegsArg {
 // SAFETY: plain old data with the C layout of `struct StoreSegs`, passed by value as a kernel parameter.
 unsafe impl cudarc::driver::DeviceRepr for StoreSegsArg {}
 
-/// [`store_rows`] into bf16 of up to [`MAX_SEGS`] sequences in one launch: segment s's rows of `src` (`[Σ n, w]`
-/// f32, in segment order) into rows `[pos_s, pos_s + n_s)` of its `dst`, rounded to bf16 (the kernel writes
-/// through the table's device addresses).
-pub fn store_rows_seg_bf16(gpu: &Gpu, segs: &mut [StoreSeg<'_>], w: usize, src: &CudaView<'_, f32>) -> Result<()> {
+/// [`store_rows`] of up to [`MAX_SEGS`] sequences in one launch: segment s's rows of `src` (`[Σ n, w]` f32, in
+/// segment order) into rows `[pos_s, pos_s + n_s)` of its `dst` (bf16: rounded; f32: copied; the kernel
+/// writes through the table's device addresses).
+pub fn store_rows_seg<T: StoreElem>(
+    gpu: &Gpu,
+    segs: &mut [StoreSeg<'_, T>],
+    w: usize,
+    src: &CudaView<'_, f32>,
+) -> Result<()> {
     ensure(OP, segs.len() <= MAX_SEGS, || {
         format!("{} segments in one launch (at most {MAX_SEGS})", segs.len())
     })?;
@@ -270,10 +279,138 @@ pub fn store_rows_seg_bf16(gpu: &Gpu, segs: &mut [StoreSeg<'_>], w: usize, src: 
     }
     arg.row0[nseg] = as_i32(OP, "rows", row)?;
     let wi = as_i32(OP, "w", w)?;
-    let mut b = gpu.stream.launch_builder(gpu.func("kdtree_store_rows_seg_bf16"));
+    let mut b = gpu.stream.launch_builder(gpu.func(T::SEG_KERNEL));
     b.arg(&arg).arg(&wi).arg(src);
     // SAFETY: each dst holds its committed + n rows of w (checked against the host mirrors), src all rows.
     unsafe { b.launch(launch_cfg((grid_for(most * w), nseg as u32, 1), 256, 0)) }.map_err(drv(OP))?;
+    drop(guards);
+    Ok(())
+}
+
+/// One segment of [`rope_at_segs`]: its base counter where the ops read it, its offsets (None: row i at
+/// base + i) and its row count.
+pub struct RopeSeg<'a> {
+    pub base: CudaView<'a, i32>,
+    pub offsets: Option<CudaView<'a, u32>>,
+    pub rows: usize,
+}
+
+/// The kernel's by-value table (`struct RopeSegs`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct RopeSegsArg {
+    base: [u64; MAX_SEGS],
+    offsets: [u64; MAX_SEGS],
+    row0: [i32; MAX_SEGS + 1],
+    nseg: i32,
+}
+// SAFETY: plain old data with the C layout of `struct RopeSegs`, passed by value as a kernel parameter.
+unsafe impl cudarc::driver::DeviceRepr for RopeSegsArg {}
+
+/// [`rope_at`] of up to [`MAX_SEGS`] segments in one launch: cos/sin `[Σ rows, half]`, segment s's rows (in
+/// segment order) those of its own base and offsets, the same values as its own [`rope_at`].
+pub fn rope_at_segs(
+    gpu: &Gpu,
+    inv_freq: &CudaView<'_, f32>,
+    factor: f64,
+    segs: &[RopeSeg<'_>],
+    cos: &mut CudaViewMut<'_, f32>,
+    sin: &mut CudaViewMut<'_, f32>,
+) -> Result<()> {
+    let (half, nseg) = (inv_freq.len(), segs.len());
+    ensure(OP, nseg <= MAX_SEGS, || {
+        format!("{nseg} rope segments in one launch (at most {MAX_SEGS})")
+    })?;
+    let t: usize = segs.iter().map(|s| s.rows).sum();
+    need_len(OP, "cos", cos.len(), t * half)?;
+    need_len(OP, "sin", sin.len(), t * half)?;
+    if t == 0 || half == 0 {
+        return Ok(());
+    }
+    let mut arg = RopeSegsArg {
+        base: [0; MAX_SEGS],
+        offsets: [0; MAX_SEGS],
+        row0: [0; MAX_SEGS + 1],
+        nseg: nseg as i32,
+    };
+    let mut guards = Vec::with_capacity(2 * nseg);
+    let (mut row, mut most) = (0, 0);
+    for (i, s) in segs.iter().enumerate() {
+        use cudarc::driver::DevicePtr;
+        need_len(OP, "base", s.base.len(), 1)?;
+        let (pb, gb) = s.base.device_ptr(&gpu.stream);
+        guards.push(gb);
+        arg.base[i] = pb;
+        if let Some(o) = &s.offsets {
+            need_len(OP, "offsets", o.len(), s.rows)?;
+            let (po, go) = o.device_ptr(&gpu.stream);
+            guards.push(go);
+            arg.offsets[i] = po;
+        }
+        arg.row0[i] = as_i32(OP, "row", row)?;
+        row += s.rows;
+        most = most.max(s.rows);
+    }
+    arg.row0[nseg] = as_i32(OP, "rows", row)?;
+    ensure(OP, most <= i32::MAX as usize, || format!("{most} rows in one segment"))?;
+    let h = as_i32(OP, "half", half)?;
+    let mut b = gpu.stream.launch_builder(gpu.func("kdtree_rope_at_segs_f32"));
+    b.arg(&arg)
+        .arg(inv_freq)
+        .arg(&h)
+        .arg(&factor)
+        .arg(&mut *cos)
+        .arg(&mut *sin);
+    // SAFETY: cos/sin hold Σ rows of half (checked), each segment's offsets its rows; a null offsets pointer
+    // means position base + row.
+    unsafe { b.launch(launch_cfg((most as u32, nseg as u32, 1), 64, 0)) }.map_err(drv(OP))?;
+    drop(guards);
+    Ok(())
+}
+
+/// The kernel's by-value table (`struct BlockRoots`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct BlockRootsArg {
+    root: [u64; MAX_SEGS],
+    nseg: i32,
+}
+// SAFETY: plain old data with the C layout of `struct BlockRoots`, passed by value as a kernel parameter.
+unsafe impl cudarc::driver::DeviceRepr for BlockRootsArg {}
+
+/// Up to [`MAX_SEGS`] draft blocks in one launch: `dst[s·block] = roots[s][0]`, the block's other ids `fill`.
+pub fn ids_blocks(
+    gpu: &Gpu,
+    dst: &mut CudaViewMut<'_, u32>,
+    roots: &[CudaView<'_, u32>],
+    block: usize,
+    fill: u32,
+) -> Result<()> {
+    let nseg = roots.len();
+    ensure(OP, nseg <= MAX_SEGS, || {
+        format!("{nseg} blocks in one launch (at most {MAX_SEGS})")
+    })?;
+    need_len(OP, "dst", dst.len(), nseg * block)?;
+    if nseg == 0 || block == 0 {
+        return Ok(());
+    }
+    let mut arg = BlockRootsArg {
+        root: [0; MAX_SEGS],
+        nseg: nseg as i32,
+    };
+    let mut guards = Vec::with_capacity(nseg);
+    for (i, r) in roots.iter().enumerate() {
+        use cudarc::driver::DevicePtr;
+        need_len(OP, "root", r.len(), 1)?;
+        let (p, g) = r.device_ptr(&gpu.stream);
+        guards.push(g);
+        arg.root[i] = p;
+    }
+    let bl = as_i32(OP, "block", block)?;
+    let mut b = gpu.stream.launch_builder(gpu.func("kdtree_ids_blocks"));
+    b.arg(&arg).arg(&mut *dst).arg(&bl).arg(&fill);
+    // SAFETY: dst holds nseg blocks (checked), each root one id.
+    unsafe { b.launch(launch_cfg((nseg as u32, 1, 1), 64, 0)) }.map_err(drv(OP))?;
     drop(guards);
     Ok(())
 }
