@@ -1339,7 +1339,17 @@ fn batch_forms_equal_the_single_forms() {
             .flat_map(|s| x[(s * t + 1) * w..(s + 1) * t * w].to_vec())
             .collect();
         assert_eq!(bits(&tail), bits(&want), "n {n}: cols");
+        // Counters advanced together (a batched AR step's commits), at most one launch's worth at a time.
+        let start: Vec<i32> = (0..n).map(|_| r.random_range(0..9000)).collect();
+        let mut cs: Vec<_> = start.iter().map(|&v| b.gpu().upload(&[v]).unwrap()).collect();
+        for chunk in cs.chunks_mut(ops::round_state::MAX_SEGS) {
+            let mut views: Vec<_> = chunk.iter_mut().map(|c| c.as_view_mut()).collect();
+            ops::round_state::pos_add_segs(b.gpu(), &mut views, 3).unwrap();
+        }
+        for (s, c) in cs.iter().enumerate() {
+            assert_eq!(b.gpu().download(c).unwrap(), vec![start[s] + 3], "n {n}: counter {s}");
+        }
     }
     b.check().unwrap();
-    println!("PARITY rope_at_segs, write_rows_at_segs, ids_blocks, cols (1, 3, 64, 70 sequences) exact");
+    println!("PARITY rope_at_segs, write_rows_at_segs, ids_blocks, cols, pos_add_segs (1, 3, 64, 70 sequences) exact");
 }

@@ -271,6 +271,10 @@ impl Resources for Rec {
         rec!(self, "kv_commit_rows", n);
         self.inner.kv_commit_rows(kv, n)
     }
+    fn kv_commit_rows_segs(&self, kvs: &mut [&mut Self::Kv], n: usize) -> anyhow::Result<()> {
+        rec!(self, "kv_commit_rows_segs", kvs.len(), n);
+        self.inner.kv_commit_rows_segs(kvs, n)
+    }
     fn kv_commit_rows_host(&self, kv: &mut Self::Kv, n: usize) {
         rec!(self, "kv_commit_rows_host", n);
         self.inner.kv_commit_rows_host(kv, n)
@@ -487,7 +491,7 @@ impl Compute for Rec {
     }
     fn kv_append_latent_segs(
         &self,
-        segs: &mut [(&mut Self::Kv, &Self::Rope, usize)],
+        segs: &mut [(&mut Self::Kv, usize)],
         l: usize,
         ckv: &Self::Act,
         norm: &Self::Vector,
@@ -495,7 +499,7 @@ impl Compute for Rec {
         width: usize,
         rope_all: &Self::Rope,
     ) {
-        let ts: Vec<usize> = segs.iter().map(|s| s.2).collect();
+        let ts: Vec<usize> = segs.iter().map(|s| s.1).collect();
         rec!(self, "kv_append_latent_segs", format!("{ts:?}"), l, ckv.len(), width);
         self.inner
             .kv_append_latent_segs(segs, l, ckv, norm, eps, width, rope_all)

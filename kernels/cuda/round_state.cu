@@ -1,6 +1,6 @@
 // The DDTree round's position state on the device (issue 9, one CUDA graph per round): the small ops that
 // read or advance the committed-length counters, so a captured round replays at any position.
-// - pos_add: counter += n (an eager commit of n rows).
+// - pos_add: counter += n (an eager commit of n rows); pos_add_segs: a batch's counters in one launch.
 // - round_advance: after the walk, target counter += len, drafter context counter += len, root = bonus.
 // - rope_at: cos/sin of positions *base + offset[i] (or *base + i), the CPU's rope_cos_sin: angle
 //   (float)pos * inv_freq in f32, cos/sin in f64, times the attention factor, rounded to f32.
@@ -19,6 +19,17 @@
 // pos [1] += n. One thread.
 extern "C" __global__ void kdtree_pos_add(int* __restrict__ pos, int n) {
     if (threadIdx.x == 0 && blockIdx.x == 0) pos[0] += n;
+}
+
+// A batch's counters: *pos[s] += n for each s < nseg. One block, a thread per counter.
+constexpr int POS_SEGS = 64;
+struct PosSegs {
+    unsigned long long pos[POS_SEGS];
+    int nseg;
+};
+extern "C" __global__ void kdtree_pos_add_segs(const PosSegs segs, int n) {
+    const int s = threadIdx.x;
+    if (blockIdx.x == 0 && s < segs.nseg) reinterpret_cast<int*>(segs.pos[s])[0] += n;
 }
 
 // walk_out = [len, path[m], decisions[m]] (ddtree_walk). kv_pos and ctx_pos [1] += len; root [1] = the

@@ -81,6 +81,7 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("rms_norm.cu", "kdtree_rms_norm_bf16"),
     ("rope.cu", "kdtree_rope_interleaved_bf16"),
     ("round_state.cu", "kdtree_pos_add"),
+    ("round_state.cu", "kdtree_pos_add_segs"),
     ("round_state.cu", "kdtree_round_advance"),
     ("round_state.cu", "kdtree_rope_at_f32"),
     ("round_state.cu", "kdtree_store_rows_bf16"),

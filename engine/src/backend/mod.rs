@@ -208,6 +208,11 @@ pub trait Resources: Clone + Send + Sync + 'static {
     /// A batch's draft blocks: `dst[s·block] = roots[s][0]` (read where the ops run) and the block's other
     /// `block − 1` ids `fill`, for each s (room for `roots.len()` blocks).
     fn ids_blocks(&self, dst: &mut Self::Ids, roots: &[&Self::Ids], block: usize, fill: u32);
+    /// [`Resources::kv_commit_rows`] of each cache of a batch (one launch on a device; the host copies follow
+    /// in [`Resources::kv_commit_rows_host`]).
+    fn kv_commit_rows_segs(&self, kvs: &mut [&mut Self::Kv], n: usize) -> Result<()> {
+        kvs.iter_mut().try_for_each(|kv| self.kv_commit_rows(kv, n))
+    }
     /// For each s: row s of `src` `[dsts.len(), cols]` into row `pos_s` of the row cache `dst_s` (room
     /// reserved), then `pos_s += 1` where the ops run (one launch for a batch's feed step; the host copies
     /// follow in [`Resources::pos_add_host`]).
@@ -426,26 +431,20 @@ pub trait Compute: Resources {
     ) -> Self::LinIn {
         self.lin_in(&self.mla_attention_segs(q, segs, l, kv_b, d, mode))
     }
-    /// [`Compute::kv_append_latent`] of a batch: segment s's rows of `ckv` (consecutive, in order) into its
-    /// cache, roped with its own table (`rope_all`: the tables stacked, [`Resources::rope_cat`]).
+    /// [`Compute::kv_append_latent`] of a batch: segment s's `t_s` rows of `ckv` (consecutive, in order) into its
+    /// cache, roped with its rows of `rope_all` (the segments' tables stacked in the same order:
+    /// [`Compute::rope_at_segs`] or [`Resources::rope_cat`]).
     #[allow(clippy::too_many_arguments)]
     fn kv_append_latent_segs(
         &self,
-        segs: &mut [(&mut Self::Kv, &Self::Rope, usize)],
+        segs: &mut [(&mut Self::Kv, usize)],
         l: usize,
         ckv: &Self::Act,
         norm: &Self::Vector,
         eps: f32,
         width: usize,
-        _rope_all: &Self::Rope,
-    ) {
-        let mut at = 0;
-        for (kv, rope, ts) in segs.iter_mut() {
-            let rows = self.rows(ckv, width, at, at + *ts);
-            self.kv_append_latent(kv, l, &rows, norm, eps, rope);
-            at += *ts;
-        }
-    }
+        rope_all: &Self::Rope,
+    );
 
     // ---- MoE ----
     /// Router decisions of every row of `logits` `[T, E]`.

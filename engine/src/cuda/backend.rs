@@ -728,6 +728,16 @@ impl Resources for CudaBackend {
         round_state::pos_add(&self.gpu, &mut kv.pos.as_view_mut(), n)?;
         self.check()
     }
+    fn kv_commit_rows_segs(&self, kvs: &mut [&mut DKv], n: usize) -> Result<()> {
+        if let Some(kv) = kvs.iter().find(|kv| n > kv.scratch) {
+            bail!("kv_commit_rows: {n} rows of {} scratch rows", kv.scratch);
+        }
+        for chunk in kvs.chunks_mut(round_state::MAX_SEGS) {
+            let mut pos: Vec<_> = chunk.iter_mut().map(|kv| kv.pos.as_view_mut()).collect();
+            round_state::pos_add_segs(&self.gpu, &mut pos, n)?;
+        }
+        self.check()
+    }
     fn kv_commit_rows_host(&self, kv: &mut DKv, n: usize) {
         kv.committed += n;
         kv.scratch = 0;

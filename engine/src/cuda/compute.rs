@@ -519,7 +519,7 @@ impl Compute for CudaBackend {
     }
     fn kv_append_latent_segs(
         &self,
-        segs: &mut [(&mut DKv, &DRope, usize)],
+        segs: &mut [(&mut DKv, usize)],
         l: usize,
         ckv: &CudaSlice<f32>,
         norm: &CudaSlice<bf16>,
@@ -560,15 +560,15 @@ impl Compute for CudaBackend {
                 r,
                 false,
             )?;
-            for (kv, _, ts) in segs.iter_mut() {
+            for (kv, ts) in segs.iter_mut() {
                 self.grow(kv, kv.committed + *ts)?;
             }
             let mut at = 0;
             for chunk in segs.chunks_mut(round_state::MAX_SEGS) {
-                let rows_n: usize = chunk.iter().map(|s| s.2).sum();
+                let rows_n: usize = chunk.iter().map(|s| s.1).sum();
                 let mut parts: Vec<round_state::StoreSeg<'_>> = chunk
                     .iter_mut()
-                    .map(|(kv, _, ts)| {
+                    .map(|(kv, ts)| {
                         let (base, cap, committed) = (l * kv.cap * w, kv.cap, kv.committed);
                         let DKv { buf, pos, .. } = &mut **kv;
                         round_state::StoreSeg {

@@ -190,7 +190,7 @@ impl<B: Backend> BatchEngine<B> {
                 rope,
             })
             .collect();
-        let (x, taps) = decoder_layers(&w, &mut segs, w.embed(&tokens), &tap_layers, mode, None);
+        let (x, taps) = decoder_layers(&w, &mut segs, w.embed(&tokens), &tap_layers, mode, None, None);
         drop(segs);
         // Each prompt's last row through the final norm and lm_head (rows are independent: the values of a
         // prefill alone, which computes only that row).

@@ -352,35 +352,38 @@ fn batch_round<B: Backend>(
             b.ids_copy(tokens, at, b.tree_tokens(tree), nodes[s]);
             at += nodes[s];
         }
-        let ropes: Vec<B::Rope> = parts
+        // Every node's position (its tree's depth past its sequence's committed rows), one table for the batch.
+        let at: Vec<(PosOf<'_, B>, Option<&B::Ids>, usize)> = parts
             .iter()
             .zip(slots)
             .zip(&nodes)
-            .map(|((p, &i), &n)| {
-                b.rope_at(
-                    &w.rope_inv,
-                    c.rope_attention_factor,
-                    PosOf::Kv(&p.t.cache),
-                    Some(b.tree_depths(&p.t.rounds[i].tree)),
-                    n,
-                )
-            })
+            .map(|((p, &i), &n)| (PosOf::Kv(&p.t.cache), Some(b.tree_depths(&p.t.rounds[i].tree)), n))
             .collect();
+        let rope = b.rope_at_segs(&w.rope_inv, c.rope_attention_factor, &at);
+        drop(at);
         let mut segs: Vec<Seg<'_, B>> = parts
             .iter_mut()
             .zip(slots)
-            .zip(ropes.iter().zip(&nodes))
-            .map(|((p, &i), (rope, &n))| {
+            .zip(&nodes)
+            .map(|((p, &i), &n)| {
                 let TargetModel { cache, rounds, .. } = &mut *p.t;
                 Seg {
                     kv: cache,
                     t: n,
                     mask: b.tree_mask(&rounds[i].tree),
-                    rope,
+                    rope: &rope,
                 }
             })
             .collect();
-        let (x, taps) = decoder_layers(w, &mut segs, w.embed_ids(tokens, total), &tap_layers, mode, None);
+        let (x, taps) = decoder_layers(
+            w,
+            &mut segs,
+            w.embed_ids(tokens, total),
+            &tap_layers,
+            mode,
+            None,
+            Some(&rope),
+        );
         drop(segs);
         let taps = taps.context("a batched round needs the target's taps")?;
         let logits = w.lm_head(&w.final_norm(&x), total);
@@ -530,7 +533,7 @@ fn one_step<B: Backend>(w: &Weights<B>, p: &mut StepPart<'_, B>, key: u64) -> Re
             mask,
             rope: &rope,
         }];
-        let (x, taps) = decoder_layers(w, &mut segs, w.embed_ids(token, 1), &info.tap_layers, *mode, None);
+        let (x, taps) = decoder_layers(w, &mut segs, w.embed_ids(token, 1), &info.tap_layers, *mode, None, None);
         if let Some(d) = feed.as_deref_mut() {
             DFlashDrafter::stash_rows(&mut [d], &taps.context("a feed step needs the target's taps")?)?;
         }
@@ -574,21 +577,29 @@ fn batch_step<B: Backend>(
     let (tokens, out, mask1) = (&st.tokens, &mut st.out, &st.mask1);
     let graph = gi.map(|gi| &mut st.graphs[gi].1);
     let mut body = || {
-        let ropes: Vec<B::Rope> = parts
-            .iter()
-            .map(|p| b.rope_at(&w.rope_inv, c.rope_attention_factor, PosOf::Kv(&p.t.cache), None, 1))
-            .collect();
+        // Every sequence's position, one table for the batch.
+        let at: Vec<(PosOf<'_, B>, Option<&B::Ids>, usize)> =
+            parts.iter().map(|p| (PosOf::Kv(&p.t.cache), None, 1)).collect();
+        let rope = b.rope_at_segs(&w.rope_inv, c.rope_attention_factor, &at);
+        drop(at);
         let mut segs: Vec<Seg<'_, B>> = parts
             .iter_mut()
-            .zip(&ropes)
-            .map(|(p, rope)| Seg {
+            .map(|p| Seg {
                 kv: &mut p.t.cache,
                 t: 1,
                 mask: mask1,
-                rope,
+                rope: &rope,
             })
             .collect();
-        let (x, taps) = decoder_layers(w, &mut segs, w.embed_ids(tokens, n), &tap_layers, mode, None);
+        let (x, taps) = decoder_layers(
+            w,
+            &mut segs,
+            w.embed_ids(tokens, n),
+            &tap_layers,
+            mode,
+            None,
+            Some(&rope),
+        );
         drop(segs);
         if !tap_layers.is_empty() {
             // Every sequence's row into its drafter's stash in one launch (all feed: `feed_steps`).
@@ -606,13 +617,14 @@ fn batch_step<B: Backend>(
             let base = PosOf::Kv(&parts[0].t.cache);
             b.decide_rows(&logits, 0, n, c.vocab, &Sampling::greedy(), base, 1, out)?;
         }
-        for (i, p) in parts.iter_mut().enumerate() {
-            // The token goes to position committed + 1 (sampling.rs: draws keyed by position).
-            if !all_greedy {
+        if !all_greedy {
+            for (i, p) in parts.iter().enumerate() {
+                // The token goes to position committed + 1 (sampling.rs: draws keyed by position).
                 b.decide_rows(&logits, i, 1, c.vocab, p.s, PosOf::Kv(&p.t.cache), 1, out)?;
             }
-            b.kv_commit_rows(&mut p.t.cache, 1)?;
         }
+        let mut kvs: Vec<&mut B::Kv> = parts.iter_mut().map(|p| &mut p.t.cache).collect();
+        b.kv_commit_rows_segs(&mut kvs, 1)?;
         b.check()
     };
     let r = match graph {

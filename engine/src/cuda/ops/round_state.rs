@@ -27,6 +27,46 @@ pub fn pos_add(gpu: &Gpu, pos: &mut CudaViewMut<'_, i32>, n: usize) -> Result<()
     Ok(())
 }
 
+/// The kernel's by-value table (`struct PosSegs`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct PosSegsArg {
+    pos: [u64; MAX_SEGS],
+    nseg: i32,
+}
+// SAFETY: plain old data with the C layout of `struct PosSegs`, passed by value as a kernel parameter.
+unsafe impl cudarc::driver::DeviceRepr for PosSegsArg {}
+
+/// [`pos_add`] of up to [`MAX_SEGS`] counters in one launch: `pos_s[0] += n` for each s.
+pub fn pos_add_segs(gpu: &Gpu, pos: &mut [CudaViewMut<'_, i32>], n: usize) -> Result<()> {
+    let nseg = pos.len();
+    ensure(OP, nseg <= MAX_SEGS, || {
+        format!("{nseg} counters in one launch (at most {MAX_SEGS})")
+    })?;
+    if nseg == 0 {
+        return Ok(());
+    }
+    let mut arg = PosSegsArg {
+        pos: [0; MAX_SEGS],
+        nseg: nseg as i32,
+    };
+    let mut guards = Vec::with_capacity(nseg);
+    for (i, p) in pos.iter_mut().enumerate() {
+        use cudarc::driver::DevicePtrMut;
+        need_len(OP, "pos", p.len(), 1)?;
+        let (pp, g) = p.device_ptr_mut(&gpu.stream);
+        guards.push(g);
+        arg.pos[i] = pp;
+    }
+    let n = as_i32(OP, "n", n)?;
+    let mut b = gpu.stream.launch_builder(gpu.func("kdtree_pos_add_segs"));
+    b.arg(&arg).arg(&n);
+    // SAFETY: each counter holds one i32 (checked); one thread per counter.
+    unsafe { b.launch(launch_cfg((1, 1, 1), MAX_SEGS as u32, 0)) }.map_err(drv(OP))?;
+    drop(guards);
+    Ok(())
+}
+
 /// After a walk (`walk_out` = `[len, path[m], decisions[m]]`): `kv_pos += len`, `ctx_pos += len` (when
 /// given), `root = decisions[len − 1]` (the bonus token).
 pub fn round_advance(
