@@ -12,26 +12,46 @@ use crate::sampling::Sampling;
 use anyhow::{bail, Result};
 use cudarc::driver::CudaSlice;
 
+impl CudaBackend {
+    /// `f` as one op of the op profile (`KDTREE_OP_PROFILE=1`: its device time between events; cuda/profile.rs).
+    fn timed<T>(&self, op: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let probe = self
+            .gpu()
+            .profile
+            .as_ref()
+            .map(|p| (p, p.begin(&self.gpu().stream, op)));
+        let r = f();
+        if let Some((p, probe)) = probe {
+            p.end(&self.gpu().stream, probe);
+        }
+        r
+    }
+}
+
 impl TreeOps for CudaBackend {
     fn tree_new(&self, budget: usize, rows: usize, vocab: usize, k: usize) -> Result<DeviceTree> {
         Ok(DeviceTree::with_k(&self.gpu, budget, rows, vocab, k)?)
     }
     fn tree_build(&self, tree: &mut DeviceTree, draft: &CudaSlice<f32>, row0: usize) -> Result<()> {
-        let (from, to) = (row0 * tree.vocab, (row0 + tree.rows) * tree.vocab);
-        if draft.len() < to {
-            bail!(
-                "tree_build: {} draft logits for rows {row0}..{} of {}",
-                draft.len(),
-                row0 + tree.rows,
-                tree.vocab
-            );
-        }
-        tree.build(&self.gpu, &draft.slice(from..to), tree.vocab)?;
-        self.check()
+        self.timed("tree_build", || {
+            let (from, to) = (row0 * tree.vocab, (row0 + tree.rows) * tree.vocab);
+            if draft.len() < to {
+                bail!(
+                    "tree_build: {} draft logits for rows {row0}..{} of {}",
+                    draft.len(),
+                    row0 + tree.rows,
+                    tree.vocab
+                );
+            }
+            tree.build(&self.gpu, &draft.slice(from..to), tree.vocab)?;
+            self.check()
+        })
     }
     fn tree_root_only(&self, tree: &mut DeviceTree) -> Result<()> {
-        tree.root_only(&self.gpu)?;
-        self.check()
+        self.timed("tree_root_only", || {
+            tree.root_only(&self.gpu)?;
+            self.check()
+        })
     }
     fn tree_set_root(&self, tree: &mut DeviceTree, root: u32) -> Result<()> {
         Ok(tree.set_bonus(&self.gpu, root)?)
@@ -56,34 +76,38 @@ impl TreeOps for CudaBackend {
         s: &Sampling,
         kv: &DKv,
     ) -> Result<()> {
-        let (n, v) = (tree.budget + 1, tree.vocab);
-        if logits.len() < (row0 + n) * v {
-            bail!("tree_walk: {} logits for {n} nodes from row {row0} x {v}", logits.len());
-        }
-        tree.walk_sampled(
-            &self.gpu,
-            &logits.slice(row0 * v..(row0 + n) * v),
-            v,
-            s,
-            0,
-            Some(&kv.pos.as_view()),
-        )?;
-        self.check()
+        self.timed("tree_walk", || {
+            let (n, v) = (tree.budget + 1, tree.vocab);
+            if logits.len() < (row0 + n) * v {
+                bail!("tree_walk: {} logits for {n} nodes from row {row0} x {v}", logits.len());
+            }
+            tree.walk_sampled(
+                &self.gpu,
+                &logits.slice(row0 * v..(row0 + n) * v),
+                v,
+                s,
+                0,
+                Some(&kv.pos.as_view()),
+            )?;
+            self.check()
+        })
     }
     fn tree_walk_decided(&self, tree: &mut DeviceTree, decisions: &CudaSlice<u32>, row0: usize) -> Result<()> {
-        let n = tree.budget + 1;
-        if decisions.len() < row0 + n {
-            bail!(
-                "tree_walk_decided: {} decisions for {n} nodes from row {row0}",
-                decisions.len()
-            );
-        }
-        self.gpu
-            .stream
-            .memcpy_dtod(&decisions.slice(row0..row0 + n), &mut tree.decisions)
-            .map_err(super::drv("tree_walk_decided"))?;
-        tree.walk(&self.gpu)?;
-        self.check()
+        self.timed("tree_walk_decided", || {
+            let n = tree.budget + 1;
+            if decisions.len() < row0 + n {
+                bail!(
+                    "tree_walk_decided: {} decisions for {n} nodes from row {row0}",
+                    decisions.len()
+                );
+            }
+            self.gpu
+                .stream
+                .memcpy_dtod(&decisions.slice(row0..row0 + n), &mut tree.decisions)
+                .map_err(super::drv("tree_walk_decided"))?;
+            tree.walk(&self.gpu)?;
+            self.check()
+        })
     }
     fn tree_path_rows(
         &self,
@@ -112,37 +136,39 @@ impl TreeOps for CudaBackend {
         .unwrap_or_else(|| self.empty())
     }
     fn tree_commit(&self, tree: &mut DeviceTree, kv: &mut DKv, ctx: &mut DPos) -> Result<()> {
-        let m = tree.rows + 1;
-        if kv.committed + m > kv.cap || kv.scratch < tree.budget + 1 {
-            bail!(
-                "tree_commit: {} committed + a path of up to {m} in a cache of {} rows ({} scratch rows)",
-                kv.committed,
+        self.timed("tree_commit", || {
+            let m = tree.rows + 1;
+            if kv.committed + m > kv.cap || kv.scratch < tree.budget + 1 {
+                bail!(
+                    "tree_commit: {} committed + a path of up to {m} in a cache of {} rows ({} scratch rows)",
+                    kv.committed,
+                    kv.cap,
+                    kv.scratch
+                );
+            }
+            let (n, rest) = tree.walk_out.split_at(1);
+            let path = rest.slice(..m);
+            kv_compact::kv_compact_dev(
+                &self.gpu,
+                &mut kv.buf.as_view_mut(),
+                kv.layers,
                 kv.cap,
-                kv.scratch
-            );
-        }
-        let (n, rest) = tree.walk_out.split_at(1);
-        let path = rest.slice(..m);
-        kv_compact::kv_compact_dev(
-            &self.gpu,
-            &mut kv.buf.as_view_mut(),
-            kv.layers,
-            kv.cap,
-            kv.width,
-            kv.committed,
-            &kv.pos.as_view(),
-            &path,
-            &n,
-        )?;
-        round_state::round_advance(
-            &self.gpu,
-            &tree.walk_out.as_view(),
-            m,
-            &mut kv.pos.as_view_mut(),
-            Some(&mut ctx.dev.as_view_mut()),
-            &mut tree.bonus.as_view_mut(),
-        )?;
-        self.check()
+                kv.width,
+                kv.committed,
+                &kv.pos.as_view(),
+                &path,
+                &n,
+            )?;
+            round_state::round_advance(
+                &self.gpu,
+                &tree.walk_out.as_view(),
+                m,
+                &mut kv.pos.as_view_mut(),
+                Some(&mut ctx.dev.as_view_mut()),
+                &mut tree.bonus.as_view_mut(),
+            )?;
+            self.check()
+        })
     }
     fn tree_commit_host(&self, _tree: &DeviceTree, kv: &mut DKv, ctx: &mut DPos, n: usize) {
         kv.committed += n;
