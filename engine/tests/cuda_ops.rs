@@ -1309,21 +1309,37 @@ fn batch_forms_equal_the_single_forms() {
             );
             assert_eq!(bits(&sin[span]), bits(&b.to_host(&one.sin)), "n {n} seg {s}: sin");
         }
-        // Row stores at each cache's count: the batch form and one store per cache, from NaN-poisoned caches.
+        // Row stores at each cache's count, 1 to 3 rows a cache (a batch of prompts' context rows): the batch form
+        // and one store per cache, from NaN-poisoned caches.
         let cap = 6usize;
-        let rows_at: Vec<usize> = (0..n).map(|_| r.random_range(0..cap - 2)).collect();
+        let ns: Vec<usize> = (0..n).map(|s| 1 + s % 3).collect();
+        let rows_at: Vec<usize> = (0..n).map(|_| r.random_range(0..cap - 3)).collect();
         let cpos: Vec<_> = rows_at.iter().map(|&a| b.pos_new(a)).collect();
-        let src = b.act_from_host(rand_f32(&mut r, n * 2 * w, -3.0, 3.0));
+        let total: usize = ns.iter().sum();
+        let src = b.act_from_host(rand_f32(&mut r, total * w, -3.0, 3.0));
         let mut one: Vec<_> = (0..n).map(|_| b.act_from_host(nan_f32(cap * w))).collect();
         let mut many: Vec<_> = (0..n).map(|_| b.act_from_host(nan_f32(cap * w))).collect();
-        for (s, (d, p)) in one.iter_mut().zip(&cpos).enumerate() {
-            b.write_rows_at(d, w, p, &b.rows(&src, w, 2 * s, 2 * s + 2), 2);
+        let mut row = 0;
+        for ((d, p), &k) in one.iter_mut().zip(&cpos).zip(&ns) {
+            b.write_rows_at(d, w, p, &b.rows(&src, w, row, row + k), k);
+            row += k;
         }
-        let mut dsts: Vec<_> = many.iter_mut().zip(&cpos).collect();
-        b.write_rows_at_segs(&mut dsts, w, &src, 2);
+        let mut dsts: Vec<_> = many
+            .iter_mut()
+            .zip(&cpos)
+            .zip(&ns)
+            .map(|((d, p), &k)| (d, p, k))
+            .collect();
+        b.write_rows_at_segs(&mut dsts, w, &src);
         for s in 0..n {
             let (x, y) = (b.to_host(&one[s]), b.to_host(&many[s]));
-            assert_eq!(bits(&x), bits(&y), "n {n} cache {s} (count {})", rows_at[s]);
+            assert_eq!(
+                bits(&x),
+                bits(&y),
+                "n {n} cache {s} ({} rows at count {})",
+                ns[s],
+                rows_at[s]
+            );
         }
         // Draft blocks from device roots, and the blocks' tails.
         let roots: Vec<_> = (0..n).map(|s| b.ids_from_host(&[1000 + s as u32])).collect();

@@ -217,11 +217,12 @@ impl Resources for Rec {
         rec!(self, "ids_blocks", dst.len(), roots.len(), block, fill);
         self.inner.ids_blocks(dst, roots, block, fill)
     }
-    fn write_rows_at_segs(&self, dsts: &mut [(&mut Self::Act, &Self::Pos)], cols: usize, src: &Self::Act, n: usize) {
-        rec!(self, "write_rows_at_segs", dsts.len(), cols, src.len(), n);
-        let mut d: Vec<(&mut <C as Resources>::Act, &<C as Resources>::Pos)> =
-            dsts.iter_mut().map(|(a, p)| (&mut **a, *p)).collect();
-        self.inner.write_rows_at_segs(&mut d, cols, src, n)
+    fn write_rows_at_segs(&self, dsts: &mut [(&mut Self::Act, &Self::Pos, usize)], cols: usize, src: &Self::Act) {
+        let ns: Vec<usize> = dsts.iter().map(|d| d.2).collect();
+        rec!(self, "write_rows_at_segs", format!("{ns:?}"), cols, src.len());
+        let mut d: Vec<(&mut <C as Resources>::Act, &<C as Resources>::Pos, usize)> =
+            dsts.iter_mut().map(|(a, p, n)| (&mut **a, *p, *n)).collect();
+        self.inner.write_rows_at_segs(&mut d, cols, src)
     }
     fn reserve_rows(&self, x: &mut Self::Act, cols: usize, rows: usize) -> bool {
         rec!(self, "reserve_rows", x.len(), cols, rows);

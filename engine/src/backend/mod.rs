@@ -193,13 +193,15 @@ pub trait Resources: Clone + Send + Sync + 'static {
     /// Rows `[at, at + n)` of the row cache `dst` (room reserved) = `src` `[n, cols]`, `at` read where the
     /// ops run.
     fn write_rows_at(&self, dst: &mut Self::Act, cols: usize, at: &Self::Pos, src: &Self::Act, n: usize);
-    /// [`Resources::write_rows_at`] of a batch: rows `[s·n, (s+1)·n)` of `src` `[dsts.len()·n, cols]` into
-    /// the row cache `dst_s` (room reserved) at its count `at_s` (read where the ops run). The default writes
-    /// each sequence's rows alone; a device backend does it in one launch.
-    fn write_rows_at_segs(&self, dsts: &mut [(&mut Self::Act, &Self::Pos)], cols: usize, src: &Self::Act, n: usize) {
-        for (s, (dst, at)) in dsts.iter_mut().enumerate() {
-            let rows = self.rows(src, cols, s * n, (s + 1) * n);
-            self.write_rows_at(dst, cols, at, &rows, n);
+    /// [`Resources::write_rows_at`] of a batch: segment s's `n_s` rows of `src` (consecutive, in segment order)
+    /// into its row cache `dst_s` (room reserved) at its count `at_s` (read where the ops run). The default
+    /// writes each segment alone; a device backend does it in one launch.
+    fn write_rows_at_segs(&self, dsts: &mut [(&mut Self::Act, &Self::Pos, usize)], cols: usize, src: &Self::Act) {
+        let mut row = 0;
+        for (dst, at, n) in dsts.iter_mut() {
+            let rows = self.rows(src, cols, row, row + *n);
+            self.write_rows_at(dst, cols, at, &rows, *n);
+            row += *n;
         }
     }
     /// Columns `[from, from + width)` of each of the `t` rows of `x` `[t, ld]`: `[t, width]` (a batch's draft

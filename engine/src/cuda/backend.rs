@@ -586,38 +586,28 @@ impl Resources for CudaBackend {
             )
         });
     }
-    fn write_rows_at_segs(
-        &self,
-        dsts: &mut [(&mut CudaSlice<f32>, &DPos)],
-        cols: usize,
-        src: &CudaSlice<f32>,
-        n: usize,
-    ) {
+    fn write_rows_at_segs(&self, dsts: &mut [(&mut CudaSlice<f32>, &DPos, usize)], cols: usize, src: &CudaSlice<f32>) {
         self.run("write_rows_at", || {
+            let total: usize = dsts.iter().map(|d| d.2).sum();
+            if total * cols > src.len() {
+                return Err(CudaError::Shape {
+                    op: "write_rows_at",
+                    msg: format!("{total} rows of {cols} from {} values", src.len()),
+                });
+            }
             let mut from = 0;
             for chunk in dsts.chunks_mut(round_state::MAX_SEGS) {
-                let k = chunk.len();
+                let k: usize = chunk.iter().map(|d| d.2).sum();
                 let mut segs: Vec<round_state::StoreSeg<'_, f32>> = chunk
                     .iter_mut()
-                    .map(|(dst, at)| round_state::StoreSeg {
+                    .map(|(dst, at, n)| round_state::StoreSeg {
                         dst: dst.as_view_mut(),
                         pos: at.dev.as_view(),
                         committed: at.host,
-                        n,
+                        n: *n,
                     })
                     .collect();
-                if (from + k) * n * cols > src.len() {
-                    return Err(CudaError::Shape {
-                        op: "write_rows_at",
-                        msg: format!("{} x {n} rows of {cols} from {} values", from + k, src.len()),
-                    });
-                }
-                round_state::store_rows_seg(
-                    &self.gpu,
-                    &mut segs,
-                    cols,
-                    &src.slice(from * n * cols..(from + k) * n * cols),
-                )?;
+                round_state::store_rows_seg(&self.gpu, &mut segs, cols, &src.slice(from * cols..(from + k) * cols))?;
                 from += k;
             }
             Ok(())

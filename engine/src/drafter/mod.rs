@@ -708,10 +708,23 @@ impl<B: Backend> DFlashDrafter<B> {
     /// [`DFlashDrafter::write_context`] of several sessions of this drafter's weights in one forward: session
     /// s's `rows` taps are rows `[s·rows, (s+1)·rows)` of `taps`, written after its committed context.
     pub fn write_context_batch(ds: &mut [&mut DFlashDrafter<B>], taps: &B::Act, rows: usize) -> Result<()> {
+        let rows = vec![rows; ds.len()];
+        Self::write_context_segs(ds, taps, &rows)
+    }
+
+    /// [`DFlashDrafter::write_context`] of several sessions in one forward, session s's `rows[s]` taps the next
+    /// rows of `taps` (in session order); the committed lengths are not advanced.
+    fn write_context_segs(ds: &mut [&mut DFlashDrafter<B>], taps: &B::Act, rows: &[usize]) -> Result<()> {
         let Some(d0) = ds.first() else { return Ok(()) };
         ensure!(
             ds.iter().all(|d| Arc::ptr_eq(&d.p, &d0.p)),
             "write_context_batch: sessions of different drafters"
+        );
+        ensure!(
+            rows.len() == ds.len(),
+            "write_context_batch: {} row counts for {} sessions",
+            rows.len(),
+            ds.len()
         );
         let (b, p, dims, factor) = (d0.b.clone(), d0.p.clone(), d0.dims.clone(), d0.attention_factor);
         let DrafterDims {
@@ -720,30 +733,75 @@ impl<B: Backend> DFlashDrafter<B> {
             eps,
             ..
         } = dims;
-        let (n, kw) = (ds.len(), kv_heads * head_dim);
+        let (all, kw): (usize, usize) = (rows.iter().sum(), kv_heads * head_dim);
         ensure!(
             ds.iter().all(|d| d.stashed() == 0),
             "write_context_batch: stashed context rows not flushed"
         );
-        let ctx = b.rms_norm(&b.linear(taps, n * rows, &p.fc), &p.hidden_norm, eps); // [N·rows, H]
-        let at: Vec<(PosOf<'_, B>, Option<&B::Ids>, usize)> =
-            ds.iter().map(|d| (PosOf::Pos(&d.ctx_pos), None, rows)).collect();
+        let ctx = b.rms_norm(&b.linear(taps, all, &p.fc), &p.hidden_norm, eps); // [Σ rows, H]
+        let at: Vec<(PosOf<'_, B>, Option<&B::Ids>, usize)> = ds
+            .iter()
+            .zip(rows)
+            .map(|(d, &n)| (PosOf::Pos(&d.ctx_pos), None, n))
+            .collect();
         let rope = b.rope_at_segs(&p.inv_freq, factor, &at);
         drop(at);
         for (l, lw) in p.layers.iter().enumerate() {
-            let k = b.head_norm_rope_neox(&b.linear(&ctx, n * rows, &lw.k_proj), &lw.k_norm, eps, kv_heads, &rope);
-            let v = b.linear(&ctx, n * rows, &lw.v_proj);
-            // Every sequence's rows at its own context length, keys then values: one call each.
+            let k = b.head_norm_rope_neox(&b.linear(&ctx, all, &lw.k_proj), &lw.k_norm, eps, kv_heads, &rope);
+            let v = b.linear(&ctx, all, &lw.v_proj);
+            // Every session's rows at its own context length, keys then values: one call each.
             let (mut ks, mut vs): (Vec<_>, Vec<_>) = ds
                 .iter_mut()
-                .map(|d| {
+                .zip(rows)
+                .map(|(d, &n)| {
                     let DFlashDrafter { cache, ctx_pos, .. } = &mut **d;
                     let c = &mut cache[l];
-                    ((&mut c.k, &*ctx_pos), (&mut c.v, &*ctx_pos))
+                    ((&mut c.k, &*ctx_pos, n), (&mut c.v, &*ctx_pos, n))
                 })
                 .unzip();
-            b.write_rows_at_segs(&mut ks, kw, &k, rows);
-            b.write_rows_at_segs(&mut vs, kw, &v, rows);
+            b.write_rows_at_segs(&mut ks, kw, &k);
+            b.write_rows_at_segs(&mut vs, kw, &v);
+        }
+        b.check()
+    }
+
+    /// [`DFlashDrafter::extend_context_act`] of several sessions (a batch's prompts) in one forward: session s's
+    /// `n[s]` taps are the next rows of `taps` (in session order), each padded to a block as alone.
+    pub fn extend_context_batch(ds: &mut [&mut DFlashDrafter<B>], taps: &B::Act, n: &[usize]) -> Result<()> {
+        let Some(d0) = ds.first() else { return Ok(()) };
+        let (b, bl, tw) = (d0.b.clone(), d0.dims.block, d0.dims.n_taps * d0.dims.hidden);
+        ensure!(
+            n.len() == ds.len(),
+            "extend_context_batch: {} lengths for {} sessions",
+            n.len(),
+            ds.len()
+        );
+        for d in ds.iter_mut() {
+            d.flush()?;
+        }
+        // Each session's rows padded to a block with zero taps (as `write_rows`), when any is shorter.
+        let rows: Vec<usize> = n.iter().map(|&k| if k == 0 { 0 } else { k.max(bl) }).collect();
+        let padded;
+        let taps = if rows == n {
+            taps
+        } else {
+            let mut x = b.zeros(rows.iter().sum::<usize>() * tw);
+            let (mut from, mut to) = (0, 0);
+            for (&k, &r) in n.iter().zip(&rows) {
+                b.set_rows(&mut x, tw, to, &b.rows(taps, tw, from, from + k), k);
+                (from, to) = (from + k, to + r);
+            }
+            padded = x;
+            &padded
+        };
+        for (d, &r) in ds.iter_mut().zip(&rows) {
+            d.reserve_context(r);
+        }
+        Self::write_context_segs(ds, taps, &rows)?;
+        for (d, &k) in ds.iter_mut().zip(n) {
+            if k > 0 {
+                b.pos_add(&mut d.ctx_pos, k);
+            }
         }
         b.check()
     }
