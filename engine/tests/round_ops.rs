@@ -149,6 +149,11 @@ impl Resources for Rec {
         rec!(self, "ids_copy", dst.len(), at, src.len(), n);
         self.inner.ids_copy(dst, at, src, n)
     }
+    fn ids_gather(&self, dst: &mut Self::Ids, srcs: &[(&Self::Ids, usize)]) {
+        let ns: Vec<usize> = srcs.iter().map(|s| s.1).collect();
+        rec!(self, "ids_gather", dst.len(), format!("{ns:?}"));
+        self.inner.ids_gather(dst, srcs)
+    }
     fn ids_write(&self, dst: &mut Self::Ids, at: usize, host: &[u32]) -> anyhow::Result<()> {
         rec!(self, "ids_write", dst.len(), at, host.len());
         self.inner.ids_write(dst, at, host)
@@ -620,6 +625,54 @@ impl TreeOps for Rec {
         rec!(self, "tree_build", draft.len(), row0);
         self.inner.tree_build(tree, draft, row0)
     }
+    fn tree_build_batch(&self, trees: &mut [&mut Self::Tree], draft: &Self::Act, rows: usize) -> anyhow::Result<()> {
+        rec!(self, "tree_build_batch", trees.len(), draft.len(), rows);
+        self.inner.tree_build_batch(trees, draft, rows)
+    }
+    fn tree_walk_decided_batch(
+        &self,
+        trees: &mut [&mut Self::Tree],
+        decisions: &Self::Ids,
+        row0: &[usize],
+    ) -> anyhow::Result<()> {
+        rec!(
+            self,
+            "tree_walk_decided_batch",
+            trees.len(),
+            decisions.len(),
+            format!("{row0:?}")
+        );
+        self.inner.tree_walk_decided_batch(trees, decisions, row0)
+    }
+    fn tree_path_rows_batch(
+        &self,
+        trees: &[&Self::Tree],
+        x: &Self::Act,
+        row0: &[usize],
+        cols: usize,
+        rows_out: usize,
+    ) -> Self::Act {
+        rec!(
+            self,
+            "tree_path_rows_batch",
+            trees.len(),
+            x.len(),
+            format!("{row0:?}"),
+            cols,
+            rows_out
+        );
+        self.inner.tree_path_rows_batch(trees, x, row0, cols, rows_out)
+    }
+    fn tree_result_into_batch(&self, trees: &[&Self::Tree], stage: &mut Self::Ids, at: &[usize]) {
+        rec!(
+            self,
+            "tree_result_into_batch",
+            trees.len(),
+            stage.len(),
+            format!("{at:?}")
+        );
+        self.inner.tree_result_into_batch(trees, stage, at)
+    }
     fn tree_root_only(&self, tree: &mut Self::Tree) -> anyhow::Result<()> {
         rec!(self, "tree_root_only");
         self.inner.tree_root_only(tree)
@@ -666,6 +719,10 @@ impl TreeOps for Rec {
     fn tree_commit(&self, tree: &mut Self::Tree, kv: &mut Self::Kv, ctx: &mut Self::Pos) -> anyhow::Result<()> {
         rec!(self, "tree_commit");
         self.inner.tree_commit(tree, kv, ctx)
+    }
+    fn tree_commit_batch(&self, items: &mut [(&mut Self::Tree, &mut Self::Kv, &mut Self::Pos)]) -> anyhow::Result<()> {
+        rec!(self, "tree_commit_batch", items.len());
+        self.inner.tree_commit_batch(items)
     }
     fn tree_commit_host(&self, tree: &Self::Tree, kv: &mut Self::Kv, ctx: &mut Self::Pos, n: usize) {
         rec!(self, "tree_commit_host", n);

@@ -1,7 +1,8 @@
 // The DDTree round's position state on the device (issue 9, one CUDA graph per round): the small ops that
 // read or advance the committed-length counters, so a captured round replays at any position.
 // - pos_add: counter += n (an eager commit of n rows); pos_add_segs: a batch's counters in one launch.
-// - round_advance: after the walk, target counter += len, drafter context counter += len, root = bonus.
+// - round_advance: after the walk, target counter += len, drafter context counter += len, root = bonus;
+//   round_advance_segs: a batch's in one launch.
 // - rope_at: cos/sin of positions *base + offset[i] (or *base + i), the CPU's rope_cos_sin: angle
 //   (float)pos * inv_freq in f32, cos/sin in f64, times the attention factor, rounded to f32.
 // - store_rows: rows [*row0, *row0 + n) of a [cap, w] buffer = src [n, w] (f32 -> bf16 for the latent cache,
@@ -10,7 +11,9 @@
 // - ids_blocks: a batch's draft blocks, [root, fill x (block - 1)] per sequence, each root read on the device.
 // - stash_rows_seg: a feed step's row per sequence into that sequence's drafter stash at its counter, counter
 //   += 1 (the taps whose context rows the drafter writes before its next draft).
-// - path_rows: out[i] = x[path[i]] for i < len of the walk, zero rows up to `rows_out`.
+// - path_rows: out[i] = x[path[i]] for i < len of the walk, zero rows up to `rows_out`; path_rows_segs: a
+//   batch's walks, each into its own rows_out rows of one output.
+// - copy_segs_u32: a batch's small copies (token ids, result words) into one buffer, in one launch.
 // CPU twins: engine backend.rs RopeTable / cpu::ops::rope_cos_sin, cpu backend write_rows_at, stash_rows,
 // ids_blocks, tree_path_rows, tree_commit (the batch forms: the backend trait's per-segment defaults). Wrappers: engine/src/cuda/ops/round_state.rs. Tests: engine/tests/cuda_ops.rs
 // (rope_at, store_rows, stash_rows_seg, path_rows, and the batch forms), engine/tests/cuda_round.rs (the captured round).
@@ -176,4 +179,62 @@ extern "C" __global__ void kdtree_path_rows_f32(const float* __restrict__ x, int
     } else {
         for (int c = threadIdx.x; c < cols; c += blockDim.x) o[c] = 0.f;
     }
+}
+
+// A batch's walked-path rows: segment s's rows [s*rows_out, (s+1)*rows_out) of out ([nseg*rows_out, cols] f32)
+// are kdtree_path_rows_f32's of its walk (walk_out[s] = [len, path...]) over rows row0[s] + path[i] of x.
+// grid (rows_out, nseg), grid-stride over the columns.
+constexpr int PATH_SEGS = 64;
+struct PathSegs {
+    unsigned long long walk_out[PATH_SEGS];
+    int row0[PATH_SEGS];
+    int nseg;
+};
+extern "C" __global__ void kdtree_path_rows_segs_f32(const PathSegs segs, const float* __restrict__ x, int cols,
+                                                     int rows_out, float* __restrict__ out) {
+    const int i = blockIdx.x, s = blockIdx.y;
+    if (s >= segs.nseg || i >= rows_out) return;
+    const int* walk = reinterpret_cast<const int*>(segs.walk_out[s]);
+    const int len = walk[0];
+    float* o = out + ((size_t)s * rows_out + i) * cols;
+    if (i < len) {
+        const float* r = x + ((size_t)segs.row0[s] + walk[1 + i]) * cols;
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) o[c] = r[c];
+    } else {
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) o[c] = 0.f;
+    }
+}
+
+// A batch's small copies in one launch: dst[at[s] .. at[s] + n[s]) = src[s][0 .. n[s]) (32-bit words: token ids,
+// a round's result words). grid (nseg), block 128.
+constexpr int COPY_SEGS = 64;
+struct CopySegs {
+    unsigned long long src[COPY_SEGS];
+    int n[COPY_SEGS], at[COPY_SEGS];
+    int nseg;
+};
+extern "C" __global__ void kdtree_copy_segs_u32(const CopySegs segs, unsigned* __restrict__ dst) {
+    const int s = blockIdx.x;
+    if (s >= segs.nseg) return;
+    const unsigned* src = reinterpret_cast<const unsigned*>(segs.src[s]);
+    unsigned* d = dst + segs.at[s];
+    for (int i = threadIdx.x; i < segs.n[s]; i += blockDim.x) d[i] = src[i];
+}
+
+// A batch's advances after its walks (after every cache's compaction, which reads the counters): segment s's
+// kdtree_round_advance (kv_pos[s] and ctx_pos[s] += len, root[s] = the bonus) from walk[s]. One block, a thread
+// per segment.
+constexpr int ADVANCE_SEGS = 64;
+struct AdvanceSegs {
+    unsigned long long walk[ADVANCE_SEGS], kv_pos[ADVANCE_SEGS], ctx_pos[ADVANCE_SEGS], root[ADVANCE_SEGS];
+    int nseg;
+};
+extern "C" __global__ void kdtree_round_advance_segs(const AdvanceSegs segs, int m) {
+    const int s = threadIdx.x;
+    if (blockIdx.x != 0 || s >= segs.nseg) return;
+    const int* walk = reinterpret_cast<const int*>(segs.walk[s]);
+    const int len = walk[0];
+    reinterpret_cast<int*>(segs.kv_pos[s])[0] += len;
+    reinterpret_cast<int*>(segs.ctx_pos[s])[0] += len;
+    reinterpret_cast<unsigned*>(segs.root[s])[0] = (unsigned)walk[1 + m + len - 1];
 }

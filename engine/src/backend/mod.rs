@@ -21,7 +21,7 @@ pub use types::{
 };
 pub use visibility::Visibility;
 
-use anyhow::Result;
+use anyhow::{ensure, Result};
 use half::bf16;
 
 /// Why a backend cannot be used.
@@ -155,6 +155,15 @@ pub trait Resources: Clone + Send + Sync + 'static {
     fn ids_from_host(&self, ids: &[u32]) -> Self::Ids;
     /// `dst[at..at + n] = src[..n]` where the ops run.
     fn ids_copy(&self, dst: &mut Self::Ids, at: usize, src: &Self::Ids, n: usize);
+    /// `dst` from index 0 = each source's first `n` ids in turn (a batch's trees' nodes into one buffer). The
+    /// default copies each; a device backend does it in one launch.
+    fn ids_gather(&self, dst: &mut Self::Ids, srcs: &[(&Self::Ids, usize)]) {
+        let mut at = 0;
+        for &(src, n) in srcs {
+            self.ids_copy(dst, at, src, n);
+            at += n;
+        }
+    }
     /// `dst[at..at + host.len()] = host` (a copy into the existing buffer: a captured graph keeps reading it).
     fn ids_write(&self, dst: &mut Self::Ids, at: usize, host: &[u32]) -> Result<()>;
     /// The ids on the host (a read back).
@@ -531,6 +540,63 @@ pub trait TreeOps: Resources {
     /// of the root token ([`TreeOps::tree_root`]) and its ancestor mask (`ddtree::build_tree`). The tree has
     /// `budget + 1` nodes when [`crate::ddtree::tree_is_full`] holds.
     fn tree_build(&self, tree: &mut Self::Tree, draft: &Self::Act, row0: usize) -> Result<()>;
+    /// [`TreeOps::tree_build`] of a batch's trees (each from `rows` draft rows): tree s from rows
+    /// `[s·rows, (s+1)·rows)` of `draft`. The default builds each alone; a device backend builds trees of one
+    /// shape together (one top-K, every tree at once), each as its own build leaves it.
+    fn tree_build_batch(&self, trees: &mut [&mut Self::Tree], draft: &Self::Act, rows: usize) -> Result<()> {
+        trees
+            .iter_mut()
+            .enumerate()
+            .try_for_each(|(s, t)| self.tree_build(t, draft, s * rows))
+    }
+    /// [`TreeOps::tree_walk_decided`] of a batch's trees: tree s's decisions at rows `[row0[s], ..)` of
+    /// `decisions`. The default walks each alone; a device backend walks them together.
+    fn tree_walk_decided_batch(
+        &self,
+        trees: &mut [&mut Self::Tree],
+        decisions: &Self::Ids,
+        row0: &[usize],
+    ) -> Result<()> {
+        ensure!(
+            trees.len() == row0.len(),
+            "{} trees, {} first rows",
+            trees.len(),
+            row0.len()
+        );
+        trees
+            .iter_mut()
+            .zip(row0)
+            .try_for_each(|(t, &r)| self.tree_walk_decided(t, decisions, r))
+    }
+    /// [`TreeOps::tree_path_rows`] of a batch's trees into one activation `[trees.len()·rows_out, cols]`: tree
+    /// s's rows from `[s·rows_out, ..)`, over its rows of `x` from `row0[s]`. The default gathers each alone.
+    fn tree_path_rows_batch(
+        &self,
+        trees: &[&Self::Tree],
+        x: &Self::Act,
+        row0: &[usize],
+        cols: usize,
+        rows_out: usize,
+    ) -> Self::Act {
+        let mut acc = self.zeros(trees.len() * rows_out * cols);
+        for (s, (t, &r)) in trees.iter().zip(row0).enumerate() {
+            self.set_rows(
+                &mut acc,
+                cols,
+                s * rows_out,
+                &self.tree_path_rows(t, x, r, cols, rows_out),
+                rows_out,
+            );
+        }
+        acc
+    }
+    /// [`TreeOps::tree_result_into`] of a batch's trees: tree s's words at `at[s]` of `stage`. The default copies
+    /// each alone.
+    fn tree_result_into_batch(&self, trees: &[&Self::Tree], stage: &mut Self::Ids, at: &[usize]) {
+        for (t, &a) in trees.iter().zip(at) {
+            self.tree_result_into(t, stage, a);
+        }
+    }
     /// A feed round's tree (a tree of budget 0): the root token alone, no draft read.
     fn tree_root_only(&self, tree: &mut Self::Tree) -> Result<()>;
     /// Sets the root token (the next round's is the last walk's bonus, set by [`TreeOps::tree_commit`]).
@@ -563,6 +629,14 @@ pub trait TreeOps: Resources {
     /// committed length and `ctx` advance by the walk's length, and the root becomes the walk's bonus. The
     /// host copies follow in [`TreeOps::tree_commit_host`], once the walk has been read.
     fn tree_commit(&self, tree: &mut Self::Tree, kv: &mut Self::Kv, ctx: &mut Self::Pos) -> Result<()>;
+    /// [`TreeOps::tree_commit`] of a batch's sequences (tree, cache, drafter context length). The default
+    /// commits each alone; a device backend commits them together.
+    #[allow(clippy::type_complexity)]
+    fn tree_commit_batch(&self, items: &mut [(&mut Self::Tree, &mut Self::Kv, &mut Self::Pos)]) -> Result<()> {
+        items
+            .iter_mut()
+            .try_for_each(|(t, kv, ctx)| self.tree_commit(t, kv, ctx))
+    }
     /// The host side of [`TreeOps::tree_commit`] for a walk of `n` nodes.
     fn tree_commit_host(&self, tree: &Self::Tree, kv: &mut Self::Kv, ctx: &mut Self::Pos, n: usize);
     /// The last walk and the last build's popped-node scores (`log_q` of nodes 1..=budget, pop order): the

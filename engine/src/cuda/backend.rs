@@ -389,6 +389,23 @@ impl Resources for CudaBackend {
                 .map_err(super::drv("ids_copy"))
         });
     }
+    fn ids_gather(&self, dst: &mut CudaSlice<u32>, srcs: &[(&CudaSlice<u32>, usize)]) {
+        self.run("ids_copy", || {
+            let mut at = 0;
+            for chunk in srcs.chunks(round_state::MAX_SEGS) {
+                let segs: Vec<_> = chunk
+                    .iter()
+                    .map(|&(src, n)| {
+                        let s = (src.slice(..n.min(src.len())), n, at);
+                        at += n;
+                        s
+                    })
+                    .collect();
+                round_state::copy_segs_u32(&self.gpu, &segs, &mut dst.as_view_mut())?;
+            }
+            Ok(())
+        });
+    }
     fn ids_write(&self, dst: &mut CudaSlice<u32>, at: usize, host: &[u32]) -> Result<()> {
         if at + host.len() > dst.len() {
             bail!("ids_write: {} ids at {at} of {}", host.len(), dst.len());

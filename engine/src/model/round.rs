@@ -342,16 +342,35 @@ fn batch_round<B: Backend>(
             }
             false => None,
         };
-        let mut at = 0;
-        for (s, (p, &i)) in parts.iter_mut().zip(slots).enumerate() {
-            let tree = &mut p.t.rounds[i].tree;
-            match (&draft, p.budget) {
-                (Some(draft), 1..) => b.tree_build(tree, draft, s * (block - 1))?,
-                _ => b.tree_root_only(tree)?,
+        // Every tree built (together where the backend can: one shape when no sequence feeds), then the nodes
+        // gathered.
+        match &draft {
+            Some(draft) if parts.iter().all(|p| p.budget > 0) => {
+                let mut trees: Vec<&mut B::Tree> = parts
+                    .iter_mut()
+                    .zip(slots)
+                    .map(|(p, &i)| &mut p.t.rounds[i].tree)
+                    .collect();
+                b.tree_build_batch(&mut trees, draft, block - 1)?;
             }
-            b.ids_copy(tokens, at, b.tree_tokens(tree), nodes[s]);
-            at += nodes[s];
+            _ => {
+                for (s, (p, &i)) in parts.iter_mut().zip(slots).enumerate() {
+                    let tree = &mut p.t.rounds[i].tree;
+                    match (&draft, p.budget) {
+                        (Some(draft), 1..) => b.tree_build(tree, draft, s * (block - 1))?,
+                        _ => b.tree_root_only(tree)?,
+                    }
+                }
+            }
         }
+        let srcs: Vec<(&B::Ids, usize)> = parts
+            .iter()
+            .zip(slots)
+            .zip(&nodes)
+            .map(|((p, &i), &n)| (b.tree_tokens(&p.t.rounds[i].tree), n))
+            .collect();
+        b.ids_gather(tokens, &srcs);
+        drop(srcs);
         // Every node's position (its tree's depth past its sequence's committed rows), one table for the batch.
         let at: Vec<(PosOf<'_, B>, Option<&B::Ids>, usize)> = parts
             .iter()
@@ -388,37 +407,52 @@ fn batch_round<B: Backend>(
         let taps = taps.context("a batched round needs the target's taps")?;
         let logits = w.lm_head(&w.final_norm(&x), total);
         // Walks, then every accepted path's taps into the drafters' contexts in one forward, then commits.
-        let (mut row, n) = (0, parts.len());
-        let mut acc = b.zeros(n * m * tw);
+        let row0: Vec<usize> = nodes
+            .iter()
+            .scan(0, |at, &n| Some(std::mem::replace(at, *at + n)))
+            .collect();
         // Greedy decisions do not depend on positions: every tree's rows in one argmax when all are greedy
-        // (into the token buffer: the verify has read it).
+        // (into the token buffer: the verify has read it), then every walk at once.
         let all_greedy = parts.iter().all(|p| p.s.is_greedy());
         if all_greedy {
             let base = PosOf::Kv(&parts[0].t.cache);
             b.decide_rows(&logits, 0, total, c.vocab, &Sampling::greedy(), base, 1, tokens)?;
-        }
-        for (s, (p, &i)) in parts.iter_mut().zip(slots).enumerate() {
-            let TargetModel { cache, rounds, .. } = &mut *p.t;
-            let tree = &mut rounds[i].tree;
-            if all_greedy {
-                b.tree_walk_decided(tree, tokens, row)?;
-            } else {
-                b.tree_walk(tree, &logits, row, p.s, cache)?;
+            let mut trees: Vec<&mut B::Tree> = parts
+                .iter_mut()
+                .zip(slots)
+                .map(|(p, &i)| &mut p.t.rounds[i].tree)
+                .collect();
+            b.tree_walk_decided_batch(&mut trees, tokens, &row0)?;
+        } else {
+            for ((p, &i), &row) in parts.iter_mut().zip(slots).zip(&row0) {
+                let TargetModel { cache, rounds, .. } = &mut *p.t;
+                b.tree_walk(&mut rounds[i].tree, &logits, row, p.s, cache)?;
             }
-            b.set_rows(&mut acc, tw, s * m, &b.tree_path_rows(tree, &taps, row, tw, m), m);
-            row += nodes[s];
         }
+        let acc = {
+            let trees: Vec<&B::Tree> = parts.iter().zip(slots).map(|(p, &i)| &p.t.rounds[i].tree).collect();
+            b.tree_path_rows_batch(&trees, &taps, &row0, tw, m)
+        };
         {
             let mut ds: Vec<&mut DFlashDrafter<B>> = parts.iter_mut().map(|p| &mut *p.d).collect();
             DFlashDrafter::write_context_batch(&mut ds, &acc, m)?;
         }
-        let mut word = 0;
-        for ((p, &i), &nw) in parts.iter_mut().zip(slots).zip(&words) {
-            let TargetModel { cache, rounds, .. } = &mut *p.t;
-            b.tree_commit(&mut rounds[i].tree, cache, p.d.context_pos_mut())?;
-            b.tree_result_into(&rounds[i].tree, stage, word);
-            word += nw;
-        }
+        let mut commits: Vec<(&mut B::Tree, &mut B::Kv, &mut B::Pos)> = parts
+            .iter_mut()
+            .zip(slots)
+            .map(|(p, &i)| {
+                let TargetModel { cache, rounds, .. } = &mut *p.t;
+                (&mut rounds[i].tree, cache, p.d.context_pos_mut())
+            })
+            .collect();
+        b.tree_commit_batch(&mut commits)?;
+        drop(commits);
+        let at: Vec<usize> = words
+            .iter()
+            .scan(0, |at, &n| Some(std::mem::replace(at, *at + n)))
+            .collect();
+        let trees: Vec<&B::Tree> = parts.iter().zip(slots).map(|(p, &i)| &p.t.rounds[i].tree).collect();
+        b.tree_result_into_batch(&trees, stage, &at);
         b.check()
     };
     let r = match graph {

@@ -454,3 +454,169 @@ pub fn ids_blocks(
     drop(guards);
     Ok(())
 }
+
+/// The kernel's by-value table (`struct PathSegs`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct PathSegsArg {
+    walk_out: [u64; MAX_SEGS],
+    row0: [i32; MAX_SEGS],
+    nseg: i32,
+}
+// SAFETY: plain old data with the C layout of `struct PathSegs`, passed by value as a kernel parameter.
+unsafe impl cudarc::driver::DeviceRepr for PathSegsArg {}
+
+/// [`path_rows`] of up to [`MAX_SEGS`] walks in one launch: segment s = (its walk_out `[len, path..]`, the row of
+/// `x` its node 0 is, its node count) fills rows `[s·rows_out, (s+1)·rows_out)` of `out` (`[nseg·rows_out,
+/// cols]`): the rows its own [`path_rows`] would write.
+pub fn path_rows_segs(
+    gpu: &Gpu,
+    x: &CudaView<'_, f32>,
+    cols: usize,
+    segs: &[(CudaView<'_, i32>, usize, usize)],
+    rows_out: usize,
+    out: &mut CudaViewMut<'_, f32>,
+) -> Result<()> {
+    let nseg = segs.len();
+    ensure(OP, nseg <= MAX_SEGS, || {
+        format!("{nseg} walks in one launch (at most {MAX_SEGS})")
+    })?;
+    need_len(OP, "out", out.len(), nseg * rows_out * cols)?;
+    if nseg == 0 || rows_out == 0 || cols == 0 {
+        return Ok(());
+    }
+    let mut arg = PathSegsArg {
+        walk_out: [0; MAX_SEGS],
+        row0: [0; MAX_SEGS],
+        nseg: nseg as i32,
+    };
+    let mut guards = Vec::with_capacity(nseg);
+    for (i, (w, row0, nodes)) in segs.iter().enumerate() {
+        use cudarc::driver::DevicePtr;
+        need_len(OP, "walk_out", w.len(), 1 + rows_out)?;
+        need_len(OP, "x", x.len(), (row0 + nodes) * cols)?;
+        let (p, g) = w.device_ptr(&gpu.stream);
+        guards.push(g);
+        (arg.walk_out[i], arg.row0[i]) = (p, as_i32(OP, "row0", *row0)?);
+    }
+    let (c, r) = (as_i32(OP, "cols", cols)?, as_i32(OP, "rows_out", rows_out)?);
+    let mut b = gpu.stream.launch_builder(gpu.func("kdtree_path_rows_segs_f32"));
+    b.arg(&arg).arg(x).arg(&c).arg(&r).arg(&mut *out);
+    // SAFETY: each walk wrote len <= rows_out node indices below its node count (ddtree_walk over its tree),
+    // whose rows of x were checked.
+    unsafe { b.launch(launch_cfg((rows_out as u32, nseg as u32, 1), 256, 0)) }.map_err(drv(OP))?;
+    drop(guards);
+    Ok(())
+}
+
+/// The kernel's by-value table (`struct CopySegs`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct CopySegsArg {
+    src: [u64; MAX_SEGS],
+    n: [i32; MAX_SEGS],
+    at: [i32; MAX_SEGS],
+    nseg: i32,
+}
+// SAFETY: plain old data with the C layout of `struct CopySegs`, passed by value as a kernel parameter.
+unsafe impl cudarc::driver::DeviceRepr for CopySegsArg {}
+
+/// Up to [`MAX_SEGS`] small copies of 32-bit words in one launch: `dst[at_s .. at_s + n_s] = src_s[..n_s]`.
+pub fn copy_segs_u32(
+    gpu: &Gpu,
+    segs: &[(CudaView<'_, u32>, usize, usize)],
+    dst: &mut CudaViewMut<'_, u32>,
+) -> Result<()> {
+    let nseg = segs.len();
+    ensure(OP, nseg <= MAX_SEGS, || {
+        format!("{nseg} copies in one launch (at most {MAX_SEGS})")
+    })?;
+    if nseg == 0 {
+        return Ok(());
+    }
+    let mut arg = CopySegsArg {
+        src: [0; MAX_SEGS],
+        n: [0; MAX_SEGS],
+        at: [0; MAX_SEGS],
+        nseg: nseg as i32,
+    };
+    let mut guards = Vec::with_capacity(nseg);
+    for (i, (src, n, at)) in segs.iter().enumerate() {
+        use cudarc::driver::DevicePtr;
+        need_len(OP, "src", src.len(), *n)?;
+        need_len(OP, "dst", dst.len(), at + n)?;
+        let (p, g) = src.device_ptr(&gpu.stream);
+        guards.push(g);
+        (arg.src[i], arg.n[i], arg.at[i]) = (p, as_i32(OP, "n", *n)?, as_i32(OP, "at", *at)?);
+    }
+    let mut b = gpu.stream.launch_builder(gpu.func("kdtree_copy_segs_u32"));
+    b.arg(&arg).arg(&mut *dst);
+    // SAFETY: each source holds its n words and dst every at + n (checked).
+    unsafe { b.launch(launch_cfg((nseg as u32, 1, 1), 128, 0)) }.map_err(drv(OP))?;
+    drop(guards);
+    Ok(())
+}
+
+/// The kernel's by-value table (`struct AdvanceSegs`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AdvanceSegsArg {
+    walk: [u64; MAX_SEGS],
+    kv_pos: [u64; MAX_SEGS],
+    ctx_pos: [u64; MAX_SEGS],
+    root: [u64; MAX_SEGS],
+    nseg: i32,
+}
+// SAFETY: plain old data with the C layout of `struct AdvanceSegs`, passed by value as a kernel parameter.
+unsafe impl cudarc::driver::DeviceRepr for AdvanceSegsArg {}
+
+/// One sequence of [`round_advance_segs`]: its walk and its counters and root.
+pub struct AdvanceSeg<'a> {
+    pub walk_out: CudaView<'a, i32>,
+    pub kv_pos: CudaViewMut<'a, i32>,
+    pub ctx_pos: CudaViewMut<'a, i32>,
+    pub root: CudaViewMut<'a, u32>,
+}
+
+/// [`round_advance`] of up to [`MAX_SEGS`] sequences in one launch (walks of `m` rows at most).
+pub fn round_advance_segs(gpu: &Gpu, segs: &mut [AdvanceSeg<'_>], m: usize) -> Result<()> {
+    let nseg = segs.len();
+    ensure(OP, nseg <= MAX_SEGS, || {
+        format!("{nseg} advances in one launch (at most {MAX_SEGS})")
+    })?;
+    ensure(OP, m > 0, || "a walk of 0 rows".into())?;
+    if nseg == 0 {
+        return Ok(());
+    }
+    let mut arg = AdvanceSegsArg {
+        walk: [0; MAX_SEGS],
+        kv_pos: [0; MAX_SEGS],
+        ctx_pos: [0; MAX_SEGS],
+        root: [0; MAX_SEGS],
+        nseg: nseg as i32,
+    };
+    let mut guards = Vec::with_capacity(4 * nseg);
+    for (i, a) in segs.iter_mut().enumerate() {
+        use cudarc::driver::{DevicePtr, DevicePtrMut};
+        need_len(OP, "walk_out", a.walk_out.len(), 1 + 2 * m)?;
+        need_len(OP, "kv_pos", a.kv_pos.len(), 1)?;
+        need_len(OP, "ctx_pos", a.ctx_pos.len(), 1)?;
+        need_len(OP, "root", a.root.len(), 1)?;
+        let s = &gpu.stream;
+        let (p0, g0) = a.walk_out.device_ptr(s);
+        let (p1, g1) = a.kv_pos.device_ptr_mut(s);
+        let (p2, g2) = a.ctx_pos.device_ptr_mut(s);
+        let (p3, g3) = a.root.device_ptr_mut(s);
+        guards.push(g0);
+        guards.extend([g1, g2]);
+        guards.push(g3);
+        (arg.walk[i], arg.kv_pos[i], arg.ctx_pos[i], arg.root[i]) = (p0, p1, p2, p3);
+    }
+    let mi = as_i32(OP, "m", m)?;
+    let mut b = gpu.stream.launch_builder(gpu.func("kdtree_round_advance_segs"));
+    b.arg(&arg).arg(&mi);
+    // SAFETY: each walk_out holds 1 + 2m values with 1 <= len <= m (ddtree_walk), the counters one i32 each.
+    unsafe { b.launch(launch_cfg((1, 1, 1), MAX_SEGS as u32, 0)) }.map_err(drv(OP))?;
+    drop(guards);
+    Ok(())
+}
