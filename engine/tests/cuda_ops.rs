@@ -1277,7 +1277,7 @@ fn xxh3_of_device_bytes_equals_the_cpu() {
 /// `ids_blocks` and `cols` against the host; 1, 3, 64 and 70 sequences (more than one launch takes).
 #[test]
 fn batch_forms_equal_the_single_forms() {
-    use kdtree_engine::backend::{Compute, PosOf, Resources};
+    use kdtree_engine::backend::{Compute, PosOf, Resources, RopeSeg};
     use kdtree_engine::cuda::CudaBackend;
     let Some(g) = gpu() else { return };
     let b = CudaBackend::new(std::sync::Arc::new(g));
@@ -1292,7 +1292,7 @@ fn batch_forms_equal_the_single_forms() {
         let offs: Vec<u32> = (0..t as u32).map(|i| 3 * i % 5).collect();
         let offs = b.ids_from_host(&offs);
         // RoPE: odd segments with offsets (a tree's depths), even ones at base + i.
-        let segs: Vec<(PosOf<'_, CudaBackend>, Option<&_>, usize)> = pos
+        let segs: Vec<RopeSeg<'_, CudaBackend>> = pos
             .iter()
             .enumerate()
             .map(|(s, p)| (PosOf::Pos(p), (s % 2 == 1).then_some(&offs), t))

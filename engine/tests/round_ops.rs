@@ -8,7 +8,7 @@
 
 use half::bf16;
 use kdtree_convert::synth::{configs, resolve};
-use kdtree_engine::backend::{Compute, PosOf, Resources, RopeTable, TreeOps, VocabShards, WeightRef};
+use kdtree_engine::backend::{Compute, PosOf, Resources, RopeSeg, RopeTable, TreeOps, VocabShards, WeightRef};
 use kdtree_engine::cpu::ops::{Fill, MlaDims, Router};
 use kdtree_engine::cpu::CpuBackend;
 use kdtree_engine::ddtree::{TreeResult, Visibility};
@@ -591,18 +591,13 @@ impl Compute for Rec {
         self.inner
             .gqa_attention_segs(q, b, ctx, block, heads, kv_heads, head_dim)
     }
-    fn rope_at_segs(
-        &self,
-        inv_freq: &Self::VectorF32,
-        factor: f64,
-        segs: &[(PosOf<'_, Self>, Option<&Self::Ids>, usize)],
-    ) -> Self::Rope {
+    fn rope_at_segs(&self, inv_freq: &Self::VectorF32, factor: f64, segs: &[RopeSeg<'_, Self>]) -> Self::Rope {
         let desc: Vec<String> = segs
             .iter()
             .map(|(b, o, t)| format!("{}:{}:{t}", pos(b), o.map_or(0, |o| o.len())))
             .collect();
         rec!(self, "rope_at_segs", desc.join(","));
-        let cpu: Vec<(PosOf<'_, C>, Option<&<C as Resources>::Ids>, usize)> = segs
+        let cpu: Vec<RopeSeg<'_, C>> = segs
             .iter()
             .map(|(b, o, t)| {
                 let b = match b {

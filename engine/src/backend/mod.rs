@@ -48,6 +48,10 @@ pub enum PosOf<'a, B: Resources> {
     Pos(&'a B::Pos),
 }
 
+/// One segment of a batch's RoPE table ([`Compute::rope_at_segs`]): its positions' base, its offsets (None: row
+/// i at base + i) and its rows.
+pub type RopeSeg<'a, B> = (PosOf<'a, B>, Option<&'a <B as Resources>::Ids>, usize);
+
 /// Resources: the associated types, uploads and dummy fills of weights, ids / masks / RoPE rows / position
 /// counters, activations as buffers (copies, rows, host reads) and the latent cache's bookkeeping.
 /// `Act` is an activation tensor, `Mat` / `I4` / `Vector` / `VectorF32` uploaded weights, `Kv` the MLA latent
@@ -296,12 +300,7 @@ pub trait Compute: Resources {
     /// [`Compute::rope_at`] of a batch's segments (base, offsets, rows), stacked in segment order (one table
     /// for one RoPE op over all their rows). The default computes each and stacks them
     /// ([`Resources::rope_cat`]); a device backend does it in one launch.
-    fn rope_at_segs(
-        &self,
-        inv_freq: &Self::VectorF32,
-        factor: f64,
-        segs: &[(PosOf<'_, Self>, Option<&Self::Ids>, usize)],
-    ) -> Self::Rope {
+    fn rope_at_segs(&self, inv_freq: &Self::VectorF32, factor: f64, segs: &[RopeSeg<'_, Self>]) -> Self::Rope {
         let ropes: Vec<Self::Rope> = segs
             .iter()
             .map(|(base, offsets, t)| {

@@ -38,7 +38,7 @@ pub use weights::{slice_config, DraftLayer, DrafterDims, DrafterWeights};
 
 use crate::api::Drafter;
 use crate::backend::WeightCheck;
-use crate::backend::{Backend, PosOf, WeightRef};
+use crate::backend::{Backend, PosOf, RopeSeg, WeightRef};
 use crate::cpu::{ops, CpuBackend};
 use crate::model::check::{check_host_bytes, check_upload, expected_xxh3};
 use crate::model::source::Slab;
@@ -675,8 +675,7 @@ impl<B: Backend> DFlashDrafter<B> {
         );
         // Every block [root, mask × (B−1)] and every block's positions (from its context length), one launch each.
         b.ids_blocks(ids, roots, bl, dims.mask_token_id);
-        let at: Vec<(PosOf<'_, B>, Option<&B::Ids>, usize)> =
-            ds.iter().map(|d| (PosOf::Pos(&d.ctx_pos), None, bl)).collect();
+        let at: Vec<RopeSeg<'_, B>> = ds.iter().map(|d| (PosOf::Pos(&d.ctx_pos), None, bl)).collect();
         let rope = b.rope_at_segs(&p.inv_freq, factor, &at);
         drop(at);
         let rows = n * bl;
@@ -739,7 +738,7 @@ impl<B: Backend> DFlashDrafter<B> {
             "write_context_batch: stashed context rows not flushed"
         );
         let ctx = b.rms_norm(&b.linear(taps, all, &p.fc), &p.hidden_norm, eps); // [Σ rows, H]
-        let at: Vec<(PosOf<'_, B>, Option<&B::Ids>, usize)> = ds
+        let at: Vec<RopeSeg<'_, B>> = ds
             .iter()
             .zip(rows)
             .map(|(d, &n)| (PosOf::Pos(&d.ctx_pos), None, n))

@@ -16,7 +16,7 @@ use super::attention::Seg;
 use super::target::{accept_walk, decoder_layers, round_key, RoundSlot, StepSlot, TargetModel};
 use super::weights::Weights;
 use crate::api::{DeviceRound, Drafter};
-use crate::backend::{Backend, PosOf};
+use crate::backend::{Backend, PosOf, RopeSeg};
 use crate::drafter::DFlashDrafter;
 use crate::sampling::Sampling;
 use anyhow::{ensure, Context, Result};
@@ -372,7 +372,7 @@ fn batch_round<B: Backend>(
         b.ids_gather(tokens, &srcs);
         drop(srcs);
         // Every node's position (its tree's depth past its sequence's committed rows), one table for the batch.
-        let at: Vec<(PosOf<'_, B>, Option<&B::Ids>, usize)> = parts
+        let at: Vec<RopeSeg<'_, B>> = parts
             .iter()
             .zip(slots)
             .zip(&nodes)
@@ -612,8 +612,7 @@ fn batch_step<B: Backend>(
     let graph = gi.map(|gi| &mut st.graphs[gi].1);
     let mut body = || {
         // Every sequence's position, one table for the batch.
-        let at: Vec<(PosOf<'_, B>, Option<&B::Ids>, usize)> =
-            parts.iter().map(|p| (PosOf::Kv(&p.t.cache), None, 1)).collect();
+        let at: Vec<RopeSeg<'_, B>> = parts.iter().map(|p| (PosOf::Kv(&p.t.cache), None, 1)).collect();
         let rope = b.rope_at_segs(&w.rope_inv, c.rope_attention_factor, &at);
         drop(at);
         let mut segs: Vec<Seg<'_, B>> = parts

@@ -256,7 +256,7 @@ pub fn stash_rows_seg_f32(gpu: &Gpu, segs: &mut [StashSeg<'_>], w: usize, src: &
     Ok(())
 }
 
-/// Segments one [`store_rows_seg_bf16`] launch takes (`STORE_SEGS` in round_state.cu).
+/// Segments one batched launch of this module takes (`STORE_SEGS` and the other tables in round_state.cu).
 pub const MAX_SEGS: usize = 64;
 
 /// One sequence of a batched store: its cache layer (`[cap, w]` bf16), its committed length where the ops
