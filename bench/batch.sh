@@ -86,13 +86,14 @@ for k, v in tot.most_common(12):
     print(f"BENCH ncu {sys.argv[2]}:   {v / 1e3:9.1f} us {100 * v / s:5.1f}% x{cnt[k]:5d} {k}")
 PY
 done
-# `--budget auto`: each model's cost file measured here first (kdtree-run calibrate; k26 on its dummy weights).
+# `--budget auto`: each model's cost file measured here first (kdtree-run calibrate on the first prompts of the
+# model's file, as a user calibrates on their workload; k26 on its dummy weights).
 if [ "${KDTREE_BATCH_CLI:-1}" = 1 ]; then
   for model in ${KDTREE_BATCH_MODELS:-pair k26}; do
     for mode in ${KDTREE_BATCH_MODES:-ar dd16 dd64 auto}; do
       if [ "$mode" = auto ] && [ ! -f "$out/calibrated-$model" ]; then
         cx=""; [ "$model" = k26 ] && cx="--load-format dummy"
-        "$dir/kdtree-run" calibrate "$work/$model" --device cuda $cx 2> "$out/calibrate-$model.err" && touch "$out/calibrated-$model" || { echo "FAIL calibrate $model: $(tail -2 "$out/calibrate-$model.err")"; fail=1; }
+        "$dir/kdtree-run" calibrate "$work/$model" --device cuda $cx --prompts "$work/$model.jsonl" 2> "$out/calibrate-$model.err" && touch "$out/calibrated-$model" || { echo "FAIL calibrate $model: $(tail -2 "$out/calibrate-$model.err")"; fail=1; }
         grep -E "budget|feed round" "$out/calibrate-$model.err" | sed "s/^/calibrate $model: /"
       fi
       for b in 1 4 16 64; do run $model $mode $b; done

@@ -14,13 +14,16 @@ if [ "${1:-}" = "--stage" ]; then
   KDTREE_NVCC="${KDTREE_NVCC:-$(bash "$root/tools/cuda/install-nvcc.sh")}" || exit 2
   export KDTREE_NVCC
   mkdir -p "$dest"
+  # No binary of an earlier stage stays behind: one that fails to build must be missing, not stale.
+  rm -f "$dest"/cuda_*
   (cd "$root" && cargo test -p kdtree-engine --features cuda --release --locked --no-run --message-format=json) |
     python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"].startswith("cuda_"):
         print(m["target"]["name"], m["executable"])' |
-    while read -r name exe; do strip -o "$dest/$name" "$exe" || exit 2; done
+    while read -r name exe; do strip -o "$dest/$name" "$exe" || exit 2; done ||
+    { echo "gpu-stage: the CUDA test binaries did not all build (see: cargo test -p kdtree-engine --features cuda --release --no-run)" >&2; exit 2; }
   # The tools, built with the CUDA backend, for the end-to-end checks.
   (cd "$root" && cargo build --release --locked -p kdtree-convert && cargo build --release --locked --features cuda -p kdtree-run -p kdtree-golden) || exit 2
   for b in kdtree-convert kdtree-run kdtree-golden; do strip -o "$dest/$b" "$root/target/release/$b" || exit 2; done

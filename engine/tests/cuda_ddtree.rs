@@ -346,3 +346,145 @@ fn captured_tree_stages_replay_over_new_inputs() {
         );
     }
 }
+
+/// A batch's trees built together (`DeviceTree::build_batch`: one top-K over every draft row, every tree and its
+/// mask in one launch per 32 trees) equal each tree built alone, bit for bit: tokens, depths, parents, scores,
+/// child lists, sizes, ancestor bitmasks; 1, 5, 33 and 40 trees (more than one launch), each with its own root,
+/// over random, peaked and tied draft rows, at budgets 16 and 64, the pair's vocabulary and K2.6's.
+#[test]
+fn batched_build_equals_each_tree_alone() {
+    let Some(g) = gpu() else { return };
+    let mut r = rng(2803);
+    for (budget, rows, v) in [(16usize, 7usize, 4352usize), (64, 7, 163_840)] {
+        for n in [1usize, 5, 33, 40] {
+            let kinds = [Logits::Random, Logits::Peaked, Logits::PeakedTies, Logits::FewFinite];
+            let mut logits = Vec::with_capacity(n * rows * v);
+            for s in 0..n {
+                logits.extend(draft_logits(&mut r, kinds[s % kinds.len()], rows, v));
+            }
+            let dl = g.upload(&logits).unwrap();
+            let roots: Vec<u32> = (0..n).map(|_| r.random_range(0..v as u32)).collect();
+            let mut alone: Vec<DeviceTree> = (0..n).map(|_| DeviceTree::new(&g, budget, rows, v).unwrap()).collect();
+            let mut batch: Vec<DeviceTree> = (0..n).map(|_| DeviceTree::new(&g, budget, rows, v).unwrap()).collect();
+            for (s, t) in alone.iter_mut().enumerate() {
+                t.set_bonus(&g, roots[s]).unwrap();
+                t.build(&g, &dl.slice(s * rows * v..(s + 1) * rows * v), v).unwrap();
+            }
+            for (s, t) in batch.iter_mut().enumerate() {
+                t.set_bonus(&g, roots[s]).unwrap();
+            }
+            let mut refs: Vec<&mut DeviceTree> = batch.iter_mut().collect();
+            DeviceTree::build_batch(&g, &mut refs, &dl.as_view(), v).unwrap();
+            for s in 0..n {
+                let case = format!(
+                    "budget {budget}, V {v}, {n} trees: tree {s} ({:?})",
+                    kinds[s % kinds.len()]
+                );
+                let (a, b) = (&alone[s], &batch[s]);
+                same_tree(&case, &b.to_host(&g).unwrap(), &a.to_host(&g).unwrap());
+                let (wa, wb) = (g.download(&a.walk_out).unwrap(), g.download(&b.walk_out).unwrap());
+                assert_eq!(wa[a.log_q_at()..], wb[b.log_q_at()..], "{case}: scores");
+                assert_eq!(
+                    g.download(&a.n_nodes).unwrap(),
+                    g.download(&b.n_nodes).unwrap(),
+                    "{case}: size"
+                );
+                assert_eq!(
+                    g.download(&a.mask.bits).unwrap(),
+                    g.download(&b.mask.bits).unwrap(),
+                    "{case}: mask"
+                );
+            }
+        }
+    }
+    println!("PARITY batched tree builds == each tree alone (1, 5, 33, 40 trees; budgets 16, 64) exact");
+}
+
+/// The batched round's tree stages through the backend (`TreeOps`' batch forms, as `model::round` calls them for
+/// a batch of greedy sequences) against each tree's own call on the same backend, bit for bit: the builds
+/// (`tree_build_batch`), the nodes gathered into one token buffer (`ids_gather`), the walks over one decision
+/// buffer (`tree_walk_decided_batch`), the walked paths' rows into one activation (`tree_path_rows_batch`) and
+/// the result words into one stage (`tree_result_into_batch`); 3, 40 and 70 trees (more than one launch).
+#[test]
+fn batched_tree_stages_equal_each_tree_alone() {
+    use kdtree_engine::backend::{Resources, TreeOps};
+    use kdtree_engine::cuda::CudaBackend;
+    let Some(g) = gpu() else { return };
+    let b = CudaBackend::new(std::sync::Arc::new(g));
+    let mut r = rng(2804);
+    let (budget, rows, v, cols) = (16usize, 7usize, 4352usize, 24usize);
+    let nodes = budget + 1;
+    for n in [3usize, 40, 70] {
+        let mut logits = Vec::with_capacity(n * rows * v);
+        for s in 0..n {
+            let kind = [Logits::Peaked, Logits::PeakedTies, Logits::Random][s % 3];
+            logits.extend(draft_logits(&mut r, kind, rows, v));
+        }
+        let dl = b.act_from_host(logits);
+        let mut alone: Vec<_> = (0..n).map(|_| b.tree_new(budget, rows, v, budget).unwrap()).collect();
+        let mut batch: Vec<_> = (0..n).map(|_| b.tree_new(budget, rows, v, budget).unwrap()).collect();
+        for s in 0..n {
+            let root = r.random_range(0..v as u32);
+            b.tree_set_root(&mut alone[s], root).unwrap();
+            b.tree_set_root(&mut batch[s], root).unwrap();
+            b.tree_build(&mut alone[s], &dl, s * rows).unwrap();
+        }
+        b.tree_build_batch(&mut batch.iter_mut().collect::<Vec<_>>(), &dl, rows)
+            .unwrap();
+        // The nodes gathered.
+        let (mut t1, mut t2) = (
+            b.ids_from_host(&vec![7; n * nodes]),
+            b.ids_from_host(&vec![9; n * nodes]),
+        );
+        for (s, t) in alone.iter().enumerate() {
+            b.ids_copy(&mut t1, s * nodes, b.tree_tokens(t), nodes);
+        }
+        let srcs: Vec<_> = batch.iter().map(|t| (b.tree_tokens(t), nodes)).collect();
+        b.ids_gather(&mut t2, &srcs);
+        let toks = b.ids_to_host(&t1).unwrap();
+        assert_eq!(toks, b.ids_to_host(&t2).unwrap(), "{n} trees: nodes");
+        // Decisions that follow a child with probability 0.8 (walks of every depth), one buffer for all.
+        let mut dec = Vec::with_capacity(n * nodes);
+        for t in &alone {
+            let mut d = decisions(&mut r, &t.to_host(b.gpu()).unwrap(), v, 0.8);
+            d.resize(nodes, 0);
+            dec.extend(d);
+        }
+        let dec_dev = b.ids_from_host(&dec);
+        let row0: Vec<usize> = (0..n).map(|s| s * nodes).collect();
+        for (s, t) in alone.iter_mut().enumerate() {
+            b.tree_walk_decided(t, &dec_dev, row0[s]).unwrap();
+        }
+        b.tree_walk_decided_batch(&mut batch.iter_mut().collect::<Vec<_>>(), &dec_dev, &row0)
+            .unwrap();
+        // Rows of the walked paths (rows_out = the walk's most rows), over one activation of every tree's nodes.
+        let x = b.act_from_host(rand_f32(&mut r, n * nodes * cols, -1.0, 1.0));
+        let m = rows + 1;
+        let mut want = Vec::new();
+        for (s, t) in alone.iter().enumerate() {
+            want.extend(b.to_host(&b.tree_path_rows(t, &x, row0[s], cols, m)));
+        }
+        let got = b.to_host(&b.tree_path_rows_batch(&batch.iter().collect::<Vec<_>>(), &x, &row0, cols, m));
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        assert_eq!(bits(&got), bits(&want), "{n} trees: path rows");
+        // Result words: the walk and the scores, into one stage each way.
+        let words = b.tree_result_words(&alone[0]);
+        let at: Vec<usize> = (0..n).map(|s| s * words).collect();
+        let (mut s1, mut s2) = (
+            b.ids_from_host(&vec![1; n * words]),
+            b.ids_from_host(&vec![2; n * words]),
+        );
+        for (s, t) in alone.iter().enumerate() {
+            b.tree_result_into(t, &mut s1, at[s]);
+        }
+        b.tree_result_into_batch(&batch.iter().collect::<Vec<_>>(), &mut s2, &at);
+        let (w1, w2) = (b.ids_to_host(&s1).unwrap(), b.ids_to_host(&s2).unwrap());
+        assert_eq!(w1, w2, "{n} trees: result words (walks and scores)");
+        let deep = (0..n).filter(|&s| w1[s * words] > 1).count();
+        println!(
+            "PARITY batched tree stages, {n} trees: builds, nodes, walks ({deep} past the root), path rows, results \
+             exact"
+        );
+    }
+    b.check().unwrap();
+}

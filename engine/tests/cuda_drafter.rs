@@ -324,3 +324,67 @@ fn cuda_drafter_matches_the_cpu_drafter() {
         &[8, 99, 21],
     );
 }
+
+/// The batch form of the block attention (`Compute::gqa_attention_segs`: every sequence of a batch in one launch)
+/// against each sequence's own `gqa_attention` on the same backend, bit for bit: contexts of different lengths
+/// and caches of different rooms (so the sequences' split counts differ, 1 to many), an empty context, the
+/// trained pair's shape (B 8, Hq 16, Hk 8, D 32) and the real K2.x drafter's (B 8, Hq 64, Hk 8, D 128); 1, 5,
+/// 64 and 67 sequences (more than one launch takes).
+#[test]
+fn gqa_attention_segs_equal_each_sequence_alone() {
+    use kdtree_engine::backend::{Compute, Resources};
+    use kdtree_engine::cuda::CudaBackend;
+    let Some(g) = gpu() else { return };
+    let b = CudaBackend::new(std::sync::Arc::new(g));
+    let mut r = rng(2802);
+    for (bl, hq, hk, d) in [(8usize, 16usize, 8usize, 32usize), (8, 64, 8, 128)] {
+        let (qw, kw) = (hq * d, hk * d);
+        for n in [1usize, 5, 64, 67] {
+            let ctx: Vec<usize> = (0..n)
+                .map(|s| match s % 4 {
+                    0 => 0,
+                    1 => r.random_range(1..64),
+                    2 => r.random_range(64..2000),
+                    _ => r.random_range(2000..9000),
+                })
+                .collect();
+            let room: Vec<usize> = ctx.iter().map(|&c| (c + 1).next_power_of_two().max(256)).collect();
+            let kc: Vec<_> = room
+                .iter()
+                .map(|&m| b.act_from_host(rand_pm(&mut r, m * kw, 2.0)))
+                .collect();
+            let vc: Vec<_> = room
+                .iter()
+                .map(|&m| b.act_from_host(rand_pm(&mut r, m * kw, 1.0)))
+                .collect();
+            let pos: Vec<_> = ctx.iter().map(|&c| b.pos_new(c)).collect();
+            let q = b.act_from_host(rand_pm(&mut r, n * bl * qw, 2.0));
+            let kb = b.act_from_host(rand_pm(&mut r, n * bl * kw, 2.0));
+            let vb = b.act_from_host(rand_pm(&mut r, n * bl * kw, 1.0));
+            let segs: Vec<_> = (0..n).map(|s| (&kc[s], &vc[s], &pos[s])).collect();
+            let all = b.to_host(&b.gqa_attention_segs(&q, bl, &segs, (&kb, &vb), hq, hk, d));
+            for s in 0..n {
+                let (r0, r1) = (s * bl, (s + 1) * bl);
+                let one = b.gqa_attention(
+                    &b.rows(&q, qw, r0, r1),
+                    bl,
+                    (&kc[s], &vc[s]),
+                    &pos[s],
+                    (&b.rows(&kb, kw, r0, r1), &b.rows(&vb, kw, r0, r1)),
+                    hq,
+                    hk,
+                    d,
+                );
+                let (x, y) = (b.to_host(&one), &all[r0 * qw..r1 * qw]);
+                let same = x.iter().zip(y).all(|(a, c)| a.to_bits() == c.to_bits());
+                assert!(
+                    same,
+                    "Hq {hq} D {d}, {n} sequences: sequence {s} (C {}, room {})",
+                    ctx[s], room[s]
+                );
+            }
+        }
+    }
+    b.check().unwrap();
+    println!("PARITY gqa_attention_segs == gqa_attention per sequence (1, 5, 64, 67 sequences) exact");
+}

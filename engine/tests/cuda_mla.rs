@@ -364,11 +364,11 @@ fn mla_decode_parity() {
 
 /// A batch's MLA in one launch (`mla_attention_seg`: each sequence its own cache, mask, committed length on
 /// the device and split) gives every node the bits its own sequence's launch gives; and the batch's latent
-/// store (`store_rows_seg_bf16`) writes each sequence's rows where `store_rows` into bf16 does.
+/// store (`store_rows_seg` into bf16) writes each sequence's rows where `store_rows` into bf16 does.
 #[test]
 fn mla_attention_segments_equal_their_own_launches() {
     use kdtree_engine::cuda::ops::mla_attention::{mla_attention_seg, MlaSeg};
-    use kdtree_engine::cuda::ops::round_state::{store_rows, store_rows_seg_bf16, StoreSeg};
+    use kdtree_engine::cuda::ops::round_state::{store_rows, store_rows_seg, StoreSeg};
     let Some(g) = split_gpu() else { return };
     let (heads, c, p) = (8usize, 512usize, 64usize);
     let lw = c + p;
@@ -513,7 +513,7 @@ fn mla_attention_segments_equal_their_own_launches() {
                 n: k,
             })
             .collect();
-        store_rows_seg_bf16(&g, &mut parts, w, &dsrc.as_view()).unwrap();
+        store_rows_seg(&g, &mut parts, w, &dsrc.as_view()).unwrap();
     }
     for (i, (x, (y, _))) in a.iter().zip(&b).enumerate() {
         let (x, y) = (g.download(x).unwrap(), g.download(y).unwrap());
@@ -522,7 +522,7 @@ fn mla_attention_segments_equal_their_own_launches() {
             "cache {i}: the batched store differs"
         );
     }
-    println!("PARITY store_rows_seg_bf16(3 caches) vs store_rows each: bit-identical");
+    println!("PARITY store_rows_seg into bf16 (3 caches) vs store_rows each: bit-identical");
 }
 
 /// Node tiles go in the split kernel's grid y, at most 65535: with 64 heads a node tile is one node (on either

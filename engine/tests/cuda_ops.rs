@@ -1270,3 +1270,102 @@ fn xxh3_of_device_bytes_equals_the_cpu() {
         n as f64 / secs / 1e9
     );
 }
+
+/// The batch forms of the drafter's per-sequence ops (issue 28: one launch per stage for a batch) against their
+/// single forms on the same backend, bit for bit: `rope_at_segs` against `rope_at` of each segment (bases from
+/// position counters, with and without offsets), `write_rows_at_segs` against `write_rows_at` of each row cache,
+/// `ids_blocks` and `cols` against the host; 1, 3, 64 and 70 sequences (more than one launch takes).
+#[test]
+fn batch_forms_equal_the_single_forms() {
+    use kdtree_engine::backend::{Compute, PosOf, Resources, RopeSeg};
+    use kdtree_engine::cuda::CudaBackend;
+    let Some(g) = gpu() else { return };
+    let b = CudaBackend::new(std::sync::Arc::new(g));
+    let mut r = rng(2801);
+    let inv: Vec<f32> = (0..16).map(|i| 1.0 / 10000f32.powf(i as f32 / 16.0)).collect();
+    let inv = b.act_from_host(inv); // VectorF32 and Act are both f32 device buffers
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    for n in [1usize, 3, 64, 70] {
+        let (t, w) = (8usize, 96usize);
+        let at: Vec<usize> = (0..n).map(|_| r.random_range(0..5000)).collect();
+        let pos: Vec<_> = at.iter().map(|&a| b.pos_new(a)).collect();
+        let offs: Vec<u32> = (0..t as u32).map(|i| 3 * i % 5).collect();
+        let offs = b.ids_from_host(&offs);
+        // RoPE: odd segments with offsets (a tree's depths), even ones at base + i.
+        let segs: Vec<RopeSeg<'_, CudaBackend>> = pos
+            .iter()
+            .enumerate()
+            .map(|(s, p)| (PosOf::Pos(p), (s % 2 == 1).then_some(&offs), t))
+            .collect();
+        let all = b.rope_at_segs(&inv, 1.25, &segs);
+        let (cos, sin) = (b.to_host(&all.cos), b.to_host(&all.sin));
+        for (s, p) in pos.iter().enumerate() {
+            let one = b.rope_at(&inv, 1.25, PosOf::Pos(p), (s % 2 == 1).then_some(&offs), t);
+            let span = s * t * 16..(s + 1) * t * 16;
+            assert_eq!(
+                bits(&cos[span.clone()]),
+                bits(&b.to_host(&one.cos)),
+                "n {n} seg {s}: cos"
+            );
+            assert_eq!(bits(&sin[span]), bits(&b.to_host(&one.sin)), "n {n} seg {s}: sin");
+        }
+        // Row stores at each cache's count, 1 to 3 rows a cache (a batch of prompts' context rows): the batch form
+        // and one store per cache, from NaN-poisoned caches.
+        let cap = 6usize;
+        let ns: Vec<usize> = (0..n).map(|s| 1 + s % 3).collect();
+        let rows_at: Vec<usize> = (0..n).map(|_| r.random_range(0..cap - 3)).collect();
+        let cpos: Vec<_> = rows_at.iter().map(|&a| b.pos_new(a)).collect();
+        let total: usize = ns.iter().sum();
+        let src = b.act_from_host(rand_f32(&mut r, total * w, -3.0, 3.0));
+        let mut one: Vec<_> = (0..n).map(|_| b.act_from_host(nan_f32(cap * w))).collect();
+        let mut many: Vec<_> = (0..n).map(|_| b.act_from_host(nan_f32(cap * w))).collect();
+        let mut row = 0;
+        for ((d, p), &k) in one.iter_mut().zip(&cpos).zip(&ns) {
+            b.write_rows_at(d, w, p, &b.rows(&src, w, row, row + k), k);
+            row += k;
+        }
+        let mut dsts: Vec<_> = many
+            .iter_mut()
+            .zip(&cpos)
+            .zip(&ns)
+            .map(|((d, p), &k)| (d, p, k))
+            .collect();
+        b.write_rows_at_segs(&mut dsts, w, &src);
+        for s in 0..n {
+            let (x, y) = (b.to_host(&one[s]), b.to_host(&many[s]));
+            assert_eq!(
+                bits(&x),
+                bits(&y),
+                "n {n} cache {s} ({} rows at count {})",
+                ns[s],
+                rows_at[s]
+            );
+        }
+        // Draft blocks from device roots, and the blocks' tails.
+        let roots: Vec<_> = (0..n).map(|s| b.ids_from_host(&[1000 + s as u32])).collect();
+        let mut ids = b.ids_from_host(&vec![7; n * t]);
+        b.ids_blocks(&mut ids, &roots.iter().collect::<Vec<_>>(), t, 4350);
+        let want: Vec<u32> = (0..n)
+            .flat_map(|s| (0..t).map(move |i| if i == 0 { 1000 + s as u32 } else { 4350 }))
+            .collect();
+        assert_eq!(b.ids_to_host(&ids).unwrap(), want, "n {n}: ids_blocks");
+        let x = rand_f32(&mut r, n * t * w, -1.0, 1.0);
+        let tail = b.to_host(&b.cols(&b.act_from_host(x.clone()), t * w, w, (t - 1) * w, n));
+        let want: Vec<f32> = (0..n)
+            .flat_map(|s| x[(s * t + 1) * w..(s + 1) * t * w].to_vec())
+            .collect();
+        assert_eq!(bits(&tail), bits(&want), "n {n}: cols");
+        // Counters advanced together (a batched AR step's commits), at most one launch's worth at a time.
+        let start: Vec<i32> = (0..n).map(|_| r.random_range(0..9000)).collect();
+        let mut cs: Vec<_> = start.iter().map(|&v| b.gpu().upload(&[v]).unwrap()).collect();
+        for chunk in cs.chunks_mut(ops::round_state::MAX_SEGS) {
+            let mut views: Vec<_> = chunk.iter_mut().map(|c| c.as_view_mut()).collect();
+            ops::round_state::pos_add_segs(b.gpu(), &mut views, 3).unwrap();
+        }
+        for (s, c) in cs.iter().enumerate() {
+            assert_eq!(b.gpu().download(c).unwrap(), vec![start[s] + 3], "n {n}: counter {s}");
+        }
+    }
+    b.check().unwrap();
+    println!("PARITY rope_at_segs, write_rows_at_segs, ids_blocks, cols, pos_add_segs (1, 3, 64, 70 sequences) exact");
+}

@@ -18,6 +18,8 @@
 //!   equal the CPU builder's `log_q` bit for bit on the same draft logits, budgets 4 to 256;
 //! * `auto_budget_on_the_gpu_equals_the_host_rounds`: `--budget auto` (rounds captured per bucket) gives
 //!   the host rounds' steps, budgets included, one read back per round.
+//! * `batched_rounds_equal_each_sequence_alone_on_the_gpu`: a batch's rounds (every per-sequence stage in one
+//!   launch) give each sequence its tokens alone, exactly with batch-invariant sums, 5 to 40 sequences;
 //! * `device_prefill_equals_the_host_prefill_on_the_gpu`: the prefill where the ops run (the drafter's context
 //!   from taps that stay on the device; none in AR) leaves the host prefill's state bit for bit, with a read back
 //!   fewer per chunk and, in DDTree, an upload fewer.
@@ -602,4 +604,77 @@ fn device_prefill_equals_the_host_prefill_on_the_gpu() {
             );
         }
     }
+}
+
+/// A batch's DDTree rounds (one forward for every sequence; the drafts, trees, walks, path rows, commits and
+/// results each in one launch per stage) give each sequence the tokens it gets alone, exactly, with the
+/// batch-invariant sums (every forward's rows independent of the call's other rows, for forwards of up to
+/// `INVARIANT_MAX_ROWS` rows): 5 and 40 sequences at budget 16 and 5 and 31 at budget 64 (more than one launch of
+/// the tree stages; at most 2,015 rows a forward), greedy and sampled.
+#[test]
+fn batched_rounds_equal_each_sequence_alone_on_the_gpu() {
+    use kdtree_engine::generate::{generate, generate_batch, GenRequest, Job};
+    let tmp = tempfile::tempdir().unwrap();
+    let Some((g, mut m)) = pair_on_gpu(&tmp) else { return };
+    g.set_batch_invariant(true);
+    let sampled = Sampling {
+        temperature: 1.0,
+        top_p: 0.95,
+        seed: 5,
+        ..Sampling::greedy()
+    };
+    for (n, budget) in [(5usize, 16usize), (40, 16), (5, 64), (31, 64)] {
+        assert!(n * (budget + 1) <= kdtree_engine::cuda::ops::w4a16_gemm::INVARIANT_MAX_ROWS);
+        let prompts: Vec<Vec<u32>> = (0..n)
+            .map(|i| {
+                let mut p = PROMPTS[i % 2].to_vec();
+                p.push(100 + i as u32);
+                p
+            })
+            .collect();
+        for (label, smp) in [("greedy", Sampling::greedy()), ("sampled", sampled.clone())] {
+            let mode = Mode::DDTree { budget };
+            let req = |p: &Vec<u32>| GenRequest {
+                prompt: p.clone(),
+                max_tokens: 20,
+                stop_token_ids: vec![],
+                sampling: smp.clone(),
+                mode,
+            };
+            let alone: Vec<Vec<u32>> = prompts
+                .iter()
+                .map(|p| {
+                    let mut s = m.session(mode).unwrap();
+                    generate(&mut s, &req(p), &mut |_| false).unwrap().tokens
+                })
+                .collect();
+            let mut batch = m.batch(mode, n, None).unwrap();
+            let mut it = prompts.iter().enumerate();
+            let mut next = || {
+                it.next().map(|(i, p)| {
+                    (
+                        i,
+                        Job {
+                            req: req(p),
+                            on_tokens: Box::new(|_: &[u32]| false),
+                        },
+                    )
+                })
+            };
+            let mut outs = std::collections::BTreeMap::new();
+            let mut done = |i: usize, o: anyhow::Result<kdtree_engine::generate::GenOutput>| {
+                outs.insert(i, o.unwrap().tokens);
+                Ok(())
+            };
+            generate_batch(&mut batch, &mut next, &mut done).unwrap();
+            assert!(batch.batched_steps > 0, "{n} sequences: no batched round ran");
+            let got: Vec<Vec<u32>> = outs.into_values().collect();
+            for (i, (a, b)) in alone.iter().zip(&got).enumerate() {
+                assert_eq!(b, a, "{n} sequences, budget {budget}, {label}: sequence {i}");
+            }
+            println!("PARITY batched DDTree == alone (cuda, {n} sequences, budget {budget}, {label}) exact");
+        }
+    }
+    g.set_batch_invariant(false);
+    no_capture_failure(&g);
 }

@@ -8,7 +8,7 @@
 
 use half::bf16;
 use kdtree_convert::synth::{configs, resolve};
-use kdtree_engine::backend::{Compute, PosOf, Resources, RopeTable, TreeOps, VocabShards, WeightRef};
+use kdtree_engine::backend::{Compute, PosOf, Resources, RopeSeg, RopeTable, TreeOps, VocabShards, WeightRef};
 use kdtree_engine::cpu::ops::{Fill, MlaDims, Router};
 use kdtree_engine::cpu::CpuBackend;
 use kdtree_engine::ddtree::{TreeResult, Visibility};
@@ -149,6 +149,11 @@ impl Resources for Rec {
         rec!(self, "ids_copy", dst.len(), at, src.len(), n);
         self.inner.ids_copy(dst, at, src, n)
     }
+    fn ids_gather(&self, dst: &mut Self::Ids, srcs: &[(&Self::Ids, usize)]) {
+        let ns: Vec<usize> = srcs.iter().map(|s| s.1).collect();
+        rec!(self, "ids_gather", dst.len(), format!("{ns:?}"));
+        self.inner.ids_gather(dst, srcs)
+    }
     fn ids_write(&self, dst: &mut Self::Ids, at: usize, host: &[u32]) -> anyhow::Result<()> {
         rec!(self, "ids_write", dst.len(), at, host.len());
         self.inner.ids_write(dst, at, host)
@@ -209,6 +214,21 @@ impl Resources for Rec {
         rec!(self, "zeros", n);
         self.inner.zeros(n)
     }
+    fn cols(&self, x: &Self::Act, ld: usize, from: usize, width: usize, t: usize) -> Self::Act {
+        rec!(self, "cols", x.len(), ld, from, width, t);
+        self.inner.cols(x, ld, from, width, t)
+    }
+    fn ids_blocks(&self, dst: &mut Self::Ids, roots: &[&Self::Ids], block: usize, fill: u32) {
+        rec!(self, "ids_blocks", dst.len(), roots.len(), block, fill);
+        self.inner.ids_blocks(dst, roots, block, fill)
+    }
+    fn write_rows_at_segs(&self, dsts: &mut [(&mut Self::Act, &Self::Pos, usize)], cols: usize, src: &Self::Act) {
+        let ns: Vec<usize> = dsts.iter().map(|d| d.2).collect();
+        rec!(self, "write_rows_at_segs", format!("{ns:?}"), cols, src.len());
+        let mut d: Vec<(&mut <C as Resources>::Act, &<C as Resources>::Pos, usize)> =
+            dsts.iter_mut().map(|(a, p, n)| (&mut **a, *p, *n)).collect();
+        self.inner.write_rows_at_segs(&mut d, cols, src)
+    }
     fn reserve_rows(&self, x: &mut Self::Act, cols: usize, rows: usize) -> bool {
         rec!(self, "reserve_rows", x.len(), cols, rows);
         self.inner.reserve_rows(x, cols, rows)
@@ -256,6 +276,10 @@ impl Resources for Rec {
     fn kv_commit_rows(&self, kv: &mut Self::Kv, n: usize) -> anyhow::Result<()> {
         rec!(self, "kv_commit_rows", n);
         self.inner.kv_commit_rows(kv, n)
+    }
+    fn kv_commit_rows_segs(&self, kvs: &mut [&mut Self::Kv], n: usize) -> anyhow::Result<()> {
+        rec!(self, "kv_commit_rows_segs", kvs.len(), n);
+        self.inner.kv_commit_rows_segs(kvs, n)
     }
     fn kv_commit_rows_host(&self, kv: &mut Self::Kv, n: usize) {
         rec!(self, "kv_commit_rows_host", n);
@@ -473,7 +497,7 @@ impl Compute for Rec {
     }
     fn kv_append_latent_segs(
         &self,
-        segs: &mut [(&mut Self::Kv, &Self::Rope, usize)],
+        segs: &mut [(&mut Self::Kv, usize)],
         l: usize,
         ckv: &Self::Act,
         norm: &Self::Vector,
@@ -481,7 +505,7 @@ impl Compute for Rec {
         width: usize,
         rope_all: &Self::Rope,
     ) {
-        let ts: Vec<usize> = segs.iter().map(|s| s.2).collect();
+        let ts: Vec<usize> = segs.iter().map(|s| s.1).collect();
         rec!(self, "kv_append_latent_segs", format!("{ts:?}"), l, ckv.len(), width);
         self.inner
             .kv_append_latent_segs(segs, l, ckv, norm, eps, width, rope_all)
@@ -543,6 +567,48 @@ impl Compute for Rec {
         self.inner
             .gqa_attention(q, b, ctx, ctx_len, block, heads, kv_heads, head_dim)
     }
+    fn gqa_attention_segs(
+        &self,
+        q: &Self::Act,
+        b: usize,
+        ctx: &[(&Self::Act, &Self::Act, &Self::Pos)],
+        block: (&Self::Act, &Self::Act),
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Self::Act {
+        rec!(
+            self,
+            "gqa_attention_segs",
+            q.len(),
+            b,
+            ctx.len(),
+            block.0.len(),
+            heads,
+            kv_heads,
+            head_dim
+        );
+        self.inner
+            .gqa_attention_segs(q, b, ctx, block, heads, kv_heads, head_dim)
+    }
+    fn rope_at_segs(&self, inv_freq: &Self::VectorF32, factor: f64, segs: &[RopeSeg<'_, Self>]) -> Self::Rope {
+        let desc: Vec<String> = segs
+            .iter()
+            .map(|(b, o, t)| format!("{}:{}:{t}", pos(b), o.map_or(0, |o| o.len())))
+            .collect();
+        rec!(self, "rope_at_segs", desc.join(","));
+        let cpu: Vec<RopeSeg<'_, C>> = segs
+            .iter()
+            .map(|(b, o, t)| {
+                let b = match b {
+                    PosOf::Kv(k) => PosOf::Kv(*k),
+                    PosOf::Pos(p) => PosOf::Pos(*p),
+                };
+                (cpu_pos(b), *o, *t)
+            })
+            .collect();
+        self.inner.rope_at_segs(inv_freq, factor, &cpu)
+    }
 }
 
 impl TreeOps for Rec {
@@ -553,6 +619,54 @@ impl TreeOps for Rec {
     fn tree_build(&self, tree: &mut Self::Tree, draft: &Self::Act, row0: usize) -> anyhow::Result<()> {
         rec!(self, "tree_build", draft.len(), row0);
         self.inner.tree_build(tree, draft, row0)
+    }
+    fn tree_build_batch(&self, trees: &mut [&mut Self::Tree], draft: &Self::Act, rows: usize) -> anyhow::Result<()> {
+        rec!(self, "tree_build_batch", trees.len(), draft.len(), rows);
+        self.inner.tree_build_batch(trees, draft, rows)
+    }
+    fn tree_walk_decided_batch(
+        &self,
+        trees: &mut [&mut Self::Tree],
+        decisions: &Self::Ids,
+        row0: &[usize],
+    ) -> anyhow::Result<()> {
+        rec!(
+            self,
+            "tree_walk_decided_batch",
+            trees.len(),
+            decisions.len(),
+            format!("{row0:?}")
+        );
+        self.inner.tree_walk_decided_batch(trees, decisions, row0)
+    }
+    fn tree_path_rows_batch(
+        &self,
+        trees: &[&Self::Tree],
+        x: &Self::Act,
+        row0: &[usize],
+        cols: usize,
+        rows_out: usize,
+    ) -> Self::Act {
+        rec!(
+            self,
+            "tree_path_rows_batch",
+            trees.len(),
+            x.len(),
+            format!("{row0:?}"),
+            cols,
+            rows_out
+        );
+        self.inner.tree_path_rows_batch(trees, x, row0, cols, rows_out)
+    }
+    fn tree_result_into_batch(&self, trees: &[&Self::Tree], stage: &mut Self::Ids, at: &[usize]) {
+        rec!(
+            self,
+            "tree_result_into_batch",
+            trees.len(),
+            stage.len(),
+            format!("{at:?}")
+        );
+        self.inner.tree_result_into_batch(trees, stage, at)
     }
     fn tree_root_only(&self, tree: &mut Self::Tree) -> anyhow::Result<()> {
         rec!(self, "tree_root_only");
@@ -600,6 +714,10 @@ impl TreeOps for Rec {
     fn tree_commit(&self, tree: &mut Self::Tree, kv: &mut Self::Kv, ctx: &mut Self::Pos) -> anyhow::Result<()> {
         rec!(self, "tree_commit");
         self.inner.tree_commit(tree, kv, ctx)
+    }
+    fn tree_commit_batch(&self, items: &mut [(&mut Self::Tree, &mut Self::Kv, &mut Self::Pos)]) -> anyhow::Result<()> {
+        rec!(self, "tree_commit_batch", items.len());
+        self.inner.tree_commit_batch(items)
     }
     fn tree_commit_host(&self, tree: &Self::Tree, kv: &mut Self::Kv, ctx: &mut Self::Pos, n: usize) {
         rec!(self, "tree_commit_host", n);

@@ -100,22 +100,14 @@ __device__ __forceinline__ void rescan(const Shared& s, int lane, int stride, in
 
 }  // namespace ddtree_build
 
-// lp [L, K] f32, tok [L, K] u32 (per-depth top-K, rank order); bonus [1] u32 (the root token, on the device).
-// Outputs, [budget + 1] each (nodes in pop order, node 0 = root): tokens u32, depths u32, parents i32,
-// log_q f64, first_child i32, next_sibling i32; n_nodes [1] i32 = nodes including the root.
-// Dynamic shared memory: lp (L * K f32, when lp_in_smem; padded to 8 bytes), then log_q of the nodes
-// ((budget + 1) f64). Every output is kept in shared memory during the pops and written out at the end (a
-// global store before a __syncwarp would make the warp wait for it every pop).
-// grid (1), block 32.
-extern "C" __global__ void __launch_bounds__(32) kdtree_ddtree_build(const float* __restrict__ lp, const unsigned* __restrict__ tok, int L,
-                                                                     int K, int budget, const unsigned* __restrict__ bonus,
-                                                                     unsigned* __restrict__ tokens, unsigned* __restrict__ depths,
-                                                                     int* __restrict__ parents, double* __restrict__ log_q,
-                                                                     int* __restrict__ first_child, int* __restrict__ next_sibling,
-                                                                     int* __restrict__ n_nodes, int lp_in_smem) {
+// One tree's build by the calling warp (the kernels below): `s` the block's static arrays, `ddtree_lp` its dynamic
+// shared memory. Returns the nodes built (root included), the same in every lane.
+__device__ int ddtree_build_warp(const float* __restrict__ lp, const unsigned* __restrict__ tok, int L, int K, int budget,
+                                 const unsigned* __restrict__ bonus, unsigned* __restrict__ tokens,
+                                 unsigned* __restrict__ depths, int* __restrict__ parents, double* __restrict__ log_q,
+                                 int* __restrict__ first_child, int* __restrict__ next_sibling,
+                                 int* __restrict__ n_nodes, int lp_in_smem, ddtree_build::Shared& s, float* ddtree_lp) {
     using namespace ddtree_build;
-    __shared__ Shared s;
-    extern __shared__ float ddtree_lp[];  // a name of its own: build.rs compiles every .cu as one translation unit
     const int lane = threadIdx.x, W = 32;
     if (lp_in_smem)
         for (int i = lane; i < L * K; i += W) ddtree_lp[i] = lp[i];
@@ -227,4 +219,59 @@ extern "C" __global__ void __launch_bounds__(32) kdtree_ddtree_build(const float
         next_sibling[i] = s.next_sibling[i];
     }
     if (lane == 0) n_nodes[0] = n;
+    return n;
+}
+
+// lp [L, K] f32, tok [L, K] u32 (per-depth top-K, rank order); bonus [1] u32 (the root token, on the device).
+// Outputs, [budget + 1] each (nodes in pop order, node 0 = root): tokens u32, depths u32, parents i32,
+// log_q f64, first_child i32, next_sibling i32; n_nodes [1] i32 = nodes including the root.
+// Dynamic shared memory: lp (L * K f32, when lp_in_smem; padded to 8 bytes), then log_q of the nodes
+// ((budget + 1) f64). Every output is kept in shared memory during the pops and written out at the end (a
+// global store before a __syncwarp would make the warp wait for it every pop).
+// grid (1), block 32.
+extern "C" __global__ void __launch_bounds__(32) kdtree_ddtree_build(const float* __restrict__ lp, const unsigned* __restrict__ tok, int L,
+                                                                     int K, int budget, const unsigned* __restrict__ bonus,
+                                                                     unsigned* __restrict__ tokens, unsigned* __restrict__ depths,
+                                                                     int* __restrict__ parents, double* __restrict__ log_q,
+                                                                     int* __restrict__ first_child, int* __restrict__ next_sibling,
+                                                                     int* __restrict__ n_nodes, int lp_in_smem) {
+    __shared__ ddtree_build::Shared s;
+    extern __shared__ float ddtree_lp[];  // a name of its own: build.rs compiles every .cu as one translation unit
+    ddtree_build_warp(lp, tok, L, K, budget, bonus, tokens, depths, parents, log_q, first_child, next_sibling, n_nodes,
+                      lp_in_smem, s, ddtree_lp);
+}
+
+// A batch's trees of one shape (L draft rows, top-K, budget) in one launch, one block (a warp) per tree: tree t
+// builds from rows [t*L, (t+1)*L) of lp / tok into its own outputs (the table), then writes its ancestor bitmask
+// (`words` u64 a row, budget + 1 rows: kdtree_visibility_from_parents's, from the parents still in shared
+// memory; rows past the tree's size zero). Every output equals the single-tree kernels' on the same rows.
+// grid (nseg), block 32, dynamic shared memory as kdtree_ddtree_build's.
+constexpr int BUILD_SEGS = 32;
+struct BuildSegs {
+    unsigned long long bonus[BUILD_SEGS], tokens[BUILD_SEGS], depths[BUILD_SEGS], parents[BUILD_SEGS];
+    unsigned long long log_q[BUILD_SEGS], first_child[BUILD_SEGS], next_sibling[BUILD_SEGS], n_nodes[BUILD_SEGS];
+    unsigned long long mask[BUILD_SEGS];
+    int nseg;
+};
+extern "C" __global__ void __launch_bounds__(32) kdtree_ddtree_build_segs(const BuildSegs segs, const float* __restrict__ lp,
+                                                                          const unsigned* __restrict__ tok, int L, int K,
+                                                                          int budget, int words, int lp_in_smem) {
+    __shared__ ddtree_build::Shared s;
+    extern __shared__ float ddtree_lp_segs[];
+    const int t = blockIdx.x, lane = threadIdx.x;
+    if (t >= segs.nseg) return;
+    const size_t at = (size_t)t * L * K;
+    const int n = ddtree_build_warp(lp + at, tok + at, L, K, budget, reinterpret_cast<const unsigned*>(segs.bonus[t]),
+                                    reinterpret_cast<unsigned*>(segs.tokens[t]), reinterpret_cast<unsigned*>(segs.depths[t]),
+                                    reinterpret_cast<int*>(segs.parents[t]), reinterpret_cast<double*>(segs.log_q[t]),
+                                    reinterpret_cast<int*>(segs.first_child[t]), reinterpret_cast<int*>(segs.next_sibling[t]),
+                                    reinterpret_cast<int*>(segs.n_nodes[t]), lp_in_smem, s, ddtree_lp_segs);
+    __syncwarp();
+    unsigned long long* bits = reinterpret_cast<unsigned long long*>(segs.mask[t]);
+    for (int i = lane; i <= budget; i += 32) {
+        unsigned long long* row = bits + (size_t)i * words;
+        for (int w = 0; w < words; w++) row[w] = 0ull;
+        if (i < n)
+            for (int j = i; j >= 0; j = s.parent[j]) row[j >> 6] |= 1ull << (j & 63);
+    }
 }

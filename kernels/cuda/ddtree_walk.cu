@@ -30,3 +30,37 @@ extern "C" __global__ void kdtree_ddtree_walk(const unsigned* __restrict__ decis
     }
     len[0] = k;
 }
+
+// A batch's walks in one launch (trees of one shape): tree t walks the decisions at its own pointer (its rows of
+// the batch's decision buffer) over its own tree, into its walk_out = [len, path[max_len], path_dec[max_len]].
+// The same steps as kdtree_ddtree_walk. grid (nseg), block 32 (lane 0 walks).
+constexpr int WALK_SEGS = 32;
+struct WalkSegs {
+    unsigned long long decisions[WALK_SEGS], tokens[WALK_SEGS], first_child[WALK_SEGS], next_sibling[WALK_SEGS];
+    unsigned long long n[WALK_SEGS], walk_out[WALK_SEGS];
+    int nseg;
+};
+extern "C" __global__ void kdtree_ddtree_walk_segs(const WalkSegs segs, int max_len) {
+    const int t = blockIdx.x;
+    if (t >= segs.nseg || threadIdx.x != 0) return;
+    const unsigned* decisions = reinterpret_cast<const unsigned*>(segs.decisions[t]);
+    const unsigned* tokens = reinterpret_cast<const unsigned*>(segs.tokens[t]);
+    const int* first_child = reinterpret_cast<const int*>(segs.first_child[t]);
+    const int* next_sibling = reinterpret_cast<const int*>(segs.next_sibling[t]);
+    int* out = reinterpret_cast<int*>(segs.walk_out[t]);
+    int* path = out + 1;
+    unsigned* path_dec = reinterpret_cast<unsigned*>(out + 1 + max_len);
+    const int used = reinterpret_cast<const int*>(segs.n[t])[0];
+    int cur = 0, k = 0;
+    while (k < max_len) {
+        const unsigned d = decisions[cur];
+        path[k] = cur;
+        path_dec[k] = d;
+        k++;
+        int c = first_child[cur];
+        while (c >= 0 && c < used && tokens[c] != d) c = next_sibling[c];
+        if (c < 0 || c >= used) break;
+        cur = c;
+    }
+    out[0] = k;
+}

@@ -28,20 +28,22 @@ constexpr int THREADS = QT * R;   // = the __launch_bounds__ below
 // hq = hk*G + i % G. part_o [splits, B, Hq, D] f32; part_ml [splits, B, Hq, 2] f32 (m, l).
 // ctx_dev [1] or null: when set, C is read from it; rows_per_split <= 0: ceil(S / splits) rounded up to
 // the chunk (empty splits write m = -inf, l = 0).
-// grid (splits, Hk, ceil(B*G / 16)), 256 threads, dynamic shared memory (16 + 2*16) * (D | 1) * 4 bytes.
 // Thread tid: query row tid / 16 of the tile in both phases, lane tid % 16 = key row of the chunk (scores)
 // and first output column (accumulation: columns lane + 16 j).
-extern "C" __global__ void __launch_bounds__(256) kdtree_gqa_attention_split_f32(const float* __restrict__ q, const float* __restrict__ kc,
-                                const float* __restrict__ vc, const float* __restrict__ kb, const float* __restrict__ vb,
-                                float* __restrict__ part_o, float* __restrict__ part_ml, int B, int C, const int* __restrict__ ctx_dev, int Hq,
-                                int Hk, int D, int rows_per_split, float scale) {
+// The split kernel's body for one CTA: (split `split` of `nsplit`, kv head hk, query tile `tile`) of one
+// sequence whose B query rows are rows [t0, t0 + B) of a partial layout of Bt rows. Both kernels below call it.
+__device__ __forceinline__ void gqa_split_cta(const float* __restrict__ q, const float* __restrict__ kc,
+                                              const float* __restrict__ vc, const float* __restrict__ kb,
+                                              const float* __restrict__ vb, float* __restrict__ part_o,
+                                              float* __restrict__ part_ml, int B, int Bt, int t0, int C, int Hq, int Hk,
+                                              int D, int rows_per_split, int nsplit, float scale, int split, int hk,
+                                              int tile, float* gqa_smem) {
     using namespace gqa;
-    extern __shared__ float gqa_smem[];  // a name of its own: build.rs compiles every .cu as one translation unit
     const int LD = D | 1;          // odd row stride
     float* qs = gqa_smem;          // [QT, LD]
     float* ks = qs + QT * LD;      // [R, LD]
     float* vs = ks + R * LD;       // [R, LD]
-    const int split = blockIdx.x, hk = blockIdx.y, i0 = blockIdx.z * QT, tid = threadIdx.x;
+    const int i0 = tile * QT, tid = threadIdx.x;
     const int G = Hq / Hk, nq = min(QT, B * G - i0);
     const size_t qw = (size_t)Hq * D, kw = (size_t)Hk * D;
     // this tile's queries -> smem (zeros past the last query row)
@@ -54,9 +56,8 @@ extern "C" __global__ void __launch_bounds__(256) kdtree_gqa_attention_split_f32
         }
         qs[i * LD + c] = v;
     }
-    if (ctx_dev) C = ctx_dev[0];  // a captured round reads the context length from the device
     const int S = C + B;
-    if (rows_per_split <= 0) rows_per_split = ((S + gridDim.x - 1) / gridDim.x + R - 1) / R * R;
+    if (rows_per_split <= 0) rows_per_split = ((S + nsplit - 1) / nsplit + R - 1) / R * R;
     const int s_begin = split * rows_per_split, s_end = min(S, s_begin + rows_per_split);
     const int qr = tid / R, lane = tid % R;
     float m = -INFINITY, l = 0.f;  // of query row qr (replicated over its 16 lanes)
@@ -109,7 +110,7 @@ extern "C" __global__ void __launch_bounds__(256) kdtree_gqa_attention_split_f32
     }
     if (qr < nq) {
         const int qi = i0 + qr;
-        const size_t row = ((size_t)split * B + qi / G) * Hq + (size_t)(hk * G + qi % G);
+        const size_t row = ((size_t)split * Bt + t0 + qi / G) * Hq + (size_t)(hk * G + qi % G);
         if (lane == 0) {
             part_ml[row * 2] = m;
             part_ml[row * 2 + 1] = l;
@@ -120,6 +121,42 @@ extern "C" __global__ void __launch_bounds__(256) kdtree_gqa_attention_split_f32
             if (c < D) part_o[row * D + c] = o[j];
         }
     }
+}
+
+// grid (splits, Hk, ceil(B*G / 16)), 256 threads, dynamic shared memory (16 + 2*16) * (D | 1) * 4 bytes.
+extern "C" __global__ void __launch_bounds__(256) kdtree_gqa_attention_split_f32(const float* __restrict__ q, const float* __restrict__ kc,
+                                const float* __restrict__ vc, const float* __restrict__ kb, const float* __restrict__ vb,
+                                float* __restrict__ part_o, float* __restrict__ part_ml, int B, int C, const int* __restrict__ ctx_dev, int Hq,
+                                int Hk, int D, int rows_per_split, float scale) {
+    extern __shared__ float gqa_smem[];  // a name of its own: build.rs compiles every .cu as one translation unit
+    if (ctx_dev) C = ctx_dev[0];  // a captured round reads the context length from the device
+    gqa_split_cta(q, kc, vc, kb, vb, part_o, part_ml, B, B, 0, C, Hq, Hk, D, rows_per_split, (int)gridDim.x, scale,
+                  blockIdx.x, blockIdx.y, blockIdx.z, gqa_smem);
+}
+
+// A batch's drafts in one launch: sequence s's B query rows are rows [s*B, (s+1)*B) of q, kb, vb and of the
+// partials ([splits, nseg*B, Hq, D]); its context is kc[s], vc[s] ([C_s, Hk*D], C_s read at ctx[s]), split
+// evenly into splits[s] <= gridDim.x parts (CTAs of a split past it see no row: m = -inf, l = 0, skipped by
+// the merge), so each sequence's partials are those its own launch of splits[s] CTAs would write.
+// grid (max splits, Hk, nseg * ceil(B*G / 16)), 256 threads, shared memory as above.
+constexpr int GQA_SEGS = 64;
+struct GqaSegs {
+    unsigned long long kc[GQA_SEGS], vc[GQA_SEGS], ctx[GQA_SEGS];
+    int splits[GQA_SEGS];
+    int nseg;
+};
+extern "C" __global__ void __launch_bounds__(256) kdtree_gqa_attention_split_segs_f32(const GqaSegs segs, const float* __restrict__ q,
+                                const float* __restrict__ kb, const float* __restrict__ vb, float* __restrict__ part_o,
+                                float* __restrict__ part_ml, int B, int Hq, int Hk, int D, float scale) {
+    extern __shared__ float gqa_smem_segs[];
+    const int tiles = (B * (Hq / Hk) + gqa::QT - 1) / gqa::QT;
+    const int s = blockIdx.z / tiles, tile = blockIdx.z % tiles;
+    if (s >= segs.nseg) return;
+    const int C = reinterpret_cast<const int*>(segs.ctx[s])[0];
+    const size_t qw = (size_t)Hq * D, kw = (size_t)Hk * D, t0 = (size_t)s * B;
+    gqa_split_cta(q + t0 * qw, reinterpret_cast<const float*>(segs.kc[s]), reinterpret_cast<const float*>(segs.vc[s]),
+                  kb + t0 * kw, vb + t0 * kw, part_o, part_ml, B, B * segs.nseg, (int)t0, C, Hq, Hk, D, 0,
+                  segs.splits[s], scale, blockIdx.x, blockIdx.y, tile, gqa_smem_segs);
 }
 
 // Merge the splits: out[t, hq*D + c] = Σ_i e^{m_i − M} o_i[c] / Σ_i e^{m_i − M} l_i (M = max_i m_i; a

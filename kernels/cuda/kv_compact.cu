@@ -21,3 +21,27 @@ extern "C" __global__ void kdtree_kv_compact_bf16(bf16* __restrict__ cache, long
         __syncthreads();
     }
 }
+
+// A batch's commits in one launch: segment s compacts its own cache (cache[s], layer stride stride[s], committed
+// read at pos[s]) along its walk (walk[s] = [len, path...]), as kdtree_kv_compact_bf16 with both read on the
+// device. grid (layers, nseg), 128 threads.
+constexpr int COMPACT_SEGS = 64;
+struct CompactSegs {
+    unsigned long long cache[COMPACT_SEGS], pos[COMPACT_SEGS], walk[COMPACT_SEGS];
+    long long stride[COMPACT_SEGS];
+    int nseg;
+};
+extern "C" __global__ void kdtree_kv_compact_segs_bf16(const CompactSegs segs, int width) {
+    const int s = blockIdx.y;
+    if (s >= segs.nseg) return;
+    const int committed = reinterpret_cast<const int*>(segs.pos[s])[0];
+    const int* walk = reinterpret_cast<const int*>(segs.walk[s]);
+    const int n = walk[0];
+    bf16* c = reinterpret_cast<bf16*>(segs.cache[s]) + (size_t)blockIdx.x * segs.stride[s];
+    for (int i = 0; i < n; i++) {
+        const int from = committed + walk[1 + i], to = committed + i;
+        if (from != to)
+            for (int j = threadIdx.x; j < width; j += blockDim.x) c[(size_t)to * width + j] = c[(size_t)from * width + j];
+        __syncthreads();
+    }
+}

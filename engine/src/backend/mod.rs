@@ -21,7 +21,7 @@ pub use types::{
 };
 pub use visibility::Visibility;
 
-use anyhow::Result;
+use anyhow::{ensure, Result};
 use half::bf16;
 
 /// Why a backend cannot be used.
@@ -47,6 +47,10 @@ pub enum PosOf<'a, B: Resources> {
     Kv(&'a B::Kv),
     Pos(&'a B::Pos),
 }
+
+/// One segment of a batch's RoPE table ([`Compute::rope_at_segs`]): its positions' base, its offsets (None: row
+/// i at base + i) and its rows.
+pub type RopeSeg<'a, B> = (PosOf<'a, B>, Option<&'a <B as Resources>::Ids>, usize);
 
 /// Resources: the associated types, uploads and dummy fills of weights, ids / masks / RoPE rows / position
 /// counters, activations as buffers (copies, rows, host reads) and the latent cache's bookkeeping.
@@ -155,6 +159,15 @@ pub trait Resources: Clone + Send + Sync + 'static {
     fn ids_from_host(&self, ids: &[u32]) -> Self::Ids;
     /// `dst[at..at + n] = src[..n]` where the ops run.
     fn ids_copy(&self, dst: &mut Self::Ids, at: usize, src: &Self::Ids, n: usize);
+    /// `dst` from index 0 = each source's first `n` ids in turn (a batch's trees' nodes into one buffer). The
+    /// default copies each; a device backend does it in one launch.
+    fn ids_gather(&self, dst: &mut Self::Ids, srcs: &[(&Self::Ids, usize)]) {
+        let mut at = 0;
+        for &(src, n) in srcs {
+            self.ids_copy(dst, at, src, n);
+            at += n;
+        }
+    }
     /// `dst[at..at + host.len()] = host` (a copy into the existing buffer: a captured graph keeps reading it).
     fn ids_write(&self, dst: &mut Self::Ids, at: usize, host: &[u32]) -> Result<()>;
     /// The ids on the host (a read back).
@@ -193,6 +206,28 @@ pub trait Resources: Clone + Send + Sync + 'static {
     /// Rows `[at, at + n)` of the row cache `dst` (room reserved) = `src` `[n, cols]`, `at` read where the
     /// ops run.
     fn write_rows_at(&self, dst: &mut Self::Act, cols: usize, at: &Self::Pos, src: &Self::Act, n: usize);
+    /// [`Resources::write_rows_at`] of a batch: segment s's `n_s` rows of `src` (consecutive, in segment order)
+    /// into its row cache `dst_s` (room reserved) at its count `at_s` (read where the ops run). The default
+    /// writes each segment alone; a device backend does it in one launch.
+    fn write_rows_at_segs(&self, dsts: &mut [(&mut Self::Act, &Self::Pos, usize)], cols: usize, src: &Self::Act) {
+        let mut row = 0;
+        for (dst, at, n) in dsts.iter_mut() {
+            let rows = self.rows(src, cols, row, row + *n);
+            self.write_rows_at(dst, cols, at, &rows, *n);
+            row += *n;
+        }
+    }
+    /// Columns `[from, from + width)` of each of the `t` rows of `x` `[t, ld]`: `[t, width]` (a batch's draft
+    /// blocks without their first rows: `x` `[N, B·H]`, from H, width (B−1)·H).
+    fn cols(&self, x: &Self::Act, ld: usize, from: usize, width: usize, t: usize) -> Self::Act;
+    /// A batch's draft blocks: `dst[s·block] = roots[s][0]` (read where the ops run) and the block's other
+    /// `block − 1` ids `fill`, for each s (room for `roots.len()` blocks).
+    fn ids_blocks(&self, dst: &mut Self::Ids, roots: &[&Self::Ids], block: usize, fill: u32);
+    /// [`Resources::kv_commit_rows`] of each cache of a batch (one launch on a device; the host copies follow
+    /// in [`Resources::kv_commit_rows_host`]).
+    fn kv_commit_rows_segs(&self, kvs: &mut [&mut Self::Kv], n: usize) -> Result<()> {
+        kvs.iter_mut().try_for_each(|kv| self.kv_commit_rows(kv, n))
+    }
     /// For each s: row s of `src` `[dsts.len(), cols]` into row `pos_s` of the row cache `dst_s` (room
     /// reserved), then `pos_s += 1` where the ops run (one launch for a batch's feed step; the host copies
     /// follow in [`Resources::pos_add_host`]).
@@ -262,6 +297,22 @@ pub trait Compute: Resources {
         offsets: Option<&Self::Ids>,
         t: usize,
     ) -> Self::Rope;
+    /// [`Compute::rope_at`] of a batch's segments (base, offsets, rows), stacked in segment order (one table
+    /// for one RoPE op over all their rows). The default computes each and stacks them
+    /// ([`Resources::rope_cat`]); a device backend does it in one launch.
+    fn rope_at_segs(&self, inv_freq: &Self::VectorF32, factor: f64, segs: &[RopeSeg<'_, Self>]) -> Self::Rope {
+        let ropes: Vec<Self::Rope> = segs
+            .iter()
+            .map(|(base, offsets, t)| {
+                let base = match base {
+                    PosOf::Kv(k) => PosOf::Kv(*k),
+                    PosOf::Pos(p) => PosOf::Pos(*p),
+                };
+                self.rope_at(inv_freq, factor, base, *offsets, *t)
+            })
+            .collect();
+        self.rope_cat(&ropes.iter().collect::<Vec<_>>())
+    }
 
     // ---- dense ops ----
     /// `x[T, K] · W[N, K]^T` → `[T, N]`.
@@ -390,26 +441,20 @@ pub trait Compute: Resources {
     ) -> Self::LinIn {
         self.lin_in(&self.mla_attention_segs(q, segs, l, kv_b, d, mode))
     }
-    /// [`Compute::kv_append_latent`] of a batch: segment s's rows of `ckv` (consecutive, in order) into its
-    /// cache, roped with its own table (`rope_all`: the tables stacked, [`Resources::rope_cat`]).
+    /// [`Compute::kv_append_latent`] of a batch: segment s's `t_s` rows of `ckv` (consecutive, in order) into its
+    /// cache, roped with its rows of `rope_all` (the segments' tables stacked in the same order:
+    /// [`Compute::rope_at_segs`] or [`Resources::rope_cat`]).
     #[allow(clippy::too_many_arguments)]
     fn kv_append_latent_segs(
         &self,
-        segs: &mut [(&mut Self::Kv, &Self::Rope, usize)],
+        segs: &mut [(&mut Self::Kv, usize)],
         l: usize,
         ckv: &Self::Act,
         norm: &Self::Vector,
         eps: f32,
         width: usize,
-        _rope_all: &Self::Rope,
-    ) {
-        let mut at = 0;
-        for (kv, rope, ts) in segs.iter_mut() {
-            let rows = self.rows(ckv, width, at, at + *ts);
-            self.kv_append_latent(kv, l, &rows, norm, eps, rope);
-            at += *ts;
-        }
-    }
+        rope_all: &Self::Rope,
+    );
 
     // ---- MoE ----
     /// Router decisions of every row of `logits` `[T, E]`.
@@ -453,6 +498,35 @@ pub trait Compute: Resources {
         kv_heads: usize,
         head_dim: usize,
     ) -> Self::Act;
+    /// [`Compute::gqa_attention`] of a batch's blocks of `b` rows each: sequence s's queries are rows
+    /// `[s·b, (s+1)·b)` of `q` (and of the block keys/values `block`, and of the output), over its own context
+    /// `ctx[s]` = (keys, values, committed length). The default runs each sequence alone; a device backend
+    /// runs them in one launch, each sequence's values those of its own call.
+    #[allow(clippy::too_many_arguments)]
+    fn gqa_attention_segs(
+        &self,
+        q: &Self::Act,
+        b: usize,
+        ctx: &[(&Self::Act, &Self::Act, &Self::Pos)],
+        block: (&Self::Act, &Self::Act),
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Self::Act {
+        let (qw, kw, n) = (heads * head_dim, kv_heads * head_dim, ctx.len());
+        let mut att = self.zeros(n * b * qw);
+        for (s, &(kc, vc, len)) in ctx.iter().enumerate() {
+            let (r0, r1) = (s * b, (s + 1) * b);
+            let (qs, ks, vs) = (
+                self.rows(q, qw, r0, r1),
+                self.rows(block.0, kw, r0, r1),
+                self.rows(block.1, kw, r0, r1),
+            );
+            let a = self.gqa_attention(&qs, b, (kc, vc), len, (&ks, &vs), heads, kv_heads, head_dim);
+            self.set_rows(&mut att, qw, r0, &a, b);
+        }
+        att
+    }
 }
 
 /// The DDTree round's tree (build, walk, commit, its one read back) and the captured round.
@@ -465,6 +539,63 @@ pub trait TreeOps: Resources {
     /// of the root token ([`TreeOps::tree_root`]) and its ancestor mask (`ddtree::build_tree`). The tree has
     /// `budget + 1` nodes when [`crate::ddtree::tree_is_full`] holds.
     fn tree_build(&self, tree: &mut Self::Tree, draft: &Self::Act, row0: usize) -> Result<()>;
+    /// [`TreeOps::tree_build`] of a batch's trees (each from `rows` draft rows): tree s from rows
+    /// `[s·rows, (s+1)·rows)` of `draft`. The default builds each alone; a device backend builds trees of one
+    /// shape together (one top-K, every tree at once), each as its own build leaves it.
+    fn tree_build_batch(&self, trees: &mut [&mut Self::Tree], draft: &Self::Act, rows: usize) -> Result<()> {
+        trees
+            .iter_mut()
+            .enumerate()
+            .try_for_each(|(s, t)| self.tree_build(t, draft, s * rows))
+    }
+    /// [`TreeOps::tree_walk_decided`] of a batch's trees: tree s's decisions at rows `[row0[s], ..)` of
+    /// `decisions`. The default walks each alone; a device backend walks them together.
+    fn tree_walk_decided_batch(
+        &self,
+        trees: &mut [&mut Self::Tree],
+        decisions: &Self::Ids,
+        row0: &[usize],
+    ) -> Result<()> {
+        ensure!(
+            trees.len() == row0.len(),
+            "{} trees, {} first rows",
+            trees.len(),
+            row0.len()
+        );
+        trees
+            .iter_mut()
+            .zip(row0)
+            .try_for_each(|(t, &r)| self.tree_walk_decided(t, decisions, r))
+    }
+    /// [`TreeOps::tree_path_rows`] of a batch's trees into one activation `[trees.len()·rows_out, cols]`: tree
+    /// s's rows from `[s·rows_out, ..)`, over its rows of `x` from `row0[s]`. The default gathers each alone.
+    fn tree_path_rows_batch(
+        &self,
+        trees: &[&Self::Tree],
+        x: &Self::Act,
+        row0: &[usize],
+        cols: usize,
+        rows_out: usize,
+    ) -> Self::Act {
+        let mut acc = self.zeros(trees.len() * rows_out * cols);
+        for (s, (t, &r)) in trees.iter().zip(row0).enumerate() {
+            self.set_rows(
+                &mut acc,
+                cols,
+                s * rows_out,
+                &self.tree_path_rows(t, x, r, cols, rows_out),
+                rows_out,
+            );
+        }
+        acc
+    }
+    /// [`TreeOps::tree_result_into`] of a batch's trees: tree s's words at `at[s]` of `stage`. The default copies
+    /// each alone.
+    fn tree_result_into_batch(&self, trees: &[&Self::Tree], stage: &mut Self::Ids, at: &[usize]) {
+        for (t, &a) in trees.iter().zip(at) {
+            self.tree_result_into(t, stage, a);
+        }
+    }
     /// A feed round's tree (a tree of budget 0): the root token alone, no draft read.
     fn tree_root_only(&self, tree: &mut Self::Tree) -> Result<()>;
     /// Sets the root token (the next round's is the last walk's bonus, set by [`TreeOps::tree_commit`]).
@@ -497,6 +628,14 @@ pub trait TreeOps: Resources {
     /// committed length and `ctx` advance by the walk's length, and the root becomes the walk's bonus. The
     /// host copies follow in [`TreeOps::tree_commit_host`], once the walk has been read.
     fn tree_commit(&self, tree: &mut Self::Tree, kv: &mut Self::Kv, ctx: &mut Self::Pos) -> Result<()>;
+    /// [`TreeOps::tree_commit`] of a batch's sequences (tree, cache, drafter context length). The default
+    /// commits each alone; a device backend commits them together.
+    #[allow(clippy::type_complexity)]
+    fn tree_commit_batch(&self, items: &mut [(&mut Self::Tree, &mut Self::Kv, &mut Self::Pos)]) -> Result<()> {
+        items
+            .iter_mut()
+            .try_for_each(|(t, kv, ctx)| self.tree_commit(t, kv, ctx))
+    }
     /// The host side of [`TreeOps::tree_commit`] for a walk of `n` nodes.
     fn tree_commit_host(&self, tree: &Self::Tree, kv: &mut Self::Kv, ctx: &mut Self::Pos, n: usize);
     /// The last walk and the last build's popped-node scores (`log_q` of nodes 1..=budget, pop order): the

@@ -197,6 +197,18 @@ impl Resources for CpuBackend {
     fn zeros(&self, n: usize) -> Vec<f32> {
         vec![0.0; n]
     }
+    fn cols(&self, x: &Vec<f32>, ld: usize, from: usize, width: usize, t: usize) -> Vec<f32> {
+        (0..t)
+            .flat_map(|i| x[i * ld + from..i * ld + from + width].iter().copied())
+            .collect()
+    }
+    fn ids_blocks(&self, dst: &mut Vec<u32>, roots: &[&Vec<u32>], block: usize, fill: u32) {
+        for (s, root) in roots.iter().enumerate() {
+            let b = &mut dst[s * block..(s + 1) * block];
+            b.fill(fill);
+            b[0] = root[0];
+        }
+    }
     fn reserve_rows(&self, _x: &mut Vec<f32>, _cols: usize, _rows: usize) -> bool {
         false // write_rows_at grows the Vec; nothing is captured on the CPU
     }

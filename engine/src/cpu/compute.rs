@@ -193,6 +193,28 @@ impl Compute for CpuBackend {
         }
         Ok(())
     }
+    fn kv_append_latent_segs(
+        &self,
+        segs: &mut [(&mut LatentCache, usize)],
+        l: usize,
+        ckv: &Vec<f32>,
+        norm: &Slab<bf16>,
+        eps: f32,
+        width: usize,
+        rope_all: &RopeTable,
+    ) {
+        // Each segment alone, with its rows of the stacked table.
+        let (mut at, half) = (0, rope_all.half);
+        for (kv, ts) in segs.iter_mut() {
+            let rope = RopeTable {
+                half,
+                cos: rope_all.cos[at * half..(at + *ts) * half].to_vec(),
+                sin: rope_all.sin[at * half..(at + *ts) * half].to_vec(),
+            };
+            self.kv_append_latent(kv, l, &ckv[at * width..(at + *ts) * width].to_vec(), norm, eps, &rope);
+            at += *ts;
+        }
+    }
     fn kv_append_latent(
         &self,
         kv: &mut LatentCache,

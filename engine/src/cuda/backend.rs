@@ -389,6 +389,23 @@ impl Resources for CudaBackend {
                 .map_err(super::drv("ids_copy"))
         });
     }
+    fn ids_gather(&self, dst: &mut CudaSlice<u32>, srcs: &[(&CudaSlice<u32>, usize)]) {
+        self.run("ids_copy", || {
+            let mut at = 0;
+            for chunk in srcs.chunks(round_state::MAX_SEGS) {
+                let segs: Vec<_> = chunk
+                    .iter()
+                    .map(|&(src, n)| {
+                        let s = (src.slice(..n.min(src.len())), n, at);
+                        at += n;
+                        s
+                    })
+                    .collect();
+                round_state::copy_segs_u32(&self.gpu, &segs, &mut dst.as_view_mut())?;
+            }
+            Ok(())
+        });
+    }
     fn ids_write(&self, dst: &mut CudaSlice<u32>, at: usize, host: &[u32]) -> Result<()> {
         if at + host.len() > dst.len() {
             bail!("ids_write: {} ids at {at} of {}", host.len(), dst.len());
@@ -511,6 +528,44 @@ impl Resources for CudaBackend {
     fn zeros(&self, n: usize) -> CudaSlice<f32> {
         self.run("zeros", || self.new_f32(n)).unwrap_or_else(|| self.empty())
     }
+    fn cols(&self, x: &CudaSlice<f32>, ld: usize, from: usize, width: usize, t: usize) -> CudaSlice<f32> {
+        self.run("cols", || {
+            if from + width > ld || t * ld > x.len() {
+                return Err(CudaError::Shape {
+                    op: "cols",
+                    msg: format!(
+                        "columns {from}..{} of {t} rows of {ld} from {} values",
+                        from + width,
+                        x.len()
+                    ),
+                });
+            }
+            let mut y = self.gpu.out::<f32>(t * width)?; // the copy writes every element
+            if t > 0 && width > 0 {
+                act_f32::copy_rows_f32(&self.gpu, &x.slice(from..), ld, &mut y.as_view_mut(), width, t, width)?;
+            }
+            Ok(y)
+        })
+        .unwrap_or_else(|| self.empty())
+    }
+    fn ids_blocks(&self, dst: &mut CudaSlice<u32>, roots: &[&CudaSlice<u32>], block: usize, fill: u32) {
+        self.run("ids_blocks", || {
+            let mut at = 0;
+            for chunk in roots.chunks(round_state::MAX_SEGS) {
+                let views: Vec<_> = chunk.iter().map(|r| r.as_view()).collect();
+                let n = chunk.len() * block;
+                if at + n > dst.len() {
+                    return Err(CudaError::Shape {
+                        op: "ids_blocks",
+                        msg: format!("{} blocks of {block} into {} ids", roots.len(), dst.len()),
+                    });
+                }
+                round_state::ids_blocks(&self.gpu, &mut dst.slice_mut(at..at + n), &views, block, fill)?;
+                at += n;
+            }
+            Ok(())
+        });
+    }
     fn reserve_rows(&self, x: &mut CudaSlice<f32>, cols: usize, rows: usize) -> bool {
         if rows * cols <= x.len() {
             return false;
@@ -546,6 +601,33 @@ impl Resources for CudaBackend {
                 &src.as_view(),
                 n,
             )
+        });
+    }
+    fn write_rows_at_segs(&self, dsts: &mut [(&mut CudaSlice<f32>, &DPos, usize)], cols: usize, src: &CudaSlice<f32>) {
+        self.run("write_rows_at", || {
+            let total: usize = dsts.iter().map(|d| d.2).sum();
+            if total * cols > src.len() {
+                return Err(CudaError::Shape {
+                    op: "write_rows_at",
+                    msg: format!("{total} rows of {cols} from {} values", src.len()),
+                });
+            }
+            let mut from = 0;
+            for chunk in dsts.chunks_mut(round_state::MAX_SEGS) {
+                let k: usize = chunk.iter().map(|d| d.2).sum();
+                let mut segs: Vec<round_state::StoreSeg<'_, f32>> = chunk
+                    .iter_mut()
+                    .map(|(dst, at, n)| round_state::StoreSeg {
+                        dst: dst.as_view_mut(),
+                        pos: at.dev.as_view(),
+                        committed: at.host,
+                        n: *n,
+                    })
+                    .collect();
+                round_state::store_rows_seg(&self.gpu, &mut segs, cols, &src.slice(from * cols..(from + k) * cols))?;
+                from += k;
+            }
+            Ok(())
         });
     }
     fn stash_rows(
@@ -651,6 +733,16 @@ impl Resources for CudaBackend {
             bail!("kv_commit_rows: {n} rows of {} scratch rows", kv.scratch);
         }
         round_state::pos_add(&self.gpu, &mut kv.pos.as_view_mut(), n)?;
+        self.check()
+    }
+    fn kv_commit_rows_segs(&self, kvs: &mut [&mut DKv], n: usize) -> Result<()> {
+        if let Some(kv) = kvs.iter().find(|kv| n > kv.scratch) {
+            bail!("kv_commit_rows: {n} rows of {} scratch rows", kv.scratch);
+        }
+        for chunk in kvs.chunks_mut(round_state::MAX_SEGS) {
+            let mut pos: Vec<_> = chunk.iter_mut().map(|kv| kv.pos.as_view_mut()).collect();
+            round_state::pos_add_segs(&self.gpu, &mut pos, n)?;
+        }
         self.check()
     }
     fn kv_commit_rows_host(&self, kv: &mut DKv, n: usize) {

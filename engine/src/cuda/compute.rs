@@ -3,7 +3,7 @@
 
 use super::backend::CudaBackend;
 use super::ops::act_f32;
-use super::ops::gqa_attention::{gqa_attention, GqaShape, GqaSplit};
+use super::ops::gqa_attention::{gqa_attention, gqa_attention_segs, GqaSeg, GqaShape, GqaSplit, MAX_SEGS as GQA_SEGS};
 use super::ops::rope::RopeLayout;
 use super::ops::{argmax, gemm_bf16, moe_router, round_state};
 use super::tree::DMask;
@@ -90,6 +90,45 @@ impl Compute for CudaBackend {
                 half,
                 rows: t,
             })
+        })
+        .unwrap_or_else(|| self.empty_rope(half))
+    }
+    fn rope_at_segs(
+        &self,
+        inv_freq: &CudaSlice<f32>,
+        factor: f64,
+        segs: &[(PosOf<'_, Self>, Option<&CudaSlice<u32>>, usize)],
+    ) -> DRope {
+        let half = inv_freq.len();
+        self.run("rope_at", || {
+            let rows: usize = segs.iter().map(|s| s.2).sum();
+            let (mut cos, mut sin) = (self.new_f32(rows * half)?, self.new_f32(rows * half)?);
+            let mut at = 0;
+            for chunk in segs.chunks(round_state::MAX_SEGS) {
+                let n: usize = chunk.iter().map(|s| s.2).sum();
+                let parts: Vec<round_state::RopeSeg<'_>> = chunk
+                    .iter()
+                    .map(|(base, offsets, t)| round_state::RopeSeg {
+                        base: match base {
+                            PosOf::Kv(kv) => kv.pos.as_view(),
+                            PosOf::Pos(p) => p.dev.as_view(),
+                        },
+                        offsets: offsets.map(|o| o.as_view()),
+                        rows: *t,
+                    })
+                    .collect();
+                let span = at * half..(at + n) * half;
+                round_state::rope_at_segs(
+                    &self.gpu,
+                    &inv_freq.as_view(),
+                    factor,
+                    &parts,
+                    &mut cos.slice_mut(span.clone()),
+                    &mut sin.slice_mut(span),
+                )?;
+                at += n;
+            }
+            Ok(DRope { cos, sin, half, rows })
         })
         .unwrap_or_else(|| self.empty_rope(half))
     }
@@ -480,7 +519,7 @@ impl Compute for CudaBackend {
     }
     fn kv_append_latent_segs(
         &self,
-        segs: &mut [(&mut DKv, &DRope, usize)],
+        segs: &mut [(&mut DKv, usize)],
         l: usize,
         ckv: &CudaSlice<f32>,
         norm: &CudaSlice<bf16>,
@@ -521,15 +560,15 @@ impl Compute for CudaBackend {
                 r,
                 false,
             )?;
-            for (kv, _, ts) in segs.iter_mut() {
+            for (kv, ts) in segs.iter_mut() {
                 self.grow(kv, kv.committed + *ts)?;
             }
             let mut at = 0;
             for chunk in segs.chunks_mut(round_state::MAX_SEGS) {
-                let rows_n: usize = chunk.iter().map(|s| s.2).sum();
+                let rows_n: usize = chunk.iter().map(|s| s.1).sum();
                 let mut parts: Vec<round_state::StoreSeg<'_>> = chunk
                     .iter_mut()
-                    .map(|(kv, _, ts)| {
+                    .map(|(kv, ts)| {
                         let (base, cap, committed) = (l * kv.cap * w, kv.cap, kv.committed);
                         let DKv { buf, pos, .. } = &mut **kv;
                         round_state::StoreSeg {
@@ -540,7 +579,7 @@ impl Compute for CudaBackend {
                         }
                     })
                     .collect();
-                round_state::store_rows_seg_bf16(&self.gpu, &mut parts, w, &rows.slice(at * w..(at + rows_n) * w))?;
+                round_state::store_rows_seg(&self.gpu, &mut parts, w, &rows.slice(at * w..(at + rows_n) * w))?;
                 at += rows_n;
             }
             Ok(())
@@ -714,6 +753,76 @@ impl Compute for CudaBackend {
                 &mut pml.as_view_mut(),
                 &mut out.as_view_mut(),
             )?;
+            Ok(out)
+        })
+        .unwrap_or_else(|| self.empty())
+    }
+    #[allow(clippy::too_many_arguments)]
+    fn gqa_attention_segs(
+        &self,
+        q: &CudaSlice<f32>,
+        b: usize,
+        ctx: &[(&CudaSlice<f32>, &CudaSlice<f32>, &DPos)],
+        block: (&CudaSlice<f32>, &CudaSlice<f32>),
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> CudaSlice<f32> {
+        self.run("gqa_attention", || {
+            let (qw, kw) = (heads * head_dim, kv_heads * head_dim);
+            let s = GqaShape {
+                b,
+                ctx: 0,
+                heads,
+                kv_heads,
+                head_dim,
+            };
+            let mut out = self.new_f32(ctx.len() * b * qw)?;
+            let mut from = 0;
+            for chunk in ctx.chunks(GQA_SEGS) {
+                let mut segs = Vec::with_capacity(chunk.len());
+                for &(kc, vc, len) in chunk {
+                    let (c, room) = (len.host, kc.len().checked_div(kw).unwrap_or(0));
+                    if c > room || vc.len() != kc.len() {
+                        return Err(CudaError::Shape {
+                            op: "gqa_attention",
+                            msg: format!(
+                                "context keys/values of {} / {} values hold fewer than C={c} rows of Hk={kv_heads} \
+                                 x D={head_dim}",
+                                kc.len(),
+                                vc.len()
+                            ),
+                        });
+                    }
+                    // Each sequence split as its own call splits it (by its cache's room), C read on the device.
+                    segs.push(GqaSeg {
+                        kc: kc.as_view(),
+                        vc: vc.as_view(),
+                        ctx_dev: len.dev.as_view(),
+                        ctx: c,
+                        splits: GqaSplit::choose(&self.gpu, &GqaShape { ctx: room, ..s }).splits,
+                    });
+                }
+                let (k, most) = (chunk.len(), segs.iter().map(|g| g.splits).max().unwrap_or(1));
+                let (wo, wml) = GqaSplit {
+                    splits: most,
+                    rows_per_split: 0,
+                }
+                .workspace(&GqaShape { b: k * b, ..s });
+                let (mut po, mut pml) = (self.new_f32(wo)?, self.new_f32(wml)?);
+                let (r0, r1) = (from * b, (from + k) * b);
+                gqa_attention_segs(
+                    &self.gpu,
+                    &segs,
+                    &q.slice(r0 * qw..r1 * qw),
+                    (&block.0.slice(r0 * kw..r1 * kw), &block.1.slice(r0 * kw..r1 * kw)),
+                    &s,
+                    &mut po.as_view_mut(),
+                    &mut pml.as_view_mut(),
+                    &mut out.slice_mut(r0 * qw..r1 * qw),
+                )?;
+                from += k;
+            }
             Ok(out)
         })
         .unwrap_or_else(|| self.empty())

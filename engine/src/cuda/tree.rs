@@ -152,6 +152,86 @@ impl DeviceTree {
         self.build_from_top_k(gpu)
     }
 
+    /// [`DeviceTree::build`] of several trees of one shape (budget, draft rows, vocab, K) at once: tree t from
+    /// rows `[t·rows, (t+1)·rows)` of `draft_logits` (`[.., ld]`): one top-K over every row (each row split as
+    /// its own tree's workspace splits it), then every tree built with its mask in one launch per
+    /// [`ddtree_build::MAX_SEGS`] trees. Each tree ends as its own [`DeviceTree::build`] leaves it, except that
+    /// the top-K is a per-call buffer of the batch's, not the tree's own `lp` / `tok`.
+    pub fn build_batch(
+        gpu: &Gpu,
+        trees: &mut [&mut DeviceTree],
+        draft_logits: &cudarc::driver::CudaView<'_, f32>,
+        ld: usize,
+    ) -> Result<()> {
+        let Some(t0) = trees.first() else { return Ok(()) };
+        let (budget, rows, vocab, k, words, splits) = (t0.budget, t0.rows, t0.vocab, t0.k, t0.words, t0.topk.splits);
+        ensure(
+            "device_tree",
+            trees
+                .iter()
+                .all(|t| (t.budget, t.rows, t.vocab, t.k) == (budget, rows, vocab, k)),
+            || "a batched build over trees of different shapes".into(),
+        )?;
+        let n = trees.len();
+        let (mut lp, mut tok) = (gpu.out::<f32>(n * rows * k)?, gpu.out::<u32>(n * rows * k)?);
+        let mut work = topk_logprobs::TopkWork::with_splits(gpu, n * rows, vocab, k, splits)?;
+        topk_logprobs::topk_logprobs(
+            gpu,
+            draft_logits,
+            n * rows,
+            vocab,
+            ld,
+            k,
+            &mut lp.as_view_mut(),
+            &mut tok.as_view_mut(),
+            &mut work,
+        )?;
+        let per = rows * k;
+        for (c, chunk) in trees.chunks_mut(ddtree_build::MAX_SEGS).enumerate() {
+            let at = c * ddtree_build::MAX_SEGS * per;
+            let m = chunk.len();
+            let mut segs: Vec<ddtree_build::BuildSeg<'_>> = Vec::with_capacity(m);
+            for t in chunk.iter_mut() {
+                let q = t.log_q_at();
+                let DeviceTree {
+                    bonus,
+                    tokens,
+                    depths,
+                    parents,
+                    first_child,
+                    next_sibling,
+                    n_nodes,
+                    mask,
+                    walk_out,
+                    ..
+                } = &mut **t;
+                segs.push(ddtree_build::BuildSeg {
+                    bonus: bonus.as_view(),
+                    tokens: tokens.as_view_mut(),
+                    depths: depths.as_view_mut(),
+                    parents: parents.as_view_mut(),
+                    walk_out: walk_out.as_view_mut(),
+                    log_q_at: q,
+                    first_child: first_child.as_view_mut(),
+                    next_sibling: next_sibling.as_view_mut(),
+                    n_nodes: n_nodes.as_view_mut(),
+                    mask: mask.bits.as_view_mut(),
+                });
+            }
+            ddtree_build::ddtree_build_segs(
+                gpu,
+                &lp.slice(at..at + m * per),
+                &tok.slice(at..at + m * per),
+                rows,
+                k,
+                budget,
+                words,
+                &mut segs,
+            )?;
+        }
+        Ok(())
+    }
+
     /// Tree of root `bonus` from the top-K in `lp` / `tok`, and its ancestor bitmask.
     pub fn build_from_top_k(&mut self, gpu: &Gpu) -> Result<()> {
         let (at, n) = (self.log_q_at(), self.budget + 1);

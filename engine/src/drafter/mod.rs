@@ -38,7 +38,7 @@ pub use weights::{slice_config, DraftLayer, DrafterDims, DrafterWeights};
 
 use crate::api::Drafter;
 use crate::backend::WeightCheck;
-use crate::backend::{Backend, PosOf, WeightRef};
+use crate::backend::{Backend, PosOf, RopeSeg, WeightRef};
 use crate::cpu::{ops, CpuBackend};
 use crate::model::check::{check_host_bytes, check_upload, expected_xxh3};
 use crate::model::source::Slab;
@@ -673,15 +673,12 @@ impl<B: Backend> DFlashDrafter<B> {
             ds.iter().all(|d| d.stashed() == 0),
             "draft_batch: stashed context rows not flushed"
         );
-        let mut ropes = Vec::with_capacity(n);
-        for (s, (d, root)) in ds.iter_mut().zip(roots).enumerate() {
-            b.ids_copy(&mut d.block_ids, 0, root, 1);
-            b.ids_copy(ids, s * bl, &d.block_ids, bl);
-            ropes.push(b.rope_at(&p.inv_freq, factor, PosOf::Pos(&d.ctx_pos), None, bl));
-        }
-        let rope = b.rope_cat(&ropes.iter().collect::<Vec<_>>());
+        // Every block [root, mask × (B−1)] and every block's positions (from its context length), one launch each.
+        b.ids_blocks(ids, roots, bl, dims.mask_token_id);
+        let at: Vec<RopeSeg<'_, B>> = ds.iter().map(|d| (PosOf::Pos(&d.ctx_pos), None, bl)).collect();
+        let rope = b.rope_at_segs(&p.inv_freq, factor, &at);
+        drop(at);
         let rows = n * bl;
-        let (qw, kw) = (heads * head_dim, kv_heads * head_dim);
         let mut x = tables.embed_ids(ids, rows); // [N·B, H]
         for (l, lw) in p.layers.iter().enumerate() {
             let hn = b.rms_norm(&x, &lw.input_layernorm, eps);
@@ -690,31 +687,18 @@ impl<B: Backend> DFlashDrafter<B> {
             // kb: [N·B, Hk*D]
             let kb = b.head_norm_rope_neox(&b.linear(&hn, rows, &lw.k_proj), &lw.k_norm, eps, kv_heads, &rope);
             let vb = b.linear(&hn, rows, &lw.v_proj);
-            let mut att = b.zeros(rows * qw);
-            for (s, d) in ds.iter().enumerate() {
-                let (r0, r1) = (s * bl, (s + 1) * bl);
-                let (qs, ks, vs) = (b.rows(&q, qw, r0, r1), b.rows(&kb, kw, r0, r1), b.rows(&vb, kw, r0, r1));
-                let c = &d.cache[l];
-                let a = b.gqa_attention(&qs, bl, (&c.k, &c.v), &d.ctx_pos, (&ks, &vs), heads, kv_heads, head_dim);
-                b.set_rows(&mut att, qw, r0, &a, bl);
-            }
+            // Each block over its own context, every sequence in one call.
+            let ctx: Vec<(&B::Act, &B::Act, &B::Pos)> =
+                ds.iter().map(|d| (&d.cache[l].k, &d.cache[l].v, &d.ctx_pos)).collect();
+            let att = b.gqa_attention_segs(&q, bl, &ctx, (&kb, &vb), heads, kv_heads, head_dim);
             b.add(&mut x, &b.linear(&att, rows, &lw.o_proj));
             let hn = b.rms_norm(&x, &lw.post_attention_layernorm, eps);
             let g = b.linear(&hn, rows, &lw.gate_proj);
             let u = b.linear(&hn, rows, &lw.up_proj);
             b.add(&mut x, &b.linear_in(&b.silu_mul_in(&g, &u), rows, &lw.down_proj));
         }
-        // Block positions 1..B−1 of every session, stacked.
-        let mut tail = b.zeros(n * (bl - 1) * h);
-        for s in 0..n {
-            b.set_rows(
-                &mut tail,
-                h,
-                s * (bl - 1),
-                &b.rows(&x, h, s * bl + 1, (s + 1) * bl),
-                bl - 1,
-            );
-        }
+        // Block positions 1..B−1 of every session, stacked: x as [N, B·H] without each row's first H columns.
+        let tail = b.cols(&x, bl * h, h, (bl - 1) * h, n);
         let logits = tables.lm_head(&b.rms_norm(&tail, &p.norm, eps), n * (bl - 1));
         b.check()?;
         Ok(logits)
@@ -723,10 +707,23 @@ impl<B: Backend> DFlashDrafter<B> {
     /// [`DFlashDrafter::write_context`] of several sessions of this drafter's weights in one forward: session
     /// s's `rows` taps are rows `[s·rows, (s+1)·rows)` of `taps`, written after its committed context.
     pub fn write_context_batch(ds: &mut [&mut DFlashDrafter<B>], taps: &B::Act, rows: usize) -> Result<()> {
+        let rows = vec![rows; ds.len()];
+        Self::write_context_segs(ds, taps, &rows)
+    }
+
+    /// [`DFlashDrafter::write_context`] of several sessions in one forward, session s's `rows[s]` taps the next
+    /// rows of `taps` (in session order); the committed lengths are not advanced.
+    fn write_context_segs(ds: &mut [&mut DFlashDrafter<B>], taps: &B::Act, rows: &[usize]) -> Result<()> {
         let Some(d0) = ds.first() else { return Ok(()) };
         ensure!(
             ds.iter().all(|d| Arc::ptr_eq(&d.p, &d0.p)),
             "write_context_batch: sessions of different drafters"
+        );
+        ensure!(
+            rows.len() == ds.len(),
+            "write_context_batch: {} row counts for {} sessions",
+            rows.len(),
+            ds.len()
         );
         let (b, p, dims, factor) = (d0.b.clone(), d0.p.clone(), d0.dims.clone(), d0.attention_factor);
         let DrafterDims {
@@ -735,25 +732,74 @@ impl<B: Backend> DFlashDrafter<B> {
             eps,
             ..
         } = dims;
-        let (n, kw) = (ds.len(), kv_heads * head_dim);
+        let (all, kw): (usize, usize) = (rows.iter().sum(), kv_heads * head_dim);
         ensure!(
             ds.iter().all(|d| d.stashed() == 0),
             "write_context_batch: stashed context rows not flushed"
         );
-        let ctx = b.rms_norm(&b.linear(taps, n * rows, &p.fc), &p.hidden_norm, eps); // [N·rows, H]
-        let ropes: Vec<B::Rope> = ds
+        let ctx = b.rms_norm(&b.linear(taps, all, &p.fc), &p.hidden_norm, eps); // [Σ rows, H]
+        let at: Vec<RopeSeg<'_, B>> = ds
             .iter()
-            .map(|d| b.rope_at(&p.inv_freq, factor, PosOf::Pos(&d.ctx_pos), None, rows))
+            .zip(rows)
+            .map(|(d, &n)| (PosOf::Pos(&d.ctx_pos), None, n))
             .collect();
-        let rope = b.rope_cat(&ropes.iter().collect::<Vec<_>>());
+        let rope = b.rope_at_segs(&p.inv_freq, factor, &at);
+        drop(at);
         for (l, lw) in p.layers.iter().enumerate() {
-            let k = b.head_norm_rope_neox(&b.linear(&ctx, n * rows, &lw.k_proj), &lw.k_norm, eps, kv_heads, &rope);
-            let v = b.linear(&ctx, n * rows, &lw.v_proj);
-            for (s, d) in ds.iter_mut().enumerate() {
-                let (r0, r1) = (s * rows, (s + 1) * rows);
-                let c = &mut d.cache[l];
-                b.write_rows_at(&mut c.k, kw, &d.ctx_pos, &b.rows(&k, kw, r0, r1), rows);
-                b.write_rows_at(&mut c.v, kw, &d.ctx_pos, &b.rows(&v, kw, r0, r1), rows);
+            let k = b.head_norm_rope_neox(&b.linear(&ctx, all, &lw.k_proj), &lw.k_norm, eps, kv_heads, &rope);
+            let v = b.linear(&ctx, all, &lw.v_proj);
+            // Every session's rows at its own context length, keys then values: one call each.
+            let (mut ks, mut vs): (Vec<_>, Vec<_>) = ds
+                .iter_mut()
+                .zip(rows)
+                .map(|(d, &n)| {
+                    let DFlashDrafter { cache, ctx_pos, .. } = &mut **d;
+                    let c = &mut cache[l];
+                    ((&mut c.k, &*ctx_pos, n), (&mut c.v, &*ctx_pos, n))
+                })
+                .unzip();
+            b.write_rows_at_segs(&mut ks, kw, &k);
+            b.write_rows_at_segs(&mut vs, kw, &v);
+        }
+        b.check()
+    }
+
+    /// [`DFlashDrafter::extend_context_act`] of several sessions (a batch's prompts) in one forward: session s's
+    /// `n[s]` taps are the next rows of `taps` (in session order), each padded to a block as alone.
+    pub fn extend_context_batch(ds: &mut [&mut DFlashDrafter<B>], taps: &B::Act, n: &[usize]) -> Result<()> {
+        let Some(d0) = ds.first() else { return Ok(()) };
+        let (b, bl, tw) = (d0.b.clone(), d0.dims.block, d0.dims.n_taps * d0.dims.hidden);
+        ensure!(
+            n.len() == ds.len(),
+            "extend_context_batch: {} lengths for {} sessions",
+            n.len(),
+            ds.len()
+        );
+        for d in ds.iter_mut() {
+            d.flush()?;
+        }
+        // Each session's rows padded to a block with zero taps (as `write_rows`), when any is shorter.
+        let rows: Vec<usize> = n.iter().map(|&k| if k == 0 { 0 } else { k.max(bl) }).collect();
+        let padded;
+        let taps = if rows == n {
+            taps
+        } else {
+            let mut x = b.zeros(rows.iter().sum::<usize>() * tw);
+            let (mut from, mut to) = (0, 0);
+            for (&k, &r) in n.iter().zip(&rows) {
+                b.set_rows(&mut x, tw, to, &b.rows(taps, tw, from, from + k), k);
+                (from, to) = (from + k, to + r);
+            }
+            padded = x;
+            &padded
+        };
+        for (d, &r) in ds.iter_mut().zip(&rows) {
+            d.reserve_context(r);
+        }
+        Self::write_context_segs(ds, taps, &rows)?;
+        for (d, &k) in ds.iter_mut().zip(n) {
+            if k > 0 {
+                b.pos_add(&mut d.ctx_pos, k);
             }
         }
         b.check()

@@ -26,6 +26,8 @@ pub struct Seg<'s, B: Backend> {
     pub kv: &'s mut B::Kv,
     pub t: usize,
     pub mask: &'s B::Mask,
+    /// Its rows' RoPE table. A forward of one segment reads it; a batch reads the segments' tables stacked (the
+    /// forward's `rope_all`), and a segment's own may then be that stacked table.
     pub rope: &'s B::Rope,
 }
 
@@ -33,7 +35,8 @@ pub struct Seg<'s, B: Backend> {
 /// for the linears ([`crate::backend::Compute::rms_norm_in`]: one conversion for q_a and kv_a),
 /// `T` = the segments' nodes; appends each segment's latent rows to its cache as scratch. With one segment
 /// no row is copied (the single-sequence forward).
-/// `rope_all`: the segments' tables stacked ([`crate::backend::Resources::rope_cat`]), for a batch of several segments.
+/// `rope_all`: the segments' tables stacked ([`crate::backend::Compute::rope_at_segs`]), for a batch of several
+/// segments (each segment's own `rope` is then not read).
 pub fn mla<B: Backend>(
     w: &Weights<B>,
     l: usize,
@@ -56,21 +59,15 @@ pub fn mla<B: Backend>(
     };
     // New latent rows [T, C + P]: rms_norm(c_kv) | rope(k_pe), each segment's into its own cache.
     let ckv = b.linear_in(x, t, &a0.kv_a); // [T, C + P]
-    let cat;
-    let rope_all = match (&*segs, rope_all) {
-        ([_], _) => None,
-        (_, Some(r)) => Some(r),
-        (many, None) => {
-            cat = b.rope_cat(&many.iter().map(|s| s.rope).collect::<Vec<_>>());
-            Some(&cat)
-        }
+    let rope_all = match &*segs {
+        [_] => None,
+        _ => Some(rope_all.expect("several segments have their stacked table")),
     };
     match (&mut *segs, rope_all) {
         ([seg], _) => b.kv_append_latent(seg.kv, l, &ckv, &a0.kv_a_norm, cfg.latent_eps, seg.rope),
         (many, rope) => {
             let rope = rope.expect("several segments have their stacked table");
-            let mut parts: Vec<(&mut B::Kv, &B::Rope, usize)> =
-                many.iter_mut().map(|s| (&mut *s.kv, s.rope, s.t)).collect();
+            let mut parts: Vec<(&mut B::Kv, usize)> = many.iter_mut().map(|s| (&mut *s.kv, s.t)).collect();
             b.kv_append_latent_segs(
                 &mut parts,
                 l,

@@ -190,7 +190,7 @@ impl<B: Backend> BatchEngine<B> {
                 rope,
             })
             .collect();
-        let (x, taps) = decoder_layers(&w, &mut segs, w.embed(&tokens), &tap_layers, mode, None);
+        let (x, taps) = decoder_layers(&w, &mut segs, w.embed(&tokens), &tap_layers, mode, None, None);
         drop(segs);
         // Each prompt's last row through the final norm and lm_head (rows are independent: the values of a
         // prefill alone, which computes only that row).
@@ -203,15 +203,38 @@ impl<B: Backend> BatchEngine<B> {
         }
         let logits = b.to_host(&w.lm_head(&w.final_norm(&last), n));
         let tw = tap_layers.len() * h;
-        let mut at = 0;
-        for (t, d, len) in parts.iter_mut() {
+        for (t, _, len) in parts.iter_mut() {
             b.kv_set_scratch(&mut t.cache, *len);
             b.kv_commit_rows(&mut t.cache, *len)?;
             b.kv_commit_rows_host(&mut t.cache, *len);
-            if let (Some(d), Some(taps)) = (d.as_deref_mut(), taps.as_ref()) {
-                d.extend_context_act(&b.rows(taps, tw, at, at + *len), *len)?;
+        }
+        // Every prompt's context rows into its drafter in one forward (the prompts' taps are consecutive rows; only
+        // the drafting sequences' rows when some do not draft).
+        if let Some(all) = taps.as_ref() {
+            let seqs = parts.len();
+            let (mut ds, mut ns, mut spans, mut at) = (Vec::new(), Vec::new(), Vec::new(), 0);
+            for (_, d, len) in parts.iter_mut() {
+                if let Some(d) = d.as_deref_mut() {
+                    ds.push(d);
+                    ns.push(*len);
+                    spans.push((at, *len));
+                }
+                at += *len;
             }
-            at += *len;
+            let picked;
+            let taps = if spans.len() == seqs {
+                all
+            } else {
+                let mut x = b.zeros(ns.iter().sum::<usize>() * tw);
+                let mut to = 0;
+                for &(from, k) in &spans {
+                    b.set_rows(&mut x, tw, to, &b.rows(all, tw, from, from + k), k);
+                    to += k;
+                }
+                picked = x;
+                &picked
+            };
+            DFlashDrafter::extend_context_batch(&mut ds, taps, &ns)?;
         }
         b.check()?;
         ensure!(

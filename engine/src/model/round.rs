@@ -16,7 +16,7 @@ use super::attention::Seg;
 use super::target::{accept_walk, decoder_layers, round_key, RoundSlot, StepSlot, TargetModel};
 use super::weights::Weights;
 use crate::api::{DeviceRound, Drafter};
-use crate::backend::{Backend, PosOf};
+use crate::backend::{Backend, PosOf, RopeSeg};
 use crate::drafter::DFlashDrafter;
 use crate::sampling::Sampling;
 use anyhow::{ensure, Context, Result};
@@ -342,80 +342,117 @@ fn batch_round<B: Backend>(
             }
             false => None,
         };
-        let mut at = 0;
-        for (s, (p, &i)) in parts.iter_mut().zip(slots).enumerate() {
-            let tree = &mut p.t.rounds[i].tree;
-            match (&draft, p.budget) {
-                (Some(draft), 1..) => b.tree_build(tree, draft, s * (block - 1))?,
-                _ => b.tree_root_only(tree)?,
+        // Every tree built (together where the backend can: one shape when no sequence feeds), then the nodes
+        // gathered.
+        match &draft {
+            Some(draft) if parts.iter().all(|p| p.budget > 0) => {
+                let mut trees: Vec<&mut B::Tree> = parts
+                    .iter_mut()
+                    .zip(slots)
+                    .map(|(p, &i)| &mut p.t.rounds[i].tree)
+                    .collect();
+                b.tree_build_batch(&mut trees, draft, block - 1)?;
             }
-            b.ids_copy(tokens, at, b.tree_tokens(tree), nodes[s]);
-            at += nodes[s];
+            _ => {
+                for (s, (p, &i)) in parts.iter_mut().zip(slots).enumerate() {
+                    let tree = &mut p.t.rounds[i].tree;
+                    match (&draft, p.budget) {
+                        (Some(draft), 1..) => b.tree_build(tree, draft, s * (block - 1))?,
+                        _ => b.tree_root_only(tree)?,
+                    }
+                }
+            }
         }
-        let ropes: Vec<B::Rope> = parts
+        let srcs: Vec<(&B::Ids, usize)> = parts
             .iter()
             .zip(slots)
             .zip(&nodes)
-            .map(|((p, &i), &n)| {
-                b.rope_at(
-                    &w.rope_inv,
-                    c.rope_attention_factor,
-                    PosOf::Kv(&p.t.cache),
-                    Some(b.tree_depths(&p.t.rounds[i].tree)),
-                    n,
-                )
-            })
+            .map(|((p, &i), &n)| (b.tree_tokens(&p.t.rounds[i].tree), n))
             .collect();
+        b.ids_gather(tokens, &srcs);
+        drop(srcs);
+        // Every node's position (its tree's depth past its sequence's committed rows), one table for the batch.
+        let at: Vec<RopeSeg<'_, B>> = parts
+            .iter()
+            .zip(slots)
+            .zip(&nodes)
+            .map(|((p, &i), &n)| (PosOf::Kv(&p.t.cache), Some(b.tree_depths(&p.t.rounds[i].tree)), n))
+            .collect();
+        let rope = b.rope_at_segs(&w.rope_inv, c.rope_attention_factor, &at);
+        drop(at);
         let mut segs: Vec<Seg<'_, B>> = parts
             .iter_mut()
             .zip(slots)
-            .zip(ropes.iter().zip(&nodes))
-            .map(|((p, &i), (rope, &n))| {
+            .zip(&nodes)
+            .map(|((p, &i), &n)| {
                 let TargetModel { cache, rounds, .. } = &mut *p.t;
                 Seg {
                     kv: cache,
                     t: n,
                     mask: b.tree_mask(&rounds[i].tree),
-                    rope,
+                    rope: &rope,
                 }
             })
             .collect();
-        let (x, taps) = decoder_layers(w, &mut segs, w.embed_ids(tokens, total), &tap_layers, mode, None);
+        let (x, taps) = decoder_layers(
+            w,
+            &mut segs,
+            w.embed_ids(tokens, total),
+            &tap_layers,
+            mode,
+            None,
+            Some(&rope),
+        );
         drop(segs);
         let taps = taps.context("a batched round needs the target's taps")?;
         let logits = w.lm_head(&w.final_norm(&x), total);
         // Walks, then every accepted path's taps into the drafters' contexts in one forward, then commits.
-        let (mut row, n) = (0, parts.len());
-        let mut acc = b.zeros(n * m * tw);
+        let row0: Vec<usize> = nodes
+            .iter()
+            .scan(0, |at, &n| Some(std::mem::replace(at, *at + n)))
+            .collect();
         // Greedy decisions do not depend on positions: every tree's rows in one argmax when all are greedy
-        // (into the token buffer: the verify has read it).
+        // (into the token buffer: the verify has read it), then every walk at once.
         let all_greedy = parts.iter().all(|p| p.s.is_greedy());
         if all_greedy {
             let base = PosOf::Kv(&parts[0].t.cache);
             b.decide_rows(&logits, 0, total, c.vocab, &Sampling::greedy(), base, 1, tokens)?;
-        }
-        for (s, (p, &i)) in parts.iter_mut().zip(slots).enumerate() {
-            let TargetModel { cache, rounds, .. } = &mut *p.t;
-            let tree = &mut rounds[i].tree;
-            if all_greedy {
-                b.tree_walk_decided(tree, tokens, row)?;
-            } else {
-                b.tree_walk(tree, &logits, row, p.s, cache)?;
+            let mut trees: Vec<&mut B::Tree> = parts
+                .iter_mut()
+                .zip(slots)
+                .map(|(p, &i)| &mut p.t.rounds[i].tree)
+                .collect();
+            b.tree_walk_decided_batch(&mut trees, tokens, &row0)?;
+        } else {
+            for ((p, &i), &row) in parts.iter_mut().zip(slots).zip(&row0) {
+                let TargetModel { cache, rounds, .. } = &mut *p.t;
+                b.tree_walk(&mut rounds[i].tree, &logits, row, p.s, cache)?;
             }
-            b.set_rows(&mut acc, tw, s * m, &b.tree_path_rows(tree, &taps, row, tw, m), m);
-            row += nodes[s];
         }
+        let acc = {
+            let trees: Vec<&B::Tree> = parts.iter().zip(slots).map(|(p, &i)| &p.t.rounds[i].tree).collect();
+            b.tree_path_rows_batch(&trees, &taps, &row0, tw, m)
+        };
         {
             let mut ds: Vec<&mut DFlashDrafter<B>> = parts.iter_mut().map(|p| &mut *p.d).collect();
             DFlashDrafter::write_context_batch(&mut ds, &acc, m)?;
         }
-        let mut word = 0;
-        for ((p, &i), &nw) in parts.iter_mut().zip(slots).zip(&words) {
-            let TargetModel { cache, rounds, .. } = &mut *p.t;
-            b.tree_commit(&mut rounds[i].tree, cache, p.d.context_pos_mut())?;
-            b.tree_result_into(&rounds[i].tree, stage, word);
-            word += nw;
-        }
+        let mut commits: Vec<(&mut B::Tree, &mut B::Kv, &mut B::Pos)> = parts
+            .iter_mut()
+            .zip(slots)
+            .map(|(p, &i)| {
+                let TargetModel { cache, rounds, .. } = &mut *p.t;
+                (&mut rounds[i].tree, cache, p.d.context_pos_mut())
+            })
+            .collect();
+        b.tree_commit_batch(&mut commits)?;
+        drop(commits);
+        let at: Vec<usize> = words
+            .iter()
+            .scan(0, |at, &n| Some(std::mem::replace(at, *at + n)))
+            .collect();
+        let trees: Vec<&B::Tree> = parts.iter().zip(slots).map(|(p, &i)| &p.t.rounds[i].tree).collect();
+        b.tree_result_into_batch(&trees, stage, &at);
         b.check()
     };
     let r = match graph {
@@ -530,7 +567,7 @@ fn one_step<B: Backend>(w: &Weights<B>, p: &mut StepPart<'_, B>, key: u64) -> Re
             mask,
             rope: &rope,
         }];
-        let (x, taps) = decoder_layers(w, &mut segs, w.embed_ids(token, 1), &info.tap_layers, *mode, None);
+        let (x, taps) = decoder_layers(w, &mut segs, w.embed_ids(token, 1), &info.tap_layers, *mode, None, None);
         if let Some(d) = feed.as_deref_mut() {
             DFlashDrafter::stash_rows(&mut [d], &taps.context("a feed step needs the target's taps")?)?;
         }
@@ -574,21 +611,28 @@ fn batch_step<B: Backend>(
     let (tokens, out, mask1) = (&st.tokens, &mut st.out, &st.mask1);
     let graph = gi.map(|gi| &mut st.graphs[gi].1);
     let mut body = || {
-        let ropes: Vec<B::Rope> = parts
-            .iter()
-            .map(|p| b.rope_at(&w.rope_inv, c.rope_attention_factor, PosOf::Kv(&p.t.cache), None, 1))
-            .collect();
+        // Every sequence's position, one table for the batch.
+        let at: Vec<RopeSeg<'_, B>> = parts.iter().map(|p| (PosOf::Kv(&p.t.cache), None, 1)).collect();
+        let rope = b.rope_at_segs(&w.rope_inv, c.rope_attention_factor, &at);
+        drop(at);
         let mut segs: Vec<Seg<'_, B>> = parts
             .iter_mut()
-            .zip(&ropes)
-            .map(|(p, rope)| Seg {
+            .map(|p| Seg {
                 kv: &mut p.t.cache,
                 t: 1,
                 mask: mask1,
-                rope,
+                rope: &rope,
             })
             .collect();
-        let (x, taps) = decoder_layers(w, &mut segs, w.embed_ids(tokens, n), &tap_layers, mode, None);
+        let (x, taps) = decoder_layers(
+            w,
+            &mut segs,
+            w.embed_ids(tokens, n),
+            &tap_layers,
+            mode,
+            None,
+            Some(&rope),
+        );
         drop(segs);
         if !tap_layers.is_empty() {
             // Every sequence's row into its drafter's stash in one launch (all feed: `feed_steps`).
@@ -606,13 +650,14 @@ fn batch_step<B: Backend>(
             let base = PosOf::Kv(&parts[0].t.cache);
             b.decide_rows(&logits, 0, n, c.vocab, &Sampling::greedy(), base, 1, out)?;
         }
-        for (i, p) in parts.iter_mut().enumerate() {
-            // The token goes to position committed + 1 (sampling.rs: draws keyed by position).
-            if !all_greedy {
+        if !all_greedy {
+            for (i, p) in parts.iter().enumerate() {
+                // The token goes to position committed + 1 (sampling.rs: draws keyed by position).
                 b.decide_rows(&logits, i, 1, c.vocab, p.s, PosOf::Kv(&p.t.cache), 1, out)?;
             }
-            b.kv_commit_rows(&mut p.t.cache, 1)?;
         }
+        let mut kvs: Vec<&mut B::Kv> = parts.iter_mut().map(|p| &mut p.t.cache).collect();
+        b.kv_commit_rows_segs(&mut kvs, 1)?;
         b.check()
     };
     let r = match graph {

@@ -144,7 +144,7 @@ impl<B: Backend> TargetModel<B> {
             mask,
             rope,
         }];
-        decoder_layers(&w, &mut segs, x, tap_layers, self.mode, self.trace.as_mut())
+        decoder_layers(&w, &mut segs, x, tap_layers, self.mode, self.trace.as_mut(), None)
     }
 
     /// One chunk of a prefill where the ops run: `tokens` as a chain after the committed prefix, committed; when
@@ -347,7 +347,8 @@ pub(crate) fn accept_walk<B: Backend>(
 /// The decoder layers over embedded rows `x` `[T, H]` of one or several sequences (`segs`, consecutive
 /// rows, T = their nodes; each segment's latent rows go to its own cache as scratch): the residual stream
 /// after the last layer and the taps `[T, n_taps·H]` (None without tap layers). Probes (`trace`) record a
-/// single-sequence forward.
+/// single-sequence forward. `stacked`: several segments' RoPE tables stacked in segment order
+/// ([`crate::backend::Compute::rope_at_segs`]); None: the segments' own tables, stacked here.
 pub(crate) fn decoder_layers<B: Backend>(
     w: &Weights<B>,
     segs: &mut [Seg<'_, B>],
@@ -355,13 +356,18 @@ pub(crate) fn decoder_layers<B: Backend>(
     tap_layers: &[usize],
     mode: AttnMode,
     mut trace: Option<&mut Trace>,
+    stacked: Option<&B::Rope>,
 ) -> (B::Act, Option<B::Act>) {
     let (b, c) = (&w.backend, &w.cfg);
     let t: usize = segs.iter().map(|s| s.t).sum();
     let (h, taps_n) = (c.hidden, tap_layers.len());
     let mut taps = (taps_n > 0).then(|| b.zeros(t * taps_n * h));
     segs.iter_mut().for_each(|s| b.kv_drop_scratch(s.kv));
-    let rope_all = (segs.len() > 1).then(|| b.rope_cat(&segs.iter().map(|s| s.rope).collect::<Vec<_>>()));
+    let cat = match stacked {
+        None if segs.len() > 1 => Some(b.rope_cat(&segs.iter().map(|s| s.rope).collect::<Vec<_>>())),
+        _ => None,
+    };
+    let rope_all = stacked.or(cat.as_ref()).filter(|_| segs.len() > 1);
     let layers = &w.ranks[0].layers;
     // Each residual add and the norm after it are one op (`add_rms_norm_in`), its output the linears' input: the
     // same values as add, rms_norm and the conversion apart.
@@ -373,7 +379,7 @@ pub(crate) fn decoder_layers<B: Backend>(
             &xn.take().expect("the layer's normed input"),
             t,
             segs,
-            rope_all.as_ref(),
+            rope_all,
             mode,
         );
         let hn = b.add_rms_norm_in(&mut x, &a, &layer.post_norm, c.eps);

@@ -388,6 +388,12 @@ pub struct CalibrateArgs {
     #[arg(long, value_name = "N", default_value_t = 9, value_parser = clap::value_parser!(u64).range(1..=1000))]
     pub rounds: u64,
 
+    /// Draft from the prompts of this JSONL file (as `kdtree-run --prompts` reads it; its first 8 lines that
+    /// hold a prompt, each for --rounds timed rounds a bucket), so the tokens a round that `--budget auto`
+    /// expects are this workload's; without it, one built-in request.
+    #[arg(long, value_name = "FILE")]
+    pub prompts: Option<PathBuf>,
+
     /// Where the load check hashes the weights: `host` (the default) or `device` (bare `--check-weights`); see
     /// `kdtree-run --help`.
     #[arg(long, value_name = "WHERE", num_args = 0..=1, require_equals = true, default_missing_value = "device",

@@ -149,6 +149,75 @@ fn measure(loaded: &mut Loaded, prompt: &[u32], budget: usize, warmup: usize, ro
     Ok(b)
 }
 
+/// The prompts `--prompts` lines calibrate from: at most this many (each for `--rounds` rounds a bucket).
+pub const CALIBRATE_PROMPTS: usize = 8;
+
+/// The token ids of the first [`CALIBRATE_PROMPTS`] lines of `file` that hold a prompt (as a run renders them:
+/// text, chat with the template, or token ids); an error names the file (and the line) when none does.
+fn file_prompts(file: &Path, model: &crate::load::Model) -> Result<Vec<Vec<u32>>> {
+    let bytes = std::fs::read(file).with_context(|| format!("reading the prompts {}", file.display()))?;
+    let runner = crate::runner::Runner {
+        info: model.loaded.info().clone(),
+        tokenizer: model.tokenizer.as_ref(),
+        chat: model.chat.as_ref(),
+        stop_token_ids: Vec::new(),
+        defaults: crate::runner::Defaults {
+            max_tokens: 1,
+            sampling: Sampling::greedy(),
+            mode: Mode::Ar,
+            thinking: true,
+        },
+    };
+    let mut out = Vec::new();
+    for line in kdtree_text::prompts::parse_prompt_bytes(&bytes) {
+        let Ok(req) = &line.request else { continue };
+        let (ids, _) = runner
+            .prompt_ids(req)
+            .map_err(|(code, msg)| anyhow::anyhow!("{}:{}: {code}: {msg}", file.display(), line.line_no))?;
+        let vocab = model.loaded.info().vocab_size;
+        if let Some(t) = ids.iter().find(|&&t| t as usize >= vocab) {
+            bail!(
+                "{}:{}: token id {t} is outside the vocabulary of {vocab}",
+                file.display(),
+                line.line_no
+            );
+        }
+        if !ids.is_empty() {
+            out.push(ids);
+        }
+        if out.len() == CALIBRATE_PROMPTS {
+            break;
+        }
+    }
+    ensure!(
+        !out.is_empty(),
+        "{}: no line holds a prompt to calibrate from",
+        file.display()
+    );
+    Ok(out)
+}
+
+/// [`measure`] on each prompt in turn (the warm-up on the first only), the rounds of all together.
+fn measure_all(
+    loaded: &mut Loaded,
+    prompts: &[Vec<u32>],
+    budget: usize,
+    warmup: usize,
+    rounds: usize,
+) -> Result<Bucket> {
+    let mut all = Bucket {
+        budget,
+        times_us: Vec::new(),
+        tokens: 0,
+    };
+    for (i, p) in prompts.iter().enumerate() {
+        let b = measure(loaded, p, budget, if i == 0 { warmup } else { 0 }, rounds)?;
+        all.times_us.extend(b.times_us);
+        all.tokens += b.tokens;
+    }
+    Ok(all)
+}
+
 /// `kdtree-run calibrate`: measure every bucket up to `--budget-max`, write the cost file, say what it holds.
 pub fn run(a: &CalibrateArgs) -> Result<()> {
     let log = |m: std::fmt::Arguments| {
@@ -188,26 +257,36 @@ pub fn run(a: &CalibrateArgs) -> Result<()> {
     );
     let slug = device_slug(&model.loaded.backend, &model.loaded.device);
     let path = cost_path(&a.model, &slug);
-    let prompt: Vec<u32> = match &model.tokenizer {
-        Some(t) => t
-            .try_encode(PROMPT)
-            .with_context(|| "encoding the calibration prompt")?,
-        None => (0..48u32)
-            .map(|i| (i * 7919 + 13) % model.loaded.info().vocab_size as u32)
-            .collect(),
+    let (prompts, source) = match &a.prompts {
+        Some(file) => (
+            file_prompts(file, &model)?,
+            format!("the first prompts of {}", file.display()),
+        ),
+        None => (
+            vec![match &model.tokenizer {
+                Some(t) => t
+                    .try_encode(PROMPT)
+                    .with_context(|| "encoding the calibration prompt")?,
+                None => (0..48u32)
+                    .map(|i| (i * 7919 + 13) % model.loaded.info().vocab_size as u32)
+                    .collect(),
+            }],
+            "the built-in prompt".to_string(),
+        ),
     };
     let rounds = a.rounds as usize;
     log(format_args!(
-        "{} on {slug}: buckets {:?}, {} warm-up + {rounds} timed rounds each, prompt of {} tokens",
+        "{} on {slug}: buckets {:?}, {} warm-up + {rounds} timed rounds each, {} prompt(s) of {} tokens",
         a.model.display(),
         buckets(a.budget_max as usize),
         a.warmup,
-        prompt.len()
+        prompts.len(),
+        prompts.iter().map(Vec::len).sum::<usize>()
     ));
     let (mut measured, mut tokens) = (Vec::new(), Vec::new());
     for budget in buckets(a.budget_max as usize) {
-        let b = measure(&mut model.loaded, &prompt, budget, a.warmup, rounds)?;
-        let (med, tpr) = (b.median(), b.tokens as f64 / rounds as f64);
+        let b = measure_all(&mut model.loaded, &prompts, budget, a.warmup, rounds)?;
+        let (med, tpr) = (b.median(), b.tokens as f64 / b.times_us.len() as f64);
         log(format_args!(
             "budget {:>4}: {med:>10.1} µs a round (median of {rounds}), {tpr:.2} tokens a round, {:.1} tokens/s",
             b.budget,
@@ -218,16 +297,18 @@ pub fn run(a: &CalibrateArgs) -> Result<()> {
     }
     // The feed round (budget 0: the AR step plus the root's taps into the drafter's context), which auto runs
     // where drafting does not pay.
-    let feed = measure(&mut model.loaded, &prompt, 0, a.warmup, rounds)?;
+    let feed = measure_all(&mut model.loaded, &prompts, 0, a.warmup, rounds)?;
     log(format_args!(
         "feed round: {:>10.1} µs a round (median of {rounds}; budget 0: no draft, one token)",
         feed.median()
     ));
     let note = format!(
-        "kdtree-run calibrate: median of {rounds} greedy rounds after {} warm-up, per bucket and for the feed round, \
-         on the built-in prompt ({} tokens) of {}",
+        "kdtree-run calibrate: median of {} greedy rounds after {} warm-up, per bucket and for the feed round, \
+         on {source} ({} prompt(s), {} tokens) of {}",
+        rounds * prompts.len(),
         a.warmup,
-        prompt.len(),
+        prompts.len(),
+        prompts.iter().map(Vec::len).sum::<usize>(),
         a.model.display()
     );
     let cost = CostModel::from_rounds(&slug, &measured, note)?

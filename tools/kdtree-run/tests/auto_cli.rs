@@ -276,3 +276,79 @@ fn calibrate_takes_dummy_weights() {
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("choose dummy weights"), "{}", stderr(&o));
 }
+
+/// `calibrate --prompts FILE` drafts from the file's prompts (text and token-id lines, the same rendering as a
+/// run), says so in the cost file's note and measures every bucket over all of them; a file with no prompt, an
+/// unreadable one and a line the model cannot take are errors that name the file.
+#[test]
+fn calibrate_from_a_prompt_file() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("kdtree-run-auto-prompts");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    // A copy of the converted model: calibrate writes its cost file into it (the other tests read theirs).
+    let m = dir.join("m");
+    std::fs::create_dir_all(&m).unwrap();
+    for e in std::fs::read_dir(model()).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_file() && !e.file_name().to_string_lossy().starts_with("kdtree-cost") {
+            std::fs::copy(e.path(), m.join(e.file_name())).unwrap();
+        } else if e.file_type().unwrap().is_dir() {
+            let sub = m.join(e.file_name());
+            std::fs::create_dir_all(&sub).unwrap();
+            for f in std::fs::read_dir(e.path()).unwrap() {
+                let f = f.unwrap();
+                std::fs::copy(f.path(), sub.join(f.file_name())).unwrap();
+            }
+        }
+    }
+    let prompts = dir.join("p.jsonl");
+    std::fs::write(
+        &prompts,
+        "{\"id\":\"a\",\"prompt\":\"Hello world, once more\"}\n\n{\"id\":\"b\",\"prompt_token_ids\":[5,6,7,8,9,10]}\n",
+    )
+    .unwrap();
+    let calibrate = |file: &Path| {
+        kdtree_run(&[
+            "calibrate",
+            s(&m),
+            "--device",
+            "cpu",
+            "--budget-max",
+            "8",
+            "--warmup",
+            "1",
+            "--rounds",
+            "2",
+            "--prompts",
+            s(file),
+        ])
+    };
+    let o = calibrate(&prompts);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).contains("2 prompt(s)"), "{}", stderr(&o));
+    let cost: Json = serde_json::from_str(&std::fs::read_to_string(m.join("kdtree-cost-cpu.json")).unwrap()).unwrap();
+    let note = cost["note"].as_str().unwrap();
+    assert!(
+        note.contains("median of 4 greedy rounds") && note.contains(s(&prompts)),
+        "{note}"
+    );
+    assert_eq!(cost["tokens"].as_array().map(|v| v.len()), Some(2), "{cost}");
+    // Errors name the file.
+    let empty = dir.join("empty.jsonl");
+    std::fs::write(&empty, "\n\n").unwrap();
+    let o = calibrate(&empty);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("no line holds a prompt") && stderr(&o).contains(s(&empty)),
+        "{}",
+        stderr(&o)
+    );
+    let o = calibrate(&dir.join("missing.jsonl"));
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("missing.jsonl"), "{}", stderr(&o));
+    let bad = dir.join("bad.jsonl");
+    std::fs::write(&bad, "{\"id\":\"x\",\"prompt_token_ids\":[999999999]}\n").unwrap();
+    let o = calibrate(&bad);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains(s(&bad)), "{}", stderr(&o));
+}

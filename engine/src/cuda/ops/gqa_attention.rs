@@ -84,12 +84,15 @@ pub(crate) fn configure(gpu: &Gpu) -> Result<()> {
             gpu.max_smem
         )
     })?;
-    gpu.func(SPLIT)
-        .set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            need as i32,
-        )
-        .map_err(drv("gqa_attention configure"))
+    for f in [SPLIT, SPLIT_SEGS] {
+        gpu.func(f)
+            .set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                need as i32,
+            )
+            .map_err(drv("gqa_attention configure"))?;
+    }
+    Ok(())
 }
 
 /// `out[t, hq, :] = Σ_s softmax_s(D^-0.5 · q[t, hq, :] · k[s, hq / G, :]) · v[s, hq / G, :]` over all
@@ -202,6 +205,137 @@ pub fn gqa_attention(
     b.arg(&po).arg(&pml).arg(&mut *out).arg(&sp).arg(&bh).arg(&di);
     // SAFETY: as above; the merge reads the partials the first kernel wrote and writes out [B, Hq·D].
     unsafe { b.launch(launch_cfg(((s.b * hq) as u32, 1, 1), 128, 0)) }.map_err(drv(OP))?;
+    Ok(())
+}
+
+/// Sequences one [`gqa_attention_segs`] launch takes (`GQA_SEGS` in the kernel).
+pub const MAX_SEGS: usize = 64;
+const SPLIT_SEGS: &str = "kdtree_gqa_attention_split_segs_f32";
+
+/// One sequence of [`gqa_attention_segs`]: its context rows `[C, Hk·D]` (C read at `ctx_dev`, host mirror
+/// `ctx`) and its split count (what [`GqaSplit::choose`] gives its own launch).
+pub struct GqaSeg<'a> {
+    pub kc: CudaView<'a, f32>,
+    pub vc: CudaView<'a, f32>,
+    pub ctx_dev: CudaView<'a, i32>,
+    pub ctx: usize,
+    pub splits: usize,
+}
+
+/// The kernel's by-value table (`struct GqaSegs`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct GqaSegsArg {
+    kc: [u64; MAX_SEGS],
+    vc: [u64; MAX_SEGS],
+    ctx: [u64; MAX_SEGS],
+    splits: [i32; MAX_SEGS],
+    nseg: i32,
+}
+// SAFETY: plain old data with the C layout of `struct GqaSegs`, passed by value as a kernel parameter.
+unsafe impl cudarc::driver::DeviceRepr for GqaSegsArg {}
+
+/// [`gqa_attention`] of up to [`MAX_SEGS`] sequences' blocks in two launches: sequence s's `s.b` query rows are
+/// rows `[s·b, (s+1)·b)` of `q`, `kb`, `vb` and `out`, over its own context (`segs[s]`) split evenly into its
+/// own split count: each sequence's output is bit for bit what its own [`gqa_attention`] with `ctx_dev` and
+/// `GqaSplit { splits, rows_per_split: 0 }` writes (a split past a sequence's count sees no row and is skipped
+/// by the merge). Workspace `part_o`, `part_ml`: [`GqaSplit::workspace`] of the largest split count and
+/// `nseg·b` rows. Launch contract: two kernels, no allocation, no host sync, graph-capturable.
+#[allow(clippy::too_many_arguments)]
+pub fn gqa_attention_segs(
+    gpu: &Gpu,
+    segs: &[GqaSeg<'_>],
+    q: &CudaView<'_, f32>,
+    (kb, vb): (&CudaView<'_, f32>, &CudaView<'_, f32>),
+    s: &GqaShape,
+    part_o: &mut CudaViewMut<'_, f32>,
+    part_ml: &mut CudaViewMut<'_, f32>,
+    out: &mut CudaViewMut<'_, f32>,
+) -> Result<()> {
+    let (hq, hk, d, nseg) = (s.heads, s.kv_heads, s.head_dim, segs.len());
+    ensure(OP, hk > 0 && hq > 0 && hq % hk == 0, || {
+        format!("heads={hq} is not a positive multiple of kv_heads={hk}")
+    })?;
+    ensure(OP, (1..=MAX_HEAD_DIM).contains(&d), || {
+        format!("head_dim={d} outside the kernel's 1..={MAX_HEAD_DIM}")
+    })?;
+    ensure(OP, nseg <= MAX_SEGS, || {
+        format!("{nseg} sequences in one launch (at most {MAX_SEGS})")
+    })?;
+    let (qw, kw, rows) = (hq * d, hk * d, nseg * s.b);
+    need_len(OP, "q", q.len(), rows * qw)?;
+    need_len(OP, "kb", kb.len(), rows * kw)?;
+    need_len(OP, "vb", vb.len(), rows * kw)?;
+    need_len(OP, "out", out.len(), rows * qw)?;
+    let splits = segs.iter().map(|g| g.splits).max().unwrap_or(0);
+    let full = GqaShape { b: rows, ..*s };
+    let (wo, wml) = GqaSplit {
+        splits,
+        rows_per_split: 0,
+    }
+    .workspace(&full);
+    need_len(OP, "part_o", part_o.len(), wo)?;
+    need_len(OP, "part_ml", part_ml.len(), wml)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let mut arg = GqaSegsArg {
+        kc: [0; MAX_SEGS],
+        vc: [0; MAX_SEGS],
+        ctx: [0; MAX_SEGS],
+        splits: [0; MAX_SEGS],
+        nseg: nseg as i32,
+    };
+    let mut guards = Vec::with_capacity(3 * nseg);
+    for (i, g) in segs.iter().enumerate() {
+        use cudarc::driver::DevicePtr;
+        ensure(OP, g.splits >= 1, || format!("sequence {i}: 0 splits"))?;
+        need_len(OP, "ctx_dev", g.ctx_dev.len(), 1)?;
+        need_len(OP, "kc", g.kc.len(), g.ctx * kw)?;
+        need_len(OP, "vc", g.vc.len(), g.ctx * kw)?;
+        as_i32(OP, "ctx + b", g.ctx + s.b)?;
+        let (pk, gk) = g.kc.device_ptr(&gpu.stream);
+        let (pv, gv) = g.vc.device_ptr(&gpu.stream);
+        let (pc, gc) = g.ctx_dev.device_ptr(&gpu.stream);
+        guards.extend([gk, gv, gc]);
+        (arg.kc[i], arg.vc[i], arg.ctx[i]) = (pk, pv, pc);
+        arg.splits[i] = as_i32(OP, "splits", g.splits)?;
+    }
+    let tiles = (s.b * (hq / hk)).div_ceil(QUERIES_PER_CTA);
+    ensure(OP, hk <= 65535 && nseg * tiles <= 65535, || {
+        format!("grid of kv_heads={hk} x {nseg} x {tiles} query tiles exceeds 65535")
+    })?;
+    let (bi, hqi, hki, di) = (
+        as_i32(OP, "b", s.b)?,
+        as_i32(OP, "heads", hq)?,
+        as_i32(OP, "kv_heads", hk)?,
+        as_i32(OP, "head_dim", d)?,
+    );
+    let (sp, bh) = (as_i32(OP, "splits", splits)?, as_i32(OP, "rows x heads", rows * hq)?);
+    let scale = (d as f32).powf(-0.5); // as the twin
+    let mut b = gpu.stream.launch_builder(gpu.func(SPLIT_SEGS));
+    b.arg(&arg)
+        .arg(q)
+        .arg(kb)
+        .arg(vb)
+        .arg(&mut *part_o)
+        .arg(&mut *part_ml)
+        .arg(&bi)
+        .arg(&hqi)
+        .arg(&hki)
+        .arg(&di)
+        .arg(&scale);
+    let grid = (splits as u32, hk as u32, (nseg * tiles) as u32);
+    // SAFETY: every buffer was length-checked above (each context against its host mirror, which the device
+    // counter equals outside a captured round and only advances with its rows written inside one); the
+    // dynamic shared memory is at most what `configure` allowed.
+    unsafe { b.launch(launch_cfg(grid, 256, smem_bytes(d) as u32)) }.map_err(drv(OP))?;
+    drop(guards);
+    let mut b = gpu.stream.launch_builder(gpu.func(MERGE));
+    let (po, pml) = (part_o.as_view(), part_ml.as_view());
+    b.arg(&po).arg(&pml).arg(&mut *out).arg(&sp).arg(&bh).arg(&di);
+    // SAFETY: as above; the merge reads the partials the first kernel wrote and writes out [rows, Hq·D].
+    unsafe { b.launch(launch_cfg(((rows * hq) as u32, 1, 1), 128, 0)) }.map_err(drv(OP))?;
     Ok(())
 }
 

@@ -95,3 +95,78 @@ pub fn kv_compact_dev(
     unsafe { b.launch(launch_cfg((layers as u32, 1, 1), 128, 0)) }.map_err(drv(OP))?;
     Ok(())
 }
+
+/// Caches one [`kv_compact_segs`] launch compacts (`COMPACT_SEGS` in the kernel).
+pub const MAX_SEGS: usize = 64;
+
+/// One cache of [`kv_compact_segs`]: its storage (`[layers, rows_per_layer, width]` bf16), its committed length
+/// where the ops read it (`committed_host` its mirror), and its walk (`[len, path[max_n], ..]`).
+pub struct CompactSeg<'a> {
+    pub cache: CudaViewMut<'a, bf16>,
+    pub rows_per_layer: usize,
+    pub committed_host: usize,
+    pub committed_dev: CudaView<'a, i32>,
+    pub walk: CudaView<'a, i32>,
+    pub max_n: usize,
+}
+
+/// The kernel's by-value table (`struct CompactSegs`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct CompactSegsArg {
+    cache: [u64; MAX_SEGS],
+    pos: [u64; MAX_SEGS],
+    walk: [u64; MAX_SEGS],
+    stride: [i64; MAX_SEGS],
+    nseg: i32,
+}
+// SAFETY: plain old data with the C layout of `struct CompactSegs`, passed by value as a kernel parameter.
+unsafe impl cudarc::driver::DeviceRepr for CompactSegsArg {}
+
+/// [`kv_compact_dev`] of up to [`MAX_SEGS`] caches of `layers` layers in one launch, each along its own walk:
+/// the same moves. Launch contract: one kernel, graph-capturable.
+pub fn kv_compact_segs(gpu: &Gpu, segs: &mut [CompactSeg<'_>], layers: usize, width: usize) -> Result<()> {
+    let nseg = segs.len();
+    ensure(OP, nseg <= MAX_SEGS, || {
+        format!("{nseg} caches in one launch (at most {MAX_SEGS})")
+    })?;
+    if nseg == 0 || layers == 0 {
+        return Ok(());
+    }
+    let mut arg = CompactSegsArg {
+        cache: [0; MAX_SEGS],
+        pos: [0; MAX_SEGS],
+        walk: [0; MAX_SEGS],
+        stride: [0; MAX_SEGS],
+        nseg: nseg as i32,
+    };
+    let mut guards = Vec::with_capacity(3 * nseg);
+    for (i, c) in segs.iter_mut().enumerate() {
+        use cudarc::driver::{DevicePtr, DevicePtrMut};
+        need_len(OP, "cache", c.cache.len(), layers * c.rows_per_layer * width)?;
+        need_len(OP, "committed_dev", c.committed_dev.len(), 1)?;
+        need_len(OP, "walk", c.walk.len(), 1 + c.max_n)?;
+        ensure(OP, c.committed_host + c.max_n <= c.rows_per_layer, || {
+            format!(
+                "committed={} + a path of up to {} exceeds {} rows",
+                c.committed_host, c.max_n, c.rows_per_layer
+            )
+        })?;
+        let s = &gpu.stream;
+        let (p0, g0) = c.cache.device_ptr_mut(s);
+        let (p1, g1) = c.committed_dev.device_ptr(s);
+        let (p2, g2) = c.walk.device_ptr(s);
+        guards.push(g0);
+        guards.extend([g1, g2]);
+        (arg.cache[i], arg.pos[i], arg.walk[i]) = (p0, p1, p2);
+        arg.stride[i] = (c.rows_per_layer * width) as i64;
+    }
+    let w = as_i32(OP, "width", width)?;
+    let mut b = gpu.stream.launch_builder(gpu.func("kdtree_kv_compact_segs_bf16"));
+    b.arg(&arg).arg(&w);
+    // SAFETY: each cache holds layers x rows_per_layer x width and room for its committed rows + max_n (checked
+    // against the host mirrors); each walk is a strictly increasing path of at most max_n of its tree's nodes.
+    unsafe { b.launch(launch_cfg((layers as u32, nseg as u32, 1), 128, 0)) }.map_err(drv(OP))?;
+    drop(guards);
+    Ok(())
+}

@@ -39,6 +39,18 @@ impl TopkWork {
             .min(v.div_ceil(2048))
             .min((32768 / k).max(1))
             .clamp(1, MAX_SPLITS);
+        Self::with_splits(gpu, rows, v, k, splits)
+    }
+
+    /// A workspace for `rows` rows cut into `splits` chunks each (a batch's trees, each row split as its own
+    /// tree's workspace splits it: the same log-probs bit for bit).
+    pub fn with_splits(gpu: &Gpu, rows: usize, v: usize, k: usize, splits: usize) -> Result<TopkWork> {
+        ensure(OP, k > 0 && k <= MAX_K && rows > 0 && v > 0, || {
+            format!("rows={rows}, v={v}, k={k}: need rows, v > 0 and 1 <= k <= {MAX_K}")
+        })?;
+        ensure(OP, (1..=MAX_SPLITS).contains(&splits), || {
+            format!("{splits} chunks a row (1..={MAX_SPLITS})")
+        })?;
         Ok(TopkWork {
             rows,
             v,
