@@ -149,13 +149,15 @@ pub struct Batch {
     /// the scores the decision weighs are the last drafted round's).
     feed: FeedRuns,
     probe: bool,
-    /// `--budget auto`: the batch's drafted rounds' committed tokens per µs (of their shape's fastest time, or the
-    /// cost model's estimate before the shape has been timed), a running average (None before any).
+    /// `--budget auto`: the batch's drafted rounds' committed tokens per µs (of their shape's fastest time), a
+    /// running average (None before any).
     rate: Option<f64>,
     /// `--budget auto`: the fastest wall time (µs) of the batch's steps so far by (rows of the forward, budget;
     /// 0 = a feed round): what its rounds cost at this load, where the cost model (one sequence's rounds,
-    /// calibrated) does not know the batch's per-sequence work; from a shape's third step on (the first runs
-    /// eagerly, the second captures its graph: several times a replay each, they would make feeding look cheap).
+    /// calibrated) does not know the batch's per-sequence work (the fastest: a step that captured its graph
+    /// counts the capture). Timing replays only, with the model's estimate before them, made the pair's batches
+    /// of 16 and 64 draft through many new shapes, each run eagerly then captured, and lose to AR (bench/results
+    /// run 120 against run 119): a shape's first runs decide until the batch's rule knows what a new shape costs.
     timed: std::collections::HashMap<(usize, usize), f64>,
     /// Batched feed rounds run, and batched rounds that mixed feeding (budget 0) and drafting sequences (a
     /// root-only tree for each feeding one: `--budget auto` never makes one, a batch decides for all).
@@ -165,9 +167,6 @@ pub struct Batch {
     pub times: TimeSplit,
     /// The shapes (kind, rows, budget) of batched steps run so far ([`TimeSplit::new_shape`]).
     shapes: std::collections::HashSet<(u8, usize, usize)>,
-    /// Batched auto steps run per (sequences, budget): a shape's first step runs eagerly and its second captures
-    /// it, so only its later steps (graph replays) enter `timed`.
-    uses: std::collections::HashMap<(usize, usize), u32>,
 }
 
 impl Batch {
@@ -233,7 +232,6 @@ impl Batch {
             mixed_steps: 0,
             times: TimeSplit::default(),
             shapes: std::collections::HashSet::new(),
-            uses: std::collections::HashMap::new(),
         })
     }
 }
@@ -495,12 +493,6 @@ impl Batch {
                         bucket
                     })
                 };
-                // What the cost model says this step costs (the batch's rate before its shape has been timed).
-                let est_us = match (auto, autos.first()) {
-                    (Some(0), Some(a)) => a.cost().feed_round_us(rows),
-                    (Some(b), Some(a)) => Some(a.cost().round_us_rows(rows, b)),
-                    _ => None,
-                };
                 // Every slot in index order: the active ones, then idle ones as ghosts.
                 let mut items: Vec<BatchItem<'_>> = Vec::new();
                 // (slot, position in `active` or None = ghost, start)
@@ -548,16 +540,9 @@ impl Batch {
                     let mut fastest = None;
                     if let Some(b) = auto {
                         let us = t0.elapsed().as_secs_f64() * 1e6;
-                        let key = (joined.len(), b);
-                        let n = self.uses.entry(key).or_insert(0);
-                        *n += 1;
-                        // The first step of a shape runs eagerly and the second captures it (each several times a
-                        // replay): only replays time the round.
-                        if *n >= 3 {
-                            let t = self.timed.entry(key).or_insert(us);
-                            *t = t.min(us);
-                        }
-                        fastest = self.timed.get(&key).copied().or(est_us).filter(|_| b > 0);
+                        let t = self.timed.entry((joined.len(), b)).or_insert(us);
+                        *t = t.min(us);
+                        fastest = Some(*t).filter(|_| b > 0);
                     }
                     let (kind, tally) = match (self.mode, auto) {
                         (Mode::Ar, _) => (0, &mut self.times.ar),
