@@ -219,6 +219,23 @@ pub trait BatchOps {
     /// reset target (committed) and, when it drafts, its drafter's context; returns each prompt's last-row
     /// logits `[V]` (the session samples its first token from them).
     fn prefill(&mut self, items: &mut [PrefillItem<'_>]) -> Result<Vec<Vec<f32>>>;
+    /// How the last [`BatchOps::step`] ran (what its wall time stands for).
+    fn last_run(&self) -> StepRun {
+        StepRun {
+            steady: true,
+            flush_us: 0.0,
+        }
+    }
+}
+
+/// How a batched step ran: `steady` when it replayed a captured graph, or captured nothing (a backend
+/// without graphs), so its time is what the shape costs from now on (not a first, eager run or a capture);
+/// `flush_us`, the part of its wall time (µs) its drafters spent writing their stashed context rows before
+/// it (work that feed rounds put off; 0 when none did).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepRun {
+    pub steady: bool,
+    pub flush_us: f64,
 }
 
 /// One sequence of a batched prefill (see [`BatchOps::prefill`]).

@@ -17,10 +17,11 @@
 //!
 //! Tests: engine/tests/batch_generate.rs (CPU: batched == one by one, every line).
 
-use crate::api::{BatchItem, BatchOps};
-use crate::ddtree::cost::{batch_choice, FeedRuns, REAL_WEIGHT};
+use crate::api::{BatchItem, BatchOps, StepRun};
+use crate::ddtree::cost::{batch_choice_by, CostModel, FeedRuns, REAL_WEIGHT};
 use crate::session::{Emitted, Mode, Session};
 use anyhow::{ensure, Context, Result};
+use std::collections::HashMap;
 
 /// The rows a cache allocates for `rows` rows (both backends grow by powers of two from 256 rows; the CPU's
 /// exact growth is below it, so the account is an upper bound).
@@ -104,9 +105,9 @@ pub struct TimeSplit {
     pub ar: Tally,
     pub feed: Tally,
     pub drafted: Tally,
-    /// Of the batched steps above, those that were the first of their shape (kind, rows, budget) in this batch:
-    /// where no graph of the step exists yet (a new graph key runs eagerly once and is captured when it comes
-    /// again: model/round.rs `Staging::capture_now`; keys change within a shape too, as caches move).
+    /// Of the batched steps above, those that were not steady (`api::StepRun`): a graph key's first run, eager,
+    /// and its capture when it comes again (model/round.rs `Staging::capture_now`; keys change within a shape
+    /// too, as caches move).
     pub new_shape: Tally,
     /// Steps of one session alone ([`Session::step`]): one token (AR or a feed round), or a drafted round.
     pub alone_one: Tally,
@@ -149,25 +150,122 @@ pub struct Batch {
     /// the scores the decision weighs are the last drafted round's).
     feed: FeedRuns,
     probe: bool,
-    /// `--budget auto`: the batch's drafted rounds' committed tokens per µs (of their shape's fastest time), a
+    /// `--budget auto`: the batch's drafted rounds' committed tokens per µs (of their shape's steady time), a
     /// running average (None before any).
     rate: Option<f64>,
-    /// `--budget auto`: the fastest wall time (µs) of the batch's steps so far by (rows of the forward, budget;
-    /// 0 = a feed round): what its rounds cost at this load, where the cost model (one sequence's rounds,
-    /// calibrated) does not know the batch's per-sequence work (the fastest: a step that captured its graph
-    /// counts the capture). Timing replays only, with the model's estimate before them, made the pair's batches
-    /// of 16 and 64 draft through many new shapes, each run eagerly then captured, and lose to AR (bench/results
-    /// run 120 against run 119): a shape's first runs decide until the batch's rule knows what a new shape costs.
-    timed: std::collections::HashMap<(usize, usize), f64>,
+    /// `--budget auto`: what the batch's steps cost by shape ([`ShapeCosts`]).
+    costs: ShapeCosts,
     /// Batched feed rounds run, and batched rounds that mixed feeding (budget 0) and drafting sequences (a
     /// root-only tree for each feeding one: `--budget auto` never makes one, a batch decides for all).
     pub feed_steps: usize,
     pub mixed_steps: usize,
     /// Where the batch's time went.
     pub times: TimeSplit,
-    /// The shapes (kind, rows, budget) of batched steps run so far ([`TimeSplit::new_shape`]).
-    shapes: std::collections::HashSet<(u8, usize, usize)>,
 }
+
+/// What a batch's steps cost by shape (rows of the forward, budget; 0 = a feed round), from their wall
+/// times: where the cost model (one sequence's rounds, calibrated) does not know the batch's per-sequence
+/// work, and what a shape costs before its graph replays.
+///
+/// A shape's first runs are dear (an eager run, then its capture: on an H200, the pair's drafted round of 4
+/// sequences took 4.6 ms a probe against 0.63 ms replayed, bench/results run 119). Timing them as the shape's
+/// cost made drafting look dear and the batch fed where drafting paid (run 119, batch 4: 100 % feed rounds
+/// where budget 16 gives 1.32× AR); timing replays only, with nothing for the first runs, made batches of 16 and
+/// 64 draft through many new shapes (run 120). So each shape's cost is its fastest steady run (a replay, less
+/// any stash flush before it), and a shape not steady yet costs, on top, the runs it still needs before it
+/// replays times what such a run has cost beyond a steady one (measured on the batch's own shapes;
+/// [`NEW_SHAPE_EXCESS`] before any), spread over as many rounds as the batch has run at these rows (a batch
+/// that has run k rounds is expected to run about k more).
+#[derive(Debug, Default)]
+struct ShapeCosts {
+    /// The fastest steady time (µs) of each shape, any stash flush before it taken out.
+    steady: HashMap<(usize, usize), f64>,
+    /// Each shape's runs that were not steady, until it has a steady time: (count, µs summed).
+    first: HashMap<(usize, usize), (usize, f64)>,
+    /// Over the shapes measured both ways: (count, Σ (mean not-steady time − steady time) / steady time).
+    excess: (usize, f64),
+    /// Batched steps run at each row count.
+    steps: HashMap<usize, usize>,
+}
+
+impl ShapeCosts {
+    /// A step of `shape` that took `us` µs and ran as `run` says.
+    fn record(&mut self, shape: (usize, usize), us: f64, run: StepRun) {
+        *self.steps.entry(shape.0).or_default() += 1;
+        let us = (us - run.flush_us).max(0.0);
+        if run.steady {
+            let t = self.steady.entry(shape).or_insert(us);
+            *t = t.min(us);
+        } else {
+            let f = self.first.entry(shape).or_default();
+            *f = (f.0 + 1, f.1 + us);
+        }
+        if let (Some(&s), Some(&(n, sum))) = (self.steady.get(&shape), self.first.get(&shape)) {
+            self.first.remove(&shape);
+            if s > 0.0 {
+                self.excess = (self.excess.0 + 1, self.excess.1 + ((sum / n as f64 - s) / s).max(0.0));
+            }
+        }
+    }
+
+    /// The steady time of `shape`, µs.
+    fn steady(&self, shape: (usize, usize)) -> Option<f64> {
+        self.steady.get(&shape).copied()
+    }
+
+    /// What one not-steady run costs beyond a steady one, as a multiple of the steady time.
+    fn excess(&self) -> f64 {
+        match self.excess {
+            (0, _) => NEW_SHAPE_EXCESS,
+            (n, sum) => sum / n as f64,
+        }
+    }
+
+    /// What `shape`'s first runs still cost beyond its steady time `est` (µs), per round the batch is expected
+    /// to run at these rows; 0 once it is steady.
+    fn new_cost(&self, shape: (usize, usize), est: f64) -> f64 {
+        self.first_runs_left(shape) as f64 * self.excess() * est
+            / self.steps.get(&shape.0).copied().unwrap_or(0).max(1) as f64
+    }
+
+    /// The not-steady runs `shape` still has before it replays: an eager run and a capture.
+    fn first_runs_left(&self, shape: (usize, usize)) -> usize {
+        match self.steady.contains_key(&shape) {
+            true => 0,
+            false => 2usize.saturating_sub(self.first.get(&shape).map_or(0, |f| f.0)),
+        }
+    }
+
+    /// The costs a batch of `rows` rows decides with, between drafting bucket `b` and a feed round: the factor
+    /// that turns the cost model's round time into the batch's (the model's over the steady time, at `b`, else
+    /// at the nearest drafted bucket steady at these rows; 1 before any), the drafted round's steady time (µs;
+    /// the model's scaled, before its own) and the feed round's (steady, else the model's; None without a
+    /// measured feed round in the cost file).
+    fn at(&self, rows: usize, b: usize, cost: &CostModel) -> (f64, f64, Option<f64>) {
+        let model = |b: usize| cost.round_us_rows(rows, b);
+        let near = self
+            .steady
+            .iter()
+            .filter(|((r, tb), _)| *r == rows && *tb > 0)
+            .min_by_key(|((_, tb), _)| (tb.abs_diff(b), *tb))
+            .map(|((_, tb), &us)| model(*tb) / us);
+        let scale = near.unwrap_or(1.0);
+        let round = self.steady((rows, b)).unwrap_or(model(b) / scale);
+        let feed = self.steady((rows, 0)).or_else(|| cost.feed_round_us(rows));
+        (scale, round, feed.filter(|_| cost.feed_us.is_some()))
+    }
+
+    /// What a drafted round at bucket `b` costs a batch of `rows` rows now: its steady time and what its first
+    /// runs still cost, spread ([`ShapeCosts::new_cost`]), µs.
+    fn round_now(&self, rows: usize, b: usize, cost: &CostModel) -> f64 {
+        let est = self.at(rows, b, cost).1;
+        est + self.new_cost((rows, b), est)
+    }
+}
+
+/// [`ShapeCosts::excess`] before the batch has measured one: a not-steady run costs this many steady runs more
+/// (bench/results run 119: the pair's drafted round of 4 sequences, 4.6 ms before it replays, 0.63 ms after).
+const NEW_SHAPE_EXCESS: f64 = 6.0;
 
 impl Batch {
     /// [`crate::Loaded::batch`]: a batch of `slots` sequences in `mode` over `model` (sessions forked from it: no
@@ -227,11 +325,10 @@ impl Batch {
             feed: FeedRuns::default(),
             probe: false,
             rate: None,
-            timed: std::collections::HashMap::new(),
+            costs: ShapeCosts::default(),
             feed_steps: 0,
             mixed_steps: 0,
             times: TimeSplit::default(),
-            shapes: std::collections::HashSet::new(),
         })
     }
 }
@@ -432,11 +529,11 @@ impl Batch {
             None => alone = (0..active.len()).collect(),
             Some(ops) => {
                 // `--budget auto`: one bucket for all, the one that maximizes the batch's expected committed tokens
-                // per µs over the forward's rows (ddtree::cost::batch_choice); before any sequence has a round,
-                // the bucket most of them chose (ties: the larger). A feed round for all (budget 0) when its
-                // tokens per µs over the batch's rows beat that bucket's, in runs that double while the probe
-                // after each run says feed again (ddtree::cost::FeedRuns). Both costs are the batch's own where
-                // it has timed them at these rows ([`costs`]).
+                // per µs of the batch's round (ddtree::cost::batch_choice_by, each bucket at what it costs the
+                // batch now: [`ShapeCosts::round_now`]); before any sequence has a round, the bucket most of them
+                // chose (ties: the larger). A feed round for all (budget 0) when its tokens per µs over the
+                // batch's rows beat that bucket's, in runs that double while the probe after each run says feed
+                // again (ddtree::cost::FeedRuns).
                 let autos: Vec<_> = active.iter().filter_map(|&i| self.slots[i].auto_budget()).collect();
                 // The rows of the forward: the active sequences and the idle ones that join as ghosts.
                 let rows = (0..self.slots.len())
@@ -458,28 +555,34 @@ impl Batch {
                         let mut choices: Vec<usize> =
                             BATCH_SMALL.iter().copied().filter(|&b| b < a.buckets()[0]).collect();
                         choices.extend_from_slice(a.buckets());
-                        let choice = batch_choice(&scores, rows, &choices, a.cost());
+                        let cost = a.cost();
+                        let round_now = |n: usize| self.costs.round_now(rows, n, cost);
+                        let choice = batch_choice_by(&scores, rows, &choices, cost, &round_now);
                         bucket = choice.map_or_else(|| majority(autos.iter().map(|a| a.bucket())), |(b, _)| b);
                         let seqs = scores.len() as f64;
                         match (choice, std::mem::take(&mut self.probe)) {
                             (Some((b, theta)), false) => {
-                                let (scale, probe_us, feed_us) = costs(&self.timed, rows, b, a.cost());
+                                let (_, est, feed_us) = self.costs.at(rows, b, cost);
                                 // The sequences' realized acceptance over their surrogate's, on average; and what
                                 // the batch's drafted rounds realized lately: feeding must beat both.
                                 let real = autos.iter().map(|a| a.realized()).sum::<f64>() / autos.len() as f64;
-                                let draft = (theta * scale * real).max(self.rate.unwrap_or(0.0));
+                                let draft = (theta * real).max(self.rate.unwrap_or(0.0));
                                 let wins = feed_us.is_some_and(|f| seqs / f >= draft);
                                 let sure = scores.len() >= BATCH_SURE;
-                                self.feed.decide(wins, probe_us, feed_us.unwrap_or(f64::NAN), sure);
+                                // Probes are spaced by what one costs once its shape replays (its first runs are
+                                // paid once, not at every probe).
+                                self.feed.decide(wins, est, feed_us.unwrap_or(f64::NAN), sure);
                             }
                             // No sequence has drafted yet (a new batch, or new lines after a run): what the
-                            // calibration's rounds promise at these rows decides, as a measured verdict.
+                            // calibration's rounds promise at these rows decides, as a measured verdict, at the
+                            // bucket's steady cost (a batch that has run no round yet cannot spread a first run
+                            // over the rounds before it: it would never draft).
                             (None, false) => {
-                                if let Some((b, theta)) = a.cost().prior(rows, scores.len()) {
-                                    let (scale, probe_us, feed_us) = costs(&self.timed, rows, b, a.cost());
+                                if let Some((b, theta)) = cost.prior(rows, scores.len()) {
+                                    let (scale, est, feed_us) = self.costs.at(rows, b, cost);
                                     let draft = (theta * scale).max(self.rate.unwrap_or(0.0));
                                     let wins = feed_us.is_some_and(|f| seqs / f >= draft);
-                                    self.feed.decide(wins, probe_us, feed_us.unwrap_or(f64::NAN), true);
+                                    self.feed.decide(wins, est, feed_us.unwrap_or(f64::NAN), true);
                                 }
                             }
                             (_, true) => {}
@@ -537,20 +640,20 @@ impl Batch {
                     let t0 = std::time::Instant::now();
                     let results = ops.step(&mut items)?;
                     drop(items);
+                    let run = ops.last_run();
                     let mut fastest = None;
                     if let Some(b) = auto {
                         let us = t0.elapsed().as_secs_f64() * 1e6;
-                        let t = self.timed.entry((joined.len(), b)).or_insert(us);
-                        *t = t.min(us);
-                        fastest = Some(*t).filter(|_| b > 0);
+                        self.costs.record((joined.len(), b), us, run);
+                        fastest = self.costs.steady((joined.len(), b)).filter(|_| b > 0);
                     }
-                    let (kind, tally) = match (self.mode, auto) {
-                        (Mode::Ar, _) => (0, &mut self.times.ar),
-                        (_, Some(0)) => (1, &mut self.times.feed),
-                        _ => (2, &mut self.times.drafted),
+                    let tally = match (self.mode, auto) {
+                        (Mode::Ar, _) => &mut self.times.ar,
+                        (_, Some(0)) => &mut self.times.feed,
+                        _ => &mut self.times.drafted,
                     };
                     tally.add(t0);
-                    if self.shapes.insert((kind, joined.len(), auto.unwrap_or(0))) {
+                    if !run.steady {
                         self.times.new_shape.add(t0);
                     }
                     ensure!(
@@ -573,7 +676,7 @@ impl Batch {
                         }
                     }
                     if let Some(us) = fastest {
-                        // A drafted round: its committed tokens per µs of its shape's fastest time.
+                        // A drafted round: its committed tokens per µs of its shape's steady time.
                         let now = tokens as f64 / us;
                         self.rate = Some(self.rate.map_or(now, |r| (1.0 - REAL_WEIGHT) * r + REAL_WEIGHT * now));
                     }
@@ -597,29 +700,6 @@ impl Batch {
         }
         out.into_iter().map(|e| e.context("a slot got no step")).collect()
     }
-}
-
-/// The costs a batch of `rows` rows decides with, between drafting bucket `b` and a feed round, from its
-/// steps' fastest times `timed` ([`Batch`]): the factor that turns the cost model's θ into the batch's (the
-/// model's round time over the batch's own, timed at `b`, else at the nearest bucket timed at these rows; 1
-/// before any), the probe's time (µs) and the feed round's (timed, else the model's; None without a measured
-/// feed round in the cost file).
-fn costs(
-    timed: &std::collections::HashMap<(usize, usize), f64>,
-    rows: usize,
-    b: usize,
-    cost: &crate::ddtree::cost::CostModel,
-) -> (f64, f64, Option<f64>) {
-    let model = |b: usize| cost.round_us_rows(rows, b);
-    let near = timed
-        .iter()
-        .filter(|((r, tb), _)| *r == rows && *tb > 0)
-        .min_by_key(|((_, tb), _)| (tb.abs_diff(b), *tb))
-        .map(|((_, tb), &us)| model(*tb) / us);
-    let scale = near.unwrap_or(1.0);
-    let probe = timed.get(&(rows, b)).copied().unwrap_or(model(b) / scale);
-    let feed = timed.get(&(rows, 0)).copied().or_else(|| cost.feed_round_us(rows));
-    (scale, probe, feed.filter(|_| cost.feed_us.is_some()))
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -647,3 +727,58 @@ const BATCH_SMALL: [usize; 2] = [1, 2];
 
 /// Prompt rows one batched prefill forward takes at most (its activations grow with them).
 pub const PREFILL_ROWS: usize = 4096;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(steady: bool, flush_us: f64) -> StepRun {
+        StepRun { steady, flush_us }
+    }
+
+    fn model() -> CostModel {
+        CostModel::from_rounds("test", &[(4, 500.0), (16, 600.0)], String::new())
+            .and_then(|m| m.with_feed(300.0))
+            .unwrap()
+    }
+
+    /// A shape's cost is its fastest steady run less its flush; its first runs (eager, capture) are kept apart
+    /// and measure what a new shape costs; until a shape is steady its first runs still to come are charged,
+    /// spread over the rounds the batch has run at those rows.
+    #[test]
+    fn shape_costs_time_steady_runs_and_charge_new_shapes_once() {
+        let mut c = ShapeCosts::default();
+        let (rows, b) = (4, 16);
+        assert_eq!(c.first_runs_left((rows, b)), 2);
+        assert_eq!(c.excess(), NEW_SHAPE_EXCESS);
+        // The feed shape: an eager run, a capture, then replays (one after a flush of 200 µs).
+        c.record((rows, 0), 2100.0, run(false, 0.0));
+        c.record((rows, 0), 1500.0, run(false, 0.0));
+        assert_eq!(c.steady((rows, 0)), None);
+        c.record((rows, 0), 500.0, run(true, 200.0));
+        c.record((rows, 0), 310.0, run(true, 0.0));
+        assert_eq!(c.steady((rows, 0)), Some(300.0));
+        // (mean of 2100 and 1500 − 300) / 300 from the first steady time, 300.
+        assert!((c.excess() - 5.0).abs() < 1e-12, "{}", c.excess());
+        assert_eq!(c.first_runs_left((rows, 0)), 0);
+        // A drafted shape not run yet: its model time (scaled by nothing steady at these rows) and two first
+        // runs at 5x, over the 4 steps run at these rows.
+        let m = model();
+        let (scale, est, feed) = c.at(rows, b, &m);
+        assert_eq!((scale, est, feed), (1.0, m.round_us_rows(rows, b), Some(300.0)));
+        assert!((c.round_now(rows, b, &m) - est * (1.0 + 2.0 * 5.0 / 4.0)).abs() < 1e-9);
+        // Its eager run: one first run left, then steady at 700 µs: no charge, and the model's times at these
+        // rows scale to it.
+        c.record((rows, b), 9000.0, run(false, 0.0));
+        assert_eq!(c.first_runs_left((rows, b)), 1);
+        assert!((c.round_now(rows, b, &m) - est * (1.0 + 5.0 / 5.0)).abs() < 1e-9);
+        c.record((rows, b), 700.0, run(true, 0.0));
+        assert_eq!(c.round_now(rows, b, &m), 700.0);
+        let (scale, est8, _) = c.at(rows, 8, &m);
+        assert!((scale - m.round_us_rows(rows, b) / 700.0).abs() < 1e-12);
+        assert!((est8 - m.round_us_rows(rows, 8) / scale).abs() < 1e-9);
+        // Another row count shares nothing but the excess.
+        assert_eq!(c.at(8, b, &m).0, 1.0);
+        assert_eq!(c.first_runs_left((8, b)), 2);
+    }
+}

@@ -9,10 +9,14 @@
 //!   the same taps (the CPU target's prefill of a prompt, then of three more tokens, then 3,000 random rows)
 //!   go into both; the [B−1, V] draft logits are compared, and the per-row argmax (tie-aware).
 //!
+//! * `flush_batch_equals_each_flush_on_the_gpu`: a batch's flush of its drafters' stashes in shared forwards
+//!   (`DFlashDrafter::flush_batch`) against each session's own flush, bit for bit with the batch-invariant sums.
+//!
 //! Needs a GPU (skips without one unless KDTREE_REQUIRE_GPU=1).
 #![cfg(feature = "cuda")]
 
 mod cuda_common;
+mod drafter_common;
 mod round_common;
 
 use std::path::Path;
@@ -387,4 +391,70 @@ fn gqa_attention_segs_equal_each_sequence_alone() {
     }
     b.check().unwrap();
     println!("PARITY gqa_attention_segs == gqa_attention per sequence (1, 5, 64, 67 sequences) exact");
+}
+
+/// The tiny test drafter's tables on the GPU: embed on the host then uploaded, lm_head one linear.
+struct DevTables {
+    host: kdtree_engine::drafter::DenseTables,
+    b: kdtree_engine::cuda::CudaBackend,
+    lm: <kdtree_engine::cuda::CudaBackend as kdtree_engine::backend::Resources>::Mat,
+}
+
+impl kdtree_engine::drafter::TargetTables<kdtree_engine::cuda::CudaBackend> for DevTables {
+    fn hidden_size(&self) -> usize {
+        self.host.hidden
+    }
+    fn vocab_size(&self) -> usize {
+        self.host.vocab
+    }
+    fn embed(&self, tokens: &[u32]) -> cudarc::driver::CudaSlice<f32> {
+        use kdtree_engine::backend::Resources;
+        use kdtree_engine::drafter::TargetTables;
+        self.b.act_from_host(TargetTables::embed(&self.host, tokens))
+    }
+    fn embed_ids(
+        &self,
+        ids: &<kdtree_engine::cuda::CudaBackend as kdtree_engine::backend::Resources>::Ids,
+        n: usize,
+    ) -> cudarc::driver::CudaSlice<f32> {
+        use kdtree_engine::backend::Resources;
+        let host = self.b.ids_to_host(ids).expect("ids to the host");
+        self.embed(&host[..n])
+    }
+    fn lm_head(&self, x: &cudarc::driver::CudaSlice<f32>, n: usize) -> cudarc::driver::CudaSlice<f32> {
+        use kdtree_engine::backend::Compute;
+        self.b.linear(x, n, &self.lm)
+    }
+}
+
+/// A batch's flush (`DFlashDrafter::flush_batch`: every stash in forwards of up to FLUSH_ROWS rows) writes what
+/// each session's own flush writes on the GPU, bit for bit with the batch-invariant sums: the tiny test drafter
+/// (block 4 and 16), 5 and 90 sessions (2,404 stashed rows: two forwards), contexts of 0 to 70 rows.
+#[test]
+fn flush_batch_equals_each_flush_on_the_gpu() {
+    use kdtree_engine::backend::{Mat, Resources, Slab};
+    use kdtree_engine::cuda::CudaBackend;
+    use kdtree_engine::drafter::{DFlashDrafter, DrafterDims};
+    let Some(g) = gpu() else { return };
+    let g = std::sync::Arc::new(g);
+    g.set_batch_invariant(true);
+    let b = CudaBackend::new(g.clone());
+    let host = drafter_common::tables();
+    let lm = b
+        .upload_bf16(Mat {
+            w: Slab::Owned(host.lm_head.clone()),
+            rows: drafter_common::V,
+            cols: drafter_common::H,
+        })
+        .unwrap();
+    let tables = std::sync::Arc::new(DevTables { host, b: b.clone(), lm });
+    for block in [4, 16] {
+        let cfg = drafter_common::config(block);
+        let dims = DrafterDims::from_config(&cfg).unwrap();
+        let base = DFlashDrafter::new_on(b.clone(), &cfg, drafter_common::weights(&dims), tables.clone()).unwrap();
+        for n in [5, 90] {
+            drafter_common::flush_batch_equals_each_flush(&base, &b, n, &format!("cuda drafter, block {block}"));
+        }
+    }
+    g.set_batch_invariant(false);
 }

@@ -9,60 +9,17 @@
 use half::bf16;
 use kdtree_engine::api::Drafter;
 use kdtree_engine::drafter::{DFlashDrafter, DenseTables, DrafterDims, DrafterWeights, TargetTables};
-use kdtree_formats::config::{parse_drafter_config, DrafterConfig};
+use kdtree_formats::config::DrafterConfig;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::sync::Arc;
 
-const H: usize = 32;
-const V: usize = 40;
-const N_TAPS: usize = 2;
+mod drafter_common;
+
+use drafter_common::{config, tables, weights, H, N_TAPS, V};
+
 /// f32 drafter vs f64 reference, max |Δlogit|: measured 1.1e-6 over the 5 drafts below; ~20x margin.
 const REF_TOL: f64 = 2e-5;
-
-fn config(block: usize) -> DrafterConfig {
-    let json = format!(
-        r#"{{"hidden_size": {H}, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 8, "intermediate_size": 48, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-        "rope_scaling": {{"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
-                          "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}},
-        "max_position_embeddings": 256, "vocab_size": {V}, "num_target_layers": 4,
-        "dflash_config": {{"target_layer_ids": [0, 2], "mask_token_id": 39, "block_size": {block}}}}}"#
-    );
-    parse_drafter_config("test", &json).unwrap()
-}
-
-fn seeded(name: &str, n: usize, center: f32, spread: f32) -> Vec<bf16> {
-    let seed = name.bytes().fold(1469598103934665603u64, |h, b| {
-        (h ^ b as u64).wrapping_mul(1099511628211)
-    });
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    (0..n)
-        .map(|_| bf16::from_f32(center + rng.random_range(-spread..spread)))
-        .collect()
-}
-
-/// Random weights keyed by tensor name (independent of load order); norms near 1, linears ~ 1/sqrt(in).
-fn weights(d: &DrafterDims) -> DrafterWeights {
-    DrafterWeights::load_with(d, |name, shape| {
-        let n = shape.iter().product();
-        Ok(if shape.len() == 1 {
-            seeded(name, n, 1.0, 0.2)
-        } else {
-            seeded(name, n, 0.0, 1.7 / (shape[1] as f32).sqrt())
-        })
-    })
-    .unwrap()
-}
-
-fn tables() -> DenseTables {
-    DenseTables {
-        hidden: H,
-        vocab: V,
-        embed_tokens: seeded("embed", V * H, 0.0, 1.0),
-        lm_head: seeded("lm_head", V * H, 0.0, 0.3),
-    }
-}
 
 fn drafter(block: usize) -> DFlashDrafter {
     let cfg = config(block);
@@ -322,4 +279,20 @@ fn mask_token_outside_the_vocabulary_is_a_config_error() {
     let mut cfg = config(4);
     cfg.dflash_config.mask_token_id = V as u32 - 1;
     assert!(DrafterDims::from_config(&cfg).is_ok());
+}
+
+/// A batch's flush of its drafters' stashes (one forward for many sessions, `DFlashDrafter::flush_batch`) writes
+/// what each session's own flush writes, bit for bit on the CPU: 5 sessions, and 90 (2,404 stashed rows, more
+/// than one forward of FLUSH_ROWS).
+#[test]
+fn a_batch_flush_equals_each_flush_alone() {
+    let base = drafter(4);
+    for n in [5, 90] {
+        drafter_common::flush_batch_equals_each_flush(
+            &base,
+            &kdtree_engine::cpu::CpuBackend::default(),
+            n,
+            "cpu drafter",
+        );
+    }
 }

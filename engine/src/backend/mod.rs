@@ -88,6 +88,11 @@ pub trait Resources: Clone + Send + Sync + 'static {
     type Graph: Send;
     /// Short name for logs and summaries ("cpu", "cuda").
     fn name(&self) -> &'static str;
+    /// Waits until every op queued so far has run (a device stream; nothing on the CPU, whose ops run as they
+    /// are called): for host timings of queued work.
+    fn sync(&self) -> Result<()> {
+        Ok(())
+    }
     /// The first error of an op since the last call (ops are infallible on the CPU; a device backend
     /// records a failed launch and reports it here). The model calls it at the end of every forward.
     fn check(&self) -> Result<()> {

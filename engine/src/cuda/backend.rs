@@ -164,6 +164,9 @@ impl Resources for CudaBackend {
     type Tree = DeviceTree;
     type Pos = DPos;
     type Graph = DGraph;
+    fn sync(&self) -> Result<()> {
+        Ok(self.gpu.sync()?)
+    }
     fn name(&self) -> &'static str {
         "cuda"
     }

@@ -272,6 +272,20 @@ pub fn batch_bucket(scores: &[&[f64]], rows: usize, buckets: &[usize], cost: &Co
 
 /// [`batch_bucket`] and the batch's θ there (expected committed tokens per µs of the batch's round).
 pub fn batch_choice(scores: &[&[f64]], rows: usize, buckets: &[usize], cost: &CostModel) -> Option<(usize, f64)> {
+    let rows_ = rows.max(scores.len()).max(1);
+    batch_choice_by(scores, rows, buckets, cost, &|n| cost.round_us_rows(rows_, n))
+}
+
+/// [`batch_choice`] with the buckets weighed by `round_us(b)`, what a round at bucket b costs the batch (µs:
+/// its measured time where it has one, and what a shape it has not captured yet costs first); whether the
+/// largest tree seen grows past itself is still the model's call (a tree too small to stop).
+pub fn batch_choice_by(
+    scores: &[&[f64]],
+    rows: usize,
+    buckets: &[usize],
+    cost: &CostModel,
+    round_us: &dyn Fn(usize) -> f64,
+) -> Option<(usize, f64)> {
     let seen = scores.iter().map(|s| s.len()).max().filter(|&n| n > 0)?;
     let p = |lq: f64| {
         let p = lq.exp();
@@ -282,13 +296,14 @@ pub fn batch_choice(scores: &[&[f64]], rows: usize, buckets: &[usize], cost: &Co
         }
     };
     let rows = rows.max(scores.len()).max(1);
-    let theta = |n: usize| {
-        let tokens: f64 = scores
+    let tokens = |n: usize| -> f64 {
+        scores
             .iter()
             .map(|s| 1.0 + s.iter().take(n).map(|&q| p(q)).sum::<f64>())
-            .sum();
-        tokens / cost.round_us_rows(rows, n)
+            .sum()
     };
+    let theta = |n: usize| tokens(n) / round_us(n);
+    let model = |n: usize| tokens(n) / cost.round_us_rows(rows, n);
     let known: Vec<usize> = buckets.iter().copied().filter(|&b| b <= seen).collect();
     let Some(&first) = known.first() else {
         return buckets.first().map(|&b| (b, theta(b)));
@@ -297,7 +312,7 @@ pub fn batch_choice(scores: &[&[f64]], rows: usize, buckets: &[usize], cost: &Co
         .iter()
         .copied()
         .fold(first, |a, b| if theta(b) > theta(a) { b } else { a });
-    let grows = best == seen && theta(seen) > theta(seen - 1);
+    let grows = best == seen && model(seen) > model(seen - 1);
     Some(match buckets.iter().find(|&&b| b > best) {
         Some(&next) if grows => (next, theta(best)),
         _ => (best, theta(best)),
@@ -716,6 +731,27 @@ mod tests {
         assert_eq!(batch_bucket(&[&[], &[]], 2, &bs, &cheap), None);
         let fresh: Vec<&[f64]> = vec![&confident[..], &[]];
         assert!(batch_bucket(&fresh, 2, &bs, &cheap).is_some());
+    }
+
+    /// Weighed by the batch's own costs: a bucket that costs more than the model says (its measured time, or
+    /// a first capture on top) loses to the next best; the same costs as the model give batch_choice's answer.
+    #[test]
+    fn the_batch_choice_weighs_the_batch_own_round_costs() {
+        let bs = buckets(64);
+        let confident = logs(&(1..=16).map(|i| 0.9f64.powi(i)).collect::<Vec<_>>());
+        let four: Vec<&[f64]> = vec![&confident[..]; 4];
+        let c = linear(200.0, 2.0);
+        let model = |n: usize| c.round_us_rows(4, n);
+        let plain = batch_choice(&four, 4, &bs, &c).unwrap();
+        assert_eq!(batch_choice_by(&four, 4, &bs, &c, &model), Some(plain));
+        let b = plain.0.min(16);
+        assert!(b > 4, "{plain:?}");
+        // The chosen bucket's shape not captured yet: its round costs 10x once more, amortized over one round.
+        let dear = |n: usize| if n == b { 11.0 * model(n) } else { model(n) };
+        let (other, theta) = batch_choice_by(&four, 4, &bs, &c, &dear).unwrap();
+        assert_ne!(other, b);
+        let tokens = |n: usize| 4.0 * (1.0 + confident[..n].iter().map(|q| q.exp()).sum::<f64>());
+        assert!((theta - tokens(other) / model(other)).abs() <= 1e-12 * theta, "{theta}");
     }
 
     #[test]

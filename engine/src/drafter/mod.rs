@@ -96,6 +96,11 @@ struct Params<B: Backend> {
 /// Rows of a drafter's stash (feed steps between two flushes; a full stash is flushed).
 pub const STASH_ROWS: usize = 64;
 
+/// Rows of one forward of [`DFlashDrafter::flush_batch`]: within the rows where the GPU's batch-invariant
+/// kernels keep one reduction order (`cuda::ops::w4a16_gemm::INVARIANT_MAX_ROWS`), so with them on a batch's
+/// flush writes what each session's own flush writes.
+pub const FLUSH_ROWS: usize = 2048;
+
 /// Distinct drafters (a captured round is keyed by the drafter it drafted with).
 static NEXT_UID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
@@ -452,6 +457,56 @@ impl<B: Backend> DFlashDrafter<B> {
             _ => return Ok(()),
         };
         self.write_rows(&taps.0, taps.1)
+    }
+
+    /// [`DFlashDrafter::flush`] of several sessions of one drafter's weights (a batch's round after feed
+    /// rounds): every stash's rows in forwards of up to [`FLUSH_ROWS`] rows, each stash padded to a block as
+    /// alone, instead of one forward per session. Sessions with an empty stash are left as they are.
+    pub fn flush_batch(ds: &mut [&mut DFlashDrafter<B>]) -> Result<()> {
+        let mut full: Vec<&mut DFlashDrafter<B>> =
+            ds.iter_mut().map(|d| &mut **d).filter(|d| d.stashed() > 0).collect();
+        if full.len() < 2 {
+            for d in full {
+                d.flush()?;
+            }
+            return Ok(());
+        }
+        let (b, bl, tw) = (
+            full[0].b.clone(),
+            full[0].dims.block,
+            full[0].dims.n_taps * full[0].dims.hidden,
+        );
+        // Chunks of sessions whose padded rows fit one forward (a session's own rows always do: the stash
+        // holds at most STASH_ROWS).
+        let mut at = 0;
+        while at < full.len() {
+            let (mut end, mut rows) = (at, 0);
+            while end < full.len() && (end == at || rows + full[end].stashed().max(bl) <= FLUSH_ROWS) {
+                rows += full[end].stashed().max(bl);
+                end += 1;
+            }
+            let chunk = &mut full[at..end];
+            let n: Vec<usize> = chunk.iter().map(|d| d.stashed()).collect();
+            let padded: Vec<usize> = n.iter().map(|&k| k.max(bl)).collect();
+            let mut x = b.zeros(rows * tw);
+            let mut to = 0;
+            for (d, (&k, &r)) in chunk.iter_mut().zip(n.iter().zip(&padded)) {
+                let s = d.stash.as_mut().context("a stash with rows")?;
+                b.set_rows(&mut x, tw, to, &b.rows(&s.taps, tw, 0, k), k);
+                b.pos_set(&mut s.pos, 0);
+                s.n = 0;
+                to += r;
+            }
+            for (d, &r) in chunk.iter_mut().zip(&padded) {
+                d.reserve_context(r);
+            }
+            Self::write_context_segs(chunk, &x, &padded)?;
+            for (d, &k) in chunk.iter_mut().zip(&n) {
+                b.pos_add(&mut d.ctx_pos, k);
+            }
+            at = end;
+        }
+        b.check()
     }
 
     /// Before a captured step that stashes one row (outside it): the stash's storage, and room for the row

@@ -251,6 +251,9 @@ impl<B: Backend> BatchOps for BatchEngine<B> {
     fn prefill(&mut self, items: &mut [PrefillItem<'_>]) -> Result<Vec<Vec<f32>>> {
         self.prefill_all(items)
     }
+    fn last_run(&self) -> crate::api::StepRun {
+        self.staging.last
+    }
 
     fn can_batch(&mut self, it: &mut BatchItem<'_>) -> bool {
         let v = self.w.cfg.vocab;

@@ -15,7 +15,7 @@
 use super::attention::Seg;
 use super::target::{accept_walk, decoder_layers, round_key, RoundSlot, StepSlot, TargetModel};
 use super::weights::Weights;
-use crate::api::{DeviceRound, Drafter};
+use crate::api::{DeviceRound, Drafter, StepRun};
 use crate::backend::{Backend, PosOf, RopeSeg};
 use crate::drafter::DFlashDrafter;
 use crate::sampling::Sampling;
@@ -64,6 +64,8 @@ pub(crate) struct Staging<B: Backend> {
     graphs: Vec<(u64, Option<B::Graph>)>,
     /// Keys run once, eagerly ([`Staging::capture_now`]), the newest last.
     seen: Vec<u64>,
+    /// How the last batched step or round ran.
+    pub(crate) last: StepRun,
 }
 
 impl<B: Backend> Staging<B> {
@@ -78,7 +80,19 @@ impl<B: Backend> Staging<B> {
             mask1: b.mask_upload(&one),
             graphs: Vec::new(),
             seen: Vec::new(),
+            last: StepRun::default(),
         }
+    }
+
+    /// After the step of graph slot `gi` (None: a first sighting, run eagerly) that held a graph before
+    /// (`had`) and whose drafters' flush took `flush_us` before it: [`Staging::last`]. Steady is a replay, or
+    /// a run that captured nothing (a backend without graphs); a first sighting never is.
+    fn ran(&mut self, gi: Option<usize>, had: bool, flush_us: f64) {
+        let now = gi.is_some_and(|gi| self.graphs.get(gi).is_some_and(|g| g.1.is_some()));
+        self.last = StepRun {
+            steady: gi.is_some() && (had || !now),
+            flush_us,
+        };
     }
 
     /// Room for `n` ids in buffer `which` (0 tokens, 1 out, 2 stage): a new, larger buffer when it is too
@@ -162,10 +176,14 @@ pub(crate) fn rounds<B: Backend>(
     // reads.
     let mut key = std::collections::hash_map::DefaultHasher::new();
     let mut slots = Vec::with_capacity(parts.len());
+    // Every stash into its context first, the batch's in shared forwards (timed apart: feed rounds put it off).
+    let flush_us = {
+        let mut ds: Vec<&mut DFlashDrafter<B>> = parts.iter_mut().map(|p| &mut *p.d).collect();
+        flush_timed(b, &mut ds, |d| d.stashed() > 0)?
+    };
     for p in parts.iter_mut() {
         let rows = p.d.block_size() - 1;
         let start = b.kv_committed(&p.t.cache);
-        p.d.flush()?;
         ensure!(
             p.d.context_len() == start,
             "drafter context {} != target committed {start}",
@@ -187,7 +205,7 @@ pub(crate) fn rounds<B: Backend>(
             slots[0] = i;
             None
         }),
-        (parts, Some(st)) => batch_round(w, parts, &slots, key, st).map(Some),
+        (parts, Some(st)) => batch_round(w, parts, &slots, key, st, flush_us).map(Some),
         (_, None) => Err(anyhow::anyhow!("a batched round without a batch engine's buffers")),
     };
     // Each walk read back (one sequence: from its tree; a batch: from the staging words read at once), then
@@ -227,6 +245,23 @@ pub(crate) fn rounds<B: Backend>(
         p.t.dev_root = None;
     }
     r
+}
+
+/// The stashes of the drafters of `ds` that `due` picks written into their contexts together
+/// ([`DFlashDrafter::flush_batch`]); the wall time it took (µs, the device waited for), 0 when none was due.
+fn flush_timed<B: Backend>(
+    b: &B,
+    ds: &mut [&mut DFlashDrafter<B>],
+    due: impl Fn(&DFlashDrafter<B>) -> bool,
+) -> Result<f64> {
+    let mut due: Vec<&mut DFlashDrafter<B>> = ds.iter_mut().map(|d| &mut **d).filter(|d| due(d)).collect();
+    if due.is_empty() {
+        return Ok(0.0);
+    }
+    let t = std::time::Instant::now();
+    DFlashDrafter::flush_batch(&mut due)?;
+    b.sync()?;
+    Ok(t.elapsed().as_secs_f64() * 1e6)
 }
 
 /// Feed rounds (budget 0) of every sequence of `parts`: AR steps whose drafters stash the roots' taps
@@ -301,6 +336,7 @@ fn batch_round<B: Backend>(
     slots: &[usize],
     mut key: std::collections::hash_map::DefaultHasher,
     st: &mut Staging<B>,
+    flush_us: f64,
 ) -> Result<(Vec<u32>, Vec<usize>)> {
     let (b, c) = (&w.backend, &w.cfg);
     let nodes: Vec<usize> = parts.iter().map(|p| p.budget + 1).collect();
@@ -325,6 +361,7 @@ fn batch_round<B: Backend>(
     let (mode, tap_layers) = (parts[0].t.mode, parts[0].t.info.tap_layers.clone());
     let gkey = key.finish();
     let gi = st.capture_now(gkey).then(|| st.graph(gkey));
+    let had = gi.is_some_and(|gi| st.graphs[gi].1.is_some());
     let (tokens, stage) = (&mut st.tokens, &mut st.stage);
     let graph = gi.map(|gi| &mut st.graphs[gi].1);
     let mut body = || {
@@ -463,6 +500,7 @@ fn batch_round<B: Backend>(
         st.graphs.remove(gi);
     }
     r?;
+    st.ran(gi, had, flush_us);
     let all = b.ids_to_host(&st.stage)?; // the batch's one read back
     Ok((all, words))
 }
@@ -479,6 +517,11 @@ pub(crate) fn steps<B: Backend>(
     let (b, c) = (&w.backend, &w.cfg);
     ensure!(!parts.is_empty(), "a step of no sequences");
     let one = parts.len() == 1;
+    // Full stashes into their contexts first, the batch's in shared forwards (each stash then has room).
+    let flush_us = {
+        let mut ds: Vec<&mut DFlashDrafter<B>> = parts.iter_mut().filter_map(|p| p.feed.as_deref_mut()).collect();
+        flush_timed(b, &mut ds, |d| d.stashed() >= crate::drafter::STASH_ROWS)?
+    };
     // Outside the captured step: room for the row, the root where the ops read it (one sequence: unless its
     // slot holds it from its last step), the key.
     let mut key = std::collections::hash_map::DefaultHasher::new();
@@ -523,7 +566,7 @@ pub(crate) fn steps<B: Backend>(
             }
             r?
         }
-        (parts, Some(st)) => batch_step(w, parts, key, st)?,
+        (parts, Some(st)) => batch_step(w, parts, key, st, flush_us)?,
         (_, None) => anyhow::bail!("a batched step without a batch engine's buffers"),
     };
     let mut out = Vec::with_capacity(parts.len());
@@ -592,6 +635,7 @@ fn batch_step<B: Backend>(
     parts: &mut [StepPart<'_, B>],
     mut key: std::collections::hash_map::DefaultHasher,
     st: &mut Staging<B>,
+    flush_us: f64,
 ) -> Result<Vec<u32>> {
     let (b, c) = (&w.backend, &w.cfg);
     let n = parts.len();
@@ -608,6 +652,7 @@ fn batch_step<B: Backend>(
     };
     let gkey = key.finish();
     let gi = st.capture_now(gkey).then(|| st.graph(gkey));
+    let had = gi.is_some_and(|gi| st.graphs[gi].1.is_some());
     let (tokens, out, mask1) = (&st.tokens, &mut st.out, &st.mask1);
     let graph = gi.map(|gi| &mut st.graphs[gi].1);
     let mut body = || {
@@ -668,5 +713,6 @@ fn batch_step<B: Backend>(
         st.graphs.remove(gi);
     }
     r?;
+    st.ran(gi, had, flush_us);
     b.ids_to_host(&st.out) // the batch's one read back
 }
