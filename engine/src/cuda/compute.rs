@@ -707,19 +707,7 @@ impl Compute for CudaBackend {
         head_dim: usize,
     ) -> CudaSlice<f32> {
         self.run("gqa_attention", || {
-            let kw = kv_heads * head_dim;
-            let (c, room) = (ctx_len.host, ctx.0.len().checked_div(kw).unwrap_or(0));
-            if c > room || ctx.1.len() != ctx.0.len() {
-                return Err(CudaError::Shape {
-                    op: "gqa_attention",
-                    msg: format!(
-                        "context keys/values of {} / {} values hold fewer than C={c} rows of Hk={kv_heads} x \
-                         D={head_dim}",
-                        ctx.0.len(),
-                        ctx.1.len()
-                    ),
-                });
-            }
+            let (c, room) = (ctx_len.host, gqa_room(ctx.0, ctx.1, ctx_len.host, kv_heads, head_dim)?);
             let s = GqaShape {
                 b,
                 ctx: c,
@@ -782,18 +770,7 @@ impl Compute for CudaBackend {
             for chunk in ctx.chunks(GQA_SEGS) {
                 let mut segs = Vec::with_capacity(chunk.len());
                 for &(kc, vc, len) in chunk {
-                    let (c, room) = (len.host, kc.len().checked_div(kw).unwrap_or(0));
-                    if c > room || vc.len() != kc.len() {
-                        return Err(CudaError::Shape {
-                            op: "gqa_attention",
-                            msg: format!(
-                                "context keys/values of {} / {} values hold fewer than C={c} rows of Hk={kv_heads} \
-                                 x D={head_dim}",
-                                kc.len(),
-                                vc.len()
-                            ),
-                        });
-                    }
+                    let (c, room) = (len.host, gqa_room(kc, vc, len.host, kv_heads, head_dim)?);
                     // Each sequence split as its own call splits it (by its cache's room), C read on the device.
                     segs.push(GqaSeg {
                         kc: kc.as_view(),
@@ -827,4 +804,27 @@ impl Compute for CudaBackend {
         })
         .unwrap_or_else(|| self.empty())
     }
+}
+
+/// The rows a drafter's context cache (keys `kc`, values `vc`) has room for; an error when they hold fewer than
+/// its `c` committed rows of Hk = `kv_heads` x D = `head_dim`, or keys and values differ in size.
+fn gqa_room(
+    kc: &CudaSlice<f32>,
+    vc: &CudaSlice<f32>,
+    c: usize,
+    kv_heads: usize,
+    head_dim: usize,
+) -> std::result::Result<usize, CudaError> {
+    let room = kc.len().checked_div(kv_heads * head_dim).unwrap_or(0);
+    if c > room || vc.len() != kc.len() {
+        return Err(CudaError::Shape {
+            op: "gqa_attention",
+            msg: format!(
+                "context keys/values of {} / {} values hold fewer than C={c} rows of Hk={kv_heads} x D={head_dim}",
+                kc.len(),
+                vc.len()
+            ),
+        });
+    }
+    Ok(room)
 }

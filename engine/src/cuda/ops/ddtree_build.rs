@@ -49,6 +49,27 @@ pub struct TreeOut<'a, 'b> {
     pub n_nodes: &'a mut CudaViewMut<'b, i32>,
 }
 
+/// The limits every build launch checks: the budget, the draft rows and the top-K width its kernel holds.
+fn check_limits(budget: usize, depths: usize, k: usize) -> Result<()> {
+    ensure(OP, budget <= MAX_BUDGET, || {
+        format!("budget={budget} exceeds {MAX_BUDGET}")
+    })?;
+    ensure(OP, depths <= MAX_DEPTH, || {
+        format!("{depths} draft rows exceed {MAX_DEPTH}")
+    })?;
+    ensure(OP, k <= super::topk_logprobs::MAX_K, || {
+        format!("k={k} exceeds {}", super::topk_logprobs::MAX_K)
+    })
+}
+
+/// The lengths of a tree's bonus, tokens, depths and parents buffers against a tree of `n` nodes.
+fn check_tree(n: usize, [bonus, tokens, depths, parents]: [usize; 4]) -> Result<()> {
+    need_len(OP, "bonus", bonus, 1)?;
+    need_len(OP, "tokens", tokens, n)?;
+    need_len(OP, "depths", depths, n)?;
+    need_len(OP, "parents", parents, n)
+}
+
 /// Build the tree of root `bonus` (`[1]` u32 on the device) from the per-depth top-K `lp` / `tok`
 /// (`[depths, k]`, rank order) with `budget` nodes. One warp; lp in shared memory when `depths × k <=
 /// LP_SMEM_MAX`. Launch contract: no allocation, no host sync,
@@ -64,22 +85,11 @@ pub fn ddtree_build(
     bonus: &CudaView<'_, u32>,
     out: TreeOut<'_, '_>,
 ) -> Result<()> {
-    ensure(OP, budget <= MAX_BUDGET, || {
-        format!("budget={budget} exceeds {MAX_BUDGET}")
-    })?;
-    ensure(OP, depths <= MAX_DEPTH, || {
-        format!("{depths} draft rows exceed {MAX_DEPTH}")
-    })?;
-    ensure(OP, k <= super::topk_logprobs::MAX_K, || {
-        format!("k={k} exceeds {}", super::topk_logprobs::MAX_K)
-    })?;
+    check_limits(budget, depths, k)?;
     need_len(OP, "lp", lp.len(), depths * k)?;
     need_len(OP, "tok", tok.len(), depths * k)?;
-    need_len(OP, "bonus", bonus.len(), 1)?;
     let n = budget + 1;
-    need_len(OP, "tokens", out.tokens.len(), n)?;
-    need_len(OP, "depths", out.depths.len(), n)?;
-    need_len(OP, "parents", out.parents.len(), n)?;
+    check_tree(n, [bonus.len(), out.tokens.len(), out.depths.len(), out.parents.len()])?;
     need_len(OP, "log_q", out.log_q.len(), n)?;
     need_len(OP, "first_child", out.first_child.len(), n)?;
     need_len(OP, "next_sibling", out.next_sibling.len(), n)?;
@@ -164,15 +174,7 @@ pub fn ddtree_build_segs(
     ensure(OP, nseg <= MAX_SEGS, || {
         format!("{nseg} trees in one launch (at most {MAX_SEGS})")
     })?;
-    ensure(OP, budget <= MAX_BUDGET, || {
-        format!("budget={budget} exceeds {MAX_BUDGET}")
-    })?;
-    ensure(OP, depths <= MAX_DEPTH, || {
-        format!("{depths} draft rows exceed {MAX_DEPTH}")
-    })?;
-    ensure(OP, k <= super::topk_logprobs::MAX_K, || {
-        format!("k={k} exceeds {}", super::topk_logprobs::MAX_K)
-    })?;
+    check_limits(budget, depths, k)?;
     ensure(OP, words >= (budget + 1).div_ceil(64), || {
         format!("{words} mask words a row for {} nodes", budget + 1)
     })?;
@@ -197,10 +199,7 @@ pub fn ddtree_build_segs(
     let mut guards = Vec::with_capacity(9 * nseg);
     for (i, t) in segs.iter_mut().enumerate() {
         use cudarc::driver::{DevicePtr, DevicePtrMut};
-        need_len(OP, "bonus", t.bonus.len(), 1)?;
-        need_len(OP, "tokens", t.tokens.len(), n)?;
-        need_len(OP, "depths", t.depths.len(), n)?;
-        need_len(OP, "parents", t.parents.len(), n)?;
+        check_tree(n, [t.bonus.len(), t.tokens.len(), t.depths.len(), t.parents.len()])?;
         ensure(OP, t.log_q_at.is_multiple_of(2), || {
             format!("log_q at i32 index {} is not 8-byte aligned", t.log_q_at)
         })?;

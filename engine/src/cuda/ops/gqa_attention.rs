@@ -95,6 +95,17 @@ pub(crate) fn configure(gpu: &Gpu) -> Result<()> {
     Ok(())
 }
 
+/// The head shape both launches check: Hq a positive multiple of Hk, 1 <= D <= [`MAX_HEAD_DIM`].
+fn check_heads(s: &GqaShape) -> Result<()> {
+    let (hq, hk, d) = (s.heads, s.kv_heads, s.head_dim);
+    ensure(OP, hk > 0 && hq > 0 && hq % hk == 0, || {
+        format!("heads={hq} is not a positive multiple of kv_heads={hk}")
+    })?;
+    ensure(OP, (1..=MAX_HEAD_DIM).contains(&d), || {
+        format!("head_dim={d} outside the kernel's 1..={MAX_HEAD_DIM}")
+    })
+}
+
 /// `out[t, hq, :] = Σ_s softmax_s(D^-0.5 · q[t, hq, :] · k[s, hq / G, :]) · v[s, hq / G, :]` over all
 /// S = C + B rows s: context rows `kc`/`vc` `[C, Hk·D]` first, then block rows `kb`/`vb` `[B, Hk·D]`
 /// (no mask: the block attends to itself non-causally). `q` `[B, Hq·D]`, `out` `[B, Hq·D]`, all f32.
@@ -118,12 +129,7 @@ pub fn gqa_attention(
     out: &mut CudaViewMut<'_, f32>,
 ) -> Result<()> {
     let (hq, hk, d) = (s.heads, s.kv_heads, s.head_dim);
-    ensure(OP, hk > 0 && hq > 0 && hq % hk == 0, || {
-        format!("heads={hq} is not a positive multiple of kv_heads={hk}")
-    })?;
-    ensure(OP, (1..=MAX_HEAD_DIM).contains(&d), || {
-        format!("head_dim={d} outside the kernel's 1..={MAX_HEAD_DIM}")
-    })?;
+    check_heads(s)?;
     let even = split.rows_per_split == 0;
     ensure(OP, !even || ctx_dev.is_some(), || {
         "rows_per_split = 0 (even split in the kernel) needs the device context length".into()
@@ -253,12 +259,7 @@ pub fn gqa_attention_segs(
     out: &mut CudaViewMut<'_, f32>,
 ) -> Result<()> {
     let (hq, hk, d, nseg) = (s.heads, s.kv_heads, s.head_dim, segs.len());
-    ensure(OP, hk > 0 && hq > 0 && hq % hk == 0, || {
-        format!("heads={hq} is not a positive multiple of kv_heads={hk}")
-    })?;
-    ensure(OP, (1..=MAX_HEAD_DIM).contains(&d), || {
-        format!("head_dim={d} outside the kernel's 1..={MAX_HEAD_DIM}")
-    })?;
+    check_heads(s)?;
     ensure(OP, nseg <= MAX_SEGS, || {
         format!("{nseg} sequences in one launch (at most {MAX_SEGS})")
     })?;
