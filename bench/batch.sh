@@ -6,7 +6,9 @@
 #   * a k26-slice model (real K2.6 widths: hidden 7168, 64 heads, 384 experts top-8, vocab 163840; 3 layers) from
 #     dummy weights filled on the GPU (timing only: the tokens are noise, every line decodes max_tokens): 64
 #     lines of 8..64 token ids, 32 tokens each.
-# Each run's --summary gives the whole file's output tokens per wall second of generation (`throughput_tok_s`)
+# Each run's --summary gives the whole file's output tokens per wall second of generation (`throughput_tok_s`);
+# each configuration runs KDTREE_BATCH_REPEAT times (default 2: AR alone moved by up to 25 % between runs, run
+# 119 vs 120) and the table keeps its fastest run
 # and the per-line latency; the table prints last (markdown, for bench/RESULTS.md), with the goals: AR
 # throughput at batch 64 >= 10x batch 1; DDTree at batch 16 above AR at batch 16; `--budget auto` >= AR at every
 # batch (auto rows add its mean budget and the share of feed rounds).
@@ -45,16 +47,22 @@ with open(f"{w}/k26.jsonl", "w") as f:
         ids = [r.randrange(1, 160000) for _ in range(r.randrange(8, 65))]
         f.write(json.dumps({"id": f"k{i:02d}", "prompt_token_ids": ids, "max_tokens": 32}) + "\n")
 PY
-run() { # MODEL MODE BATCH
-  local name="$1-$2-b$3" m
+run() { # MODEL MODE BATCH: KDTREE_BATCH_REPEAT runs (default 2), the one of the highest throughput kept as $name
+  local name="$1-$2-b$3" m r best="" bt=-1
   case $2 in ar) m="--mode ar";; auto) m="--mode ddtree --budget auto";; dd*) m="--mode ddtree --budget ${2#dd}";; esac
   if [ "$SECONDS" -ge "$budget" ]; then echo "SKIP $name (past the ${budget} s budget)"; echo "$name skipped" >> "$out/skipped"; fail=1; return; fi
   local extra=""
   [ "$1" = k26 ] && extra="--load-format dummy"
-  local s=$SECONDS
-  timeout $((budget - SECONDS + 30)) "$dir/kdtree-run" "$work/$1" --prompts "$work/$1.jsonl" --out "$out/$name.jsonl" --device cuda $m \
-    --max-batch "$3" $extra --summary "$out/$name.json" 2> "$out/$name.err" || { echo "FAIL $name: $(tail -2 "$out/$name.err")"; fail=1; }
-  echo "$name: $((SECONDS - s)) s"
+  local s=$SECONDS tps=""
+  for r in $(seq 1 "${KDTREE_BATCH_REPEAT:-2}"); do
+    timeout $((budget - SECONDS + 30)) "$dir/kdtree-run" "$work/$1" --prompts "$work/$1.jsonl" --out "$out/$name.r$r.jsonl" --device cuda $m \
+      --max-batch "$3" $extra --summary "$out/$name.r$r.json" 2> "$out/$name.r$r.err" || { echo "FAIL $name (run $r): $(tail -2 "$out/$name.r$r.err")"; fail=1; return; }
+    t=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1])).get("throughput_tok_s") or 0)' "$out/$name.r$r.json")
+    tps="$tps ${t%.*}"
+    if python3 -c 'import sys; sys.exit(0 if float(sys.argv[1]) > float(sys.argv[2]) else 1)' "$t" "$bt"; then best=$r; bt=$t; fi
+  done
+  for x in json jsonl err; do cp "$out/$name.r$best.$x" "$out/$name.$x"; done
+  echo "$name: $((SECONDS - s)) s (tok/s of each run:$tps; kept run $best)"
 }
 # The batched step alone (engine/tests/cuda_bench_batch.rs): ms a step at N = 1, 4, 16, 64, the graph's nodes.
 if [ "${KDTREE_BATCH_STEPS:-1}" = 1 ] && [ -x "$dir/cuda_bench_batch" ]; then
@@ -104,7 +112,9 @@ fi
 # between them, the graph captures), before the table.
 python3 - "$out" <<'PY'
 import json, sys, glob, os
-for f in sorted(glob.glob(f"{sys.argv[1]}/*-b*.json")):
+for f in sorted(glob.glob(f"{sys.argv[1]}/*-b[0-9]*.json")):
+    if ".r" in os.path.basename(f):
+        continue
     s = json.load(open(f)); t = s.get("time_split")
     if not t:
         continue
@@ -121,7 +131,7 @@ def get(name):
     except (OSError, ValueError):
         return None
 print(f"Batched generation, {gpu}, commit {commit}, {datetime.date.today()} (bench/batch.sh): output tokens per second of"
-      " generation wall time for the whole prompt file (`throughput_tok_s`), greedy; per-line latency p50 / p90 (ms);"
+      " generation wall time for the whole prompt file (`throughput_tok_s`, the fastest of each configuration's runs), greedy; per-line latency p50 / p90 (ms);"
       " tokens per round (acceptance length) for DDTree.\n")
 print("| model | mode | batch | tok/s | vs batch 1 | latency p50 / p90 ms | tokens | τ |")
 print("|---|---|---|---|---|---|---|---|")
