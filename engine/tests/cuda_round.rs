@@ -613,7 +613,7 @@ fn device_prefill_equals_the_host_prefill_on_the_gpu() {
 /// the tree stages; at most 2,015 rows a forward), greedy and sampled.
 #[test]
 fn batched_rounds_equal_each_sequence_alone_on_the_gpu() {
-    use kdtree_engine::generate::{generate, generate_batch, GenRequest, Job};
+    use kdtree_engine::generate::{generate, GenRequest};
     let tmp = tempfile::tempdir().unwrap();
     let Some((g, mut m)) = pair_on_gpu(&tmp) else { return };
     g.set_batch_invariant(true);
@@ -649,26 +649,9 @@ fn batched_rounds_equal_each_sequence_alone_on_the_gpu() {
                 })
                 .collect();
             let mut batch = m.batch(mode, n, None).unwrap();
-            let mut it = prompts.iter().enumerate();
-            let mut next = || {
-                it.next().map(|(i, p)| {
-                    (
-                        i,
-                        Job {
-                            req: req(p),
-                            on_tokens: Box::new(|_: &[u32]| false),
-                        },
-                    )
-                })
-            };
-            let mut outs = std::collections::BTreeMap::new();
-            let mut done = |i: usize, o: anyhow::Result<kdtree_engine::generate::GenOutput>| {
-                outs.insert(i, o.unwrap().tokens);
-                Ok(())
-            };
-            generate_batch(&mut batch, &mut next, &mut done).unwrap();
+            let reqs: Vec<GenRequest> = prompts.iter().map(req).collect();
+            let got = round_common::batch_tokens(&mut batch, &reqs);
             assert!(batch.batched_steps > 0, "{n} sequences: no batched round ran");
-            let got: Vec<Vec<u32>> = outs.into_values().collect();
             for (i, (a, b)) in alone.iter().zip(&got).enumerate() {
                 assert_eq!(b, a, "{n} sequences, budget {budget}, {label}: sequence {i}");
             }

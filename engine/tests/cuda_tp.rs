@@ -18,7 +18,7 @@ mod round_common;
 
 use kdtree_engine::cuda::comm::{Communicator, Nccl, SharedGpu};
 use kdtree_engine::cuda::Gpu;
-use kdtree_engine::generate::{generate, generate_batch, GenRequest, Job, Sampling};
+use kdtree_engine::generate::{generate, GenRequest, Sampling};
 use kdtree_engine::model::open::open_cuda_on;
 use kdtree_engine::tp::{open_tp_gpus, Placement};
 use kdtree_engine::{Loaded, Mode};
@@ -141,32 +141,19 @@ fn gen(m: &mut Loaded, mode: Mode, s: &Sampling, prompts: &[Vec<u32>]) -> Vec<Ve
 
 fn gen_batch(m: &Loaded, mode: Mode, prompts: &[Vec<u32>]) -> Vec<Vec<u32>> {
     let mut batch = m.batch(mode, prompts.len(), None).unwrap();
-    let mut it = prompts.iter().cloned().enumerate();
-    let mut next = || {
-        it.next().map(|(i, prompt)| {
-            (
-                i,
-                Job {
-                    req: GenRequest {
-                        prompt,
-                        max_tokens: 24,
-                        stop_token_ids: vec![],
-                        sampling: Sampling::greedy(),
-                        mode,
-                    },
-                    on_tokens: Box::new(|_: &[u32]| false),
-                },
-            )
+    let reqs: Vec<GenRequest> = prompts
+        .iter()
+        .map(|p| GenRequest {
+            prompt: p.clone(),
+            max_tokens: 24,
+            stop_token_ids: vec![],
+            sampling: Sampling::greedy(),
+            mode,
         })
-    };
-    let mut outs = std::collections::BTreeMap::new();
-    let mut done = |i: usize, o: anyhow::Result<kdtree_engine::generate::GenOutput>| {
-        outs.insert(i, o.unwrap().tokens);
-        Ok(())
-    };
-    generate_batch(&mut batch, &mut next, &mut done).unwrap();
+        .collect();
+    let tokens = round_common::batch_tokens(&mut batch, &reqs);
     assert!(batch.batched_steps > 0);
-    outs.into_values().collect()
+    tokens
 }
 
 /// Every run of the comparison: greedy AR, greedy b16, sampled b16, batched AR, greedy feed rounds (budget 0)

@@ -9,7 +9,7 @@
 mod round_common;
 
 use kdtree_convert::repack::{repack, RepackOptions, DEFAULT_MAX_FILE_SIZE};
-use kdtree_engine::generate::{generate, generate_batch, GenOutput, GenRequest, Job, Sampling};
+use kdtree_engine::generate::{generate, GenOutput, GenRequest, Sampling};
 use kdtree_engine::tp::{open_tp, Placement};
 use kdtree_engine::{open, Device, Loaded, Mode};
 use kdtree_formats::plan::ExpertsMode;
@@ -93,26 +93,9 @@ fn alone(m: &mut Loaded, reqs: &[GenRequest]) -> Vec<GenOutput> {
 /// `reqs` (all of one mode) through a batch of `slots`.
 fn batched(m: &Loaded, reqs: &[GenRequest], slots: usize) -> Vec<Vec<u32>> {
     let mut batch = m.batch(reqs[0].mode, slots, None).unwrap();
-    let mut it = reqs.iter().cloned().enumerate();
-    let mut next = || {
-        it.next().map(|(i, req)| {
-            (
-                i,
-                Job {
-                    req,
-                    on_tokens: Box::new(|_: &[u32]| false),
-                },
-            )
-        })
-    };
-    let mut outs = std::collections::BTreeMap::new();
-    let mut done = |i: usize, o: anyhow::Result<GenOutput>| {
-        outs.insert(i, o.unwrap().tokens);
-        Ok(())
-    };
-    generate_batch(&mut batch, &mut next, &mut done).unwrap();
+    let tokens = round_common::batch_tokens(&mut batch, reqs);
     assert!(batch.batched_steps > 0, "the batch ran batched steps");
-    outs.into_values().collect()
+    tokens
 }
 
 fn prefill_logits(m: &mut Loaded, prompt: &[u32]) -> Vec<f32> {

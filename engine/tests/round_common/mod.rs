@@ -324,3 +324,28 @@ pub fn compare_stash(m: &mut Loaded, prefix: &str, prompt: &[u32], steps: usize,
     );
     worst
 }
+
+/// Every request of `reqs` generated through `batch` (`generate_batch`, no request stopped by its callback):
+/// each one's tokens, in request order.
+pub fn batch_tokens(batch: &mut kdtree_engine::Batch, reqs: &[kdtree_engine::generate::GenRequest]) -> Vec<Vec<u32>> {
+    use kdtree_engine::generate::{generate_batch, GenOutput, Job};
+    let mut it = reqs.iter().cloned().enumerate();
+    let mut next = || {
+        it.next().map(|(i, req)| {
+            (
+                i,
+                Job {
+                    req,
+                    on_tokens: Box::new(|_: &[u32]| false),
+                },
+            )
+        })
+    };
+    let mut outs = std::collections::BTreeMap::new();
+    let mut done = |i: usize, o: anyhow::Result<GenOutput>| {
+        outs.insert(i, o.unwrap().tokens);
+        Ok(())
+    };
+    generate_batch(batch, &mut next, &mut done).unwrap();
+    outs.into_values().collect()
+}

@@ -43,11 +43,17 @@ fn tokens(path: &Path) -> Vec<Json> {
         .collect()
 }
 
-#[test]
-fn auto_needs_calibrate_then_runs_losslessly() {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("kdtree-run-auto-work");
+/// An empty folder `name` under the tests' temporary folder (what an earlier run left there removed).
+fn fresh_dir(name: &str) -> std::path::PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[test]
+fn auto_needs_calibrate_then_runs_losslessly() {
+    let dir = fresh_dir("kdtree-run-auto-work");
     let prompts = dir.join("p.jsonl");
     std::fs::write(
         &prompts,
@@ -234,8 +240,7 @@ fn budget_flag_takes_a_count_or_auto() {
 /// writes its cost file there, feed round included; the dummy flags are checked as `kdtree-run`'s are.
 #[test]
 fn calibrate_takes_dummy_weights() {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("kdtree-run-auto-dummy");
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = fresh_dir("kdtree-run-auto-dummy");
     std::fs::create_dir_all(dir.join("drafter")).unwrap();
     // The synthetic model's source configs (the converted folder keeps them in its manifest).
     let hf = model().parent().unwrap().join("hf-5");
@@ -282,9 +287,7 @@ fn calibrate_takes_dummy_weights() {
 /// unreadable one and a line the model cannot take are errors that name the file.
 #[test]
 fn calibrate_from_a_prompt_file() {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("kdtree-run-auto-prompts");
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir("kdtree-run-auto-prompts");
     // A copy of the converted model: calibrate writes its cost file into it (the other tests read theirs).
     let m = dir.join("m");
     std::fs::create_dir_all(&m).unwrap();
