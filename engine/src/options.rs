@@ -18,11 +18,13 @@ pub struct GpuOptions {
     /// Launch the W4A16 GEMMs with programmatic dependent launch (sm_90+ only; off on older GPUs whatever this
     /// says).
     pub pdl: bool,
-    /// bf16 GEMMs of <= `gemv_rows` rows through the GEMV kernel instead of cuBLAS (opt in; see `cuda::Gpu`).
-    pub gemv: bool,
-    /// Rows up to which the GEMV takes a GEMM when it is on (4; any count: a row's bits do not depend on it, so
-    /// a bound above a tree's rows makes the decode step and the tree verify sum their linears alike).
-    pub gemv_rows: usize,
+    /// bf16 GEMMs of up to this many rows through the small-M tensor-core GEMM (kernels/cuda/gemm_small_bf16.cu)
+    /// instead of cuBLAS; 0 (the default, [`SMALL_GEMM_ROWS`]): cuBLAS always outside the batch-invariant forwards.
+    /// A row's bits do not depend on the call's rows in that kernel, so the decode step and tree verifies up to this
+    /// many rows sum their linears alike.
+    pub small_gemm_rows: usize,
+    /// CTAs per SM the small-M GEMM's k-split count aims at (a row's bits depend on it: one value a run).
+    pub small_ctas_per_sm: usize,
     /// A forward's sums independent of the call's rows, so that greedy DDTree == AR bit for bit
     /// (`cuda::Gpu::batch_invariant`; opt in).
     pub batch_invariant: bool,
@@ -67,8 +69,8 @@ impl Default for GpuOptions {
             graphs: true,
             poison: false,
             pdl: true,
-            gemv: false,
-            gemv_rows: 4,
+            small_gemm_rows: SMALL_GEMM_ROWS,
+            small_ctas_per_sm: 4,
             batch_invariant: false,
             w4a16_blocks_per_sm: 4,
             w4a16_max_splits: 64,
@@ -85,6 +87,12 @@ impl Default for GpuOptions {
     }
 }
 
+/// Rows up to which bf16 GEMMs take the small-M tensor-core GEMM by default (`small_gemm_rows`): none. Measured on
+/// the H200 (runs 128–131) it is level with cuBLAS at one row (the K2.6 TP8 rank-0 AR step 8.18 against 8.14 ms)
+/// and slower from 17 rows (b16 rounds 20.1 against 13.9 ms at 128), so by default it serves the batch-invariant
+/// forwards only (`batch_invariant`), where its row-count-independent sums are the point.
+pub const SMALL_GEMM_ROWS: usize = 0;
+
 /// The prefix of every switch's environment variable.
 pub const ENV_PREFIX: &str = "KDTREE_";
 
@@ -94,10 +102,14 @@ pub const KNOBS: [(&str, &str, &str); 17] = [
     ("KDTREE_CUDA_GRAPHS", "graphs", "`0`: off; anything else or unset: on"),
     ("KDTREE_CUDA_POISON", "poison", "`1`: on; otherwise off"),
     ("KDTREE_PDL", "pdl", "`0`: off; anything else or unset: on (sm_90+)"),
-    ("KDTREE_GEMV", "gemv", "`1`: on; otherwise off"),
     (
-        "KDTREE_GEMV_ROWS",
-        "gemv_rows",
+        "KDTREE_SMALL_GEMM_ROWS",
+        "small_gemm_rows",
+        "an integer (0: off); unset or not a number: 0",
+    ),
+    (
+        "KDTREE_SMALL_CTAS_PER_SM",
+        "small_ctas_per_sm",
         "an integer >= 1; unset or not a number: 4",
     ),
     ("KDTREE_BATCH_INVARIANT", "batch_invariant", "`1`: on; otherwise off"),
@@ -161,8 +173,8 @@ impl GpuOptions {
             graphs: not_zero("CUDA_GRAPHS", d.graphs),
             poison: one("CUDA_POISON"),
             pdl: not_zero("PDL", d.pdl),
-            gemv: one("GEMV"),
-            gemv_rows: count("GEMV_ROWS", d.gemv_rows).max(1),
+            small_gemm_rows: count("SMALL_GEMM_ROWS", d.small_gemm_rows),
+            small_ctas_per_sm: count("SMALL_CTAS_PER_SM", d.small_ctas_per_sm).max(1),
             batch_invariant: one("BATCH_INVARIANT"),
             w4a16_blocks_per_sm: count("W4A16_BLOCKS_PER_SM", d.w4a16_blocks_per_sm),
             w4a16_max_splits: count("W4A16_MAX_SPLITS", d.w4a16_max_splits),

@@ -4,7 +4,7 @@
 //! rotated over more than 200 MB so every call streams from HBM, not the 60 MB L2; CUDA events around many calls
 //! after a warm-up; GB/s counts the weight bytes (packed + scales, or bf16) once per call. W4A16 is timed eagerly
 //! and replayed from a CUDA graph (which also proves the launches capturable: no host sync, no allocation);
-//! the bf16 GEMM replayed from a graph too (cuBLAS, and the GEMV kernel it takes for M <= 4). Each W4A16 figure also
+//! the bf16 GEMM replayed from a graph too (cuBLAS, and the small-M tensor-core GEMM). Each W4A16 figure also
 //! prints one machine-readable `BENCH w4a16 n=.. k=.. m=..` line (bench/table.py reads it; bench/gpu-bench.sh runs it).
 #![cfg(feature = "cuda")]
 
@@ -139,15 +139,13 @@ fn w4a16_bandwidth() {
             g.set_w4a16_blocks_per_sm(bps0);
             g.set_w4a16_max_splits(cap0);
             g.set_pdl(pdl0);
-            // The bf16 GEMM on the same shape (4x the weight bytes), rotated the same way: cuBLAS, and for
-            // M <= 4 also the GEMV kernel that gemm_bf16 takes there (graph replays, launch-free).
+            // The bf16 GEMM on the same shape (4x the weight bytes), rotated the same way: cuBLAS and the small-M
+            // tensor-core GEMM that gemm_bf16 takes up to `small_gemm_rows` rows (graph replays, launch-free).
             let (wcopies, wsz) = (wb.len() / (n * k), n * k);
             let mut y = g.zeros::<bf16>(m * n).unwrap();
-            for gemv in [false, true] {
-                if gemv && m > ops::gemm_bf16::GEMV_MAX_ROWS {
-                    continue;
-                }
-                g.set_gemv(gemv);
+            let small0 = g.small_gemm_rows();
+            for small in [false, true] {
+                g.set_small_gemm_rows(if small { usize::MAX } else { 0 });
                 let ms = time_graph_median_ms(&g, 4 * wcopies.max(10), 5, |i| {
                     let c = i % wcopies;
                     ops::gemm_bf16::gemm_bf16(
@@ -162,7 +160,7 @@ fn w4a16_bandwidth() {
                     .unwrap();
                 });
                 let gbps = (2 * n * k) as f64 / (ms * 1e-3) / 1e9;
-                let what = if gemv { "gemv" } else { "cublas" };
+                let what = if small { "small" } else { "cublas" };
                 println!(
                     "BENCH gemm_bf16 N={n} K={k} M={m} {what} graph {:.2} us {:.0} GB/s {:.0}% of copy",
                     ms * 1e3,
@@ -170,7 +168,7 @@ fn w4a16_bandwidth() {
                     100.0 * gbps / copy
                 );
             }
-            g.set_gemv(false);
+            g.set_small_gemm_rows(small0);
         }
     }
     // Grouped MoE decode: 1 token x top-8 of 32 distinct experts of the fused gate+up 4096x7168 (rotated over
@@ -316,6 +314,69 @@ fn sample_rows_time() {
             );
         }
     }
+}
+
+/// The bf16 GEMMs of a K2.6 TP8 rank-0 decode step and its tree verifies, cuBLAS against the small-M tensor-core
+/// GEMM (kernels/cuda/gemm_small_bf16.cu), M = 1 (AR), 17 (b16), 65 (b64), 129, 257 (b256) rows; weights rotated
+/// past L2, graph replays. Floor: the weight bytes at the copy rate measured in the same run (read + write counts
+/// each byte twice, so a read-only stream's ceiling is about the copy's GB/s).
+#[test]
+#[ignore = "timing; run by scripts/gpu-test.sh"]
+fn gemm_bf16_step_shapes() {
+    let Some(g) = gpu() else { return };
+    let copy = copy_gbps(&g);
+    let mut r = rng(2100);
+    let (small0, cps0) = (g.small_gemm_rows(), g.small_ctas_per_sm());
+    // (name, N, K): q_a|kv_a, q_b, o_proj, the router, shared gate|up, shared down, lm_head's vocab shard.
+    for &(name, n, k) in &[
+        ("q_a|kv_a", 2112usize, 7168usize),
+        ("q_b", 1536, 1536),
+        ("o_proj", 7168, 1024),
+        ("router", 384, 7168),
+        ("shared gate|up", 512, 7168),
+        ("shared down", 7168, 256),
+        ("lm_head/8", 20480, 7168),
+    ] {
+        let wb = bf16_weights(&g, &mut r, n, k);
+        let (wcopies, wsz) = (wb.len() / (n * k), n * k);
+        for &m in &[1usize, 17, 65, 129, 257] {
+            let dx = g.upload(&rand_bf16(&mut r, m * k, 0.01, 1.0)).unwrap();
+            let mut y = g.zeros::<bf16>(m * n).unwrap();
+            let mut time = |rows: usize| {
+                g.set_small_gemm_rows(rows);
+                1e3 * time_graph_median_ms(&g, 2 * wcopies.max(10), 5, |c| {
+                    let c = c % wcopies;
+                    ops::gemm_bf16::gemm_bf16(
+                        &g,
+                        &dx.as_view(),
+                        &wb.slice(c * wsz..(c + 1) * wsz),
+                        &mut y.as_view_mut(),
+                        m,
+                        k,
+                        n,
+                    )
+                    .unwrap();
+                })
+            };
+            let cublas = time(0);
+            let floor_us = (2 * n * k) as f64 / (copy * 1e9) * 1e6;
+            // The small GEMM at split targets of 4, 2 and 1 CTAs an SM (fewer CTAs: fewer splits).
+            for cps in [4, 2, 1] {
+                g.set_small_ctas_per_sm(cps);
+                let (splits, per) = ops::gemm_bf16::small_plan_on(&g, n, k);
+                let us = time(usize::MAX);
+                println!(
+                    "BENCH gemm_step {name} N={n} K={k} M={m} ctas_per_sm={cps} splits={splits}x{per} \
+                     cublas_us={cublas:.2} small_us={us:.2} floor_us={floor_us:.2} small/floor={:.2} \
+                     small/cublas={:.2}",
+                    us / floor_us,
+                    us / cublas
+                );
+            }
+            g.set_small_ctas_per_sm(cps0);
+        }
+    }
+    g.set_small_gemm_rows(small0);
 }
 
 /// bf16 weights `[copies, n, k]` rotated over >= ROTATE_BYTES.

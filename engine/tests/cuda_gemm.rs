@@ -307,7 +307,11 @@ fn moe_chain_ids_stay_on_device() {
 fn gemm_bf16_parity() {
     let Some(g) = gpu() else { return };
     // (T, K, N, f32 out): q_a 7168->1536, kv_a 7168->576, q_b 1536->12288, router 7168->384 (f32),
-    // o_proj 8192->7168, lm_head 7168->163840 (f32 logits), a small odd shape.
+    // o_proj 8192->7168, lm_head 7168->163840 (f32 logits), a small odd shape (K % 8 != 0: cuBLAS only).
+    // Each case runs through the small-M tensor-core GEMM (kernels/cuda/gemm_small_bf16.cu) and through cuBLAS
+    // (`set_small_gemm_rows(0)`). Extra small-GEMM shapes: every token tile (1..8, 9..16, 17..32, 33..64 rows and
+    // several groups), N not a multiple of the CTA's 64 columns, K not a multiple of its 64-k step, a split count
+    // of 1 (lm_head-wide N) and many (the router), rows past one launch's workspace (the router at 257 rows).
     let cases = [
         (1, 7168, 1536, false),
         (8, 7168, 576, false),
@@ -316,30 +320,26 @@ fn gemm_bf16_parity() {
         (2, 8192, 7168, false),
         (1, 7168, 163_840, true),
         (7, 100, 33, true),
+        (2, 7168, 384, true),
+        (4, 7168, 1536, false),
+        (1, 2048, 7168, false),
+        (3, 1032, 96, true),
+        (4, 256, 4352, true),
+        (17, 7168, 2112, false),
+        (33, 1024, 7168, false),
+        (65, 7168, 384, true),
+        (129, 1536, 1000, false),
+        (257, 7168, 384, true),
+        (11, 8, 40, true),
     ];
-    // T <= 4 with K % 8 == 0 runs the GEMV kernel (kernels/cuda/gemv_bf16.cu); each case also runs through
-    // cuBLAS (`set_gemv(false)`) where that differs. Extra GEMV shapes: every row count 1..4, short N (8 warps
-    // a row), bf16 out at M=4, a K that is not a multiple of 256 (tail chunks).
-    let cases: Vec<(usize, usize, usize, bool)> = cases
-        .iter()
-        .copied()
-        .chain([
-            (2, 7168, 384, true),
-            (4, 7168, 1536, false),
-            (1, 2048, 7168, false),
-            (3, 1032, 96, true),
-            (4, 256, 4352, true),
-        ])
-        .collect();
+    let small0 = g.small_gemm_rows();
     for (i, &(t, k, n, f32_out)) in cases.iter().enumerate() {
-        for gemv in [true, false] {
-            let gemv_shape = t <= ops::gemm_bf16::GEMV_MAX_ROWS && k % 8 == 0;
-            let uses_gemv = gemv && gemv_shape;
-            if !gemv && !gemv_shape {
-                continue; // the cuBLAS path already ran
+        for small in [true, false] {
+            if small && k % 8 != 0 {
+                continue; // the small GEMM needs 16-byte rows
             }
-            g.set_gemv(gemv);
-            let path = if uses_gemv { "gemv" } else { "cublas" };
+            g.set_small_gemm_rows(if small { usize::MAX } else { 0 });
+            let path = if small { "small" } else { "cublas" };
             let case = format!(
                 "gemm_bf16(T={t},K={k},N={n},out={},{path})",
                 if f32_out { "f32" } else { "bf16" }
@@ -361,29 +361,62 @@ fn gemm_bf16_parity() {
             }
         }
     }
-    g.set_gemv(false);
+    // Output rows ld_y apart (a vocab shard's logits in its columns of the merged rows): the columns outside
+    // [col0, col0 + N) keep their poison.
+    for small in [true, false] {
+        g.set_small_gemm_rows(if small { usize::MAX } else { 0 });
+        let (t, k, n, ld, col0) = (3usize, 7168usize, 1000usize, 2560usize, 640usize);
+        let mut r = rng(1390);
+        let x = rand_bf16(&mut r, t * k, 0.01, 1.0);
+        let w = fast_bf16(&mut r, n * k);
+        let (dx, dw) = (g.upload(&x).unwrap(), g.upload(&w).unwrap());
+        let mut dy = g.upload(&nan_f32(t * ld)).unwrap();
+        ops::gemm_bf16::gemm_bf16_ld(&g, &dx.as_view(), &dw.as_view(), &mut dy.slice_mut(col0..), t, k, n, ld).unwrap();
+        let got = g.download(&dy).unwrap();
+        let want = matmul_bf16(&widen(&x), &w, t, k, n);
+        let mine: Vec<f32> = (0..t)
+            .flat_map(|m| got[m * ld + col0..m * ld + col0 + n].to_vec())
+            .collect();
+        check(
+            &format!("gemm_bf16_ld(T={t},N={n},ld={ld},small={small})"),
+            &mine,
+            &want,
+            GEMM_F32_TOL,
+        );
+        for m in 0..t {
+            for c in (0..ld).filter(|c| *c < col0 || *c >= col0 + n) {
+                assert!(
+                    got[m * ld + c].is_nan(),
+                    "row {m} column {c} outside the shard was written"
+                );
+            }
+        }
+    }
+    g.set_small_gemm_rows(small0);
 }
 
-/// The GEMV's rows do not depend on the row count (`KDTREE_GEMV_ROWS`: a decode step of 1 row and a tree verify of
-/// 65 sum their shared rows alike): every row of a T-row call, bit for bit, equals that row alone, for T across
-/// the block sizes (16, 8, 4, 3, 2, 1 and their sums), on K2.6 TP8 rank-0 shapes, f32 and bf16 out; and within
-/// the bf16 bound of the CPU.
+/// The small-M GEMM's rows do not depend on the row count (a decode step of 1 row, a tree verify of 17 or 65 and a
+/// batched round of hundreds sum their shared rows alike): every row of a T-row call, bit for bit, equals that row
+/// alone, for T across the token tiles (8, 16, 32, 64), several token groups and several launches (the router's and
+/// q_a|kv_a's split-K workspace holds 192 and 64 rows a launch), on K2.6 TP8 rank-0 shapes, f32 and bf16 out; and
+/// within the bf16 bound of the CPU.
 #[test]
-fn gemv_rows_do_not_depend_on_the_row_count() {
+fn small_gemm_rows_do_not_depend_on_the_row_count() {
     let Some(g) = gpu() else { return };
-    g.set_gemv(true);
-    g.set_gemv_rows(1024);
-    // (K, N, f32 out): q_a|kv_a, o_proj, the router (f32 logits), the shared expert's down.
+    let small0 = g.small_gemm_rows();
+    g.set_small_gemm_rows(usize::MAX);
+    // (K, N, f32 out): q_a|kv_a, o_proj, the router (f32 logits), the shared expert's down, q_b.
     for (i, &(k, n, f32_out)) in [
         (7168, 2112, false),
         (1024, 7168, false),
         (7168, 384, true),
         (256, 7168, false),
+        (1536, 1536, false),
     ]
     .iter()
     .enumerate()
     {
-        let t_max = 130;
+        let t_max = 300;
         let mut r = rng(1400 + i as u64);
         let x = rand_bf16(&mut r, t_max * k, -1.0, 1.0);
         let w = fast_bf16(&mut r, n * k);
@@ -407,8 +440,8 @@ fn gemv_rows_do_not_depend_on_the_row_count() {
             }
         };
         let alone: Vec<Vec<u32>> = (0..t_max).map(|row| run(&[row])).collect();
-        for t in [2usize, 3, 4, 5, 8, 15, 16, 17, 31, 33, 65, 130] {
-            // Rows taken out of order (a batch's rows are not the first ones), so block boundaries move.
+        for t in [2usize, 3, 8, 9, 16, 17, 31, 33, 64, 65, 130, 257, 300] {
+            // Rows taken out of order (a batch's rows are not the first ones), so tile boundaries move.
             let rows: Vec<usize> = (0..t).map(|j| (j * 37 + 11 * t) % t_max).collect();
             let got = run(&rows);
             for (j, &row) in rows.iter().enumerate() {
@@ -431,13 +464,14 @@ fn gemv_rows_do_not_depend_on_the_row_count() {
             })
             .collect();
         let tol = if f32_out { GEMM_F32_TOL } else { GEMM_BF16_TOL };
-        check(&format!("gemv(T=17,K={k},N={n}) vs the CPU"), &got17, &want, tol);
+        check(&format!("small gemm(T=17,K={k},N={n}) vs the CPU"), &got17, &want, tol);
+        let (splits, per) = ops::gemm_bf16::small_plan_on(&g, n, k);
         println!(
-            "PARITY gemv rows (K={k},N={n},f32_out={f32_out}): T = 2 .. 130, every row == the row alone, bit for bit"
+            "PARITY small gemm rows (K={k},N={n},f32_out={f32_out},splits={splits}x{per} steps): T = 2 .. 300, every \
+             row == the row alone, bit for bit"
         );
     }
-    g.set_gemv_rows(ops::gemm_bf16::GEMV_MAX_ROWS);
-    g.set_gemv(false);
+    g.set_small_gemm_rows(small0);
 }
 
 /// With `batch_invariant` on, a W4A16 row's bits do not depend on the call's rows: every token of a T-token grouped

@@ -21,8 +21,8 @@ fn changed(a: &GpuOptions, b: &GpuOptions) -> Vec<&'static str> {
     check("graphs", a.graphs != b.graphs);
     check("poison", a.poison != b.poison);
     check("pdl", a.pdl != b.pdl);
-    check("gemv", a.gemv != b.gemv);
-    check("gemv_rows", a.gemv_rows != b.gemv_rows);
+    check("small_gemm_rows", a.small_gemm_rows != b.small_gemm_rows);
+    check("small_ctas_per_sm", a.small_ctas_per_sm != b.small_ctas_per_sm);
     check("batch_invariant", a.batch_invariant != b.batch_invariant);
     check("w4a16_blocks_per_sm", a.w4a16_blocks_per_sm != b.w4a16_blocks_per_sm);
     check("w4a16_max_splits", a.w4a16_max_splits != b.w4a16_max_splits);
@@ -53,13 +53,12 @@ fn nothing_set_is_the_default() {
             && !d.pool_keep
             && d.mla_decode
             && !d.poison
-            && !d.gemv
             && !d.tp_trace
             && !d.op_profile
             && !d.batch_invariant
     );
     assert_eq!((d.w4a16_blocks_per_sm, d.w4a16_max_splits), (4, 64));
-    assert_eq!((d.mla_expanded_min_rows, d.gemv_rows), (1024, 4));
+    assert_eq!((d.mla_expanded_min_rows, d.small_gemm_rows), (1024, 0));
     assert_eq!(
         (d.group_timeout, d.gate_timeout),
         (Duration::from_secs(20), Duration::from_secs(60))
@@ -78,7 +77,8 @@ fn each_variable_sets_its_own_field_and_no_other() {
         "KDTREE_W4A16_BLOCKS_PER_SM" => "2",
         "KDTREE_W4A16_MAX_SPLITS" => "16",
         "KDTREE_MLA_EXPANDED_MIN_ROWS" => "512",
-        "KDTREE_GEMV_ROWS" => "1024",
+        "KDTREE_SMALL_GEMM_ROWS" => "64",
+        "KDTREE_SMALL_CTAS_PER_SM" => "2",
         "KDTREE_GROUP_TIMEOUT_S" | "KDTREE_GATE_TIMEOUT_S" => "1.5",
         _ => "1",
     };
@@ -103,13 +103,12 @@ fn each_variable_sets_its_own_field_and_no_other() {
             && o.pool_keep
             && !o.mla_decode
             && o.poison
-            && o.gemv
             && o.tp_trace
             && o.op_profile
             && o.batch_invariant
     );
     assert_eq!((o.w4a16_blocks_per_sm, o.w4a16_max_splits), (2, 16));
-    assert_eq!((o.mla_expanded_min_rows, o.gemv_rows), (512, 1024));
+    assert_eq!((o.mla_expanded_min_rows, o.small_gemm_rows), (512, 64));
     assert_eq!(
         (o.group_timeout, o.gate_timeout),
         (Duration::from_millis(1500), Duration::from_millis(1500))
@@ -129,7 +128,9 @@ fn values_keep_the_meaning_the_library_gave_them() {
     assert!(!from(&[("KDTREE_CUDA_POISON", "0")]).poison);
     assert!(!from(&[("KDTREE_CUDA_POISON", "yes")]).poison);
     assert!(!from(&[("KDTREE_TP_TRACE", "true")]).tp_trace);
-    assert!(!from(&[("KDTREE_GEMV", "")]).gemv);
+    // A row bound: 0 switches the small GEMM off; what does not parse keeps the default (off).
+    assert_eq!(from(&[("KDTREE_SMALL_GEMM_ROWS", "16")]).small_gemm_rows, 16);
+    assert_eq!(from(&[("KDTREE_SMALL_GEMM_ROWS", "all")]).small_gemm_rows, 0);
     // Numbers that do not parse, and timeouts <= 0, keep the defaults.
     assert_eq!(from(&[("KDTREE_W4A16_MAX_SPLITS", "many")]).w4a16_max_splits, 64);
     assert_eq!(from(&[("KDTREE_W4A16_BLOCKS_PER_SM", "-1")]).w4a16_blocks_per_sm, 4);
@@ -142,5 +143,8 @@ fn values_keep_the_meaning_the_library_gave_them() {
         Duration::from_secs(60)
     );
     // Variables without the prefix are not switches.
-    assert_eq!(from(&[("CUDA_GRAPHS", "0"), ("GEMV", "1")]), GpuOptions::default());
+    assert_eq!(
+        from(&[("CUDA_GRAPHS", "0"), ("SMALL_GEMM_ROWS", "1")]),
+        GpuOptions::default()
+    );
 }

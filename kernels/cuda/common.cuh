@@ -73,6 +73,22 @@ __device__ __forceinline__ Best block_best(Best b, float* sv, int* si) {
 
 constexpr int INVALID = 0x7fffffff;
 
+// Programmatic dependent launch (sm_90+; the wrappers launch the GEMMs with programmatic stream
+// serialization): a GEMM may start while the kernel before it drains. Everything before pdl_wait() only
+// reads the weights (which no kernel writes); x, the workspace, the counters and the output are touched after
+// it. pdl_trigger() lets the next PDL-launched kernel start early (it waits for this whole grid in its own
+// pdl_wait()). Both are no-ops when the kernel was launched without the attribute.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {

@@ -68,22 +68,6 @@ __device__ __forceinline__ uint32_t deq2(uint32_t w, int sh, bf162 s2) {
     return as_u32(__hmul2(v, s2));
 }
 
-// Programmatic dependent launch (sm_90+; the wrappers launch the GEMMs with programmatic stream
-// serialization): a GEMM may start while the kernel before it drains. Everything before pdl_wait() only
-// reads the weights (which no kernel writes); x, the workspace, the counters and the output are touched after
-// it. pdl_trigger() lets the next PDL-launched kernel start early (it waits for this whole grid in its own
-// pdl_wait()). Both are no-ops when the kernel was launched without the attribute.
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
 struct Tile {
     int count;          // rows in this tile (<= 8 * MT)
     const int* xrow;    // smem: x row per tile row
@@ -181,8 +165,8 @@ __device__ __forceinline__ void w4a16_cta(const bf16* __restrict__ x, int ld_x, 
             s[st][i] = on ? sp[i][(size_t)(kb_lo + st) * 4] : __float2bfloat16_rn(0.f);
         }
     }
-    pdl_trigger();
-    pdl_wait();
+    kdtree::pdl_trigger();
+    kdtree::pdl_wait();
 
     // Stage x[tile rows, kb_lo*128 .. kb_hi*128) into smem, permuted (k0 k4 k1 k5 k2 k6 k3 k7 per 8-k chunk).
     const int chunks_per_row = nkb * (KB / 8);
@@ -345,7 +329,7 @@ DENSE_KERNEL(4)
         extern __shared__ __align__(16) unsigned char smem[];                                                   \
         __shared__ int xrow[8 * MT], orow[8 * MT];                                                              \
         const int z = blockIdx.z;                                                                               \
-        pdl_wait(); /* the routing comes from the kernel before: no weight prefetch ahead of it here */         \
+        kdtree::pdl_wait(); /* the routing comes from the kernel before: no weight prefetch ahead of it here */         \
         if (z >= *n_tiles) return;                                                                              \
         const int e = tiles[z], start = tiles[max_tiles + z], count = tiles[2 * max_tiles + z];                 \
         if (threadIdx.x < 8 * MT) {                                                                             \
@@ -439,8 +423,8 @@ extern "C" __global__ void __launch_bounds__(w4a16_large::THREADS, 2) kdtree_moe
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ int xrow[BM], orow[BM];
     const int z = blockIdx.y;
-    pdl_wait();  // the routing and x come from the kernels before
-    pdl_trigger();
+    kdtree::pdl_wait();  // the routing and x come from the kernels before
+    kdtree::pdl_trigger();
     if (z >= *n_tiles) return;
     const int e = tiles[z], start = tiles[max_tiles + z], count = tiles[2 * max_tiles + z];
     const int nbx = gridDim.x / nmat, mat = blockIdx.x / nbx, n0 = (blockIdx.x % nbx) * BN;

@@ -102,13 +102,15 @@ pub struct Gpu {
     /// At most this many W4A16 k-splits (`GpuOptions::w4a16_max_splits`, default 64: measured on the H200, a cap of
     /// 16 or 8 made the TP8 slices slower, 512x7168 M=1 9.3 / 11.3 us against 6.9 us).
     w4a16_max_splits: std::sync::atomic::AtomicUsize,
-    /// bf16 GEMMs of <= 4 rows through the GEMV kernel instead of cuBLAS (opt in: `GpuOptions::gemv`). Off by
-    /// default: on the H200 it made the k26 slice's AR step 10% faster (10.74 -> 9.64 ms), but its sums differ
-    /// from the tree verify's cuBLAS ones more often at bf16 rounding boundaries (sampled DDTree == sampled AR
-    /// exactly on 0 of 8 runs instead of >= 4, every difference a boundary case within 2e-3).
-    gemv: std::sync::atomic::AtomicBool,
-    /// Rows up to which the GEMV takes a bf16 GEMM when it is on (`GpuOptions::gemv_rows`, default 4).
-    gemv_rows: std::sync::atomic::AtomicUsize,
+    /// bf16 GEMMs of up to this many rows through the small-M tensor-core GEMM instead of cuBLAS
+    /// (`GpuOptions::small_gemm_rows`; 0: cuBLAS always).
+    small_gemm_rows: std::sync::atomic::AtomicUsize,
+    /// The small-M GEMM's split-K workspace ([`ops::gemm_bf16::SMALL_WS`] f32) and arrival counters (zero between
+    /// launches: the last CTA of each tile resets its counter).
+    pub(crate) small_ws: CudaSlice<f32>,
+    /// CTAs per SM the small-M GEMM's k-split count aims at (`GpuOptions::small_ctas_per_sm`).
+    small_ctas_per_sm: std::sync::atomic::AtomicUsize,
+    pub(crate) small_counters: CudaSlice<u32>,
     /// Sums that do not depend on the row count (`GpuOptions::batch_invariant`; [`Gpu::batch_invariant`]).
     batch_invariant: std::sync::atomic::AtomicBool,
     /// Fill [`Gpu::out`] buffers with NaN bytes (`GpuOptions::poison`; test runs).
@@ -332,6 +334,12 @@ impl Gpu {
             }
         }
         let gemm_counters = stream.alloc_zeros::<u32>(GEMM_COUNTERS).map_err(drv("gemm counters"))?;
+        let small_ws = stream
+            .alloc_zeros::<f32>(ops::gemm_bf16::SMALL_WS)
+            .map_err(drv("small gemm workspace"))?;
+        let small_counters = stream
+            .alloc_zeros::<u32>(ops::gemm_bf16::SMALL_COUNTERS)
+            .map_err(drv("small gemm counters"))?;
         let major = ctx
             .attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
             .map_err(drv("device attributes"))?;
@@ -354,8 +362,10 @@ impl Gpu {
             last_graph: std::sync::Mutex::new(None),
             w4a16_bps: std::sync::atomic::AtomicUsize::new(opts.w4a16_blocks_per_sm),
             w4a16_max_splits: std::sync::atomic::AtomicUsize::new(opts.w4a16_max_splits),
-            gemv: std::sync::atomic::AtomicBool::new(opts.gemv),
-            gemv_rows: std::sync::atomic::AtomicUsize::new(opts.gemv_rows.max(1)),
+            small_gemm_rows: std::sync::atomic::AtomicUsize::new(opts.small_gemm_rows),
+            small_ws,
+            small_ctas_per_sm: std::sync::atomic::AtomicUsize::new(opts.small_ctas_per_sm.max(1)),
+            small_counters,
             batch_invariant: std::sync::atomic::AtomicBool::new(opts.batch_invariant),
             poison: opts.poison,
             opts,
@@ -544,21 +554,27 @@ impl Gpu {
             .store(s.max(1), std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Whether bf16 GEMMs of <= 4 rows use the GEMV kernel (off by default; `GpuOptions::gemv`).
-    pub fn gemv(&self) -> bool {
-        self.gemv.load(std::sync::atomic::Ordering::Relaxed)
+    /// Rows up to which bf16 GEMMs take the small-M tensor-core GEMM (`GpuOptions::small_gemm_rows`; 0: none).
+    pub fn small_gemm_rows(&self) -> usize {
+        self.small_gemm_rows.load(std::sync::atomic::Ordering::Relaxed)
     }
-    /// Turns the GEMV path on or off (tests and the bench compare it with cuBLAS).
-    pub fn set_gemv(&self, on: bool) {
-        self.gemv.store(on, std::sync::atomic::Ordering::Relaxed);
+    /// CTAs per SM the small-M GEMM's k-split count aims at (`GpuOptions::small_ctas_per_sm`). A row's bits depend
+    /// on it (through the split), so it is one setting for a whole run.
+    pub fn small_ctas_per_sm(&self) -> usize {
+        self.small_ctas_per_sm.load(std::sync::atomic::Ordering::Relaxed)
     }
-    /// Rows of x up to which the GEMV takes a bf16 GEMM when [`Gpu::gemv`] is on (`GpuOptions::gemv_rows`).
-    pub fn gemv_rows(&self) -> usize {
-        self.gemv_rows.load(std::sync::atomic::Ordering::Relaxed)
+    /// Sets [`Gpu::small_ctas_per_sm`] (at least 1; the bench compares them).
+    pub fn set_small_ctas_per_sm(&self, n: usize) {
+        self.small_ctas_per_sm
+            .store(n.max(1), std::sync::atomic::Ordering::Relaxed);
+    }
+    /// Sets [`Gpu::small_gemm_rows`] (tests and the bench compare it with cuBLAS: 0).
+    pub fn set_small_gemm_rows(&self, rows: usize) {
+        self.small_gemm_rows.store(rows, std::sync::atomic::Ordering::Relaxed);
     }
     /// Whether a forward's sums do not depend on how many rows a call has (`GpuOptions::batch_invariant`, opt in),
-    /// up to [`ops::w4a16_gemm::INVARIANT_MAX_ROWS`] tokens: the bf16 GEMMs through the GEMV (its row blocks keep
-    /// a row's order), the W4A16 GEMMs at one k-split per weight shape (one token's plan) in the small form, and
+    /// up to [`ops::w4a16_gemm::INVARIANT_MAX_ROWS`] tokens: the bf16 GEMMs through the small-M GEMM (its k-split is
+    /// the weight's), the W4A16 GEMMs at one k-split per weight shape (one token's plan) in the small form, and
     /// MLA through `ops::mla_invariant` (each node's key list in absolute chunks). docs/design/batch-invariance.md.
     pub fn batch_invariant(&self) -> bool {
         self.batch_invariant.load(std::sync::atomic::Ordering::Relaxed)
@@ -566,10 +582,6 @@ impl Gpu {
     /// Turns [`Gpu::batch_invariant`] on or off (tests compare both).
     pub fn set_batch_invariant(&self, on: bool) {
         self.batch_invariant.store(on, std::sync::atomic::Ordering::Relaxed);
-    }
-    /// Sets [`Gpu::gemv_rows`] (at least 1).
-    pub fn set_gemv_rows(&self, rows: usize) {
-        self.gemv_rows.store(rows.max(1), std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether the W4A16 GEMMs launch with programmatic dependent launch (on by default on sm_90+).

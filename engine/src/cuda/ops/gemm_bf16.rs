@@ -1,5 +1,8 @@
-//! Dense bf16 GEMM through cuBLAS (`cublasGemmEx`, bf16 inputs, f32 compute) for the dense projections,
-//! the shared expert and lm_head. CPU twin: `crate::cpu::ops::matmul_bf16`.
+//! Dense bf16 GEMM for the dense projections, the shared expert, the router's logits and lm_head: cuBLAS
+//! (`cublasGemmEx`, bf16 inputs, f32 compute), or the small-M tensor-core kernel (kernels/cuda/gemm_small_bf16.cu:
+//! its k-split fixed by the weight's shape, so a row's bits do not depend on the call's rows) for the batch-invariant
+//! forwards (up to [`super::w4a16_gemm::INVARIANT_MAX_ROWS`] rows) and up to [`crate::cuda::Gpu::small_gemm_rows`]
+//! rows otherwise (none by default). CPU twin: `crate::cpu::ops::matmul_bf16`.
 
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t};
 use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
@@ -13,64 +16,86 @@ const OP: &str = "gemm_bf16";
 /// Output element type: bf16 (activations) or f32 (router logits, lm_head logits for argmax/sampling).
 pub trait GemmOut: cudarc::driver::DeviceRepr {
     const TYPE: cudaDataType_t;
-    /// The decode GEMV kernels (kernels/cuda/gemv_bf16.cu) for a block of 1, 2, 3, 4, 8 or 16 rows of x
-    /// ([`GEMV_ROWS`]).
-    const GEMV: [&'static str; 6];
+    /// The small-M tensor-core GEMM (kernels/cuda/gemm_small_bf16.cu) for token tiles of 8, 16, 32 and 64 rows.
+    const SMALL: [&'static str; 4];
 }
 impl GemmOut for bf16 {
     const TYPE: cudaDataType_t = cudaDataType_t::CUDA_R_16BF;
-    const GEMV: [&'static str; 6] = [
-        "kdtree_gemv_bf16_bf16_m1",
-        "kdtree_gemv_bf16_bf16_m2",
-        "kdtree_gemv_bf16_bf16_m3",
-        "kdtree_gemv_bf16_bf16_m4",
-        "kdtree_gemv_bf16_bf16_m8",
-        "kdtree_gemv_bf16_bf16_m16",
+    const SMALL: [&'static str; 4] = [
+        "kdtree_gemm_small_bf16_bf16_m1",
+        "kdtree_gemm_small_bf16_bf16_m2",
+        "kdtree_gemm_small_bf16_bf16_m4",
+        "kdtree_gemm_small_bf16_bf16_m8",
     ];
 }
 impl GemmOut for f32 {
     const TYPE: cudaDataType_t = cudaDataType_t::CUDA_R_32F;
-    const GEMV: [&'static str; 6] = [
-        "kdtree_gemv_bf16_f32_m1",
-        "kdtree_gemv_bf16_f32_m2",
-        "kdtree_gemv_bf16_f32_m3",
-        "kdtree_gemv_bf16_f32_m4",
-        "kdtree_gemv_bf16_f32_m8",
-        "kdtree_gemv_bf16_f32_m16",
+    const SMALL: [&'static str; 4] = [
+        "kdtree_gemm_small_bf16_f32_m1",
+        "kdtree_gemm_small_bf16_f32_m2",
+        "kdtree_gemm_small_bf16_f32_m4",
+        "kdtree_gemm_small_bf16_f32_m8",
     ];
 }
 
-/// Rows of x up to which the GEMV kernel replaces cuBLAS when it is on ([`crate::cuda::Gpu::gemv`], opt in), by
-/// default ([`crate::cuda::Gpu::gemv_rows`], `KDTREE_GEMV_ROWS`, sets another bound).
-pub const GEMV_MAX_ROWS: usize = 4;
+/// Output features a CTA of the small-M GEMM takes (4 warps of 16).
+const SMALL_BN: usize = 64;
+/// k a step of the small-M GEMM's warps.
+const SMALL_KSTEP: usize = 64;
+/// Most k-splits of the small-M GEMM (its last CTA sums an output's partials one after another).
+const SMALL_MAX_SPLITS: usize = 32;
+/// Fewest steps a k-split takes.
+const SMALL_MIN_STEPS: usize = 2;
+/// f32 elements of a GPU's small-GEMM split-K workspace (16 MiB): a launch takes as many rows as fit.
+pub(crate) const SMALL_WS: usize = 4 << 20;
+/// Arrival counters of the small GEMM's split-K sum: one per (column block, token group) of a launch.
+pub(crate) const SMALL_COUNTERS: usize = 1 << 16;
 
-/// Rows a GEMV block takes, one kernel each ([`GemmOut::GEMV`]).
-pub const GEMV_ROWS: [usize; 6] = [1, 2, 3, 4, 8, 16];
-
-/// The launches of a GEMV over `t` rows: (index into [`GEMV_ROWS`], row groups, first row), largest blocks first.
-/// A row's sums do not depend on its block's size, so any split of the rows gives the same bits.
-pub fn gemv_launches(t: usize) -> Vec<(usize, usize, usize)> {
-    let mut out = Vec::new();
-    let mut at = 0;
-    for (i, &m) in GEMV_ROWS.iter().enumerate().rev() {
-        let groups = (t - at) / m;
-        if groups > 0 {
-            out.push((i, groups, at));
-            at += groups * m;
-        }
-    }
-    out
+/// The small-M GEMM's k-split of an `[n, k]` weight aiming at `target_ctas` CTAs: (splits, steps per split). It
+/// depends on the weight's shape and the target only, never on the rows, so a row's sums are the same in every call.
+pub fn small_plan(target_ctas: usize, n: usize, k: usize) -> (usize, usize) {
+    let blocks = n.div_ceil(SMALL_BN).max(1);
+    let steps = k.div_ceil(SMALL_KSTEP).max(1);
+    let want = target_ctas.div_ceil(blocks).clamp(1, SMALL_MAX_SPLITS);
+    let per = steps.div_ceil(want).max(SMALL_MIN_STEPS).min(steps);
+    (steps.div_ceil(per), per)
 }
 
-/// Warps per output row of the GEMV: enough rows x warps to fill the GPU (~24 warps per SM) on short N.
-fn gemv_warps_per_row(gpu: &Gpu, n: usize) -> usize {
-    let want = (24 * gpu.sms).div_ceil(n.max(1));
-    match want {
-        0..=1 => 1,
-        2..=3 => 2,
-        4..=7 => 4,
-        _ => 8,
+/// [`small_plan`] on `gpu`: [`crate::cuda::Gpu::small_ctas_per_sm`] CTAs on each of its SMs.
+pub fn small_plan_on(gpu: &Gpu, n: usize, k: usize) -> (usize, usize) {
+    small_plan(gpu.small_ctas_per_sm() * gpu.sms, n, k)
+}
+
+/// The launches of the small-M GEMM over `t` rows with `splits` k-splits of an N-wide output: (first row, rows,
+/// token-tile index 0..4 for 8/16/32/64 rows a tile); None when not one row's partials fit the workspace.
+pub fn small_launches(t: usize, splits: usize, n: usize) -> Option<Vec<(usize, usize, usize)>> {
+    let per = if splits == 1 {
+        t.max(1)
+    } else {
+        let fit = SMALL_WS / (splits * n).max(1);
+        if fit == 0 {
+            return None;
+        }
+        if fit >= 64 {
+            fit / 64 * 64
+        } else {
+            fit
+        }
+    };
+    let mut out = Vec::new();
+    let mut at = 0;
+    while at < t {
+        let rows = per.min(t - at);
+        let tile = match rows {
+            0..=8 => 0,
+            9..=16 => 1,
+            17..=32 => 2,
+            _ => 3,
+        };
+        out.push((at, rows, tile));
+        at += rows;
     }
+    Some(out)
 }
 
 /// `y[T, N] = x[T, K] · W[N, K]^T` (row-major, W as `nn.Linear.weight`), bf16 inputs, f32 accumulation,
@@ -110,19 +135,20 @@ pub fn gemm_bf16_ld<O: GemmOut>(
     if t == 0 || n == 0 {
         return Ok(());
     }
-    let gemv_rows = if gpu.batch_invariant() {
+    let small_rows = if gpu.batch_invariant() {
         super::w4a16_gemm::INVARIANT_MAX_ROWS
-    } else if gpu.gemv() {
-        gpu.gemv_rows()
     } else {
-        0
+        gpu.small_gemm_rows()
     };
-    if t <= gemv_rows
+    if t <= small_rows
         && k.is_multiple_of(8)
         && super::addr(gpu, x).is_multiple_of(16)
         && super::addr(gpu, w).is_multiple_of(16)
     {
-        return gemv(gpu, x, w, y, t, k, n, ld_y);
+        let (splits, per) = small_plan_on(gpu, n, k);
+        if let Some(launches) = small_launches(t, splits, n) {
+            return small(gpu, x, w, y, k, n, ld_y, splits, per, &launches);
+        }
     }
     let (tt, kk, nn, ly) = (
         as_i32(OP, "T", t)?,
@@ -164,48 +190,74 @@ pub fn gemm_bf16_ld<O: GemmOut>(
     .map_err(|source| CudaError::Blas { op: OP, source })
 }
 
-/// The decode GEMV (kernels/cuda/gemv_bf16.cu) for `t` rows, in blocks of 16, 8, 4, 3, 2 or 1 rows
-/// ([`gemv_launches`]): same contract as [`gemm_bf16_ld`].
+/// The small-M GEMM (kernels/cuda/gemm_small_bf16.cu): `splits` k-splits of `per` steps ([`small_plan`]), the
+/// rows in `launches` ([`small_launches`]); same contract as [`gemm_bf16_ld`] (the split-K workspace and counters
+/// are the GPU's own).
 #[allow(clippy::too_many_arguments)]
-fn gemv<O: GemmOut>(
+fn small<O: GemmOut>(
     gpu: &Gpu,
     x: &CudaView<'_, bf16>,
     w: &CudaView<'_, bf16>,
     y: &mut CudaViewMut<'_, O>,
-    t: usize,
     k: usize,
     n: usize,
     ld_y: usize,
+    splits: usize,
+    per: usize,
+    launches: &[(usize, usize, usize)],
 ) -> Result<()> {
-    use cudarc::driver::PushKernelArg;
-    let wpr = gemv_warps_per_row(gpu, n);
-    let (lx, ly, nn, kk, wp) = (
-        as_i32(OP, "K", k)?,
-        as_i32(OP, "ld_y", ld_y)?,
+    use super::{addr, addr_mut, launch_cfg, launch_pdl};
+    use cudarc::driver::DevicePtr;
+    let blocks = n.div_ceil(SMALL_BN);
+    let (mut nn, mut kk, mut pp, mut ly) = (
         as_i32(OP, "N", n)?,
         as_i32(OP, "K", k)?,
-        wpr as i32,
+        as_i32(OP, "steps per split", per)?,
+        as_i32(OP, "ld_y", ld_y)?,
     );
-    let blocks = n.div_ceil(8 / wpr) as u32;
-    for (i, groups, r0) in gemv_launches(t) {
-        let xs = x.slice(r0 * k..);
-        let mut ys = y.slice_mut(r0 * ld_y..);
-        let mut b = gpu.stream.launch_builder(gpu.func(O::GEMV[i]));
-        b.arg(&xs)
-            .arg(&lx)
-            .arg(w)
-            .arg(&mut ys)
-            .arg(&ly)
-            .arg(&nn)
-            .arg(&kk)
-            .arg(&wp);
-        // SAFETY: x holds t rows of k, w is n x k, y holds t rows ld_y apart (checked by the caller); this launch
-        // covers rows r0 .. r0 + groups * GEMV_ROWS[i] (row group blockIdx.y at r0 + its index times the block's
-        // rows); the kernel reads 16-byte chunks of 16-byte aligned rows (k % 8 == 0 and aligned bases, checked,
-        // so every row start is aligned too) and writes y[m, n].
-        unsafe { b.launch(super::launch_cfg((blocks, groups as u32, 1), 256, 0)) }.map_err(crate::cuda::drv(OP))?;
+    let mut lx = kk;
+    let mut wp = addr(gpu, w);
+    let (wsp, cp) = {
+        let (a, _s) = gpu.small_ws.device_ptr(&gpu.stream);
+        let (b, _t) = gpu.small_counters.device_ptr(&gpu.stream);
+        (a, b)
+    };
+    let (mut wsp, mut cp) = (wsp, cp);
+    let x0 = addr(gpu, x);
+    let y0 = addr_mut(gpu, y);
+    for &(r0, rows, tile) in launches {
+        let groups = rows.div_ceil(8 << tile);
+        ensure(OP, groups <= 65535 && groups * blocks <= SMALL_COUNTERS, || {
+            format!("{rows} rows x {blocks} column blocks exceed the small GEMM's grid or counters")
+        })?;
+        let mut xp = x0 + (r0 * k * 2) as u64;
+        let mut yp = y0 + (r0 * ld_y * std::mem::size_of::<O>()) as u64;
+        let mut mm = as_i32(OP, "M", rows)?;
+        let mut params = [
+            arg(&mut xp),
+            arg(&mut lx),
+            arg(&mut mm),
+            arg(&mut wp),
+            arg(&mut nn),
+            arg(&mut kk),
+            arg(&mut pp),
+            arg(&mut wsp),
+            arg(&mut yp),
+            arg(&mut ly),
+            arg(&mut cp),
+        ];
+        let grid = (blocks as u32, splits as u32, groups as u32);
+        // SAFETY: x holds t rows of k (this launch reads rows r0 .. r0 + rows), w is n x k, y holds t rows ld_y
+        // apart (checked by the caller); 16-byte loads of 16-byte aligned rows (k % 8 == 0, aligned bases,
+        // checked); the workspace holds splits x rows x n f32 (small_launches) and the counters the grid (above).
+        unsafe { launch_pdl(gpu, OP, O::SMALL[tile], launch_cfg(grid, 128, 0), &mut params) }?;
     }
     Ok(())
+}
+
+/// A kernel argument for [`super::launch_pdl`].
+fn arg<T>(v: &mut T) -> *mut std::ffi::c_void {
+    (v as *mut T).cast()
 }
 
 #[cfg(test)]
@@ -213,18 +265,44 @@ mod tests {
     use super::*;
 
     #[test]
-    fn gemv_launches_cover_every_row_once_in_order() {
-        for t in 0..2100 {
-            let mut next = 0;
-            for (i, groups, r0) in gemv_launches(t) {
-                assert_eq!(r0, next, "t={t}: a gap or an overlap");
-                assert!(groups > 0);
-                next += groups * GEMV_ROWS[i];
-            }
-            assert_eq!(next, t, "t={t}");
-            assert!(gemv_launches(t).len() <= 5, "t={t}: {:?}", gemv_launches(t));
+    fn small_plan_depends_on_the_weight_only_and_covers_k() {
+        for &(n, k) in &[
+            (2112, 7168),
+            (384, 7168),
+            (7168, 1024),
+            (20480, 7168),
+            (7168, 256),
+            (33, 100),
+            (8, 8),
+        ] {
+            let (splits, per) = small_plan(528, n, k);
+            let steps = k.div_ceil(SMALL_KSTEP);
+            assert!(splits >= 1 && per >= 1 && splits <= SMALL_MAX_SPLITS, "{n}x{k}");
+            assert!(
+                splits * per >= steps && (splits - 1) * per < steps,
+                "{n}x{k}: every split has steps"
+            );
         }
-        assert_eq!(gemv_launches(1), vec![(0, 1, 0)]);
-        assert_eq!(gemv_launches(65), vec![(5, 4, 0), (0, 1, 64)]);
+        assert_eq!(small_plan(528, 20480, 7168), (2, 56));
+        assert_eq!(small_plan(528, 2112, 7168).0, 16);
+        assert_eq!(small_plan(528, 384, 7168), (28, 4));
+    }
+
+    #[test]
+    fn small_launches_cover_every_row_once_in_order() {
+        for &(splits, n) in &[(1usize, 7168usize), (16, 2112), (28, 384), (2, 20480)] {
+            for t in [1usize, 7, 8, 9, 17, 64, 65, 129, 257, 1025, 2048] {
+                let l = small_launches(t, splits, n).unwrap();
+                let mut next = 0;
+                for &(r0, rows, tile) in &l {
+                    assert_eq!(r0, next);
+                    assert!(rows > 0 && (splits == 1 || splits * rows * n <= SMALL_WS));
+                    assert!(rows <= 8 << tile || tile == 3);
+                    next += rows;
+                }
+                assert_eq!(next, t, "splits={splits} n={n} t={t}");
+            }
+        }
+        assert!(small_launches(1, 2, SMALL_WS).is_none());
     }
 }
