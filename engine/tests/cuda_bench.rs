@@ -141,24 +141,11 @@ fn w4a16_bandwidth() {
             g.set_pdl(pdl0);
             // The bf16 GEMM on the same shape (4x the weight bytes), rotated the same way: cuBLAS and the small-M
             // tensor-core GEMM that gemm_bf16 takes up to `small_gemm_rows` rows (graph replays, launch-free).
-            let (wcopies, wsz) = (wb.len() / (n * k), n * k);
             let mut y = g.zeros::<bf16>(m * n).unwrap();
             let small0 = g.small_gemm_rows();
             for small in [false, true] {
                 g.set_small_gemm_rows(if small { usize::MAX } else { 0 });
-                let ms = time_graph_median_ms(&g, 4 * wcopies.max(10), 5, |i| {
-                    let c = i % wcopies;
-                    ops::gemm_bf16::gemm_bf16(
-                        &g,
-                        &dx.as_view(),
-                        &wb.slice(c * wsz..(c + 1) * wsz),
-                        &mut y.as_view_mut(),
-                        m,
-                        k,
-                        n,
-                    )
-                    .unwrap();
-                });
+                let ms = time_bf16_gemm_ms(&g, &dx, &wb, &mut y, m, k, n, 4);
                 let gbps = (2 * n * k) as f64 / (ms * 1e-3) / 1e9;
                 let what = if small { "small" } else { "cublas" };
                 println!(
@@ -338,25 +325,12 @@ fn gemm_bf16_step_shapes() {
         ("lm_head/8", 20480, 7168),
     ] {
         let wb = bf16_weights(&g, &mut r, n, k);
-        let (wcopies, wsz) = (wb.len() / (n * k), n * k);
         for &m in &[1usize, 17, 65, 129, 257] {
             let dx = g.upload(&rand_bf16(&mut r, m * k, 0.01, 1.0)).unwrap();
             let mut y = g.zeros::<bf16>(m * n).unwrap();
             let mut time = |rows: usize| {
                 g.set_small_gemm_rows(rows);
-                1e3 * time_graph_median_ms(&g, 2 * wcopies.max(10), 5, |c| {
-                    let c = c % wcopies;
-                    ops::gemm_bf16::gemm_bf16(
-                        &g,
-                        &dx.as_view(),
-                        &wb.slice(c * wsz..(c + 1) * wsz),
-                        &mut y.as_view_mut(),
-                        m,
-                        k,
-                        n,
-                    )
-                    .unwrap();
-                })
+                1e3 * time_bf16_gemm_ms(&g, &dx, &wb, &mut y, m, k, n, 2)
             };
             let cublas = time(0);
             let floor_us = (2 * n * k) as f64 / (copy * 1e9) * 1e6;
@@ -377,6 +351,27 @@ fn gemm_bf16_step_shapes() {
         }
     }
     g.set_small_gemm_rows(small0);
+}
+
+/// Median ms of `gemm_bf16` over `m` rows of `dx` with the weight copies of `wb` (`[copies, n, k]`, one copy a call
+/// in turn), `passes` x the copies (at least 10) calls a graph replay.
+#[allow(clippy::too_many_arguments)]
+fn time_bf16_gemm_ms(
+    g: &Gpu,
+    dx: &cudarc::driver::CudaSlice<bf16>,
+    wb: &cudarc::driver::CudaSlice<bf16>,
+    y: &mut cudarc::driver::CudaSlice<bf16>,
+    m: usize,
+    k: usize,
+    n: usize,
+    passes: usize,
+) -> f64 {
+    let (wcopies, wsz) = (wb.len() / (n * k), n * k);
+    time_graph_median_ms(g, passes * wcopies.max(10), 5, |i| {
+        let c = i % wcopies;
+        let w = wb.slice(c * wsz..(c + 1) * wsz);
+        ops::gemm_bf16::gemm_bf16(g, &dx.as_view(), &w, &mut y.as_view_mut(), m, k, n).unwrap();
+    })
 }
 
 /// bf16 weights `[copies, n, k]` rotated over >= ROTATE_BYTES.
