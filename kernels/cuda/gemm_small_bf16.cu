@@ -7,7 +7,11 @@
 // AR step's row (issue 26 item 3).
 // CPU twin: engine cpu::ops::matmul_bf16 (same products, f32 sums in another order). Wrapper:
 // engine/src/cuda/ops/gemm_bf16.rs (`small`). Tests: engine/tests/cuda_gemm.rs (`gemm_bf16_parity`,
-// `small_gemm_rows_do_not_depend_on_the_row_count`). Bench: engine/tests/cuda_bench.rs (`gemm_bf16 … small`).
+// `small_gemm_rows_do_not_depend_on_the_row_count`). Bench: engine/tests/cuda_bench.rs
+// (`gemm_bf16_step_shapes`, and `gemm_bf16 … small` in `w4a16_bandwidth`).
+// Measured (H200, bench/RESULTS.md 2026-12-04): 0.79–1.12× cuBLAS at M = 1 on the K2.6 TP8 rank-0 shapes, 1.2–3×
+// slower from M = 17 (the last CTA's sum is a chain of L2 round trips that grows with the rows). So it is the
+// batch-invariant forwards' bf16 GEMM and opt-in elsewhere (KDTREE_SMALL_GEMM_ROWS).
 //
 // Layout: swapped operands, y^T = W x^T, so W's rows fill the mma's 16-row A side and the tokens its 8-column B side
 // (M = 1 wastes 7/8 of the tensor core's columns, which cost nothing here: the kernel is bound by W's bytes).
@@ -18,7 +22,7 @@
 //     ones. W goes global -> registers (plain 16-byte loads of a row, ST steps ahead); x goes through shared
 //     memory in chunks of ST steps, two in flight (cp.async), read by all four warps.
 //   * grid (ceil(N / 64), S k-splits, token groups of 8 MT): S and the steps a split takes depend on N, K and the
-//     GPU's SM count only (the wrapper's plan), never on M. With S > 1 every CTA writes its f32 partial
+//     GPU's SM count only (the wrapper's plan, KDTREE_SMALL_CTAS_PER_SM a run), never on M. With S > 1 every CTA writes its f32 partial
 //     ws[s, m, n] and the last CTA of its (column block, token group) to arrive (an arrival counter, reset by that
 //     CTA) sums the S partials in split order.
 // Sum order of y[m, n]: within a split, the k-steps ascending, in each step four mma k16 steps in chunk order, each
