@@ -67,8 +67,19 @@ pub fn small_plan_on(gpu: &Gpu, n: usize, k: usize) -> (usize, usize) {
 }
 
 /// The launches of the small-M GEMM over `t` rows with `splits` k-splits of an N-wide output: (first row, rows,
-/// token-tile index 0..4 for 8/16/32/64 rows a tile); None when not one row's partials fit the workspace.
+/// token-tile index 0..4 for 8/16/32/64 rows a tile); None when not one row's partials fit the workspace. A launch
+/// keeps its token groups within the grid (65,535) and, with splits, its (column block, token group) tiles within
+/// the arrival counters.
 pub fn small_launches(t: usize, splits: usize, n: usize) -> Option<Vec<(usize, usize, usize)>> {
+    let blocks = n.div_ceil(SMALL_BN).max(1);
+    let max_groups = if splits == 1 {
+        65535
+    } else {
+        (SMALL_COUNTERS / blocks).min(65535)
+    };
+    if max_groups == 0 {
+        return None;
+    }
     let per = if splits == 1 {
         t.max(1)
     } else {
@@ -82,6 +93,8 @@ pub fn small_launches(t: usize, splits: usize, n: usize) -> Option<Vec<(usize, u
             fit
         }
     };
+    // Launches of 64 rows or more take 64-row tiles: at most max_groups of them.
+    let per = if per >= 64 { per.min(max_groups * 64) } else { per };
     let mut out = Vec::new();
     let mut at = 0;
     while at < t {
@@ -227,9 +240,11 @@ fn small<O: GemmOut>(
     let y0 = addr_mut(gpu, y);
     for &(r0, rows, tile) in launches {
         let groups = rows.div_ceil(8 << tile);
-        ensure(OP, groups <= 65535 && groups * blocks <= SMALL_COUNTERS, || {
-            format!("{rows} rows x {blocks} column blocks exceed the small GEMM's grid or counters")
-        })?;
+        ensure(
+            OP,
+            groups <= 65535 && (splits == 1 || groups * blocks <= SMALL_COUNTERS),
+            || format!("{rows} rows x {blocks} column blocks exceed the small GEMM's grid or counters"),
+        )?;
         let mut xp = x0 + (r0 * k * 2) as u64;
         let mut yp = y0 + (r0 * ld_y * std::mem::size_of::<O>()) as u64;
         let mut mm = as_i32(OP, "M", rows)?;
@@ -304,5 +319,15 @@ mod tests {
             }
         }
         assert!(small_launches(1, 2, SMALL_WS).is_none());
+        // One rank's whole lm_head (vocab 163,840: 2,560 column blocks, one split) over a batch's 2,048 rows: one
+        // launch (no counters without splits); and every launch of a split GEMM keeps its tiles within the counters.
+        let (splits, _) = small_plan(528, 163_840, 7168);
+        assert_eq!(splits, 1);
+        assert_eq!(small_launches(2048, splits, 163_840).unwrap(), vec![(0, 2048, 3)]);
+        for &(splits, n) in &[(2usize, 20480usize), (16, 2112), (28, 384)] {
+            for (_, rows, tile) in small_launches(100_000, splits, n).unwrap() {
+                assert!(rows.div_ceil(8 << tile) * n.div_ceil(SMALL_BN) <= SMALL_COUNTERS);
+            }
+        }
     }
 }
