@@ -63,19 +63,18 @@ __device__ __forceinline__ void gemm(const bf16* __restrict__ x, int ld_x, int M
     const uint4* wa = reinterpret_cast<const uint4*>(w + (size_t)(va ? n0 + g : 0) * K);
     const uint4* wb = reinterpret_cast<const uint4*>(w + (size_t)(vb ? n0 + g + 8 : 0) * K);
 
-    // wr[stage]: chunks q and 4 + q of rows g (0, 1) and g + 8 (2, 3) of step s (zeros past the split or the rows).
+    // wr[stage]: chunks q and 4 + q of rows g (0, 1) and g + 8 (2, 3) of one step.
     uint4 wr[ST][4];
     const uint4 zero = make_uint4(0, 0, 0, 0);
-    auto load_w = [&](uint4(&r)[4], int s) {
-        const int c0 = 8 * s + q, c1 = 8 * s + 4 + q;
-        const bool on = s < s_hi;
-        r[0] = on && va && c0 < chunks ? ld_w(wa + c0) : zero;
-        r[1] = on && va && c1 < chunks ? ld_w(wa + c1) : zero;
-        r[2] = on && vb && c0 < chunks ? ld_w(wb + c0) : zero;
-        r[3] = on && vb && c1 < chunks ? ld_w(wb + c1) : zero;
-    };
 #pragma unroll
-    for (int st = 0; st < ST; st++) load_w(wr[st], s_lo + st);
+    for (int st = 0; st < ST; st++) {
+        const int s = s_lo + st, c0 = 8 * s + q, c1 = 8 * s + 4 + q;
+        const bool on = s < s_hi;
+        wr[st][0] = on && va && c0 < chunks ? ld_w(wa + c0) : zero;
+        wr[st][1] = on && va && c1 < chunks ? ld_w(wa + c1) : zero;
+        wr[st][2] = on && vb && c0 < chunks ? ld_w(wb + c0) : zero;
+        wr[st][3] = on && vb && c1 < chunks ? ld_w(wb + c1) : zero;
+    }
     kdtree::pdl_trigger();
     kdtree::pdl_wait();
 
@@ -123,7 +122,13 @@ __device__ __forceinline__ void gemm(const bf16* __restrict__ x, int ld_x, int M
                     kdtree::mma_bf16(acc[j], wr[st][1].z, wr[st][3].z, wr[st][1].w, wr[st][3].w, xb.z, xb.w);
                 }
             }
-            load_w(wr[st], s + ST);  // refill this stage with the step ST ahead
+            // Refill this stage with the step ST ahead.
+            const int sn = s + ST, c0 = 8 * sn + q, c1 = 8 * sn + 4 + q;
+            const bool on = sn < s_hi;
+            wr[st][0] = on && va && c0 < chunks ? ld_w(wa + c0) : zero;
+            wr[st][1] = on && va && c1 < chunks ? ld_w(wa + c1) : zero;
+            wr[st][2] = on && vb && c0 < chunks ? ld_w(wb + c0) : zero;
+            wr[st][3] = on && vb && c1 < chunks ? ld_w(wb + c1) : zero;
         }
         __syncthreads();  // this buffer is refilled two chunks on
     }
