@@ -410,7 +410,7 @@ fn kv_latent_rows_equal_the_four_ops() {
         let mut one = g.upload(&nan_bf16(cap * w)).unwrap();
         ops::act_f32::kv_latent_rows_bf16(
             &g,
-            &dckv.as_view(),
+            (&dckv.as_view(), w),
             (t, w, c),
             &dw.as_view(),
             1e-6,
@@ -1261,7 +1261,7 @@ fn xxh3_of_device_bytes_equals_the_cpu() {
     )
     .unwrap();
     let t = std::time::Instant::now();
-    let got = ops::xxh3::xxh3_of(&g, &big).unwrap();
+    let got = ops::xxh3::xxh3_of(&g, &big.as_view()).unwrap();
     let secs = t.elapsed().as_secs_f64();
     let want = cpu(&g.download(&big).unwrap());
     assert_eq!(got, want, "xxh3 of {n} bytes: device {got:016x}, cpu {want:016x}");
@@ -1368,4 +1368,129 @@ fn batch_forms_equal_the_single_forms() {
     }
     b.check().unwrap();
     println!("PARITY rope_at_segs, write_rows_at_segs, ids_blocks, cols, pos_add_segs (1, 3, 64, 70 sequences) exact");
+}
+
+/// The strided forms that read one block of a stacked linear's output `[T, ld]` (issue 26: q_a | kv_a and router |
+/// shared gate | shared up as one GEMM) give the contiguous forms' bits: the SwiGLU over the gate and up blocks,
+/// the latent rows from the kv_a block, the router from its block. The other columns hold NaN, so a read outside
+/// the block shows. K2.6 TP8 rank-0 widths (router 384 | gate 256 | up 256; q_a 1536 | kv_a 576), a dense layer's
+/// (2304 | 2304), the tiny models' (16 | 256 | 256; 96 | 80), at T = 1, 17 and 300.
+#[test]
+fn strided_blocks_give_the_contiguous_bits() {
+    let Some(g) = gpu() else { return };
+    let bits16 = |v: Vec<bf16>| -> Vec<u16> { v.iter().map(|x| x.to_bits()).collect() };
+    // The block `[t, width]` of a NaN `[t, ld]` at column `off`, and the block alone.
+    let embed = |r: &mut rand_chacha::ChaCha8Rng, t: usize, ld: usize, off: usize, width: usize, lo: f32, hi: f32| {
+        let block = rand_f32(r, t * width, lo, hi);
+        let mut wide = nan_f32(t * ld);
+        for i in 0..t {
+            wide[i * ld + off..i * ld + off + width].copy_from_slice(&block[i * width..(i + 1) * width]);
+        }
+        (wide, block)
+    };
+    for (n, &t) in [1usize, 17, 300].iter().enumerate() {
+        // SwiGLU over [.. | gate | up] blocks.
+        for (m, &(lead, w)) in [(384usize, 256usize), (0, 2304), (16, 256)].iter().enumerate() {
+            let mut r = rng(3000 + 10 * n as u64 + m as u64);
+            let ld = lead + 2 * w;
+            let (gw, gate) = embed(&mut r, t, ld, lead, w, -8.0, 8.0);
+            let up = rand_f32(&mut r, t * w, -3.0, 3.0);
+            let mut wide = gw;
+            for i in 0..t {
+                wide[i * ld + lead + w..i * ld + ld].copy_from_slice(&up[i * w..(i + 1) * w]);
+            }
+            let dwide = g.upload(&wide).unwrap();
+            let (dg, du) = (g.upload(&gate).unwrap(), g.upload(&up).unwrap());
+            let mut want = g.upload(&nan_bf16(t * w)).unwrap();
+            ops::act_f32::silu_mul_bf16(&g, &dg.as_view(), &du.as_view(), &mut want.as_view_mut()).unwrap();
+            let mut got = g.upload(&nan_bf16(t * w)).unwrap();
+            ops::act_f32::silu_mul_bf16_rows(
+                &g,
+                (&dwide.slice(lead..), ld),
+                (&dwide.slice(lead + w..), ld),
+                (t, w),
+                &mut got.as_view_mut(),
+            )
+            .unwrap();
+            assert_eq!(
+                bits16(g.download(&got).unwrap()),
+                bits16(g.download(&want).unwrap()),
+                "silu_mul_bf16_rows(T={t}, gate at {lead}, width {w}, ld {ld})"
+            );
+        }
+        // Latent rows from the kv_a block of [q_a | kv_a].
+        for (m, &(lead, w, c)) in [(1536usize, 576usize, 512usize), (96, 80, 64)].iter().enumerate() {
+            let mut r = rng(3100 + 10 * n as u64 + m as u64);
+            let ld = lead + w;
+            let (wide, ckv) = embed(&mut r, t, ld, lead, w, -3.0, 3.0);
+            let weight = rand_bf16(&mut r, c, 0.5, 1.5);
+            let half = (w - c) / 2;
+            let (cos, sin) = (rand_f32(&mut r, t * half, -1.0, 1.0), rand_f32(&mut r, t * half, -1.0, 1.0));
+            let (dwide, dckv, dw) = (g.upload(&wide).unwrap(), g.upload(&ckv).unwrap(), g.upload(&weight).unwrap());
+            let (dcos, dsin, dpos) = (
+                g.upload(&cos).unwrap(),
+                g.upload(&sin).unwrap(),
+                g.upload(&[3i32]).unwrap(),
+            );
+            let run = |src: (&cudarc::driver::CudaView<'_, f32>, usize)| {
+                let mut out = g.upload(&nan_bf16((t + 5) * w)).unwrap();
+                ops::act_f32::kv_latent_rows_bf16(
+                    &g,
+                    src,
+                    (t, w, c),
+                    &dw.as_view(),
+                    1e-6,
+                    (&dcos.as_view(), &dsin.as_view()),
+                    &mut out.as_view_mut(),
+                    (&dpos.as_view(), 3),
+                )
+                .unwrap();
+                bits16(g.download(&out).unwrap())
+            };
+            assert_eq!(
+                run((&dwide.slice(lead..), ld)),
+                run((&dckv.as_view(), w)),
+                "kv_latent_rows_bf16(T={t}, kv_a at {lead}, width {w}, ld {ld})"
+            );
+        }
+        // The router from its block of [router | gate | up].
+        for (m, &(e, rest, k)) in [(384usize, 512usize, 8usize), (16, 512, 2)].iter().enumerate() {
+            let mut r = rng(3200 + 10 * n as u64 + m as u64);
+            let ld = e + rest;
+            let (wide, logits) = embed(&mut r, t, ld, 0, e, -6.0, 6.0);
+            let bias = g.upload(&rand_f32(&mut r, e, -0.1, 0.1)).unwrap();
+            let rc = ops::moe_router::RouterCfg {
+                n_experts: e,
+                n_group: 1,
+                topk_group: 1,
+                top_k: k,
+                norm_topk_prob: true,
+                routed_scaling: 2.827,
+            };
+            let (dwide, dl) = (g.upload(&wide).unwrap(), g.upload(&logits).unwrap());
+            let run = |src: &cudarc::driver::CudaView<'_, f32>, ld: usize| {
+                let mut di = g.upload(&vec![-7i32; t * k]).unwrap();
+                let mut dw = g.upload(&nan_f32(t * k)).unwrap();
+                ops::moe_router::moe_router_ld(
+                    &g,
+                    src,
+                    ld,
+                    Some(&bias.as_view()),
+                    t,
+                    rc,
+                    &mut di.as_view_mut(),
+                    &mut dw.as_view_mut(),
+                )
+                .unwrap();
+                let wts: Vec<u32> = g.download(&dw).unwrap().iter().map(|x| x.to_bits()).collect();
+                (g.download(&di).unwrap(), wts)
+            };
+            assert_eq!(
+                run(&dwide.as_view(), ld),
+                run(&dl.as_view(), e),
+                "moe_router_ld(T={t}, E={e}, ld {ld})"
+            );
+        }
+        println!("PARITY strided blocks (T={t}): silu_mul, kv_latent_rows, moe_router == contiguous, bit for bit");
+    }
 }

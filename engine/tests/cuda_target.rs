@@ -376,3 +376,96 @@ fn dummy_tiny_on_cuda_gives_the_cpu_greedy_tokens() {
         );
     }
 }
+
+/// Linears of one input stacked by rows at load (`Resources::stack_rows`: q_a | kv_a, router | shared gate | up)
+/// keep their values, run as one GEMM (`linear_in_cat`) within the bf16 GEMM's f32 error of the CPU's f64 sums,
+/// as do the same matrices apart (one GEMM each into its columns); and the ops that read a block of the output in
+/// place (`rms_norm_in_cols`, `silu_mul_in_cols`, `moe_route_cols`) give the bits of the op on the block copied out.
+/// K2.6 TP8 rank-0 widths (K = 7168), T = 1, 17, 300; outputs poisoned where the GPU options poison them.
+#[test]
+fn stacked_linears_match_the_cpu_and_their_blocks() {
+    use kdtree_engine::backend::{Cols, Compute, Resources, Router};
+    use kdtree_engine::cpu::ops::{fill_bf16, Fill};
+    // f32 outputs of bf16 products summed in f32 (cuda_gemm's GEMM_F32_TOL, measured there).
+    const TOL: f64 = 3.0e-5;
+    let Some(gpu) = gpu() else { return };
+    let b = CudaBackend::new(Arc::new(gpu));
+    let g = b.gpu();
+    let k = 7168;
+    for (set, rows) in [
+        ("router | shared gate | shared up", vec![384usize, 256, 256]),
+        ("q_a | kv_a", vec![1536, 576]),
+    ] {
+        let fills: Vec<Fill> = (0..rows.len())
+            .map(|i| Fill::Uniform {
+                seed: 90 + i as u64,
+                center: 0.0,
+                half: 1.0 / (k as f32).sqrt(),
+            })
+            .collect();
+        let host: Vec<Vec<half::bf16>> = rows.iter().zip(&fills).map(|(&r, f)| fill_bf16(r * k, f).unwrap()).collect();
+        let mut mats: Vec<_> = rows.iter().zip(&fills).map(|(&r, f)| b.fill_bf16(r, k, f).unwrap()).collect();
+        let ld: usize = rows.iter().sum();
+        let blocks = Cols::split(&rows);
+        let run = |mats: &[&_], label: &str| {
+            for (n, &t) in [1usize, 17, 300].iter().enumerate() {
+                let mut r = rng(4000 + n as u64);
+                let x = rand_f32(&mut r, t * k, -2.0, 2.0);
+                let xb = b.lin_in(&g.upload(&x).unwrap());
+                let got = b.to_host(&b.linear_in_cat(&xb, t, mats));
+                // f64 sums of bf16(x) · W, the blocks side by side.
+                let xr: Vec<f64> = x.iter().map(|&v| half::bf16::from_f32(v).to_f64()).collect();
+                let mut want = vec![0f32; t * ld];
+                for i in 0..t {
+                    for (blk, (w, c)) in host.iter().zip(&blocks).enumerate() {
+                        for o in 0..rows[blk] {
+                            let s: f64 = (0..k).map(|j| xr[i * k + j] * w[o * k + j].to_f64()).sum();
+                            want[i * ld + c.off + o] = s as f32;
+                        }
+                    }
+                }
+                check(&format!("linear_in_cat {set} ({label}, T={t})"), &got, &want, TOL);
+            }
+        };
+        run(&mats.iter().collect::<Vec<_>>(), "apart");
+        b.stack_rows(&mut mats.iter_mut().collect::<Vec<_>>()).unwrap();
+        assert!(mats.windows(2).all(|p| p[0].precedes(&p[1])), "{set}: not stacked");
+        for (i, (m, h)) in mats.iter().zip(&host).enumerate() {
+            assert_eq!(&g.stream.clone_dtoh(&m.view()).unwrap(), h, "{set}: matrix {i} changed when stacked");
+        }
+        run(&mats.iter().collect::<Vec<_>>(), "stacked");
+        // The block readers against the op on the block copied out, bit for bit.
+        let t = 17;
+        let x = rand_f32(&mut rng(4100), t * k, -2.0, 2.0);
+        let y = b.linear_in_cat(&b.lin_in(&g.upload(&x).unwrap()), t, &mats.iter().collect::<Vec<_>>());
+        let block = |c: Cols| b.cols(&y, c.ld, c.off, c.width, t);
+        let bits = |v: Vec<half::bf16>| -> Vec<u16> { v.iter().map(|x| x.to_bits()).collect() };
+        if rows.len() == 2 {
+            let w = g.upload(&fill_bf16(rows[0], &fills[0]).unwrap()).unwrap();
+            let got = b.rms_norm_in_cols(&y, blocks[0], t, &w, 1e-6);
+            let want = b.rms_norm_in(&block(blocks[0]), &w, 1e-6);
+            assert_eq!(bits(g.download(&got).unwrap()), bits(g.download(&want).unwrap()), "rms_norm_in_cols");
+        } else {
+            let got = b.silu_mul_in_cols(&y, blocks[1], blocks[2], t);
+            let want = b.silu_mul_in(&block(blocks[1]), &block(blocks[2]));
+            assert_eq!(bits(g.download(&got).unwrap()), bits(g.download(&want).unwrap()), "silu_mul_in_cols");
+            let rc = Router {
+                n_experts: 384,
+                n_group: 1,
+                topk_group: 1,
+                top_k: 8,
+                norm_topk_prob: true,
+                routed_scaling: 2.827,
+            };
+            let got = b.routes_to_host(&b.moe_route_cols(&y, blocks[0], t, &rc, None));
+            let want = b.routes_to_host(&b.moe_route(&block(blocks[0]), t, &rc, None));
+            assert_eq!(got.0, want.0, "moe_route_cols ids");
+            assert_eq!(
+                got.1.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                want.1.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "moe_route_cols weights"
+            );
+        }
+        println!("PARITY stacked linears {set}: one GEMM and apart within {TOL:e} of the CPU; block readers exact");
+    }
+}

@@ -8,7 +8,7 @@
 
 use half::bf16;
 use kdtree_convert::synth::{configs, resolve};
-use kdtree_engine::backend::{Compute, PosOf, Resources, RopeSeg, RopeTable, TreeOps, VocabShards, WeightRef};
+use kdtree_engine::backend::{Cols, Compute, PosOf, Resources, RopeSeg, RopeTable, TreeOps, VocabShards, WeightRef};
 use kdtree_engine::cpu::ops::{Fill, MlaDims, Router};
 use kdtree_engine::cpu::CpuBackend;
 use kdtree_engine::ddtree::{TreeResult, Visibility};
@@ -44,6 +44,10 @@ macro_rules! rec {
         let parts: Vec<String> = vec![String::from($name) $(, $a.to_string())*];
         $self.note(parts.join(" "));
     }};
+}
+
+fn cols(c: Cols) -> String {
+    format!("[{}..{} of {}]", c.off, c.off + c.width, c.ld)
 }
 
 fn pos(p: &PosOf<'_, Rec>) -> &'static str {
@@ -97,6 +101,9 @@ impl Resources for Rec {
     }
     fn mat_rows(&self, m: &Self::Mat) -> usize {
         self.inner.mat_rows(m)
+    }
+    fn stack_rows(&self, mats: &mut [&mut Self::Mat]) -> anyhow::Result<()> {
+        self.inner.stack_rows(mats)
     }
     fn weight_check(&self) -> kdtree_engine::backend::WeightCheck {
         self.inner.weight_check()
@@ -367,6 +374,19 @@ impl Compute for Rec {
         rec!(self, "linear", x.len(), t, self.inner.mat_rows(w));
         self.inner.linear_in(x, t, w)
     }
+    fn linear_in_cat(&self, x: &Self::LinIn, t: usize, ws: &[&Self::Mat]) -> Self::Act {
+        let rows: Vec<String> = ws.iter().map(|w| self.inner.mat_rows(w).to_string()).collect();
+        rec!(self, "linear_in_cat", x.len(), t, rows.join("+"));
+        self.inner.linear_in_cat(x, t, ws)
+    }
+    fn rms_norm_in_cols(&self, x: &Self::Act, c: Cols, t: usize, w: &Self::Vector, eps: f32) -> Self::LinIn {
+        rec!(self, "rms_norm_in_cols", x.len(), cols(c), t, w.len());
+        self.inner.rms_norm_in_cols(x, c, t, w, eps)
+    }
+    fn silu_mul_in_cols(&self, x: &Self::Act, gate: Cols, up: Cols, t: usize) -> Self::LinIn {
+        rec!(self, "silu_mul_in_cols", x.len(), cols(gate), cols(up), t);
+        self.inner.silu_mul_in_cols(x, gate, up, t)
+    }
     fn rms_norm(&self, x: &Self::Act, w: &Self::Vector, eps: f32) -> Self::Act {
         rec!(self, "rms_norm", x.len(), w.len());
         self.inner.rms_norm(x, w, eps)
@@ -422,6 +442,20 @@ impl Compute for Rec {
     ) {
         rec!(self, "kv_append_latent", l, ckv.len());
         self.inner.kv_append_latent(kv, l, ckv, norm, eps, rope)
+    }
+    fn kv_append_latent_cols(
+        &self,
+        kv: &mut Self::Kv,
+        l: usize,
+        ckv: &Self::Act,
+        c: Cols,
+        t: usize,
+        norm: &Self::Vector,
+        eps: f32,
+        rope: &Self::Rope,
+    ) {
+        rec!(self, "kv_append_latent_cols", l, ckv.len(), cols(c), t);
+        self.inner.kv_append_latent_cols(kv, l, ckv, c, t, norm, eps, rope)
     }
     fn rope_q(&self, q: &mut Self::Act, heads: usize, nope: usize, rope: &Self::Rope) {
         rec!(self, "rope_q", q.len(), heads, nope);
@@ -513,6 +547,17 @@ impl Compute for Rec {
     fn moe_route(&self, logits: &Self::Act, t: usize, r: &Router, bias: Option<&Self::VectorF32>) -> Self::Routes {
         rec!(self, "moe_route", logits.len(), t, bias.is_some());
         self.inner.moe_route(logits, t, r, bias)
+    }
+    fn moe_route_cols(
+        &self,
+        logits: &Self::Act,
+        c: Cols,
+        t: usize,
+        r: &Router,
+        bias: Option<&Self::VectorF32>,
+    ) -> Self::Routes {
+        rec!(self, "moe_route_cols", logits.len(), cols(c), t, bias.is_some());
+        self.inner.moe_route_cols(logits, c, t, r, bias)
     }
     fn routes_to_host(&self, routes: &Self::Routes) -> (Vec<i32>, Vec<f32>) {
         rec!(self, "routes_to_host");

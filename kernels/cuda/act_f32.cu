@@ -23,21 +23,27 @@ extern "C" __global__ void kdtree_add_f32(float* __restrict__ acc, const float* 
         acc[i] += x[i];
 }
 
-// out[i] = silu(gate[i]) * up[i] with silu(z) = z / (1 + e^-z) (f32, as the twin).
-extern "C" __global__ void kdtree_silu_mul_f32(const float* __restrict__ gate, const float* __restrict__ up, float* __restrict__ out,
-                                               long long n) {
+// out = silu(gate) * up with silu(z) = z / (1 + e^-z) (f32, as the twin). Element (r, c) of `rows` x `width`:
+// gate[r * ld_g + c], up[r * ld_u + c] (the gate and up blocks of one [gate | up] linear's rows; ld = width when
+// they are apart), out[r * width + c].
+extern "C" __global__ void kdtree_silu_mul_f32(const float* __restrict__ gate, long long ld_g, const float* __restrict__ up,
+                                               long long ld_u, float* __restrict__ out, long long rows, long long width) {
+    const long long n = rows * width;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        const float g = gate[i];
-        out[i] = g * (1.0f / (1.0f + expf(-g))) * up[i];
+        const long long r = i / width, c = i - r * width;
+        const float g = gate[r * ld_g + c];
+        out[i] = g * (1.0f / (1.0f + expf(-g))) * up[r * ld_u + c];
     }
 }
 // The same value rounded once to bf16 (the bits of kdtree_silu_mul_f32 then kdtree_f32_to_bf16): a SwiGLU whose
-// output only feeds the down projection's bf16 GEMM.
-extern "C" __global__ void kdtree_silu_mul_f32_bf16(const float* __restrict__ gate, const float* __restrict__ up, bf16* __restrict__ out,
-                                                long long n) {
+// output only feeds the down projection's bf16 GEMM. Elements as kdtree_silu_mul_f32's.
+extern "C" __global__ void kdtree_silu_mul_f32_bf16(const float* __restrict__ gate, long long ld_g, const float* __restrict__ up,
+                                                long long ld_u, bf16* __restrict__ out, long long rows, long long width) {
+    const long long n = rows * width;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        const float g = gate[i];
-        const float v = g * (1.0f / (1.0f + expf(-g))) * up[i];
+        const long long r = i / width, c = i - r * width;
+        const float g = gate[r * ld_g + c];
+        const float v = g * (1.0f / (1.0f + expf(-g))) * up[r * ld_u + c];
         out[i] = __float2bfloat16_rn(v);
     }
 }
@@ -162,16 +168,17 @@ extern "C" __global__ void __launch_bounds__(1024) kdtree_add_rms_norm_bf16(floa
 // bf16(rms_norm(ckv[t, :C]) with `weight`) | bf16(interleaved RoPE of ckv[t, C:w] from the table row t): the bits of
 // kdtree_rms_norm_f32, kdtree_rope_table_f32 and kdtree_store_rows_bf16 on a copy of ckv (the same threads, sums
 // and roundings; the wrapper takes it when w % 8 == 0, so that the norm takes the same register path as the f32
-// one). One block a token (blockDim as the norm's wrapper sizes it), then the rope pairs.
-extern "C" __global__ void __launch_bounds__(1024) kdtree_kv_latent_rows_bf16(const float* __restrict__ ckv, int w, int C,
+// one). ckv's rows are ld apart (the kv_a block of a stacked [q_a | kv_a] linear; ld = w alone). One block a
+// token (blockDim as the norm's wrapper sizes it), then the rope pairs.
+extern "C" __global__ void __launch_bounds__(1024) kdtree_kv_latent_rows_bf16(const float* __restrict__ ckv, int ld, int w, int C,
                                                                                const bf16* __restrict__ weight, float eps,
                                                                                const float* __restrict__ cos_t,
                                                                                const float* __restrict__ sin_t,
                                                                                bf16* __restrict__ dst, const int* __restrict__ row0) {
     bf16* y = dst + (size_t)row0[0] * w;
-    rms_norm_row<false, bf16>(const_cast<float*>(ckv), w, nullptr, 0, weight, y, w, C, eps);
+    rms_norm_row<false, bf16>(const_cast<float*>(ckv), ld, nullptr, 0, weight, y, w, C, eps);
     const int t = blockIdx.x, half = (w - C) / 2;
-    const float* v = ckv + (size_t)t * w + C;
+    const float* v = ckv + (size_t)t * ld + C;
     bf16* o = y + (size_t)t * w + C;
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         const float c = cos_t[(size_t)t * half + i], s = sin_t[(size_t)t * half + i];

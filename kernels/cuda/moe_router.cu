@@ -13,8 +13,9 @@ constexpr int ROUTER_MAX_E = 1024;
 constexpr int ROUTER_MAX_GROUPS = 64;
 constexpr int ROUTER_MAX_TOPK = 32;
 
-// logits [T, E] f32, bias [E] f32 or null; ids [T, top_k] i32, weights [T, top_k] f32. blockDim.x = 256.
-extern "C" __global__ void kdtree_moe_router_f32(const float* __restrict__ logits, const float* __restrict__ bias,
+// logits [T, E] f32 in rows ld apart (the router's block of a stacked linear; ld = E alone), bias [E] f32 or
+// null; ids [T, top_k] i32, weights [T, top_k] f32. blockDim.x = 256.
+extern "C" __global__ void kdtree_moe_router_f32(const float* __restrict__ logits, long long ld, const float* __restrict__ bias,
                                                  int E, int n_group, int topk_group, int top_k, int norm,
                                                  float routed_scaling, int* __restrict__ ids,
                                                  float* __restrict__ weights) {
@@ -24,7 +25,7 @@ extern "C" __global__ void kdtree_moe_router_f32(const float* __restrict__ logit
     __shared__ float sv[32];
     __shared__ int si[32];
     __shared__ int chosen[ROUTER_MAX_TOPK];
-    const float* lr = logits + (size_t)blockIdx.x * E;
+    const float* lr = logits + (size_t)blockIdx.x * ld;
     for (int i = threadIdx.x; i < E; i += blockDim.x) {
         const float v = 1.0f / (1.0f + expf(-lr[i]));
         s[i] = v;
@@ -107,12 +108,12 @@ extern "C" __global__ void kdtree_moe_router_f32(const float* __restrict__ logit
 // rounds of block-wide argmax (0.70 ms over the 60 MoE layers of the K2.6 TP8 rank-0 AR step; ncu, issue 26).
 namespace moe_router_warp {
 template <int V>
-__device__ __forceinline__ void route(const float* __restrict__ logits, const float* __restrict__ bias, int T, int E,
+__device__ __forceinline__ void route(const float* __restrict__ logits, long long ld, const float* __restrict__ bias, int T, int E,
                                       int top_k, int norm, float routed_scaling, int* __restrict__ ids,
                                       float* __restrict__ weights) {
     const int tok = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (tok >= T) return;
-    const float* lr = logits + (size_t)tok * E;
+    const float* lr = logits + (size_t)tok * ld;
     // Every load first, then the arithmetic: with the loads inside the branchy sigmoid (IEEE divide, its slow path
     // a call) the compiler issued them one after another, 2 V dependent trips to memory (~17 us a call, ncu run
     // 92); here they are all in flight together.
@@ -175,12 +176,13 @@ __device__ __forceinline__ void route(const float* __restrict__ logits, const fl
 }
 }  // namespace moe_router_warp
 
-// logits [T, E] f32, bias [E] f32 or null; ids, weights [T, top_k]. E <= 32 V, top_k <= 32; block 256, grid
-// ceil(T / 8).
+// logits [T, E] f32 in rows ld apart, bias [E] f32 or null; ids, weights [T, top_k]. E <= 32 V, top_k <= 32;
+// block 256, grid ceil(T / 8).
 #define KDTREE_ROUTER_WARP_ARGS                                                                                  \
-    const float *__restrict__ logits, const float *__restrict__ bias, int T, int E, int top_k, int norm,          \
-        float routed_scaling, int *__restrict__ ids, float *__restrict__ weights
-#define KDTREE_ROUTER_WARP(V) moe_router_warp::route<V>(logits, bias, T, E, top_k, norm, routed_scaling, ids, weights)
+    const float *__restrict__ logits, long long ld, const float *__restrict__ bias, int T, int E, int top_k,      \
+        int norm, float routed_scaling, int *__restrict__ ids, float *__restrict__ weights
+#define KDTREE_ROUTER_WARP(V) \
+    moe_router_warp::route<V>(logits, ld, bias, T, E, top_k, norm, routed_scaling, ids, weights)
 extern "C" __global__ void __launch_bounds__(256) kdtree_moe_router_warp4_f32(KDTREE_ROUTER_WARP_ARGS) {
     KDTREE_ROUTER_WARP(4);
 }

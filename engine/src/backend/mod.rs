@@ -21,6 +21,33 @@ pub use types::{
 };
 pub use visibility::Visibility;
 
+/// Columns `off .. off + width` of every row of an activation `[T, ld]`: one linear's part of
+/// [`Compute::linear_in_cat`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cols {
+    pub ld: usize,
+    pub off: usize,
+    pub width: usize,
+}
+
+impl Cols {
+    /// The blocks of widths `ws` side by side, in order.
+    pub fn split(ws: &[usize]) -> Vec<Cols> {
+        let ld = ws.iter().sum();
+        let mut off = 0;
+        ws.iter()
+            .map(|&width| {
+                off += width;
+                Cols {
+                    ld,
+                    off: off - width,
+                    width,
+                }
+            })
+            .collect()
+    }
+}
+
 use anyhow::{ensure, Result};
 use half::bf16;
 
@@ -123,6 +150,12 @@ pub trait Resources: Clone + Send + Sync + 'static {
     }
     /// Rows of a bf16 matrix (its output width).
     fn mat_rows(&self, m: &Self::Mat) -> usize;
+    /// `mats` (one input width) moved next to each other by rows, so that [`Compute::linear_in_cat`] runs them
+    /// as one GEMM over the input they share; each keeps its shape and values. At load, after the checks. The
+    /// default leaves them where they are (the CPU reads them from the mapped shards).
+    fn stack_rows(&self, _mats: &mut [&mut Self::Mat]) -> Result<()> {
+        Ok(())
+    }
     /// How the loader checks every weight against its checksum (`weights::Ld`; `kdtree-run --check-weights`;
     /// the GPU suite: [`WeightCheck::Device`] always).
     fn weight_check(&self) -> WeightCheck {
@@ -326,11 +359,31 @@ pub trait Compute: Resources {
     fn lin_in(&self, x: &Self::Act) -> Self::LinIn;
     /// [`Compute::linear`] of an input already made ready ([`Compute::lin_in`]): the same values.
     fn linear_in(&self, x: &Self::LinIn, t: usize, w: &Self::Mat) -> Self::Act;
+    /// The linears `ws` of one input side by side, `[T, ΣN]`: row i is row i of each output in `ws`'s order (each
+    /// a [`Cols`] block for the ops that read them). One GEMM where the matrices were stacked
+    /// ([`Resources::stack_rows`]); the default runs each and copies it into its columns.
+    fn linear_in_cat(&self, x: &Self::LinIn, t: usize, ws: &[&Self::Mat]) -> Self::Act {
+        if let [w] = ws {
+            return self.linear_in(x, t, w);
+        }
+        let ld: usize = ws.iter().map(|w| self.mat_rows(w)).sum();
+        let (mut y, mut at) = (self.zeros(t * ld), 0);
+        for w in ws {
+            let n = self.mat_rows(w);
+            self.set_cols(&mut y, ld, at, &self.linear_in(x, t, w), n, t);
+            at += n;
+        }
+        y
+    }
     /// RMSNorm of every `[D]` row of `x` (D = the weight's length).
     fn rms_norm(&self, x: &Self::Act, w: &Self::Vector, eps: f32) -> Self::Act;
     /// [`Compute::lin_in`] of [`Compute::rms_norm`]: the same values in one op (a norm whose output only feeds
     /// linears).
     fn rms_norm_in(&self, x: &Self::Act, w: &Self::Vector, eps: f32) -> Self::LinIn;
+    /// [`Compute::rms_norm_in`] of the `c` block of `t` rows of `x` (a part of [`Compute::linear_in_cat`]'s output).
+    fn rms_norm_in_cols(&self, x: &Self::Act, c: Cols, t: usize, w: &Self::Vector, eps: f32) -> Self::LinIn {
+        self.rms_norm_in(&self.cols(x, c.ld, c.off, c.width, t), w, eps)
+    }
     /// `x += a`, then [`Compute::rms_norm_in`] of the sum: the same values as the three ops, in one (a decoder
     /// layer's residual add and the next norm).
     fn add_rms_norm_in(&self, x: &mut Self::Act, a: &Self::Act, w: &Self::Vector, eps: f32) -> Self::LinIn;
@@ -341,6 +394,11 @@ pub trait Compute: Resources {
     /// [`Compute::lin_in`] of [`Compute::silu_mul`]: the same values in one op (a SwiGLU whose output only feeds
     /// the down projection).
     fn silu_mul_in(&self, gate: &Self::Act, up: &Self::Act) -> Self::LinIn;
+    /// [`Compute::silu_mul_in`] of the `gate` and `up` blocks of `t` rows of `x` (a SwiGLU's [gate | up] linear).
+    fn silu_mul_in_cols(&self, x: &Self::Act, gate: Cols, up: Cols, t: usize) -> Self::LinIn {
+        let g = self.cols(x, gate.ld, gate.off, gate.width, t);
+        self.silu_mul_in(&g, &self.cols(x, up.ld, up.off, up.width, t))
+    }
     /// Sum of rank partials in rank order 0..R (the tensor-parallel all-reduce).
     fn all_reduce(&self, partials: Vec<Self::Act>) -> Self::Act;
 
@@ -377,6 +435,21 @@ pub trait Compute: Resources {
         eps: f32,
         rope: &Self::Rope,
     );
+    /// [`Compute::kv_append_latent`] of the `c` block of `t` rows of `ckv` (the kv_a part of a stacked linear).
+    #[allow(clippy::too_many_arguments)]
+    fn kv_append_latent_cols(
+        &self,
+        kv: &mut Self::Kv,
+        l: usize,
+        ckv: &Self::Act,
+        c: Cols,
+        t: usize,
+        norm: &Self::Vector,
+        eps: f32,
+        rope: &Self::Rope,
+    ) {
+        self.kv_append_latent(kv, l, &self.cols(ckv, c.ld, c.off, c.width, t), norm, eps, rope)
+    }
     /// Interleaved RoPE on the `q_pe` part (after `nope` dims) of every head of `q` `[T, heads·(nope+P)]`.
     fn rope_q(&self, q: &mut Self::Act, heads: usize, nope: usize, rope: &Self::Rope);
     /// MLA attention of one rank's roped queries `[T, Hr·(Dn+P)]` over layer `l` of the cache (committed
@@ -464,6 +537,17 @@ pub trait Compute: Resources {
     // ---- MoE ----
     /// Router decisions of every row of `logits` `[T, E]`.
     fn moe_route(&self, logits: &Self::Act, t: usize, r: &Router, bias: Option<&Self::VectorF32>) -> Self::Routes;
+    /// [`Compute::moe_route`] of the `c` block of `t` rows of `logits` (the router's part of a stacked linear).
+    fn moe_route_cols(
+        &self,
+        logits: &Self::Act,
+        c: Cols,
+        t: usize,
+        r: &Router,
+        bias: Option<&Self::VectorF32>,
+    ) -> Self::Routes {
+        self.moe_route(&self.cols(logits, c.ld, c.off, c.width, t), t, r, bias)
+    }
     /// (ids `[T, k]` in selection order, weights `[T, k]`) for probes.
     fn routes_to_host(&self, routes: &Self::Routes) -> (Vec<i32>, Vec<f32>);
     /// One rank's routed-expert partial `[T, H]` (experts it holds, ascending id per token).

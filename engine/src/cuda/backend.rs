@@ -178,25 +178,14 @@ impl Resources for CudaBackend {
         }
     }
     fn upload_bf16(&self, m: Mat) -> Result<DMat> {
-        Ok(DMat {
-            w: self.gpu.upload(&m.w[..])?,
-            rows: m.rows,
-            cols: m.cols,
-        })
+        Ok(DMat::new(self.gpu.upload(&m.w[..])?, m.rows, m.cols))
     }
     fn hashes_uploads(&self) -> bool {
         self.gpu.weight_check() == WeightCheck::Host
     }
     fn upload_bf16_hashed(&self, m: Mat) -> Result<(DMat, u64)> {
         let (w, h) = self.gpu.upload_hashed(&m.w[..])?;
-        Ok((
-            DMat {
-                w,
-                rows: m.rows,
-                cols: m.cols,
-            },
-            h,
-        ))
+        Ok((DMat::new(w, m.rows, m.cols), h))
     }
     fn upload_i4g32_hashed(&self, s: I4Stack) -> Result<(DI4, [u64; 2])> {
         if !s.k.is_multiple_of(w4a16_gemm::K_STEP) {
@@ -256,6 +245,32 @@ impl Resources for CudaBackend {
     fn mat_rows(&self, m: &DMat) -> usize {
         m.rows
     }
+    fn stack_rows(&self, mats: &mut [&mut DMat]) -> Result<()> {
+        let Some(cols) = mats.first().map(|m| m.cols) else {
+            return Ok(());
+        };
+        if let Some(m) = mats.iter().find(|m| m.cols != cols) {
+            bail!("stacking matrices of {cols} and {} columns", m.cols);
+        }
+        let total: usize = mats.iter().map(|m| m.rows * m.cols).sum();
+        let mut buf = self.gpu.out::<bf16>(total)?; // every element copied in below
+        let mut at = 0;
+        for m in mats.iter() {
+            let n = m.rows * m.cols;
+            self.gpu
+                .stream
+                .memcpy_dtod(&m.view(), &mut buf.slice_mut(at..at + n))
+                .map_err(super::drv("stack_rows"))?;
+            at += n;
+        }
+        let buf = Arc::new(buf);
+        let mut at = 0;
+        for m in mats.iter_mut() {
+            (m.w, m.off) = (buf.clone(), at);
+            at += m.rows * m.cols;
+        }
+        Ok(())
+    }
     fn weight_check(&self) -> WeightCheck {
         self.gpu.weight_check()
     }
@@ -263,10 +278,12 @@ impl Resources for CudaBackend {
         use super::ops::xxh3::xxh3_of;
         let g = &*self.gpu;
         Ok(match w {
-            WeightRef::Mat(m) => vec![xxh3_of(g, &m.w)?],
-            WeightRef::Vector(v) => vec![xxh3_of(g, v)?],
-            WeightRef::VectorF32(v) => vec![xxh3_of(g, v)?],
-            WeightRef::I4(s) if s.k == s.k_src => vec![xxh3_of(g, &s.packed)?, xxh3_of(g, &s.scales)?],
+            WeightRef::Mat(m) => vec![xxh3_of(g, &m.view())?],
+            WeightRef::Vector(v) => vec![xxh3_of(g, &v.as_view())?],
+            WeightRef::VectorF32(v) => vec![xxh3_of(g, &v.as_view())?],
+            WeightRef::I4(s) if s.k == s.k_src => {
+                vec![xxh3_of(g, &s.packed.as_view())?, xxh3_of(g, &s.scales.as_view())?]
+            }
             WeightRef::I4(s) => {
                 // Padded at upload (tp4 / tp8 of a small model): the device rows, read back, without the padding.
                 let (rows, k, kp) = (s.count * s.n, s.k_src, s.k);
@@ -284,11 +301,7 @@ impl Resources for CudaBackend {
     }
     // Dummy weights: allocated and filled in place (cuda/ops/fill.rs), no host bytes.
     fn fill_bf16(&self, rows: usize, cols: usize, f: &Fill) -> Result<DMat> {
-        Ok(DMat {
-            w: self.filled_bf16(rows * cols, f)?,
-            rows,
-            cols,
-        })
+        Ok(DMat::new(self.filled_bf16(rows * cols, f)?, rows, cols))
     }
     fn fill_vector(&self, n: usize, f: &Fill) -> Result<CudaSlice<bf16>> {
         Ok(self.filled_bf16(n, f)?)

@@ -35,9 +35,9 @@ impl CudaBackend {
             self.gpu.zeros::<bf16>(ids.len() * h)?
         };
         if let ([one], true) = (v.mats.as_slice(), whole) {
-            embed::embed_gather(&self.gpu, ids, &one.w.as_view(), &mut e.as_view_mut(), one.rows, h)?;
+            embed::embed_gather(&self.gpu, ids, &one.view(), &mut e.as_view_mut(), one.rows, h)?;
         } else {
-            let views: Vec<_> = v.mats.iter().map(|m| m.w.as_view()).collect();
+            let views: Vec<_> = v.mats.iter().map(|m| m.view()).collect();
             let parts: Vec<_> = views.iter().zip(&v.mats).map(|(w, m)| (w, m.rows)).collect();
             embed::embed_gather_sharded(&self.gpu, ids, &parts, &mut e.as_view_mut(), h, v.first, v.vocab)?;
         }
@@ -56,12 +56,42 @@ impl CudaBackend {
         gemm_bf16::gemm_bf16(
             &self.gpu,
             &xb.as_view(),
-            &w.w.as_view(),
+            &w.view(),
             &mut y.as_view_mut(),
             t,
             w.cols,
             w.rows,
         )?;
+        Ok(y)
+    }
+    /// The linears `ws` of `xb` side by side, `[T, ΣN]` f32 (`Compute::linear_in_cat`): one GEMM over the matrices
+    /// where they follow each other in one buffer (`Resources::stack_rows`), else one GEMM each into its columns.
+    pub(super) fn gemm_bf16_cat(&self, xb: &CudaSlice<bf16>, t: usize, ws: &[&DMat]) -> R<CudaSlice<f32>> {
+        let Some(first) = ws.first() else {
+            return Ok(self.gpu.out::<f32>(0)?);
+        };
+        if ws.iter().any(|w| w.cols != first.cols) {
+            return Err(CudaError::Shape {
+                op: "linear_in_cat",
+                msg: format!(
+                    "matrices of {:?} columns",
+                    ws.iter().map(|w| w.cols).collect::<Vec<_>>()
+                ),
+            });
+        }
+        let ld: usize = ws.iter().map(|w| w.rows).sum();
+        let mut y = self.gpu.out::<f32>(t * ld)?;
+        if ws.windows(2).all(|p| p[0].precedes(p[1])) {
+            let all = first.w.slice(first.off..first.off + ld * first.cols);
+            gemm_bf16::gemm_bf16(&self.gpu, &xb.as_view(), &all, &mut y.as_view_mut(), t, first.cols, ld)?;
+            return Ok(y);
+        }
+        let mut at = 0;
+        for w in ws {
+            let mut yv = y.slice_mut(at..);
+            gemm_bf16::gemm_bf16_ld(&self.gpu, &xb.as_view(), &w.view(), &mut yv, t, w.cols, w.rows, ld)?;
+            at += w.rows;
+        }
         Ok(y)
     }
     pub(super) fn grow(&self, kv: &mut DKv, rows: usize) -> R<()> {
@@ -219,7 +249,7 @@ impl CudaBackend {
                 at += rows;
             }
             let mut o = self.gpu.out::<bf16>(t * hr * dv)?;
-            apply_uv(&self.gpu, &olat.as_view(), &kv_b.w.as_view(), &mut o.as_view_mut(), ad)?;
+            apply_uv(&self.gpu, &olat.as_view(), &kv_b.view(), &mut o.as_view_mut(), ad)?;
             return Ok(o);
         }
         let (wo, wml) = shapes
@@ -265,7 +295,7 @@ impl CudaBackend {
             at += ts;
         }
         let mut o = self.gpu.out::<bf16>(t * hr * dv)?;
-        apply_uv(&self.gpu, &olat.as_view(), &kv_b.w.as_view(), &mut o.as_view_mut(), ad)?;
+        apply_uv(&self.gpu, &olat.as_view(), &kv_b.view(), &mut o.as_view_mut(), ad)?;
         Ok(o)
     }
     /// The latent queries `[T, Hr, C+P]` bf16 of the `t` rows of `q` `[T, Hr·(Dn+P)]` f32: q_nope absorbed through
@@ -282,7 +312,7 @@ impl CudaBackend {
             kv_lora: c,
         };
         let mut qcat = self.gpu.out::<bf16>(t * hr * lw)?;
-        let (qv, wv) = (qb.as_view(), kv_b.w.as_view());
+        let (qv, wv) = (qb.as_view(), kv_b.view());
         if invariant {
             super::ops::mla_invariant::absorb_q_inv(&self.gpu, &qv, p, &wv, &mut qcat.as_view_mut(), ad)?;
         } else {
@@ -364,7 +394,7 @@ impl CudaBackend {
             at += ts;
         }
         let mut o = self.gpu.out::<bf16>(t * hr * dv)?;
-        inv::apply_uv_inv(&self.gpu, &olat.as_view(), &kv_b.w.as_view(), &mut o.as_view_mut(), ad)?;
+        inv::apply_uv_inv(&self.gpu, &olat.as_view(), &kv_b.view(), &mut o.as_view_mut(), ad)?;
         Ok(o)
     }
     /// [`CudaBackend::mla_segs_bf16`] of several segments some of which take the expanded form: each of those
@@ -441,8 +471,8 @@ impl CudaBackend {
             // kv_b's rows of head h: Dn of W_UK (keys), then Dv of W_UV (values).
             let w0 = h * (dn + dv) * c;
             let (wk, wv) = (
-                kv_b.w.slice(w0..w0 + dn * c),
-                kv_b.w.slice(w0 + dn * c..w0 + (dn + dv) * c),
+                kv_b.view().slice(w0..w0 + dn * c),
+                kv_b.view().slice(w0 + dn * c..w0 + (dn + dv) * c),
             );
             let ckv = ckv.as_view();
             gemm_bf16::gemm_bf16_ld(

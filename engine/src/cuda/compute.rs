@@ -9,7 +9,7 @@ use super::ops::{argmax, gemm_bf16, moe_router, round_state};
 use super::tree::DMask;
 use super::types::{DKv, DMat, DPos, DRope, DRoutes, DI4};
 use super::CudaError;
-use crate::backend::{AttnMode, Compute, MlaDims, PosOf, Resources, Router, VocabShards};
+use crate::backend::{AttnMode, Cols, Compute, MlaDims, PosOf, Resources, Router, VocabShards};
 use crate::sampling::Sampling;
 use anyhow::{bail, Result};
 use cudarc::driver::CudaSlice;
@@ -194,6 +194,38 @@ impl Compute for CudaBackend {
         self.run("linear", || self.gemm_bf16_in(x, t, w))
             .unwrap_or_else(|| self.empty())
     }
+    fn linear_in_cat(&self, x: &CudaSlice<bf16>, t: usize, ws: &[&DMat]) -> CudaSlice<f32> {
+        self.run("linear_in_cat", || self.gemm_bf16_cat(x, t, ws))
+            .unwrap_or_else(|| self.empty())
+    }
+    fn rms_norm_in_cols(
+        &self,
+        x: &CudaSlice<f32>,
+        c: Cols,
+        t: usize,
+        w: &CudaSlice<bf16>,
+        eps: f32,
+    ) -> CudaSlice<bf16> {
+        self.run("rms_norm_in", || {
+            let d = w.len();
+            if c.width != d || c.off + d > c.ld {
+                return Err(CudaError::Shape {
+                    op: "rms_norm_in",
+                    msg: format!(
+                        "a norm of {d} over columns {}..{} of rows of {}",
+                        c.off,
+                        c.off + c.width,
+                        c.ld
+                    ),
+                });
+            }
+            let mut y = self.gpu.out::<bf16>(t * d)?;
+            let xv = x.slice(c.off.min(x.len())..);
+            act_f32::rms_norm_bf16_out(&self.gpu, &xv, c.ld, &w.as_view(), &mut y.as_view_mut(), d, t, eps)?;
+            Ok(y)
+        })
+        .unwrap_or_else(|| self.empty_of::<bf16>())
+    }
     fn rms_norm(&self, x: &CudaSlice<f32>, w: &CudaSlice<bf16>, eps: f32) -> CudaSlice<f32> {
         self.run("rms_norm", || {
             let d = w.len();
@@ -229,6 +261,27 @@ impl Compute for CudaBackend {
         self.run("silu_mul_in", || {
             let mut y = self.gpu.out::<bf16>(gate.len())?;
             act_f32::silu_mul_bf16(&self.gpu, &gate.as_view(), &up.as_view(), &mut y.as_view_mut())?;
+            Ok(y)
+        })
+        .unwrap_or_else(|| self.empty_of::<bf16>())
+    }
+    fn silu_mul_in_cols(&self, x: &CudaSlice<f32>, gate: Cols, up: Cols, t: usize) -> CudaSlice<bf16> {
+        self.run("silu_mul_in", || {
+            if gate.width != up.width || gate.off + gate.width > gate.ld || up.off + up.width > up.ld {
+                return Err(CudaError::Shape {
+                    op: "silu_mul_in",
+                    msg: format!("gate {gate:?} and up {up:?}"),
+                });
+            }
+            let mut y = self.gpu.out::<bf16>(t * gate.width)?;
+            let (g, u) = (x.slice(gate.off.min(x.len())..), x.slice(up.off.min(x.len())..));
+            act_f32::silu_mul_bf16_rows(
+                &self.gpu,
+                (&g, gate.ld),
+                (&u, up.ld),
+                (t, gate.width),
+                &mut y.as_view_mut(),
+            )?;
             Ok(y)
         })
         .unwrap_or_else(|| self.empty_of::<bf16>())
@@ -287,7 +340,7 @@ impl Compute for CudaBackend {
                 gemm_bf16::gemm_bf16_ld(
                     &self.gpu,
                     &xb.as_view(),
-                    &m.w.as_view(),
+                    &m.view(),
                     &mut y.slice_mut(col..),
                     n,
                     m.cols,
@@ -343,7 +396,7 @@ impl Compute for CudaBackend {
                 gemm_bf16::gemm_bf16_ld(
                     &self.gpu,
                     &xb.as_view(),
-                    &m.w.as_view(),
+                    &m.view(),
                     &mut y.slice_mut(col..),
                     n,
                     m.cols,
@@ -383,16 +436,41 @@ impl Compute for CudaBackend {
         eps: f32,
         rope: &DRope,
     ) {
+        let w = kv.width;
+        let c = Cols {
+            ld: w,
+            off: 0,
+            width: w,
+        };
+        self.kv_append_latent_cols(kv, l, ckv, c, ckv.len() / w.max(1), norm, eps, rope)
+    }
+    fn kv_append_latent_cols(
+        &self,
+        kv: &mut DKv,
+        l: usize,
+        ckv: &CudaSlice<f32>,
+        cols: Cols,
+        t: usize,
+        norm: &CudaSlice<bf16>,
+        eps: f32,
+        rope: &DRope,
+    ) {
         self.run("kv_append_latent", || {
             let (w, c) = (kv.width, norm.len());
-            let t = ckv.len() / w;
+            if cols.width != w || cols.off + w > cols.ld {
+                return Err(CudaError::Shape {
+                    op: "kv_append_latent",
+                    msg: format!("latent rows of {w} from {cols:?}"),
+                });
+            }
             self.grow(kv, kv.committed + t)?;
             let base = l * kv.cap * w;
+            let src = ckv.slice(cols.off.min(ckv.len())..);
             if act_f32::kv_latent_rows_fit(w, c) {
                 // One launch: the bits of the four below (copy, norm, rope, store).
                 return act_f32::kv_latent_rows_bf16(
                     &self.gpu,
-                    &ckv.as_view(),
+                    (&src, cols.ld),
                     (t, w, c),
                     &norm.as_view(),
                     eps,
@@ -401,12 +479,13 @@ impl Compute for CudaBackend {
                     (&kv.pos.as_view(), kv.committed),
                 );
             }
-            // [T, C+P] f32: rms_norm of the c_kv part, k_pe copied, then RoPE on it; stored as bf16.
-            let mut rows = self.copy(ckv, 0, ckv.len())?;
+            // [T, C+P] f32: the rows copied out, rms_norm of the c_kv part, then RoPE on k_pe; stored as bf16.
+            let mut rows = self.gpu.out::<f32>(t * w)?;
+            act_f32::copy_rows_f32(&self.gpu, &src, cols.ld, &mut rows.as_view_mut(), w, t, w)?;
             act_f32::rms_norm_f32(
                 &self.gpu,
-                &ckv.as_view(),
-                w,
+                &src,
+                cols.ld,
                 &norm.as_view(),
                 &mut rows.as_view_mut(),
                 w,
@@ -586,16 +665,37 @@ impl Compute for CudaBackend {
         });
     }
     fn moe_route(&self, logits: &CudaSlice<f32>, t: usize, r: &Router, bias: Option<&CudaSlice<f32>>) -> DRoutes {
+        let c = Cols {
+            ld: r.n_experts,
+            off: 0,
+            width: r.n_experts,
+        };
+        self.moe_route_cols(logits, c, t, r, bias)
+    }
+    fn moe_route_cols(
+        &self,
+        logits: &CudaSlice<f32>,
+        cols: Cols,
+        t: usize,
+        r: &Router,
+        bias: Option<&CudaSlice<f32>>,
+    ) -> DRoutes {
         let res = self.run("moe_route", || {
+            if cols.width != r.n_experts || cols.off + cols.width > cols.ld {
+                return Err(CudaError::Shape {
+                    op: "moe_route",
+                    msg: format!("{} experts' logits from {cols:?}", r.n_experts),
+                });
+            }
             let (mut ids, mut wts) = (self.gpu.out::<i32>(t * r.top_k)?, self.gpu.out::<f32>(t * r.top_k)?);
-            let c = *r;
             let bv = bias.map(|b| b.as_view());
-            moe_router::moe_router(
+            moe_router::moe_router_ld(
                 &self.gpu,
-                &logits.as_view(),
+                &logits.slice(cols.off.min(logits.len())..),
+                cols.ld,
                 bv.as_ref(),
                 t,
-                c,
+                *r,
                 &mut ids.as_view_mut(),
                 &mut wts.as_view_mut(),
             )?;

@@ -1,14 +1,39 @@
 //! The CUDA backend's device types: the associated types of `Backend for CudaBackend` (matrices, INT4
 //! stacks, the latent KV cache, position counters, router decisions, RoPE rows, captured rounds).
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, CudaView};
 use half::bf16;
+use std::sync::Arc;
 
-/// A bf16 matrix `[rows, cols]` on the device.
+/// A bf16 matrix `[rows, cols]` on the device: elements `off .. off + rows·cols` of `w`, a buffer it may share
+/// with the matrices stacked with it by rows ([`crate::backend::Resources::stack_rows`]: one GEMM over an input
+/// they share).
 pub struct DMat {
-    pub w: CudaSlice<bf16>,
+    pub w: Arc<CudaSlice<bf16>>,
+    pub off: usize,
     pub rows: usize,
     pub cols: usize,
+}
+
+impl DMat {
+    /// A matrix that owns its buffer.
+    pub fn new(w: CudaSlice<bf16>, rows: usize, cols: usize) -> DMat {
+        DMat {
+            w: Arc::new(w),
+            off: 0,
+            rows,
+            cols,
+        }
+    }
+    /// Its `rows · cols` elements.
+    pub fn view(&self) -> CudaView<'_, bf16> {
+        self.w.slice(self.off..self.off + self.rows * self.cols)
+    }
+    /// Whether `next` starts where this matrix ends in the same buffer (same width): the two are one `[rows +
+    /// next.rows, cols]` matrix.
+    pub fn precedes(&self, next: &DMat) -> bool {
+        Arc::ptr_eq(&self.w, &next.w) && self.cols == next.cols && self.off + self.rows * self.cols == next.off
+    }
 }
 
 /// A rank's INT4 group-32 expert stack on the device (the converter's layout, unchanged).

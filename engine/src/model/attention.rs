@@ -15,7 +15,7 @@
 
 use super::weights::Weights;
 pub use crate::backend::AttnMode;
-use crate::backend::Backend;
+use crate::backend::{Backend, Cols};
 use crate::cpu::ops::MlaDims;
 
 /// One sequence's part of a forward: its latent cache, its `t` nodes (consecutive rows of the forward, in
@@ -48,35 +48,49 @@ pub fn mla<B: Backend>(
 ) -> B::Act {
     let (b, cfg) = (&w.backend, &w.cfg);
     let a0 = &w.ranks[0].layers[l].attn;
-    // Query input: normed q_a latent [T, q_lora], or x itself when q_lora_rank is None (both ready for the linears).
+    // q_a and kv_a of the one input as one linear (their matrices stacked at load): `[T, q_lora | C + P]`, or
+    // `[T, C + P]` when q_lora_rank is None (the query's input is x itself then).
+    let lw = cfg.latent_width();
+    let (ckv_all, q_cols, ckv_cols) = match &a0.q_a {
+        Some((q_a, _)) => {
+            let c = Cols::split(&[b.mat_rows(q_a), lw]);
+            (b.linear_in_cat(x, t, &[q_a, &a0.kv_a]), Some(c[0]), c[1])
+        }
+        None => (b.linear_in(x, t, &a0.kv_a), None, Cols::split(&[lw])[0]),
+    };
+    // Query input: the normed q_a latent [T, q_lora], or x (both ready for the linears).
     let q_lat;
-    let q_in = match &a0.q_a {
-        Some((q_a, q_norm)) => {
-            q_lat = b.rms_norm_in(&b.linear_in(x, t, q_a), q_norm, cfg.latent_eps);
+    let q_in = match (&a0.q_a, q_cols) {
+        (Some((_, q_norm)), Some(c)) => {
+            q_lat = b.rms_norm_in_cols(&ckv_all, c, t, q_norm, cfg.latent_eps);
             &q_lat
         }
-        None => x,
+        _ => x,
     };
     // New latent rows [T, C + P]: rms_norm(c_kv) | rope(k_pe), each segment's into its own cache.
-    let ckv = b.linear_in(x, t, &a0.kv_a); // [T, C + P]
     let rope_all = match &*segs {
         [_] => None,
         _ => Some(rope_all.expect("several segments have their stacked table")),
     };
     match (&mut *segs, rope_all) {
-        ([seg], _) => b.kv_append_latent(seg.kv, l, &ckv, &a0.kv_a_norm, cfg.latent_eps, seg.rope),
+        ([seg], _) => b.kv_append_latent_cols(
+            seg.kv,
+            l,
+            &ckv_all,
+            ckv_cols,
+            t,
+            &a0.kv_a_norm,
+            cfg.latent_eps,
+            seg.rope,
+        ),
         (many, rope) => {
             let rope = rope.expect("several segments have their stacked table");
+            let ckv = match q_cols {
+                Some(_) => b.cols(&ckv_all, ckv_cols.ld, ckv_cols.off, lw, t),
+                None => ckv_all,
+            };
             let mut parts: Vec<(&mut B::Kv, usize)> = many.iter_mut().map(|s| (&mut *s.kv, s.t)).collect();
-            b.kv_append_latent_segs(
-                &mut parts,
-                l,
-                &ckv,
-                &a0.kv_a_norm,
-                cfg.latent_eps,
-                cfg.latent_width(),
-                rope,
-            );
+            b.kv_append_latent_segs(&mut parts, l, &ckv, &a0.kv_a_norm, cfg.latent_eps, lw, rope);
         }
     }
 

@@ -486,7 +486,7 @@ fn load_rank<B: Backend>(
                 ld.mat(&format!("{a}q_proj.weight"), hr * qk, h, Some((0, k * hr * qk)))?,
             ),
         };
-        let attn = Attn {
+        let mut attn = Attn {
             q_a,
             kv_a: ld.mat(&format!("{a}kv_a_proj_with_mqa.weight"), cfg.latent_width(), h, None)?,
             kv_a_norm: ld.vector(&format!("{a}kv_a_layernorm.weight"), cfg.kv_lora)?,
@@ -505,9 +505,23 @@ fn load_rank<B: Backend>(
             )?,
             head0: k * hr,
         };
+        let stack = |what: &str, mats: &mut [&mut B::Mat]| {
+            ld.b.stack_rows(mats)
+                .with_context(|| format!("stacking {p}{what} (rank {k})"))
+        };
+        if let Attn {
+            q_a: Some((q_a, _)),
+            kv_a,
+            ..
+        } = &mut attn
+        {
+            stack("self_attn q_a_proj | kv_a_proj_with_mqa", &mut [q_a, kv_a])?;
+        }
         let mlp = format!("{p}mlp.");
         let ffn = if !cfg.moe_layers[l] {
-            Ffn::Dense(ld.mlp(&mlp, h, cfg.intermediate)?)
+            let mut d = ld.mlp(&mlp, h, cfg.intermediate)?;
+            stack("mlp gate_proj | up_proj", &mut [&mut d.gate, &mut d.up])?;
+            Ffn::Dense(d)
         } else {
             let e = cfg.n_experts;
             let bias = if topk_method == Some("noaux_tc") {
@@ -530,14 +544,21 @@ fn load_rank<B: Backend>(
             } else {
                 None
             };
-            let shared = if cfg.n_shared > 0 {
+            let mut shared = if cfg.n_shared > 0 {
                 Some(ld.mlp(&format!("{mlp}shared_experts."), h, cfg.moe_intermediate * cfg.n_shared)?)
             } else {
                 None
             };
             let (stem, mi) = (format!("{mlp}experts"), cfg.moe_intermediate);
+            let mut router = ld.mat(&format!("{mlp}gate.weight"), e, h, None)?;
+            if let Some(sh) = shared.as_mut() {
+                stack(
+                    "mlp gate | shared_experts gate_proj | up_proj",
+                    &mut [&mut router, &mut sh.gate, &mut sh.up],
+                )?;
+            }
             Ffn::Moe(Moe {
-                router: ld.mat(&format!("{mlp}gate.weight"), e, h, None)?,
+                router,
                 bias,
                 shared,
                 gate: ld.experts(&stem, "gate_proj", e, mi, h)?,

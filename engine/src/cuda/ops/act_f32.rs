@@ -68,7 +68,15 @@ pub fn silu_mul_f32(
     up: &CudaView<'_, f32>,
     out: &mut CudaViewMut<'_, f32>,
 ) -> Result<()> {
-    silu_mul_launch(gpu, ("silu_mul_f32", "kdtree_silu_mul_f32"), gate, up, out)
+    let n = gate.len();
+    silu_mul_launch(
+        gpu,
+        ("silu_mul_f32", "kdtree_silu_mul_f32"),
+        (gate, n),
+        (up, n),
+        (1, n),
+        out,
+    )
 }
 
 /// [`silu_mul_f32`] rounded once to bf16 (the bits of it followed by [`f32_to_bf16`]), in one launch.
@@ -78,28 +86,62 @@ pub fn silu_mul_bf16(
     up: &CudaView<'_, f32>,
     out: &mut CudaViewMut<'_, bf16>,
 ) -> Result<()> {
-    silu_mul_launch(gpu, ("silu_mul_bf16", "kdtree_silu_mul_f32_bf16"), gate, up, out)
+    let n = gate.len();
+    silu_mul_launch(
+        gpu,
+        ("silu_mul_bf16", "kdtree_silu_mul_f32_bf16"),
+        (gate, n),
+        (up, n),
+        (1, n),
+        out,
+    )
 }
 
-/// The SwiGLU kernel `kernel` (f32 gate and up, `O` out) over `gate.len()` elements.
+/// [`silu_mul_bf16`] of `rows` x `width` elements read from rows `ld_g` / `ld_u` apart (the gate and up blocks of
+/// a [gate | up] linear's output, each view starting at its block), `out` `[rows, width]`.
+pub fn silu_mul_bf16_rows(
+    gpu: &Gpu,
+    gate: (&CudaView<'_, f32>, usize),
+    up: (&CudaView<'_, f32>, usize),
+    (rows, width): (usize, usize),
+    out: &mut CudaViewMut<'_, bf16>,
+) -> Result<()> {
+    silu_mul_launch(
+        gpu,
+        ("silu_mul_bf16", "kdtree_silu_mul_f32_bf16"),
+        gate,
+        up,
+        (rows, width),
+        out,
+    )
+}
+
+/// The SwiGLU kernel `kernel` (f32 gate and up in rows ld apart, `O` out) over `rows` x `width` elements.
 fn silu_mul_launch<O: cudarc::driver::DeviceRepr>(
     gpu: &Gpu,
     (op, kernel): (&'static str, &'static str),
-    gate: &CudaView<'_, f32>,
-    up: &CudaView<'_, f32>,
+    (gate, ld_g): (&CudaView<'_, f32>, usize),
+    (up, ld_u): (&CudaView<'_, f32>, usize),
+    (rows, width): (usize, usize),
     out: &mut CudaViewMut<'_, O>,
 ) -> Result<()> {
-    let n = gate.len();
-    ensure(op, up.len() == n && out.len() >= n, || {
-        format!("gate {n}, up {}, out {} elements", up.len(), out.len())
+    let n = rows * width;
+    ensure(op, ld_g >= width && ld_u >= width, || {
+        format!("rows of {width} read {ld_g} / {ld_u} apart")
     })?;
+    need_len(op, "gate", gate.len(), span(rows, ld_g, width))?;
+    need_len(op, "up", up.len(), span(rows, ld_u, width))?;
+    need_len(op, "out", out.len(), n)?;
+    if rows == 1 && width == gate.len() {
+        ensure(op, up.len() == n, || format!("gate {n}, up {} elements", up.len()))?;
+    }
     if n == 0 {
         return Ok(());
     }
-    let nn = n as i64;
+    let (lg, lu, r, w) = (ld_g as i64, ld_u as i64, rows as i64, width as i64);
     let mut b = gpu.stream.launch_builder(gpu.func(kernel));
-    b.arg(gate).arg(up).arg(out).arg(&nn);
-    // SAFETY: gate and up hold n elements, out at least n.
+    b.arg(gate).arg(&lg).arg(up).arg(&lu).arg(out).arg(&r).arg(&w);
+    // SAFETY: gate and up hold `rows` rows of `width` at their strides, out rows x width (checked above).
     unsafe { b.launch(launch_cfg(grid_1d(n), 256, 0)) }.map_err(drv(op))?;
     Ok(())
 }
@@ -172,11 +214,12 @@ pub fn add_rms_norm_bf16(
 /// The latent cache rows of `t` new tokens in one launch: rows `row0[0] + i` of `dst` (`[cap, w]` bf16) =
 /// bf16(rms_norm(ckv[i, :c]) with `weight`) | bf16(interleaved RoPE of ckv[i, c..w] by the table row i), the bits of
 /// a copy of `ckv`, [`rms_norm_f32`], [`rope_table_f32`] and `round_state::store_rows` (`row0_host` is the host's
-/// copy of `row0`, for the bounds). Needs `w % 8 == 0` and `c % 4 == 0` ([`kv_latent_rows_fit`]).
+/// copy of `row0`, for the bounds). `ckv`'s rows are `ld >= w` apart (the kv_a block of a stacked linear, the view
+/// starting at it). Needs `w % 8 == 0` and `c % 4 == 0` ([`kv_latent_rows_fit`]).
 #[allow(clippy::too_many_arguments)]
 pub fn kv_latent_rows_bf16(
     gpu: &Gpu,
-    ckv: &CudaView<'_, f32>,
+    (ckv, ld): (&CudaView<'_, f32>, usize),
     (t, w, c): (usize, usize, usize),
     weight: &CudaView<'_, bf16>,
     eps: f32,
@@ -191,7 +234,8 @@ pub fn kv_latent_rows_bf16(
             weight.len()
         )
     })?;
-    need_len(OP, "ckv", ckv.len(), t * w)?;
+    ensure(OP, ld >= w, || format!("rows of {w} read {ld} apart"))?;
+    need_len(OP, "ckv", ckv.len(), span(t, ld, w))?;
     need_len(OP, "cos", cos.len(), t * (w - c) / 2)?;
     need_len(OP, "sin", sin.len(), t * (w - c) / 2)?;
     need_len(OP, "row0", row0.len(), 1)?;
@@ -200,9 +244,10 @@ pub fn kv_latent_rows_bf16(
         return Ok(());
     }
     ensure(OP, t <= 65535, || format!("{t} tokens exceed the grid limit 65535"))?;
-    let (wi, ci) = (as_i32(OP, "w", w)?, as_i32(OP, "c", c)?);
+    let (wi, ci, li) = (as_i32(OP, "w", w)?, as_i32(OP, "c", c)?, as_i32(OP, "ld", ld)?);
     let mut b = gpu.stream.launch_builder(gpu.func("kdtree_kv_latent_rows_bf16"));
     b.arg(ckv)
+        .arg(&li)
         .arg(&wi)
         .arg(&ci)
         .arg(weight)
@@ -211,7 +256,7 @@ pub fn kv_latent_rows_bf16(
         .arg(sin)
         .arg(dst)
         .arg(row0);
-    // SAFETY: ckv holds t rows of w, the tables t rows of (w - c) / 2, dst row0 + t rows of w (against the host
+    // SAFETY: ckv holds t rows of w, ld apart, the tables t rows of (w - c) / 2, dst row0 + t rows of w (against the host
     // mirror of row0, checked); the norm's threads as rms_norm_f32 takes them.
     unsafe { b.launch(launch_cfg((t as u32, 1, 1), norm_threads(c), 0)) }.map_err(drv(OP))?;
     Ok(())

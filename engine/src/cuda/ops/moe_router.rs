@@ -25,7 +25,31 @@ pub fn moe_router(
     ids: &mut CudaViewMut<'_, i32>,
     weights: &mut CudaViewMut<'_, f32>,
 ) -> Result<()> {
-    route(gpu, logits, bias, tokens, c, ids, weights, c.n_group == 1)
+    route(
+        gpu,
+        (logits, c.n_experts),
+        bias,
+        tokens,
+        c,
+        ids,
+        weights,
+        c.n_group == 1,
+    )
+}
+
+/// [`moe_router`] of logits in rows `ld >= n_experts` apart (the router's block of a stacked linear).
+#[allow(clippy::too_many_arguments)]
+pub fn moe_router_ld(
+    gpu: &Gpu,
+    logits: &CudaView<'_, f32>,
+    ld: usize,
+    bias: Option<&CudaView<'_, f32>>,
+    tokens: usize,
+    c: RouterCfg,
+    ids: &mut CudaViewMut<'_, i32>,
+    weights: &mut CudaViewMut<'_, f32>,
+) -> Result<()> {
+    route(gpu, (logits, ld), bias, tokens, c, ids, weights, c.n_group == 1)
 }
 
 /// [`moe_router`] in its one-block-a-token form whatever the groups (the tests compare the two forms).
@@ -38,13 +62,13 @@ pub fn moe_router_block(
     ids: &mut CudaViewMut<'_, i32>,
     weights: &mut CudaViewMut<'_, f32>,
 ) -> Result<()> {
-    route(gpu, logits, bias, tokens, c, ids, weights, false)
+    route(gpu, (logits, c.n_experts), bias, tokens, c, ids, weights, false)
 }
 
 #[allow(clippy::too_many_arguments)]
 fn route(
     gpu: &Gpu,
-    logits: &CudaView<'_, f32>,
+    (logits, ld): (&CudaView<'_, f32>, usize),
     bias: Option<&CudaView<'_, f32>>,
     tokens: usize,
     c: RouterCfg,
@@ -75,7 +99,15 @@ fn route(
             c.topk_group
         )
     })?;
-    need_len(OP, "logits", logits.len(), tokens * e)?;
+    ensure(OP, ld >= e, || {
+        format!("logit rows {ld} apart hold fewer than n_experts={e}")
+    })?;
+    need_len(
+        OP,
+        "logits",
+        logits.len(),
+        if tokens == 0 { 0 } else { (tokens - 1) * ld + e },
+    )?;
     need_len(OP, "ids", ids.len(), tokens * c.top_k)?;
     need_len(OP, "weights", weights.len(), tokens * c.top_k)?;
     if let Some(b) = bias {
@@ -96,7 +128,7 @@ fn route(
         as_i32(OP, "top_k", c.top_k)?,
     );
     let norm = c.norm_topk_prob as i32;
-    let null: u64 = 0;
+    let (null, ld) = (0u64, ld as i64);
     if warp {
         let name = match e {
             0..=128 => "kdtree_moe_router_warp4_f32",
@@ -105,7 +137,7 @@ fn route(
         };
         let t = as_i32(OP, "tokens", tokens)?;
         let mut b = gpu.stream.launch_builder(gpu.func(name));
-        b.arg(logits);
+        b.arg(logits).arg(&ld);
         match bias {
             Some(v) => b.arg(v),
             None => b.arg(&null),
@@ -123,7 +155,7 @@ fn route(
         return Ok(());
     }
     let mut b = gpu.stream.launch_builder(gpu.func("kdtree_moe_router_f32"));
-    b.arg(logits);
+    b.arg(logits).arg(&ld);
     match bias {
         Some(v) => b.arg(v),
         None => b.arg(&null),

@@ -7,7 +7,7 @@
 //! 64 KB on the H200), so one tensor hashes at tens of GB/s; a load check of a whole model adds a few
 //! percent to its load time.
 
-use cudarc::driver::{CudaSlice, CudaView, DeviceRepr, PushKernelArg};
+use cudarc::driver::{CudaView, DeviceRepr, PushKernelArg};
 
 use super::launch_cfg;
 use crate::cuda::{drv, Gpu, Result};
@@ -59,8 +59,8 @@ pub fn xxh3_64(gpu: &Gpu, data: &CudaView<'_, u8>) -> Result<u64> {
     Ok(gpu.download(&out)?[0])
 }
 
-/// [`xxh3_64`] of every byte of a typed device buffer.
-pub fn xxh3_of<T: DeviceRepr>(gpu: &Gpu, buf: &CudaSlice<T>) -> Result<u64> {
+/// [`xxh3_64`] of every byte of a typed device buffer (or view of one).
+pub fn xxh3_of<T: DeviceRepr>(gpu: &Gpu, buf: &CudaView<'_, T>) -> Result<u64> {
     let n = buf.len() * std::mem::size_of::<T>();
     // SAFETY: any bytes are valid u8; the view covers exactly the buffer's n bytes.
     let view = unsafe { buf.transmute::<u8>(n) }.expect("a buffer of n bytes");
