@@ -1425,8 +1425,15 @@ fn strided_blocks_give_the_contiguous_bits() {
             let (wide, ckv) = embed(&mut r, t, ld, lead, w, -3.0, 3.0);
             let weight = rand_bf16(&mut r, c, 0.5, 1.5);
             let half = (w - c) / 2;
-            let (cos, sin) = (rand_f32(&mut r, t * half, -1.0, 1.0), rand_f32(&mut r, t * half, -1.0, 1.0));
-            let (dwide, dckv, dw) = (g.upload(&wide).unwrap(), g.upload(&ckv).unwrap(), g.upload(&weight).unwrap());
+            let (cos, sin) = (
+                rand_f32(&mut r, t * half, -1.0, 1.0),
+                rand_f32(&mut r, t * half, -1.0, 1.0),
+            );
+            let (dwide, dckv, dw) = (
+                g.upload(&wide).unwrap(),
+                g.upload(&ckv).unwrap(),
+                g.upload(&weight).unwrap(),
+            );
             let (dcos, dsin, dpos) = (
                 g.upload(&cos).unwrap(),
                 g.upload(&sin).unwrap(),

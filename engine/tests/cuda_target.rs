@@ -403,8 +403,16 @@ fn stacked_linears_match_the_cpu_and_their_blocks() {
                 half: 1.0 / (k as f32).sqrt(),
             })
             .collect();
-        let host: Vec<Vec<half::bf16>> = rows.iter().zip(&fills).map(|(&r, f)| fill_bf16(r * k, f).unwrap()).collect();
-        let mut mats: Vec<_> = rows.iter().zip(&fills).map(|(&r, f)| b.fill_bf16(r, k, f).unwrap()).collect();
+        let host: Vec<Vec<half::bf16>> = rows
+            .iter()
+            .zip(&fills)
+            .map(|(&r, f)| fill_bf16(r * k, f).unwrap())
+            .collect();
+        let mut mats: Vec<_> = rows
+            .iter()
+            .zip(&fills)
+            .map(|(&r, f)| b.fill_bf16(r, k, f).unwrap())
+            .collect();
         let ld: usize = rows.iter().sum();
         let blocks = Cols::split(&rows);
         let run = |mats: &[&_], label: &str| {
@@ -431,7 +439,11 @@ fn stacked_linears_match_the_cpu_and_their_blocks() {
         b.stack_rows(&mut mats.iter_mut().collect::<Vec<_>>()).unwrap();
         assert!(mats.windows(2).all(|p| p[0].precedes(&p[1])), "{set}: not stacked");
         for (i, (m, h)) in mats.iter().zip(&host).enumerate() {
-            assert_eq!(&g.stream.clone_dtoh(&m.view()).unwrap(), h, "{set}: matrix {i} changed when stacked");
+            assert_eq!(
+                &g.stream.clone_dtoh(&m.view()).unwrap(),
+                h,
+                "{set}: matrix {i} changed when stacked"
+            );
         }
         run(&mats.iter().collect::<Vec<_>>(), "stacked");
         // The block readers against the op on the block copied out, bit for bit.
@@ -444,11 +456,19 @@ fn stacked_linears_match_the_cpu_and_their_blocks() {
             let w = g.upload(&fill_bf16(rows[0], &fills[0]).unwrap()).unwrap();
             let got = b.rms_norm_in_cols(&y, blocks[0], t, &w, 1e-6);
             let want = b.rms_norm_in(&block(blocks[0]), &w, 1e-6);
-            assert_eq!(bits(g.download(&got).unwrap()), bits(g.download(&want).unwrap()), "rms_norm_in_cols");
+            assert_eq!(
+                bits(g.download(&got).unwrap()),
+                bits(g.download(&want).unwrap()),
+                "rms_norm_in_cols"
+            );
         } else {
             let got = b.silu_mul_in_cols(&y, blocks[1], blocks[2], t);
             let want = b.silu_mul_in(&block(blocks[1]), &block(blocks[2]));
-            assert_eq!(bits(g.download(&got).unwrap()), bits(g.download(&want).unwrap()), "silu_mul_in_cols");
+            assert_eq!(
+                bits(g.download(&got).unwrap()),
+                bits(g.download(&want).unwrap()),
+                "silu_mul_in_cols"
+            );
             let rc = Router {
                 n_experts: 384,
                 n_group: 1,

@@ -68,7 +68,7 @@ impl CudaBackend {
     /// where they follow each other in one buffer (`Resources::stack_rows`), else one GEMM each into its columns.
     pub(super) fn gemm_bf16_cat(&self, xb: &CudaSlice<bf16>, t: usize, ws: &[&DMat]) -> R<CudaSlice<f32>> {
         let Some(first) = ws.first() else {
-            return Ok(self.gpu.out::<f32>(0)?);
+            return self.gpu.out::<f32>(0);
         };
         if ws.iter().any(|w| w.cols != first.cols) {
             return Err(CudaError::Shape {

@@ -256,8 +256,8 @@ pub fn kv_latent_rows_bf16(
         .arg(sin)
         .arg(dst)
         .arg(row0);
-    // SAFETY: ckv holds t rows of w, ld apart, the tables t rows of (w - c) / 2, dst row0 + t rows of w (against the host
-    // mirror of row0, checked); the norm's threads as rms_norm_f32 takes them.
+    // SAFETY: ckv holds t rows of w, ld apart, the tables t rows of (w - c) / 2, dst row0 + t rows of w (against the
+    // host mirror of row0, checked); the norm's threads as rms_norm_f32 takes them.
     unsafe { b.launch(launch_cfg((t as u32, 1, 1), norm_threads(c), 0)) }.map_err(drv(OP))?;
     Ok(())
 }
